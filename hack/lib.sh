@@ -1,0 +1,67 @@
+# Shared helpers for the hack/ scripts. Source it; besides defining functions
+# and the CRAB_* path variables below it only creates CRAB_HOME (so that the
+# path can be made absolute).
+#
+# Every path here derives from CRAB_HOME (default: <repo>/.crab) so that two
+# checkouts, or a checkout and a system containerd, never share state.
+
+CRAB_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
+CRAB_HOME=${CRAB_HOME:-$CRAB_REPO/.crab}
+mkdir -p "$CRAB_HOME"
+CRAB_HOME=$(cd "$CRAB_HOME" && pwd -P)
+export CRAB_HOME
+
+CRAB_CONTAINERD_DIR=$CRAB_HOME/containerd
+CRAB_CONTAINERD_ROOT=$CRAB_CONTAINERD_DIR/root
+CRAB_CONTAINERD_CONFIG=$CRAB_CONTAINERD_DIR/config.toml
+CRAB_CONTAINERD_LOG=$CRAB_CONTAINERD_DIR/containerd.log
+CRAB_RUN_DIR=$CRAB_HOME/run
+CRAB_CONTAINERD_STATE=$CRAB_RUN_DIR/state
+CRAB_CONTAINERD_PIDFILE=$CRAB_RUN_DIR/containerd.pid
+CRAB_IMAGES_DIR=$CRAB_HOME/images
+CRAB_BIN_DIR=$CRAB_HOME/bin
+
+# Namespaces the private containerd serves for tests and the demo.
+CRAB_NAMESPACES=(crab-test crab-demo)
+
+CRAB_BUSYBOX_IMAGE=localhost/crab/busybox:latest
+CRAB_AGENT_IMAGE=localhost/crab/agent:latest
+
+log() { printf '%s: %s\n' "${CRAB_LOG_PREFIX:-crab}" "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+# The socket path. A unix socket path must fit in sun_path (108 bytes incl. the
+# NUL), and containerd derives longer ones from it (the ".ttrpc" socket), so a
+# deep CRAB_HOME falls back to a short directory under /run named after a hash
+# of CRAB_HOME: stable across calls, distinct per checkout.
+crab_socket_dir() {
+  local dir=$CRAB_RUN_DIR longest=$CRAB_RUN_DIR/containerd.sock.ttrpc
+  if (( ${#longest} >= 104 )); then
+    dir=/run/crab-$(printf '%s' "$CRAB_HOME" | sha256sum | cut -c1-12)
+  fi
+  printf '%s\n' "$dir"
+}
+CRAB_SOCKET_DIR=$(crab_socket_dir)
+CRAB_CONTAINERD_ADDRESS=$CRAB_SOCKET_DIR/containerd.sock
+
+crab_ctr() { ctr --address "$CRAB_CONTAINERD_ADDRESS" "$@"; }
+
+# True when the private containerd answers on its socket.
+crab_containerd_answers() {
+  [[ -S $CRAB_CONTAINERD_ADDRESS ]] &&
+    timeout 5 ctr --address "$CRAB_CONTAINERD_ADDRESS" version >/dev/null 2>&1
+}
+
+# Mount points at or below each given directory, deepest first, so they can be
+# unmounted in order. mountinfo escapes space, tab, newline and backslash as
+# octal; printf %b turns them back.
+crab_mounts_under() {
+  local dir m
+  for dir in "$@"; do
+    [[ -n $dir ]] || continue
+    while read -r m; do
+      m=$(printf '%b' "$m")
+      [[ $m == "$dir" || $m == "$dir"/* ]] && printf '%s\n' "$m"
+    done < <(awk '{print $5}' /proc/self/mountinfo)
+  done | awk '{print length($0) "\t" $0}' | sort -rn | cut -f2- | uniq
+}
