@@ -1,0 +1,750 @@
+use std::ffi::OsStr;
+use std::fmt;
+use std::fs;
+use std::io;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use log::LevelFilter;
+use serde::de::{Error as _, Unexpected};
+use serde::{Deserialize, Deserializer};
+
+use crate::error::{ConfigError, Location};
+
+/// Where the shim looks for its config when containerd passes none.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/crab/config.toml";
+
+/// crab's configuration: one TOML file, every key optional.
+///
+/// Values are validated while parsing, so a `Config` that came out of
+/// [`Config::from_toml_str`] or [`Config::load`] is valid.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default, expecting = "a table of crab settings")]
+pub struct Config {
+    pub runc: RuncConfig,
+    pub store: StoreConfig,
+    pub log: LogConfig,
+    pub checkpoint: CheckpointConfig,
+}
+
+/// How crab runs runc.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default, expecting = "the [runc] table")]
+pub struct RuncConfig {
+    /// A command name looked up on `PATH` (see [`Config::resolve_runc_binary`])
+    /// or an absolute path. Default `runc`.
+    #[serde(deserialize_with = "command_or_absolute_path")]
+    pub binary: PathBuf,
+    /// runc's state directory (`runc --root`). Default `/run/containerd/runc`.
+    #[serde(deserialize_with = "absolute_path")]
+    pub root: PathBuf,
+    /// Let systemd manage the container cgroups (`runc --systemd-cgroup`).
+    pub systemd_cgroup: bool,
+    /// CRIU binary for checkpoint/restore (`runc --criu`); `None` lets runc
+    /// find `criu` on its `PATH`.
+    #[serde(deserialize_with = "some_absolute_path")]
+    pub criu: Option<PathBuf>,
+}
+
+impl Default for RuncConfig {
+    fn default() -> Self {
+        RuncConfig {
+            binary: PathBuf::from("runc"),
+            root: PathBuf::from("/run/containerd/runc"),
+            systemd_cgroup: false,
+            criu: None,
+        }
+    }
+}
+
+/// Where crab keeps its on-disk state (checkpoint store).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default, expecting = "the [store] table")]
+pub struct StoreConfig {
+    /// Default `/var/lib/crab`.
+    #[serde(deserialize_with = "absolute_path")]
+    pub state_dir: PathBuf,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            state_dir: PathBuf::from("/var/lib/crab"),
+        }
+    }
+}
+
+/// The shim's own logging.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default, expecting = "the [log] table")]
+pub struct LogConfig {
+    /// One of `error`, `warn`, `info`, `debug`, `trace`. Default `info`.
+    #[serde(deserialize_with = "level_filter")]
+    pub level: LevelFilter,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            level: LevelFilter::Info,
+        }
+    }
+}
+
+/// Turn-end checkpointing.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default, expecting = "the [checkpoint] table")]
+pub struct CheckpointConfig {
+    /// Take checkpoints at turn ends. Default `true`; `false` makes crab
+    /// behave like a plain runc shim.
+    pub enabled: bool,
+    /// Retention: keep the newest N checkpoints of a sandbox (N >= 1);
+    /// `None` keeps all. Accepted and validated now, enforced by the store
+    /// once retention lands.
+    #[serde(deserialize_with = "some_positive_u32")]
+    pub keep_last: Option<u32>,
+    /// Retention: additionally keep every Nth checkpoint (N >= 1) beyond
+    /// `keep_last`; `None` keeps none of the older ones. Accepted and
+    /// validated now, enforced by the store once retention lands.
+    #[serde(deserialize_with = "some_positive_u32")]
+    pub keep_every: Option<u32>,
+    /// How long the next action may wait for the previous turn's checkpoint
+    /// to become durable, in milliseconds (1 ..= 3_600_000). Default 30000.
+    #[serde(deserialize_with = "action_wait_timeout_ms")]
+    pub action_wait_timeout_ms: u64,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig {
+            enabled: true,
+            keep_last: None,
+            keep_every: None,
+            action_wait_timeout_ms: 30_000,
+        }
+    }
+}
+
+/// Where a loaded [`Config`] came from, for the shim's startup log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConfigSource {
+    File(PathBuf),
+    BuiltinDefaults,
+}
+
+impl fmt::Display for ConfigSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigSource::File(path) => write!(f, "{}", path.display()),
+            ConfigSource::BuiltinDefaults => f.write_str("built-in defaults"),
+        }
+    }
+}
+
+impl Config {
+    /// Parses and validates TOML. `origin` only labels errors: the file the
+    /// text came from, or something like `runtime options config_body` for
+    /// inline TOML.
+    pub fn from_toml_str(s: &str, origin: &Path) -> Result<Config, ConfigError> {
+        serde_path_to_error::deserialize(toml::Deserializer::new(s)).map_err(|err| {
+            // serde_path_to_error renders the document root as ".".
+            let key = Some(err.path().to_string()).filter(|k| k != ".");
+            let err = err.into_inner();
+            ConfigError::Invalid {
+                origin: origin.to_path_buf(),
+                key,
+                location: err.span().map(|span| Location::from_offset(s, span.start)),
+                // toml splits syntax errors over lines; keep ours on one.
+                message: err.message().trim_end().replace('\n', ": "),
+            }
+        })
+    }
+
+    /// Reads and validates the config file at `path`; a missing file is an error.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::from_toml_str(&text, path)
+    }
+
+    /// The shim's lookup: the `explicit` path (from containerd's runtime
+    /// options) must exist; without one, [`DEFAULT_CONFIG_PATH`] is used if it
+    /// exists, else the built-in defaults.
+    pub fn load_or_default(explicit: Option<&Path>) -> Result<(Config, ConfigSource), ConfigError> {
+        load_or_default_from(explicit, Path::new(DEFAULT_CONFIG_PATH))
+    }
+
+    /// Finds the runc executable: `runc.binary` itself if absolute, else the
+    /// first executable file of that name in the directories of `PATH`.
+    pub fn resolve_runc_binary(&self) -> Result<PathBuf, ConfigError> {
+        resolve_executable(&self.runc.binary, std::env::var_os("PATH").as_deref())
+    }
+}
+
+fn load_or_default_from(
+    explicit: Option<&Path>,
+    default_path: &Path,
+) -> Result<(Config, ConfigSource), ConfigError> {
+    if let Some(path) = explicit {
+        return Ok((Config::load(path)?, ConfigSource::File(path.to_path_buf())));
+    }
+    match fs::read_to_string(default_path) {
+        Ok(text) => Ok((
+            Config::from_toml_str(&text, default_path)?,
+            ConfigSource::File(default_path.to_path_buf()),
+        )),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => {
+            Ok((Config::default(), ConfigSource::BuiltinDefaults))
+        }
+        // A config that exists but cannot be read must not be silently ignored.
+        Err(source) => Err(ConfigError::Read {
+            path: default_path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+fn resolve_executable(binary: &Path, path_var: Option<&OsStr>) -> Result<PathBuf, ConfigError> {
+    let not_found = |reason: String| ConfigError::RuncBinaryNotFound {
+        binary: binary.to_path_buf(),
+        reason,
+    };
+    if binary.is_absolute() {
+        return match fs::metadata(binary) {
+            Ok(meta) if is_executable(&meta) => Ok(binary.to_path_buf()),
+            Ok(_) => Err(not_found("not an executable file".into())),
+            Err(err) => Err(not_found(err.to_string())),
+        };
+    }
+    let Some(path_var) = path_var else {
+        return Err(not_found("PATH is not set".into()));
+    };
+    std::env::split_paths(path_var)
+        // An empty or relative PATH entry would resolve against the shim's
+        // working directory (the bundle), never where runc lives.
+        .filter(|dir| dir.is_absolute())
+        .map(|dir| dir.join(binary))
+        .find(|candidate| fs::metadata(candidate).is_ok_and(|meta| is_executable(&meta)))
+        .ok_or_else(|| {
+            not_found(format!(
+                "no executable file of that name in PATH ({})",
+                path_var.to_string_lossy()
+            ))
+        })
+}
+
+fn is_executable(meta: &fs::Metadata) -> bool {
+    meta.is_file() && meta.permissions().mode() & 0o111 != 0
+}
+
+fn absolute_path<'de, D: Deserializer<'de>>(d: D) -> Result<PathBuf, D::Error> {
+    let path = PathBuf::deserialize(d)?;
+    if path.is_absolute() {
+        Ok(path)
+    } else {
+        Err(D::Error::invalid_value(
+            Unexpected::Str(&path.to_string_lossy()),
+            &"an absolute path",
+        ))
+    }
+}
+
+fn some_absolute_path<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PathBuf>, D::Error> {
+    absolute_path(d).map(Some)
+}
+
+fn command_or_absolute_path<'de, D: Deserializer<'de>>(d: D) -> Result<PathBuf, D::Error> {
+    let path = PathBuf::deserialize(d)?;
+    let is_command_name = !path.as_os_str().is_empty()
+        && path.components().count() == 1
+        && path.file_name().is_some();
+    if path.is_absolute() || is_command_name {
+        Ok(path)
+    } else {
+        Err(D::Error::invalid_value(
+            Unexpected::Str(&path.to_string_lossy()),
+            &"a command name (looked up on PATH) or an absolute path",
+        ))
+    }
+}
+
+const LEVELS: [(&str, LevelFilter); 5] = [
+    ("error", LevelFilter::Error),
+    ("warn", LevelFilter::Warn),
+    ("info", LevelFilter::Info),
+    ("debug", LevelFilter::Debug),
+    ("trace", LevelFilter::Trace),
+];
+
+fn level_filter<'de, D: Deserializer<'de>>(d: D) -> Result<LevelFilter, D::Error> {
+    let name = String::deserialize(d)?;
+    LEVELS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, level)| *level)
+        .ok_or_else(|| {
+            D::Error::invalid_value(
+                Unexpected::Str(&name),
+                &"one of `error`, `warn`, `info`, `debug`, `trace`",
+            )
+        })
+}
+
+fn some_positive_u32<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+    match u32::deserialize(d)? {
+        0 => Err(D::Error::invalid_value(
+            Unexpected::Unsigned(0),
+            &"an integer from 1 to 4294967295",
+        )),
+        n => Ok(Some(n)),
+    }
+}
+
+fn action_wait_timeout_ms<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    const RANGE: std::ops::RangeInclusive<u64> = 1..=3_600_000;
+    let ms = u64::deserialize(d)?;
+    if RANGE.contains(&ms) {
+        Ok(ms)
+    } else {
+        Err(D::Error::invalid_value(
+            Unexpected::Unsigned(ms),
+            &"milliseconds from 1 to 3600000 (one hour)",
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<Config, ConfigError> {
+        Config::from_toml_str(s, Path::new("/etc/crab/test.toml"))
+    }
+
+    fn parse_err(s: &str) -> (String, Option<String>, Option<Location>) {
+        match parse(s) {
+            Err(err @ ConfigError::Invalid { .. }) => {
+                let msg = err.to_string();
+                let ConfigError::Invalid { key, location, .. } = err else {
+                    unreachable!()
+                };
+                (msg, key, location)
+            }
+            other => panic!("expected ConfigError::Invalid for {s:?}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults() {
+        let c = Config::default();
+        assert_eq!(c.runc.binary, Path::new("runc"));
+        assert_eq!(c.runc.root, Path::new("/run/containerd/runc"));
+        assert!(!c.runc.systemd_cgroup);
+        assert_eq!(c.runc.criu, None);
+        assert_eq!(c.store.state_dir, Path::new("/var/lib/crab"));
+        assert_eq!(c.log.level, LevelFilter::Info);
+        assert!(c.checkpoint.enabled);
+        assert_eq!(c.checkpoint.keep_last, None);
+        assert_eq!(c.checkpoint.keep_every, None);
+        assert_eq!(c.checkpoint.action_wait_timeout_ms, 30_000);
+    }
+
+    #[test]
+    fn example_config_parses_to_the_defaults() {
+        // examples/crab.toml documents the defaults; keep the two in step.
+        let c = parse(include_str!("../examples/crab.toml")).unwrap();
+        assert_eq!(c, Config::default());
+        // The commented-out keys are valid once uncommented.
+        let uncommented = include_str!("../examples/crab.toml")
+            .lines()
+            .map(|l| {
+                l.strip_prefix("# ")
+                    .filter(|rest| {
+                        rest.split_once(" = ").is_some_and(|(k, _)| {
+                            k.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+                        })
+                    })
+                    .unwrap_or(l)
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        let c = parse(&uncommented).unwrap();
+        assert_eq!(c.runc.criu.as_deref(), Some(Path::new("/usr/sbin/criu")));
+        assert_eq!(
+            (c.checkpoint.keep_last, c.checkpoint.keep_every),
+            (Some(20), Some(10))
+        );
+    }
+
+    #[test]
+    fn example_containerd_config_registers_the_crab_handler() {
+        let doc: toml::Table =
+            toml::from_str(include_str!("../examples/containerd-config.toml")).unwrap();
+        let crab =
+            &doc["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["crab"];
+        assert_eq!(doc["version"].as_integer(), Some(3));
+        assert_eq!(crab["runtime_type"].as_str(), Some("io.containerd.crab.v1"));
+        assert_eq!(
+            crab["options"]["ConfigPath"].as_str(),
+            Some(DEFAULT_CONFIG_PATH)
+        );
+    }
+
+    #[test]
+    fn empty_document_and_empty_tables_give_defaults() {
+        assert_eq!(parse("").unwrap(), Config::default());
+        assert_eq!(
+            parse("[runc]\n[store]\n[log]\n[checkpoint]\n").unwrap(),
+            Config::default()
+        );
+    }
+
+    #[test]
+    fn full_document_parses() {
+        let c = parse(
+            r#"
+            [runc]
+            binary = "/usr/local/sbin/runc"
+            root = "/run/crab/runc"
+            systemd_cgroup = true
+            criu = "/usr/sbin/criu"
+
+            [store]
+            state_dir = "/srv/crab"
+
+            [log]
+            level = "trace"
+
+            [checkpoint]
+            enabled = false
+            keep_last = 10
+            keep_every = 5
+            action_wait_timeout_ms = 1500
+            "#,
+        )
+        .unwrap();
+        assert_eq!(
+            c,
+            Config {
+                runc: RuncConfig {
+                    binary: "/usr/local/sbin/runc".into(),
+                    root: "/run/crab/runc".into(),
+                    systemd_cgroup: true,
+                    criu: Some("/usr/sbin/criu".into()),
+                },
+                store: StoreConfig {
+                    state_dir: "/srv/crab".into()
+                },
+                log: LogConfig {
+                    level: LevelFilter::Trace
+                },
+                checkpoint: CheckpointConfig {
+                    enabled: false,
+                    keep_last: Some(10),
+                    keep_every: Some(5),
+                    action_wait_timeout_ms: 1500,
+                },
+            }
+        );
+    }
+
+    #[test]
+    fn dotted_keys_work_like_tables() {
+        let c = parse("runc.systemd_cgroup = true\nlog.level = \"debug\"\n").unwrap();
+        assert!(c.runc.systemd_cgroup);
+        assert_eq!(c.log.level, LevelFilter::Debug);
+    }
+
+    #[test]
+    fn unknown_top_level_key_is_named() {
+        let (msg, key, location) = parse_err("[store]\nstate_dir = \"/x\"\n\n[runtime]\nfoo = 1\n");
+        assert_eq!(key.as_deref(), Some("runtime"));
+        assert_eq!(location, Some(Location { line: 4, column: 2 }));
+        assert_eq!(
+            msg,
+            "invalid crab config /etc/crab/test.toml:4:2: key `runtime`: unknown field `runtime`, \
+             expected one of `runc`, `store`, `log`, `checkpoint`"
+        );
+    }
+
+    #[test]
+    fn unknown_nested_key_is_named() {
+        let (msg, key, location) = parse_err("[runc]\nbinary = \"runc\"\nsystemd_cgroups = true\n");
+        assert_eq!(key.as_deref(), Some("runc.systemd_cgroups"));
+        assert_eq!(location, Some(Location { line: 3, column: 1 }));
+        assert!(
+            msg.starts_with(
+                "invalid crab config /etc/crab/test.toml:3:1: key `runc.systemd_cgroups`: \
+                 unknown field `systemd_cgroups`, expected one of `binary`, `root`, `systemd_cgroup`, `criu`"
+            ),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn wrong_type_names_the_key() {
+        let (msg, key, location) = parse_err("[runc]\nsystemd_cgroup = \"yes\"\n");
+        assert_eq!(key.as_deref(), Some("runc.systemd_cgroup"));
+        assert_eq!(
+            location,
+            Some(Location {
+                line: 2,
+                column: 18
+            })
+        );
+        assert_eq!(
+            msg,
+            "invalid crab config /etc/crab/test.toml:2:18: key `runc.systemd_cgroup`: \
+             invalid type: string \"yes\", expected a boolean"
+        );
+
+        let (msg, key, _) = parse_err("log = \"debug\"\n");
+        assert_eq!(key.as_deref(), Some("log"));
+        assert!(
+            msg.ends_with("invalid type: string \"debug\", expected the [log] table"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn relative_state_dir_is_rejected() {
+        let (msg, key, location) = parse_err("[store]\nstate_dir = \"var/lib/crab\"\n");
+        assert_eq!(key.as_deref(), Some("store.state_dir"));
+        assert_eq!(
+            location,
+            Some(Location {
+                line: 2,
+                column: 13
+            })
+        );
+        assert_eq!(
+            msg,
+            "invalid crab config /etc/crab/test.toml:2:13: key `store.state_dir`: \
+             invalid value: string \"var/lib/crab\", expected an absolute path"
+        );
+    }
+
+    #[test]
+    fn other_paths_are_validated() {
+        for (doc, key) in [
+            ("runc.root = \"run/runc\"", "runc.root"),
+            ("runc.criu = \"criu\"", "runc.criu"),
+            ("runc.binary = \"bin/runc\"", "runc.binary"),
+            ("runc.binary = \"./runc\"", "runc.binary"),
+            ("runc.binary = \"\"", "runc.binary"),
+            ("store.state_dir = \"\"", "store.state_dir"),
+        ] {
+            let (msg, got, _) = parse_err(doc);
+            assert_eq!(got.as_deref(), Some(key), "{doc}: {msg}");
+        }
+        assert_eq!(
+            parse("runc.binary = \"crun\"").unwrap().runc.binary,
+            Path::new("crun")
+        );
+    }
+
+    #[test]
+    fn bad_log_level_is_rejected() {
+        let (msg, key, _) = parse_err("[log]\nlevel = \"verbose\"\n");
+        assert_eq!(key.as_deref(), Some("log.level"));
+        assert!(
+            msg.ends_with(
+                "key `log.level`: invalid value: string \"verbose\", \
+                 expected one of `error`, `warn`, `info`, `debug`, `trace`"
+            ),
+            "{msg}"
+        );
+        for bad in ["off", "INFO", ""] {
+            let (_, key, _) = parse_err(&format!("log.level = {bad:?}"));
+            assert_eq!(key.as_deref(), Some("log.level"), "{bad}");
+        }
+        for (name, level) in LEVELS {
+            assert_eq!(
+                parse(&format!("log.level = {name:?}")).unwrap().log.level,
+                level
+            );
+        }
+    }
+
+    #[test]
+    fn numbers_out_of_range_are_rejected() {
+        for (doc, key) in [
+            ("checkpoint.keep_last = 0", "checkpoint.keep_last"),
+            ("checkpoint.keep_last = -1", "checkpoint.keep_last"),
+            ("checkpoint.keep_every = 0", "checkpoint.keep_every"),
+            (
+                "checkpoint.keep_every = 4294967296",
+                "checkpoint.keep_every",
+            ),
+            (
+                "checkpoint.action_wait_timeout_ms = 0",
+                "checkpoint.action_wait_timeout_ms",
+            ),
+            (
+                "checkpoint.action_wait_timeout_ms = 3600001",
+                "checkpoint.action_wait_timeout_ms",
+            ),
+            (
+                "checkpoint.action_wait_timeout_ms = 1.5",
+                "checkpoint.action_wait_timeout_ms",
+            ),
+        ] {
+            let (msg, got, location) = parse_err(doc);
+            assert_eq!(got.as_deref(), Some(key), "{doc}: {msg}");
+            assert!(location.is_some(), "{doc}: {msg}");
+        }
+        let c =
+            parse("checkpoint.keep_last = 1\ncheckpoint.action_wait_timeout_ms = 3600000").unwrap();
+        assert_eq!(c.checkpoint.keep_last, Some(1));
+        assert_eq!(c.checkpoint.action_wait_timeout_ms, 3_600_000);
+    }
+
+    #[test]
+    fn syntax_error_has_location_but_no_key() {
+        let (msg, key, location) = parse_err("[runc]\nbinary = \n");
+        assert_eq!(key, None);
+        assert_eq!(location.map(|l| l.line), Some(2));
+        assert!(
+            msg.starts_with("invalid crab config /etc/crab/test.toml:2:"),
+            "{msg}"
+        );
+        assert!(!msg.contains('\n'), "{msg}");
+
+        let (msg, key, _) = parse_err("[runc]\n[runc]\n");
+        assert_eq!(key, None);
+        assert!(msg.contains("duplicate key `runc`"), "{msg}");
+    }
+
+    #[test]
+    fn missing_file_names_the_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nope.toml");
+        let err = Config::load(&path).unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::Read { path: p, source } if *p == path && source.kind() == io::ErrorKind::NotFound),
+            "{err:?}"
+        );
+        assert!(err
+            .to_string()
+            .starts_with(&format!("cannot read crab config {}: ", path.display())));
+    }
+
+    #[test]
+    fn load_reports_the_file_in_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("crab.toml");
+        fs::write(&path, "[store]\nstate_dir = \"rel\"\n").unwrap();
+        let msg = Config::load(&path).unwrap_err().to_string();
+        assert!(
+            msg.starts_with(&format!(
+                "invalid crab config {}:2:13: key `store.state_dir`",
+                path.display()
+            )),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn load_or_default_precedence() {
+        let dir = tempfile::tempdir().unwrap();
+        let explicit = dir.path().join("explicit.toml");
+        let default_path = dir.path().join("default.toml");
+        let missing = dir.path().join("missing.toml");
+        fs::write(&explicit, "log.level = \"debug\"").unwrap();
+        fs::write(&default_path, "log.level = \"warn\"").unwrap();
+
+        // An explicit path wins over the default file.
+        let (c, src) = load_or_default_from(Some(&explicit), &default_path).unwrap();
+        assert_eq!(
+            (c.log.level, src),
+            (LevelFilter::Debug, ConfigSource::File(explicit.clone()))
+        );
+
+        // An explicit path must exist, even when the default file does.
+        let err = load_or_default_from(Some(&missing), &default_path).unwrap_err();
+        assert!(matches!(err, ConfigError::Read { path, .. } if path == missing));
+
+        // No explicit path: the default file if it exists...
+        let (c, src) = load_or_default_from(None, &default_path).unwrap();
+        assert_eq!(
+            (c.log.level, src),
+            (LevelFilter::Warn, ConfigSource::File(default_path.clone()))
+        );
+
+        // ... else built-in defaults.
+        let (c, src) = load_or_default_from(None, &missing).unwrap();
+        assert_eq!((c, src), (Config::default(), ConfigSource::BuiltinDefaults));
+
+        // An invalid default file is an error, not a silent fallback.
+        fs::write(&default_path, "bogus = 1").unwrap();
+        assert!(load_or_default_from(None, &default_path).is_err());
+    }
+
+    #[test]
+    fn config_source_display() {
+        assert_eq!(
+            ConfigSource::BuiltinDefaults.to_string(),
+            "built-in defaults"
+        );
+        assert_eq!(
+            ConfigSource::File("/etc/crab/config.toml".into()).to_string(),
+            "/etc/crab/config.toml"
+        );
+    }
+
+    #[test]
+    fn resolve_runc_binary_on_path_and_absolute() {
+        let dir = tempfile::tempdir().unwrap();
+        let (empty, bin) = (dir.path().join("empty"), dir.path().join("bin"));
+        fs::create_dir(&empty).unwrap();
+        fs::create_dir(&bin).unwrap();
+        let runc = bin.join("runc");
+        fs::write(&runc, "#!/bin/sh\n").unwrap();
+        fs::set_permissions(&runc, fs::Permissions::from_mode(0o755)).unwrap();
+        let plain = bin.join("plain");
+        fs::write(&plain, "").unwrap();
+        fs::set_permissions(&plain, fs::Permissions::from_mode(0o644)).unwrap();
+
+        let path_var = std::env::join_paths([&empty, &bin]).unwrap();
+        assert_eq!(
+            resolve_executable(Path::new("runc"), Some(&path_var)).unwrap(),
+            runc
+        );
+        assert_eq!(resolve_executable(&runc, None).unwrap(), runc);
+
+        // A relative PATH entry is not searched, even if it would match.
+        let relative = OsStr::new("relative/bin");
+        assert!(resolve_executable(Path::new("runc"), Some(relative)).is_err());
+
+        for (binary, path_var) in [
+            (Path::new("runc"), None),
+            (Path::new("runc"), Some(empty.as_os_str())),
+            (Path::new("plain"), Some(path_var.as_os_str())),
+            (plain.as_path(), None),
+            (bin.as_path(), None),
+            (Path::new("/nonexistent/runc"), None),
+        ] {
+            let err = resolve_executable(binary, path_var).unwrap_err();
+            let msg = err.to_string();
+            assert!(
+                msg.starts_with(&format!(
+                    "runc binary `{}` not found (runc.binary)",
+                    binary.display()
+                )),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn resolve_runc_binary_uses_config() {
+        let mut c = Config::default();
+        c.runc.binary = "/nonexistent/runc".into();
+        let err = c.resolve_runc_binary().unwrap_err();
+        assert!(
+            matches!(err, ConfigError::RuncBinaryNotFound { binary, .. } if binary == Path::new("/nonexistent/runc"))
+        );
+    }
+}
