@@ -35,7 +35,9 @@ pub struct RuncConfig {
     /// or an absolute path. Default `runc`.
     #[serde(deserialize_with = "command_or_absolute_path")]
     pub binary: PathBuf,
-    /// runc's state directory (`runc --root`). Default `/run/containerd/runc`.
+    /// runc's state directory (`runc --root`; the containerd namespace is appended). Default
+    /// `/run/crab/runc`: apart from the stock runc shim's `/run/containerd/runc`, so the
+    /// two never see each other's containers.
     #[serde(deserialize_with = "absolute_path")]
     pub root: PathBuf,
     /// Let systemd manage the container cgroups (`runc --systemd-cgroup`).
@@ -50,7 +52,7 @@ impl Default for RuncConfig {
     fn default() -> Self {
         RuncConfig {
             binary: PathBuf::from("runc"),
-            root: PathBuf::from("/run/containerd/runc"),
+            root: PathBuf::from("/run/crab/runc"),
             systemd_cgroup: false,
             criu: None,
         }
@@ -340,7 +342,7 @@ mod tests {
     fn defaults() {
         let c = Config::default();
         assert_eq!(c.runc.binary, Path::new("runc"));
-        assert_eq!(c.runc.root, Path::new("/run/containerd/runc"));
+        assert_eq!(c.runc.root, Path::new("/run/crab/runc"));
         assert!(!c.runc.systemd_cgroup);
         assert_eq!(c.runc.criu, None);
         assert_eq!(c.store.state_dir, Path::new("/var/lib/crab"));

@@ -1,0 +1,113 @@
+//! The OCI bundle containerd prepares for a task: its spec, its rootfs mounts, and the
+//! runc settings crab persists there for the `delete` shim command.
+
+use std::path::{Path, PathBuf};
+
+use containerd_shim_protos::types::mount::Mount;
+use oci_spec::runtime::{LinuxNamespaceType, Spec};
+
+use crate::{
+    error::{Error, Result},
+    runc::Runc,
+};
+
+const RUNC_SETTINGS: &str = "crab-runc.json";
+
+pub fn read_spec(bundle: &Path) -> Result<Spec> {
+    let path = bundle.join("config.json");
+    Spec::load(&path).map_err(|e| Error::InvalidArgument(format!("bundle spec {}: {e}", path.display())))
+}
+
+/// The value of the first of `keys` present in the spec's annotations.
+pub fn annotation<'a>(spec: &'a Spec, keys: &[&str]) -> Option<&'a str> {
+    let annotations = spec.annotations().as_ref()?;
+    keys.iter().find_map(|k| annotations.get(*k)).map(String::as_str)
+}
+
+/// Whether processes left when init exits must be killed by hand: only when the container
+/// shares a PID namespace (with the host or a pod); a private one dies with its init.
+pub fn must_kill_all_on_exit(spec: &Spec) -> bool {
+    let private_pid_ns = spec
+        .linux()
+        .as_ref()
+        .and_then(|l| l.namespaces().as_ref())
+        .and_then(|ns| ns.iter().find(|n| n.typ() == LinuxNamespaceType::Pid))
+        .is_some_and(|n| n.path().is_none());
+    !private_pid_ns
+}
+
+pub fn rootfs_path(bundle: &Path) -> PathBuf {
+    bundle.join("rootfs")
+}
+
+/// Mounts containerd's rootfs mounts at `<bundle>/rootfs`. Returns whether anything was
+/// mounted; on error, whatever was mounted is undone.
+pub async fn mount_rootfs(bundle: &Path, mounts: &[Mount]) -> Result<bool> {
+    if mounts.is_empty() {
+        return Ok(false);
+    }
+    let target = rootfs_path(bundle);
+    std::fs::create_dir_all(&target).map_err(Error::io(format!("cannot create {}", target.display())))?;
+    for m in mounts {
+        if let Err(e) = containerd_shim::util::mount_rootfs(m, &target).await {
+            unmount_rootfs(bundle);
+            return Err(Error::Other(format!("cannot mount rootfs ({} {}): {e}", m.type_, m.source)));
+        }
+    }
+    Ok(true)
+}
+
+/// Unmounts everything under `<bundle>/rootfs`; best effort (logged), as in cleanup paths.
+pub fn unmount_rootfs(bundle: &Path) {
+    let target = rootfs_path(bundle);
+    if let Err(e) = containerd_shim::mount::umount_recursive(target.to_str(), libc::MNT_DETACH) {
+        log::warn!("cannot unmount {}: {e}", target.display());
+    }
+}
+
+pub fn save_runc(bundle: &Path, runc: &Runc) -> Result<()> {
+    let path = bundle.join(RUNC_SETTINGS);
+    let data = serde_json::to_vec(runc).map_err(|e| Error::Other(e.to_string()))?;
+    std::fs::write(&path, data).map_err(Error::io(format!("cannot write {}", path.display())))
+}
+
+pub fn load_runc(bundle: &Path) -> Result<Option<Runc>> {
+    let path = bundle.join(RUNC_SETTINGS);
+    match std::fs::read(&path) {
+        Ok(data) => serde_json::from_slice(&data)
+            .map(Some)
+            .map_err(|e| Error::Other(format!("corrupt {}: {e}", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(format!("cannot read {}", path.display()))(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(json: serde_json::Value) -> Spec {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn kill_all_only_without_a_private_pid_namespace() {
+        let private = spec(serde_json::json!({"ociVersion": "1.0.2", "linux": {"namespaces": [{"type": "pid"}, {"type": "mount"}]}}));
+        assert!(!must_kill_all_on_exit(&private));
+        let joined = spec(serde_json::json!({"ociVersion": "1.0.2", "linux": {"namespaces": [{"type": "pid", "path": "/proc/1/ns/pid"}]}}));
+        assert!(must_kill_all_on_exit(&joined));
+        let host = spec(serde_json::json!({"ociVersion": "1.0.2", "linux": {"namespaces": [{"type": "mount"}]}}));
+        assert!(must_kill_all_on_exit(&host));
+    }
+
+    #[test]
+    fn runc_settings_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(load_runc(dir.path()).unwrap(), None);
+        let runc = Runc { binary: "/usr/bin/runc".into(), root: "/run/crab/runc/ns".into(), systemd_cgroup: false, log: dir.path().join("log.json") };
+        save_runc(dir.path(), &runc).unwrap();
+        assert_eq!(load_runc(dir.path()).unwrap(), Some(runc));
+        std::fs::write(dir.path().join(RUNC_SETTINGS), b"{").unwrap();
+        assert!(load_runc(dir.path()).unwrap_err().to_string().contains("corrupt"));
+    }
+}

@@ -1,0 +1,625 @@
+//! The task service's core: containers, their processes and their lifecycle over runc.
+//! Protocol types stay in [`crate::service`]; this module speaks in plain values.
+
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use containerd_shim::{protos::protobuf::MessageDyn, publisher::RemotePublisher, Context, ExitSignal};
+use containerd_shim_protos::{events::task as ev, topics, types::mount::Mount};
+use crab_runtime_config::{Config, ConfigSource};
+
+use crate::{
+    bundle,
+    error::{Error, Result},
+    oom,
+    process::{ExitInfo, Process, Snapshot, Status},
+    reaper::ExitSubscription,
+    runc::Runc,
+    stdio::{PreparedIo, StdioSpec},
+};
+
+/// How long an exit waits for the process's output to be copied out before it is published.
+/// Output held open by a process left behind is not waited for beyond this.
+const OUTPUT_DRAIN_BOUND: Duration = Duration::from_millis(500);
+
+pub struct CreateParams {
+    pub id: String,
+    pub bundle: PathBuf,
+    pub rootfs: Vec<Mount>,
+    pub stdio: StdioSpec,
+    /// containerd's runtime options (`runtimeoptions.v1.Options`), type URL and bytes.
+    pub options: Option<(String, Vec<u8>)>,
+    pub checkpoint: String,
+}
+
+pub struct Container {
+    pub id: String,
+    pub bundle: PathBuf,
+    runc: Runc,
+    kill_all_on_exit: bool,
+    rootfs_mounted: bool,
+    pub init: Arc<Process>,
+    execs: Mutex<HashMap<String, Arc<Process>>>,
+    /// Annotations received through `Update` (turn boundaries, later).
+    annotations: Mutex<HashMap<String, String>>,
+    /// Set when init exited while execs still ran: its exit is published after theirs.
+    init_exit_pending: Mutex<Option<ExitInfo>>,
+    /// Serialises lifecycle changes of the container (start, pause, resume, update, delete).
+    lifecycle: tokio::sync::Mutex<()>,
+    _oom: Mutex<Option<oom::OomWatcher>>,
+}
+
+impl Container {
+    pub fn process(&self, exec_id: &str) -> Result<Arc<Process>> {
+        if exec_id.is_empty() {
+            return Ok(self.init.clone());
+        }
+        self.execs
+            .lock()
+            .unwrap()
+            .get(exec_id)
+            .cloned()
+            .ok_or_else(|| Error::NotFound(format!("exec {exec_id} in container {}", self.id)))
+    }
+
+    fn running_execs(&self) -> usize {
+        self.execs
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|p| matches!(p.status(), Status::Running | Status::Paused))
+            .count()
+    }
+
+    pub fn annotations(&self) -> HashMap<String, String> {
+        self.annotations.lock().unwrap().clone()
+    }
+}
+
+/// Which process a pid belongs to; and exits that arrived before their pid was known.
+#[derive(Default)]
+struct PidTable {
+    owners: HashMap<u32, (String, String)>,
+    /// Processes being started: while any is, exits of unknown pids are kept, since
+    /// `runc exec --detach` can return after its process already exited and was reaped.
+    starting: usize,
+    early_exits: HashMap<u32, i32>,
+}
+
+pub struct Containers {
+    namespace: String,
+    publisher: Option<Arc<RemotePublisher>>,
+    map: Mutex<HashMap<String, Arc<Container>>>,
+    pids: Mutex<PidTable>,
+    shutdown: Arc<ExitSignal>,
+}
+
+pub struct ProcessState {
+    pub container_id: String,
+    pub bundle: PathBuf,
+    pub exec_id: String,
+    pub stdio: StdioSpec,
+    pub snapshot: Snapshot,
+}
+
+impl Containers {
+    pub fn new(namespace: String, publisher: Option<Arc<RemotePublisher>>, shutdown: Arc<ExitSignal>) -> Arc<Self> {
+        Arc::new(Self {
+            namespace,
+            publisher,
+            map: Mutex::new(HashMap::new()),
+            pids: Mutex::new(PidTable::default()),
+            shutdown,
+        })
+    }
+
+    /// Consumes exits from the reaper for as long as the shim runs.
+    pub fn spawn_exit_loop(self: &Arc<Self>, mut exits: ExitSubscription) {
+        let this = self.clone();
+        tokio::spawn(async move {
+            while let Some((pid, code)) = exits.recv().await {
+                this.on_exit(pid as u32, code);
+            }
+        });
+    }
+
+    pub fn get(&self, id: &str) -> Result<Arc<Container>> {
+        self.map
+            .lock()
+            .unwrap()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| Error::NotFound(format!("container {id}")))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.lock().unwrap().is_empty()
+    }
+
+    async fn publish(&self, topic: &str, event: Box<dyn MessageDyn>) {
+        if let Some(p) = &self.publisher {
+            if let Err(e) = p.publish(Context::default(), topic, &self.namespace, event).await {
+                log::error!("cannot publish {topic}: {e}");
+            }
+        }
+    }
+
+    fn load_config(options: &Option<(String, Vec<u8>)>) -> Result<(Config, ConfigSource)> {
+        let runtime_options = match options {
+            Some((type_url, value)) if type_url.ends_with(crab_runtime_config::RUNTIME_OPTIONS_TYPE_URL) => {
+                Some(crab_runtime_config::decode_runtime_options(value)?)
+            }
+            Some((type_url, value)) if !value.is_empty() => {
+                return Err(Error::InvalidArgument(format!(
+                    "runtime options of type `{type_url}` are not crab's: configure crab with \
+                     {} (ConfigPath or ConfigBody)",
+                    crab_runtime_config::RUNTIME_OPTIONS_TYPE_URL
+                )))
+            }
+            _ => None,
+        };
+        match runtime_options {
+            Some(o) if o.config_body.is_some() => {
+                let origin = Path::new("<runtime options ConfigBody>");
+                let config = Config::from_toml_str(o.config_body.as_deref().unwrap_or_default(), origin)?;
+                Ok((config, ConfigSource::File(origin.into())))
+            }
+            Some(o) => Ok(Config::load_or_default(o.config_path.as_deref())?),
+            None => Ok(Config::load_or_default(None)?),
+        }
+    }
+
+    pub async fn create(&self, p: CreateParams) -> Result<u32> {
+        if self.map.lock().unwrap().contains_key(&p.id) {
+            return Err(Error::AlreadyExists(format!("container {}", p.id)));
+        }
+        if !p.checkpoint.is_empty() {
+            return Err(Error::Unimplemented("creating a task from a checkpoint"));
+        }
+        let (config, source) = Self::load_config(&p.options)?;
+        let runc = Runc {
+            binary: config.resolve_runc_binary()?,
+            root: config.runc.root.join(&self.namespace),
+            systemd_cgroup: config.runc.systemd_cgroup,
+            log: p.bundle.join("log.json"),
+        };
+        log::info!("create {}: config from {source}, runc {}", p.id, runc.binary.display());
+        let spec = bundle::read_spec(&p.bundle)?;
+        let rootfs_mounted = bundle::mount_rootfs(&p.bundle, &p.rootfs).await?;
+        let created = self.create_init(&p, &runc).await;
+        let (pid, io) = match created {
+            Ok(v) => v,
+            Err(e) => {
+                if let Err(d) = runc.delete(&p.id, true).await {
+                    log::warn!("cleanup after failed create of {}: {d}", p.id);
+                }
+                if rootfs_mounted {
+                    bundle::unmount_rootfs(&p.bundle);
+                }
+                return Err(e);
+            }
+        };
+        let init = Arc::new(Process::new(String::new(), p.stdio.clone(), None));
+        init.set_pid(pid);
+        init.set_io(io).await;
+        let container = Arc::new(Container {
+            id: p.id.clone(),
+            bundle: p.bundle.clone(),
+            runc,
+            kill_all_on_exit: bundle::must_kill_all_on_exit(&spec),
+            rootfs_mounted,
+            init,
+            execs: Mutex::new(HashMap::new()),
+            annotations: Mutex::new(HashMap::new()),
+            init_exit_pending: Mutex::new(None),
+            lifecycle: tokio::sync::Mutex::new(()),
+            _oom: Mutex::new(None),
+        });
+        self.pids.lock().unwrap().owners.insert(pid, (p.id.clone(), String::new()));
+        self.map.lock().unwrap().insert(p.id.clone(), container.clone());
+        self.watch_oom(&container, pid);
+        self.publish(
+            topics::TASK_CREATE_EVENT_TOPIC,
+            Box::new(ev::TaskCreate {
+                container_id: p.id.clone(),
+                bundle: p.bundle.display().to_string(),
+                rootfs: p.rootfs.clone(),
+                io: Some(ev::TaskIO {
+                    stdin: p.stdio.stdin.clone(),
+                    stdout: p.stdio.stdout.clone(),
+                    stderr: p.stdio.stderr.clone(),
+                    terminal: p.stdio.terminal,
+                    ..Default::default()
+                })
+                .into(),
+                checkpoint: p.checkpoint.clone(),
+                pid,
+                ..Default::default()
+            }),
+        )
+        .await;
+        Ok(pid)
+    }
+
+    async fn create_init(&self, p: &CreateParams, runc: &Runc) -> Result<(u32, crate::stdio::ProcessIo)> {
+        bundle::save_runc(&p.bundle, runc)?;
+        let mut prepared = PreparedIo::new(&p.stdio).await?;
+        let pid_file = p.bundle.join("init.pid");
+        let child = std::mem::replace(&mut prepared.child, crate::runc::ChildStdio::null());
+        let console = prepared.console.as_ref().map(|c| c.path.clone());
+        runc.create(&p.id, &p.bundle, &pid_file, console.as_deref(), child).await?;
+        let io = prepared.start().await?;
+        Ok((read_pid(&pid_file)?, io))
+    }
+
+    fn watch_oom(&self, container: &Arc<Container>, pid: u32) {
+        let (publisher, namespace, id) = (self.publisher.clone(), self.namespace.clone(), container.id.clone());
+        let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
+        let on_oom = move || {
+            log::warn!("container {id}: OOM kill");
+            let (publisher, namespace, id) = (publisher.clone(), namespace.clone(), id.clone());
+            handle.spawn(async move {
+                if let Some(p) = publisher {
+                    let event = ev::TaskOOM { container_id: id, ..Default::default() };
+                    if let Err(e) = p.publish(Context::default(), topics::TASK_OOM_EVENT_TOPIC, &namespace, Box::new(event)).await {
+                        log::error!("cannot publish OOM event: {e}");
+                    }
+                }
+            });
+        };
+        match oom::watch(pid as i32, on_oom) {
+            Ok(w) => *container._oom.lock().unwrap() = Some(w),
+            Err(e) => log::warn!("container {}: no OOM notifications: {e}", container.id),
+        }
+    }
+
+    pub async fn start(&self, id: &str, exec_id: &str) -> Result<u32> {
+        let c = self.get(id)?;
+        if exec_id.is_empty() {
+            let _guard = c.lifecycle.lock().await;
+            c.init.transition(&[Status::Created], Status::Created)?;
+            c.runc.start(id).await?;
+            c.init.transition(&[Status::Created], Status::Running)?;
+            let pid = c.init.pid();
+            self.publish(
+                topics::TASK_START_EVENT_TOPIC,
+                Box::new(ev::TaskStart { container_id: id.into(), pid, ..Default::default() }),
+            )
+            .await;
+            return Ok(pid);
+        }
+        let p = c.process(exec_id)?;
+        if !matches!(c.init.status(), Status::Running) {
+            return Err(Error::FailedPrecondition(format!("container {id} is not running")));
+        }
+        p.transition(&[Status::Created], Status::Running)?;
+        self.pids.lock().unwrap().starting += 1;
+        let started = self.start_exec(&c, &p).await;
+        let early_exit = {
+            let mut t = self.pids.lock().unwrap();
+            t.starting -= 1;
+            let early = started.as_ref().ok().and_then(|pid| t.early_exits.remove(pid));
+            match &started {
+                Ok(pid) if early.is_none() => {
+                    t.owners.insert(*pid, (id.to_string(), exec_id.to_string()));
+                }
+                _ => {}
+            }
+            if t.starting == 0 {
+                t.early_exits.clear();
+            }
+            early
+        };
+        let pid = match started {
+            Ok(pid) => pid,
+            Err(e) => {
+                // The exec never ran: it is stopped, with runc's error as its story.
+                if let Some(info) = p.record_exit(255) {
+                    p.announce_exit(info);
+                }
+                return Err(e);
+            }
+        };
+        self.publish(
+            topics::TASK_EXEC_STARTED_EVENT_TOPIC,
+            Box::new(ev::TaskExecStarted {
+                container_id: id.into(),
+                exec_id: exec_id.into(),
+                pid,
+                ..Default::default()
+            }),
+        )
+        .await;
+        if let Some(code) = early_exit {
+            self.handle_exit(c, p, code).await;
+        }
+        Ok(pid)
+    }
+
+    async fn start_exec(&self, c: &Container, p: &Process) -> Result<u32> {
+        let spec_file = c.bundle.join(format!("exec-{}.json", p.exec_id));
+        let pid_file = c.bundle.join(format!("exec-{}.pid", p.exec_id));
+        std::fs::write(&spec_file, p.exec_spec.as_deref().unwrap_or_default())
+            .map_err(Error::io(format!("cannot write {}", spec_file.display())))?;
+        let mut prepared = PreparedIo::new(&p.stdio).await?;
+        let child = std::mem::replace(&mut prepared.child, crate::runc::ChildStdio::null());
+        let console = prepared.console.as_ref().map(|c| c.path.clone());
+        let result = c.runc.exec(&c.id, &spec_file, &pid_file, console.as_deref(), child).await;
+        let _ = std::fs::remove_file(&spec_file);
+        result?;
+        let io = prepared.start().await?;
+        let pid = read_pid(&pid_file)?;
+        let _ = std::fs::remove_file(&pid_file);
+        p.set_pid(pid);
+        p.set_io(io).await;
+        Ok(pid)
+    }
+
+    pub async fn add_exec(&self, id: &str, exec_id: &str, stdio: StdioSpec, spec: Vec<u8>) -> Result<()> {
+        let c = self.get(id)?;
+        if exec_id.is_empty() {
+            return Err(Error::InvalidArgument("exec id must not be empty".into()));
+        }
+        if matches!(c.init.status(), Status::Stopped) {
+            return Err(Error::FailedPrecondition(format!("container {id} is stopped")));
+        }
+        serde_json::from_slice::<oci_spec::runtime::Process>(&spec)
+            .map_err(|e| Error::InvalidArgument(format!("exec {exec_id} process spec: {e}")))?;
+        {
+            let mut execs = c.execs.lock().unwrap();
+            if execs.contains_key(exec_id) {
+                return Err(Error::AlreadyExists(format!("exec {exec_id} in container {id}")));
+            }
+            execs.insert(exec_id.to_string(), Arc::new(Process::new(exec_id.into(), stdio, Some(spec))));
+        }
+        self.publish(
+            topics::TASK_EXEC_ADDED_EVENT_TOPIC,
+            Box::new(ev::TaskExecAdded { container_id: id.into(), exec_id: exec_id.into(), ..Default::default() }),
+        )
+        .await;
+        Ok(())
+    }
+
+    fn on_exit(self: &Arc<Self>, pid: u32, code: i32) {
+        let owner = {
+            let mut t = self.pids.lock().unwrap();
+            match t.owners.remove(&pid) {
+                Some(o) => Some(o),
+                None => {
+                    if t.starting > 0 {
+                        t.early_exits.insert(pid, code);
+                    }
+                    None
+                }
+            }
+        };
+        let Some((cid, exec_id)) = owner else { return };
+        let Ok(c) = self.get(&cid) else { return };
+        let Ok(p) = c.process(&exec_id) else { return };
+        let this = self.clone();
+        // Exits are handled off the reaper loop: draining output may take a moment.
+        tokio::spawn(async move { this.handle_exit(c, p, code).await });
+    }
+
+    async fn handle_exit(&self, c: Arc<Container>, p: Arc<Process>, code: i32) {
+        p.drain_output(OUTPUT_DRAIN_BOUND).await;
+        let Some(info) = p.record_exit(code as u32) else { return };
+        log::debug!("container {} process {} (pid {}) exited with {}", c.id, p.display_id(), info.pid, info.status);
+        if p.exec_id.is_empty() {
+            if c.kill_all_on_exit {
+                if let Err(e) = c.runc.kill(&c.id, libc::SIGKILL as u32, true).await {
+                    log::debug!("kill --all after init exit of {}: {e}", c.id);
+                }
+            }
+            if c.running_execs() > 0 {
+                *c.init_exit_pending.lock().unwrap() = Some(info);
+                return;
+            }
+            self.publish_exit(&c, &p, info).await;
+        } else {
+            self.publish_exit(&c, &p, info).await;
+            if c.running_execs() == 0 {
+                let pending = c.init_exit_pending.lock().unwrap().take();
+                if let Some(init_info) = pending {
+                    self.publish_exit(&c, &c.init, init_info).await;
+                }
+            }
+        }
+    }
+
+    async fn publish_exit(&self, c: &Container, p: &Process, info: ExitInfo) {
+        let id = if p.exec_id.is_empty() { c.id.clone() } else { p.exec_id.clone() };
+        self.publish(
+            topics::TASK_EXIT_EVENT_TOPIC,
+            Box::new(ev::TaskExit {
+                container_id: c.id.clone(),
+                id,
+                pid: info.pid,
+                exit_status: info.status,
+                exited_at: Some(crate::service::timestamp(info.at)).into(),
+                ..Default::default()
+            }),
+        )
+        .await;
+        p.announce_exit(info);
+    }
+
+    pub fn state(&self, id: &str, exec_id: &str) -> Result<ProcessState> {
+        let c = self.get(id)?;
+        let p = c.process(exec_id)?;
+        let snapshot = p.snapshot();
+        Ok(ProcessState {
+            container_id: c.id.clone(),
+            bundle: c.bundle.clone(),
+            exec_id: exec_id.into(),
+            stdio: p.stdio.clone(),
+            snapshot,
+        })
+    }
+
+    pub async fn wait(&self, id: &str, exec_id: &str) -> Result<ExitInfo> {
+        let p = self.get(id)?.process(exec_id)?;
+        Ok(p.wait().await)
+    }
+
+    pub async fn kill(&self, id: &str, exec_id: &str, signal: u32, all: bool) -> Result<()> {
+        let c = self.get(id)?;
+        let p = c.process(exec_id)?;
+        let snap = p.snapshot();
+        if exec_id.is_empty() {
+            if snap.exit.is_some() && !all {
+                return Err(Error::NotFound("process already finished".into()));
+            }
+            return c.runc.kill(id, signal, all).await;
+        }
+        match snap.status {
+            Status::Created => Err(Error::FailedPrecondition(format!("exec {exec_id} is not started"))),
+            Status::Stopped => Err(Error::NotFound("process already finished".into())),
+            Status::Running | Status::Paused => {
+                let sig = nix::sys::signal::Signal::try_from(signal as i32)
+                    .map_err(|_| Error::InvalidArgument(format!("signal {signal}")))?;
+                match nix::sys::signal::kill(nix::unistd::Pid::from_raw(snap.pid as i32), sig) {
+                    Err(nix::errno::Errno::ESRCH) => Err(Error::NotFound("process already finished".into())),
+                    other => Ok(other?),
+                }
+            }
+        }
+    }
+
+    pub async fn delete(&self, id: &str, exec_id: &str) -> Result<ExitInfo> {
+        let c = self.get(id)?;
+        if !exec_id.is_empty() {
+            let p = c.process(exec_id)?;
+            let snap = p.snapshot();
+            if matches!(snap.status, Status::Running | Status::Paused) {
+                return Err(Error::FailedPrecondition(format!("cannot delete running exec {exec_id}")));
+            }
+            c.execs.lock().unwrap().remove(exec_id);
+            p.close_io().await;
+            return Ok(snap.exit.unwrap_or(ExitInfo { pid: snap.pid, status: 0, at: std::time::SystemTime::now() }));
+        }
+        let _guard = c.lifecycle.lock().await;
+        let snap = c.init.snapshot();
+        if matches!(snap.status, Status::Running | Status::Paused) && snap.exit.is_none() {
+            return Err(Error::FailedPrecondition(format!("cannot delete running container {id}")));
+        }
+        c.runc.delete(id, true).await?;
+        // A created-but-never-started init was just killed by `delete --force`.
+        let exit = snap.exit.unwrap_or(ExitInfo {
+            pid: snap.pid,
+            status: 128 + libc::SIGKILL as u32,
+            at: std::time::SystemTime::now(),
+        });
+        self.pids.lock().unwrap().owners.retain(|_, (cid, _)| cid != id);
+        c.init.close_io().await;
+        let execs: Vec<_> = c.execs.lock().unwrap().drain().map(|(_, p)| p).collect();
+        for p in execs {
+            p.close_io().await;
+        }
+        c._oom.lock().unwrap().take();
+        if c.rootfs_mounted {
+            bundle::unmount_rootfs(&c.bundle);
+        }
+        self.map.lock().unwrap().remove(id);
+        self.publish(
+            topics::TASK_DELETE_EVENT_TOPIC,
+            Box::new(ev::TaskDelete {
+                container_id: id.into(),
+                pid: exit.pid,
+                exit_status: exit.status,
+                exited_at: Some(crate::service::timestamp(exit.at)).into(),
+                id: id.into(),
+                ..Default::default()
+            }),
+        )
+        .await;
+        Ok(exit)
+    }
+
+    pub async fn pause(&self, id: &str) -> Result<()> {
+        let c = self.get(id)?;
+        let _guard = c.lifecycle.lock().await;
+        c.init.transition(&[Status::Running], Status::Running)?;
+        c.runc.pause(id).await?;
+        c.init.transition(&[Status::Running], Status::Paused)?;
+        self.publish(topics::TASK_PAUSED_EVENT_TOPIC, Box::new(ev::TaskPaused { container_id: id.into(), ..Default::default() }))
+            .await;
+        Ok(())
+    }
+
+    pub async fn resume(&self, id: &str) -> Result<()> {
+        let c = self.get(id)?;
+        let _guard = c.lifecycle.lock().await;
+        c.init.transition(&[Status::Paused], Status::Paused)?;
+        c.runc.resume(id).await?;
+        c.init.transition(&[Status::Paused], Status::Running)?;
+        self.publish(topics::TASK_RESUMED_EVENT_TOPIC, Box::new(ev::TaskResumed { container_id: id.into(), ..Default::default() }))
+            .await;
+        Ok(())
+    }
+
+    /// Pids of the container, each with its exec id when it is an exec's main process.
+    pub async fn pids(&self, id: &str) -> Result<Vec<(u32, Option<String>)>> {
+        let c = self.get(id)?;
+        let pids = c.runc.ps(id).await?;
+        let execs: HashMap<u32, String> =
+            c.execs.lock().unwrap().values().map(|p| (p.pid(), p.exec_id.clone())).filter(|(pid, _)| *pid != 0).collect();
+        Ok(pids.into_iter().map(|pid| (pid as u32, execs.get(&(pid as u32)).cloned())).collect())
+    }
+
+    pub async fn close_stdin(&self, id: &str, exec_id: &str) -> Result<()> {
+        let p = self.get(id)?.process(exec_id)?;
+        p.with_io(|io| {
+            io.close_stdin();
+            Ok(())
+        })
+        .await
+    }
+
+    pub async fn resize_pty(&self, id: &str, exec_id: &str, width: u32, height: u32) -> Result<()> {
+        let p = self.get(id)?.process(exec_id)?;
+        p.with_io(|io| io.resize(width, height)).await
+    }
+
+    /// Applies new resources (JSON `LinuxResources`, if any) and keeps the annotations.
+    pub async fn update(&self, id: &str, resources: Option<Vec<u8>>, annotations: HashMap<String, String>) -> Result<()> {
+        let c = self.get(id)?;
+        let _guard = c.lifecycle.lock().await;
+        if let Some(json) = resources.filter(|r| !r.is_empty()) {
+            serde_json::from_slice::<oci_spec::runtime::LinuxResources>(&json)
+                .map_err(|e| Error::InvalidArgument(format!("resources: {e}")))?;
+            let file = c.bundle.join("update-resources.json");
+            std::fs::write(&file, &json).map_err(Error::io(format!("cannot write {}", file.display())))?;
+            let result = c.runc.update(id, &file).await;
+            let _ = std::fs::remove_file(&file);
+            result?;
+        }
+        if !annotations.is_empty() {
+            log::info!("container {id}: annotations {annotations:?}");
+            c.annotations.lock().unwrap().extend(annotations);
+        }
+        Ok(())
+    }
+
+    pub fn init_pid(&self, id: &str) -> Result<u32> {
+        Ok(self.get(id)?.init.pid())
+    }
+
+    /// Ends the shim if it serves no container any more (or at once with `now`).
+    pub fn shutdown(&self, now: bool) -> bool {
+        if now || self.is_empty() {
+            self.shutdown.signal();
+            return true;
+        }
+        false
+    }
+}
+
+fn read_pid(path: &Path) -> Result<u32> {
+    let s = std::fs::read_to_string(path).map_err(Error::io(format!("cannot read {}", path.display())))?;
+    s.trim().parse().map_err(|_| Error::Other(format!("bad pid `{}` in {}", s.trim(), path.display())))
+}

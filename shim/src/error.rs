@@ -1,0 +1,86 @@
+//! One error type for the shim core, mapped to ttrpc status codes at the edge.
+
+use containerd_shim_protos::ttrpc::{self, Code};
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0} not found")]
+    NotFound(String),
+    #[error("{0} already exists")]
+    AlreadyExists(String),
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("{0} is not implemented by crab")]
+    Unimplemented(&'static str),
+    #[error("configuration: {0}")]
+    Config(#[from] crab_runtime_config::ConfigError),
+    /// A runc invocation failed; `message` is runc's own last error line when it wrote one.
+    #[error("runc {command} failed: {message}")]
+    Runc { command: &'static str, message: String },
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Other(String),
+}
+
+impl Error {
+    pub fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+        let context = context.into();
+        move |source| Error::Io { context, source }
+    }
+
+    fn code(&self) -> Code {
+        match self {
+            Error::NotFound(_) => Code::NOT_FOUND,
+            Error::AlreadyExists(_) => Code::ALREADY_EXISTS,
+            Error::FailedPrecondition(_) => Code::FAILED_PRECONDITION,
+            Error::InvalidArgument(_) | Error::Config(_) => Code::INVALID_ARGUMENT,
+            Error::Unimplemented(_) => Code::UNIMPLEMENTED,
+            Error::Runc { .. } | Error::Io { .. } | Error::Other(_) => Code::INTERNAL,
+        }
+    }
+}
+
+impl From<Error> for ttrpc::Error {
+    fn from(e: Error) -> Self {
+        ttrpc::Error::RpcStatus(ttrpc::get_status(e.code(), e.to_string()))
+    }
+}
+
+impl From<containerd_shim::Error> for Error {
+    fn from(e: containerd_shim::Error) -> Self {
+        Error::Other(e.to_string())
+    }
+}
+
+impl From<nix::Error> for Error {
+    fn from(e: nix::Error) -> Self {
+        Error::Io { context: "system call".into(), source: std::io::Error::from(e) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_follow_containerd_errdefs() {
+        let status = |e: Error| match ttrpc::Error::from(e) {
+            ttrpc::Error::RpcStatus(s) => (s.code(), s.message().to_string()),
+            other => panic!("unexpected {other:?}"),
+        };
+        assert_eq!(status(Error::NotFound("container x".into())).0, Code::NOT_FOUND);
+        assert_eq!(status(Error::Unimplemented("Checkpoint")).0, Code::UNIMPLEMENTED);
+        let (code, msg) = status(Error::Runc { command: "create", message: "no such file".into() });
+        assert_eq!(code, Code::INTERNAL);
+        assert_eq!(msg, "runc create failed: no such file");
+    }
+}

@@ -1,0 +1,17 @@
+//! crab's containerd shim v2 (`io.containerd.crab.v1`): the containerd Task API over runc.
+//!
+//! - [`service`]: the protocol edge (shim lifecycle commands, ttrpc Task service)
+//! - [`containers`]: containers and processes, their lifecycle and events
+//! - [`runc`], [`reaper`]: running runc under the shim's reaper
+//! - [`stdio`]: FIFOs, files, pipes and the pty
+//! - [`bundle`], [`oom`]: the OCI bundle and OOM notifications
+
+pub mod bundle;
+pub mod containers;
+pub mod error;
+pub mod oom;
+pub mod process;
+pub mod reaper;
+pub mod runc;
+pub mod service;
+pub mod stdio;

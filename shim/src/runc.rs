@@ -1,0 +1,221 @@
+//! A thin wrapper over the runc command line.
+//!
+//! Not the `runc` crate: crab needs `checkpoint`/`restore` (absent there) and must wait for
+//! runc through the shim's reaper (see [`crate::reaper`]); go-runc's argument lists are the
+//! reference for what is passed here.
+
+use std::{
+    ffi::OsString,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    error::{Error, Result},
+    reaper,
+};
+
+/// How runc is invoked for one container: persisted in the bundle so the `delete` shim
+/// command (run after a shim crash) invokes runc exactly as the shim did.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Runc {
+    pub binary: PathBuf,
+    /// runc's state root, already including the containerd namespace.
+    pub root: PathBuf,
+    pub systemd_cgroup: bool,
+    /// runc's JSON log, inside the bundle.
+    pub log: PathBuf,
+}
+
+/// The stdio a container process gets from runc (runc passes its own stdio down).
+pub struct ChildStdio {
+    pub stdin: Stdio,
+    pub stdout: Stdio,
+    pub stderr: Stdio,
+}
+
+impl ChildStdio {
+    pub fn null() -> Self {
+        Self { stdin: Stdio::null(), stdout: Stdio::null(), stderr: Stdio::null() }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub struct State {
+    pub pid: i32,
+    pub status: String,
+}
+
+#[derive(Deserialize)]
+struct LogLine {
+    level: String,
+    msg: String,
+}
+
+impl Runc {
+    fn command(&self) -> Command {
+        let mut cmd = Command::new(&self.binary);
+        cmd.arg("--root").arg(&self.root);
+        cmd.arg("--log").arg(&self.log).arg("--log-format").arg("json");
+        if self.systemd_cgroup {
+            cmd.arg("--systemd-cgroup");
+        }
+        cmd
+    }
+
+    async fn run(&self, name: &'static str, args: Vec<OsString>, stdio: Option<ChildStdio>) -> Result<Vec<u8>> {
+        let mut cmd = self.command();
+        cmd.arg(name).args(args);
+        let capture = stdio.is_none();
+        if let Some(io) = stdio {
+            cmd.stdin(io.stdin).stdout(io.stdout).stderr(io.stderr);
+        }
+        let log_offset = std::fs::metadata(&self.log).map(|m| m.len()).unwrap_or(0);
+        let started = std::time::Instant::now();
+        let out = reaper::run(cmd, capture).await?;
+        log::debug!("runc {name} exited {} after {:?}", out.code, started.elapsed());
+        if out.code == 0 {
+            return Ok(out.stdout);
+        }
+        let message = last_error(&self.log, log_offset)
+            .or_else(|| {
+                let s = String::from_utf8_lossy(&out.stderr).trim().to_string();
+                (!s.is_empty()).then_some(s)
+            })
+            .unwrap_or_else(|| format!("exit status {}", out.code));
+        Err(Error::Runc { command: name, message })
+    }
+
+    pub async fn create(
+        &self,
+        id: &str,
+        bundle: &Path,
+        pid_file: &Path,
+        console_socket: Option<&Path>,
+        stdio: ChildStdio,
+    ) -> Result<()> {
+        let mut args: Vec<OsString> = vec!["--bundle".into(), bundle.into(), "--pid-file".into(), pid_file.into()];
+        if let Some(s) = console_socket {
+            args.extend(["--console-socket".into(), s.into()]);
+        }
+        args.push(id.into());
+        self.run("create", args, Some(stdio)).await.map(drop)
+    }
+
+    pub async fn start(&self, id: &str) -> Result<()> {
+        self.run("start", vec![id.into()], None).await.map(drop)
+    }
+
+    pub async fn exec(
+        &self,
+        id: &str,
+        process_file: &Path,
+        pid_file: &Path,
+        console_socket: Option<&Path>,
+        stdio: ChildStdio,
+    ) -> Result<()> {
+        let mut args: Vec<OsString> = vec![
+            "--process".into(),
+            process_file.into(),
+            "--pid-file".into(),
+            pid_file.into(),
+            "--detach".into(),
+        ];
+        if let Some(s) = console_socket {
+            args.extend(["--console-socket".into(), s.into()]);
+        }
+        args.push(id.into());
+        self.run("exec", args, Some(stdio)).await.map(drop)
+    }
+
+    pub async fn kill(&self, id: &str, signal: u32, all: bool) -> Result<()> {
+        let mut args: Vec<OsString> = Vec::new();
+        if all {
+            args.push("--all".into());
+        }
+        args.extend([id.into(), signal.to_string().into()]);
+        self.run("kill", args, None).await.map(drop).map_err(|e| match e {
+            Error::Runc { message, .. } if is_gone(&message) => {
+                Error::NotFound("process already finished".into())
+            }
+            e => e,
+        })
+    }
+
+    pub async fn delete(&self, id: &str, force: bool) -> Result<()> {
+        let mut args: Vec<OsString> = Vec::new();
+        if force {
+            args.push("--force".into());
+        }
+        args.push(id.into());
+        match self.run("delete", args, None).await {
+            Err(Error::Runc { message, .. }) if message.contains("does not exist") => Ok(()),
+            other => other.map(drop),
+        }
+    }
+
+    pub async fn pause(&self, id: &str) -> Result<()> {
+        self.run("pause", vec![id.into()], None).await.map(drop)
+    }
+
+    pub async fn resume(&self, id: &str) -> Result<()> {
+        self.run("resume", vec![id.into()], None).await.map(drop)
+    }
+
+    pub async fn ps(&self, id: &str) -> Result<Vec<i32>> {
+        let out = self.run("ps", vec!["--format".into(), "json".into(), id.into()], None).await?;
+        serde_json::from_slice::<Option<Vec<i32>>>(&out)
+            .map(Option::unwrap_or_default)
+            .map_err(|e| Error::Other(format!("cannot parse runc ps output: {e}")))
+    }
+
+    pub async fn update(&self, id: &str, resources_file: &Path) -> Result<()> {
+        self.run("update", vec!["--resources".into(), resources_file.into(), id.into()], None)
+            .await
+            .map(drop)
+    }
+
+    pub async fn state(&self, id: &str) -> Result<State> {
+        let out = self.run("state", vec![id.into()], None).await?;
+        serde_json::from_slice(&out).map_err(|e| Error::Other(format!("cannot parse runc state output: {e}")))
+    }
+}
+
+fn is_gone(message: &str) -> bool {
+    ["not running", "process already finished", "does not exist", "container not found"]
+        .iter()
+        .any(|m| message.contains(m))
+}
+
+/// The last `error`-level message runc appended to its JSON log after `offset`.
+fn last_error(log: &Path, offset: u64) -> Option<String> {
+    let data = std::fs::read(log).ok()?;
+    let tail = data.get(offset as usize..)?;
+    String::from_utf8_lossy(tail)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<LogLine>(l).ok())
+        .filter(|l| l.level == "error")
+        .map(|l| l.msg.trim().to_string())
+        .last()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn last_error_reads_only_new_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("log.json");
+        std::fs::write(&log, "{\"level\":\"error\",\"msg\":\"old\"}\n").unwrap();
+        let offset = std::fs::metadata(&log).unwrap().len();
+        assert_eq!(last_error(&log, offset), None);
+        let mut data = std::fs::read(&log).unwrap();
+        data.extend_from_slice(b"{\"level\":\"warning\",\"msg\":\"w\"}\n{\"level\":\"error\",\"msg\":\"exec: \\\"nope\\\": not found \"}\nnot json\n");
+        std::fs::write(&log, data).unwrap();
+        assert_eq!(last_error(&log, offset).as_deref(), Some("exec: \"nope\": not found"));
+        assert_eq!(last_error(&dir.path().join("missing"), 0), None);
+    }
+}

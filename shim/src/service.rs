@@ -1,0 +1,288 @@
+//! The protocol edge: containerd's shim lifecycle (`start`/`delete` commands) and the ttrpc
+//! Task service. Requests are converted to plain values for [`crate::containers`]; errors
+//! go back as ttrpc status codes.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::SystemTime,
+};
+
+use async_trait::async_trait;
+use containerd_shim::{
+    api,
+    protos::{
+        protobuf::{well_known_types::any::Any, well_known_types::timestamp::Timestamp, Message},
+        shim::oci::ProcessDetails,
+        types::task::ProcessInfo,
+    },
+    publisher::RemotePublisher,
+    ExitSignal, Flags, StartOpts, TtrpcContext, TtrpcResult,
+};
+use containerd_shim_protos::{api::Status as ApiStatus, types::empty::Empty};
+use crab_runtime_config::Config;
+
+use crate::{
+    bundle,
+    containers::{Containers, CreateParams},
+    error::{Error, Result},
+    process::Status,
+    reaper::ExitSubscription,
+    runc::Runc,
+    stdio::StdioSpec,
+};
+
+pub const RUNTIME_ID: &str = "io.containerd.crab.v1";
+
+/// Spec annotations that put containers in one shim: a pod's containers share one.
+const GROUP_ANNOTATIONS: [&str; 2] = ["io.kubernetes.cri.sandbox-id", "io.containerd.crab.v1.group"];
+
+pub fn timestamp(t: SystemTime) -> Timestamp {
+    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    Timestamp { seconds: d.as_secs() as i64, nanos: d.subsec_nanos() as i32, ..Default::default() }
+}
+
+pub struct Service {
+    id: String,
+    namespace: String,
+    exit: Arc<ExitSignal>,
+}
+
+#[async_trait]
+impl containerd_shim::Shim for Service {
+    type T = TaskService;
+
+    async fn new(_runtime_id: &str, args: &Flags, config: &mut containerd_shim::Config) -> Self {
+        // The shim-wide log level comes from the default config file; per-container config
+        // (runtime options) arrives only with Create, after logging is set up.
+        if let Ok((c, _)) = Config::load_or_default(None) {
+            config.default_log_level = c.log.level.to_string().to_lowercase();
+        }
+        Service { id: args.id.clone(), namespace: args.namespace.clone(), exit: Arc::new(ExitSignal::default()) }
+    }
+
+    async fn start_shim(&mut self, opts: StartOpts) -> containerd_shim::Result<String> {
+        let grouping = bundle::read_spec(Path::new("."))
+            .ok()
+            .and_then(|spec| bundle::annotation(&spec, &GROUP_ANNOTATIONS).map(str::to_owned))
+            .unwrap_or_else(|| opts.id.clone());
+        let address = containerd_shim::spawn(opts, &grouping, Vec::new()).await?;
+        std::fs::write("address", &address)
+            .map_err(|e| containerd_shim::Error::Other(format!("cannot write address file: {e}")))?;
+        Ok(address)
+    }
+
+    /// Cleans up after a shim that died: containerd runs this in the task's bundle.
+    async fn delete_shim(&mut self) -> containerd_shim::Result<api::DeleteResponse> {
+        let bundle = std::env::current_dir().map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
+        let runc = match bundle::load_runc(&bundle) {
+            Ok(Some(runc)) => Some(runc),
+            Ok(None) => default_runc(&self.namespace, &bundle),
+            Err(e) => {
+                log::warn!("{e}");
+                default_runc(&self.namespace, &bundle)
+            }
+        };
+        if let Some(runc) = runc {
+            if let Err(e) = runc.delete(&self.id, true).await {
+                log::warn!("delete {}: {e}", self.id);
+            }
+        }
+        bundle::unmount_rootfs(&bundle);
+        Ok(api::DeleteResponse {
+            exit_status: 128 + libc::SIGKILL as u32,
+            exited_at: Some(timestamp(SystemTime::now())).into(),
+            ..Default::default()
+        })
+    }
+
+    async fn wait(&mut self) {
+        self.exit.wait().await;
+    }
+
+    async fn create_task_service(&self, publisher: RemotePublisher) -> TaskService {
+        let exits = ExitSubscription::new().await.expect("subscribe to process exits");
+        let containers = Containers::new(self.namespace.clone(), Some(Arc::new(publisher)), self.exit.clone());
+        containers.spawn_exit_loop(exits);
+        TaskService { containers }
+    }
+}
+
+fn default_runc(namespace: &str, bundle: &Path) -> Option<Runc> {
+    let config = Config::load_or_default(None).ok()?.0;
+    Some(Runc {
+        binary: config.resolve_runc_binary().ok()?,
+        root: config.runc.root.join(namespace),
+        systemd_cgroup: config.runc.systemd_cgroup,
+        log: bundle.join("log.json"),
+    })
+}
+
+pub struct TaskService {
+    containers: Arc<Containers>,
+}
+
+fn api_status(s: Status) -> ApiStatus {
+    match s {
+        Status::Created => ApiStatus::CREATED,
+        Status::Running => ApiStatus::RUNNING,
+        Status::Paused => ApiStatus::PAUSED,
+        Status::Stopped => ApiStatus::STOPPED,
+    }
+}
+
+fn log_err<T>(rpc: &str, id: &str, r: Result<T>) -> TtrpcResult<T> {
+    r.map_err(|e| {
+        log::info!("{rpc} {id}: {e}");
+        e.into()
+    })
+}
+
+#[async_trait]
+impl containerd_shim::Task for TaskService {
+    async fn create(&self, _: &TtrpcContext, req: api::CreateTaskRequest) -> TtrpcResult<api::CreateTaskResponse> {
+        let params = CreateParams {
+            id: req.id.clone(),
+            bundle: PathBuf::from(&req.bundle),
+            rootfs: req.rootfs.clone(),
+            stdio: StdioSpec { stdin: req.stdin, stdout: req.stdout, stderr: req.stderr, terminal: req.terminal },
+            options: req.options.as_ref().map(|a| (a.type_url.clone(), a.value.clone())),
+            checkpoint: req.checkpoint,
+        };
+        let pid = log_err("create", &req.id, self.containers.create(params).await)?;
+        Ok(api::CreateTaskResponse { pid, ..Default::default() })
+    }
+
+    async fn start(&self, _: &TtrpcContext, req: api::StartRequest) -> TtrpcResult<api::StartResponse> {
+        let pid = log_err("start", &req.id, self.containers.start(&req.id, &req.exec_id).await)?;
+        Ok(api::StartResponse { pid, ..Default::default() })
+    }
+
+    async fn state(&self, _: &TtrpcContext, req: api::StateRequest) -> TtrpcResult<api::StateResponse> {
+        let s = self.containers.state(&req.id, &req.exec_id)?;
+        let exit = s.snapshot.exit;
+        Ok(api::StateResponse {
+            id: if s.exec_id.is_empty() { s.container_id } else { s.exec_id.clone() },
+            bundle: s.bundle.display().to_string(),
+            pid: s.snapshot.pid,
+            status: api_status(s.snapshot.status).into(),
+            stdin: s.stdio.stdin,
+            stdout: s.stdio.stdout,
+            stderr: s.stdio.stderr,
+            terminal: s.stdio.terminal,
+            exit_status: exit.map(|e| e.status).unwrap_or_default(),
+            exited_at: exit.map(|e| timestamp(e.at)).into(),
+            exec_id: s.exec_id,
+            ..Default::default()
+        })
+    }
+
+    async fn delete(&self, _: &TtrpcContext, req: api::DeleteRequest) -> TtrpcResult<api::DeleteResponse> {
+        let exit = log_err("delete", &req.id, self.containers.delete(&req.id, &req.exec_id).await)?;
+        Ok(api::DeleteResponse {
+            pid: exit.pid,
+            exit_status: exit.status,
+            exited_at: Some(timestamp(exit.at)).into(),
+            ..Default::default()
+        })
+    }
+
+    async fn pids(&self, _: &TtrpcContext, req: api::PidsRequest) -> TtrpcResult<api::PidsResponse> {
+        let pids = log_err("pids", &req.id, self.containers.pids(&req.id).await)?;
+        let processes = pids
+            .into_iter()
+            .map(|(pid, exec_id)| {
+                let info = exec_id.and_then(|exec_id| {
+                    let details = ProcessDetails { exec_id, ..Default::default() };
+                    Some(Any {
+                        type_url: "containerd.runc.v1.ProcessDetails".into(),
+                        value: details.write_to_bytes().ok()?,
+                        ..Default::default()
+                    })
+                });
+                ProcessInfo { pid, info: info.into(), ..Default::default() }
+            })
+            .collect();
+        Ok(api::PidsResponse { processes, ..Default::default() })
+    }
+
+    async fn pause(&self, _: &TtrpcContext, req: api::PauseRequest) -> TtrpcResult<Empty> {
+        log_err("pause", &req.id, self.containers.pause(&req.id).await)?;
+        Ok(Empty::new())
+    }
+
+    async fn resume(&self, _: &TtrpcContext, req: api::ResumeRequest) -> TtrpcResult<Empty> {
+        log_err("resume", &req.id, self.containers.resume(&req.id).await)?;
+        Ok(Empty::new())
+    }
+
+    async fn checkpoint(&self, _: &TtrpcContext, _: api::CheckpointTaskRequest) -> TtrpcResult<Empty> {
+        Err(Error::Unimplemented("Checkpoint").into())
+    }
+
+    async fn kill(&self, _: &TtrpcContext, req: api::KillRequest) -> TtrpcResult<Empty> {
+        log_err("kill", &req.id, self.containers.kill(&req.id, &req.exec_id, req.signal, req.all).await)?;
+        Ok(Empty::new())
+    }
+
+    async fn exec(&self, _: &TtrpcContext, req: api::ExecProcessRequest) -> TtrpcResult<Empty> {
+        let stdio = StdioSpec { stdin: req.stdin, stdout: req.stdout, stderr: req.stderr, terminal: req.terminal };
+        let spec = req.spec.as_ref().map(|a| a.value.clone()).unwrap_or_default();
+        log_err("exec", &req.id, self.containers.add_exec(&req.id, &req.exec_id, stdio, spec).await)?;
+        Ok(Empty::new())
+    }
+
+    async fn resize_pty(&self, _: &TtrpcContext, req: api::ResizePtyRequest) -> TtrpcResult<Empty> {
+        self.containers.resize_pty(&req.id, &req.exec_id, req.width, req.height).await?;
+        Ok(Empty::new())
+    }
+
+    async fn close_io(&self, _: &TtrpcContext, req: api::CloseIORequest) -> TtrpcResult<Empty> {
+        if req.stdin {
+            self.containers.close_stdin(&req.id, &req.exec_id).await?;
+        }
+        Ok(Empty::new())
+    }
+
+    async fn update(&self, _: &TtrpcContext, req: api::UpdateTaskRequest) -> TtrpcResult<Empty> {
+        let resources = req.resources.as_ref().map(|a| a.value.clone());
+        log_err("update", &req.id, self.containers.update(&req.id, resources, req.annotations).await)?;
+        Ok(Empty::new())
+    }
+
+    async fn wait(&self, _: &TtrpcContext, req: api::WaitRequest) -> TtrpcResult<api::WaitResponse> {
+        let exit = self.containers.wait(&req.id, &req.exec_id).await?;
+        Ok(api::WaitResponse {
+            exit_status: exit.status,
+            exited_at: Some(timestamp(exit.at)).into(),
+            ..Default::default()
+        })
+    }
+
+    async fn stats(&self, _: &TtrpcContext, req: api::StatsRequest) -> TtrpcResult<api::StatsResponse> {
+        let pid = self.containers.init_pid(&req.id)?;
+        let metrics = containerd_shim::cgroup::get_cgroup(pid)
+            .and_then(|cg| containerd_shim::cgroup::collect_metrics(&cg))
+            .map_err(|e| Error::Other(format!("stats of {}: {e}", req.id)))?;
+        let value = metrics.write_to_bytes().map_err(|e| Error::Other(e.to_string()))?;
+        Ok(api::StatsResponse {
+            stats: Some(Any { type_url: "io.containerd.cgroups.v1.Metrics".into(), value, ..Default::default() }).into(),
+            ..Default::default()
+        })
+    }
+
+    async fn connect(&self, _: &TtrpcContext, req: api::ConnectRequest) -> TtrpcResult<api::ConnectResponse> {
+        let task_pid = self.containers.init_pid(&req.id).unwrap_or_default();
+        Ok(api::ConnectResponse {
+            shim_pid: std::process::id(),
+            task_pid,
+            version: env!("CARGO_PKG_VERSION").into(),
+            ..Default::default()
+        })
+    }
+
+    async fn shutdown(&self, _: &TtrpcContext, req: api::ShutdownRequest) -> TtrpcResult<Empty> {
+        self.containers.shutdown(req.now);
+        Ok(Empty::new())
+    }
+}
