@@ -7,6 +7,7 @@
 #   make containerd-up    start the private containerd (hack/containerd.sh start)
 #   make containerd-down  remove its containers and stop it, reaping leftovers
 #   make demo             run a container under the crab shim; leaves containerd up
+#                         (DEMO_RUNTIME=io.containerd.runc.v2 runs it on the stock shim)
 #   make test             everything above, then all tests; containerd is always stopped after
 #   make bench            shim benchmarks against the private containerd (stopped after)
 #   make clean            stop containerd, remove $(CRAB_HOME) and cargo's target dir
@@ -45,7 +46,7 @@ endef
 .PHONY: help deps build images containerd-up containerd-down demo test bench clean
 
 help:
-	@sed -n '3,12s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '3,13s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
 
 deps:
 	hack/install-deps.sh
@@ -58,7 +59,6 @@ build:
 	ln -sfn "$$shim" "$(CRAB_HOME)/bin/$(SHIM)"
 
 images: containerd-up
-	hack/build-images.sh all
 	for ns in $(NAMESPACES); do hack/build-images.sh import "$$ns"; done
 
 containerd-up:

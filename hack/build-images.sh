@@ -59,7 +59,7 @@ debian_mirror() {
   fi
   local uri
   uri=$(cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null |
-    grep -oE '(https?)://[^ ]+/debian/?( |$)' | grep -v security | head -n1 | tr -d ' ') || true
+    grep -v '^[[:space:]]*#' | grep -oE 'https?://[^ ]+/debian/?( |$)' | head -n1 | tr -d ' ') || true
   echo "${uri:-http://deb.debian.org/debian}"
 }
 
