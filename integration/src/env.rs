@@ -1,0 +1,86 @@
+//! Where the private containerd and its state live, from the variables in CONVENTIONS
+//! (`CRAB_HOME`, `CRAB_CONTAINERD_ADDRESS`, `CRAB_NAMESPACE`, `CRAB_RUNTIME`).
+
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+pub const DEFAULT_NAMESPACE: &str = "crab-test";
+pub const DEFAULT_RUNTIME: &str = "io.containerd.crab.v1";
+pub const RUNC_RUNTIME: &str = "io.containerd.runc.v2";
+pub const BUSYBOX_IMAGE: &str = "localhost/crab/busybox:latest";
+
+#[derive(Debug, Clone)]
+pub struct TestEnv {
+    pub crab_home: PathBuf,
+    /// containerd's gRPC socket.
+    pub address: PathBuf,
+    pub namespace: String,
+    pub runtime: String,
+    pub image: String,
+}
+
+impl TestEnv {
+    pub fn from_env() -> Self {
+        let crab_home = var("CRAB_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(".crab"));
+        let crab_home = crab_home.canonicalize().unwrap_or(crab_home);
+        let address = var("CRAB_CONTAINERD_ADDRESS")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| default_address(&crab_home));
+        TestEnv {
+            address,
+            namespace: var("CRAB_NAMESPACE").unwrap_or_else(|| DEFAULT_NAMESPACE.into()),
+            runtime: var("CRAB_RUNTIME").unwrap_or_else(|| DEFAULT_RUNTIME.into()),
+            image: BUSYBOX_IMAGE.into(),
+            crab_home,
+        }
+    }
+
+    /// containerd's state dir (`--state`): task bundles, shim sockets, rootfs mounts.
+    pub fn containerd_state(&self) -> PathBuf {
+        self.crab_home.join("run").join("state")
+    }
+
+    pub fn containerd_root(&self) -> PathBuf {
+        self.crab_home.join("containerd").join("root")
+    }
+
+    pub fn containerd_log(&self) -> PathBuf {
+        self.crab_home.join("containerd").join("containerd.log")
+    }
+
+    /// Where this harness puts the FIFOs it hands to containerd.
+    pub fn fifo_root(&self) -> PathBuf {
+        self.crab_home.join("tmp").join("integration-fifo")
+    }
+
+    /// The directory `ctr` creates its FIFOs in (containerd's `defaults.DefaultFIFODir`).
+    pub fn ctr_fifo_dir(&self) -> PathBuf {
+        PathBuf::from("/run/containerd/fifo")
+    }
+
+    pub fn bench_dir(&self) -> PathBuf {
+        self.crab_home.join("bench")
+    }
+}
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+/// Mirrors hack/lib.sh: a unix socket path must fit in sun_path and containerd derives a longer
+/// `.ttrpc` path from it, so a deep CRAB_HOME puts the socket under /run/crab-<hash of CRAB_HOME>.
+fn default_address(crab_home: &Path) -> PathBuf {
+    let run = crab_home.join("run");
+    let longest = run.join("containerd.sock.ttrpc");
+    let dir = if longest.as_os_str().len() >= 104 {
+        let hash = Sha256::digest(crab_home.as_os_str().as_encoded_bytes());
+        let hex: String = hash.iter().map(|b| format!("{b:02x}")).collect();
+        PathBuf::from(format!("/run/crab-{}", &hex[..12]))
+    } else {
+        run
+    };
+    dir.join("containerd.sock")
+}
