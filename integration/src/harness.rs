@@ -20,7 +20,10 @@ use containerd_client::services::v1::{
     PauseTaskRequest, ReadContentRequest, ResumeTaskRequest, StartRequest, WaitRequest,
 };
 use containerd_client::types::v1::Status;
+use containerd_client::events::TaskExit;
+use containerd_client::services::v1::{events_client::EventsClient, SubscribeRequest};
 use containerd_client::types::Mount;
+use prost::Message;
 use containerd_client::with_namespace;
 use prost_types::Any;
 use serde_json::Value;
@@ -516,6 +519,34 @@ impl Harness {
         Ok(status)
     }
 
+    /// Starts collecting `/tasks/exit` events of this namespace. containerd sends a stream's
+    /// headers only with its first event, so the subscription runs in a task of its own; give it
+    /// a moment to register before causing the exit of interest.
+    pub async fn task_exits(&self) -> ExitEvents {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut events = EventsClient::new(self.channel.clone());
+        let req = self.req(SubscribeRequest {
+            filters: vec![format!(
+                "topic==\"/tasks/exit\",namespace=={}",
+                self.env.namespace
+            )],
+        });
+        tokio::spawn(async move {
+            let Ok(resp) = events.subscribe(req).await else { return };
+            let mut stream = resp.into_inner();
+            while let Ok(Some(env)) = stream.message().await {
+                let Some(any) = env.event else { continue };
+                if let Ok(exit) = TaskExit::decode(any.value.as_slice()) {
+                    if tx.send(exit).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        ExitEvents { rx }
+    }
+
     /// Whether containerd still knows container `id` (record or task).
     async fn containerd_leftovers(&self, id: &str) -> Vec<String> {
         let mut l = Vec::new();
@@ -549,13 +580,19 @@ impl Harness {
     pub async fn leaks(&self, id: &str) -> Vec<String> {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let mut l = self.containerd_leftovers(id).await;
-            l.extend(host::leaks(&self.env, id));
+            let l = self.leaks_now(id).await;
             if l.is_empty() || Instant::now() >= deadline {
                 return l;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// What container `id` has in containerd and on the host right now.
+    pub async fn leaks_now(&self, id: &str) -> Vec<String> {
+        let mut l = self.containerd_leftovers(id).await;
+        l.extend(host::leaks(&self.env, id));
+        l
     }
 
     /// Panics listing every leak of `id`, with the containerd log lines that mention it.
@@ -573,6 +610,35 @@ impl Harness {
     /// The last containerd log lines mentioning `needle` (shim stderr lands there too).
     pub fn log_excerpt(&self, needle: &str) -> String {
         log_excerpt(&self.env, needle, 30)
+    }
+}
+
+/// `/tasks/exit` events, see [`Harness::task_exits`].
+pub struct ExitEvents {
+    rx: tokio::sync::mpsc::UnboundedReceiver<TaskExit>,
+}
+
+impl ExitEvents {
+    /// The next exit event of container `id`'s init process (`exec_id` "") or of an exec.
+    pub async fn next_for(&mut self, id: &str, exec_id: &str, timeout: Duration) -> Result<TaskExit> {
+        let want_id = if exec_id.is_empty() { id } else { exec_id };
+        let found = tokio::time::timeout(timeout, async {
+            while let Some(e) = self.rx.recv().await {
+                if e.container_id == id && e.id == want_id {
+                    return Some(e);
+                }
+            }
+            None
+        })
+        .await;
+        match found {
+            Ok(Some(e)) => Ok(e),
+            Ok(None) => Err(Error::Protocol("event subscription ended".into())),
+            Err(_) => Err(Error::Timeout {
+                what: format!("a /tasks/exit event for {id}/{exec_id}"),
+                after: timeout,
+            }),
+        }
     }
 }
 
@@ -810,6 +876,15 @@ mod tests {
         let id = unique_id("Kill_all  children__");
         assert!(id.starts_with("it-kill-all-children-"), "{id}");
         assert!(!id.contains("--"));
+    }
+
+    #[tokio::test]
+    async fn unreachable_containerd_fails_with_instructions() {
+        let mut env = TestEnv::from_env();
+        env.address = PathBuf::from("/nonexistent/containerd.sock");
+        let err = Harness::connect_env(env).await.err().expect("must not connect");
+        assert!(matches!(err, Error::Unreachable { .. }), "{err}");
+        assert!(err.to_string().contains("make test"), "{err}");
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::Mutex;
 use std::thread;
 use std::time::Duration;
 
@@ -33,7 +34,8 @@ pub struct Stdio {
 }
 
 enum OutputSlot {
-    Pending(Receiver<std::io::Result<Vec<u8>>>),
+    // The Mutex only makes Stdio Sync, so `&Stdio` can be held across an await in spawned tasks.
+    Pending(Mutex<Receiver<std::io::Result<Vec<u8>>>>),
     Done(Vec<u8>),
 }
 
@@ -122,6 +124,7 @@ impl Stdio {
 impl OutputSlot {
     fn take(&mut self, timeout: Duration, what: &str) -> Result<Vec<u8>> {
         if let OutputSlot::Pending(rx) = self {
+            let rx = rx.get_mut().unwrap_or_else(|p| p.into_inner());
             let data = match rx.recv_timeout(timeout) {
                 Ok(r) => r.map_err(|e| Error::io(format!("read {what} FIFO"), e))?,
                 Err(RecvTimeoutError::Timeout) => {
@@ -163,7 +166,7 @@ impl Drop for Stdio {
     }
 }
 
-fn spawn_reader(path: PathBuf) -> Receiver<std::io::Result<Vec<u8>>> {
+fn spawn_reader(path: PathBuf) -> Mutex<Receiver<std::io::Result<Vec<u8>>>> {
     let (tx, rx) = mpsc::channel();
     thread::spawn(move || {
         let r = File::open(&path).and_then(|mut f| {
@@ -172,7 +175,7 @@ fn spawn_reader(path: PathBuf) -> Receiver<std::io::Result<Vec<u8>>> {
         });
         let _ = tx.send(r);
     });
-    rx
+    Mutex::new(rx)
 }
 
 fn mkfifo(path: &Path) -> Result<()> {
