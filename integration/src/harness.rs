@@ -132,6 +132,13 @@ impl Harness {
         })
     }
 
+    /// The same connection, creating containers for another runtime.
+    pub fn with_runtime(&self, runtime: &str) -> Harness {
+        let mut h = self.clone();
+        h.env.runtime = runtime.to_string();
+        h
+    }
+
     pub fn ctr(&self) -> Ctr {
         Ctr::new(&self.env)
     }
