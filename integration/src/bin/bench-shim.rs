@@ -127,6 +127,14 @@ async fn main() {
         .map(|s| s.split(',').map(|r| r.trim().to_string()).collect())
         .unwrap_or_else(|| vec![CRAB.into(), RUNC.into()]);
     let base = Harness::connect().await.unwrap_or_else(|e| die(&e.to_string()));
+    // measure() owns the cleanup guard, so its containers are gone by the time we exit.
+    match measure(&base, &runtimes, n).await {
+        Ok(samples) => report(n, &runtimes, &samples, &base),
+        Err(e) => die(&e),
+    }
+}
+
+async fn measure(base: &Harness, runtimes: &[String], n: usize) -> Result<Vec<Samples>, String> {
     let pid = std::process::id();
     let harnesses: Vec<Harness> = runtimes.iter().map(|r| base.with_runtime(r)).collect();
 
@@ -137,14 +145,16 @@ async fn main() {
         .collect();
     let mut guard: CleanupGuard = base.guard(&sleepers.iter().map(String::as_str).collect::<Vec<_>>());
     for (h, id) in harnesses.iter().zip(&sleepers) {
-        if let Err(e) = h.start_detached(id, &ProcessSpec::new(&["sleep", "100000"])).await {
-            die(&format!(
-                "runtime {} cannot start a container: {e}\n(for the crab runtime: `make build` links \
-                 the shim into $CRAB_HOME/bin)\n{}",
-                h.runtime(),
-                h.log_excerpt(id)
-            ));
-        }
+        h.start_detached(id, &ProcessSpec::new(&["sleep", "100000"]))
+            .await
+            .map_err(|e| {
+                format!(
+                    "runtime {} cannot start a container: {e}\n(for the crab runtime: `make build` \
+                     links the shim into $CRAB_HOME/bin)\n{}",
+                    h.runtime(),
+                    h.log_excerpt(id)
+                )
+            })?;
     }
 
     let mut samples: Vec<Samples> = runtimes.iter().map(|_| Samples::new()).collect();
@@ -160,10 +170,10 @@ async fn main() {
             guard.add(&id);
             let (run, delete) = run_once(h, &id)
                 .await
-                .unwrap_or_else(|e| die(&format!("{}: run {id}: {e}\n{}", runtimes[r], h.log_excerpt(&id))));
+                .map_err(|e| format!("{}: run {id}: {e}\n{}", runtimes[r], h.log_excerpt(&id)))?;
             let exec = exec_once(h, &sleepers[r], &format!("x{iter}"))
                 .await
-                .unwrap_or_else(|e| die(&format!("{}: exec in {}: {e}", runtimes[r], sleepers[r])));
+                .map_err(|e| format!("{}: exec in {}: {e}", runtimes[r], sleepers[r]))?;
             if iter == 0 {
                 continue; // warm-up
             }
@@ -178,9 +188,7 @@ async fn main() {
             eprintln!("bench-shim: removing {id}: {e}");
         }
     }
-    drop(guard);
-
-    report(n, &runtimes, &samples, &base);
+    Ok(samples)
 }
 
 fn report(n: usize, runtimes: &[String], samples: &[Samples], h: &Harness) {
