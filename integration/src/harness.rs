@@ -22,6 +22,10 @@ use containerd_client::services::v1::{
 use containerd_client::types::v1::Status;
 use containerd_client::events::TaskExit;
 use containerd_client::services::v1::{events_client::EventsClient, SubscribeRequest};
+use containerd_client::services::v1::{
+    namespaces_client::NamespacesClient, ListContainersRequest, ListNamespacesRequest,
+    ListTasksRequest,
+};
 use containerd_client::types::Mount;
 use prost::Message;
 use containerd_client::with_namespace;
@@ -71,6 +75,14 @@ impl From<i32> for TaskStatus {
             Status::Pausing => TaskStatus::Pausing,
         }
     }
+}
+
+#[derive(Debug, Clone)]
+pub struct NamespaceInventory {
+    pub name: String,
+    pub containers: Vec<String>,
+    /// Task (init process) ids with their status.
+    pub tasks: Vec<(String, TaskStatus)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -552,6 +564,45 @@ impl Harness {
         });
         tokio::time::sleep(Duration::from_millis(200)).await;
         ExitEvents { rx }
+    }
+
+    /// Every namespace of this containerd with its containers and tasks, for global leak checks.
+    pub async fn inventory(&self) -> Result<Vec<NamespaceInventory>> {
+        let namespaces = NamespacesClient::new(self.channel.clone())
+            .list(ListNamespacesRequest::default())
+            .await
+            .map_err(|s| Error::grpc("Namespaces.List", s))?
+            .into_inner()
+            .namespaces;
+        let mut out = Vec::new();
+        for ns in namespaces {
+            let containers = self
+                .containers()
+                .list(with_namespace!(ListContainersRequest::default(), ns.name.as_str()))
+                .await
+                .map_err(|s| Error::grpc("Containers.List", s))?
+                .into_inner()
+                .containers
+                .into_iter()
+                .map(|c| c.id)
+                .collect();
+            let tasks = self
+                .tasks()
+                .list(with_namespace!(ListTasksRequest::default(), ns.name.as_str()))
+                .await
+                .map_err(|s| Error::grpc("Tasks.List", s))?
+                .into_inner()
+                .tasks
+                .into_iter()
+                .map(|t| (t.id, TaskStatus::from(t.status)))
+                .collect();
+            out.push(NamespaceInventory {
+                name: ns.name,
+                containers,
+                tasks,
+            });
+        }
+        Ok(out)
     }
 
     /// Whether containerd still knows container `id` (record or task).
