@@ -65,6 +65,19 @@ pub fn unmount_rootfs(bundle: &Path) {
     }
 }
 
+pub fn init_pid_file(bundle: &Path) -> PathBuf {
+    bundle.join("init.pid")
+}
+
+pub fn read_init_pid(bundle: &Path) -> Result<u32> {
+    read_pid(&init_pid_file(bundle))
+}
+
+pub fn read_pid(path: &Path) -> Result<u32> {
+    let s = std::fs::read_to_string(path).map_err(Error::io(format!("cannot read {}", path.display())))?;
+    s.trim().parse().map_err(|_| Error::Other(format!("bad pid `{}` in {}", s.trim(), path.display())))
+}
+
 pub fn save_runc(bundle: &Path, runc: &Runc) -> Result<()> {
     let path = bundle.join(RUNC_SETTINGS);
     let data = serde_json::to_vec(runc).map_err(|e| Error::Other(e.to_string()))?;

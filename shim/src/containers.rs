@@ -248,12 +248,12 @@ impl Containers {
     async fn create_init(&self, p: &CreateParams, runc: &Runc) -> Result<(u32, crate::stdio::ProcessIo)> {
         bundle::save_runc(&p.bundle, runc)?;
         let mut prepared = PreparedIo::new(&p.stdio).await?;
-        let pid_file = p.bundle.join("init.pid");
+        let pid_file = bundle::init_pid_file(&p.bundle);
         let child = std::mem::replace(&mut prepared.child, crate::runc::ChildStdio::null());
         let console = prepared.console.as_ref().map(|c| c.path.clone());
         runc.create(&p.id, &p.bundle, &pid_file, console.as_deref(), child).await?;
         let io = prepared.start().await?;
-        Ok((read_pid(&pid_file)?, io))
+        Ok((bundle::read_pid(&pid_file)?, io))
     }
 
     fn watch_oom(&self, container: &Arc<Container>, pid: u32) {
@@ -281,6 +281,7 @@ impl Containers {
         let c = self.get(id)?;
         if exec_id.is_empty() {
             let _guard = c.lifecycle.lock().await;
+            let _starting = c.init.start_lock.lock().await;
             c.init.transition(&[Status::Created], Status::Created)?;
             c.runc.start(id).await?;
             c.init.transition(&[Status::Created], Status::Running)?;
@@ -296,6 +297,7 @@ impl Containers {
         if !matches!(c.init.status(), Status::Running) {
             return Err(Error::FailedPrecondition(format!("container {id} is not running")));
         }
+        let starting = p.start_lock.lock().await;
         p.transition(&[Status::Created], Status::Running)?;
         self.pids.lock().unwrap().starting += 1;
         let started = self.start_exec(&c, &p).await;
@@ -334,6 +336,7 @@ impl Containers {
             }),
         )
         .await;
+        drop(starting);
         if let Some(code) = early_exit {
             self.handle_exit(c, p, code).await;
         }
@@ -352,7 +355,7 @@ impl Containers {
         let _ = std::fs::remove_file(&spec_file);
         result?;
         let io = prepared.start().await?;
-        let pid = read_pid(&pid_file)?;
+        let pid = bundle::read_pid(&pid_file)?;
         let _ = std::fs::remove_file(&pid_file);
         p.set_pid(pid);
         p.set_io(io).await;
@@ -406,6 +409,7 @@ impl Containers {
     }
 
     async fn handle_exit(&self, c: Arc<Container>, p: Arc<Process>, code: i32) {
+        drop(p.start_lock.lock().await);
         p.drain_output(OUTPUT_DRAIN_BOUND).await;
         let Some(info) = p.record_exit(code as u32) else { return };
         log::debug!("container {} process {} (pid {}) exited with {}", c.id, p.display_id(), info.pid, info.status);
@@ -617,9 +621,4 @@ impl Containers {
         }
         false
     }
-}
-
-fn read_pid(path: &Path) -> Result<u32> {
-    let s = std::fs::read_to_string(path).map_err(Error::io(format!("cannot read {}", path.display())))?;
-    s.trim().parse().map_err(|_| Error::Other(format!("bad pid `{}` in {}", s.trim(), path.display())))
 }

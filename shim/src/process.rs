@@ -49,6 +49,9 @@ pub struct Process {
     state: Mutex<State>,
     exited: watch::Sender<Option<ExitInfo>>,
     io: tokio::sync::Mutex<Option<ProcessIo>>,
+    /// Held while the process is being started, so that its exit (which can come before
+    /// `runc start`/`runc exec` even returns) is handled after its start is published.
+    pub start_lock: tokio::sync::Mutex<()>,
 }
 
 impl Process {
@@ -60,6 +63,7 @@ impl Process {
             state: Mutex::new(State { pid: 0, status: Status::Created, exit: None }),
             exited: watch::channel(None).0,
             io: tokio::sync::Mutex::new(None),
+            start_lock: tokio::sync::Mutex::new(()),
         }
     }
 

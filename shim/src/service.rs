@@ -90,6 +90,7 @@ impl containerd_shim::Shim for Service {
         }
         bundle::unmount_rootfs(&bundle);
         Ok(api::DeleteResponse {
+            pid: bundle::read_init_pid(&bundle).unwrap_or_default(),
             exit_status: 128 + libc::SIGKILL as u32,
             exited_at: Some(timestamp(SystemTime::now())).into(),
             ..Default::default()
