@@ -21,7 +21,7 @@ use containerd_client::services::v1::{
 };
 use containerd_client::types::v1::Status;
 use containerd_client::events::TaskExit;
-use containerd_client::services::v1::{events_client::EventsClient, SubscribeRequest};
+use containerd_client::services::v1::{events_client::EventsClient, PublishRequest, SubscribeRequest};
 use containerd_client::services::v1::{
     namespaces_client::NamespacesClient, ListContainersRequest, ListNamespacesRequest,
     ListTasksRequest,
@@ -538,22 +538,34 @@ impl Harness {
         Ok(status)
     }
 
-    /// Starts collecting `/tasks/exit` events of this namespace. containerd sends a stream's
-    /// headers only with its first event, so the subscription runs in a task of its own; give it
-    /// a moment to register before causing the exit of interest.
-    pub async fn task_exits(&self) -> ExitEvents {
+    /// Starts collecting `/tasks/exit` events of this namespace. Returns once the subscription
+    /// is live: containerd sends a stream's headers only with its first event, so we publish
+    /// probe events on a topic of our own until one comes back through the subscription.
+    pub async fn task_exits(&self) -> Result<ExitEvents> {
+        static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let probe_topic = format!(
+            "/crab-integration/probe/{}/{}",
+            std::process::id(),
+            PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let (ready_tx, mut ready_rx) = tokio::sync::mpsc::unbounded_channel();
         let mut events = EventsClient::new(self.channel.clone());
         let req = self.req(SubscribeRequest {
-            filters: vec![format!(
-                "topic==\"/tasks/exit\",namespace=={}",
-                self.env.namespace
-            )],
+            filters: vec![
+                format!("topic==\"/tasks/exit\",namespace=={}", self.env.namespace),
+                format!("topic==\"{probe_topic}\""),
+            ],
         });
+        let probe = probe_topic.clone();
         tokio::spawn(async move {
             let Ok(resp) = events.subscribe(req).await else { return };
             let mut stream = resp.into_inner();
             while let Ok(Some(env)) = stream.message().await {
+                if env.topic == probe {
+                    let _ = ready_tx.send(());
+                    continue;
+                }
                 let Some(any) = env.event else { continue };
                 if let Ok(exit) = TaskExit::decode(any.value.as_slice()) {
                     if tx.send(exit).is_err() {
@@ -562,8 +574,27 @@ impl Harness {
                 }
             }
         });
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        ExitEvents { rx }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            EventsClient::new(self.channel.clone())
+                .publish(self.req(PublishRequest {
+                    topic: probe_topic.clone(),
+                    event: Some(containerd_client::to_any(&TaskExit::default())),
+                }))
+                .await
+                .map_err(|s| Error::grpc("Events.Publish", s))?;
+            match tokio::time::timeout(Duration::from_millis(50), ready_rx.recv()).await {
+                Ok(Some(())) => return Ok(ExitEvents { rx }),
+                Ok(None) => return Err(Error::Protocol("event subscription failed".into())),
+                Err(_) if Instant::now() < deadline => continue,
+                Err(_) => {
+                    return Err(Error::Timeout {
+                        what: "the event subscription to deliver a probe event".into(),
+                        after: Duration::from_secs(10),
+                    })
+                }
+            }
+        }
     }
 
     /// Every namespace of this containerd with its containers and tasks, for global leak checks.

@@ -73,11 +73,14 @@ async fn grpc_exec_without_tty() {
         .await
         .unwrap();
     let mut io = h.stdio(&id, "e1", StdioOptions::default()).unwrap();
+    let mut exits = h.task_exits().await.unwrap();
     h.exec(&id, "e1", &ProcessSpec::sh(PROBE), &io).await.unwrap();
     assert_eq!(h.status(&id, "e1").await.unwrap().0, TaskStatus::Created);
     let pid = h.start(&id, "e1").await.unwrap();
     assert!(pid > 0);
     assert_eq!(h.wait(&id, "e1", T).await.unwrap(), 5);
+    let exit = exits.next_for(&id, "e1", T).await.unwrap();
+    assert_eq!((exit.pid, exit.exit_status), (pid, 5), "{exit:?}");
     assert_eq!(io.stdout_string(T).unwrap(), "out\nnotty\n");
     assert_eq!(io.stderr_string(T).unwrap(), "err\n");
     assert_eq!(h.delete_process(&id, "e1").await.unwrap(), 5);

@@ -43,11 +43,15 @@ async fn grpc_wait_returns_exit_status_and_output() {
         .await
         .unwrap();
     let mut io = h.stdio(&id, "init", StdioOptions::default()).unwrap();
+    let mut exits = h.task_exits().await.unwrap();
     let pid = h.create_task(&id, Some(&io)).await.unwrap();
     assert!(pid > 0);
     assert_eq!(h.status(&id, "").await.unwrap().0, TaskStatus::Created);
     assert_eq!(h.start(&id, "").await.unwrap(), pid);
     assert_eq!(h.wait(&id, "", T).await.unwrap(), 3);
+    // Event consumers (the CRI plugin) learn of the exit from the TaskExit event.
+    let exit = exits.next_for(&id, "", T).await.unwrap();
+    assert_eq!((exit.pid, exit.exit_status), (pid, 3), "{exit:?}");
     assert_eq!(io.stdout_string(T).unwrap(), "hi\n");
     assert_eq!(io.stderr_string(T).unwrap(), "oops\n");
     assert_eq!(h.status(&id, "").await.unwrap().0, TaskStatus::Stopped);

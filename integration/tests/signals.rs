@@ -89,6 +89,16 @@ async fn ctr_kill_all_reaps_background_children() {
     })
     .unwrap_or_else(|| panic!("expected init + 3 sleeps, found {:?}", host::container_processes(&id)));
 
+    // ctr tasks ps (ListPids) sees every one of them.
+    let ps = ctr.run(&["tasks", "ps", &id]).unwrap().ok().unwrap();
+    for p in &before {
+        assert!(
+            ps.stdout.lines().any(|l| l.split_whitespace().next() == Some(&p.pid.to_string())),
+            "ctr tasks ps misses {p}: {:?}",
+            ps.stdout
+        );
+    }
+
     ctr.run(&["tasks", "kill", "--all", "-s", "SIGKILL", &id]).unwrap().ok().unwrap();
     let left = eventually(T, || host::container_processes(&id).is_empty().then_some(()));
     assert!(
