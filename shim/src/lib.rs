@@ -9,6 +9,7 @@
 pub mod bundle;
 pub mod containers;
 pub mod error;
+pub mod inspector;
 pub mod oom;
 pub mod process;
 pub mod reaper;
