@@ -173,14 +173,16 @@ pub fn mounts_of(id: &str) -> Vec<MountEntry> {
         .collect()
 }
 
-/// Files or directories whose name starts with `id` under containerd's state dir, its runc
-/// state dirs and the FIFO dir ctr uses: bundles, sockets, FIFOs left behind.
+/// Files or directories whose name starts with `id` under containerd's state dir, the runc
+/// state dirs of both shims (the stock one's and crab's default `runc.root`) and the FIFO dir
+/// ctr uses: bundles, sockets, FIFOs left behind.
 pub fn state_entries(env: &TestEnv, id: &str) -> Vec<PathBuf> {
     let mut found = Vec::new();
     let roots = [
         env.containerd_state(),
         env.ctr_fifo_dir(),
         PathBuf::from("/run/containerd/runc").join(&env.namespace),
+        crab_runtime_config::RuncConfig::default().root.join(&env.namespace),
     ];
     for root in roots {
         find_named(&root, id, 6, true, &mut found);

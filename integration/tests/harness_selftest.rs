@@ -31,6 +31,17 @@ async fn leak_checks_see_a_live_container() {
     ] {
         assert!(has(what), "leak check misses {what:?} of a live container; saw:\n{}", l.join("\n"));
     }
+    // runc's own state for the container, where this runtime keeps it.
+    let runc_root = match h.runtime() {
+        "io.containerd.runc.v2" => std::path::PathBuf::from("/run/containerd/runc"),
+        _ => crab_runtime_config::RuncConfig::default().root,
+    };
+    let runc_state = runc_root.join(&h.env.namespace).join(&id);
+    assert!(
+        host::state_entries(&h.env, &id).contains(&runc_state),
+        "leak check misses {}",
+        runc_state.display()
+    );
     // Both cgroup trees: the v2 tree (where present) and v1 controllers.
     if host::cgroup_mounts().len() > 1 {
         let dirs = host::cgroup_dirs(&id);
