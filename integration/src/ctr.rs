@@ -87,7 +87,11 @@ impl Ctr {
         let mut full = vec!["ctr".to_string()];
         full.extend(self.base_args());
         full.extend(args.iter().map(|a| a.as_ref().to_string()));
-        let line = full.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" ");
+        let line = full
+            .iter()
+            .map(|a| shell_quote(a))
+            .collect::<Vec<_>>()
+            .join(" ");
         let mut cmd = Command::new("script");
         // -e: return the child's exit code; -f: flush; -q: no banner; log to /dev/null.
         cmd.args(["-qefc", &line, "/dev/null"]);

@@ -22,9 +22,11 @@ pub struct TestEnv {
 
 impl TestEnv {
     pub fn from_env() -> Self {
-        let crab_home = var("CRAB_HOME")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(".crab"));
+        let crab_home = var("CRAB_HOME").map(PathBuf::from).unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("..")
+                .join(".crab")
+        });
         let crab_home = crab_home.canonicalize().unwrap_or(crab_home);
         let address = var("CRAB_CONTAINERD_ADDRESS")
             .map(PathBuf::from)

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use containerd_client::events::TaskExit;
 use containerd_client::services::v1::container::Runtime;
 use containerd_client::services::v1::snapshots::snapshots_client::SnapshotsClient;
 use containerd_client::services::v1::snapshots::{
@@ -19,16 +20,17 @@ use containerd_client::services::v1::{
     ExecProcessRequest, GetContainerRequest, GetImageRequest, GetRequest, KillRequest,
     PauseTaskRequest, ReadContentRequest, ResumeTaskRequest, StartRequest, WaitRequest,
 };
-use containerd_client::types::v1::Status;
-use containerd_client::events::TaskExit;
-use containerd_client::services::v1::{events_client::EventsClient, PublishRequest, SubscribeRequest};
+use containerd_client::services::v1::{
+    events_client::EventsClient, PublishRequest, SubscribeRequest,
+};
 use containerd_client::services::v1::{
     namespaces_client::NamespacesClient, ListContainersRequest, ListNamespacesRequest,
     ListTasksRequest,
 };
+use containerd_client::types::v1::Status;
 use containerd_client::types::Mount;
-use prost::Message;
 use containerd_client::with_namespace;
+use prost::Message;
 use prost_types::Any;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -347,7 +349,10 @@ impl Harness {
             exec_id: exec_id.into(),
         }));
         match tokio::time::timeout(timeout, call).await {
-            Ok(r) => Ok(r.map_err(|s| Error::grpc("Tasks.Wait", s))?.into_inner().exit_status),
+            Ok(r) => Ok(r
+                .map_err(|s| Error::grpc("Tasks.Wait", s))?
+                .into_inner()
+                .exit_status),
             Err(_) => Err(Error::Timeout {
                 what: format!("Tasks.Wait {id}/{exec_id}"),
                 after: timeout,
@@ -559,7 +564,9 @@ impl Harness {
         });
         let probe = probe_topic.clone();
         tokio::spawn(async move {
-            let Ok(resp) = events.subscribe(req).await else { return };
+            let Ok(resp) = events.subscribe(req).await else {
+                return;
+            };
             let mut stream = resp.into_inner();
             while let Ok(Some(env)) = stream.message().await {
                 if env.topic == probe {
@@ -609,7 +616,10 @@ impl Harness {
         for ns in namespaces {
             let containers = self
                 .containers()
-                .list(with_namespace!(ListContainersRequest::default(), ns.name.as_str()))
+                .list(with_namespace!(
+                    ListContainersRequest::default(),
+                    ns.name.as_str()
+                ))
                 .await
                 .map_err(|s| Error::grpc("Containers.List", s))?
                 .into_inner()
@@ -619,7 +629,10 @@ impl Harness {
                 .collect();
             let tasks = self
                 .tasks()
-                .list(with_namespace!(ListTasksRequest::default(), ns.name.as_str()))
+                .list(with_namespace!(
+                    ListTasksRequest::default(),
+                    ns.name.as_str()
+                ))
                 .await
                 .map_err(|s| Error::grpc("Tasks.List", s))?
                 .into_inner()
@@ -709,7 +722,12 @@ pub struct ExitEvents {
 
 impl ExitEvents {
     /// The next exit event of container `id`'s init process (`exec_id` "") or of an exec.
-    pub async fn next_for(&mut self, id: &str, exec_id: &str, timeout: Duration) -> Result<TaskExit> {
+    pub async fn next_for(
+        &mut self,
+        id: &str,
+        exec_id: &str,
+        timeout: Duration,
+    ) -> Result<TaskExit> {
         let want_id = if exec_id.is_empty() { id } else { exec_id };
         let found = tokio::time::timeout(timeout, async {
             while let Some(e) = self.rx.recv().await {
@@ -842,7 +860,13 @@ async fn resolve_image(channel: &Channel, env: &TestEnv) -> Result<ImageInfo> {
             env.namespace.as_str()
         ))
         .await
-        .map_err(|s| bad(format!("not in namespace {}: {}", env.namespace, s.message())))?
+        .map_err(|s| {
+            bad(format!(
+                "not in namespace {}: {}",
+                env.namespace,
+                s.message()
+            ))
+        })?
         .into_inner()
         .image
         .and_then(|i| i.target)
@@ -861,9 +885,7 @@ async fn resolve_image(channel: &Channel, env: &TestEnv) -> Result<ImageInfo> {
         let manifests = doc["manifests"].as_array().cloned().unwrap_or_default();
         let pick = manifests
             .iter()
-            .find(|m| {
-                m["platform"]["os"] == "linux" && m["platform"]["architecture"] == go_arch()
-            })
+            .find(|m| m["platform"]["os"] == "linux" && m["platform"]["architecture"] == go_arch())
             .or_else(|| manifests.first())
             .ok_or_else(|| bad("empty index".into()))?;
         digest = pick["digest"].as_str().unwrap_or_default().to_string();
@@ -876,12 +898,20 @@ async fn resolve_image(channel: &Channel, env: &TestEnv) -> Result<ImageInfo> {
     let config = parse(&read_blob(channel, env, &config_digest).await?, "config")?;
     let diff_ids: Vec<String> = config["rootfs"]["diff_ids"]
         .as_array()
-        .map(|a| a.iter().filter_map(|d| d.as_str().map(String::from)).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|d| d.as_str().map(String::from))
+                .collect()
+        })
         .unwrap_or_default();
     let chain_id = chain_id(&diff_ids).ok_or_else(|| bad("image has no layers".into()))?;
     let strings = |v: &Value| -> Vec<String> {
         v.as_array()
-            .map(|a| a.iter().filter_map(|s| s.as_str().map(String::from)).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s.as_str().map(String::from))
+                    .collect()
+            })
             .unwrap_or_default()
     };
     Ok(ImageInfo {
@@ -946,7 +976,10 @@ mod tests {
 
     #[test]
     fn chain_id_of_one_layer_is_its_diff_id() {
-        assert_eq!(chain_id(&["sha256:aa".into()]).as_deref(), Some("sha256:aa"));
+        assert_eq!(
+            chain_id(&["sha256:aa".into()]).as_deref(),
+            Some("sha256:aa")
+        );
         assert_eq!(chain_id(&[]), None);
     }
 
@@ -956,7 +989,10 @@ mod tests {
         let want = Sha256::digest(b"sha256:a sha256:b");
         assert_eq!(
             c,
-            format!("sha256:{}", want.iter().map(|b| format!("{b:02x}")).collect::<String>())
+            format!(
+                "sha256:{}",
+                want.iter().map(|b| format!("{b:02x}")).collect::<String>()
+            )
         );
     }
 
@@ -971,7 +1007,10 @@ mod tests {
     async fn unreachable_containerd_fails_with_instructions() {
         let mut env = TestEnv::from_env();
         env.address = PathBuf::from("/nonexistent/containerd.sock");
-        let err = Harness::connect_env(env).await.err().expect("must not connect");
+        let err = Harness::connect_env(env)
+            .await
+            .err()
+            .expect("must not connect");
         assert!(matches!(err, Error::Unreachable { .. }), "{err}");
         assert!(err.to_string().contains("make test"), "{err}");
     }

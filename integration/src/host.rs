@@ -153,7 +153,10 @@ fn unescape_mountinfo(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
             let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
             out.push(v);
             i += 4;
@@ -182,7 +185,9 @@ pub fn state_entries(env: &TestEnv, id: &str) -> Vec<PathBuf> {
         env.containerd_state(),
         env.ctr_fifo_dir(),
         PathBuf::from("/run/containerd/runc").join(&env.namespace),
-        crab_runtime_config::RuncConfig::default().root.join(&env.namespace),
+        crab_runtime_config::RuncConfig::default()
+            .root
+            .join(&env.namespace),
     ];
     for root in roots {
         find_named(&root, id, 6, true, &mut found);
@@ -198,7 +203,9 @@ fn find_named(dir: &Path, name: &str, depth: usize, prefix: bool, out: &mut Vec<
         let fname = e.file_name();
         let fname = fname.to_string_lossy();
         let matches = fname == name
-            || (prefix && (fname.starts_with(&format!("{name}-")) || fname.starts_with(&format!("{name}."))));
+            || (prefix
+                && (fname.starts_with(&format!("{name}-"))
+                    || fname.starts_with(&format!("{name}."))));
         if matches {
             out.push(e.path());
             continue;
@@ -213,11 +220,27 @@ fn find_named(dir: &Path, name: &str, depth: usize, prefix: bool, out: &mut Vec<
 /// Everything container `id` left on the host; empty means clean.
 pub fn leaks(env: &TestEnv, id: &str) -> Vec<String> {
     let mut l = Vec::new();
-    l.extend(shim_processes(id).iter().map(|p| format!("shim process {p}")));
-    l.extend(container_processes(id).iter().map(|p| format!("container process {p}")));
-    l.extend(cgroup_dirs(id).iter().map(|d| format!("cgroup dir {}", d.display())));
+    l.extend(
+        shim_processes(id)
+            .iter()
+            .map(|p| format!("shim process {p}")),
+    );
+    l.extend(
+        container_processes(id)
+            .iter()
+            .map(|p| format!("container process {p}")),
+    );
+    l.extend(
+        cgroup_dirs(id)
+            .iter()
+            .map(|d| format!("cgroup dir {}", d.display())),
+    );
     l.extend(mounts_of(id).iter().map(|m| format!("mount {}", m.line)));
-    l.extend(state_entries(env, id).iter().map(|p| format!("state entry {}", p.display())));
+    l.extend(
+        state_entries(env, id)
+            .iter()
+            .map(|p| format!("state entry {}", p.display())),
+    );
     l
 }
 

@@ -192,5 +192,6 @@ fn mkfifo(path: &Path) -> Result<()> {
 }
 
 fn path_str(p: Option<&Path>) -> String {
-    p.map(|p| p.to_string_lossy().into_owned()).unwrap_or_default()
+    p.map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }

@@ -22,8 +22,14 @@ async fn task_create_fails(name: &str, process: ProcessSpec, needle: &str) {
         .await
         .expect_err("task create must fail");
     assert!(err.grpc_code().is_some(), "not a gRPC error: {err}");
-    assert!(err.to_string().contains(needle), "error does not name {needle:?}: {err}");
-    let after = h.status(&id, "").await.expect_err("no task may exist after a failed create");
+    assert!(
+        err.to_string().contains(needle),
+        "error does not name {needle:?}: {err}"
+    );
+    let after = h
+        .status(&id, "")
+        .await
+        .expect_err("no task may exist after a failed create");
     assert_eq!(after.grpc_code(), Some(Code::NotFound), "{after}");
     drop(io);
     h.delete_container(&id).await.unwrap();
@@ -32,7 +38,12 @@ async fn task_create_fails(name: &str, process: ProcessSpec, needle: &str) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn missing_binary_fails_task_create() {
-    task_create_fails("missing_binary", ProcessSpec::new(&["/no/such/binary"]), "/no/such/binary").await;
+    task_create_fails(
+        "missing_binary",
+        ProcessSpec::new(&["/no/such/binary"]),
+        "/no/such/binary",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -52,7 +63,15 @@ async fn ctr_run_missing_binary_fails_cleanly() {
     let _g = h.guard(&[&id]);
     let out = h
         .ctr()
-        .run(&["run", "--rm", "--runtime", h.runtime(), &h.env.image, &id, "/no/such/binary"])
+        .run(&[
+            "run",
+            "--rm",
+            "--runtime",
+            h.runtime(),
+            &h.env.image,
+            &id,
+            "/no/such/binary",
+        ])
         .unwrap();
     assert_ne!(out.code(), 0, "{out:?}");
     assert!(out.stderr.contains("/no/such/binary"), "{out:?}");
@@ -69,7 +88,11 @@ async fn missing_cwd_is_created_like_runc() {
         .run_to_exit(&id, &ProcessSpec::new(&["pwd"]).cwd("/no/such/dir"))
         .await
         .unwrap();
-    assert_eq!((out.exit_status, out.stdout.as_str()), (0, "/no/such/dir\n"), "{out:?}");
+    assert_eq!(
+        (out.exit_status, out.stdout.as_str()),
+        (0, "/no/such/dir\n"),
+        "{out:?}"
+    );
     h.assert_no_leaks(&id).await;
 }
 
@@ -83,7 +106,10 @@ async fn exec_of_missing_binary_fails_and_leaves_task_running() {
         .unwrap();
     let io = h.stdio(&id, "bad", StdioOptions::default()).unwrap();
     // Exec only records the process; running it (Start) is where it fails.
-    let started = match h.exec(&id, "bad", &ProcessSpec::new(&["/no/such/binary"]), &io).await {
+    let started = match h
+        .exec(&id, "bad", &ProcessSpec::new(&["/no/such/binary"]), &io)
+        .await
+    {
         Err(e) => Err(e),
         Ok(()) => h.start(&id, "bad").await.map(|_| ()),
     };
@@ -92,7 +118,9 @@ async fn exec_of_missing_binary_fails_and_leaves_task_running() {
     let _ = h.delete_process(&id, "bad").await;
     assert_eq!(h.status(&id, "").await.unwrap().0, TaskStatus::Running);
     let mut ok = h.stdio(&id, "ok", StdioOptions::default()).unwrap();
-    h.exec(&id, "ok", &ProcessSpec::sh("echo fine"), &ok).await.unwrap();
+    h.exec(&id, "ok", &ProcessSpec::sh("echo fine"), &ok)
+        .await
+        .unwrap();
     h.start(&id, "ok").await.unwrap();
     assert_eq!(h.wait(&id, "ok", T).await.unwrap(), 0);
     assert_eq!(ok.stdout_string(T).unwrap(), "fine\n");

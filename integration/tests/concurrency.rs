@@ -24,14 +24,20 @@ async fn twenty_containers_at_once() {
     while let Some(joined) = set.join_next().await {
         let (i, id, out) = joined.expect("task panicked");
         match out {
-            Ok(o) if o.exit_status == (i % 5) as u32
-                && o.stdout == format!("hello-{i}\n")
-                && o.stderr == format!("err-{i}\n") => {}
+            Ok(o)
+                if o.exit_status == (i % 5) as u32
+                    && o.stdout == format!("hello-{i}\n")
+                    && o.stderr == format!("err-{i}\n") => {}
             Ok(o) => failures.push(format!("{id}: wrong result {o:?}")),
             Err(e) => failures.push(format!("{id}: {e}\n{}", h.log_excerpt(&id))),
         }
     }
-    assert!(failures.is_empty(), "{} of {CONTAINERS} failed:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} of {CONTAINERS} failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
     for id in &ids {
         h.assert_no_leaks(id).await;
     }

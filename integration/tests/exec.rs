@@ -11,15 +11,32 @@ const PROBE: &str = "echo out; echo err >&2; [ -t 1 ] && echo tty || echo notty;
 /// `ctr run -d` a container that just sleeps, for ctr exec tests.
 fn ctr_run_sleeper(h: &Harness, id: &str) {
     h.ctr()
-        .run(&["run", "-d", "--runtime", h.runtime(), &h.env.image, id, "sleep", "1000"])
+        .run(&[
+            "run",
+            "-d",
+            "--runtime",
+            h.runtime(),
+            &h.env.image,
+            id,
+            "sleep",
+            "1000",
+        ])
         .and_then(|o| o.ok())
         .unwrap();
 }
 
 fn ctr_remove(h: &Harness, id: &str) {
-    h.ctr().run(&["tasks", "kill", "-s", "SIGKILL", id]).unwrap().ok().unwrap();
+    h.ctr()
+        .run(&["tasks", "kill", "-s", "SIGKILL", id])
+        .unwrap()
+        .ok()
+        .unwrap();
     h.ctr().run(&["tasks", "rm", id]).unwrap().ok().unwrap();
-    h.ctr().run(&["containers", "rm", id]).unwrap().ok().unwrap();
+    h.ctr()
+        .run(&["containers", "rm", id])
+        .unwrap()
+        .ok()
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -53,12 +70,29 @@ async fn ctr_exec_with_tty() {
     ctr_run_sleeper(&h, &id);
     let out = h
         .ctr()
-        .run_in_pty(&["tasks", "exec", "-t", "--exec-id", "t1", &id, "sh", "-c", PROBE], T)
+        .run_in_pty(
+            &[
+                "tasks",
+                "exec",
+                "-t",
+                "--exec-id",
+                "t1",
+                &id,
+                "sh",
+                "-c",
+                PROBE,
+            ],
+            T,
+        )
         .unwrap();
     assert_eq!(out.code(), 5, "{out:?}");
     // One pty inside the container, one from `script`: lines end in \r\r\n, and stderr
     // shares the terminal.
-    let lines: Vec<&str> = out.stdout.lines().map(|l| l.trim_end_matches('\r')).collect();
+    let lines: Vec<&str> = out
+        .stdout
+        .lines()
+        .map(|l| l.trim_end_matches('\r'))
+        .collect();
     assert_eq!(&lines[..3], ["out", "err", "tty"], "{out:?}");
     ctr_remove(&h, &id);
     h.assert_no_leaks(&id).await;
@@ -74,7 +108,9 @@ async fn grpc_exec_without_tty() {
         .unwrap();
     let mut io = h.stdio(&id, "e1", StdioOptions::default()).unwrap();
     let mut exits = h.task_exits().await.unwrap();
-    h.exec(&id, "e1", &ProcessSpec::sh(PROBE), &io).await.unwrap();
+    h.exec(&id, "e1", &ProcessSpec::sh(PROBE), &io)
+        .await
+        .unwrap();
     assert_eq!(h.status(&id, "e1").await.unwrap().0, TaskStatus::Created);
     let pid = h.start(&id, "e1").await.unwrap();
     assert!(pid > 0);
@@ -103,7 +139,9 @@ async fn grpc_exec_with_tty() {
         terminal: true,
     };
     let mut io = h.stdio(&id, "t1", opts).unwrap();
-    h.exec(&id, "t1", &ProcessSpec::sh(PROBE), &io).await.unwrap();
+    h.exec(&id, "t1", &ProcessSpec::sh(PROBE), &io)
+        .await
+        .unwrap();
     h.start(&id, "t1").await.unwrap();
     assert_eq!(h.wait(&id, "t1", T).await.unwrap(), 5);
     h.close_stdin(&id, "t1").await.unwrap();

@@ -29,7 +29,11 @@ async fn leak_checks_see_a_live_container() {
         "mount",
         "state entry",
     ] {
-        assert!(has(what), "leak check misses {what:?} of a live container; saw:\n{}", l.join("\n"));
+        assert!(
+            has(what),
+            "leak check misses {what:?} of a live container; saw:\n{}",
+            l.join("\n")
+        );
     }
     // runc's own state for the container, where this runtime keeps it.
     let runc_root = match h.runtime() {

@@ -24,8 +24,15 @@ async fn ctr_run_reports_stdout_and_exit_code() {
     let out = h
         .ctr()
         .run(&[
-            "run", "--rm", "--runtime", h.runtime(), &h.env.image, &id,
-            "sh", "-c", "echo hi; echo oops >&2; exit 3",
+            "run",
+            "--rm",
+            "--runtime",
+            h.runtime(),
+            &h.env.image,
+            &id,
+            "sh",
+            "-c",
+            "echo hi; echo oops >&2; exit 3",
         ])
         .unwrap();
     assert_eq!(out.code(), 3, "{out:?}");
@@ -72,12 +79,17 @@ async fn deleting_a_running_task_fails_cleanly() {
         .unwrap();
     // The stock shim answers Unknown ("cannot delete a running process"); the code is not
     // part of the contract, refusing is.
-    let err = h.delete_task(&id).await.expect_err("deleting a running task must fail");
+    let err = h
+        .delete_task(&id)
+        .await
+        .expect_err("deleting a running task must fail");
     assert!(refused(&err), "{err}");
     // The refused delete changed nothing: the task still runs and still takes execs.
     assert_eq!(h.status(&id, "").await.unwrap().0, TaskStatus::Running);
     let mut io = h.stdio(&id, "probe", StdioOptions::default()).unwrap();
-    h.exec(&id, "probe", &ProcessSpec::sh("echo alive"), &io).await.unwrap();
+    h.exec(&id, "probe", &ProcessSpec::sh("echo alive"), &io)
+        .await
+        .unwrap();
     h.start(&id, "probe").await.unwrap();
     assert_eq!(h.wait(&id, "probe", T).await.unwrap(), 0);
     assert_eq!(io.stdout_string(T).unwrap(), "alive\n");
@@ -96,12 +108,17 @@ async fn exec_delete_reports_status_and_refuses_running_execs() {
         .unwrap();
 
     let done = h.stdio(&id, "done", StdioOptions::default()).unwrap();
-    h.exec(&id, "done", &ProcessSpec::sh("exit 4"), &done).await.unwrap();
+    h.exec(&id, "done", &ProcessSpec::sh("exit 4"), &done)
+        .await
+        .unwrap();
     h.start(&id, "done").await.unwrap();
     assert_eq!(h.wait(&id, "done", T).await.unwrap(), 4);
     assert_eq!(h.status(&id, "done").await.unwrap().0, TaskStatus::Stopped);
     assert_eq!(h.delete_process(&id, "done").await.unwrap(), 4);
-    let gone = h.delete_process(&id, "done").await.expect_err("exec was deleted");
+    let gone = h
+        .delete_process(&id, "done")
+        .await
+        .expect_err("exec was deleted");
     assert_eq!(gone.grpc_code(), Some(Code::NotFound), "{gone}");
 
     let busy = h.stdio(&id, "busy", StdioOptions::default()).unwrap();

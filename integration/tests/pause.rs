@@ -8,7 +8,11 @@ use crab_integration::{Harness, ProcessSpec, TaskStatus};
 const T: Duration = Duration::from_secs(30);
 
 fn counter(pid: u32) -> Option<u64> {
-    host::read_in_root(pid, "/tmp/count").ok()?.trim().parse().ok()
+    host::read_in_root(pid, "/tmp/count")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// The counter after it has had `d` to advance.
@@ -34,7 +38,10 @@ async fn pause_freezes_and_resume_thaws() {
     let _g = h.guard(&[&id]);
     // Written to a temp name and renamed, so a reader never sees a half-written number.
     let script = "i=0; while :; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/count; sleep 0.02; done";
-    let pid = h.start_detached(&id, &ProcessSpec::sh(script)).await.unwrap();
+    let pid = h
+        .start_detached(&id, &ProcessSpec::sh(script))
+        .await
+        .unwrap();
     eventually(T, || counter(pid).filter(|c| *c >= 3)).expect("counter never advanced");
 
     // Pause through ctr, observe through gRPC and ctr.
@@ -50,7 +57,10 @@ async fn pause_freezes_and_resume_thaws() {
     h.wait_status(&id, TaskStatus::Running, T).await.unwrap();
     assert_eq!(ctr_status(&h, &id), "RUNNING");
     let moved = counter_after(pid, Duration::from_millis(500)).await;
-    assert!(moved > still, "counter did not advance after resume ({still} -> {moved})");
+    assert!(
+        moved > still,
+        "counter did not advance after resume ({still} -> {moved})"
+    );
 
     // Pause and resume through gRPC as well.
     h.pause(&id).await.unwrap();

@@ -42,15 +42,24 @@ async fn killed_shim_is_cleaned_up_by_containerd() {
 
     let mut exits = h.task_exits().await.unwrap();
     // SAFETY: kill(2) on a pid we just found; a race with its exit only makes this fail.
-    assert_eq!(unsafe { libc::kill(shim.pid, libc::SIGKILL) }, 0, "kill shim {shim}");
+    assert_eq!(
+        unsafe { libc::kill(shim.pid, libc::SIGKILL) },
+        0,
+        "kill shim {shim}"
+    );
 
     // containerd notices the lost connection, runs `<shim> delete`, and publishes the exit.
     let exit = exits.next_for(&id, "", T).await.unwrap_or_else(|e| {
-        panic!("no exit event after the shim died: {e}\n{}", h.log_excerpt(&id))
+        panic!(
+            "no exit event after the shim died: {e}\n{}",
+            h.log_excerpt(&id)
+        )
     });
     assert_eq!(exit.exit_status, 137, "{exit:?}");
     assert_eq!(exit.pid, init, "{exit:?}");
-    let gone = eventually(T, || host::container_processes(&id).is_empty().then_some(()));
+    let gone = eventually(T, || {
+        host::container_processes(&id).is_empty().then_some(())
+    });
     assert!(
         gone.is_some(),
         "container processes survived the shim ({processes:?}): {:?}\n{}",
@@ -70,6 +79,10 @@ async fn killed_shim_is_cleaned_up_by_containerd() {
         rm.status.success() || rm.stderr.contains("not found"),
         "ctr tasks rm: {rm:?}"
     );
-    h.ctr().run(&["containers", "rm", &id]).unwrap().ok().unwrap();
+    h.ctr()
+        .run(&["containers", "rm", &id])
+        .unwrap()
+        .ok()
+        .unwrap();
     h.assert_no_leaks(&id).await;
 }

@@ -30,8 +30,11 @@ async fn sigterm_reaches_init_handler() {
     let id = h.unique_id("sigterm_init_trap");
     let _g = h.guard(&[&id]);
     // PID 1 ignores signals it has no handler for, so the shell installs one.
-    let script = "trap 'echo got-term; exit 42' TERM; touch /tmp/ready; while :; do sleep 0.1; done";
-    h.create_container(&id, &ProcessSpec::sh(script)).await.unwrap();
+    let script =
+        "trap 'echo got-term; exit 42' TERM; touch /tmp/ready; while :; do sleep 0.1; done";
+    h.create_container(&id, &ProcessSpec::sh(script))
+        .await
+        .unwrap();
     let mut io = h.stdio(&id, "init", StdioOptions::default()).unwrap();
     let pid = h.create_task(&id, Some(&io)).await.unwrap();
     h.start(&id, "").await.unwrap();
@@ -72,35 +75,63 @@ async fn ctr_kill_all_reaps_background_children() {
     let _g = h.guard(&[&id]);
     let ctr = h.ctr();
     ctr.run(&[
-        "run", "-d", "--runtime", h.runtime(), &h.env.image, &id,
-        "sh", "-c", "sleep 1001 & sleep 1002 & wait",
+        "run",
+        "-d",
+        "--runtime",
+        h.runtime(),
+        &h.env.image,
+        &id,
+        "sh",
+        "-c",
+        "sleep 1001 & sleep 1002 & wait",
     ])
     .unwrap()
     .ok()
     .unwrap();
     // An exec that leaves background children behind (they outlive the exec).
-    ctr.run(&["tasks", "exec", "--exec-id", "bg", &id, "sh", "-c", "sleep 1003 >/dev/null 2>&1 </dev/null &"])
-        .unwrap()
-        .ok()
-        .unwrap();
+    ctr.run(&[
+        "tasks",
+        "exec",
+        "--exec-id",
+        "bg",
+        &id,
+        "sh",
+        "-c",
+        "sleep 1003 >/dev/null 2>&1 </dev/null &",
+    ])
+    .unwrap()
+    .ok()
+    .unwrap();
     let before = eventually(T, || {
         let p = host::container_processes(&id);
         (p.len() >= 4).then_some(p)
     })
-    .unwrap_or_else(|| panic!("expected init + 3 sleeps, found {:?}", host::container_processes(&id)));
+    .unwrap_or_else(|| {
+        panic!(
+            "expected init + 3 sleeps, found {:?}",
+            host::container_processes(&id)
+        )
+    });
 
     // ctr tasks ps (ListPids) sees every one of them.
     let ps = ctr.run(&["tasks", "ps", &id]).unwrap().ok().unwrap();
     for p in &before {
         assert!(
-            ps.stdout.lines().any(|l| l.split_whitespace().next() == Some(&p.pid.to_string())),
+            ps.stdout
+                .lines()
+                .any(|l| l.split_whitespace().next() == Some(&p.pid.to_string())),
             "ctr tasks ps misses {p}: {:?}",
             ps.stdout
         );
     }
 
-    ctr.run(&["tasks", "kill", "--all", "-s", "SIGKILL", &id]).unwrap().ok().unwrap();
-    let left = eventually(T, || host::container_processes(&id).is_empty().then_some(()));
+    ctr.run(&["tasks", "kill", "--all", "-s", "SIGKILL", &id])
+        .unwrap()
+        .ok()
+        .unwrap();
+    let left = eventually(T, || {
+        host::container_processes(&id).is_empty().then_some(())
+    });
     assert!(
         left.is_some(),
         "kill --all left {:?} (had {before:?})",
@@ -108,7 +139,11 @@ async fn ctr_kill_all_reaps_background_children() {
     );
     assert_eq!(h.wait(&id, "", T).await.unwrap(), 137);
     let ls = ctr.run(&["tasks", "ls"]).unwrap().ok().unwrap();
-    let line = ls.stdout.lines().find(|l| l.starts_with(&format!("{id} "))).unwrap_or_default();
+    let line = ls
+        .stdout
+        .lines()
+        .find(|l| l.starts_with(&format!("{id} ")))
+        .unwrap_or_default();
     assert!(line.contains("STOPPED"), "ctr tasks ls: {:?}", ls.stdout);
     ctr.run(&["tasks", "rm", &id]).unwrap().ok().unwrap();
     ctr.run(&["containers", "rm", &id]).unwrap().ok().unwrap();

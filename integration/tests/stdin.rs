@@ -20,8 +20,15 @@ async fn ctr_run_passes_piped_stdin() {
         .ctr()
         .run_with(
             &[
-                "run", "--rm", "--runtime", h.runtime(), &h.env.image, &id,
-                "sh", "-c", "read a; read b; echo \"got:$a:$b\"",
+                "run",
+                "--rm",
+                "--runtime",
+                h.runtime(),
+                &h.env.image,
+                &id,
+                "sh",
+                "-c",
+                "read a; read b; echo \"got:$a:$b\"",
             ],
             Some(b"hello\nworld\n"),
             T,
@@ -37,7 +44,9 @@ async fn grpc_close_stdin_ends_cat() {
     let h = Harness::for_test().await;
     let id = h.unique_id("grpc_stdin_cat");
     let _g = h.guard(&[&id]);
-    h.create_container(&id, &ProcessSpec::new(&["cat"])).await.unwrap();
+    h.create_container(&id, &ProcessSpec::new(&["cat"]))
+        .await
+        .unwrap();
     let opts = StdioOptions {
         stdin: true,
         terminal: false,
@@ -45,7 +54,9 @@ async fn grpc_close_stdin_ends_cat() {
     let mut io = h.stdio(&id, "init", opts).unwrap();
     h.create_task(&id, Some(&io)).await.unwrap();
     h.start(&id, "").await.unwrap();
-    let data: Vec<u8> = (0..20_000).flat_map(|i| format!("line {i}\n").into_bytes()).collect();
+    let data: Vec<u8> = (0..20_000)
+        .flat_map(|i| format!("line {i}\n").into_bytes())
+        .collect();
     io.write_stdin(&data, T).unwrap();
     // Our writer is closed, but cat must keep running until CloseIO.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -55,7 +66,10 @@ async fn grpc_close_stdin_ends_cat() {
     );
     h.close_stdin(&id, "").await.unwrap();
     assert_eq!(h.wait(&id, "", T).await.unwrap(), 0);
-    assert!(io.stdout(T).unwrap() == data, "cat's output differs from its input");
+    assert!(
+        io.stdout(T).unwrap() == data,
+        "cat's output differs from its input"
+    );
     assert_eq!(h.delete_task(&id).await.unwrap(), 0);
     h.delete_container(&id).await.unwrap();
     h.assert_no_leaks(&id).await;
@@ -74,7 +88,9 @@ async fn grpc_exec_stdin_and_close() {
         terminal: false,
     };
     let mut io = h.stdio(&id, "wc", opts).unwrap();
-    h.exec(&id, "wc", &ProcessSpec::sh("wc -l; exit 9"), &io).await.unwrap();
+    h.exec(&id, "wc", &ProcessSpec::sh("wc -l; exit 9"), &io)
+        .await
+        .unwrap();
     h.start(&id, "wc").await.unwrap();
     io.write_stdin(b"a\nb\nc\n", T).unwrap();
     h.close_stdin(&id, "wc").await.unwrap();

@@ -45,10 +45,18 @@ async fn no_orphaned_shims_mounts_cgroups_or_fifos() {
         }
     }
 
-    let task_dir = h.env.containerd_state().join("io.containerd.runtime.v2.task");
+    let task_dir = h
+        .env
+        .containerd_state()
+        .join("io.containerd.runtime.v2.task");
     for m in host::mountinfo() {
-        let Ok(rel) = m.mount_point.strip_prefix(&task_dir) else { continue };
-        let parts: Vec<String> = rel.iter().map(|c| c.to_string_lossy().into_owned()).collect();
+        let Ok(rel) = m.mount_point.strip_prefix(&task_dir) else {
+            continue;
+        };
+        let parts: Vec<String> = rel
+            .iter()
+            .map(|c| c.to_string_lossy().into_owned())
+            .collect();
         if let [ns, id, ..] = parts.as_slice() {
             if !live_tasks.contains(&(ns.clone(), id.clone())) {
                 problems.push(format!("mount without a task: {}", m.line));
@@ -61,13 +69,24 @@ async fn no_orphaned_shims_mounts_cgroups_or_fifos() {
     // cgroups named like this suite's containers count (live ones are caught per test).
     for root in host::cgroup_mounts() {
         for ns in &inventory {
-            let Ok(rd) = fs::read_dir(root.join(&ns.name)) else { continue };
-            for e in rd.flatten().filter(|e| e.file_type().is_ok_and(|t| t.is_dir())) {
+            let Ok(rd) = fs::read_dir(root.join(&ns.name)) else {
+                continue;
+            };
+            for e in rd
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            {
                 let id = e.file_name().to_string_lossy().into_owned();
                 let empty = fs::read_to_string(e.path().join("cgroup.procs"))
                     .is_ok_and(|p| p.trim().is_empty());
-                if id.starts_with("it-") && empty && !containers.contains(&(ns.name.clone(), id.clone())) {
-                    problems.push(format!("cgroup without a container: {}", e.path().display()));
+                if id.starts_with("it-")
+                    && empty
+                    && !containers.contains(&(ns.name.clone(), id.clone()))
+                {
+                    problems.push(format!(
+                        "cgroup without a container: {}",
+                        e.path().display()
+                    ));
                 }
             }
         }
@@ -78,13 +97,24 @@ async fn no_orphaned_shims_mounts_cgroups_or_fifos() {
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             let nested: Vec<String> = fs::read_dir(e.path())
-                .map(|r| r.flatten().map(|f| f.file_name().to_string_lossy().into_owned()).collect())
+                .map(|r| {
+                    r.flatten()
+                        .map(|f| f.file_name().to_string_lossy().into_owned())
+                        .collect()
+                })
                 .unwrap_or_default();
             if name.starts_with("it-") || nested.iter().any(|n| n.starts_with("it-")) {
-                problems.push(format!("test FIFOs left behind: {} {nested:?}", e.path().display()));
+                problems.push(format!(
+                    "test FIFOs left behind: {} {nested:?}",
+                    e.path().display()
+                ));
             }
         }
     }
 
-    assert!(problems.is_empty(), "host not clean after the suite:\n  {}", problems.join("\n  "));
+    assert!(
+        problems.is_empty(),
+        "host not clean after the suite:\n  {}",
+        problems.join("\n  ")
+    );
 }

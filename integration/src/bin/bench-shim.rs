@@ -66,11 +66,11 @@ fn iterations() -> usize {
     }
     match n {
         None => 20,
-        Some(s) => s
-            .parse()
-            .ok()
-            .filter(|n| *n > 0)
-            .unwrap_or_else(|| die(&format!("iterations must be a positive integer, got {s:?}"))),
+        Some(s) => {
+            s.parse().ok().filter(|n| *n > 0).unwrap_or_else(|| {
+                die(&format!("iterations must be a positive integer, got {s:?}"))
+            })
+        }
     }
 }
 
@@ -92,7 +92,9 @@ async fn run_once(h: &Harness, id: &str) -> crab_integration::Result<(Duration, 
     let delete = t1.elapsed();
     h.delete_container(id).await?;
     if status != 0 {
-        return Err(crab_integration::Error::Protocol(format!("`true` exited {status}")));
+        return Err(crab_integration::Error::Protocol(format!(
+            "`true` exited {status}"
+        )));
     }
     Ok((run, delete))
 }
@@ -101,13 +103,16 @@ async fn run_once(h: &Harness, id: &str) -> crab_integration::Result<(Duration, 
 async fn exec_once(h: &Harness, id: &str, exec_id: &str) -> crab_integration::Result<Duration> {
     let io = h.stdio(id, exec_id, Default::default())?;
     let t0 = Instant::now();
-    h.exec(id, exec_id, &ProcessSpec::new(&["true"]), &io).await?;
+    h.exec(id, exec_id, &ProcessSpec::new(&["true"]), &io)
+        .await?;
     h.start(id, exec_id).await?;
     let status = h.wait(id, exec_id, STEP_TIMEOUT).await?;
     h.delete_process(id, exec_id).await?;
     let d = t0.elapsed();
     if status != 0 {
-        return Err(crab_integration::Error::Protocol(format!("exec `true` exited {status}")));
+        return Err(crab_integration::Error::Protocol(format!(
+            "exec `true` exited {status}"
+        )));
     }
     Ok(d)
 }
@@ -126,7 +131,9 @@ async fn main() {
         .filter(|s| !s.is_empty())
         .map(|s| s.split(',').map(|r| r.trim().to_string()).collect())
         .unwrap_or_else(|| vec![CRAB.into(), RUNC.into()]);
-    let base = Harness::connect().await.unwrap_or_else(|e| die(&e.to_string()));
+    let base = Harness::connect()
+        .await
+        .unwrap_or_else(|e| die(&e.to_string()));
     // measure() owns the cleanup guard, so its containers are gone by the time we exit.
     match measure(&base, &runtimes, n).await {
         Ok(samples) => report(n, &runtimes, &samples, &base),
@@ -143,7 +150,8 @@ async fn measure(base: &Harness, runtimes: &[String], n: usize) -> Result<Vec<Sa
         .iter()
         .map(|r| format!("bench-{}-exec-{pid}", short(r)))
         .collect();
-    let mut guard: CleanupGuard = base.guard(&sleepers.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut guard: CleanupGuard =
+        base.guard(&sleepers.iter().map(String::as_str).collect::<Vec<_>>());
     for (h, id) in harnesses.iter().zip(&sleepers) {
         h.start_detached(id, &ProcessSpec::new(&["sleep", "100000"]))
             .await
@@ -158,7 +166,10 @@ async fn measure(base: &Harness, runtimes: &[String], n: usize) -> Result<Vec<Sa
     }
 
     let mut samples: Vec<Samples> = runtimes.iter().map(|_| Samples::new()).collect();
-    eprintln!("bench-shim: {n} iterations (+1 warm-up) x {} runtimes", runtimes.len());
+    eprintln!(
+        "bench-shim: {n} iterations (+1 warm-up) x {} runtimes",
+        runtimes.len()
+    );
     for iter in 0..=n {
         let mut order: Vec<usize> = (0..runtimes.len()).collect();
         if iter % 2 == 1 {
@@ -200,7 +211,9 @@ fn report(n: usize, runtimes: &[String], samples: &[Samples], h: &Harness) {
         .unwrap_or_default()
         .trim()
         .to_string();
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
 
     let mut md = String::new();
     let _ = writeln!(
@@ -222,9 +235,7 @@ fn report(n: usize, runtimes: &[String], samples: &[Samples], h: &Harness) {
                 "| {metric} | {rt} | {:.2} | {:.2} | {:.2} | {:.2} |",
                 s.min, s.p50, s.p95, s.mean
             );
-            let entry = by_runtime
-                .entry(rt.clone())
-                .or_insert_with(|| json!({}));
+            let entry = by_runtime.entry(rt.clone()).or_insert_with(|| json!({}));
             entry[metric] = json!({
                 "min_ms": s.min, "p50_ms": s.p50, "p95_ms": s.p95, "mean_ms": s.mean,
                 "samples_ms": samples[r][metric].iter().copied().map(ms).collect::<Vec<_>>(),
@@ -234,7 +245,10 @@ fn report(n: usize, runtimes: &[String], samples: &[Samples], h: &Harness) {
     }
     let mut ratios = serde_json::Map::new();
     if runtimes.iter().any(|r| r == CRAB) && runtimes.iter().any(|r| r == RUNC) {
-        let _ = writeln!(md, "\n| metric | crab/runc min | crab/runc p50 | crab/runc p95 |\n|---|---:|---:|---:|");
+        let _ = writeln!(
+            md,
+            "\n| metric | crab/runc min | crab/runc p50 | crab/runc p95 |\n|---|---:|---:|---:|"
+        );
         for metric in METRICS {
             let (c, r) = (&table[&(metric, CRAB)], &table[&(metric, RUNC)]);
             let (min, p50, p95) = (c.min / r.min, c.p50 / r.p50, c.p95 / r.p95);
@@ -272,7 +286,10 @@ fn report(n: usize, runtimes: &[String], samples: &[Samples], h: &Harness) {
         Ok(())
     };
     match write() {
-        Ok(()) => eprintln!("bench-shim: results in {}/shim-{now}.{{json,md}}", dir.display()),
+        Ok(()) => eprintln!(
+            "bench-shim: results in {}/shim-{now}.{{json,md}}",
+            dir.display()
+        ),
         Err(e) => die(&format!("writing results to {}: {e}", dir.display())),
     }
 }
