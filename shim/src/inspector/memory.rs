@@ -1,1 +1,973 @@
-//! (being written)
+//! Exact memory images of a process: page hashes of the memory a checkpoint would have to store,
+//! so that two images compare equal exactly when no byte of that memory changed.
+//!
+//! These kernels have no soft-dirty bits, so "did this process change its memory since the mark?"
+//! is answered by hashing (xxh3-64) every page that holds process-private data and comparing with
+//! the hashes taken at the mark.
+//!
+//! # What is covered
+//! Every mapping whose contents live only in the process's memory (what CRIU dumps as pages):
+//! - **private anonymous** mappings of any protection: heap, stacks, `mmap(MAP_PRIVATE|MAP_ANONYMOUS)`,
+//!   `[anon:name]`. Read-only and `PROT_NONE` ones are included: JITs and GCs write pages and then
+//!   mprotect them, so leaving them out would miss changes.
+//! - **private file mappings**, again of any protection (library `.data`, RELRO, executables):
+//!   only their copy-on-write pages are process memory; a page that was never written is the file's
+//!   content, which is the filesystem side's business (the fs diff, and `procs::held_files` for
+//!   files a process holds). The pagemap tells them apart, so `.data`/`.bss` of libraries are
+//!   covered without hashing the libraries' code.
+//! - **shared memory that is no file the fs side sees**: shared anonymous mappings, memfd, SysV
+//!   shm, and shared mappings of tmpfs/hugetlbfs files (e.g. `/dev/shm`). Their contents are read
+//!   from the shmem object itself (through `/proc/PID/map_files`), skipping holes, so pages another
+//!   process wrote are seen and untouched ranges are not faulted in.
+//! - Other **shared file mappings** contribute their layout only (range, offset, file): their pages
+//!   are the file, written back to it.
+//! - `[vdso]`, `[vvar]`, `[vsyscall]` and other kernel-provided mappings are left out.
+//!
+//! # Pages never touched (zero-page handling)
+//! Pages are compared by *content*, keyed by virtual address. A page that was never faulted in reads
+//! as zeros (anonymous/shmem) or as the file (private file mapping), so a region's image lists only
+//! pages that differ from that default: anonymous pages that are not all-zero, and copy-on-write
+//! pages of file mappings. Consequences:
+//! - an untouched page and a page touched but still all-zero are equal. That is right for restore:
+//!   restoring the older image yields the same bytes. It also keeps spontaneous kernel activity
+//!   (khugepaged collapsing a range into a THP, which makes untouched pages present-with-zeros;
+//!   KSM; swapping) from showing up as a change.
+//! - pages mapped to the shared zero page (read but never written) are not read at all.
+//! - a changed mapping layout (new/removed/moved/resized mapping, changed protection or backing)
+//!   counts as added/removed/changed pages even where the pages themselves hold zeros: an older
+//!   image without that mapping does not restore the process as it is now.
+//!
+//! # Beyond memory
+//! A process's image is more than its pages, so the image also records cheap, stable kernel-side
+//! state: threads (tid, start time, the syscall each is blocked in with its arguments, stack and
+//! instruction pointers, signal masks, credentials), open fds (target and `fdinfo` such as file
+//! position), cwd and root. A process that only opened a file or changed its signal mask between two
+//! marks compares unequal too. Registers other than those in `/proc/PID/syscall` cannot be read
+//! without ptrace and are not compared.
+//!
+//! # Consistency
+//! Capturing a *running* process reads a moving target: the image is a best-effort snapshot and will
+//! most likely differ from the next one. Capture frozen processes (cgroup freezer) or blocked ones.
+//!
+//! Reading uses `process_vm_readv` in batches (falling back to `/proc/PID/mem` page by page when
+//! it fails, which also reads `PROT_NONE` pages) and the `PAGEMAP_SCAN` ioctl (Linux 6.7+, falling
+//! back to reading `/proc/PID/pagemap`) to find pages that are present or swapped. Work is spread
+//! over the machine's cores. Pages that cannot be read are recorded and always count as changed.
+//! Hash collisions (2^-64 per page pair) are the only inexactness.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::procs::{self, MapsLine, ProcError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum MemError {
+    /// The process exited (or its pid was recycled) before or while it was captured.
+    #[error("process {0} is gone")]
+    Gone(u32),
+    #[error("{what} of process {pid}: {source}")]
+    Io {
+        pid: u32,
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error(transparent)]
+    Proc(ProcError),
+}
+
+impl From<ProcError> for MemError {
+    fn from(e: ProcError) -> Self {
+        match e {
+            ProcError::Gone(pid) => MemError::Gone(pid),
+            e => MemError::Proc(e),
+        }
+    }
+}
+
+fn io_err(pid: u32, what: impl Into<String>) -> impl FnOnce(io::Error) -> MemError {
+    let what = what.into();
+    move |source| {
+        if source.kind() == io::ErrorKind::NotFound || source.raw_os_error() == Some(libc::ESRCH) {
+            MemError::Gone(pid)
+        } else {
+            MemError::Io { pid, what, source }
+        }
+    }
+}
+
+/// Page hash recorded for a page that could not be read; it compares unequal to everything.
+const UNREADABLE: u64 = u64::MAX;
+
+pub fn page_size() -> u64 {
+    static PS: OnceLock<u64> = OnceLock::new();
+    // SAFETY: sysconf has no preconditions.
+    *PS.get_or_init(|| unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64)
+}
+
+fn zero_hash() -> u64 {
+    static ZH: OnceLock<u64> = OnceLock::new();
+    *ZH.get_or_init(|| xxh3_64(&vec![0u8; page_size() as usize]))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RegionKind {
+    /// Private anonymous: heap, stacks, anonymous mmaps. Default page content: zeros.
+    Anon,
+    /// Private file mapping. Default page content: the file's; listed pages are copy-on-write ones.
+    FilePrivate,
+    /// Shared anonymous, memfd, SysV shm, tmpfs/hugetlbfs files. Default page content: zeros.
+    Shmem,
+    /// Shared mapping of a regular file: layout only.
+    SharedFile,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Region {
+    pub start: u64,
+    pub end: u64,
+    /// "rw-p" etc.
+    pub perms: String,
+    /// File offset in bytes (maps field 3).
+    pub offset: u64,
+    pub dev: String,
+    pub inode: u64,
+    /// Path or pseudo name from maps ("[heap]", "/usr/lib/x.so", "" for anonymous).
+    pub name: String,
+    pub kind: RegionKind,
+    /// `(page address, xxh3-64)` of the pages whose content differs from the kind's default,
+    /// sorted by address. Empty for `SharedFile`.
+    pub pages: Vec<(u64, u64)>,
+}
+
+impl Region {
+    pub fn page_count(&self) -> u64 {
+        (self.end - self.start) / page_size()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ThreadState {
+    pub tid: u32,
+    pub start_time: u64,
+    pub comm: String,
+    /// `/proc/PID/task/TID/syscall`: syscall number, arguments, sp, pc (or "running").
+    pub syscall: String,
+    /// Signal masks, pending signals, credentials, capabilities, seccomp (from status).
+    pub status: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct FdState {
+    pub fd: i32,
+    pub target: String,
+    /// `fdinfo` lines (position, flags, epoll/inotify/eventfd state), minus timerfd's
+    /// remaining time which changes by itself.
+    pub info: Vec<String>,
+}
+
+/// Kernel-side process state that is cheap to read and stable while the process does nothing.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ProcState {
+    pub threads: Vec<ThreadState>,
+    pub fds: Vec<FdState>,
+    pub cwd: String,
+    pub root: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CaptureStats {
+    /// Pages read and hashed.
+    pub pages_read: u64,
+    pub unreadable_pages: u64,
+    /// Pages covered by the image's regions (untouched ones included).
+    pub covered_pages: u64,
+    /// Whether the PAGEMAP_SCAN ioctl was available (else /proc/PID/pagemap was read).
+    pub pagemap_scan: bool,
+    pub threads_used: usize,
+    pub elapsed: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryImage {
+    pub pid: u32,
+    pub start_time: u64,
+    pub regions: Vec<Region>,
+    pub state: ProcState,
+    pub stats: CaptureStats,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct CaptureOptions {
+    /// Reader/hasher threads; 0 = the number of CPUs.
+    pub threads: usize,
+}
+
+impl Default for CaptureOptions {
+    fn default() -> Self {
+        CaptureOptions { threads: 0 }
+    }
+}
+
+/// Captures the memory image of process `pid` (see the module docs for what is covered).
+pub fn capture(pid: u32) -> Result<MemoryImage, MemError> {
+    capture_with(pid, &CaptureOptions::default())
+}
+
+pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemError> {
+    let t0 = Instant::now();
+    let (_, start_time) = procs::identity(pid)?.ok_or(MemError::Gone(pid))?;
+    let ps = page_size();
+    let maps = procs::read_maps(pid)?;
+    let pagemap = File::open(format!("/proc/{pid}/pagemap")).map_err(io_err(pid, "open pagemap"))?;
+    let mem = File::open(format!("/proc/{pid}/mem")).map_err(io_err(pid, "open mem"))?;
+    let mut scanner = PresenceScanner::new(pid, &pagemap);
+
+    let mut regions: Vec<Region> = Vec::with_capacity(maps.len());
+    let mut jobs: Vec<Job> = Vec::new();
+    let mut stats = CaptureStats::default();
+    let mut buf = vec![0u8; SHMEM_CHUNK];
+
+    for m in &maps {
+        let Some(kind) = classify(pid, m) else { continue };
+        let mut region = Region {
+            start: m.start,
+            end: m.end,
+            perms: String::from_utf8_lossy(&m.perms).into_owned(),
+            offset: m.offset,
+            dev: m.dev.clone(),
+            inode: m.inode,
+            name: String::from_utf8_lossy(&m.path).into_owned(),
+            kind,
+            pages: Vec::new(),
+        };
+        let idx = regions.len();
+        match kind {
+            RegionKind::SharedFile => {}
+            RegionKind::Anon | RegionKind::FilePrivate => {
+                for (s, e, cats) in scanner.scan(m.start, m.end)? {
+                    if cats & PAGE_IS_PFNZERO != 0 {
+                        // Mapped to the zero page: zeros, no need to read.
+                        if kind == RegionKind::FilePrivate {
+                            let mut va = s;
+                            while va < e {
+                                region.pages.push((va, zero_hash()));
+                                va += ps;
+                            }
+                        }
+                        continue;
+                    }
+                    let private_copy = cats & PAGE_IS_SWAPPED != 0 || cats & PAGE_IS_FILE == 0;
+                    if kind == RegionKind::FilePrivate && !private_copy {
+                        continue; // the file's own page
+                    }
+                    push_jobs(&mut jobs, idx, s, e);
+                }
+            }
+            RegionKind::Shmem => match File::open(map_files_path(pid, m)) {
+                Ok(f) => {
+                    stats.pages_read += hash_shmem(&f, m, &mut region.pages, &mut buf);
+                }
+                // Without map_files, read through the process (faults holes in; rare).
+                Err(e) => {
+                    log::debug!("pid {pid}: map_files for {:x}: {e}; reading via the process", m.start);
+                    push_jobs(&mut jobs, idx, m.start, m.end);
+                }
+            },
+        }
+        stats.covered_pages += region.page_count();
+        regions.push(region);
+    }
+    stats.pagemap_scan = scanner.ioctl_ok;
+
+    // Read and hash the pages of the jobs, spread over threads by page count.
+    let total: u64 = jobs.iter().map(|j| j.npages).sum();
+    let threads = match opts.threads {
+        0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        n => n,
+    }
+    .clamp(1, 16);
+    let threads = if total < 2048 { 1 } else { threads };
+    stats.threads_used = threads;
+    let mut out = vec![0u64; total as usize];
+    let mut shares: Vec<(&[Job], &mut [u64])> = Vec::new();
+    {
+        let mut rest_jobs: &[Job] = &jobs;
+        let mut rest_out: &mut [u64] = &mut out;
+        let mut done = 0u64;
+        for t in 0..threads {
+            let target = total * (t as u64 + 1) / threads as u64;
+            let (mut n, mut pages) = (0usize, 0u64);
+            while n < rest_jobs.len() && (done + pages < target || t == threads - 1) {
+                pages += rest_jobs[n].npages;
+                n += 1;
+            }
+            let (j, jr) = rest_jobs.split_at(n);
+            let (o, or) = std::mem::take(&mut rest_out).split_at_mut(pages as usize);
+            shares.push((j, o));
+            rest_jobs = jr;
+            rest_out = or;
+            done += pages;
+        }
+    }
+    let results: Vec<Result<u64, MemError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = shares
+            .into_iter()
+            .map(|(j, o)| {
+                let mem = &mem;
+                s.spawn(move || read_jobs(pid, mem, j, o))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("reader thread panicked")).collect()
+    });
+    for r in results {
+        stats.unreadable_pages += r?;
+    }
+    stats.pages_read += total;
+
+    let zh = zero_hash();
+    let mut k = 0usize;
+    for job in &jobs {
+        let region = &mut regions[job.region];
+        for i in 0..job.npages {
+            let h = out[k];
+            k += 1;
+            if h == zh && region.kind != RegionKind::FilePrivate {
+                continue; // same as untouched
+            }
+            region.pages.push((job.va + i * ps, h));
+        }
+    }
+    for r in &mut regions {
+        r.pages.sort_unstable_by_key(|p| p.0);
+    }
+
+    let state = capture_state(pid)?;
+    // Everything above must belong to one process: a recycled pid would mix two.
+    if procs::identity(pid)?.map(|i| i.1) != Some(start_time) {
+        return Err(MemError::Gone(pid));
+    }
+    stats.elapsed = t0.elapsed();
+    Ok(MemoryImage {
+        pid,
+        start_time,
+        regions,
+        state,
+        stats,
+    })
+}
+
+/// Which kind of region a maps line is, or `None` to leave it out.
+fn classify(pid: u32, m: &MapsLine) -> Option<RegionKind> {
+    let path = &m.path[..];
+    if path.starts_with(b"[")
+        && !(path == b"[heap]"
+            || path.starts_with(b"[stack")
+            || path.starts_with(b"[anon:")
+            || path.starts_with(b"[anon_shmem:"))
+    {
+        // [vdso], [vvar], [vvar_vclock], [vsyscall], [uprobes], ...: provided by the kernel.
+        return None;
+    }
+    let private = m.perms[3] == b'p';
+    if private {
+        return Some(if m.inode == 0 { RegionKind::Anon } else { RegionKind::FilePrivate });
+    }
+    if m.inode == 0 || path.starts_with(b"[anon_shmem:") {
+        return Some(RegionKind::Shmem);
+    }
+    // Shared file mapping: is the file shmem (tmpfs, memfd, SysV, shared anon) or hugetlbfs?
+    let mut sfs: libc::statfs = unsafe { std::mem::zeroed() };
+    let p = std::ffi::CString::new(map_files_path(pid, m).as_os_str().as_bytes()).ok()?;
+    // SAFETY: valid C string and out pointer.
+    let shmem = if unsafe { libc::statfs(p.as_ptr(), &mut sfs) } == 0 {
+        let t = sfs.f_type as i64;
+        t == libc::TMPFS_MAGIC as i64 || t == libc::HUGETLBFS_MAGIC as i64
+    } else {
+        path.starts_with(b"/memfd:")
+            || path.starts_with(b"/SYSV")
+            || path.starts_with(b"/dev/zero (deleted)")
+            || path.starts_with(b"/anon_hugepage")
+    };
+    Some(if shmem { RegionKind::Shmem } else { RegionKind::SharedFile })
+}
+
+fn map_files_path(pid: u32, m: &MapsLine) -> PathBuf {
+    PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end))
+}
+
+/// A run of pages to read from the process.
+#[derive(Debug, Clone, Copy)]
+struct Job {
+    region: usize,
+    va: u64,
+    npages: u64,
+}
+
+/// Jobs are kept small so that threads get even shares.
+const JOB_PAGES: u64 = 256;
+
+fn push_jobs(jobs: &mut Vec<Job>, region: usize, start: u64, end: u64) {
+    let ps = page_size();
+    let mut va = start;
+    while va < end {
+        let n = ((end - va) / ps).min(JOB_PAGES);
+        jobs.push(Job { region, va, npages: n });
+        va += n * ps;
+    }
+}
+
+/// Bytes read per process_vm_readv call: small enough to stay in cache while it is hashed.
+const BATCH_BYTES: u64 = 512 * 1024;
+const MAX_IOV: usize = 1024;
+
+/// Reads and hashes the pages of `jobs` in order into `out`; returns the number of unreadable pages.
+fn read_jobs(pid: u32, mem: &File, jobs: &[Job], out: &mut [u64]) -> Result<u64, MemError> {
+    let ps = page_size();
+    let mut buf = vec![0u8; BATCH_BYTES as usize];
+    let mut unreadable = 0u64;
+    // Runs of (address, pages) still to read in the current batch.
+    let mut runs: Vec<(u64, u64)> = Vec::with_capacity(MAX_IOV);
+    let mut k = 0usize; // next output slot
+    let mut ji = 0usize;
+    let mut job_off = 0u64; // pages of jobs[ji] already put into batches
+    loop {
+        // Fill a batch.
+        runs.clear();
+        let mut batch_pages = 0u64;
+        while ji < jobs.len() && runs.len() < MAX_IOV && batch_pages * ps < BATCH_BYTES {
+            let j = jobs[ji];
+            let take = (j.npages - job_off).min(BATCH_BYTES / ps - batch_pages);
+            let va = j.va + job_off * ps;
+            match runs.last_mut() {
+                Some(last) if last.0 + last.1 * ps == va => last.1 += take,
+                _ => runs.push((va, take)),
+            }
+            batch_pages += take;
+            job_off += take;
+            if job_off == j.npages {
+                ji += 1;
+                job_off = 0;
+            }
+        }
+        if batch_pages == 0 {
+            break;
+        }
+        // Read it, retrying past pages that fail.
+        let mut first = 0usize; // index into runs
+        let mut skip = 0u64; // pages of runs[first] already done
+        while first < runs.len() {
+            let iov: Vec<libc::iovec> = runs[first..]
+                .iter()
+                .enumerate()
+                .map(|(i, (va, n))| {
+                    let (va, n) = if i == 0 { (va + skip * ps, n - skip) } else { (*va, *n) };
+                    libc::iovec { iov_base: va as *mut libc::c_void, iov_len: (n * ps) as usize }
+                })
+                .collect();
+            let want: u64 = iov.iter().map(|v| v.iov_len as u64).sum();
+            let local = libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: want as usize };
+            // SAFETY: local iovec points into `buf` (want <= BATCH_BYTES); remote addresses are
+            // only read by the kernel on the other process's behalf.
+            let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, iov.as_ptr(), iov.len() as libc::c_ulong, 0) };
+            let got = if n < 0 {
+                let e = io::Error::last_os_error();
+                match e.raw_os_error() {
+                    Some(libc::ESRCH) => return Err(MemError::Gone(pid)),
+                    Some(libc::EFAULT) | Some(libc::EIO) | Some(libc::ENOMEM) => 0,
+                    _ => return Err(MemError::Io { pid, what: "process_vm_readv".into(), source: e }),
+                }
+            } else {
+                n as u64
+            };
+            let full = got / ps;
+            for p in 0..full as usize {
+                out[k] = xxh3_64(&buf[p * ps as usize..(p + 1) * ps as usize]);
+                k += 1;
+            }
+            // Advance the cursor by `full` pages.
+            let mut adv = full;
+            while adv > 0 {
+                let left = runs[first].1 - skip;
+                if adv >= left {
+                    adv -= left;
+                    first += 1;
+                    skip = 0;
+                } else {
+                    skip += adv;
+                    adv = 0;
+                }
+            }
+            if got == want {
+                break;
+            }
+            // The next page failed: PROT_NONE, or unmapped meanwhile. /proc/PID/mem reads with
+            // FOLL_FORCE, so it gets PROT_NONE pages that still hold data.
+            let va = runs[first].0 + skip * ps;
+            let page = &mut buf[..ps as usize];
+            out[k] = match mem.read_at(page, va) {
+                Ok(n) if n as u64 == ps => xxh3_64(page),
+                _ => {
+                    log::debug!("pid {pid}: page {va:#x} unreadable");
+                    unreadable += 1;
+                    UNREADABLE
+                }
+            };
+            k += 1;
+            skip += 1;
+            if skip == runs[first].1 {
+                first += 1;
+                skip = 0;
+            }
+        }
+    }
+    debug_assert_eq!(k, out.len());
+    Ok(unreadable)
+}
+
+const SHMEM_CHUNK: usize = 1 << 20;
+
+/// Hashes the data (non-hole) pages of a shmem-backed mapping from the shmem file itself.
+/// Returns the number of pages read. Pages past the file's end read as zeros (the process
+/// would get SIGBUS there, there is no data).
+fn hash_shmem(f: &File, m: &MapsLine, pages: &mut Vec<(u64, u64)>, buf: &mut [u8]) -> u64 {
+    let ps = page_size();
+    let zh = zero_hash();
+    let (lo, hi) = (m.offset, m.offset + (m.end - m.start));
+    let mut read = 0u64;
+    let mut pos = lo;
+    while pos < hi {
+        // SAFETY: plain lseek on an owned fd.
+        let data = unsafe { libc::lseek(f.as_raw_fd(), pos as libc::off_t, libc::SEEK_DATA) };
+        if data < 0 {
+            break; // ENXIO: no data after pos (EINVAL: no SEEK_DATA: handled by the else below)
+        }
+        let data = (data as u64 / ps) * ps;
+        if data >= hi {
+            break;
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(f.as_raw_fd(), data as libc::off_t, libc::SEEK_HOLE) };
+        let hole = if hole < 0 { hi } else { (hole as u64).div_ceil(ps) * ps }.min(hi);
+        let mut off = data.max(pos);
+        while off < hole {
+            let len = ((hole - off) as usize).min(buf.len());
+            let chunk = &mut buf[..len];
+            let mut n = 0usize;
+            while n < len {
+                match f.read_at(&mut chunk[n..], off + n as u64) {
+                    Ok(0) => break, // past EOF of a file shorter than the mapping
+                    Ok(r) => n += r,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
+            chunk[n..].fill(0);
+            for p in 0..len / ps as usize {
+                let h = xxh3_64(&chunk[p * ps as usize..(p + 1) * ps as usize]);
+                read += 1;
+                if h != zh {
+                    pages.push((m.start + (off - lo) + p as u64 * ps, h));
+                }
+            }
+            off += len as u64;
+        }
+        pos = hole;
+    }
+    read
+}
+
+// PAGEMAP_SCAN (linux/fs.h, 6.7+).
+const PAGE_IS_FILE: u64 = 1 << 2;
+const PAGE_IS_PRESENT: u64 = 1 << 3;
+const PAGE_IS_SWAPPED: u64 = 1 << 4;
+const PAGE_IS_PFNZERO: u64 = 1 << 5;
+
+#[repr(C)]
+#[derive(Default)]
+struct PmScanArg {
+    size: u64,
+    flags: u64,
+    start: u64,
+    end: u64,
+    walk_end: u64,
+    vec: u64,
+    vec_len: u64,
+    max_pages: u64,
+    category_inverted: u64,
+    category_mask: u64,
+    category_anyof_mask: u64,
+    return_mask: u64,
+}
+
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct PageRegion {
+    start: u64,
+    end: u64,
+    categories: u64,
+}
+
+// _IOWR('f', 16, struct pm_scan_arg)
+const PAGEMAP_SCAN: libc::c_ulong =
+    (3 << 30) | ((std::mem::size_of::<PmScanArg>() as libc::c_ulong) << 16) | ((b'f' as libc::c_ulong) << 8) | 16;
+
+/// Finds the pages of a range that are present or swapped, with their PAGE_IS_* categories.
+struct PresenceScanner<'a> {
+    pid: u32,
+    pagemap: &'a File,
+    ioctl_ok: bool,
+    vec: Vec<PageRegion>,
+    raw: Vec<u8>,
+}
+
+impl<'a> PresenceScanner<'a> {
+    fn new(pid: u32, pagemap: &'a File) -> Self {
+        PresenceScanner { pid, pagemap, ioctl_ok: true, vec: vec![PageRegion::default(); 1024], raw: Vec::new() }
+    }
+
+    /// Runs of `(start, end, categories)` in `[start, end)` that are present or swapped.
+    fn scan(&mut self, start: u64, end: u64) -> Result<Vec<(u64, u64, u64)>, MemError> {
+        if self.ioctl_ok {
+            match self.scan_ioctl(start, end) {
+                Ok(v) => return Ok(v),
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTTY) | Some(libc::EINVAL)) => {
+                    log::debug!("PAGEMAP_SCAN unavailable ({e}); reading pagemap");
+                    self.ioctl_ok = false;
+                }
+                Err(e) => return Err(io_err(self.pid, "PAGEMAP_SCAN")(e)),
+            }
+        }
+        self.scan_read(start, end)
+    }
+
+    fn scan_ioctl(&mut self, start: u64, end: u64) -> io::Result<Vec<(u64, u64, u64)>> {
+        let mut out: Vec<(u64, u64, u64)> = Vec::new();
+        let mut pos = start;
+        while pos < end {
+            let mut arg = PmScanArg {
+                size: std::mem::size_of::<PmScanArg>() as u64,
+                start: pos,
+                end,
+                vec: self.vec.as_mut_ptr() as u64,
+                vec_len: self.vec.len() as u64,
+                category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+                return_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED | PAGE_IS_FILE | PAGE_IS_PFNZERO,
+                ..Default::default()
+            };
+            // SAFETY: arg and vec are valid for the kernel to write; sizes given.
+            let n = unsafe { libc::ioctl(self.pagemap.as_raw_fd(), PAGEMAP_SCAN as _, &mut arg) };
+            if n < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            for r in &self.vec[..n as usize] {
+                match out.last_mut() {
+                    Some(l) if l.1 == r.start && l.2 == r.categories => l.1 = r.end,
+                    _ => out.push((r.start, r.end, r.categories)),
+                }
+            }
+            if arg.walk_end <= pos {
+                break; // no progress: should not happen
+            }
+            pos = arg.walk_end;
+        }
+        Ok(out)
+    }
+
+    fn scan_read(&mut self, start: u64, end: u64) -> Result<Vec<(u64, u64, u64)>, MemError> {
+        const PRESENT: u64 = 1 << 63;
+        const SWAPPED: u64 = 1 << 62;
+        const FILE_OR_SHARED: u64 = 1 << 61;
+        const PFN_MASK: u64 = (1 << 55) - 1;
+        let ps = page_size();
+        let zero_pfn = zero_pfn();
+        let mut out: Vec<(u64, u64, u64)> = Vec::new();
+        let mut va = start;
+        const CHUNK: u64 = 32 * 1024;
+        while va < end {
+            let n = ((end - va) / ps).min(CHUNK);
+            self.raw.resize((n * 8) as usize, 0);
+            self.pagemap
+                .read_exact_at(&mut self.raw, va / ps * 8)
+                .map_err(io_err(self.pid, "pagemap"))?;
+            for (i, e) in self.raw.chunks_exact(8).enumerate() {
+                let e = u64::from_ne_bytes(e.try_into().unwrap());
+                let mut cats = 0;
+                if e & PRESENT != 0 {
+                    cats |= PAGE_IS_PRESENT;
+                    if zero_pfn.is_some_and(|z| z == e & PFN_MASK) {
+                        cats |= PAGE_IS_PFNZERO;
+                    }
+                }
+                if e & SWAPPED != 0 {
+                    cats |= PAGE_IS_SWAPPED;
+                }
+                if e & FILE_OR_SHARED != 0 {
+                    cats |= PAGE_IS_FILE;
+                }
+                if cats & (PAGE_IS_PRESENT | PAGE_IS_SWAPPED) == 0 {
+                    continue;
+                }
+                let a = va + i as u64 * ps;
+                match out.last_mut() {
+                    Some(l) if l.1 == a && l.2 == cats => l.1 = a + ps,
+                    _ => out.push((a, a + ps, cats)),
+                }
+            }
+            va += n * ps;
+        }
+        Ok(out)
+    }
+}
+
+/// The PFN of the kernel's shared zero page, read once from our own pagemap (pagemap fallback only).
+fn zero_pfn() -> Option<u64> {
+    static Z: OnceLock<Option<u64>> = OnceLock::new();
+    *Z.get_or_init(|| {
+        let ps = page_size() as usize;
+        // SAFETY: anonymous private mapping, read once to map the zero page, then unmapped.
+        unsafe {
+            let p = libc::mmap(std::ptr::null_mut(), ps, libc::PROT_READ, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
+            if p == libc::MAP_FAILED {
+                return None;
+            }
+            std::ptr::read_volatile(p as *const u8);
+            let f = File::open("/proc/self/pagemap").ok();
+            let mut e = [0u8; 8];
+            let r = f.and_then(|f| f.read_exact_at(&mut e, p as u64 / ps as u64 * 8).ok());
+            libc::munmap(p, ps);
+            r?;
+            let e = u64::from_ne_bytes(e);
+            (e >> 63 == 1 && e & ((1 << 55) - 1) != 0).then_some(e & ((1 << 55) - 1))
+        }
+    })
+}
+
+const STATUS_KEYS: &[&str] = &[
+    "Umask:", "Uid:", "Gid:", "Groups:", "SigPnd:", "ShdPnd:", "SigBlk:", "SigIgn:", "SigCgt:", "CapInh:",
+    "CapPrm:", "CapEff:", "CapBnd:", "CapAmb:", "NoNewPrivs:", "Seccomp:", "Seccomp_filters:",
+];
+
+fn read_opt(path: &str) -> Option<String> {
+    std::fs::read(path).ok().map(|b| String::from_utf8_lossy(&b).into_owned())
+}
+
+fn readlink_opt(path: &str) -> String {
+    std::fs::read_link(path)
+        .map(|p| String::from_utf8_lossy(p.as_os_str().as_bytes()).into_owned())
+        .unwrap_or_default()
+}
+
+fn capture_state(pid: u32) -> Result<ProcState, MemError> {
+    let mut st = ProcState::default();
+    let task_dir = format!("/proc/{pid}/task");
+    let mut tids: Vec<u32> = std::fs::read_dir(&task_dir)
+        .map_err(io_err(pid, "task list"))?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    tids.sort_unstable();
+    for tid in tids {
+        let base = format!("/proc/{pid}/task/{tid}");
+        // A thread that exits while we read it just goes missing, which shows as a change.
+        let Some(stat) = read_opt(&format!("{base}/stat")).and_then(|s| procs::parse_stat(&s)) else {
+            continue;
+        };
+        let syscall = read_opt(&format!("{base}/syscall")).unwrap_or_default().trim().to_string();
+        let status = read_opt(&format!("{base}/status"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| STATUS_KEYS.iter().any(|k| l.starts_with(k)))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect();
+        st.threads.push(ThreadState { tid, start_time: stat.start_time, comm: stat.comm, syscall, status });
+    }
+    let fd_dir = format!("/proc/{pid}/fd");
+    let mut fds: Vec<i32> = std::fs::read_dir(&fd_dir)
+        .map_err(io_err(pid, "fd list"))?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    fds.sort_unstable();
+    for fd in fds {
+        let target = readlink_opt(&format!("{fd_dir}/{fd}"));
+        let info = read_opt(&format!("/proc/{pid}/fdinfo/{fd}"))
+            .unwrap_or_default()
+            .lines()
+            // timerfd's remaining time counts down on its own.
+            .filter(|l| !l.starts_with("it_value:"))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect();
+        st.fds.push(FdState { fd, target, info });
+    }
+    st.cwd = readlink_opt(&format!("/proc/{pid}/cwd"));
+    st.root = readlink_opt(&format!("/proc/{pid}/root"));
+    Ok(st)
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemDelta {
+    /// Pages at addresses covered by both images whose content (or mapping) differs.
+    pub changed_pages: u64,
+    /// Pages at addresses covered now but not before (new or grown mappings).
+    pub added_pages: u64,
+    /// Pages at addresses covered before but not now.
+    pub removed_pages: u64,
+    /// Pages read and hashed for the newer image.
+    pub scanned_pages: u64,
+    /// Non-memory process state that differs (threads, fds, cwd, ...), described for logs.
+    pub state_changes: Vec<String>,
+}
+
+impl MemDelta {
+    pub fn is_empty(&self) -> bool {
+        self.changed_pages == 0 && self.added_pages == 0 && self.removed_pages == 0 && self.state_changes.is_empty()
+    }
+}
+
+impl std::fmt::Display for MemDelta {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} pages changed, {} added, {} removed ({} scanned)",
+            self.changed_pages, self.added_pages, self.removed_pages, self.scanned_pages
+        )?;
+        if !self.state_changes.is_empty() {
+            write!(f, "; {}", self.state_changes.join("; "))?;
+        }
+        Ok(())
+    }
+}
+
+/// Same mapping for the pages both regions cover?
+fn same_mapping(a: &Region, b: &Region) -> bool {
+    if a.kind != b.kind || a.perms != b.perms || a.name != b.name {
+        return false;
+    }
+    match a.kind {
+        // Anonymous memory has no identity beyond its address (offsets are the creation address).
+        RegionKind::Anon => true,
+        _ => {
+            a.dev == b.dev
+                && a.inode == b.inode
+                && a.offset.wrapping_sub(a.start) == b.offset.wrapping_sub(b.start)
+        }
+    }
+}
+
+/// Pages in `[lo, hi)` whose entries differ (a missing entry is the default content).
+fn differing_pages(a: &[(u64, u64)], b: &[(u64, u64)], lo: u64, hi: u64) -> u64 {
+    let range = |v: &[(u64, u64)]| {
+        let s = v.partition_point(|p| p.0 < lo);
+        let e = v.partition_point(|p| p.0 < hi);
+        (s, e)
+    };
+    let (mut i, ie) = range(a);
+    let (mut j, je) = range(b);
+    let mut n = 0;
+    while i < ie || j < je {
+        if j >= je || (i < ie && a[i].0 < b[j].0) {
+            n += 1;
+            i += 1;
+        } else if i >= ie || b[j].0 < a[i].0 {
+            n += 1;
+            j += 1;
+        } else {
+            if a[i].1 != b[j].1 || a[i].1 == UNREADABLE {
+                n += 1;
+            }
+            i += 1;
+            j += 1;
+        }
+    }
+    n
+}
+
+/// Compares two images of (normally) the same process. Pages are keyed by virtual address, so
+/// mappings that split, merge or grow compare page by page.
+pub fn compare(prev: &MemoryImage, now: &MemoryImage) -> MemDelta {
+    let ps = page_size();
+    let mut d = MemDelta { scanned_pages: now.stats.pages_read, ..Default::default() };
+    let total = |img: &MemoryImage| img.regions.iter().map(Region::page_count).sum::<u64>();
+    if (prev.pid, prev.start_time) != (now.pid, now.start_time) {
+        d.removed_pages = total(prev);
+        d.added_pages = total(now);
+        d.state_changes.push(format!(
+            "different process ({} started {} vs {} started {})",
+            prev.pid, prev.start_time, now.pid, now.start_time
+        ));
+        return d;
+    }
+    let (p, n) = (&prev.regions, &now.regions);
+    let (mut i, mut j) = (0, 0);
+    let mut covered = 0u64;
+    while i < p.len() && j < n.len() {
+        let (a, b) = (&p[i], &n[j]);
+        let (lo, hi) = (a.start.max(b.start), a.end.min(b.end));
+        if lo < hi {
+            let pages = (hi - lo) / ps;
+            covered += pages;
+            d.changed_pages += if same_mapping(a, b) { differing_pages(&a.pages, &b.pages, lo, hi) } else { pages };
+        }
+        if a.end <= b.end {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    d.added_pages = total(now) - covered;
+    d.removed_pages = total(prev) - covered;
+    d.state_changes = compare_state(&prev.state, &now.state);
+    d
+}
+
+fn compare_state(a: &ProcState, b: &ProcState) -> Vec<String> {
+    let mut out = Vec::new();
+    if a.cwd != b.cwd {
+        out.push(format!("cwd {} -> {}", a.cwd, b.cwd));
+    }
+    if a.root != b.root {
+        out.push("root changed".to_string());
+    }
+    let ids = |s: &ProcState| s.threads.iter().map(|t| (t.tid, t.start_time)).collect::<Vec<_>>();
+    if ids(a) != ids(b) {
+        out.push(format!("threads {} -> {}", a.threads.len(), b.threads.len()));
+    } else {
+        for (x, y) in a.threads.iter().zip(&b.threads) {
+            if x.syscall != y.syscall {
+                out.push(format!("thread {}: syscall {:?} -> {:?}", x.tid, x.syscall, y.syscall));
+            }
+            if x.status != y.status {
+                out.push(format!("thread {}: signal/credential state", x.tid));
+            }
+            if x.comm != y.comm {
+                out.push(format!("thread {}: comm {:?} -> {:?}", x.tid, x.comm, y.comm));
+            }
+        }
+    }
+    fn fdmap(s: &ProcState) -> std::collections::BTreeMap<i32, &FdState> {
+        s.fds.iter().map(|f| (f.fd, f)).collect()
+    }
+    let (fa, fb) = (fdmap(a), fdmap(b));
+    for (fd, x) in &fa {
+        match fb.get(fd) {
+            None => out.push(format!("fd {fd} closed ({})", x.target)),
+            Some(y) if y.target != x.target => out.push(format!("fd {fd}: {} -> {}", x.target, y.target)),
+            Some(y) if y.info != x.info => out.push(format!("fd {fd} ({}): position/flags/state", x.target)),
+            _ => {}
+        }
+    }
+    for (fd, y) in &fb {
+        if !fa.contains_key(fd) {
+            out.push(format!("fd {fd} opened ({})", y.target));
+        }
+    }
+    out
+}
