@@ -414,3 +414,233 @@ pub fn held_files(pid: u32) -> Result<Vec<HeldFile>, ProcError> {
     Ok(held.into_values().collect())
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    fn pi(pid: u32, start_time: u64) -> ProcInfo {
+        ProcInfo { pid, start_time, ppid: 1, comm: "x".into(), cmdline: vec![] }
+    }
+
+    #[test]
+    fn parse_stat_with_hostile_comm() {
+        let line = "4242 (a) b (c) S 9) R 17 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 100 \
+                    18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0\n";
+        let s = parse_stat(line).unwrap();
+        assert_eq!(s.comm, "a) b (c) S 9");
+        assert_eq!((s.state, s.ppid, s.start_time), ('R', 17, 987654));
+        assert!(parse_stat("4242 (x) S").is_none());
+    }
+
+    #[test]
+    fn real_process_with_hostile_comm() {
+        let mut c = Command::new("python3")
+            .args(["-c", "open('/proc/self/comm','w').write('x) (y z) S 1'); print('ok', flush=True); input()"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut l = String::new();
+        BufReader::new(c.stdout.as_mut().unwrap()).read_line(&mut l).unwrap();
+        let p = info(c.id()).unwrap().unwrap();
+        let _ = c.kill();
+        let _ = c.wait();
+        assert_eq!(p.comm, "x) (y z) S 1");
+        assert_eq!(p.ppid, std::process::id());
+        assert!(p.cmdline[0].ends_with("python3"), "{:?}", p.cmdline);
+        assert!(p.start_time > 0);
+    }
+
+    #[test]
+    fn delta_uses_pid_and_start_time() {
+        let prev = vec![pi(10, 100), pi(11, 100), pi(12, 100)];
+        // 11 ended; 12's pid was recycled by a new process; 13 started.
+        let now = vec![pi(10, 100), pi(12, 500), pi(13, 500)];
+        let d = delta(&prev, &now);
+        let ids = |v: &[ProcInfo]| v.iter().map(ProcInfo::identity).collect::<Vec<_>>();
+        assert_eq!(ids(&d.persisted), vec![(10, 100)]);
+        assert_eq!(ids(&d.ended), vec![(11, 100), (12, 100)]);
+        assert_eq!(ids(&d.started), vec![(12, 500), (13, 500)]);
+        assert!(!d.is_empty());
+        assert!(delta(&prev, &prev).is_empty());
+    }
+
+    fn cgroup2_mount() -> PathBuf {
+        let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        for l in mi.lines() {
+            let (pre, post) = l.split_once(" - ").unwrap();
+            if post.starts_with("cgroup2 ") {
+                return PathBuf::from(pre.split(' ').nth(4).unwrap());
+            }
+        }
+        panic!("no cgroup2 mount");
+    }
+
+    /// A cgroup2 directory for the test; kills what is left in it and removes it on drop.
+    struct TestCgroup(PathBuf);
+
+    impl TestCgroup {
+        fn new(name: &str) -> TestCgroup {
+            let p = cgroup2_mount().join(format!("crab-procs-test-{name}-{}", std::process::id()));
+            std::fs::create_dir(&p).unwrap();
+            TestCgroup(p)
+        }
+        fn join(&self, pid: u32) {
+            std::fs::write(self.0.join("cgroup.procs"), pid.to_string()).unwrap();
+        }
+    }
+
+    impl Drop for TestCgroup {
+        fn drop(&mut self) {
+            let _ = std::fs::write(self.0.join("cgroup.kill"), "1");
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_secs(5) {
+                if std::fs::remove_dir(&self.0).is_ok() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            eprintln!("could not remove {}", self.0.display());
+        }
+    }
+
+    fn spawn_in(cg: &TestCgroup, args: &[&str], stdin: Stdio) -> Child {
+        let c = Command::new(args[0]).args(&args[1..]).stdin(stdin).stdout(Stdio::null()).spawn().unwrap();
+        cg.join(c.id());
+        c
+    }
+
+    fn kill(mut c: Child) {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+
+    #[test]
+    fn list_and_delta_in_a_real_cgroup() {
+        let cg = TestCgroup::new("delta");
+        assert!(list(&cg.0).unwrap().is_empty());
+        let keeper = spawn_in(&cg, &["sleep", "1000"], Stdio::null());
+        let short = spawn_in(&cg, &["sleep", "1000"], Stdio::null());
+        // Double-forks a daemon in its own session, then exits.
+        let mut parent = spawn_in(
+            &cg,
+            &["sh", "-c", "read x; (setsid sleep 1001 </dev/null >/dev/null 2>&1 &); exit 0"],
+            Stdio::piped(),
+        );
+        let before = list(&cg.0).unwrap();
+        let pids: Vec<u32> = before.iter().map(|p| p.pid).collect();
+        let mut want = vec![keeper.id(), short.id(), parent.id()];
+        want.sort_unstable();
+        assert_eq!(pids, want);
+        for p in &before {
+            assert_eq!(identity(p.pid).unwrap(), Some(p.identity()));
+        }
+
+        parent.stdin.as_mut().unwrap().write_all(b"go\n").unwrap();
+        let parent_pid = parent.id();
+        parent.wait().unwrap();
+        let short_pid = short.id();
+        kill(short);
+        let late = spawn_in(&cg, &["sleep", "1000"], Stdio::null());
+
+        let t = Instant::now();
+        let after = loop {
+            let l = list(&cg.0).unwrap();
+            if l.iter().any(|p| p.cmdline == ["sleep", "1001"]) {
+                break l;
+            }
+            assert!(t.elapsed() < Duration::from_secs(5), "daemon never showed up: {l:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let d = delta(&before, &after);
+        let pids = |v: &[ProcInfo]| v.iter().map(|p| p.pid).collect::<Vec<_>>();
+        let daemon = after.iter().find(|p| p.cmdline == ["sleep", "1001"]).unwrap();
+        assert_eq!(pids(&d.persisted), vec![keeper.id()]);
+        let mut ended = vec![parent_pid, short_pid];
+        ended.sort_unstable();
+        assert_eq!(pids(&d.ended), ended);
+        let mut started = vec![daemon.pid, late.id()];
+        started.sort_unstable();
+        assert_eq!(pids(&d.started), started);
+        assert_ne!(daemon.ppid, parent_pid, "re-parented");
+        kill(keeper);
+        kill(late);
+    }
+
+    #[test]
+    fn exited_but_unreaped_child_is_not_listed() {
+        let cg = TestCgroup::new("zombie");
+        let c = spawn_in(&cg, &["sleep", "1000"], Stdio::null());
+        unsafe { libc::kill(c.id() as i32, libc::SIGKILL) };
+        let t = Instant::now();
+        while read_stat(c.id()).unwrap().map(|s| s.state) != Some('Z') {
+            assert!(t.elapsed() < Duration::from_secs(5));
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(list(&cg.0).unwrap().is_empty(), "a zombie is not alive");
+        kill(c);
+    }
+
+    #[test]
+    fn held_files_open_deleted_mapped() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_str().unwrap();
+        let script = r#"
+import os, sys, mmap
+d = sys.argv[1]
+f1 = open(d + '/open.txt', 'w'); f1.write('x'); f1.flush()
+f2 = open(d + '/gone.txt', 'w'); os.unlink(d + '/gone.txt')
+f3 = open(d + '/weird (deleted)', 'w')
+with open(d + '/mapped.bin', 'wb') as f: f.write(b'\0' * 8192)
+with open(d + '/mapped.bin', 'r+b') as f: m = mmap.mmap(f.fileno(), 8192)
+with open(d + '/gone-mapped.bin', 'wb') as f: f.write(b'\1' * 8192)
+with open(d + '/gone-mapped.bin', 'rb') as f: m2 = mmap.mmap(f.fileno(), 8192, prot=mmap.PROT_READ)
+os.unlink(d + '/gone-mapped.bin')
+mfd = os.memfd_create('crab-test')
+shm = mmap.mmap(-1, 8192, flags=mmap.MAP_SHARED)
+r, w = os.pipe()
+print('ready', flush=True)
+sys.stdin.readline()
+"#;
+        let mut c = Command::new("python3")
+            .args(["-c", script, d])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut l = String::new();
+        BufReader::new(c.stdout.as_mut().unwrap()).read_line(&mut l).unwrap();
+        assert_eq!(l, "ready\n");
+        let held = held_files(c.id()).unwrap();
+        let _ = c.kill();
+        let _ = c.wait();
+        let find = |name: &str| held.iter().find(|h| h.path == dir.path().join(name)).cloned();
+        let h = |open, mapped, deleted| Some((open, mapped, deleted));
+        let flags = |f: Option<HeldFile>| f.map(|f| (f.open, f.mapped, f.deleted));
+        assert_eq!(flags(find("open.txt")), h(true, false, false), "{held:#?}");
+        assert_eq!(flags(find("gone.txt")), h(true, false, true), "{held:#?}");
+        assert_eq!(flags(find("weird (deleted)")), h(true, false, false), "{held:#?}");
+        // Python's mmap keeps a dup of the fd: mapped and open.
+        assert_eq!(flags(find("mapped.bin")), h(true, true, false), "{held:#?}");
+        assert_eq!(flags(find("gone-mapped.bin")), h(true, true, true), "{held:#?}");
+        assert!(held.iter().any(|f| f.mapped && !f.open && f.path.to_string_lossy().contains("libc")), "{held:#?}");
+        assert!(held.iter().any(|f| f.mapped && f.path.to_string_lossy().contains("python")), "{held:#?}");
+        for f in &held {
+            let p = f.path.to_string_lossy();
+            assert!(p.starts_with('/'), "{p}");
+            assert!(!p.contains("memfd") && !p.contains("/dev/zero") && !p.contains("pipe:"), "{p}");
+        }
+    }
+
+    #[test]
+    fn held_files_of_missing_process() {
+        let mut c = Command::new("true").spawn().unwrap();
+        let pid = c.id();
+        c.wait().unwrap();
+        assert!(matches!(held_files(pid), Err(ProcError::Gone(p)) if p == pid));
+    }
+}
