@@ -1,1 +1,1498 @@
-//! (being written)
+//! eBPF side of the inspector: host-wide programs, per-cgroup counters.
+//!
+//! The programs in `bpf-programs/inspector.bpf.c` are compiled by `build.rs`
+//! and embedded in the shim. They are loaded **once per host**: the first shim
+//! loads and attaches them and pins maps, programs and links under
+//! `/sys/fs/bpf/crab/<version>/` (`maps/`, `progs/`, `links/`), published by an
+//! atomic rename while holding `flock` on the pin root. The pinned links keep
+//! the programs attached after that shim exits; every later shim only opens the
+//! pinned maps. `<version>` is `v<ABI_VERSION>-<hash of the BPF object>`, so a
+//! shim never talks to programs other than the ones it was built with.
+//!
+//! A shim registers its container by cgroup id ([`cgroup_id`] of the
+//! container's cgroup2 directory) with [`HostProbes::watch`] and removes it
+//! with [`HostProbes::unwatch`]. Programs filter on `bpf_get_current_cgroup_id()`
+//! with one hash lookup, so per-syscall cost does not grow with the number of
+//! watched cgroups. Tasks in child cgroups of a watched cgroup count for it.
+//!
+//! What is counted (tracepoints only; see the C source for the exact list):
+//! - filesystem mutations by class ([`FsClass`]): open family only with
+//!   write/create/truncate/tmpfile flags and only if the result is not a
+//!   device, FIFO or socket; write family only on regular files; rename,
+//!   unlink, mkdir, rmdir, link, symlink, chmod, chown, xattrs, utimes, mknod
+//!   and unix-socket bind, truncate, fallocate, copy_file_range, clone ioctls,
+//!   io_uring/AIO use, shared writable file mappings (mmap and mprotect);
+//! - processes: forks, threads, execs, exits;
+//! - memory of other processes: ptrace, process_vm_writev, writes to /proc;
+//! - scheduling: per process, how many times its threads left a CPU.
+//!
+//! Fail safe: whatever the BPF side cannot record (a full map, a program
+//! skipped by the kernel's recursion protection) shows up in
+//! [`CgroupCounters::errors`]; a caller seeing it move must treat the turn as
+//! "everything changed".
+
+use std::collections::BTreeSet;
+use std::ffi::CString;
+use std::fs::{self, File};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray};
+use aya::programs::links::FdLink;
+use aya::programs::{BtfTracePoint, ProgramError, TracePoint};
+use aya::{Btf, Ebpf, EbpfLoader, Pod};
+use log::{debug, info, warn};
+
+/// Bump whenever a map layout in `bpf-programs/include/inspector.h` changes.
+pub const ABI_VERSION: u32 = 1;
+/// Where the host-wide programs are pinned.
+pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/crab";
+/// Number of [`FsClass`] values.
+pub const FS_CLASSES: usize = 18;
+
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/inspector.bpf.o"));
+
+const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+const TRACEFS_MAGIC: i64 = 0x74726163;
+const CGROUP2_SUPER_MAGIC: i64 = 0x63677270;
+const BPFFS_MOUNT: &str = "/sys/fs/bpf";
+const TRACEFS_MOUNT: &str = "/sys/kernel/tracing";
+const MAX_LEVELS: u64 = 16; // MAX_LEVELS in inspector.h
+const ONCPU_VALID: u64 = 1 << 32;
+
+/// Syscall tracepoints (`syscalls/<name>`) per program. A tracepoint missing
+/// from the running kernel is a syscall it does not have (arm64 has no
+/// open/creat/rename/mkdir...), so it is skipped; [`REQUIRED_SYSCALL_TPS`]
+/// must exist everywhere.
+const SYSCALL_PROGRAMS: &[(&str, &[&str])] = &[
+    ("crab_open", &["sys_enter_open"]),
+    ("crab_openat", &["sys_enter_openat"]),
+    ("crab_openat2", &["sys_enter_openat2"]),
+    ("crab_creat", &["sys_enter_creat"]),
+    ("crab_open_exit", &["sys_exit_open", "sys_exit_openat", "sys_exit_openat2", "sys_exit_creat"]),
+    ("crab_open_handle", &["sys_enter_open_by_handle_at"]),
+    (
+        "crab_write",
+        &["sys_enter_write", "sys_enter_pwrite64", "sys_enter_writev", "sys_enter_pwritev", "sys_enter_pwritev2", "sys_enter_sendfile64"],
+    ),
+    ("crab_splice", &["sys_enter_splice"]),
+    ("crab_truncate", &["sys_enter_truncate", "sys_enter_ftruncate"]),
+    ("crab_rename", &["sys_enter_rename", "sys_enter_renameat", "sys_enter_renameat2"]),
+    ("crab_unlink", &["sys_enter_unlink"]),
+    ("crab_unlinkat", &["sys_enter_unlinkat"]),
+    ("crab_rmdir", &["sys_enter_rmdir"]),
+    ("crab_mkdir", &["sys_enter_mkdir", "sys_enter_mkdirat"]),
+    ("crab_link", &["sys_enter_link", "sys_enter_linkat"]),
+    ("crab_symlink", &["sys_enter_symlink", "sys_enter_symlinkat"]),
+    ("crab_chmod", &["sys_enter_chmod", "sys_enter_fchmod", "sys_enter_fchmodat", "sys_enter_fchmodat2"]),
+    ("crab_chown", &["sys_enter_chown", "sys_enter_fchown", "sys_enter_lchown", "sys_enter_fchownat"]),
+    (
+        "crab_xattr",
+        &[
+            "sys_enter_setxattr",
+            "sys_enter_lsetxattr",
+            "sys_enter_fsetxattr",
+            "sys_enter_removexattr",
+            "sys_enter_lremovexattr",
+            "sys_enter_fremovexattr",
+            "sys_enter_setxattrat",
+            "sys_enter_removexattrat",
+            "sys_enter_file_setattr",
+        ],
+    ),
+    ("crab_utimes", &["sys_enter_utime", "sys_enter_utimes", "sys_enter_futimesat", "sys_enter_utimensat"]),
+    ("crab_mknod", &["sys_enter_mknod", "sys_enter_mknodat"]),
+    ("crab_bind", &["sys_enter_bind"]),
+    ("crab_fallocate", &["sys_enter_fallocate"]),
+    ("crab_copy_range", &["sys_enter_copy_file_range"]),
+    ("crab_ioctl", &["sys_enter_ioctl"]),
+    ("crab_async_io", &["sys_enter_io_uring_setup", "sys_enter_io_uring_enter", "sys_enter_io_uring_register", "sys_enter_io_submit"]),
+    ("crab_mmap", &["sys_enter_mmap"]),
+    ("crab_mprotect", &["sys_enter_mprotect"]),
+    ("crab_foreign", &["sys_enter_ptrace", "sys_enter_process_vm_writev"]),
+];
+
+/// Without these the kernel has no syscall tracepoints worth the name.
+const REQUIRED_SYSCALL_TPS: &[&str] = &[
+    "sys_enter_openat",
+    "sys_exit_openat",
+    "sys_enter_write",
+    "sys_enter_unlinkat",
+    "sys_enter_renameat2",
+    "sys_enter_mkdirat",
+    "sys_enter_fchmodat",
+    "sys_enter_mmap",
+];
+
+/// Classic tracepoints outside `syscalls/`: (program, category, name).
+const OTHER_TRACEPOINTS: &[(&str, &str, &str)] = &[("crab_exec", "sched", "sched_process_exec")];
+
+/// BTF-typed raw tracepoints (`tp_btf`): (program, tracepoint).
+const BTF_TRACEPOINTS: &[(&str, &str)] =
+    &[("crab_fork", "sched_process_fork"), ("crab_exit", "sched_process_exit"), ("crab_sched_switch", "sched_switch")];
+
+const MAP_NAMES: &[&str] = &["watched", "levels", "runs", "oncpu", "pending_open"];
+
+/// Errors of the eBPF inspector.
+#[derive(Debug, thiserror::Error)]
+pub enum BpfError {
+    #[error("{what} {path}: {source}")]
+    Io { what: &'static str, path: PathBuf, source: io::Error },
+    #[error("{path} is not a bpf filesystem")]
+    NotBpfFs { path: PathBuf },
+    #[error("reading kernel BTF: {0}")]
+    Btf(#[from] aya::BtfError),
+    #[error("loading the inspector BPF object: {0}")]
+    Load(#[from] aya::EbpfError),
+    #[error("BPF object has no program {0}")]
+    MissingProgram(&'static str),
+    #[error("BPF program {name}: {source}")]
+    Program { name: &'static str, source: ProgramError },
+    #[error("required tracepoint syscalls/{0} is missing from this kernel")]
+    MissingTracepoint(&'static str),
+    #[error("pinning {path}: {source}")]
+    Pin { path: PathBuf, source: aya::pin::PinError },
+    #[error("BPF map {name}: {source}")]
+    Map { name: &'static str, source: MapError },
+    #[error("link of {name}: {source}")]
+    Link { name: &'static str, source: aya::programs::links::LinkError },
+    #[error("pinned inspector at {path} is incomplete: {detail}")]
+    Incomplete { path: PathBuf, detail: String },
+    #[error("cgroup {0} is not watched")]
+    NotWatched(u64),
+    #[error("cgroup {id} is at level {level}; descendants are only tracked up to level {max}", max = MAX_LEVELS - 1)]
+    TooDeep { id: u64, level: u64 },
+    #[error("{op}: {source}")]
+    Syscall { op: &'static str, source: io::Error },
+}
+
+fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> BpfError + 'a {
+    move |source| BpfError::Io { what, path: path.to_path_buf(), source }
+}
+
+fn map_err(name: &'static str) -> impl FnOnce(MapError) -> BpfError {
+    move |source| BpfError::Map { name, source }
+}
+
+/// Why a filesystem mutation was counted (for explanations).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FsClass {
+    OpenWrite,
+    Write,
+    Truncate,
+    Rename,
+    Unlink,
+    Mkdir,
+    Rmdir,
+    Link,
+    Symlink,
+    Chmod,
+    Chown,
+    Xattr,
+    Utimes,
+    Mknod,
+    Fallocate,
+    CopyRange,
+    MmapShared,
+    Other,
+}
+
+impl FsClass {
+    /// In the order of `enum fs_class` in inspector.h (index = value).
+    pub const ALL: [FsClass; FS_CLASSES] = [
+        FsClass::OpenWrite,
+        FsClass::Write,
+        FsClass::Truncate,
+        FsClass::Rename,
+        FsClass::Unlink,
+        FsClass::Mkdir,
+        FsClass::Rmdir,
+        FsClass::Link,
+        FsClass::Symlink,
+        FsClass::Chmod,
+        FsClass::Chown,
+        FsClass::Xattr,
+        FsClass::Utimes,
+        FsClass::Mknod,
+        FsClass::Fallocate,
+        FsClass::CopyRange,
+        FsClass::MmapShared,
+        FsClass::Other,
+    ];
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            FsClass::OpenWrite => "open-write",
+            FsClass::Write => "write",
+            FsClass::Truncate => "truncate",
+            FsClass::Rename => "rename",
+            FsClass::Unlink => "unlink",
+            FsClass::Mkdir => "mkdir",
+            FsClass::Rmdir => "rmdir",
+            FsClass::Link => "link",
+            FsClass::Symlink => "symlink",
+            FsClass::Chmod => "chmod",
+            FsClass::Chown => "chown",
+            FsClass::Xattr => "xattr",
+            FsClass::Utimes => "utimes",
+            FsClass::Mknod => "mknod",
+            FsClass::Fallocate => "fallocate",
+            FsClass::CopyRange => "copy-range",
+            FsClass::MmapShared => "mmap-shared-write",
+            FsClass::Other => "other",
+        }
+    }
+}
+
+/// Counters of one watched cgroup, cumulative since [`HostProbes::watch`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CgroupCounters {
+    /// Mutating fs syscalls entered by tasks of the cgroup.
+    pub fs_mutations: u64,
+    /// Per class (index = [`FsClass::index`]), for explanations.
+    pub fs_by_class: [u64; FS_CLASSES],
+    /// mmap(PROT_WRITE, MAP_SHARED) of a regular file, or mprotect adding
+    /// PROT_WRITE to a shared file mapping: later writes need no syscall.
+    pub shared_writable_mmaps: u64,
+    /// New processes (thread-group leaders) created in the cgroup.
+    pub forks: u64,
+    /// New threads of existing processes.
+    pub threads: u64,
+    pub execs: u64,
+    /// Processes whose last thread exited.
+    pub exits: u64,
+    /// ptrace, process_vm_writev or writes to /proc files: another process's
+    /// memory may have changed although that process did not run.
+    pub foreign_mem_writes: u64,
+    /// Anything the BPF side could not record (map full, programs skipped by
+    /// the kernel): non-zero growth means "everything changed".
+    pub errors: u64,
+}
+
+impl CgroupCounters {
+    /// What happened between `earlier` and `self` (both from the same watch).
+    pub fn since(&self, earlier: &CgroupCounters) -> CgroupCounters {
+        let mut fs_by_class = [0; FS_CLASSES];
+        for (i, v) in fs_by_class.iter_mut().enumerate() {
+            *v = self.fs_by_class[i].saturating_sub(earlier.fs_by_class[i]);
+        }
+        CgroupCounters {
+            fs_mutations: self.fs_mutations.saturating_sub(earlier.fs_mutations),
+            fs_by_class,
+            shared_writable_mmaps: self.shared_writable_mmaps.saturating_sub(earlier.shared_writable_mmaps),
+            forks: self.forks.saturating_sub(earlier.forks),
+            threads: self.threads.saturating_sub(earlier.threads),
+            execs: self.execs.saturating_sub(earlier.execs),
+            exits: self.exits.saturating_sub(earlier.exits),
+            foreign_mem_writes: self.foreign_mem_writes.saturating_sub(earlier.foreign_mem_writes),
+            errors: self.errors.saturating_sub(earlier.errors),
+        }
+    }
+
+    /// Non-zero classes, for explanations ("write: 3, rename: 1").
+    pub fn fs_classes(&self) -> impl Iterator<Item = (FsClass, u64)> + '_ {
+        FsClass::ALL.iter().map(|c| (*c, self.fs_by_class[c.index()])).filter(|(_, n)| *n > 0)
+    }
+}
+
+/// `struct counters` of inspector.h.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct RawCounters {
+    fs_mutations: u64,
+    fs_by_class: [u64; FS_CLASSES],
+    shared_writable_mmaps: u64,
+    forks: u64,
+    threads: u64,
+    execs: u64,
+    exits: u64,
+    foreign_mem_writes: u64,
+    errors: u64,
+    level: u64,
+    misses_base: u64,
+}
+
+// SAFETY: plain old data, repr(C), every bit pattern valid.
+unsafe impl Pod for RawCounters {}
+
+/// `struct run` of inspector.h.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct RawRun {
+    switches_out: u64,
+    cgroup_id: u64,
+}
+
+// SAFETY: as above.
+unsafe impl Pod for RawRun {}
+
+/// `struct pending_open` of inspector.h.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct RawPendingOpen {
+    cgroup_id: u64,
+    flags: u64,
+}
+
+// SAFETY: as above.
+unsafe impl Pod for RawPendingOpen {}
+
+struct Maps {
+    watched: BpfHashMap<MapData, u64, RawCounters>,
+    levels: Array<MapData, u64>,
+    runs: BpfHashMap<MapData, u32, RawRun>,
+    oncpu: PerCpuArray<MapData, u64>,
+    pending: BpfHashMap<MapData, u32, RawPendingOpen>,
+}
+
+/// Handle on the host-wide inspector programs (maps opened from bpffs).
+pub struct HostProbes {
+    dir: PathBuf,
+    maps: Mutex<Maps>,
+    /// Pinned programs, to read their recursion-miss counters.
+    programs: Vec<OwnedFd>,
+}
+
+impl std::fmt::Debug for HostProbes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostProbes").field("dir", &self.dir).finish_non_exhaustive()
+    }
+}
+
+impl HostProbes {
+    /// Opens the host-wide programs pinned under `/sys/fs/bpf/crab/<version>/`,
+    /// loading and attaching them first if absent (first shim on the host).
+    /// Concurrent first shims serialize on `flock` of the pin root, so only one
+    /// attaches. Mounts bpffs and tracefs if missing.
+    pub fn open_or_load() -> Result<HostProbes, BpfError> {
+        Self::open_or_load_at(Path::new(DEFAULT_PIN_ROOT))
+    }
+
+    /// [`Self::open_or_load`] with another pin root (tests, side-by-side
+    /// installs). The root must be inside a bpf filesystem.
+    pub fn open_or_load_at(root: &Path) -> Result<HostProbes, BpfError> {
+        ensure_mounted(BPFFS_MOUNT, "bpf", BPF_FS_MAGIC)?;
+        ensure_mounted(TRACEFS_MOUNT, "tracefs", TRACEFS_MAGIC)?;
+        fs::create_dir_all(root).map_err(io_err("creating", root))?;
+        if statfs_type(root).map_err(io_err("statfs", root))? != BPF_FS_MAGIC {
+            return Err(BpfError::NotBpfFs { path: root.to_path_buf() });
+        }
+        // bpffs refuses names with dots: none below.
+        let dir = root.join(version_dir_name());
+        if !dir.exists() {
+            let _lock = DirLock::exclusive(root)?;
+            // Another shim may have published while we waited for the lock.
+            if !dir.exists() {
+                load_and_pin(root, &dir)?;
+            }
+        }
+        Self::open_pinned(&dir)
+    }
+
+    /// The directory holding this version's pins.
+    pub fn pin_dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn open_pinned(dir: &Path) -> Result<HostProbes, BpfError> {
+        check_links(dir)?;
+        let open = |name: &'static str| -> Result<Map, BpfError> {
+            let path = dir.join("maps").join(name);
+            let data = MapData::from_pin(&path).map_err(map_err(name))?;
+            Map::from_map_data(data).map_err(map_err(name))
+        };
+        let maps = Maps {
+            watched: BpfHashMap::try_from(open("watched")?).map_err(map_err("watched"))?,
+            levels: Array::try_from(open("levels")?).map_err(map_err("levels"))?,
+            runs: BpfHashMap::try_from(open("runs")?).map_err(map_err("runs"))?,
+            oncpu: PerCpuArray::try_from(open("oncpu")?).map_err(map_err("oncpu"))?,
+            pending: BpfHashMap::try_from(open("pending_open")?).map_err(map_err("pending_open"))?,
+        };
+        let mut programs = Vec::new();
+        for name in program_names() {
+            let path = dir.join("progs").join(name);
+            programs.push(bpf_obj_get(&path).map_err(io_err("opening pinned program", &path))?);
+        }
+        debug!("inspector: opened pinned BPF programs at {}", dir.display());
+        Ok(HostProbes { dir: dir.to_path_buf(), maps: Mutex::new(maps), programs })
+    }
+
+    fn maps(&self) -> std::sync::MutexGuard<'_, Maps> {
+        // A panic while holding the lock leaves the maps themselves intact
+        // (they live in the kernel): keep going.
+        self.maps.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts counting for a cgroup (zeroed, also if it was watched already).
+    pub fn watch(&self, cgroup_id: u64) -> Result<(), BpfError> {
+        let level = cgroup_level(cgroup_id)?;
+        if level >= MAX_LEVELS {
+            return Err(BpfError::TooDeep { id: cgroup_id, level });
+        }
+        let misses_base = self.recursion_misses()?;
+        let mut maps = self.maps();
+        // The level bit goes in first so that tasks of child cgroups are
+        // matched from the moment the entry exists.
+        let mask = watched_levels(&maps)? | (1 << level);
+        maps.levels.set(0, mask, 0).map_err(map_err("levels"))?;
+        let value = RawCounters { level, misses_base, ..Default::default() };
+        maps.watched.insert(cgroup_id, value, 0).map_err(map_err("watched"))?;
+        info!("inspector: watching cgroup {cgroup_id} (level {level})");
+        Ok(())
+    }
+
+    /// Stops counting for a cgroup and removes every entry that belongs to it
+    /// (its counters, run counts of its processes, pending opens).
+    /// Not watched is not an error.
+    pub fn unwatch(&self, cgroup_id: u64) -> Result<(), BpfError> {
+        {
+            let mut maps = self.maps();
+            match maps.watched.remove(&cgroup_id) {
+                Ok(()) | Err(MapError::KeyNotFound) | Err(MapError::ElementNotFound) => {}
+                Err(e) => return Err(map_err("watched")(e)),
+            }
+            let mask = watched_levels(&maps)?;
+            maps.levels.set(0, mask, 0).map_err(map_err("levels"))?;
+            sweep(&mut maps, cgroup_id)?;
+        }
+        // A program that found the entry just before its removal may still
+        // insert a run count; programs run for microseconds, so a second
+        // sweep a moment later catches it.
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        sweep(&mut self.maps(), cgroup_id)?;
+        info!("inspector: unwatched cgroup {cgroup_id}");
+        Ok(())
+    }
+
+    /// Counters since [`Self::watch`].
+    pub fn counters(&self, cgroup_id: u64) -> Result<CgroupCounters, BpfError> {
+        let raw = match self.maps().watched.get(&cgroup_id, 0) {
+            Ok(raw) => raw,
+            Err(MapError::KeyNotFound) => return Err(BpfError::NotWatched(cgroup_id)),
+            Err(e) => return Err(map_err("watched")(e)),
+        };
+        // Recursion misses are host-wide (any skipped program may have been
+        // about this cgroup): charge them to everyone watching.
+        let missed = self.recursion_misses()?.saturating_sub(raw.misses_base);
+        Ok(CgroupCounters {
+            fs_mutations: raw.fs_mutations,
+            fs_by_class: raw.fs_by_class,
+            shared_writable_mmaps: raw.shared_writable_mmaps,
+            forks: raw.forks,
+            threads: raw.threads,
+            execs: raw.execs,
+            exits: raw.exits,
+            foreign_mem_writes: raw.foreign_mem_writes,
+            errors: raw.errors + missed,
+        })
+    }
+
+    /// How many times the threads of process `pid` (of a watched cgroup) left
+    /// a CPU since it was first seen. Contract: if two calls return
+    /// `Some(n)` with the same `n`, the process did not run in between (so
+    /// its own writes did not change its memory). `None` means "cannot say":
+    /// the process is on a CPU right now (its count moves only when it stops),
+    /// or it was never scheduled out since its cgroup is watched — treat as
+    /// "ran". The count restarts if the pid is reused: compare per
+    /// (pid, start time).
+    pub fn run_count(&self, pid: u32) -> Result<Option<u64>, BpfError> {
+        let maps = self.maps();
+        // Order matters: "not on a CPU" first, then the count. A run that
+        // overlaps the check either shows here or ends with a switch-out that
+        // the count (read after) or the next call sees.
+        if running_now(&maps.oncpu, pid)? {
+            return Ok(None);
+        }
+        match maps.runs.get(&pid, 0) {
+            Ok(run) => Ok(Some(run.switches_out)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(map_err("runs")(e)),
+        }
+    }
+
+    /// Ids of all watched cgroups (of every shim on the host).
+    pub fn watched(&self) -> Result<Vec<u64>, BpfError> {
+        let maps = self.maps();
+        let mut ids = Vec::new();
+        for key in maps.watched.keys() {
+            ids.push(key.map_err(map_err("watched"))?);
+        }
+        Ok(ids)
+    }
+
+    /// Sum of the kernel's recursion-miss counters of our programs: runs the
+    /// kernel skipped, i.e. events nobody counted.
+    pub fn recursion_misses(&self) -> Result<u64, BpfError> {
+        let mut total = 0;
+        for fd in &self.programs {
+            total += prog_recursion_misses(fd.as_raw_fd()).map_err(|source| BpfError::Syscall { op: "BPF_OBJ_GET_INFO_BY_FD", source })?;
+        }
+        Ok(total)
+    }
+
+    /// Entries currently in the per-process and per-open maps that belong to
+    /// `cgroup_id` (diagnostics and tests: zero after [`Self::unwatch`]).
+    pub fn entries_of(&self, cgroup_id: u64) -> Result<usize, BpfError> {
+        let maps = self.maps();
+        Ok(runs_of(&maps, cgroup_id)?.len() + pending_of(&maps, cgroup_id)?.len())
+    }
+}
+
+/// Unpins everything under `root` (all versions): programs detach once no
+/// process holds them. Only for roots nobody else uses (tests, benchmarks,
+/// decommissioning a host) — shims still watching through these pins would
+/// go blind.
+pub fn remove_pinned(root: &Path) -> Result<(), BpfError> {
+    match fs::remove_dir_all(root) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(BpfError::Io { what: "removing pins", path: root.to_path_buf(), source: e }),
+    }
+}
+
+/// Name of the version directory under the pin root.
+pub fn version_dir_name() -> String {
+    format!("v{ABI_VERSION}-{:016x}", fnv1a64(OBJECT))
+}
+
+fn fnv1a64(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf29ce484222325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100000001b3))
+}
+
+fn program_names() -> impl Iterator<Item = &'static str> {
+    SYSCALL_PROGRAMS
+        .iter()
+        .map(|(p, _)| *p)
+        .chain(OTHER_TRACEPOINTS.iter().map(|(p, _, _)| *p))
+        .chain(BTF_TRACEPOINTS.iter().map(|(p, _)| *p))
+}
+
+fn tracefs_events() -> PathBuf {
+    Path::new(TRACEFS_MOUNT).join("events")
+}
+
+fn syscall_tracepoint_exists(name: &str) -> bool {
+    tracefs_events().join("syscalls").join(name).is_dir()
+}
+
+/// File names of the link pins a complete load has on this kernel.
+fn expected_links() -> Result<BTreeSet<String>, BpfError> {
+    let mut names = BTreeSet::new();
+    for tp in REQUIRED_SYSCALL_TPS {
+        if !syscall_tracepoint_exists(tp) {
+            return Err(BpfError::MissingTracepoint(tp));
+        }
+    }
+    for (_, tps) in SYSCALL_PROGRAMS {
+        for tp in tps.iter().filter(|tp| syscall_tracepoint_exists(tp)) {
+            names.insert(format!("syscalls:{tp}"));
+        }
+    }
+    for (_, category, name) in OTHER_TRACEPOINTS {
+        names.insert(format!("{category}:{name}"));
+    }
+    for (_, tp) in BTF_TRACEPOINTS {
+        names.insert(format!("btf:{tp}"));
+    }
+    Ok(names)
+}
+
+fn check_links(dir: &Path) -> Result<(), BpfError> {
+    let links_dir = dir.join("links");
+    let mut present = BTreeSet::new();
+    for entry in fs::read_dir(&links_dir).map_err(io_err("listing", &links_dir))? {
+        let entry = entry.map_err(io_err("listing", &links_dir))?;
+        present.insert(entry.file_name().to_string_lossy().into_owned());
+    }
+    let expected = expected_links()?;
+    let missing: Vec<_> = expected.difference(&present).cloned().collect();
+    if !missing.is_empty() {
+        return Err(BpfError::Incomplete { path: dir.to_path_buf(), detail: format!("missing links {missing:?}") });
+    }
+    Ok(())
+}
+
+/// Loads, attaches and pins everything into a temporary directory, then
+/// publishes it as `dir` with one rename. Caller holds the root lock.
+fn load_and_pin(root: &Path, dir: &Path) -> Result<(), BpfError> {
+    // Leftovers of a loader that died mid-way hold attached links: drop them.
+    if let Ok(entries) = fs::read_dir(root) {
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with("tmp-") {
+                warn!("inspector: removing unfinished BPF pins {}", entry.path().display());
+                let _ = fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+    let tmp = root.join(format!("tmp-{}", std::process::id()));
+    let result = pin_into(&tmp).and_then(|()| fs::rename(&tmp, dir).map_err(io_err("publishing", dir)));
+    if result.is_err() {
+        let _ = fs::remove_dir_all(&tmp);
+    }
+    result?;
+    info!("inspector: loaded and pinned BPF programs at {}", dir.display());
+    Ok(())
+}
+
+fn pin_into(tmp: &Path) -> Result<(), BpfError> {
+    let expected = expected_links()?;
+    for sub in ["maps", "progs", "links"] {
+        let path = tmp.join(sub);
+        fs::create_dir_all(&path).map_err(io_err("creating", &path))?;
+    }
+    let btf = Btf::from_sys_fs()?;
+    let mut ebpf = EbpfLoader::new().btf(Some(&btf)).load(OBJECT)?;
+
+    for (name, tps) in SYSCALL_PROGRAMS {
+        let prog = tracepoint(&mut ebpf, name)?;
+        for tp in tps.iter().filter(|tp| expected.contains(&format!("syscalls:{tp}"))) {
+            let id = prog.attach("syscalls", tp).map_err(|source| BpfError::Program { name, source })?;
+            let link = prog.take_link(id).map_err(|source| BpfError::Program { name, source })?;
+            pin_link(FdLink::try_from(link).map_err(|source| BpfError::Link { name, source })?, &tmp.join("links").join(format!("syscalls:{tp}")))?;
+        }
+        pin_program(prog.pin(tmp.join("progs").join(name)), tmp, name)?;
+    }
+    for (name, category, tp) in OTHER_TRACEPOINTS {
+        let prog = tracepoint(&mut ebpf, name)?;
+        let id = prog.attach(category, tp).map_err(|source| BpfError::Program { name, source })?;
+        let link = prog.take_link(id).map_err(|source| BpfError::Program { name, source })?;
+        pin_link(FdLink::try_from(link).map_err(|source| BpfError::Link { name, source })?, &tmp.join("links").join(format!("{category}:{tp}")))?;
+        pin_program(prog.pin(tmp.join("progs").join(name)), tmp, name)?;
+    }
+    for (name, tp) in BTF_TRACEPOINTS {
+        let prog: &mut BtfTracePoint = ebpf
+            .program_mut(name)
+            .ok_or(BpfError::MissingProgram(name))?
+            .try_into()
+            .map_err(|source| BpfError::Program { name, source })?;
+        prog.load(tp, &btf).map_err(|source| BpfError::Program { name, source })?;
+        let id = prog.attach().map_err(|source| BpfError::Program { name, source })?;
+        let link = prog.take_link(id).map_err(|source| BpfError::Program { name, source })?;
+        pin_link(FdLink::from(link), &tmp.join("links").join(format!("btf:{tp}")))?;
+        pin_program(prog.pin(tmp.join("progs").join(name)), tmp, name)?;
+    }
+    for name in MAP_NAMES {
+        let path = tmp.join("maps").join(name);
+        let map = ebpf.map(name).ok_or_else(|| BpfError::Incomplete { path: tmp.to_path_buf(), detail: format!("object has no map {name}") })?;
+        map.pin(&path).map_err(|source| BpfError::Pin { path, source })?;
+    }
+    Ok(())
+}
+
+fn tracepoint<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut TracePoint, BpfError> {
+    let prog: &mut TracePoint = ebpf
+        .program_mut(name)
+        .ok_or(BpfError::MissingProgram(name))?
+        .try_into()
+        .map_err(|source| BpfError::Program { name, source })?;
+    prog.load().map_err(|source| BpfError::Program { name, source })?;
+    Ok(prog)
+}
+
+fn pin_link(link: FdLink, path: &Path) -> Result<(), BpfError> {
+    link.pin(path).map_err(|source| BpfError::Pin { path: path.to_path_buf(), source })?;
+    Ok(())
+}
+
+fn pin_program(result: Result<(), aya::pin::PinError>, tmp: &Path, name: &str) -> Result<(), BpfError> {
+    result.map_err(|source| BpfError::Pin { path: tmp.join("progs").join(name), source })
+}
+
+fn watched_levels(maps: &Maps) -> Result<u64, BpfError> {
+    let mut mask = 0u64;
+    for item in maps.watched.iter() {
+        let (_, value) = item.map_err(map_err("watched"))?;
+        if value.level < MAX_LEVELS {
+            mask |= 1 << value.level;
+        }
+    }
+    Ok(mask)
+}
+
+fn runs_of(maps: &Maps, cgroup_id: u64) -> Result<Vec<u32>, BpfError> {
+    let mut keys = Vec::new();
+    for item in maps.runs.iter() {
+        match item {
+            Ok((pid, run)) if run.cgroup_id == cgroup_id => keys.push(pid),
+            Ok(_) => {}
+            // Deleted by an exiting process between key and value reads.
+            Err(MapError::KeyNotFound) => {}
+            Err(e) => return Err(map_err("runs")(e)),
+        }
+    }
+    Ok(keys)
+}
+
+fn pending_of(maps: &Maps, cgroup_id: u64) -> Result<Vec<u32>, BpfError> {
+    let mut keys = Vec::new();
+    for item in maps.pending.iter() {
+        match item {
+            Ok((tid, pending)) if pending.cgroup_id == cgroup_id => keys.push(tid),
+            Ok(_) => {}
+            Err(MapError::KeyNotFound) => {}
+            Err(e) => return Err(map_err("pending_open")(e)),
+        }
+    }
+    Ok(keys)
+}
+
+fn sweep(maps: &mut Maps, cgroup_id: u64) -> Result<(), BpfError> {
+    for pid in runs_of(maps, cgroup_id)? {
+        match maps.runs.remove(&pid) {
+            Ok(()) | Err(MapError::KeyNotFound) | Err(MapError::ElementNotFound) => {}
+            Err(e) => return Err(map_err("runs")(e)),
+        }
+    }
+    for tid in pending_of(maps, cgroup_id)? {
+        match maps.pending.remove(&tid) {
+            Ok(()) | Err(MapError::KeyNotFound) | Err(MapError::ElementNotFound) => {}
+            Err(e) => return Err(map_err("pending_open")(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Is any thread of `pid` on a CPU (or is some online CPU's slot not yet
+/// written, so we cannot tell)?
+fn running_now(oncpu: &PerCpuArray<MapData, u64>, pid: u32) -> Result<bool, BpfError> {
+    let slots = oncpu.get(&0, 0).map_err(map_err("oncpu"))?;
+    let online = fs::read_to_string("/sys/devices/system/cpu/online")
+        .map_err(io_err("reading", Path::new("/sys/devices/system/cpu/online")))?;
+    for cpu in parse_cpu_list(&online) {
+        match slots.get(cpu) {
+            Some(slot) if slot & ONCPU_VALID == 0 => return Ok(true),
+            Some(slot) if (slot & 0xffff_ffff) as u32 == pid => return Ok(true),
+            _ => {}
+        }
+    }
+    Ok(false)
+}
+
+/// Parses a kernel CPU list such as "0-3,8,10-11".
+fn parse_cpu_list(list: &str) -> Vec<usize> {
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+        let mut bounds = part.splitn(2, '-').map(|n| n.trim().parse::<usize>());
+        match (bounds.next(), bounds.next()) {
+            (Some(Ok(a)), None) => cpus.push(a),
+            (Some(Ok(a)), Some(Ok(b))) if a <= b => cpus.extend(a..=b),
+            _ => {}
+        }
+    }
+    cpus
+}
+
+/// Inode number of a cgroup2 directory == the kernel's cgroup id
+/// (`bpf_get_current_cgroup_id()`). Fails for cgroup v1 directories, whose
+/// inode numbers mean nothing to BPF.
+pub fn cgroup_id(cgroup2_dir: &Path) -> io::Result<u64> {
+    if statfs_type(cgroup2_dir)? != CGROUP2_SUPER_MAGIC {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} is not in a cgroup2 hierarchy", cgroup2_dir.display())));
+    }
+    Ok(fs::metadata(cgroup2_dir)?.ino())
+}
+
+/// The cgroup2 directory of a process: its "0::/path" line of
+/// /proc/PID/cgroup under the cgroup2 mount of /proc/self/mountinfo
+/// (/sys/fs/cgroup/unified on hybrid hosts, /sys/fs/cgroup on pure v2).
+pub fn cgroup2_dir_of(pid: u32) -> io::Result<PathBuf> {
+    let (mount_point, mount_root) = cgroup2_mount()?;
+    let cgroup = fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
+    let path = parse_unified_cgroup(&cgroup)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("process {pid} has no cgroup2 entry")))?;
+    Ok(join_under_mount(&mount_point, &mount_root, &path))
+}
+
+/// Mount point and mounted root of the cgroup2 hierarchy.
+pub fn cgroup2_mount() -> io::Result<(PathBuf, PathBuf)> {
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo")?;
+    parse_cgroup2_mount(&mountinfo).ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no cgroup2 mount in /proc/self/mountinfo"))
+}
+
+fn parse_cgroup2_mount(mountinfo: &str) -> Option<(PathBuf, PathBuf)> {
+    mountinfo.lines().find_map(|line| {
+        let (left, right) = line.split_once(" - ")?;
+        if right.split_whitespace().next()? != "cgroup2" {
+            return None;
+        }
+        let fields: Vec<&str> = left.split_whitespace().collect();
+        Some((PathBuf::from(unescape_mountinfo(fields.get(4)?)), PathBuf::from(unescape_mountinfo(fields.get(3)?))))
+    })
+}
+
+/// mountinfo escapes space, tab, newline and backslash as \ooo.
+fn unescape_mountinfo(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'\\' && i + 3 < bytes.len() && bytes[i + 1..i + 4].iter().all(|b| (b'0'..=b'7').contains(b)) {
+            let value = (bytes[i + 1] - b'0') * 64 + (bytes[i + 2] - b'0') * 8 + (bytes[i + 3] - b'0');
+            out.push(value);
+            i += 4;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn parse_unified_cgroup(proc_cgroup: &str) -> Option<String> {
+    proc_cgroup.lines().find_map(|line| line.strip_prefix("0::").map(|p| p.trim_end().to_string()))
+}
+
+fn join_under_mount(mount_point: &Path, mount_root: &Path, cgroup_path: &str) -> PathBuf {
+    let path = Path::new(cgroup_path);
+    let relative = path.strip_prefix(mount_root).unwrap_or(path);
+    let relative = relative.strip_prefix("/").unwrap_or(relative);
+    mount_point.join(relative)
+}
+
+/// Depth of a cgroup in the cgroup2 tree, found from its id through the
+/// kernel's file handles (also proves the id names a live cgroup).
+fn cgroup_level(cgroup_id: u64) -> Result<u64, BpfError> {
+    let (mount_point, mount_root) = cgroup2_mount().map_err(io_err("finding the cgroup2 mount", Path::new("/proc/self/mountinfo")))?;
+    let path = cgroup_path_by_id(&mount_point, cgroup_id).map_err(|source| BpfError::Io {
+        what: "resolving cgroup id under",
+        path: mount_point.clone(),
+        source: io::Error::new(source.kind(), format!("cgroup id {cgroup_id}: {source}")),
+    })?;
+    let below_mount = path.strip_prefix(&mount_point).unwrap_or(&path);
+    let root_depth = mount_root.components().filter(|c| matches!(c, std::path::Component::Normal(_))).count();
+    let depth = below_mount.components().filter(|c| matches!(c, std::path::Component::Normal(_))).count();
+    Ok((root_depth + depth) as u64)
+}
+
+/// Path of the cgroup2 directory with this id: open_by_handle_at with a
+/// kernfs file handle (type FILEID_KERNFS, 8 bytes of id), then the fd's path.
+pub fn cgroup_path_by_id(cgroup2_mount: &Path, cgroup_id: u64) -> io::Result<PathBuf> {
+    const FILEID_KERNFS: i32 = 0xfe;
+    #[repr(C)]
+    struct KernfsHandle {
+        handle_bytes: u32,
+        handle_type: i32,
+        id: u64,
+    }
+    let mount = File::open(cgroup2_mount)?;
+    let mut handle = KernfsHandle { handle_bytes: 8, handle_type: FILEID_KERNFS, id: cgroup_id };
+    // SAFETY: handle is a valid struct file_handle with 8 bytes of payload.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_open_by_handle_at,
+            mount.as_raw_fd(),
+            &mut handle as *mut KernfsHandle,
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the syscall returned a new fd we now own.
+    let dir = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+    fs::read_link(format!("/proc/self/fd/{}", dir.as_raw_fd()))
+}
+
+fn statfs_type(path: &Path) -> io::Result<i64> {
+    let cpath = CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: zeroed statfs is a valid out-parameter.
+    let mut buf: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid C string and out pointer.
+    if unsafe { libc::statfs(cpath.as_ptr(), &mut buf) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(buf.f_type as i64)
+}
+
+/// Mounts `fstype` at `target` unless a filesystem of that type is there.
+fn ensure_mounted(target: &str, fstype: &str, magic: i64) -> Result<(), BpfError> {
+    let path = Path::new(target);
+    if statfs_type(path).ok() == Some(magic) {
+        return Ok(());
+    }
+    fs::create_dir_all(path).map_err(io_err("creating", path))?;
+    let (src, tgt, ty) = (CString::new(fstype).unwrap(), CString::new(target).unwrap(), CString::new(fstype).unwrap());
+    // SAFETY: valid C strings; no data argument.
+    if unsafe { libc::mount(src.as_ptr(), tgt.as_ptr(), ty.as_ptr(), 0, std::ptr::null()) } != 0 {
+        return Err(BpfError::Io { what: "mounting", path: path.to_path_buf(), source: io::Error::last_os_error() });
+    }
+    info!("inspector: mounted {fstype} at {target}");
+    Ok(())
+}
+
+/// flock on a directory; released on drop.
+struct DirLock(File);
+
+impl DirLock {
+    fn exclusive(dir: &Path) -> Result<DirLock, BpfError> {
+        let file = File::open(dir).map_err(io_err("opening", dir))?;
+        // SAFETY: valid fd.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(BpfError::Io { what: "locking", path: dir.to_path_buf(), source: io::Error::last_os_error() });
+        }
+        Ok(DirLock(file))
+    }
+}
+
+impl Drop for DirLock {
+    fn drop(&mut self) {
+        // SAFETY: valid fd.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+
+fn bpf_obj_get(path: &Path) -> io::Result<OwnedFd> {
+    #[repr(C)]
+    #[derive(Default)]
+    struct ObjGetAttr {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+        path_fd: i32,
+        _pad: u32,
+    }
+    let cpath = CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let attr = ObjGetAttr { pathname: cpath.as_ptr() as u64, ..Default::default() };
+    // SAFETY: attr is a valid bpf_attr prefix for BPF_OBJ_GET.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, &attr as *const ObjGetAttr, std::mem::size_of::<ObjGetAttr>()) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: new fd owned by us.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// `recursion_misses` of `struct bpf_prog_info` (offset 208, since 5.12).
+fn prog_recursion_misses(prog_fd: RawFd) -> io::Result<u64> {
+    const INFO_LEN: usize = 232;
+    const RECURSION_MISSES: usize = 208;
+    #[repr(C, align(8))]
+    struct Info([u8; INFO_LEN]);
+    #[repr(C)]
+    struct InfoAttr {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    let mut info = Info([0; INFO_LEN]);
+    let attr = InfoAttr { bpf_fd: prog_fd as u32, info_len: INFO_LEN as u32, info: info.0.as_mut_ptr() as u64 };
+    // SAFETY: attr points at a buffer of info_len bytes.
+    let ret = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET_INFO_BY_FD, &attr as *const InfoAttr, std::mem::size_of::<InfoAttr>()) };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let bytes: [u8; 8] = info.0[RECURSION_MISSES..RECURSION_MISSES + 8].try_into().expect("8 bytes");
+    Ok(u64::from_ne_bytes(bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    //! These tests load the real programs into the running kernel: they need
+    //! root, bpffs and a cgroup2 hierarchy, and fail (never skip) without.
+    //! Each test pins into its own root under /sys/fs/bpf and removes it.
+
+    use super::*;
+    use std::collections::BTreeMap;
+    use std::io::Write as _;
+    use std::process::{Child, Command, Output, Stdio};
+    use std::time::{Duration, Instant};
+
+    /// Tests count host-wide programs and links: one at a time.
+    static SERIAL: Mutex<()> = Mutex::new(());
+
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        // SAFETY: geteuid has no preconditions.
+        assert_eq!(unsafe { libc::geteuid() }, 0, "inspector::bpf tests load BPF programs: run them as root");
+        SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    struct TestRoot(PathBuf);
+
+    impl TestRoot {
+        fn new(tag: &str) -> TestRoot {
+            let root = PathBuf::from(format!("{BPFFS_MOUNT}/crab-test-{}-{tag}", std::process::id()));
+            remove_pinned(&root).unwrap();
+            TestRoot(root)
+        }
+    }
+
+    impl Drop for TestRoot {
+        fn drop(&mut self) {
+            if let Err(e) = remove_pinned(&self.0) {
+                eprintln!("cleaning test pins {}: {e}", self.0.display());
+            }
+        }
+    }
+
+    struct TestCgroup {
+        dir: PathBuf,
+        id: u64,
+    }
+
+    impl TestCgroup {
+        fn new(tag: &str) -> TestCgroup {
+            let (mount, _) = cgroup2_mount().expect("cgroup2 mount");
+            TestCgroup::at(mount.join(format!("crab-bpf-test-{}-{tag}", std::process::id())))
+        }
+
+        fn at(dir: PathBuf) -> TestCgroup {
+            let _ = fs::remove_dir(&dir);
+            fs::create_dir(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
+            let id = cgroup_id(&dir).unwrap();
+            TestCgroup { dir, id }
+        }
+
+        /// Starts `sh -c script` in this cgroup: the shell waits for a line on
+        /// stdin, sent once its pid is in cgroup.procs.
+        fn spawn(&self, script: &str) -> Child {
+            let mut child = Command::new("/bin/sh")
+                .arg("-c")
+                .arg(format!("read _go; {script}"))
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            fs::write(self.dir.join("cgroup.procs"), child.id().to_string()).unwrap();
+            let mut stdin = child.stdin.take().unwrap();
+            stdin.write_all(b"go\n").unwrap();
+            child
+        }
+
+        fn run(&self, script: &str) -> Output {
+            let out = self.spawn(script).wait_with_output().unwrap();
+            assert!(out.status.success(), "{script}: {:?}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+            out
+        }
+    }
+
+    impl Drop for TestCgroup {
+        fn drop(&mut self) {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                let procs = fs::read_to_string(self.dir.join("cgroup.procs")).unwrap_or_default();
+                for pid in procs.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+                    // SAFETY: plain kill(2) of a process we put there.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+                // Child cgroups first.
+                if let Ok(entries) = fs::read_dir(&self.dir) {
+                    for e in entries.flatten() {
+                        if e.path().is_dir() {
+                            let _ = fs::remove_dir(e.path());
+                        }
+                    }
+                }
+                if fs::remove_dir(&self.dir).is_ok() || Instant::now() > deadline {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+
+    fn delta(probes: &HostProbes, cg: &TestCgroup, f: impl FnOnce()) -> CgroupCounters {
+        let before = probes.counters(cg.id).unwrap();
+        f();
+        probes.counters(cg.id).unwrap().since(&before)
+    }
+
+    fn class(c: &CgroupCounters, class: FsClass) -> u64 {
+        c.fs_by_class[class.index()]
+    }
+
+    fn explain(c: &CgroupCounters) -> String {
+        format!("{c:?} classes={:?}", c.fs_classes().map(|(k, n)| (k.name(), n)).collect::<Vec<_>>())
+    }
+
+    /// crab_* programs and their links currently in the kernel (host-wide).
+    fn crab_programs_and_links() -> (BTreeMap<u32, String>, usize) {
+        let mut progs = BTreeMap::new();
+        for info in aya::programs::loaded_programs().flatten() {
+            if let Some(name) = info.name_as_str().filter(|n| n.starts_with("crab_")) {
+                progs.insert(info.id(), name.to_string());
+            }
+        }
+        let links = aya::programs::loaded_links().flatten().filter(|l| progs.contains_key(&l.program_id())).count();
+        (progs, links)
+    }
+
+    fn pinned_program_ids(dir: &Path) -> BTreeSet<u32> {
+        fs::read_dir(dir.join("progs"))
+            .unwrap()
+            .map(|e| aya::programs::ProgramInfo::from_pin(e.unwrap().path()).unwrap().id())
+            .collect()
+    }
+
+    #[test]
+    fn parses_cpu_lists() {
+        assert_eq!(parse_cpu_list("0-1\n"), vec![0, 1]);
+        assert_eq!(parse_cpu_list("0,2-4,7"), vec![0, 2, 3, 4, 7]);
+        assert_eq!(parse_cpu_list(""), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn parses_cgroup2_mounts_and_paths() {
+        let hybrid = "25 24 0:22 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755\n\
+                      26 25 0:23 / /sys/fs/cgroup/unified rw,nosuid,nodev,noexec,relatime shared:5 - cgroup2 cgroup2 rw\n\
+                      27 25 0:24 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n";
+        let (mount, root) = parse_cgroup2_mount(hybrid).unwrap();
+        assert_eq!(mount, Path::new("/sys/fs/cgroup/unified"));
+        assert_eq!(root, Path::new("/"));
+        let escaped = "30 1 0:26 /sub /mnt/cg\\040v2 rw - cgroup2 none rw\n";
+        let (mount, root) = parse_cgroup2_mount(escaped).unwrap();
+        assert_eq!(mount, Path::new("/mnt/cg v2"));
+        assert_eq!(root, Path::new("/sub"));
+        assert_eq!(parse_cgroup2_mount("1 0 8:1 / / rw - ext4 /dev/sda rw\n"), None);
+
+        let proc_cgroup = "4:memory:/x\n1:name=systemd:/\n0::/crab/abc\n";
+        let path = parse_unified_cgroup(proc_cgroup).unwrap();
+        assert_eq!(join_under_mount(Path::new("/sys/fs/cgroup/unified"), Path::new("/"), &path), Path::new("/sys/fs/cgroup/unified/crab/abc"));
+        assert_eq!(join_under_mount(Path::new("/mnt/cg v2"), Path::new("/sub"), "/sub/c1"), Path::new("/mnt/cg v2/c1"));
+    }
+
+    #[test]
+    fn fs_classes_match_the_c_enum() {
+        let header = include_str!("../../../bpf-programs/include/inspector.h");
+        let start = header.find("enum fs_class {").unwrap();
+        let body = &header[start..start + header[start..].find('}').unwrap()];
+        let names: Vec<&str> = body.lines().skip(1).map(|l| l.trim().trim_end_matches(',')).filter(|l| l.starts_with("FS_")).collect();
+        assert_eq!(names.len(), FS_CLASSES + 1, "{names:?}"); // + FS_CLASSES itself
+        for (class, c_name) in FsClass::ALL.iter().zip(&names) {
+            let rust = format!("FS_{}", class.name().replace('-', "_").to_uppercase());
+            let expect = match *class {
+                FsClass::MmapShared => "FS_MMAP_SHARED".to_string(),
+                _ => rust,
+            };
+            assert_eq!(&expect, c_name);
+        }
+        assert_eq!(std::mem::size_of::<RawCounters>(), 8 * (FS_CLASSES + 10));
+    }
+
+    #[test]
+    fn cgroup_ids_and_dirs() {
+        let _serial = serial();
+        let cg = TestCgroup::new("ids");
+        let (mount, _) = cgroup2_mount().unwrap();
+        assert_eq!(cgroup_path_by_id(&mount, cg.id).unwrap(), cg.dir);
+        assert_eq!(cgroup_level(cg.id).unwrap(), 1);
+        let mut child = cg.spawn("exec sleep 5");
+        assert_eq!(cgroup2_dir_of(child.id()).unwrap(), cg.dir);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // cgroup v1 directories have inode numbers too, but not cgroup ids.
+        let v1 = Path::new("/sys/fs/cgroup/memory");
+        if v1.is_dir() {
+            assert!(cgroup_id(v1).is_err());
+        }
+    }
+
+    /// Loads in this process, re-opens in this process and in other
+    /// processes (some racing on a fresh root): one set of programs and links.
+    #[test]
+    fn loads_once_and_reuses_pins() {
+        let _serial = serial();
+        let root = TestRoot::new("pins");
+        let (progs_before, links_before) = crab_programs_and_links();
+
+        let started = Instant::now();
+        let first = HostProbes::open_or_load_at(&root.0).unwrap();
+        let load_time = started.elapsed();
+        let (progs_loaded, links_loaded) = crab_programs_and_links();
+        let n_progs = program_names().count();
+        let n_links = expected_links().unwrap().len();
+        assert_eq!(progs_loaded.len() - progs_before.len(), n_progs);
+        assert_eq!(links_loaded - links_before, n_links);
+        let ids = pinned_program_ids(first.pin_dir());
+        assert_eq!(ids.len(), n_progs);
+
+        let started = Instant::now();
+        let second = HostProbes::open_or_load_at(&root.0).unwrap();
+        let open_time = started.elapsed();
+        assert_eq!(second.pin_dir(), first.pin_dir());
+        assert_eq!(pinned_program_ids(second.pin_dir()), ids);
+        drop((first, second));
+        // Pins alone keep everything attached after our handles are gone.
+        assert_eq!(crab_programs_and_links(), (progs_loaded.clone(), links_loaded));
+
+        // Other processes: 3 at once on the existing root, then 3 racing on a fresh one.
+        let race_root = TestRoot::new("race");
+        for target in [&root.0, &race_root.0] {
+            let children: Vec<Child> = (0..3)
+                .map(|_| {
+                    Command::new(std::env::current_exe().unwrap())
+                        .args(["--exact", "inspector::bpf::tests::child_opens_pins", "--ignored", "--nocapture", "--test-threads=1"])
+                        .env("CRAB_BPF_CHILD_ROOT", target)
+                        .stdout(Stdio::piped())
+                        .stderr(Stdio::piped())
+                        .spawn()
+                        .unwrap()
+                })
+                .collect();
+            for child in children {
+                let out = child.wait_with_output().unwrap();
+                let stdout = String::from_utf8_lossy(&out.stdout);
+                assert!(out.status.success() && stdout.contains("child opened "), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+            }
+        }
+        let (progs_after, links_after) = crab_programs_and_links();
+        assert_eq!(progs_after.len() - progs_loaded.len(), n_progs, "racing first loads attached more than once");
+        assert_eq!(links_after - links_loaded, n_links);
+        assert_eq!(fs::read_dir(&race_root.0).unwrap().count(), 1, "leftover temporary pins");
+        eprintln!("first load+attach+pin {load_time:?}, open of pins {open_time:?}, {n_progs} programs, {n_links} links");
+
+        drop(race_root);
+        drop(root);
+        // Programs are freed asynchronously once their last link is gone.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut end = crab_programs_and_links();
+        while end.0.len() != progs_before.len() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+            end = crab_programs_and_links();
+        }
+        assert_eq!((end.0.len(), end.1), (progs_before.len(), links_before), "removing the pins detaches and frees everything");
+    }
+
+    /// Helper for `loads_once_and_reuses_pins`, run in a child process.
+    #[test]
+    #[ignore = "run by loads_once_and_reuses_pins in a child process"]
+    fn child_opens_pins() {
+        let Some(root) = std::env::var_os("CRAB_BPF_CHILD_ROOT") else {
+            println!("nothing to do: only meaningful as a child of loads_once_and_reuses_pins");
+            return;
+        };
+        let probes = HostProbes::open_or_load_at(Path::new(&root)).unwrap();
+        probes.watched().unwrap();
+        println!("child opened {}", probes.pin_dir().display());
+    }
+
+    #[test]
+    fn counts_filesystem_mutations_by_class() {
+        let _serial = serial();
+        let root = TestRoot::new("fs");
+        let probes = HostProbes::open_or_load_at(&root.0).unwrap();
+        let cg = TestCgroup::new("fs");
+        probes.watch(cg.id).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path().display();
+        fs::write(tmp.path().join("existing"), "x").unwrap();
+
+        let read_only = delta(&probes, &cg, || {
+            let out = cg.run(&format!(
+                "cat /etc/hostname; ls / >/dev/null; cat /etc/passwd > /dev/null 2>&1; grep -c root /etc/passwd; \
+                 find {d} -name existing; ls -la {d} >/dev/null; echo to-stdout; echo piped | cat; echo err >&2; \
+                 stat {d}/existing >/dev/null; head -c 10 /dev/zero >/dev/null"
+            ));
+            assert!(String::from_utf8_lossy(&out.stdout).contains("to-stdout"));
+        });
+        assert_eq!(read_only.fs_mutations, 0, "read-only workload: {}", explain(&read_only));
+        assert!(read_only.forks >= 5 && read_only.execs >= 5 && read_only.exits >= 5, "{}", explain(&read_only));
+
+        let write = delta(&probes, &cg, || {
+            cg.run(&format!("echo hello > {d}/f"));
+        });
+        assert_eq!(class(&write, FsClass::OpenWrite), 1, "{}", explain(&write));
+        assert_eq!(class(&write, FsClass::Write), 1, "{}", explain(&write));
+        assert_eq!(write.fs_mutations, 2, "{}", explain(&write));
+
+        let append = delta(&probes, &cg, || {
+            cg.run(&format!("echo more >> {d}/f"));
+        });
+        assert!(class(&append, FsClass::OpenWrite) == 1 && class(&append, FsClass::Write) == 1, "{}", explain(&append));
+
+        let tree = delta(&probes, &cg, || {
+            cg.run(&format!(
+                "mkdir {d}/dir && mv {d}/f {d}/g && chmod 600 {d}/g && ln -s g {d}/sym && ln {d}/g {d}/hard && \
+                 rm {d}/sym {d}/hard && rmdir {d}/dir && touch -d @0 {d}/g && truncate -s 0 {d}/g && mkfifo {d}/fifo && \
+                 chown 0:0 {d}/g && rm {d}/g {d}/fifo"
+            ));
+        });
+        for (k, n) in [
+            (FsClass::Mkdir, 1),
+            (FsClass::Rename, 1),
+            (FsClass::Chmod, 1),
+            (FsClass::Symlink, 1),
+            (FsClass::Link, 1),
+            (FsClass::Unlink, 4),
+            (FsClass::Rmdir, 1),
+            (FsClass::Utimes, 1),
+            (FsClass::Truncate, 1),
+            (FsClass::Mknod, 1),
+            (FsClass::Chown, 1),
+        ] {
+            assert!(class(&tree, k) >= n, "{}: {}", k.name(), explain(&tree));
+        }
+
+        // Shared writable file mapping (mmap, or mprotect adding write) counts;
+        // a private one does not.
+        let py = |body: &str| {
+            format!(
+                "python3 -B -c 'import ctypes,os\nlibc=ctypes.CDLL(None,use_errno=True)\nlibc.mmap.restype=ctypes.c_void_p\n\
+                 libc.mmap.argtypes=[ctypes.c_void_p,ctypes.c_size_t,ctypes.c_int,ctypes.c_int,ctypes.c_int,ctypes.c_long]\n\
+                 libc.mprotect.argtypes=[ctypes.c_void_p,ctypes.c_size_t,ctypes.c_int]\n\
+                 fd=os.open(\"{d}/existing\",os.O_RDWR)\n{body}\n'"
+            )
+        };
+        let shared_rw = delta(&probes, &cg, || {
+            cg.run(&py("a=libc.mmap(None,4096,3,1,fd,0)\nassert a!=ctypes.c_void_p(-1).value"));
+        });
+        let shared_upgrade = delta(&probes, &cg, || {
+            cg.run(&py("a=libc.mmap(None,4096,1,1,fd,0)\nassert libc.mprotect(a,4096,3)==0"));
+        });
+        let private_upgrade = delta(&probes, &cg, || {
+            cg.run(&py("a=libc.mmap(None,4096,1,2,fd,0)\nassert libc.mprotect(a,4096,3)==0"));
+        });
+        assert_eq!(shared_rw.shared_writable_mmaps, 1, "{}", explain(&shared_rw));
+        assert_eq!(shared_upgrade.shared_writable_mmaps, 1, "{}", explain(&shared_upgrade));
+        assert_eq!(private_upgrade.shared_writable_mmaps, 0, "{}", explain(&private_upgrade));
+        assert_eq!(private_upgrade.fs_mutations, 0, "python with a private mapping only: {}", explain(&private_upgrade));
+
+        // Creating a unix socket file is a mknod; an abstract one is nothing.
+        let sockets = delta(&probes, &cg, || {
+            cg.run(&format!(
+                "python3 -B -c 'import socket\ns=socket.socket(socket.AF_UNIX)\ns.bind(\"{d}/sock\")\n\
+                 t=socket.socket(socket.AF_UNIX)\nt.bind(\"\\0crab-abstract-test\")\n'"
+            ));
+        });
+        assert_eq!(class(&sockets, FsClass::Mknod), 1, "{}", explain(&sockets));
+
+        // An unwatched cgroup next door sees nothing counted for it.
+        let other = TestCgroup::new("fs-other");
+        let before = probes.counters(cg.id).unwrap();
+        other.run(&format!("echo x > {d}/other; mkdir {d}/otherdir"));
+        assert_eq!(probes.counters(cg.id).unwrap(), before);
+        assert!(matches!(probes.counters(other.id), Err(BpfError::NotWatched(_))));
+
+        // Tasks in a child cgroup of a watched one count for it.
+        let nested = TestCgroup::at(cg.dir.join("nested"));
+        let via_child = delta(&probes, &cg, || {
+            nested.run(&format!("echo x > {d}/nested"));
+        });
+        assert_eq!(class(&via_child, FsClass::OpenWrite), 1, "{}", explain(&via_child));
+        drop(nested);
+
+        let all = probes.counters(cg.id).unwrap();
+        assert_eq!(all.errors, 0, "{}", explain(&all));
+        probes.unwatch(cg.id).unwrap();
+    }
+
+    #[test]
+    fn counts_processes_and_run_counts() {
+        let _serial = serial();
+        let root = TestRoot::new("procs");
+        let probes = HostProbes::open_or_load_at(&root.0).unwrap();
+        let cg = TestCgroup::new("procs");
+        probes.watch(cg.id).unwrap();
+
+        let procs = delta(&probes, &cg, || {
+            cg.run("for i in 1 2 3; do /bin/true; done; (exit 0) & wait");
+        });
+        // 3 × /bin/true + 1 subshell, each forked and exited; the shell itself
+        // exits too. exec: the 3 /bin/true.
+        assert_eq!(procs.forks, 4, "{}", explain(&procs));
+        assert_eq!(procs.execs, 3, "{}", explain(&procs));
+        assert_eq!(procs.exits, 5, "{}", explain(&procs));
+
+        let threads = delta(&probes, &cg, || {
+            cg.run("python3 -B -c 'import threading\nt=threading.Thread(target=lambda: None)\nt.start()\nt.join()'");
+        });
+        assert_eq!(threads.threads, 1, "{}", explain(&threads));
+
+        // A sleeping process does not run: same count, reported as Some.
+        let mut sleeper = cg.spawn("exec sleep 30");
+        let pid = sleeper.id();
+        std::thread::sleep(Duration::from_millis(500));
+        let r1 = probes.run_count(pid).unwrap();
+        std::thread::sleep(Duration::from_secs(2));
+        let r2 = probes.run_count(pid).unwrap();
+        assert!(r1.is_some() && r1 == r2, "sleeping process: {r1:?} then {r2:?}");
+
+        // A busy process runs: never two equal Some values.
+        let mut busy = cg.spawn("while :; do :; done");
+        let busy_pid = busy.id();
+        let mut samples = Vec::new();
+        for _ in 0..10 {
+            std::thread::sleep(Duration::from_millis(100));
+            samples.push(probes.run_count(busy_pid).unwrap());
+        }
+        for pair in samples.windows(2) {
+            assert!(!(pair[0].is_some() && pair[0] == pair[1]), "busy process looked idle: {samples:?}");
+        }
+        // Waking the sleeper moves its count.
+        // SAFETY: plain kill(2) of our child.
+        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        std::thread::sleep(Duration::from_millis(100));
+        unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+        std::thread::sleep(Duration::from_millis(100));
+        let r3 = probes.run_count(pid).unwrap();
+        assert!(r3.is_none() || r3 > r2, "woken process: {r2:?} then {r3:?}");
+
+        busy.kill().unwrap();
+        busy.wait().unwrap();
+        sleeper.kill().unwrap();
+        sleeper.wait().unwrap();
+        // Exited processes leave no run entry behind, even while watched.
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(probes.run_count(pid).unwrap(), None);
+        assert_eq!(probes.entries_of(cg.id).unwrap(), 0);
+        eprintln!("sleeper {r1:?} {r2:?} {r3:?}; busy samples {samples:?}");
+        assert_eq!(probes.counters(cg.id).unwrap().errors, 0);
+        probes.unwatch(cg.id).unwrap();
+    }
+
+    #[test]
+    fn unwatch_leaves_no_entries() {
+        let _serial = serial();
+        let root = TestRoot::new("unwatch");
+        let probes = HostProbes::open_or_load_at(&root.0).unwrap();
+        let cg = TestCgroup::new("unwatch");
+        let bystander = TestCgroup::new("unwatch-bystander");
+        probes.watch(cg.id).unwrap();
+        probes.watch(bystander.id).unwrap();
+        let mut bystander_proc = bystander.spawn("while :; do sleep 0.02; done");
+        // Live processes with run entries, still running at unwatch time.
+        let mut children: Vec<Child> = (0..4).map(|_| cg.spawn("while :; do sleep 0.01; echo x > /dev/null; done")).collect();
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(probes.entries_of(cg.id).unwrap() >= 4);
+        assert!(probes.watched().unwrap().contains(&cg.id));
+
+        probes.unwatch(cg.id).unwrap();
+        assert_eq!(probes.entries_of(cg.id).unwrap(), 0);
+        assert!(!probes.watched().unwrap().contains(&cg.id));
+        assert!(matches!(probes.counters(cg.id), Err(BpfError::NotWatched(_))));
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(probes.entries_of(cg.id).unwrap(), 0, "entries came back after unwatch");
+        for pid in children.iter().map(Child::id) {
+            assert_eq!(probes.run_count(pid).unwrap(), None);
+        }
+        // The other watched cgroup is untouched.
+        assert!(probes.entries_of(bystander.id).unwrap() >= 1);
+        assert!(probes.counters(bystander.id).unwrap().forks > 0);
+        // Unwatching twice is fine.
+        probes.unwatch(cg.id).unwrap();
+        probes.unwatch(bystander.id).unwrap();
+        assert_eq!(probes.entries_of(bystander.id).unwrap(), 0);
+        assert!(probes.watched().unwrap().is_empty());
+        let maps = probes.maps();
+        assert_eq!(watched_levels(&maps).unwrap(), 0);
+        assert_eq!(maps.levels.get(&0, 0).unwrap(), 0);
+        drop(maps);
+        for c in &mut children {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+        bystander_proc.kill().unwrap();
+        bystander_proc.wait().unwrap();
+    }
+}

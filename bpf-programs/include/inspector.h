@@ -1,0 +1,74 @@
+/* SPDX-License-Identifier: GPL-2.0-only OR Apache-2.0 */
+/*
+ * Map layouts shared with user space (shim/src/inspector/bpf.rs mirrors them
+ * with #[repr(C)] structs). Any change here is an ABI change: bump
+ * ABI_VERSION in bpf.rs so that shims never open maps of another layout.
+ */
+#ifndef CRAB_INSPECTOR_H
+#define CRAB_INSPECTOR_H
+
+/* Same order as FsClass in bpf.rs. */
+enum fs_class {
+	FS_OPEN_WRITE,
+	FS_WRITE,
+	FS_TRUNCATE,
+	FS_RENAME,
+	FS_UNLINK,
+	FS_MKDIR,
+	FS_RMDIR,
+	FS_LINK,
+	FS_SYMLINK,
+	FS_CHMOD,
+	FS_CHOWN,
+	FS_XATTR,
+	FS_UTIMES,
+	FS_MKNOD,
+	FS_FALLOCATE,
+	FS_COPY_RANGE,
+	FS_MMAP_SHARED,
+	FS_OTHER,
+	FS_CLASSES
+};
+
+/* Value of the `watched` map, key = cgroup id (u64). Written by BPF with
+ * atomic adds only; user space creates it zeroed on watch. */
+struct counters {
+	__u64 fs_mutations;
+	__u64 fs_by_class[FS_CLASSES];
+	__u64 shared_writable_mmaps;
+	__u64 forks;   /* new processes */
+	__u64 threads; /* new threads of existing processes */
+	__u64 execs;
+	__u64 exits;   /* processes (last thread) */
+	__u64 foreign_mem_writes; /* ptrace, process_vm_writev, writes to /proc files */
+	__u64 errors;
+	/* Owned by user space, never touched by BPF: */
+	__u64 level;        /* depth of the cgroup in the cgroup2 tree */
+	__u64 misses_base;  /* programs' recursion misses at watch time */
+};
+
+/* Value of the `runs` map, key = tgid (u32). */
+struct run {
+	__u64 switches_out; /* times any thread of the process left a CPU */
+	__u64 cgroup_id;    /* watched cgroup it was last counted for */
+};
+
+/* Value of the `pending_open` map, key = tid (u32): open flags between
+ * sys_enter and sys_exit, so the exit can look at what was opened. */
+struct pending_open {
+	__u64 cgroup_id;
+	__u64 flags;
+};
+
+/* `oncpu` per-CPU array slot: ONCPU_VALID | tgid of the task switched in. */
+#define ONCPU_VALID (1ULL << 32)
+
+/* cgroup levels searched for a watched ancestor (containers that create
+ * child cgroups are still covered). */
+#define MAX_LEVELS 16
+
+#define WATCHED_MAX 8192
+#define RUNS_MAX 65536
+#define PENDING_MAX 16384
+
+#endif

@@ -1,0 +1,74 @@
+/* SPDX-License-Identifier: GPL-2.0-only OR Apache-2.0 */
+/*
+ * The few kernel structures the inspector reads, hand-written instead of a
+ * generated vmlinux.h (megabytes, tied to one kernel). preserve_access_index
+ * turns every field access into a CO-RE relocation that the loader (aya)
+ * resolves against the running kernel's BTF (/sys/kernel/btf/vmlinux), so the
+ * field order and offsets below do not matter; only names and types do.
+ */
+#ifndef CRAB_KERNEL_H
+#define CRAB_KERNEL_H
+
+#define __crab_core __attribute__((preserve_access_index))
+
+struct kernfs_node {
+	__u64 id; /* == inode number of the cgroup2 directory on 64-bit */
+} __crab_core;
+
+struct cgroup {
+	int level; /* 0 = root of the cgroup2 hierarchy */
+	struct kernfs_node *kn;
+	struct cgroup *ancestors[]; /* ancestors[level] == self */
+} __crab_core;
+
+struct css_set {
+	struct cgroup *dfl_cgrp; /* the task's cgroup2 cgroup */
+} __crab_core;
+
+struct super_block {
+	unsigned long s_magic;
+} __crab_core;
+
+struct inode {
+	unsigned short i_mode;
+	struct super_block *i_sb;
+} __crab_core;
+
+struct file {
+	struct inode *f_inode;
+} __crab_core;
+
+struct fdtable {
+	unsigned int max_fds;
+	struct file **fd;
+} __crab_core;
+
+struct files_struct {
+	struct fdtable *fdt;
+} __crab_core;
+
+typedef struct {
+	int counter;
+} atomic_t;
+
+struct signal_struct {
+	atomic_t live; /* threads not yet exiting; 0 once the last one exits */
+} __crab_core;
+
+struct task_struct {
+	unsigned int flags;
+	int pid;  /* thread id */
+	int tgid; /* process id */
+	struct files_struct *files;
+	struct css_set *cgroups;
+	struct signal_struct *signal;
+} __crab_core;
+
+struct vm_area_struct {
+	unsigned long vm_start;
+	unsigned long vm_end;
+	unsigned long vm_flags;
+	struct file *vm_file;
+} __crab_core;
+
+#endif

@@ -1,0 +1,660 @@
+// SPDX-License-Identifier: GPL-2.0-only OR Apache-2.0
+/*
+ * crab inspector: per-cgroup counters of what the tasks of watched cgroups do
+ * that can leave state behind (filesystem mutations, processes, scheduling).
+ *
+ * Loaded once per host and shared by every shim through bpffs pins; a shim
+ * only adds its container's cgroup id to `watched`. Every program starts with
+ * one hash lookup keyed by the current cgroup id, so the cost of a syscall
+ * does not depend on how many cgroups are watched. Tracepoints only: fentry,
+ * fexit and lsm are refused on the target hosts and kprobes are absent.
+ *
+ * Counting is deliberately conservative: whenever a program cannot tell (a
+ * read of kernel or user memory failed, a map was full), it counts the event
+ * or records an error, never drops it. A missed mutation would be a broken
+ * recovery; an extra one only costs a cheap user-space comparison.
+ */
+#include <linux/types.h>
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_core_read.h>
+#include <bpf/bpf_tracing.h>
+
+#include "kernel.h"
+#include "inspector.h"
+
+char LICENSE[] SEC("license") = "GPL";
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, WATCHED_MAX);
+	/* Elements are freed after an RCU grace period, so a program that
+	 * looked one up just before unwatch never writes into a recycled
+	 * element that already belongs to another cgroup. */
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u64);
+	__type(value, struct counters);
+} watched SEC(".maps");
+
+/* Bit L set = some watched cgroup is at level L (user space maintains it). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} levels SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, RUNS_MAX);
+	__type(key, __u32);
+	__type(value, struct run);
+} runs SEC(".maps");
+
+/* Which process each CPU is running (ONCPU_VALID | tgid), for every task on
+ * the host: a process on a CPU right now may be changing its memory even
+ * though its switch-out count has not moved yet. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} oncpu SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PENDING_MAX);
+	__type(key, __u32);
+	__type(value, struct pending_open);
+} pending_open SEC(".maps");
+
+/* Layout of syscall tracepoint records (stable tracepoint ABI). */
+struct sys_enter {
+	__u64 common;
+	__s32 nr;
+	__u32 pad;
+	__u64 args[6];
+};
+
+struct sys_exit {
+	__u64 common;
+	__s32 nr;
+	__u32 pad;
+	__s64 ret;
+};
+
+#define O_WRONLY 01
+#define O_RDWR 02
+#define O_CREAT 0100
+#define O_TRUNC 01000
+#define __O_TMPFILE 020000000
+#define OPEN_MUTATING (O_WRONLY | O_RDWR | O_CREAT | O_TRUNC | __O_TMPFILE)
+
+#define S_IFMT 0170000
+#define S_IFSOCK 0140000
+#define S_IFREG 0100000
+#define S_IFBLK 0060000
+#define S_IFCHR 0020000
+#define S_IFIFO 0010000
+
+#define PROC_SUPER_MAGIC 0x9fa0
+#define PF_EXITING 0x00000004
+#define AT_REMOVEDIR 0x200
+#define AF_UNIX 1
+
+#define PROT_WRITE 0x2
+#define MAP_TYPE 0x0f
+#define MAP_SHARED 0x01
+#define MAP_SHARED_VALIDATE 0x03
+#define MAP_ANONYMOUS 0x20
+#define VM_SHARED 0x00000008
+
+#define ENOENT 2
+#define ENXIO 6
+#define EBADF 9
+#define EFAULT 14
+#define EEXIST 17
+#define ENOTDIR 20
+#define EISDIR 21
+#define EROFS 30
+#define ENAMETOOLONG 36
+#define ELOOP 40
+
+/* fd_mode() results besides an inode mode. */
+#define FD_NONE (-1)	/* no such fd: the syscall fails with EBADF */
+#define FD_UNKNOWN (-2) /* could not read: assume the worst */
+
+static __always_inline void add(__u64 *counter)
+{
+	__sync_fetch_and_add(counter, 1);
+}
+
+static __always_inline struct counters *lookup_watched(__u64 id, __u64 *matched)
+{
+	struct counters *c = bpf_map_lookup_elem(&watched, &id);
+
+	if (c)
+		*matched = id;
+	return c;
+}
+
+static __always_inline __u64 watched_levels(void)
+{
+	__u32 zero = 0;
+	__u64 *mask = bpf_map_lookup_elem(&levels, &zero);
+
+	return mask ? *mask : 0;
+}
+
+/*
+ * Counters of the watched cgroup the current task belongs to: its own cgroup
+ * or, for containers that made child cgroups, the watched ancestor. Costs one
+ * hash lookup for unwatched tasks unless some watched cgroup sits above the
+ * task's level; never a walk over the watched set.
+ */
+static __always_inline struct counters *current_counters(__u64 *matched)
+{
+	__u64 id = bpf_get_current_cgroup_id();
+	struct counters *c = lookup_watched(id, matched);
+	__u64 mask;
+
+	if (c)
+		return c;
+	mask = watched_levels();
+	if (!mask)
+		return NULL;
+	for (int level = 1; level < MAX_LEVELS; level++) {
+		__u64 ancestor;
+
+		if (!(mask & (1ULL << level)))
+			continue;
+		ancestor = bpf_get_current_ancestor_cgroup_id(level);
+		if (!ancestor || ancestor == id)
+			break; /* the task is not deeper than this level */
+		c = lookup_watched(ancestor, matched);
+		if (c)
+			return c;
+	}
+	return NULL;
+}
+
+/* Same as current_counters() for another task (a freshly forked child can sit
+ * in another cgroup than its parent: clone3 with CLONE_INTO_CGROUP). */
+static __always_inline struct counters *task_counters(struct task_struct *task, __u64 *matched)
+{
+	struct cgroup *cgrp = BPF_CORE_READ(task, cgroups, dfl_cgrp);
+	struct counters *c;
+	__u64 mask;
+	int depth;
+
+	if (!cgrp)
+		return NULL;
+	c = lookup_watched(BPF_CORE_READ(cgrp, kn, id), matched);
+	if (c)
+		return c;
+	mask = watched_levels();
+	if (!mask)
+		return NULL;
+	depth = BPF_CORE_READ(cgrp, level);
+	for (int level = 1; level < MAX_LEVELS; level++) {
+		struct cgroup *ancestor = NULL;
+
+		if (level >= depth)
+			break;
+		if (!(mask & (1ULL << level)))
+			continue;
+		if (bpf_core_read(&ancestor, sizeof(ancestor), &cgrp->ancestors[level]) || !ancestor)
+			continue;
+		c = lookup_watched(BPF_CORE_READ(ancestor, kn, id), matched);
+		if (c)
+			return c;
+	}
+	return NULL;
+}
+
+static __always_inline void count_fs(struct counters *c, int class)
+{
+	add(&c->fs_mutations);
+	add(&c->fs_by_class[class]);
+}
+
+/* Inode mode behind an fd of the current task (task->files->fdt->fd[fd]). */
+static __always_inline __s64 fd_mode(int fd, unsigned long *magic)
+{
+	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	struct fdtable *fdt;
+	struct file **fds;
+	struct file *file = NULL;
+	struct inode *inode;
+	unsigned int max_fds;
+	unsigned short mode;
+
+	if (fd < 0)
+		return FD_NONE;
+	fdt = BPF_CORE_READ(task, files, fdt);
+	if (!fdt || bpf_core_read(&max_fds, sizeof(max_fds), &fdt->max_fds))
+		return FD_UNKNOWN;
+	if ((unsigned int)fd >= max_fds)
+		return FD_NONE;
+	if (bpf_core_read(&fds, sizeof(fds), &fdt->fd) ||
+	    bpf_probe_read_kernel(&file, sizeof(file), &fds[fd]))
+		return FD_UNKNOWN;
+	if (!file)
+		return FD_NONE;
+	inode = BPF_CORE_READ(file, f_inode);
+	if (!inode || bpf_core_read(&mode, sizeof(mode), &inode->i_mode))
+		return FD_UNKNOWN;
+	if (magic)
+		*magic = BPF_CORE_READ(inode, i_sb, s_magic);
+	return mode;
+}
+
+static __always_inline int count_simple(int class)
+{
+	__u64 cg;
+	struct counters *c = current_counters(&cg);
+
+	if (c)
+		count_fs(c, class);
+	return 0;
+}
+
+#define SIMPLE(name, class)                      \
+	SEC("tracepoint")                        \
+	int name(void *ctx)                      \
+	{                                        \
+		return count_simple(class);      \
+	}
+
+SIMPLE(crab_truncate, FS_TRUNCATE)
+SIMPLE(crab_rename, FS_RENAME)
+SIMPLE(crab_unlink, FS_UNLINK)
+SIMPLE(crab_rmdir, FS_RMDIR)
+SIMPLE(crab_mkdir, FS_MKDIR)
+SIMPLE(crab_link, FS_LINK)
+SIMPLE(crab_symlink, FS_SYMLINK)
+SIMPLE(crab_chmod, FS_CHMOD)
+SIMPLE(crab_chown, FS_CHOWN)
+SIMPLE(crab_xattr, FS_XATTR)
+SIMPLE(crab_utimes, FS_UTIMES)
+SIMPLE(crab_mknod, FS_MKNOD)
+SIMPLE(crab_fallocate, FS_FALLOCATE)
+SIMPLE(crab_copy_range, FS_COPY_RANGE)
+/* io_uring and AIO can write files without a write syscall: any use counts. */
+SIMPLE(crab_async_io, FS_OTHER)
+
+SEC("tracepoint")
+int crab_unlinkat(struct sys_enter *ctx)
+{
+	return count_simple(ctx->args[2] & AT_REMOVEDIR ? FS_RMDIR : FS_UNLINK);
+}
+
+/* write family: only regular files change the filesystem; stdout, pipes,
+ * sockets, ttys, eventfds do not. Writes to /proc files change processes,
+ * not files (e.g. /proc/PID/mem). */
+static __always_inline int count_write_fd(int fd)
+{
+	__u64 cg;
+	struct counters *c = current_counters(&cg);
+	unsigned long magic = 0;
+	__s64 mode;
+
+	if (!c)
+		return 0;
+	mode = fd_mode(fd, &magic);
+	if (mode == FD_NONE)
+		return 0;
+	if (mode != FD_UNKNOWN && (mode & S_IFMT) != S_IFREG)
+		return 0;
+	if (mode != FD_UNKNOWN && magic == PROC_SUPER_MAGIC) {
+		add(&c->foreign_mem_writes);
+		return 0;
+	}
+	count_fs(c, FS_WRITE);
+	return 0;
+}
+
+/* write, pwrite64, writev, pwritev, pwritev2, sendfile64: fd is argument 0 */
+SEC("tracepoint")
+int crab_write(struct sys_enter *ctx)
+{
+	return count_write_fd((int)ctx->args[0]);
+}
+
+SEC("tracepoint")
+int crab_splice(struct sys_enter *ctx)
+{
+	return count_write_fd((int)ctx->args[2]);
+}
+
+/*
+ * open family: only modes that can change something (write, create,
+ * truncate, tmpfile). The decision waits for sys_exit so that opening
+ * /dev/null or a tty for writing (every `2>/dev/null`) does not count.
+ */
+static __always_inline int open_enter(__u64 flags)
+{
+	struct pending_open pending;
+	struct counters *c;
+	__u32 tid;
+	__u64 cg;
+
+	if (!(flags & OPEN_MUTATING))
+		return 0;
+	c = current_counters(&cg);
+	if (!c)
+		return 0;
+	tid = (__u32)bpf_get_current_pid_tgid();
+	pending.cgroup_id = cg;
+	pending.flags = flags;
+	if (bpf_map_update_elem(&pending_open, &tid, &pending, BPF_ANY))
+		count_fs(c, FS_OPEN_WRITE); /* cannot defer: decide now */
+	return 0;
+}
+
+SEC("tracepoint")
+int crab_open(struct sys_enter *ctx)
+{
+	return open_enter(ctx->args[1]);
+}
+
+SEC("tracepoint")
+int crab_openat(struct sys_enter *ctx)
+{
+	return open_enter(ctx->args[2]);
+}
+
+SEC("tracepoint")
+int crab_openat2(struct sys_enter *ctx)
+{
+	__u64 flags;
+
+	/* struct open_how starts with __u64 flags */
+	if (bpf_probe_read_user(&flags, sizeof(flags), (void *)ctx->args[2]))
+		flags = OPEN_MUTATING;
+	return open_enter(flags);
+}
+
+SEC("tracepoint")
+int crab_creat(struct sys_enter *ctx)
+{
+	return open_enter(O_CREAT | O_WRONLY | O_TRUNC);
+}
+
+/* Rare (needs CAP_DAC_READ_SEARCH) and cannot create: decide at entry. */
+SEC("tracepoint")
+int crab_open_handle(struct sys_enter *ctx)
+{
+	if (!(ctx->args[2] & OPEN_MUTATING))
+		return 0;
+	return count_simple(FS_OPEN_WRITE);
+}
+
+/* Errors after which a create/truncate open certainly changed nothing. */
+static __always_inline int open_failed_cleanly(__s64 err)
+{
+	switch (-err) {
+	case ENOENT:
+	case ENXIO:
+	case EBADF:
+	case EFAULT:
+	case EEXIST:
+	case ENOTDIR:
+	case EISDIR:
+	case EROFS:
+	case ENAMETOOLONG:
+	case ELOOP:
+		return 1;
+	}
+	return 0;
+}
+
+SEC("tracepoint")
+int crab_open_exit(struct sys_exit *ctx)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct pending_open *pending = bpf_map_lookup_elem(&pending_open, &tid);
+	struct counters *c;
+	__u64 flags, cg;
+	__s64 ret = ctx->ret;
+
+	if (!pending)
+		return 0;
+	flags = pending->flags;
+	cg = pending->cgroup_id;
+	bpf_map_delete_elem(&pending_open, &tid);
+	c = bpf_map_lookup_elem(&watched, &cg);
+	if (!c)
+		return 0;
+	if (ret >= 0) {
+		__s64 mode = fd_mode((int)ret, NULL);
+
+		if (mode >= 0) {
+			__u32 fmt = mode & S_IFMT;
+
+			if (fmt == S_IFCHR || fmt == S_IFIFO || fmt == S_IFSOCK || fmt == S_IFBLK)
+				return 0;
+		}
+		count_fs(c, FS_OPEN_WRITE);
+		return 0;
+	}
+	/* A failed open may still have created the file (the create succeeds,
+	 * a later step such as an LSM check fails). */
+	if ((flags & (O_CREAT | O_TRUNC | __O_TMPFILE)) && !open_failed_cleanly(ret))
+		count_fs(c, FS_OPEN_WRITE);
+	return 0;
+}
+
+/* FICLONE & co. modify files through ioctl(2); everything else is ignored. */
+SEC("tracepoint")
+int crab_ioctl(struct sys_enter *ctx)
+{
+	switch ((__u32)ctx->args[1]) {
+	case 0x40049409: /* FICLONE */
+	case 0x4020940d: /* FICLONERANGE */
+	case 0xc0189436: /* FIDEDUPERANGE */
+	case 0x40086602: /* FS_IOC_SETFLAGS */
+	case 0x40046602: /* FS_IOC32_SETFLAGS */
+	case 0x401c5820: /* FS_IOC_FSSETXATTR */
+	case 0x40305828: /* FS_IOC_RESVSP */
+	case 0x4030582a: /* FS_IOC_RESVSP64 */
+	case 0x4030582b: /* FS_IOC_UNRESVSP64 */
+	case 0x4030583f: /* FS_IOC_ZERO_RANGE */
+		return count_simple(FS_OTHER);
+	}
+	return 0;
+}
+
+/* bind(2) of a unix socket to a path creates a socket file. */
+SEC("tracepoint")
+int crab_bind(struct sys_enter *ctx)
+{
+	struct {
+		__u16 family;
+		char first;
+	} addr;
+	__u64 cg;
+	struct counters *c;
+
+	if ((int)ctx->args[2] <= 2) /* family only: autobind, nothing on disk */
+		return 0;
+	c = current_counters(&cg);
+	if (!c)
+		return 0;
+	if (bpf_probe_read_user(&addr, 3, (void *)ctx->args[1]) == 0 &&
+	    (addr.family != AF_UNIX || addr.first == 0))
+		return 0; /* not unix, or abstract namespace */
+	count_fs(c, FS_MKNOD);
+	return 0;
+}
+
+static __always_inline void count_shared_mmap(struct counters *c)
+{
+	count_fs(c, FS_MMAP_SHARED);
+	add(&c->shared_writable_mmaps);
+}
+
+/* A shared writable file mapping lets the process change the file later
+ * without any syscall. */
+SEC("tracepoint")
+int crab_mmap(struct sys_enter *ctx)
+{
+	__u64 prot = ctx->args[2], flags = ctx->args[3];
+	int fd = (int)ctx->args[4];
+	__u64 type = flags & MAP_TYPE;
+	struct counters *c;
+	__s64 mode;
+	__u64 cg;
+
+	if (!(prot & PROT_WRITE) || (type != MAP_SHARED && type != MAP_SHARED_VALIDATE) ||
+	    (flags & MAP_ANONYMOUS) || fd < 0)
+		return 0;
+	c = current_counters(&cg);
+	if (!c)
+		return 0;
+	mode = fd_mode(fd, NULL);
+	if (mode == FD_NONE || (mode >= 0 && (mode & S_IFMT) != S_IFREG))
+		return 0; /* fails, or a device such as /dev/zero */
+	count_shared_mmap(c);
+	return 0;
+}
+
+struct vma_probe {
+	__u64 end;
+	int shared_file;
+};
+
+static long vma_probe_cb(struct task_struct *task, struct vm_area_struct *vma, void *data)
+{
+	struct vma_probe *probe = data;
+
+	probe->end = vma->vm_end;
+	probe->shared_file = (vma->vm_flags & VM_SHARED) && vma->vm_file;
+	return 0;
+}
+
+/* mprotect(PROT_WRITE) can turn a read-only shared file mapping writable. */
+SEC("tracepoint")
+int crab_mprotect(struct sys_enter *ctx)
+{
+	__u64 start = ctx->args[0], len = ctx->args[1], prot = ctx->args[2];
+	struct vma_probe probe = {};
+	struct counters *c;
+	long err;
+	__u64 cg;
+
+	if (!(prot & PROT_WRITE))
+		return 0;
+	c = current_counters(&cg);
+	if (!c)
+		return 0;
+	err = bpf_find_vma(bpf_get_current_task_btf(), start, vma_probe_cb, &probe, 0);
+	if (err == -ENOENT)
+		return 0; /* nothing mapped there: mprotect fails */
+	/* -EBUSY (mmap lock contended) or a range over several mappings: the
+	 * first one tells nothing about the others. */
+	if (err || probe.shared_file || probe.end < start + len)
+		count_shared_mmap(c);
+	return 0;
+}
+
+/* ptrace and process_vm_writev change another process's memory without that
+ * process running: its run count alone would miss it. */
+SEC("tracepoint")
+int crab_foreign(void *ctx)
+{
+	__u64 cg;
+	struct counters *c = current_counters(&cg);
+
+	if (c)
+		add(&c->foreign_mem_writes);
+	return 0;
+}
+
+SEC("tracepoint")
+int crab_exec(void *ctx)
+{
+	__u64 cg;
+	struct counters *c = current_counters(&cg);
+
+	if (c)
+		add(&c->execs);
+	return 0;
+}
+
+SEC("tp_btf/sched_process_fork")
+int BPF_PROG(crab_fork, struct task_struct *parent, struct task_struct *child)
+{
+	__u64 cg;
+	struct counters *c = task_counters(child, &cg);
+
+	if (!c)
+		return 0;
+	if (child->pid == child->tgid)
+		add(&c->forks);
+	else
+		add(&c->threads);
+	return 0;
+}
+
+SEC("tp_btf/sched_process_exit")
+int BPF_PROG(crab_exit, struct task_struct *task)
+{
+	__u32 tid = task->pid, tgid = task->tgid;
+	struct counters *c;
+	__u64 cg;
+
+	/* A thread killed inside open(2) never reaches sys_exit. */
+	bpf_map_delete_elem(&pending_open, &tid);
+	/* signal->live was decremented before this tracepoint: 0 = last thread */
+	if (BPF_CORE_READ(task, signal, live.counter) != 0)
+		return 0;
+	bpf_map_delete_elem(&runs, &tgid);
+	c = current_counters(&cg);
+	if (c)
+		add(&c->exits);
+	return 0;
+}
+
+/*
+ * Runs at every context switch on the host, before the switch: current ==
+ * prev. Records which process each CPU runs next, and counts the switch-out
+ * of prev if its cgroup is watched.
+ */
+SEC("tp_btf/sched_switch")
+int BPF_PROG(crab_sched_switch, _Bool preempt, struct task_struct *prev, struct task_struct *next)
+{
+	__u32 zero = 0, tgid = prev->tgid;
+	__u64 *slot = bpf_map_lookup_elem(&oncpu, &zero);
+	struct run *run, fresh;
+	struct counters *c;
+	__u64 cg;
+
+	if (slot)
+		*slot = ONCPU_VALID | (__u32)next->tgid;
+	if (!tgid)
+		return 0; /* idle */
+	c = current_counters(&cg);
+	if (!c)
+		return 0;
+	run = bpf_map_lookup_elem(&runs, &tgid);
+	if (run) {
+		add(&run->switches_out);
+		run->cgroup_id = cg;
+		return 0;
+	}
+	/* The final switch-outs of an exiting process come after its entry was
+	 * deleted: do not bring it back. */
+	if (prev->flags & PF_EXITING)
+		return 0;
+	fresh.switches_out = 1;
+	fresh.cgroup_id = cg;
+	if (bpf_map_update_elem(&runs, &tgid, &fresh, BPF_NOEXIST) == 0)
+		return 0;
+	run = bpf_map_lookup_elem(&runs, &tgid); /* created meanwhile on another CPU? */
+	if (run)
+		add(&run->switches_out);
+	else
+		add(&c->errors); /* map full: user space must not trust run counts */
+	return 0;
+}
