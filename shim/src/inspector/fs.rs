@@ -22,7 +22,7 @@
 //! - Paths in [`FsDiff`] are container paths (`/etc/x`), sorted, parents before children.
 //!   A deleted directory is reported once (its whiteout); its lower content is implied.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::ffi::{CStr, CString, OsStr, OsString};
 use std::fmt::Write as _;
 use std::io;
@@ -108,13 +108,16 @@ fn is_false(b: &bool) -> bool {
     !*b
 }
 
-/// Relative path (`""` is the upperdir itself) -> metadata, for every entry of an upperdir.
+/// Relative path (`""` is the upperdir itself) -> metadata, for every entry of an upperdir,
+/// sorted in `Path` order (component-wise: parents first, then each subtree in name order).
 ///
 /// Serialises as a sequence of `(path, meta)`; paths are strings with `%` and bytes that are not
 /// UTF-8 percent-escaped, so non-UTF-8 names survive any serde format.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Manifest {
-    entries: BTreeMap<PathBuf, EntryMeta>,
+    // A depth-first walk that visits siblings in byte order produces exactly `Path` order, so
+    // a sorted Vec costs no comparisons to build (a BTreeMap's component-wise compares did).
+    entries: Vec<(PathBuf, EntryMeta)>,
 }
 
 impl Manifest {
@@ -139,7 +142,7 @@ impl Manifest {
         let mut manifest = Manifest::default();
         manifest
             .entries
-            .insert(PathBuf::new(), EntryMeta::from_stat(&st, None, xattrs));
+            .push((PathBuf::new(), EntryMeta::from_stat(&st, None, xattrs)));
         let mut walker = Walker {
             upperdir,
             entries: &mut manifest.entries,
@@ -158,7 +161,10 @@ impl Manifest {
 
     /// Entry at `rel` (relative to the upperdir, `""` for its root).
     pub fn get(&self, rel: &Path) -> Option<&EntryMeta> {
-        self.entries.get(rel)
+        self.entries
+            .binary_search_by(|(p, _)| p.as_path().cmp(rel))
+            .ok()
+            .map(|i| &self.entries[i].1)
     }
 
     /// All entries in path order (parents before their children).
@@ -180,11 +186,15 @@ impl Serialize for Manifest {
 impl<'de> Deserialize<'de> for Manifest {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let list: Vec<(String, EntryMeta)> = Vec::deserialize(d)?;
-        let mut entries = BTreeMap::new();
+        let mut entries = Vec::with_capacity(list.len());
         for (path, meta) in list {
             let bytes = unescape_bytes(&path).map_err(serde::de::Error::custom)?;
-            entries.insert(PathBuf::from(OsString::from_vec(bytes)), meta);
+            entries.push((PathBuf::from(OsString::from_vec(bytes)), meta));
         }
+        // Stored manifests are written sorted; sorting again keeps `get` and `diff` correct
+        // whatever wrote them.
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        entries.dedup_by(|a, b| a.0 == b.0);
         Ok(Manifest { entries })
     }
 }
@@ -431,15 +441,16 @@ impl EntryMeta {
 
 struct Walker<'a> {
     upperdir: &'a Path,
-    entries: &'a mut BTreeMap<PathBuf, EntryMeta>,
+    entries: &'a mut Vec<(PathBuf, EntryMeta)>,
 }
 
 impl Walker<'_> {
     /// Depth-first; holds one fd per level (a depth beyond RLIMIT_NOFILE fails the scan).
     fn walk(&mut self, mut dir: DirStream, rel: &mut PathBuf) -> Result<(), FsError> {
-        let names = dir
+        let mut names = dir
             .names()
             .map_err(|e| FsError::io("readdir", &self.upperdir.join(&*rel), e))?;
+        names.sort_unstable();
         let fd = dir.fd();
         for name in names {
             rel.push(OsStr::from_bytes(name.to_bytes()));
@@ -466,7 +477,7 @@ impl Walker<'_> {
                 let xattrs = dir_xattrs(&XattrTarget::Fd(child.fd()))
                     .map_err(|e| FsError::io("listxattr", &self.upperdir.join(&*rel), e))?;
                 self.entries
-                    .insert(rel.clone(), EntryMeta::from_stat(&st, None, xattrs));
+                    .push((rel.clone(), EntryMeta::from_stat(&st, None, xattrs)));
                 self.walk(child, rel)
             }
             libc::S_IFLNK => {
@@ -475,10 +486,10 @@ impl Walker<'_> {
                     Err(e) if vanished(&e) => return Ok(()),
                     Err(e) => return Err(FsError::io("readlink", &self.upperdir.join(&*rel), e)),
                 };
-                self.entries.insert(
+                self.entries.push((
                     rel.clone(),
                     EntryMeta::from_stat(&st, Some(target), DirXattrs::default()),
-                );
+                ));
                 Ok(())
             }
             fmt => {
@@ -495,7 +506,7 @@ impl Walker<'_> {
                         Err(e) => return Err(FsError::io("listxattr", &full, e)),
                     }
                 }
-                self.entries.insert(rel.clone(), meta);
+                self.entries.push((rel.clone(), meta));
                 Ok(())
             }
         }
@@ -1603,6 +1614,27 @@ mod tests {
     }
 
     #[test]
+    fn scan_is_in_path_order() {
+        let tmp = tempfile::tempdir().unwrap();
+        for d in ["a/b", "a.txt/c", "a-b", "A", "b/a/a"] {
+            fs::create_dir_all(tmp.path().join(d)).unwrap();
+        }
+        for f in ["a/z", "a/b.x", "a.txt/0", "\u{e9}", "b/a.x"] {
+            fs::write(tmp.path().join(f), "").unwrap();
+        }
+        let m = Manifest::scan(tmp.path()).unwrap();
+        assert_eq!(m.len(), 15);
+        assert!(
+            m.entries.windows(2).all(|w| w[0].0 < w[1].0),
+            "{:?}",
+            m.entries
+        );
+        assert_eq!(m.get(Path::new("a.txt/0")).unwrap().kind, EntryKind::File);
+        assert_eq!(m.get(Path::new("")).unwrap().kind, EntryKind::Dir);
+        assert!(m.get(Path::new("a/c")).is_none());
+    }
+
+    #[test]
     fn escaping_is_reversible() {
         for raw in [
             &b""[..],
@@ -1697,11 +1729,24 @@ mod tests {
             let scan_ms = median(&mut || {
                 Manifest::scan(&upper).unwrap();
             });
+            // The floor: the same walk with std, lstat only, nothing kept.
+            fn bare_walk(dir: &Path) -> usize {
+                fs::read_dir(dir)
+                    .unwrap()
+                    .map(|e| {
+                        let e = e.unwrap();
+                        let md = e.metadata().unwrap();
+                        1 + if md.is_dir() { bare_walk(&e.path()) } else { 0 }
+                    })
+                    .sum()
+            }
+            let floor_ms = median(&mut || assert_eq!(bare_walk(&upper) + 1, now.len()));
             let same_ms = median(&mut || assert!(diff(&now, &now, &lowers).is_empty()));
             let all_ms = median(&mut || assert_eq!(diff(&empty, &now, &lowers).len(), n));
             let json = serde_json::to_vec(&now).unwrap();
             println!(
-                "fs inspector, {n} files in upper ({} entries): scan {scan_ms:.2} ms, \
+                "fs inspector, {n} files in upper ({} entries): scan {scan_ms:.2} ms \
+                 (bare std walk {floor_ms:.2} ms), \
                  diff unchanged {same_ms:.2} ms, diff all {n} new {all_ms:.2} ms, \
                  scan+diff (unchanged) {:.2} ms, (all new) {:.2} ms; manifest json {} KiB",
                 now.len(),
