@@ -12,7 +12,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn main() {
-    let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let manifest_dir =
+        PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
     let src_dir = manifest_dir.join("../bpf-programs");
     let source = src_dir.join("inspector.bpf.c");
     let include = src_dir.join("include");
@@ -35,7 +36,10 @@ fn main() {
         .arg(format!("-D{target_arch_define}"))
         // Keeps the object byte-identical across checkouts: its hash names the
         // pin directory (see ABI in inspector::bpf).
-        .arg(format!("-fdebug-prefix-map={}=bpf-programs", src_dir.display()))
+        .arg(format!(
+            "-fdebug-prefix-map={}=bpf-programs",
+            src_dir.display()
+        ))
         .arg("-fdebug-compilation-dir=.")
         .arg("-I")
         .arg(&include);
@@ -46,11 +50,18 @@ fn main() {
     }
     cmd.arg("-c").arg(&source).arg("-o").arg(&out);
 
-    let status = cmd
-        .status()
-        .unwrap_or_else(|e| panic!("running {} to compile the BPF programs: {e} (install clang-19, or set CLANG)", clang.display()));
+    let status = cmd.status().unwrap_or_else(|e| {
+        panic!(
+            "running {} to compile the BPF programs: {e} (install clang-19, or set CLANG)",
+            clang.display()
+        )
+    });
     if !status.success() {
-        panic!("{} failed to compile {} ({status})", clang.display(), source.display());
+        panic!(
+            "{} failed to compile {} ({status})",
+            clang.display(),
+            source.display()
+        );
     }
 }
 

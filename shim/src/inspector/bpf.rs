@@ -73,23 +73,67 @@ const SYSCALL_PROGRAMS: &[(&str, &[&str])] = &[
     ("crab_openat", &["sys_enter_openat"]),
     ("crab_openat2", &["sys_enter_openat2"]),
     ("crab_creat", &["sys_enter_creat"]),
-    ("crab_open_exit", &["sys_exit_open", "sys_exit_openat", "sys_exit_openat2", "sys_exit_creat"]),
+    (
+        "crab_open_exit",
+        &[
+            "sys_exit_open",
+            "sys_exit_openat",
+            "sys_exit_openat2",
+            "sys_exit_creat",
+        ],
+    ),
     ("crab_open_handle", &["sys_enter_open_by_handle_at"]),
     (
         "crab_write",
-        &["sys_enter_write", "sys_enter_pwrite64", "sys_enter_writev", "sys_enter_pwritev", "sys_enter_pwritev2", "sys_enter_sendfile64"],
+        &[
+            "sys_enter_write",
+            "sys_enter_pwrite64",
+            "sys_enter_writev",
+            "sys_enter_pwritev",
+            "sys_enter_pwritev2",
+            "sys_enter_sendfile64",
+        ],
     ),
     ("crab_splice", &["sys_enter_splice"]),
-    ("crab_truncate", &["sys_enter_truncate", "sys_enter_ftruncate"]),
-    ("crab_rename", &["sys_enter_rename", "sys_enter_renameat", "sys_enter_renameat2"]),
+    (
+        "crab_truncate",
+        &["sys_enter_truncate", "sys_enter_ftruncate"],
+    ),
+    (
+        "crab_rename",
+        &[
+            "sys_enter_rename",
+            "sys_enter_renameat",
+            "sys_enter_renameat2",
+        ],
+    ),
     ("crab_unlink", &["sys_enter_unlink"]),
     ("crab_unlinkat", &["sys_enter_unlinkat"]),
     ("crab_rmdir", &["sys_enter_rmdir"]),
     ("crab_mkdir", &["sys_enter_mkdir", "sys_enter_mkdirat"]),
     ("crab_link", &["sys_enter_link", "sys_enter_linkat"]),
-    ("crab_symlink", &["sys_enter_symlink", "sys_enter_symlinkat"]),
-    ("crab_chmod", &["sys_enter_chmod", "sys_enter_fchmod", "sys_enter_fchmodat", "sys_enter_fchmodat2"]),
-    ("crab_chown", &["sys_enter_chown", "sys_enter_fchown", "sys_enter_lchown", "sys_enter_fchownat"]),
+    (
+        "crab_symlink",
+        &["sys_enter_symlink", "sys_enter_symlinkat"],
+    ),
+    (
+        "crab_chmod",
+        &[
+            "sys_enter_chmod",
+            "sys_enter_fchmod",
+            "sys_enter_fchmodat",
+            "sys_enter_fchmodat2",
+        ],
+    ),
+    (
+        "crab_chown",
+        &[
+            "sys_enter_chown",
+            "sys_enter_fchown",
+            "sys_enter_lchown",
+            "sys_enter_fchownat",
+        ],
+    ),
     (
         "crab_xattr",
         &[
@@ -104,16 +148,35 @@ const SYSCALL_PROGRAMS: &[(&str, &[&str])] = &[
             "sys_enter_file_setattr",
         ],
     ),
-    ("crab_utimes", &["sys_enter_utime", "sys_enter_utimes", "sys_enter_futimesat", "sys_enter_utimensat"]),
+    (
+        "crab_utimes",
+        &[
+            "sys_enter_utime",
+            "sys_enter_utimes",
+            "sys_enter_futimesat",
+            "sys_enter_utimensat",
+        ],
+    ),
     ("crab_mknod", &["sys_enter_mknod", "sys_enter_mknodat"]),
     ("crab_bind", &["sys_enter_bind"]),
     ("crab_fallocate", &["sys_enter_fallocate"]),
     ("crab_copy_range", &["sys_enter_copy_file_range"]),
     ("crab_ioctl", &["sys_enter_ioctl"]),
-    ("crab_async_io", &["sys_enter_io_uring_setup", "sys_enter_io_uring_enter", "sys_enter_io_uring_register", "sys_enter_io_submit"]),
+    (
+        "crab_async_io",
+        &[
+            "sys_enter_io_uring_setup",
+            "sys_enter_io_uring_enter",
+            "sys_enter_io_uring_register",
+            "sys_enter_io_submit",
+        ],
+    ),
     ("crab_mmap", &["sys_enter_mmap"]),
     ("crab_mprotect", &["sys_enter_mprotect"]),
-    ("crab_foreign", &["sys_enter_ptrace", "sys_enter_process_vm_writev"]),
+    (
+        "crab_foreign",
+        &["sys_enter_ptrace", "sys_enter_process_vm_writev"],
+    ),
 ];
 
 /// Without these the kernel has no syscall tracepoints worth the name.
@@ -132,8 +195,11 @@ const REQUIRED_SYSCALL_TPS: &[&str] = &[
 const OTHER_TRACEPOINTS: &[(&str, &str, &str)] = &[("crab_exec", "sched", "sched_process_exec")];
 
 /// BTF-typed raw tracepoints (`tp_btf`): (program, tracepoint).
-const BTF_TRACEPOINTS: &[(&str, &str)] =
-    &[("crab_fork", "sched_process_fork"), ("crab_exit", "sched_process_exit"), ("crab_sched_switch", "sched_switch")];
+const BTF_TRACEPOINTS: &[(&str, &str)] = &[
+    ("crab_fork", "sched_process_fork"),
+    ("crab_exit", "sched_process_exit"),
+    ("crab_sched_switch", "sched_switch"),
+];
 
 const MAP_NAMES: &[&str] = &["watched", "levels", "runs", "oncpu", "pending_open"];
 
@@ -141,7 +207,11 @@ const MAP_NAMES: &[&str] = &["watched", "levels", "runs", "oncpu", "pending_open
 #[derive(Debug, thiserror::Error)]
 pub enum BpfError {
     #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, source: io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
     #[error("{path} is not a bpf filesystem")]
     NotBpfFs { path: PathBuf },
     #[error("reading kernel BTF: {0}")]
@@ -151,15 +221,27 @@ pub enum BpfError {
     #[error("BPF object has no program {0}")]
     MissingProgram(&'static str),
     #[error("BPF program {name}: {source}")]
-    Program { name: &'static str, source: ProgramError },
+    Program {
+        name: &'static str,
+        source: ProgramError,
+    },
     #[error("required tracepoint syscalls/{0} is missing from this kernel")]
     MissingTracepoint(&'static str),
     #[error("pinning {path}: {source}")]
-    Pin { path: PathBuf, source: aya::pin::PinError },
+    Pin {
+        path: PathBuf,
+        source: aya::pin::PinError,
+    },
     #[error("BPF map {name}: {source}")]
-    Map { name: &'static str, source: MapError },
+    Map {
+        name: &'static str,
+        source: MapError,
+    },
     #[error("link of {name}: {source}")]
-    Link { name: &'static str, source: aya::programs::links::LinkError },
+    Link {
+        name: &'static str,
+        source: aya::programs::links::LinkError,
+    },
     #[error("pinned inspector at {path} is incomplete: {detail}")]
     Incomplete { path: PathBuf, detail: String },
     #[error("cgroup {0} is not watched")]
@@ -171,7 +253,11 @@ pub enum BpfError {
 }
 
 fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> BpfError + 'a {
-    move |source| BpfError::Io { what, path: path.to_path_buf(), source }
+    move |source| BpfError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 fn map_err(name: &'static str) -> impl FnOnce(MapError) -> BpfError {
@@ -287,19 +373,26 @@ impl CgroupCounters {
         CgroupCounters {
             fs_mutations: self.fs_mutations.saturating_sub(earlier.fs_mutations),
             fs_by_class,
-            shared_writable_mmaps: self.shared_writable_mmaps.saturating_sub(earlier.shared_writable_mmaps),
+            shared_writable_mmaps: self
+                .shared_writable_mmaps
+                .saturating_sub(earlier.shared_writable_mmaps),
             forks: self.forks.saturating_sub(earlier.forks),
             threads: self.threads.saturating_sub(earlier.threads),
             execs: self.execs.saturating_sub(earlier.execs),
             exits: self.exits.saturating_sub(earlier.exits),
-            foreign_mem_writes: self.foreign_mem_writes.saturating_sub(earlier.foreign_mem_writes),
+            foreign_mem_writes: self
+                .foreign_mem_writes
+                .saturating_sub(earlier.foreign_mem_writes),
             errors: self.errors.saturating_sub(earlier.errors),
         }
     }
 
     /// Non-zero classes, for explanations ("write: 3, rename: 1").
     pub fn fs_classes(&self) -> impl Iterator<Item = (FsClass, u64)> + '_ {
-        FsClass::ALL.iter().map(|c| (*c, self.fs_by_class[c.index()])).filter(|(_, n)| *n > 0)
+        FsClass::ALL
+            .iter()
+            .map(|c| (*c, self.fs_by_class[c.index()]))
+            .filter(|(_, n)| *n > 0)
     }
 }
 
@@ -363,7 +456,9 @@ pub struct HostProbes {
 
 impl std::fmt::Debug for HostProbes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostProbes").field("dir", &self.dir).finish_non_exhaustive()
+        f.debug_struct("HostProbes")
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
     }
 }
 
@@ -383,7 +478,9 @@ impl HostProbes {
         ensure_mounted(TRACEFS_MOUNT, "tracefs", TRACEFS_MAGIC)?;
         fs::create_dir_all(root).map_err(io_err("creating", root))?;
         if statfs_type(root).map_err(io_err("statfs", root))? != BPF_FS_MAGIC {
-            return Err(BpfError::NotBpfFs { path: root.to_path_buf() });
+            return Err(BpfError::NotBpfFs {
+                path: root.to_path_buf(),
+            });
         }
         // bpffs refuses names with dots: none below.
         let dir = root.join(version_dir_name());
@@ -414,7 +511,8 @@ impl HostProbes {
             levels: Array::try_from(open("levels")?).map_err(map_err("levels"))?,
             runs: BpfHashMap::try_from(open("runs")?).map_err(map_err("runs"))?,
             oncpu: PerCpuArray::try_from(open("oncpu")?).map_err(map_err("oncpu"))?,
-            pending: BpfHashMap::try_from(open("pending_open")?).map_err(map_err("pending_open"))?,
+            pending: BpfHashMap::try_from(open("pending_open")?)
+                .map_err(map_err("pending_open"))?,
         };
         let mut programs = Vec::new();
         for name in program_names() {
@@ -422,7 +520,11 @@ impl HostProbes {
             programs.push(bpf_obj_get(&path).map_err(io_err("opening pinned program", &path))?);
         }
         debug!("inspector: opened pinned BPF programs at {}", dir.display());
-        Ok(HostProbes { dir: dir.to_path_buf(), maps: Mutex::new(maps), programs })
+        Ok(HostProbes {
+            dir: dir.to_path_buf(),
+            maps: Mutex::new(maps),
+            programs,
+        })
     }
 
     fn maps(&self) -> std::sync::MutexGuard<'_, Maps> {
@@ -435,7 +537,10 @@ impl HostProbes {
     pub fn watch(&self, cgroup_id: u64) -> Result<(), BpfError> {
         let level = cgroup_level(cgroup_id)?;
         if level >= MAX_LEVELS {
-            return Err(BpfError::TooDeep { id: cgroup_id, level });
+            return Err(BpfError::TooDeep {
+                id: cgroup_id,
+                level,
+            });
         }
         let misses_base = self.recursion_misses()?;
         let mut maps = self.maps();
@@ -443,8 +548,14 @@ impl HostProbes {
         // matched from the moment the entry exists.
         let mask = watched_levels(&maps)? | (1 << level);
         maps.levels.set(0, mask, 0).map_err(map_err("levels"))?;
-        let value = RawCounters { level, misses_base, ..Default::default() };
-        maps.watched.insert(cgroup_id, value, 0).map_err(map_err("watched"))?;
+        let value = RawCounters {
+            level,
+            misses_base,
+            ..Default::default()
+        };
+        maps.watched
+            .insert(cgroup_id, value, 0)
+            .map_err(map_err("watched"))?;
         info!("inspector: watching cgroup {cgroup_id} (level {level})");
         Ok(())
     }
@@ -456,7 +567,8 @@ impl HostProbes {
         {
             let mut maps = self.maps();
             match maps.watched.remove(&cgroup_id) {
-                Ok(()) | Err(MapError::KeyNotFound) | Err(MapError::ElementNotFound) => {}
+                Ok(()) => {}
+                Err(e) if is_not_found(&e) => {}
                 Err(e) => return Err(map_err("watched")(e)),
             }
             let mask = watched_levels(&maps)?;
@@ -533,7 +645,10 @@ impl HostProbes {
     pub fn recursion_misses(&self) -> Result<u64, BpfError> {
         let mut total = 0;
         for fd in &self.programs {
-            total += prog_recursion_misses(fd.as_raw_fd()).map_err(|source| BpfError::Syscall { op: "BPF_OBJ_GET_INFO_BY_FD", source })?;
+            total += prog_recursion_misses(fd.as_raw_fd()).map_err(|source| BpfError::Syscall {
+                op: "BPF_OBJ_GET_INFO_BY_FD",
+                source,
+            })?;
         }
         Ok(total)
     }
@@ -554,7 +669,11 @@ pub fn remove_pinned(root: &Path) -> Result<(), BpfError> {
     match fs::remove_dir_all(root) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(BpfError::Io { what: "removing pins", path: root.to_path_buf(), source: e }),
+        Err(e) => Err(BpfError::Io {
+            what: "removing pins",
+            path: root.to_path_buf(),
+            source: e,
+        }),
     }
 }
 
@@ -564,7 +683,9 @@ pub fn version_dir_name() -> String {
 }
 
 fn fnv1a64(data: &[u8]) -> u64 {
-    data.iter().fold(0xcbf29ce484222325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100000001b3))
+    data.iter().fold(0xcbf29ce484222325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x100000001b3)
+    })
 }
 
 fn program_names() -> impl Iterator<Item = &'static str> {
@@ -615,7 +736,10 @@ fn check_links(dir: &Path) -> Result<(), BpfError> {
     let expected = expected_links()?;
     let missing: Vec<_> = expected.difference(&present).cloned().collect();
     if !missing.is_empty() {
-        return Err(BpfError::Incomplete { path: dir.to_path_buf(), detail: format!("missing links {missing:?}") });
+        return Err(BpfError::Incomplete {
+            path: dir.to_path_buf(),
+            detail: format!("missing links {missing:?}"),
+        });
     }
     Ok(())
 }
@@ -627,18 +751,25 @@ fn load_and_pin(root: &Path, dir: &Path) -> Result<(), BpfError> {
     if let Ok(entries) = fs::read_dir(root) {
         for entry in entries.flatten() {
             if entry.file_name().to_string_lossy().starts_with("tmp-") {
-                warn!("inspector: removing unfinished BPF pins {}", entry.path().display());
+                warn!(
+                    "inspector: removing unfinished BPF pins {}",
+                    entry.path().display()
+                );
                 let _ = fs::remove_dir_all(entry.path());
             }
         }
     }
     let tmp = root.join(format!("tmp-{}", std::process::id()));
-    let result = pin_into(&tmp).and_then(|()| fs::rename(&tmp, dir).map_err(io_err("publishing", dir)));
+    let result =
+        pin_into(&tmp).and_then(|()| fs::rename(&tmp, dir).map_err(io_err("publishing", dir)));
     if result.is_err() {
         let _ = fs::remove_dir_all(&tmp);
     }
     result?;
-    info!("inspector: loaded and pinned BPF programs at {}", dir.display());
+    info!(
+        "inspector: loaded and pinned BPF programs at {}",
+        dir.display()
+    );
     Ok(())
 }
 
@@ -653,18 +784,35 @@ fn pin_into(tmp: &Path) -> Result<(), BpfError> {
 
     for (name, tps) in SYSCALL_PROGRAMS {
         let prog = tracepoint(&mut ebpf, name)?;
-        for tp in tps.iter().filter(|tp| expected.contains(&format!("syscalls:{tp}"))) {
-            let id = prog.attach("syscalls", tp).map_err(|source| BpfError::Program { name, source })?;
-            let link = prog.take_link(id).map_err(|source| BpfError::Program { name, source })?;
-            pin_link(FdLink::try_from(link).map_err(|source| BpfError::Link { name, source })?, &tmp.join("links").join(format!("syscalls:{tp}")))?;
+        for tp in tps
+            .iter()
+            .filter(|tp| expected.contains(&format!("syscalls:{tp}")))
+        {
+            let id = prog
+                .attach("syscalls", tp)
+                .map_err(|source| BpfError::Program { name, source })?;
+            let link = prog
+                .take_link(id)
+                .map_err(|source| BpfError::Program { name, source })?;
+            pin_link(
+                FdLink::try_from(link).map_err(|source| BpfError::Link { name, source })?,
+                &tmp.join("links").join(format!("syscalls:{tp}")),
+            )?;
         }
         pin_program(prog.pin(tmp.join("progs").join(name)), tmp, name)?;
     }
     for (name, category, tp) in OTHER_TRACEPOINTS {
         let prog = tracepoint(&mut ebpf, name)?;
-        let id = prog.attach(category, tp).map_err(|source| BpfError::Program { name, source })?;
-        let link = prog.take_link(id).map_err(|source| BpfError::Program { name, source })?;
-        pin_link(FdLink::try_from(link).map_err(|source| BpfError::Link { name, source })?, &tmp.join("links").join(format!("{category}:{tp}")))?;
+        let id = prog
+            .attach(category, tp)
+            .map_err(|source| BpfError::Program { name, source })?;
+        let link = prog
+            .take_link(id)
+            .map_err(|source| BpfError::Program { name, source })?;
+        pin_link(
+            FdLink::try_from(link).map_err(|source| BpfError::Link { name, source })?,
+            &tmp.join("links").join(format!("{category}:{tp}")),
+        )?;
         pin_program(prog.pin(tmp.join("progs").join(name)), tmp, name)?;
     }
     for (name, tp) in BTF_TRACEPOINTS {
@@ -673,16 +821,28 @@ fn pin_into(tmp: &Path) -> Result<(), BpfError> {
             .ok_or(BpfError::MissingProgram(name))?
             .try_into()
             .map_err(|source| BpfError::Program { name, source })?;
-        prog.load(tp, &btf).map_err(|source| BpfError::Program { name, source })?;
-        let id = prog.attach().map_err(|source| BpfError::Program { name, source })?;
-        let link = prog.take_link(id).map_err(|source| BpfError::Program { name, source })?;
-        pin_link(FdLink::from(link), &tmp.join("links").join(format!("btf:{tp}")))?;
+        prog.load(tp, &btf)
+            .map_err(|source| BpfError::Program { name, source })?;
+        let id = prog
+            .attach()
+            .map_err(|source| BpfError::Program { name, source })?;
+        let link = prog
+            .take_link(id)
+            .map_err(|source| BpfError::Program { name, source })?;
+        pin_link(
+            FdLink::from(link),
+            &tmp.join("links").join(format!("btf:{tp}")),
+        )?;
         pin_program(prog.pin(tmp.join("progs").join(name)), tmp, name)?;
     }
     for name in MAP_NAMES {
         let path = tmp.join("maps").join(name);
-        let map = ebpf.map(name).ok_or_else(|| BpfError::Incomplete { path: tmp.to_path_buf(), detail: format!("object has no map {name}") })?;
-        map.pin(&path).map_err(|source| BpfError::Pin { path, source })?;
+        let map = ebpf.map(name).ok_or_else(|| BpfError::Incomplete {
+            path: tmp.to_path_buf(),
+            detail: format!("object has no map {name}"),
+        })?;
+        map.pin(&path)
+            .map_err(|source| BpfError::Pin { path, source })?;
     }
     Ok(())
 }
@@ -693,17 +853,37 @@ fn tracepoint<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut Trac
         .ok_or(BpfError::MissingProgram(name))?
         .try_into()
         .map_err(|source| BpfError::Program { name, source })?;
-    prog.load().map_err(|source| BpfError::Program { name, source })?;
+    prog.load()
+        .map_err(|source| BpfError::Program { name, source })?;
     Ok(prog)
 }
 
 fn pin_link(link: FdLink, path: &Path) -> Result<(), BpfError> {
-    link.pin(path).map_err(|source| BpfError::Pin { path: path.to_path_buf(), source })?;
+    link.pin(path).map_err(|source| BpfError::Pin {
+        path: path.to_path_buf(),
+        source,
+    })?;
     Ok(())
 }
 
-fn pin_program(result: Result<(), aya::pin::PinError>, tmp: &Path, name: &str) -> Result<(), BpfError> {
-    result.map_err(|source| BpfError::Pin { path: tmp.join("progs").join(name), source })
+fn pin_program(
+    result: Result<(), aya::pin::PinError>,
+    tmp: &Path,
+    name: &str,
+) -> Result<(), BpfError> {
+    result.map_err(|source| BpfError::Pin {
+        path: tmp.join("progs").join(name),
+        source,
+    })
+}
+
+/// A key that is not (or no longer) there; aya reports it several ways.
+fn is_not_found(e: &MapError) -> bool {
+    match e {
+        MapError::KeyNotFound | MapError::ElementNotFound => true,
+        MapError::SyscallError(e) => e.io_error.raw_os_error() == Some(libc::ENOENT),
+        _ => false,
+    }
 }
 
 fn watched_levels(maps: &Maps) -> Result<u64, BpfError> {
@@ -724,7 +904,7 @@ fn runs_of(maps: &Maps, cgroup_id: u64) -> Result<Vec<u32>, BpfError> {
             Ok((pid, run)) if run.cgroup_id == cgroup_id => keys.push(pid),
             Ok(_) => {}
             // Deleted by an exiting process between key and value reads.
-            Err(MapError::KeyNotFound) => {}
+            Err(e) if is_not_found(&e) => {}
             Err(e) => return Err(map_err("runs")(e)),
         }
     }
@@ -737,7 +917,7 @@ fn pending_of(maps: &Maps, cgroup_id: u64) -> Result<Vec<u32>, BpfError> {
         match item {
             Ok((tid, pending)) if pending.cgroup_id == cgroup_id => keys.push(tid),
             Ok(_) => {}
-            Err(MapError::KeyNotFound) => {}
+            Err(e) if is_not_found(&e) => {}
             Err(e) => return Err(map_err("pending_open")(e)),
         }
     }
@@ -747,13 +927,15 @@ fn pending_of(maps: &Maps, cgroup_id: u64) -> Result<Vec<u32>, BpfError> {
 fn sweep(maps: &mut Maps, cgroup_id: u64) -> Result<(), BpfError> {
     for pid in runs_of(maps, cgroup_id)? {
         match maps.runs.remove(&pid) {
-            Ok(()) | Err(MapError::KeyNotFound) | Err(MapError::ElementNotFound) => {}
+            Ok(()) => {}
+            Err(e) if is_not_found(&e) => {}
             Err(e) => return Err(map_err("runs")(e)),
         }
     }
     for tid in pending_of(maps, cgroup_id)? {
         match maps.pending.remove(&tid) {
-            Ok(()) | Err(MapError::KeyNotFound) | Err(MapError::ElementNotFound) => {}
+            Ok(()) => {}
+            Err(e) if is_not_found(&e) => {}
             Err(e) => return Err(map_err("pending_open")(e)),
         }
     }
@@ -764,8 +946,10 @@ fn sweep(maps: &mut Maps, cgroup_id: u64) -> Result<(), BpfError> {
 /// written, so we cannot tell)?
 fn running_now(oncpu: &PerCpuArray<MapData, u64>, pid: u32) -> Result<bool, BpfError> {
     let slots = oncpu.get(&0, 0).map_err(map_err("oncpu"))?;
-    let online = fs::read_to_string("/sys/devices/system/cpu/online")
-        .map_err(io_err("reading", Path::new("/sys/devices/system/cpu/online")))?;
+    let online = fs::read_to_string("/sys/devices/system/cpu/online").map_err(io_err(
+        "reading",
+        Path::new("/sys/devices/system/cpu/online"),
+    ))?;
     for cpu in parse_cpu_list(&online) {
         match slots.get(cpu) {
             Some(slot) if slot & ONCPU_VALID == 0 => return Ok(true),
@@ -795,7 +979,10 @@ fn parse_cpu_list(list: &str) -> Vec<usize> {
 /// inode numbers mean nothing to BPF.
 pub fn cgroup_id(cgroup2_dir: &Path) -> io::Result<u64> {
     if statfs_type(cgroup2_dir)? != CGROUP2_SUPER_MAGIC {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} is not in a cgroup2 hierarchy", cgroup2_dir.display())));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} is not in a cgroup2 hierarchy", cgroup2_dir.display()),
+        ));
     }
     Ok(fs::metadata(cgroup2_dir)?.ino())
 }
@@ -806,15 +993,24 @@ pub fn cgroup_id(cgroup2_dir: &Path) -> io::Result<u64> {
 pub fn cgroup2_dir_of(pid: u32) -> io::Result<PathBuf> {
     let (mount_point, mount_root) = cgroup2_mount()?;
     let cgroup = fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
-    let path = parse_unified_cgroup(&cgroup)
-        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("process {pid} has no cgroup2 entry")))?;
+    let path = parse_unified_cgroup(&cgroup).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("process {pid} has no cgroup2 entry"),
+        )
+    })?;
     Ok(join_under_mount(&mount_point, &mount_root, &path))
 }
 
 /// Mount point and mounted root of the cgroup2 hierarchy.
 pub fn cgroup2_mount() -> io::Result<(PathBuf, PathBuf)> {
     let mountinfo = fs::read_to_string("/proc/self/mountinfo")?;
-    parse_cgroup2_mount(&mountinfo).ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no cgroup2 mount in /proc/self/mountinfo"))
+    parse_cgroup2_mount(&mountinfo).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            "no cgroup2 mount in /proc/self/mountinfo",
+        )
+    })
 }
 
 fn parse_cgroup2_mount(mountinfo: &str) -> Option<(PathBuf, PathBuf)> {
@@ -824,7 +1020,10 @@ fn parse_cgroup2_mount(mountinfo: &str) -> Option<(PathBuf, PathBuf)> {
             return None;
         }
         let fields: Vec<&str> = left.split_whitespace().collect();
-        Some((PathBuf::from(unescape_mountinfo(fields.get(4)?)), PathBuf::from(unescape_mountinfo(fields.get(3)?))))
+        Some((
+            PathBuf::from(unescape_mountinfo(fields.get(4)?)),
+            PathBuf::from(unescape_mountinfo(fields.get(3)?)),
+        ))
     })
 }
 
@@ -834,8 +1033,14 @@ fn unescape_mountinfo(field: &str) -> String {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'\\' && i + 3 < bytes.len() && bytes[i + 1..i + 4].iter().all(|b| (b'0'..=b'7').contains(b)) {
-            let value = (bytes[i + 1] - b'0') * 64 + (bytes[i + 2] - b'0') * 8 + (bytes[i + 3] - b'0');
+        if bytes[i] == b'\\'
+            && i + 3 < bytes.len()
+            && bytes[i + 1..i + 4]
+                .iter()
+                .all(|b| (b'0'..=b'7').contains(b))
+        {
+            let value =
+                (bytes[i + 1] - b'0') * 64 + (bytes[i + 2] - b'0') * 8 + (bytes[i + 3] - b'0');
             out.push(value);
             i += 4;
         } else {
@@ -847,7 +1052,9 @@ fn unescape_mountinfo(field: &str) -> String {
 }
 
 fn parse_unified_cgroup(proc_cgroup: &str) -> Option<String> {
-    proc_cgroup.lines().find_map(|line| line.strip_prefix("0::").map(|p| p.trim_end().to_string()))
+    proc_cgroup
+        .lines()
+        .find_map(|line| line.strip_prefix("0::").map(|p| p.trim_end().to_string()))
 }
 
 fn join_under_mount(mount_point: &Path, mount_root: &Path, cgroup_path: &str) -> PathBuf {
@@ -860,15 +1067,24 @@ fn join_under_mount(mount_point: &Path, mount_root: &Path, cgroup_path: &str) ->
 /// Depth of a cgroup in the cgroup2 tree, found from its id through the
 /// kernel's file handles (also proves the id names a live cgroup).
 fn cgroup_level(cgroup_id: u64) -> Result<u64, BpfError> {
-    let (mount_point, mount_root) = cgroup2_mount().map_err(io_err("finding the cgroup2 mount", Path::new("/proc/self/mountinfo")))?;
+    let (mount_point, mount_root) = cgroup2_mount().map_err(io_err(
+        "finding the cgroup2 mount",
+        Path::new("/proc/self/mountinfo"),
+    ))?;
     let path = cgroup_path_by_id(&mount_point, cgroup_id).map_err(|source| BpfError::Io {
         what: "resolving cgroup id under",
         path: mount_point.clone(),
         source: io::Error::new(source.kind(), format!("cgroup id {cgroup_id}: {source}")),
     })?;
     let below_mount = path.strip_prefix(&mount_point).unwrap_or(&path);
-    let root_depth = mount_root.components().filter(|c| matches!(c, std::path::Component::Normal(_))).count();
-    let depth = below_mount.components().filter(|c| matches!(c, std::path::Component::Normal(_))).count();
+    let root_depth = mount_root
+        .components()
+        .filter(|c| matches!(c, std::path::Component::Normal(_)))
+        .count();
+    let depth = below_mount
+        .components()
+        .filter(|c| matches!(c, std::path::Component::Normal(_)))
+        .count();
     Ok((root_depth + depth) as u64)
 }
 
@@ -883,7 +1099,11 @@ pub fn cgroup_path_by_id(cgroup2_mount: &Path, cgroup_id: u64) -> io::Result<Pat
         id: u64,
     }
     let mount = File::open(cgroup2_mount)?;
-    let mut handle = KernfsHandle { handle_bytes: 8, handle_type: FILEID_KERNFS, id: cgroup_id };
+    let mut handle = KernfsHandle {
+        handle_bytes: 8,
+        handle_type: FILEID_KERNFS,
+        id: cgroup_id,
+    };
     // SAFETY: handle is a valid struct file_handle with 8 bytes of payload.
     let fd = unsafe {
         libc::syscall(
@@ -902,7 +1122,8 @@ pub fn cgroup_path_by_id(cgroup2_mount: &Path, cgroup_id: u64) -> io::Result<Pat
 }
 
 fn statfs_type(path: &Path) -> io::Result<i64> {
-    let cpath = CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let cpath = CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     // SAFETY: zeroed statfs is a valid out-parameter.
     let mut buf: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: valid C string and out pointer.
@@ -919,10 +1140,18 @@ fn ensure_mounted(target: &str, fstype: &str, magic: i64) -> Result<(), BpfError
         return Ok(());
     }
     fs::create_dir_all(path).map_err(io_err("creating", path))?;
-    let (src, tgt, ty) = (CString::new(fstype).unwrap(), CString::new(target).unwrap(), CString::new(fstype).unwrap());
+    let (src, tgt, ty) = (
+        CString::new(fstype).unwrap(),
+        CString::new(target).unwrap(),
+        CString::new(fstype).unwrap(),
+    );
     // SAFETY: valid C strings; no data argument.
     if unsafe { libc::mount(src.as_ptr(), tgt.as_ptr(), ty.as_ptr(), 0, std::ptr::null()) } != 0 {
-        return Err(BpfError::Io { what: "mounting", path: path.to_path_buf(), source: io::Error::last_os_error() });
+        return Err(BpfError::Io {
+            what: "mounting",
+            path: path.to_path_buf(),
+            source: io::Error::last_os_error(),
+        });
     }
     info!("inspector: mounted {fstype} at {target}");
     Ok(())
@@ -936,7 +1165,11 @@ impl DirLock {
         let file = File::open(dir).map_err(io_err("opening", dir))?;
         // SAFETY: valid fd.
         if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(BpfError::Io { what: "locking", path: dir.to_path_buf(), source: io::Error::last_os_error() });
+            return Err(BpfError::Io {
+                what: "locking",
+                path: dir.to_path_buf(),
+                source: io::Error::last_os_error(),
+            });
         }
         Ok(DirLock(file))
     }
@@ -962,10 +1195,21 @@ fn bpf_obj_get(path: &Path) -> io::Result<OwnedFd> {
         path_fd: i32,
         _pad: u32,
     }
-    let cpath = CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let attr = ObjGetAttr { pathname: cpath.as_ptr() as u64, ..Default::default() };
+    let cpath = CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let attr = ObjGetAttr {
+        pathname: cpath.as_ptr() as u64,
+        ..Default::default()
+    };
     // SAFETY: attr is a valid bpf_attr prefix for BPF_OBJ_GET.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, &attr as *const ObjGetAttr, std::mem::size_of::<ObjGetAttr>()) };
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET,
+            &attr as *const ObjGetAttr,
+            std::mem::size_of::<ObjGetAttr>(),
+        )
+    };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -986,13 +1230,26 @@ fn prog_recursion_misses(prog_fd: RawFd) -> io::Result<u64> {
         info: u64,
     }
     let mut info = Info([0; INFO_LEN]);
-    let attr = InfoAttr { bpf_fd: prog_fd as u32, info_len: INFO_LEN as u32, info: info.0.as_mut_ptr() as u64 };
+    let attr = InfoAttr {
+        bpf_fd: prog_fd as u32,
+        info_len: INFO_LEN as u32,
+        info: info.0.as_mut_ptr() as u64,
+    };
     // SAFETY: attr points at a buffer of info_len bytes.
-    let ret = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET_INFO_BY_FD, &attr as *const InfoAttr, std::mem::size_of::<InfoAttr>()) };
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET_INFO_BY_FD,
+            &attr as *const InfoAttr,
+            std::mem::size_of::<InfoAttr>(),
+        )
+    };
     if ret < 0 {
         return Err(io::Error::last_os_error());
     }
-    let bytes: [u8; 8] = info.0[RECURSION_MISSES..RECURSION_MISSES + 8].try_into().expect("8 bytes");
+    let bytes: [u8; 8] = info.0[RECURSION_MISSES..RECURSION_MISSES + 8]
+        .try_into()
+        .expect("8 bytes");
     Ok(u64::from_ne_bytes(bytes))
 }
 
@@ -1013,7 +1270,11 @@ mod tests {
 
     fn serial() -> std::sync::MutexGuard<'static, ()> {
         // SAFETY: geteuid has no preconditions.
-        assert_eq!(unsafe { libc::geteuid() }, 0, "inspector::bpf tests load BPF programs: run them as root");
+        assert_eq!(
+            unsafe { libc::geteuid() },
+            0,
+            "inspector::bpf tests load BPF programs: run them as root"
+        );
         SERIAL.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -1021,7 +1282,10 @@ mod tests {
 
     impl TestRoot {
         fn new(tag: &str) -> TestRoot {
-            let root = PathBuf::from(format!("{BPFFS_MOUNT}/crab-test-{}-{tag}", std::process::id()));
+            let root = PathBuf::from(format!(
+                "{BPFFS_MOUNT}/crab-test-{}-{tag}",
+                std::process::id()
+            ));
             remove_pinned(&root).unwrap();
             TestRoot(root)
         }
@@ -1029,8 +1293,24 @@ mod tests {
 
     impl Drop for TestRoot {
         fn drop(&mut self) {
+            let ids: BTreeSet<u32> = fs::read_dir(&self.0)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .flat_map(|version| pinned_program_ids(&version.path()))
+                .collect();
             if let Err(e) = remove_pinned(&self.0) {
                 eprintln!("cleaning test pins {}: {e}", self.0.display());
+            }
+            // The kernel frees programs asynchronously once unpinned; wait, so
+            // that the next test counts host-wide programs from a clean slate.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline
+                && aya::programs::loaded_programs()
+                    .flatten()
+                    .any(|p| ids.contains(&p.id()))
+            {
+                std::thread::sleep(Duration::from_millis(20));
             }
         }
     }
@@ -1072,7 +1352,12 @@ mod tests {
 
         fn run(&self, script: &str) -> Output {
             let out = self.spawn(script).wait_with_output().unwrap();
-            assert!(out.status.success(), "{script}: {:?}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+            assert!(
+                out.status.success(),
+                "{script}: {:?}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
             out
         }
     }
@@ -1082,7 +1367,10 @@ mod tests {
             let deadline = Instant::now() + Duration::from_secs(5);
             loop {
                 let procs = fs::read_to_string(self.dir.join("cgroup.procs")).unwrap_or_default();
-                for pid in procs.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+                for pid in procs
+                    .split_whitespace()
+                    .filter_map(|p| p.parse::<i32>().ok())
+                {
                     // SAFETY: plain kill(2) of a process we put there.
                     unsafe { libc::kill(pid, libc::SIGKILL) };
                 }
@@ -1113,7 +1401,12 @@ mod tests {
     }
 
     fn explain(c: &CgroupCounters) -> String {
-        format!("{c:?} classes={:?}", c.fs_classes().map(|(k, n)| (k.name(), n)).collect::<Vec<_>>())
+        format!(
+            "{c:?} classes={:?}",
+            c.fs_classes()
+                .map(|(k, n)| (k.name(), n))
+                .collect::<Vec<_>>()
+        )
     }
 
     /// crab_* programs and their links currently in the kernel (host-wide).
@@ -1124,14 +1417,20 @@ mod tests {
                 progs.insert(info.id(), name.to_string());
             }
         }
-        let links = aya::programs::loaded_links().flatten().filter(|l| progs.contains_key(&l.program_id())).count();
+        let links = aya::programs::loaded_links()
+            .flatten()
+            .filter(|l| progs.contains_key(&l.program_id()))
+            .count();
         (progs, links)
     }
 
     fn pinned_program_ids(dir: &Path) -> BTreeSet<u32> {
         fs::read_dir(dir.join("progs"))
-            .unwrap()
-            .map(|e| aya::programs::ProgramInfo::from_pin(e.unwrap().path()).unwrap().id())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| aya::programs::ProgramInfo::from_pin(e.path()).ok())
+            .map(|p| p.id())
             .collect()
     }
 
@@ -1154,12 +1453,21 @@ mod tests {
         let (mount, root) = parse_cgroup2_mount(escaped).unwrap();
         assert_eq!(mount, Path::new("/mnt/cg v2"));
         assert_eq!(root, Path::new("/sub"));
-        assert_eq!(parse_cgroup2_mount("1 0 8:1 / / rw - ext4 /dev/sda rw\n"), None);
+        assert_eq!(
+            parse_cgroup2_mount("1 0 8:1 / / rw - ext4 /dev/sda rw\n"),
+            None
+        );
 
         let proc_cgroup = "4:memory:/x\n1:name=systemd:/\n0::/crab/abc\n";
         let path = parse_unified_cgroup(proc_cgroup).unwrap();
-        assert_eq!(join_under_mount(Path::new("/sys/fs/cgroup/unified"), Path::new("/"), &path), Path::new("/sys/fs/cgroup/unified/crab/abc"));
-        assert_eq!(join_under_mount(Path::new("/mnt/cg v2"), Path::new("/sub"), "/sub/c1"), Path::new("/mnt/cg v2/c1"));
+        assert_eq!(
+            join_under_mount(Path::new("/sys/fs/cgroup/unified"), Path::new("/"), &path),
+            Path::new("/sys/fs/cgroup/unified/crab/abc")
+        );
+        assert_eq!(
+            join_under_mount(Path::new("/mnt/cg v2"), Path::new("/sub"), "/sub/c1"),
+            Path::new("/mnt/cg v2/c1")
+        );
     }
 
     #[test]
@@ -1167,7 +1475,12 @@ mod tests {
         let header = include_str!("../../../bpf-programs/include/inspector.h");
         let start = header.find("enum fs_class {").unwrap();
         let body = &header[start..start + header[start..].find('}').unwrap()];
-        let names: Vec<&str> = body.lines().skip(1).map(|l| l.trim().trim_end_matches(',')).filter(|l| l.starts_with("FS_")).collect();
+        let names: Vec<&str> = body
+            .lines()
+            .skip(1)
+            .map(|l| l.trim().trim_end_matches(','))
+            .filter(|l| l.starts_with("FS_"))
+            .collect();
         assert_eq!(names.len(), FS_CLASSES + 1, "{names:?}"); // + FS_CLASSES itself
         for (class, c_name) in FsClass::ALL.iter().zip(&names) {
             let rust = format!("FS_{}", class.name().replace('-', "_").to_uppercase());
@@ -1224,7 +1537,10 @@ mod tests {
         assert_eq!(pinned_program_ids(second.pin_dir()), ids);
         drop((first, second));
         // Pins alone keep everything attached after our handles are gone.
-        assert_eq!(crab_programs_and_links(), (progs_loaded.clone(), links_loaded));
+        assert_eq!(
+            crab_programs_and_links(),
+            (progs_loaded.clone(), links_loaded)
+        );
 
         // Other processes: 3 at once on the existing root, then 3 racing on a fresh one.
         let race_root = TestRoot::new("race");
@@ -1232,7 +1548,13 @@ mod tests {
             let children: Vec<Child> = (0..3)
                 .map(|_| {
                     Command::new(std::env::current_exe().unwrap())
-                        .args(["--exact", "inspector::bpf::tests::child_opens_pins", "--ignored", "--nocapture", "--test-threads=1"])
+                        .args([
+                            "--exact",
+                            "inspector::bpf::tests::child_opens_pins",
+                            "--ignored",
+                            "--nocapture",
+                            "--test-threads=1",
+                        ])
                         .env("CRAB_BPF_CHILD_ROOT", target)
                         .stdout(Stdio::piped())
                         .stderr(Stdio::piped())
@@ -1243,13 +1565,25 @@ mod tests {
             for child in children {
                 let out = child.wait_with_output().unwrap();
                 let stdout = String::from_utf8_lossy(&out.stdout);
-                assert!(out.status.success() && stdout.contains("child opened "), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+                assert!(
+                    out.status.success() && stdout.contains("child opened "),
+                    "{stdout}\n{}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
             }
         }
         let (progs_after, links_after) = crab_programs_and_links();
-        assert_eq!(progs_after.len() - progs_loaded.len(), n_progs, "racing first loads attached more than once");
+        assert_eq!(
+            progs_after.len() - progs_loaded.len(),
+            n_progs,
+            "racing first loads attached more than once"
+        );
         assert_eq!(links_after - links_loaded, n_links);
-        assert_eq!(fs::read_dir(&race_root.0).unwrap().count(), 1, "leftover temporary pins");
+        assert_eq!(
+            fs::read_dir(&race_root.0).unwrap().count(),
+            1,
+            "leftover temporary pins"
+        );
         eprintln!("first load+attach+pin {load_time:?}, open of pins {open_time:?}, {n_progs} programs, {n_links} links");
 
         drop(race_root);
@@ -1261,7 +1595,11 @@ mod tests {
             std::thread::sleep(Duration::from_millis(50));
             end = crab_programs_and_links();
         }
-        assert_eq!((end.0.len(), end.1), (progs_before.len(), links_before), "removing the pins detaches and frees everything");
+        assert_eq!(
+            (end.0.len(), end.1),
+            (progs_before.len(), links_before),
+            "removing the pins detaches and frees everything"
+        );
     }
 
     /// Helper for `loads_once_and_reuses_pins`, run in a child process.
@@ -1296,8 +1634,17 @@ mod tests {
             ));
             assert!(String::from_utf8_lossy(&out.stdout).contains("to-stdout"));
         });
-        assert_eq!(read_only.fs_mutations, 0, "read-only workload: {}", explain(&read_only));
-        assert!(read_only.forks >= 5 && read_only.execs >= 5 && read_only.exits >= 5, "{}", explain(&read_only));
+        assert_eq!(
+            read_only.fs_mutations,
+            0,
+            "read-only workload: {}",
+            explain(&read_only)
+        );
+        assert!(
+            read_only.forks >= 5 && read_only.execs >= 5 && read_only.exits >= 5,
+            "{}",
+            explain(&read_only)
+        );
 
         let write = delta(&probes, &cg, || {
             cg.run(&format!("echo hello > {d}/f"));
@@ -1309,7 +1656,11 @@ mod tests {
         let append = delta(&probes, &cg, || {
             cg.run(&format!("echo more >> {d}/f"));
         });
-        assert!(class(&append, FsClass::OpenWrite) == 1 && class(&append, FsClass::Write) == 1, "{}", explain(&append));
+        assert!(
+            class(&append, FsClass::OpenWrite) == 1 && class(&append, FsClass::Write) == 1,
+            "{}",
+            explain(&append)
+        );
 
         let tree = delta(&probes, &cg, || {
             cg.run(&format!(
@@ -1336,32 +1687,61 @@ mod tests {
 
         // Shared writable file mapping (mmap, or mprotect adding write) counts;
         // a private one does not.
-        let py = |body: &str| {
+        let py = |flags: &str, body: &str| {
             format!(
-                "python3 -B -c 'import ctypes,os\nlibc=ctypes.CDLL(None,use_errno=True)\nlibc.mmap.restype=ctypes.c_void_p\n\
+                "/usr/bin/python3 -B -c 'import ctypes,os\nlibc=ctypes.CDLL(None,use_errno=True)\nlibc.mmap.restype=ctypes.c_void_p\n\
                  libc.mmap.argtypes=[ctypes.c_void_p,ctypes.c_size_t,ctypes.c_int,ctypes.c_int,ctypes.c_int,ctypes.c_long]\n\
                  libc.mprotect.argtypes=[ctypes.c_void_p,ctypes.c_size_t,ctypes.c_int]\n\
-                 fd=os.open(\"{d}/existing\",os.O_RDWR)\n{body}\n'"
+                 fd=os.open(\"{d}/existing\",os.{flags})\n{body}\n'"
             )
         };
         let shared_rw = delta(&probes, &cg, || {
-            cg.run(&py("a=libc.mmap(None,4096,3,1,fd,0)\nassert a!=ctypes.c_void_p(-1).value"));
+            cg.run(&py(
+                "O_RDWR",
+                "a=libc.mmap(None,4096,3,1,fd,0)\nassert a!=ctypes.c_void_p(-1).value",
+            ));
         });
         let shared_upgrade = delta(&probes, &cg, || {
-            cg.run(&py("a=libc.mmap(None,4096,1,1,fd,0)\nassert libc.mprotect(a,4096,3)==0"));
+            cg.run(&py(
+                "O_RDWR",
+                "a=libc.mmap(None,4096,1,1,fd,0)\nassert libc.mprotect(a,4096,3)==0",
+            ));
         });
         let private_upgrade = delta(&probes, &cg, || {
-            cg.run(&py("a=libc.mmap(None,4096,1,2,fd,0)\nassert libc.mprotect(a,4096,3)==0"));
+            cg.run(&py(
+                "O_RDONLY",
+                "a=libc.mmap(None,4096,1,2,fd,0)\nassert libc.mprotect(a,4096,3)==0",
+            ));
         });
-        assert_eq!(shared_rw.shared_writable_mmaps, 1, "{}", explain(&shared_rw));
-        assert_eq!(shared_upgrade.shared_writable_mmaps, 1, "{}", explain(&shared_upgrade));
-        assert_eq!(private_upgrade.shared_writable_mmaps, 0, "{}", explain(&private_upgrade));
-        assert_eq!(private_upgrade.fs_mutations, 0, "python with a private mapping only: {}", explain(&private_upgrade));
+        assert_eq!(
+            shared_rw.shared_writable_mmaps,
+            1,
+            "{}",
+            explain(&shared_rw)
+        );
+        assert_eq!(
+            shared_upgrade.shared_writable_mmaps,
+            1,
+            "{}",
+            explain(&shared_upgrade)
+        );
+        assert_eq!(
+            private_upgrade.shared_writable_mmaps,
+            0,
+            "{}",
+            explain(&private_upgrade)
+        );
+        assert_eq!(
+            private_upgrade.fs_mutations,
+            0,
+            "python with a private mapping only: {}",
+            explain(&private_upgrade)
+        );
 
         // Creating a unix socket file is a mknod; an abstract one is nothing.
         let sockets = delta(&probes, &cg, || {
             cg.run(&format!(
-                "python3 -B -c 'import socket\ns=socket.socket(socket.AF_UNIX)\ns.bind(\"{d}/sock\")\n\
+                "/usr/bin/python3 -B -c 'import socket\ns=socket.socket(socket.AF_UNIX)\ns.bind(\"{d}/sock\")\n\
                  t=socket.socket(socket.AF_UNIX)\nt.bind(\"\\0crab-abstract-test\")\n'"
             ));
         });
@@ -1372,14 +1752,22 @@ mod tests {
         let before = probes.counters(cg.id).unwrap();
         other.run(&format!("echo x > {d}/other; mkdir {d}/otherdir"));
         assert_eq!(probes.counters(cg.id).unwrap(), before);
-        assert!(matches!(probes.counters(other.id), Err(BpfError::NotWatched(_))));
+        assert!(matches!(
+            probes.counters(other.id),
+            Err(BpfError::NotWatched(_))
+        ));
 
         // Tasks in a child cgroup of a watched one count for it.
         let nested = TestCgroup::at(cg.dir.join("nested"));
         let via_child = delta(&probes, &cg, || {
             nested.run(&format!("echo x > {d}/nested"));
         });
-        assert_eq!(class(&via_child, FsClass::OpenWrite), 1, "{}", explain(&via_child));
+        assert_eq!(
+            class(&via_child, FsClass::OpenWrite),
+            1,
+            "{}",
+            explain(&via_child)
+        );
         drop(nested);
 
         let all = probes.counters(cg.id).unwrap();
@@ -1405,7 +1793,7 @@ mod tests {
         assert_eq!(procs.exits, 5, "{}", explain(&procs));
 
         let threads = delta(&probes, &cg, || {
-            cg.run("python3 -B -c 'import threading\nt=threading.Thread(target=lambda: None)\nt.start()\nt.join()'");
+            cg.run("/usr/bin/python3 -B -c 'import threading\nt=threading.Thread(target=lambda: None)\nt.start()\nt.join()'");
         });
         assert_eq!(threads.threads, 1, "{}", explain(&threads));
 
@@ -1416,7 +1804,10 @@ mod tests {
         let r1 = probes.run_count(pid).unwrap();
         std::thread::sleep(Duration::from_secs(2));
         let r2 = probes.run_count(pid).unwrap();
-        assert!(r1.is_some() && r1 == r2, "sleeping process: {r1:?} then {r2:?}");
+        assert!(
+            r1.is_some() && r1 == r2,
+            "sleeping process: {r1:?} then {r2:?}"
+        );
 
         // A busy process runs: never two equal Some values.
         let mut busy = cg.spawn("while :; do :; done");
@@ -1427,7 +1818,10 @@ mod tests {
             samples.push(probes.run_count(busy_pid).unwrap());
         }
         for pair in samples.windows(2) {
-            assert!(!(pair[0].is_some() && pair[0] == pair[1]), "busy process looked idle: {samples:?}");
+            assert!(
+                !(pair[0].is_some() && pair[0] == pair[1]),
+                "busy process looked idle: {samples:?}"
+            );
         }
         // Waking the sleeper moves its count.
         // SAFETY: plain kill(2) of our child.
@@ -1462,7 +1856,9 @@ mod tests {
         probes.watch(bystander.id).unwrap();
         let mut bystander_proc = bystander.spawn("while :; do sleep 0.02; done");
         // Live processes with run entries, still running at unwatch time.
-        let mut children: Vec<Child> = (0..4).map(|_| cg.spawn("while :; do sleep 0.01; echo x > /dev/null; done")).collect();
+        let mut children: Vec<Child> = (0..4)
+            .map(|_| cg.spawn("while :; do sleep 0.01; echo x > /dev/null; done"))
+            .collect();
         std::thread::sleep(Duration::from_millis(300));
         assert!(probes.entries_of(cg.id).unwrap() >= 4);
         assert!(probes.watched().unwrap().contains(&cg.id));
@@ -1470,9 +1866,16 @@ mod tests {
         probes.unwatch(cg.id).unwrap();
         assert_eq!(probes.entries_of(cg.id).unwrap(), 0);
         assert!(!probes.watched().unwrap().contains(&cg.id));
-        assert!(matches!(probes.counters(cg.id), Err(BpfError::NotWatched(_))));
+        assert!(matches!(
+            probes.counters(cg.id),
+            Err(BpfError::NotWatched(_))
+        ));
         std::thread::sleep(Duration::from_millis(300));
-        assert_eq!(probes.entries_of(cg.id).unwrap(), 0, "entries came back after unwatch");
+        assert_eq!(
+            probes.entries_of(cg.id).unwrap(),
+            0,
+            "entries came back after unwatch"
+        );
         for pid in children.iter().map(Child::id) {
             assert_eq!(probes.run_count(pid).unwrap(), None);
         }
