@@ -263,6 +263,8 @@ pub fn diff(prev: &Manifest, now: &Manifest, lowerdirs: &[PathBuf]) -> FsDiff {
                     EntryKind::Dir => match lower.lookup(path) {
                         Some(LowerEntry::Dir(l)) if l.is_copy_of(n) => {}
                         Some(_) => out.modified.push(container_path(path)),
+                        // The root always exists: with no lowers (a volume) it is not news.
+                        None if path.as_os_str().is_empty() => {}
                         None => out.added.push(container_path(path)),
                     },
                     _ => match lower.lookup(path) {
@@ -426,8 +428,8 @@ impl EntryMeta {
             uid: st.st_uid,
             gid: st.st_gid,
             size: st.st_size as u64,
-            mtime_ns: st.st_mtime * 1_000_000_000 + st.st_mtime_nsec,
-            ctime_ns: st.st_ctime * 1_000_000_000 + st.st_ctime_nsec,
+            mtime_ns: nanos(st.st_mtime, st.st_mtime_nsec),
+            ctime_ns: nanos(st.st_ctime, st.st_ctime_nsec),
             ino: st.st_ino,
             nlink: st.st_nlink,
             rdev: st.st_rdev,
@@ -437,6 +439,12 @@ impl EntryMeta {
             xattrs: dx.other,
         }
     }
+}
+
+/// Saturates outside ±292 years of 1970 (`touch -d` can set any mtime); such a change still
+/// shows in ctime, which the kernel always sets to the current time.
+fn nanos(sec: i64, nsec: i64) -> i64 {
+    sec.saturating_mul(1_000_000_000).saturating_add(nsec)
 }
 
 struct Walker<'a> {
@@ -496,14 +504,19 @@ impl Walker<'_> {
                 let mut meta = EntryMeta::from_stat(&st, None, DirXattrs::default());
                 // The xattr form of a whiteout is always an empty regular file: only those pay
                 // for an xattr read.
+                // There is no listxattrat(): go through the pinned parent directory rather than a
+                // full path, which a running container could redirect with a symlink.
                 if fmt == libc::S_IFREG && st.st_size == 0 {
-                    let full = self.upperdir.join(&*rel);
-                    let c = cstring(full.as_os_str())?;
+                    let mut via_fd = format!("/proc/self/fd/{dirfd}/").into_bytes();
+                    via_fd.extend_from_slice(name.to_bytes());
+                    let c = CString::new(via_fd).expect("no NUL in a file name");
                     match is_xwhiteout(&XattrTarget::Path(&c)) {
                         Ok(true) => meta.kind = EntryKind::Whiteout,
                         Ok(false) => {}
                         Err(e) if vanished(&e) => return Ok(()),
-                        Err(e) => return Err(FsError::io("listxattr", &full, e)),
+                        Err(e) => {
+                            return Err(FsError::io("listxattr", &self.upperdir.join(&*rel), e))
+                        }
                     }
                 }
                 self.entries.push((rel.clone(), meta));
@@ -527,7 +540,8 @@ struct LowerDir {
     mode: u32,
     uid: u32,
     gid: u32,
-    xattrs: DirXattrs,
+    /// `None` if they could not be read: then no upper directory counts as a copy of it.
+    xattrs: Option<DirXattrs>,
 }
 
 impl LowerDir {
@@ -535,13 +549,17 @@ impl LowerDir {
     /// (mode, owner, xattrs) is unchanged and it hides nothing. A lower directory's own
     /// opaqueness is not copied up, and overlayfs keeps honouring it in the lower stack.
     fn is_copy_of(&self, upper: &EntryMeta) -> bool {
+        let Some(x) = &self.xattrs else {
+            return false;
+        };
         self.mode == upper.mode
             && self.uid == upper.uid
             && self.gid == upper.gid
             && !upper.opaque
             && upper.redirect.is_none()
-            && self.xattrs.redirect.is_none()
-            && self.xattrs.other == upper.xattrs
+            // A lower redirect is followed by lookups below it; not worth modelling.
+            && x.redirect.is_none()
+            && x.other == upper.xattrs
     }
 }
 
@@ -634,18 +652,10 @@ impl<'a> LowerView<'a> {
                 }
                 break;
             }
-            let xattrs = match dir_xattrs(&target) {
-                Ok(x) => x,
-                Err(e) => {
-                    log::warn!("listxattr {}: {e}", full.display());
-                    DirXattrs {
-                        // Unknown xattrs: make the directory unequal to any upper copy.
-                        redirect: Some(Vec::new()),
-                        ..DirXattrs::default()
-                    }
-                }
-            };
-            let opaque = xattrs.opaque;
+            let xattrs = dir_xattrs(&target)
+                .inspect_err(|e| log::warn!("listxattr {}: {e}", full.display()))
+                .ok();
+            let opaque = xattrs.as_ref().is_some_and(|x| x.opaque);
             if out.top.is_none() {
                 out.top = Some(LowerEntry::Dir(LowerDir {
                     mode: st.st_mode & 0o7777,
@@ -849,9 +859,19 @@ fn overlay_xattr(name: &[u8]) -> Option<&[u8]> {
         .filter(|rest| !rest.starts_with(b"overlay."))
 }
 
-/// Overlay bookkeeping on directories that copy-up and lookups set by themselves; they say
-/// nothing about the container's view.
-const OVERLAY_BOOKKEEPING: &[&[u8]] = &[b"impure", b"origin", b"nlink", b"uuid", b"upper"];
+/// Overlay xattrs on directories that say nothing about the container's view beyond what is
+/// tracked elsewhere: copy-up/lookup bookkeeping, and the markers of directories holding xattr
+/// whiteouts (`opaque` other than `y`, `whiteouts`; the whiteouts themselves are entries).
+/// Overlay never copies its xattrs up, so they must not take part in the copy-up comparison.
+/// Anything else (e.g. `protattr`, which holds chattr +i/+a) is compared as container state.
+const OVERLAY_BOOKKEEPING: &[&[u8]] = &[
+    b"impure",
+    b"origin",
+    b"nlink",
+    b"uuid",
+    b"upper",
+    b"whiteouts",
+];
 
 #[derive(Debug, Default)]
 struct DirXattrs {
@@ -872,8 +892,7 @@ fn dir_xattrs(target: &XattrTarget) -> io::Result<DirXattrs> {
             continue;
         };
         match ovl {
-            // Other opaque values ("x": holds xattr whiteouts) are kept as plain xattrs.
-            Some(b"opaque") if value == b"y" => out.opaque = true,
+            Some(b"opaque") => out.opaque = value == b"y",
             Some(b"redirect") => out.redirect = Some(value),
             _ => out.other.push((name.to_vec(), value)),
         }
@@ -1532,6 +1551,60 @@ mod tests {
         // /shadow/inner exists in the bottom layer only, hidden by the opaque /shadow above.
         assert_diff(&d, &["/gone", "/shadow/inner"], &[], &[]);
         assert!(!ov.scan().get(Path::new("shadow")).unwrap().opaque);
+    }
+
+    #[test]
+    fn xattr_whiteouts_in_a_lower_layer() {
+        require_root!();
+        let top = |l: &Path| {
+            fs::create_dir(l.join("xw")).unwrap();
+            setxattr(&l.join("xw"), "trusted.overlay.opaque", b"x");
+            fs::write(l.join("xw/gone"), "").unwrap();
+            setxattr(&l.join("xw/gone"), "trusted.overlay.whiteout", b"");
+        };
+        let bottom = |l: &Path| {
+            fs::create_dir(l.join("xw")).unwrap();
+            fs::write(l.join("xw/gone"), "hidden").unwrap();
+            fs::write(l.join("xw/kept"), "kept").unwrap();
+        };
+        let ov = Overlay::new(&[&top, &bottom]);
+        assert!(
+            !ov.p("/xw/gone").exists(),
+            "kernel honours the xattr whiteout"
+        );
+        let m0 = ov.scan();
+        // The "x" marker is not copied up: the copy-up of /xw is still no change.
+        let (d, m1) = ov.turn(&m0, |ov| {
+            fs::write(ov.p("/xw/t"), "t").unwrap();
+            fs::remove_file(ov.p("/xw/t")).unwrap();
+        });
+        assert!(m1.get(Path::new("xw")).is_some());
+        assert!(d.is_empty(), "{d:?}");
+        // /xw/gone resolves to nothing in the lowers, so creating it is an addition.
+        let (d, _) = ov.turn(&m1, |ov| {
+            fs::write(ov.p("/xw/gone"), "new").unwrap();
+            fs::remove_file(ov.p("/xw/kept")).unwrap();
+        });
+        assert_diff(&d, &["/xw/gone"], &[], &["/xw/kept"]);
+    }
+
+    #[test]
+    fn tracked_volume_without_lowers() {
+        let tmp = tempfile::tempdir().unwrap();
+        let vol = tmp.path();
+        fs::set_permissions(vol, fs::Permissions::from_mode(0o755)).unwrap();
+        let m0 = Manifest::scan(vol).unwrap();
+        assert!(diff(&Manifest::default(), &m0, &[]).is_empty());
+        fs::create_dir(vol.join("d")).unwrap();
+        fs::write(vol.join("d/f"), "f").unwrap();
+        fs::write(vol.join("t"), "t").unwrap();
+        fs::remove_file(vol.join("t")).unwrap();
+        let m1 = Manifest::scan(vol).unwrap();
+        assert_diff(&diff(&m0, &m1, &[]), &["/d", "/d/f"], &[], &[]);
+        fs::set_permissions(vol, fs::Permissions::from_mode(0o711)).unwrap();
+        fs::write(vol.join("d/f"), "g").unwrap();
+        let m2 = Manifest::scan(vol).unwrap();
+        assert_diff(&diff(&m1, &m2, &[]), &[], &["/", "/d/f"], &[]);
     }
 
     #[test]
