@@ -45,6 +45,15 @@ impl TestEnv {
         self.crab_home.join("run").join("state")
     }
 
+    /// The bundle containerd made for task `id` (config.json, rootfs, the shim's
+    /// `bootstrap.json` with its socket address).
+    pub fn task_bundle(&self, id: &str) -> PathBuf {
+        self.containerd_state()
+            .join("io.containerd.runtime.v2.task")
+            .join(&self.namespace)
+            .join(id)
+    }
+
     pub fn containerd_root(&self) -> PathBuf {
         self.crab_home.join("containerd").join("root")
     }

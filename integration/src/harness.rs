@@ -178,6 +178,16 @@ impl Harness {
         with_namespace!(msg, self.env.namespace.as_str())
     }
 
+    /// The gRPC channel to containerd, for tests that call an API the harness does not wrap.
+    pub fn channel(&self) -> Channel {
+        self.channel.clone()
+    }
+
+    /// `msg` as a request in the test namespace (containerd's `containerd-namespace` header).
+    pub fn request<T>(&self, msg: T) -> Request<T> {
+        self.req(msg)
+    }
+
     fn req_leased<T>(&self, msg: T, lease: &str) -> Request<T> {
         let mut r = self.req(msg);
         r.metadata_mut().insert(
@@ -212,6 +222,35 @@ impl Harness {
     }
 
     pub async fn create_container_with_spec(&self, id: &str, spec: &Value) -> Result<()> {
+        self.create_container_with_spec_and_options(id, spec, None)
+            .await
+    }
+
+    /// Like [`Harness::create_container`], with `Container.runtime.options` set to `options`
+    /// (containerd hands them to the shim's Create when the task request carries none, as
+    /// `ctr run --runtime-config-path` does). See [`crate::api::crab_runtime_options`].
+    pub async fn create_container_with_runtime_options(
+        &self,
+        id: &str,
+        process: &ProcessSpec,
+        options: Any,
+    ) -> Result<()> {
+        let spec = container_spec(
+            id,
+            &self.env.namespace,
+            process.to_oci(&self.image.env, &self.image.cwd),
+        );
+        self.create_container_with_spec_and_options(id, &spec, Some(options))
+            .await
+    }
+
+    /// The general form: a full runtime spec and optional runtime options.
+    pub async fn create_container_with_spec_and_options(
+        &self,
+        id: &str,
+        spec: &Value,
+        runtime_options: Option<Any>,
+    ) -> Result<()> {
         let lease = format!("{id}-create");
         let mut labels = HashMap::new();
         labels.insert("containerd.io/gc.expire".to_string(), rfc3339_in(3600));
@@ -240,7 +279,7 @@ impl Harness {
                 image: self.image.name.clone(),
                 runtime: Some(Runtime {
                     name: self.env.runtime.clone(),
-                    options: None,
+                    options: runtime_options,
                 }),
                 spec: Some(Any {
                     type_url: SPEC_TYPE_URL.into(),

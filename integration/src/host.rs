@@ -262,3 +262,36 @@ pub fn eventually<T>(timeout: std::time::Duration, mut f: impl FnMut() -> Option
 pub fn read_in_root(pid: u32, path: &str) -> std::io::Result<String> {
     fs::read_to_string(format!("/proc/{pid}/root/{}", path.trim_start_matches('/')))
 }
+
+/// The file `file` of `controller` (a v1 controller such as `memory` or `pids`; `""` for the
+/// v2 tree) in the cgroup of process `pid`, as the host sees it.
+pub fn cgroup_file(pid: u32, controller: &str, file: &str) -> Option<PathBuf> {
+    let cg = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let rel = cg.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let hit = if controller.is_empty() {
+            ctrls.is_empty()
+        } else {
+            ctrls.split(',').any(|c| c == controller)
+        };
+        hit.then(|| path.to_string())
+    })?;
+    let mount = mountinfo().into_iter().find(|m| {
+        if controller.is_empty() {
+            return m.fstype == "cgroup2";
+        }
+        // The super options (last field of a mountinfo line) name the controllers.
+        m.fstype == "cgroup"
+            && m.line
+                .rsplit(' ')
+                .next()
+                .is_some_and(|opts| opts.split(',').any(|o| o == controller))
+    })?;
+    Some(
+        mount
+            .mount_point
+            .join(rel.trim_start_matches('/'))
+            .join(file),
+    )
+}

@@ -8,8 +8,10 @@
 //! Nothing is skipped: an unreachable containerd or a missing test image is a test failure with
 //! a message that says how to bring them up.
 
+pub mod api;
 pub mod ctr;
 pub mod env;
+pub mod events;
 pub mod harness;
 pub mod host;
 pub mod spec;
@@ -19,6 +21,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use env::TestEnv;
+pub use events::{EventStream, TaskEvent};
 pub use harness::{CleanupGuard, Harness, RunOutput, TaskStatus};
 pub use spec::ProcessSpec;
 pub use stdio::{Stdio, StdioOptions};
