@@ -452,6 +452,7 @@ pub struct HostProbes {
     maps: Mutex<Maps>,
     /// Pinned programs, to read their recursion-miss counters.
     programs: Vec<OwnedFd>,
+    loaded_here: bool,
 }
 
 impl std::fmt::Debug for HostProbes {
@@ -484,14 +485,24 @@ impl HostProbes {
         }
         // bpffs refuses names with dots: none below.
         let dir = root.join(version_dir_name());
+        let mut loaded_here = false;
         if !dir.exists() {
             let _lock = DirLock::exclusive(root)?;
             // Another shim may have published while we waited for the lock.
             if !dir.exists() {
                 load_and_pin(root, &dir)?;
+                loaded_here = true;
             }
         }
-        Self::open_pinned(&dir)
+        let mut probes = Self::open_pinned(&dir)?;
+        probes.loaded_here = loaded_here;
+        Ok(probes)
+    }
+
+    /// Whether this call loaded and attached the programs (first on the host)
+    /// rather than opening existing pins.
+    pub fn loaded_here(&self) -> bool {
+        self.loaded_here
     }
 
     /// The directory holding this version's pins.
@@ -524,6 +535,7 @@ impl HostProbes {
             dir: dir.to_path_buf(),
             maps: Mutex::new(maps),
             programs,
+            loaded_here: false,
         })
     }
 
@@ -1260,22 +1272,37 @@ mod tests {
     //! Each test pins into its own root under /sys/fs/bpf and removes it.
 
     use super::*;
-    use std::collections::BTreeMap;
     use std::io::Write as _;
     use std::process::{Child, Command, Output, Stdio};
     use std::time::{Duration, Instant};
 
-    /// Tests count host-wide programs and links: one at a time.
+    /// Tests count host-wide programs and links: one at a time, also across
+    /// test processes (several checkouts may run them on one host).
     static SERIAL: Mutex<()> = Mutex::new(());
 
-    fn serial() -> std::sync::MutexGuard<'static, ()> {
+    struct Serial {
+        _process: DirLock,
+        _thread: std::sync::MutexGuard<'static, ()>,
+    }
+
+    fn serial() -> Serial {
         // SAFETY: geteuid has no preconditions.
         assert_eq!(
             unsafe { libc::geteuid() },
             0,
             "inspector::bpf tests load BPF programs: run them as root"
         );
-        SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+        let thread = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let path = std::env::temp_dir().join("crab-bpf-tests.lock");
+        fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .unwrap();
+        Serial {
+            _process: DirLock::exclusive(&path).unwrap(),
+            _thread: thread,
+        }
     }
 
     struct TestRoot(PathBuf);
@@ -1409,19 +1436,12 @@ mod tests {
         )
     }
 
-    /// crab_* programs and their links currently in the kernel (host-wide).
-    fn crab_programs_and_links() -> (BTreeMap<u32, String>, usize) {
-        let mut progs = BTreeMap::new();
-        for info in aya::programs::loaded_programs().flatten() {
-            if let Some(name) = info.name_as_str().filter(|n| n.starts_with("crab_")) {
-                progs.insert(info.id(), name.to_string());
-            }
-        }
-        let links = aya::programs::loaded_links()
+    /// Links in the kernel (host-wide) attached to one of these programs.
+    fn links_to(programs: &BTreeSet<u32>) -> usize {
+        aya::programs::loaded_links()
             .flatten()
-            .filter(|l| progs.contains_key(&l.program_id()))
-            .count();
-        (progs, links)
+            .filter(|l| programs.contains(&l.program_id()))
+            .count()
     }
 
     fn pinned_program_ids(dir: &Path) -> BTreeSet<u32> {
@@ -1517,34 +1537,32 @@ mod tests {
     fn loads_once_and_reuses_pins() {
         let _serial = serial();
         let root = TestRoot::new("pins");
-        let (progs_before, links_before) = crab_programs_and_links();
+        let n_progs = program_names().count();
+        let n_links = expected_links().unwrap().len();
 
         let started = Instant::now();
         let first = HostProbes::open_or_load_at(&root.0).unwrap();
         let load_time = started.elapsed();
-        let (progs_loaded, links_loaded) = crab_programs_and_links();
-        let n_progs = program_names().count();
-        let n_links = expected_links().unwrap().len();
-        assert_eq!(progs_loaded.len() - progs_before.len(), n_progs);
-        assert_eq!(links_loaded - links_before, n_links);
+        assert!(first.loaded_here());
         let ids = pinned_program_ids(first.pin_dir());
         assert_eq!(ids.len(), n_progs);
+        assert_eq!(links_to(&ids), n_links);
 
         let started = Instant::now();
         let second = HostProbes::open_or_load_at(&root.0).unwrap();
         let open_time = started.elapsed();
+        assert!(!second.loaded_here());
         assert_eq!(second.pin_dir(), first.pin_dir());
         assert_eq!(pinned_program_ids(second.pin_dir()), ids);
         drop((first, second));
-        // Pins alone keep everything attached after our handles are gone.
-        assert_eq!(
-            crab_programs_and_links(),
-            (progs_loaded.clone(), links_loaded)
-        );
+        // Pins alone keep everything attached after our handles are gone,
+        // and opening did not attach anything more.
+        assert_eq!(links_to(&ids), n_links);
 
-        // Other processes: 3 at once on the existing root, then 3 racing on a fresh one.
+        // Other processes: 3 at once on the existing root, then 3 racing on
+        // a fresh one: exactly one of those loads, all use its programs.
         let race_root = TestRoot::new("race");
-        for target in [&root.0, &race_root.0] {
+        for (target, loaders) in [(&root.0, 0), (&race_root.0, 1)] {
             let children: Vec<Child> = (0..3)
                 .map(|_| {
                     Command::new(std::env::current_exe().unwrap())
@@ -1562,23 +1580,44 @@ mod tests {
                         .unwrap()
                 })
                 .collect();
+            let mut reports = BTreeSet::new();
+            let mut loaded = 0;
             for child in children {
                 let out = child.wait_with_output().unwrap();
                 let stdout = String::from_utf8_lossy(&out.stdout);
-                assert!(
-                    out.status.success() && stdout.contains("child opened "),
-                    "{stdout}\n{}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
+                let report = stdout
+                    .lines()
+                    .find_map(|l| l.split_once("child opened ").map(|(_, r)| r))
+                    .unwrap_or_else(|| {
+                        panic!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr))
+                    });
+                assert!(out.status.success());
+                loaded += usize::from(report.starts_with("loaded "));
+                reports.insert(report.trim_start_matches("loaded ").to_string());
             }
+            assert_eq!(
+                loaded, loaders,
+                "processes that loaded programs into {target:?}"
+            );
+            assert_eq!(
+                reports.len(),
+                1,
+                "processes used different programs: {reports:?}"
+            );
+            let dir = fs::read_dir(target)
+                .unwrap()
+                .next()
+                .unwrap()
+                .unwrap()
+                .path();
+            let target_ids = pinned_program_ids(&dir);
+            assert_eq!(links_to(&target_ids), n_links);
+            assert_eq!(
+                reports.into_iter().next().unwrap(),
+                format!("{target_ids:?}")
+            );
         }
-        let (progs_after, links_after) = crab_programs_and_links();
-        assert_eq!(
-            progs_after.len() - progs_loaded.len(),
-            n_progs,
-            "racing first loads attached more than once"
-        );
-        assert_eq!(links_after - links_loaded, n_links);
+        assert_eq!(links_to(&ids), n_links);
         assert_eq!(
             fs::read_dir(&race_root.0).unwrap().count(),
             1,
@@ -1588,16 +1627,13 @@ mod tests {
 
         drop(race_root);
         drop(root);
-        // Programs are freed asynchronously once their last link is gone.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let mut end = crab_programs_and_links();
-        while end.0.len() != progs_before.len() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(50));
-            end = crab_programs_and_links();
-        }
+        // TestRoot::drop waited for the kernel to free the programs.
+        let still_loaded = aya::programs::loaded_programs()
+            .flatten()
+            .filter(|p| ids.contains(&p.id()))
+            .count();
         assert_eq!(
-            (end.0.len(), end.1),
-            (progs_before.len(), links_before),
+            still_loaded, 0,
             "removing the pins detaches and frees everything"
         );
     }
@@ -1612,7 +1648,11 @@ mod tests {
         };
         let probes = HostProbes::open_or_load_at(Path::new(&root)).unwrap();
         probes.watched().unwrap();
-        println!("child opened {}", probes.pin_dir().display());
+        println!(
+            "child opened {}{:?}",
+            if probes.loaded_here() { "loaded " } else { "" },
+            pinned_program_ids(probes.pin_dir())
+        );
     }
 
     #[test]
