@@ -21,6 +21,15 @@
 //!   hard-link all whiteouts to one shared inode, so their ino/nlink/ctime move).
 //! - Paths in [`FsDiff`] are container paths (`/etc/x`), sorted, parents before children.
 //!   A deleted directory is reported once (its whiteout); its lower content is implied.
+//!
+//! Limits, for whoever takes the marks:
+//! - Scan a quiescent container (frozen, or between turns): a rename racing the walk can hide
+//!   an entry from it. Entries that vanish mid-walk are skipped, never an error.
+//! - Stores through a `MAP_SHARED` mapping into a page already dirty at the mark move no
+//!   timestamp until writeback: arm such files at the mark with [`arm_shared_mapping`].
+//! - Directory timestamps are not state here (`touch` on a directory alone is not a change).
+//! - Same-size rewrites rely on mtime/ctime moving; kernels with multigrain timestamps (6.13+,
+//!   ext4/xfs/btrfs/tmpfs) guarantee that right after a `stat`, older ones only per tick.
 
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, OsStr, OsString};
