@@ -385,13 +385,13 @@ pub fn held_files(pid: u32) -> Result<Vec<HeldFile>, ProcError> {
         add(path, deleted, false);
     }
 
-    let mut seen_ranges: HashSet<Vec<u8>> = HashSet::new();
+    let mut seen_paths: HashSet<Vec<u8>> = HashSet::new();
     for m in read_maps(pid)? {
         if m.inode == 0 || !m.path.starts_with(b"/") {
             continue;
         }
         let raw = unescape_maps_path(&m.path);
-        if !seen_ranges.insert(raw.clone()) {
+        if !seen_paths.insert(raw.clone()) {
             continue;
         }
         let held_id = if raw.ends_with(DELETED) {
