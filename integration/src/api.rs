@@ -80,10 +80,25 @@ pub struct ProcessDetails {
 pub struct CgroupV1Metrics {
     #[prost(message, optional, tag = "2")]
     pub pids: Option<PidsStat>,
+    #[prost(message, optional, tag = "3")]
+    pub cpu: Option<CgroupV1CpuStat>,
     #[prost(message, optional, tag = "4")]
     pub memory: Option<CgroupV1MemoryStat>,
     #[prost(message, optional, tag = "9")]
     pub memory_oom_control: Option<MemoryOomControl>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct CgroupV1CpuStat {
+    #[prost(message, optional, tag = "1")]
+    pub usage: Option<CgroupV1CpuUsage>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct CgroupV1CpuUsage {
+    /// Nanoseconds.
+    #[prost(uint64, tag = "1")]
+    pub total: u64,
 }
 
 #[derive(Clone, PartialEq, Message)]
@@ -135,8 +150,16 @@ pub struct MemoryOomControl {
 pub struct CgroupV2Metrics {
     #[prost(message, optional, tag = "1")]
     pub pids: Option<PidsStat>,
+    #[prost(message, optional, tag = "2")]
+    pub cpu: Option<CgroupV2CpuStat>,
     #[prost(message, optional, tag = "4")]
     pub memory: Option<CgroupV2MemoryStat>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct CgroupV2CpuStat {
+    #[prost(uint64, tag = "1")]
+    pub usage_usec: u64,
 }
 
 #[derive(Clone, PartialEq, Message)]
@@ -155,6 +178,8 @@ pub struct TaskStats {
     pub memory_limit: u64,
     pub pids_current: u64,
     pub pids_limit: u64,
+    /// CPU time used, in nanoseconds.
+    pub cpu_usage_ns: u64,
 }
 
 impl TaskStats {
@@ -167,7 +192,9 @@ impl TaskStats {
                 let m = CgroupV1Metrics::decode(any.value.as_slice()).map_err(bad)?;
                 let pids = m.pids.unwrap_or_default();
                 let usage = m.memory.and_then(|m| m.usage).unwrap_or_default();
+                let cpu = m.cpu.and_then(|c| c.usage).unwrap_or_default();
                 Ok(TaskStats {
+                    cpu_usage_ns: cpu.total,
                     type_url: any.type_url.clone(),
                     memory_usage: usage.usage,
                     memory_limit: usage.limit,
@@ -179,7 +206,9 @@ impl TaskStats {
                 let m = CgroupV2Metrics::decode(any.value.as_slice()).map_err(bad)?;
                 let pids = m.pids.unwrap_or_default();
                 let mem = m.memory.unwrap_or_default();
+                let cpu = m.cpu.unwrap_or_default();
                 Ok(TaskStats {
+                    cpu_usage_ns: cpu.usage_usec * 1000,
                     type_url: any.type_url.clone(),
                     memory_usage: mem.usage,
                     memory_limit: mem.usage_limit,
@@ -264,7 +293,6 @@ struct TtrpcStatus {
 
 const TTRPC_REQUEST: u8 = 1;
 const TTRPC_RESPONSE: u8 = 2;
-const SHIM_TASK_SERVICE: &str = "containerd.task.v2.Task";
 
 /// One unary ttrpc call on a fresh connection to `socket`.
 pub async fn ttrpc_call(
@@ -453,19 +481,29 @@ impl Harness {
     /// The ttrpc socket of the shim serving task `id`, from the bundle's `bootstrap.json`
     /// (containerd 2.x) or `address` file (1.7).
     pub fn shim_socket(&self, id: &str) -> Result<PathBuf> {
+        Ok(self.shim_endpoint(id)?.0)
+    }
+
+    /// The shim's socket and the version of the task API it serves (2 or 3; containerd 2.x's
+    /// own shims speak `containerd.task.v3`, crab's framework `containerd.task.v2`).
+    pub fn shim_endpoint(&self, id: &str) -> Result<(PathBuf, u64)> {
         let bundle = self.env.task_bundle(id);
         let bootstrap = bundle.join("bootstrap.json");
-        let address = match std::fs::read(&bootstrap) {
+        let (address, version) = match std::fs::read(&bootstrap) {
             Ok(data) => {
                 let v: Value = serde_json::from_slice(&data).map_err(|e| {
                     Error::Protocol(format!("{}: bad JSON: {e}", bootstrap.display()))
                 })?;
-                v["address"].as_str().unwrap_or_default().to_string()
+                (
+                    v["address"].as_str().unwrap_or_default().to_string(),
+                    v["version"].as_u64().unwrap_or(2),
+                )
             }
             Err(_) => {
                 let f = bundle.join("address");
-                std::fs::read_to_string(&f)
-                    .map_err(|e| Error::io(format!("read {}", f.display()), e))?
+                let a = std::fs::read_to_string(&f)
+                    .map_err(|e| Error::io(format!("read {}", f.display()), e))?;
+                (a, 2)
             }
         };
         let address = address.trim();
@@ -476,17 +514,17 @@ impl Harness {
                 bundle.display()
             )));
         }
-        Ok(PathBuf::from(path))
+        Ok((PathBuf::from(path), version))
     }
 
     /// The shim's own `Connect` RPC (not exposed by containerd's API), over ttrpc.
     pub async fn shim_connect(&self, id: &str) -> Result<ShimConnectResponse> {
-        let socket = self.shim_socket(id)?;
+        let (socket, version) = self.shim_endpoint(id)?;
         let payload = ShimConnectRequest { id: id.into() }.encode_to_vec();
         let resp = ttrpc_call(
             &socket,
             &self.env.namespace,
-            SHIM_TASK_SERVICE,
+            &format!("containerd.task.v{version}.Task"),
             "Connect",
             payload,
             Duration::from_secs(10),
@@ -536,6 +574,9 @@ mod tests {
                 ..Default::default()
             }),
             memory_oom_control: None,
+            cpu: Some(CgroupV1CpuStat {
+                usage: Some(CgroupV1CpuUsage { total: 7 }),
+            }),
         };
         let s = TaskStats::decode(&Any {
             type_url: CGROUPS_V1_METRICS_TYPE_URL.into(),
@@ -543,8 +584,14 @@ mod tests {
         })
         .unwrap();
         assert_eq!(
-            (s.memory_usage, s.memory_limit, s.pids_current, s.pids_limit),
-            (4096, 1 << 30, 3, 50)
+            (
+                s.memory_usage,
+                s.memory_limit,
+                s.pids_current,
+                s.pids_limit,
+                s.cpu_usage_ns
+            ),
+            (4096, 1 << 30, 3, 50, 7)
         );
     }
 }

@@ -161,6 +161,22 @@ impl Harness {
         &self.env.runtime
     }
 
+    /// For tests of crab-only features: true (run the test) under the crab runtime; otherwise
+    /// prints why the test does not apply, on the real stderr so the skip shows even in
+    /// passing tests' captured output, and returns false.
+    pub fn runs_crab_only(&self, test: &str, why: &str) -> bool {
+        if self.env.runtime == crate::env::DEFAULT_RUNTIME {
+            return true;
+        }
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED {test} under {}: {why}",
+            self.env.runtime
+        );
+        false
+    }
+
     /// A container id unique to this test and test process: `it-<name>-<pid>`.
     pub fn unique_id(&self, name: &str) -> String {
         unique_id(name)
