@@ -18,7 +18,8 @@
 //! - **shared memory that is no file the fs side sees**: shared anonymous mappings, memfd, SysV
 //!   shm, and shared mappings of tmpfs/hugetlbfs files (e.g. `/dev/shm`). Their contents are read
 //!   from the shmem object itself (through `/proc/PID/map_files`), skipping holes, so pages another
-//!   process wrote are seen and untouched ranges are not faulted in.
+//!   process wrote are seen and untouched ranges are not faulted in. (A *private* mapping of a
+//!   tmpfs file is treated like any private file mapping: its unwritten pages are the file's.)
 //! - Other **shared file mappings** contribute their layout only (range, offset, file): their pages
 //!   are the file, written back to it.
 //! - `[vdso]`, `[vvar]`, `[vsyscall]` and other kernel-provided mappings are left out.
@@ -44,6 +45,15 @@
 //! position), cwd and root. A process that only opened a file or changed its signal mask between two
 //! marks compares unequal too. Registers other than those in `/proc/PID/syscall` cannot be read
 //! without ptrace and are not compared.
+//!
+//! # Memory the kernel writes by itself
+//! The kernel stores the current CPU (and node, mm_cid) into each thread's registered rseq area
+//! (`struct rseq`, glibc 2.35+ registers one per thread) whenever the thread is scheduled after
+//! a migration. A process that only woke up and went back to sleep on another CPU thus changes
+//! one page per thread (seen in tests). That is no state a restore needs (the kernel rewrites it
+//! after restore too), so callers that know the areas pass them as
+//! [`CaptureOptions::volatile`] and they hash as zeros. Without ptrace the areas cannot be read
+//! from /proc; the BPF side can record `task->rseq` per thread.
 //!
 //! # Consistency
 //! Capturing a *running* process reads a moving target: the image is a best-effort snapshot and will
@@ -141,7 +151,7 @@ pub struct Region {
     pub offset: u64,
     pub dev: String,
     pub inode: u64,
-    /// Path or pseudo name from maps ("[heap]", "/usr/lib/x.so", "" for anonymous).
+    /// Path or pseudo name from maps (`[heap]`, `/usr/lib/x.so`, empty for anonymous).
     pub name: String,
     pub kind: RegionKind,
     /// `(page address, xxh3-64)` of the pages whose content differs from the kind's default,
@@ -228,7 +238,8 @@ pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemE
     let (_, start_time) = procs::identity(pid)?.ok_or(MemError::Gone(pid))?;
     let ps = page_size();
     let maps = procs::read_maps(pid)?;
-    let pagemap = File::open(format!("/proc/{pid}/pagemap")).map_err(io_err(pid, "open pagemap"))?;
+    let pagemap =
+        File::open(format!("/proc/{pid}/pagemap")).map_err(io_err(pid, "open pagemap"))?;
     let mem = File::open(format!("/proc/{pid}/mem")).map_err(io_err(pid, "open mem"))?;
     let mut scanner = PresenceScanner::new(pid, &pagemap);
 
@@ -238,7 +249,9 @@ pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemE
     let mut buf = vec![0u8; SHMEM_CHUNK];
 
     for m in &maps {
-        let Some(kind) = classify(pid, m) else { continue };
+        let Some(kind) = classify(pid, m) else {
+            continue;
+        };
         let mut region = Region {
             start: m.start,
             end: m.end,
@@ -279,7 +292,10 @@ pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemE
                 }
                 // Without map_files, read through the process (faults holes in; rare).
                 Err(e) => {
-                    log::debug!("pid {pid}: map_files for {:x}: {e}; reading via the process", m.start);
+                    log::debug!(
+                        "pid {pid}: map_files for {:x}: {e}; reading via the process",
+                        m.start
+                    );
                     push_jobs(&mut jobs, idx, m.start, m.end);
                 }
             },
@@ -292,7 +308,9 @@ pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemE
     // Read and hash the pages of the jobs, spread over threads by page count.
     let total: u64 = jobs.iter().map(|j| j.npages).sum();
     let threads = match opts.threads {
-        0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        0 => std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
         n => n,
     }
     .clamp(1, 16);
@@ -329,7 +347,10 @@ pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemE
                 s.spawn(move || read_jobs(pid, mem, j, o, volatile))
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("reader thread panicked")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("reader thread panicked"))
+            .collect()
     });
     for r in results {
         stats.unreadable_pages += r?;
@@ -382,7 +403,11 @@ fn classify(pid: u32, m: &MapsLine) -> Option<RegionKind> {
     }
     let private = m.perms[3] == b'p';
     if private {
-        return Some(if m.inode == 0 { RegionKind::Anon } else { RegionKind::FilePrivate });
+        return Some(if m.inode == 0 {
+            RegionKind::Anon
+        } else {
+            RegionKind::FilePrivate
+        });
     }
     if m.inode == 0 || path.starts_with(b"[anon_shmem:") {
         return Some(RegionKind::Shmem);
@@ -392,15 +417,25 @@ fn classify(pid: u32, m: &MapsLine) -> Option<RegionKind> {
     let p = std::ffi::CString::new(map_files_path(pid, m).as_os_str().as_bytes()).ok()?;
     // SAFETY: valid C string and out pointer.
     let shmem = if unsafe { libc::statfs(p.as_ptr(), &mut sfs) } == 0 {
-        let t = sfs.f_type as i64;
-        t == libc::TMPFS_MAGIC as i64 || t == libc::HUGETLBFS_MAGIC as i64
+        // f_type's integer type differs between architectures.
+        #[allow(clippy::unnecessary_cast)]
+        let (t, tmpfs, hugetlbfs) = (
+            sfs.f_type as i64,
+            libc::TMPFS_MAGIC as i64,
+            libc::HUGETLBFS_MAGIC as i64,
+        );
+        t == tmpfs || t == hugetlbfs
     } else {
         path.starts_with(b"/memfd:")
             || path.starts_with(b"/SYSV")
             || path.starts_with(b"/dev/zero (deleted)")
             || path.starts_with(b"/anon_hugepage")
     };
-    Some(if shmem { RegionKind::Shmem } else { RegionKind::SharedFile })
+    Some(if shmem {
+        RegionKind::Shmem
+    } else {
+        RegionKind::SharedFile
+    })
 }
 
 fn map_files_path(pid: u32, m: &MapsLine) -> PathBuf {
@@ -423,7 +458,11 @@ fn push_jobs(jobs: &mut Vec<Job>, region: usize, start: u64, end: u64) {
     let mut va = start;
     while va < end {
         let n = ((end - va) / ps).min(JOB_PAGES);
-        jobs.push(Job { region, va, npages: n });
+        jobs.push(Job {
+            region,
+            va,
+            npages: n,
+        });
         va += n * ps;
     }
 }
@@ -447,7 +486,13 @@ fn hash_page(page: &mut [u8], va: u64, volatile: &[(u64, u64)]) -> u64 {
     xxh3_64(page)
 }
 
-fn read_jobs(pid: u32, mem: &File, jobs: &[Job], out: &mut [u64], volatile: &[(u64, u64)]) -> Result<u64, MemError> {
+fn read_jobs(
+    pid: u32,
+    mem: &File,
+    jobs: &[Job],
+    out: &mut [u64],
+    volatile: &[(u64, u64)],
+) -> Result<u64, MemError> {
     let ps = page_size();
     let mut buf = vec![0u8; BATCH_BYTES as usize];
     let mut unreadable = 0u64;
@@ -486,21 +531,46 @@ fn read_jobs(pid: u32, mem: &File, jobs: &[Job], out: &mut [u64], volatile: &[(u
                 .iter()
                 .enumerate()
                 .map(|(i, (va, n))| {
-                    let (va, n) = if i == 0 { (va + skip * ps, n - skip) } else { (*va, *n) };
-                    libc::iovec { iov_base: va as *mut libc::c_void, iov_len: (n * ps) as usize }
+                    let (va, n) = if i == 0 {
+                        (va + skip * ps, n - skip)
+                    } else {
+                        (*va, *n)
+                    };
+                    libc::iovec {
+                        iov_base: va as *mut libc::c_void,
+                        iov_len: (n * ps) as usize,
+                    }
                 })
                 .collect();
             let want: u64 = iov.iter().map(|v| v.iov_len as u64).sum();
-            let local = libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: want as usize };
+            let local = libc::iovec {
+                iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+                iov_len: want as usize,
+            };
             // SAFETY: local iovec points into `buf` (want <= BATCH_BYTES); remote addresses are
             // only read by the kernel on the other process's behalf.
-            let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, iov.as_ptr(), iov.len() as libc::c_ulong, 0) };
+            let n = unsafe {
+                libc::process_vm_readv(
+                    pid as libc::pid_t,
+                    &local,
+                    1,
+                    iov.as_ptr(),
+                    iov.len() as libc::c_ulong,
+                    0,
+                )
+            };
             let got = if n < 0 {
                 let e = io::Error::last_os_error();
                 match e.raw_os_error() {
                     Some(libc::ESRCH) => return Err(MemError::Gone(pid)),
                     Some(libc::EFAULT) | Some(libc::EIO) | Some(libc::ENOMEM) => 0,
-                    _ => return Err(MemError::Io { pid, what: "process_vm_readv".into(), source: e }),
+                    _ => {
+                        return Err(MemError::Io {
+                            pid,
+                            what: "process_vm_readv".into(),
+                            source: e,
+                        })
+                    }
                 }
             } else {
                 n as u64
@@ -515,7 +585,11 @@ fn read_jobs(pid: u32, mem: &File, jobs: &[Job], out: &mut [u64], volatile: &[(u
                     va = runs[r].0;
                     left = runs[r].1;
                 }
-                out[k] = hash_page(&mut buf[p * ps as usize..(p + 1) * ps as usize], va, volatile);
+                out[k] = hash_page(
+                    &mut buf[p * ps as usize..(p + 1) * ps as usize],
+                    va,
+                    volatile,
+                );
                 k += 1;
                 va += ps;
                 left -= 1;
@@ -583,7 +657,12 @@ fn hash_shmem(f: &File, m: &MapsLine, pages: &mut Vec<(u64, u64)>, buf: &mut [u8
         }
         // SAFETY: as above.
         let hole = unsafe { libc::lseek(f.as_raw_fd(), data as libc::off_t, libc::SEEK_HOLE) };
-        let hole = if hole < 0 { hi } else { (hole as u64).div_ceil(ps) * ps }.min(hi);
+        let hole = if hole < 0 {
+            hi
+        } else {
+            (hole as u64).div_ceil(ps) * ps
+        }
+        .min(hi);
         let mut off = data.max(pos);
         while off < hole {
             let len = ((hole - off) as usize).min(buf.len());
@@ -644,8 +723,10 @@ struct PageRegion {
 }
 
 // _IOWR('f', 16, struct pm_scan_arg)
-const PAGEMAP_SCAN: libc::c_ulong =
-    (3 << 30) | ((std::mem::size_of::<PmScanArg>() as libc::c_ulong) << 16) | ((b'f' as libc::c_ulong) << 8) | 16;
+const PAGEMAP_SCAN: libc::c_ulong = (3 << 30)
+    | ((std::mem::size_of::<PmScanArg>() as libc::c_ulong) << 16)
+    | ((b'f' as libc::c_ulong) << 8)
+    | 16;
 
 /// Finds the pages of a range that are present or swapped, with their PAGE_IS_* categories.
 struct PresenceScanner<'a> {
@@ -658,7 +739,13 @@ struct PresenceScanner<'a> {
 
 impl<'a> PresenceScanner<'a> {
     fn new(pid: u32, pagemap: &'a File) -> Self {
-        PresenceScanner { pid, pagemap, ioctl_ok: true, vec: vec![PageRegion::default(); 1024], raw: Vec::new() }
+        PresenceScanner {
+            pid,
+            pagemap,
+            ioctl_ok: true,
+            vec: vec![PageRegion::default(); 1024],
+            raw: Vec::new(),
+        }
     }
 
     /// Runs of `(start, end, categories)` in `[start, end)` that are present or swapped.
@@ -762,7 +849,14 @@ fn zero_pfn() -> Option<u64> {
         let ps = page_size() as usize;
         // SAFETY: anonymous private mapping, read once to map the zero page, then unmapped.
         unsafe {
-            let p = libc::mmap(std::ptr::null_mut(), ps, libc::PROT_READ, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                ps,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
             if p == libc::MAP_FAILED {
                 return None;
             }
@@ -792,12 +886,29 @@ fn syscall_site(line: &str) -> String {
 }
 
 const STATUS_KEYS: &[&str] = &[
-    "Umask:", "Uid:", "Gid:", "Groups:", "SigPnd:", "ShdPnd:", "SigBlk:", "SigIgn:", "SigCgt:", "CapInh:",
-    "CapPrm:", "CapEff:", "CapBnd:", "CapAmb:", "NoNewPrivs:", "Seccomp:", "Seccomp_filters:",
+    "Umask:",
+    "Uid:",
+    "Gid:",
+    "Groups:",
+    "SigPnd:",
+    "ShdPnd:",
+    "SigBlk:",
+    "SigIgn:",
+    "SigCgt:",
+    "CapInh:",
+    "CapPrm:",
+    "CapEff:",
+    "CapBnd:",
+    "CapAmb:",
+    "NoNewPrivs:",
+    "Seccomp:",
+    "Seccomp_filters:",
 ];
 
 fn read_opt(path: &str) -> Option<String> {
-    std::fs::read(path).ok().map(|b| String::from_utf8_lossy(&b).into_owned())
+    std::fs::read(path)
+        .ok()
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
 }
 
 fn readlink_opt(path: &str) -> String {
@@ -817,7 +928,8 @@ fn capture_state(pid: u32) -> Result<ProcState, MemError> {
     for tid in tids {
         let base = format!("/proc/{pid}/task/{tid}");
         // A thread that exits while we read it just goes missing, which shows as a change.
-        let Some(stat) = read_opt(&format!("{base}/stat")).and_then(|s| procs::parse_stat(&s)) else {
+        let Some(stat) = read_opt(&format!("{base}/stat")).and_then(|s| procs::parse_stat(&s))
+        else {
             continue;
         };
         let syscall = syscall_site(&read_opt(&format!("{base}/syscall")).unwrap_or_default());
@@ -827,7 +939,13 @@ fn capture_state(pid: u32) -> Result<ProcState, MemError> {
             .filter(|l| STATUS_KEYS.iter().any(|k| l.starts_with(k)))
             .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
             .collect();
-        st.threads.push(ThreadState { tid, start_time: stat.start_time, comm: stat.comm, syscall, status });
+        st.threads.push(ThreadState {
+            tid,
+            start_time: stat.start_time,
+            comm: stat.comm,
+            syscall,
+            status,
+        });
     }
     let fd_dir = format!("/proc/{pid}/fd");
     let mut fds: Vec<i32> = std::fs::read_dir(&fd_dir)
@@ -870,7 +988,10 @@ pub struct MemDelta {
 
 impl MemDelta {
     pub fn is_empty(&self) -> bool {
-        self.changed_pages == 0 && self.added_pages == 0 && self.removed_pages == 0 && self.state_changes.is_empty()
+        self.changed_pages == 0
+            && self.added_pages == 0
+            && self.removed_pages == 0
+            && self.state_changes.is_empty()
     }
 }
 
@@ -882,7 +1003,12 @@ impl std::fmt::Display for MemDelta {
             self.changed_pages, self.added_pages, self.removed_pages, self.scanned_pages
         )?;
         if !self.by_region.is_empty() {
-            let top: Vec<String> = self.by_region.iter().take(5).map(|(n, c)| format!("{n}: {c}")).collect();
+            let top: Vec<String> = self
+                .by_region
+                .iter()
+                .take(5)
+                .map(|(n, c)| format!("{n}: {c}"))
+                .collect();
             write!(f, " [{}]", top.join(", "))?;
         }
         if !self.state_changes.is_empty() {
@@ -940,7 +1066,10 @@ fn differing_pages(a: &[(u64, u64)], b: &[(u64, u64)], lo: u64, hi: u64) -> u64 
 /// mappings that split, merge or grow compare page by page.
 pub fn compare(prev: &MemoryImage, now: &MemoryImage) -> MemDelta {
     let ps = page_size();
-    let mut d = MemDelta { scanned_pages: now.stats.pages_read, ..Default::default() };
+    let mut d = MemDelta {
+        scanned_pages: now.stats.pages_read,
+        ..Default::default()
+    };
     let total = |img: &MemoryImage| img.regions.iter().map(Region::page_count).sum::<u64>();
     if (prev.pid, prev.start_time) != (now.pid, now.start_time) {
         d.removed_pages = total(prev);
@@ -961,9 +1090,17 @@ pub fn compare(prev: &MemoryImage, now: &MemoryImage) -> MemDelta {
         if lo < hi {
             let pages = (hi - lo) / ps;
             covered += pages;
-            let changed = if same_mapping(a, b) { differing_pages(&a.pages, &b.pages, lo, hi) } else { pages };
+            let changed = if same_mapping(a, b) {
+                differing_pages(&a.pages, &b.pages, lo, hi)
+            } else {
+                pages
+            };
             if changed > 0 {
-                let name = if b.name.is_empty() { format!("anon@{:x}", b.start) } else { b.name.clone() };
+                let name = if b.name.is_empty() {
+                    format!("anon@{:x}", b.start)
+                } else {
+                    b.name.clone()
+                };
                 match by_region.iter_mut().find(|r| r.0 == name) {
                     Some(r) => r.1 += changed,
                     None => by_region.push((name, changed)),
@@ -980,7 +1117,7 @@ pub fn compare(prev: &MemoryImage, now: &MemoryImage) -> MemDelta {
     d.added_pages = total(now) - covered;
     d.removed_pages = total(prev) - covered;
     d.state_changes = compare_state(&prev.state, &now.state);
-    by_region.sort_by(|a, b| b.1.cmp(&a.1));
+    by_region.sort_by_key(|r| std::cmp::Reverse(r.1));
     d.by_region = by_region;
     d
 }
@@ -993,19 +1130,34 @@ fn compare_state(a: &ProcState, b: &ProcState) -> Vec<String> {
     if a.root != b.root {
         out.push("root changed".to_string());
     }
-    let ids = |s: &ProcState| s.threads.iter().map(|t| (t.tid, t.start_time)).collect::<Vec<_>>();
+    let ids = |s: &ProcState| {
+        s.threads
+            .iter()
+            .map(|t| (t.tid, t.start_time))
+            .collect::<Vec<_>>()
+    };
     if ids(a) != ids(b) {
-        out.push(format!("threads {} -> {}", a.threads.len(), b.threads.len()));
+        out.push(format!(
+            "threads {} -> {}",
+            a.threads.len(),
+            b.threads.len()
+        ));
     } else {
         for (x, y) in a.threads.iter().zip(&b.threads) {
             if x.syscall != y.syscall {
-                out.push(format!("thread {}: syscall {:?} -> {:?}", x.tid, x.syscall, y.syscall));
+                out.push(format!(
+                    "thread {}: syscall {:?} -> {:?}",
+                    x.tid, x.syscall, y.syscall
+                ));
             }
             if x.status != y.status {
                 out.push(format!("thread {}: signal/credential state", x.tid));
             }
             if x.comm != y.comm {
-                out.push(format!("thread {}: comm {:?} -> {:?}", x.tid, x.comm, y.comm));
+                out.push(format!(
+                    "thread {}: comm {:?} -> {:?}",
+                    x.tid, x.comm, y.comm
+                ));
             }
         }
     }
@@ -1016,8 +1168,12 @@ fn compare_state(a: &ProcState, b: &ProcState) -> Vec<String> {
     for (fd, x) in &fa {
         match fb.get(fd) {
             None => out.push(format!("fd {fd} closed ({})", x.target)),
-            Some(y) if y.target != x.target => out.push(format!("fd {fd}: {} -> {}", x.target, y.target)),
-            Some(y) if y.info != x.info => out.push(format!("fd {fd} ({}): position/flags/state", x.target)),
+            Some(y) if y.target != x.target => {
+                out.push(format!("fd {fd}: {} -> {}", x.target, y.target))
+            }
+            Some(y) if y.info != x.info => {
+                out.push(format!("fd {fd} ({}): position/flags/state", x.target))
+            }
             _ => {}
         }
     }
@@ -1088,7 +1244,14 @@ mod tests {
 
     impl Forked {
         fn capture(&self) -> MemoryImage {
-            capture_with(self.pid, &CaptureOptions { volatile: self.rseq.into_iter().collect(), ..Default::default() }).unwrap()
+            capture_with(
+                self.pid,
+                &CaptureOptions {
+                    volatile: self.rseq.into_iter().collect(),
+                    ..Default::default()
+                },
+            )
+            .unwrap()
         }
 
         fn capture_unmasked(&self) -> MemoryImage {
@@ -1123,7 +1286,10 @@ mod tests {
                     0,
                 ) as *mut u8;
                 std::ptr::write_bytes(hidden, 0xab, ps);
-                assert_eq!(libc::mprotect(hidden as *mut libc::c_void, ps, libc::PROT_NONE), 0);
+                assert_eq!(
+                    libc::mprotect(hidden as *mut libc::c_void, ps, libc::PROT_NONE),
+                    0
+                );
                 let shared = libc::mmap(
                     std::ptr::null_mut(),
                     16 * ps,
@@ -1234,9 +1400,19 @@ mod tests {
 
     /// Addresses of pages whose listed hashes differ (for tests on same-layout images).
     fn changed_addresses(a: &MemoryImage, b: &MemoryImage) -> Vec<u64> {
-        let set = |i: &MemoryImage| i.regions.iter().flat_map(|r| r.pages.iter().copied()).collect::<std::collections::BTreeMap<u64, u64>>();
+        let set = |i: &MemoryImage| {
+            i.regions
+                .iter()
+                .flat_map(|r| r.pages.iter().copied())
+                .collect::<std::collections::BTreeMap<u64, u64>>()
+        };
         let (x, y) = (set(a), set(b));
-        let mut v: Vec<u64> = x.keys().chain(y.keys()).filter(|k| x.get(k) != y.get(k)).copied().collect();
+        let mut v: Vec<u64> = x
+            .keys()
+            .chain(y.keys())
+            .filter(|k| x.get(k) != y.get(k))
+            .copied()
+            .collect();
         v.sort_unstable();
         v.dedup();
         v
@@ -1282,7 +1458,10 @@ mod tests {
         assert_eq!(d.changed_pages, changed.len() as u64, "{d}");
         let sp = f.sp();
         for va in changed.iter().filter(|va| **va != poked) {
-            assert!(va.abs_diff(sp) < 16 * page_size(), "{va:#x} is not on the stack (sp {sp:#x}): {d}");
+            assert!(
+                va.abs_diff(sp) < 16 * page_size(),
+                "{va:#x} is not on the stack (sp {sp:#x}): {d}"
+            );
         }
         assert_eq!((d.added_pages, d.removed_pages), (0, 0), "{d}");
         assert!(d.state_changes.is_empty(), "{d}");
@@ -1308,8 +1487,14 @@ mod tests {
         assert_eq!(d.added_pages, 16, "{d}");
         assert_eq!(d.removed_pages, 0, "{d}");
         let sp = f.sp();
-        for va in changed_addresses(&a, &b).iter().filter(|va| compare_is_same_layout(&a, &b, **va)) {
-            assert!(va.abs_diff(sp) < 16 * page_size(), "{va:#x} is not on the stack (sp {sp:#x}): {d}");
+        for va in changed_addresses(&a, &b)
+            .iter()
+            .filter(|va| compare_is_same_layout(&a, &b, **va))
+        {
+            assert!(
+                va.abs_diff(sp) < 16 * page_size(),
+                "{va:#x} is not on the stack (sp {sp:#x}): {d}"
+            );
         }
         f.send(b'u');
         f.send(b'n');
@@ -1323,7 +1508,10 @@ mod tests {
         unsafe {
             let mut set: libc::cpu_set_t = std::mem::zeroed();
             libc::CPU_SET(cpu, &mut set);
-            assert_eq!(libc::sched_setaffinity(pid as i32, std::mem::size_of_val(&set), &set), 0);
+            assert_eq!(
+                libc::sched_setaffinity(pid as i32, std::mem::size_of_val(&set), &set),
+                0
+            );
         }
     }
 
@@ -1332,7 +1520,11 @@ mod tests {
     /// declared volatile.
     #[test]
     fn rseq_area_is_written_by_the_kernel_on_migration() {
-        if std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) < 2 {
+        if std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            < 2
+        {
             eprintln!("needs two CPUs");
             return;
         }
@@ -1358,14 +1550,29 @@ mod tests {
         let f = Forked::spawn();
         let img = f.capture();
         assert_eq!(img.stats.unreadable_pages, 0);
-        let hidden: Vec<&Region> = img.regions.iter().filter(|r| r.perms == "---p" && !r.pages.is_empty()).collect();
+        let hidden: Vec<&Region> = img
+            .regions
+            .iter()
+            .filter(|r| r.perms == "---p" && !r.pages.is_empty())
+            .collect();
         assert!(
-            hidden.iter().any(|r| r.pages.iter().any(|p| p.1 == xxh3_64(&vec![0xab; page_size() as usize]))),
+            hidden.iter().any(|r| r
+                .pages
+                .iter()
+                .any(|p| p.1 == xxh3_64(&vec![0xab; page_size() as usize]))),
             "the PROT_NONE page with data is in the image"
         );
-        let data = img.regions.iter().find(|r| r.start <= f.data as u64 && (f.data as u64) < r.end).unwrap();
+        let data = img
+            .regions
+            .iter()
+            .find(|r| r.start <= f.data as u64 && (f.data as u64) < r.end)
+            .unwrap();
         let ps = page_size();
-        let listed = data.pages.iter().filter(|p| p.0 >= f.data as u64 && p.0 < f.data as u64 + PAGES as u64 * ps).count();
+        let listed = data
+            .pages
+            .iter()
+            .filter(|p| p.0 >= f.data as u64 && p.0 < f.data as u64 + PAGES as u64 * ps)
+            .count();
         assert_eq!(listed, PAGES / 2, "only the pages with data are listed");
     }
 
@@ -1374,13 +1581,20 @@ mod tests {
         let mut f = Forked::spawn();
         f.send(b'n');
         let a = f.capture();
-        assert!(a.regions.iter().any(|r| r.kind == RegionKind::Shmem && r.start == f.shared as u64));
+        assert!(a
+            .regions
+            .iter()
+            .any(|r| r.kind == RegionKind::Shmem && r.start == f.shared as u64));
         // We (another process) write into the shared mapping; the child's page tables never
         // see it, the shmem object does.
         unsafe { std::ptr::write_volatile(f.shared.add(3 * page_size() as usize), 7) };
         let b = f.capture();
         let d = compare(&a, &b);
-        assert_eq!((d.changed_pages, d.added_pages, d.removed_pages), (1, 0, 0), "{d}");
+        assert_eq!(
+            (d.changed_pages, d.added_pages, d.removed_pages),
+            (1, 0, 0),
+            "{d}"
+        );
         f.send(b'n');
     }
 
@@ -1494,7 +1708,11 @@ while True:
         let b = capture(py.pid()).unwrap();
         let d = compare(&a, &b);
         assert!(d.is_empty(), "{d}");
-        assert!(a.stats.pages_read > 1024, "4 MiB bytearray and the interpreter: {:?}", a.stats);
+        assert!(
+            a.stats.pages_read > 1024,
+            "4 MiB bytearray and the interpreter: {:?}",
+            a.stats
+        );
     }
 
     #[test]
@@ -1550,7 +1768,10 @@ while True:
         let d = compare(&a, &b);
         assert!(d.is_empty(), "{d}");
         assert!(a.regions.iter().any(|r| r.name == "[stack]"));
-        assert!(!a.regions.iter().any(|r| r.name == "[vdso]" || r.name == "[vvar]"));
+        assert!(!a
+            .regions
+            .iter()
+            .any(|r| r.name == "[vdso]" || r.name == "[vvar]"));
     }
 
     #[test]
@@ -1566,7 +1787,10 @@ while True:
             let _ = c.wait();
         }
         let d = compare(&a, &b);
-        assert!(!d.is_empty() && d.removed_pages > 0 && d.added_pages > 0, "{d}");
+        assert!(
+            !d.is_empty() && d.removed_pages > 0 && d.added_pages > 0,
+            "{d}"
+        );
     }
 
     /// Capture + compare cost versus resident size. Not a test: run with
@@ -1575,12 +1799,24 @@ while True:
     #[ignore]
     fn bench_capture() {
         let ps = page_size() as usize;
-        eprintln!("| resident | capture 1 thread | capture {} threads | compare | pages read |", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+        eprintln!(
+            "| resident | capture 1 thread | capture {} threads | compare | pages read |",
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        );
         eprintln!("|---|---|---|---|---|");
         for mb in [10usize, 100, 500] {
             let len = mb << 20;
             let pid = unsafe {
-                let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) as *mut u64;
+                let p = libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                ) as *mut u64;
                 assert_ne!(p as *mut libc::c_void, libc::MAP_FAILED);
                 // Distinct, non-zero contents in every page.
                 for i in 0..len / 8 {
@@ -1599,12 +1835,26 @@ while True:
             std::thread::sleep(Duration::from_millis(50));
             let best = |threads: usize| {
                 (0..3)
-                    .map(|_| capture_with(pid, &CaptureOptions { threads, ..Default::default() }).unwrap())
+                    .map(|_| {
+                        capture_with(
+                            pid,
+                            &CaptureOptions {
+                                threads,
+                                ..Default::default()
+                            },
+                        )
+                        .unwrap()
+                    })
                     .min_by_key(|i| i.stats.elapsed)
                     .unwrap()
             };
             let one = best(1);
-            let many = best(std::env::var("CRAB_BENCH_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0));
+            let many = best(
+                std::env::var("CRAB_BENCH_THREADS")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0),
+            );
             let t = Instant::now();
             let d = compare(&one, &many);
             let cmp = t.elapsed();

@@ -259,8 +259,13 @@ fn unescape_maps_path(s: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(s.len());
     let mut i = 0;
     while i < s.len() {
-        if s[i] == b'\\' && i + 3 < s.len() && s[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
-            let v = (s[i + 1] - b'0') as u32 * 64 + (s[i + 2] - b'0') as u32 * 8 + (s[i + 3] - b'0') as u32;
+        if s[i] == b'\\'
+            && i + 3 < s.len()
+            && s[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            let v = (s[i + 1] - b'0') as u32 * 64
+                + (s[i + 2] - b'0') as u32 * 8
+                + (s[i + 3] - b'0') as u32;
             if v <= 255 {
                 out.push(v as u8);
                 i += 4;
@@ -283,7 +288,7 @@ pub struct MapsLine {
     pub offset: u64,
     pub dev: String,
     pub inode: u64,
-    /// Raw path field (may be empty, "[heap]", "/lib/x.so", "/x (deleted)", "[anon:name]").
+    /// Raw path field (may be empty, `[heap]`, `/lib/x.so`, `/x (deleted)`, `[anon:name]`).
     pub path: Vec<u8>,
 }
 
@@ -344,12 +349,14 @@ pub fn held_files(pid: u32) -> Result<Vec<HeldFile>, ProcError> {
     let before = identity(pid)?.ok_or(ProcError::Gone(pid))?;
     let mut held: BTreeMap<(Vec<u8>, bool), HeldFile> = BTreeMap::new();
     let mut add = |path: Vec<u8>, deleted: bool, mapped: bool| {
-        let e = held.entry((path.clone(), deleted)).or_insert_with(|| HeldFile {
-            path: PathBuf::from(OsStr::from_bytes(&path)),
-            deleted,
-            mapped: false,
-            open: false,
-        });
+        let e = held
+            .entry((path.clone(), deleted))
+            .or_insert_with(|| HeldFile {
+                path: PathBuf::from(OsStr::from_bytes(&path)),
+                deleted,
+                mapped: false,
+                open: false,
+            });
         if mapped {
             e.mapped = true;
         } else {
@@ -361,7 +368,12 @@ pub fn held_files(pid: u32) -> Result<Vec<HeldFile>, ProcError> {
     let entries = match std::fs::read_dir(&fd_dir) {
         Ok(e) => e,
         Err(e) if is_gone(&e) => return Err(ProcError::Gone(pid)),
-        Err(e) => return Err(ProcError::Io { path: fd_dir, source: e }),
+        Err(e) => {
+            return Err(ProcError::Io {
+                path: fd_dir,
+                source: e,
+            })
+        }
     };
     for entry in entries {
         let entry = entry.map_err(ProcError::io(&fd_dir))?;
@@ -370,7 +382,12 @@ pub fn held_files(pid: u32) -> Result<Vec<HeldFile>, ProcError> {
             Ok(t) => t,
             // The fd was closed between readdir and readlink.
             Err(e) if is_gone(&e) => continue,
-            Err(e) => return Err(ProcError::Io { path: link, source: e }),
+            Err(e) => {
+                return Err(ProcError::Io {
+                    path: link,
+                    source: e,
+                })
+            }
         };
         let raw = target.as_os_str().as_bytes();
         // "pipe:[..]", "socket:[..]", "anon_inode:[eventfd]", "net:[..]": not paths.
@@ -414,7 +431,6 @@ pub fn held_files(pid: u32) -> Result<Vec<HeldFile>, ProcError> {
     Ok(held.into_values().collect())
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -423,7 +439,13 @@ mod tests {
     use std::time::{Duration, Instant};
 
     fn pi(pid: u32, start_time: u64) -> ProcInfo {
-        ProcInfo { pid, start_time, ppid: 1, comm: "x".into(), cmdline: vec![] }
+        ProcInfo {
+            pid,
+            start_time,
+            ppid: 1,
+            comm: "x".into(),
+            cmdline: vec![],
+        }
     }
 
     #[test]
@@ -445,7 +467,9 @@ mod tests {
             .spawn()
             .unwrap();
         let mut l = String::new();
-        BufReader::new(c.stdout.as_mut().unwrap()).read_line(&mut l).unwrap();
+        BufReader::new(c.stdout.as_mut().unwrap())
+            .read_line(&mut l)
+            .unwrap();
         let p = info(c.id()).unwrap().unwrap();
         let _ = c.kill();
         let _ = c.wait();
@@ -509,7 +533,12 @@ mod tests {
     }
 
     fn spawn_in(cg: &TestCgroup, args: &[&str], stdin: Stdio) -> Child {
-        let c = Command::new(args[0]).args(&args[1..]).stdin(stdin).stdout(Stdio::null()).spawn().unwrap();
+        let c = Command::new(args[0])
+            .args(&args[1..])
+            .stdin(stdin)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
         cg.join(c.id());
         c
     }
@@ -528,7 +557,11 @@ mod tests {
         // Double-forks a daemon in its own session, then exits.
         let mut parent = spawn_in(
             &cg,
-            &["sh", "-c", "read x; (setsid sleep 1001 </dev/null >/dev/null 2>&1 &); exit 0"],
+            &[
+                "sh",
+                "-c",
+                "read x; (setsid sleep 1001 </dev/null >/dev/null 2>&1 &); exit 0",
+            ],
             Stdio::piped(),
         );
         let before = list(&cg.0).unwrap();
@@ -553,12 +586,18 @@ mod tests {
             if l.iter().any(|p| p.cmdline == ["sleep", "1001"]) {
                 break l;
             }
-            assert!(t.elapsed() < Duration::from_secs(5), "daemon never showed up: {l:?}");
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "daemon never showed up: {l:?}"
+            );
             std::thread::sleep(Duration::from_millis(10));
         };
         let d = delta(&before, &after);
         let pids = |v: &[ProcInfo]| v.iter().map(|p| p.pid).collect::<Vec<_>>();
-        let daemon = after.iter().find(|p| p.cmdline == ["sleep", "1001"]).unwrap();
+        let daemon = after
+            .iter()
+            .find(|p| p.cmdline == ["sleep", "1001"])
+            .unwrap();
         assert_eq!(pids(&d.persisted), vec![keeper.id()]);
         let mut ended = vec![parent_pid, short_pid];
         ended.sort_unstable();
@@ -613,26 +652,51 @@ sys.stdin.readline()
             .spawn()
             .unwrap();
         let mut l = String::new();
-        BufReader::new(c.stdout.as_mut().unwrap()).read_line(&mut l).unwrap();
+        BufReader::new(c.stdout.as_mut().unwrap())
+            .read_line(&mut l)
+            .unwrap();
         assert_eq!(l, "ready\n");
         let held = held_files(c.id()).unwrap();
         let _ = c.kill();
         let _ = c.wait();
-        let find = |name: &str| held.iter().find(|h| h.path == dir.path().join(name)).cloned();
+        let find = |name: &str| {
+            held.iter()
+                .find(|h| h.path == dir.path().join(name))
+                .cloned()
+        };
         let h = |open, mapped, deleted| Some((open, mapped, deleted));
         let flags = |f: Option<HeldFile>| f.map(|f| (f.open, f.mapped, f.deleted));
         assert_eq!(flags(find("open.txt")), h(true, false, false), "{held:#?}");
         assert_eq!(flags(find("gone.txt")), h(true, false, true), "{held:#?}");
-        assert_eq!(flags(find("weird (deleted)")), h(true, false, false), "{held:#?}");
+        assert_eq!(
+            flags(find("weird (deleted)")),
+            h(true, false, false),
+            "{held:#?}"
+        );
         // Python's mmap keeps a dup of the fd: mapped and open.
         assert_eq!(flags(find("mapped.bin")), h(true, true, false), "{held:#?}");
-        assert_eq!(flags(find("gone-mapped.bin")), h(true, true, true), "{held:#?}");
-        assert!(held.iter().any(|f| f.mapped && !f.open && f.path.to_string_lossy().contains("libc")), "{held:#?}");
-        assert!(held.iter().any(|f| f.mapped && f.path.to_string_lossy().contains("python")), "{held:#?}");
+        assert_eq!(
+            flags(find("gone-mapped.bin")),
+            h(true, true, true),
+            "{held:#?}"
+        );
+        assert!(
+            held.iter()
+                .any(|f| f.mapped && !f.open && f.path.to_string_lossy().contains("libc")),
+            "{held:#?}"
+        );
+        assert!(
+            held.iter()
+                .any(|f| f.mapped && f.path.to_string_lossy().contains("python")),
+            "{held:#?}"
+        );
         for f in &held {
             let p = f.path.to_string_lossy();
             assert!(p.starts_with('/'), "{p}");
-            assert!(!p.contains("memfd") && !p.contains("/dev/zero") && !p.contains("pipe:"), "{p}");
+            assert!(
+                !p.contains("memfd") && !p.contains("/dev/zero") && !p.contains("pipe:"),
+                "{p}"
+            );
         }
     }
 
