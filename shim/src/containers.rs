@@ -247,7 +247,7 @@ impl Containers {
 
     async fn create_init(&self, p: &CreateParams, runc: &Runc) -> Result<(u32, crate::stdio::ProcessIo)> {
         bundle::save_runc(&p.bundle, runc)?;
-        let mut prepared = PreparedIo::new(&p.stdio).await?;
+        let mut prepared = PreparedIo::new(&p.stdio, &p.id, &self.namespace).await?;
         let pid_file = bundle::init_pid_file(&p.bundle);
         let child = std::mem::replace(&mut prepared.child, crate::runc::ChildStdio::null());
         let console = prepared.console.as_ref().map(|c| c.path.clone());
@@ -348,7 +348,7 @@ impl Containers {
         let pid_file = c.bundle.join(format!("exec-{}.pid", p.exec_id));
         std::fs::write(&spec_file, p.exec_spec.as_deref().unwrap_or_default())
             .map_err(Error::io(format!("cannot write {}", spec_file.display())))?;
-        let mut prepared = PreparedIo::new(&p.stdio).await?;
+        let mut prepared = PreparedIo::new(&p.stdio, &p.exec_id, &self.namespace).await?;
         let child = std::mem::replace(&mut prepared.child, crate::runc::ChildStdio::null());
         let console = prepared.console.as_ref().map(|c| c.path.clone());
         let result = c.runc.exec(&c.id, &spec_file, &pid_file, console.as_deref(), child).await;

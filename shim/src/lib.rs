@@ -10,6 +10,7 @@ pub mod bundle;
 pub mod containers;
 pub mod error;
 pub mod inspector;
+pub mod logdriver;
 pub mod oom;
 pub mod process;
 pub mod reaper;

@@ -29,6 +29,7 @@ use tokio::{
 
 use crate::{
     error::{Error, Result},
+    logdriver,
     runc::ChildStdio,
 };
 
@@ -219,8 +220,9 @@ pub struct PreparedIo {
 
 impl PreparedIo {
     /// Opens the targets and makes the pipes (or the console socket). Errors here leave
-    /// nothing behind: everything is owned and closed on drop.
-    pub async fn new(spec: &StdioSpec) -> Result<Self> {
+    /// nothing behind: everything is owned and closed on drop. `id` (container id for an
+    /// init, exec id for an exec) and `namespace` are for a `binary://` logger.
+    pub async fn new(spec: &StdioSpec, id: &str, namespace: &str) -> Result<Self> {
         let stdin_source = match parse_target(&spec.stdin)? {
             None => None,
             Some(Target::Fifo(path)) => {
@@ -232,6 +234,13 @@ impl PreparedIo {
                 return Err(Error::InvalidArgument(format!("stdin `{}` must be a FIFO", spec.stdin)))
             }
         };
+        // A binary:// stdout takes stderr too, whatever stderr's URI (as in containerd).
+        let [mut logger_stdout, mut logger_stderr]: [Option<Writer>; 2] = if logdriver::is_binary(&spec.stdout) {
+            let logger = logdriver::start(&logdriver::LoggerUri::parse(&spec.stdout)?, id, namespace).await?;
+            [Some(Box::new(logger.stdout)), Some(Box::new(logger.stderr))]
+        } else {
+            [None, None]
+        };
         let mut prepared = PreparedIo {
             child: ChildStdio::null(),
             console: None,
@@ -242,7 +251,9 @@ impl PreparedIo {
         };
         if spec.terminal {
             prepared.console = Some(ConsoleSocket::new()?);
-            if let Some(t) = parse_target(&spec.stdout)? {
+            if let Some(w) = logger_stdout {
+                prepared.console_output = Some(w);
+            } else if let Some(t) = parse_target(&spec.stdout)? {
                 prepared.console_output = Some(open_output(&t).await?);
             }
             return Ok(prepared);
@@ -253,8 +264,15 @@ impl PreparedIo {
             prepared.stdin_pipe = Some(w);
         }
         for (uri, is_stdout) in [(&spec.stdout, true), (&spec.stderr, false)] {
-            if let Some(t) = parse_target(uri)? {
-                let writer = open_output(&t).await?;
+            let to_logger = if is_stdout { logger_stdout.take() } else { logger_stderr.take() };
+            let writer = match to_logger {
+                Some(w) => Some(w),
+                None => match parse_target(uri)? {
+                    Some(t) => Some(open_output(&t).await?),
+                    None => None,
+                },
+            };
+            if let Some(writer) = writer {
                 let (r, w) = pipe()?;
                 if is_stdout {
                     prepared.child.stdout = w.into();
@@ -403,7 +421,7 @@ mod tests {
         };
         // The client side, as containerd opens it: a reader on stdout, a writer on stdin.
         let mut client_out = FdIo::new(open_fd(&stdout, OFlag::O_RDONLY | OFlag::O_NONBLOCK).unwrap()).unwrap();
-        let mut prepared = PreparedIo::new(&spec).await.unwrap();
+        let mut prepared = PreparedIo::new(&spec, "c", "ns").await.unwrap();
         let mut client_in = FdIo::new(open_fd(&stdin, OFlag::O_WRONLY | OFlag::O_NONBLOCK).unwrap()).unwrap();
         // Play the process: `cat` from its stdin pipe to its stdout pipe.
         let child = std::mem::replace(&mut prepared.child, ChildStdio::null());
