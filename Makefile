@@ -8,12 +8,17 @@
 #   make containerd-down  remove its containers and stop it, reaping leftovers
 #   make demo             run a container under the crab shim; leaves containerd up
 #                         (DEMO_RUNTIME=io.containerd.runc.v2 runs it on the stock shim)
-#   make test             everything above, then all tests; containerd is always stopped after
+#   make test             everything above, then all tests, then test-containerd-1.7;
+#                         containerd is always stopped after
+#   make test-containerd-1.7
+#                         the end-to-end lifecycle tests against containerd 1.7 (a second
+#                         private containerd, Debian trixie's, unpacked under $(CRAB_HOME))
 #   make bench            shim benchmarks against the private containerd (stopped after)
 #   make clean            stop containerd, remove $(CRAB_HOME) and cargo's target dir
 #
 # Tests read CRAB_HOME, CRAB_CONTAINERD_ADDRESS, CRAB_NAMESPACE and CRAB_RUNTIME
 # (set CRAB_RUNTIME=io.containerd.runc.v2 to run them against the stock shim).
+# CRAB_CONTAINERD=1.7 points every target at the containerd 1.7 instance instead of 2.x.
 
 SHELL := /usr/bin/env bash
 .SHELLFLAGS := -euo pipefail -c
@@ -43,10 +48,20 @@ define with_containerd
 	$(with_env) $(1)
 endef
 
-.PHONY: help deps build images containerd-up containerd-down demo test bench clean
+# End-to-end tests also run against containerd 1.7: what containerd asks of the
+# shim (task lifecycle, exec, signals, stdio incl. binary:// loggers, pause, a
+# shim crash), then the global leak check. The 1.7 instance gets its own start,
+# image import and stop.
+E2E_TESTS_CONTAINERD_17 := lifecycle exec signals stdin pause shim_crash logdriver z_host_is_clean
+define test_containerd_17
+	export CRAB_CONTAINERD=1.7; \
+	$(call with_containerd,$(CARGO) test --release -p crab-integration $(addprefix --test ,$(E2E_TESTS_CONTAINERD_17)))
+endef
+
+.PHONY: help deps build images containerd-up containerd-down demo test test-containerd-1.7 bench clean
 
 help:
-	@sed -n '3,13s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '3,17s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
 
 deps:
 	hack/install-deps.sh
@@ -85,6 +100,10 @@ demo: deps build images
 
 test: deps build
 	@$(call with_containerd,$(CARGO) test --workspace --release)
+	@$(test_containerd_17)
+
+test-containerd-1.7: deps build
+	@$(test_containerd_17)
 
 bench: build
 	@$(call with_containerd,$(CARGO) run --release -p crab-integration --bin bench-shim -- $(BENCH_ARGS))

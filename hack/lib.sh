@@ -11,11 +11,37 @@ mkdir -p "$CRAB_HOME"
 CRAB_HOME=$(cd "$CRAB_HOME" && pwd -P)
 export CRAB_HOME
 
-CRAB_CONTAINERD_DIR=$CRAB_HOME/containerd
+# Which containerd: CRAB_CONTAINERD unset or 2 is the system's 2.x (hack/install-deps.sh);
+# 1.7 is Debian trixie's 1.7 (it cannot be installed next to 2.x), unpacked under
+# CRAB_HOME by `hack/containerd.sh start`. Each runs as an independent private
+# instance with its own config, root, state, log and socket, so both can run at
+# once: 2.x directly under CRAB_HOME (as it always was), 1.7 under
+# CRAB_HOME/containerd-1.7-run.
+CRAB_CONTAINERD_FLAVOR=${CRAB_CONTAINERD:-2}
+CRAB_CONTAINERD17_TREE=$CRAB_HOME/containerd-1.7
+CRAB_CONTAINERD17_HOME=$CRAB_HOME/containerd-1.7-run
+case $CRAB_CONTAINERD_FLAVOR in
+  2)
+    CRAB_CONTAINERD_HOME=$CRAB_HOME
+    CRAB_CONTAINERD_BIN=containerd
+    CRAB_CTR_BIN=ctr
+    ;;
+  1.7)
+    CRAB_CONTAINERD_HOME=$CRAB_CONTAINERD17_HOME
+    CRAB_CONTAINERD_BIN=$CRAB_CONTAINERD17_TREE/usr/bin/containerd
+    CRAB_CTR_BIN=$CRAB_CONTAINERD17_TREE/usr/bin/ctr
+    ;;
+  *)
+    printf '%s: error: CRAB_CONTAINERD=%s: expected 2 (the default) or 1.7\n' "${CRAB_LOG_PREFIX:-crab}" "$CRAB_CONTAINERD_FLAVOR" >&2
+    exit 1
+    ;;
+esac
+
+CRAB_CONTAINERD_DIR=$CRAB_CONTAINERD_HOME/containerd
 CRAB_CONTAINERD_ROOT=$CRAB_CONTAINERD_DIR/root
 CRAB_CONTAINERD_CONFIG=$CRAB_CONTAINERD_DIR/config.toml
 CRAB_CONTAINERD_LOG=$CRAB_CONTAINERD_DIR/containerd.log
-CRAB_RUN_DIR=$CRAB_HOME/run
+CRAB_RUN_DIR=$CRAB_CONTAINERD_HOME/run
 CRAB_CONTAINERD_STATE=$CRAB_RUN_DIR/state
 CRAB_CONTAINERD_PIDFILE=$CRAB_RUN_DIR/containerd.pid
 CRAB_IMAGES_DIR=$CRAB_HOME/images
@@ -33,23 +59,24 @@ die() { log "error: $*"; exit 1; }
 # The socket path. A unix socket path must fit in sun_path (108 bytes incl. the
 # NUL), and containerd derives longer ones from it (the ".ttrpc" socket), so a
 # deep CRAB_HOME falls back to a short directory under /run named after a hash
-# of CRAB_HOME: stable across calls, distinct per checkout.
+# of the instance's home (CRAB_HOME for 2.x): stable across calls, distinct per
+# checkout and per instance.
 crab_socket_dir() {
   local dir=$CRAB_RUN_DIR longest=$CRAB_RUN_DIR/containerd.sock.ttrpc
   if (( ${#longest} >= 104 )); then
-    dir=/run/crab-$(printf '%s' "$CRAB_HOME" | sha256sum | cut -c1-12)
+    dir=/run/crab-$(printf '%s' "$CRAB_CONTAINERD_HOME" | sha256sum | cut -c1-12)
   fi
   printf '%s\n' "$dir"
 }
 CRAB_SOCKET_DIR=$(crab_socket_dir)
 CRAB_CONTAINERD_ADDRESS=$CRAB_SOCKET_DIR/containerd.sock
 
-crab_ctr() { ctr --address "$CRAB_CONTAINERD_ADDRESS" "$@"; }
+crab_ctr() { "$CRAB_CTR_BIN" --address "$CRAB_CONTAINERD_ADDRESS" "$@"; }
 
 # True when the private containerd answers on its socket.
 crab_containerd_answers() {
   [[ -S $CRAB_CONTAINERD_ADDRESS ]] &&
-    timeout 5 ctr --address "$CRAB_CONTAINERD_ADDRESS" version >/dev/null 2>&1
+    timeout 5 "$CRAB_CTR_BIN" --address "$CRAB_CONTAINERD_ADDRESS" version >/dev/null 2>&1
 }
 
 # Mount points at or below each given directory, deepest first, so they can be
