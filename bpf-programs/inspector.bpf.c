@@ -218,33 +218,37 @@ static __always_inline void count_fs(struct counters *c, int class)
 	add(&c->fs_by_class[class]);
 }
 
-/* Inode mode behind an fd of the current task (task->files->fdt->fd[fd]). */
+/*
+ * Inode mode behind an fd of the current task (task->files->fdt->fd[fd]).
+ * The BTF-typed current task makes the walk down to the fd array plain,
+ * fault-safe loads; the file and inode are behind a pointer array, which the
+ * verifier does not type, so they take probe reads.
+ */
 static __always_inline __s64 fd_mode(int fd, unsigned long *magic)
 {
-	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	struct task_struct *task = bpf_get_current_task_btf();
 	struct fdtable *fdt;
 	struct file **fds;
 	struct file *file = NULL;
 	struct inode *inode;
-	unsigned int max_fds;
 	unsigned short mode;
 
 	if (fd < 0)
 		return FD_NONE;
-	fdt = BPF_CORE_READ(task, files, fdt);
-	if (!fdt || bpf_core_read(&max_fds, sizeof(max_fds), &fdt->max_fds))
+	fdt = task->files->fdt;
+	if (!fdt)
 		return FD_UNKNOWN;
-	if ((unsigned int)fd >= max_fds)
+	if ((unsigned int)fd >= fdt->max_fds)
 		return FD_NONE;
-	if (bpf_core_read(&fds, sizeof(fds), &fdt->fd) ||
-	    bpf_probe_read_kernel(&file, sizeof(file), &fds[fd]))
+	fds = fdt->fd;
+	if (bpf_probe_read_kernel(&file, sizeof(file), &fds[fd]))
 		return FD_UNKNOWN;
 	if (!file)
 		return FD_NONE;
 	inode = BPF_CORE_READ(file, f_inode);
 	if (!inode || bpf_core_read(&mode, sizeof(mode), &inode->i_mode))
 		return FD_UNKNOWN;
-	if (magic)
+	if (magic && (mode & S_IFMT) == S_IFREG)
 		*magic = BPF_CORE_READ(inode, i_sb, s_magic);
 	return mode;
 }

@@ -139,6 +139,72 @@ fn main() {
         "unwatch (median): {:?} per cgroup",
         unwatch_times[unwatch_times.len() / 2]
     );
+
+    program_costs(&root, &bench_cg, &extra, iters);
+}
+
+/// Per-program cost measured by the kernel (kernel.bpf_stats_enabled=1 for
+/// the duration: adds two clock reads per run, so only for this phase).
+fn program_costs(root: &Path, cg: &Cgroup, others: &[Cgroup], iters: u64) {
+    const STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
+    let previous = fs::read_to_string(STATS).unwrap_or_else(|_| "0".into());
+    let probes = HostProbes::open_or_load_at(root).expect("loading BPF programs");
+    fs::write(STATS, "1").expect("enabling BPF stats");
+    let mut per_scenario = Vec::new();
+    for step in 0..3 {
+        match step {
+            1 => probes.watch(cg.id).unwrap(),
+            2 => others.iter().for_each(|o| probes.watch(o.id).unwrap()),
+            _ => {}
+        }
+        let before = probes.program_stats().unwrap();
+        run_worker(cg, iters);
+        let after = probes.program_stats().unwrap();
+        per_scenario.push((step, before, after));
+    }
+    let _ = fs::write(STATS, previous.trim());
+    for c in others.iter().chain([cg]) {
+        probes.unwatch(c.id).unwrap();
+    }
+    println!();
+    println!("BPF program cost per run, as measured by the kernel (bpf_stats), host-wide during one worker run:");
+    println!(
+        "{:<18} {:>20} {:>20} {:>20}",
+        "program",
+        "worker unwatched",
+        "watched (1)",
+        format!("watched ({})", others.len() + 1)
+    );
+    let names: Vec<String> = per_scenario[0].1.iter().map(|p| p.name.clone()).collect();
+    for (i, name) in names.iter().enumerate() {
+        let cells: Vec<String> = per_scenario
+            .iter()
+            .map(|(_, before, after)| {
+                let runs = after[i].run_count - before[i].run_count;
+                let ns = after[i].run_time_ns - before[i].run_time_ns;
+                if runs == 0 {
+                    "-".to_string()
+                } else {
+                    format!("{:.0} ns × {runs}", ns as f64 / runs as f64)
+                }
+            })
+            .collect();
+        if cells.iter().any(|c| c != "-") {
+            println!(
+                "{name:<18} {:>20} {:>20} {:>20}",
+                cells[0], cells[1], cells[2]
+            );
+        }
+    }
+    let ids = our_program_ids(&probes);
+    drop(probes);
+    remove_pinned(root).unwrap();
+    while aya::programs::loaded_programs()
+        .flatten()
+        .any(|p| ids.contains(&p.id()))
+    {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 fn pct(value: f64, base: f64) -> f64 {

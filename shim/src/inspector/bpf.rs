@@ -655,14 +655,24 @@ impl HostProbes {
     /// Sum of the kernel's recursion-miss counters of our programs: runs the
     /// kernel skipped, i.e. events nobody counted.
     pub fn recursion_misses(&self) -> Result<u64, BpfError> {
-        let mut total = 0;
-        for fd in &self.programs {
-            total += prog_recursion_misses(fd.as_raw_fd()).map_err(|source| BpfError::Syscall {
-                op: "BPF_OBJ_GET_INFO_BY_FD",
-                source,
-            })?;
-        }
-        Ok(total)
+        Ok(self
+            .program_stats()?
+            .iter()
+            .map(|p| p.recursion_misses)
+            .sum())
+    }
+
+    /// Kernel statistics of every inspector program (diagnostics, benchmarks).
+    pub fn program_stats(&self) -> Result<Vec<ProgramStats>, BpfError> {
+        self.programs
+            .iter()
+            .map(|fd| {
+                prog_stats(fd.as_raw_fd()).map_err(|source| BpfError::Syscall {
+                    op: "BPF_OBJ_GET_INFO_BY_FD",
+                    source,
+                })
+            })
+            .collect()
     }
 
     /// Entries currently in the per-process and per-open maps that belong to
@@ -1229,9 +1239,25 @@ fn bpf_obj_get(path: &Path) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
-/// `recursion_misses` of `struct bpf_prog_info` (offset 208, since 5.12).
-fn prog_recursion_misses(prog_fd: RawFd) -> io::Result<u64> {
+/// Kernel statistics of one inspector program (`struct bpf_prog_info`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProgramStats {
+    pub name: String,
+    /// Runs and total run time: only counted while the host's
+    /// `kernel.bpf_stats_enabled` sysctl is 1 (it costs a clock read per run).
+    pub run_count: u64,
+    pub run_time_ns: u64,
+    /// Runs the kernel skipped (recursion protection): events not counted.
+    pub recursion_misses: u64,
+}
+
+fn prog_stats(prog_fd: RawFd) -> io::Result<ProgramStats> {
+    // Offsets in struct bpf_prog_info (uapi, append-only; the last three
+    // since 5.12).
     const INFO_LEN: usize = 232;
+    const NAME: usize = 64;
+    const RUN_TIME_NS: usize = 192;
+    const RUN_CNT: usize = 200;
     const RECURSION_MISSES: usize = 208;
     #[repr(C, align(8))]
     struct Info([u8; INFO_LEN]);
@@ -1259,10 +1285,16 @@ fn prog_recursion_misses(prog_fd: RawFd) -> io::Result<u64> {
     if ret < 0 {
         return Err(io::Error::last_os_error());
     }
-    let bytes: [u8; 8] = info.0[RECURSION_MISSES..RECURSION_MISSES + 8]
-        .try_into()
-        .expect("8 bytes");
-    Ok(u64::from_ne_bytes(bytes))
+    let u64_at =
+        |offset: usize| u64::from_ne_bytes(info.0[offset..offset + 8].try_into().expect("8 bytes"));
+    let name = &info.0[NAME..NAME + 16];
+    let name_len = name.iter().position(|b| *b == 0).unwrap_or(name.len());
+    Ok(ProgramStats {
+        name: String::from_utf8_lossy(&name[..name_len]).into_owned(),
+        run_count: u64_at(RUN_CNT),
+        run_time_ns: u64_at(RUN_TIME_NS),
+        recursion_misses: u64_at(RECURSION_MISSES),
+    })
 }
 
 #[cfg(test)]
