@@ -1487,6 +1487,12 @@ mod tests {
     }
 
     #[test]
+    fn host_probes_can_be_shared_between_threads() {
+        fn check<T: Send + Sync>() {}
+        check::<HostProbes>();
+    }
+
+    #[test]
     fn parses_cpu_lists() {
         assert_eq!(parse_cpu_list("0-1\n"), vec![0, 1]);
         assert_eq!(parse_cpu_list("0,2-4,7"), vec![0, 2, 3, 4, 7]);
@@ -1576,6 +1582,15 @@ mod tests {
         let first = HostProbes::open_or_load_at(&root.0).unwrap();
         let load_time = started.elapsed();
         assert!(first.loaded_here());
+        let stats = first.program_stats().unwrap();
+        let names: Vec<String> = program_names()
+            .map(|n| n.chars().take(15).collect())
+            .collect();
+        assert_eq!(
+            stats.iter().map(|p| p.name.clone()).collect::<Vec<_>>(),
+            names
+        );
+        assert_eq!(first.recursion_misses().unwrap(), 0);
         let ids = pinned_program_ids(first.pin_dir());
         assert_eq!(ids.len(), n_progs);
         assert_eq!(links_to(&ids), n_links);
