@@ -1857,6 +1857,19 @@ mod tests {
         );
         drop(nested);
 
+        for (name, c) in [
+            ("read-only", &read_only),
+            ("write", &write),
+            ("append", &append),
+            ("tree ops", &tree),
+            ("mmap shared rw", &shared_rw),
+            ("mprotect shared", &shared_upgrade),
+            ("mprotect private", &private_upgrade),
+            ("unix sockets", &sockets),
+            ("child cgroup", &via_child),
+        ] {
+            eprintln!("{name}: {}", explain(c));
+        }
         let all = probes.counters(cg.id).unwrap();
         assert_eq!(all.errors, 0, "{}", explain(&all));
         probes.unwatch(cg.id).unwrap();
