@@ -1346,6 +1346,7 @@ mod tests {
                 std::process::id()
             ));
             remove_pinned(&root).unwrap();
+            remove_leftovers_of_dead_runs();
             TestRoot(root)
         }
     }
@@ -1370,6 +1371,32 @@ mod tests {
                     .any(|p| ids.contains(&p.id()))
             {
                 std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+
+    /// A killed test run leaves its pins (programs stay attached) and
+    /// cgroups behind: remove those whose process is gone.
+    fn remove_leftovers_of_dead_runs() {
+        let dead = |name: &str, prefix: &str| {
+            name.strip_prefix(prefix)
+                .and_then(|rest| rest.split('-').next())
+                .and_then(|pid| pid.parse::<u32>().ok())
+                .is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists())
+        };
+        for entry in fs::read_dir(BPFFS_MOUNT).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if dead(&name, "crab-test-") || dead(&name, "crab-bench-") {
+                let _ = remove_pinned(&entry.path());
+            }
+        }
+        if let Ok((mount, _)) = cgroup2_mount() {
+            for entry in fs::read_dir(mount).into_iter().flatten().flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if dead(&name, "crab-bpf-test-") || dead(&name, "crab-bpf-bench-") {
+                    let _ = fs::remove_dir(entry.path().join("nested"));
+                    let _ = fs::remove_dir(entry.path());
+                }
             }
         }
     }
