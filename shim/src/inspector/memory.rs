@@ -1871,5 +1871,19 @@ while True:
                 libc::waitpid(pid as i32, std::ptr::null_mut(), 0);
             }
         }
+        let py = Py::spawn();
+        let imgs: Vec<MemoryImage> = (0..3).map(|_| capture(py.pid()).unwrap()).collect();
+        let best = imgs.iter().map(|i| i.stats.elapsed).min().unwrap();
+        let t = Instant::now();
+        let d = compare(&imgs[0], &imgs[1]);
+        eprintln!(
+            "| idle python3 ({} MB read, {} regions) | | {:.1} ms | {:.2} ms | {} |",
+            imgs[0].stats.pages_read * page_size() >> 20,
+            imgs[0].regions.len(),
+            best.as_secs_f64() * 1e3,
+            t.elapsed().as_secs_f64() * 1e3,
+            imgs[0].stats.pages_read
+        );
+        assert!(d.is_empty(), "{d}");
     }
 }
