@@ -41,7 +41,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray};
+use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, MapInfo, PerCpuArray};
 use aya::programs::links::FdLink;
 use aya::programs::{BtfTracePoint, ProgramError, TracePoint};
 use aya::{Btf, Ebpf, EbpfLoader, Pod};
@@ -438,7 +438,36 @@ struct RawPendingOpen {
 // SAFETY: as above.
 unsafe impl Pod for RawPendingOpen {}
 
+impl Maps {
+    fn program_stats(&self) -> Result<Vec<ProgramStats>, BpfError> {
+        self.programs
+            .iter()
+            .map(|fd| {
+                prog_stats(fd.as_raw_fd()).map_err(|source| BpfError::Syscall {
+                    op: "BPF_OBJ_GET_INFO_BY_FD",
+                    source,
+                })
+            })
+            .collect()
+    }
+
+    fn recursion_misses(&self) -> Result<u64, BpfError> {
+        Ok(self
+            .program_stats()?
+            .iter()
+            .map(|p| p.recursion_misses)
+            .sum())
+    }
+}
+
+/// One version's pins, opened. Behind a mutex: aya's maps want `&mut` to
+/// write, and [`HostProbes::watch`] may swap in a fresh set (see there).
 struct Maps {
+    dir: PathBuf,
+    /// Kernel id of `watched`: tells whether `dir` still holds our maps.
+    watched_id: u32,
+    /// Pinned programs, to read their statistics (recursion misses).
+    programs: Vec<OwnedFd>,
     watched: BpfHashMap<MapData, u64, RawCounters>,
     levels: Array<MapData, u64>,
     runs: BpfHashMap<MapData, u32, RawRun>,
@@ -448,17 +477,15 @@ struct Maps {
 
 /// Handle on the host-wide inspector programs (maps opened from bpffs).
 pub struct HostProbes {
-    dir: PathBuf,
+    root: PathBuf,
     maps: Mutex<Maps>,
-    /// Pinned programs, to read their recursion-miss counters.
-    programs: Vec<OwnedFd>,
     loaded_here: bool,
 }
 
 impl std::fmt::Debug for HostProbes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostProbes")
-            .field("dir", &self.dir)
+            .field("root", &self.root)
             .finish_non_exhaustive()
     }
 }
@@ -485,18 +512,29 @@ impl HostProbes {
         }
         // bpffs refuses names with dots: none below.
         let dir = root.join(version_dir_name());
-        let mut loaded_here = false;
-        if !dir.exists() {
-            let _lock = DirLock::exclusive(root)?;
-            // Another shim may have published while we waited for the lock.
-            if !dir.exists() {
-                load_and_pin(root, &dir)?;
-                loaded_here = true;
+        if dir.exists() {
+            // Fast path, no lock. It fails only if the pins go away meanwhile
+            // (collect_stale_versions); then take the slow path.
+            if let Ok(maps) = open_pinned(&dir) {
+                return Ok(HostProbes::new(root, maps, false));
             }
         }
-        let mut probes = Self::open_pinned(&dir)?;
-        probes.loaded_here = loaded_here;
-        Ok(probes)
+        let _lock = DirLock::exclusive(root)?;
+        // Another shim may have published while we waited for the lock.
+        let loaded_here = !dir.exists();
+        if loaded_here {
+            load_and_pin(root, &dir)?;
+            collect_stale_versions_locked(root);
+        }
+        Ok(HostProbes::new(root, open_pinned(&dir)?, loaded_here))
+    }
+
+    fn new(root: &Path, maps: Maps, loaded_here: bool) -> HostProbes {
+        HostProbes {
+            root: root.to_path_buf(),
+            maps: Mutex::new(maps),
+            loaded_here,
+        }
     }
 
     /// Whether this call loaded and attached the programs (first on the host)
@@ -506,37 +544,8 @@ impl HostProbes {
     }
 
     /// The directory holding this version's pins.
-    pub fn pin_dir(&self) -> &Path {
-        &self.dir
-    }
-
-    fn open_pinned(dir: &Path) -> Result<HostProbes, BpfError> {
-        check_links(dir)?;
-        let open = |name: &'static str| -> Result<Map, BpfError> {
-            let path = dir.join("maps").join(name);
-            let data = MapData::from_pin(&path).map_err(map_err(name))?;
-            Map::from_map_data(data).map_err(map_err(name))
-        };
-        let maps = Maps {
-            watched: BpfHashMap::try_from(open("watched")?).map_err(map_err("watched"))?,
-            levels: Array::try_from(open("levels")?).map_err(map_err("levels"))?,
-            runs: BpfHashMap::try_from(open("runs")?).map_err(map_err("runs"))?,
-            oncpu: PerCpuArray::try_from(open("oncpu")?).map_err(map_err("oncpu"))?,
-            pending: BpfHashMap::try_from(open("pending_open")?)
-                .map_err(map_err("pending_open"))?,
-        };
-        let mut programs = Vec::new();
-        for name in program_names() {
-            let path = dir.join("progs").join(name);
-            programs.push(bpf_obj_get(&path).map_err(io_err("opening pinned program", &path))?);
-        }
-        debug!("inspector: opened pinned BPF programs at {}", dir.display());
-        Ok(HostProbes {
-            dir: dir.to_path_buf(),
-            maps: Mutex::new(maps),
-            programs,
-            loaded_here: false,
-        })
+    pub fn pin_dir(&self) -> PathBuf {
+        self.maps().dir.clone()
     }
 
     fn maps(&self) -> std::sync::MutexGuard<'_, Maps> {
@@ -554,22 +563,44 @@ impl HostProbes {
                 level,
             });
         }
-        let misses_base = self.recursion_misses()?;
         let mut maps = self.maps();
-        // The level bit goes in first so that tasks of child cgroups are
-        // matched from the moment the entry exists.
-        let mask = watched_levels(&maps)? | (1 << level);
-        maps.levels.set(0, mask, 0).map_err(map_err("levels"))?;
-        let value = RawCounters {
-            level,
-            misses_base,
-            ..Default::default()
-        };
-        maps.watched
-            .insert(cgroup_id, value, 0)
-            .map_err(map_err("watched"))?;
-        info!("inspector: watching cgroup {cgroup_id} (level {level})");
-        Ok(())
+        for _ in 0..3 {
+            let misses_base = maps.recursion_misses()?;
+            // The level bit goes in first so that tasks of child cgroups are
+            // matched from the moment the entry exists.
+            let mask = watched_levels(&maps)? | (1 << level);
+            maps.levels.set(0, mask, 0).map_err(map_err("levels"))?;
+            let value = RawCounters {
+                level,
+                misses_base,
+                ..Default::default()
+            };
+            maps.watched
+                .insert(cgroup_id, value, 0)
+                .map_err(map_err("watched"))?;
+            // A newer shim may have retired these pins while nothing was
+            // watched through them (collect_stale_versions: it renames the
+            // directory, then checks `watched` is still empty), and the
+            // directory may even hold a fresh load by now. Checked after the
+            // insert, so one of the two sees the other.
+            if pinned_map_id(&maps.dir).ok() == Some(maps.watched_id) {
+                info!("inspector: watching cgroup {cgroup_id} (level {level})");
+                return Ok(());
+            }
+            warn!(
+                "inspector: pins {} were retired; opening or loading them again",
+                maps.dir.display()
+            );
+            let _ = maps.watched.remove(&cgroup_id);
+            *maps = HostProbes::open_or_load_at(&self.root)?
+                .maps
+                .into_inner()
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        Err(BpfError::Incomplete {
+            path: maps.dir.clone(),
+            detail: "pins keep disappearing".into(),
+        })
     }
 
     /// Stops counting for a cgroup and removes every entry that belongs to it
@@ -655,24 +686,12 @@ impl HostProbes {
     /// Sum of the kernel's recursion-miss counters of our programs: runs the
     /// kernel skipped, i.e. events nobody counted.
     pub fn recursion_misses(&self) -> Result<u64, BpfError> {
-        Ok(self
-            .program_stats()?
-            .iter()
-            .map(|p| p.recursion_misses)
-            .sum())
+        self.maps().recursion_misses()
     }
 
     /// Kernel statistics of every inspector program (diagnostics, benchmarks).
     pub fn program_stats(&self) -> Result<Vec<ProgramStats>, BpfError> {
-        self.programs
-            .iter()
-            .map(|fd| {
-                prog_stats(fd.as_raw_fd()).map_err(|source| BpfError::Syscall {
-                    op: "BPF_OBJ_GET_INFO_BY_FD",
-                    source,
-                })
-            })
-            .collect()
+        self.maps().program_stats()
     }
 
     /// Entries currently in the per-process and per-open maps that belong to
@@ -681,6 +700,38 @@ impl HostProbes {
         let maps = self.maps();
         Ok(runs_of(&maps, cgroup_id)?.len() + pending_of(&maps, cgroup_id)?.len())
     }
+}
+
+fn open_pinned(dir: &Path) -> Result<Maps, BpfError> {
+    check_links(dir)?;
+    let open = |name: &'static str| -> Result<Map, BpfError> {
+        let path = dir.join("maps").join(name);
+        let data = MapData::from_pin(&path).map_err(map_err(name))?;
+        Map::from_map_data(data).map_err(map_err(name))
+    };
+    let watched_id = pinned_map_id(dir).map_err(map_err("watched"))?;
+    let mut maps = Maps {
+        dir: dir.to_path_buf(),
+        watched_id,
+        programs: Vec::new(),
+        watched: BpfHashMap::try_from(open("watched")?).map_err(map_err("watched"))?,
+        levels: Array::try_from(open("levels")?).map_err(map_err("levels"))?,
+        runs: BpfHashMap::try_from(open("runs")?).map_err(map_err("runs"))?,
+        oncpu: PerCpuArray::try_from(open("oncpu")?).map_err(map_err("oncpu"))?,
+        pending: BpfHashMap::try_from(open("pending_open")?).map_err(map_err("pending_open"))?,
+    };
+    for name in program_names() {
+        let path = dir.join("progs").join(name);
+        maps.programs
+            .push(bpf_obj_get(&path).map_err(io_err("opening pinned program", &path))?);
+    }
+    debug!("inspector: opened pinned BPF programs at {}", dir.display());
+    Ok(maps)
+}
+
+/// Kernel id of the `watched` map pinned in a version directory.
+fn pinned_map_id(dir: &Path) -> Result<u32, MapError> {
+    Ok(MapInfo::from_pin(dir.join("maps").join("watched"))?.id())
 }
 
 /// Unpins everything under `root` (all versions): programs detach once no
@@ -697,6 +748,85 @@ pub fn remove_pinned(root: &Path) -> Result<(), BpfError> {
             source: e,
         }),
     }
+}
+
+/// Unpins the other versions under `root` that nothing is watched through
+/// (left by shims of older builds): attached, they cost every syscall on the
+/// host for nothing. Caller holds the root lock.
+fn collect_stale_versions_locked(root: &Path) {
+    let current = version_dir_name();
+    let Ok(entries) = fs::read_dir(root) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let dir = entry.path();
+        if name == current || !(name.starts_with('v') || name.starts_with("retired-")) {
+            continue;
+        }
+        if version_in_use(&dir) {
+            debug!(
+                "inspector: keeping {} (cgroups watched through it)",
+                dir.display()
+            );
+            continue;
+        }
+        // Parked under another name first: a shim of that version that
+        // watches from now on finds its pins gone (HostProbes::watch checks
+        // after inserting) and one that inserted before shows up in the
+        // second check.
+        let parked = if name.starts_with("retired-") {
+            dir.clone()
+        } else {
+            root.join(format!("retired-{name}"))
+        };
+        if fs::rename(&dir, &parked).is_err() {
+            continue;
+        }
+        if version_in_use(&parked) {
+            let _ = fs::rename(&parked, &dir);
+            continue;
+        }
+        info!("inspector: removing unused BPF programs {}", dir.display());
+        if let Err(e) = fs::remove_dir_all(&parked) {
+            warn!("inspector: removing {}: {e}", parked.display());
+        }
+    }
+}
+
+/// Does the `watched` map of a version directory have any entry? Anything
+/// unreadable counts as in use.
+fn version_in_use(dir: &Path) -> bool {
+    const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+    #[repr(C)]
+    struct NextKeyAttr {
+        map_fd: u32,
+        _pad: u32,
+        key: u64,
+        next_key: u64,
+        flags: u64,
+    }
+    let Ok(fd) = bpf_obj_get(&dir.join("maps").join("watched")) else {
+        return true;
+    };
+    let mut next = [0u8; 64];
+    let attr = NextKeyAttr {
+        map_fd: fd.as_raw_fd() as u32,
+        _pad: 0,
+        key: 0, // NULL: the first key
+        next_key: next.as_mut_ptr() as u64,
+        flags: 0,
+    };
+    // SAFETY: attr is a valid bpf_attr prefix; next has room for any key.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_GET_NEXT_KEY,
+            &attr as *const NextKeyAttr,
+            std::mem::size_of::<NextKeyAttr>(),
+        )
+    };
+    !(ret < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ENOENT))
 }
 
 /// Name of the version directory under the pin root.
@@ -1618,7 +1748,7 @@ mod tests {
             names
         );
         assert_eq!(first.recursion_misses().unwrap(), 0);
-        let ids = pinned_program_ids(first.pin_dir());
+        let ids = pinned_program_ids(&first.pin_dir());
         assert_eq!(ids.len(), n_progs);
         assert_eq!(links_to(&ids), n_links);
 
@@ -1627,7 +1757,7 @@ mod tests {
         let open_time = started.elapsed();
         assert!(!second.loaded_here());
         assert_eq!(second.pin_dir(), first.pin_dir());
-        assert_eq!(pinned_program_ids(second.pin_dir()), ids);
+        assert_eq!(pinned_program_ids(&second.pin_dir()), ids);
         drop((first, second));
         // Pins alone keep everything attached after our handles are gone,
         // and opening did not attach anything more.
@@ -1712,6 +1842,63 @@ mod tests {
         );
     }
 
+    /// Pins of other builds: removed when nothing is watched through them,
+    /// kept otherwise; a handle whose pins were retired recovers on watch.
+    #[test]
+    fn retires_unused_versions() {
+        let _serial = serial();
+        let root = TestRoot::new("gc");
+        let current = root.0.join(version_dir_name());
+        let n_links = expected_links().unwrap().len();
+
+        let stale = HostProbes::open_or_load_at(&root.0).unwrap();
+        let in_use = root.0.join("v0-inuse");
+        fs::rename(&current, &in_use).unwrap();
+        let in_use_ids = pinned_program_ids(&in_use);
+        open_pinned(&in_use)
+            .unwrap()
+            .watched
+            .insert(12345, RawCounters::default(), 0)
+            .unwrap();
+
+        let second = HostProbes::open_or_load_at(&root.0).unwrap();
+        assert!(second.loaded_here());
+        assert!(
+            in_use.exists(),
+            "a version with watched cgroups was removed"
+        );
+        let unused = root.0.join("v0-unused");
+        fs::rename(&current, &unused).unwrap();
+        let unused_ids = pinned_program_ids(&unused);
+
+        let third = HostProbes::open_or_load_at(&root.0).unwrap();
+        assert!(third.loaded_here());
+        assert!(!unused.exists(), "an unused version was kept");
+        assert!(in_use.exists());
+        assert_eq!(links_to(&unused_ids), 0);
+        assert_eq!(links_to(&in_use_ids), n_links);
+        assert_eq!(fs::read_dir(&root.0).unwrap().count(), 2);
+
+        // `stale` and `second` hold maps whose pins moved or went: watching
+        // through them reopens the current pins, and counting works.
+        let cg = TestCgroup::new("gc");
+        for probes in [&stale, &second] {
+            probes.watch(cg.id).unwrap();
+            assert_eq!(probes.pin_dir(), current);
+            let c = delta(probes, &cg, || {
+                cg.run("mkdir -p /tmp/crab-bpf-gc-test && rmdir /tmp/crab-bpf-gc-test");
+            });
+            assert_eq!(class(&c, FsClass::Rmdir), 1, "{}", explain(&c));
+            assert_eq!(
+                third.counters(cg.id).unwrap(),
+                probes.counters(cg.id).unwrap()
+            );
+            probes.unwatch(cg.id).unwrap();
+        }
+        assert_eq!(links_to(&pinned_program_ids(&current)), n_links);
+        assert_eq!(fs::read_dir(&root.0).unwrap().count(), 2);
+    }
+
     /// Helper for `loads_once_and_reuses_pins`, run in a child process.
     #[test]
     #[ignore = "run by loads_once_and_reuses_pins in a child process"]
@@ -1725,7 +1912,7 @@ mod tests {
         println!(
             "child opened {}{:?}",
             if probes.loaded_here() { "loaded " } else { "" },
-            pinned_program_ids(probes.pin_dir())
+            pinned_program_ids(&probes.pin_dir())
         );
     }
 
