@@ -7,7 +7,8 @@
 //! atomic rename while holding `flock` on the pin root. The pinned links keep
 //! the programs attached after that shim exits; every later shim only opens the
 //! pinned maps. `<version>` is `v<ABI_VERSION>-<hash of the BPF object>`, so a
-//! shim never talks to programs other than the ones it was built with.
+//! shim never talks to programs other than the ones it was built with; the
+//! shim that loads a new version retires older ones nothing watches through.
 //!
 //! A shim registers its container by cgroup id ([`cgroup_id`] of the
 //! container's cgroup2 directory) with [`HostProbes::watch`] and removes it
