@@ -16,10 +16,12 @@ use crate::{
     bundle,
     error::{Error, Result},
     oom,
+    inspector::{Answer, Inspection},
     process::{ExitInfo, Process, Snapshot, Status},
     reaper::ExitSubscription,
     runc::Runc,
     stdio::{PreparedIo, StdioSpec},
+    turns,
 };
 
 /// How long an exit waits for the process's output to be copied out before it is published.
@@ -51,6 +53,10 @@ pub struct Container {
     /// Serialises lifecycle changes of the container (start, pause, resume, update, delete).
     lifecycle: tokio::sync::Mutex<()>,
     _oom: Mutex<Option<oom::OomWatcher>>,
+    /// What the container's turns left behind; `None` when not inspected (disabled by
+    /// config, or a pod's pause container).
+    inspection: tokio::sync::Mutex<Option<Inspection>>,
+    state_dir: PathBuf,
 }
 
 impl Container {
@@ -203,6 +209,12 @@ impl Containers {
                 return Err(e);
             }
         };
+        let inspection = if config.checkpoint.enabled && turns::is_inspected(&spec) {
+            let (id, rootfs) = (p.id.clone(), p.rootfs.clone());
+            tokio::task::spawn_blocking(move || turns::start_inspection(&id, pid, &rootfs)).await.ok()
+        } else {
+            None
+        };
         let init = Arc::new(Process::new(String::new(), p.stdio.clone(), None));
         init.set_pid(pid);
         init.set_io(io).await;
@@ -218,6 +230,8 @@ impl Containers {
             init_exit_pending: Mutex::new(None),
             lifecycle: tokio::sync::Mutex::new(()),
             _oom: Mutex::new(None),
+            inspection: tokio::sync::Mutex::new(inspection),
+            state_dir: config.store.state_dir.clone(),
         });
         self.pids.lock().unwrap().owners.insert(pid, (p.id.clone(), String::new()));
         self.map.lock().unwrap().insert(p.id.clone(), container.clone());
@@ -286,6 +300,13 @@ impl Containers {
             c.runc.start(id).await?;
             c.init.transition(&[Status::Created], Status::Running)?;
             let pid = c.init.pid();
+            // The base every turn is compared with, taken before any exec can change things
+            // but after `runc init` has become the container's own program.
+            self.with_inspection(&c, move |i| {
+                wait_for_exec(pid, std::time::Duration::from_secs(2));
+                i.mark_base();
+            })
+            .await;
             self.publish(
                 topics::TASK_START_EVENT_TOPIC,
                 Box::new(ev::TaskStart { container_id: id.into(), pid, ..Default::default() }),
@@ -533,6 +554,8 @@ impl Containers {
             p.close_io().await;
         }
         c._oom.lock().unwrap().take();
+        // Dropping the inspection unregisters the cgroup from the host probes.
+        c.inspection.lock().await.take();
         if c.rootfs_mounted {
             bundle::unmount_rootfs(&c.bundle);
         }
@@ -600,6 +623,7 @@ impl Containers {
     /// Applies new resources (JSON `LinuxResources`, if any) and keeps the annotations.
     pub async fn update(&self, id: &str, resources: Option<Vec<u8>>, annotations: HashMap<String, String>) -> Result<()> {
         let c = self.get(id)?;
+        let turn_end = turns::requested_turn_end(&annotations)?;
         let _guard = c.lifecycle.lock().await;
         if let Some(json) = resources.filter(|r| !r.is_empty()) {
             serde_json::from_slice::<oci_spec::runtime::LinuxResources>(&json)
@@ -611,10 +635,45 @@ impl Containers {
             result?;
         }
         if !annotations.is_empty() {
-            log::info!("container {id}: annotations {annotations:?}");
+            log::debug!("container {id}: annotations {annotations:?}");
             c.annotations.lock().unwrap().extend(annotations);
         }
+        if let Some(turn_id) = turn_end {
+            self.end_turn(&c, &turn_id).await?;
+        }
         Ok(())
+    }
+
+    /// Runs `f` on the container's inspection off the async runtime (it reads /proc,
+    /// the upperdir and process memory).
+    async fn with_inspection<T: Send + 'static>(
+        &self,
+        c: &Container,
+        f: impl FnOnce(&mut Inspection) -> T + Send + 'static,
+    ) -> Option<T> {
+        let mut slot = c.inspection.lock().await;
+        let mut inspection = slot.take()?;
+        let (inspection, out) = tokio::task::spawn_blocking(move || {
+            let out = f(&mut inspection);
+            (inspection, out)
+        })
+        .await
+        .ok()?;
+        *slot = Some(inspection);
+        Some(out)
+    }
+
+    async fn end_turn(&self, c: &Container, turn_id: &str) -> Result<Answer> {
+        let answer = self.with_inspection(c, |i| i.turn_end()).await.ok_or_else(|| {
+            Error::FailedPrecondition(format!(
+                "container {} is not inspected (turn ends are disabled by [checkpoint] enabled = false, or it is a pod's pause container)",
+                c.id
+            ))
+        })?;
+        let dir = turns::turns_dir(&c.state_dir, &self.namespace, &c.id);
+        let path = turns::store_answer(&dir, turn_id, &answer)?;
+        log::debug!("turn {turn_id} of {}: answer stored in {}", c.id, path.display());
+        Ok(answer)
     }
 
     pub fn init_pid(&self, id: &str) -> Result<u32> {
@@ -628,5 +687,23 @@ impl Containers {
             return true;
         }
         false
+    }
+}
+
+/// Waits (bounded) until `pid` no longer runs `runc init`: `runc start` returns once it has
+/// released the init, which then execs the container's program on its own schedule.
+fn wait_for_exec(pid: u32, bound: std::time::Duration) {
+    let deadline = std::time::Instant::now() + bound;
+    loop {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let mut args = cmdline.split(|b| *b == 0);
+        let is_runc_init = args.next().is_some_and(|a| a.ends_with(b"runc")) && args.next() == Some(b"init");
+        if !is_runc_init || std::time::Instant::now() >= deadline {
+            if is_runc_init {
+                log::warn!("pid {pid} still runs `runc init` {bound:?} after start");
+            }
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }

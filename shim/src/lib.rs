@@ -17,3 +17,4 @@ pub mod reaper;
 pub mod runc;
 pub mod service;
 pub mod stdio;
+pub mod turns;

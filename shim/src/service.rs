@@ -66,6 +66,13 @@ impl containerd_shim::Shim for Service {
             .ok()
             .and_then(|spec| bundle::annotation(&spec, &GROUP_ANNOTATIONS).map(str::to_owned))
             .unwrap_or_else(|| opts.id.clone());
+        // containerd writes the runtime options to the start command's stdin, and the
+        // framework's spawn() parses whatever it finds there as *runc's* options (field 3 of
+        // which is `shim_cgroup`): crab's options (`runtimeoptions.v1.Options`, whose field 3 is
+        // the inline config) would be taken for a cgroup path. Consume them first; crab reads
+        // its options from the Create request instead.
+        let mut options = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut options);
         let address = containerd_shim::spawn(opts, &grouping, Vec::new()).await?;
         std::fs::write("address", &address)
             .map_err(|e| containerd_shim::Error::Other(format!("cannot write address file: {e}")))?;

@@ -1,6 +1,518 @@
 //! The inspector: what did a container's turn leave behind since the last mark?
+//!
+//! Kernel events (eBPF, [`bpf`]) say cheaply *whether* anything that could matter happened
+//! (a mutating file syscall, a fork/exec/exit, a process being scheduled); user space then
+//! computes the exact *net* effect only where something happened: the overlay upperdir
+//! against the manifest of the mark ([`fs`]), the live processes against those of the mark
+//! ([`procs`]), and the memory of processes that ran against their image at the mark
+//! ([`memory`]). Anything the inspector cannot observe makes the answer "everything
+//! changed" ([`Kind::Full`]), said loudly: it never skips state silently.
 
 pub mod bpf;
 pub mod fs;
 pub mod memory;
 pub mod procs;
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Instant,
+};
+
+use std::os::unix::ffi::OsStrExt;
+
+use serde::Serialize;
+
+use self::{
+    bpf::{CgroupCounters, HostProbes},
+    fs::{FsDiff, Manifest},
+    memory::MemoryImage,
+    procs::ProcInfo,
+};
+
+/// The smallest checkpoint that preserves what a turn left behind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    None,
+    Fs,
+    Proc,
+    Full,
+}
+
+impl Kind {
+    fn from_parts(fs: bool, proc: bool) -> Kind {
+        match (fs, proc) {
+            (false, false) => Kind::None,
+            (true, false) => Kind::Fs,
+            (false, true) => Kind::Proc,
+            (true, true) => Kind::Full,
+        }
+    }
+}
+
+/// What the inspector watches in one container.
+#[derive(Debug, Clone)]
+pub struct Target {
+    pub container_id: String,
+    /// The container's cgroup2 directory (its inode is the cgroup id BPF filters on).
+    pub cgroup2_dir: PathBuf,
+    /// The overlay upperdir and lowerdirs (top first), when the rootfs is an overlay.
+    pub upperdir: Option<PathBuf>,
+    pub lowerdirs: Vec<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ProcSummary {
+    pub pid: u32,
+    pub cmdline: String,
+}
+
+impl From<&ProcInfo> for ProcSummary {
+    fn from(p: &ProcInfo) -> Self {
+        let cmdline = if p.cmdline.is_empty() { format!("[{}]", p.comm) } else { p.cmdline.join(" ") };
+        ProcSummary { pid: p.pid, cmdline }
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FsFinding {
+    pub changed: bool,
+    /// Whether the upperdir was compared at all (not when no mutating syscall happened).
+    pub scanned: bool,
+    /// Mutating syscalls seen since the mark, by class.
+    pub syscalls: BTreeMap<String, u64>,
+    pub added: Vec<PathBuf>,
+    pub modified: Vec<PathBuf>,
+    pub deleted: Vec<PathBuf>,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct MemoryFinding {
+    pub pid: u32,
+    pub cmdline: String,
+    pub changed_pages: u64,
+    pub added_pages: u64,
+    pub removed_pages: u64,
+    pub scanned_pages: u64,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ProcFinding {
+    pub changed: bool,
+    pub started: Vec<ProcSummary>,
+    pub ended: Vec<ProcSummary>,
+    /// Persisting processes whose executable image changed (exec without fork).
+    pub reexeced: Vec<ProcSummary>,
+    /// Persisting processes that hold a file this turn changed (open or mapped).
+    pub held_changed: Vec<(u32, PathBuf)>,
+    /// Persisting processes that ran, with their memory comparison.
+    pub memory: Vec<MemoryFinding>,
+    /// Persisting processes that did not run since the mark (memory unchanged, exactly).
+    pub idle: Vec<u32>,
+    pub forks: u64,
+    pub execs: u64,
+    pub exits: u64,
+}
+
+/// The inspector's answer for one turn, with the why.
+#[derive(Debug, Clone, Serialize)]
+pub struct Answer {
+    pub container_id: String,
+    pub seq: u64,
+    pub kind: Kind,
+    pub fs: FsFinding,
+    pub procs: ProcFinding,
+    /// Why the inspector could not observe the turn (then `kind` is `full`).
+    pub degraded: Vec<String>,
+    pub elapsed_us: u64,
+}
+
+impl Answer {
+    /// One line for logs.
+    pub fn summary(&self) -> String {
+        let mut why = Vec::new();
+        if !self.degraded.is_empty() {
+            why.push(format!("DEGRADED: {}", self.degraded.join("; ")));
+        }
+        if self.fs.changed {
+            why.push(format!(
+                "fs: +{} ~{} -{} (e.g. {})",
+                self.fs.added.len(),
+                self.fs.modified.len(),
+                self.fs.deleted.len(),
+                self.fs.added.iter().chain(&self.fs.modified).chain(&self.fs.deleted).next().map(|p| p.display().to_string()).unwrap_or_default()
+            ));
+        } else if !self.fs.scanned {
+            why.push("fs: no mutating syscall".into());
+        } else {
+            why.push(format!("fs: {} mutating syscalls, no net change", self.fs.syscalls.values().sum::<u64>()));
+        }
+        let p = &self.procs;
+        if p.changed {
+            let mut parts = Vec::new();
+            if !p.started.is_empty() {
+                parts.push(format!("started {}", p.started.iter().map(|s| format!("{} ({})", s.pid, s.cmdline)).collect::<Vec<_>>().join(", ")));
+            }
+            if !p.ended.is_empty() {
+                parts.push(format!("ended {}", p.ended.iter().map(|s| s.pid.to_string()).collect::<Vec<_>>().join(", ")));
+            }
+            if !p.reexeced.is_empty() {
+                parts.push(format!("re-exec'd {}", p.reexeced.iter().map(|s| s.pid.to_string()).collect::<Vec<_>>().join(", ")));
+            }
+            for m in p.memory.iter().filter(|m| m.changed_pages + m.added_pages + m.removed_pages > 0) {
+                parts.push(format!("pid {} memory {} pages changed", m.pid, m.changed_pages + m.added_pages + m.removed_pages));
+            }
+            for (pid, path) in &p.held_changed {
+                parts.push(format!("pid {pid} holds changed {}", path.display()));
+            }
+            why.push(format!("proc: {}", parts.join("; ")));
+        } else {
+            why.push(format!("proc: unchanged ({} idle, {} ran without change)", p.idle.len(), p.memory.len()));
+        }
+        format!("turn {} of {}: {:?} in {} us; {}", self.seq, self.container_id, self.kind, self.elapsed_us, why.join("; "))
+    }
+}
+
+/// The state a turn is compared against.
+struct Mark {
+    counters: CgroupCounters,
+    manifest: Manifest,
+    processes: Vec<ProcInfo>,
+    run_counts: HashMap<u32, u64>,
+    memory: HashMap<u32, MemoryImage>,
+}
+
+/// Watches one container: holds its last mark and answers turn ends.
+pub struct Inspection {
+    target: Target,
+    probes: Option<Arc<HostProbes>>,
+    cgroup_id: Option<u64>,
+    mark: Option<Mark>,
+    seq: u64,
+    /// Why observation is impossible for this container (BPF unavailable, ...).
+    blind: Option<String>,
+}
+
+impl Inspection {
+    /// Starts watching: registers the container's cgroup with the host probes. A failure
+    /// does not fail the container: the inspection is then blind and every answer `full`.
+    pub fn new(target: Target, probes: Result<Arc<HostProbes>, String>) -> Inspection {
+        let mut blind = None;
+        let (probes, cgroup_id) = match probes {
+            Ok(p) => match bpf::cgroup_id(&target.cgroup2_dir).map_err(|e| e.to_string()).and_then(|id| {
+                p.watch(id).map_err(|e| e.to_string())?;
+                Ok(id)
+            }) {
+                Ok(id) => (Some(p), Some(id)),
+                Err(e) => {
+                    blind = Some(format!("cannot watch cgroup {}: {e}", target.cgroup2_dir.display()));
+                    (None, None)
+                }
+            },
+            Err(e) => {
+                blind = Some(format!("eBPF probes unavailable: {e}"));
+                (None, None)
+            }
+        };
+        if let Some(why) = &blind {
+            log::warn!("inspector for {} is BLIND, every turn will be a full checkpoint: {why}", target.container_id);
+        }
+        Inspection { target, probes, cgroup_id, mark: None, seq: 0, blind }
+    }
+
+    /// Waits (bounded) until no process of the container is running: a program that just
+    /// started (dynamic loading, initialisation) is still changing its memory, and the base
+    /// mark should hold it as it idles, not halfway through its start.
+    fn settle(&self, bound: std::time::Duration) {
+        let deadline = Instant::now() + bound;
+        let mut quiet_polls = 0;
+        while Instant::now() < deadline {
+            let running = self.processes().unwrap_or_default().iter().any(|p| {
+                procs::read_stat(p.pid).ok().flatten().is_some_and(|s| s.state == 'R')
+            });
+            quiet_polls = if running { 0 } else { quiet_polls + 1 };
+            if quiet_polls >= 3 {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        log::debug!("inspector for {}: processes still running {bound:?} after start", self.target.container_id);
+    }
+
+    /// Takes the base mark (at container start): an empty filesystem delta, the processes
+    /// alive now and their memory.
+    pub fn mark_base(&mut self) {
+        let started = Instant::now();
+        self.settle(std::time::Duration::from_millis(500));
+        match self.observe_all(Manifest::default()) {
+            Ok(mark) => self.mark = Some(mark),
+            Err(e) => {
+                log::warn!("inspector for {}: cannot take the base mark: {e}", self.target.container_id);
+                self.mark = None;
+            }
+        }
+        log::debug!("inspector for {}: base mark in {:?}", self.target.container_id, started.elapsed());
+    }
+
+    fn counters(&self) -> Result<CgroupCounters, String> {
+        match (&self.probes, self.cgroup_id) {
+            (Some(p), Some(id)) => p.counters(id).map_err(|e| e.to_string()),
+            _ => Err(self.blind.clone().unwrap_or_else(|| "not watched".into())),
+        }
+    }
+
+    fn run_count(&self, pid: u32) -> Option<u64> {
+        self.probes.as_ref().and_then(|p| p.run_count(pid).ok().flatten())
+    }
+
+    fn processes(&self) -> Result<Vec<ProcInfo>, String> {
+        procs::list(&self.target.cgroup2_dir).map_err(|e| format!("cannot list processes: {e}"))
+    }
+
+    /// A full observation, used when there is no usable mark.
+    fn observe_all(&self, manifest: Manifest) -> Result<Mark, String> {
+        let counters = self.counters().unwrap_or_default();
+        let processes = self.processes()?;
+        let mut memory = HashMap::new();
+        let mut run_counts = HashMap::new();
+        for p in &processes {
+            if let Some(n) = self.run_count(p.pid) {
+                run_counts.insert(p.pid, n);
+            }
+            match memory::capture(p.pid) {
+                Ok(img) => {
+                    memory.insert(p.pid, img);
+                }
+                Err(e) => log::debug!("memory of pid {}: {e}", p.pid),
+            }
+        }
+        Ok(Mark { counters, manifest, processes, run_counts, memory })
+    }
+
+    fn scan_upper(&self) -> Result<Manifest, String> {
+        match &self.target.upperdir {
+            Some(upper) => Manifest::scan(upper).map_err(|e| format!("cannot scan upperdir {}: {e}", upper.display())),
+            None => Err("rootfs is not an overlay: its changes cannot be seen".into()),
+        }
+    }
+
+    /// Stores into a page that is already dirty in a shared writable mapping leave no trace
+    /// in the file's times until writeback; writing those pages back now makes the next store
+    /// fault and move mtime, so the scan after this (and the next turn's) sees it.
+    fn arm_shared_mappings(&self) {
+        let Some(upper) = &self.target.upperdir else { return };
+        let Ok(processes) = self.processes() else { return };
+        for p in processes {
+            let Ok(maps) = procs::read_maps(p.pid) else { continue };
+            for m in maps.iter().filter(|m| m.perms.get(3) == Some(&b's') && m.perms.get(1) == Some(&b'w')) {
+                let path = Path::new(std::ffi::OsStr::from_bytes(&m.path));
+                if let Ok(rel) = path.strip_prefix("/") {
+                    if let Err(e) = fs::arm_shared_mapping(&upper.join(rel)) {
+                        log::debug!("arm shared mapping {}: {e}", path.display());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Answers a turn end and makes the present the new mark.
+    pub fn turn_end(&mut self) -> Answer {
+        let started = Instant::now();
+        self.seq += 1;
+        let mut degraded = Vec::new();
+        if let Some(why) = &self.blind {
+            degraded.push(why.clone());
+        }
+        let counters = match self.counters() {
+            Ok(c) => Some(c),
+            Err(e) => {
+                if self.blind.is_none() {
+                    degraded.push(format!("cannot read kernel counters: {e}"));
+                }
+                None
+            }
+        };
+        let mut fs = FsFinding::default();
+        let mut procs = ProcFinding::default();
+        let prev = self.mark.take();
+        if prev.is_none() {
+            degraded.push("no mark to compare with".into());
+        }
+        if let (Some(c), Some(m)) = (counters, prev.as_ref()) {
+            if c.errors > m.counters.errors {
+                degraded.push(format!("{} kernel events lost since the mark", c.errors - m.counters.errors));
+            }
+        }
+
+        // Filesystem: scan only when a mutating syscall (or a shared writable mapping, whose
+        // writes need no syscall) happened since the mark.
+        let fs_activity = match (counters, prev.as_ref()) {
+            (Some(c), Some(m)) => {
+                let since = c.since(&m.counters);
+                for (class, n) in since.fs_classes() {
+                    fs.syscalls.insert(class.name().to_string(), n);
+                }
+                // A shared writable mapping lets stores change a file with no syscall at all.
+                since.fs_mutations > 0 || c.shared_writable_mmaps > 0
+            }
+            _ => true,
+        };
+        let prev_manifest = prev.as_ref().map(|m| &m.manifest);
+        let manifest = if fs_activity || prev_manifest.is_none() {
+            fs.scanned = true;
+            if counters.is_none_or(|c| c.shared_writable_mmaps > 0) {
+                self.arm_shared_mappings();
+            }
+            match self.scan_upper() {
+                Ok(now) => {
+                    let empty = Manifest::default();
+                    let d: FsDiff = fs::diff(prev_manifest.unwrap_or(&empty), &now, &self.target.lowerdirs);
+                    fs.changed = !d.is_empty();
+                    fs.added = d.added;
+                    fs.modified = d.modified;
+                    fs.deleted = d.deleted;
+                    Some(now)
+                }
+                Err(e) => {
+                    degraded.push(e);
+                    None
+                }
+            }
+        } else {
+            prev_manifest.cloned()
+        };
+
+        // Processes.
+        let now_procs = match self.processes() {
+            Ok(p) => Some(p),
+            Err(e) => {
+                degraded.push(e);
+                None
+            }
+        };
+        let mut run_counts = HashMap::new();
+        let mut memory_images = HashMap::new();
+        if let (Some(now), Some(m)) = (&now_procs, prev.as_ref()) {
+            if let Some(c) = counters {
+                procs.forks = c.forks.saturating_sub(m.counters.forks);
+                procs.execs = c.execs.saturating_sub(m.counters.execs);
+                procs.exits = c.exits.saturating_sub(m.counters.exits);
+            }
+            let foreign_writes = counters.is_none_or(|c| c.foreign_mem_writes > m.counters.foreign_mem_writes);
+            let delta = procs::delta(&m.processes, now);
+            procs.started = delta.started.iter().map(ProcSummary::from).collect();
+            procs.ended = delta.ended.iter().map(ProcSummary::from).collect();
+            let before: HashMap<u32, &ProcInfo> = m.processes.iter().map(|p| (p.pid, p)).collect();
+            let changed_paths: Vec<&Path> = fs.added.iter().chain(&fs.modified).chain(&fs.deleted).map(PathBuf::as_path).collect();
+            for p in &delta.persisted {
+                if before.get(&p.pid).is_some_and(|b| b.cmdline != p.cmdline || b.comm != p.comm) {
+                    procs.reexeced.push(ProcSummary::from(p));
+                }
+                // CRIU restores open and mapped files by path and checks them: a file this
+                // turn changed under a persisting process needs a new process image.
+                if !changed_paths.is_empty() {
+                    match procs::held_files(p.pid) {
+                        Ok(held) => {
+                            for h in held {
+                                if h.deleted || changed_paths.iter().any(|c| *c == h.path) {
+                                    procs.held_changed.push((p.pid, h.path));
+                                }
+                            }
+                        }
+                        Err(e) => degraded.push(format!("cannot list files held by pid {}: {e}", p.pid)),
+                    }
+                }
+                // Memory: a process that was not scheduled since the mark did not change it,
+                // unless another process wrote into it (ptrace, process_vm_writev, /proc/PID/mem).
+                let ran = foreign_writes
+                    || match (self.run_count(p.pid), m.run_counts.get(&p.pid)) {
+                        (Some(now), Some(then)) => now != *then,
+                        _ => true,
+                    };
+                if let Some(n) = self.run_count(p.pid) {
+                    run_counts.insert(p.pid, n);
+                }
+                let prev_img = m.memory.get(&p.pid);
+                if !ran {
+                    if let Some(img) = prev_img {
+                        memory_images.insert(p.pid, img.clone());
+                        procs.idle.push(p.pid);
+                        continue;
+                    }
+                }
+                match (memory::capture(p.pid), prev_img) {
+                    (Ok(img), Some(prev_img)) => {
+                        let d = memory::compare(prev_img, &img);
+                        procs.memory.push(MemoryFinding {
+                            pid: p.pid,
+                            cmdline: ProcSummary::from(p).cmdline,
+                            changed_pages: d.changed_pages,
+                            added_pages: d.added_pages,
+                            removed_pages: d.removed_pages,
+                            scanned_pages: d.scanned_pages,
+                        });
+                        memory_images.insert(p.pid, img);
+                    }
+                    (Ok(img), None) => {
+                        degraded.push(format!("no memory image of pid {} at the mark", p.pid));
+                        memory_images.insert(p.pid, img);
+                    }
+                    (Err(e), _) => degraded.push(format!("cannot read memory of pid {}: {e}", p.pid)),
+                }
+            }
+            for p in &delta.started {
+                if let Some(n) = self.run_count(p.pid) {
+                    run_counts.insert(p.pid, n);
+                }
+                match memory::capture(p.pid) {
+                    Ok(img) => {
+                        memory_images.insert(p.pid, img);
+                    }
+                    Err(e) => log::debug!("memory of new pid {}: {e}", p.pid),
+                }
+            }
+            procs.changed = !procs.started.is_empty()
+                || !procs.ended.is_empty()
+                || !procs.reexeced.is_empty()
+                || !procs.held_changed.is_empty()
+                || procs.memory.iter().any(|m| m.changed_pages + m.added_pages + m.removed_pages > 0);
+        }
+
+        let kind = if degraded.is_empty() { Kind::from_parts(fs.changed, procs.changed) } else { Kind::Full };
+        // The present becomes the mark; if it could not be observed, the next turn takes a
+        // fresh full observation.
+        self.mark = match (counters, manifest, now_procs) {
+            (Some(counters), Some(manifest), Some(processes)) if degraded.is_empty() => {
+                Some(Mark { counters, manifest, processes, run_counts, memory: memory_images })
+            }
+            (_, manifest, _) => self.observe_all(manifest.unwrap_or_default()).ok(),
+        };
+        let answer = Answer {
+            container_id: self.target.container_id.clone(),
+            seq: self.seq,
+            kind,
+            fs,
+            procs,
+            degraded,
+            elapsed_us: started.elapsed().as_micros() as u64,
+        };
+        if answer.degraded.is_empty() {
+            log::info!("{}", answer.summary());
+        } else {
+            log::warn!("{}", answer.summary());
+        }
+        answer
+    }
+}
+
+impl Drop for Inspection {
+    fn drop(&mut self) {
+        if let (Some(p), Some(id)) = (&self.probes, self.cgroup_id) {
+            if let Err(e) = p.unwatch(id) {
+                log::warn!("cannot unwatch cgroup {id} of {}: {e}", self.target.container_id);
+            }
+        }
+    }
+}

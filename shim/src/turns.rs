@@ -1,0 +1,131 @@
+//! Turn boundaries: the annotations that end a turn, and the per-container inspection that
+//! answers them. (Checkpoints taken from the answers come with the coordinator.)
+//!
+//! A harness ends a turn by calling containerd's `Tasks.Update` with the annotation
+//! [`TURN_END`] set to its turn id (`resources` may be empty). The answer is logged and
+//! stored as `<state_dir>/<namespace>/<container>/turns/<seq>.json`.
+
+use std::{
+    collections::HashMap,
+    io::Write,
+    path::{Path, PathBuf},
+    sync::{Arc, OnceLock},
+};
+
+use containerd_shim_protos::types::mount::Mount;
+
+use crate::{
+    error::{Error, Result},
+    inspector::{self, bpf::HostProbes, Answer, Inspection, Target},
+};
+
+/// `Tasks.Update` annotation ending a turn; its value is the harness's turn id.
+pub const TURN_END: &str = "io.crab/turn-end";
+/// Every annotation crab interprets starts with this; other keys are kept untouched.
+pub const ANNOTATION_PREFIX: &str = "io.crab/";
+const MAX_TURN_ID: usize = 256;
+
+/// The spec annotation CRI sets on a pod's infrastructure (pause) container.
+const CRI_CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
+
+/// The turn id requested by `annotations`, if any; malformed crab annotations are errors
+/// (and nothing is done).
+pub fn requested_turn_end(annotations: &HashMap<String, String>) -> Result<Option<String>> {
+    for key in annotations.keys().filter(|k| k.starts_with(ANNOTATION_PREFIX)) {
+        if key != TURN_END {
+            return Err(Error::InvalidArgument(format!("unknown crab annotation `{key}` (known: {TURN_END})")));
+        }
+    }
+    let Some(id) = annotations.get(TURN_END) else { return Ok(None) };
+    if id.is_empty() || id.len() > MAX_TURN_ID || id.chars().any(|c| c.is_control()) {
+        return Err(Error::InvalidArgument(format!(
+            "annotation {TURN_END} must be a turn id of 1 to {MAX_TURN_ID} printable characters, got {id:?}"
+        )));
+    }
+    Ok(Some(id.clone()))
+}
+
+/// The host probes, loaded (or opened from their pins) once per shim process.
+fn host_probes() -> Result<Arc<HostProbes>, String> {
+    static PROBES: OnceLock<Result<Arc<HostProbes>, String>> = OnceLock::new();
+    PROBES
+        .get_or_init(|| HostProbes::open_or_load().map(Arc::new).map_err(|e| e.to_string()))
+        .clone()
+}
+
+/// Whether a container is watched: not CRI's pause containers (pure infrastructure).
+pub fn is_inspected(spec: &oci_spec::runtime::Spec) -> bool {
+    crate::bundle::annotation(spec, &[CRI_CONTAINER_TYPE]) != Some("sandbox")
+}
+
+/// Starts inspecting a created container.
+pub fn start_inspection(container_id: &str, init_pid: u32, rootfs: &[Mount]) -> Inspection {
+    let (upperdir, lowerdirs) = rootfs
+        .iter()
+        .find(|m| m.type_ == "overlay")
+        .and_then(|m| inspector::fs::overlay_dirs(&m.options))
+        .map(|(u, l)| (Some(u), l))
+        .unwrap_or((None, Vec::new()));
+    let cgroup2_dir = inspector::bpf::cgroup2_dir_of(init_pid);
+    let probes = match &cgroup2_dir {
+        Ok(_) => host_probes(),
+        Err(e) => Err(format!("no cgroup2 directory for pid {init_pid}: {e}")),
+    };
+    let target = Target {
+        container_id: container_id.to_string(),
+        cgroup2_dir: cgroup2_dir.unwrap_or_default(),
+        upperdir,
+        lowerdirs,
+    };
+    Inspection::new(target, probes)
+}
+
+/// Where a container's turn answers are kept.
+pub fn turns_dir(state_dir: &Path, namespace: &str, container_id: &str) -> PathBuf {
+    state_dir.join(namespace).join(container_id).join("turns")
+}
+
+/// Writes the answer atomically (temp file, fsync, rename): a reader never sees half of it.
+pub fn store_answer(dir: &Path, turn_id: &str, answer: &Answer) -> Result<PathBuf> {
+    #[derive(serde::Serialize)]
+    struct Stored<'a> {
+        turn_id: &'a str,
+        #[serde(flatten)]
+        answer: &'a Answer,
+    }
+    std::fs::create_dir_all(dir).map_err(Error::io(format!("cannot create {}", dir.display())))?;
+    let path = dir.join(format!("{:06}.json", answer.seq));
+    let tmp = dir.join(format!(".{:06}.json.tmp", answer.seq));
+    let data = serde_json::to_vec_pretty(&Stored { turn_id, answer }).map_err(|e| Error::Other(e.to_string()))?;
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&data)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)?;
+        std::fs::File::open(dir)?.sync_all()
+    };
+    write().map_err(Error::io(format!("cannot store {}", path.display())))?;
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ann(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn turn_end_annotations() {
+        assert_eq!(requested_turn_end(&ann(&[])).unwrap(), None);
+        assert_eq!(requested_turn_end(&ann(&[("other/key", "x")])).unwrap(), None);
+        assert_eq!(requested_turn_end(&ann(&[(TURN_END, "turn-7")])).unwrap().as_deref(), Some("turn-7"));
+        let e = requested_turn_end(&ann(&[(TURN_END, "")])).unwrap_err().to_string();
+        assert!(e.contains(TURN_END), "{e}");
+        assert!(requested_turn_end(&ann(&[(TURN_END, "a\nb")])).is_err());
+        assert!(requested_turn_end(&ann(&[(TURN_END, &"x".repeat(300))])).is_err());
+        let e = requested_turn_end(&ann(&[("io.crab/turn-ned", "1")])).unwrap_err().to_string();
+        assert!(e.contains("io.crab/turn-ned"), "{e}");
+    }
+}
