@@ -575,14 +575,46 @@ int crab_foreign(void *ctx)
 	return 0;
 }
 
-SEC("tracepoint")
-int crab_exec(void *ctx)
+/*
+ * On x86-64, syscalls of 32-bit processes (int 0x80, sysenter) do not reach
+ * the syscall tracepoints: such a process is marked so that each of its runs
+ * is an error for its cgroup (the turn is then "everything changed").
+ */
+SEC("tp_btf/sched_process_exec")
+int BPF_PROG(crab_exec, struct task_struct *task, int old_pid, struct linux_binprm *bprm)
 {
+	__u32 tgid = task->tgid;
+	struct run *run, fresh = {};
+	struct counters *c;
+	unsigned char ident[5];
 	__u64 cg;
-	struct counters *c = current_counters(&cg);
 
-	if (c)
-		add(&c->execs);
+	c = current_counters(&cg);
+	if (!c)
+		return 0;
+	add(&c->execs);
+	if (bpf_core_read(ident, sizeof(ident), &bprm->buf)) {
+		add(&c->errors);
+		return 0;
+	}
+	/* ELF magic, EI_CLASS == ELFCLASS32 */
+	if (ident[0] != 0x7f || ident[1] != 'E' || ident[2] != 'L' || ident[3] != 'F' || ident[4] != 1)
+		return 0;
+	add(&c->errors);
+	run = bpf_map_lookup_elem(&runs, &tgid);
+	if (run) {
+		__sync_fetch_and_or(&run->flags, RUN_COMPAT);
+		return 0;
+	}
+	fresh.cgroup_id = cg;
+	fresh.flags = RUN_COMPAT;
+	if (bpf_map_update_elem(&runs, &tgid, &fresh, BPF_NOEXIST)) {
+		run = bpf_map_lookup_elem(&runs, &tgid);
+		if (run)
+			__sync_fetch_and_or(&run->flags, RUN_COMPAT);
+		else
+			add(&c->errors);
+	}
 	return 0;
 }
 
@@ -645,6 +677,8 @@ int BPF_PROG(crab_sched_switch, _Bool preempt, struct task_struct *prev, struct 
 	if (run) {
 		add(&run->switches_out);
 		run->cgroup_id = cg;
+		if (run->flags & RUN_COMPAT)
+			add(&c->errors);
 		return 0;
 	}
 	/* The final switch-outs of an exiting process come after its entry was
@@ -653,6 +687,7 @@ int BPF_PROG(crab_sched_switch, _Bool preempt, struct task_struct *prev, struct 
 		return 0;
 	fresh.switches_out = 1;
 	fresh.cgroup_id = cg;
+	fresh.flags = 0;
 	if (bpf_map_update_elem(&runs, &tgid, &fresh, BPF_NOEXIST) == 0)
 		return 0;
 	run = bpf_map_lookup_elem(&runs, &tgid); /* created meanwhile on another CPU? */

@@ -51,7 +51,12 @@ struct counters {
 struct run {
 	__u64 switches_out; /* times any thread of the process left a CPU */
 	__u64 cgroup_id;    /* watched cgroup it was last counted for */
+	__u64 flags;        /* RUN_* */
 };
+
+/* A 32-bit executable: its syscalls bypass the syscall tracepoints, so every
+ * time it runs the cgroup gets an error ("everything may have changed"). */
+#define RUN_COMPAT 1ULL
 
 /* Value of the `pending_open` map, key = tid (u32): open flags between
  * sys_enter and sys_exit, so the exit can look at what was opened. */

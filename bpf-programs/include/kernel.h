@@ -64,6 +64,10 @@ struct task_struct {
 	struct signal_struct *signal;
 } __crab_core;
 
+struct linux_binprm {
+	char buf[256]; /* first bytes of the executable finally loaded */
+} __crab_core;
+
 struct vm_area_struct {
 	unsigned long vm_start;
 	unsigned long vm_end;

@@ -49,7 +49,7 @@ use aya::{Btf, Ebpf, EbpfLoader, Pod};
 use log::{debug, info, warn};
 
 /// Bump whenever a map layout in `bpf-programs/include/inspector.h` changes.
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 /// Where the host-wide programs are pinned.
 pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/crab";
 /// Number of [`FsClass`] values.
@@ -192,11 +192,9 @@ const REQUIRED_SYSCALL_TPS: &[&str] = &[
     "sys_enter_mmap",
 ];
 
-/// Classic tracepoints outside `syscalls/`: (program, category, name).
-const OTHER_TRACEPOINTS: &[(&str, &str, &str)] = &[("crab_exec", "sched", "sched_process_exec")];
-
 /// BTF-typed raw tracepoints (`tp_btf`): (program, tracepoint).
 const BTF_TRACEPOINTS: &[(&str, &str)] = &[
+    ("crab_exec", "sched_process_exec"),
     ("crab_fork", "sched_process_fork"),
     ("crab_exit", "sched_process_exit"),
     ("crab_sched_switch", "sched_switch"),
@@ -423,6 +421,7 @@ unsafe impl Pod for RawCounters {}
 struct RawRun {
     switches_out: u64,
     cgroup_id: u64,
+    flags: u64,
 }
 
 // SAFETY: as above.
@@ -845,7 +844,6 @@ fn program_names() -> impl Iterator<Item = &'static str> {
     SYSCALL_PROGRAMS
         .iter()
         .map(|(p, _)| *p)
-        .chain(OTHER_TRACEPOINTS.iter().map(|(p, _, _)| *p))
         .chain(BTF_TRACEPOINTS.iter().map(|(p, _)| *p))
 }
 
@@ -869,9 +867,6 @@ fn expected_links() -> Result<BTreeSet<String>, BpfError> {
         for tp in tps.iter().filter(|tp| syscall_tracepoint_exists(tp)) {
             names.insert(format!("syscalls:{tp}"));
         }
-    }
-    for (_, category, name) in OTHER_TRACEPOINTS {
-        names.insert(format!("{category}:{name}"));
     }
     for (_, tp) in BTF_TRACEPOINTS {
         names.insert(format!("btf:{tp}"));
@@ -952,20 +947,6 @@ fn pin_into(tmp: &Path) -> Result<(), BpfError> {
                 &tmp.join("links").join(format!("syscalls:{tp}")),
             )?;
         }
-        pin_program(prog.pin(tmp.join("progs").join(name)), tmp, name)?;
-    }
-    for (name, category, tp) in OTHER_TRACEPOINTS {
-        let prog = tracepoint(&mut ebpf, name)?;
-        let id = prog
-            .attach(category, tp)
-            .map_err(|source| BpfError::Program { name, source })?;
-        let link = prog
-            .take_link(id)
-            .map_err(|source| BpfError::Program { name, source })?;
-        pin_link(
-            FdLink::try_from(link).map_err(|source| BpfError::Link { name, source })?,
-            &tmp.join("links").join(format!("{category}:{tp}")),
-        )?;
         pin_program(prog.pin(tmp.join("progs").join(name)), tmp, name)?;
     }
     for (name, tp) in BTF_TRACEPOINTS {
@@ -1841,6 +1822,77 @@ mod tests {
             still_loaded, 0,
             "removing the pins detaches and frees everything"
         );
+    }
+
+    /// A static i386 program: creat(path, 0644) via int 0x80, then exit(0).
+    fn elf32_creat(path: &str) -> Vec<u8> {
+        const BASE: u32 = 0x0804_8000;
+        const CODE_AT: u32 = 52 + 32;
+        let mut code = Vec::new();
+        let path_addr = BASE + CODE_AT + 26;
+        code.extend([0xb8, 8, 0, 0, 0]); // mov eax, 8 (creat)
+        code.push(0xbb); // mov ebx, path
+        code.extend(path_addr.to_le_bytes());
+        code.extend([0xb9, 0xa4, 0x01, 0, 0]); // mov ecx, 0644
+        code.extend([0xcd, 0x80]); // int 0x80
+        code.extend([0xb8, 1, 0, 0, 0]); // mov eax, 1 (exit)
+        code.extend([0x31, 0xdb]); // xor ebx, ebx
+        code.extend([0xcd, 0x80]); // int 0x80
+        assert_eq!(code.len(), 26);
+        code.extend(path.as_bytes());
+        code.push(0);
+        let total = CODE_AT + code.len() as u32;
+        let mut elf = vec![0x7f, b'E', b'L', b'F', 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        for v in [2u16, 3] {
+            elf.extend(v.to_le_bytes()); // ET_EXEC, EM_386
+        }
+        for v in [1u32, BASE + CODE_AT, 52, 0, 0] {
+            elf.extend(v.to_le_bytes()); // version, entry, phoff, shoff, flags
+        }
+        for v in [52u16, 32, 1, 0, 0, 0] {
+            elf.extend(v.to_le_bytes()); // ehsize, phentsize, phnum, shentsize, shnum, shstrndx
+        }
+        for v in [1u32, 0, BASE, BASE, total, total, 5, 0x1000] {
+            elf.extend(v.to_le_bytes()); // PT_LOAD r-x
+        }
+        assert_eq!(elf.len() as u32, CODE_AT);
+        elf.extend(code);
+        elf
+    }
+
+    /// 32-bit programs' syscalls bypass the syscall tracepoints: running one
+    /// must show up as errors, never as a quiet turn.
+    #[test]
+    fn thirty_two_bit_programs_are_errors() {
+        use std::os::unix::fs::PermissionsExt;
+        let _serial = serial();
+        let root = TestRoot::new("compat");
+        let probes = HostProbes::open_or_load_at(&root.0).unwrap();
+        let cg = TestCgroup::new("compat");
+        probes.watch(cg.id).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let created = tmp.path().join("made-by-i386");
+        let exe = tmp.path().join("creat32");
+        fs::write(&exe, elf32_creat(created.to_str().unwrap())).unwrap();
+        fs::set_permissions(&exe, fs::Permissions::from_mode(0o755)).unwrap();
+
+        let c = delta(&probes, &cg, || {
+            cg.run(&exe.display().to_string());
+        });
+        assert!(created.exists(), "the i386 program did not run");
+        assert_eq!(
+            c.fs_mutations,
+            0,
+            "tracepoints saw the compat creat after all? {}",
+            explain(&c)
+        );
+        assert!(
+            c.errors >= 1,
+            "a 32-bit program ran unnoticed: {}",
+            explain(&c)
+        );
+        eprintln!("i386 creat: {}", explain(&c));
+        probes.unwatch(cg.id).unwrap();
     }
 
     /// Pins of other builds: removed when nothing is watched through them,
