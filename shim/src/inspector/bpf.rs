@@ -28,9 +28,15 @@
 //! - scheduling: per process, how many times its threads left a CPU.
 //!
 //! Fail safe: whatever the BPF side cannot record (a full map, a program
-//! skipped by the kernel's recursion protection) shows up in
+//! skipped by the kernel's recursion protection, a 32-bit process running:
+//! its compat syscalls bypass the syscall tracepoints) shows up in
 //! [`CgroupCounters::errors`]; a caller seeing it move must treat the turn as
 //! "everything changed".
+//!
+//! Not seen at all: `int 0x80` syscalls issued by 64-bit processes, io_uring
+//! SQPOLL submissions after the ring's setup/enter calls, and memory of a
+//! process changed through memory it shares with another (shared anonymous
+//! mappings, SysV/POSIX shm, memfd): its run count only says whether it ran.
 
 use std::collections::BTreeSet;
 use std::ffi::CString;
