@@ -61,13 +61,6 @@ struct {
 	__type(value, __u64);
 } oncpu SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, PENDING_MAX);
-	__type(key, __u32);
-	__type(value, struct pending_open);
-} pending_open SEC(".maps");
-
 /* Layout of syscall tracepoint records (stable tracepoint ABI). */
 struct sys_enter {
 	__u64 common;
@@ -331,69 +324,6 @@ int crab_splice(struct sys_enter *ctx)
 	return count_write_fd((int)ctx->args[2]);
 }
 
-/*
- * open family: only modes that can change something (write, create,
- * truncate, tmpfile). The decision waits for sys_exit so that opening
- * /dev/null or a tty for writing (every `2>/dev/null`) does not count.
- */
-static __always_inline int open_enter(__u64 flags)
-{
-	struct pending_open pending;
-	struct counters *c;
-	__u32 tid;
-	__u64 cg;
-
-	if (!(flags & OPEN_MUTATING))
-		return 0;
-	c = current_counters(&cg);
-	if (!c)
-		return 0;
-	tid = (__u32)bpf_get_current_pid_tgid();
-	pending.cgroup_id = cg;
-	pending.flags = flags;
-	if (bpf_map_update_elem(&pending_open, &tid, &pending, BPF_ANY))
-		count_fs(c, FS_OPEN_WRITE); /* cannot defer: decide now */
-	return 0;
-}
-
-SEC("tracepoint")
-int crab_open(struct sys_enter *ctx)
-{
-	return open_enter(ctx->args[1]);
-}
-
-SEC("tracepoint")
-int crab_openat(struct sys_enter *ctx)
-{
-	return open_enter(ctx->args[2]);
-}
-
-SEC("tracepoint")
-int crab_openat2(struct sys_enter *ctx)
-{
-	__u64 flags;
-
-	/* struct open_how starts with __u64 flags */
-	if (bpf_probe_read_user(&flags, sizeof(flags), (void *)ctx->args[2]))
-		flags = OPEN_MUTATING;
-	return open_enter(flags);
-}
-
-SEC("tracepoint")
-int crab_creat(struct sys_enter *ctx)
-{
-	return open_enter(O_CREAT | O_WRONLY | O_TRUNC);
-}
-
-/* Rare (needs CAP_DAC_READ_SEARCH) and cannot create: decide at entry. */
-SEC("tracepoint")
-int crab_open_handle(struct sys_enter *ctx)
-{
-	if (!(ctx->args[2] & OPEN_MUTATING))
-		return 0;
-	return count_simple(FS_OPEN_WRITE);
-}
-
 /* Errors after which a create/truncate open certainly changed nothing. */
 static __always_inline int open_failed_cleanly(__s64 err)
 {
@@ -413,22 +343,40 @@ static __always_inline int open_failed_cleanly(__s64 err)
 	return 0;
 }
 
-SEC("tracepoint")
-int crab_open_exit(struct sys_exit *ctx)
-{
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	struct pending_open *pending = bpf_map_lookup_elem(&pending_open, &tid);
-	struct counters *c;
-	__u64 flags, cg;
-	__s64 ret = ctx->ret;
+enum open_kind { OPEN, OPENAT, OPENAT2, CREAT };
 
-	if (!pending)
-		return 0;
-	flags = pending->flags;
-	cg = pending->cgroup_id;
-	bpf_map_delete_elem(&pending_open, &tid);
-	c = bpf_map_lookup_elem(&watched, &cg);
+/*
+ * open family, decided at sys_exit, when the result is known: only modes
+ * that can change something (write, create, truncate, tmpfile), and not when
+ * the file opened is a device, FIFO or socket (every `2>/dev/null`). The
+ * syscall's arguments are still in the task's saved user registers.
+ */
+static __always_inline int open_exit(struct sys_exit *ctx, enum open_kind kind)
+{
+	struct pt_regs___crab *regs;
+	struct counters *c;
+	__s64 ret = ctx->ret;
+	__u64 flags, cg;
+
+	c = current_counters(&cg);
 	if (!c)
+		return 0;
+	regs = (struct pt_regs___crab *)bpf_task_pt_regs(bpf_get_current_task_btf());
+	switch (kind) {
+	case OPEN:
+		flags = SYSCALL_ARG1(regs);
+		break;
+	case OPENAT:
+		flags = SYSCALL_ARG2(regs);
+		break;
+	case OPENAT2: /* struct open_how starts with __u64 flags */
+		if (bpf_probe_read_user(&flags, sizeof(flags), (void *)SYSCALL_ARG2(regs)))
+			flags = OPEN_MUTATING;
+		break;
+	default:
+		flags = O_CREAT | O_WRONLY | O_TRUNC;
+	}
+	if (!(flags & OPEN_MUTATING))
 		return 0;
 	if (ret >= 0) {
 		__s64 mode = fd_mode((int)ret, NULL);
@@ -447,6 +395,39 @@ int crab_open_exit(struct sys_exit *ctx)
 	if ((flags & (O_CREAT | O_TRUNC | __O_TMPFILE)) && !open_failed_cleanly(ret))
 		count_fs(c, FS_OPEN_WRITE);
 	return 0;
+}
+
+SEC("tracepoint")
+int crab_open_x(struct sys_exit *ctx)
+{
+	return open_exit(ctx, OPEN);
+}
+
+SEC("tracepoint")
+int crab_openat_x(struct sys_exit *ctx)
+{
+	return open_exit(ctx, OPENAT);
+}
+
+SEC("tracepoint")
+int crab_openat2_x(struct sys_exit *ctx)
+{
+	return open_exit(ctx, OPENAT2);
+}
+
+SEC("tracepoint")
+int crab_creat_x(struct sys_exit *ctx)
+{
+	return open_exit(ctx, CREAT);
+}
+
+/* Rare (needs CAP_DAC_READ_SEARCH) and cannot create: decided at entry. */
+SEC("tracepoint")
+int crab_open_handle(struct sys_enter *ctx)
+{
+	if (!(ctx->args[2] & OPEN_MUTATING))
+		return 0;
+	return count_simple(FS_OPEN_WRITE);
 }
 
 /* FICLONE & co. modify files through ioctl(2); everything else is ignored. */
@@ -636,12 +617,10 @@ int BPF_PROG(crab_fork, struct task_struct *parent, struct task_struct *child)
 SEC("tp_btf/sched_process_exit")
 int BPF_PROG(crab_exit, struct task_struct *task)
 {
-	__u32 tid = task->pid, tgid = task->tgid;
+	__u32 tgid = task->tgid;
 	struct counters *c;
 	__u64 cg;
 
-	/* A thread killed inside open(2) never reaches sys_exit. */
-	bpf_map_delete_elem(&pending_open, &tid);
 	/* signal->live was decremented before this tracepoint: 0 = last thread */
 	if (BPF_CORE_READ(task, signal, live.counter) != 0)
 		return 0;

@@ -58,13 +58,6 @@ struct run {
  * time it runs the cgroup gets an error ("everything may have changed"). */
 #define RUN_COMPAT 1ULL
 
-/* Value of the `pending_open` map, key = tid (u32): open flags between
- * sys_enter and sys_exit, so the exit can look at what was opened. */
-struct pending_open {
-	__u64 cgroup_id;
-	__u64 flags;
-};
-
 /* `oncpu` per-CPU array slot: ONCPU_VALID | tgid of the task switched in. */
 #define ONCPU_VALID (1ULL << 32)
 
@@ -74,6 +67,5 @@ struct pending_open {
 
 #define WATCHED_MAX 8192
 #define RUNS_MAX 65536
-#define PENDING_MAX 16384
 
 #endif

@@ -75,4 +75,27 @@ struct vm_area_struct {
 	struct file *vm_file;
 } __crab_core;
 
+/*
+ * Saved user registers of a task in a syscall (bpf_task_pt_regs), for the
+ * arguments of syscalls 1 and 2 (0-based), which survive until sys_exit on
+ * both architectures (arm64 overwrites x0 with the return value). The
+ * ___crab suffix is a CO-RE flavor: it matches the kernel's struct pt_regs.
+ */
+#if defined(__TARGET_ARCH_x86)
+struct pt_regs___crab {
+	unsigned long si;
+	unsigned long dx;
+} __crab_core;
+#define SYSCALL_ARG1(regs) ((regs)->si)
+#define SYSCALL_ARG2(regs) ((regs)->dx)
+#elif defined(__TARGET_ARCH_arm64)
+struct pt_regs___crab {
+	__u64 regs[31];
+} __crab_core;
+#define SYSCALL_ARG1(regs) ((regs)->regs[1])
+#define SYSCALL_ARG2(regs) ((regs)->regs[2])
+#else
+#error "inspector: unsupported architecture"
+#endif
+
 #endif

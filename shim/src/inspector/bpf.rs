@@ -55,7 +55,7 @@ use aya::{Btf, Ebpf, EbpfLoader, Pod};
 use log::{debug, info, warn};
 
 /// Bump whenever a map layout in `bpf-programs/include/inspector.h` changes.
-pub const ABI_VERSION: u32 = 2;
+pub const ABI_VERSION: u32 = 3;
 /// Where the host-wide programs are pinned.
 pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/crab";
 /// Number of [`FsClass`] values.
@@ -76,19 +76,10 @@ const ONCPU_VALID: u64 = 1 << 32;
 /// open/creat/rename/mkdir...), so it is skipped; [`REQUIRED_SYSCALL_TPS`]
 /// must exist everywhere.
 const SYSCALL_PROGRAMS: &[(&str, &[&str])] = &[
-    ("crab_open", &["sys_enter_open"]),
-    ("crab_openat", &["sys_enter_openat"]),
-    ("crab_openat2", &["sys_enter_openat2"]),
-    ("crab_creat", &["sys_enter_creat"]),
-    (
-        "crab_open_exit",
-        &[
-            "sys_exit_open",
-            "sys_exit_openat",
-            "sys_exit_openat2",
-            "sys_exit_creat",
-        ],
-    ),
+    ("crab_open_x", &["sys_exit_open"]),
+    ("crab_openat_x", &["sys_exit_openat"]),
+    ("crab_openat2_x", &["sys_exit_openat2"]),
+    ("crab_creat_x", &["sys_exit_creat"]),
     ("crab_open_handle", &["sys_enter_open_by_handle_at"]),
     (
         "crab_write",
@@ -206,7 +197,7 @@ const BTF_TRACEPOINTS: &[(&str, &str)] = &[
     ("crab_sched_switch", "sched_switch"),
 ];
 
-const MAP_NAMES: &[&str] = &["watched", "levels", "runs", "oncpu", "pending_open"];
+const MAP_NAMES: &[&str] = &["watched", "levels", "runs", "oncpu"];
 
 /// Errors of the eBPF inspector.
 #[derive(Debug, thiserror::Error)]
@@ -433,17 +424,6 @@ struct RawRun {
 // SAFETY: as above.
 unsafe impl Pod for RawRun {}
 
-/// `struct pending_open` of inspector.h.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct RawPendingOpen {
-    cgroup_id: u64,
-    flags: u64,
-}
-
-// SAFETY: as above.
-unsafe impl Pod for RawPendingOpen {}
-
 impl Maps {
     fn program_stats(&self) -> Result<Vec<ProgramStats>, BpfError> {
         self.programs
@@ -478,7 +458,6 @@ struct Maps {
     levels: Array<MapData, u64>,
     runs: BpfHashMap<MapData, u32, RawRun>,
     oncpu: PerCpuArray<MapData, u64>,
-    pending: BpfHashMap<MapData, u32, RawPendingOpen>,
 }
 
 /// Handle on the host-wide inspector programs (maps opened from bpffs).
@@ -610,7 +589,7 @@ impl HostProbes {
     }
 
     /// Stops counting for a cgroup and removes every entry that belongs to it
-    /// (its counters, run counts of its processes, pending opens).
+    /// (its counters, run counts of its processes).
     /// Not watched is not an error.
     pub fn unwatch(&self, cgroup_id: u64) -> Result<(), BpfError> {
         {
@@ -704,7 +683,7 @@ impl HostProbes {
     /// `cgroup_id` (diagnostics and tests: zero after [`Self::unwatch`]).
     pub fn entries_of(&self, cgroup_id: u64) -> Result<usize, BpfError> {
         let maps = self.maps();
-        Ok(runs_of(&maps, cgroup_id)?.len() + pending_of(&maps, cgroup_id)?.len())
+        Ok(runs_of(&maps, cgroup_id)?.len())
     }
 }
 
@@ -724,7 +703,6 @@ fn open_pinned(dir: &Path) -> Result<Maps, BpfError> {
         levels: Array::try_from(open("levels")?).map_err(map_err("levels"))?,
         runs: BpfHashMap::try_from(open("runs")?).map_err(map_err("runs"))?,
         oncpu: PerCpuArray::try_from(open("oncpu")?).map_err(map_err("oncpu"))?,
-        pending: BpfHashMap::try_from(open("pending_open")?).map_err(map_err("pending_open"))?,
     };
     for name in program_names() {
         let path = dir.join("progs").join(name);
@@ -1051,32 +1029,12 @@ fn runs_of(maps: &Maps, cgroup_id: u64) -> Result<Vec<u32>, BpfError> {
     Ok(keys)
 }
 
-fn pending_of(maps: &Maps, cgroup_id: u64) -> Result<Vec<u32>, BpfError> {
-    let mut keys = Vec::new();
-    for item in maps.pending.iter() {
-        match item {
-            Ok((tid, pending)) if pending.cgroup_id == cgroup_id => keys.push(tid),
-            Ok(_) => {}
-            Err(e) if is_not_found(&e) => {}
-            Err(e) => return Err(map_err("pending_open")(e)),
-        }
-    }
-    Ok(keys)
-}
-
 fn sweep(maps: &mut Maps, cgroup_id: u64) -> Result<(), BpfError> {
     for pid in runs_of(maps, cgroup_id)? {
         match maps.runs.remove(&pid) {
             Ok(()) => {}
             Err(e) if is_not_found(&e) => {}
             Err(e) => return Err(map_err("runs")(e)),
-        }
-    }
-    for tid in pending_of(maps, cgroup_id)? {
-        match maps.pending.remove(&tid) {
-            Ok(()) => {}
-            Err(e) if is_not_found(&e) => {}
-            Err(e) => return Err(map_err("pending_open")(e)),
         }
     }
     Ok(())
@@ -2098,6 +2056,29 @@ mod tests {
             explain(&private_upgrade)
         );
 
+        // Opens that change nothing: create of an existing file with O_EXCL,
+        // write mode on a device, read-only; O_RDONLY|O_TRUNC truncates.
+        let quiet_opens = delta(&probes, &cg, || {
+            cg.run(&format!(
+                "/usr/bin/python3 -B -c 'import os\ntry:\n  os.open(\"{d}/existing\",os.O_CREAT|os.O_EXCL|os.O_WRONLY)\n\
+                 except FileExistsError:\n  pass\nos.open(\"/dev/null\",os.O_WRONLY|os.O_TRUNC)\n\
+                 os.open(\"{d}/existing\",os.O_RDONLY)\nos.open(\"{d}/missing\",os.O_WRONLY)\n' 2>/dev/null; true"
+            ));
+        });
+        assert_eq!(quiet_opens.fs_mutations, 0, "{}", explain(&quiet_opens));
+        let rdonly_trunc = delta(&probes, &cg, || {
+            cg.run(&format!(
+                "/usr/bin/python3 -B -c 'import os\nos.open(\"{d}/existing\",os.O_RDONLY|os.O_TRUNC)'"
+            ));
+        });
+        assert_eq!(
+            class(&rdonly_trunc, FsClass::OpenWrite),
+            1,
+            "{}",
+            explain(&rdonly_trunc)
+        );
+        assert_eq!(fs::metadata(tmp.path().join("existing")).unwrap().len(), 0);
+
         // Creating a unix socket file is a mknod; an abstract one is nothing.
         let sockets = delta(&probes, &cg, || {
             cg.run(&format!(
@@ -2139,6 +2120,8 @@ mod tests {
             ("mprotect shared", &shared_upgrade),
             ("mprotect private", &private_upgrade),
             ("unix sockets", &sockets),
+            ("quiet opens", &quiet_opens),
+            ("O_RDONLY|O_TRUNC", &rdonly_trunc),
             ("child cgroup", &via_child),
         ] {
             eprintln!("{name}: {}", explain(c));
