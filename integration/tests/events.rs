@@ -1,8 +1,10 @@
 //! The task events a shim publishes, as a containerd client sees them on Events.Subscribe
 //! (filtered by containerd on the container id): the whole lifecycle in order, and OOM.
 
+use std::io::Write;
 use std::time::Duration;
 
+use crab_integration::env::DEFAULT_RUNTIME;
 use crab_integration::spec::container_spec;
 use crab_integration::stdio::StdioOptions;
 use crab_integration::{EventStream, Harness, ProcessSpec, TaskEvent};
@@ -113,32 +115,50 @@ async fn lifecycle_publishes_every_task_event_in_order() {
         e => unexpected(&ev, "init exit", &e),
     }
     assert_eq!(h.delete_task(&id).await.unwrap(), 3);
-    match ev.next_topic("/tasks/delete", T).await.unwrap() {
-        TaskEvent::Delete(d) => {
+    // The stock shim queues its events and containerd shuts it down right after Delete; the
+    // queue is dropped with it now and then (about 1 run in 4 here), losing /tasks/delete.
+    // crab publishes before Delete returns, so it must always arrive.
+    let crab = h.runtime() == DEFAULT_RUNTIME;
+    let delete_wait = if crab { T } else { Duration::from_secs(3) };
+    match ev.next_topic("/tasks/delete", delete_wait).await {
+        Ok(TaskEvent::Delete(d)) => {
             assert_eq!(
                 (d.container_id.as_str(), d.pid, d.exit_status),
                 (id.as_str(), pid, 3),
                 "{d:?}"
             );
         }
-        e => unexpected(&ev, "delete", &e),
+        Ok(e) => unexpected(&ev, "delete", &e),
+        Err(e) if crab => panic!("{e}"),
+        Err(e) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "NOTE {}: no /tasks/delete (a race in the stock shim: its event queue \
+                 dies with it at Shutdown): {e}",
+                h.runtime()
+            );
+        }
     }
     h.delete_container(&id).await.unwrap();
     // Nothing else, and nothing twice.
     ev.drain(Duration::from_millis(500)).await.unwrap();
+    let mut want = vec![
+        "/tasks/create",
+        "/tasks/start",
+        "/tasks/exec-added",
+        "/tasks/exec-started",
+        "/tasks/exit",
+        "/tasks/paused",
+        "/tasks/resumed",
+        "/tasks/exit",
+        "/tasks/delete",
+    ];
+    if !crab && !ev.topics().iter().any(|t| t == "/tasks/delete") {
+        want.pop();
+    }
     assert_eq!(
         ev.topics(),
-        [
-            "/tasks/create",
-            "/tasks/start",
-            "/tasks/exec-added",
-            "/tasks/exec-started",
-            "/tasks/exit",
-            "/tasks/paused",
-            "/tasks/resumed",
-            "/tasks/exit",
-            "/tasks/delete",
-        ],
+        want,
         "{} published: {:#?}",
         h.runtime(),
         ev.seen
