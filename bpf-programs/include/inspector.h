@@ -30,10 +30,10 @@ enum fs_class {
 	FS_CLASSES
 };
 
-/* Value of the `watched` map, key = cgroup id (u64). Written by BPF with
- * atomic adds only; user space creates it zeroed on watch. */
+/* Value of the per-CPU `watched` map, key = cgroup id (u64). Written by BPF
+ * with atomic adds only; user space creates it zeroed on watch and sums the
+ * CPUs' copies (the total of fs mutations is the sum of the classes). */
 struct counters {
-	__u64 fs_mutations;
 	__u64 fs_by_class[FS_CLASSES];
 	__u64 shared_writable_mmaps;
 	__u64 forks;   /* new processes */
@@ -42,7 +42,7 @@ struct counters {
 	__u64 exits;   /* processes (last thread) */
 	__u64 foreign_mem_writes; /* ptrace, process_vm_writev, writes to /proc files */
 	__u64 errors;
-	/* Owned by user space, never touched by BPF: */
+	/* Owned by user space (same on every CPU), never touched by BPF: */
 	__u64 level;        /* depth of the cgroup in the cgroup2 tree */
 	__u64 misses_base;  /* programs' recursion misses at watch time */
 };

@@ -48,14 +48,17 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, MapInfo, PerCpuArray};
+use aya::maps::{
+    Array, HashMap as BpfHashMap, Map, MapData, MapError, MapInfo, PerCpuArray, PerCpuHashMap,
+    PerCpuValues,
+};
 use aya::programs::links::FdLink;
 use aya::programs::{BtfTracePoint, ProgramError, TracePoint};
 use aya::{Btf, Ebpf, EbpfLoader, Pod};
 use log::{debug, info, warn};
 
 /// Bump whenever a map layout in `bpf-programs/include/inspector.h` changes.
-pub const ABI_VERSION: u32 = 3;
+pub const ABI_VERSION: u32 = 4;
 /// Where the host-wide programs are pinned.
 pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/crab";
 /// Number of [`FsClass`] values.
@@ -396,7 +399,6 @@ impl CgroupCounters {
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 struct RawCounters {
-    fs_mutations: u64,
     fs_by_class: [u64; FS_CLASSES],
     shared_writable_mmaps: u64,
     forks: u64,
@@ -454,7 +456,7 @@ struct Maps {
     watched_id: u32,
     /// Pinned programs, to read their statistics (recursion misses).
     programs: Vec<OwnedFd>,
-    watched: BpfHashMap<MapData, u64, RawCounters>,
+    watched: PerCpuHashMap<MapData, u64, RawCounters>,
     levels: Array<MapData, u64>,
     runs: BpfHashMap<MapData, u32, RawRun>,
     oncpu: PerCpuArray<MapData, u64>,
@@ -560,8 +562,14 @@ impl HostProbes {
                 misses_base,
                 ..Default::default()
             };
+            let per_cpu = PerCpuValues::try_from(vec![value; possible_cpus()?]).map_err(|e| {
+                BpfError::Syscall {
+                    op: "per-CPU counters",
+                    source: e,
+                }
+            })?;
             maps.watched
-                .insert(cgroup_id, value, 0)
+                .insert(cgroup_id, per_cpu, 0)
                 .map_err(map_err("watched"))?;
             // A newer shim may have retired these pins while nothing was
             // watched through them (collect_stale_versions: it renames the
@@ -614,25 +622,30 @@ impl HostProbes {
 
     /// Counters since [`Self::watch`].
     pub fn counters(&self, cgroup_id: u64) -> Result<CgroupCounters, BpfError> {
-        let raw = match self.maps().watched.get(&cgroup_id, 0) {
-            Ok(raw) => raw,
-            Err(MapError::KeyNotFound) => return Err(BpfError::NotWatched(cgroup_id)),
+        let per_cpu = match self.maps().watched.get(&cgroup_id, 0) {
+            Ok(values) => values,
+            Err(e) if is_not_found(&e) => return Err(BpfError::NotWatched(cgroup_id)),
             Err(e) => return Err(map_err("watched")(e)),
         };
+        let mut total = CgroupCounters::default();
+        for cpu in per_cpu.iter() {
+            for (sum, n) in total.fs_by_class.iter_mut().zip(cpu.fs_by_class) {
+                *sum += n;
+            }
+            total.shared_writable_mmaps += cpu.shared_writable_mmaps;
+            total.forks += cpu.forks;
+            total.threads += cpu.threads;
+            total.execs += cpu.execs;
+            total.exits += cpu.exits;
+            total.foreign_mem_writes += cpu.foreign_mem_writes;
+            total.errors += cpu.errors;
+        }
+        total.fs_mutations = total.fs_by_class.iter().sum();
         // Recursion misses are host-wide (any skipped program may have been
         // about this cgroup): charge them to everyone watching.
-        let missed = self.recursion_misses()?.saturating_sub(raw.misses_base);
-        Ok(CgroupCounters {
-            fs_mutations: raw.fs_mutations,
-            fs_by_class: raw.fs_by_class,
-            shared_writable_mmaps: raw.shared_writable_mmaps,
-            forks: raw.forks,
-            threads: raw.threads,
-            execs: raw.execs,
-            exits: raw.exits,
-            foreign_mem_writes: raw.foreign_mem_writes,
-            errors: raw.errors + missed,
-        })
+        let misses_base = per_cpu.first().map_or(0, |c| c.misses_base);
+        total.errors += self.recursion_misses()?.saturating_sub(misses_base);
+        Ok(total)
     }
 
     /// How many times the threads of process `pid` (of a watched cgroup) left
@@ -699,7 +712,7 @@ fn open_pinned(dir: &Path) -> Result<Maps, BpfError> {
         dir: dir.to_path_buf(),
         watched_id,
         programs: Vec::new(),
-        watched: BpfHashMap::try_from(open("watched")?).map_err(map_err("watched"))?,
+        watched: PerCpuHashMap::try_from(open("watched")?).map_err(map_err("watched"))?,
         levels: Array::try_from(open("levels")?).map_err(map_err("levels"))?,
         runs: BpfHashMap::try_from(open("runs")?).map_err(map_err("runs"))?,
         oncpu: PerCpuArray::try_from(open("oncpu")?).map_err(map_err("oncpu"))?,
@@ -1004,12 +1017,25 @@ fn is_not_found(e: &MapError) -> bool {
     }
 }
 
+/// Number of possible CPUs: the length of every per-CPU value.
+fn possible_cpus() -> Result<usize, BpfError> {
+    aya::util::nr_cpus().map_err(|(what, source)| BpfError::Io {
+        what: "reading",
+        path: PathBuf::from(what),
+        source,
+    })
+}
+
 fn watched_levels(maps: &Maps) -> Result<u64, BpfError> {
     let mut mask = 0u64;
     for item in maps.watched.iter() {
-        let (_, value) = item.map_err(map_err("watched"))?;
-        if value.level < MAX_LEVELS {
-            mask |= 1 << value.level;
+        let (_, per_cpu) = match item {
+            Ok(entry) => entry,
+            Err(e) if is_not_found(&e) => continue,
+            Err(e) => return Err(map_err("watched")(e)),
+        };
+        if let Some(level) = per_cpu.first().map(|c| c.level).filter(|l| *l < MAX_LEVELS) {
+            mask |= 1 << level;
         }
     }
     Ok(mask)
@@ -1651,7 +1677,7 @@ mod tests {
             };
             assert_eq!(&expect, c_name);
         }
-        assert_eq!(std::mem::size_of::<RawCounters>(), 8 * (FS_CLASSES + 10));
+        assert_eq!(std::mem::size_of::<RawCounters>(), 8 * (FS_CLASSES + 9));
     }
 
     #[test]
@@ -1872,10 +1898,11 @@ mod tests {
         let in_use = root.0.join("v0-inuse");
         fs::rename(&current, &in_use).unwrap();
         let in_use_ids = pinned_program_ids(&in_use);
+        let values = vec![RawCounters::default(); possible_cpus().unwrap()];
         open_pinned(&in_use)
             .unwrap()
             .watched
-            .insert(12345, RawCounters::default(), 0)
+            .insert(12345, PerCpuValues::try_from(values).unwrap(), 0)
             .unwrap();
 
         let second = HostProbes::open_or_load_at(&root.0).unwrap();
