@@ -5,10 +5,14 @@
 //! A worker process (this binary, re-executed) moves itself into a fresh
 //! cgroup2 directory and runs `open(O_WRONLY|O_CREAT|O_TRUNC) + write(64 B) +
 //! close` ITERS times on a tmpfs file, then 10 × ITERS `getppid()` (a syscall
-//! no program is attached to). Scenarios, each REPS times (median reported):
-//! programs not loaded; loaded but the worker's cgroup not watched; watched;
-//! watched among 16 and among 256 watched cgroups. The programs are pinned in
-//! a private root and removed at the end.
+//! no program is attached to). Scenarios, interleaved in REPS rounds (median
+//! and minimum reported): programs not loaded; loaded but the worker's cgroup
+//! not watched; watched; watched among 16 and among 256 watched cgroups.
+//! Then one more run per case with `kernel.bpf_stats_enabled=1` for the
+//! kernel's own per-program cost (restored afterwards). The programs are
+//! pinned in a private root and removed at the end. Inspector programs of
+//! other pin roots (e.g. /sys/fs/bpf/crab) stay attached throughout and are
+//! part of every figure: the output says how many there are.
 
 use std::fs;
 use std::io::{self, Write};
