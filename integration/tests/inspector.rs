@@ -58,8 +58,8 @@ impl Sandbox {
         self.h.exec(&self.id, &exec_id, &spec, &io).await.unwrap();
         self.h.start(&self.id, &exec_id).await.unwrap();
         let exit_status = self.h.wait(&self.id, &exec_id, T).await.unwrap();
-        let stdout = io.stdout_string(T).unwrap();
-        let stderr = io.stderr_string(T).unwrap();
+        let stdout = io.stdout_string(T).unwrap_or_else(|e| panic!("turn {} `{script}`: {e}", self.turn));
+        let stderr = io.stderr_string(T).unwrap_or_else(|e| panic!("turn {} `{script}`: {e}", self.turn));
         self.h.delete_process(&self.id, &exec_id).await.unwrap();
         assert_eq!(exit_status, 0, "turn {} `{script}` failed: {stdout}{stderr}", self.turn);
         RunOutput { exit_status, stdout, stderr }
@@ -214,7 +214,7 @@ async fn process_turns() {
     // A long-lived interpreter fed through a FIFO: its setup is a process (and a FIFO file).
     let a = s
         .turn(
-            "mkfifo /tmp/repl && nohup python3 -u -c '
+            "mkfifo /tmp/repl; nohup python3 -u -c '
 import sys
 state = {}
 while True:
@@ -252,20 +252,20 @@ sleep 0.5",
     assert!(a["procs"]["started"].as_array().unwrap().is_empty(), "{a:#}");
 
     // Stopping it is a process change too.
-    let a = s.turn("pkill -f http.server; sleep 0.3", "proc").await;
+    let a = s.turn("pkill -f 'm http[.]server'; sleep 0.3", "proc").await;
     assert!(
         a["procs"]["ended"].as_array().unwrap().iter().any(|p| p["cmdline"].as_str().unwrap().contains("http.server")),
         "{a:#}"
     );
 
     // A daemon that double-forks and calls setsid stays: a process change.
-    let a = s.turn("setsid sh -c 'sleep 1000 & exit 0'; sleep 0.3", "proc").await;
+    let a = s.turn("setsid sh -c 'sleep 1000 >/dev/null 2>&1 & exit 0'; sleep 0.3", "proc").await;
     assert!(a["procs"]["started"].as_array().unwrap().iter().any(|p| p["cmdline"].as_str().unwrap().contains("sleep 1000")), "{a:#}");
 
     // Deleting a file a persisting process holds open: the process image must be retaken.
     s.turn("sleep 0.1", "none").await;
     let a = s
-        .turn("echo log > /tmp/held.log && (exec 3</tmp/held.log; exec sleep 2000) >/dev/null 2>&1 & sleep 0.3", "full")
+        .turn("echo log > /tmp/held.log; (exec 3</tmp/held.log; exec sleep 2000) >/dev/null 2>&1 & sleep 0.3", "full")
         .await;
     assert!(!a["procs"]["started"].as_array().unwrap().is_empty(), "{a:#}");
     let a = s.turn("rm /tmp/held.log", "full").await;

@@ -7,6 +7,7 @@
 //! - [`bundle`], [`oom`]: the OCI bundle and OOM notifications
 
 pub mod bundle;
+pub mod cgroup;
 pub mod containers;
 pub mod error;
 pub mod inspector;
@@ -16,5 +17,6 @@ pub mod process;
 pub mod reaper;
 pub mod runc;
 pub mod service;
+pub mod stats;
 pub mod stdio;
 pub mod turns;

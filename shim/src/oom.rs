@@ -38,44 +38,17 @@ enum MemoryCgroup {
     V2(PathBuf),
 }
 
-/// Finds the memory cgroup of `pid` from /proc/PID/cgroup and the mount table.
+/// Finds the memory cgroup of `pid`: v1 when the memory controller is there (hybrid hosts),
+/// else the unified directory if it has the memory controller.
 fn memory_cgroup(pid: i32) -> Result<MemoryCgroup> {
-    let cgroups = fs::read_to_string(format!("/proc/{pid}/cgroup")).map_err(Error::io("read process cgroups"))?;
-    let mounts = fs::read_to_string("/proc/self/mountinfo").map_err(Error::io("read mountinfo"))?;
-    let mount_of = |fstype: &str, option: Option<&str>| -> Option<PathBuf> {
-        mounts.lines().find_map(|l| {
-            let (left, right) = l.split_once(" - ")?;
-            let mut r = right.split_whitespace();
-            if r.next()? != fstype {
-                return None;
-            }
-            let super_opts = r.nth(1).unwrap_or("");
-            if let Some(opt) = option {
-                if !super_opts.split(',').any(|o| o == opt) {
-                    return None;
-                }
-            }
-            left.split_whitespace().nth(4).map(PathBuf::from)
-        })
-    };
-    for line in cgroups.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (parts.next(), parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-        if controllers.split(',').any(|c| c == "memory") {
-            if let Some(root) = mount_of("cgroup", Some("memory")) {
-                return Ok(MemoryCgroup::V1(root.join(path.trim_start_matches('/'))));
-            }
-        }
+    let cgroups = crate::cgroup::Cgroups::of(pid as u32)?;
+    if let Some(dir) = cgroups.v1("memory") {
+        return Ok(MemoryCgroup::V1(dir.clone()));
     }
-    if let Some(path) = cgroups.lines().find_map(|l| l.strip_prefix("0::")) {
-        if let Some(root) = mount_of("cgroup2", None) {
-            let dir = root.join(path.trim_start_matches('/'));
-            if dir.join("memory.events").exists() {
-                return Ok(MemoryCgroup::V2(dir));
-            }
-        }
+    match cgroups.unified {
+        Some(dir) if dir.join("memory.events").exists() => Ok(MemoryCgroup::V2(dir)),
+        _ => Err(Error::Other(format!("no memory cgroup found for pid {pid}"))),
     }
-    Err(Error::Other(format!("no memory cgroup found for pid {pid}")))
 }
 
 /// Calls `on_oom` (from a watcher thread) each time the kernel OOM-kills in the cgroup of `pid`.

@@ -269,14 +269,8 @@ impl containerd_shim::Task for TaskService {
 
     async fn stats(&self, _: &TtrpcContext, req: api::StatsRequest) -> TtrpcResult<api::StatsResponse> {
         let pid = self.containers.init_pid(&req.id)?;
-        let metrics = containerd_shim::cgroup::get_cgroup(pid)
-            .and_then(|cg| containerd_shim::cgroup::collect_metrics(&cg))
-            .map_err(|e| Error::Other(format!("stats of {}: {e}", req.id)))?;
-        let value = metrics.write_to_bytes().map_err(|e| Error::Other(e.to_string()))?;
-        Ok(api::StatsResponse {
-            stats: Some(Any { type_url: "io.containerd.cgroups.v1.Metrics".into(), value, ..Default::default() }).into(),
-            ..Default::default()
-        })
+        let stats = crate::stats::collect(pid).map_err(|e| Error::Other(format!("stats of {}: {e}", req.id)))?;
+        Ok(api::StatsResponse { stats: Some(stats).into(), ..Default::default() })
     }
 
     async fn connect(&self, _: &TtrpcContext, req: api::ConnectRequest) -> TtrpcResult<api::ConnectResponse> {

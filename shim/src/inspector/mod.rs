@@ -27,7 +27,7 @@ use serde::Serialize;
 use self::{
     bpf::{CgroupCounters, HostProbes},
     fs::{FsDiff, Manifest},
-    memory::MemoryImage,
+    memory::{MemoryImage, RegionKind},
     procs::ProcInfo,
 };
 
@@ -227,25 +227,31 @@ impl Inspection {
     /// mark should hold it as it idles, not halfway through its start.
     fn settle(&self, bound: std::time::Duration) {
         let deadline = Instant::now() + bound;
+        let mut last: Option<Vec<(u32, Option<u64>)>> = None;
         let mut quiet_polls = 0;
         while Instant::now() < deadline {
-            let running = self.processes().unwrap_or_default().iter().any(|p| {
-                procs::read_stat(p.pid).ok().flatten().is_some_and(|s| s.state == 'R')
+            let procs = self.processes().unwrap_or_default();
+            let busy = procs.iter().any(|p| {
+                procs::read_stat(p.pid).ok().flatten().is_some_and(|s| matches!(s.state, 'R' | 'D'))
             });
-            quiet_polls = if running { 0 } else { quiet_polls + 1 };
+            // Neither runnable nor scheduled since the last poll (when the probes can tell).
+            let runs: Vec<(u32, Option<u64>)> = procs.iter().map(|p| (p.pid, self.run_count(p.pid))).collect();
+            let quiet = !busy && last.as_ref() == Some(&runs);
+            quiet_polls = if quiet { quiet_polls + 1 } else { 0 };
             if quiet_polls >= 3 {
                 return;
             }
-            std::thread::sleep(std::time::Duration::from_millis(2));
+            last = Some(runs);
+            std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        log::debug!("inspector for {}: processes still running {bound:?} after start", self.target.container_id);
+        log::debug!("inspector for {}: processes still busy {bound:?} after start", self.target.container_id);
     }
 
     /// Takes the base mark (at container start): an empty filesystem delta, the processes
     /// alive now and their memory.
     pub fn mark_base(&mut self) {
         let started = Instant::now();
-        self.settle(std::time::Duration::from_millis(500));
+        self.settle(std::time::Duration::from_secs(1));
         match self.observe_all(Manifest::default()) {
             Ok(mark) => self.mark = Some(mark),
             Err(e) => {
@@ -435,7 +441,10 @@ impl Inspection {
                     run_counts.insert(p.pid, n);
                 }
                 let prev_img = m.memory.get(&p.pid);
-                if !ran {
+                // Shared memory (shared anonymous, SysV shm, memfd, tmpfs) can be changed by
+                // another process while this one sleeps: compare it whatever the run count says.
+                let shares_memory = prev_img.is_some_and(|img| img.regions.iter().any(|r| r.kind == RegionKind::Shmem));
+                if !ran && !shares_memory {
                     if let Some(img) = prev_img {
                         memory_images.insert(p.pid, img.clone());
                         procs.idle.push(p.pid);
