@@ -28,6 +28,12 @@ struct Sandbox {
 
 impl Sandbox {
     async fn start(name: &str) -> (Sandbox, crab_integration::CleanupGuard) {
+        Self::start_with_volume(name, None).await
+    }
+
+    /// Starts a sandbox; with `volume`, a host directory is bind-mounted at that container
+    /// path and the config marks it as tracked.
+    async fn start_with_volume(name: &str, volume: Option<(&Path, &str)>) -> (Sandbox, crab_integration::CleanupGuard) {
         let env = TestEnv { image: AGENT_IMAGE.into(), ..TestEnv::from_env() };
         if env.runtime != "io.containerd.crab.v1" {
             panic!("the inspector tests are crab's own: run them with CRAB_RUNTIME unset (got {})", env.runtime);
@@ -36,14 +42,18 @@ impl Sandbox {
         let id = h.unique_id(name);
         let guard = h.guard(&[&id]);
         let state_dir = h.env.crab_home.join("state").join(&id);
-        let config = format!("[store]\nstate_dir = \"{}\"\n", state_dir.display());
-        h.create_container_with_runtime_options(
-            &id,
-            &ProcessSpec::new(&["sleep", "infinity"]),
-            crab_runtime_options(None, Some(&config)),
-        )
-        .await
-        .unwrap();
+        let mut config = format!("[store]\nstate_dir = \"{}\"\n", state_dir.display());
+        let process = ProcessSpec::new(&["sleep", "infinity"]).to_oci(&h.image.env, &h.image.cwd);
+        let mut spec = crab_integration::spec::container_spec(&id, &h.env.namespace, process);
+        if let Some((source, at)) = volume {
+            config.push_str(&format!("[checkpoint]\ntracked_volumes = [\"{at}\"]\n"));
+            spec["mounts"].as_array_mut().unwrap().push(serde_json::json!({
+                "destination": at, "type": "bind", "source": source, "options": ["rbind", "rw"]
+            }));
+        }
+        h.create_container_with_spec_and_options(&id, &spec, Some(crab_runtime_options(None, Some(&config))))
+            .await
+            .unwrap();
         h.create_task(&id, None).await.unwrap();
         h.start(&id, "").await.unwrap();
         (Sandbox { h, id, state_dir, turn: 0 }, guard)
@@ -292,5 +302,21 @@ async fn malformed_turn_annotations_change_nothing() {
     let a = s.end_turn().await;
     assert_eq!(a["kind"], "fs", "{a:#}");
     assert_eq!(a["seq"], 1, "{a:#}");
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tracked_volume_turns() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("notes.txt"), "v1\n").unwrap();
+    let (mut s, _g) = Sandbox::start_with_volume("inspect_vol", Some((dir.path(), "/workspace"))).await;
+    s.turn("cat /workspace/notes.txt", "none").await;
+    let a = s.turn("echo v2 >> /workspace/notes.txt", "fs").await;
+    assert!(has(&a, "modified", "/workspace/notes.txt"), "{a:#}");
+    let a = s.turn("mkdir /workspace/out && echo r > /workspace/out/result", "fs").await;
+    assert!(has(&a, "added", "/workspace/out/result"), "{a:#}");
+    let a = s.turn("rm /workspace/notes.txt", "fs").await;
+    assert!(has(&a, "deleted", "/workspace/notes.txt"), "{a:#}");
+    s.turn("echo t > /workspace/tmp; rm /workspace/tmp", "none").await;
     s.finish().await;
 }

@@ -114,6 +114,11 @@ pub struct CheckpointConfig {
     /// to become durable, in milliseconds (1 ..= 3_600_000). Default 30000.
     #[serde(deserialize_with = "action_wait_timeout_ms")]
     pub action_wait_timeout_ms: u64,
+    /// Writable bind-mounted volumes whose contents are part of the sandbox's state, by
+    /// their path inside the container (e.g. `/workspace`): the inspector keeps a manifest of
+    /// each, as it does for the rootfs. Other volumes are outside crab's checkpoints.
+    #[serde(deserialize_with = "absolute_paths")]
+    pub tracked_volumes: Vec<PathBuf>,
 }
 
 impl Default for CheckpointConfig {
@@ -123,6 +128,7 @@ impl Default for CheckpointConfig {
             keep_last: None,
             keep_every: None,
             action_wait_timeout_ms: 30_000,
+            tracked_volumes: Vec::new(),
         }
     }
 }
@@ -250,6 +256,14 @@ fn absolute_path<'de, D: Deserializer<'de>>(d: D) -> Result<PathBuf, D::Error> {
             Unexpected::Str(&path.to_string_lossy()),
             &"an absolute path",
         ))
+    }
+}
+
+fn absolute_paths<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<PathBuf>, D::Error> {
+    let paths = Vec::<PathBuf>::deserialize(d)?;
+    match paths.iter().find(|p| !p.is_absolute()) {
+        Some(p) => Err(D::Error::invalid_value(Unexpected::Str(&p.to_string_lossy()), &"absolute paths")),
+        None => Ok(paths),
     }
 }
 
@@ -424,6 +438,7 @@ mod tests {
             keep_last = 10
             keep_every = 5
             action_wait_timeout_ms = 1500
+            tracked_volumes = ["/workspace", "/data"]
             "#,
         )
         .unwrap();
@@ -447,9 +462,17 @@ mod tests {
                     keep_last: Some(10),
                     keep_every: Some(5),
                     action_wait_timeout_ms: 1500,
+                    tracked_volumes: vec!["/workspace".into(), "/data".into()],
                 },
             }
         );
+    }
+
+    #[test]
+    fn tracked_volumes_must_be_absolute() {
+        let e = parse("[checkpoint]\ntracked_volumes = [\"/ok\", \"rel\"]\n").unwrap_err().to_string();
+        assert!(e.contains("checkpoint.tracked_volumes"), "{e}");
+        assert!(e.contains("absolute"), "{e}");
     }
 
     #[test]

@@ -211,7 +211,8 @@ impl Containers {
         };
         let inspection = if config.checkpoint.enabled && turns::is_inspected(&spec) {
             let (id, rootfs) = (p.id.clone(), p.rootfs.clone());
-            tokio::task::spawn_blocking(move || turns::start_inspection(&id, pid, &rootfs)).await.ok()
+            let volumes = turns::tracked_volumes(&spec, &config.checkpoint.tracked_volumes);
+            tokio::task::spawn_blocking(move || turns::start_inspection(&id, pid, &rootfs, volumes)).await.ok()
         } else {
             None
         };

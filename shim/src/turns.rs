@@ -58,8 +58,31 @@ pub fn is_inspected(spec: &oci_spec::runtime::Spec) -> bool {
     crate::bundle::annotation(spec, &[CRI_CONTAINER_TYPE]) != Some("sandbox")
 }
 
+/// The host directories of the tracked volumes: bind mounts of the spec whose destination
+/// the config lists. A tracked path that is not a bind mount is reported and skipped.
+pub fn tracked_volumes(spec: &oci_spec::runtime::Spec, tracked: &[PathBuf]) -> Vec<(PathBuf, PathBuf)> {
+    let mounts = spec.mounts().as_deref().unwrap_or_default();
+    tracked
+        .iter()
+        .filter_map(|at| {
+            let m = mounts.iter().find(|m| m.destination() == at);
+            let bind = m.filter(|m| {
+                m.typ().as_deref() == Some("bind")
+                    || m.options().as_deref().unwrap_or_default().iter().any(|o| o == "bind" || o == "rbind")
+            });
+            match bind.and_then(|m| m.source().clone()) {
+                Some(source) => Some((at.clone(), source)),
+                None => {
+                    log::warn!("tracked volume {} is not a bind mount of this container: not tracked", at.display());
+                    None
+                }
+            }
+        })
+        .collect()
+}
+
 /// Starts inspecting a created container.
-pub fn start_inspection(container_id: &str, init_pid: u32, rootfs: &[Mount]) -> Inspection {
+pub fn start_inspection(container_id: &str, init_pid: u32, rootfs: &[Mount], volumes: Vec<(PathBuf, PathBuf)>) -> Inspection {
     let (upperdir, lowerdirs) = rootfs
         .iter()
         .find(|m| m.type_ == "overlay")
@@ -76,6 +99,7 @@ pub fn start_inspection(container_id: &str, init_pid: u32, rootfs: &[Mount]) -> 
         cgroup2_dir: cgroup2_dir.unwrap_or_default(),
         upperdir,
         lowerdirs,
+        volumes,
     };
     Inspection::new(target, probes)
 }

@@ -61,6 +61,8 @@ pub struct Target {
     /// The overlay upperdir and lowerdirs (top first), when the rootfs is an overlay.
     pub upperdir: Option<PathBuf>,
     pub lowerdirs: Vec<PathBuf>,
+    /// Tracked writable volumes: (path in the container, host directory).
+    pub volumes: Vec<(PathBuf, PathBuf)>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -179,6 +181,8 @@ impl Answer {
 struct Mark {
     counters: CgroupCounters,
     manifest: Manifest,
+    /// One per tracked volume, in `Target::volumes` order.
+    volumes: Vec<Manifest>,
     processes: Vec<ProcInfo>,
     run_counts: HashMap<u32, u64>,
     memory: HashMap<u32, MemoryImage>,
@@ -294,7 +298,16 @@ impl Inspection {
                 Err(e) => log::debug!("memory of pid {}: {e}", p.pid),
             }
         }
-        Ok(Mark { counters, manifest, processes, run_counts, memory })
+        let volumes = self.scan_volumes().unwrap_or_default();
+        Ok(Mark { counters, manifest, processes, run_counts, memory, volumes })
+    }
+
+    fn scan_volumes(&self) -> Result<Vec<Manifest>, String> {
+        self.target
+            .volumes
+            .iter()
+            .map(|(at, dir)| Manifest::scan(dir).map_err(|e| format!("cannot scan volume {} ({}): {e}", at.display(), dir.display())))
+            .collect()
     }
 
     fn scan_upper(&self) -> Result<Manifest, String> {
@@ -388,6 +401,29 @@ impl Inspection {
             }
         } else {
             prev_manifest.cloned()
+        };
+        let volumes = if fs_activity || prev.is_none() {
+            match self.scan_volumes() {
+                Ok(now) => {
+                    let empty = Manifest::default();
+                    for (i, (at, _)) in self.target.volumes.iter().enumerate() {
+                        let before = prev.as_ref().and_then(|m| m.volumes.get(i)).unwrap_or(&empty);
+                        let d = fs::diff(before, &now[i], &[]);
+                        let inside = |p: PathBuf| at.join(p.strip_prefix("/").unwrap_or(&p));
+                        fs.changed |= !d.is_empty();
+                        fs.added.extend(d.added.into_iter().map(inside));
+                        fs.modified.extend(d.modified.into_iter().map(inside));
+                        fs.deleted.extend(d.deleted.into_iter().map(inside));
+                    }
+                    Some(now)
+                }
+                Err(e) => {
+                    degraded.push(e);
+                    None
+                }
+            }
+        } else {
+            prev.as_ref().map(|m| m.volumes.clone())
         };
 
         // Processes.
@@ -492,11 +528,11 @@ impl Inspection {
         let kind = if degraded.is_empty() { Kind::from_parts(fs.changed, procs.changed) } else { Kind::Full };
         // The present becomes the mark; if it could not be observed, the next turn takes a
         // fresh full observation.
-        self.mark = match (counters, manifest, now_procs) {
-            (Some(counters), Some(manifest), Some(processes)) if degraded.is_empty() => {
-                Some(Mark { counters, manifest, processes, run_counts, memory: memory_images })
+        self.mark = match (counters, manifest, now_procs, volumes) {
+            (Some(counters), Some(manifest), Some(processes), Some(volumes)) if degraded.is_empty() => {
+                Some(Mark { counters, manifest, processes, run_counts, memory: memory_images, volumes })
             }
-            (_, manifest, _) => self.observe_all(manifest.unwrap_or_default()).ok(),
+            (_, manifest, _, _) => self.observe_all(manifest.unwrap_or_default()).ok(),
         };
         let answer = Answer {
             container_id: self.target.container_id.clone(),
