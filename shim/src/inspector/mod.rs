@@ -561,3 +561,48 @@ impl Drop for Inspection {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A target over plain directories: a fake cgroup listing this test process, an upperdir.
+    fn target(dir: &Path) -> Target {
+        let cgroup = dir.join("cgroup");
+        let upper = dir.join("upper");
+        std::fs::create_dir_all(&cgroup).unwrap();
+        std::fs::create_dir_all(&upper).unwrap();
+        std::fs::write(cgroup.join("cgroup.procs"), format!("{}\n", std::process::id())).unwrap();
+        Target {
+            container_id: "c1".into(),
+            cgroup2_dir: cgroup,
+            upperdir: Some(upper),
+            lowerdirs: Vec::new(),
+            volumes: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn without_probes_every_turn_is_full_and_says_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut i = Inspection::new(target(dir.path()), Err("bpf(2): Operation not permitted".into()));
+        i.mark_base();
+        for _ in 0..2 {
+            let a = i.turn_end();
+            assert_eq!(a.kind, Kind::Full, "{a:?}");
+            assert!(a.degraded.iter().any(|d| d.contains("eBPF probes unavailable") && d.contains("not permitted")), "{a:?}");
+            assert!(a.summary().contains("DEGRADED"), "{}", a.summary());
+        }
+    }
+
+    #[test]
+    fn an_unreadable_upperdir_makes_the_turn_full() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut t = target(dir.path());
+        t.upperdir = Some(dir.path().join("missing"));
+        let mut i = Inspection::new(t, Err("no probes in this test".into()));
+        let a = i.turn_end();
+        assert_eq!(a.kind, Kind::Full);
+        assert!(a.degraded.iter().any(|d| d.contains("cannot scan upperdir")), "{a:?}");
+    }
+}
