@@ -320,3 +320,46 @@ async fn tracked_volume_turns() {
     s.turn("echo t > /workspace/tmp; rm /workspace/tmp", "none").await;
     s.finish().await;
 }
+
+/// crabctl ends a turn and explains it, the way a harness or a person would use it.
+#[tokio::test(flavor = "multi_thread")]
+async fn crabctl_turn_end_and_explain() {
+    let (mut s, _g) = Sandbox::start("inspect_ctl").await;
+    s.run("echo hello > /app/greeting").await;
+    let config = s.state_dir.with_extension("toml");
+    std::fs::create_dir_all(config.parent().unwrap()).unwrap();
+    std::fs::write(&config, format!("[store]\nstate_dir = \"{}\"\n", s.state_dir.display())).unwrap();
+    let crabctl = |args: &[&str]| {
+        let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl");
+        let out = std::process::Command::new(&bin)
+            .arg("--address")
+            .arg(&s.h.env.address)
+            .args(["--namespace", &s.h.env.namespace, "--config"])
+            .arg(&config)
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("run {}: {e} (build it with `cargo build --release`)", bin.display()));
+        (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, out, err) = crabctl(&["turn-end", &s.id, "--turn", "greet"]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    let (code, out, err) = crabctl(&["turns", &s.id]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    let line = out.lines().find(|l| l.contains("greet")).unwrap_or_else(|| panic!("no turn line in:\n{out}"));
+    assert!(line.contains(" fs ") && line.contains("fs +1"), "{line}");
+    let (code, out, err) = crabctl(&["show", &s.id, "greet"]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    let answer: Value = serde_json::from_str(&out).unwrap();
+    assert!(has(&answer, "added", "/app/greeting"), "{answer:#}");
+    // Errors are clear and exit non-zero.
+    let (code, _, err) = crabctl(&["show", &s.id, "nope"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("has no turn nope"), "{err}");
+    let (code, _, err) = crabctl(&["turn-end", "no-such-container"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("no-such-container"), "{err}");
+    let (code, _, err) = crabctl(&["frobnicate"]);
+    assert_eq!(code, Some(2), "{err}");
+    let _ = std::fs::remove_file(&config);
+    s.finish().await;
+}

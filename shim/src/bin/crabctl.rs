@@ -1,0 +1,156 @@
+//! crabctl: crab's command line for people and agent harnesses.
+//!
+//!   crabctl [GLOBAL] turn-end CONTAINER [--turn ID]   end a turn (Tasks.Update with io.crab/turn-end)
+//!   crabctl [GLOBAL] turns CONTAINER                  list the turn answers, one line each
+//!   crabctl [GLOBAL] show CONTAINER TURN              explain one turn's answer (by seq or turn id)
+//!
+//! GLOBAL: --address SOCK (default /run/containerd/containerd.sock, or $CONTAINERD_ADDRESS),
+//!         --namespace NS (default "default", or $CONTAINERD_NAMESPACE),
+//!         --config PATH (crab's config, for its state directory; default: as the shim finds it).
+//!
+//! Exit status: 0 on success, 1 on failure (with a message on stderr), 2 on a usage error.
+
+use std::{collections::HashMap, path::PathBuf, process::ExitCode};
+
+use containerd_client::{services::v1::tasks_client::TasksClient, services::v1::UpdateTaskRequest, with_namespace};
+use crab_runtime_config::Config;
+use crab_shim::turns::{turns_dir, TURN_END};
+use tonic::Request;
+
+struct Global {
+    address: PathBuf,
+    namespace: String,
+    config: Option<PathBuf>,
+}
+
+const USAGE: &str = "usage: crabctl [--address SOCK] [--namespace NS] [--config PATH] <command>
+commands:
+  turn-end CONTAINER [--turn ID]   end a turn of CONTAINER (its answer is logged and stored)
+  turns CONTAINER                  list CONTAINER's turn answers
+  show CONTAINER TURN              explain one turn (TURN: sequence number or turn id)";
+
+fn usage(msg: &str) -> ExitCode {
+    eprintln!("crabctl: {msg}\n{USAGE}");
+    ExitCode::from(2)
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let mut g = Global {
+        address: std::env::var_os("CONTAINERD_ADDRESS")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| "/run/containerd/containerd.sock".into()),
+        namespace: std::env::var("CONTAINERD_NAMESPACE").unwrap_or_else(|_| "default".into()),
+        config: None,
+    };
+    while let Some(flag) = args.first().filter(|a| a.starts_with("--")).cloned() {
+        args.remove(0);
+        if flag == "--help" {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        let Some(value) = (!args.is_empty()).then(|| args.remove(0)) else {
+            return usage(&format!("{flag} needs a value"));
+        };
+        match flag.as_str() {
+            "--address" | "-a" => g.address = value.into(),
+            "--namespace" | "-n" => g.namespace = value,
+            "--config" => g.config = Some(value.into()),
+            _ => return usage(&format!("unknown option {flag}")),
+        }
+    }
+    let result = match args.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
+        ["turn-end", container] => turn_end(&g, container, None).await,
+        ["turn-end", container, "--turn", id] => turn_end(&g, container, Some(id)).await,
+        ["turns", container] => turns(&g, container),
+        ["show", container, turn] => show(&g, container, turn),
+        [] => return usage("no command"),
+        _ => return usage(&format!("cannot parse `{}`", args.join(" "))),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("crabctl: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn turn_end(g: &Global, container: &str, turn: Option<&str>) -> Result<(), String> {
+    let turn = match turn {
+        Some(t) => t.to_string(),
+        None => format!("crabctl-{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis()),
+    };
+    let channel = containerd_client::connect(&g.address)
+        .await
+        .map_err(|e| format!("cannot connect to containerd at {}: {e}", g.address.display()))?;
+    let req = UpdateTaskRequest {
+        container_id: container.into(),
+        resources: None,
+        annotations: HashMap::from([(TURN_END.to_string(), turn.clone())]),
+    };
+    let req: Request<UpdateTaskRequest> = with_namespace!(req, g.namespace.as_str());
+    TasksClient::new(channel).update(req).await.map_err(|s| format!("turn end of {container}: {}", s.message()))?;
+    println!("turn {turn} of {container} ended");
+    Ok(())
+}
+
+fn answers(g: &Global, container: &str) -> Result<Vec<serde_json::Value>, String> {
+    let (config, _) = Config::load_or_default(g.config.as_deref()).map_err(|e| e.to_string())?;
+    let dir = turns_dir(&config.store.state_dir, &g.namespace, container);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .map_err(|e| format!("no turns of {container} in {}: {e}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "json") && !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
+        .collect();
+    files.sort();
+    files
+        .iter()
+        .map(|f| {
+            let data = std::fs::read(f).map_err(|e| format!("{}: {e}", f.display()))?;
+            serde_json::from_slice(&data).map_err(|e| format!("{}: {e}", f.display()))
+        })
+        .collect()
+}
+
+fn count(v: &serde_json::Value) -> usize {
+    v.as_array().map(Vec::len).unwrap_or(0)
+}
+
+fn turns(g: &Global, container: &str) -> Result<(), String> {
+    println!("{:>5}  {:<20} {:<5} {:>9}  WHY", "SEQ", "TURN", "KIND", "TOOK(us)");
+    for a in answers(g, container)? {
+        let fs = &a["fs"];
+        let p = &a["procs"];
+        let mut why = Vec::new();
+        if count(&a["degraded"]) > 0 {
+            why.push("DEGRADED".to_string());
+        }
+        if fs["changed"] == true {
+            why.push(format!("fs +{} ~{} -{}", count(&fs["added"]), count(&fs["modified"]), count(&fs["deleted"])));
+        }
+        if p["changed"] == true {
+            why.push(format!("procs +{} -{} mem {}", count(&p["started"]), count(&p["ended"]), count(&p["memory"])));
+        }
+        println!(
+            "{:>5}  {:<20} {:<5} {:>9}  {}",
+            a["seq"],
+            a["turn_id"].as_str().unwrap_or("-"),
+            a["kind"].as_str().unwrap_or("?"),
+            a["elapsed_us"],
+            why.join(", ")
+        );
+    }
+    Ok(())
+}
+
+fn show(g: &Global, container: &str, turn: &str) -> Result<(), String> {
+    let all = answers(g, container)?;
+    let found = all
+        .iter()
+        .find(|a| a["turn_id"].as_str() == Some(turn) || a["seq"].as_u64().map(|s| s.to_string()).as_deref() == Some(turn))
+        .ok_or_else(|| format!("{container} has no turn {turn}"))?;
+    println!("{}", serde_json::to_string_pretty(found).map_err(|e| e.to_string())?);
+    Ok(())
+}
