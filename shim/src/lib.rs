@@ -8,6 +8,7 @@
 
 pub mod bundle;
 pub mod cgroup;
+pub mod checkpoint;
 pub mod containers;
 pub mod error;
 pub mod inspector;

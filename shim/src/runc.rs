@@ -48,6 +48,21 @@ pub struct State {
     pub status: String,
 }
 
+/// Options of `runc checkpoint` (go-runc's `CheckpointOpts` and its `LeaveRunning` action).
+#[derive(Debug, Clone, Default)]
+pub struct CheckpointOpts {
+    pub image_path: PathBuf,
+    /// Where CRIU writes its log (`dump.log`); runc's default is the image directory.
+    pub work_path: Option<PathBuf>,
+    pub leave_running: bool,
+    pub tcp_established: bool,
+    pub ext_unix_sk: bool,
+    pub file_locks: bool,
+    pub shell_job: bool,
+    /// `soft`, `full`, `strict` or `ignore`.
+    pub manage_cgroups_mode: Option<String>,
+}
+
 #[derive(Deserialize)]
 struct LogLine {
     level: String,
@@ -175,6 +190,32 @@ impl Runc {
         self.run("update", vec!["--resources".into(), resources_file.into(), id.into()], None)
             .await
             .map(drop)
+    }
+
+    /// `runc checkpoint`: dumps the container's init and its descendants with CRIU.
+    pub async fn checkpoint(&self, id: &str, opts: &CheckpointOpts) -> Result<()> {
+        let mut args: Vec<OsString> = vec!["--image-path".into(), opts.image_path.clone().into()];
+        if let Some(w) = &opts.work_path {
+            args.extend(["--work-path".into(), w.clone().into()]);
+        }
+        for (set, flag) in [
+            (opts.tcp_established, "--tcp-established"),
+            (opts.ext_unix_sk, "--ext-unix-sk"),
+            (opts.shell_job, "--shell-job"),
+            (opts.file_locks, "--file-locks"),
+        ] {
+            if set {
+                args.push(flag.into());
+            }
+        }
+        if let Some(mode) = &opts.manage_cgroups_mode {
+            args.extend(["--manage-cgroups-mode".into(), mode.into()]);
+        }
+        if opts.leave_running {
+            args.push("--leave-running".into());
+        }
+        args.push(id.into());
+        self.run("checkpoint", args, None).await.map(drop)
     }
 
     pub async fn state(&self, id: &str) -> Result<State> {
