@@ -1305,6 +1305,11 @@ mod tests {
                 let pid = libc::fork();
                 assert!(pid >= 0);
                 if pid == 0 {
+                    // Away from the test runner's stdout/stderr, whose shared file positions
+                    // move when anything else writes to them (CI logs to a file).
+                    let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+                    libc::dup2(null, 1);
+                    libc::dup2(null, 2);
                     child_loop(c[0], a[1], data);
                 }
                 libc::close(c[0]);
@@ -1669,6 +1674,9 @@ while True:
                 .args(["-c", PY])
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
+                // Not the test runner's stderr: under CI it is a log file other processes
+                // append to, whose shared position would (rightly) count as a change.
+                .stderr(Stdio::null())
                 .spawn()
                 .expect("python3");
             let mut out = BufReader::new(child.stdout.take().unwrap());
@@ -1759,7 +1767,7 @@ while True:
 
     #[test]
     fn sleep_captured_twice_is_equal() {
-        let mut c = Command::new("sleep").arg("100").spawn().unwrap();
+        let mut c = Command::new("sleep").arg("100").stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
         wait_blocked(c.id(), libc::SYS_clock_nanosleep as u32);
         let a = capture(c.id()).unwrap();
         let b = capture(c.id()).unwrap();
@@ -1776,8 +1784,8 @@ while True:
 
     #[test]
     fn different_process_is_all_change() {
-        let mut c1 = Command::new("sleep").arg("100").spawn().unwrap();
-        let mut c2 = Command::new("sleep").arg("100").spawn().unwrap();
+        let mut c1 = Command::new("sleep").arg("100").stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let mut c2 = Command::new("sleep").arg("100").stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
         wait_blocked(c1.id(), libc::SYS_clock_nanosleep as u32);
         wait_blocked(c2.id(), libc::SYS_clock_nanosleep as u32);
         let a = capture(c1.id()).unwrap();
