@@ -2,3 +2,5 @@
 
 pub mod pages;
 pub mod process;
+pub mod layer;
+pub mod store;

@@ -1,0 +1,724 @@
+//! The on-disk checkpoint store of one sandbox (`<state_dir>/<namespace>/<container>/`).
+//!
+//! ```text
+//! checkpoints/<seq:06>.json   published manifests (written as .<seq:06>.json.tmp, fsync, rename, fsync dir)
+//! blobs/sha256/<hex>          content-addressed layer blobs (zstd tar)
+//! proc/<seq:06>/              CRIU image directories, complete before the manifest naming them is published
+//! chunks/<hex>                content-addressed page chunks shared by process images (pages.rs)
+//! ```
+//!
+//! Nothing partial is ever visible: every file appears under its final name by a rename after
+//! an fsync, and a manifest is published only when everything it names is in place, so a crash
+//! at any point leaves the previously published manifests intact and self-sufficient.
+//! Leftovers (`*.tmp`, blobs and process images no manifest names) are swept by [`Store::open`],
+//! but only by the store that holds the root's lock: a second `Store` on the same root (another
+//! job, `crabctl`) never deletes what the first may still be writing.
+
+use std::{
+    collections::HashSet,
+    ffi::OsStr,
+    fs::{self, File, OpenOptions},
+    io::{self, Read, Write},
+    os::{
+        fd::AsRawFd,
+        unix::{ffi::OsStrExt, fs::OpenOptionsExt},
+    },
+    path::{Component, Path, PathBuf},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Mutex,
+    },
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// The manifest format this crab writes and the newest it reads.
+pub const FORMAT: u32 = 1;
+/// An OCI layer compressed with zstd (what [`super::layer`] writes).
+pub const MEDIA_TYPE_LAYER_ZSTD: &str = "application/vnd.oci.image.layer.v1.tar+zstd";
+/// An uncompressed OCI layer.
+pub const MEDIA_TYPE_LAYER_TAR: &str = "application/vnd.oci.image.layer.v1.tar";
+
+const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("checkpoint store: no space left on device ({op} {path}); nothing was published")]
+    NoSpace { op: &'static str, path: PathBuf },
+    #[error("checkpoint store: {op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("checkpoint manifest {path} has format {format}, newer than the newest this crab reads ({FORMAT}): upgrade crab to read it")]
+    UnknownFormat { path: PathBuf, format: u64 },
+    #[error("checkpoint manifest {path} is corrupt: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+    #[error("no checkpoint {seq} in {root}")]
+    NotFound { seq: u64, root: PathBuf },
+    #[error("checkpoint {seq} is already published in {root}")]
+    Exists { seq: u64, root: PathBuf },
+    #[error("checkpoint {seq} cannot be published: {reason}")]
+    Invalid { seq: u64, reason: String },
+}
+
+impl StoreError {
+    /// An I/O error; a full disk (or quota) becomes [`StoreError::NoSpace`].
+    pub(crate) fn io(op: &'static str, path: &Path, source: io::Error) -> StoreError {
+        if is_no_space(&source) {
+            StoreError::NoSpace { op, path: path.to_path_buf() }
+        } else {
+            StoreError::Io { op, path: path.to_path_buf(), source }
+        }
+    }
+
+    pub fn is_no_space(&self) -> bool {
+        matches!(self, StoreError::NoSpace { .. })
+    }
+}
+
+pub(crate) fn is_no_space(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
+}
+
+/// What a checkpoint holds (`failed` records an attempt that produced nothing new: it keeps the
+/// previous references so the lineage stays readable).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckpointKind {
+    Fs,
+    Proc,
+    Full,
+    Failed,
+}
+
+/// An OCI content descriptor of a layer blob, with the digest of its uncompressed tar.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Descriptor {
+    /// `sha256:<hex>` of the blob as stored (compressed).
+    pub digest: String,
+    /// `sha256:<hex>` of the uncompressed tar (the image config's `rootfs.diff_ids`).
+    pub diff_id: String,
+    /// Bytes of the blob as stored.
+    pub size: u64,
+    pub media_type: String,
+}
+
+impl Descriptor {
+    /// The hex part of the digest.
+    pub fn hex(&self) -> &str {
+        self.digest.strip_prefix("sha256:").unwrap_or(&self.digest)
+    }
+}
+
+/// A process image of the store.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessImage {
+    /// Relative to the store root: `proc/<seq:06>`.
+    pub image: String,
+    pub bytes_stored: u64,
+    pub bytes_logical: u64,
+    pub pids: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Timings {
+    #[serde(default)]
+    pub freeze_ms: f64,
+    #[serde(default)]
+    pub capture_ms: f64,
+    #[serde(default)]
+    pub total_ms: f64,
+}
+
+impl Timings {
+    pub fn ms(d: Duration) -> f64 {
+        d.as_secs_f64() * 1000.0
+    }
+}
+
+/// One checkpoint `C_i = (P_j, F_k)`: the whole fs layer chain (oldest first) and the process image.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: u32,
+    pub seq: u64,
+    pub parent: Option<u64>,
+    pub turn_id: String,
+    pub kind: CheckpointKind,
+    pub fs_layers: Vec<Descriptor>,
+    pub process: Option<ProcessImage>,
+    /// RFC 3339, UTC.
+    pub created_at: String,
+    #[serde(default)]
+    pub timings: Timings,
+    #[serde(default)]
+    pub explanation: String,
+}
+
+impl Manifest {
+    /// A manifest following `parent` (the latest published one, if any): it starts with the
+    /// parent's references, so an fs-only checkpoint keeps the process image and a proc-only
+    /// one keeps the layer chain; the caller then pushes a layer and/or replaces `process`.
+    pub fn child_of(parent: Option<&Manifest>, seq: u64, turn_id: &str, kind: CheckpointKind) -> Manifest {
+        Manifest {
+            format: FORMAT,
+            seq,
+            parent: parent.map(|p| p.seq),
+            turn_id: turn_id.to_owned(),
+            kind,
+            fs_layers: parent.map(|p| p.fs_layers.clone()).unwrap_or_default(),
+            process: parent.and_then(|p| p.process.clone()),
+            created_at: rfc3339(SystemTime::now()),
+            timings: Timings::default(),
+            explanation: String::new(),
+        }
+    }
+}
+
+/// What [`Store::apply_retention`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Retention {
+    pub removed_manifests: Vec<u64>,
+    pub removed_blobs: Vec<String>,
+    pub removed_proc: Vec<PathBuf>,
+}
+
+/// The store of one sandbox. Cheap to share (`&Store` from several threads).
+#[derive(Debug)]
+pub struct Store {
+    root: PathBuf,
+    /// Held (flock) by the store that swept on open; `None` when another one holds it.
+    _lock: Option<File>,
+    /// Blobs put by this store whose manifest is not published yet: retention leaves them alone.
+    pending: Mutex<HashSet<String>>,
+}
+
+impl Store {
+    /// Opens (creating its directories) the store at `root`. If no other `Store` holds the
+    /// root, takes its lock and sweeps the leftovers of a crash: `*.tmp` files, then blobs and
+    /// process images no published manifest names. Unreadable manifests make the sweep keep
+    /// every blob and image (it cannot know what they name).
+    pub fn open(root: &Path) -> Result<Store, StoreError> {
+        for dir in [root.to_path_buf(), root.join("checkpoints"), root.join("blobs/sha256"), root.join("proc"), root.join("chunks")] {
+            fs::create_dir_all(&dir).map_err(|e| StoreError::io("create", &dir, e))?;
+        }
+        let lock_path = root.join(".lock");
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| StoreError::io("open", &lock_path, e))?;
+        let locked = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
+        let store = Store { root: root.to_path_buf(), _lock: locked.then_some(lock), pending: Mutex::default() };
+        if locked {
+            store.sweep()?;
+        } else {
+            log::debug!("checkpoint store {}: in use by another store, not sweeping", root.display());
+        }
+        Ok(store)
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Where the process image of checkpoint `seq` goes (complete before its manifest is published).
+    pub fn proc_dir(&self, seq: u64) -> PathBuf {
+        self.root.join(proc_image_name(seq))
+    }
+
+    pub fn chunks_dir(&self) -> PathBuf {
+        self.root.join("chunks")
+    }
+
+    /// The stored blob of a descriptor.
+    pub fn blob_path(&self, digest: &str) -> PathBuf {
+        self.blobs_dir().join(digest.strip_prefix("sha256:").unwrap_or(digest))
+    }
+
+    fn blobs_dir(&self) -> PathBuf {
+        self.root.join("blobs/sha256")
+    }
+
+    fn checkpoints_dir(&self) -> PathBuf {
+        self.root.join("checkpoints")
+    }
+
+    fn manifest_path(&self, seq: u64) -> PathBuf {
+        self.checkpoints_dir().join(format!("{seq:06}.json"))
+    }
+
+    /// Published sequence numbers, ascending.
+    fn seqs(&self) -> Result<Vec<u64>, StoreError> {
+        let dir = self.checkpoints_dir();
+        let mut seqs = Vec::new();
+        for entry in fs::read_dir(&dir).map_err(|e| StoreError::io("read", &dir, e))? {
+            let entry = entry.map_err(|e| StoreError::io("read", &dir, e))?;
+            if let Some(seq) = manifest_seq(&entry.file_name()) {
+                seqs.push(seq);
+            }
+        }
+        seqs.sort_unstable();
+        Ok(seqs)
+    }
+
+    pub fn get(&self, seq: u64) -> Result<Manifest, StoreError> {
+        let path = self.manifest_path(seq);
+        let bytes = match fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(StoreError::NotFound { seq, root: self.root.clone() }),
+            Err(e) => return Err(StoreError::io("read", &path, e)),
+        };
+        let m = parse_manifest(&path, &bytes)?;
+        if m.seq != seq {
+            return Err(StoreError::Corrupt { path, reason: format!("it says seq {}", m.seq) });
+        }
+        Ok(m)
+    }
+
+    pub fn latest(&self) -> Result<Option<Manifest>, StoreError> {
+        self.seqs()?.last().map(|&seq| self.get(seq)).transpose()
+    }
+
+    /// Every published manifest, oldest first.
+    pub fn list(&self) -> Result<Vec<Manifest>, StoreError> {
+        self.seqs()?.into_iter().map(|seq| self.get(seq)).collect()
+    }
+
+    /// One past the newest published checkpoint (1 for an empty store). Retention always keeps
+    /// the newest, so numbers are never reused.
+    pub fn next_seq(&self) -> Result<u64, StoreError> {
+        Ok(self.seqs()?.last().map_or(1, |s| s + 1))
+    }
+
+    /// Publishes `m` atomically: `.<seq>.json.tmp`, fsync, rename (never over an existing
+    /// manifest), fsync of the directory. Everything `m` names must already be in the store.
+    pub fn publish(&self, m: &Manifest) -> Result<(), StoreError> {
+        let invalid = |reason: String| StoreError::Invalid { seq: m.seq, reason };
+        if m.format != FORMAT {
+            return Err(invalid(format!("format {} (this crab writes {FORMAT})", m.format)));
+        }
+        for layer in &m.fs_layers {
+            if !self.blob_path(&layer.digest).is_file() {
+                return Err(invalid(format!("layer {} is not in the store", layer.digest)));
+            }
+        }
+        if let Some(p) = &m.process {
+            let dir = self.resolve(&p.image).ok_or_else(|| invalid(format!("process image {:?} is not a store path", p.image)))?;
+            if !dir.is_dir() {
+                return Err(invalid(format!("process image {} is not in the store", dir.display())));
+            }
+        }
+        let dir = self.checkpoints_dir();
+        let path = self.manifest_path(m.seq);
+        let tmp = dir.join(format!(".{:06}.json.tmp", m.seq));
+        let mut json = serde_json::to_vec_pretty(m).map_err(|e| invalid(e.to_string()))?;
+        json.push(b'\n');
+        let mut file = TempFile::create(tmp)?;
+        file.write_all(&json)?;
+        file.persist_noreplace(&path).map_err(|e| match e {
+            PersistError::Exists => StoreError::Exists { seq: m.seq, root: self.root.clone() },
+            PersistError::Store(e) => e,
+        })?;
+        let mut pending = self.pending.lock().unwrap();
+        for layer in &m.fs_layers {
+            pending.remove(layer.hex());
+        }
+        Ok(())
+    }
+
+    /// A new temporary file in the store (same filesystem as the blobs), removed when dropped.
+    pub fn temp_file(&self, what: &str) -> Result<TempFile, StoreError> {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        TempFile::create(self.root.join("blobs").join(format!(".{what}-{}-{n}.tmp", std::process::id())))
+    }
+
+    /// Hashes the layer blob at `tmp_file` (zstd-compressed or plain tar), computing its
+    /// diff_id, and moves it into `blobs/` (durably). `tmp_file` is consumed.
+    pub fn put_blob(&self, tmp_file: &Path) -> Result<Descriptor, StoreError> {
+        let open = |p: &Path| File::open(p).map_err(|e| StoreError::io("open", p, e));
+        let mut file = open(tmp_file)?;
+        let mut magic = [0u8; 4];
+        let n = read_full(&mut file, &mut magic).map_err(|e| StoreError::io("read", tmp_file, e))?;
+        let compressed = n == 4 && magic == ZSTD_MAGIC;
+        let (digest, size) = sha256_reader(open(tmp_file)?).map_err(|e| StoreError::io("read", tmp_file, e))?;
+        let diff_id = if compressed {
+            let decoder = zstd::stream::read::Decoder::new(open(tmp_file)?).map_err(|e| StoreError::io("read", tmp_file, e))?;
+            sha256_reader(decoder)
+                .map_err(|e| StoreError::Corrupt { path: tmp_file.to_path_buf(), reason: format!("zstd: {e}") })?
+                .0
+        } else {
+            digest.clone()
+        };
+        let media_type = if compressed { MEDIA_TYPE_LAYER_ZSTD } else { MEDIA_TYPE_LAYER_TAR };
+        let desc = Descriptor { digest, diff_id, size, media_type: media_type.to_owned() };
+        // A file elsewhere (another filesystem) is copied in first so the final step is a rename.
+        let staged;
+        let src = if tmp_file.parent().is_some_and(|p| same_device(p, &self.blobs_dir())) {
+            tmp_file
+        } else {
+            let mut t = self.temp_file("blob")?;
+            io::copy(&mut open(tmp_file)?, &mut t.file).map_err(|e| StoreError::io("copy", t.path(), e))?;
+            fs::remove_file(tmp_file).map_err(|e| StoreError::io("remove", tmp_file, e))?;
+            staged = t;
+            staged.path()
+        };
+        self.put_blob_hashed(src, &desc)?;
+        Ok(desc)
+    }
+
+    /// Moves an already hashed blob into `blobs/`: fsync, rename, fsync dir. A blob already
+    /// stored (same digest) is kept and `tmp_file` removed.
+    pub(crate) fn put_blob_hashed(&self, tmp_file: &Path, desc: &Descriptor) -> Result<(), StoreError> {
+        let dest = self.blob_path(&desc.digest);
+        self.pending.lock().unwrap().insert(desc.hex().to_owned());
+        if dest.exists() {
+            fs::remove_file(tmp_file).map_err(|e| StoreError::io("remove", tmp_file, e))?;
+            return Ok(());
+        }
+        let file = File::open(tmp_file).map_err(|e| StoreError::io("open", tmp_file, e))?;
+        file.sync_all().map_err(|e| StoreError::io("fsync", tmp_file, e))?;
+        fs::rename(tmp_file, &dest).map_err(|e| StoreError::io("rename", tmp_file, e))?;
+        fsync_dir(&self.blobs_dir())
+    }
+
+    /// Keeps the newest `keep_last` manifests, every one whose seq is a multiple of
+    /// `keep_every`, and always the newest; deletes the other manifests, then every blob and
+    /// process image no kept manifest names (a kept manifest names its whole layer chain).
+    /// Blobs this store put for a manifest not yet published, and process images newer than
+    /// the newest manifest, are never touched. `None, None` keeps everything.
+    /// Page chunks (`chunks/`) are the process images' business (pages.rs).
+    pub fn apply_retention(&self, keep_last: Option<u32>, keep_every: Option<u32>) -> Result<Retention, StoreError> {
+        let mut report = Retention::default();
+        if keep_last.is_none() && keep_every.is_none() {
+            return Ok(report);
+        }
+        // Read every manifest before deleting anything: one unreadable manifest stops it all.
+        let all = self.list()?;
+        let Some(newest) = all.last().map(|m| m.seq) else { return Ok(report) };
+        let n = all.len();
+        let keep = |i: usize, m: &Manifest| {
+            m.seq == newest
+                || keep_last.is_some_and(|k| i + (k as usize) >= n)
+                || keep_every.is_some_and(|k| k > 0 && m.seq.is_multiple_of(u64::from(k)))
+        };
+        let (kept, dropped): (Vec<_>, Vec<_>) = all.iter().enumerate().partition(|(i, m)| keep(*i, m));
+        for (_, m) in &dropped {
+            let path = self.manifest_path(m.seq);
+            fs::remove_file(&path).map_err(|e| StoreError::io("remove", &path, e))?;
+            report.removed_manifests.push(m.seq);
+        }
+        if !dropped.is_empty() {
+            fsync_dir(&self.checkpoints_dir())?;
+        }
+        let kept: Vec<&Manifest> = kept.into_iter().map(|(_, m)| m).collect();
+        self.collect_garbage(&kept, newest, &mut report)?;
+        if !report.removed_manifests.is_empty() {
+            log::info!(
+                "checkpoint store {}: retention removed checkpoints {:?}, {} blobs, {} process images",
+                self.root.display(),
+                report.removed_manifests,
+                report.removed_blobs.len(),
+                report.removed_proc.len()
+            );
+        }
+        Ok(report)
+    }
+
+    /// Removes blobs and process images that no manifest of `kept` names, except pending
+    /// blobs and images newer than `newest`.
+    fn collect_garbage(&self, kept: &[&Manifest], newest: u64, report: &mut Retention) -> Result<(), StoreError> {
+        let blobs: HashSet<&str> = kept.iter().flat_map(|m| m.fs_layers.iter().map(Descriptor::hex)).collect();
+        let images: HashSet<PathBuf> =
+            kept.iter().filter_map(|m| m.process.as_ref().and_then(|p| self.resolve(&p.image))).collect();
+        let blobs_dir = self.blobs_dir();
+        let mut removed_blob = false;
+        for entry in read_dir(&blobs_dir)? {
+            let name = entry.file_name();
+            let Some(hex) = name.to_str() else { continue };
+            if hex.ends_with(".tmp") || blobs.contains(hex) || self.pending.lock().unwrap().contains(hex) {
+                continue;
+            }
+            let path = entry.path();
+            fs::remove_file(&path).map_err(|e| StoreError::io("remove", &path, e))?;
+            report.removed_blobs.push(format!("sha256:{hex}"));
+            removed_blob = true;
+        }
+        if removed_blob {
+            fsync_dir(&blobs_dir)?;
+        }
+        let proc_dir = self.root.join("proc");
+        let mut removed_image = false;
+        for entry in read_dir(&proc_dir)? {
+            let path = entry.path();
+            let seq = entry.file_name().to_str().and_then(|s| s.parse::<u64>().ok());
+            if images.contains(&path) || seq.is_none_or(|s| s > newest) {
+                continue;
+            }
+            remove_any(&path)?;
+            report.removed_proc.push(path);
+            removed_image = true;
+        }
+        if removed_image {
+            fsync_dir(&proc_dir)?;
+        }
+        Ok(())
+    }
+
+    fn sweep(&self) -> Result<(), StoreError> {
+        for dir in ["", "checkpoints", "blobs", "blobs/sha256", "proc", "chunks"] {
+            let dir = self.root.join(dir);
+            for entry in read_dir(&dir)? {
+                if entry.file_name().as_bytes().ends_with(b".tmp") {
+                    let path = entry.path();
+                    log::info!("checkpoint store: removing leftover {}", path.display());
+                    remove_any(&path)?;
+                }
+            }
+        }
+        let all = match self.list() {
+            Ok(all) => all,
+            Err(e) => {
+                log::warn!("checkpoint store {}: not sweeping unreferenced data: {e}", self.root.display());
+                return Ok(());
+            }
+        };
+        let newest = all.last().map_or(0, |m| m.seq);
+        let kept: Vec<&Manifest> = all.iter().collect();
+        let mut report = Retention::default();
+        self.collect_garbage(&kept, newest, &mut report)?;
+        // Images newer than the newest manifest were never published: a crash mid-checkpoint.
+        let proc_dir = self.root.join("proc");
+        for entry in read_dir(&proc_dir)? {
+            let seq = entry.file_name().to_str().and_then(|s| s.parse::<u64>().ok());
+            if seq.is_some_and(|s| s > newest) {
+                let path = entry.path();
+                remove_any(&path)?;
+                report.removed_proc.push(path);
+            }
+        }
+        if !report.removed_blobs.is_empty() || !report.removed_proc.is_empty() {
+            log::info!(
+                "checkpoint store {}: swept unreferenced blobs {:?} and process images {:?}",
+                self.root.display(),
+                report.removed_blobs,
+                report.removed_proc
+            );
+        }
+        Ok(())
+    }
+
+    /// A store-relative path (no `..`, not absolute) under the root.
+    fn resolve(&self, rel: &str) -> Option<PathBuf> {
+        let p = Path::new(rel);
+        p.components().all(|c| matches!(c, Component::Normal(_))).then(|| self.root.join(p))
+    }
+}
+
+/// `proc/<seq:06>`, as a manifest's `process.image` names it.
+pub fn proc_image_name(seq: u64) -> String {
+    format!("proc/{seq:06}")
+}
+
+/// A file under a temporary name, removed when dropped unless persisted.
+#[derive(Debug)]
+pub struct TempFile {
+    path: PathBuf,
+    pub(crate) file: File,
+    keep: bool,
+}
+
+pub(crate) enum PersistError {
+    Exists,
+    Store(StoreError),
+}
+
+impl TempFile {
+    fn create(path: PathBuf) -> Result<TempFile, StoreError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(|e| StoreError::io("create", &path, e))?;
+        Ok(TempFile { path, file, keep: false })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn file(&mut self) -> &mut File {
+        &mut self.file
+    }
+
+    fn write_all(&mut self, data: &[u8]) -> Result<(), StoreError> {
+        self.file.write_all(data).map_err(|e| StoreError::io("write", &self.path, e))
+    }
+
+    /// fsync, rename to `dest` unless it exists, fsync the directory.
+    fn persist_noreplace(mut self, dest: &Path) -> Result<(), PersistError> {
+        self.file.sync_all().map_err(|e| PersistError::Store(StoreError::io("fsync", &self.path, e)))?;
+        match rename_noreplace(&self.path, dest) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Err(PersistError::Exists),
+            Err(e) => return Err(PersistError::Store(StoreError::io("rename", &self.path, e))),
+        }
+        self.keep = true;
+        let dir = dest.parent().unwrap_or(Path::new("."));
+        fsync_dir(dir).map_err(PersistError::Store)
+    }
+
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        if !self.keep {
+            if let Err(e) = fs::remove_file(&self.path) {
+                if e.kind() != io::ErrorKind::NotFound {
+                    log::warn!("checkpoint store: cannot remove {}: {e}", self.path.display());
+                }
+            }
+        }
+    }
+}
+
+fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
+    let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput));
+    let (f, t) = (c(from)?, c(to)?);
+    let rc = unsafe { libc::renameat2(libc::AT_FDCWD, f.as_ptr(), libc::AT_FDCWD, t.as_ptr(), libc::RENAME_NOREPLACE) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() != Some(libc::EINVAL) {
+        return Err(e);
+    }
+    // Filesystems without RENAME_NOREPLACE: a link fails on an existing name, then drop the temp name.
+    fs::hard_link(from, to)?;
+    fs::remove_file(from)
+}
+
+pub(crate) fn fsync_dir(dir: &Path) -> Result<(), StoreError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| StoreError::io("fsync", dir, e))
+}
+
+fn read_dir(dir: &Path) -> Result<Vec<fs::DirEntry>, StoreError> {
+    fs::read_dir(dir)
+        .and_then(|it| it.collect::<io::Result<Vec<_>>>())
+        .map_err(|e| StoreError::io("read", dir, e))
+}
+
+fn remove_any(path: &Path) -> Result<(), StoreError> {
+    let res = match fs::symlink_metadata(path) {
+        Ok(md) if md.is_dir() => fs::remove_dir_all(path),
+        Ok(_) => fs::remove_file(path),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    };
+    res.map_err(|e| StoreError::io("remove", path, e))
+}
+
+fn same_device(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    matches!((fs::metadata(a), fs::metadata(b)), (Ok(x), Ok(y)) if x.dev() == y.dev())
+}
+
+/// `<digits>.json` -> seq.
+fn manifest_seq(name: &OsStr) -> Option<u64> {
+    let digits = name.to_str()?.strip_suffix(".json")?;
+    (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())).then(|| digits.parse().ok())?
+}
+
+fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest, StoreError> {
+    // The format decides how to read the rest: check it before the typed parse, so a newer
+    // manifest is reported as such rather than as a missing or mistyped field.
+    #[derive(Deserialize)]
+    struct Format {
+        format: u64,
+    }
+    let corrupt = |e: serde_json::Error| StoreError::Corrupt { path: path.to_path_buf(), reason: e.to_string() };
+    let Format { format } = serde_json::from_slice(bytes).map_err(corrupt)?;
+    if format > u64::from(FORMAT) {
+        return Err(StoreError::UnknownFormat { path: path.to_path_buf(), format });
+    }
+    if format == 0 {
+        return Err(StoreError::Corrupt { path: path.to_path_buf(), reason: "format 0".into() });
+    }
+    serde_json::from_slice(bytes).map_err(corrupt)
+}
+
+/// `sha256:<hex>` and length of everything `r` yields.
+pub(crate) fn sha256_reader(mut r: impl Read) -> io::Result<(String, u64)> {
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0u64;
+    loop {
+        let n = match r.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        h.update(&buf[..n]);
+        total += n as u64;
+    }
+    Ok((digest_string(h), total))
+}
+
+pub(crate) fn digest_string(h: Sha256) -> String {
+    let d = h.finalize();
+    let mut s = String::with_capacity(71);
+    s.push_str("sha256:");
+    for b in d {
+        s.push_str(&format!("{b:02x}"));
+    }
+    s
+}
+
+fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+/// RFC 3339 in UTC with milliseconds (`2026-05-01T12:00:00.123Z`).
+pub fn rfc3339(t: SystemTime) -> String {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = d.as_secs();
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Days to civil date (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60,
+        d.subsec_millis()
+    )
+}
