@@ -390,34 +390,50 @@ async fn kill_of_an_unknown_exec_is_not_found() {
     h.assert_no_leaks(&id).await;
 }
 
-/// crab answers UNIMPLEMENTED until its checkpoint work lands; containerd must pass that on as
-/// a clear Unimplemented, and the task must be unharmed.
+/// Tasks.Checkpoint (what `ctr task checkpoint` uses) dumps the running task with CRIU into a
+/// checkpoint in containerd's content store, leaving the task running, like the stock shim.
 #[tokio::test(flavor = "multi_thread")]
-async fn checkpoint_is_unimplemented_and_harmless() {
+async fn checkpoint_leaves_the_task_running() {
+    let h = Harness::for_test().await;
+    let id = h.unique_id("checkpoint");
+    let _g = h.guard(&[&id]);
+    let pid = h
+        .start_detached(&id, &ProcessSpec::sh("sleep 1000 & exec sleep 1001"))
+        .await
+        .unwrap();
+    let resp = h.checkpoint(&id).await.unwrap_or_else(|e| panic!("Checkpoint: {e}\n{}", h.log_excerpt(&id)));
+    assert!(!resp.descriptors.is_empty(), "no checkpoint descriptors: {resp:?}");
+    assert!(
+        resp.descriptors.iter().any(|d| d.media_type.contains("checkpoint")),
+        "{:?}",
+        resp.descriptors
+    );
+    assert_eq!(h.status(&id, "").await.unwrap(), (TaskStatus::Running, pid));
+    assert_eq!(h.kill_and_remove(&id).await.unwrap(), 137);
+    h.assert_no_leaks(&id).await;
+}
+
+/// An exec's main process still running is not in the tree `runc checkpoint` dumps (its parent is
+/// the shim): crab refuses the checkpoint, naming the process, instead of silently losing it.
+#[tokio::test(flavor = "multi_thread")]
+async fn checkpoint_refuses_to_lose_a_running_exec() {
     let h = Harness::for_test().await;
     if !h.runs_crab_only(
-        "checkpoint_is_unimplemented_and_harmless",
-        "the stock shim implements Checkpoint (runc checkpoint via CRIU)",
+        "checkpoint_refuses_to_lose_a_running_exec",
+        "the stock shim checkpoints without the exec's process (DESIGN.md, the trap)",
     ) {
         return;
     }
-    let id = h.unique_id("checkpoint_unimplemented");
+    let id = h.unique_id("checkpoint_trap");
     let _g = h.guard(&[&id]);
-    let pid = h
-        .start_detached(&id, &ProcessSpec::new(&["sleep", "1000"]))
-        .await
-        .unwrap();
-    let err = h.checkpoint(&id).await.expect_err("Checkpoint");
-    assert_eq!(err.grpc_code(), Some(Code::Unimplemented), "{err}");
-    assert!(
-        err.to_string().contains("Checkpoint") && err.to_string().contains("not implemented"),
-        "{err}"
-    );
+    let pid = h.start_detached(&id, &ProcessSpec::new(&["sleep", "1000"])).await.unwrap();
+    let io = h.stdio(&id, "e1", crab_integration::StdioOptions::default()).unwrap();
+    h.exec(&id, "e1", &ProcessSpec::new(&["sleep", "999"]), &io).await.unwrap();
+    h.start(&id, "e1").await.unwrap();
+    let err = h.checkpoint(&id).await.expect_err("a checkpoint that loses the exec");
+    assert_eq!(err.grpc_code(), Some(Code::FailedPrecondition), "{err}");
+    assert!(err.to_string().contains("sleep 999"), "{err}");
     assert_eq!(h.status(&id, "").await.unwrap(), (TaskStatus::Running, pid));
-    eventually(T, || {
-        (!host::container_processes(&id).is_empty()).then_some(())
-    })
-    .expect("container still has its process");
     assert_eq!(h.kill_and_remove(&id).await.unwrap(), 137);
     h.assert_no_leaks(&id).await;
 }

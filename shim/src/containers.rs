@@ -38,6 +38,19 @@ pub struct CreateParams {
     pub checkpoint: String,
 }
 
+/// containerd's checkpoint options (`containerd.runc.v1.CheckpointOptions`), as plain values.
+#[derive(Debug, Default)]
+pub struct TaskCheckpointOptions {
+    pub exit: bool,
+    pub open_tcp: bool,
+    pub external_unix_sockets: bool,
+    pub terminal: bool,
+    pub file_locks: bool,
+    pub cgroups_mode: Option<String>,
+    pub work_path: Option<PathBuf>,
+    pub work_path_was_default: bool,
+}
+
 pub struct Container {
     pub id: String,
     pub bundle: PathBuf,
@@ -675,6 +688,51 @@ impl Containers {
         let path = turns::store_answer(&dir, turn_id, &answer)?;
         log::debug!("turn {turn_id} of {}: answer stored in {}", c.id, path.display());
         Ok(answer)
+    }
+
+    /// containerd's own checkpoint (`ctr task checkpoint`): a CRIU image of the whole
+    /// container into `path`. Refused, before anything is dumped, when a live process would
+    /// be missing from the image (an exec's main process is not in init's tree).
+    pub async fn checkpoint_task(&self, id: &str, path: &Path, opts: TaskCheckpointOptions) -> Result<()> {
+        let c = self.get(id)?;
+        let _guard = c.lifecycle.lock().await;
+        c.init.transition(&[Status::Running, Status::Paused], c.init.status())?;
+        let init_pid = c.init.pid();
+        let cgroup = crate::cgroup::Cgroups::of(init_pid)?
+            .unified
+            .ok_or_else(|| Error::Other(format!("no cgroup2 directory for container {id}")))?;
+        crate::checkpoint::process::check_dumpable(init_pid, &cgroup)
+            .map_err(|e| Error::FailedPrecondition(format!("cannot checkpoint {id}: {e}")))?;
+        let work = match opts.work_path {
+            Some(w) => w,
+            None => c.bundle.join("criu-work"),
+        };
+        let result = c
+            .runc
+            .checkpoint(
+                id,
+                &crate::runc::CheckpointOpts {
+                    image_path: path.to_path_buf(),
+                    work_path: Some(work.clone()),
+                    leave_running: !opts.exit,
+                    tcp_established: opts.open_tcp,
+                    ext_unix_sk: opts.external_unix_sockets,
+                    file_locks: opts.file_locks,
+                    shell_job: opts.terminal,
+                    manage_cgroups_mode: opts.cgroups_mode,
+                },
+            )
+            .await;
+        if result.is_ok() && opts.work_path_was_default {
+            let _ = std::fs::remove_dir_all(&work);
+        }
+        result.map_err(|e| match e {
+            Error::Runc { message, .. } => Error::Runc {
+                command: "checkpoint",
+                message: format!("{message} (CRIU log: {})", work.join("dump.log").display()),
+            },
+            e => e,
+        })
     }
 
     pub fn init_pid(&self, id: &str) -> Result<u32> {

@@ -13,7 +13,7 @@ use containerd_shim::{
     api,
     protos::{
         protobuf::{well_known_types::any::Any, well_known_types::timestamp::Timestamp, Message},
-        shim::oci::ProcessDetails,
+        shim::oci::{CheckpointOptions, ProcessDetails},
         types::task::ProcessInfo,
     },
     publisher::RemotePublisher,
@@ -24,7 +24,7 @@ use crab_runtime_config::Config;
 
 use crate::{
     bundle,
-    containers::{Containers, CreateParams},
+    containers::{Containers, CreateParams, TaskCheckpointOptions},
     error::{Error, Result},
     process::Status,
     reaper::ExitSubscription,
@@ -224,8 +224,28 @@ impl containerd_shim::Task for TaskService {
         Ok(Empty::new())
     }
 
-    async fn checkpoint(&self, _: &TtrpcContext, _: api::CheckpointTaskRequest) -> TtrpcResult<Empty> {
-        Err(Error::Unimplemented("Checkpoint").into())
+    async fn checkpoint(&self, _: &TtrpcContext, req: api::CheckpointTaskRequest) -> TtrpcResult<Empty> {
+        let o = match req.options.as_ref().filter(|a| !a.value.is_empty()) {
+            Some(any) => CheckpointOptions::parse_from_bytes(&any.value)
+                .map_err(|e| Error::InvalidArgument(format!("checkpoint options: {e}")))?,
+            None => CheckpointOptions::default(),
+        };
+        let path = if o.image_path.is_empty() { req.path.clone() } else { o.image_path.clone() };
+        if path.is_empty() {
+            return Err(Error::InvalidArgument("checkpoint needs an image path".into()).into());
+        }
+        let opts = TaskCheckpointOptions {
+            exit: o.exit,
+            open_tcp: o.open_tcp,
+            external_unix_sockets: o.external_unix_sockets,
+            terminal: o.terminal,
+            file_locks: o.file_locks,
+            cgroups_mode: (!o.cgroups_mode.is_empty()).then(|| o.cgroups_mode.clone()),
+            work_path: (!o.work_path.is_empty()).then(|| PathBuf::from(&o.work_path)),
+            work_path_was_default: o.work_path.is_empty(),
+        };
+        log_err("checkpoint", &req.id, self.containers.checkpoint_task(&req.id, Path::new(&path), opts).await)?;
+        Ok(Empty::new())
     }
 
     async fn kill(&self, _: &TtrpcContext, req: api::KillRequest) -> TtrpcResult<Empty> {
