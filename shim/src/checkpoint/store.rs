@@ -722,3 +722,302 @@ pub fn rfc3339(t: SystemTime) -> String {
         d.subsec_millis()
     )
 }
+
+/// Helpers shared by the checkpoint tests.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use std::path::{Path, PathBuf};
+
+    use nix::mount::{mount, umount2, MntFlags, MsFlags};
+
+    /// A tmpfs of `size` mounted on `dir` (created), unmounted when dropped: a tiny
+    /// filesystem to run out of space on.
+    pub(crate) struct Tmpfs(PathBuf);
+
+    impl Tmpfs {
+        pub(crate) fn mount(dir: &Path, size: &str) -> Tmpfs {
+            std::fs::create_dir_all(dir).unwrap();
+            mount(Some("tmpfs"), dir, Some("tmpfs"), MsFlags::empty(), Some(format!("size={size}").as_str()))
+                .unwrap_or_else(|e| panic!("mount tmpfs on {}: {e} (tests run as root)", dir.display()));
+            Tmpfs(dir.to_path_buf())
+        }
+    }
+
+    impl Drop for Tmpfs {
+        fn drop(&mut self) {
+            let _ = umount2(&self.0, MntFlags::MNT_DETACH);
+        }
+    }
+
+    /// Every file (not directory) under `root`, relative.
+    pub(crate) fn files_under(root: &Path) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        let mut stack = vec![root.to_path_buf()];
+        while let Some(dir) = stack.pop() {
+            for e in std::fs::read_dir(&dir).unwrap() {
+                let e = e.unwrap();
+                if e.file_type().unwrap().is_dir() {
+                    stack.push(e.path());
+                } else {
+                    out.push(e.path().strip_prefix(root).unwrap().to_path_buf());
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// Incompressible bytes (xorshift), deterministic per seed.
+    pub(crate) fn noise(len: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed | 1;
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 24) as u8
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::{files_under, noise, Tmpfs};
+    use super::*;
+
+    /// Puts a small plain-tar blob (bytes unique per `seed`) and returns its descriptor.
+    fn blob(store: &Store, seed: u64) -> Descriptor {
+        let mut t = store.temp_file("test").unwrap();
+        t.file().write_all(&noise(1024, seed)).unwrap();
+        let path = t.path().to_path_buf();
+        let d = store.put_blob(&path).unwrap();
+        drop(t);
+        d
+    }
+
+    /// Publishes checkpoint `seq` on top of the latest: fs layers get a new blob when `fs`,
+    /// a process image is made when `proc`.
+    fn checkpoint(store: &Store, fs: bool, proc: bool) -> Manifest {
+        let prev = store.latest().unwrap();
+        let seq = store.next_seq().unwrap();
+        let kind = match (fs, proc) {
+            (true, true) => CheckpointKind::Full,
+            (true, false) => CheckpointKind::Fs,
+            (false, true) => CheckpointKind::Proc,
+            (false, false) => CheckpointKind::Failed,
+        };
+        let mut m = Manifest::child_of(prev.as_ref(), seq, &format!("turn-{seq}"), kind);
+        if fs {
+            m.fs_layers.push(blob(store, seq));
+        }
+        if proc {
+            fs::create_dir_all(store.proc_dir(seq)).unwrap();
+            fs::write(store.proc_dir(seq).join("pstree.img"), b"x").unwrap();
+            m.process = Some(ProcessImage { image: proc_image_name(seq), bytes_stored: 1, bytes_logical: 1, pids: vec![1] });
+        }
+        store.publish(&m).unwrap();
+        m
+    }
+
+    #[test]
+    fn publish_get_list_latest() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        assert_eq!(store.latest().unwrap(), None);
+        assert_eq!(store.next_seq().unwrap(), 1);
+        assert!(store.list().unwrap().is_empty());
+        let m1 = checkpoint(&store, true, false);
+        let m2 = checkpoint(&store, false, true);
+        let m3 = checkpoint(&store, true, false);
+        assert_eq!((m1.seq, m2.seq, m3.seq), (1, 2, 3));
+        // C_i = (P_j, F_k): proc-only keeps the layers, fs-only keeps the process image.
+        assert_eq!(m2.fs_layers, m1.fs_layers);
+        assert_eq!(m3.process, m2.process);
+        assert_eq!(m3.fs_layers.len(), 2);
+        assert_eq!(m3.parent, Some(2));
+        assert_eq!(store.list().unwrap(), vec![m1.clone(), m2.clone(), m3.clone()]);
+        assert_eq!(store.latest().unwrap(), Some(m3.clone()));
+        assert_eq!(store.get(2).unwrap(), m2);
+        assert!(matches!(store.get(9), Err(StoreError::NotFound { seq: 9, .. })));
+        assert!(dir.path().join("checkpoints/000003.json").is_file());
+        let json: serde_json::Value = serde_json::from_slice(&fs::read(dir.path().join("checkpoints/000003.json")).unwrap()).unwrap();
+        assert_eq!(json["format"], 1);
+        assert_eq!(json["kind"], "fs");
+        assert_eq!(json["process"]["image"], "proc/000002");
+        assert!(json["fs_layers"][0]["digest"].as_str().unwrap().starts_with("sha256:"));
+        // Never over an existing manifest.
+        assert!(matches!(store.publish(&m2), Err(StoreError::Exists { seq: 2, .. })));
+        assert_eq!(files_under(&dir.path().join("checkpoints")).len(), 3);
+    }
+
+    #[test]
+    fn publish_refuses_what_is_not_in_the_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let mut m = Manifest::child_of(None, 1, "t", CheckpointKind::Fs);
+        m.fs_layers.push(Descriptor {
+            digest: format!("sha256:{}", "ab".repeat(32)),
+            diff_id: format!("sha256:{}", "cd".repeat(32)),
+            size: 1,
+            media_type: MEDIA_TYPE_LAYER_ZSTD.into(),
+        });
+        let e = store.publish(&m).unwrap_err();
+        assert!(matches!(e, StoreError::Invalid { .. }), "{e}");
+        m.fs_layers.clear();
+        m.process = Some(ProcessImage { image: "proc/000001".into(), bytes_stored: 0, bytes_logical: 0, pids: vec![] });
+        assert!(matches!(store.publish(&m), Err(StoreError::Invalid { .. })));
+        m.process.as_mut().unwrap().image = "../outside".into();
+        assert!(matches!(store.publish(&m), Err(StoreError::Invalid { .. })));
+        assert!(store.list().unwrap().is_empty());
+        assert!(files_under(&dir.path().join("checkpoints")).is_empty());
+    }
+
+    #[test]
+    fn unknown_newer_format_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        checkpoint(&store, true, false);
+        fs::write(dir.path().join("checkpoints/000002.json"), br#"{"format": 7, "seq": 2, "something": "new"}"#).unwrap();
+        let e = store.get(2).unwrap_err();
+        assert!(matches!(e, StoreError::UnknownFormat { format: 7, .. }), "{e}");
+        assert!(e.to_string().contains("format 7"), "{e}");
+        assert!(matches!(store.list(), Err(StoreError::UnknownFormat { format: 7, .. })));
+        // Retention deletes nothing when it cannot read every manifest.
+        assert!(store.apply_retention(Some(1), None).is_err());
+        assert!(dir.path().join("checkpoints/000001.json").exists());
+        fs::write(dir.path().join("checkpoints/000003.json"), b"{not json").unwrap();
+        assert!(matches!(store.get(3), Err(StoreError::Corrupt { .. })));
+    }
+
+    #[test]
+    fn crash_leftovers_are_swept_on_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = Store::open(dir.path()).unwrap();
+        let (m1, m2) = (checkpoint(&first, true, true), checkpoint(&first, true, false));
+        // A crash mid-publish, mid-blob, mid-layer, and after a blob and an image were stored
+        // but before the manifest naming them was published.
+        let root = dir.path();
+        fs::write(root.join("checkpoints/.000003.json.tmp"), b"{\"format\":1,").unwrap();
+        fs::write(root.join("blobs/.layer.tar-1-0.tmp"), b"partial").unwrap();
+        fs::write(root.join("blobs/sha256/.x.tmp"), b"partial").unwrap();
+        fs::create_dir_all(root.join("proc/000003")).unwrap();
+        fs::write(root.join("proc/000003/pages-1.img"), b"p").unwrap();
+        fs::create_dir_all(root.join("proc/000004.tmp")).unwrap();
+        fs::write(root.join("chunks/ab.tmp"), b"c").unwrap();
+        let orphan = format!("{:x}", Sha256::digest(b"orphan"));
+        fs::write(root.join("blobs/sha256").join(&orphan), b"orphan").unwrap();
+
+        // A second store while the first is open must not sweep anything.
+        drop(Store::open(root).unwrap());
+        assert!(root.join("checkpoints/.000003.json.tmp").exists());
+        drop(first);
+
+        let store = Store::open(root).unwrap();
+        assert_eq!(store.list().unwrap(), vec![m1.clone(), m2.clone()]);
+        let mut expect: Vec<PathBuf> = vec![".lock".into(), "checkpoints/000001.json".into(), "checkpoints/000002.json".into()];
+        expect.extend(m2.fs_layers.iter().map(|d| Path::new("blobs/sha256").join(d.hex())));
+        expect.push("proc/000001/pstree.img".into());
+        expect.sort();
+        assert_eq!(files_under(root), expect);
+        assert!(!root.join("proc/000003").exists());
+        assert_eq!(store.next_seq().unwrap(), 3);
+    }
+
+    #[test]
+    fn retention_keeps_last_and_every_and_what_they_reference() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        // 1 fs, 2 proc, 3 fs, 4 full, 5 fs, 6 proc, 7 fs, 8 fs
+        let ms: Vec<Manifest> = [(true, false), (false, true), (true, false), (true, true), (true, false), (false, true), (true, false), (true, false)]
+            .into_iter()
+            .map(|(f, p)| checkpoint(&store, f, p))
+            .collect();
+        assert_eq!(store.apply_retention(None, None).unwrap(), Retention::default());
+        let r = store.apply_retention(Some(2), Some(3)).unwrap();
+        assert_eq!(r.removed_manifests, vec![1, 2, 4, 5]);
+        let kept: Vec<u64> = store.list().unwrap().iter().map(|m| m.seq).collect();
+        assert_eq!(kept, vec![3, 6, 7, 8]);
+        // 8's chain is every layer ever made: nothing of it may go.
+        for d in &ms[7].fs_layers {
+            assert!(store.blob_path(&d.digest).is_file(), "{} removed", d.digest);
+        }
+        assert!(r.removed_blobs.is_empty());
+        // Process images: 6 is named by 6, 7, 8; 2 only by 2, 3 (3 kept!); 4 only by 4, 5.
+        assert!(store.proc_dir(6).is_dir());
+        assert!(store.proc_dir(2).is_dir(), "named by kept checkpoint 3");
+        assert!(!store.proc_dir(4).exists());
+        assert_eq!(r.removed_proc, vec![store.proc_dir(4)]);
+
+        // A fresh chain: an fs layer no kept manifest names goes.
+        let dir2 = tempfile::tempdir().unwrap();
+        let store2 = Store::open(dir2.path()).unwrap();
+        let a = checkpoint(&store2, true, false);
+        let mut b = Manifest::child_of(Some(&a), 2, "rebased", CheckpointKind::Fs);
+        b.fs_layers = vec![blob(&store2, 99)];
+        store2.publish(&b).unwrap();
+        // A blob put for a checkpoint not yet published is not garbage.
+        let pending = blob(&store2, 100);
+        let r = store2.apply_retention(Some(1), None).unwrap();
+        assert_eq!(r.removed_manifests, vec![1]);
+        assert_eq!(r.removed_blobs, vec![a.fs_layers[0].digest.clone()]);
+        assert!(store2.blob_path(&pending.digest).is_file());
+        assert!(store2.blob_path(&b.fs_layers[0].digest).is_file());
+        // Keep-last 0 still keeps the newest.
+        let r = store2.apply_retention(Some(0), None).unwrap();
+        assert!(r.removed_manifests.is_empty());
+    }
+
+    #[test]
+    fn put_blob_hashes_zstd_and_plain() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let raw = noise(10_000, 7);
+        let outside = tempfile::tempdir().unwrap();
+        let zpath = outside.path().join("layer.zst");
+        fs::write(&zpath, zstd::encode_all(&raw[..], 3).unwrap()).unwrap();
+        let d = store.put_blob(&zpath).unwrap();
+        assert_eq!(d.media_type, MEDIA_TYPE_LAYER_ZSTD);
+        assert_eq!(d.diff_id, format!("sha256:{:x}", Sha256::digest(&raw)));
+        let stored = fs::read(store.blob_path(&d.digest)).unwrap();
+        assert_eq!(d.digest, format!("sha256:{:x}", Sha256::digest(&stored)));
+        assert_eq!(d.size, stored.len() as u64);
+        assert!(!zpath.exists(), "consumed");
+        let ppath = dir.path().join("plain.tmp");
+        fs::write(&ppath, &raw).unwrap();
+        let p = store.put_blob(&ppath).unwrap();
+        assert_eq!((p.media_type.as_str(), &p.digest), (MEDIA_TYPE_LAYER_TAR, &p.diff_id));
+        assert_eq!(files_under(&dir.path().join("blobs")).len(), 2);
+    }
+
+    #[test]
+    fn full_disk_on_publish_leaves_nothing_partial() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("store");
+        let _fs = Tmpfs::mount(&root, "64k");
+        let store = Store::open(&root).unwrap();
+        let m1 = checkpoint(&store, false, false);
+        // Fill the filesystem.
+        let mut filler = File::create(root.join("filler")).unwrap();
+        let chunk = vec![1u8; 4096];
+        while filler.write_all(&chunk).is_ok() {}
+        drop(filler);
+        let mut m2 = Manifest::child_of(Some(&m1), 2, "t2", CheckpointKind::Failed);
+        m2.explanation = "x".repeat(8192);
+        let e = store.publish(&m2).unwrap_err();
+        assert!(e.is_no_space(), "{e}");
+        assert!(e.to_string().contains("no space left"), "{e}");
+        assert_eq!(store.list().unwrap(), vec![m1.clone()]);
+        assert!(!files_under(&root).iter().any(|p| p.to_string_lossy().ends_with(".tmp")), "{:?}", files_under(&root));
+        fs::remove_file(root.join("filler")).unwrap();
+        store.publish(&m2).unwrap();
+        assert_eq!(store.latest().unwrap(), Some(m2));
+    }
+
+    #[test]
+    fn rfc3339_dates() {
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(UNIX_EPOCH + Duration::from_millis(951_782_400_123)), "2000-02-29T00:00:00.123Z");
+        assert_eq!(rfc3339(UNIX_EPOCH + Duration::from_secs(1_777_777_777)), "2026-05-03T03:09:37.000Z");
+    }
+}
