@@ -1054,11 +1054,9 @@ fn encode_header(e: &TarEntry) -> Vec<u8> {
     block[156] = e.kind;
     block[257..263].copy_from_slice(b"ustar\0");
     block[263..265].copy_from_slice(b"00");
-    if e.kind == b'3' || e.kind == b'4' {
-        for (range, key, v) in [(329..337, "SCHILY.devmajor", e.dev.0), (337..345, "SCHILY.devminor", e.dev.1)] {
-            if !octal(&mut block[range], u64::from(v)) {
-                pax_record(&mut pax, key.as_bytes(), v.to_string().as_bytes());
-            }
+    for (range, key, v) in [(329..337, "SCHILY.devmajor", e.dev.0), (337..345, "SCHILY.devminor", e.dev.1)] {
+        if !octal(&mut block[range], u64::from(v)) {
+            pax_record(&mut pax, key.as_bytes(), v.to_string().as_bytes());
         }
     }
     for (name, value) in e.xattrs {
@@ -1078,6 +1076,8 @@ fn encode_header(e: &TarEntry) -> Vec<u8> {
         octal(&mut xh[116..124], 0);
         octal(&mut xh[124..136], pax.len() as u64);
         octal(&mut xh[136..148], 0);
+        octal(&mut xh[329..337], 0);
+        octal(&mut xh[337..345], 0);
         xh[156] = b'x';
         xh[257..263].copy_from_slice(b"ustar\0");
         xh[263..265].copy_from_slice(b"00");
@@ -1148,3 +1148,827 @@ fn pax_time(secs: i64, nsec: i64) -> String {
     format!("-{}.{:09}", -(secs + 1), 1_000_000_000 - nsec)
 }
 
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        collections::BTreeMap,
+        fs,
+        os::unix::fs::{symlink, MetadataExt, PermissionsExt},
+        process::{Child, Command, Stdio},
+        sync::atomic::{AtomicU32, Ordering},
+    };
+
+    use nix::mount::{mount, umount2, MntFlags, MsFlags};
+
+    use super::*;
+    use crate::checkpoint::store::test_support::{files_under, noise, Tmpfs};
+    use crate::inspector::fs::{diff, Manifest};
+
+    /// A real overlay in a temp dir: lower/upper/work/merged.
+    struct Overlay {
+        lower: PathBuf,
+        upper: PathBuf,
+        merged: PathBuf,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Overlay {
+        fn new(populate: impl FnOnce(&Path)) -> Overlay {
+            let dir = tempfile::tempdir().unwrap();
+            let [lower, upper, work, merged] = ["lower", "upper", "work", "merged"].map(|n| dir.path().join(n));
+            for d in [&lower, &upper, &work, &merged] {
+                fs::create_dir(d).unwrap();
+            }
+            populate(&lower);
+            let opts = format!("lowerdir={},upperdir={},workdir={}", lower.display(), upper.display(), work.display());
+            mount(Some("overlay"), &merged, Some("overlay"), MsFlags::empty(), Some(opts.as_str()))
+                .unwrap_or_else(|e| panic!("mount overlay: {e} (tests run as root)"));
+            Overlay { lower, upper, merged, _dir: dir }
+        }
+
+        fn m(&self, p: &str) -> PathBuf {
+            self.merged.join(p)
+        }
+
+        fn scan(&self) -> Manifest {
+            Manifest::scan(&self.upper).unwrap()
+        }
+
+        fn diff(&self, prev: &Manifest) -> (Manifest, FsDiff) {
+            let now = self.scan();
+            let d = diff(prev, &now, std::slice::from_ref(&self.lower));
+            (now, d)
+        }
+    }
+
+    impl Drop for Overlay {
+        fn drop(&mut self) {
+            let _ = umount2(&self.merged, MntFlags::MNT_DETACH);
+        }
+    }
+
+    #[derive(Default)]
+    struct CountingFreezer {
+        freezes: AtomicU32,
+        thaws: AtomicU32,
+        fail: bool,
+    }
+
+    impl Freezer for CountingFreezer {
+        fn freeze(&self) -> io::Result<()> {
+            if self.fail {
+                return Err(io::Error::other("refused"));
+            }
+            self.freezes.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+        fn thaw(&self) -> io::Result<()> {
+            self.thaws.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+    }
+
+    impl CountingFreezer {
+        fn counts(&self) -> (u32, u32) {
+            (self.freezes.load(Ordering::SeqCst), self.thaws.load(Ordering::SeqCst))
+        }
+    }
+
+    fn write(p: &Path, data: &[u8], mode: u32) {
+        if let Some(parent) = p.parent() {
+            fs::create_dir_all(parent).unwrap();
+        }
+        fs::write(p, data).unwrap();
+        fs::set_permissions(p, fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    fn setxattr(p: &Path, name: &str, value: &[u8]) {
+        let (cp, cn) = (CString::new(p.as_os_str().as_bytes()).unwrap(), CString::new(name).unwrap());
+        let rc = unsafe { libc::lsetxattr(cp.as_ptr(), cn.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+        assert_eq!(rc, 0, "setxattr {name} on {}: {}", p.display(), io::Error::last_os_error());
+    }
+
+    fn lxattrs(p: &Path) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let c = CString::new(p.as_os_str().as_bytes()).unwrap();
+        Xattrs::read(&XattrSource::Path(&c)).unwrap().other
+    }
+
+    fn mknod(p: &Path, kind: libc::mode_t, mode: u32, dev: libc::dev_t) {
+        let c = CString::new(p.as_os_str().as_bytes()).unwrap();
+        assert_eq!(unsafe { libc::mknod(c.as_ptr(), kind | mode, dev) }, 0, "mknod {}: {}", p.display(), io::Error::last_os_error());
+        fs::set_permissions(p, fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    /// CAP_NET_BIND_SERVICE, effective (vfs_cap_data revision 2).
+    fn capability() -> Vec<u8> {
+        [0x0200_0001u32, 1 << 10, 0, 0, 0].iter().flat_map(|w| w.to_le_bytes()).collect()
+    }
+
+    #[derive(Debug, Clone, PartialEq)]
+    struct TarItem {
+        kind: u8,
+        mode: u32,
+        uid: u64,
+        gid: u64,
+        data: Vec<u8>,
+        link: Option<Vec<u8>>,
+        dev: Option<(u32, u32)>,
+        /// pax mtime if present, else the header's seconds.
+        mtime: String,
+        xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+    }
+
+    /// Reads a stored layer back (checking its digests) with an independent tar parser:
+    /// name -> item, in archive order.
+    fn read_layer(store: &Store, d: &Descriptor) -> Vec<(String, TarItem)> {
+        let blob = fs::read(store.blob_path(&d.digest)).unwrap();
+        assert_eq!(d.digest, format!("sha256:{:x}", Sha256::digest(&blob)));
+        assert_eq!(d.size, blob.len() as u64);
+        assert_eq!(d.media_type, "application/vnd.oci.image.layer.v1.tar+zstd");
+        let tar = zstd::decode_all(&blob[..]).unwrap();
+        assert_eq!(d.diff_id, format!("sha256:{:x}", Sha256::digest(&tar)));
+        parse_tar(&tar)
+    }
+
+    fn parse_tar(tar: &[u8]) -> Vec<(String, TarItem)> {
+        let mut ar = tar::Archive::new(tar);
+        let mut out = Vec::new();
+        for e in ar.entries().unwrap() {
+            let mut e = e.unwrap();
+            let name = String::from_utf8(e.path_bytes().into_owned()).unwrap();
+            let h = e.header().clone();
+            let mut item = TarItem {
+                kind: h.entry_type().as_byte(),
+                mode: h.mode().unwrap(),
+                uid: h.uid().unwrap(),
+                gid: h.gid().unwrap(),
+                data: Vec::new(),
+                link: e.link_name_bytes().map(|l| l.into_owned()),
+                dev: h.device_major().unwrap().zip(h.device_minor().unwrap()).filter(|_| matches!(h.entry_type().as_byte(), b'3' | b'4')),
+                mtime: h.mtime().unwrap().to_string(),
+                xattrs: Vec::new(),
+            };
+            if let Some(pax) = e.pax_extensions().unwrap() {
+                for ext in pax {
+                    let ext = ext.unwrap();
+                    let key = ext.key().unwrap().to_owned();
+                    let value = ext.value_bytes().to_vec();
+                    match key.as_str() {
+                        "mtime" => item.mtime = String::from_utf8(value).unwrap(),
+                        "uid" => item.uid = String::from_utf8(value).unwrap().parse().unwrap(),
+                        "gid" => item.gid = String::from_utf8(value).unwrap().parse().unwrap(),
+                        k if k.starts_with("SCHILY.xattr.") => item.xattrs.push((k["SCHILY.xattr.".len()..].as_bytes().to_vec(), value)),
+                        _ => {}
+                    }
+                }
+            }
+            e.read_to_end(&mut item.data).unwrap();
+            out.push((name, item));
+        }
+        out
+    }
+
+    fn names(items: &[(String, TarItem)]) -> Vec<&str> {
+        items.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    fn item<'a>(items: &'a [(String, TarItem)], name: &str) -> &'a TarItem {
+        &items.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("{name} not in the layer: {:?}", names(items))).1
+    }
+
+    /// A tar item agrees with what the merged view shows at `p`.
+    fn assert_matches_merged(items: &[(String, TarItem)], name: &str, p: &Path) {
+        let it = item(items, name);
+        let md = fs::symlink_metadata(p).unwrap();
+        assert_eq!(it.mode, md.mode() & 0o7777, "{name} mode");
+        assert_eq!((it.uid, it.gid), (u64::from(md.uid()), u64::from(md.gid())), "{name} owner");
+        if it.kind != b'1' {
+            let nsec = md.mtime_nsec();
+            let want = if nsec == 0 { md.mtime().to_string() } else { format!("{}.{:09}", md.mtime(), nsec) };
+            assert_eq!(it.mtime, want, "{name} mtime");
+            assert_eq!(it.xattrs, lxattrs(p), "{name} xattrs");
+        }
+        match it.kind {
+            b'0' => assert_eq!(it.data, fs::read(p).unwrap(), "{name} content"),
+            b'2' => assert_eq!(it.link.as_deref(), Some(fs::read_link(p).unwrap().as_os_str().as_bytes()), "{name} target"),
+            b'3' | b'4' => assert_eq!(it.dev, Some((libc::major(md.rdev()), libc::minor(md.rdev()))), "{name} device"),
+            _ => {}
+        }
+    }
+
+    const LONG_DIR: &str = "dddddddddddddddddddddddddddddddddddddddddddddddddddddddddddd";
+    const LONG_FILE: &str = "ffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff";
+
+    fn deep_path() -> String {
+        format!("deep/{}/{}/{}/file", "a".repeat(100), "b".repeat(100), "c".repeat(100))
+    }
+
+    fn populate_lower(l: &Path) {
+        write(&l.join("etc/a"), b"A\n", 0o644);
+        write(&l.join("etc/b"), b"B\n", 0o644);
+        write(&l.join("bin/tool"), b"#!/bin/sh\n", 0o755);
+        write(&l.join("data/dir/x"), b"x", 0o644);
+        write(&l.join("data/dir/y"), b"y", 0o644);
+        write(&l.join("data/keep"), b"keep", 0o644);
+        write(&l.join("gone/g1"), b"g1", 0o644);
+        write(&l.join("gone/sub/g2"), b"g2", 0o644);
+        write(&l.join("keep/k"), b"k", 0o600);
+        std::os::unix::fs::chown(l.join("keep/k"), Some(1000), Some(1000)).unwrap();
+    }
+
+    /// Round one of changes, all through the merged view.
+    fn change_round_one(o: &Overlay) {
+        write(&o.m("new.txt"), b"hello\n", 0o640);
+        setxattr(&o.m("new.txt"), "user.test", b"v1");
+        fs::OpenOptions::new().append(true).open(o.m("etc/a")).unwrap().write_all(b"more\n").unwrap();
+        fs::set_permissions(o.m("bin/tool"), fs::Permissions::from_mode(0o700)).unwrap();
+        setxattr(&o.m("bin/tool"), "security.capability", &capability());
+        symlink("etc/a", o.m("link")).unwrap();
+        fs::hard_link(o.m("new.txt"), o.m("hard.txt")).unwrap();
+        write(&o.m("p/q/r/f"), b"f", 0o644);
+        fs::remove_file(o.m("etc/b")).unwrap();
+        fs::remove_dir_all(o.m("data/dir")).unwrap();
+        fs::create_dir(o.m("data/dir")).unwrap();
+        write(&o.m("data/dir/z"), b"z", 0o644);
+        fs::remove_dir_all(o.m("gone")).unwrap();
+        mknod(&o.m("mydev"), libc::S_IFCHR, 0o600, libc::makedev(1, 3));
+        mknod(&o.m("myfifo"), libc::S_IFIFO, 0o644, 0);
+        fs::create_dir(o.m("emptydir")).unwrap();
+        fs::set_permissions(o.m("emptydir"), fs::Permissions::from_mode(0o751)).unwrap();
+        write(&o.m(&format!("long/{LONG_DIR}/{LONG_FILE}")), b"long", 0o644);
+        write(&o.m(&deep_path()), b"deep", 0o644);
+        write(&o.m("bigid"), b"big owner", 0o644);
+        std::os::unix::fs::chown(o.m("bigid"), Some(3_000_000), Some(3_000_001)).unwrap();
+    }
+
+    #[test]
+    fn layer_holds_exactly_the_net_change() {
+        let o = Overlay::new(populate_lower);
+        let base = o.scan();
+        change_round_one(&o);
+        let (_, d) = o.diff(&base);
+        let store_dir = tempfile::tempdir().unwrap();
+        let store = Store::open(store_dir.path()).unwrap();
+        let freezer = CountingFreezer::default();
+        let (desc, stats) = write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), &freezer).unwrap();
+        assert_eq!(freezer.counts(), (1, 1));
+        let items = read_layer(&store, &desc);
+
+        let deep = deep_path();
+        let deep_dirs: Vec<String> = (1..4).map(|n| deep.split('/').take(n + 1).collect::<Vec<_>>().join("/") + "/").collect();
+        let long_dir = format!("long/{LONG_DIR}/");
+        let long_file = format!("long/{LONG_DIR}/{LONG_FILE}");
+        let mut expect: Vec<&str> = vec![
+            ".wh.gone",
+            "bigid",
+            "bin/tool",
+            "data/dir/",
+            "data/dir/.wh..wh..opq",
+            "data/dir/z",
+            "deep/",
+            &deep_dirs[0],
+            &deep_dirs[1],
+            &deep_dirs[2],
+            &deep,
+            "emptydir/",
+            "etc/.wh.b",
+            "etc/a",
+            "hard.txt",
+            "link",
+            "long/",
+            &long_dir,
+            &long_file,
+            "mydev",
+            "myfifo",
+            "new.txt",
+            "p/",
+            "p/q/",
+            "p/q/r/",
+            "p/q/r/f",
+        ];
+        let mut got = names(&items);
+        got.sort();
+        expect.sort();
+        assert_eq!(got, expect, "diff was {d:?}");
+        assert_eq!(stats.entries, items.len() as u64);
+
+        // Contents, modes, owners, mtimes and xattrs are the merged view's.
+        for (name, it) in &items {
+            if it.kind == b'0' && it.data.is_empty() && name.rsplit('/').next().unwrap().starts_with(".wh.") {
+                assert_eq!((it.mode, it.uid, it.gid), (0, 0, 0), "{name}");
+                continue;
+            }
+            let rel = name.trim_end_matches('/');
+            assert_matches_merged(&items, name, &o.merged.join(rel));
+        }
+        assert_eq!(item(&items, "etc/a").data, b"A\nmore\n");
+        assert_eq!(item(&items, "bin/tool").mode, 0o700);
+        assert_eq!(item(&items, "bin/tool").xattrs, vec![(b"security.capability".to_vec(), capability())]);
+        assert_eq!(item(&items, "hard.txt").xattrs, vec![(b"user.test".to_vec(), b"v1".to_vec())]);
+        assert_eq!(item(&items, "link").link.as_deref(), Some(&b"etc/a"[..]));
+        let nt = item(&items, "new.txt");
+        assert_eq!((nt.kind, nt.link.as_deref()), (b'1', Some(&b"hard.txt"[..])), "a hardlink to the first name");
+        assert_eq!(item(&items, "mydev").dev, Some((1, 3)));
+        assert_eq!(item(&items, "myfifo").kind, b'6');
+        assert_eq!(item(&items, "emptydir/").mode, 0o751);
+        assert_eq!((item(&items, "bigid").uid, item(&items, "bigid").gid), (3_000_000, 3_000_001));
+        assert_eq!(item(&items, &deep).data, b"deep");
+        // The opaque marker comes right after its directory, before the directory's content.
+        let pos = |n: &str| names(&items).iter().position(|x| *x == n).unwrap();
+        assert_eq!(pos("data/dir/.wh..wh..opq"), pos("data/dir/") + 1);
+        assert!(pos("hard.txt") < pos("new.txt"));
+        // Nothing left behind but the blob.
+        assert_eq!(files_under(store_dir.path()), vec![PathBuf::from(".lock"), Path::new("blobs/sha256").join(desc.hex())]);
+    }
+
+    #[test]
+    fn symlinks_in_the_upperdir_are_never_followed() {
+        let host = tempfile::tempdir().unwrap();
+        write(&host.path().join("secret.txt"), b"SECRET", 0o600);
+        let o = Overlay::new(|l| write(&l.join("etc/passwd"), b"root", 0o644));
+        let base = o.scan();
+        symlink(host.path(), o.m("esc")).unwrap();
+        symlink(host.path().join("secret.txt"), o.m("esc-file")).unwrap();
+        let (_, d) = o.diff(&base);
+        let store_dir = tempfile::tempdir().unwrap();
+        let store = Store::open(store_dir.path()).unwrap();
+        // A stale diff that still thinks /esc is a directory with content.
+        let stale = [PathBuf::from("/esc/secret.txt"), PathBuf::from("/esc-file")];
+        for paths in [FsDiffPaths::from(&d), FsDiffPaths { added: &stale, modified: &[], deleted: &[] }] {
+            let (desc, _) = write_fs_layer(&store, &o.upper, &paths, &CountingFreezer::default()).unwrap();
+            let items = read_layer(&store, &desc);
+            assert!(items.iter().all(|(_, it)| it.data != b"SECRET"), "{items:?}");
+            assert!(items.iter().all(|(n, _)| !n.starts_with("esc/")), "{:?}", names(&items));
+            assert_eq!(item(&items, "esc-file").kind, b'2');
+        }
+    }
+
+    #[test]
+    fn capture_errors_thaw_and_leave_nothing() {
+        let o = Overlay::new(|l| write(&l.join("big"), &[7u8; 100_000], 0o644));
+        let base = o.scan();
+        fs::set_permissions(o.m("big"), fs::Permissions::from_mode(0o600)).unwrap();
+        let (_, d) = o.diff(&base);
+        // overlayfs metacopy: the upper file has metadata only, its data is below.
+        setxattr(&o.upper.join("big"), "trusted.overlay.metacopy", b"");
+        let store_dir = tempfile::tempdir().unwrap();
+        let store = Store::open(store_dir.path()).unwrap();
+        let freezer = CountingFreezer::default();
+        let e = write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), &freezer).unwrap_err();
+        assert!(matches!(e, LayerError::Unsupported { .. }), "{e}");
+        assert_eq!(freezer.counts(), (1, 1), "thawed after the failed capture");
+        assert_eq!(files_under(store_dir.path()), vec![PathBuf::from(".lock")]);
+
+        let refusing = CountingFreezer { fail: true, ..Default::default() };
+        let e = write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), &refusing).unwrap_err();
+        assert!(matches!(e, LayerError::Freeze(_)), "{e}");
+        assert_eq!(files_under(store_dir.path()), vec![PathBuf::from(".lock")]);
+
+        let bad = [PathBuf::from("/a/../../etc")];
+        let e = write_fs_layer(&store, &o.upper, &FsDiffPaths { added: &bad, modified: &[], deleted: &[] }, &freezer).unwrap_err();
+        assert!(matches!(e, LayerError::InvalidPath(_)), "{e}");
+    }
+
+    #[test]
+    fn full_store_gives_a_clear_error_and_no_partial_blob() {
+        let o = Overlay::new(|_| {});
+        let base = o.scan();
+        let root = tempfile::tempdir().unwrap();
+        let store_root = root.path().join("store");
+        let _tmpfs = Tmpfs::mount(&store_root, "64k");
+        let store = Store::open(&store_root).unwrap();
+        // 1 MB does not fit the temporary tar; 40 KB fits the tar but not tar + blob.
+        for (size, stage) in [(1 << 20, "layer.tar-"), (40 << 10, "layer.tar.zst-")] {
+            write(&o.m("f"), &noise(size, size as u64), 0o644);
+            let (_, d) = o.diff(&base);
+            let freezer = CountingFreezer::default();
+            let e = write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), &freezer).unwrap_err();
+            assert!(e.is_no_space(), "{size}: {e}");
+            let msg = e.to_string();
+            assert!(msg.contains("no space left on device") && msg.contains(stage), "{size}: {msg}");
+            assert_eq!(freezer.counts(), (1, 1), "thawed");
+            assert_eq!(files_under(&store_root), vec![PathBuf::from(".lock")], "{size}: nothing partial");
+            assert!(store.list().unwrap().is_empty());
+        }
+        // Small changes still fit.
+        write(&o.m("f"), b"small", 0o644);
+        let (_, d) = o.diff(&base);
+        let (desc, _) = write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), &CountingFreezer::default()).unwrap();
+        assert_eq!(item(&read_layer(&store, &desc), "f").data, b"small");
+    }
+
+    // ---- applying the layers with an independent implementation (umoci) ----
+
+    #[derive(Debug, PartialEq)]
+    struct Node {
+        kind: u32,
+        mode: u32,
+        uid: u32,
+        gid: u32,
+        rdev: u64,
+        data: Vec<u8>,
+        link: Option<PathBuf>,
+        mtime: Option<(i64, i64)>,
+        xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+    }
+
+    /// Everything under `root` but `root` itself (directory mtimes are not state).
+    fn tree(root: &Path) -> BTreeMap<PathBuf, Node> {
+        let mut out = BTreeMap::new();
+        let mut stack = vec![root.to_path_buf()];
+        while let Some(dir) = stack.pop() {
+            for e in fs::read_dir(&dir).unwrap() {
+                let p = e.unwrap().path();
+                let md = fs::symlink_metadata(&p).unwrap();
+                let kind = md.mode() & libc::S_IFMT;
+                if kind == libc::S_IFDIR {
+                    stack.push(p.clone());
+                }
+                let node = Node {
+                    kind,
+                    mode: md.mode() & 0o7777,
+                    uid: md.uid(),
+                    gid: md.gid(),
+                    rdev: md.rdev(),
+                    data: if kind == libc::S_IFREG { fs::read(&p).unwrap() } else { Vec::new() },
+                    link: (kind == libc::S_IFLNK).then(|| fs::read_link(&p).unwrap()),
+                    mtime: (kind != libc::S_IFDIR).then(|| (md.mtime(), md.mtime_nsec())),
+                    xattrs: lxattrs(&p).into_iter().filter(|(n, _)| !n.starts_with(b"security.selinux")).collect(),
+                };
+                out.insert(p.strip_prefix(root).unwrap().to_path_buf(), node);
+            }
+        }
+        out
+    }
+
+    fn sha256_hex(b: &[u8]) -> String {
+        format!("{:x}", Sha256::digest(b))
+    }
+
+    /// An OCI image layout holding uncompressed `layers` (umoci 0.4 reads no zstd), unpacked
+    /// by umoci into `<dir>/bundle/rootfs`.
+    fn umoci_unpack(dir: &Path, layers: &[Vec<u8>]) -> PathBuf {
+        let layout = dir.join("layout");
+        let blobs = layout.join("blobs/sha256");
+        fs::create_dir_all(&blobs).unwrap();
+        let put = |b: &[u8]| {
+            let h = sha256_hex(b);
+            fs::write(blobs.join(&h), b).unwrap();
+            (format!("sha256:{h}"), b.len())
+        };
+        let mut descs = Vec::new();
+        for l in layers {
+            let (digest, size) = put(l);
+            descs.push(serde_json::json!({"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": digest, "size": size}));
+        }
+        let diff_ids: Vec<_> = descs.iter().map(|d| d["digest"].clone()).collect();
+        let config = serde_json::to_vec(&serde_json::json!({
+            "architecture": "amd64", "os": "linux", "config": {},
+            "rootfs": {"type": "layers", "diff_ids": diff_ids},
+        }))
+        .unwrap();
+        let (cdigest, csize) = put(&config);
+        let manifest = serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cdigest, "size": csize},
+            "layers": descs,
+        }))
+        .unwrap();
+        let (mdigest, msize) = put(&manifest);
+        fs::write(layout.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
+        fs::write(
+            layout.join("index.json"),
+            serde_json::to_vec(&serde_json::json!({
+                "schemaVersion": 2,
+                "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": mdigest, "size": msize,
+                               "annotations": {"org.opencontainers.image.ref.name": "test"}}],
+            }))
+            .unwrap(),
+        )
+        .unwrap();
+        let bundle = dir.join("bundle");
+        let out = Command::new("umoci")
+            .arg("unpack")
+            .arg("--image")
+            .arg(format!("{}:test", layout.display()))
+            .arg(&bundle)
+            .output()
+            .expect("umoci (installed by hack/install-deps.sh)");
+        assert!(out.status.success(), "umoci unpack: {}", String::from_utf8_lossy(&out.stderr));
+        bundle.join("rootfs")
+    }
+
+    fn base_layer(lower: &Path) -> Vec<u8> {
+        let out = Command::new("tar")
+            .args(["--format=posix", "--pax-option=delete=atime,delete=ctime", "--numeric-owner", "--xattrs", "--xattrs-include=*", "-C"])
+            .arg(lower)
+            .args(["-cf", "-", "."])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "tar: {}", String::from_utf8_lossy(&out.stderr));
+        out.stdout
+    }
+
+    fn plain_tar(store: &Store, d: &Descriptor) -> Vec<u8> {
+        zstd::decode_all(&fs::read(store.blob_path(&d.digest)).unwrap()[..]).unwrap()
+    }
+
+    /// base image + layer 1 + layer 2 applied by umoci == the merged view, after each turn.
+    #[test]
+    fn layer_chain_applies_to_the_merged_view() {
+        let o = Overlay::new(populate_lower);
+        let base = base_layer(&o.lower);
+        let m0 = o.scan();
+        let store_dir = tempfile::tempdir().unwrap();
+        let store = Store::open(store_dir.path()).unwrap();
+        let freezer = CountingFreezer::default();
+
+        change_round_one(&o);
+        let (m1, d1) = o.diff(&m0);
+        let (l1, _) = write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d1), &freezer).unwrap();
+        let work = tempfile::tempdir().unwrap();
+        let rootfs = umoci_unpack(&work.path().join("one"), &[base.clone(), plain_tar(&store, &l1)]);
+        assert_eq!(tree(&rootfs), tree(&o.merged), "after layer 1");
+        let ino = |p: &Path| fs::metadata(p).unwrap().ino();
+        assert_eq!(ino(&rootfs.join("new.txt")), ino(&rootfs.join("hard.txt")), "hardlink kept");
+
+        // Turn two: undo some of turn one, touch the opaque directory again, revive a deleted path.
+        fs::remove_file(o.m("new.txt")).unwrap();
+        fs::set_permissions(o.m("data/dir"), fs::Permissions::from_mode(0o700)).unwrap();
+        fs::remove_dir_all(o.m("p")).unwrap();
+        write(&o.m("etc/b"), b"B2\n", 0o644);
+        fs::rename(o.m("etc/a"), o.m("etc/a2")).unwrap();
+        fs::OpenOptions::new().append(true).open(o.m(&format!("long/{LONG_DIR}/{LONG_FILE}"))).unwrap().write_all(b"er").unwrap();
+        write(&o.m("keep/k2"), b"k2", 0o644);
+        let (_, d2) = o.diff(&m1);
+        let (l2, _) = write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d2), &freezer).unwrap();
+        let items = read_layer(&store, &l2);
+        let mut got = names(&items);
+        got.sort();
+        let long_file = format!("long/{LONG_DIR}/{LONG_FILE}");
+        let mut expect = vec![
+            ".wh.new.txt",
+            ".wh.p",
+            "data/dir/",
+            "data/dir/.wh..wh..opq",
+            "data/dir/z",
+            "etc/.wh.a",
+            "etc/a2",
+            "etc/b",
+            "hard.txt",
+            "keep/k2",
+            &long_file,
+        ];
+        expect.sort();
+        assert_eq!(got, expect, "diff was {d2:?}");
+        let rootfs = umoci_unpack(&work.path().join("two"), &[base, plain_tar(&store, &l1), plain_tar(&store, &l2)]);
+        assert_eq!(tree(&rootfs), tree(&o.merged), "after layer 2");
+        assert_eq!(freezer.counts(), (2, 2));
+    }
+
+    // ---- tar encoding ----
+
+    #[test]
+    fn pax_records_and_names() {
+        for (key, value) in [("a", "b".repeat(2)), ("path", "x".repeat(89)), ("path", "x".repeat(90)), ("path", "x".repeat(992))] {
+            let mut rec = Vec::new();
+            pax_record(&mut rec, key.as_bytes(), value.as_bytes());
+            let text = String::from_utf8(rec.clone()).unwrap();
+            let (len, _) = text.split_once(' ').unwrap();
+            assert_eq!(len.parse::<usize>().unwrap(), rec.len(), "{text:?}");
+        }
+        assert_eq!(pax_time(5, 1), "5.000000001");
+        assert_eq!(pax_time(-2, 500_000_000), "-1.500000000");
+        assert_eq!(pax_time(-1, 1), "-0.999999999");
+        assert_eq!(pax_time(7, 0), "7");
+        let long = format!("{}/{}", "p".repeat(150), "n".repeat(100));
+        assert_eq!(split_ustar_name(long.as_bytes()), Some(("p".repeat(150).as_bytes(), "n".repeat(100).as_bytes())));
+        assert_eq!(split_ustar_name(format!("{}/", "d".repeat(120)).as_bytes()), None);
+        assert_eq!(split_ustar_name(format!("a/{}", "n".repeat(101)).as_bytes()), None);
+        assert_eq!(whiteout_name(Path::new("a/b")), b"a/.wh.b");
+        assert_eq!(whiteout_name(Path::new("top")), b".wh.top");
+        assert_eq!(tar_name(Path::new(""), true), b"./");
+    }
+
+    /// Entries beyond ustar's limits read back the same with two independent readers.
+    #[test]
+    fn pax_entries_read_back() {
+        let long_name = format!("{}/{}", "x".repeat(200), "y".repeat(150));
+        let long_link = "t".repeat(300);
+        // The tar crate splits pax records at newlines (GNU tar and Go honour the lengths):
+        // binary values with a newline are checked with GNU tar below.
+        let xattrs = vec![(b"user.bin".to_vec(), vec![0u8, 1, 2, b'=', 255])];
+        let mut tar = Vec::new();
+        let entries = [
+            TarEntry { name: long_name.as_bytes(), kind: b'0', mode: 0o4755, uid: 3_000_000, gid: 7, size: 3, mtime: (1_700_000_000, 123_456_789), link: b"", dev: (0, 0), xattrs: &xattrs },
+            TarEntry { name: b"l", kind: b'2', mode: 0o777, uid: 0, gid: 0, size: 0, mtime: (-2, 500_000_000), link: long_link.as_bytes(), dev: (0, 0), xattrs: &[] },
+            TarEntry { name: b"d", kind: b'3', mode: 0o600, uid: 0, gid: 0, size: 0, mtime: (1, 0), link: b"", dev: (4095, 1_048_575), xattrs: &[] },
+        ];
+        for e in &entries {
+            tar.extend_from_slice(&encode_header(e));
+            if e.size > 0 {
+                tar.extend_from_slice(b"abc");
+                tar.resize(tar.len().div_ceil(512) * 512, 0);
+            }
+        }
+        tar.extend_from_slice(&[0u8; 1024]);
+        let items = parse_tar(&tar);
+        assert_eq!(names(&items), vec![long_name.as_str(), "l", "d"]);
+        let f = &items[0].1;
+        assert_eq!((f.mode, f.uid, f.gid, f.mtime.as_str(), &f.data[..]), (0o4755, 3_000_000, 7, "1700000000.123456789", &b"abc"[..]));
+        assert_eq!(f.xattrs, xattrs);
+        assert_eq!(items[1].1.link.as_deref(), Some(long_link.as_bytes()));
+        assert_eq!(items[1].1.mtime, "-1.500000000");
+        assert_eq!(items[2].1.dev, Some((4095, 1_048_575)));
+        // GNU tar agrees.
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("t.tar"), &tar).unwrap();
+        let out = Command::new("tar").args(["--numeric-owner", "-tvf"]).arg(dir.path().join("t.tar")).output().unwrap();
+        let listing = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(listing.contains(&format!("3000000/7 {:>10}", 3)) || listing.contains("3000000/7"), "{listing}");
+        assert!(listing.contains(&long_name) && listing.contains(&long_link), "{listing}");
+
+        let value = vec![b'\n', 0, 10, 255, b' ', b'\n'];
+        let cap = [(b"user.nl".to_vec(), value.clone())];
+        let mut tar = encode_header(&TarEntry { name: b"f", kind: b'0', mode: 0o644, uid: 0, gid: 0, size: 0, mtime: (1, 0), link: b"", dev: (0, 0), xattrs: &cap });
+        tar.extend_from_slice(&[0u8; 1024]);
+        fs::write(dir.path().join("nl.tar"), &tar).unwrap();
+        let out = Command::new("tar")
+            .args(["--xattrs", "--xattrs-include=*", "-xf"])
+            .arg(dir.path().join("nl.tar"))
+            .arg("-C")
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(lxattrs(&dir.path().join("f")), cap.to_vec());
+    }
+
+    // ---- the cgroup freezer ----
+
+    /// A process that counts as fast as it can into `<dir>/f`, in its own cgroup; everything
+    /// is undone on drop.
+    struct Counter {
+        child: Child,
+        file: PathBuf,
+        cgroup: PathBuf,
+        // On tmpfs: ext4 flushes a file truncated by `>` (auto_da_alloc), so the counter there
+        // spends its time in open() and reads as empty.
+        _tmpfs: Tmpfs,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Counter {
+        fn start(cgroup: PathBuf) -> Option<Counter> {
+            if let Err(e) = fs::create_dir(&cgroup) {
+                eprintln!("cannot create cgroup {}: {e}", cgroup.display());
+                return None;
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let tmpfs = Tmpfs::mount(dir.path(), "1m");
+            let child = Command::new("sh")
+                .args(["-c", "i=0; while :; do i=$((i+1)); echo $i > f; done"])
+                .current_dir(dir.path())
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap();
+            let c = Counter { file: dir.path().join("f"), child, cgroup, _tmpfs: tmpfs, _dir: dir };
+            fs::write(c.cgroup.join("cgroup.procs"), c.child.id().to_string()).unwrap();
+            Some(c)
+        }
+
+        fn value(&self) -> u64 {
+            for _ in 0..1000 {
+                if let Ok(n) = fs::read_to_string(&self.file).unwrap_or_default().trim().parse() {
+                    return n;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            panic!("counter never readable");
+        }
+
+        fn is_counting(&self) -> bool {
+            let a = self.value();
+            std::thread::sleep(Duration::from_millis(300));
+            self.value() > a
+        }
+    }
+
+    impl Drop for Counter {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            for (file, value) in [("freezer.state", "THAWED"), ("cgroup.freeze", "0")] {
+                if self.cgroup.join(file).exists() {
+                    let _ = fs::write(self.cgroup.join(file), value);
+                }
+            }
+            let _ = self.child.wait();
+            for _ in 0..100 {
+                if fs::remove_dir(&self.cgroup).is_ok() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            eprintln!("could not remove {}", self.cgroup.display());
+        }
+    }
+
+    fn exercise(counter: &Counter, f: &CgroupFreezer) {
+        assert!(counter.is_counting(), "counts before the freeze");
+        let t = Instant::now();
+        f.freeze().unwrap();
+        eprintln!("{:?} froze in {:?}", f.version(), t.elapsed());
+        assert!(!counter.is_counting(), "stopped while frozen");
+        // Nested use keeps it frozen until the outermost thaw.
+        f.freeze().unwrap();
+        f.thaw().unwrap();
+        assert!(!counter.is_counting(), "still frozen after a nested thaw");
+        f.thaw().unwrap();
+        assert!(counter.is_counting(), "counts again after the thaw");
+        // Frozen by someone else (a user's pause): left frozen.
+        f.request(true).unwrap();
+        f.wait_frozen().unwrap();
+        f.freeze().unwrap();
+        f.thaw().unwrap();
+        assert!(!counter.is_counting(), "a pause from outside survives our thaw");
+        f.request(false).unwrap();
+        assert!(counter.is_counting());
+    }
+
+    #[test]
+    fn cgroup_v1_freezer_stops_a_real_process() {
+        let root = Path::new("/sys/fs/cgroup/freezer");
+        if !root.join("freezer.state").exists() && !root.join("cgroup.procs").exists() {
+            eprintln!("no v1 freezer hierarchy here (pure cgroup v2): see the v2 test");
+            return;
+        }
+        let counter = Counter::start(root.join(format!("crab-test-{}-v1", std::process::id()))).expect("v1 freezer cgroup");
+        let f = CgroupFreezer::for_pid(counter.child.id()).unwrap();
+        assert_eq!((f.version(), f.dir()), (CgroupVersion::V1, counter.cgroup.as_path()));
+        exercise(&counter, &f);
+    }
+
+    #[test]
+    fn cgroup_v2_freezer_stops_a_real_process() {
+        let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let Some(mp) = mountinfo.lines().find(|l| l.contains(" - cgroup2 ")).and_then(|l| l.split_whitespace().nth(4)) else {
+            eprintln!("no cgroup2 mount: skipped");
+            return;
+        };
+        let Some(counter) = Counter::start(Path::new(mp).join(format!("crab-test-{}-v2", std::process::id()))) else {
+            panic!("cannot create a cgroup2 cgroup under {mp}");
+        };
+        let f = CgroupFreezer::new(counter.cgroup.clone(), CgroupVersion::V2);
+        exercise(&counter, &f);
+    }
+
+    // ---- figures ----
+
+    /// Prints fs checkpoint latency and freeze time against changed bytes (no assertions).
+    /// `cargo test -p crab-shim --lib -- --ignored --nocapture fs_checkpoint_figures`
+    #[test]
+    #[ignore]
+    fn fs_checkpoint_figures() {
+        let o = Overlay::new(|l| write(&l.join("etc/os-release"), b"ID=test\n", 0o644));
+        let store_dir = tempfile::tempdir().unwrap();
+        let store = Store::open(store_dir.path()).unwrap();
+        let counter = Counter::start(Path::new("/sys/fs/cgroup/freezer").join(format!("crab-bench-{}", std::process::id())));
+        let freezer = counter.as_ref().map(|c| CgroupFreezer::for_pid(c.child.id()).unwrap());
+        let counting = CountingFreezer::default();
+        let freezer: &dyn Freezer = match &freezer {
+            Some(f) => f,
+            None => &counting,
+        };
+        println!("store and upperdir on {}", store_dir.path().display());
+        println!("{:>10} {:>6} {:>12} {:>12} {:>10} {:>10} {:>10}", "changed", "runs", "tar bytes", "zstd bytes", "freeze ms", "capture ms", "total ms");
+        let mut mark = o.scan();
+        for (label, size) in [("1 KB", 1usize << 10), ("100 KB", 100 << 10), ("1 MB", 1 << 20), ("10 MB", 10 << 20), ("100 MB", 100 << 20)] {
+            let mut runs = Vec::new();
+            for run in 0..5u64 {
+                // Half noise, half text: compressible like real files, not trivially so.
+                let mut data = noise(size / 2, run + size as u64);
+                data.extend(std::iter::repeat_n(b"the quick brown fox jumps over the lazy dog\n".as_slice(), size / 2 / 44 + 1).flatten().take(size - data.len()));
+                write(&o.m("work/blob.bin"), &data, 0o644);
+                let (now, d) = o.diff(&mark);
+                mark = now;
+                let (_, s) = write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), freezer).unwrap();
+                runs.push(s);
+            }
+            runs.sort_by_key(|s| s.total);
+            let med = &runs[runs.len() / 2];
+            let ms = |d: Duration| format!("{:.2}", d.as_secs_f64() * 1000.0);
+            println!(
+                "{label:>10} {:>6} {:>12} {:>12} {:>10} {:>10} {:>10}",
+                runs.len(),
+                med.bytes,
+                med.compressed,
+                ms(med.freeze),
+                ms(med.capture),
+                ms(med.total)
+            );
+        }
+    }
+}
