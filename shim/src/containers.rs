@@ -16,6 +16,7 @@ use crate::{
     bundle,
     error::{Error, Result},
     oom,
+    checkpoint::{store::Store, Coordinator, JobTarget},
     inspector::{Answer, Inspection},
     process::{ExitInfo, Process, Snapshot, Status},
     reaper::ExitSubscription,
@@ -68,7 +69,9 @@ pub struct Container {
     _oom: Mutex<Option<oom::OomWatcher>>,
     /// What the container's turns left behind; `None` when not inspected (disabled by
     /// config, or a pod's pause container).
-    inspection: tokio::sync::Mutex<Option<Inspection>>,
+    inspection: crate::checkpoint::SharedInspection,
+    /// Turns answers into checkpoints; present exactly when `inspection` is.
+    coordinator: Option<Arc<Coordinator>>,
     state_dir: PathBuf,
 }
 
@@ -229,6 +232,20 @@ impl Containers {
         } else {
             None
         };
+        let inspection = Arc::new(tokio::sync::Mutex::new(inspection));
+        let coordinator = match inspection.lock().await.is_some() {
+            true => match self.coordinator_for(&p, &config, &runc, pid, inspection.clone()).await {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    let _ = runc.delete(&p.id, true).await;
+                    if rootfs_mounted {
+                        bundle::unmount_rootfs(&p.bundle);
+                    }
+                    return Err(e);
+                }
+            },
+            false => None,
+        };
         let init = Arc::new(Process::new(String::new(), p.stdio.clone(), None));
         init.set_pid(pid);
         init.set_io(io).await;
@@ -244,7 +261,8 @@ impl Containers {
             init_exit_pending: Mutex::new(None),
             lifecycle: tokio::sync::Mutex::new(()),
             _oom: Mutex::new(None),
-            inspection: tokio::sync::Mutex::new(inspection),
+            inspection,
+            coordinator,
             state_dir: config.store.state_dir.clone(),
         });
         self.pids.lock().unwrap().owners.insert(pid, (p.id.clone(), String::new()));
@@ -271,6 +289,45 @@ impl Containers {
         )
         .await;
         Ok(pid)
+    }
+
+    async fn coordinator_for(
+        &self,
+        p: &CreateParams,
+        config: &Config,
+        runc: &Runc,
+        pid: u32,
+        inspection: crate::checkpoint::SharedInspection,
+    ) -> Result<Arc<Coordinator>> {
+        let root = turns::sandbox_dir(&config.store.state_dir, &self.namespace, &p.id);
+        let store = tokio::task::spawn_blocking(move || Store::open(&root))
+            .await
+            .map_err(|e| Error::Other(e.to_string()))?
+            .map_err(|e| Error::Other(format!("checkpoint store: {e}")))?;
+        let spec = bundle::read_spec(&p.bundle)?;
+        let target = JobTarget {
+            container_id: p.id.clone(),
+            runc: runc.clone(),
+            init_pid: pid,
+            cgroup2_dir: crate::cgroup::Cgroups::of(pid)?.unified.unwrap_or_default(),
+            upperdir: p
+                .rootfs
+                .iter()
+                .find(|m| m.type_ == "overlay")
+                .and_then(|m| crate::inspector::fs::overlay_dirs(&m.options))
+                .map(|(u, _)| u),
+            volumes: turns::tracked_volumes(&spec, &config.checkpoint.tracked_volumes).into_iter().map(|(at, _)| at).collect(),
+        };
+        let c = &config.checkpoint;
+        Ok(Coordinator::new(store, target, inspection, c.keep_last, c.keep_every, Duration::from_millis(c.action_wait_timeout_ms)))
+    }
+
+    /// Holds an action until the checkpoints of the turns before it are durable.
+    async fn gate(&self, c: &Container, action: &str) -> Result<()> {
+        match &c.coordinator {
+            Some(co) => co.wait_durable(action).await,
+            None => Ok(()),
+        }
     }
 
     async fn create_init(&self, p: &CreateParams, runc: &Runc) -> Result<(u32, crate::stdio::ProcessIo)> {
@@ -307,6 +364,7 @@ impl Containers {
 
     pub async fn start(&self, id: &str, exec_id: &str) -> Result<u32> {
         let c = self.get(id)?;
+        self.gate(&c, if exec_id.is_empty() { "start" } else { "exec start" }).await?;
         if exec_id.is_empty() {
             let _guard = c.lifecycle.lock().await;
             let _starting = c.init.start_lock.lock().await;
@@ -507,6 +565,11 @@ impl Containers {
 
     pub async fn kill(&self, id: &str, exec_id: &str, signal: u32, all: bool) -> Result<()> {
         let c = self.get(id)?;
+        // A signal changes the sandbox too, but stopping a container must always work: after
+        // the bound the kill goes ahead (said in the log).
+        if let Err(e) = self.gate(&c, "kill").await {
+            log::warn!("{e}; killing anyway");
+        }
         let p = c.process(exec_id)?;
         let snap = p.snapshot();
         if exec_id.is_empty() {
@@ -640,6 +703,7 @@ impl Containers {
         let turn_end = turns::requested_turn_end(&annotations)?;
         let _guard = c.lifecycle.lock().await;
         if let Some(json) = resources.filter(|r| !r.is_empty()) {
+            self.gate(&c, "update").await?;
             serde_json::from_slice::<oci_spec::runtime::LinuxResources>(&json)
                 .map_err(|e| Error::InvalidArgument(format!("resources: {e}")))?;
             let file = c.bundle.join("update-resources.json");
@@ -687,6 +751,9 @@ impl Containers {
         let dir = turns::turns_dir(&c.state_dir, &self.namespace, &c.id);
         let path = turns::store_answer(&dir, turn_id, &answer)?;
         log::debug!("turn {turn_id} of {}: answer stored in {}", c.id, path.display());
+        if let Some(co) = &c.coordinator {
+            co.submit(turn_id, &answer);
+        }
         Ok(answer)
     }
 

@@ -104,9 +104,14 @@ pub fn start_inspection(container_id: &str, init_pid: u32, rootfs: &[Mount], vol
     Inspection::new(target, probes)
 }
 
+/// A sandbox's directory in the state dir: its checkpoint store and its turn answers.
+pub fn sandbox_dir(state_dir: &Path, namespace: &str, container_id: &str) -> PathBuf {
+    state_dir.join(namespace).join(container_id)
+}
+
 /// Where a container's turn answers are kept.
 pub fn turns_dir(state_dir: &Path, namespace: &str, container_id: &str) -> PathBuf {
-    state_dir.join(namespace).join(container_id).join("turns")
+    sandbox_dir(state_dir, namespace, container_id).join("turns")
 }
 
 /// Writes the answer atomically (temp file, fsync, rename): a reader never sees half of it.

@@ -336,6 +336,38 @@ impl Inspection {
         }
     }
 
+    /// Processes that have not been scheduled since the mark (so their memory still equals
+    /// the mark's image), with their run counts now.
+    pub fn idle_since_mark(&self) -> Vec<(u32, u64)> {
+        let Some(m) = &self.mark else { return Vec::new() };
+        m.processes
+            .iter()
+            .filter_map(|p| {
+                let now = self.run_count(p.pid)?;
+                (m.run_counts.get(&p.pid) == Some(&now)).then_some((p.pid, now))
+            })
+            .collect()
+    }
+
+    /// After a checkpoint froze and thawed the container: the freezer wakes every process, and
+    /// waking rewrites a little of their memory (an interrupted sleep stores its remaining time,
+    /// the kernel updates the rseq area). For the processes that were idle since the mark up to
+    /// the freeze (`idle`, from [`Self::idle_since_mark`]), that change is crab's own, not the
+    /// agent's: their images at the mark are refreshed so the next turn does not count it.
+    pub fn refresh_after_freeze(&mut self, idle: &[(u32, u64)]) {
+        let Some(mark) = self.mark.as_mut() else { return };
+        for &(pid, _) in idle {
+            let Some(n) = self.probes.as_ref().and_then(|p| p.run_count(pid).ok().flatten()) else { continue };
+            match memory::capture(pid) {
+                Ok(img) => {
+                    mark.memory.insert(pid, img);
+                    mark.run_counts.insert(pid, n);
+                }
+                Err(e) => log::debug!("refresh of pid {pid} after a freeze: {e}"),
+            }
+        }
+    }
+
     /// Answers a turn end and makes the present the new mark.
     pub fn turn_end(&mut self) -> Answer {
         let started = Instant::now();
