@@ -792,6 +792,10 @@ impl Xattrs {
                 Err(e) => return Err(e),
             };
             match classify_xattr(name) {
+                // A pax key ends at its first `=`: such a name cannot be recorded.
+                XattrClass::Plain(n) if n.contains(&b'=') => {
+                    log::warn!("layer: skipping xattr {:?}: its name contains '='", String::from_utf8_lossy(&n));
+                }
                 XattrClass::Plain(n) => out.other.push((n, value)),
                 XattrClass::Overlay(b"opaque") => out.opaque = value == b"y",
                 XattrClass::Overlay(b"redirect") => out.redirect = Some(value),

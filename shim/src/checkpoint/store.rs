@@ -21,7 +21,10 @@ use std::{
     io::{self, Read, Write},
     os::{
         fd::AsRawFd,
-        unix::{ffi::OsStrExt, fs::OpenOptionsExt},
+        unix::{
+            ffi::OsStrExt,
+            fs::{DirBuilderExt, OpenOptionsExt},
+        },
     },
     path::{Component, Path, PathBuf},
     sync::{
@@ -203,8 +206,11 @@ impl Store {
     /// process images no published manifest names. Unreadable manifests make the sweep keep
     /// every blob and image (it cannot know what they name).
     pub fn open(root: &Path) -> Result<Store, StoreError> {
+        // Layers and images hold the container's files and memory: root's eyes only.
+        let mut builder = fs::DirBuilder::new();
+        builder.recursive(true).mode(0o700);
         for dir in [root.to_path_buf(), root.join("checkpoints"), root.join("blobs/sha256"), root.join("proc"), root.join("chunks")] {
-            fs::create_dir_all(&dir).map_err(|e| StoreError::io("create", &dir, e))?;
+            builder.create(&dir).map_err(|e| StoreError::io("create", &dir, e))?;
         }
         let lock_path = root.join(".lock");
         let lock = OpenOptions::new()
@@ -545,7 +551,7 @@ impl TempFile {
             .read(true)
             .write(true)
             .create_new(true)
-            .mode(0o644)
+            .mode(0o600)
             .custom_flags(libc::O_CLOEXEC)
             .open(&path)
             .map_err(|e| StoreError::io("create", &path, e))?;
