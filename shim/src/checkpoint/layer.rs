@@ -65,7 +65,9 @@ pub enum LayerError {
     Freeze(#[source] io::Error),
     #[error("cannot thaw the container, it may still be frozen: {0}")]
     Thaw(#[source] io::Error),
-    #[error("upperdir entry {path}: {reason}; such an entry cannot be captured from the upperdir alone")]
+    #[error(
+        "upperdir entry {path}: {reason}; such an entry cannot be captured from the upperdir alone"
+    )]
     Unsupported { path: PathBuf, reason: String },
     #[error("upperdir entry {path} changed while the container was frozen: {reason}")]
     Changed { path: PathBuf, reason: String },
@@ -80,7 +82,11 @@ impl LayerError {
     }
 
     fn upper(op: &'static str, path: &Path, source: io::Error) -> LayerError {
-        LayerError::Upper { op, path: path.to_path_buf(), source }
+        LayerError::Upper {
+            op,
+            path: path.to_path_buf(),
+            source,
+        }
     }
 }
 
@@ -95,13 +101,21 @@ pub struct FsDiffPaths<'a> {
 
 impl<'a> From<&'a FsDiff> for FsDiffPaths<'a> {
     fn from(d: &'a FsDiff) -> Self {
-        FsDiffPaths { added: &d.added, modified: &d.modified, deleted: &d.deleted }
+        FsDiffPaths {
+            added: &d.added,
+            modified: &d.modified,
+            deleted: &d.deleted,
+        }
     }
 }
 
 impl<'a> From<&'a FsFinding> for FsDiffPaths<'a> {
     fn from(f: &'a FsFinding) -> Self {
-        FsDiffPaths { added: &f.added, modified: &f.modified, deleted: &f.deleted }
+        FsDiffPaths {
+            added: &f.added,
+            modified: &f.modified,
+            deleted: &f.deleted,
+        }
     }
 }
 
@@ -157,7 +171,8 @@ impl CgroupFreezer {
     /// The freezer of `pid`'s cgroup: the v1 `freezer` controller where it is mounted (hybrid
     /// hosts), cgroup2's otherwise.
     pub fn for_pid(pid: u32) -> io::Result<CgroupFreezer> {
-        let cgroups = crate::cgroup::Cgroups::of(pid).map_err(|e| io::Error::other(e.to_string()))?;
+        let cgroups =
+            crate::cgroup::Cgroups::of(pid).map_err(|e| io::Error::other(e.to_string()))?;
         if let Some(dir) = cgroups.v1("freezer") {
             return Ok(CgroupFreezer::new(dir.clone(), CgroupVersion::V1));
         }
@@ -172,7 +187,12 @@ impl CgroupFreezer {
     }
 
     pub fn new(dir: PathBuf, version: CgroupVersion) -> CgroupFreezer {
-        CgroupFreezer { dir, version, timeout: Duration::from_secs(5), state: Mutex::default() }
+        CgroupFreezer {
+            dir,
+            version,
+            timeout: Duration::from_secs(5),
+            state: Mutex::default(),
+        }
     }
 
     /// How long `freeze` waits for every task to stop before giving up (and thawing).
@@ -204,7 +224,12 @@ impl CgroupFreezer {
             (CgroupVersion::V2, false) => "0",
         };
         let path = self.control_file();
-        std::fs::write(&path, value).map_err(|e| io::Error::new(e.kind(), format!("write {value} to {}: {e}", path.display())))
+        std::fs::write(&path, value).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("write {value} to {}: {e}", path.display()),
+            )
+        })
     }
 
     fn is_frozen(&self) -> io::Result<bool> {
@@ -212,7 +237,8 @@ impl CgroupFreezer {
             CgroupVersion::V1 => (self.dir.join("freezer.state"), "FROZEN"),
             CgroupVersion::V2 => (self.dir.join("cgroup.events"), "frozen 1"),
         };
-        let text = std::fs::read_to_string(&path).map_err(|e| io::Error::new(e.kind(), format!("read {}: {e}", path.display())))?;
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| io::Error::new(e.kind(), format!("read {}: {e}", path.display())))?;
         Ok(text.lines().any(|l| l.trim() == frozen))
     }
 
@@ -227,11 +253,17 @@ impl CgroupFreezer {
             if start.elapsed() > self.timeout {
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
-                    format!("{} did not freeze within {:?} (a task in uninterruptible sleep?)", self.dir.display(), self.timeout),
+                    format!(
+                        "{} did not freeze within {:?} (a task in uninterruptible sleep?)",
+                        self.dir.display(),
+                        self.timeout
+                    ),
                 ));
             }
             // v1 can stay FREEZING when tasks fork while it freezes; asking again moves it on.
-            if self.version == CgroupVersion::V1 && last_request.elapsed() > Duration::from_millis(10) {
+            if self.version == CgroupVersion::V1
+                && last_request.elapsed() > Duration::from_millis(10)
+            {
                 self.request(true)?;
                 last_request = Instant::now();
             }
@@ -249,8 +281,14 @@ impl Freezer for CgroupFreezer {
             return Ok(());
         }
         if self.is_frozen()? {
-            log::debug!("{} is already frozen: leaving it frozen after the checkpoint", self.dir.display());
-            *st = FreezeState { depth: 1, external: true };
+            log::debug!(
+                "{} is already frozen: leaving it frozen after the checkpoint",
+                self.dir.display()
+            );
+            *st = FreezeState {
+                depth: 1,
+                external: true,
+            };
             return Ok(());
         }
         self.request(true)?;
@@ -260,7 +298,10 @@ impl Freezer for CgroupFreezer {
             }
             return Err(e);
         }
-        *st = FreezeState { depth: 1, external: false };
+        *st = FreezeState {
+            depth: 1,
+            external: false,
+        };
         Ok(())
     }
 
@@ -290,7 +331,10 @@ struct Frozen<'a> {
 impl<'a> Frozen<'a> {
     fn new(freezer: &'a dyn Freezer) -> Result<Frozen<'a>, LayerError> {
         freezer.freeze().map_err(LayerError::Freeze)?;
-        Ok(Frozen { freezer, armed: true })
+        Ok(Frozen {
+            freezer,
+            armed: true,
+        })
     }
 
     fn thaw(mut self) -> io::Result<()> {
@@ -319,14 +363,24 @@ pub fn write_fs_layer(
 ) -> Result<(Descriptor, LayerStats), LayerError> {
     let start = Instant::now();
     let paths = plan(diff)?;
-    let upper = open_dir_at(libc::AT_FDCWD, &cstring(upperdir.as_os_str().as_bytes(), upperdir)?, false)
-        .map_err(|e| LayerError::upper("open", upperdir, e))?;
+    let upper = open_dir_at(
+        libc::AT_FDCWD,
+        &cstring(upperdir.as_os_str().as_bytes(), upperdir)?,
+        false,
+    )
+    .map_err(|e| LayerError::upper("open", upperdir, e))?;
     let tar_tmp = store.temp_file("layer.tar")?;
-    let tar_file = tar_tmp.file.try_clone().map_err(|e| StoreError::io("dup", tar_tmp.path(), e))?;
+    let tar_file = tar_tmp
+        .file
+        .try_clone()
+        .map_err(|e| StoreError::io("dup", tar_tmp.path(), e))?;
     let mut capture = Capture {
         upper,
         upperdir,
-        tar: TarWriter::new(BufWriter::with_capacity(1 << 20, tar_file), tar_tmp.path().to_path_buf()),
+        tar: TarWriter::new(
+            BufWriter::with_capacity(1 << 20, tar_file),
+            tar_tmp.path().to_path_buf(),
+        ),
         links: HashMap::new(),
         parent: None,
         buf: vec![0; 1 << 20],
@@ -395,13 +449,23 @@ fn plan(diff: &FsDiffPaths<'_>) -> Result<BTreeSet<PathBuf>, LayerError> {
 }
 
 /// Compresses the finished temporary tar into a blob, hashing both, and stores it.
-fn compress(store: &Store, tar_tmp: super::store::TempFile, tar_len: u64) -> Result<Descriptor, LayerError> {
+fn compress(
+    store: &Store,
+    tar_tmp: super::store::TempFile,
+    tar_len: u64,
+) -> Result<Descriptor, LayerError> {
     let tar_path = tar_tmp.path().to_path_buf();
     let mut tar = tar_tmp;
-    tar.file().rewind().map_err(|e| StoreError::io("seek", &tar_path, e))?;
+    tar.file()
+        .rewind()
+        .map_err(|e| StoreError::io("seek", &tar_path, e))?;
     let mut blob = store.temp_file("layer.tar.zst")?;
     let blob_path = blob.path().to_path_buf();
-    let out = HashingWriter { inner: BufWriter::with_capacity(1 << 20, blob.file()), hash: Sha256::new(), len: 0 };
+    let out = HashingWriter {
+        inner: BufWriter::with_capacity(1 << 20, blob.file()),
+        hash: Sha256::new(),
+        len: 0,
+    };
     let write_err = |e: io::Error| StoreError::io("write", &blob_path, e);
     let mut enc = zstd::stream::write::Encoder::new(out, ZSTD_LEVEL).map_err(write_err)?;
     enc.include_checksum(true).map_err(write_err)?;
@@ -482,8 +546,10 @@ impl Capture<'_> {
             }
             covered = None;
             let below = if rel.as_os_str().is_empty() {
-                let fd = dup(self.upper.as_raw_fd()).map_err(|e| LayerError::upper("dup", self.upperdir, e))?;
-                let st = fstat(fd.as_raw_fd()).map_err(|e| LayerError::upper("stat", self.upperdir, e))?;
+                let fd = dup(self.upper.as_raw_fd())
+                    .map_err(|e| LayerError::upper("dup", self.upperdir, e))?;
+                let st = fstat(fd.as_raw_fd())
+                    .map_err(|e| LayerError::upper("stat", self.upperdir, e))?;
                 self.dir(fd, &st, rel, false)?
             } else {
                 let parent = rel.parent().unwrap_or(Path::new(""));
@@ -491,7 +557,10 @@ impl Capture<'_> {
                 let Some(pfd) = self.parent_fd(parent)? else {
                     // The parent is gone or no longer a directory: its own change covers this
                     // path (in this diff, or in the next one if it happened after the diff).
-                    log::debug!("layer: {} has no parent directory in the upperdir any more", rel.display());
+                    log::debug!(
+                        "layer: {} has no parent directory in the upperdir any more",
+                        rel.display()
+                    );
                     covered = Some(rel);
                     continue;
                 };
@@ -526,17 +595,27 @@ impl Capture<'_> {
         for comp in rest.components() {
             let name = comp.as_os_str();
             done.push(name);
-            let at = cur.as_ref().map_or(self.upper.as_raw_fd(), |f| f.as_raw_fd());
+            let at = cur
+                .as_ref()
+                .map_or(self.upper.as_raw_fd(), |f| f.as_raw_fd());
             let c = cstring(name.as_bytes(), &done)?;
             match open_dir_at(at, &c, true) {
                 Ok(fd) => cur = Some(fd),
-                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENOTDIR) | Some(libc::ELOOP)) => return Ok(None),
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::ENOENT) | Some(libc::ENOTDIR) | Some(libc::ELOOP)
+                    ) =>
+                {
+                    return Ok(None)
+                }
                 Err(e) => return Err(LayerError::upper("open", &self.upperdir.join(&done), e)),
             }
         }
         let fd = match cur {
             Some(fd) => fd,
-            None => dup(self.upper.as_raw_fd()).map_err(|e| LayerError::upper("dup", self.upperdir, e))?,
+            None => dup(self.upper.as_raw_fd())
+                .map_err(|e| LayerError::upper("dup", self.upperdir, e))?,
         };
         let raw = fd.as_raw_fd();
         self.parent = Some((parent.to_path_buf(), fd));
@@ -545,7 +624,13 @@ impl Capture<'_> {
 
     /// Captures the entry `name` of directory `pfd` (upperdir-relative `rel`); `whole` when it
     /// lies in an opaque directory being written whole.
-    fn entry(&mut self, pfd: RawFd, name: &[u8], rel: &Path, whole: bool) -> Result<Below, LayerError> {
+    fn entry(
+        &mut self,
+        pfd: RawFd,
+        name: &[u8],
+        rel: &Path,
+        whole: bool,
+    ) -> Result<Below, LayerError> {
         let path = || self.upperdir.join(rel);
         let cname = cstring(name, rel)?;
         let st = match fstatat(pfd, &cname) {
@@ -560,10 +645,15 @@ impl Capture<'_> {
         };
         match st.st_mode & libc::S_IFMT {
             libc::S_IFDIR => {
-                let fd = open_dir_at(pfd, &cname, true).map_err(|e| LayerError::upper("open", &path(), e))?;
-                let fst = fstat(fd.as_raw_fd()).map_err(|e| LayerError::upper("stat", &path(), e))?;
+                let fd = open_dir_at(pfd, &cname, true)
+                    .map_err(|e| LayerError::upper("open", &path(), e))?;
+                let fst =
+                    fstat(fd.as_raw_fd()).map_err(|e| LayerError::upper("stat", &path(), e))?;
                 if fst.st_ino != st.st_ino {
-                    return Err(LayerError::Changed { path: path(), reason: "replaced while being read".into() });
+                    return Err(LayerError::Changed {
+                        path: path(),
+                        reason: "replaced while being read".into(),
+                    });
                 }
                 self.dir(fd, &fst, rel, whole)
             }
@@ -573,10 +663,15 @@ impl Capture<'_> {
                 Ok(Below::Covered)
             }
             libc::S_IFLNK => {
-                let target = readlinkat(pfd, &cname).map_err(|e| LayerError::upper("readlink", &path(), e))?;
+                let target = readlinkat(pfd, &cname)
+                    .map_err(|e| LayerError::upper("readlink", &path(), e))?;
                 let xattrs = self.path_xattrs(pfd, name, rel)?;
                 let name = tar_name(rel, false);
-                self.tar.append(&TarEntry { link: &target, xattrs: &xattrs.other, ..TarEntry::from_stat(&name, b'2', &st) })?;
+                self.tar.append(&TarEntry {
+                    link: &target,
+                    xattrs: &xattrs.other,
+                    ..TarEntry::from_stat(&name, b'2', &st)
+                })?;
                 Ok(Below::Covered)
             }
             fmt @ (libc::S_IFCHR | libc::S_IFBLK | libc::S_IFIFO) => {
@@ -587,8 +682,16 @@ impl Capture<'_> {
                 };
                 let xattrs = self.path_xattrs(pfd, name, rel)?;
                 let name = tar_name(rel, false);
-                let dev = if kind == b'6' { (0, 0) } else { (libc::major(st.st_rdev), libc::minor(st.st_rdev)) };
-                self.tar.append(&TarEntry { dev, xattrs: &xattrs.other, ..TarEntry::from_stat(&name, kind, &st) })?;
+                let dev = if kind == b'6' {
+                    (0, 0)
+                } else {
+                    (libc::major(st.st_rdev), libc::minor(st.st_rdev))
+                };
+                self.tar.append(&TarEntry {
+                    dev,
+                    xattrs: &xattrs.other,
+                    ..TarEntry::from_stat(&name, kind, &st)
+                })?;
                 Ok(Below::Covered)
             }
             _ => {
@@ -599,24 +702,39 @@ impl Capture<'_> {
         }
     }
 
-    fn dir(&mut self, fd: OwnedFd, st: &libc::stat, rel: &Path, whole: bool) -> Result<Below, LayerError> {
+    fn dir(
+        &mut self,
+        fd: OwnedFd,
+        st: &libc::stat,
+        rel: &Path,
+        whole: bool,
+    ) -> Result<Below, LayerError> {
         let path = self.upperdir.join(rel);
-        let xattrs = Xattrs::read(&XattrSource::Fd(fd.as_raw_fd())).map_err(|e| LayerError::upper("xattrs", &path, e))?;
+        let xattrs = Xattrs::read(&XattrSource::Fd(fd.as_raw_fd()))
+            .map_err(|e| LayerError::upper("xattrs", &path, e))?;
         if let Some(r) = &xattrs.redirect {
             return Err(LayerError::Unsupported {
                 path,
-                reason: format!("a directory renamed with overlay redirect_dir (redirect {:?})", String::from_utf8_lossy(r)),
+                reason: format!(
+                    "a directory renamed with overlay redirect_dir (redirect {:?})",
+                    String::from_utf8_lossy(r)
+                ),
             });
         }
         let name = tar_name(rel, true);
-        self.tar.append(&TarEntry { xattrs: &xattrs.other, ..TarEntry::from_stat(&name, b'5', st) })?;
+        self.tar.append(&TarEntry {
+            xattrs: &xattrs.other,
+            ..TarEntry::from_stat(&name, b'5', st)
+        })?;
         if !(xattrs.opaque || whole) {
             return Ok(Below::Listed);
         }
         if xattrs.opaque {
-            self.tar.append(&TarEntry::whiteout(&child_name(rel, OPAQUE_MARKER)))?;
+            self.tar
+                .append(&TarEntry::whiteout(&child_name(rel, OPAQUE_MARKER)))?;
         }
-        let mut names = list_dir(fd.as_raw_fd()).map_err(|e| LayerError::upper("readdir", &path, e))?;
+        let mut names =
+            list_dir(fd.as_raw_fd()).map_err(|e| LayerError::upper("readdir", &path, e))?;
         names.sort();
         for child in names {
             let child_rel = rel.join(OsString::from_vec(child.clone()));
@@ -625,33 +743,54 @@ impl Capture<'_> {
         Ok(Below::Covered)
     }
 
-    fn file(&mut self, pfd: RawFd, cname: &CStr, st: &libc::stat, rel: &Path) -> Result<Below, LayerError> {
+    fn file(
+        &mut self,
+        pfd: RawFd,
+        cname: &CStr,
+        st: &libc::stat,
+        rel: &Path,
+    ) -> Result<Below, LayerError> {
         let path = || self.upperdir.join(rel);
         let fd = open_file_at(pfd, cname).map_err(|e| LayerError::upper("open", &path(), e))?;
         let fst = fstat(fd.as_raw_fd()).map_err(|e| LayerError::upper("stat", &path(), e))?;
         if fst.st_mode & libc::S_IFMT != libc::S_IFREG || fst.st_ino != st.st_ino {
-            return Err(LayerError::Changed { path: path(), reason: "replaced while being read".into() });
+            return Err(LayerError::Changed {
+                path: path(),
+                reason: "replaced while being read".into(),
+            });
         }
-        let xattrs = Xattrs::read(&XattrSource::Fd(fd.as_raw_fd())).map_err(|e| LayerError::upper("xattrs", &path(), e))?;
+        let xattrs = Xattrs::read(&XattrSource::Fd(fd.as_raw_fd()))
+            .map_err(|e| LayerError::upper("xattrs", &path(), e))?;
         if xattrs.whiteout && fst.st_size == 0 {
             self.tar.whiteout(rel)?;
             return Ok(Below::Covered);
         }
         if xattrs.metacopy {
-            return Err(LayerError::Unsupported { path: path(), reason: "an overlay metacopy file (its data is in a lower layer)".into() });
+            return Err(LayerError::Unsupported {
+                path: path(),
+                reason: "an overlay metacopy file (its data is in a lower layer)".into(),
+            });
         }
         let name = tar_name(rel, false);
         if fst.st_nlink > 1 {
             let key = (fst.st_dev, fst.st_ino);
             if let Some(first) = self.links.get(&key) {
                 let first = first.clone();
-                self.tar.append(&TarEntry { link: &first, size: 0, ..TarEntry::from_stat(&name, b'1', &fst) })?;
+                self.tar.append(&TarEntry {
+                    link: &first,
+                    size: 0,
+                    ..TarEntry::from_stat(&name, b'1', &fst)
+                })?;
                 return Ok(Below::Covered);
             }
             self.links.insert(key, name.clone());
         }
         let size = fst.st_size as u64;
-        self.tar.append(&TarEntry { size, xattrs: &xattrs.other, ..TarEntry::from_stat(&name, b'0', &fst) })?;
+        self.tar.append(&TarEntry {
+            size,
+            xattrs: &xattrs.other,
+            ..TarEntry::from_stat(&name, b'0', &fst)
+        })?;
         self.copy_data(fd.as_raw_fd(), size, rel)?;
         self.tar.pad(size)?;
         Ok(Below::Covered)
@@ -660,14 +799,26 @@ impl Capture<'_> {
     /// Copies exactly `size` bytes of `src` into the tar: in the kernel where both files'
     /// filesystems allow it, through a buffer otherwise.
     fn copy_data(&mut self, src: RawFd, size: u64, rel: &Path) -> Result<(), LayerError> {
-        let shrank = || LayerError::Changed { path: self.upperdir.join(rel), reason: "the file shrank while being read".into() };
+        let shrank = || LayerError::Changed {
+            path: self.upperdir.join(rel),
+            reason: "the file shrank while being read".into(),
+        };
         let mut left = size;
         if self.copy_file_range && left > 0 {
             self.tar.flush()?;
             let dst = self.tar.out.get_ref().as_raw_fd();
             while left > 0 {
                 let chunk = left.min(1 << 30) as usize;
-                let n = unsafe { libc::copy_file_range(src, std::ptr::null_mut(), dst, std::ptr::null_mut(), chunk, 0) };
+                let n = unsafe {
+                    libc::copy_file_range(
+                        src,
+                        std::ptr::null_mut(),
+                        dst,
+                        std::ptr::null_mut(),
+                        chunk,
+                        0,
+                    )
+                };
                 if n > 0 {
                     left -= n as u64;
                     self.tar.bytes += n as u64;
@@ -678,12 +829,17 @@ impl Capture<'_> {
                 }
                 let e = io::Error::last_os_error();
                 match e.raw_os_error() {
-                    Some(libc::EXDEV) | Some(libc::EINVAL) | Some(libc::ENOSYS) | Some(libc::EOPNOTSUPP) => {
+                    Some(libc::EXDEV)
+                    | Some(libc::EINVAL)
+                    | Some(libc::ENOSYS)
+                    | Some(libc::EOPNOTSUPP) => {
                         self.copy_file_range = false;
                         break;
                     }
                     Some(libc::EINTR) => continue,
-                    _ if super::store::is_no_space(&e) => return Err(StoreError::io("write", &self.tar.path, e).into()),
+                    _ if super::store::is_no_space(&e) => {
+                        return Err(StoreError::io("write", &self.tar.path, e).into())
+                    }
                     _ => return Err(LayerError::upper("copy", &self.upperdir.join(rel), e)),
                 }
             }
@@ -714,7 +870,8 @@ impl Capture<'_> {
         let mut p = format!("/proc/self/fd/{pfd}/").into_bytes();
         p.extend_from_slice(name);
         let c = cstring(&p, rel)?;
-        Xattrs::read(&XattrSource::Path(&c)).map_err(|e| LayerError::upper("xattrs", &self.upperdir.join(rel), e))
+        Xattrs::read(&XattrSource::Path(&c))
+            .map_err(|e| LayerError::upper("xattrs", &self.upperdir.join(rel), e))
     }
 }
 
@@ -780,11 +937,15 @@ impl Xattrs {
         };
         let mut out = Xattrs::default();
         for name in names.split(|b| *b == 0).filter(|n| !n.is_empty()) {
-            let Ok(cname) = CString::new(name) else { continue };
+            let Ok(cname) = CString::new(name) else {
+                continue;
+            };
             let value = match read_sized(|buf, len| unsafe {
                 match src {
                     XattrSource::Fd(fd) => libc::fgetxattr(*fd, cname.as_ptr(), buf.cast(), len),
-                    XattrSource::Path(p) => libc::lgetxattr(p.as_ptr(), cname.as_ptr(), buf.cast(), len),
+                    XattrSource::Path(p) => {
+                        libc::lgetxattr(p.as_ptr(), cname.as_ptr(), buf.cast(), len)
+                    }
                 }
             }) {
                 Ok(v) => v,
@@ -794,7 +955,10 @@ impl Xattrs {
             match classify_xattr(name) {
                 // A pax key ends at its first `=`: such a name cannot be recorded.
                 XattrClass::Plain(n) if n.contains(&b'=') => {
-                    log::warn!("layer: skipping xattr {:?}: its name contains '='", String::from_utf8_lossy(&n));
+                    log::warn!(
+                        "layer: skipping xattr {:?}: its name contains '='",
+                        String::from_utf8_lossy(&n)
+                    );
                 }
                 XattrClass::Plain(n) => out.other.push((n, value)),
                 XattrClass::Overlay(b"opaque") => out.opaque = value == b"y",
@@ -873,9 +1037,12 @@ fn open_dir_at(at: RawFd, name: &CStr, nofollow: bool) -> io::Result<OwnedFd> {
 
 fn open_file_at(at: RawFd, name: &CStr) -> io::Result<OwnedFd> {
     // O_NONBLOCK: never wait on a file that turned into a fifo; O_NOATIME: reading is no access.
-    let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC;
+    let flags =
+        libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC;
     match check_fd(unsafe { libc::openat(at, name.as_ptr(), flags | libc::O_NOATIME) }) {
-        Err(e) if e.raw_os_error() == Some(libc::EPERM) => check_fd(unsafe { libc::openat(at, name.as_ptr(), flags) }),
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+            check_fd(unsafe { libc::openat(at, name.as_ptr(), flags) })
+        }
         r => r,
     }
 }
@@ -886,7 +1053,15 @@ fn dup(fd: RawFd) -> io::Result<OwnedFd> {
 
 fn fstatat(at: RawFd, name: &CStr) -> io::Result<libc::stat> {
     let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-    if unsafe { libc::fstatat(at, name.as_ptr(), st.as_mut_ptr(), libc::AT_SYMLINK_NOFOLLOW) } != 0 {
+    if unsafe {
+        libc::fstatat(
+            at,
+            name.as_ptr(),
+            st.as_mut_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    } != 0
+    {
         return Err(io::Error::last_os_error());
     }
     Ok(unsafe { st.assume_init() })
@@ -956,7 +1131,18 @@ impl<'a> TarEntry<'a> {
     }
 
     fn whiteout(name: &'a [u8]) -> TarEntry<'a> {
-        TarEntry { name, kind: b'0', mode: 0, uid: 0, gid: 0, size: 0, mtime: (0, 0), link: b"", dev: (0, 0), xattrs: &[] }
+        TarEntry {
+            name,
+            kind: b'0',
+            mode: 0,
+            uid: 0,
+            gid: 0,
+            size: 0,
+            mtime: (0, 0),
+            link: b"",
+            dev: (0, 0),
+            xattrs: &[],
+        }
     }
 }
 
@@ -970,7 +1156,12 @@ struct TarWriter<W: Write> {
 
 impl TarWriter<BufWriter<File>> {
     fn new(out: BufWriter<File>, path: PathBuf) -> Self {
-        TarWriter { out, path, bytes: 0, entries: 0 }
+        TarWriter {
+            out,
+            path,
+            bytes: 0,
+            entries: 0,
+        }
     }
 
     fn err(&self, e: io::Error) -> LayerError {
@@ -1048,7 +1239,10 @@ fn encode_header(e: &TarEntry) -> Vec<u8> {
     }
     let (secs, nsec) = e.mtime;
     // The header keeps whole seconds where they fit (readers without pax still get those).
-    let fits = octal(&mut block[136..148], u64::try_from(secs).unwrap_or(u64::MAX));
+    let fits = octal(
+        &mut block[136..148],
+        u64::try_from(secs).unwrap_or(u64::MAX),
+    );
     if !fits {
         octal(&mut block[136..148], 0);
     }
@@ -1058,17 +1252,28 @@ fn encode_header(e: &TarEntry) -> Vec<u8> {
     block[156] = e.kind;
     block[257..263].copy_from_slice(b"ustar\0");
     block[263..265].copy_from_slice(b"00");
-    for (range, key, v) in [(329..337, "SCHILY.devmajor", e.dev.0), (337..345, "SCHILY.devminor", e.dev.1)] {
+    for (range, key, v) in [
+        (329..337, "SCHILY.devmajor", e.dev.0),
+        (337..345, "SCHILY.devminor", e.dev.1),
+    ] {
         if !octal(&mut block[range], u64::from(v)) {
             pax_record(&mut pax, key.as_bytes(), v.to_string().as_bytes());
         }
     }
     for (name, value) in e.xattrs {
-        pax_record(&mut pax, &[b"SCHILY.xattr.".as_slice(), name].concat(), value);
+        pax_record(
+            &mut pax,
+            &[b"SCHILY.xattr.".as_slice(), name].concat(),
+            value,
+        );
     }
     checksum(&mut block);
 
-    let mut out = Vec::with_capacity(if pax.is_empty() { 512 } else { 1024 + pax.len() });
+    let mut out = Vec::with_capacity(if pax.is_empty() {
+        512
+    } else {
+        1024 + pax.len()
+    });
     if !pax.is_empty() {
         let mut xh = [0u8; 512];
         let base = e.name.strip_suffix(b"/").unwrap_or(e.name);
@@ -1152,7 +1357,6 @@ fn pax_time(secs: i64, nsec: i64) -> String {
     format!("-{}.{:09}", -(secs + 1), 1_000_000_000 - nsec)
 }
 
-
 #[cfg(test)]
 mod tests {
     use std::{
@@ -1180,15 +1384,32 @@ mod tests {
     impl Overlay {
         fn new(populate: impl FnOnce(&Path)) -> Overlay {
             let dir = tempfile::tempdir().unwrap();
-            let [lower, upper, work, merged] = ["lower", "upper", "work", "merged"].map(|n| dir.path().join(n));
+            let [lower, upper, work, merged] =
+                ["lower", "upper", "work", "merged"].map(|n| dir.path().join(n));
             for d in [&lower, &upper, &work, &merged] {
                 fs::create_dir(d).unwrap();
             }
             populate(&lower);
-            let opts = format!("lowerdir={},upperdir={},workdir={}", lower.display(), upper.display(), work.display());
-            mount(Some("overlay"), &merged, Some("overlay"), MsFlags::empty(), Some(opts.as_str()))
-                .unwrap_or_else(|e| panic!("mount overlay: {e} (tests run as root)"));
-            Overlay { lower, upper, merged, _dir: dir }
+            let opts = format!(
+                "lowerdir={},upperdir={},workdir={}",
+                lower.display(),
+                upper.display(),
+                work.display()
+            );
+            mount(
+                Some("overlay"),
+                &merged,
+                Some("overlay"),
+                MsFlags::empty(),
+                Some(opts.as_str()),
+            )
+            .unwrap_or_else(|e| panic!("mount overlay: {e} (tests run as root)"));
+            Overlay {
+                lower,
+                upper,
+                merged,
+                _dir: dir,
+            }
         }
 
         fn m(&self, p: &str) -> PathBuf {
@@ -1235,7 +1456,10 @@ mod tests {
 
     impl CountingFreezer {
         fn counts(&self) -> (u32, u32) {
-            (self.freezes.load(Ordering::SeqCst), self.thaws.load(Ordering::SeqCst))
+            (
+                self.freezes.load(Ordering::SeqCst),
+                self.thaws.load(Ordering::SeqCst),
+            )
         }
     }
 
@@ -1248,9 +1472,26 @@ mod tests {
     }
 
     fn setxattr(p: &Path, name: &str, value: &[u8]) {
-        let (cp, cn) = (CString::new(p.as_os_str().as_bytes()).unwrap(), CString::new(name).unwrap());
-        let rc = unsafe { libc::lsetxattr(cp.as_ptr(), cn.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
-        assert_eq!(rc, 0, "setxattr {name} on {}: {}", p.display(), io::Error::last_os_error());
+        let (cp, cn) = (
+            CString::new(p.as_os_str().as_bytes()).unwrap(),
+            CString::new(name).unwrap(),
+        );
+        let rc = unsafe {
+            libc::lsetxattr(
+                cp.as_ptr(),
+                cn.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
+        };
+        assert_eq!(
+            rc,
+            0,
+            "setxattr {name} on {}: {}",
+            p.display(),
+            io::Error::last_os_error()
+        );
     }
 
     fn lxattrs(p: &Path) -> Vec<(Vec<u8>, Vec<u8>)> {
@@ -1260,13 +1501,22 @@ mod tests {
 
     fn mknod(p: &Path, kind: libc::mode_t, mode: u32, dev: libc::dev_t) {
         let c = CString::new(p.as_os_str().as_bytes()).unwrap();
-        assert_eq!(unsafe { libc::mknod(c.as_ptr(), kind | mode, dev) }, 0, "mknod {}: {}", p.display(), io::Error::last_os_error());
+        assert_eq!(
+            unsafe { libc::mknod(c.as_ptr(), kind | mode, dev) },
+            0,
+            "mknod {}: {}",
+            p.display(),
+            io::Error::last_os_error()
+        );
         fs::set_permissions(p, fs::Permissions::from_mode(mode)).unwrap();
     }
 
     /// CAP_NET_BIND_SERVICE, effective (vfs_cap_data revision 2).
     fn capability() -> Vec<u8> {
-        [0x0200_0001u32, 1 << 10, 0, 0, 0].iter().flat_map(|w| w.to_le_bytes()).collect()
+        [0x0200_0001u32, 1 << 10, 0, 0, 0]
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect()
     }
 
     #[derive(Debug, Clone, PartialEq)]
@@ -1309,7 +1559,11 @@ mod tests {
                 gid: h.gid().unwrap(),
                 data: Vec::new(),
                 link: e.link_name_bytes().map(|l| l.into_owned()),
-                dev: h.device_major().unwrap().zip(h.device_minor().unwrap()).filter(|_| matches!(h.entry_type().as_byte(), b'3' | b'4')),
+                dev: h
+                    .device_major()
+                    .unwrap()
+                    .zip(h.device_minor().unwrap())
+                    .filter(|_| matches!(h.entry_type().as_byte(), b'3' | b'4')),
                 mtime: h.mtime().unwrap().to_string(),
                 xattrs: Vec::new(),
             };
@@ -1322,7 +1576,9 @@ mod tests {
                         "mtime" => item.mtime = String::from_utf8(value).unwrap(),
                         "uid" => item.uid = String::from_utf8(value).unwrap().parse().unwrap(),
                         "gid" => item.gid = String::from_utf8(value).unwrap().parse().unwrap(),
-                        k if k.starts_with("SCHILY.xattr.") => item.xattrs.push((k["SCHILY.xattr.".len()..].as_bytes().to_vec(), value)),
+                        k if k.starts_with("SCHILY.xattr.") => item
+                            .xattrs
+                            .push((k.as_bytes()["SCHILY.xattr.".len()..].to_vec(), value)),
                         _ => {}
                     }
                 }
@@ -1338,7 +1594,11 @@ mod tests {
     }
 
     fn item<'a>(items: &'a [(String, TarItem)], name: &str) -> &'a TarItem {
-        &items.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("{name} not in the layer: {:?}", names(items))).1
+        &items
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("{name} not in the layer: {:?}", names(items)))
+            .1
     }
 
     /// A tar item agrees with what the merged view shows at `p`.
@@ -1346,26 +1606,48 @@ mod tests {
         let it = item(items, name);
         let md = fs::symlink_metadata(p).unwrap();
         assert_eq!(it.mode, md.mode() & 0o7777, "{name} mode");
-        assert_eq!((it.uid, it.gid), (u64::from(md.uid()), u64::from(md.gid())), "{name} owner");
+        assert_eq!(
+            (it.uid, it.gid),
+            (u64::from(md.uid()), u64::from(md.gid())),
+            "{name} owner"
+        );
         if it.kind != b'1' {
             let nsec = md.mtime_nsec();
-            let want = if nsec == 0 { md.mtime().to_string() } else { format!("{}.{:09}", md.mtime(), nsec) };
+            let want = if nsec == 0 {
+                md.mtime().to_string()
+            } else {
+                format!("{}.{:09}", md.mtime(), nsec)
+            };
             assert_eq!(it.mtime, want, "{name} mtime");
             assert_eq!(it.xattrs, lxattrs(p), "{name} xattrs");
         }
         match it.kind {
             b'0' => assert_eq!(it.data, fs::read(p).unwrap(), "{name} content"),
-            b'2' => assert_eq!(it.link.as_deref(), Some(fs::read_link(p).unwrap().as_os_str().as_bytes()), "{name} target"),
-            b'3' | b'4' => assert_eq!(it.dev, Some((libc::major(md.rdev()), libc::minor(md.rdev()))), "{name} device"),
+            b'2' => assert_eq!(
+                it.link.as_deref(),
+                Some(fs::read_link(p).unwrap().as_os_str().as_bytes()),
+                "{name} target"
+            ),
+            b'3' | b'4' => assert_eq!(
+                it.dev,
+                Some((libc::major(md.rdev()), libc::minor(md.rdev()))),
+                "{name} device"
+            ),
             _ => {}
         }
     }
 
     const LONG_DIR: &str = "dddddddddddddddddddddddddddddddddddddddddddddddddddddddddddd";
-    const LONG_FILE: &str = "ffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff";
+    const LONG_FILE: &str =
+        "ffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff";
 
     fn deep_path() -> String {
-        format!("deep/{}/{}/{}/file", "a".repeat(100), "b".repeat(100), "c".repeat(100))
+        format!(
+            "deep/{}/{}/{}/file",
+            "a".repeat(100),
+            "b".repeat(100),
+            "c".repeat(100)
+        )
     }
 
     fn populate_lower(l: &Path) {
@@ -1385,7 +1667,12 @@ mod tests {
     fn change_round_one(o: &Overlay) {
         write(&o.m("new.txt"), b"hello\n", 0o640);
         setxattr(&o.m("new.txt"), "user.test", b"v1");
-        fs::OpenOptions::new().append(true).open(o.m("etc/a")).unwrap().write_all(b"more\n").unwrap();
+        fs::OpenOptions::new()
+            .append(true)
+            .open(o.m("etc/a"))
+            .unwrap()
+            .write_all(b"more\n")
+            .unwrap();
         fs::set_permissions(o.m("bin/tool"), fs::Permissions::from_mode(0o700)).unwrap();
         setxattr(&o.m("bin/tool"), "security.capability", &capability());
         symlink("etc/a", o.m("link")).unwrap();
@@ -1400,7 +1687,11 @@ mod tests {
         mknod(&o.m("myfifo"), libc::S_IFIFO, 0o644, 0);
         fs::create_dir(o.m("emptydir")).unwrap();
         fs::set_permissions(o.m("emptydir"), fs::Permissions::from_mode(0o751)).unwrap();
-        write(&o.m(&format!("long/{LONG_DIR}/{LONG_FILE}")), b"long", 0o644);
+        write(
+            &o.m(&format!("long/{LONG_DIR}/{LONG_FILE}")),
+            b"long",
+            0o644,
+        );
         write(&o.m(&deep_path()), b"deep", 0o644);
         write(&o.m("bigid"), b"big owner", 0o644);
         std::os::unix::fs::chown(o.m("bigid"), Some(3_000_000), Some(3_000_001)).unwrap();
@@ -1415,12 +1706,15 @@ mod tests {
         let store_dir = tempfile::tempdir().unwrap();
         let store = Store::open(store_dir.path()).unwrap();
         let freezer = CountingFreezer::default();
-        let (desc, stats) = write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), &freezer).unwrap();
+        let (desc, stats) =
+            write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), &freezer).unwrap();
         assert_eq!(freezer.counts(), (1, 1));
         let items = read_layer(&store, &desc);
 
         let deep = deep_path();
-        let deep_dirs: Vec<String> = (1..4).map(|n| deep.split('/').take(n + 1).collect::<Vec<_>>().join("/") + "/").collect();
+        let deep_dirs: Vec<String> = (1..4)
+            .map(|n| deep.split('/').take(n + 1).collect::<Vec<_>>().join("/") + "/")
+            .collect();
         let long_dir = format!("long/{LONG_DIR}/");
         let long_file = format!("long/{LONG_DIR}/{LONG_FILE}");
         let mut expect: Vec<&str> = vec![
@@ -1459,7 +1753,10 @@ mod tests {
 
         // Contents, modes, owners, mtimes and xattrs are the merged view's.
         for (name, it) in &items {
-            if it.kind == b'0' && it.data.is_empty() && name.rsplit('/').next().unwrap().starts_with(".wh.") {
+            if it.kind == b'0'
+                && it.data.is_empty()
+                && name.rsplit('/').next().unwrap().starts_with(".wh.")
+            {
                 assert_eq!((it.mode, it.uid, it.gid), (0, 0, 0), "{name}");
                 continue;
             }
@@ -1468,22 +1765,41 @@ mod tests {
         }
         assert_eq!(item(&items, "etc/a").data, b"A\nmore\n");
         assert_eq!(item(&items, "bin/tool").mode, 0o700);
-        assert_eq!(item(&items, "bin/tool").xattrs, vec![(b"security.capability".to_vec(), capability())]);
-        assert_eq!(item(&items, "hard.txt").xattrs, vec![(b"user.test".to_vec(), b"v1".to_vec())]);
+        assert_eq!(
+            item(&items, "bin/tool").xattrs,
+            vec![(b"security.capability".to_vec(), capability())]
+        );
+        assert_eq!(
+            item(&items, "hard.txt").xattrs,
+            vec![(b"user.test".to_vec(), b"v1".to_vec())]
+        );
         assert_eq!(item(&items, "link").link.as_deref(), Some(&b"etc/a"[..]));
         let nt = item(&items, "new.txt");
-        assert_eq!((nt.kind, nt.link.as_deref()), (b'1', Some(&b"hard.txt"[..])), "a hardlink to the first name");
+        assert_eq!(
+            (nt.kind, nt.link.as_deref()),
+            (b'1', Some(&b"hard.txt"[..])),
+            "a hardlink to the first name"
+        );
         assert_eq!(item(&items, "mydev").dev, Some((1, 3)));
         assert_eq!(item(&items, "myfifo").kind, b'6');
         assert_eq!(item(&items, "emptydir/").mode, 0o751);
-        assert_eq!((item(&items, "bigid").uid, item(&items, "bigid").gid), (3_000_000, 3_000_001));
+        assert_eq!(
+            (item(&items, "bigid").uid, item(&items, "bigid").gid),
+            (3_000_000, 3_000_001)
+        );
         assert_eq!(item(&items, &deep).data, b"deep");
         // The opaque marker comes right after its directory, before the directory's content.
         let pos = |n: &str| names(&items).iter().position(|x| *x == n).unwrap();
         assert_eq!(pos("data/dir/.wh..wh..opq"), pos("data/dir/") + 1);
         assert!(pos("hard.txt") < pos("new.txt"));
         // Nothing left behind but the blob.
-        assert_eq!(files_under(store_dir.path()), vec![PathBuf::from(".lock"), Path::new("blobs/sha256").join(desc.hex())]);
+        assert_eq!(
+            files_under(store_dir.path()),
+            vec![
+                PathBuf::from(".lock"),
+                Path::new("blobs/sha256").join(desc.hex())
+            ]
+        );
     }
 
     #[test]
@@ -1499,11 +1815,26 @@ mod tests {
         let store = Store::open(store_dir.path()).unwrap();
         // A stale diff that still thinks /esc is a directory with content.
         let stale = [PathBuf::from("/esc/secret.txt"), PathBuf::from("/esc-file")];
-        for paths in [FsDiffPaths::from(&d), FsDiffPaths { added: &stale, modified: &[], deleted: &[] }] {
-            let (desc, _) = write_fs_layer(&store, &o.upper, &paths, &CountingFreezer::default()).unwrap();
+        for paths in [
+            FsDiffPaths::from(&d),
+            FsDiffPaths {
+                added: &stale,
+                modified: &[],
+                deleted: &[],
+            },
+        ] {
+            let (desc, _) =
+                write_fs_layer(&store, &o.upper, &paths, &CountingFreezer::default()).unwrap();
             let items = read_layer(&store, &desc);
-            assert!(items.iter().all(|(_, it)| it.data != b"SECRET"), "{items:?}");
-            assert!(items.iter().all(|(n, _)| !n.starts_with("esc/")), "{:?}", names(&items));
+            assert!(
+                items.iter().all(|(_, it)| it.data != b"SECRET"),
+                "{items:?}"
+            );
+            assert!(
+                items.iter().all(|(n, _)| !n.starts_with("esc/")),
+                "{:?}",
+                names(&items)
+            );
             assert_eq!(item(&items, "esc-file").kind, b'2');
         }
     }
@@ -1524,13 +1855,26 @@ mod tests {
         assert_eq!(freezer.counts(), (1, 1), "thawed after the failed capture");
         assert_eq!(files_under(store_dir.path()), vec![PathBuf::from(".lock")]);
 
-        let refusing = CountingFreezer { fail: true, ..Default::default() };
+        let refusing = CountingFreezer {
+            fail: true,
+            ..Default::default()
+        };
         let e = write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), &refusing).unwrap_err();
         assert!(matches!(e, LayerError::Freeze(_)), "{e}");
         assert_eq!(files_under(store_dir.path()), vec![PathBuf::from(".lock")]);
 
         let bad = [PathBuf::from("/a/../../etc")];
-        let e = write_fs_layer(&store, &o.upper, &FsDiffPaths { added: &bad, modified: &[], deleted: &[] }, &freezer).unwrap_err();
+        let e = write_fs_layer(
+            &store,
+            &o.upper,
+            &FsDiffPaths {
+                added: &bad,
+                modified: &[],
+                deleted: &[],
+            },
+            &freezer,
+        )
+        .unwrap_err();
         assert!(matches!(e, LayerError::InvalidPath(_)), "{e}");
     }
 
@@ -1550,15 +1894,28 @@ mod tests {
             let e = write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), &freezer).unwrap_err();
             assert!(e.is_no_space(), "{size}: {e}");
             let msg = e.to_string();
-            assert!(msg.contains("no space left on device") && msg.contains(stage), "{size}: {msg}");
+            assert!(
+                msg.contains("no space left on device") && msg.contains(stage),
+                "{size}: {msg}"
+            );
             assert_eq!(freezer.counts(), (1, 1), "thawed");
-            assert_eq!(files_under(&store_root), vec![PathBuf::from(".lock")], "{size}: nothing partial");
+            assert_eq!(
+                files_under(&store_root),
+                vec![PathBuf::from(".lock")],
+                "{size}: nothing partial"
+            );
             assert!(store.list().unwrap().is_empty());
         }
         // Small changes still fit.
         write(&o.m("f"), b"small", 0o644);
         let (_, d) = o.diff(&base);
-        let (desc, _) = write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), &CountingFreezer::default()).unwrap();
+        let (desc, _) = write_fs_layer(
+            &store,
+            &o.upper,
+            &FsDiffPaths::from(&d),
+            &CountingFreezer::default(),
+        )
+        .unwrap();
         assert_eq!(item(&read_layer(&store, &desc), "f").data, b"small");
     }
 
@@ -1595,10 +1952,17 @@ mod tests {
                     uid: md.uid(),
                     gid: md.gid(),
                     rdev: md.rdev(),
-                    data: if kind == libc::S_IFREG { fs::read(&p).unwrap() } else { Vec::new() },
+                    data: if kind == libc::S_IFREG {
+                        fs::read(&p).unwrap()
+                    } else {
+                        Vec::new()
+                    },
                     link: (kind == libc::S_IFLNK).then(|| fs::read_link(&p).unwrap()),
                     mtime: (kind != libc::S_IFDIR).then(|| (md.mtime(), md.mtime_nsec())),
-                    xattrs: lxattrs(&p).into_iter().filter(|(n, _)| !n.starts_with(b"security.selinux")).collect(),
+                    xattrs: lxattrs(&p)
+                        .into_iter()
+                        .filter(|(n, _)| !n.starts_with(b"security.selinux"))
+                        .collect(),
                 };
                 out.insert(p.strip_prefix(root).unwrap().to_path_buf(), node);
             }
@@ -1641,7 +2005,11 @@ mod tests {
         }))
         .unwrap();
         let (mdigest, msize) = put(&manifest);
-        fs::write(layout.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
+        fs::write(
+            layout.join("oci-layout"),
+            br#"{"imageLayoutVersion":"1.0.0"}"#,
+        )
+        .unwrap();
         fs::write(
             layout.join("index.json"),
             serde_json::to_vec(&serde_json::json!({
@@ -1660,18 +2028,33 @@ mod tests {
             .arg(&bundle)
             .output()
             .expect("umoci (installed by hack/install-deps.sh)");
-        assert!(out.status.success(), "umoci unpack: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "umoci unpack: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         bundle.join("rootfs")
     }
 
     fn base_layer(lower: &Path) -> Vec<u8> {
         let out = Command::new("tar")
-            .args(["--format=posix", "--pax-option=delete=atime,delete=ctime", "--numeric-owner", "--xattrs", "--xattrs-include=*", "-C"])
+            .args([
+                "--format=posix",
+                "--pax-option=delete=atime,delete=ctime",
+                "--numeric-owner",
+                "--xattrs",
+                "--xattrs-include=*",
+                "-C",
+            ])
             .arg(lower)
             .args(["-cf", "-", "."])
             .output()
             .unwrap();
-        assert!(out.status.success(), "tar: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "tar: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         out.stdout
     }
 
@@ -1693,10 +2076,17 @@ mod tests {
         let (m1, d1) = o.diff(&m0);
         let (l1, _) = write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d1), &freezer).unwrap();
         let work = tempfile::tempdir().unwrap();
-        let rootfs = umoci_unpack(&work.path().join("one"), &[base.clone(), plain_tar(&store, &l1)]);
+        let rootfs = umoci_unpack(
+            &work.path().join("one"),
+            &[base.clone(), plain_tar(&store, &l1)],
+        );
         assert_eq!(tree(&rootfs), tree(&o.merged), "after layer 1");
         let ino = |p: &Path| fs::metadata(p).unwrap().ino();
-        assert_eq!(ino(&rootfs.join("new.txt")), ino(&rootfs.join("hard.txt")), "hardlink kept");
+        assert_eq!(
+            ino(&rootfs.join("new.txt")),
+            ino(&rootfs.join("hard.txt")),
+            "hardlink kept"
+        );
 
         // Turn two: undo some of turn one, touch the opaque directory again, revive a deleted path.
         fs::remove_file(o.m("new.txt")).unwrap();
@@ -1704,7 +2094,12 @@ mod tests {
         fs::remove_dir_all(o.m("p")).unwrap();
         write(&o.m("etc/b"), b"B2\n", 0o644);
         fs::rename(o.m("etc/a"), o.m("etc/a2")).unwrap();
-        fs::OpenOptions::new().append(true).open(o.m(&format!("long/{LONG_DIR}/{LONG_FILE}"))).unwrap().write_all(b"er").unwrap();
+        fs::OpenOptions::new()
+            .append(true)
+            .open(o.m(&format!("long/{LONG_DIR}/{LONG_FILE}")))
+            .unwrap()
+            .write_all(b"er")
+            .unwrap();
         write(&o.m("keep/k2"), b"k2", 0o644);
         let (_, d2) = o.diff(&m1);
         let (l2, _) = write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d2), &freezer).unwrap();
@@ -1727,7 +2122,10 @@ mod tests {
         ];
         expect.sort();
         assert_eq!(got, expect, "diff was {d2:?}");
-        let rootfs = umoci_unpack(&work.path().join("two"), &[base, plain_tar(&store, &l1), plain_tar(&store, &l2)]);
+        let rootfs = umoci_unpack(
+            &work.path().join("two"),
+            &[base, plain_tar(&store, &l1), plain_tar(&store, &l2)],
+        );
         assert_eq!(tree(&rootfs), tree(&o.merged), "after layer 2");
         assert_eq!(freezer.counts(), (2, 2));
     }
@@ -1736,7 +2134,12 @@ mod tests {
 
     #[test]
     fn pax_records_and_names() {
-        for (key, value) in [("a", "b".repeat(2)), ("path", "x".repeat(89)), ("path", "x".repeat(90)), ("path", "x".repeat(992))] {
+        for (key, value) in [
+            ("a", "b".repeat(2)),
+            ("path", "x".repeat(89)),
+            ("path", "x".repeat(90)),
+            ("path", "x".repeat(992)),
+        ] {
             let mut rec = Vec::new();
             pax_record(&mut rec, key.as_bytes(), value.as_bytes());
             let text = String::from_utf8(rec.clone()).unwrap();
@@ -1748,9 +2151,18 @@ mod tests {
         assert_eq!(pax_time(-1, 1), "-0.999999999");
         assert_eq!(pax_time(7, 0), "7");
         let long = format!("{}/{}", "p".repeat(150), "n".repeat(100));
-        assert_eq!(split_ustar_name(long.as_bytes()), Some(("p".repeat(150).as_bytes(), "n".repeat(100).as_bytes())));
-        assert_eq!(split_ustar_name(format!("{}/", "d".repeat(120)).as_bytes()), None);
-        assert_eq!(split_ustar_name(format!("a/{}", "n".repeat(101)).as_bytes()), None);
+        assert_eq!(
+            split_ustar_name(long.as_bytes()),
+            Some(("p".repeat(150).as_bytes(), "n".repeat(100).as_bytes()))
+        );
+        assert_eq!(
+            split_ustar_name(format!("{}/", "d".repeat(120)).as_bytes()),
+            None
+        );
+        assert_eq!(
+            split_ustar_name(format!("a/{}", "n".repeat(101)).as_bytes()),
+            None
+        );
         assert_eq!(whiteout_name(Path::new("a/b")), b"a/.wh.b");
         assert_eq!(whiteout_name(Path::new("top")), b".wh.top");
         assert_eq!(tar_name(Path::new(""), true), b"./");
@@ -1766,9 +2178,42 @@ mod tests {
         let xattrs = vec![(b"user.bin".to_vec(), vec![0u8, 1, 2, b'=', 255])];
         let mut tar = Vec::new();
         let entries = [
-            TarEntry { name: long_name.as_bytes(), kind: b'0', mode: 0o4755, uid: 3_000_000, gid: 7, size: 3, mtime: (1_700_000_000, 123_456_789), link: b"", dev: (0, 0), xattrs: &xattrs },
-            TarEntry { name: b"l", kind: b'2', mode: 0o777, uid: 0, gid: 0, size: 0, mtime: (-2, 500_000_000), link: long_link.as_bytes(), dev: (0, 0), xattrs: &[] },
-            TarEntry { name: b"d", kind: b'3', mode: 0o600, uid: 0, gid: 0, size: 0, mtime: (1, 0), link: b"", dev: (4095, 1_048_575), xattrs: &[] },
+            TarEntry {
+                name: long_name.as_bytes(),
+                kind: b'0',
+                mode: 0o4755,
+                uid: 3_000_000,
+                gid: 7,
+                size: 3,
+                mtime: (1_700_000_000, 123_456_789),
+                link: b"",
+                dev: (0, 0),
+                xattrs: &xattrs,
+            },
+            TarEntry {
+                name: b"l",
+                kind: b'2',
+                mode: 0o777,
+                uid: 0,
+                gid: 0,
+                size: 0,
+                mtime: (-2, 500_000_000),
+                link: long_link.as_bytes(),
+                dev: (0, 0),
+                xattrs: &[],
+            },
+            TarEntry {
+                name: b"d",
+                kind: b'3',
+                mode: 0o600,
+                uid: 0,
+                gid: 0,
+                size: 0,
+                mtime: (1, 0),
+                link: b"",
+                dev: (4095, 1_048_575),
+                xattrs: &[],
+            },
         ];
         for e in &entries {
             tar.extend_from_slice(&encode_header(e));
@@ -1781,7 +2226,10 @@ mod tests {
         let items = parse_tar(&tar);
         assert_eq!(names(&items), vec![long_name.as_str(), "l", "d"]);
         let f = &items[0].1;
-        assert_eq!((f.mode, f.uid, f.gid, f.mtime.as_str(), &f.data[..]), (0o4755, 3_000_000, 7, "1700000000.123456789", &b"abc"[..]));
+        assert_eq!(
+            (f.mode, f.uid, f.gid, f.mtime.as_str(), &f.data[..]),
+            (0o4755, 3_000_000, 7, "1700000000.123456789", &b"abc"[..])
+        );
         assert_eq!(f.xattrs, xattrs);
         assert_eq!(items[1].1.link.as_deref(), Some(long_link.as_bytes()));
         assert_eq!(items[1].1.mtime, "-1.500000000");
@@ -1789,15 +2237,40 @@ mod tests {
         // GNU tar agrees.
         let dir = tempfile::tempdir().unwrap();
         fs::write(dir.path().join("t.tar"), &tar).unwrap();
-        let out = Command::new("tar").args(["--numeric-owner", "-tvf"]).arg(dir.path().join("t.tar")).output().unwrap();
+        let out = Command::new("tar")
+            .args(["--numeric-owner", "-tvf"])
+            .arg(dir.path().join("t.tar"))
+            .output()
+            .unwrap();
         let listing = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        assert!(listing.contains(&format!("3000000/7 {:>10}", 3)) || listing.contains("3000000/7"), "{listing}");
-        assert!(listing.contains(&long_name) && listing.contains(&long_link), "{listing}");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            listing.contains(&format!("3000000/7 {:>10}", 3)) || listing.contains("3000000/7"),
+            "{listing}"
+        );
+        assert!(
+            listing.contains(&long_name) && listing.contains(&long_link),
+            "{listing}"
+        );
 
         let value = vec![b'\n', 0, 10, 255, b' ', b'\n'];
         let cap = [(b"user.nl".to_vec(), value.clone())];
-        let mut tar = encode_header(&TarEntry { name: b"f", kind: b'0', mode: 0o644, uid: 0, gid: 0, size: 0, mtime: (1, 0), link: b"", dev: (0, 0), xattrs: &cap });
+        let mut tar = encode_header(&TarEntry {
+            name: b"f",
+            kind: b'0',
+            mode: 0o644,
+            uid: 0,
+            gid: 0,
+            size: 0,
+            mtime: (1, 0),
+            link: b"",
+            dev: (0, 0),
+            xattrs: &cap,
+        });
         tar.extend_from_slice(&[0u8; 1024]);
         fs::write(dir.path().join("nl.tar"), &tar).unwrap();
         let out = Command::new("tar")
@@ -1807,7 +2280,11 @@ mod tests {
             .arg(dir.path())
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert_eq!(lxattrs(&dir.path().join("f")), cap.to_vec());
     }
 
@@ -1839,14 +2316,24 @@ mod tests {
                 .stdout(Stdio::null())
                 .spawn()
                 .unwrap();
-            let c = Counter { file: dir.path().join("f"), child, cgroup, _tmpfs: tmpfs, _dir: dir };
+            let c = Counter {
+                file: dir.path().join("f"),
+                child,
+                cgroup,
+                _tmpfs: tmpfs,
+                _dir: dir,
+            };
             fs::write(c.cgroup.join("cgroup.procs"), c.child.id().to_string()).unwrap();
             Some(c)
         }
 
         fn value(&self) -> u64 {
             for _ in 0..1000 {
-                if let Ok(n) = fs::read_to_string(&self.file).unwrap_or_default().trim().parse() {
+                if let Ok(n) = fs::read_to_string(&self.file)
+                    .unwrap_or_default()
+                    .trim()
+                    .parse()
+                {
                     return n;
                 }
                 std::thread::sleep(Duration::from_millis(1));
@@ -1897,7 +2384,10 @@ mod tests {
         f.wait_frozen().unwrap();
         f.freeze().unwrap();
         f.thaw().unwrap();
-        assert!(!counter.is_counting(), "a pause from outside survives our thaw");
+        assert!(
+            !counter.is_counting(),
+            "a pause from outside survives our thaw"
+        );
         f.request(false).unwrap();
         assert!(counter.is_counting());
     }
@@ -1909,20 +2399,30 @@ mod tests {
             eprintln!("no v1 freezer hierarchy here (pure cgroup v2): see the v2 test");
             return;
         }
-        let counter = Counter::start(root.join(format!("crab-test-{}-v1", std::process::id()))).expect("v1 freezer cgroup");
+        let counter = Counter::start(root.join(format!("crab-test-{}-v1", std::process::id())))
+            .expect("v1 freezer cgroup");
         let f = CgroupFreezer::for_pid(counter.child.id()).unwrap();
-        assert_eq!((f.version(), f.dir()), (CgroupVersion::V1, counter.cgroup.as_path()));
+        assert_eq!(
+            (f.version(), f.dir()),
+            (CgroupVersion::V1, counter.cgroup.as_path())
+        );
         exercise(&counter, &f);
     }
 
     #[test]
     fn cgroup_v2_freezer_stops_a_real_process() {
         let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
-        let Some(mp) = mountinfo.lines().find(|l| l.contains(" - cgroup2 ")).and_then(|l| l.split_whitespace().nth(4)) else {
+        let Some(mp) = mountinfo
+            .lines()
+            .find(|l| l.contains(" - cgroup2 "))
+            .and_then(|l| l.split_whitespace().nth(4))
+        else {
             eprintln!("no cgroup2 mount: skipped");
             return;
         };
-        let Some(counter) = Counter::start(Path::new(mp).join(format!("crab-test-{}-v2", std::process::id()))) else {
+        let Some(counter) =
+            Counter::start(Path::new(mp).join(format!("crab-test-{}-v2", std::process::id())))
+        else {
             panic!("cannot create a cgroup2 cgroup under {mp}");
         };
         let f = CgroupFreezer::new(counter.cgroup.clone(), CgroupVersion::V2);
@@ -1939,26 +2439,47 @@ mod tests {
         let o = Overlay::new(|l| write(&l.join("etc/os-release"), b"ID=test\n", 0o644));
         let store_dir = tempfile::tempdir().unwrap();
         let store = Store::open(store_dir.path()).unwrap();
-        let counter = Counter::start(Path::new("/sys/fs/cgroup/freezer").join(format!("crab-bench-{}", std::process::id())));
-        let freezer = counter.as_ref().map(|c| CgroupFreezer::for_pid(c.child.id()).unwrap());
+        let counter = Counter::start(
+            Path::new("/sys/fs/cgroup/freezer").join(format!("crab-bench-{}", std::process::id())),
+        );
+        let freezer = counter
+            .as_ref()
+            .map(|c| CgroupFreezer::for_pid(c.child.id()).unwrap());
         let counting = CountingFreezer::default();
         let freezer: &dyn Freezer = match &freezer {
             Some(f) => f,
             None => &counting,
         };
         println!("store and upperdir on {}", store_dir.path().display());
-        println!("{:>10} {:>6} {:>12} {:>12} {:>10} {:>10} {:>10}", "changed", "runs", "tar bytes", "zstd bytes", "freeze ms", "capture ms", "total ms");
+        println!(
+            "{:>10} {:>6} {:>12} {:>12} {:>10} {:>10} {:>10}",
+            "changed", "runs", "tar bytes", "zstd bytes", "freeze ms", "capture ms", "total ms"
+        );
         let mut mark = o.scan();
-        for (label, size) in [("1 KB", 1usize << 10), ("100 KB", 100 << 10), ("1 MB", 1 << 20), ("10 MB", 10 << 20), ("100 MB", 100 << 20)] {
+        for (label, size) in [
+            ("1 KB", 1usize << 10),
+            ("100 KB", 100 << 10),
+            ("1 MB", 1 << 20),
+            ("10 MB", 10 << 20),
+            ("100 MB", 100 << 20),
+        ] {
             let mut runs = Vec::new();
             for run in 0..5u64 {
                 // Half noise, half text: compressible like real files, not trivially so.
                 let mut data = noise(size / 2, run + size as u64);
-                data.extend(std::iter::repeat_n(b"the quick brown fox jumps over the lazy dog\n".as_slice(), size / 2 / 44 + 1).flatten().take(size - data.len()));
+                data.extend(
+                    std::iter::repeat_n(
+                        b"the quick brown fox jumps over the lazy dog\n".as_slice(),
+                        size / 2 / 44 + 1,
+                    )
+                    .flatten()
+                    .take(size - data.len()),
+                );
                 write(&o.m("work/blob.bin"), &data, 0o644);
                 let (now, d) = o.diff(&mark);
                 mark = now;
-                let (_, s) = write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), freezer).unwrap();
+                let (_, s) =
+                    write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), freezer).unwrap();
                 runs.push(s);
             }
             runs.sort_by_key(|s| s.total);

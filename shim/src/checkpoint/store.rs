@@ -73,9 +73,16 @@ impl StoreError {
     /// An I/O error; a full disk (or quota) becomes [`StoreError::NoSpace`].
     pub(crate) fn io(op: &'static str, path: &Path, source: io::Error) -> StoreError {
         if is_no_space(&source) {
-            StoreError::NoSpace { op, path: path.to_path_buf() }
+            StoreError::NoSpace {
+                op,
+                path: path.to_path_buf(),
+            }
         } else {
-            StoreError::Io { op, path: path.to_path_buf(), source }
+            StoreError::Io {
+                op,
+                path: path.to_path_buf(),
+                source,
+            }
         }
     }
 
@@ -166,7 +173,12 @@ impl Manifest {
     /// A manifest following `parent` (the latest published one, if any): it starts with the
     /// parent's references, so an fs-only checkpoint keeps the process image and a proc-only
     /// one keeps the layer chain; the caller then pushes a layer and/or replaces `process`.
-    pub fn child_of(parent: Option<&Manifest>, seq: u64, turn_id: &str, kind: CheckpointKind) -> Manifest {
+    pub fn child_of(
+        parent: Option<&Manifest>,
+        seq: u64,
+        turn_id: &str,
+        kind: CheckpointKind,
+    ) -> Manifest {
         Manifest {
             format: FORMAT,
             seq,
@@ -209,8 +221,16 @@ impl Store {
         // Layers and images hold the container's files and memory: root's eyes only.
         let mut builder = fs::DirBuilder::new();
         builder.recursive(true).mode(0o700);
-        for dir in [root.to_path_buf(), root.join("checkpoints"), root.join("blobs/sha256"), root.join("proc"), root.join("chunks")] {
-            builder.create(&dir).map_err(|e| StoreError::io("create", &dir, e))?;
+        for dir in [
+            root.to_path_buf(),
+            root.join("checkpoints"),
+            root.join("blobs/sha256"),
+            root.join("proc"),
+            root.join("chunks"),
+        ] {
+            builder
+                .create(&dir)
+                .map_err(|e| StoreError::io("create", &dir, e))?;
         }
         let lock_path = root.join(".lock");
         let lock = OpenOptions::new()
@@ -220,11 +240,18 @@ impl Store {
             .open(&lock_path)
             .map_err(|e| StoreError::io("open", &lock_path, e))?;
         let locked = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
-        let store = Store { root: root.to_path_buf(), _lock: locked.then_some(lock), pending: Mutex::default() };
+        let store = Store {
+            root: root.to_path_buf(),
+            _lock: locked.then_some(lock),
+            pending: Mutex::default(),
+        };
         if locked {
             store.sweep()?;
         } else {
-            log::debug!("checkpoint store {}: in use by another store, not sweeping", root.display());
+            log::debug!(
+                "checkpoint store {}: in use by another store, not sweeping",
+                root.display()
+            );
         }
         Ok(store)
     }
@@ -244,7 +271,8 @@ impl Store {
 
     /// The stored blob of a descriptor.
     pub fn blob_path(&self, digest: &str) -> PathBuf {
-        self.blobs_dir().join(digest.strip_prefix("sha256:").unwrap_or(digest))
+        self.blobs_dir()
+            .join(digest.strip_prefix("sha256:").unwrap_or(digest))
     }
 
     fn blobs_dir(&self) -> PathBuf {
@@ -277,12 +305,20 @@ impl Store {
         let path = self.manifest_path(seq);
         let bytes = match fs::read(&path) {
             Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(StoreError::NotFound { seq, root: self.root.clone() }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(StoreError::NotFound {
+                    seq,
+                    root: self.root.clone(),
+                })
+            }
             Err(e) => return Err(StoreError::io("read", &path, e)),
         };
         let m = parse_manifest(&path, &bytes)?;
         if m.seq != seq {
-            return Err(StoreError::Corrupt { path, reason: format!("it says seq {}", m.seq) });
+            return Err(StoreError::Corrupt {
+                path,
+                reason: format!("it says seq {}", m.seq),
+            });
         }
         Ok(m)
     }
@@ -307,17 +343,28 @@ impl Store {
     pub fn publish(&self, m: &Manifest) -> Result<(), StoreError> {
         let invalid = |reason: String| StoreError::Invalid { seq: m.seq, reason };
         if m.format != FORMAT {
-            return Err(invalid(format!("format {} (this crab writes {FORMAT})", m.format)));
+            return Err(invalid(format!(
+                "format {} (this crab writes {FORMAT})",
+                m.format
+            )));
         }
         for layer in &m.fs_layers {
             if !self.blob_path(&layer.digest).is_file() {
-                return Err(invalid(format!("layer {} is not in the store", layer.digest)));
+                return Err(invalid(format!(
+                    "layer {} is not in the store",
+                    layer.digest
+                )));
             }
         }
         if let Some(p) = &m.process {
-            let dir = self.resolve(&p.image).ok_or_else(|| invalid(format!("process image {:?} is not a store path", p.image)))?;
+            let dir = self.resolve(&p.image).ok_or_else(|| {
+                invalid(format!("process image {:?} is not a store path", p.image))
+            })?;
             if !dir.is_dir() {
-                return Err(invalid(format!("process image {} is not in the store", dir.display())));
+                return Err(invalid(format!(
+                    "process image {} is not in the store",
+                    dir.display()
+                )));
             }
         }
         let dir = self.checkpoints_dir();
@@ -328,7 +375,10 @@ impl Store {
         let mut file = TempFile::create(tmp)?;
         file.write_all(&json)?;
         file.persist_noreplace(&path).map_err(|e| match e {
-            PersistError::Exists => StoreError::Exists { seq: m.seq, root: self.root.clone() },
+            PersistError::Exists => StoreError::Exists {
+                seq: m.seq,
+                root: self.root.clone(),
+            },
             PersistError::Store(e) => e,
         })?;
         let mut pending = self.pending.lock().unwrap();
@@ -342,7 +392,11 @@ impl Store {
     pub fn temp_file(&self, what: &str) -> Result<TempFile, StoreError> {
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        TempFile::create(self.root.join("blobs").join(format!(".{what}-{}-{n}.tmp", std::process::id())))
+        TempFile::create(
+            self.root
+                .join("blobs")
+                .join(format!(".{what}-{}-{n}.tmp", std::process::id())),
+        )
     }
 
     /// Hashes the layer blob at `tmp_file` (zstd-compressed or plain tar), computing its
@@ -351,26 +405,45 @@ impl Store {
         let open = |p: &Path| File::open(p).map_err(|e| StoreError::io("open", p, e));
         let mut file = open(tmp_file)?;
         let mut magic = [0u8; 4];
-        let n = read_full(&mut file, &mut magic).map_err(|e| StoreError::io("read", tmp_file, e))?;
+        let n =
+            read_full(&mut file, &mut magic).map_err(|e| StoreError::io("read", tmp_file, e))?;
         let compressed = n == 4 && magic == ZSTD_MAGIC;
-        let (digest, size) = sha256_reader(open(tmp_file)?).map_err(|e| StoreError::io("read", tmp_file, e))?;
+        let (digest, size) =
+            sha256_reader(open(tmp_file)?).map_err(|e| StoreError::io("read", tmp_file, e))?;
         let diff_id = if compressed {
-            let decoder = zstd::stream::read::Decoder::new(open(tmp_file)?).map_err(|e| StoreError::io("read", tmp_file, e))?;
+            let decoder = zstd::stream::read::Decoder::new(open(tmp_file)?)
+                .map_err(|e| StoreError::io("read", tmp_file, e))?;
             sha256_reader(decoder)
-                .map_err(|e| StoreError::Corrupt { path: tmp_file.to_path_buf(), reason: format!("zstd: {e}") })?
+                .map_err(|e| StoreError::Corrupt {
+                    path: tmp_file.to_path_buf(),
+                    reason: format!("zstd: {e}"),
+                })?
                 .0
         } else {
             digest.clone()
         };
-        let media_type = if compressed { MEDIA_TYPE_LAYER_ZSTD } else { MEDIA_TYPE_LAYER_TAR };
-        let desc = Descriptor { digest, diff_id, size, media_type: media_type.to_owned() };
+        let media_type = if compressed {
+            MEDIA_TYPE_LAYER_ZSTD
+        } else {
+            MEDIA_TYPE_LAYER_TAR
+        };
+        let desc = Descriptor {
+            digest,
+            diff_id,
+            size,
+            media_type: media_type.to_owned(),
+        };
         // A file elsewhere (another filesystem) is copied in first so the final step is a rename.
         let staged;
-        let src = if tmp_file.parent().is_some_and(|p| same_device(p, &self.blobs_dir())) {
+        let src = if tmp_file
+            .parent()
+            .is_some_and(|p| same_device(p, &self.blobs_dir()))
+        {
             tmp_file
         } else {
             let mut t = self.temp_file("blob")?;
-            io::copy(&mut open(tmp_file)?, &mut t.file).map_err(|e| StoreError::io("copy", t.path(), e))?;
+            io::copy(&mut open(tmp_file)?, &mut t.file)
+                .map_err(|e| StoreError::io("copy", t.path(), e))?;
             fs::remove_file(tmp_file).map_err(|e| StoreError::io("remove", tmp_file, e))?;
             staged = t;
             staged.path()
@@ -381,7 +454,11 @@ impl Store {
 
     /// Moves an already hashed blob into `blobs/`: fsync, rename, fsync dir. A blob already
     /// stored (same digest) is kept and `tmp_file` removed.
-    pub(crate) fn put_blob_hashed(&self, tmp_file: &Path, desc: &Descriptor) -> Result<(), StoreError> {
+    pub(crate) fn put_blob_hashed(
+        &self,
+        tmp_file: &Path,
+        desc: &Descriptor,
+    ) -> Result<(), StoreError> {
         let dest = self.blob_path(&desc.digest);
         self.pending.lock().unwrap().insert(desc.hex().to_owned());
         if dest.exists() {
@@ -389,7 +466,8 @@ impl Store {
             return Ok(());
         }
         let file = File::open(tmp_file).map_err(|e| StoreError::io("open", tmp_file, e))?;
-        file.sync_all().map_err(|e| StoreError::io("fsync", tmp_file, e))?;
+        file.sync_all()
+            .map_err(|e| StoreError::io("fsync", tmp_file, e))?;
         fs::rename(tmp_file, &dest).map_err(|e| StoreError::io("rename", tmp_file, e))?;
         fsync_dir(&self.blobs_dir())
     }
@@ -400,21 +478,28 @@ impl Store {
     /// Blobs this store put for a manifest not yet published, and process images newer than
     /// the newest manifest, are never touched. `None, None` keeps everything.
     /// Page chunks (`chunks/`) are the process images' business (pages.rs).
-    pub fn apply_retention(&self, keep_last: Option<u32>, keep_every: Option<u32>) -> Result<Retention, StoreError> {
+    pub fn apply_retention(
+        &self,
+        keep_last: Option<u32>,
+        keep_every: Option<u32>,
+    ) -> Result<Retention, StoreError> {
         let mut report = Retention::default();
         if keep_last.is_none() && keep_every.is_none() {
             return Ok(report);
         }
         // Read every manifest before deleting anything: one unreadable manifest stops it all.
         let all = self.list()?;
-        let Some(newest) = all.last().map(|m| m.seq) else { return Ok(report) };
+        let Some(newest) = all.last().map(|m| m.seq) else {
+            return Ok(report);
+        };
         let n = all.len();
         let keep = |i: usize, m: &Manifest| {
             m.seq == newest
                 || keep_last.is_some_and(|k| i + (k as usize) >= n)
                 || keep_every.is_some_and(|k| k > 0 && m.seq.is_multiple_of(u64::from(k)))
         };
-        let (kept, dropped): (Vec<_>, Vec<_>) = all.iter().enumerate().partition(|(i, m)| keep(*i, m));
+        let (kept, dropped): (Vec<_>, Vec<_>) =
+            all.iter().enumerate().partition(|(i, m)| keep(*i, m));
         for (_, m) in &dropped {
             let path = self.manifest_path(m.seq);
             fs::remove_file(&path).map_err(|e| StoreError::io("remove", &path, e))?;
@@ -439,16 +524,29 @@ impl Store {
 
     /// Removes blobs and process images that no manifest of `kept` names, except pending
     /// blobs and images newer than `newest`.
-    fn collect_garbage(&self, kept: &[&Manifest], newest: u64, report: &mut Retention) -> Result<(), StoreError> {
-        let blobs: HashSet<&str> = kept.iter().flat_map(|m| m.fs_layers.iter().map(Descriptor::hex)).collect();
-        let images: HashSet<PathBuf> =
-            kept.iter().filter_map(|m| m.process.as_ref().and_then(|p| self.resolve(&p.image))).collect();
+    fn collect_garbage(
+        &self,
+        kept: &[&Manifest],
+        newest: u64,
+        report: &mut Retention,
+    ) -> Result<(), StoreError> {
+        let blobs: HashSet<&str> = kept
+            .iter()
+            .flat_map(|m| m.fs_layers.iter().map(Descriptor::hex))
+            .collect();
+        let images: HashSet<PathBuf> = kept
+            .iter()
+            .filter_map(|m| m.process.as_ref().and_then(|p| self.resolve(&p.image)))
+            .collect();
         let blobs_dir = self.blobs_dir();
         let mut removed_blob = false;
         for entry in read_dir(&blobs_dir)? {
             let name = entry.file_name();
             let Some(hex) = name.to_str() else { continue };
-            if hex.ends_with(".tmp") || blobs.contains(hex) || self.pending.lock().unwrap().contains(hex) {
+            if hex.ends_with(".tmp")
+                || blobs.contains(hex)
+                || self.pending.lock().unwrap().contains(hex)
+            {
                 continue;
             }
             let path = entry.path();
@@ -463,7 +561,10 @@ impl Store {
         let mut removed_image = false;
         for entry in read_dir(&proc_dir)? {
             let path = entry.path();
-            let seq = entry.file_name().to_str().and_then(|s| s.parse::<u64>().ok());
+            let seq = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<u64>().ok());
             if images.contains(&path) || seq.is_none_or(|s| s > newest) {
                 continue;
             }
@@ -491,7 +592,10 @@ impl Store {
         let all = match self.list() {
             Ok(all) => all,
             Err(e) => {
-                log::warn!("checkpoint store {}: not sweeping unreferenced data: {e}", self.root.display());
+                log::warn!(
+                    "checkpoint store {}: not sweeping unreferenced data: {e}",
+                    self.root.display()
+                );
                 return Ok(());
             }
         };
@@ -502,7 +606,10 @@ impl Store {
         // Images newer than the newest manifest were never published: a crash mid-checkpoint.
         let proc_dir = self.root.join("proc");
         for entry in read_dir(&proc_dir)? {
-            let seq = entry.file_name().to_str().and_then(|s| s.parse::<u64>().ok());
+            let seq = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<u64>().ok());
             if seq.is_some_and(|s| s > newest) {
                 let path = entry.path();
                 remove_any(&path)?;
@@ -523,7 +630,9 @@ impl Store {
     /// A store-relative path (no `..`, not absolute) under the root.
     fn resolve(&self, rel: &str) -> Option<PathBuf> {
         let p = Path::new(rel);
-        p.components().all(|c| matches!(c, Component::Normal(_))).then(|| self.root.join(p))
+        p.components()
+            .all(|c| matches!(c, Component::Normal(_)))
+            .then(|| self.root.join(p))
     }
 }
 
@@ -555,7 +664,11 @@ impl TempFile {
             .custom_flags(libc::O_CLOEXEC)
             .open(&path)
             .map_err(|e| StoreError::io("create", &path, e))?;
-        Ok(TempFile { path, file, keep: false })
+        Ok(TempFile {
+            path,
+            file,
+            keep: false,
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -567,12 +680,16 @@ impl TempFile {
     }
 
     fn write_all(&mut self, data: &[u8]) -> Result<(), StoreError> {
-        self.file.write_all(data).map_err(|e| StoreError::io("write", &self.path, e))
+        self.file
+            .write_all(data)
+            .map_err(|e| StoreError::io("write", &self.path, e))
     }
 
     /// fsync, rename to `dest` unless it exists, fsync the directory.
     fn persist_noreplace(mut self, dest: &Path) -> Result<(), PersistError> {
-        self.file.sync_all().map_err(|e| PersistError::Store(StoreError::io("fsync", &self.path, e)))?;
+        self.file
+            .sync_all()
+            .map_err(|e| PersistError::Store(StoreError::io("fsync", &self.path, e)))?;
         match rename_noreplace(&self.path, dest) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Err(PersistError::Exists),
@@ -582,7 +699,6 @@ impl TempFile {
         let dir = dest.parent().unwrap_or(Path::new("."));
         fsync_dir(dir).map_err(PersistError::Store)
     }
-
 }
 
 impl Drop for TempFile {
@@ -590,7 +706,10 @@ impl Drop for TempFile {
         if !self.keep {
             if let Err(e) = fs::remove_file(&self.path) {
                 if e.kind() != io::ErrorKind::NotFound {
-                    log::warn!("checkpoint store: cannot remove {}: {e}", self.path.display());
+                    log::warn!(
+                        "checkpoint store: cannot remove {}: {e}",
+                        self.path.display()
+                    );
                 }
             }
         }
@@ -598,9 +717,20 @@ impl Drop for TempFile {
 }
 
 fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
-    let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput));
+    let c = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+    };
     let (f, t) = (c(from)?, c(to)?);
-    let rc = unsafe { libc::renameat2(libc::AT_FDCWD, f.as_ptr(), libc::AT_FDCWD, t.as_ptr(), libc::RENAME_NOREPLACE) };
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            f.as_ptr(),
+            libc::AT_FDCWD,
+            t.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
     if rc == 0 {
         return Ok(());
     }
@@ -643,7 +773,8 @@ fn same_device(a: &Path, b: &Path) -> bool {
 /// `<digits>.json` -> seq.
 fn manifest_seq(name: &OsStr) -> Option<u64> {
     let digits = name.to_str()?.strip_suffix(".json")?;
-    (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())).then(|| digits.parse().ok())?
+    (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| digits.parse().ok())?
 }
 
 fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest, StoreError> {
@@ -653,13 +784,22 @@ fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest, StoreError> {
     struct Format {
         format: u64,
     }
-    let corrupt = |e: serde_json::Error| StoreError::Corrupt { path: path.to_path_buf(), reason: e.to_string() };
+    let corrupt = |e: serde_json::Error| StoreError::Corrupt {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    };
     let Format { format } = serde_json::from_slice(bytes).map_err(corrupt)?;
     if format > u64::from(FORMAT) {
-        return Err(StoreError::UnknownFormat { path: path.to_path_buf(), format });
+        return Err(StoreError::UnknownFormat {
+            path: path.to_path_buf(),
+            format,
+        });
     }
     if format == 0 {
-        return Err(StoreError::Corrupt { path: path.to_path_buf(), reason: "format 0".into() });
+        return Err(StoreError::Corrupt {
+            path: path.to_path_buf(),
+            reason: "format 0".into(),
+        });
     }
     serde_json::from_slice(bytes).map_err(corrupt)
 }
@@ -743,8 +883,16 @@ pub(crate) mod test_support {
     impl Tmpfs {
         pub(crate) fn mount(dir: &Path, size: &str) -> Tmpfs {
             std::fs::create_dir_all(dir).unwrap();
-            mount(Some("tmpfs"), dir, Some("tmpfs"), MsFlags::empty(), Some(format!("size={size}").as_str()))
-                .unwrap_or_else(|e| panic!("mount tmpfs on {}: {e} (tests run as root)", dir.display()));
+            mount(
+                Some("tmpfs"),
+                dir,
+                Some("tmpfs"),
+                MsFlags::empty(),
+                Some(format!("size={size}").as_str()),
+            )
+            .unwrap_or_else(|e| {
+                panic!("mount tmpfs on {}: {e} (tests run as root)", dir.display())
+            });
             Tmpfs(dir.to_path_buf())
         }
     }
@@ -820,7 +968,12 @@ mod tests {
         if proc {
             fs::create_dir_all(store.proc_dir(seq)).unwrap();
             fs::write(store.proc_dir(seq).join("pstree.img"), b"x").unwrap();
-            m.process = Some(ProcessImage { image: proc_image_name(seq), bytes_stored: 1, bytes_logical: 1, pids: vec![1] });
+            m.process = Some(ProcessImage {
+                image: proc_image_name(seq),
+                bytes_stored: 1,
+                bytes_logical: 1,
+                pids: vec![1],
+            });
         }
         store.publish(&m).unwrap();
         m
@@ -842,18 +995,32 @@ mod tests {
         assert_eq!(m3.process, m2.process);
         assert_eq!(m3.fs_layers.len(), 2);
         assert_eq!(m3.parent, Some(2));
-        assert_eq!(store.list().unwrap(), vec![m1.clone(), m2.clone(), m3.clone()]);
+        assert_eq!(
+            store.list().unwrap(),
+            vec![m1.clone(), m2.clone(), m3.clone()]
+        );
         assert_eq!(store.latest().unwrap(), Some(m3.clone()));
         assert_eq!(store.get(2).unwrap(), m2);
-        assert!(matches!(store.get(9), Err(StoreError::NotFound { seq: 9, .. })));
+        assert!(matches!(
+            store.get(9),
+            Err(StoreError::NotFound { seq: 9, .. })
+        ));
         assert!(dir.path().join("checkpoints/000003.json").is_file());
-        let json: serde_json::Value = serde_json::from_slice(&fs::read(dir.path().join("checkpoints/000003.json")).unwrap()).unwrap();
+        let json: serde_json::Value =
+            serde_json::from_slice(&fs::read(dir.path().join("checkpoints/000003.json")).unwrap())
+                .unwrap();
         assert_eq!(json["format"], 1);
         assert_eq!(json["kind"], "fs");
         assert_eq!(json["process"]["image"], "proc/000002");
-        assert!(json["fs_layers"][0]["digest"].as_str().unwrap().starts_with("sha256:"));
+        assert!(json["fs_layers"][0]["digest"]
+            .as_str()
+            .unwrap()
+            .starts_with("sha256:"));
         // Never over an existing manifest.
-        assert!(matches!(store.publish(&m2), Err(StoreError::Exists { seq: 2, .. })));
+        assert!(matches!(
+            store.publish(&m2),
+            Err(StoreError::Exists { seq: 2, .. })
+        ));
         assert_eq!(files_under(&dir.path().join("checkpoints")).len(), 3);
     }
 
@@ -871,7 +1038,12 @@ mod tests {
         let e = store.publish(&m).unwrap_err();
         assert!(matches!(e, StoreError::Invalid { .. }), "{e}");
         m.fs_layers.clear();
-        m.process = Some(ProcessImage { image: "proc/000001".into(), bytes_stored: 0, bytes_logical: 0, pids: vec![] });
+        m.process = Some(ProcessImage {
+            image: "proc/000001".into(),
+            bytes_stored: 0,
+            bytes_logical: 0,
+            pids: vec![],
+        });
         assert!(matches!(store.publish(&m), Err(StoreError::Invalid { .. })));
         m.process.as_mut().unwrap().image = "../outside".into();
         assert!(matches!(store.publish(&m), Err(StoreError::Invalid { .. })));
@@ -884,11 +1056,21 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
         checkpoint(&store, true, false);
-        fs::write(dir.path().join("checkpoints/000002.json"), br#"{"format": 7, "seq": 2, "something": "new"}"#).unwrap();
+        fs::write(
+            dir.path().join("checkpoints/000002.json"),
+            br#"{"format": 7, "seq": 2, "something": "new"}"#,
+        )
+        .unwrap();
         let e = store.get(2).unwrap_err();
-        assert!(matches!(e, StoreError::UnknownFormat { format: 7, .. }), "{e}");
+        assert!(
+            matches!(e, StoreError::UnknownFormat { format: 7, .. }),
+            "{e}"
+        );
         assert!(e.to_string().contains("format 7"), "{e}");
-        assert!(matches!(store.list(), Err(StoreError::UnknownFormat { format: 7, .. })));
+        assert!(matches!(
+            store.list(),
+            Err(StoreError::UnknownFormat { format: 7, .. })
+        ));
         // Retention deletes nothing when it cannot read every manifest.
         assert!(store.apply_retention(Some(1), None).is_err());
         assert!(dir.path().join("checkpoints/000001.json").exists());
@@ -900,7 +1082,10 @@ mod tests {
     fn crash_leftovers_are_swept_on_open() {
         let dir = tempfile::tempdir().unwrap();
         let first = Store::open(dir.path()).unwrap();
-        let (m1, m2) = (checkpoint(&first, true, true), checkpoint(&first, true, false));
+        let (m1, m2) = (
+            checkpoint(&first, true, true),
+            checkpoint(&first, true, false),
+        );
         // A crash mid-publish, mid-blob, mid-layer, and after a blob and an image were stored
         // but before the manifest naming them was published.
         let root = dir.path();
@@ -921,8 +1106,16 @@ mod tests {
 
         let store = Store::open(root).unwrap();
         assert_eq!(store.list().unwrap(), vec![m1.clone(), m2.clone()]);
-        let mut expect: Vec<PathBuf> = vec![".lock".into(), "checkpoints/000001.json".into(), "checkpoints/000002.json".into()];
-        expect.extend(m2.fs_layers.iter().map(|d| Path::new("blobs/sha256").join(d.hex())));
+        let mut expect: Vec<PathBuf> = vec![
+            ".lock".into(),
+            "checkpoints/000001.json".into(),
+            "checkpoints/000002.json".into(),
+        ];
+        expect.extend(
+            m2.fs_layers
+                .iter()
+                .map(|d| Path::new("blobs/sha256").join(d.hex())),
+        );
         expect.push("proc/000001/pstree.img".into());
         expect.sort();
         assert_eq!(files_under(root), expect);
@@ -935,11 +1128,23 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
         // 1 fs, 2 proc, 3 fs, 4 full, 5 fs, 6 proc, 7 fs, 8 fs
-        let ms: Vec<Manifest> = [(true, false), (false, true), (true, false), (true, true), (true, false), (false, true), (true, false), (true, false)]
-            .into_iter()
-            .map(|(f, p)| checkpoint(&store, f, p))
-            .collect();
-        assert_eq!(store.apply_retention(None, None).unwrap(), Retention::default());
+        let ms: Vec<Manifest> = [
+            (true, false),
+            (false, true),
+            (true, false),
+            (true, true),
+            (true, false),
+            (false, true),
+            (true, false),
+            (true, false),
+        ]
+        .into_iter()
+        .map(|(f, p)| checkpoint(&store, f, p))
+        .collect();
+        assert_eq!(
+            store.apply_retention(None, None).unwrap(),
+            Retention::default()
+        );
         let r = store.apply_retention(Some(2), Some(3)).unwrap();
         assert_eq!(r.removed_manifests, vec![1, 2, 4, 5]);
         let kept: Vec<u64> = store.list().unwrap().iter().map(|m| m.seq).collect();
@@ -992,7 +1197,10 @@ mod tests {
         let ppath = dir.path().join("plain.tmp");
         fs::write(&ppath, &raw).unwrap();
         let p = store.put_blob(&ppath).unwrap();
-        assert_eq!((p.media_type.as_str(), &p.digest), (MEDIA_TYPE_LAYER_TAR, &p.diff_id));
+        assert_eq!(
+            (p.media_type.as_str(), &p.digest),
+            (MEDIA_TYPE_LAYER_TAR, &p.diff_id)
+        );
         assert_eq!(files_under(&dir.path().join("blobs")).len(), 2);
     }
 
@@ -1014,7 +1222,13 @@ mod tests {
         assert!(e.is_no_space(), "{e}");
         assert!(e.to_string().contains("no space left"), "{e}");
         assert_eq!(store.list().unwrap(), vec![m1.clone()]);
-        assert!(!files_under(&root).iter().any(|p| p.to_string_lossy().ends_with(".tmp")), "{:?}", files_under(&root));
+        assert!(
+            !files_under(&root)
+                .iter()
+                .any(|p| p.to_string_lossy().ends_with(".tmp")),
+            "{:?}",
+            files_under(&root)
+        );
         fs::remove_file(root.join("filler")).unwrap();
         store.publish(&m2).unwrap();
         assert_eq!(store.latest().unwrap(), Some(m2));
@@ -1023,7 +1237,13 @@ mod tests {
     #[test]
     fn rfc3339_dates() {
         assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
-        assert_eq!(rfc3339(UNIX_EPOCH + Duration::from_millis(951_782_400_123)), "2000-02-29T00:00:00.123Z");
-        assert_eq!(rfc3339(UNIX_EPOCH + Duration::from_secs(1_777_777_777)), "2026-05-03T03:09:37.000Z");
+        assert_eq!(
+            rfc3339(UNIX_EPOCH + Duration::from_millis(951_782_400_123)),
+            "2000-02-29T00:00:00.123Z"
+        );
+        assert_eq!(
+            rfc3339(UNIX_EPOCH + Duration::from_secs(1_777_777_777)),
+            "2026-05-03T03:09:37.000Z"
+        );
     }
 }
