@@ -2303,19 +2303,31 @@ mod tests {
     }
 
     impl Counter {
-        fn start(cgroup: PathBuf) -> Option<Counter> {
+        /// In a new cgroup `crab-test-<our pid>-<tag>` under `parent`.
+        fn start(parent: &Path, tag: &str) -> Option<Counter> {
+            remove_stale_cgroups(parent);
+            let cgroup = parent.join(format!("crab-test-{}-{tag}", std::process::id()));
             if let Err(e) = fs::create_dir(&cgroup) {
                 eprintln!("cannot create cgroup {}: {e}", cgroup.display());
                 return None;
             }
             let dir = tempfile::tempdir().unwrap();
             let tmpfs = Tmpfs::mount(dir.path(), "1m");
-            let child = Command::new("sh")
-                .args(["-c", "i=0; while :; do i=$((i+1)); echo $i > f; done"])
+            let mut cmd = Command::new("sh");
+            cmd.args(["-c", "i=0; while :; do i=$((i+1)); echo $i > f; done"])
                 .current_dir(dir.path())
-                .stdout(Stdio::null())
-                .spawn()
-                .unwrap();
+                .stdout(Stdio::null());
+            // Dies with the test even if the test run is killed.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                    Ok(())
+                });
+            }
+            let child = cmd.spawn().unwrap();
+            while !dir.path().join("f").exists() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
             let c = Counter {
                 file: dir.path().join("f"),
                 child,
@@ -2327,24 +2339,21 @@ mod tests {
             Some(c)
         }
 
-        fn value(&self) -> u64 {
-            for _ in 0..1000 {
-                if let Ok(n) = fs::read_to_string(&self.file)
-                    .unwrap_or_default()
-                    .trim()
-                    .parse()
-                {
-                    return n;
-                }
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            panic!("counter never readable");
+        /// The counter file's content and mtime: a freeze may catch the shell between the
+        /// truncation and the write, so an empty file is a valid state too.
+        fn snapshot(&self) -> (String, i64, i64) {
+            let md = fs::metadata(&self.file).unwrap();
+            (
+                fs::read_to_string(&self.file).unwrap(),
+                md.mtime(),
+                md.mtime_nsec(),
+            )
         }
 
         fn is_counting(&self) -> bool {
-            let a = self.value();
+            let a = self.snapshot();
             std::thread::sleep(Duration::from_millis(300));
-            self.value() > a
+            self.snapshot() != a
         }
     }
 
@@ -2364,6 +2373,50 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(10));
             }
             eprintln!("could not remove {}", self.cgroup.display());
+        }
+    }
+
+    /// Test cgroups of test runs that were killed (their pid is gone): thawed, emptied, removed.
+    fn remove_stale_cgroups(parent: &Path) {
+        let Ok(entries) = fs::read_dir(parent) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            // Exactly `crab-test-<pid>-<tag>`, never a containerd namespace's cgroup.
+            let Some((pid, tag)) = name
+                .strip_prefix("crab-test-")
+                .and_then(|r| r.split_once('-'))
+            else {
+                continue;
+            };
+            if pid.is_empty()
+                || !pid.bytes().all(|b| b.is_ascii_digit())
+                || !["v1", "v2", "bench"].contains(&tag)
+            {
+                continue;
+            }
+            if Path::new("/proc").join(pid).exists() {
+                continue;
+            }
+            let dir = e.path();
+            for (file, value) in [("freezer.state", "THAWED"), ("cgroup.freeze", "0")] {
+                let _ = fs::write(dir.join(file), value);
+            }
+            for p in fs::read_to_string(dir.join("cgroup.procs"))
+                .unwrap_or_default()
+                .lines()
+            {
+                if let Ok(p) = p.parse::<i32>() {
+                    unsafe { libc::kill(p, libc::SIGKILL) };
+                }
+            }
+            for _ in 0..100 {
+                if fs::remove_dir(&dir).is_ok() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
         }
     }
 
@@ -2399,8 +2452,7 @@ mod tests {
             eprintln!("no v1 freezer hierarchy here (pure cgroup v2): see the v2 test");
             return;
         }
-        let counter = Counter::start(root.join(format!("crab-test-{}-v1", std::process::id())))
-            .expect("v1 freezer cgroup");
+        let counter = Counter::start(root, "v1").expect("v1 freezer cgroup");
         let f = CgroupFreezer::for_pid(counter.child.id()).unwrap();
         assert_eq!(
             (f.version(), f.dir()),
@@ -2420,9 +2472,7 @@ mod tests {
             eprintln!("no cgroup2 mount: skipped");
             return;
         };
-        let Some(counter) =
-            Counter::start(Path::new(mp).join(format!("crab-test-{}-v2", std::process::id())))
-        else {
+        let Some(counter) = Counter::start(Path::new(mp), "v2") else {
             panic!("cannot create a cgroup2 cgroup under {mp}");
         };
         let f = CgroupFreezer::new(counter.cgroup.clone(), CgroupVersion::V2);
@@ -2439,9 +2489,7 @@ mod tests {
         let o = Overlay::new(|l| write(&l.join("etc/os-release"), b"ID=test\n", 0o644));
         let store_dir = tempfile::tempdir().unwrap();
         let store = Store::open(store_dir.path()).unwrap();
-        let counter = Counter::start(
-            Path::new("/sys/fs/cgroup/freezer").join(format!("crab-bench-{}", std::process::id())),
-        );
+        let counter = Counter::start(Path::new("/sys/fs/cgroup/freezer"), "bench");
         let freezer = counter
             .as_ref()
             .map(|c| CgroupFreezer::for_pid(c.child.id()).unwrap());
