@@ -49,7 +49,15 @@ pub fn requested_turn_end(annotations: &HashMap<String, String>) -> Result<Optio
 fn host_probes() -> Result<Arc<HostProbes>, String> {
     static PROBES: OnceLock<Result<Arc<HostProbes>, String>> = OnceLock::new();
     PROBES
-        .get_or_init(|| HostProbes::open_or_load().map(Arc::new).map_err(|e| e.to_string()))
+        .get_or_init(|| {
+            let probes = HostProbes::open_or_load().map_err(|e| e.to_string())?;
+            match probes.sweep_dead() {
+                Ok(ids) if !ids.is_empty() => log::info!("unwatched {} cgroups left by shims that died", ids.len()),
+                Ok(_) => {}
+                Err(e) => log::warn!("cannot sweep the watched cgroups: {e}"),
+            }
+            Ok(Arc::new(probes))
+        })
         .clone()
 }
 

@@ -681,6 +681,23 @@ impl HostProbes {
         Ok(ids)
     }
 
+    /// Unwatches cgroups that no longer exist: a shim killed with SIGKILL never unwatches its
+    /// container, so every new shim sweeps what such shims left. Returns the ids removed.
+    pub fn sweep_dead(&self) -> Result<Vec<u64>, BpfError> {
+        let (mount, _) = cgroup2_mount().map_err(|source| BpfError::Syscall { op: "find the cgroup2 mount", source })?;
+        let mut removed = Vec::new();
+        for id in self.watched()? {
+            match cgroup_path_by_id(&mount, id) {
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ESTALE)) => {
+                    self.unwatch(id)?;
+                    removed.push(id);
+                }
+                _ => {}
+            }
+        }
+        Ok(removed)
+    }
+
     /// Sum of the kernel's recursion-miss counters of our programs: runs the
     /// kernel skipped, i.e. events nobody counted.
     pub fn recursion_misses(&self) -> Result<u64, BpfError> {
@@ -2226,6 +2243,26 @@ mod tests {
         eprintln!("sleeper {r1:?} {r2:?} {r3:?}; busy samples {samples:?}");
         assert_eq!(probes.counters(cg.id).unwrap().errors, 0);
         probes.unwatch(cg.id).unwrap();
+    }
+
+    #[test]
+    fn sweep_dead_unwatches_only_removed_cgroups() {
+        let _serial = serial();
+        let root = TestRoot::new("sweep");
+        let probes = HostProbes::open_or_load_at(&root.0).unwrap();
+        let live = TestCgroup::new("sweep-live");
+        let dead = TestCgroup::new("sweep-dead");
+        probes.watch(live.id).unwrap();
+        probes.watch(dead.id).unwrap();
+        fs::remove_dir(&dead.dir).unwrap();
+        let dead_id = dead.id;
+        // Already removed: nothing for its guard to clean up (it would wait for the directory).
+        std::mem::forget(dead);
+        assert_eq!(probes.sweep_dead().unwrap(), vec![dead_id]);
+        let watched = probes.watched().unwrap();
+        assert!(watched.contains(&live.id) && !watched.contains(&dead_id), "{watched:?}");
+        assert_eq!(probes.sweep_dead().unwrap(), Vec::<u64>::new());
+        probes.unwatch(live.id).unwrap();
     }
 
     #[test]
