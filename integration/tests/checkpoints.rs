@@ -24,6 +24,10 @@ struct Sandbox {
 
 impl Sandbox {
     async fn start(name: &str) -> (Sandbox, crab_integration::CleanupGuard) {
+        Self::start_annotated(name, &[]).await
+    }
+
+    async fn start_annotated(name: &str, annotations: &[(&str, &str)]) -> (Sandbox, crab_integration::CleanupGuard) {
         let env = TestEnv { image: AGENT_IMAGE.into(), ..TestEnv::from_env() };
         assert_eq!(env.runtime, "io.containerd.crab.v1", "checkpoints are crab's own: run with CRAB_RUNTIME unset");
         let h = Harness::connect_env(env).await.unwrap_or_else(|e| panic!("integration test setup failed: {e}"));
@@ -31,7 +35,12 @@ impl Sandbox {
         let guard = h.guard(&[&id]);
         let state_dir = h.env.crab_home.join("state").join(&id);
         let config = format!("[store]\nstate_dir = \"{}\"\n", state_dir.display());
-        h.create_container_with_runtime_options(&id, &ProcessSpec::new(&["sleep", "infinity"]), crab_runtime_options(None, Some(&config)))
+        let process = ProcessSpec::new(&["sleep", "infinity"]).to_oci(&h.image.env, &h.image.cwd);
+        let mut spec = crab_integration::spec::container_spec(&id, &h.env.namespace, process);
+        for (k, v) in annotations {
+            spec["annotations"][*k] = Value::String(v.to_string());
+        }
+        h.create_container_with_spec_and_options(&id, &spec, Some(crab_runtime_options(None, Some(&config))))
             .await
             .unwrap();
         h.create_task(&id, None).await.unwrap();
@@ -174,4 +183,37 @@ async fn process_turns_store_a_process_image() {
     assert_eq!(m[1]["kind"], "fs");
     assert_eq!(m[1]["process"], m[0]["process"], "{:#}", m[1]);
     s.finish().await;
+}
+
+/// Zero-integration mode: each exec that finishes while no other runs ends a turn.
+#[tokio::test(flavor = "multi_thread")]
+async fn exec_boundaries_end_turns_without_a_harness() {
+    let (mut s, _g) = Sandbox::start_annotated("ckpt_exec", &[("io.crab/turn-boundary", "exec")]).await;
+    s.run("echo one > /app/one").await;
+    s.run("cat /app/one").await;
+    s.run("echo two > /app/two").await;
+    let m = s.wait_manifests(2).await;
+    assert_eq!(m.len(), 2, "the read-only exec stored a checkpoint: {m:#?}");
+    assert_eq!(m[0]["turn_id"], "exec-turn-1");
+    assert_eq!(m[1]["turn_id"], "exec-turn-3");
+    let l = s.layer(&m[1]["fs_layers"][1]);
+    assert!(l.contains_key("app/two") && !l.contains_key("app/one"), "{:?}", l.keys().collect::<Vec<_>>());
+    s.finish().await;
+}
+
+/// A bad turn-boundary annotation fails the container's creation clearly.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bad_turn_boundary_annotation_fails_create() {
+    let env = TestEnv { image: AGENT_IMAGE.into(), ..TestEnv::from_env() };
+    let h = Harness::connect_env(env).await.unwrap();
+    let id = h.unique_id("ckpt_badboundary");
+    let _g = h.guard(&[&id]);
+    let process = ProcessSpec::new(&["sleep", "infinity"]).to_oci(&h.image.env, &h.image.cwd);
+    let mut spec = crab_integration::spec::container_spec(&id, &h.env.namespace, process);
+    spec["annotations"]["io.crab/turn-boundary"] = Value::String("sometimes".into());
+    h.create_container_with_spec(&id, &spec).await.unwrap();
+    let err = h.create_task(&id, None).await.expect_err("create with a bad annotation");
+    assert!(err.to_string().contains("io.crab/turn-boundary"), "{err}");
+    h.delete_container(&id).await.unwrap();
+    h.assert_no_leaks(&id).await;
 }

@@ -119,6 +119,19 @@ pub struct CheckpointConfig {
     /// each, as it does for the rootfs. Other volumes are outside crab's checkpoints.
     #[serde(deserialize_with = "absolute_paths")]
     pub tracked_volumes: Vec<PathBuf>,
+    /// What ends a turn: `annotation` (a `Tasks.Update` with `io.crab/turn-end`, the
+    /// default) or `exec` (zero-integration mode: each exec that finishes while no other exec
+    /// runs ends a turn). A container's spec annotation `io.crab/turn-boundary` overrides it.
+    pub turn_boundary: TurnBoundary,
+}
+
+/// What ends a turn (see [`CheckpointConfig::turn_boundary`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TurnBoundary {
+    #[default]
+    Annotation,
+    Exec,
 }
 
 impl Default for CheckpointConfig {
@@ -129,6 +142,7 @@ impl Default for CheckpointConfig {
             keep_every: None,
             action_wait_timeout_ms: 30_000,
             tracked_volumes: Vec::new(),
+            turn_boundary: TurnBoundary::Annotation,
         }
     }
 }
@@ -439,6 +453,7 @@ mod tests {
             keep_every = 5
             action_wait_timeout_ms = 1500
             tracked_volumes = ["/workspace", "/data"]
+            turn_boundary = "exec"
             "#,
         )
         .unwrap();
@@ -463,6 +478,7 @@ mod tests {
                     keep_every: Some(5),
                     action_wait_timeout_ms: 1500,
                     tracked_volumes: vec!["/workspace".into(), "/data".into()],
+                    turn_boundary: TurnBoundary::Exec,
                 },
             }
         );

@@ -72,6 +72,8 @@ pub struct Container {
     inspection: crate::checkpoint::SharedInspection,
     /// Turns answers into checkpoints; present exactly when `inspection` is.
     coordinator: Option<Arc<Coordinator>>,
+    /// Each exec that finishes while no other runs ends a turn (zero-integration mode).
+    exec_boundary: bool,
     state_dir: PathBuf,
 }
 
@@ -211,6 +213,7 @@ impl Containers {
         };
         log::info!("create {}: config from {source}, runc {}", p.id, runc.binary.display());
         let spec = bundle::read_spec(&p.bundle)?;
+        let exec_boundary = turns::exec_boundary(&spec, config.checkpoint.turn_boundary)?;
         let rootfs_mounted = bundle::mount_rootfs(&p.bundle, &p.rootfs).await?;
         let created = self.create_init(&p, &runc).await;
         let (pid, io) = match created {
@@ -263,6 +266,7 @@ impl Containers {
             _oom: Mutex::new(None),
             inspection,
             coordinator,
+            exec_boundary,
             state_dir: config.store.state_dir.clone(),
         });
         self.pids.lock().unwrap().owners.insert(pid, (p.id.clone(), String::new()));
@@ -518,6 +522,14 @@ impl Containers {
             }
             self.publish_exit(&c, &p, info).await;
         } else {
+            // In exec-boundary mode the turn ends before the exit is published: the client can
+            // start its next action only after the answer exists (and that action then waits
+            // for the checkpoint).
+            if c.exec_boundary && c.running_execs() == 0 && c.coordinator.is_some() {
+                if let Err(e) = self.end_turn(&c, &format!("exec-{}", p.exec_id)).await {
+                    log::error!("turn end after exec {} of {}: {e}", p.exec_id, c.id);
+                }
+            }
             self.publish_exit(&c, &p, info).await;
             if c.running_execs() == 0 {
                 let pending = c.init_exit_pending.lock().unwrap().take();

@@ -21,6 +21,9 @@ use crate::{
 
 /// `Tasks.Update` annotation ending a turn; its value is the harness's turn id.
 pub const TURN_END: &str = "io.crab/turn-end";
+/// Container spec annotation choosing what ends a turn (`annotation` or `exec`); overrides
+/// `[checkpoint] turn_boundary`.
+pub const TURN_BOUNDARY: &str = "io.crab/turn-boundary";
 /// Every annotation crab interprets starts with this; other keys are kept untouched.
 pub const ANNOTATION_PREFIX: &str = "io.crab/";
 const MAX_TURN_ID: usize = 256;
@@ -59,6 +62,19 @@ fn host_probes() -> Result<Arc<HostProbes>, String> {
             Ok(Arc::new(probes))
         })
         .clone()
+}
+
+/// Whether each finished exec ends a turn (zero-integration mode) for this container.
+pub fn exec_boundary(spec: &oci_spec::runtime::Spec, configured: crab_runtime_config::TurnBoundary) -> Result<bool> {
+    use crab_runtime_config::TurnBoundary;
+    match crate::bundle::annotation(spec, &[TURN_BOUNDARY]) {
+        None => Ok(configured == TurnBoundary::Exec),
+        Some("exec") => Ok(true),
+        Some("annotation") => Ok(false),
+        Some(other) => Err(Error::InvalidArgument(format!(
+            "spec annotation {TURN_BOUNDARY} must be `exec` or `annotation`, got {other:?}"
+        ))),
+    }
 }
 
 /// Whether a container is watched: not CRI's pause containers (pure infrastructure).
