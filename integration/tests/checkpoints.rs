@@ -28,12 +28,17 @@ impl Sandbox {
     }
 
     async fn start_annotated(name: &str, annotations: &[(&str, &str)]) -> (Sandbox, crab_integration::CleanupGuard) {
+        Self::start_in(name, annotations, None).await
+    }
+
+    /// With `state_dir`, the store lives there (e.g. a tiny filesystem).
+    async fn start_in(name: &str, annotations: &[(&str, &str)], state_dir: Option<PathBuf>) -> (Sandbox, crab_integration::CleanupGuard) {
         let env = TestEnv { image: AGENT_IMAGE.into(), ..TestEnv::from_env() };
         assert_eq!(env.runtime, "io.containerd.crab.v1", "checkpoints are crab's own: run with CRAB_RUNTIME unset");
         let h = Harness::connect_env(env).await.unwrap_or_else(|e| panic!("integration test setup failed: {e}"));
         let id = h.unique_id(name);
         let guard = h.guard(&[&id]);
-        let state_dir = h.env.crab_home.join("state").join(&id);
+        let state_dir = state_dir.unwrap_or_else(|| h.env.crab_home.join("state").join(&id));
         let config = format!("[store]\nstate_dir = \"{}\"\n", state_dir.display());
         let process = ProcessSpec::new(&["sleep", "infinity"]).to_oci(&h.image.env, &h.image.cwd);
         let mut spec = crab_integration::spec::container_spec(&id, &h.env.namespace, process);
@@ -216,4 +221,47 @@ async fn a_bad_turn_boundary_annotation_fails_create() {
     assert!(err.to_string().contains("io.crab/turn-boundary"), "{err}");
     h.delete_container(&id).await.unwrap();
     h.assert_no_leaks(&id).await;
+}
+
+/// A store on a filesystem that fills up: the checkpoint fails clearly, the container keeps
+/// running, the failure is in the lineage when it fits, and the next turn takes a full one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_store_fails_the_checkpoint_not_the_container() {
+    let tiny = TestEnv::from_env().crab_home.join(format!("tiny-store-{}", std::process::id()));
+    std::fs::create_dir_all(&tiny).unwrap();
+    let mount = |opts: &str| {
+        let st = std::process::Command::new("mount").args(["-t", "tmpfs", "-o", opts, "tmpfs"]).arg(&tiny).status().unwrap();
+        assert!(st.success(), "mount tmpfs {opts}");
+    };
+    mount("size=512k");
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+            let _ = std::fs::remove_dir(&self.0);
+        }
+    }
+    let _unmount = Unmount(tiny.clone());
+    let (mut s, _g) = Sandbox::start_in("ckpt_enospc", &[], Some(tiny.clone())).await;
+    s.run("head -c 3000000 /dev/urandom > /app/big.bin").await;
+    s.end_turn().await;
+    // The job fails in the background; the container must keep working meanwhile and after.
+    s.run("echo alive > /app/alive").await;
+    let failed = s.manifests();
+    assert!(failed.iter().all(|m| m["kind"] == "failed"), "nothing but a failure fits: {failed:#?}");
+    // Room again: the next turn takes everything (a full checkpoint with a new fs chain).
+    let st = std::process::Command::new("mount").args(["-o", "remount,size=64m"]).arg(&tiny).status().unwrap();
+    assert!(st.success());
+    s.run("echo next > /app/next").await;
+    s.end_turn().await;
+    let m = s.wait_manifests(failed.len() + 1).await;
+    let last = m.last().unwrap();
+    assert_eq!(last["kind"], "full", "{last:#}");
+    let layers = last["fs_layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 1, "a new chain: {last:#}");
+    let l = s.layer(&layers[0]);
+    for f in ["app/big.bin", "app/alive", "app/next"] {
+        assert!(l.contains_key(f), "{f} missing from the full layer: {:?}", l.keys().collect::<Vec<_>>());
+    }
+    s.finish().await;
 }
