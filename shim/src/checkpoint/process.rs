@@ -405,7 +405,7 @@ pub async fn checkpoint(
         let dedup = tokio::task::spawn_blocking(move || pages::dedup(&d, &c))
             .await
             .map_err(|e| io_err("page deduplication task")(io::Error::other(e)))??;
-        let bytes_stored = dir_bytes(dir)? + dedup.bytes_new;
+        let bytes_stored = dir_bytes(dir)? + dedup.bytes_new + dedup.index_bytes;
         Ok::<_, ProcError>((pids, bytes_logical, bytes_stored, dedup))
     };
     match finish.await {
