@@ -143,6 +143,20 @@ async fn fs_turns_store_exactly_the_net_change() {
     assert!(!l.keys().any(|k| k.contains("tmp/tmp")), "{:?}", l.keys().collect::<Vec<_>>());
     assert!(m[0]["timings"]["freeze_ms"].as_f64().unwrap() > 0.0, "{:#}", m[0]);
 
+    // crabctl lists the lineage.
+    let config = s.state_dir.with_extension("toml");
+    std::fs::write(&config, format!("[store]\nstate_dir = \"{}\"\n", s.state_dir.display())).unwrap();
+    let out = std::process::Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl"))
+        .args(["--namespace", &s.h.env.namespace, "--config"])
+        .arg(&config)
+        .args(["checkpoints", &s.id])
+        .output()
+        .unwrap();
+    let listing = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{listing}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(listing.lines().any(|l| l.contains(" t2 ") && l.contains(" fs ")), "{listing}");
+    let _ = std::fs::remove_file(&config);
+
     // The next turn's layer is relative to the previous one: only its own change.
     s.run("echo more >> /app/a.txt").await;
     s.end_turn().await;

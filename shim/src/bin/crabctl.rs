@@ -3,6 +3,7 @@
 //!   crabctl [GLOBAL] turn-end CONTAINER [--turn ID]   end a turn (Tasks.Update with io.crab/turn-end)
 //!   crabctl [GLOBAL] turns CONTAINER                  list the turn answers, one line each
 //!   crabctl [GLOBAL] show CONTAINER TURN              explain one turn's answer (by seq or turn id)
+//!   crabctl [GLOBAL] checkpoints CONTAINER            list the checkpoint lineage
 //!
 //! GLOBAL: --address SOCK (default /run/containerd/containerd.sock, or $CONTAINERD_ADDRESS),
 //!         --namespace NS (default "default", or $CONTAINERD_NAMESPACE),
@@ -27,7 +28,8 @@ const USAGE: &str = "usage: crabctl [--address SOCK] [--namespace NS] [--config 
 commands:
   turn-end CONTAINER [--turn ID]   end a turn of CONTAINER (its answer is logged and stored)
   turns CONTAINER                  list CONTAINER's turn answers
-  show CONTAINER TURN              explain one turn (TURN: sequence number or turn id)";
+  show CONTAINER TURN              explain one turn (TURN: sequence number or turn id)
+  checkpoints CONTAINER            list CONTAINER's checkpoints (lineage, kinds, sizes, timings)";
 
 fn usage(msg: &str) -> ExitCode {
     eprintln!("crabctl: {msg}\n{USAGE}");
@@ -65,6 +67,7 @@ async fn main() -> ExitCode {
         ["turn-end", container, "--turn", id] => turn_end(&g, container, Some(id)).await,
         ["turns", container] => turns(&g, container),
         ["show", container, turn] => show(&g, container, turn),
+        ["checkpoints", container] => checkpoints(&g, container),
         [] => return usage("no command"),
         _ => return usage(&format!("cannot parse `{}`", args.join(" "))),
     };
@@ -152,5 +155,30 @@ fn show(g: &Global, container: &str, turn: &str) -> Result<(), String> {
         .find(|a| a["turn_id"].as_str() == Some(turn) || a["seq"].as_u64().map(|s| s.to_string()).as_deref() == Some(turn))
         .ok_or_else(|| format!("{container} has no turn {turn}"))?;
     println!("{}", serde_json::to_string_pretty(found).map_err(|e| e.to_string())?);
+    Ok(())
+}
+
+fn checkpoints(g: &Global, container: &str) -> Result<(), String> {
+    let (config, _) = Config::load_or_default(g.config.as_deref()).map_err(|e| e.to_string())?;
+    let root = crab_shim::turns::sandbox_dir(&config.store.state_dir, &g.namespace, container);
+    if !root.join("checkpoints").is_dir() {
+        return Err(format!("{container} has no checkpoint store in {}", root.display()));
+    }
+    let store = crab_shim::checkpoint::store::Store::open(&root).map_err(|e| e.to_string())?;
+    println!("{:>5} {:>6}  {:<20} {:<6} {:>6} {:>12} {:>9} {:>9}  CREATED", "SEQ", "PARENT", "TURN", "KIND", "LAYERS", "PROC(bytes)", "FREEZE", "TOTAL");
+    for m in store.list().map_err(|e| e.to_string())? {
+        println!(
+            "{:>5} {:>6}  {:<20} {:<6} {:>6} {:>12} {:>7.1}ms {:>7.1}ms  {}",
+            m.seq,
+            m.parent.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+            m.turn_id,
+            format!("{:?}", m.kind).to_lowercase(),
+            m.fs_layers.len(),
+            m.process.as_ref().map(|p| p.bytes_stored.to_string()).unwrap_or_else(|| "-".into()),
+            m.timings.freeze_ms,
+            m.timings.total_ms,
+            m.created_at
+        );
+    }
     Ok(())
 }
