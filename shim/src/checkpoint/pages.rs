@@ -56,6 +56,8 @@ const READ_BUF: usize = 1 << 20;
 const COMPACT_BELOW: f64 = 0.5;
 
 pub type ChunkDigest = [u8; 32];
+/// A chunk in a pack: digest, offset, length.
+type IndexEntry = (ChunkDigest, u64, u32);
 
 #[derive(Debug, thiserror::Error)]
 pub enum PagesError {
@@ -68,7 +70,11 @@ pub enum PagesError {
     #[error("bad page recipe {path}: {what}")]
     BadRecipe { path: PathBuf, what: String },
     #[error("chunk {hash} needed by {recipe} is missing or corrupt: {what}")]
-    BadChunk { hash: String, recipe: PathBuf, what: String },
+    BadChunk {
+        hash: String,
+        recipe: PathBuf,
+        what: String,
+    },
 }
 
 fn io_err(context: impl std::fmt::Display) -> impl FnOnce(io::Error) -> PagesError {
@@ -126,13 +132,18 @@ fn list_image(dir: &Path) -> Result<(Vec<String>, Vec<String>), PagesError> {
     let mut recipes = Vec::new();
     for entry in fs::read_dir(dir).map_err(io_err(format!("reading {}", dir.display())))? {
         let entry = entry.map_err(io_err(format!("reading {}", dir.display())))?;
-        let Ok(name) = entry.file_name().into_string() else { continue };
+        let Ok(name) = entry.file_name().into_string() else {
+            continue;
+        };
         if !name.starts_with("pages-") {
             continue;
         }
         if name.ends_with(".img") {
             pages.push(name);
-        } else if name.strip_suffix(RECIPE_SUFFIX).is_some_and(|n| n.ends_with(".img")) {
+        } else if name
+            .strip_suffix(RECIPE_SUFFIX)
+            .is_some_and(|n| n.ends_with(".img"))
+        {
             recipes.push(name);
         }
     }
@@ -174,7 +185,9 @@ fn syncfs(path: &Path) -> Result<(), PagesError> {
     let f = File::open(path).map_err(io_err(format!("opening {}", path.display())))?;
     // SAFETY: a plain syscall on a descriptor we own.
     if unsafe { libc::syncfs(f.as_raw_fd()) } != 0 {
-        return Err(io_err(format!("syncfs {}", path.display()))(io::Error::last_os_error()));
+        return Err(io_err(format!("syncfs {}", path.display()))(
+            io::Error::last_os_error(),
+        ));
     }
     Ok(())
 }
@@ -182,7 +195,11 @@ fn syncfs(path: &Path) -> Result<(), PagesError> {
 /// Makes the files of `dir` and the chunk store durable: one `syncfs` per filesystem involved.
 pub fn sync(dir: &Path, chunks: &Path) -> Result<(), PagesError> {
     syncfs(dir)?;
-    let dev = |p: &Path| fs::metadata(p).map(|m| m.dev()).map_err(io_err(format!("stat {}", p.display())));
+    let dev = |p: &Path| {
+        fs::metadata(p)
+            .map(|m| m.dev())
+            .map_err(io_err(format!("stat {}", p.display())))
+    };
     if dev(dir)? != dev(chunks)? {
         syncfs(chunks)?;
     }
@@ -201,7 +218,7 @@ struct Loc {
 struct Pack {
     name: String,
     len: u64,
-    entries: Vec<(ChunkDigest, u64, u32)>,
+    entries: Vec<IndexEntry>,
 }
 
 /// The complete packs of a chunk store and where each chunk is.
@@ -214,7 +231,7 @@ struct ChunkStore {
     leftovers: Vec<PathBuf>,
 }
 
-fn parse_index(data: &[u8]) -> Option<(u64, Vec<(ChunkDigest, u64, u32)>)> {
+fn parse_index(data: &[u8]) -> Option<(u64, Vec<IndexEntry>)> {
     if data.len() < INDEX_HEADER || &data[..8] != INDEX_MAGIC {
         return None;
     }
@@ -236,7 +253,10 @@ fn parse_index(data: &[u8]) -> Option<(u64, Vec<(ChunkDigest, u64, u32)>)> {
         .collect();
     entries
         .iter()
-        .all(|(_, off, len)| off.checked_add(u64::from(*len)).is_some_and(|end| end <= pack_len))
+        .all(|(_, off, len)| {
+            off.checked_add(u64::from(*len))
+                .is_some_and(|end| end <= pack_len)
+        })
         .then_some((pack_len, entries))
 }
 
@@ -251,7 +271,12 @@ impl ChunkStore {
             }
         }
         names.sort();
-        let mut store = ChunkStore { dir: dir.to_path_buf(), packs: Vec::new(), index: HashMap::new(), leftovers: Vec::new() };
+        let mut store = ChunkStore {
+            dir: dir.to_path_buf(),
+            packs: Vec::new(),
+            index: HashMap::new(),
+            leftovers: Vec::new(),
+        };
         let mut complete_packs = HashSet::new();
         for name in names.iter().filter_map(|n| n.strip_suffix(".idx")) {
             let idx = dir.join(format!("{name}.idx"));
@@ -263,13 +288,24 @@ impl ChunkStore {
                 Some((len, entries)) if pack_len == Some(len) => {
                     let n = store.packs.len();
                     for (digest, offset, len) in &entries {
-                        store.index.entry(*digest).or_insert(Loc { pack: n, offset: *offset, len: *len });
+                        store.index.entry(*digest).or_insert(Loc {
+                            pack: n,
+                            offset: *offset,
+                            len: *len,
+                        });
                     }
-                    store.packs.push(Pack { name: name.to_string(), len, entries });
+                    store.packs.push(Pack {
+                        name: name.to_string(),
+                        len,
+                        entries,
+                    });
                     complete_packs.insert(name.to_string());
                 }
                 _ => {
-                    log::warn!("chunk store {}: ignoring incomplete pack {name}", dir.display());
+                    log::warn!(
+                        "chunk store {}: ignoring incomplete pack {name}",
+                        dir.display()
+                    );
                     store.leftovers.push(idx);
                 }
             }
@@ -285,15 +321,28 @@ impl ChunkStore {
     }
 
     fn new_pack(&self) -> Result<PackWriter, PagesError> {
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos();
         let name = format!("{nanos:024x}-{:x}", std::process::id());
         let tmp = self.dir.join(format!(".{name}.pack.tmp"));
         let file = File::create(&tmp).map_err(io_err(format!("creating {}", tmp.display())))?;
-        Ok(PackWriter { name, tmp, out: BufWriter::with_capacity(READ_BUF, file), len: 0, entries: Vec::new() })
+        Ok(PackWriter {
+            name,
+            tmp,
+            out: BufWriter::with_capacity(READ_BUF, file),
+            len: 0,
+            entries: Vec::new(),
+        })
     }
 
     /// Reads a chunk, verifying its digest.
-    fn read(&self, files: &mut HashMap<usize, File>, digest: &ChunkDigest) -> Result<Vec<u8>, String> {
+    fn read(
+        &self,
+        files: &mut HashMap<usize, File>,
+        digest: &ChunkDigest,
+    ) -> Result<Vec<u8>, String> {
         let loc = self.index.get(digest).ok_or("not in the chunk store")?;
         let file = match files.entry(loc.pack) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
@@ -303,7 +352,8 @@ impl ChunkStore {
             }
         };
         let mut buf = vec![0u8; loc.len as usize];
-        file.read_exact_at(&mut buf, loc.offset).map_err(|e| e.to_string())?;
+        file.read_exact_at(&mut buf, loc.offset)
+            .map_err(|e| e.to_string())?;
         if Sha256::digest(&buf)[..] != digest[..] {
             return Err("content does not match its digest".into());
         }
@@ -317,12 +367,14 @@ struct PackWriter {
     tmp: PathBuf,
     out: BufWriter<File>,
     len: u64,
-    entries: Vec<(ChunkDigest, u64, u32)>,
+    entries: Vec<IndexEntry>,
 }
 
 impl PackWriter {
     fn add(&mut self, digest: ChunkDigest, data: &[u8]) -> Result<(), PagesError> {
-        self.out.write_all(data).map_err(io_err(format!("writing {}", self.tmp.display())))?;
+        self.out
+            .write_all(data)
+            .map_err(io_err(format!("writing {}", self.tmp.display())))?;
         self.entries.push((digest, self.len, data.len() as u32));
         self.len += data.len() as u64;
         Ok(())
@@ -331,8 +383,15 @@ impl PackWriter {
     /// Renames the pack into place, then writes its index (which makes it complete). Returns
     /// the index's size, or `None` (and no files) when nothing was added.
     fn finish(self, dir: &Path) -> Result<Option<u64>, PagesError> {
-        let PackWriter { name, tmp, out, len, entries } = self;
-        out.into_inner().map_err(|e| io_err(format!("writing {}", tmp.display()))(e.into_error()))?;
+        let PackWriter {
+            name,
+            tmp,
+            out,
+            len,
+            entries,
+        } = self;
+        out.into_inner()
+            .map_err(|e| io_err(format!("writing {}", tmp.display()))(e.into_error()))?;
         if entries.is_empty() {
             fs::remove_file(&tmp).map_err(io_err(format!("removing {}", tmp.display())))?;
             return Ok(None);
@@ -371,7 +430,8 @@ pub fn dedup(dir: &Path, chunks: &Path) -> Result<DedupStats, PagesError> {
         let mut digests: Vec<u8> = Vec::new();
         let mut len = 0u64;
         loop {
-            let n = read_full(&mut f, &mut buf).map_err(io_err(format!("reading {}", path.display())))?;
+            let n = read_full(&mut f, &mut buf)
+                .map_err(io_err(format!("reading {}", path.display())))?;
             len += n as u64;
             for chunk in buf[..n].chunks(CHUNK_SIZE) {
                 let digest: ChunkDigest = Sha256::digest(chunk).into();
@@ -417,7 +477,10 @@ struct Recipe {
 
 fn read_recipe(path: &Path) -> Result<Recipe, PagesError> {
     let data = fs::read(path).map_err(io_err(format!("reading {}", path.display())))?;
-    let bad = |what: String| PagesError::BadRecipe { path: path.to_path_buf(), what };
+    let bad = |what: String| PagesError::BadRecipe {
+        path: path.to_path_buf(),
+        what,
+    };
     if data.len() < RECIPE_HEADER || &data[..8] != RECIPE_MAGIC {
         return Err(bad("no recipe header".into()));
     }
@@ -429,10 +492,20 @@ fn read_recipe(path: &Path) -> Result<Recipe, PagesError> {
     let body = &data[RECIPE_HEADER..];
     let expected = len.div_ceil(chunk_size as u64);
     if body.len() % 32 != 0 || body.len() as u64 / 32 != expected {
-        return Err(bad(format!("{} digest bytes for {len} bytes in chunks of {chunk_size}", body.len())));
+        return Err(bad(format!(
+            "{} digest bytes for {len} bytes in chunks of {chunk_size}",
+            body.len()
+        )));
     }
-    let digests = body.chunks_exact(32).map(|d| d.try_into().unwrap()).collect();
-    Ok(Recipe { len, chunk_size, digests })
+    let digests = body
+        .chunks_exact(32)
+        .map(|d| d.try_into().unwrap())
+        .collect();
+    Ok(Recipe {
+        len,
+        chunk_size,
+        digests,
+    })
 }
 
 /// Rebuilds every pages file of `dir` from its recipe (verifying each chunk's digest and size),
@@ -452,19 +525,25 @@ pub fn materialize(dir: &Path, chunks: &Path) -> Result<u64, PagesError> {
         let mut remaining = recipe.len;
         for digest in &recipe.digests {
             let want = remaining.min(recipe.chunk_size as u64) as usize;
-            let bad = |what: String| PagesError::BadChunk { hash: hex(digest), recipe: recipe_path.clone(), what };
+            let bad = |what: String| PagesError::BadChunk {
+                hash: hex(digest),
+                recipe: recipe_path.clone(),
+                what,
+            };
             let chunk = store.read(&mut files, digest).map_err(bad)?;
             if chunk.len() != want {
                 return Err(bad(format!("{} bytes, expected {want}", chunk.len())));
             }
-            out.write_all(&chunk).map_err(io_err(format!("writing {}", tmp.display())))?;
+            out.write_all(&chunk)
+                .map_err(io_err(format!("writing {}", tmp.display())))?;
             remaining -= want as u64;
         }
         out.into_inner()
             .map_err(|e| e.into_error())
             .and_then(|f| f.sync_all())
             .map_err(io_err(format!("writing {}", tmp.display())))?;
-        fs::rename(&tmp, dir.join(target)).map_err(io_err(format!("renaming {}", tmp.display())))?;
+        fs::rename(&tmp, dir.join(target))
+            .map_err(io_err(format!("renaming {}", tmp.display())))?;
         total += recipe.len;
     }
     Ok(total)
@@ -492,7 +571,9 @@ pub fn collect_garbage(chunks: &Path, keep: &[PathBuf]) -> Result<GcStats, Pages
     }
     let mut stats = GcStats::default();
     let remove = |path: &Path| match fs::remove_file(path) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io_err(format!("removing {}", path.display()))(e)),
+        Err(e) if e.kind() != io::ErrorKind::NotFound => {
+            Err(io_err(format!("removing {}", path.display()))(e))
+        }
         _ => Ok(()),
     };
     for path in &store.leftovers {
@@ -503,7 +584,7 @@ pub fn collect_garbage(chunks: &Path, keep: &[PathBuf]) -> Result<GcStats, Pages
     for (n, pack) in store.packs.iter().enumerate() {
         // Chunks this pack holds for the kept images (another pack may hold the same chunk: the
         // index names the first, and only that one counts as live).
-        let live_here: Vec<&(ChunkDigest, u64, u32)> = pack
+        let live_here: Vec<&IndexEntry> = pack
             .entries
             .iter()
             .filter(|(d, _, _)| live.contains(d) && store.index.get(d).is_some_and(|l| l.pack == n))
@@ -515,11 +596,13 @@ pub fn collect_garbage(chunks: &Path, keep: &[PathBuf]) -> Result<GcStats, Pages
         if !live_here.is_empty() {
             let mut writer = store.new_pack()?;
             for (digest, _, _) in &live_here {
-                let data = store.read(&mut files, digest).map_err(|what| PagesError::BadChunk {
-                    hash: hex(digest),
-                    recipe: chunks.join(format!("{}.pack", pack.name)),
-                    what,
-                })?;
+                let data = store
+                    .read(&mut files, digest)
+                    .map_err(|what| PagesError::BadChunk {
+                        hash: hex(digest),
+                        recipe: chunks.join(format!("{}.pack", pack.name)),
+                        what,
+                    })?;
                 writer.add(*digest, &data)?;
             }
             writer.finish(chunks)?;
@@ -550,7 +633,10 @@ mod tests {
     }
 
     fn files(dir: &Path) -> Vec<String> {
-        let mut v: Vec<String> = fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        let mut v: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
         v.sort();
         v
     }
@@ -560,13 +646,20 @@ mod tests {
     }
 
     fn packs(chunks: &Path) -> Vec<String> {
-        files(chunks).into_iter().filter(|n| n.ends_with(".pack")).collect()
+        files(chunks)
+            .into_iter()
+            .filter(|n| n.ends_with(".pack"))
+            .collect()
     }
 
     #[test]
     fn round_trip_is_byte_identical_and_shares_chunks() {
         let tmp = tempfile::tempdir().unwrap();
-        let (img1, img2, chunks) = (tmp.path().join("1"), tmp.path().join("2"), tmp.path().join("chunks"));
+        let (img1, img2, chunks) = (
+            tmp.path().join("1"),
+            tmp.path().join("2"),
+            tmp.path().join("chunks"),
+        );
         fs::create_dir_all(&img1).unwrap();
         fs::create_dir_all(&img2).unwrap();
         // Pages repeated within a file and across files, a file larger than one read buffer, a
@@ -589,13 +682,22 @@ mod tests {
         fs::write(img1.join("pagemap-1.img"), b"pagemap").unwrap();
         let s1 = dedup(&img1, &chunks).unwrap();
         assert_eq!(s1.files, 4);
-        assert_eq!(s1.bytes_logical, originals.iter().map(|(_, d)| d.len() as u64).sum::<u64>());
+        assert_eq!(
+            s1.bytes_logical,
+            originals.iter().map(|(_, d)| d.len() as u64).sum::<u64>()
+        );
         // 200 distinct page contents (page(1) and page(2) among them) + the short tail chunk.
         assert_eq!(s1.chunks_new, 201);
         assert_eq!(s1.bytes_new, 200 * CHUNK_SIZE as u64 + 4);
         assert_eq!(
             files(&img1),
-            ["pagemap-1.img", "pages-1.img.recipe", "pages-2.img.recipe", "pages-3.img.recipe", "pages-4.img.recipe"]
+            [
+                "pagemap-1.img",
+                "pages-1.img.recipe",
+                "pages-2.img.recipe",
+                "pages-3.img.recipe",
+                "pages-4.img.recipe"
+            ]
         );
         assert_eq!(referenced_chunks(&img1).unwrap().len(), 201);
         assert_eq!(packs(&chunks).len(), 1);
@@ -637,25 +739,40 @@ mod tests {
         bad[CHUNK_SIZE + 1] ^= 1;
         fs::write(&pack, &bad).unwrap();
         let e = materialize(&img, &chunks).unwrap_err();
-        assert!(matches!(&e, PagesError::BadChunk { hash, .. } if *hash == hex(&digest(&page(4)))), "{e}");
-        assert!(!img.join("pages-1.img").exists(), "no partial pages file under the real name");
+        assert!(
+            matches!(&e, PagesError::BadChunk { hash, .. } if *hash == hex(&digest(&page(4)))),
+            "{e}"
+        );
+        assert!(
+            !img.join("pages-1.img").exists(),
+            "no partial pages file under the real name"
+        );
         // A pack shorter than its index says (a crash before the flush) is ignored: its chunks
         // are missing, and the next dedup stores them again.
         fs::write(&pack, &good[..CHUNK_SIZE]).unwrap();
         let e = materialize(&img, &chunks).unwrap_err();
-        assert!(matches!(&e, PagesError::BadChunk { what, .. } if what.contains("not in the chunk store")), "{e}");
+        assert!(
+            matches!(&e, PagesError::BadChunk { what, .. } if what.contains("not in the chunk store")),
+            "{e}"
+        );
         fs::write(img.join("pages-1.img"), [page(3), page(4)].concat()).unwrap();
         assert_eq!(dedup(&img, &chunks).unwrap().chunks_new, 2);
         materialize(&img, &chunks).unwrap();
-        assert_eq!(fs::read(img.join("pages-1.img")).unwrap(), [page(3), page(4)].concat());
+        assert_eq!(
+            fs::read(img.join("pages-1.img")).unwrap(),
+            [page(3), page(4)].concat()
+        );
         // The collector removes the broken pack; the good one stays.
-        let gc = collect_garbage(&chunks, &[img.clone()]).unwrap();
+        let gc = collect_garbage(&chunks, std::slice::from_ref(&img)).unwrap();
         assert_eq!((gc.packs_removed, gc.packs_compacted), (0, 0));
         assert_eq!(packs(&chunks).len(), 1);
         assert!(!pack.exists());
         materialize(&img, &chunks).unwrap();
         fs::write(img.join("pages-1.img.recipe"), b"CRABPGS1short").unwrap();
-        assert!(matches!(materialize(&img, &chunks), Err(PagesError::BadRecipe { .. })));
+        assert!(matches!(
+            materialize(&img, &chunks),
+            Err(PagesError::BadRecipe { .. })
+        ));
     }
 
     #[test]
@@ -665,7 +782,11 @@ mod tests {
         let image = |name: &str, pages: &[u8]| {
             let dir = tmp.path().join(name);
             fs::create_dir_all(&dir).unwrap();
-            fs::write(dir.join("pages-1.img"), pages.iter().flat_map(|p| page(*p)).collect::<Vec<u8>>()).unwrap();
+            fs::write(
+                dir.join("pages-1.img"),
+                pages.iter().flat_map(|p| page(*p)).collect::<Vec<u8>>(),
+            )
+            .unwrap();
             dedup(&dir, &chunks).unwrap();
             dir
         };
@@ -675,12 +796,19 @@ mod tests {
         let c = image("c", &[30]);
         assert_eq!(packs(&chunks).len(), 3);
         // Keeping b alone: A is 20% live (pages 0, 1) -> compacted; B fully live; C dead.
-        let gc = collect_garbage(&chunks, &[b.clone()]).unwrap();
+        let gc = collect_garbage(&chunks, std::slice::from_ref(&b)).unwrap();
         assert_eq!((gc.packs_removed, gc.packs_compacted), (1, 1));
         assert_eq!(gc.bytes_freed, 9 * CHUNK_SIZE as u64);
         assert_eq!(packs(&chunks).len(), 2);
         materialize(&b, &chunks).unwrap();
-        assert_eq!(fs::read(b.join("pages-1.img")).unwrap(), [0u8, 1].into_iter().chain(10..20).flat_map(page).collect::<Vec<u8>>());
+        assert_eq!(
+            fs::read(b.join("pages-1.img")).unwrap(),
+            [0u8, 1]
+                .into_iter()
+                .chain(10..20)
+                .flat_map(page)
+                .collect::<Vec<u8>>()
+        );
         assert!(materialize(&a, &chunks).is_err());
         assert!(materialize(&c, &chunks).is_err());
         // Nothing kept: nothing stays.
@@ -712,7 +840,12 @@ mod tests {
             let d = t.elapsed();
             let t = std::time::Instant::now();
             materialize(&img, &chunks).unwrap();
-            eprintln!("{run}: dedup {:?} ({} new chunks), materialize {:?}", d, s.chunks_new, t.elapsed());
+            eprintln!(
+                "{run}: dedup {:?} ({} new chunks), materialize {:?}",
+                d,
+                s.chunks_new,
+                t.elapsed()
+            );
         }
     }
 }

@@ -29,16 +29,28 @@ pub enum ProcError {
     /// Live processes a dump would silently leave out, typically an exec's main process that is
     /// still running (its parent is the shim).
     #[error("{} live process(es) of the container do not descend from its init {init} and would be missing from a checkpoint: {}", pids.len(), describe(pids, cmdlines))]
-    Undumpable { init: u32, pids: Vec<u32>, cmdlines: Vec<String> },
+    Undumpable {
+        init: u32,
+        pids: Vec<u32>,
+        cmdlines: Vec<String>,
+    },
     #[error("the container's init {0} is not running")]
     InitGone(u32),
     #[error("reading the container's processes: {0}")]
     Procs(#[from] procs::ProcError),
     #[error("runc checkpoint failed: {message}{}{}", criu_log.as_ref().map(|l| format!(" (CRIU: {})", l.join("; "))).unwrap_or_default(), hint.map(|h| format!(". {h}")).unwrap_or_default())]
-    Dump { message: String, criu_log: Option<Vec<String>>, hint: Option<&'static str> },
+    Dump {
+        message: String,
+        criu_log: Option<Vec<String>>,
+        hint: Option<&'static str>,
+    },
     /// The dump succeeded but its process tree lacks processes that were alive at dump time.
     #[error("checkpoint image {} lacks {} live process(es) of the container: {}", dir.display(), pids.len(), describe(pids, cmdlines))]
-    Incomplete { dir: PathBuf, pids: Vec<u32>, cmdlines: Vec<String> },
+    Incomplete {
+        dir: PathBuf,
+        pids: Vec<u32>,
+        cmdlines: Vec<String>,
+    },
     #[error("bad CRIU image {}: {what}", path.display())]
     Image { path: PathBuf, what: String },
     #[error("page deduplication: {0}")]
@@ -217,7 +229,10 @@ fn decode_pstree_entry(msg: &[u8]) -> Option<PstreeEntry> {
 
 /// Parses a CRIU `pstree.img`: magic(s), then (u32 size, PstreeEntry)*.
 pub fn parse_pstree(data: &[u8]) -> Result<Vec<PstreeEntry>, String> {
-    let u32_at = |p: usize| data.get(p..p + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap()));
+    let u32_at = |p: usize| {
+        data.get(p..p + 4)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+    };
     let mut pos = 0;
     let mut magic = u32_at(pos).ok_or("truncated magic")?;
     pos += 4;
@@ -250,16 +265,25 @@ fn ns_pids(pid: u32) -> Result<Option<Vec<u32>>, ProcError> {
     let path = format!("/proc/{pid}/status");
     let text = match fs::read_to_string(&path) {
         Ok(t) => t,
-        Err(e) if e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESRCH) => return Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESRCH) => {
+            return Ok(None)
+        }
         Err(e) => return Err(io_err(path)(e)),
     };
     let line = text.lines().find_map(|l| l.strip_prefix("NSpid:"));
-    Ok(line.map(|l| l.split_whitespace().filter_map(|p| p.parse().ok()).collect()))
+    Ok(line.map(|l| {
+        l.split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect()
+    }))
 }
 
 /// Now, in the clock of `/proc/PID/stat`'s start time (boot-time clock ticks).
 fn boot_ticks() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: plain syscalls with valid arguments.
     let hz = unsafe {
         libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts);
@@ -272,12 +296,19 @@ fn boot_ticks() -> u64 {
 /// Compares the live processes of the container with the image's process tree. A live process
 /// that started no later than the dump finished (`dump_end`, boot ticks) must be in the image.
 /// Returns the host pids found in the image.
-fn verify_image(init_pid: u32, cgroup_dir: &Path, dir: &Path, dump_end: u64) -> Result<Vec<u32>, ProcError> {
+fn verify_image(
+    init_pid: u32,
+    cgroup_dir: &Path,
+    dir: &Path,
+    dump_end: u64,
+) -> Result<Vec<u32>, ProcError> {
     let tree = read_pstree(dir)?;
     let in_image: BTreeSet<u32> = tree.iter().map(|e| e.pid).collect();
     // The container's pid namespace is init's innermost one; a process of a namespace nested
     // inside it has more levels, and its pid at init's level is what CRIU recorded.
-    let level = ns_pids(init_pid)?.ok_or(ProcError::InitGone(init_pid))?.len();
+    let level = ns_pids(init_pid)?
+        .ok_or(ProcError::InitGone(init_pid))?
+        .len();
     let mut found = Vec::new();
     let mut missing: BTreeMap<u32, String> = BTreeMap::new();
     for p in procs::list(cgroup_dir)? {
@@ -331,7 +362,9 @@ fn dir_bytes(dir: &Path) -> Result<u64, ProcError> {
     let mut total = 0;
     for entry in fs::read_dir(dir).map_err(io_err(format!("reading {}", dir.display())))? {
         let entry = entry.map_err(io_err(format!("reading {}", dir.display())))?;
-        let meta = entry.metadata().map_err(io_err(format!("stat {}", entry.path().display())))?;
+        let meta = entry
+            .metadata()
+            .map_err(io_err(format!("stat {}", entry.path().display())))?;
         if meta.is_file() {
             total += meta.len();
         }
@@ -371,7 +404,9 @@ pub async fn checkpoint(
     let started = Instant::now();
     check_dumpable(init_pid, cgroup_dir)?;
     if dir.exists() {
-        return Err(io_err(format!("checkpoint directory {}", dir.display()))(io::ErrorKind::AlreadyExists.into()));
+        return Err(io_err(format!("checkpoint directory {}", dir.display()))(
+            io::ErrorKind::AlreadyExists.into(),
+        ));
     }
     let work = work_dir(dir);
     discard(&work);
@@ -396,7 +431,11 @@ pub async fn checkpoint(
         };
         let criu_log = criu_errors(&work.join("dump.log"));
         let hint = criu_log.as_deref().and_then(known_cause);
-        return Err(ProcError::Dump { message, criu_log, hint });
+        return Err(ProcError::Dump {
+            message,
+            criu_log,
+            hint,
+        });
     }
     let finish = async {
         let pids = verify_image(init_pid, cgroup_dir, dir, dump_end)?;
@@ -411,7 +450,15 @@ pub async fn checkpoint(
     match finish.await {
         Ok((pids, bytes_logical, bytes_stored, dedup)) => {
             discard(&work);
-            let cp = ProcCheckpoint { dir: dir.to_path_buf(), pids, bytes_logical, bytes_stored, duration: started.elapsed(), dump, dedup };
+            let cp = ProcCheckpoint {
+                dir: dir.to_path_buf(),
+                pids,
+                bytes_logical,
+                bytes_stored,
+                duration: started.elapsed(),
+                dump,
+                dedup,
+            };
             log::info!(
                 "proc checkpoint of {id}: {} processes, {} bytes logical, {} stored ({} new chunks), dump {:?}, total {:?}",
                 cp.pids.len(),
@@ -438,30 +485,55 @@ mod tests {
     fn pstree_decoding() {
         // From a real dump: `sh -c 'sleep 100000 & wait'` (pids 1 and 6 of the container).
         let img: &[u8] = &[
-            0x19, 0x43, 0x56, 0x54, 0x30, 0x30, 0x27, 0x50, 0x0a, 0, 0, 0, 0x08, 0x01, 0x10, 0x00, 0x18, 0x01, 0x20,
-            0x01, 0x28, 0x01, 0x0a, 0, 0, 0, 0x08, 0x06, 0x10, 0x01, 0x18, 0x01, 0x20, 0x01, 0x28, 0x06,
+            0x19, 0x43, 0x56, 0x54, 0x30, 0x30, 0x27, 0x50, 0x0a, 0, 0, 0, 0x08, 0x01, 0x10, 0x00,
+            0x18, 0x01, 0x20, 0x01, 0x28, 0x01, 0x0a, 0, 0, 0, 0x08, 0x06, 0x10, 0x01, 0x18, 0x01,
+            0x20, 0x01, 0x28, 0x06,
         ];
         let tree = parse_pstree(img).unwrap();
         assert_eq!(
             tree,
             [
-                PstreeEntry { pid: 1, ppid: 0, pgid: 1, sid: 1, threads: vec![1] },
-                PstreeEntry { pid: 6, ppid: 1, pgid: 1, sid: 1, threads: vec![6] },
+                PstreeEntry {
+                    pid: 1,
+                    ppid: 0,
+                    pgid: 1,
+                    sid: 1,
+                    threads: vec![1]
+                },
+                PstreeEntry {
+                    pid: 6,
+                    ppid: 1,
+                    pgid: 1,
+                    sid: 1,
+                    threads: vec![6]
+                },
             ]
         );
         // Packed threads, a multi-byte varint, an unknown field.
-        let mut msg = vec![0x08, 0xac, 0x02, 0x2a, 0x03, 0xac, 0x02, 0x07, 0x32, 0x01, 0xff];
+        let mut msg = vec![
+            0x08, 0xac, 0x02, 0x2a, 0x03, 0xac, 0x02, 0x07, 0x32, 0x01, 0xff,
+        ];
         let mut img2 = img[..8].to_vec();
         img2.extend((msg.len() as u32).to_le_bytes());
         img2.append(&mut msg);
-        assert_eq!(parse_pstree(&img2).unwrap(), [PstreeEntry { pid: 300, threads: vec![300, 7], ..Default::default() }]);
+        assert_eq!(
+            parse_pstree(&img2).unwrap(),
+            [PstreeEntry {
+                pid: 300,
+                threads: vec![300, 7],
+                ..Default::default()
+            }]
+        );
         assert!(parse_pstree(&img[..img.len() - 1]).is_err());
         assert!(parse_pstree(&img[8..]).is_err(), "no magic");
     }
 
     #[test]
     fn work_dir_is_a_sibling() {
-        assert_eq!(work_dir(Path::new("/s/proc/000007")), Path::new("/s/proc/000007.work"));
+        assert_eq!(
+            work_dir(Path::new("/s/proc/000007")),
+            Path::new("/s/proc/000007.work")
+        );
     }
 
     /// Real runc + CRIU containers built by hand from busybox-static (root only).
@@ -483,14 +555,26 @@ mod tests {
             static ONCE: Once = Once::new();
             ONCE.call_once(|| {
                 std::thread::spawn(|| {
-                    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap();
                     loop {
                         for pid in zombie_runc_children() {
                             let mut status = 0;
                             // SAFETY: waiting for a child of ours that is known to be a zombie.
                             if unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid {
-                                let code = if libc::WIFEXITED(status) { libc::WEXITSTATUS(status) } else { 128 + libc::WTERMSIG(status) };
-                                rt.block_on(containerd_shim::asynchronous::monitor::monitor_notify_by_pid(pid, code)).unwrap();
+                                let code = if libc::WIFEXITED(status) {
+                                    libc::WEXITSTATUS(status)
+                                } else {
+                                    128 + libc::WTERMSIG(status)
+                                };
+                                rt.block_on(
+                                    containerd_shim::asynchronous::monitor::monitor_notify_by_pid(
+                                        pid, code,
+                                    ),
+                                )
+                                .unwrap();
                             }
                         }
                         std::thread::sleep(Duration::from_millis(2));
@@ -501,10 +585,15 @@ mod tests {
 
         fn zombie_runc_children() -> Vec<i32> {
             let mut out = Vec::new();
-            let Ok(tasks) = fs::read_dir("/proc/self/task") else { return out };
+            let Ok(tasks) = fs::read_dir("/proc/self/task") else {
+                return out;
+            };
             for t in tasks.flatten() {
                 let children = fs::read_to_string(t.path().join("children")).unwrap_or_default();
-                for pid in children.split_whitespace().filter_map(|p| p.parse::<u32>().ok()) {
+                for pid in children
+                    .split_whitespace()
+                    .filter_map(|p| p.parse::<u32>().ok())
+                {
                     if let Ok(Some(st)) = procs::read_stat(pid) {
                         if st.state == 'Z' && st.comm.starts_with("runc") {
                             out.push(pid as i32);
@@ -590,15 +679,25 @@ int main(int argc, char **argv) {
         }
 
         fn ip(args: &[&str]) {
-            let out = Command::new("ip").args(args).output().expect("iproute2 is installed");
-            assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+            let out = Command::new("ip")
+                .args(args)
+                .output()
+                .expect("iproute2 is installed");
+            assert!(
+                out.status.success(),
+                "ip {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
 
         impl Sandbox {
             /// `helper`: compile the test helper into the rootfs; `netns`: run in a network
             /// namespace made beforehand (loopback up), as CNI would.
             async fn new(name: &str, args: &[&str], helper: bool, netns: bool) -> Sandbox {
-                assert!(nix::unistd::geteuid().is_root(), "these tests run real containers: run them as root");
+                assert!(
+                    nix::unistd::geteuid().is_root(),
+                    "these tests run real containers: run them as root"
+                );
                 start_runc_reaper();
                 let tmp = tempfile::tempdir().unwrap();
                 let bundle = tmp.path().join("bundle");
@@ -606,7 +705,8 @@ int main(int argc, char **argv) {
                 for d in ["bin", "proc", "dev", "sys", "tmp"] {
                     fs::create_dir_all(rootfs.join(d)).unwrap();
                 }
-                fs::copy("/bin/busybox", rootfs.join("bin/busybox")).expect("busybox-static is installed");
+                fs::copy("/bin/busybox", rootfs.join("bin/busybox"))
+                    .expect("busybox-static is installed");
                 for applet in ["sh", "sleep", "nc", "httpd", "wget", "cat", "kill"] {
                     symlink("busybox", rootfs.join("bin").join(applet)).unwrap();
                 }
@@ -619,7 +719,11 @@ int main(int argc, char **argv) {
                         .arg(&src)
                         .output()
                         .expect("gcc is installed");
-                    assert!(out.status.success(), "gcc -static: {}", String::from_utf8_lossy(&out.stderr));
+                    assert!(
+                        out.status.success(),
+                        "gcc -static: {}",
+                        String::from_utf8_lossy(&out.stderr)
+                    );
                 }
                 let base = format!("crab-proc-{name}-{}", std::process::id());
                 let runc = Runc {
@@ -628,16 +732,25 @@ int main(int argc, char **argv) {
                     systemd_cgroup: false,
                     log: tmp.path().join("runc.log"),
                 };
-                let sb = Sandbox { tmp, bundle, runc, base, containers: Mutex::new(Vec::new()), netns: None };
+                let sb = Sandbox {
+                    tmp,
+                    bundle,
+                    runc,
+                    base,
+                    containers: Mutex::new(Vec::new()),
+                    netns: None,
+                };
                 let mut sb = sb;
                 if netns {
                     ip(&["netns", "add", &sb.base]);
                     sb.netns = Some(sb.base.clone());
                     ip(&["-n", &sb.base, "link", "set", "lo", "up"]);
                 }
-                sb.raw(&["spec", "--bundle"], &[sb.bundle.as_os_str()]).await;
+                sb.raw(&["spec", "--bundle"], &[sb.bundle.as_os_str()])
+                    .await;
                 let path = sb.bundle.join("config.json");
-                let mut spec: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+                let mut spec: serde_json::Value =
+                    serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
                 spec["process"]["terminal"] = false.into();
                 spec["process"]["args"] = args.into();
                 spec["root"]["readonly"] = false.into();
@@ -663,7 +776,12 @@ int main(int argc, char **argv) {
 
             fn runc_cmd(&self, args: &[&str], extra: &[&std::ffi::OsStr]) -> Command {
                 let mut cmd = Command::new(&self.runc.binary);
-                cmd.arg("--root").arg(&self.runc.root).arg("--log").arg(&self.runc.log).arg("--log-format").arg("json");
+                cmd.arg("--root")
+                    .arg(&self.runc.root)
+                    .arg("--log")
+                    .arg(&self.runc.log)
+                    .arg("--log-format")
+                    .arg("json");
                 cmd.args(args).args(extra);
                 cmd
             }
@@ -671,7 +789,12 @@ int main(int argc, char **argv) {
             /// A short runc command; panics with its output on failure.
             async fn raw(&self, args: &[&str], extra: &[&std::ffi::OsStr]) -> String {
                 let out = reaper::run(self.runc_cmd(args, extra), true).await.unwrap();
-                assert_eq!(out.code, 0, "runc {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+                assert_eq!(
+                    out.code,
+                    0,
+                    "runc {args:?}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
                 String::from_utf8_lossy(&out.stdout).into_owned()
             }
 
@@ -682,29 +805,58 @@ int main(int argc, char **argv) {
                 let _ = fs::remove_file(&pid_file);
                 let mut cmd = self.runc_cmd(args, &[]);
                 cmd.arg("--pid-file").arg(&pid_file);
-                cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+                cmd.stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null());
                 if args[0] != "exec" {
                     self.containers.lock().unwrap().push(id.to_string());
                 }
                 cmd.arg(id).args(process_args);
                 let out = reaper::run(cmd, false).await.unwrap();
-                assert_eq!(out.code, 0, "runc {args:?} {id}: {}", fs::read_to_string(&self.runc.log).unwrap_or_default());
-                fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap()
+                assert_eq!(
+                    out.code,
+                    0,
+                    "runc {args:?} {id}: {}",
+                    fs::read_to_string(&self.runc.log).unwrap_or_default()
+                );
+                fs::read_to_string(&pid_file)
+                    .unwrap()
+                    .trim()
+                    .parse()
+                    .unwrap()
             }
 
             /// Starts the bundle as container `<base>-<suffix>`; returns (id, init pid, cgroup dir).
             async fn run(&self, suffix: &str) -> (String, u32, PathBuf) {
                 let id = format!("{}-{suffix}", self.base);
                 let b = self.bundle.to_string_lossy().into_owned();
-                let init = self.detached(&["run", "-d", "--bundle", &b], &id, &[]).await;
+                let init = self
+                    .detached(&["run", "-d", "--bundle", &b], &id, &[])
+                    .await;
                 (id, init, cgroup_of(init))
             }
 
             async fn restore(&self, image: &Path, suffix: &str) -> (String, u32, PathBuf) {
                 let id = format!("{}-{suffix}", self.base);
                 let work = self.path(&format!("restore-{suffix}"));
-                let (b, i, w) = (self.bundle.to_string_lossy().into_owned(), image.to_string_lossy().into_owned(), work.to_string_lossy().into_owned());
-                let args = ["restore", "-d", "--bundle", &b, "--image-path", &i, "--work-path", &w, "--tcp-established", "--file-locks", "--ext-unix-sk"];
+                let (b, i, w) = (
+                    self.bundle.to_string_lossy().into_owned(),
+                    image.to_string_lossy().into_owned(),
+                    work.to_string_lossy().into_owned(),
+                );
+                let args = [
+                    "restore",
+                    "-d",
+                    "--bundle",
+                    &b,
+                    "--image-path",
+                    &i,
+                    "--work-path",
+                    &w,
+                    "--tcp-established",
+                    "--file-locks",
+                    "--ext-unix-sk",
+                ];
                 let init = self.detached(&args, &id, &[]).await;
                 (id, init, cgroup_of(init))
             }
@@ -721,7 +873,10 @@ int main(int argc, char **argv) {
                 let runc = self.runc.clone();
                 // Our own runtime on our own thread: drop may run while a test's runtime unwinds.
                 std::thread::spawn(move || {
-                    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap();
                     for id in ids {
                         if let Err(e) = rt.block_on(runc.delete(&id, true)) {
                             eprintln!("cleanup: runc delete {id}: {e}");
@@ -738,7 +893,10 @@ int main(int argc, char **argv) {
 
         fn cgroup_of(pid: u32) -> PathBuf {
             let c = Cgroups::of(pid).unwrap();
-            c.unified.clone().or_else(|| c.v1("pids").cloned()).expect("a cgroup directory")
+            c.unified
+                .clone()
+                .or_else(|| c.v1("pids").cloned())
+                .expect("a cgroup directory")
         }
 
         fn live(cgroup: &Path) -> Vec<ProcInfo> {
@@ -746,10 +904,14 @@ int main(int argc, char **argv) {
         }
 
         fn wait_procs(cgroup: &Path, n: usize) -> Vec<ProcInfo> {
-            wait_until(&format!("{n} processes in {}", cgroup.display()), Duration::from_secs(10), || {
-                let l = live(cgroup);
-                (l.len() == n).then_some(l)
-            })
+            wait_until(
+                &format!("{n} processes in {}", cgroup.display()),
+                Duration::from_secs(10),
+                || {
+                    let l = live(cgroup);
+                    (l.len() == n).then_some(l)
+                },
+            )
         }
 
         fn pages_files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
@@ -790,7 +952,12 @@ int main(int argc, char **argv) {
 
             // A plain dump, deduplicated and materialized again: byte-identical pages files.
             let raw = sb.path("raw");
-            let opts = CheckpointOpts { image_path: raw.clone(), work_path: Some(sb.path("raw.work")), leave_running: true, ..Default::default() };
+            let opts = CheckpointOpts {
+                image_path: raw.clone(),
+                work_path: Some(sb.path("raw.work")),
+                leave_running: true,
+                ..Default::default()
+            };
             sb.runc.checkpoint(&id, &opts).await.unwrap();
             let chunks = sb.path("chunks");
             let copy = sb.path("copy");
@@ -799,13 +966,25 @@ int main(int argc, char **argv) {
             assert!(!originals.is_empty());
             let stats = pages::dedup(&copy, &chunks).unwrap();
             assert!(pages_files(&copy).is_empty());
-            assert_eq!(stats.bytes_logical, originals.values().map(|d| d.len() as u64).sum::<u64>());
-            assert_eq!(pages::materialize(&copy, &chunks).unwrap(), stats.bytes_logical);
-            assert_eq!(pages_files(&copy), originals, "materialized pages files differ from CRIU's");
+            assert_eq!(
+                stats.bytes_logical,
+                originals.values().map(|d| d.len() as u64).sum::<u64>()
+            );
+            assert_eq!(
+                pages::materialize(&copy, &chunks).unwrap(),
+                stats.bytes_logical
+            );
+            assert_eq!(
+                pages_files(&copy),
+                originals,
+                "materialized pages files differ from CRIU's"
+            );
 
             // crab's checkpoint.
             let dir = sb.path("proc/000001");
-            let cp = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks).await.unwrap();
+            let cp = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks)
+                .await
+                .unwrap();
             assert_eq!(cp.pids, expected);
             assert!(pages_files(&dir).is_empty() && cp.dedup.files > 0);
             assert!(cp.bytes_stored < cp.bytes_logical, "{cp:?}");
@@ -840,41 +1019,78 @@ int main(int argc, char **argv) {
             let err = check_dumpable(init, &cg).unwrap_err();
             eprintln!("check_dumpable: {err}");
             match &err {
-                ProcError::Undumpable { init: i, pids, cmdlines } => {
-                    assert_eq!((*i, pids.as_slice(), cmdlines.as_slice()), (init, &[exec_pid][..], &["sleep 5555".to_string()][..]));
+                ProcError::Undumpable {
+                    init: i,
+                    pids,
+                    cmdlines,
+                } => {
+                    assert_eq!(
+                        (*i, pids.as_slice(), cmdlines.as_slice()),
+                        (init, &[exec_pid][..], &["sleep 5555".to_string()][..])
+                    );
                 }
                 e => panic!("unexpected {e}"),
             }
             let chunks = sb.path("chunks");
             let dir = sb.path("proc/000001");
-            let err = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks).await.unwrap_err();
+            let err = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks)
+                .await
+                .unwrap_err();
             assert!(matches!(err, ProcError::Undumpable { .. }), "{err}");
             assert!(!dir.exists());
 
             // DESIGN's claim: runc alone reports success and its image lacks the exec.
             let raw = sb.path("raw");
-            let opts = CheckpointOpts { image_path: raw.clone(), work_path: Some(sb.path("raw.work")), leave_running: true, ..Default::default() };
-            sb.runc.checkpoint(&id, &opts).await.expect("runc checkpoint succeeds despite the exec");
+            let opts = CheckpointOpts {
+                image_path: raw.clone(),
+                work_path: Some(sb.path("raw.work")),
+                leave_running: true,
+                ..Default::default()
+            };
+            sb.runc
+                .checkpoint(&id, &opts)
+                .await
+                .expect("runc checkpoint succeeds despite the exec");
             let tree = read_pstree(&raw).unwrap();
             assert_eq!(tree.len(), 1, "image: {tree:?}");
             let log = fs::read_to_string(sb.path("raw.work/dump.log")).unwrap();
-            assert!(log.contains(&format!("Unexpected process {exec_pid}")), "CRIU only warns");
-            eprintln!("runc checkpoint with a running exec: success, {} process in the image, 2 live", tree.len());
+            assert!(
+                log.contains(&format!("Unexpected process {exec_pid}")),
+                "CRIU only warns"
+            );
+            eprintln!(
+                "runc checkpoint with a running exec: success, {} process in the image, 2 live",
+                tree.len()
+            );
             // The check after the dump catches it too (a process that appeared after check_dumpable).
             let err = verify_image(init, &cg, &raw, boot_ticks()).unwrap_err();
-            assert!(matches!(&err, ProcError::Incomplete { pids, .. } if *pids == [exec_pid]), "{err}");
+            assert!(
+                matches!(&err, ProcError::Incomplete { pids, .. } if *pids == [exec_pid]),
+                "{err}"
+            );
 
             // An exec that leaves a background process behind and exits: it is re-parented to
             // init and dumped; once the running exec ends, the container is dumpable.
-            sb.detached(&["exec", "-d"], &id, &["sh", "-c", "sleep 7777 >/dev/null 2>&1 </dev/null &"]).await;
+            sb.detached(
+                &["exec", "-d"],
+                &id,
+                &["sh", "-c", "sleep 7777 >/dev/null 2>&1 </dev/null &"],
+            )
+            .await;
             signal(exec_pid, libc::SIGKILL);
-            let l = wait_until("the exec's sleep 5555 gone, sleep 7777 there", Duration::from_secs(10), || {
-                let l = live(&cg);
-                (cmdlines(&l) == ["sleep 100000", "sleep 7777"]).then_some(l)
-            });
+            let l = wait_until(
+                "the exec's sleep 5555 gone, sleep 7777 there",
+                Duration::from_secs(10),
+                || {
+                    let l = live(&cg);
+                    (cmdlines(&l) == ["sleep 100000", "sleep 7777"]).then_some(l)
+                },
+            );
             let left = l.iter().find(|p| p.cmdline == ["sleep", "7777"]).unwrap();
             assert_eq!(left.ppid, init);
-            let cp = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks).await.unwrap();
+            let cp = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks)
+                .await
+                .unwrap();
             assert_eq!(cp.pids, l.iter().map(|p| p.pid).collect::<Vec<_>>());
             assert_eq!(read_pstree(&dir).unwrap().len(), 2);
         }
@@ -882,7 +1098,9 @@ int main(int argc, char **argv) {
         /// `(local port, state)` of the TCP sockets in `pid`'s network namespace (state in hex as
         /// the kernel prints it: 0A listening, 01 established).
         fn tcp_sockets(pid: u32) -> Vec<(u16, String)> {
-            let text = ["tcp", "tcp6"].map(|f| fs::read_to_string(format!("/proc/{pid}/net/{f}")).unwrap_or_default()).join("\n");
+            let text = ["tcp", "tcp6"]
+                .map(|f| fs::read_to_string(format!("/proc/{pid}/net/{f}")).unwrap_or_default())
+                .join("\n");
             let mut v: Vec<(u16, String)> = text
                 .lines()
                 .filter_map(|l| {
@@ -901,7 +1119,11 @@ int main(int argc, char **argv) {
             let mut v: Vec<String> = fs::read_to_string("/proc/locks")
                 .unwrap()
                 .lines()
-                .filter(|l| l.split_whitespace().nth(4).is_some_and(|p| pids.contains(p)))
+                .filter(|l| {
+                    l.split_whitespace()
+                        .nth(4)
+                        .is_some_and(|p| pids.contains(p))
+                })
                 .map(|l| l.split_whitespace().nth(1).unwrap().to_string())
                 .collect();
             v.sort();
@@ -910,26 +1132,41 @@ int main(int argc, char **argv) {
 
         /// (major, minor) of the first `N.N` in `text`.
         fn version(text: &str) -> (u32, u32) {
-            let v = text.split(|c: char| !(c.is_ascii_digit() || c == '.')).find(|w| w.contains('.')).unwrap_or("0.0");
+            let v = text
+                .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+                .find(|w| w.contains('.'))
+                .unwrap_or("0.0");
             let mut it = v.split('.').map(|n| n.parse().unwrap_or(0));
             (it.next().unwrap_or(0), it.next().unwrap_or(0))
         }
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn file_locks_survive_restore() {
-            let sb = Sandbox::new("lock", &["sh", "-c", "helper lock /tmp/lock & wait"], true, false).await;
+            let sb = Sandbox::new(
+                "lock",
+                &["sh", "-c", "helper lock /tmp/lock & wait"],
+                true,
+                false,
+            )
+            .await;
             let (id, init, cg) = sb.run("a").await;
             let before = wait_until("the locks", Duration::from_secs(10), || {
-                (locks_held(&cg) == ["FLOCK", "POSIX"] && fs::read_to_string(sb.rootfs("state")).ok()? == "locked").then(|| live(&cg))
+                (locks_held(&cg) == ["FLOCK", "POSIX"]
+                    && fs::read_to_string(sb.rootfs("state")).ok()? == "locked")
+                    .then(|| live(&cg))
             });
             let chunks = sb.path("chunks");
             let dir = sb.path("proc/000001");
-            let cp = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks).await.unwrap();
+            let cp = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks)
+                .await
+                .unwrap();
             assert_eq!(cp.pids, before.iter().map(|p| p.pid).collect::<Vec<_>>());
             sb.delete(&id).await;
             pages::materialize(&dir, &chunks).unwrap();
             let (_rid, _rinit, rcg) = sb.restore(&dir, "r").await;
-            let after = wait_until("the restored locks", Duration::from_secs(10), || (locks_held(&rcg) == ["FLOCK", "POSIX"]).then(|| live(&rcg)));
+            let after = wait_until("the restored locks", Duration::from_secs(10), || {
+                (locks_held(&rcg) == ["FLOCK", "POSIX"]).then(|| live(&rcg))
+            });
             assert_eq!(cmdlines(&after), cmdlines(&before));
         }
 
@@ -947,18 +1184,35 @@ int main(int argc, char **argv) {
             // connecting nc's ephemeral port is the second established socket.
             let ready = |pid: u32| {
                 let s = tcp_sockets(pid);
-                s.contains(&(8080, "0A".into())) && s.contains(&(9000, "01".into())) && s.iter().filter(|(_, st)| st == "01").count() == 2
+                s.contains(&(8080, "0A".into()))
+                    && s.contains(&(9000, "01".into()))
+                    && s.iter().filter(|(_, st)| st == "01").count() == 2
             };
-            let before = wait_until("a listener and a connection", Duration::from_secs(10), || ready(init).then(|| live(&cg)));
+            let before = wait_until(
+                "a listener and a connection",
+                Duration::from_secs(10),
+                || ready(init).then(|| live(&cg)),
+            );
             let chunks = sb.path("chunks");
             let dir = sb.path("proc/000001");
-            let criu = Command::new("criu").arg("--version").output().expect("criu is installed");
+            let criu = Command::new("criu")
+                .arg("--version")
+                .output()
+                .expect("criu is installed");
             let criu = version(&String::from_utf8_lossy(&criu.stdout));
-            let kernel = version(&nix::sys::utsname::uname().unwrap().release().to_string_lossy());
+            let kernel = version(
+                &nix::sys::utsname::uname()
+                    .unwrap()
+                    .release()
+                    .to_string_lossy(),
+            );
             let result = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks).await;
             if criu < (4, 2) && kernel >= (6, 16) {
                 let err = result.unwrap_err();
-                assert!(matches!(err, ProcError::Dump { hint: Some(_), .. }), "{err}");
+                assert!(
+                    matches!(err, ProcError::Dump { hint: Some(_), .. }),
+                    "{err}"
+                );
                 eprintln!("LIMITATION: CRIU {criu:?} on Linux {kernel:?} cannot dump TCP sockets; crab says: {err}");
                 return;
             }
@@ -967,11 +1221,32 @@ int main(int argc, char **argv) {
             sb.delete(&id).await;
             pages::materialize(&dir, &chunks).unwrap();
             let (rid, rinit, rcg) = sb.restore(&dir, "r").await;
-            let after = wait_until("the restored listener and connection", Duration::from_secs(10), || ready(rinit).then(|| live(&rcg)));
+            let after = wait_until(
+                "the restored listener and connection",
+                Duration::from_secs(10),
+                || ready(rinit).then(|| live(&rcg)),
+            );
             assert_eq!(cmdlines(&after), cmdlines(&before));
             // The restored httpd serves.
-            let out = reaper::run(sb.runc_cmd(&["exec", &rid, "wget", "-S", "-O", "/dev/null", "http://127.0.0.1:8080/"], &[]), true).await.unwrap();
-            let text = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+            let out = reaper::run(
+                sb.runc_cmd(
+                    &[
+                        "exec",
+                        &rid,
+                        "wget",
+                        "-S",
+                        "-O",
+                        "/dev/null",
+                        "http://127.0.0.1:8080/",
+                    ],
+                    &[],
+                ),
+                true,
+            )
+            .await
+            .unwrap();
+            let text = String::from_utf8_lossy(&out.stderr).into_owned()
+                + &String::from_utf8_lossy(&out.stdout);
             assert!(text.contains("HTTP/1."), "wget: {text}");
         }
 
@@ -984,7 +1259,15 @@ int main(int argc, char **argv) {
 
         fn rss_mb(pid: u32) -> u64 {
             let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-            let kb: u64 = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap().trim().trim_end_matches("kB").trim().parse().unwrap();
+            let kb: u64 = status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .unwrap()
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .unwrap();
             kb / 1024
         }
 
@@ -1002,15 +1285,26 @@ int main(int argc, char **argv) {
                     wait_turn(&sb, turn).await;
                 }
                 let dir = sb.path(&format!("proc/{turn:06}"));
-                let cp = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks).await.unwrap();
+                let cp = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks)
+                    .await
+                    .unwrap();
                 let ratio = cp.bytes_stored as f64 / cp.bytes_logical as f64;
                 eprintln!(
                     "{turn:>4}  {:>9}  {:>9}  {:>13.2}%  {:>10}  {:>7.0?}  {:>7.0?}",
-                    cp.bytes_logical, cp.bytes_stored, ratio * 100.0, cp.dedup.chunks_new, cp.dump, cp.duration
+                    cp.bytes_logical,
+                    cp.bytes_stored,
+                    ratio * 100.0,
+                    cp.dedup.chunks_new,
+                    cp.dump,
+                    cp.duration
                 );
                 assert!(cp.bytes_logical > 50 << 20);
                 if turn > 0 {
-                    assert!(ratio <= 0.05, "turn {turn}: stored {:.2}% of a full image", ratio * 100.0);
+                    assert!(
+                        ratio <= 0.05,
+                        "turn {turn}: stored {:.2}% of a full image",
+                        ratio * 100.0
+                    );
                 }
                 last = dir;
             }
@@ -1027,17 +1321,27 @@ int main(int argc, char **argv) {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         #[ignore]
         async fn bench_proc_checkpoint_latency_vs_resident_size() {
-            eprintln!("resident  first: dump     dedup    total   stored     | next turn: dump    dedup   total   stored");
+            eprintln!("resident  first: dump     rest     total   stored     | next turn: dump    rest    total   stored   (rest = check, verify, dedup)");
             for mb in [10u32, 100, 500] {
-                let sb = Sandbox::new(&format!("bench{mb}"), &["helper", "mem", &mb.to_string()], true, false).await;
+                let sb = Sandbox::new(
+                    &format!("bench{mb}"),
+                    &["helper", "mem", &mb.to_string()],
+                    true,
+                    false,
+                )
+                .await;
                 let (id, init, cg) = sb.run("a").await;
                 wait_turn(&sb, 0).await;
                 let rss = rss_mb(init);
                 let chunks = sb.path("chunks");
-                let first = checkpoint(&sb.runc, &id, init, &cg, &sb.path("proc/1"), &chunks).await.unwrap();
+                let first = checkpoint(&sb.runc, &id, init, &cg, &sb.path("proc/1"), &chunks)
+                    .await
+                    .unwrap();
                 signal(init, libc::SIGUSR1);
                 wait_turn(&sb, 1).await;
-                let next = checkpoint(&sb.runc, &id, init, &cg, &sb.path("proc/2"), &chunks).await.unwrap();
+                let next = checkpoint(&sb.runc, &id, init, &cg, &sb.path("proc/2"), &chunks)
+                    .await
+                    .unwrap();
                 let row = |c: &ProcCheckpoint| {
                     format!(
                         "{:>7.0?} {:>7.0?} {:>7.0?} {:>8.1} MB",
