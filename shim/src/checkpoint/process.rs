@@ -372,10 +372,11 @@ fn dir_bytes(dir: &Path) -> Result<u64, ProcError> {
     Ok(total)
 }
 
-/// The directory CRIU logs to while dumping into `dir`: a sibling, so logs never enter the image.
+/// The directory CRIU logs to while dumping into `dir`: a sibling, so logs never enter the image;
+/// named `*.tmp` so the store sweeps one left by a failed dump (kept for its log) on open.
 pub fn work_dir(dir: &Path) -> PathBuf {
     let mut name = dir.file_name().unwrap_or_default().to_os_string();
-    name.push(".work");
+    name.push(".work.tmp");
     dir.with_file_name(name)
 }
 
@@ -532,7 +533,7 @@ mod tests {
     fn work_dir_is_a_sibling() {
         assert_eq!(
             work_dir(Path::new("/s/proc/000007")),
-            Path::new("/s/proc/000007.work")
+            Path::new("/s/proc/000007.work.tmp")
         );
     }
 
@@ -580,6 +581,64 @@ mod tests {
                         std::thread::sleep(Duration::from_millis(2));
                     }
                 });
+            });
+        }
+
+        /// Removes what a killed earlier run of these tests left: the containers' processes and
+        /// cgroups (`crab-proc-<name>-<pid>` at the root of each hierarchy, pid no longer alive)
+        /// and their network namespaces. Only names of this exact form are touched.
+        fn sweep_stale() {
+            static ONCE: Once = Once::new();
+            ONCE.call_once(|| {
+                let stale = |name: &str| {
+                    let rest = name.strip_prefix("crab-proc-")?;
+                    let pid: u32 = rest.rsplit('-').next()?.parse().ok()?;
+                    (!Path::new(&format!("/proc/{pid}")).exists()).then_some(())
+                };
+                let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
+                let roots: Vec<PathBuf> = mountinfo
+                    .lines()
+                    .filter_map(|l| {
+                        let (left, right) = l.split_once(" - ")?;
+                        let mount_point = left.split_whitespace().nth(4)?;
+                        matches!(right.split_whitespace().next()?, "cgroup" | "cgroup2")
+                            .then(|| PathBuf::from(mount_point))
+                    })
+                    .collect();
+                for root in roots {
+                    for e in fs::read_dir(&root).into_iter().flatten().flatten() {
+                        let name = e.file_name().to_string_lossy().into_owned();
+                        if stale(&name).is_none() || !e.path().is_dir() {
+                            continue;
+                        }
+                        eprintln!("removing stale test cgroup {}", e.path().display());
+                        // A dump killed midway can leave it frozen, and frozen tasks do not die.
+                        let _ = fs::write(e.path().join("freezer.state"), "THAWED");
+                        let _ = fs::write(e.path().join("cgroup.freeze"), "0");
+                        for _ in 0..100 {
+                            let procs = fs::read_to_string(e.path().join("cgroup.procs"))
+                                .unwrap_or_default();
+                            if procs.trim().is_empty() {
+                                break;
+                            }
+                            for pid in procs
+                                .split_whitespace()
+                                .filter_map(|p| p.parse::<i32>().ok())
+                            {
+                                // SAFETY: plain syscall.
+                                unsafe { libc::kill(pid, libc::SIGKILL) };
+                            }
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        let _ = fs::remove_dir(e.path());
+                    }
+                }
+                for e in fs::read_dir("/run/netns").into_iter().flatten().flatten() {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    if stale(&name).is_some() {
+                        let _ = Command::new("ip").args(["netns", "delete", &name]).status();
+                    }
+                }
             });
         }
 
@@ -699,6 +758,7 @@ int main(int argc, char **argv) {
                     "these tests run real containers: run them as root"
                 );
                 start_runc_reaper();
+                sweep_stale();
                 let tmp = tempfile::tempdir().unwrap();
                 let bundle = tmp.path().join("bundle");
                 let rootfs = bundle.join("rootfs");
