@@ -16,20 +16,23 @@ SOURCES=/etc/apt/sources.list.d/crab-debian-extra.sources
 PREFS=/etc/apt/preferences.d/crab-debian-extra
 
 # Installed in three steps, each by name and release:
-#  1. trixie's C library and the checkpoint stack (CRIU 4.1 needs libc >= 2.38;
-#     bookworm has no criu at all). Moving libc to trixie makes apt drop the
+#  1. trixie's C library (the sid packages below need libc >= 2.38; bookworm has
+#     no criu at all), iptables (CRIU locks the network with it) and the image
+#     tools. Moving libc to trixie makes apt drop the
 #     bookworm -dev packages pinned to the old libc (libc6-dev, build-essential),
 #     so step 3 puts back what Rust and the BPF build need to link and compile.
-#  2. containerd 2.x and runc 1.3 from sid (they need nothing else once trixie's
-#     libc is in).
+#  2. containerd 2.x, runc 1.3 and CRIU 4.2 from sid (they need nothing else once
+#     trixie's libc is in). CRIU must be 4.2+: 4.1 reads socket options that Linux
+#     6.16+ refuses on TCP/UDP sockets, so it cannot dump any process holding one
+#     (criu issue 2718).
 #  3. libc6-dev from trixie plus the BPF toolchain from the base suite. clang-19
 #     from trixie would drag in gcc-14 and a new libssl and remove curl/openssh;
 #     bookworm's clang-19 + libbpf 1.1 + bpftool 7.1 compile CO-RE programs fine.
 TRIXIE_PKGS=(
   libc6 libc-bin base-files libhogweed6t64 libnettle8t64 libp11-kit0 libgnutls30t64
-  criu iptables umoci skopeo mmdebstrap docker-registry containernetworking-plugins
+  iptables umoci skopeo mmdebstrap docker-registry containernetworking-plugins
 )
-SID_PKGS=(containerd runc)
+SID_PKGS=(containerd runc criu libcompel1)
 TRIXIE_DEV_PKGS=(libc6-dev)
 BASE_PKGS=(
   ca-certificates curl jq iproute2 busybox-static zstd tar pkg-config protobuf-compiler
@@ -45,7 +48,8 @@ have_all() {
 
 want_versions_ok() {
   command -v containerd >/dev/null && containerd --version | grep -qE ' v?2\.' &&
-    command -v runc >/dev/null && runc --version | grep -qE 'runc version 1\.(3|4|5)'
+    command -v runc >/dev/null && runc --version | grep -qE 'runc version 1\.(3|4|5)' &&
+    command -v criu >/dev/null && criu --version | grep -qE 'Version: (4\.([2-9]|[1-9][0-9])|[5-9]\.)'
 }
 
 if have_all "${BASE_PKGS[@]}" "${TRIXIE_PKGS[@]}" "${TRIXIE_DEV_PKGS[@]}" "${SID_PKGS[@]}" && want_versions_ok; then

@@ -201,6 +201,12 @@ async fn process_turns_store_a_process_image() {
     let m = s.wait_manifests(2).await;
     assert_eq!(m[1]["kind"], "fs");
     assert_eq!(m[1]["process"], m[0]["process"], "{:#}", m[1]);
+    // A listening TCP server (needs CRIU 4.2+ on Linux 6.16+) is dumped too.
+    s.run("nohup python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1 & sleep 1").await;
+    s.end_turn().await;
+    let m = s.wait_manifests(3).await;
+    assert_eq!(m[2]["kind"], "proc", "{:#}", m[2]);
+    assert_eq!(m[2]["process"]["pids"].as_array().unwrap().len(), 3, "{:#}", m[2]);
     s.finish().await;
 }
 
