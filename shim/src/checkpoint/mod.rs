@@ -283,8 +283,22 @@ impl Coordinator {
         timings.total_ms = Timings::ms(started.elapsed());
         m.timings = timings;
         self.store.publish(&m).map_err(store_err)?;
-        if let Err(e) = self.store.apply_retention(self.keep_last, self.keep_every) {
-            log::warn!("retention in the store of {}: {e}", t.container_id);
+        match self.store.apply_retention(self.keep_last, self.keep_every) {
+            Ok(r) if !r.removed_proc.is_empty() => {
+                // Jobs of a sandbox run one at a time, so no dedup into these chunks overlaps.
+                let keep: Vec<PathBuf> = self
+                    .store
+                    .list()
+                    .unwrap_or_default()
+                    .iter()
+                    .filter_map(|m| m.process.as_ref().map(|p| self.store.root().join(&p.image)))
+                    .collect();
+                if let Err(e) = pages::collect_garbage(&self.store.chunks_dir(), &keep) {
+                    log::warn!("page chunk collection in the store of {}: {e}", t.container_id);
+                }
+            }
+            Ok(_) => {}
+            Err(e) => log::warn!("retention in the store of {}: {e}", t.container_id),
         }
         Ok(m)
     }
