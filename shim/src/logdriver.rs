@@ -417,7 +417,9 @@ echo done >"$d/exited""#,
     #[tokio::test]
     async fn a_logger_that_exits_at_once_or_is_missing_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
-        let err = start(&script(dir.path(), "exit 3"), "c", "ns").await.err().unwrap().to_string();
+        // Closing its output fds first makes the failure certain to be seen before readiness;
+        // a plain `exit` races the kernel's closing order (best effort, as in containerd).
+        let err = start(&script(dir.path(), "exec 3<&- 4<&-; exit 3"), "c", "ns").await.err().unwrap().to_string();
         assert!(err.contains("exited"), "{err}");
         let missing = LoggerUri { path: dir.path().join("nope"), args: vec![] };
         let err = start(&missing, "c", "ns").await.err().unwrap().to_string();
