@@ -14,6 +14,7 @@ pub mod env;
 pub mod events;
 pub mod harness;
 pub mod host;
+pub mod sandbox;
 pub mod spec;
 pub mod stdio;
 

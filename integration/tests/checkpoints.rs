@@ -2,128 +2,18 @@
 //! layer holding exactly the turn's net change, process images, and the next action waiting
 //! for the checkpoint (so it cannot change what is being captured).
 
-use std::{
-    collections::{BTreeMap, HashMap},
-    io::Read,
-    path::{Path, PathBuf},
-    time::Duration,
+use std::path::{Path, PathBuf};
+
+use crab_integration::{
+    env::TestEnv,
+    sandbox::{Sandbox, SandboxOptions, AGENT_IMAGE},
+    Harness, ProcessSpec,
 };
-
-use crab_integration::{api::crab_runtime_options, env::TestEnv, Harness, ProcessSpec, StdioOptions};
 use serde_json::Value;
-
-const AGENT_IMAGE: &str = "localhost/crab/agent:latest";
-const T: Duration = Duration::from_secs(60);
-
-struct Sandbox {
-    h: Harness,
-    id: String,
-    state_dir: PathBuf,
-    turn: u64,
-}
-
-impl Sandbox {
-    async fn start(name: &str) -> (Sandbox, crab_integration::CleanupGuard) {
-        Self::start_annotated(name, &[]).await
-    }
-
-    async fn start_annotated(name: &str, annotations: &[(&str, &str)]) -> (Sandbox, crab_integration::CleanupGuard) {
-        Self::start_in(name, annotations, None).await
-    }
-
-    /// With `state_dir`, the store lives there (e.g. a tiny filesystem).
-    async fn start_in(name: &str, annotations: &[(&str, &str)], state_dir: Option<PathBuf>) -> (Sandbox, crab_integration::CleanupGuard) {
-        let env = TestEnv { image: AGENT_IMAGE.into(), ..TestEnv::from_env() };
-        assert_eq!(env.runtime, "io.containerd.crab.v1", "checkpoints are crab's own: run with CRAB_RUNTIME unset");
-        let h = Harness::connect_env(env).await.unwrap_or_else(|e| panic!("integration test setup failed: {e}"));
-        let id = h.unique_id(name);
-        let guard = h.guard(&[&id]);
-        let state_dir = state_dir.unwrap_or_else(|| h.env.crab_home.join("state").join(&id));
-        let config = format!("[store]\nstate_dir = \"{}\"\n", state_dir.display());
-        let process = ProcessSpec::new(&["sleep", "infinity"]).to_oci(&h.image.env, &h.image.cwd);
-        let mut spec = crab_integration::spec::container_spec(&id, &h.env.namespace, process);
-        for (k, v) in annotations {
-            spec["annotations"][*k] = Value::String(v.to_string());
-        }
-        h.create_container_with_spec_and_options(&id, &spec, Some(crab_runtime_options(None, Some(&config))))
-            .await
-            .unwrap();
-        h.create_task(&id, None).await.unwrap();
-        h.start(&id, "").await.unwrap();
-        (Sandbox { h, id, state_dir, turn: 0 }, guard)
-    }
-
-    async fn run(&mut self, script: &str) {
-        self.turn += 1;
-        let exec_id = format!("turn-{}", self.turn);
-        let mut io = self.h.stdio(&self.id, &exec_id, StdioOptions::default()).unwrap();
-        self.h.exec(&self.id, &exec_id, &ProcessSpec::new(&["bash", "-c", script]).cwd("/app"), &io).await.unwrap();
-        self.h.start(&self.id, &exec_id).await.unwrap();
-        let status = self.h.wait(&self.id, &exec_id, T).await.unwrap();
-        let out = io.stdout_string(T).unwrap() + &io.stderr_string(T).unwrap();
-        self.h.delete_process(&self.id, &exec_id).await.unwrap();
-        assert_eq!(status, 0, "`{script}`: {out}");
-    }
-
-    async fn end_turn(&self) {
-        let annotations = HashMap::from([("io.crab/turn-end".to_string(), format!("t{}", self.turn))]);
-        self.h.update(&self.id, None, annotations).await.unwrap();
-    }
-
-    fn store(&self) -> PathBuf {
-        self.state_dir.join(&self.h.env.namespace).join(&self.id)
-    }
-
-    /// The published manifests, oldest first.
-    fn manifests(&self) -> Vec<Value> {
-        let dir = self.store().join("checkpoints");
-        let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-            .map(|d| d.map(|e| e.unwrap().path()).collect())
-            .unwrap_or_default();
-        files.retain(|p| p.extension().is_some_and(|x| x == "json") && !p.file_name().unwrap().to_string_lossy().starts_with('.'));
-        files.sort();
-        files.iter().map(|f| serde_json::from_slice(&std::fs::read(f).unwrap()).unwrap()).collect()
-    }
-
-    /// Waits until `n` manifests are published (checkpoints run in the background).
-    async fn wait_manifests(&self, n: usize) -> Vec<Value> {
-        for _ in 0..600 {
-            let m = self.manifests();
-            if m.len() >= n {
-                return m;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("{} manifests expected, have {:#?}", n, self.manifests());
-    }
-
-    /// The entries of a layer blob: path -> (kind, content for files).
-    fn layer(&self, desc: &Value) -> BTreeMap<String, (String, Vec<u8>)> {
-        let digest = desc["digest"].as_str().unwrap().strip_prefix("sha256:").unwrap();
-        let blob = std::fs::read(self.store().join("blobs/sha256").join(digest)).unwrap();
-        let tar = zstd::decode_all(&blob[..]).unwrap();
-        let mut out = BTreeMap::new();
-        for e in tar::Archive::new(&tar[..]).entries().unwrap() {
-            let mut e = e.unwrap();
-            let path = e.path().unwrap().to_string_lossy().trim_end_matches('/').to_string();
-            let kind = format!("{:?}", e.header().entry_type());
-            let mut data = Vec::new();
-            e.read_to_end(&mut data).unwrap();
-            out.insert(path, (kind, data));
-        }
-        out
-    }
-
-    async fn finish(self) {
-        self.h.kill_and_remove(&self.id).await.unwrap();
-        self.h.assert_no_leaks(&self.id).await;
-        let _ = std::fs::remove_dir_all(&self.state_dir);
-    }
-}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn fs_turns_store_exactly_the_net_change() {
-    let (mut s, _g) = Sandbox::start("ckpt_fs").await;
+    let (mut s, _g) = Sandbox::start("ckpt_fs", SandboxOptions::default()).await;
 
     // A read-only turn stores nothing.
     s.run("cat /etc/os-release >/dev/null").await;
@@ -172,7 +62,7 @@ async fn fs_turns_store_exactly_the_net_change() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_next_action_waits_for_the_checkpoint() {
-    let (mut s, _g) = Sandbox::start("ckpt_gate").await;
+    let (mut s, _g) = Sandbox::start("ckpt_gate", SandboxOptions::default()).await;
     s.run("head -c 20000000 /dev/urandom > /app/big.bin; echo v1 > /app/state.txt").await;
     s.end_turn().await;
     // The very next action rewrites the file: it must not start before the layer holds v1.
@@ -186,7 +76,7 @@ async fn the_next_action_waits_for_the_checkpoint() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn process_turns_store_a_process_image() {
-    let (mut s, _g) = Sandbox::start("ckpt_proc").await;
+    let (mut s, _g) = Sandbox::start("ckpt_proc", SandboxOptions::default()).await;
     s.run("nohup sleep 3000 >/dev/null 2>&1 & sleep 0.2").await;
     s.end_turn().await;
     let m = s.wait_manifests(1).await;
@@ -213,7 +103,7 @@ async fn process_turns_store_a_process_image() {
 /// Zero-integration mode: each exec that finishes while no other runs ends a turn.
 #[tokio::test(flavor = "multi_thread")]
 async fn exec_boundaries_end_turns_without_a_harness() {
-    let (mut s, _g) = Sandbox::start_annotated("ckpt_exec", &[("io.crab/turn-boundary", "exec")]).await;
+    let (mut s, _g) = Sandbox::start("ckpt_exec", SandboxOptions { annotations: &[("io.crab/turn-boundary", "exec")], ..Default::default() }).await;
     s.run("echo one > /app/one").await;
     s.run("cat /app/one").await;
     s.run("echo two > /app/two").await;
@@ -262,7 +152,7 @@ async fn a_full_store_fails_the_checkpoint_not_the_container() {
         }
     }
     let _unmount = Unmount(tiny.clone());
-    let (mut s, _g) = Sandbox::start_in("ckpt_enospc", &[], Some(tiny.clone())).await;
+    let (mut s, _g) = Sandbox::start("ckpt_enospc", SandboxOptions { state_dir: Some(tiny.clone()), ..Default::default() }).await;
     s.run("head -c 3000000 /dev/urandom > /app/big.bin").await;
     s.end_turn().await;
     // The job fails in the background; the container must keep working meanwhile and after.

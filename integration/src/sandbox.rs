@@ -1,0 +1,147 @@
+//! An agent sandbox under the crab runtime, driven the way agent harnesses drive one: each
+//! turn an exec (`bash -c` in /app), a turn end through `Tasks.Update` with
+//! `io.crab/turn-end`; the shim's store (turn answers, checkpoint manifests, layers) is read
+//! back from the state directory the sandbox's config names.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    io::Read,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use serde_json::Value;
+
+use crate::{api::crab_runtime_options, env::TestEnv, CleanupGuard, Harness, ProcessSpec, RunOutput, StdioOptions};
+
+pub const AGENT_IMAGE: &str = "localhost/crab/agent:latest";
+pub const TURN_END: &str = "io.crab/turn-end";
+const T: Duration = Duration::from_secs(60);
+
+/// How to start a sandbox.
+#[derive(Default)]
+pub struct SandboxOptions<'a> {
+    /// Spec annotations (e.g. `io.crab/turn-boundary`).
+    pub annotations: &'a [(&'a str, &'a str)],
+    /// A host directory bind-mounted at a container path, marked as tracked in the config.
+    pub volume: Option<(&'a Path, &'a str)>,
+    /// Where the shim keeps its state (default: `$CRAB_HOME/state/<id>`).
+    pub state_dir: Option<PathBuf>,
+}
+
+pub struct Sandbox {
+    pub h: Harness,
+    pub id: String,
+    pub state_dir: PathBuf,
+    pub turn: u64,
+}
+
+impl Sandbox {
+    /// Starts `sleep infinity` in the agent image under crab. Panics (with the reason) on failure.
+    pub async fn start(name: &str, o: SandboxOptions<'_>) -> (Sandbox, CleanupGuard) {
+        let env = TestEnv { image: AGENT_IMAGE.into(), ..TestEnv::from_env() };
+        assert_eq!(env.runtime, "io.containerd.crab.v1", "turns and checkpoints are crab's own: run with CRAB_RUNTIME unset");
+        let h = Harness::connect_env(env).await.unwrap_or_else(|e| panic!("integration test setup failed: {e}"));
+        let id = h.unique_id(name);
+        let guard = h.guard(&[&id]);
+        let state_dir = o.state_dir.unwrap_or_else(|| h.env.crab_home.join("state").join(&id));
+        let mut config = format!("[store]\nstate_dir = \"{}\"\n", state_dir.display());
+        let process = ProcessSpec::new(&["sleep", "infinity"]).to_oci(&h.image.env, &h.image.cwd);
+        let mut spec = crate::spec::container_spec(&id, &h.env.namespace, process);
+        for (k, v) in o.annotations {
+            spec["annotations"][*k] = Value::String(v.to_string());
+        }
+        if let Some((source, at)) = o.volume {
+            config.push_str(&format!("[checkpoint]\ntracked_volumes = [\"{at}\"]\n"));
+            spec["mounts"].as_array_mut().unwrap().push(serde_json::json!({
+                "destination": at, "type": "bind", "source": source, "options": ["rbind", "rw"]
+            }));
+        }
+        h.create_container_with_spec_and_options(&id, &spec, Some(crab_runtime_options(None, Some(&config))))
+            .await
+            .unwrap();
+        h.create_task(&id, None).await.unwrap();
+        h.start(&id, "").await.unwrap();
+        (Sandbox { h, id, state_dir, turn: 0 }, guard)
+    }
+
+    /// Runs one agent command to completion (it must succeed).
+    pub async fn run(&mut self, script: &str) -> RunOutput {
+        self.turn += 1;
+        let exec_id = format!("turn-{}", self.turn);
+        let mut io = self.h.stdio(&self.id, &exec_id, StdioOptions::default()).unwrap();
+        let spec = ProcessSpec::new(&["bash", "-c", script]).cwd("/app");
+        self.h.exec(&self.id, &exec_id, &spec, &io).await.unwrap();
+        self.h.start(&self.id, &exec_id).await.unwrap();
+        let exit_status = self.h.wait(&self.id, &exec_id, T).await.unwrap();
+        let stdout = io.stdout_string(T).unwrap_or_else(|e| panic!("turn {} `{script}`: {e}", self.turn));
+        let stderr = io.stderr_string(T).unwrap_or_else(|e| panic!("turn {} `{script}`: {e}", self.turn));
+        self.h.delete_process(&self.id, &exec_id).await.unwrap();
+        assert_eq!(exit_status, 0, "turn {} `{script}` failed: {stdout}{stderr}", self.turn);
+        RunOutput { exit_status, stdout, stderr }
+    }
+
+    /// The sandbox's directory in the store.
+    pub fn store(&self) -> PathBuf {
+        self.state_dir.join(&self.h.env.namespace).join(&self.id)
+    }
+
+    /// Ends the turn and returns the inspector's stored answer.
+    pub async fn end_turn(&self) -> Value {
+        let annotations = HashMap::from([(TURN_END.to_string(), format!("t{}", self.turn))]);
+        self.h.update(&self.id, None, annotations).await.unwrap();
+        let answers = json_files(&self.store().join("turns"));
+        answers.into_iter().last().expect("an answer was stored")
+    }
+
+    /// The published checkpoint manifests, oldest first.
+    pub fn manifests(&self) -> Vec<Value> {
+        json_files(&self.store().join("checkpoints"))
+    }
+
+    /// Waits until `n` manifests are published (checkpoints run in the background).
+    pub async fn wait_manifests(&self, n: usize) -> Vec<Value> {
+        for _ in 0..600 {
+            let m = self.manifests();
+            if m.len() >= n {
+                return m;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("{} manifests expected, have {:#?}", n, self.manifests());
+    }
+
+    /// The entries of a layer blob: path -> (tar entry type, content).
+    pub fn layer(&self, desc: &Value) -> BTreeMap<String, (String, Vec<u8>)> {
+        let digest = desc["digest"].as_str().unwrap().strip_prefix("sha256:").unwrap();
+        let blob = std::fs::read(self.store().join("blobs/sha256").join(digest)).unwrap();
+        let tar = zstd::decode_all(&blob[..]).unwrap();
+        let mut out = BTreeMap::new();
+        for e in tar::Archive::new(&tar[..]).entries().unwrap() {
+            let mut e = e.unwrap();
+            let path = e.path().unwrap().to_string_lossy().trim_end_matches('/').to_string();
+            let kind = format!("{:?}", e.header().entry_type());
+            let mut data = Vec::new();
+            e.read_to_end(&mut data).unwrap();
+            out.insert(path, (kind, data));
+        }
+        out
+    }
+
+    /// Kills and removes the sandbox, checks nothing leaked, removes its state.
+    pub async fn finish(self) {
+        self.h.kill_and_remove(&self.id).await.unwrap();
+        self.h.assert_no_leaks(&self.id).await;
+        let _ = std::fs::remove_dir_all(&self.state_dir);
+    }
+}
+
+/// The `*.json` files of `dir` (not temp files), parsed, in name order.
+fn json_files(dir: &Path) -> Vec<Value> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    files.retain(|p| p.extension().is_some_and(|x| x == "json") && !p.file_name().unwrap().to_string_lossy().starts_with('.'));
+    files.sort();
+    files.iter().map(|f| serde_json::from_slice(&std::fs::read(f).unwrap()).unwrap()).collect()
+}
