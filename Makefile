@@ -99,7 +99,7 @@ demo: deps build images
 	echo "'make containerd-down' stops it."
 
 test: deps build
-	@$(call with_containerd,$(CARGO) test --workspace --release)
+	@$(call with_containerd,$(CARGO) test --workspace --release --no-fail-fast)
 	@$(test_containerd_17)
 
 test-containerd-1.7: deps build

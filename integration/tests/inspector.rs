@@ -23,6 +23,19 @@ async fn turn(s: &mut Sandbox, script: &str, kind: &str) -> Value {
     answer
 }
 
+/// A turn without mutating syscalls skips the upperdir comparison. Once a shared writable
+/// file mapping was made in the sandbox (seen under load from the agent image's tools; the BPF
+/// counter says so), stores need no syscall and every later turn compares: the only exception.
+fn assert_unscanned(s: &Sandbox, a: &Value) {
+    let turns = s.store().join("turns");
+    let mapped = std::fs::read_dir(&turns).unwrap().any(|e| {
+        let path = e.unwrap().path();
+        let answer: Value = serde_json::from_slice(&std::fs::read(path).unwrap_or_default()).unwrap_or_default();
+        answer["fs"]["syscalls"].get("mmap-shared-write").is_some()
+    });
+    assert!(a["fs"]["scanned"] == false || mapped, "no mutating syscall, yet the upperdir was compared: {a:#}");
+}
+
 fn paths(answer: &Value, field: &str) -> Vec<String> {
     answer["fs"][field].as_array().unwrap().iter().map(|p| p.as_str().unwrap().to_string()).collect()
 }
@@ -53,7 +66,7 @@ async fn filesystem_turns() {
             "none",
         )
         .await;
-    assert_eq!(a["fs"]["scanned"], false, "no mutating syscall: the upperdir is not even compared: {a:#}");
+    assert_unscanned(&s, &a);
 
     // A temp file created and removed: mutating syscalls, no net change.
     let a = turn(&mut s, "echo tmp > /tmp/scratch.txt; cat /tmp/scratch.txt; rm /tmp/scratch.txt", "none").await;
@@ -61,7 +74,7 @@ async fn filesystem_turns() {
 
     // Printing to stdout/stderr is not a filesystem mutation.
     let a = turn(&mut s, "for i in $(seq 100); do echo line $i; echo err $i >&2; done", "none").await;
-    assert_eq!(a["fs"]["scanned"], false, "{a:#}");
+    assert_unscanned(&s, &a);
 
     let a = turn(&mut s, "sed -i 's/a/A/' repo/f.txt", "fs").await;
     assert!(has(&a, "modified", "/app/repo/f.txt") || has(&a, "added", "/app/repo/f.txt"), "{a:#}");
