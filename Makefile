@@ -51,11 +51,12 @@ endef
 # End-to-end tests also run against containerd 1.7: what containerd asks of the
 # shim (task lifecycle, exec, signals, stdio incl. binary:// loggers, pause, a
 # shim crash), then the global leak check. The 1.7 instance gets its own start,
-# image import and stop.
+# image import and stop. (--workspace, not -p: the same feature resolution as the
+# main run, so its test binaries are reused instead of rebuilt.)
 E2E_TESTS_CONTAINERD_17 := lifecycle exec signals stdin pause shim_crash logdriver z_host_is_clean
 define test_containerd_17
 	export CRAB_CONTAINERD=1.7; \
-	$(call with_containerd,$(CARGO) test --release -p crab-integration $(addprefix --test ,$(E2E_TESTS_CONTAINERD_17)))
+	$(call with_containerd,$(CARGO) test --workspace --release $(addprefix --test ,$(E2E_TESTS_CONTAINERD_17)))
 endef
 
 .PHONY: help deps build images containerd-up containerd-down demo test test-containerd-1.7 bench clean
