@@ -96,6 +96,8 @@ demo: deps build images
 	echo "containerd started containerd-shim-crab-v1 (found in $$CRAB_HOME/bin), which created"; \
 	echo "the container with runc, passed its output back, reported its exit, and --rm deleted it."; \
 	echo; \
+	hack/demo.sh; \
+	echo; \
 	echo "containerd is still running: 'hack/containerd.sh ctr -n $(DEMO_NAMESPACE) ...' talks to it,"; \
 	echo "'make containerd-down' stops it."
 

@@ -138,10 +138,10 @@ fn turns(g: &Global, container: &str) -> Result<(), String> {
         }
         println!(
             "{:>5}  {:<20} {:<5} {:>9}  {}",
-            a["seq"],
+            a["seq"].as_u64().unwrap_or_default(),
             a["turn_id"].as_str().unwrap_or("-"),
             a["kind"].as_str().unwrap_or("?"),
-            a["elapsed_us"],
+            a["elapsed_us"].as_u64().unwrap_or_default(),
             why.join(", ")
         );
     }
