@@ -9,6 +9,7 @@
 //! a message that says how to bring them up.
 
 pub mod api;
+pub mod bench;
 pub mod ctr;
 pub mod env;
 pub mod events;

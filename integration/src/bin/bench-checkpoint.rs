@@ -594,22 +594,7 @@ fn report(h: &Harness, o: &Opts, fs: &[Series], proc: &[(usize, Series, Turn)], 
 
     print!("{md}");
     let dir = h.env.bench_dir();
-    let write = || -> std::io::Result<()> {
-        std::fs::create_dir_all(&dir)?;
-        let json_text = serde_json::to_string_pretty(&result).expect("json serializes") + "\n";
-        for (name, text) in [
-            (format!("checkpoint-{now}.json"), &json_text),
-            (format!("checkpoint-{now}.md"), &md),
-            ("checkpoint-latest.json".to_string(), &json_text),
-            ("checkpoint-latest.md".to_string(), &md),
-        ] {
-            let tmp = dir.join(format!(".{name}.tmp"));
-            std::fs::write(&tmp, text)?;
-            std::fs::rename(&tmp, dir.join(name))?;
-        }
-        Ok(())
-    };
-    match write() {
+    match crab_integration::bench::write_results(&dir, "checkpoint", &now, &result, &md) {
         Ok(()) => progress(&format!("results in {}/checkpoint-{now}.{{json,md}} (and checkpoint-latest.*)", dir.display())),
         Err(e) => die(&format!("writing results to {}: {e}", dir.display())),
     }

@@ -1089,22 +1089,7 @@ fn report(
 
     print!("{md}");
     let dir = h.env.bench_dir();
-    let write = || -> std::io::Result<()> {
-        std::fs::create_dir_all(&dir)?;
-        let json_text = serde_json::to_string_pretty(&result).expect("json serializes") + "\n";
-        for (name, text) in [
-            (format!("inspector-{now}.json"), &json_text),
-            (format!("inspector-{now}.md"), &md),
-            ("inspector-latest.json".to_string(), &json_text),
-            ("inspector-latest.md".to_string(), &md),
-        ] {
-            let tmp = dir.join(format!(".{name}.tmp"));
-            std::fs::write(&tmp, text)?;
-            std::fs::rename(&tmp, dir.join(name))?;
-        }
-        Ok(())
-    };
-    match write() {
+    match crab_integration::bench::write_results(&dir, "inspector", &now, &result, &md) {
         Ok(()) => progress(&format!(
             "results in {}/inspector-{now}.{{json,md}} (and inspector-latest.*)",
             dir.display()

@@ -270,22 +270,7 @@ fn report(n: usize, runtimes: &[String], samples: &[Samples], h: &Harness) {
 
     print!("{md}");
     let dir = h.env.bench_dir();
-    let write = || -> std::io::Result<()> {
-        std::fs::create_dir_all(&dir)?;
-        let json_text = serde_json::to_string_pretty(&result).expect("json serializes") + "\n";
-        for (name, text) in [
-            (format!("shim-{now}.json"), &json_text),
-            (format!("shim-{now}.md"), &md),
-            ("shim-latest.json".to_string(), &json_text),
-            ("shim-latest.md".to_string(), &md),
-        ] {
-            let tmp = dir.join(format!(".{name}.tmp"));
-            std::fs::write(&tmp, text)?;
-            std::fs::rename(&tmp, dir.join(name))?;
-        }
-        Ok(())
-    };
-    match write() {
+    match crab_integration::bench::write_results(&dir, "shim", &now, &result, &md) {
         Ok(()) => eprintln!(
             "bench-shim: results in {}/shim-{now}.{{json,md}}",
             dir.display()
