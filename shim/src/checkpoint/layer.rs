@@ -993,25 +993,7 @@ fn classify_xattr(name: &[u8]) -> XattrClass<'_> {
     XattrClass::Plain(name.to_vec())
 }
 
-fn read_sized(f: impl Fn(*mut libc::c_char, usize) -> isize) -> io::Result<Vec<u8>> {
-    let mut buf = vec![0u8; 256];
-    loop {
-        let n = f(buf.as_mut_ptr().cast(), buf.len());
-        if n >= 0 {
-            buf.truncate(n as usize);
-            return Ok(buf);
-        }
-        let e = io::Error::last_os_error();
-        if e.raw_os_error() != Some(libc::ERANGE) {
-            return Err(e);
-        }
-        let need = f(std::ptr::null_mut(), 0);
-        if need < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        buf.resize((need as usize).max(buf.len() * 2), 0);
-    }
-}
+use crate::inspector::fs::read_sized;
 
 // ---- syscalls ----
 

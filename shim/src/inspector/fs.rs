@@ -871,7 +871,8 @@ impl XattrTarget<'_> {
     }
 }
 
-fn read_sized(f: impl Fn(*mut libc::c_char, usize) -> isize) -> io::Result<Vec<u8>> {
+/// Calls a size-probing syscall (listxattr, getxattr, readlink style) with a growing buffer.
+pub(crate) fn read_sized(f: impl Fn(*mut libc::c_char, usize) -> isize) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; 256];
     loop {
         let n = f(buf.as_mut_ptr().cast(), buf.len());
