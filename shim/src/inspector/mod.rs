@@ -500,12 +500,13 @@ impl Inspection {
                 }
                 // Memory: a process that was not scheduled since the mark did not change it,
                 // unless another process wrote into it (ptrace, process_vm_writev, /proc/PID/mem).
+                let runs_now = self.run_count(p.pid);
                 let ran = foreign_writes
-                    || match (self.run_count(p.pid), m.run_counts.get(&p.pid)) {
+                    || match (runs_now, m.run_counts.get(&p.pid)) {
                         (Some(now), Some(then)) => now != *then,
                         _ => true,
                     };
-                if let Some(n) = self.run_count(p.pid) {
+                if let Some(n) = runs_now {
                     run_counts.insert(p.pid, n);
                 }
                 let prev_img = m.memory.get(&p.pid);
