@@ -38,7 +38,11 @@ pub struct ChildStdio {
 
 impl ChildStdio {
     pub fn null() -> Self {
-        Self { stdin: Stdio::null(), stdout: Stdio::null(), stderr: Stdio::null() }
+        Self {
+            stdin: Stdio::null(),
+            stdout: Stdio::null(),
+            stderr: Stdio::null(),
+        }
     }
 }
 
@@ -73,14 +77,22 @@ impl Runc {
     fn command(&self) -> Command {
         let mut cmd = Command::new(&self.binary);
         cmd.arg("--root").arg(&self.root);
-        cmd.arg("--log").arg(&self.log).arg("--log-format").arg("json");
+        cmd.arg("--log")
+            .arg(&self.log)
+            .arg("--log-format")
+            .arg("json");
         if self.systemd_cgroup {
             cmd.arg("--systemd-cgroup");
         }
         cmd
     }
 
-    async fn run(&self, name: &'static str, args: Vec<OsString>, stdio: Option<ChildStdio>) -> Result<Vec<u8>> {
+    async fn run(
+        &self,
+        name: &'static str,
+        args: Vec<OsString>,
+        stdio: Option<ChildStdio>,
+    ) -> Result<Vec<u8>> {
         let mut cmd = self.command();
         cmd.arg(name).args(args);
         let capture = stdio.is_none();
@@ -90,7 +102,11 @@ impl Runc {
         let log_offset = std::fs::metadata(&self.log).map(|m| m.len()).unwrap_or(0);
         let started = std::time::Instant::now();
         let out = reaper::run(cmd, capture).await?;
-        log::debug!("runc {name} exited {} after {:?}", out.code, started.elapsed());
+        log::debug!(
+            "runc {name} exited {} after {:?}",
+            out.code,
+            started.elapsed()
+        );
         if out.code == 0 {
             return Ok(out.stdout);
         }
@@ -100,7 +116,10 @@ impl Runc {
                 (!s.is_empty()).then_some(s)
             })
             .unwrap_or_else(|| format!("exit status {}", out.code));
-        Err(Error::Runc { command: name, message })
+        Err(Error::Runc {
+            command: name,
+            message,
+        })
     }
 
     pub async fn create(
@@ -111,7 +130,12 @@ impl Runc {
         console_socket: Option<&Path>,
         stdio: ChildStdio,
     ) -> Result<()> {
-        let mut args: Vec<OsString> = vec!["--bundle".into(), bundle.into(), "--pid-file".into(), pid_file.into()];
+        let mut args: Vec<OsString> = vec![
+            "--bundle".into(),
+            bundle.into(),
+            "--pid-file".into(),
+            pid_file.into(),
+        ];
         if let Some(s) = console_socket {
             args.extend(["--console-socket".into(), s.into()]);
         }
@@ -151,12 +175,15 @@ impl Runc {
             args.push("--all".into());
         }
         args.extend([id.into(), signal.to_string().into()]);
-        self.run("kill", args, None).await.map(drop).map_err(|e| match e {
-            Error::Runc { message, .. } if is_gone(&message) => {
-                Error::NotFound("process already finished".into())
-            }
-            e => e,
-        })
+        self.run("kill", args, None)
+            .await
+            .map(drop)
+            .map_err(|e| match e {
+                Error::Runc { message, .. } if is_gone(&message) => {
+                    Error::NotFound("process already finished".into())
+                }
+                e => e,
+            })
     }
 
     pub async fn delete(&self, id: &str, force: bool) -> Result<()> {
@@ -180,16 +207,26 @@ impl Runc {
     }
 
     pub async fn ps(&self, id: &str) -> Result<Vec<i32>> {
-        let out = self.run("ps", vec!["--format".into(), "json".into(), id.into()], None).await?;
+        let out = self
+            .run(
+                "ps",
+                vec!["--format".into(), "json".into(), id.into()],
+                None,
+            )
+            .await?;
         serde_json::from_slice::<Option<Vec<i32>>>(&out)
             .map(Option::unwrap_or_default)
             .map_err(|e| Error::Other(format!("cannot parse runc ps output: {e}")))
     }
 
     pub async fn update(&self, id: &str, resources_file: &Path) -> Result<()> {
-        self.run("update", vec!["--resources".into(), resources_file.into(), id.into()], None)
-            .await
-            .map(drop)
+        self.run(
+            "update",
+            vec!["--resources".into(), resources_file.into(), id.into()],
+            None,
+        )
+        .await
+        .map(drop)
     }
 
     /// `runc checkpoint`: dumps the container's init and its descendants with CRIU.
@@ -218,16 +255,61 @@ impl Runc {
         self.run("checkpoint", args, None).await.map(drop)
     }
 
+    /// `runc restore --detach`: creates container `id` from `bundle` with its processes restored
+    /// by CRIU from `opts.image_path` (go-runc's argument list); `stdio` becomes the restored
+    /// init's standard streams where the image recorded pipes or a terminal there.
+    pub async fn restore(
+        &self,
+        id: &str,
+        bundle: &Path,
+        pid_file: &Path,
+        opts: &CheckpointOpts,
+        stdio: ChildStdio,
+    ) -> Result<()> {
+        let mut args: Vec<OsString> = vec!["--image-path".into(), opts.image_path.clone().into()];
+        if let Some(w) = &opts.work_path {
+            args.extend(["--work-path".into(), w.clone().into()]);
+        }
+        for (set, flag) in [
+            (opts.tcp_established, "--tcp-established"),
+            (opts.ext_unix_sk, "--ext-unix-sk"),
+            (opts.shell_job, "--shell-job"),
+            (opts.file_locks, "--file-locks"),
+        ] {
+            if set {
+                args.push(flag.into());
+            }
+        }
+        if let Some(mode) = &opts.manage_cgroups_mode {
+            args.extend(["--manage-cgroups-mode".into(), mode.into()]);
+        }
+        args.extend([
+            "--detach".into(),
+            "--pid-file".into(),
+            pid_file.into(),
+            "--bundle".into(),
+            bundle.into(),
+        ]);
+        args.push(id.into());
+        self.run("restore", args, Some(stdio)).await.map(drop)
+    }
+
     pub async fn state(&self, id: &str) -> Result<State> {
         let out = self.run("state", vec![id.into()], None).await?;
-        serde_json::from_slice(&out).map_err(|e| Error::Other(format!("cannot parse runc state output: {e}")))
+        serde_json::from_slice(&out)
+            .map_err(|e| Error::Other(format!("cannot parse runc state output: {e}")))
     }
 }
 
 fn is_gone(message: &str) -> bool {
-    ["not running", "process already finished", "does not exist", "container not found"]
-        .iter()
-        .any(|m| message.contains(m))
+    [
+        "not running",
+        "process already finished",
+        "does not exist",
+        "container not found",
+    ]
+    .iter()
+    .any(|m| message.contains(m))
 }
 
 /// The last `error`-level message runc appended to its JSON log after `offset`.
@@ -256,7 +338,10 @@ mod tests {
         let mut data = std::fs::read(&log).unwrap();
         data.extend_from_slice(b"{\"level\":\"warning\",\"msg\":\"w\"}\n{\"level\":\"error\",\"msg\":\"exec: \\\"nope\\\": not found \"}\nnot json\n");
         std::fs::write(&log, data).unwrap();
-        assert_eq!(last_error(&log, offset).as_deref(), Some("exec: \"nope\": not found"));
+        assert_eq!(
+            last_error(&log, offset).as_deref(),
+            Some("exec: \"nope\": not found")
+        );
         assert_eq!(last_error(&dir.path().join("missing"), 0), None);
     }
 }

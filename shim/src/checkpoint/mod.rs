@@ -4,6 +4,8 @@
 //!   retention); [`layer`]: fs diff layers (OCI tar+zstd, container frozen only while read);
 //! - [`process`]: process images with CRIU via runc (the trap check, image verification);
 //!   [`pages`]: their page data, content-addressed so unchanged pages are stored once;
+//! - [`restore`]: a container started from a checkpoint image (the reserved directory in its
+//!   rootfs) and the origin manifests that begin each container's lineage;
 //! - [`Coordinator`] (here): a turn's answer becomes a background job; the next action on the
 //!   container waits until that job is durable (bounded), and turn ends that arrive while a
 //!   job runs are coalesced into the next job.
@@ -11,6 +13,7 @@
 pub mod layer;
 pub mod pages;
 pub mod process;
+pub mod restore;
 pub mod store;
 
 use std::{
@@ -136,7 +139,10 @@ impl Coordinator {
     pub fn submit(self: &Arc<Self>, turn_id: &str, answer: &Answer) {
         let mut st = self.state.lock().unwrap();
         if answer.kind == Kind::None && !st.force_full {
-            log::info!("turn {turn_id} of {}: no checkpoint needed", self.target.container_id);
+            log::info!(
+                "turn {turn_id} of {}: no checkpoint needed",
+                self.target.container_id
+            );
             return;
         }
         let mut work = st.pending.take().unwrap_or_default();
@@ -217,12 +223,20 @@ impl Coordinator {
     fn record_failure(&self, work: &Work, e: &Error) {
         let result = (|| -> std::result::Result<(), store::StoreError> {
             let parent = self.store.latest()?;
-            let mut m = Manifest::child_of(parent.as_ref(), self.store.next_seq()?, &work.turn_ids.join(","), CheckpointKind::Failed);
+            let mut m = Manifest::child_of(
+                parent.as_ref(),
+                self.store.next_seq()?,
+                &work.turn_ids.join(","),
+                CheckpointKind::Failed,
+            );
             m.explanation = format!("failed: {e}");
             self.store.publish(&m)
         })();
         if let Err(pe) = result {
-            log::error!("cannot record the failed checkpoint of {}: {pe}", self.target.container_id);
+            log::error!(
+                "cannot record the failed checkpoint of {}: {pe}",
+                self.target.container_id
+            );
         }
     }
 
@@ -235,34 +249,55 @@ impl Coordinator {
         m.explanation = work.explanation.join("\n");
         let mut timings = Timings::default();
         if work.fs {
-            let upper = t
-                .upperdir
-                .clone()
-                .ok_or_else(|| Error::Other("the rootfs is not an overlay: no fs checkpoint possible".into()))?;
+            let upper = t.upperdir.clone().ok_or_else(|| {
+                Error::Other("the rootfs is not an overlay: no fs checkpoint possible".into())
+            })?;
             let (store, target) = (self.store.clone(), t.clone());
             let (added, modified, deleted) = if new_chain {
                 // After a failure nothing is known about what the missing layers held: one
                 // layer of the whole upperdir, starting a new chain on top of the image.
-                let all = crate::inspector::fs::Manifest::scan(&upper).map_err(|e| Error::Other(e.to_string()))?;
-                let d = crate::inspector::fs::diff(&crate::inspector::fs::Manifest::default(), &all, &[]);
+                let all = crate::inspector::fs::Manifest::scan(&upper)
+                    .map_err(|e| Error::Other(e.to_string()))?;
+                let d = crate::inspector::fs::diff(
+                    &crate::inspector::fs::Manifest::default(),
+                    &all,
+                    &[],
+                );
                 (d.added, d.modified, d.deleted)
             } else {
-                (work.added.clone(), work.modified.clone(), work.deleted.clone())
+                (
+                    work.added.clone(),
+                    work.modified.clone(),
+                    work.deleted.clone(),
+                )
             };
             let outside_volumes = |v: Vec<PathBuf>| -> Vec<PathBuf> {
-                v.into_iter().filter(|p| !target.volumes.iter().any(|vol| p.starts_with(vol))).collect()
+                v.into_iter()
+                    .filter(|p| !target.volumes.iter().any(|vol| p.starts_with(vol)))
+                    .collect()
             };
-            let (added, modified, deleted) = (outside_volumes(added), outside_volumes(modified), outside_volumes(deleted));
+            let (added, modified, deleted) = (
+                outside_volumes(added),
+                outside_volumes(modified),
+                outside_volumes(deleted),
+            );
             let init_pid = t.init_pid;
             let (desc, stats) = tokio::task::spawn_blocking(move || {
-                let freezer = CgroupFreezer::for_pid(init_pid).map_err(Error::io("find the container's freezer"))?;
-                let paths = FsDiffPaths { added: &added, modified: &modified, deleted: &deleted };
-                layer::write_fs_layer(&store, &upper, &paths, &freezer).map_err(|e| Error::Other(e.to_string()))
+                let freezer = CgroupFreezer::for_pid(init_pid)
+                    .map_err(Error::io("find the container's freezer"))?;
+                let paths = FsDiffPaths {
+                    added: &added,
+                    modified: &modified,
+                    deleted: &deleted,
+                };
+                layer::write_fs_layer(&store, &upper, &paths, &freezer)
+                    .map_err(|e| Error::Other(e.to_string()))
             })
             .await
             .map_err(|e| Error::Other(format!("fs checkpoint task: {e}")))??;
             if new_chain {
-                m.fs_layers.clear();
+                // The layers the container's image carries stay: the upperdir is relative to them.
+                m.fs_layers.truncate(m.image_layers);
             }
             m.fs_layers.push(desc);
             timings.freeze_ms = Timings::ms(stats.freeze);
@@ -270,11 +305,23 @@ impl Coordinator {
         }
         if work.proc {
             let dir = self.store.proc_dir(seq);
-            let cp = process::checkpoint(&t.runc, &t.container_id, t.init_pid, &t.cgroup2_dir, &dir, &self.store.chunks_dir())
-                .await
-                .map_err(|e| Error::Other(format!("process checkpoint: {e}")))?;
+            let cp = process::checkpoint(
+                &t.runc,
+                &t.container_id,
+                t.init_pid,
+                &t.cgroup2_dir,
+                &dir,
+                &self.store.chunks_dir(),
+            )
+            .await
+            .map_err(|e| Error::Other(format!("process checkpoint: {e}")))?;
             m.process = Some(ProcessImage {
-                image: format!("proc/{}", dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()),
+                image: format!(
+                    "proc/{}",
+                    dir.file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default()
+                ),
                 bytes_stored: cp.bytes_stored,
                 bytes_logical: cp.bytes_logical,
                 pids: cp.pids,
@@ -294,7 +341,10 @@ impl Coordinator {
                     .filter_map(|m| m.process.as_ref().map(|p| self.store.root().join(&p.image)))
                     .collect();
                 if let Err(e) = pages::collect_garbage(&self.store.chunks_dir(), &keep) {
-                    log::warn!("page chunk collection in the store of {}: {e}", t.container_id);
+                    log::warn!(
+                        "page chunk collection in the store of {}: {e}",
+                        t.container_id
+                    );
                 }
             }
             Ok(_) => {}
@@ -329,7 +379,11 @@ impl Coordinator {
                 self.target.container_id, self.wait_bound
             )));
         }
-        log::debug!("{action} on {} waited {:?} for its checkpoint", self.target.container_id, started.elapsed());
+        log::debug!(
+            "{action} on {} waited {:?} for its checkpoint",
+            self.target.container_id,
+            started.elapsed()
+        );
         Ok(())
     }
 }

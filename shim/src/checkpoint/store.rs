@@ -96,7 +96,9 @@ pub(crate) fn is_no_space(e: &io::Error) -> bool {
 }
 
 /// What a checkpoint holds (`failed` records an attempt that produced nothing new: it keeps the
-/// previous references so the lineage stays readable).
+/// previous references so the lineage stays readable). `created` and `restored` are origins: a
+/// container started from an ordinary image (nothing on top of it), or from a checkpoint image
+/// (its chain and process image); every later checkpoint of that container descends from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CheckpointKind {
@@ -104,6 +106,20 @@ pub enum CheckpointKind {
     Proc,
     Full,
     Failed,
+    Created,
+    Restored,
+}
+
+impl CheckpointKind {
+    /// Whether the checkpoint is a recovery point (everything but `failed`).
+    pub fn is_durable_state(self) -> bool {
+        self != CheckpointKind::Failed
+    }
+
+    /// Whether a turn end produced it (not an origin).
+    pub fn is_turn(self) -> bool {
+        !matches!(self, CheckpointKind::Created | CheckpointKind::Restored)
+    }
 }
 
 /// An OCI content descriptor of a layer blob, with the digest of its uncompressed tar.
@@ -160,6 +176,11 @@ pub struct Manifest {
     pub turn_id: String,
     pub kind: CheckpointKind,
     pub fs_layers: Vec<Descriptor>,
+    /// How many of `fs_layers` (the first ones) the container's image itself carries (a
+    /// container restored from a checkpoint image): their blobs are the image's layers in
+    /// containerd's content store, not in this store.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub image_layers: usize,
     pub process: Option<ProcessImage>,
     /// RFC 3339, UTC.
     pub created_at: String,
@@ -186,12 +207,17 @@ impl Manifest {
             turn_id: turn_id.to_owned(),
             kind,
             fs_layers: parent.map(|p| p.fs_layers.clone()).unwrap_or_default(),
+            image_layers: parent.map_or(0, |p| p.image_layers),
             process: parent.and_then(|p| p.process.clone()),
             created_at: rfc3339(SystemTime::now()),
             timings: Timings::default(),
             explanation: String::new(),
         }
     }
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// What [`Store::apply_retention`] removed.
@@ -348,7 +374,14 @@ impl Store {
                 m.format
             )));
         }
-        for layer in &m.fs_layers {
+        if m.image_layers > m.fs_layers.len() {
+            return Err(invalid(format!(
+                "{} image layers of {}",
+                m.image_layers,
+                m.fs_layers.len()
+            )));
+        }
+        for layer in &m.fs_layers[m.image_layers..] {
             if !self.blob_path(&layer.digest).is_file() {
                 return Err(invalid(format!(
                     "layer {} is not in the store",
