@@ -123,6 +123,56 @@ pub struct CheckpointConfig {
     /// default) or `exec` (zero-integration mode: each exec that finishes while no other exec
     /// runs ends a turn). A container's spec annotation `io.crab/turn-boundary` overrides it.
     pub turn_boundary: TurnBoundary,
+    /// Which checkpoint a turn end takes (see [`CheckpointPolicy`]). A container's spec
+    /// annotation `io.crab/checkpoint-policy` overrides it.
+    pub policy: CheckpointPolicy,
+}
+
+/// Which checkpoint a turn end takes, given what the inspector found.
+///
+/// `minimal` is crab: the smallest checkpoint that keeps what the turn left behind (none,
+/// fs, proc or full). The other two are the baselines crab is measured against, and keep
+/// less or more than `minimal` on purpose:
+/// - `fs-every-turn`: an fs checkpoint (one layer of the turn's net file change) at every
+///   turn end, also when nothing changed (an empty layer: what such a baseline costs), and
+///   never a process image (files only, like snapshotting a workspace).
+/// - `full-every-turn`: fs and proc at every turn end, whatever changed.
+///
+/// "No checkpoints" (and "chat-only", which keeps no OS state) is `enabled = false`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CheckpointPolicy {
+    #[default]
+    Minimal,
+    FsEveryTurn,
+    FullEveryTurn,
+}
+
+impl CheckpointPolicy {
+    pub const ALL: [CheckpointPolicy; 3] = [
+        CheckpointPolicy::Minimal,
+        CheckpointPolicy::FsEveryTurn,
+        CheckpointPolicy::FullEveryTurn,
+    ];
+
+    /// The name in the config file (and the `io.crab/checkpoint-policy` annotation).
+    pub fn name(self) -> &'static str {
+        match self {
+            CheckpointPolicy::Minimal => "minimal",
+            CheckpointPolicy::FsEveryTurn => "fs-every-turn",
+            CheckpointPolicy::FullEveryTurn => "full-every-turn",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<CheckpointPolicy> {
+        CheckpointPolicy::ALL.into_iter().find(|p| p.name() == name)
+    }
+}
+
+impl fmt::Display for CheckpointPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// What ends a turn (see [`CheckpointConfig::turn_boundary`]).
@@ -143,6 +193,7 @@ impl Default for CheckpointConfig {
             action_wait_timeout_ms: 30_000,
             tracked_volumes: Vec::new(),
             turn_boundary: TurnBoundary::Annotation,
+            policy: CheckpointPolicy::Minimal,
         }
     }
 }
@@ -379,6 +430,7 @@ mod tests {
         assert_eq!(c.checkpoint.keep_last, None);
         assert_eq!(c.checkpoint.keep_every, None);
         assert_eq!(c.checkpoint.action_wait_timeout_ms, 30_000);
+        assert_eq!(c.checkpoint.policy, CheckpointPolicy::Minimal);
     }
 
     #[test]
@@ -454,6 +506,7 @@ mod tests {
             action_wait_timeout_ms = 1500
             tracked_volumes = ["/workspace", "/data"]
             turn_boundary = "exec"
+            policy = "full-every-turn"
             "#,
         )
         .unwrap();
@@ -479,8 +532,33 @@ mod tests {
                     action_wait_timeout_ms: 1500,
                     tracked_volumes: vec!["/workspace".into(), "/data".into()],
                     turn_boundary: TurnBoundary::Exec,
+                    policy: CheckpointPolicy::FullEveryTurn,
                 },
             }
+        );
+    }
+
+    #[test]
+    fn checkpoint_policy_names() {
+        for p in CheckpointPolicy::ALL {
+            let doc = format!("checkpoint.policy = {:?}", p.name());
+            assert_eq!(parse(&doc).unwrap().checkpoint.policy, p);
+            assert_eq!(CheckpointPolicy::from_name(p.name()), Some(p));
+            assert_eq!(p.to_string(), p.name());
+        }
+        assert_eq!(CheckpointPolicy::from_name("Minimal"), None);
+        for bad in ["\"none\"", "\"fs_every_turn\"", "\"\"", "1"] {
+            let (msg, key, location) = parse_err(&format!("[checkpoint]\npolicy = {bad}\n"));
+            assert_eq!(key.as_deref(), Some("checkpoint.policy"), "{bad}: {msg}");
+            assert_eq!(location.map(|l| l.line), Some(2), "{bad}: {msg}");
+        }
+        let (msg, _, _) = parse_err("checkpoint.policy = \"every-turn\"");
+        assert!(
+            msg.ends_with(
+                "key `checkpoint.policy`: unknown variant `every-turn`, \
+                 expected one of `minimal`, `fs-every-turn`, `full-every-turn`"
+            ),
+            "{msg}"
         );
     }
 

@@ -321,6 +321,7 @@ impl Containers {
                 .and_then(|m| crate::inspector::fs::overlay_dirs(&m.options))
                 .map(|(u, _)| u),
             volumes: turns::tracked_volumes(&spec, &config.checkpoint.tracked_volumes).into_iter().map(|(at, _)| at).collect(),
+            policy: crate::checkpoint::policy::for_container(&spec, config.checkpoint.policy)?,
         };
         let c = &config.checkpoint;
         Ok(Coordinator::new(store, target, inspection, c.keep_last, c.keep_every, Duration::from_millis(c.action_wait_timeout_ms)))

@@ -12,6 +12,7 @@
 
 pub mod layer;
 pub mod pages;
+pub mod policy;
 pub mod process;
 pub mod restore;
 pub mod store;
@@ -44,6 +45,8 @@ pub struct JobTarget {
     pub upperdir: Option<PathBuf>,
     /// Container paths under tracked volumes: their contents are not in the upperdir.
     pub volumes: Vec<PathBuf>,
+    /// Which checkpoint a turn end takes ([`policy`]).
+    pub policy: policy::CheckpointPolicy,
 }
 
 /// The work one job does: the union of the turns it covers.
@@ -137,6 +140,7 @@ impl Coordinator {
 
     /// Takes a turn's answer: returns at once; the checkpoint (if any) runs in the background.
     pub fn submit(self: &Arc<Self>, turn_id: &str, answer: &Answer) {
+        let answer = &*policy::apply(self.target.policy, answer);
         let mut st = self.state.lock().unwrap();
         if answer.kind == Kind::None && !st.force_full {
             log::info!(
