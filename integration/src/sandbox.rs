@@ -94,8 +94,14 @@ impl Sandbox {
         answers.into_iter().last().expect("an answer was stored")
     }
 
-    /// The published checkpoint manifests, oldest first.
+    /// The checkpoints turn ends published, oldest first (without the origin manifest,
+    /// `created` or `restored`, that begins the lineage: see [`Sandbox::lineage`]).
     pub fn manifests(&self) -> Vec<Value> {
+        self.lineage().into_iter().filter(|m| !matches!(m["kind"].as_str(), Some("created" | "restored"))).collect()
+    }
+
+    /// Every published manifest of the sandbox's store, oldest first.
+    pub fn lineage(&self) -> Vec<Value> {
         json_files(&self.store().join("checkpoints"))
     }
 

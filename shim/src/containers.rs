@@ -16,7 +16,11 @@ use crate::{
     bundle,
     error::{Error, Result},
     oom,
-    checkpoint::{store::Store, Coordinator, JobTarget},
+    checkpoint::{
+        restore::{self, Taken},
+        store::Store,
+        Coordinator, JobTarget,
+    },
     inspector::{Answer, Inspection},
     process::{ExitInfo, Process, Snapshot, Status},
     reaper::ExitSubscription,
@@ -70,11 +74,33 @@ pub struct Container {
     /// What the container's turns left behind; `None` when not inspected (disabled by
     /// config, or a pod's pause container).
     inspection: crate::checkpoint::SharedInspection,
-    /// Turns answers into checkpoints; present exactly when `inspection` is.
-    coordinator: Option<Arc<Coordinator>>,
+    /// Turns answers into checkpoints; present exactly when `inspection` is (set at Create,
+    /// or at Start for a container restored from a process image).
+    coordinator: std::sync::OnceLock<Arc<Coordinator>>,
+    /// A process image to restore at Start instead of `runc start` (with what checkpointing
+    /// needs once the restored init is known).
+    pending_restore: Mutex<Option<PendingRestore>>,
     /// Each exec that finishes while no other runs ends a turn (zero-integration mode).
     exec_boundary: bool,
     state_dir: PathBuf,
+}
+
+/// What Start needs to restore a container's processes.
+struct PendingRestore {
+    /// The CRIU image directory.
+    image: PathBuf,
+    /// crab's description of the checkpoint (none for containerd's own checkpoints).
+    taken: Option<Taken>,
+    config: Config,
+    rootfs: Vec<Mount>,
+    stdio: StdioSpec,
+    checkpointing: bool,
+}
+
+/// How a container's lineage begins.
+enum Origin {
+    Image,
+    Checkpoint(Taken),
 }
 
 impl Container {
@@ -97,6 +123,13 @@ impl Container {
             .values()
             .filter(|p| matches!(p.status(), Status::Running | Status::Paused))
             .count()
+    }
+
+    /// The running execs' main processes, as (pid, exec id): the coordinator names them when
+    /// a process checkpoint has to wait for them (they are outside init's tree).
+    fn running_exec_pids(&self) -> Vec<(u32, String)> {
+        let execs = self.execs.lock().unwrap();
+        execs.values().filter(|p| p.pid() != 0 && matches!(p.status(), Status::Running | Status::Paused)).map(|p| (p.pid(), p.exec_id.clone())).collect()
     }
 
     pub fn annotations(&self) -> HashMap<String, String> {
@@ -201,9 +234,6 @@ impl Containers {
         if self.map.lock().unwrap().contains_key(&p.id) {
             return Err(Error::AlreadyExists(format!("container {}", p.id)));
         }
-        if !p.checkpoint.is_empty() {
-            return Err(Error::Unimplemented("creating a task from a checkpoint"));
-        }
         let (config, source) = Self::load_config(&p.options)?;
         let runc = Runc {
             binary: config.resolve_runc_binary()?,
@@ -215,43 +245,93 @@ impl Containers {
         let spec = bundle::read_spec(&p.bundle)?;
         let exec_boundary = turns::exec_boundary(&spec, config.checkpoint.turn_boundary)?;
         let rootfs_mounted = bundle::mount_rootfs(&p.bundle, &p.rootfs).await?;
-        let created = self.create_init(&p, &runc).await;
-        let (pid, io) = match created {
-            Ok(v) => v,
-            Err(e) => {
-                if let Err(d) = runc.delete(&p.id, true).await {
-                    log::warn!("cleanup after failed create of {}: {d}", p.id);
-                }
-                if rootfs_mounted {
-                    bundle::unmount_rootfs(&p.bundle);
-                }
-                return Err(e);
+        let unmount = |why: &dyn std::fmt::Display| {
+            log::warn!("create of {} failed: {why}", p.id);
+            if rootfs_mounted {
+                bundle::unmount_rootfs(&p.bundle);
             }
         };
-        let inspection = if config.checkpoint.enabled && turns::is_inspected(&spec) {
-            let (id, rootfs) = (p.id.clone(), p.rootfs.clone());
-            let volumes = turns::tracked_volumes(&spec, &config.checkpoint.tracked_volumes);
-            tokio::task::spawn_blocking(move || turns::start_inspection(&id, pid, &rootfs, volumes)).await.ok()
-        } else {
-            None
-        };
-        let inspection = Arc::new(tokio::sync::Mutex::new(inspection));
-        let coordinator = match inspection.lock().await.is_some() {
-            true => match self.coordinator_for(&p, &config, &runc, pid, inspection.clone()).await {
-                Ok(c) => Some(c),
-                Err(e) => {
-                    let _ = runc.delete(&p.id, true).await;
-                    if rootfs_mounted {
-                        bundle::unmount_rootfs(&p.bundle);
+        let checkpointing = config.checkpoint.enabled && turns::is_inspected(&spec);
+        // A checkpoint to start from: containerd's (`ctr run --checkpoint`), or crab's in the
+        // rootfs of a checkpoint image.
+        let taken = match p.checkpoint.is_empty() {
+            true => {
+                let (rootfs, dest) = (bundle::rootfs_path(&p.bundle), p.bundle.join("crab-restore"));
+                match tokio::task::spawn_blocking(move || restore::take_from_rootfs(&rootfs, &dest)).await {
+                    Ok(Ok(t)) => t,
+                    Ok(Err(e)) => {
+                        unmount(&e);
+                        return Err(Error::FailedPrecondition(format!("cannot start {} from its image: {e}", p.id)));
                     }
-                    return Err(e);
+                    Err(e) => {
+                        unmount(&e);
+                        return Err(Error::Other(e.to_string()));
+                    }
                 }
-            },
+            }
             false => None,
         };
+        let restore_image = match (&taken, p.checkpoint.is_empty()) {
+            (_, false) => Some(PathBuf::from(&p.checkpoint)),
+            (Some(t), true) => t.criu_dir.clone(),
+            (None, true) => None,
+        };
+        if restore_image.is_some() && p.stdio.terminal {
+            unmount(&"terminal");
+            return Err(Error::FailedPrecondition(format!(
+                "cannot restore {} with a terminal: crab restores processes with plain stdio only",
+                p.id
+            )));
+        }
         let init = Arc::new(Process::new(String::new(), p.stdio.clone(), None));
-        init.set_pid(pid);
-        init.set_io(io).await;
+        let inspection: crate::checkpoint::SharedInspection = Arc::new(tokio::sync::Mutex::new(None));
+        let coordinator = std::sync::OnceLock::new();
+        let mut pending_restore = None;
+        let pid = match restore_image {
+            Some(image) => {
+                // Restored at Start, as containerd's runc shim does: Create leaves it created.
+                pending_restore = Some(PendingRestore {
+                    image,
+                    taken,
+                    config: config.clone(),
+                    rootfs: p.rootfs.clone(),
+                    stdio: p.stdio.clone(),
+                    checkpointing,
+                });
+                0
+            }
+            None => {
+                let (pid, io) = match self.create_init(&p, &runc).await {
+                    Ok(v) => v,
+                    Err(e) => {
+                        if let Err(d) = runc.delete(&p.id, true).await {
+                            log::warn!("cleanup after failed create of {}: {d}", p.id);
+                        }
+                        unmount(&e);
+                        return Err(e);
+                    }
+                };
+                if checkpointing {
+                    let origin = match taken {
+                        Some(t) => Origin::Checkpoint(t),
+                        None => Origin::Image,
+                    };
+                    match self.start_checkpointing(&p.id, &p.bundle, &p.rootfs, &config, &runc, pid, origin, inspection.clone()).await {
+                        Ok(co) => {
+                            let _ = coordinator.set(co);
+                        }
+                        Err(e) => {
+                            let _ = runc.delete(&p.id, true).await;
+                            unmount(&e);
+                            return Err(e);
+                        }
+                    }
+                }
+                init.set_pid(pid);
+                init.set_io(io).await;
+                pid
+            }
+        };
         let container = Arc::new(Container {
             id: p.id.clone(),
             bundle: p.bundle.clone(),
@@ -266,12 +346,15 @@ impl Containers {
             _oom: Mutex::new(None),
             inspection,
             coordinator,
+            pending_restore: Mutex::new(pending_restore),
             exec_boundary,
             state_dir: config.store.state_dir.clone(),
         });
-        self.pids.lock().unwrap().owners.insert(pid, (p.id.clone(), String::new()));
         self.map.lock().unwrap().insert(p.id.clone(), container.clone());
-        self.watch_oom(&container, pid);
+        if pid != 0 {
+            self.pids.lock().unwrap().owners.insert(pid, (p.id.clone(), String::new()));
+            self.watch_oom(&container, pid);
+        }
         self.publish(
             topics::TASK_CREATE_EVENT_TOPIC,
             Box::new(ev::TaskCreate {
@@ -295,27 +378,53 @@ impl Containers {
         Ok(pid)
     }
 
-    async fn coordinator_for(
+    /// Starts inspecting container `id` (init `pid`) and opens its checkpoint store, whose
+    /// lineage begins with an origin manifest: the container's image as it is, or the
+    /// checkpoint it was restored from (its process image imported into the store).
+    #[allow(clippy::too_many_arguments)]
+    async fn start_checkpointing(
         &self,
-        p: &CreateParams,
+        id: &str,
+        bundle_dir: &Path,
+        rootfs: &[Mount],
         config: &Config,
         runc: &Runc,
         pid: u32,
-        inspection: crate::checkpoint::SharedInspection,
+        origin: Origin,
+        shared: crate::checkpoint::SharedInspection,
     ) -> Result<Arc<Coordinator>> {
-        let root = turns::sandbox_dir(&config.store.state_dir, &self.namespace, &p.id);
-        let store = tokio::task::spawn_blocking(move || Store::open(&root))
-            .await
-            .map_err(|e| Error::Other(e.to_string()))?
-            .map_err(|e| Error::Other(format!("checkpoint store: {e}")))?;
-        let spec = bundle::read_spec(&p.bundle)?;
+        let spec = bundle::read_spec(bundle_dir)?;
+        let root = turns::sandbox_dir(&config.store.state_dir, &self.namespace, id);
+        let (namespace, cid) = (self.namespace.clone(), id.to_string());
+        let store = tokio::task::spawn_blocking(move || -> Result<Store> {
+            let store = Store::open(&root).map_err(|e| Error::Other(format!("checkpoint store: {e}")))?;
+            let origin = match &origin {
+                Origin::Image => restore::created_manifest(&store, "").map_err(|e| e.to_string()),
+                Origin::Checkpoint(t) => restore::restored_manifest(&store, &namespace, &cid, t).map_err(|e| e.to_string()),
+            };
+            match origin.and_then(|m| store.publish(&m).map_err(|e| e.to_string())) {
+                Ok(()) => {}
+                // The container runs without a recorded origin: its next checkpoint still has
+                // everything it needs (a failure there forces a full one).
+                Err(e) => log::error!("container {cid}: cannot record where its lineage begins: {e}"),
+            }
+            Ok(store)
+        })
+        .await
+        .map_err(|e| Error::Other(e.to_string()))??;
+        let inspection = {
+            let (id, rootfs) = (id.to_string(), rootfs.to_vec());
+            let volumes = turns::tracked_volumes(&spec, &config.checkpoint.tracked_volumes);
+            tokio::task::spawn_blocking(move || turns::start_inspection(&id, pid, &rootfs, volumes))
+                .await
+                .map_err(|e| Error::Other(e.to_string()))?
+        };
         let target = JobTarget {
-            container_id: p.id.clone(),
+            container_id: id.to_string(),
             runc: runc.clone(),
             init_pid: pid,
             cgroup2_dir: crate::cgroup::Cgroups::of(pid)?.unified.unwrap_or_default(),
-            upperdir: p
-                .rootfs
+            upperdir: rootfs
                 .iter()
                 .find(|m| m.type_ == "overlay")
                 .and_then(|m| crate::inspector::fs::overlay_dirs(&m.options))
@@ -324,12 +433,13 @@ impl Containers {
             policy: crate::checkpoint::policy::for_container(&spec, config.checkpoint.policy)?,
         };
         let c = &config.checkpoint;
-        Ok(Coordinator::new(store, target, inspection, c.keep_last, c.keep_every, Duration::from_millis(c.action_wait_timeout_ms)))
+        *shared.lock().await = Some(inspection);
+        Ok(Coordinator::new(store, target, shared, c.keep_last, c.keep_every, Duration::from_millis(c.action_wait_timeout_ms)))
     }
 
     /// Holds an action until the checkpoints of the turns before it are durable.
     async fn gate(&self, c: &Container, action: &str) -> Result<()> {
-        match &c.coordinator {
+        match c.coordinator.get() {
             Some(co) => co.wait_durable(action).await,
             None => Ok(()),
         }
@@ -374,7 +484,14 @@ impl Containers {
             let _guard = c.lifecycle.lock().await;
             let _starting = c.init.start_lock.lock().await;
             c.init.transition(&[Status::Created], Status::Created)?;
-            c.runc.start(id).await?;
+            let pending = c.pending_restore.lock().unwrap().take();
+            let early_exit = match pending {
+                Some(r) => self.restore_init(&c, r).await?,
+                None => {
+                    c.runc.start(id).await?;
+                    None
+                }
+            };
             c.init.transition(&[Status::Created], Status::Running)?;
             let pid = c.init.pid();
             // The base every turn is compared with, taken before any exec can change things
@@ -389,6 +506,12 @@ impl Containers {
                 Box::new(ev::TaskStart { container_id: id.into(), pid, ..Default::default() }),
             )
             .await;
+            if let Some(code) = early_exit {
+                let this_init = c.init.clone();
+                drop(_starting);
+                drop(_guard);
+                self.handle_exit(c, this_init, code).await;
+            }
             return Ok(pid);
         }
         let p = c.process(exec_id)?;
@@ -439,6 +562,81 @@ impl Containers {
             self.handle_exit(c, p, code).await;
         }
         Ok(pid)
+    }
+
+    /// Start of a container created from a process image: `runc restore` brings its processes
+    /// back; then checkpointing begins, its lineage starting at the restored checkpoint.
+    /// Returns the init's exit status if it already exited (and was reaped) meanwhile.
+    async fn restore_init(&self, c: &Arc<Container>, r: PendingRestore) -> Result<Option<i32>> {
+        let started = std::time::Instant::now();
+        let pid_file = bundle::init_pid_file(&c.bundle);
+        let mut prepared = PreparedIo::new(&r.stdio, &c.id, &self.namespace).await?;
+        let child = std::mem::replace(&mut prepared.child, crate::runc::ChildStdio::null());
+        let work = c.bundle.join("criu-restore-work");
+        let opts = crate::runc::CheckpointOpts {
+            image_path: r.image.clone(),
+            work_path: Some(work.clone()),
+            tcp_established: true,
+            ext_unix_sk: true,
+            file_locks: true,
+            ..Default::default()
+        };
+        self.pids.lock().unwrap().starting += 1;
+        let restored = c.runc.restore(&c.id, &c.bundle, &pid_file, &opts, child).await;
+        let pid = restored.and_then(|()| bundle::read_pid(&pid_file));
+        let early_exit = {
+            let mut t = self.pids.lock().unwrap();
+            t.starting -= 1;
+            let early = pid.as_ref().ok().and_then(|pid| t.early_exits.remove(pid));
+            if let (Ok(pid), None) = (&pid, early) {
+                t.owners.insert(*pid, (c.id.clone(), String::new()));
+            }
+            if t.starting == 0 {
+                t.early_exits.clear();
+            }
+            early
+        };
+        let pid = match pid {
+            Ok(pid) => pid,
+            Err(e) => {
+                if let Err(d) = c.runc.delete(&c.id, true).await {
+                    log::debug!("cleanup after failed restore of {}: {d}", c.id);
+                }
+                let criu = crate::checkpoint::process::criu_errors(&work.join("restore.log"))
+                    .map(|l| format!("; CRIU: {}", l.join(" | ")))
+                    .unwrap_or_default();
+                if let Some(info) = c.init.record_exit(255) {
+                    c.init.announce_exit(info);
+                }
+                return Err(Error::FailedPrecondition(format!(
+                    "cannot restore {} from its checkpoint: {e}{criu} (log: {})",
+                    c.id,
+                    work.join("restore.log").display()
+                )));
+            }
+        };
+        let _ = std::fs::remove_dir_all(&work);
+        let io = prepared.start().await?;
+        c.init.set_pid(pid);
+        c.init.set_io(io).await;
+        self.watch_oom(c, pid);
+        log::info!("container {} restored from {} in {:?} (init pid {pid})", c.id, r.image.display(), started.elapsed());
+        if r.checkpointing {
+            let origin = match r.taken {
+                Some(t) => Origin::Checkpoint(t),
+                None => Origin::Image,
+            };
+            match self.start_checkpointing(&c.id, &c.bundle, &r.rootfs, &r.config, &c.runc, pid, origin, c.inspection.clone()).await {
+                Ok(co) => {
+                    let _ = c.coordinator.set(co);
+                }
+                Err(e) => log::error!("container {} runs restored but without checkpoints: {e}", c.id),
+            }
+        }
+        if r.image.starts_with(&c.bundle) {
+            let _ = std::fs::remove_dir_all(&r.image);
+        }
+        Ok(early_exit)
     }
 
     async fn start_exec(&self, c: &Container, p: &Process) -> Result<u32> {
@@ -526,7 +724,7 @@ impl Containers {
             // In exec-boundary mode the turn ends before the exit is published: the client can
             // start its next action only after the answer exists (and that action then waits
             // for the checkpoint).
-            if c.exec_boundary && c.running_execs() == 0 && c.coordinator.is_some() {
+            if c.exec_boundary && c.running_execs() == 0 && c.coordinator.get().is_some() {
                 if let Err(e) = self.end_turn(&c, &format!("exec-{}", p.exec_id)).await {
                     log::error!("turn end after exec {} of {}: {e}", p.exec_id, c.id);
                 }
@@ -625,12 +823,17 @@ impl Containers {
         // `--force` freezes and kills whatever is left, which takes ~100 ms on a cgroup v1
         // freezer even when nothing is: only a created-but-never-started init needs it.
         let force = snap.exit.is_none();
-        if let Err(e) = c.runc.delete(id, force).await {
-            if force {
-                return Err(e);
+        // A container waiting to be restored does not exist for runc yet.
+        let never_created = c.pending_restore.lock().unwrap().take().is_some();
+        let _ = std::fs::remove_dir_all(c.bundle.join("crab-restore"));
+        if !never_created {
+            if let Err(e) = c.runc.delete(id, force).await {
+                if force {
+                    return Err(e);
+                }
+                log::info!("delete {id}: {e}; retrying with --force");
+                c.runc.delete(id, true).await?;
             }
-            log::info!("delete {id}: {e}; retrying with --force");
-            c.runc.delete(id, true).await?;
         }
         let exit = snap.exit.unwrap_or(ExitInfo {
             pid: snap.pid,
@@ -764,7 +967,8 @@ impl Containers {
         let dir = turns::turns_dir(&c.state_dir, &self.namespace, &c.id);
         let path = turns::store_answer(&dir, turn_id, &answer)?;
         log::debug!("turn {turn_id} of {}: answer stored in {}", c.id, path.display());
-        if let Some(co) = &c.coordinator {
+        if let Some(co) = c.coordinator.get() {
+            co.note_running_execs(c.running_exec_pids());
             co.submit(turn_id, &answer);
         }
         Ok(answer)

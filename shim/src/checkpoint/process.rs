@@ -338,7 +338,7 @@ fn verify_image(
 
 /// The `Error` lines of CRIU's log, minus the one every dump here logs (CAP_SYS_RESOURCE is
 /// withheld, so raising RLIMIT_NOFILE fails harmlessly).
-fn criu_errors(log: &Path) -> Option<Vec<String>> {
+pub(crate) fn criu_errors(log: &Path) -> Option<Vec<String>> {
     let text = fs::read_to_string(log).ok()?;
     let lines: Vec<String> = text
         .lines()

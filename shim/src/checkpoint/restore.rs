@@ -137,7 +137,7 @@ impl CheckpointMeta {
 }
 
 /// A checkpoint taken out of a rootfs.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Taken {
     pub meta: CheckpointMeta,
     /// The CRIU image, copied out of the rootfs (present exactly when `meta.process` is).
