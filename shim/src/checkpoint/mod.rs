@@ -9,6 +9,16 @@
 //! - [`Coordinator`] (here): a turn's answer becomes a background job; the next action on the
 //!   container waits until that job is durable (bounded), and turn ends that arrive while a
 //!   job runs are coalesced into the next job.
+//!
+//! An exec still running at a turn end (DESIGN.md §3, the trap): its main process is a child of
+//! the shim, outside the tree `runc checkpoint` dumps, and CRIU can only dump one tree (whose
+//! root must be the pid namespace's init). So a job that takes a process image first waits for
+//! such processes to end, bounded by the action wait bound, then inspects the container again
+//! and takes the checkpoint of the state at that moment (the turn's answer plus what the execs
+//! did after the turn end). An exec still running at the bound, or when the next action is a
+//! kill (which would otherwise wait for the very process it ends), makes the turn `failed`
+//! with the exec named, and the next turn takes a full checkpoint. The turn end itself still
+//! returns at once.
 
 pub mod layer;
 pub mod pages;
@@ -18,6 +28,7 @@ pub mod restore;
 pub mod store;
 
 use std::{
+    collections::HashMap,
     path::PathBuf,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -31,9 +42,12 @@ use self::{
 };
 use crate::{
     error::{Error, Result},
-    inspector::{Answer, Inspection, Kind},
+    inspector::{procs, Answer, Inspection, Kind},
     runc::Runc,
 };
+
+/// How often a job waiting for running execs looks again.
+const EXEC_POLL: Duration = Duration::from_millis(20);
 
 /// What a job needs to know about its container.
 #[derive(Clone)]
@@ -78,6 +92,17 @@ impl Work {
         self.explanation.push(a.summary());
     }
 
+    /// Takes in a later job's work (turn ends that arrived while this one waited).
+    fn absorb(&mut self, later: Work) {
+        self.turn_ids.extend(later.turn_ids);
+        self.fs |= later.fs;
+        self.proc |= later.proc;
+        self.added.extend(later.added);
+        self.modified.extend(later.modified);
+        self.deleted.extend(later.deleted);
+        self.explanation.extend(later.explanation);
+    }
+
     fn kind(&self) -> CheckpointKind {
         match (self.fs, self.proc) {
             (true, true) => CheckpointKind::Full,
@@ -95,6 +120,12 @@ struct State {
     force_full: bool,
     /// Turn ids whose checkpoint is not durable yet (for errors and logs).
     in_flight: Vec<String>,
+    /// The newest inspector answer (seq) given to [`Coordinator::submit`], whatever its kind.
+    submitted_seq: u64,
+    /// The actions waiting in [`Coordinator::wait_durable`] now, by name.
+    waiting_actions: Vec<String>,
+    /// The execs whose main process ran at the latest turn end: pid -> exec id.
+    running_execs: HashMap<u32, String>,
 }
 
 /// The container's inspection, shared with the coordinator so a job can refresh the mark of
@@ -142,6 +173,7 @@ impl Coordinator {
     pub fn submit(self: &Arc<Self>, turn_id: &str, answer: &Answer) {
         let answer = &*policy::apply(self.target.policy, answer);
         let mut st = self.state.lock().unwrap();
+        st.submitted_seq = st.submitted_seq.max(answer.seq);
         if answer.kind == Kind::None && !st.force_full {
             log::info!(
                 "turn {turn_id} of {}: no checkpoint needed",
@@ -167,6 +199,12 @@ impl Coordinator {
         tokio::spawn(async move { this.run(work).await });
     }
 
+    /// The execs whose main process runs at a turn end, as (pid, exec id): a process image
+    /// cannot hold them, so a job waits for them and names them if it gives up.
+    pub fn note_running_execs(&self, execs: Vec<(u32, String)>) {
+        self.state.lock().unwrap().running_execs = execs.into_iter().collect();
+    }
+
     async fn run(self: Arc<Self>, mut work: Work) {
         loop {
             let force_full = std::mem::take(&mut self.state.lock().unwrap().force_full);
@@ -174,12 +212,19 @@ impl Coordinator {
                 work.fs = true;
                 work.proc = true;
             }
+            let waited = match work.proc {
+                true => self.wait_for_execs(&mut work).await,
+                false => Ok(()),
+            };
             let turn_ids = work.turn_ids.clone();
             let idle = match self.inspection.lock().await.as_ref() {
                 Some(i) => i.idle_since_mark(),
                 None => Vec::new(),
             };
-            let result = self.job(&work, force_full).await;
+            let result = match waited {
+                Ok(()) => self.job(&work, force_full).await,
+                Err(e) => Err(e),
+            };
             if !idle.is_empty() {
                 let inspection = self.inspection.clone();
                 let _ = tokio::task::spawn_blocking(move || {
@@ -220,6 +265,151 @@ impl Coordinator {
                 }
             }
         }
+    }
+
+    /// Waits until every live process of the container descends from its init (an exec's
+    /// running main process does not), bounded by the action wait bound and cut short by a
+    /// waiting kill. If it had to wait, inspects the container again: the checkpoint then
+    /// covers what the execs did after the turn end, and turn ends that arrived meanwhile are
+    /// taken into this job (a checkpoint of the later state must hold their changes too).
+    async fn wait_for_execs(&self, work: &mut Work) -> Result<()> {
+        let t = &self.target;
+        let started = Instant::now();
+        let mut waited_for: Option<String> = None;
+        loop {
+            let (init, cgroup) = (t.init_pid, t.cgroup2_dir.clone());
+            let check = tokio::task::spawn_blocking(move || process::check_dumpable(init, &cgroup))
+                .await
+                .map_err(|e| Error::Other(format!("process check task: {e}")))?;
+            let (pids, cmdlines) = match check {
+                Ok(_) => break,
+                Err(process::ProcError::Undumpable { pids, cmdlines, .. }) => (pids, cmdlines),
+                Err(e) => return Err(Error::Other(format!("process checkpoint: {e}"))),
+            };
+            let outside = self.describe_outside(&pids, &cmdlines);
+            if waited_for.is_none() {
+                log::info!(
+                    "checkpoint of {} for turns {:?} waits for {outside}: not in the tree a process image holds",
+                    t.container_id,
+                    work.turn_ids
+                );
+            }
+            let why = if self
+                .state
+                .lock()
+                .unwrap()
+                .waiting_actions
+                .iter()
+                .any(|a| a == "kill")
+            {
+                Some(format!(
+                    "when the next action (a kill) arrived {:?} after the checkpoint began waiting for it",
+                    started.elapsed()
+                ))
+            } else if started.elapsed() >= self.wait_bound {
+                Some(format!(
+                    "{:?} after the checkpoint began waiting for it ([checkpoint] action_wait_timeout_ms)",
+                    self.wait_bound
+                ))
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(Error::FailedPrecondition(format!(
+                    "no process checkpoint: {outside} still running {why}; an exec's main process \
+                     is outside the process tree `runc checkpoint` dumps (its parent is the shim, \
+                     not the container's init), so a checkpoint is only possible once it has ended"
+                )));
+            }
+            waited_for = Some(outside);
+            tokio::time::sleep(EXEC_POLL).await;
+        }
+        let Some(waited_for) = waited_for else {
+            return Ok(());
+        };
+        let waited = started.elapsed();
+        let last_turn = work.turn_ids.last().cloned().unwrap_or_default();
+        let inspection = self.inspection.clone();
+        let answer = tokio::task::spawn_blocking(move || {
+            inspection.blocking_lock().as_mut().map(|i| i.turn_end())
+        })
+        .await
+        .map_err(|e| Error::Other(format!("inspection task: {e}")))?
+        .ok_or_else(|| Error::Other("the container is no longer inspected".into()))?;
+        // The store root is the sandbox's directory (turns::sandbox_dir), next to its answers.
+        let turns = self.store.root().join("turns");
+        if let Err(e) =
+            crate::turns::store_answer(&turns, &format!("{last_turn}+exec-end"), &answer)
+        {
+            log::warn!(
+                "cannot store the answer after the execs of {} ended: {e}",
+                t.container_id
+            );
+        }
+        // A turn end answered just before ours may still be on its way to `submit`: its
+        // changes are relative to a mark ours replaced, so this job must hold them.
+        let deadline = Instant::now() + EXEC_POLL * 50;
+        while self.state.lock().unwrap().submitted_seq + 1 < answer.seq && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        {
+            let mut st = self.state.lock().unwrap();
+            st.submitted_seq = st.submitted_seq.max(answer.seq);
+            if let Some(later) = st.pending.take() {
+                work.absorb(later);
+            }
+        }
+        log::info!(
+            "checkpoint of {} for turns {:?}: waited {waited:?} for {waited_for}; then {}",
+            t.container_id,
+            work.turn_ids,
+            answer.summary()
+        );
+        work.add(&format!("{last_turn}+exec-end"), &answer);
+        // Not a turn of its own: only its findings join the job.
+        work.turn_ids.pop();
+        work.explanation.insert(
+            work.explanation.len() - 1,
+            format!("waited {waited:?} for {waited_for} to end (outside the tree a process image holds); then:"),
+        );
+        Ok(())
+    }
+
+    /// `exec ID: pid P `cmd`, ...` for processes outside init's tree, grouped by the exec whose
+    /// main process they are or descend from (when it ran at the latest turn end).
+    fn describe_outside(&self, pids: &[u32], cmdlines: &[String]) -> String {
+        let execs = self.state.lock().unwrap().running_execs.clone();
+        let exec_of = |pid: u32| -> Option<&String> {
+            let mut cur = pid;
+            for _ in 0..64 {
+                if let Some(id) = execs.get(&cur) {
+                    return Some(id);
+                }
+                cur = procs::read_stat(cur).ok().flatten()?.ppid;
+                if cur <= 1 {
+                    return None;
+                }
+            }
+            None
+        };
+        let mut groups: Vec<(Option<&String>, Vec<String>)> = Vec::new();
+        for (pid, cmd) in pids.iter().zip(cmdlines) {
+            let exec = exec_of(*pid);
+            let entry = format!("pid {pid} `{cmd}`");
+            match groups.iter_mut().find(|(e, _)| *e == exec) {
+                Some((_, list)) => list.push(entry),
+                None => groups.push((exec, vec![entry])),
+            }
+        }
+        groups
+            .into_iter()
+            .map(|(exec, list)| match exec {
+                Some(id) => format!("exec {id} ({})", list.join(", ")),
+                None => format!("process(es) {}", list.join(", ")),
+            })
+            .collect::<Vec<_>>()
+            .join(" and ")
     }
 
     /// Publishes a `failed` manifest keeping the previous references, so the lineage shows the
@@ -366,6 +556,7 @@ impl Coordinator {
             return Ok(());
         }
         let started = Instant::now();
+        let _waiting = WaitingAction::new(&self.state, action);
         let wait = async {
             loop {
                 if !busy(&self.state.lock().unwrap()) {
@@ -389,6 +580,36 @@ impl Coordinator {
             started.elapsed()
         );
         Ok(())
+    }
+}
+
+/// An action in [`Coordinator::wait_durable`], listed in the state while it waits (also when
+/// its caller gives up and drops the wait).
+struct WaitingAction<'a> {
+    state: &'a Mutex<State>,
+    action: String,
+}
+
+impl<'a> WaitingAction<'a> {
+    fn new(state: &'a Mutex<State>, action: &str) -> Self {
+        state
+            .lock()
+            .unwrap()
+            .waiting_actions
+            .push(action.to_string());
+        WaitingAction {
+            state,
+            action: action.to_string(),
+        }
+    }
+}
+
+impl Drop for WaitingAction<'_> {
+    fn drop(&mut self) {
+        let mut st = self.state.lock().unwrap();
+        if let Some(i) = st.waiting_actions.iter().position(|a| *a == self.action) {
+            st.waiting_actions.remove(i);
+        }
     }
 }
 
