@@ -36,6 +36,14 @@ pub fn must_kill_all_on_exit(spec: &Spec) -> bool {
     !private_pid_ns
 }
 
+/// Whether runc creates the container's network namespace (one without a path in the spec).
+pub fn creates_network_namespace(spec: &Spec) -> bool {
+    spec.linux()
+        .as_ref()
+        .and_then(|l| l.namespaces().as_ref())
+        .is_some_and(|ns| ns.iter().any(|n| n.typ() == LinuxNamespaceType::Network && n.path().is_none()))
+}
+
 pub fn rootfs_path(bundle: &Path) -> PathBuf {
     bundle.join("rootfs")
 }

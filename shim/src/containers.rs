@@ -616,6 +616,11 @@ impl Containers {
             }
         };
         let _ = std::fs::remove_dir_all(&work);
+        if bundle::read_spec(&c.bundle).is_ok_and(|spec| bundle::creates_network_namespace(&spec)) {
+            if let Err(e) = restore::bring_up_loopback(pid) {
+                log::warn!("container {}: restored, but its loopback interface is down: {e}", c.id);
+            }
+        }
         let io = prepared.start().await?;
         c.init.set_pid(pid);
         c.init.set_io(io).await;
