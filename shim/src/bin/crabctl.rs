@@ -4,6 +4,13 @@
 //!   crabctl [GLOBAL] turns CONTAINER                  list the turn answers, one line each
 //!   crabctl [GLOBAL] show CONTAINER TURN              explain one turn's answer (by seq or turn id)
 //!   crabctl [GLOBAL] checkpoints CONTAINER            list the checkpoint lineage
+//!   crabctl [GLOBAL] export CONTAINER [--turn T] REF  a checkpoint as OCI image REF in containerd
+//!   crabctl [GLOBAL] fork CONTAINER --at T --count N  N new containers from checkpoint T
+//!   crabctl [GLOBAL] rollback CONTAINER --to T        the container back at checkpoint T (same id)
+//!   crabctl [GLOBAL] recover CONTAINER                the container back at its last recovery point
+//!
+//! The checkpoint commands find the container's store through its own runtime options (as its
+//! shim does) unless --config says otherwise; their logic is in `crab_shim::ctl`.
 //!
 //! GLOBAL: --address SOCK (default /run/containerd/containerd.sock, or $CONTAINERD_ADDRESS),
 //!         --namespace NS (default "default", or $CONTAINERD_NAMESPACE),
@@ -15,7 +22,10 @@ use std::{collections::HashMap, path::PathBuf, process::ExitCode};
 
 use containerd_client::{services::v1::tasks_client::TasksClient, services::v1::UpdateTaskRequest, with_namespace};
 use crab_runtime_config::Config;
-use crab_shim::turns::{turns_dir, TURN_END};
+use crab_shim::{
+    ctl::{Client, Ctl},
+    turns::{turns_dir, TURN_END},
+};
 use tonic::Request;
 
 struct Global {
@@ -29,7 +39,20 @@ commands:
   turn-end CONTAINER [--turn ID]   end a turn of CONTAINER (its answer is logged and stored)
   turns CONTAINER                  list CONTAINER's turn answers
   show CONTAINER TURN              explain one turn (TURN: sequence number or turn id)
-  checkpoints CONTAINER            list CONTAINER's checkpoints (lineage, kinds, sizes, timings)";
+  checkpoints CONTAINER            list CONTAINER's checkpoints (lineage, kinds, sizes, timings)
+  export CONTAINER [--turn T] REF  write checkpoint T (default: the newest recovery point) as the
+                                   OCI image REF into containerd (base image layers + fs layers +
+                                   a layer with the CRIU image); `ctr run --runtime
+                                   io.containerd.crab.v1 REF ID` starts from it
+  fork CONTAINER --at T --count N  start N new containers CONTAINER-fork-<i> from checkpoint T,
+                                   concurrently (same spec, runtime and options); prints their ids
+  rollback CONTAINER --to T        return CONTAINER to checkpoint T, keeping its id: its task is
+                                   killed (running execs end) and a new one starts from T
+  recover CONTAINER                after a crash (its processes, shim or containerd killed): like
+                                   rollback to its newest recovery point
+T: a checkpoint's sequence number or turn id (see `checkpoints`); failed checkpoints are refused.
+Containers started by fork/rollback/recover get no stdio (/dev/null) and no terminal.
+--config overrides the crab config the container's runtime options name (for its state_dir).";
 
 fn usage(msg: &str) -> ExitCode {
     eprintln!("crabctl: {msg}\n{USAGE}");
@@ -68,6 +91,16 @@ async fn main() -> ExitCode {
         ["turns", container] => turns(&g, container),
         ["show", container, turn] => show(&g, container, turn),
         ["checkpoints", container] => checkpoints(&g, container),
+        ["export", container, reference] => export(&g, container, None, reference).await,
+        ["export", container, "--turn", turn, reference] | ["export", container, reference, "--turn", turn] => {
+            export(&g, container, Some(turn), reference).await
+        }
+        ["fork", container, "--at", at, "--count", n] | ["fork", container, "--count", n, "--at", at] => match n.parse() {
+            Ok(n) if n > 0 => fork(&g, container, at, n).await,
+            _ => return usage(&format!("--count needs a positive number, not {n:?}")),
+        },
+        ["rollback", container, "--to", to] => rollback(&g, container, Some(to)).await,
+        ["recover", container] => rollback(&g, container, None).await,
         [] => return usage("no command"),
         _ => return usage(&format!("cannot parse `{}`", args.join(" "))),
     };
@@ -96,6 +129,57 @@ async fn turn_end(g: &Global, container: &str, turn: Option<&str>) -> Result<(),
     let req: Request<UpdateTaskRequest> = with_namespace!(req, g.namespace.as_str());
     TasksClient::new(channel).update(req).await.map_err(|s| format!("turn end of {container}: {}", s.message()))?;
     println!("turn {turn} of {container} ended");
+    Ok(())
+}
+
+async fn ctl(g: &Global) -> Result<Ctl, String> {
+    let client = Client::connect(&g.address, &g.namespace).await.map_err(|e| e.to_string())?;
+    Ok(Ctl::new(client, g.config.clone()))
+}
+
+async fn export(g: &Global, container: &str, turn: Option<&str>, reference: &str) -> Result<(), String> {
+    let exported = ctl(g).await?.export(container, turn, reference).await.map_err(|e| e.to_string())?;
+    println!("exported {}", exported.summary());
+    Ok(())
+}
+
+async fn fork(g: &Global, container: &str, at: &str, count: usize) -> Result<(), String> {
+    let forked = ctl(g).await?.fork(container, at, count).await.map_err(|e| e.to_string())?;
+    for f in &forked.forks {
+        println!("{}", f.id);
+    }
+    let s = &forked.exported.source;
+    eprintln!(
+        "crabctl: started {} forks of {} from checkpoint {} (turn {:?}) in {:.0} ms",
+        forked.forks.len(),
+        container,
+        s.seq,
+        s.turn_id,
+        forked.elapsed_ms
+    );
+    Ok(())
+}
+
+/// rollback (`to` given) and recover (the newest recovery point).
+async fn rollback(g: &Global, container: &str, to: Option<&str>) -> Result<(), String> {
+    let r = ctl(g).await?.rollback(container, to).await.map_err(|e| e.to_string())?;
+    let s = &r.exported.source;
+    let verb = if to.is_some() { "rolled back" } else { "recovered" };
+    println!(
+        "{verb} {container} to checkpoint {} (turn {:?}, {}) in {:.0} ms: pid {}, image {}",
+        s.seq,
+        s.turn_id,
+        format!("{:?}", r.exported.kind).to_lowercase(),
+        r.elapsed_ms,
+        r.restarted.pid,
+        r.exported.reference
+    );
+    if !r.had_task {
+        println!("{container} had no task (its shim or processes were gone)");
+    }
+    if !r.execs_ended.is_empty() {
+        println!("ended {} running execs with the old task (killed): {}", r.execs_ended.len(), r.execs_ended.join(", "));
+    }
     Ok(())
 }
 

@@ -622,6 +622,106 @@ pub fn collect_garbage(chunks: &Path, keep: &[PathBuf]) -> Result<GcStats, Pages
     Ok(stats)
 }
 
+/// A pages file rebuilt from its recipe as it is read, for copying an image elsewhere (a
+/// checkpoint image) while the store keeps only the recipe. Every chunk's digest and size are
+/// verified; a bad chunk is a read error carrying [`PagesError::BadChunk`].
+pub struct PagesReader {
+    name: String,
+    recipe_path: PathBuf,
+    recipe: Recipe,
+    store: std::sync::Arc<ChunkStore>,
+    files: HashMap<usize, File>,
+    next: usize,
+    remaining: u64,
+    chunk: Vec<u8>,
+    pos: usize,
+}
+
+impl PagesReader {
+    /// The pages file's name (`pages-<id>.img`), as CRIU expects it.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.recipe.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.recipe.len == 0
+    }
+
+    fn next_chunk(&mut self) -> Result<bool, PagesError> {
+        let Some(digest) = self.recipe.digests.get(self.next) else {
+            return Ok(false);
+        };
+        let want = self.remaining.min(self.recipe.chunk_size as u64) as usize;
+        let bad = |what: String| PagesError::BadChunk {
+            hash: hex(digest),
+            recipe: self.recipe_path.clone(),
+            what,
+        };
+        let chunk = self.store.read(&mut self.files, digest).map_err(bad)?;
+        if chunk.len() != want {
+            return Err(bad(format!("{} bytes, expected {want}", chunk.len())));
+        }
+        self.next += 1;
+        self.remaining -= want as u64;
+        self.chunk = chunk;
+        self.pos = 0;
+        Ok(true)
+    }
+}
+
+impl Read for PagesReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        while self.pos == self.chunk.len() {
+            if !self.next_chunk().map_err(io::Error::other)? {
+                return Ok(0);
+            }
+        }
+        let n = buf.len().min(self.chunk.len() - self.pos);
+        buf[..n].copy_from_slice(&self.chunk[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
+    }
+}
+
+/// A reader for every pages file the recipes of `dir` stand for, sorted by name; `dir` and
+/// `chunks` are not changed (unlike [`materialize`], which writes the files next to the
+/// recipes).
+pub fn materialized_readers(dir: &Path, chunks: &Path) -> Result<Vec<PagesReader>, PagesError> {
+    let store = std::sync::Arc::new(ChunkStore::open(chunks)?);
+    let (_, recipes) = list_image(dir)?;
+    recipes
+        .into_iter()
+        .map(|name| {
+            let recipe_path = dir.join(&name);
+            let recipe = read_recipe(&recipe_path)?;
+            Ok(PagesReader {
+                name: name[..name.len() - RECIPE_SUFFIX.len()].to_string(),
+                remaining: recipe.len,
+                recipe_path,
+                recipe,
+                store: store.clone(),
+                files: HashMap::new(),
+                next: 0,
+                chunk: Vec::new(),
+                pos: 0,
+            })
+        })
+        .collect()
+}
+
+/// Whether `name` is a pages recipe (what [`materialized_readers`] stands in for).
+pub fn is_recipe(name: &str) -> bool {
+    name.starts_with("pages-")
+        && name
+            .strip_suffix(RECIPE_SUFFIX)
+            .is_some_and(|n| n.ends_with(".img"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -847,5 +947,40 @@ mod tests {
                 t.elapsed()
             );
         }
+    }
+
+    #[test]
+    fn readers_rebuild_pages_elsewhere_and_leave_the_image_alone() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (img, chunks) = (tmp.path().join("img"), tmp.path().join("chunks"));
+        fs::create_dir_all(&img).unwrap();
+        let mut odd = [page(5), page(6), page(5)].concat();
+        odd.extend_from_slice(b"tail");
+        fs::write(img.join("pages-1.img"), &odd).unwrap();
+        fs::write(img.join("pages-2.img"), b"").unwrap();
+        fs::write(img.join("pagemap-1.img"), b"pagemap").unwrap();
+        dedup(&img, &chunks).unwrap();
+        let before = files(&img);
+        let mut readers = materialized_readers(&img, &chunks).unwrap();
+        assert_eq!(
+            readers.iter().map(|r| (r.name().to_string(), r.len())).collect::<Vec<_>>(),
+            [("pages-1.img".to_string(), odd.len() as u64), ("pages-2.img".to_string(), 0)]
+        );
+        let mut out = Vec::new();
+        readers[0].read_to_end(&mut out).unwrap();
+        assert_eq!(out, odd);
+        out.clear();
+        readers[1].read_to_end(&mut out).unwrap();
+        assert!(out.is_empty());
+        assert_eq!(files(&img), before, "the image keeps its recipes only");
+        assert!(is_recipe("pages-1.img.recipe") && !is_recipe("pagemap-1.img"));
+        // A corrupt chunk is a read error naming it.
+        let pack = chunks.join(&packs(&chunks)[0]);
+        let mut data = fs::read(&pack).unwrap();
+        data[CHUNK_SIZE + 3] ^= 1;
+        fs::write(&pack, &data).unwrap();
+        let mut r = materialized_readers(&img, &chunks).unwrap().remove(0);
+        let e = r.read_to_end(&mut Vec::new()).unwrap_err();
+        assert!(e.to_string().contains(&hex(&digest(&page(6)))), "{e}");
     }
 }

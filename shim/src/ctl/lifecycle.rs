@@ -1,0 +1,366 @@
+//! Containers from a checkpoint image: `fork` (new ids), `rollback` and `recover` (the same
+//! id). The checkpoint is exported under an internal name and unpacked first; only then is
+//! anything started or stopped. A new container is the source's record (spec, runtime name
+//! and options, labels, snapshotter) with the checkpoint image as its image, on a fresh
+//! snapshot of it, and its task gets no stdio: its processes see /dev/null, like a detached
+//! `ctr run -d` without a log. The crab shim recognises the checkpoint in the rootfs.
+
+use std::time::Instant;
+
+use containerd_client::services::v1::Container;
+use serde_json::Value;
+use tokio::task::JoinSet;
+
+use super::{client::Lease, Client, Ctl, CtlError, Exported, Result};
+
+/// A container started from a checkpoint image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Restarted {
+    pub id: String,
+    pub pid: u32,
+}
+
+/// What `fork` did.
+#[derive(Debug)]
+pub struct Forked {
+    pub exported: Exported,
+    pub forks: Vec<Restarted>,
+    pub elapsed_ms: f64,
+}
+
+/// What `rollback` / `recover` did.
+#[derive(Debug)]
+pub struct RolledBack {
+    pub exported: Exported,
+    pub restarted: Restarted,
+    /// Whether the container still had a task (a recovery after its shim died may find none).
+    pub had_task: bool,
+    /// Execs that were running and were ended with the old task.
+    pub execs_ended: Vec<String>,
+    pub elapsed_ms: f64,
+}
+
+/// The runtime spec of a container started from `from`'s record as `to`: with no stdio there
+/// is no terminal, and a new id gets its own hostname (if it was the id) and cgroup (the
+/// path's last element, which containerd's clients make the id).
+pub fn clone_spec(spec: &Value, from: &str, to: &str) -> Result<Value> {
+    let mut s = spec.clone();
+    if s["process"].is_object() {
+        s["process"]["terminal"] = Value::Bool(false);
+    }
+    if from == to {
+        return Ok(s);
+    }
+    if s["hostname"].as_str() == Some(from) {
+        s["hostname"] = Value::String(to.to_string());
+    }
+    if let Some(path) = s["linux"]["cgroupsPath"].as_str().filter(|p| !p.is_empty()) {
+        let cut = path.rfind(['/', ':']).map_or(0, |i| i + 1);
+        if &path[cut..] != from {
+            return Err(CtlError::Invalid(format!(
+                "cannot give {to} a cgroup of its own: {from}'s cgroup path {path:?} does not end in its id"
+            )));
+        }
+        s["linux"]["cgroupsPath"] = Value::String(format!("{}{to}", &path[..cut]));
+    }
+    Ok(s)
+}
+
+/// `template`'s record for a container `id` of image `image` on a snapshot of its own.
+pub fn clone_record(template: &Container, id: &str, image: &str) -> Result<Container> {
+    if template.snapshotter.is_empty() {
+        return Err(CtlError::Invalid(format!(
+            "container {} has no snapshotter: crabctl starts containers on snapshots",
+            template.id
+        )));
+    }
+    let mut c = template.clone();
+    let spec = c.spec.as_mut().ok_or_else(|| {
+        CtlError::Invalid(format!("container {} has no runtime spec", template.id))
+    })?;
+    let value: Value = serde_json::from_slice(&spec.value).map_err(|e| {
+        CtlError::Invalid(format!(
+            "container {}'s runtime spec is not JSON: {e}",
+            template.id
+        ))
+    })?;
+    spec.value = serde_json::to_vec(&clone_spec(&value, &template.id, id)?)
+        .expect("a JSON value serializes");
+    c.snapshot_key = if id == template.id && !template.snapshot_key.is_empty() {
+        template.snapshot_key.clone()
+    } else {
+        id.to_string()
+    };
+    c.id = id.to_string();
+    c.image = image.to_string();
+    c.created_at = None;
+    c.updated_at = None;
+    Ok(c)
+}
+
+/// `count` fork ids after the highest existing `<container>-fork-<i>`.
+pub fn fork_ids(existing: &[String], container: &str, count: usize) -> Vec<String> {
+    let prefix = format!("{container}-fork-");
+    let next = existing
+        .iter()
+        .filter_map(|id| id.strip_prefix(&prefix)?.parse::<usize>().ok())
+        .max()
+        .unwrap_or(0)
+        + 1;
+    (next..next + count)
+        .map(|i| format!("{prefix}{i}"))
+        .collect()
+}
+
+/// Creates `record`'s container on `parent` and starts its task; on failure removes what it made.
+async fn start_from(
+    client: &Client,
+    lease: &Lease,
+    record: Container,
+    parent: &str,
+) -> Result<Restarted> {
+    client
+        .create_container(lease, record.clone(), parent)
+        .await?;
+    match client.start_task(&record).await {
+        Ok(pid) => Ok(Restarted { id: record.id, pid }),
+        Err(e) => {
+            if let Err(d) = client.delete_container(&record).await {
+                log::warn!("cleanup of {}: {d}", record.id);
+            }
+            Err(e)
+        }
+    }
+}
+
+impl Ctl {
+    /// Exports checkpoint `turn` of `container` under its internal name and unpacks it;
+    /// returns it with the snapshot to start containers on.
+    async fn prepare_checkpoint(
+        &self,
+        lease: &Lease,
+        container: &str,
+        turn: Option<&str>,
+    ) -> Result<(Exported, String)> {
+        let exported = self.export_leased(lease, container, turn, None).await?;
+        let top = self
+            .client
+            .unpack(lease, &exported.container.snapshotter, &exported.image)
+            .await?;
+        Ok((exported, top))
+    }
+
+    /// Starts `count` new containers `<container>-fork-<i>` from checkpoint `at`, concurrently.
+    /// If one fails, the others are removed again.
+    pub async fn fork(&self, container: &str, at: &str, count: usize) -> Result<Forked> {
+        if count == 0 {
+            return Err(CtlError::Invalid(
+                "a fork needs a count of at least 1".into(),
+            ));
+        }
+        let start = Instant::now();
+        let lease = self.client.create_lease().await?;
+        let r = async {
+            let (exported, top) = self.prepare_checkpoint(&lease, container, Some(at)).await?;
+            let existing = self.client.container_ids().await?;
+            let records = fork_ids(&existing, container, count)
+                .iter()
+                .map(|id| clone_record(&exported.container, id, &exported.reference))
+                .collect::<Result<Vec<_>>>()?;
+            let mut set = JoinSet::new();
+            for record in records {
+                let (client, lease, top) = (self.client.clone(), lease.clone(), top.clone());
+                set.spawn(async move {
+                    let id = record.id.clone();
+                    (id, start_from(&client, &lease, record, &top).await)
+                });
+            }
+            let mut forks = Vec::new();
+            let mut failure = None;
+            while let Some(joined) = set.join_next().await {
+                match joined {
+                    Ok((_, Ok(f))) => forks.push(f),
+                    Ok((id, Err(e))) => {
+                        failure.get_or_insert(CtlError::Invalid(format!("fork {id}: {e}")));
+                    }
+                    Err(e) => {
+                        failure.get_or_insert(CtlError::Invalid(format!("a fork task: {e}")));
+                    }
+                }
+            }
+            if let Some(e) = failure {
+                for f in &forks {
+                    self.remove_started(&f.id).await;
+                }
+                return Err(e);
+            }
+            forks.sort_by(|a, b| natural_key(&a.id).cmp(&natural_key(&b.id)));
+            Ok(Forked {
+                exported,
+                forks,
+                elapsed_ms: start.elapsed().as_secs_f64() * 1000.0,
+            })
+        }
+        .await;
+        self.client.delete_lease(lease).await;
+        r
+    }
+
+    async fn remove_started(&self, id: &str) {
+        let removed = async {
+            self.client.remove_task(id).await?;
+            if let Some(c) = self.client.container(id).await? {
+                self.client.delete_container(&c).await?;
+            }
+            Ok::<_, CtlError>(())
+        };
+        if let Err(e) = removed.await {
+            log::warn!("cleanup of {id}: {e}");
+        }
+    }
+
+    /// Returns `container` to checkpoint `to` (default: its newest recovery point) keeping its
+    /// id: the checkpoint is exported and unpacked, then the task is killed and deleted (its
+    /// running execs end), the container record and snapshot are replaced, and the new task
+    /// starts from the checkpoint.
+    pub async fn rollback(&self, container: &str, to: Option<&str>) -> Result<RolledBack> {
+        let start = Instant::now();
+        let lease = self.client.create_lease().await?;
+        let r = async {
+            let (exported, top) = self.prepare_checkpoint(&lease, container, to).await?;
+            let execs = self.client.task_execs(container).await?;
+            self.client.remove_task(container).await?;
+            self.client.delete_container(&exported.container).await?;
+            let record = clone_record(&exported.container, container, &exported.reference)?;
+            self.client
+                .create_container(&lease, record.clone(), &top)
+                .await
+                .map_err(|e| {
+                    CtlError::Invalid(format!(
+                        "{container} was removed but could not be created again from {}: {e}",
+                        exported.reference
+                    ))
+                })?;
+            // The record stays if the start fails, so `crabctl recover` can try again.
+            let pid = self.client.start_task(&record).await?;
+            Ok(RolledBack {
+                restarted: Restarted {
+                    id: container.to_string(),
+                    pid,
+                },
+                had_task: execs.is_some(),
+                execs_ended: execs.unwrap_or_default(),
+                exported,
+                elapsed_ms: start.elapsed().as_secs_f64() * 1000.0,
+            })
+        }
+        .await;
+        self.client.delete_lease(lease).await;
+        r
+    }
+}
+
+/// Sorts `x-fork-10` after `x-fork-9`.
+fn natural_key(id: &str) -> (usize, &str) {
+    let n = id
+        .rsplit('-')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    (n, id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_cloned_spec_gets_its_own_cgroup_and_hostname_and_no_terminal() {
+        let spec = json!({
+            "process": {"terminal": true, "args": ["sleep", "infinity"]},
+            "hostname": "c1",
+            "linux": {"cgroupsPath": "/crab-test/c1"},
+        });
+        let f = clone_spec(&spec, "c1", "c1-fork-1").unwrap();
+        assert_eq!(f["linux"]["cgroupsPath"], "/crab-test/c1-fork-1");
+        assert_eq!(f["hostname"], "c1-fork-1");
+        assert_eq!(f["process"]["terminal"], false);
+        assert_eq!(f["process"]["args"], spec["process"]["args"]);
+        // The same id keeps everything but the terminal.
+        let same = clone_spec(&spec, "c1", "c1").unwrap();
+        assert_eq!(same["linux"], spec["linux"]);
+        assert_eq!(same["hostname"], "c1");
+        // systemd-style paths end in the id after a colon.
+        let sd = json!({"linux": {"cgroupsPath": "system.slice:cri-containerd:c1"}});
+        assert_eq!(
+            clone_spec(&sd, "c1", "c2").unwrap()["linux"]["cgroupsPath"],
+            "system.slice:cri-containerd:c2"
+        );
+        // Another hostname is kept; a cgroup path that is not the id's cannot be derived.
+        let other = json!({"hostname": "box", "linux": {"cgroupsPath": "/shared/pool"}});
+        let e = clone_spec(&other, "c1", "c2").unwrap_err();
+        assert!(e.to_string().contains("/shared/pool"), "{e}");
+        let no_cgroup = json!({"hostname": "box", "linux": {}});
+        assert_eq!(
+            clone_spec(&no_cgroup, "c1", "c2").unwrap()["hostname"],
+            "box"
+        );
+    }
+
+    #[test]
+    fn cloned_records_keep_runtime_labels_and_snapshotter() {
+        use containerd_client::services::v1::container::Runtime;
+        let template = Container {
+            id: "c1".into(),
+            labels: [("a".to_string(), "b".to_string())].into(),
+            image: "base:latest".into(),
+            runtime: Some(Runtime {
+                name: "io.containerd.crab.v1".into(),
+                options: Some(prost_types::Any {
+                    type_url: "runtimeoptions.v1.Options".into(),
+                    value: vec![1, 2, 3],
+                }),
+            }),
+            spec: Some(prost_types::Any {
+                type_url: "types.containerd.io/opencontainers/runtime-spec/1/Spec".into(),
+                value: br#"{"hostname":"c1","linux":{"cgroupsPath":"/ns/c1"}}"#.to_vec(),
+            }),
+            snapshotter: "overlayfs".into(),
+            snapshot_key: "c1-snap".into(),
+            ..Default::default()
+        };
+        let f = clone_record(&template, "c1-fork-2", "crab.local/checkpoint/ns/c1:3").unwrap();
+        assert_eq!(
+            (f.id.as_str(), f.snapshot_key.as_str()),
+            ("c1-fork-2", "c1-fork-2")
+        );
+        assert_eq!(f.image, "crab.local/checkpoint/ns/c1:3");
+        assert_eq!(
+            (&f.runtime, &f.labels, &f.snapshotter),
+            (&template.runtime, &template.labels, &template.snapshotter)
+        );
+        let spec: Value = serde_json::from_slice(&f.spec.unwrap().value).unwrap();
+        assert_eq!(spec["linux"]["cgroupsPath"], "/ns/c1-fork-2");
+        let same = clone_record(&template, "c1", "img").unwrap();
+        assert_eq!(same.snapshot_key, "c1-snap");
+        let mut bare = template.clone();
+        bare.snapshotter.clear();
+        assert!(clone_record(&bare, "x", "img").is_err());
+    }
+
+    #[test]
+    fn fork_ids_continue_after_existing_forks() {
+        let existing = vec![
+            "c".to_string(),
+            "c-fork-2".into(),
+            "c-fork-x".into(),
+            "cc-fork-9".into(),
+        ];
+        assert_eq!(fork_ids(&existing, "c", 2), ["c-fork-3", "c-fork-4"]);
+        assert_eq!(fork_ids(&[], "c", 1), ["c-fork-1"]);
+        let mut ids = vec!["c-fork-10".to_string(), "c-fork-9".into()];
+        ids.sort_by(|a, b| natural_key(a).cmp(&natural_key(b)));
+        assert_eq!(ids, ["c-fork-9", "c-fork-10"]);
+    }
+}
