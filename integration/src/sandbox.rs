@@ -27,6 +27,8 @@ pub struct SandboxOptions<'a> {
     pub volume: Option<(&'a Path, &'a str)>,
     /// Where the shim keeps its state (default: `$CRAB_HOME/state/<id>`).
     pub state_dir: Option<PathBuf>,
+    /// More crab config: TOML keys at the document root, dotted (`checkpoint.enabled = false`).
+    pub config: &'a str,
 }
 
 pub struct Sandbox {
@@ -45,18 +47,19 @@ impl Sandbox {
         let id = h.unique_id(name);
         let guard = h.guard(&[&id]);
         let state_dir = o.state_dir.unwrap_or_else(|| h.env.crab_home.join("state").join(&id));
-        let mut config = format!("[store]\nstate_dir = \"{}\"\n", state_dir.display());
+        let mut config = format!("{}\n", o.config);
         let process = ProcessSpec::new(&["sleep", "infinity"]).to_oci(&h.image.env, &h.image.cwd);
         let mut spec = crate::spec::container_spec(&id, &h.env.namespace, process);
         for (k, v) in o.annotations {
             spec["annotations"][*k] = Value::String(v.to_string());
         }
         if let Some((source, at)) = o.volume {
-            config.push_str(&format!("[checkpoint]\ntracked_volumes = [\"{at}\"]\n"));
+            config.push_str(&format!("checkpoint.tracked_volumes = [\"{at}\"]\n"));
             spec["mounts"].as_array_mut().unwrap().push(serde_json::json!({
                 "destination": at, "type": "bind", "source": source, "options": ["rbind", "rw"]
             }));
         }
+        config.push_str(&format!("[store]\nstate_dir = \"{}\"\n", state_dir.display()));
         h.create_container_with_spec_and_options(&id, &spec, Some(crab_runtime_options(None, Some(&config))))
             .await
             .unwrap();
@@ -79,6 +82,31 @@ impl Sandbox {
         self.h.delete_process(&self.id, &exec_id).await.unwrap();
         assert_eq!(exit_status, 0, "turn {} `{script}` failed: {stdout}{stderr}", self.turn);
         RunOutput { exit_status, stdout, stderr }
+    }
+
+    /// Runs crabctl against the sandbox's containerd and namespace: (exit code, stdout, stderr).
+    pub fn crabctl(&self, args: &[&str]) -> (i32, String, String) {
+        let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl");
+        let out = std::process::Command::new(&bin)
+            .arg("--address")
+            .arg(&self.h.env.address)
+            .args(["--namespace", &self.h.env.namespace])
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", bin.display()));
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.code().unwrap_or(-1), text(&out.stdout), text(&out.stderr))
+    }
+
+    /// Waits until the checkpoints of the turns ended so far are durable: a no-op exec goes
+    /// through the same gate as the agent's next action.
+    pub async fn sync(&mut self) {
+        let exec_id = format!("sync-{}", self.turn);
+        let io = self.h.stdio(&self.id, &exec_id, StdioOptions::default()).unwrap();
+        self.h.exec(&self.id, &exec_id, &ProcessSpec::new(&["true"]), &io).await.unwrap();
+        self.h.start(&self.id, &exec_id).await.unwrap();
+        self.h.wait(&self.id, &exec_id, T).await.unwrap();
+        self.h.delete_process(&self.id, &exec_id).await.unwrap();
     }
 
     /// The sandbox's directory in the store.

@@ -1,0 +1,199 @@
+//! Crash recovery end to end: a multi-turn agent script covering every kind of turn (edits,
+//! deletes, a package install, a background HTTP server, a Python process holding state in
+//! memory) is run once without faults; then, for each turn, a fresh sandbox runs the script up
+//! to that turn, crashes (SIGKILL of the container's processes, or of its shim), is brought
+//! back with `crabctl recover`, runs the remaining turns, and must end in exactly the state of
+//! the fault-free run (see [`STATE`] for what is compared and what is left out).
+//!
+//! Real containerd, runc and CRIU; no fakes.
+
+use std::time::Duration;
+
+use crab_integration::sandbox::{Sandbox, SandboxOptions};
+
+/// The agent's turns, as it would type them (`bash -c` in /app).
+const TURNS: &[&str] = &[
+    // fs: a project with two files, and scripts used later.
+    r#"mkdir -p proj && echo v1 > proj/a.txt && echo scratch > junk.txt
+cat > kv.py <<'EOF'
+import socket
+g = {}
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 9000))
+s.listen()
+while True:
+    c, _ = s.accept()
+    src = c.recv(65536).decode()
+    try:
+        try:
+            out = repr(eval(src, g))
+        except SyntaxError:
+            exec(src, g)
+            out = "ok"
+    except Exception as e:
+        out = "error: %r" % (e,)
+    c.sendall(out.encode())
+    c.close()
+EOF
+cat > cli.py <<'EOF'
+import socket, sys, time
+for _ in range(100):
+    try:
+        c = socket.create_connection(("127.0.0.1", 9000))
+        break
+    except OSError:
+        time.sleep(0.05)
+c.sendall(sys.argv[1].encode())
+print(c.recv(65536).decode())
+EOF"#,
+    // none: reads only.
+    "cat proj/a.txt && ls -la && grep -r v1 proj",
+    // proc: an interpreter that keeps state in memory.
+    "nohup python3 /app/kv.py >/dev/null 2>&1 & python3 /app/cli.py 'x = 41'",
+    // proc: its memory changes.
+    "python3 /app/cli.py 'x += 1' && python3 /app/cli.py 'names = [\"a\", \"b\"]'",
+    // fs: an edit and a delete.
+    "rm junk.txt && echo v2 >> proj/a.txt && mkdir -p proj/sub && echo deep > proj/sub/b.txt",
+    // fs: a package install (a wheel built on the spot: there is no network).
+    r#"mkdir -p /tmp/whl && cd /tmp/whl && python3 - <<'EOF'
+import zipfile
+with zipfile.ZipFile("crabdemo-1.0-py3-none-any.whl", "w") as z:
+    z.writestr("crabdemo/__init__.py", "ANSWER = 42\n")
+    z.writestr("crabdemo-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: crabdemo\nVersion: 1.0\n")
+    z.writestr("crabdemo-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: crab\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+    z.writestr("crabdemo-1.0.dist-info/RECORD", "")
+EOF
+pip install -q --no-index --no-deps --break-system-packages /tmp/whl/crabdemo-1.0-py3-none-any.whl && rm -rf /tmp/whl"#,
+    // full: a web server in the background, and a file it serves.
+    "echo '<h1>crab</h1>' > index.html && (nohup python3 -m http.server 8000 --bind 127.0.0.1 --directory /app >/dev/null 2>&1 &) && sleep 0.5",
+    // proc: more interpreter state.
+    "python3 /app/cli.py 'x *= 2' && python3 /app/cli.py 'names.append(\"c\")'",
+];
+
+/// What a sandbox's state is compared by: file contents under /app and of the installed
+/// package (paths and hashes, not times), the command lines of live processes (not pids: a
+/// restore keeps them, a fresh start would not, and both are harmless), the web server's
+/// answer and the interpreter's variables.
+const STATE: &str = r#"cd /app && find . -type f -not -name '*.pyc' | sort | xargs sha256sum
+python3 -c 'import crabdemo; print("crabdemo", crabdemo.ANSWER)'
+ps -eo args --no-headers | grep -v -e '^ps ' -e '^bash -c' -e '^grep ' -e '^sort' | sort
+python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:8000/index.html").read().decode().strip())'
+python3 /app/cli.py 'x' && python3 /app/cli.py 'names'"#;
+
+#[derive(Debug, Clone, Copy)]
+enum Crash {
+    /// SIGKILL of every process of the container (the task stops, the shim lives).
+    Processes,
+    /// SIGKILL of the container's shim (the task is gone with it).
+    Shim,
+}
+
+async fn end_turn_durably(s: &mut Sandbox) {
+    s.end_turn().await;
+    s.sync().await;
+}
+
+fn shim_pid(s: &Sandbox) -> i32 {
+    let out = std::process::Command::new("pgrep")
+        .args(["-f", &format!("containerd-shim-crab-v1 .*-id {} ", s.id)])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let pids: Vec<i32> = text.split_whitespace().filter_map(|p| p.parse().ok()).collect();
+    assert_eq!(pids.len(), 1, "one shim for {}: {text}", s.id);
+    pids[0]
+}
+
+async fn crash(s: &Sandbox, how: Crash) {
+    match how {
+        Crash::Processes => {
+            s.h.kill(&s.id, "", libc::SIGKILL, true).await.unwrap();
+            s.h.wait(&s.id, "", Duration::from_secs(30)).await.unwrap();
+        }
+        Crash::Shim => {
+            let pid = shim_pid(s);
+            // SAFETY: plain kill(2).
+            assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+            for _ in 0..200 {
+                if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+        }
+    }
+}
+
+/// Runs `TURNS`, crashing after turn `crash_after` (1-based) when given; returns the final state.
+async fn run_script(name: &str, crash_after: Option<(usize, Crash)>) -> String {
+    let (mut s, _guard) = Sandbox::start(name, SandboxOptions::default()).await;
+    for (i, script) in TURNS.iter().enumerate() {
+        s.run(script).await;
+        end_turn_durably(&mut s).await;
+        if let Some((at, how)) = crash_after {
+            if at == i + 1 {
+                crash(&s, how).await;
+                let (code, out, err) = s.crabctl(&["recover", &s.id]);
+                assert_eq!(code, 0, "recover after turn {at} ({how:?}): {out}{err}");
+                let lineage = s.lineage();
+                let last = lineage.last().unwrap();
+                assert_eq!(last["kind"], "restored", "the lineage records the recovery: {lineage:#?}");
+            }
+        }
+    }
+    let state = s.run(STATE).await.stdout;
+    s.finish().await;
+    state
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_at_every_turn_recovers_the_fault_free_state() {
+    let reference = run_script("rec-ref", None).await;
+    eprintln!("fault-free state:\n{reference}");
+    for needle in ["./proj/a.txt", "crabdemo 42", "python3 /app/kv.py", "http.server 8000", "<h1>crab</h1>", "84", "['a', 'b', 'c']"] {
+        assert!(reference.contains(needle), "the fault-free run is not what the script makes ({needle}): {reference}");
+    }
+    assert!(!reference.contains("junk.txt"), "{reference}");
+    let runs = (1..=TURNS.len()).map(|at| {
+        let how = if at % 2 == 0 { Crash::Shim } else { Crash::Processes };
+        async move { (at, how, run_script(&format!("rec-{at}"), Some((at, how))).await) }
+    });
+    // A few at a time: each is a full agent sandbox.
+    let mut failures = Vec::new();
+    let runs: Vec<_> = runs.collect();
+    let mut pending = runs.into_iter();
+    loop {
+        let batch: Vec<_> = pending.by_ref().take(4).collect();
+        if batch.is_empty() {
+            break;
+        }
+        for (at, how, state) in futures_join_all(batch).await {
+            if state != reference {
+                failures.push(format!("crash after turn {at} ({how:?}):\n{}", diff(&reference, &state)));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "recovered runs differ from the fault-free run:\n{}", failures.join("\n"));
+}
+
+async fn futures_join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output>
+where
+    F: Send + 'static,
+    F::Output: Send + 'static,
+{
+    let handles: Vec<_> = futs.into_iter().map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.expect("a recovery run panicked"));
+    }
+    out
+}
+
+fn diff(want: &str, got: &str) -> String {
+    let w: Vec<&str> = want.lines().collect();
+    let g: Vec<&str> = got.lines().collect();
+    let missing = w.iter().filter(|l| !g.contains(l)).map(|l| format!("  - {l}"));
+    let extra = g.iter().filter(|l| !w.contains(l)).map(|l| format!("  + {l}"));
+    missing.chain(extra).collect::<Vec<_>>().join("\n")
+}
