@@ -15,6 +15,7 @@ pub mod env;
 pub mod events;
 pub mod harness;
 pub mod host;
+pub mod replay;
 pub mod sandbox;
 pub mod spec;
 pub mod stdio;

@@ -54,11 +54,16 @@ pub fn apply(policy: CheckpointPolicy, answer: &Answer) -> Cow<'_, Answer> {
 /// The policy of one container: its spec annotation [`POLICY_ANNOTATION`] if set, else the
 /// configured one. An unknown name is an error (the container is not created).
 pub fn for_container(spec: &Spec, configured: CheckpointPolicy) -> Result<CheckpointPolicy> {
-    parse_annotation(crate::bundle::annotation(spec, &[POLICY_ANNOTATION]), configured)
+    parse_annotation(
+        crate::bundle::annotation(spec, &[POLICY_ANNOTATION]),
+        configured,
+    )
 }
 
 fn parse_annotation(value: Option<&str>, configured: CheckpointPolicy) -> Result<CheckpointPolicy> {
-    let Some(name) = value else { return Ok(configured) };
+    let Some(name) = value else {
+        return Ok(configured);
+    };
     CheckpointPolicy::from_name(name).ok_or_else(|| {
         let known: Vec<&str> = CheckpointPolicy::ALL.iter().map(|p| p.name()).collect();
         Error::InvalidArgument(format!(
@@ -82,7 +87,11 @@ mod tests {
             container_id: "c".into(),
             seq: 3,
             kind,
-            fs: FsFinding { changed: kind == Kind::Fs || kind == Kind::Full, added: vec![PathBuf::from("app/x")], ..Default::default() },
+            fs: FsFinding {
+                changed: kind == Kind::Fs || kind == Kind::Full,
+                added: vec![PathBuf::from("app/x")],
+                ..Default::default()
+            },
             procs: ProcFinding::default(),
             degraded: Vec::new(),
             elapsed_us: 7,
@@ -93,21 +102,32 @@ mod tests {
     fn minimal_is_the_inspectors_answer() {
         for k in KINDS {
             assert_eq!(kind_for(CheckpointPolicy::Minimal, k), k);
-            assert!(matches!(apply(CheckpointPolicy::Minimal, &answer(k)), Cow::Borrowed(_)));
+            assert!(matches!(
+                apply(CheckpointPolicy::Minimal, &answer(k)),
+                Cow::Borrowed(_)
+            ));
         }
     }
 
     #[test]
     fn fs_every_turn_takes_files_only_every_turn() {
         for k in KINDS {
-            assert_eq!(kind_for(CheckpointPolicy::FsEveryTurn, k), Kind::Fs, "{k:?}");
+            assert_eq!(
+                kind_for(CheckpointPolicy::FsEveryTurn, k),
+                Kind::Fs,
+                "{k:?}"
+            );
         }
     }
 
     #[test]
     fn full_every_turn_takes_everything_every_turn() {
         for k in KINDS {
-            assert_eq!(kind_for(CheckpointPolicy::FullEveryTurn, k), Kind::Full, "{k:?}");
+            assert_eq!(
+                kind_for(CheckpointPolicy::FullEveryTurn, k),
+                Kind::Full,
+                "{k:?}"
+            );
         }
     }
 
@@ -116,9 +136,15 @@ mod tests {
         let a = answer(Kind::None);
         let b = apply(CheckpointPolicy::FullEveryTurn, &a);
         assert_eq!(b.kind, Kind::Full);
-        assert_eq!((b.seq, b.elapsed_us, &b.fs.added), (a.seq, a.elapsed_us, &a.fs.added));
+        assert_eq!(
+            (b.seq, b.elapsed_us, &b.fs.added),
+            (a.seq, a.elapsed_us, &a.fs.added)
+        );
         let a = answer(Kind::Fs);
-        assert!(matches!(apply(CheckpointPolicy::FsEveryTurn, &a), Cow::Borrowed(_)));
+        assert!(matches!(
+            apply(CheckpointPolicy::FsEveryTurn, &a),
+            Cow::Borrowed(_)
+        ));
     }
 
     #[test]
@@ -129,16 +155,30 @@ mod tests {
             assert_eq!(parse_annotation(Some(p.name()), Minimal).unwrap(), p);
         }
         for bad in ["", "none", "Minimal", "fs_every_turn"] {
-            let e = parse_annotation(Some(bad), Minimal).unwrap_err().to_string();
-            assert!(e.contains(POLICY_ANNOTATION) && e.contains("full-every-turn"), "{e}");
+            let e = parse_annotation(Some(bad), Minimal)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(POLICY_ANNOTATION) && e.contains("full-every-turn"),
+                "{e}"
+            );
         }
     }
 
     #[test]
     fn annotation_is_read_from_the_spec() {
         let mut spec = Spec::default();
-        assert_eq!(for_container(&spec, CheckpointPolicy::Minimal).unwrap(), CheckpointPolicy::Minimal);
-        spec.set_annotations(Some(HashMap::from([(POLICY_ANNOTATION.to_string(), "fs-every-turn".to_string())])));
-        assert_eq!(for_container(&spec, CheckpointPolicy::Minimal).unwrap(), CheckpointPolicy::FsEveryTurn);
+        assert_eq!(
+            for_container(&spec, CheckpointPolicy::Minimal).unwrap(),
+            CheckpointPolicy::Minimal
+        );
+        spec.set_annotations(Some(HashMap::from([(
+            POLICY_ANNOTATION.to_string(),
+            "fs-every-turn".to_string(),
+        )])));
+        assert_eq!(
+            for_container(&spec, CheckpointPolicy::Minimal).unwrap(),
+            CheckpointPolicy::FsEveryTurn
+        );
     }
 }

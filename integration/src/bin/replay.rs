@@ -1,0 +1,297 @@
+//! Trajectory replayer (issue 6): real mini-swe-agent trajectories replayed through containerd
+//! and the crab shim under each checkpoint policy, at several densities; prints figures and
+//! the inspector's accuracy, asserts nothing. How a replay runs: `crab_integration::replay`.
+//!
+//! `make replay` (REPLAY_ARGS="...") or, with the private containerd up and the images
+//! imported (`make build containerd-up images`, then `eval "$(hack/containerd.sh env)"`):
+//! `cargo run --release -p crab-integration --bin replay -- [options]`
+//!
+//! Output: tables on stdout; `$CRAB_HOME/bench/replay-<unix time>.{json,md}` and
+//! `replay-latest.{json,md}` (the JSON has every turn of every sandbox).
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crab_integration::env::{TestEnv, DEFAULT_RUNTIME};
+use crab_integration::replay::{self, report, trajectory, Options, Policy, Round};
+use crab_integration::sandbox::AGENT_IMAGE;
+use crab_integration::Harness;
+use serde_json::json;
+
+const USAGE: &str = "usage: replay [options]
+  --trajectories PATH   a trajectories .jsonl, or a directory with *mini-swe-agent*.jsonl
+                        (default: $CRAB_TRAJECTORIES, else ../shared/trajectories next to the repo)
+  --select A,B,...      trials to replay: full names, parts of names, or `all`
+                        (default: a representative set of 4, see replay::trajectory)
+  --densities 1,4,...   sandboxes at once (default 1,4; the issue's set is 1,4,8,16)
+  --policies a,b,...    of none, fs-every-turn, full-every-turn, crab (default: all; none is
+                        the baseline of the relative figures and is always run)
+  --think-scale X       recorded think time multiplier (default 0.05)
+  --timeout S           command timeout in seconds (default 30, as the agent's harness)
+  --max-turns N         replay at most N turns of each trajectory
+  --no-oracle           skip the inspector-accuracy pass";
+
+fn die(msg: &str) -> ! {
+    eprintln!("replay: {msg}");
+    std::process::exit(1)
+}
+
+struct Args {
+    trajectories: PathBuf,
+    select: Vec<String>,
+    densities: Vec<usize>,
+    policies: Vec<Policy>,
+    opts: Options,
+    oracle: bool,
+}
+
+fn args() -> Args {
+    let default_path = std::env::var_os("CRAB_TRAJECTORIES")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/trajectories")
+        });
+    let mut a = Args {
+        trajectories: default_path,
+        select: trajectory::DEFAULT_SELECTION
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+        densities: vec![1, 4],
+        policies: Policy::ALL.to_vec(),
+        opts: Options {
+            think_scale: 0.05,
+            cmd_timeout: Duration::from_secs(30),
+            max_turns: None,
+        },
+        oracle: true,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .unwrap_or_else(|| die(&format!("{flag} needs a value")))
+        };
+        let list = |v: String| -> Vec<String> {
+            v.split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect()
+        };
+        match flag.as_str() {
+            "--trajectories" => a.trajectories = PathBuf::from(value()),
+            "--select" => a.select = list(value()),
+            "--densities" => {
+                a.densities = list(value())
+                    .iter()
+                    .map(|d| {
+                        d.parse().ok().filter(|n| *n > 0).unwrap_or_else(|| {
+                            die(&format!("--densities: {d:?} is not a positive integer"))
+                        })
+                    })
+                    .collect()
+            }
+            "--policies" => {
+                a.policies = list(value())
+                    .iter()
+                    .map(|p| {
+                        Policy::from_name(p)
+                            .unwrap_or_else(|| die(&format!("--policies: unknown policy {p:?}")))
+                    })
+                    .collect()
+            }
+            "--think-scale" => {
+                let v = value();
+                a.opts.think_scale = v
+                    .parse()
+                    .ok()
+                    .filter(|x: &f64| x.is_finite() && *x >= 0.0)
+                    .unwrap_or_else(|| die(&format!("--think-scale: {v:?}")))
+            }
+            "--timeout" => {
+                let v = value();
+                a.opts.cmd_timeout = Duration::from_secs_f64(
+                    v.parse()
+                        .ok()
+                        .filter(|x: &f64| *x > 0.0)
+                        .unwrap_or_else(|| die(&format!("--timeout: {v:?}"))),
+                )
+            }
+            "--max-turns" => {
+                let v = value();
+                a.opts.max_turns = Some(
+                    v.parse()
+                        .ok()
+                        .filter(|n| *n > 0)
+                        .unwrap_or_else(|| die(&format!("--max-turns: {v:?}"))),
+                )
+            }
+            "--no-oracle" => a.oracle = false,
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => die(&format!("unknown argument {other:?}\n{USAGE}")),
+        }
+    }
+    if a.select.is_empty() || a.densities.is_empty() {
+        die("nothing to replay");
+    }
+    // The relative figures need the baseline, first.
+    a.policies.retain(|p| *p != Policy::None);
+    a.policies.sort();
+    a.policies.dedup();
+    a.policies.insert(0, Policy::None);
+    a
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    let a = args();
+    let all = trajectory::load(&a.trajectories)
+        .unwrap_or_else(|e| die(&format!("{e} (set --trajectories or CRAB_TRAJECTORIES)")));
+    let selected = trajectory::select(&all, &a.select).unwrap_or_else(|e| die(&e.to_string()));
+    let env = TestEnv {
+        image: AGENT_IMAGE.into(),
+        ..TestEnv::from_env()
+    };
+    if env.runtime != DEFAULT_RUNTIME {
+        die(&format!(
+            "turns and checkpoints are crab's own: unset CRAB_RUNTIME (it is {})",
+            env.runtime
+        ));
+    }
+    let h = Harness::connect_env(env)
+        .await
+        .unwrap_or_else(|e| die(&e.to_string()));
+    for t in &selected {
+        let turns = t.turns.len().min(a.opts.max_turns.unwrap_or(usize::MAX));
+        eprintln!("replay: {} ({turns} turns)", t.trial);
+    }
+    let load_before = loadavg();
+    let started = Instant::now();
+    let mut rounds = Vec::new();
+    let mut figures = Vec::new();
+    for &density in &a.densities {
+        let mut baseline = None;
+        for &policy in &a.policies {
+            let round = Round {
+                policy,
+                density,
+                oracle: false,
+            };
+            eprintln!("replay: round {} N={density} ...", policy.name());
+            let r = replay::run_round(round, &selected, &a.opts).await;
+            let f = report::figures(&r, baseline.as_ref());
+            eprintln!(
+                "replay: round {} N={density}: {} turns in {:.1} s, {} sandboxes failed",
+                policy.name(),
+                f.turns,
+                r.wall_s,
+                f.failed_sandboxes
+            );
+            if policy == Policy::None {
+                baseline = Some(r.clone());
+            }
+            figures.push(f);
+            rounds.push(r);
+        }
+    }
+    let accuracy = if a.oracle {
+        eprintln!(
+            "replay: accuracy pass (crab, {} sandboxes at once) ...",
+            selected.len()
+        );
+        let r = replay::run_round(
+            Round {
+                policy: Policy::Crab,
+                density: selected.len(),
+                oracle: true,
+            },
+            &selected,
+            &a.opts,
+        )
+        .await;
+        let acc = report::accuracy(&r);
+        rounds.push(r);
+        Some(acc)
+    } else {
+        None
+    };
+    let total = started.elapsed();
+    let failures: Vec<String> = rounds
+        .iter()
+        .flat_map(|r| {
+            r.sandboxes.iter().flat_map(move |s| {
+                s.errors
+                    .iter()
+                    .map(move |e| format!("{} N={} {}: {e}", r.policy.name(), r.density, s.trial))
+            })
+        })
+        .collect();
+
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .unwrap_or_default()
+        .trim()
+        .to_string();
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
+    let load_after = loadavg();
+    let mut md = format!(
+        "# Trajectory replay\n\nkernel {kernel}, {cpus} CPUs, unix time {now}, total {:.0} s, loadavg before {load_before} / after \
+         {load_after}. Image {AGENT_IMAGE} through the private containerd and the crab shim. Think time x{}, command timeout \
+         {:?}{}. Trajectories ({}): {}.\n\n",
+        total.as_secs_f64(),
+        a.opts.think_scale,
+        a.opts.cmd_timeout,
+        a.opts.max_turns.map(|m| format!(", at most {m} turns each")).unwrap_or_default(),
+        selected.len(),
+        selected.iter().map(|t| t.trial.as_str()).collect::<Vec<_>>().join(", ")
+    );
+    md.push_str(&report::markdown(&figures, accuracy.as_ref()));
+    if !failures.is_empty() {
+        md.push_str(&format!("\n\n## Errors ({})\n\n", failures.len()));
+        for f in failures.iter().take(30) {
+            md.push_str(&format!("- {f}\n"));
+        }
+    }
+    let result = json!({
+        "benchmark": "replay",
+        "unix_time": now,
+        "total_s": total.as_secs_f64(),
+        "host": {"kernel": kernel, "cpus": cpus, "loadavg_before": load_before, "loadavg_after": load_after},
+        "image": AGENT_IMAGE,
+        "options": {"think_scale": a.opts.think_scale, "cmd_timeout_s": a.opts.cmd_timeout.as_secs_f64(),
+                    "max_turns": a.opts.max_turns, "densities": a.densities,
+                    "policies": a.policies.iter().map(|p| p.name()).collect::<Vec<_>>(), "oracle": a.oracle},
+        "trajectories": selected.iter().map(|t| json!({"trial": t.trial, "turns": t.turns.len()})).collect::<Vec<_>>(),
+        "figures": figures,
+        "accuracy": accuracy,
+        "errors": failures,
+        "rounds": rounds,
+    });
+    println!("{md}");
+    let dir = h.env.bench_dir();
+    match crab_integration::bench::write_results(&dir, "replay", now, &result, &md) {
+        Ok(()) => eprintln!(
+            "replay: results in {}/replay-{now}.{{json,md}} (and replay-latest.*)",
+            dir.display()
+        ),
+        Err(e) => die(&format!("writing results to {}: {e}", dir.display())),
+    }
+}

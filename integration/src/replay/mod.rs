@@ -1,0 +1,644 @@
+//! The trajectory replayer (issue 6): real agent runs replayed through containerd and the crab
+//! shim, the way the agent ran them, under each checkpoint policy and at several densities.
+//!
+//! Each trajectory gets its own agent sandbox (`localhost/crab/agent:latest`, init `sleep
+//! infinity`, like mini-swe-agent's own container). Each turn: the recorded think time
+//! (scaled), then the command as a fresh `bash -c` exec in /app with the recorded harness's
+//! 30 s timeout (on timeout the exec's process is killed; its children, like anything it left
+//! in the background, live on), then a turn end (`Tasks.Update` with `io.crab/turn-end`,
+//! under every policy that checkpoints). `N` sandboxes run at once; a round replays the
+//! selected trajectories (repeated to fill `N` sandboxes when there are fewer) under one
+//! policy, and every policy replays the same selection at the same density.
+//!
+//! Measured per turn: the time from `Tasks.Exec` to `Tasks.Start` returning (the shim holds an
+//! exec start until the previous turn's checkpoint is durable, so its excess over the `none`
+//! policy's is the delay checkpoints expose to the agent), the command's run time, the
+//! turn-end call and crab's decision time (the stored answer's `elapsed_us`). Per sandbox,
+//! once its last checkpoint is durable: the published manifests and the bytes in its store.
+//!
+//! Inspector accuracy ([`oracle`]) is measured in a separate pass (crab's policy, all
+//! selected trajectories at once): there each turn end is bracketed by host snapshots of the
+//! container's files and processes, and the next turn waits until the checkpoint is durable
+//! (so crab's own freeze is not mistaken for the agent's doing). Its timings are not used.
+
+pub mod oracle;
+pub mod report;
+pub mod stats;
+pub mod trajectory;
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use containerd_client::services::v1::snapshots::{
+    snapshots_client::SnapshotsClient, MountsRequest,
+};
+use crab_runtime_config::CheckpointPolicy;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::harness::SNAPSHOTTER;
+use crate::sandbox::{Sandbox, SandboxOptions, TURN_END};
+use crate::{Error, ProcessSpec, StdioOptions};
+
+use self::oracle::{CrabAnswer, Judgement, Observer, Snapshot};
+use self::trajectory::Trajectory;
+
+/// What the replayer compares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    /// No checkpoints (`[checkpoint] enabled = false`): the baseline. Chat-only recovery
+    /// (a fresh container) costs the same at run time.
+    None,
+    FsEveryTurn,
+    FullEveryTurn,
+    /// crab's own (`policy = "minimal"`).
+    Crab,
+}
+
+impl Policy {
+    pub const ALL: [Policy; 4] = [
+        Policy::None,
+        Policy::FsEveryTurn,
+        Policy::FullEveryTurn,
+        Policy::Crab,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::None => "none",
+            Policy::FsEveryTurn => "fs-every-turn",
+            Policy::FullEveryTurn => "full-every-turn",
+            Policy::Crab => "crab",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<Policy> {
+        match s {
+            "minimal" => Some(Policy::Crab),
+            _ => Policy::ALL.into_iter().find(|p| p.name() == s),
+        }
+    }
+
+    /// The sandbox's crab config (root-level dotted keys, see [`SandboxOptions::config`]).
+    pub fn config(self) -> String {
+        let policy = match self {
+            Policy::None => return "checkpoint.enabled = false\n".into(),
+            Policy::FsEveryTurn => CheckpointPolicy::FsEveryTurn,
+            Policy::FullEveryTurn => CheckpointPolicy::FullEveryTurn,
+            Policy::Crab => CheckpointPolicy::Minimal,
+        };
+        format!("checkpoint.policy = \"{}\"\n", policy.name())
+    }
+
+    pub fn checkpoints(self) -> bool {
+        self != Policy::None
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub think_scale: f64,
+    pub cmd_timeout: Duration,
+    /// Replay at most this many turns of each trajectory.
+    pub max_turns: Option<usize>,
+}
+
+/// One round: every selected trajectory under one policy, `density` sandboxes at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Round {
+    pub policy: Policy,
+    pub density: usize,
+    /// The accuracy pass: snapshots around each turn end, durable checkpoints before the next.
+    pub oracle: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TurnRecord {
+    pub index: u64,
+    pub recorded_status: String,
+    /// How long the replayer slept for the agent's (scaled) think time.
+    pub think_ms: f64,
+    /// From `Tasks.Exec` to `Tasks.Start` returning.
+    pub exec_start_ms: f64,
+    /// From `Tasks.Start` returning to the exit (or the kill, on timeout).
+    pub run_ms: f64,
+    pub timed_out: bool,
+    pub exit_status: Option<u32>,
+    pub output_bytes: usize,
+    /// The turn-end `Tasks.Update` as the harness saw it.
+    pub turn_end_ms: Option<f64>,
+    /// crab's decision (the stored answer's kind and `elapsed_us`).
+    pub decision: Option<String>,
+    pub decision_ms: Option<f64>,
+    pub summary: Option<String>,
+    pub judgement: Option<Judgement>,
+    pub oracle_errors: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SandboxRecord {
+    pub trial: String,
+    pub slot: usize,
+    pub id: String,
+    pub turns: Vec<TurnRecord>,
+    /// From the first think time to the last turn end returning.
+    pub replay_s: f64,
+    /// After the last turn end, until its checkpoint was durable (an exec start waits for it).
+    pub drain_ms: f64,
+    /// Checkpoints the turn ends published (origin manifests left out), oldest first.
+    pub manifests: Vec<Value>,
+    /// Bytes in the sandbox's store by top-level entry (checkpoints, blobs, proc, chunks,
+    /// turns), files counted once per inode.
+    pub store_bytes: BTreeMap<String, u64>,
+    pub errors: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RoundRecord {
+    pub policy: Policy,
+    pub density: usize,
+    pub oracle: bool,
+    pub wall_s: f64,
+    pub sandboxes: Vec<SandboxRecord>,
+}
+
+/// Replays `trajectories` in one round. Sandbox failures are recorded, not fatal.
+pub async fn run_round(round: Round, trajectories: &[Trajectory], opts: &Options) -> RoundRecord {
+    let n = round.density.max(1);
+    let jobs: VecDeque<(usize, Trajectory)> = (0..trajectories.len().max(n))
+        .map(|i| (i, trajectories[i % trajectories.len()].clone()))
+        .collect();
+    let jobs = Arc::new(Mutex::new(jobs));
+    let started = Instant::now();
+    let mut workers = Vec::new();
+    for _ in 0..n {
+        let (jobs, opts) = (jobs.clone(), opts.clone());
+        workers.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            loop {
+                let Some((slot, t)) = jobs.lock().unwrap().pop_front() else {
+                    break;
+                };
+                let name = format!(
+                    "replay-{}-n{n}{}-{slot}",
+                    round.policy.name(),
+                    if round.oracle { "o" } else { "" }
+                );
+                let trial = t.trial.clone();
+                let rec = tokio::spawn(replay_sandbox(name.clone(), round, t, opts.clone()))
+                    .await
+                    .unwrap_or_else(|e| SandboxRecord {
+                        trial,
+                        slot,
+                        id: name,
+                        turns: Vec::new(),
+                        replay_s: f64::NAN,
+                        drain_ms: f64::NAN,
+                        manifests: Vec::new(),
+                        store_bytes: BTreeMap::new(),
+                        errors: vec![format!("the sandbox's replay panicked: {e}")],
+                    });
+                eprintln!(
+                    "replay: {} N={n}{}: {} done, {} turns in {:.1} s{}",
+                    round.policy.name(),
+                    if round.oracle { " (accuracy)" } else { "" },
+                    rec.trial,
+                    rec.turns.len(),
+                    rec.replay_s,
+                    rec.errors
+                        .first()
+                        .map(|e| format!(", ERROR: {e}"))
+                        .unwrap_or_default()
+                );
+                out.push(SandboxRecord { slot, ..rec });
+            }
+            out
+        }));
+    }
+    let mut sandboxes = Vec::new();
+    for w in workers {
+        sandboxes.extend(w.await.unwrap_or_default());
+    }
+    sandboxes.sort_by_key(|s| s.slot);
+    RoundRecord {
+        policy: round.policy,
+        density: n,
+        oracle: round.oracle,
+        wall_s: started.elapsed().as_secs_f64(),
+        sandboxes,
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+async fn replay_sandbox(name: String, round: Round, t: Trajectory, opts: Options) -> SandboxRecord {
+    let config = round.policy.config();
+    let (mut sb, guard) = Sandbox::start(
+        &name,
+        SandboxOptions {
+            config: &config,
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut rec = SandboxRecord {
+        trial: t.trial.clone(),
+        slot: 0,
+        id: sb.id.clone(),
+        turns: Vec::new(),
+        replay_s: f64::NAN,
+        drain_ms: f64::NAN,
+        manifests: Vec::new(),
+        store_bytes: BTreeMap::new(),
+        errors: Vec::new(),
+    };
+    if let Err(e) = replay_turns(&mut sb, round, &t, &opts, &mut rec).await {
+        rec.errors.push(e);
+    }
+    if round.policy.checkpoints() {
+        // The last turn's checkpoint: an exec start waits until it is durable.
+        let t0 = Instant::now();
+        match exec(&sb, "drain", "true", Duration::from_secs(120)).await {
+            Ok(_) => rec.drain_ms = ms(t0.elapsed()),
+            Err(e) => rec
+                .errors
+                .push(format!("waiting for the last checkpoint: {e}")),
+        }
+        rec.manifests = sb
+            .manifests()
+            .into_iter()
+            .filter(|m| matches!(m["kind"].as_str(), Some("fs" | "proc" | "full" | "failed")))
+            .collect();
+        rec.store_bytes = store_bytes(&sb.store());
+    }
+    if let Err(e) = sb.h.kill_and_remove(&sb.id).await {
+        rec.errors.push(format!("removing the sandbox: {e}"));
+    }
+    let leaks = sb.h.leaks(&sb.id).await;
+    if !leaks.is_empty() {
+        rec.errors
+            .push(format!("left behind: {}", leaks.join("; ")));
+    }
+    let _ = std::fs::remove_dir_all(&sb.state_dir);
+    drop(guard);
+    rec
+}
+
+async fn replay_turns(
+    sb: &mut Sandbox,
+    round: Round,
+    t: &Trajectory,
+    opts: &Options,
+    rec: &mut SandboxRecord,
+) -> Result<(), String> {
+    let mut observer = match round.oracle {
+        true => Some(oracle_observer(sb).await?),
+        false => None,
+    };
+    // The base: crab's first mark is taken at Start, before any exec.
+    let mut prev: Option<(Snapshot, Snapshot)> = None;
+    if let Some(o) = observer.take() {
+        let (o, s) = snapshot(o).await;
+        prev = Some((s.clone(), s));
+        observer = Some(o);
+    }
+    let started = Instant::now();
+    let mut ready_at = Instant::now();
+    let turns = t.turns.iter().take(opts.max_turns.unwrap_or(usize::MAX));
+    for (n, turn) in turns.enumerate() {
+        let think = turn.think.mul_f64(opts.think_scale);
+        let wake = ready_at + think;
+        let slept = wake.saturating_duration_since(Instant::now());
+        tokio::time::sleep_until(wake.into()).await;
+        let x = exec(sb, &format!("t{n}"), &turn.cmd, opts.cmd_timeout)
+            .await
+            .map_err(|e| format!("turn {} (`{}`): {e}", turn.index, first_line(&turn.cmd)))?;
+        let mut r = TurnRecord {
+            index: turn.index,
+            recorded_status: turn.recorded_status.clone(),
+            think_ms: ms(slept),
+            exec_start_ms: x.start_ms,
+            run_ms: x.run_ms,
+            timed_out: x.timed_out,
+            exit_status: x.status,
+            output_bytes: x.output_bytes,
+            turn_end_ms: None,
+            decision: None,
+            decision_ms: None,
+            summary: None,
+            judgement: None,
+            oracle_errors: Vec::new(),
+        };
+        let before = match observer.take() {
+            Some(o) => {
+                let (o, s) = snapshot(o).await;
+                observer = Some(o);
+                Some(s)
+            }
+            None => None,
+        };
+        if round.policy.checkpoints() {
+            let turn_id = format!("t{n}");
+            let t0 = Instant::now();
+            sb.h.update(
+                &sb.id,
+                None,
+                HashMap::from([(TURN_END.to_string(), turn_id.clone())]),
+            )
+            .await
+            .map_err(|e| format!("turn end {turn_id}: {e}"))?;
+            r.turn_end_ms = Some(ms(t0.elapsed()));
+            ready_at = Instant::now();
+            let answer = last_answer(&sb.store())?;
+            if answer["turn_id"] != turn_id.as_str() {
+                return Err(format!(
+                    "turn end {turn_id}: the newest stored answer is {}'s",
+                    answer["turn_id"]
+                ));
+            }
+            r.decision = answer["kind"].as_str().map(str::to_string);
+            r.decision_ms = answer["elapsed_us"].as_f64().map(|us| us / 1e3);
+            if let (Some(o), Some(before), Some((pb, pa))) = (observer.take(), before, prev.take())
+            {
+                if r.decision.as_deref() != Some("none") {
+                    wait_published(sb, &turn_id).await?;
+                }
+                let (mut o, after) = snapshot(o).await;
+                let crab = CrabAnswer::from_json(&answer);
+                let (j, o2) = tokio::task::spawn_blocking(move || {
+                    let resolved = o.resolve([&pb, &pa, &before, &after]);
+                    let j = oracle::judge(&resolved, &crab);
+                    (j, (o, before, after))
+                })
+                .await
+                .map_err(|e| e.to_string())?;
+                let (o, before, after) = o2;
+                r.oracle_errors = before.errors.iter().chain(&after.errors).cloned().collect();
+                r.judgement = Some(j);
+                r.summary = Some(summary(&answer));
+                prev = Some((before, after));
+                observer = Some(o);
+                ready_at = Instant::now();
+            }
+        } else {
+            ready_at = Instant::now();
+        }
+        rec.turns.push(r);
+    }
+    rec.replay_s = started.elapsed().as_secs_f64();
+    Ok(())
+}
+
+fn first_line(s: &str) -> &str {
+    let l = s.lines().next().unwrap_or("");
+    &l[..l.char_indices().nth(80).map(|(i, _)| i).unwrap_or(l.len())]
+}
+
+/// The answer's explanation, short: what crab saw.
+fn summary(a: &Value) -> String {
+    let n = |k: &str| a["fs"][k].as_array().map(Vec::len).unwrap_or(0);
+    let names = |k: &str| -> Vec<String> {
+        a["procs"][k]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p["cmdline"].as_str().map(str::to_string))
+            .collect()
+    };
+    format!(
+        "{}: fs +{} ~{} -{}; procs started {:?} ended {:?}; memory changed in {}; holds changed {}",
+        a["kind"].as_str().unwrap_or("?"),
+        n("added"),
+        n("modified"),
+        n("deleted"),
+        names("started"),
+        names("ended"),
+        a["procs"]["memory"]
+            .as_array()
+            .map(|m| m
+                .iter()
+                .filter(|m| m["changed_pages"].as_u64().unwrap_or(0)
+                    + m["added_pages"].as_u64().unwrap_or(0)
+                    + m["removed_pages"].as_u64().unwrap_or(0)
+                    > 0)
+                .count())
+            .unwrap_or(0),
+        a["procs"]["held_changed"]
+            .as_array()
+            .map(Vec::len)
+            .unwrap_or(0),
+    )
+}
+
+struct Exec {
+    start_ms: f64,
+    run_ms: f64,
+    timed_out: bool,
+    status: Option<u32>,
+    output_bytes: usize,
+}
+
+/// Runs `cmd` as `bash -c` in /app; on timeout its process gets SIGKILL (what it started lives
+/// on, as under the agent's harness).
+async fn exec(sb: &Sandbox, exec_id: &str, cmd: &str, timeout: Duration) -> crate::Result<Exec> {
+    let mut io = sb.h.stdio(&sb.id, exec_id, StdioOptions::default())?;
+    let spec = ProcessSpec::new(&["bash", "-c", cmd]).cwd("/app");
+    let t0 = Instant::now();
+    sb.h.exec(&sb.id, exec_id, &spec, &io).await?;
+    sb.h.start(&sb.id, exec_id).await?;
+    let start_ms = ms(t0.elapsed());
+    let t1 = Instant::now();
+    let (status, timed_out) = match sb.h.wait(&sb.id, exec_id, timeout).await {
+        Ok(s) => (Some(s), false),
+        Err(Error::Timeout { .. }) => {
+            sb.h.kill(&sb.id, exec_id, libc::SIGKILL, false).await?;
+            (
+                sb.h.wait(&sb.id, exec_id, Duration::from_secs(60))
+                    .await
+                    .ok(),
+                true,
+            )
+        }
+        Err(e) => return Err(e),
+    };
+    let run_ms = ms(t1.elapsed());
+    // The shim closes the FIFOs once the exit is in (after a bounded drain of what the
+    // process's children may still hold open).
+    let output_bytes = tokio::task::block_in_place(|| {
+        let out = io
+            .stdout(Duration::from_secs(30))
+            .map(|o| o.len())
+            .unwrap_or(0);
+        out + io
+            .stderr_string(Duration::from_secs(30))
+            .map(|e| e.len())
+            .unwrap_or(0)
+    });
+    sb.h.delete_process(&sb.id, exec_id).await?;
+    Ok(Exec {
+        start_ms,
+        run_ms,
+        timed_out,
+        status,
+        output_bytes,
+    })
+}
+
+/// The newest stored turn answer.
+fn last_answer(store: &Path) -> Result<Value, String> {
+    let dir = store.join("turns");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.extension().is_some_and(|x| x == "json")
+                && !p
+                    .file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+        })
+        .collect();
+    files.sort();
+    let last = files
+        .last()
+        .ok_or_else(|| format!("no answer in {}", dir.display()))?;
+    let text = std::fs::read(last).map_err(|e| format!("{}: {e}", last.display()))?;
+    serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", last.display()))
+}
+
+/// Waits until a manifest covering `turn_id` is published.
+async fn wait_published(sb: &Sandbox, turn_id: &str) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        if sb.manifests().iter().any(|m| {
+            m["turn_id"]
+                .as_str()
+                .is_some_and(|t| t.split(',').any(|t| t == turn_id))
+        }) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "no checkpoint of turn {turn_id} published in 180 s"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn oracle_observer(sb: &Sandbox) -> Result<Observer, String> {
+    let mounts = SnapshotsClient::new(sb.h.channel())
+        .mounts(sb.h.request(MountsRequest {
+            snapshotter: SNAPSHOTTER.into(),
+            key: sb.id.clone(),
+        }))
+        .await
+        .map_err(|e| format!("Snapshots.Mounts {}: {e}", sb.id))?
+        .into_inner()
+        .mounts;
+    let (upperdir, lowerdirs) = mounts
+        .iter()
+        .find(|m| m.r#type == "overlay")
+        .and_then(|m| oracle::overlay_dirs(&m.options))
+        .ok_or_else(|| {
+            format!(
+                "{}: the rootfs is not an overlay with an upperdir: {mounts:?}",
+                sb.id
+            )
+        })?;
+    let (_, pid) = sb.h.status(&sb.id, "").await.map_err(|e| e.to_string())?;
+    let cgroup = oracle::cgroup2_dir(pid)
+        .map_err(|e| format!("the cgroup of {} (pid {pid}): {e}", sb.id))?;
+    Ok(Observer::new(oracle::Target {
+        upperdir,
+        lowerdirs,
+        cgroup,
+    }))
+}
+
+async fn snapshot(mut o: Observer) -> (Observer, Snapshot) {
+    tokio::task::spawn_blocking(move || {
+        let s = o.snapshot();
+        (o, s)
+    })
+    .await
+    .expect("the snapshot thread does not panic")
+}
+
+/// Bytes under `store`, by top-level entry, each inode once.
+fn store_bytes(store: &Path) -> BTreeMap<String, u64> {
+    use std::os::unix::fs::MetadataExt;
+    fn walk(p: &Path, seen: &mut HashSet<(u64, u64)>) -> u64 {
+        let Ok(meta) = std::fs::symlink_metadata(p) else {
+            return 0;
+        };
+        if meta.is_dir() {
+            return std::fs::read_dir(p)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| walk(&e.path(), seen))
+                .sum();
+        }
+        if seen.insert((meta.dev(), meta.ino())) {
+            meta.len()
+        } else {
+            0
+        }
+    }
+    let mut seen = HashSet::new();
+    let mut out = BTreeMap::new();
+    for e in std::fs::read_dir(store).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        *out.entry(name).or_default() += walk(&e.path(), &mut seen);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policies_and_their_config() {
+        for p in Policy::ALL {
+            assert_eq!(Policy::from_name(p.name()), Some(p));
+            // What the sandbox gets must be valid crab config with the intended effect.
+            let c = crab_runtime_config::Config::from_toml_str(&p.config(), Path::new("replay"))
+                .unwrap();
+            assert_eq!(c.checkpoint.enabled, p.checkpoints(), "{p:?}");
+        }
+        assert_eq!(Policy::from_name("minimal"), Some(Policy::Crab));
+        assert_eq!(Policy::from_name("chat-only"), None);
+        let c = |p: Policy| {
+            crab_runtime_config::Config::from_toml_str(&p.config(), Path::new("replay"))
+                .unwrap()
+                .checkpoint
+                .policy
+        };
+        assert_eq!(c(Policy::Crab), CheckpointPolicy::Minimal);
+        assert_eq!(c(Policy::FsEveryTurn), CheckpointPolicy::FsEveryTurn);
+        assert_eq!(c(Policy::FullEveryTurn), CheckpointPolicy::FullEveryTurn);
+    }
+
+    #[test]
+    fn store_bytes_count_each_inode_once() {
+        let t = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(t.path().join("blobs/sha256")).unwrap();
+        std::fs::write(t.path().join("blobs/sha256/a"), [0u8; 100]).unwrap();
+        std::fs::create_dir_all(t.path().join("proc/000001")).unwrap();
+        std::fs::write(t.path().join("proc/000001/pages.img"), [0u8; 10]).unwrap();
+        std::fs::hard_link(
+            t.path().join("proc/000001/pages.img"),
+            t.path().join("proc/000001/again.img"),
+        )
+        .unwrap();
+        let b = store_bytes(t.path());
+        assert_eq!(b["blobs"], 100);
+        assert_eq!(b["proc"], 10);
+    }
+}
