@@ -2,12 +2,16 @@
 //! layer holding exactly the turn's net change, process images, and the next action waiting
 //! for the checkpoint (so it cannot change what is being captured).
 
-use std::path::{Path, PathBuf};
+use std::{
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
 
 use crab_integration::{
     env::TestEnv,
+    host,
     sandbox::{Sandbox, SandboxOptions, AGENT_IMAGE},
-    Harness, ProcessSpec,
+    Harness, ProcessSpec, StdioOptions, TaskStatus,
 };
 use serde_json::Value;
 
@@ -174,4 +178,257 @@ async fn a_full_store_fails_the_checkpoint_not_the_container() {
         assert!(l.contains_key(f), "{f} missing from the full layer: {:?}", l.keys().collect::<Vec<_>>());
     }
     s.finish().await;
+}
+
+/// Starts exec `exec_id` running `argv` in the sandbox without waiting for it; its stdio stays
+/// open as long as the returned value lives.
+async fn start_exec(s: &Sandbox, exec_id: &str, argv: &[&str]) -> crab_integration::Stdio {
+    let io = s.h.stdio(&s.id, exec_id, StdioOptions::default()).unwrap();
+    s.h.exec(&s.id, exec_id, &ProcessSpec::new(argv).cwd("/app"), &io).await.unwrap();
+    s.h.start(&s.id, exec_id).await.unwrap();
+    io
+}
+
+/// Ends a turn (the sandbox's next turn id) and checks it returned at once: a checkpoint,
+/// even one that has to wait, is off the agent's critical path.
+async fn end_turn_at_once(s: &mut Sandbox) -> Value {
+    s.turn += 1;
+    let started = Instant::now();
+    let answer = s.end_turn().await;
+    assert!(started.elapsed() < Duration::from_secs(2), "the turn end took {:?}", started.elapsed());
+    answer
+}
+
+/// The host pids of the container's processes, sorted.
+fn live_pids(s: &Sandbox) -> Vec<u64> {
+    let mut pids: Vec<u64> = host::container_processes(&s.id).iter().map(|p| p.pid as u64).collect();
+    pids.sort();
+    pids
+}
+
+fn image_pids(m: &Value) -> Vec<u64> {
+    let mut pids: Vec<u64> = m["process"]["pids"].as_array().unwrap().iter().map(|p| p.as_u64().unwrap()).collect();
+    pids.sort();
+    pids
+}
+
+/// An exec still running at a turn end is outside the tree a process image holds (DESIGN.md
+/// §3, the trap): the checkpoint waits until it has ended, then holds every process and what
+/// the exec did after the turn end.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_turn_ending_during_an_exec_is_checkpointed_once_it_ends() {
+    let (mut s, _g) = Sandbox::start("ckpt_execwait", SandboxOptions::default()).await;
+    s.run("nohup sleep 3000 >/dev/null 2>&1 & sleep 0.2").await;
+    s.end_turn().await;
+    assert_eq!(s.wait_manifests(1).await[0]["kind"], "proc");
+
+    let io = start_exec(&s, "slow", &["bash", "-c", "sleep 3; echo done > /app/after"]).await;
+    let answer = end_turn_at_once(&mut s).await;
+    assert_ne!(answer["kind"], "none", "the exec's processes started this turn: {answer:#}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(s.manifests().len(), 1, "a checkpoint was taken while the exec ran: {:#?}", s.manifests());
+    assert_eq!(s.h.wait(&s.id, "slow", Duration::from_secs(30)).await.unwrap(), 0);
+    let m = s.wait_manifests(2).await;
+    let c = &m[1];
+    assert_eq!(c["turn_id"], "t2", "{c:#}");
+    // The answer at the turn end saw the exec start; the one after it ended, its file.
+    assert_eq!(c["kind"], "full", "{c:#}");
+    let explanation = c["explanation"].as_str().unwrap();
+    assert!(explanation.contains("exec slow") && explanation.contains("sleep 3"), "{explanation}");
+    let l = s.layer(c["fs_layers"].as_array().unwrap().last().unwrap());
+    assert_eq!(l.get("app/after").map(|(_, d)| d.as_slice()), Some(&b"done\n"[..]), "{:?}", l.keys().collect::<Vec<_>>());
+    // Every live process is in the image (init and the background sleep; the exec is gone).
+    assert_eq!(image_pids(c), live_pids(&s), "{c:#}");
+    assert_eq!(image_pids(c).len(), 2, "{c:#}");
+    drop(io);
+    s.h.delete_process(&s.id, "slow").await.unwrap();
+
+    // The next turn compares with the state after the exec: its file is not new any more.
+    s.run("cat /app/after").await;
+    let answer = s.end_turn().await;
+    assert_eq!(answer["fs"]["changed"], false, "{answer:#}");
+    s.finish().await;
+}
+
+/// An exec that does not end within the action wait bound: the turn is recorded as failed,
+/// naming the exec and its command line, and the next turn takes a full checkpoint.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_exec_running_past_the_bound_fails_the_turn_and_names_it() {
+    let o = SandboxOptions { config: "checkpoint.action_wait_timeout_ms = 1500", ..Default::default() };
+    let (mut s, _g) = Sandbox::start("ckpt_execbound", o).await;
+    let io = start_exec(&s, "forever", &["sleep", "1000"]).await;
+    end_turn_at_once(&mut s).await;
+    let m = s.wait_manifests(1).await;
+    assert_eq!(m[0]["kind"], "failed", "{:#}", m[0]);
+    let explanation = m[0]["explanation"].as_str().unwrap();
+    for part in ["exec forever", "`sleep 1000`", "action_wait_timeout_ms"] {
+        assert!(explanation.contains(part), "{part} not in: {explanation}");
+    }
+    // The failure left the job: the next actions pass the gate at once.
+    s.h.kill(&s.id, "forever", libc::SIGKILL, false).await.unwrap();
+    assert_eq!(s.h.wait(&s.id, "forever", Duration::from_secs(30)).await.unwrap(), 137);
+    drop(io);
+    s.h.delete_process(&s.id, "forever").await.unwrap();
+    s.run("echo next > /app/next").await;
+    s.end_turn().await;
+    let m = s.wait_manifests(2).await;
+    assert_eq!(m[1]["kind"], "full", "{:#}", m[1]);
+    assert_eq!(m[1]["fs_layers"].as_array().unwrap().len(), 1, "a new chain: {:#}", m[1]);
+    assert_eq!(image_pids(&m[1]), live_pids(&s));
+    s.finish().await;
+}
+
+/// A kill arriving while the checkpoint waits for a running exec would wait for the very
+/// process it ends: the checkpoint gives up at once (failed, naming the exec) and the kill
+/// goes through.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kill_does_not_wait_for_a_checkpoint_waiting_for_an_exec() {
+    let (mut s, _g) = Sandbox::start("ckpt_execkill", SandboxOptions::default()).await;
+    let io = start_exec(&s, "stuck", &["bash", "-c", "sleep 1000; true"]).await;
+    end_turn_at_once(&mut s).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    s.h.kill(&s.id, "stuck", libc::SIGKILL, false).await.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(5), "the kill waited {:?} (bound 30 s)", started.elapsed());
+    assert_eq!(s.h.wait(&s.id, "stuck", Duration::from_secs(30)).await.unwrap(), 137);
+    drop(io);
+    s.h.delete_process(&s.id, "stuck").await.unwrap();
+    let m = s.wait_manifests(1).await;
+    assert_eq!(m[0]["kind"], "failed", "{:#}", m[0]);
+    let explanation = m[0]["explanation"].as_str().unwrap();
+    assert!(explanation.contains("exec stuck") && explanation.contains("kill"), "{explanation}");
+    s.finish().await;
+}
+
+/// Every file under `dir` (recursively) whose name ends in `.tmp`.
+fn temp_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = e.path();
+        if path.to_string_lossy().ends_with(".tmp") {
+            out.push(path.clone());
+        }
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            out.extend(temp_files(&path));
+        }
+    }
+    out
+}
+
+/// sha256 of every file under `dir`, by relative path.
+fn tree_hashes(dir: &Path) -> std::collections::BTreeMap<PathBuf, String> {
+    use sha2::{Digest, Sha256};
+    let mut out = std::collections::BTreeMap::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            if e.file_type().unwrap().is_dir() {
+                todo.push(e.path());
+            } else {
+                let hex: String = Sha256::digest(std::fs::read(e.path()).unwrap()).iter().map(|b| format!("{b:02x}")).collect();
+                out.insert(e.path().strip_prefix(dir).unwrap().to_path_buf(), hex);
+            }
+        }
+    }
+    out
+}
+
+/// Each manifest's layer blobs are in the store with the digest it names, and its process
+/// image is there.
+fn assert_self_sufficient(store: &Path, lineage: &[Value]) {
+    use sha2::{Digest, Sha256};
+    for m in lineage {
+        for l in m["fs_layers"].as_array().unwrap() {
+            let hex = l["digest"].as_str().unwrap().strip_prefix("sha256:").unwrap();
+            let blob = std::fs::read(store.join("blobs/sha256").join(hex)).unwrap_or_else(|e| panic!("checkpoint {} names blob {hex}: {e}", m["seq"]));
+            let got: String = Sha256::digest(&blob).iter().map(|b| format!("{b:02x}")).collect();
+            assert_eq!(got, hex, "blob of checkpoint {}", m["seq"]);
+            assert_eq!(blob.len() as u64, l["size"].as_u64().unwrap());
+        }
+        if let Some(image) = m["process"]["image"].as_str() {
+            assert!(store.join(image).join("pstree.img").is_file(), "checkpoint {} names process image {image}", m["seq"]);
+        }
+    }
+}
+
+/// The shim is killed (SIGKILL) while it writes a checkpoint: the previous checkpoints are
+/// intact, nothing partial is visible, and the next opening of the store sweeps the leftovers.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shim_killed_mid_checkpoint_leaves_the_previous_one_intact() {
+    let (mut s, _g) = Sandbox::start("ckpt_sigkill", SandboxOptions::default()).await;
+    s.run("echo v1 > /app/a.txt; nohup sleep 3000 >/dev/null 2>&1 & sleep 0.2").await;
+    s.end_turn().await;
+    let first = s.wait_manifests(1).await;
+    assert_eq!(first[0]["kind"], "full", "{:#}", first[0]);
+    let lineage = s.lineage();
+    let store = s.store();
+    let image = store.join(first[0]["process"]["image"].as_str().unwrap());
+    let image_files = tree_hashes(&image);
+
+    // A large layer: hundreds of milliseconds of compression after the container is thawed.
+    s.run("head -c 200000000 /dev/urandom > /app/big.bin").await;
+    let shims = host::shim_processes(&s.id);
+    assert_eq!(shims.len(), 1, "{shims:?}");
+    s.end_turn().await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let leftovers = loop {
+        let tmp = temp_files(&store);
+        if tmp.iter().any(|p| p.to_string_lossy().contains(".layer.tar.zst-")) {
+            // SAFETY: kill(2) of the shim found above.
+            assert_eq!(unsafe { libc::kill(shims[0].pid, libc::SIGKILL) }, 0, "kill {}", shims[0]);
+            break tmp;
+        }
+        assert_eq!(s.manifests().len(), 1, "the checkpoint finished before it could be killed");
+        assert!(Instant::now() < deadline, "the checkpoint never started writing its layer");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    };
+
+    // containerd notices the lost shim and cleans the task up through the shim binary.
+    let gone = host::eventually(Duration::from_secs(30), || host::container_processes(&s.id).is_empty().then_some(()));
+    assert!(gone.is_some(), "container processes survived the shim: {:?}", host::container_processes(&s.id));
+
+    // Nothing partial is visible: the lineage is exactly what was published before the kill,
+    // and each manifest's blobs and process image are there, unchanged.
+    let after = s.lineage();
+    assert_eq!(after, lineage, "the lineage changed");
+    assert_self_sufficient(&store, &after);
+    assert_eq!(tree_hashes(&image), image_files, "the process image changed");
+    assert!(!temp_files(&store).is_empty(), "the kill left no temp files ({leftovers:?} were there): was it mid-checkpoint?");
+
+    // Opening the store (crabctl does) sweeps the leftovers; what the manifests name stays.
+    let config = s.state_dir.with_extension("toml");
+    std::fs::write(&config, format!("[store]\nstate_dir = \"{}\"\n", s.state_dir.display())).unwrap();
+    let out = std::process::Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl"))
+        .args(["--namespace", &s.h.env.namespace, "--config"])
+        .arg(&config)
+        .args(["checkpoints", &s.id])
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&config);
+    let listing = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{listing}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(listing.lines().any(|l| l.contains(" t1 ") && l.contains(" full ")), "{listing}");
+    assert_eq!(temp_files(&store), Vec::<PathBuf>::new(), "leftovers after the store was opened");
+    let named: Vec<String> = after
+        .iter()
+        .flat_map(|m| m["fs_layers"].as_array().unwrap().iter().map(|l| l["digest"].as_str().unwrap().trim_start_matches("sha256:").to_string()))
+        .collect();
+    for blob in std::fs::read_dir(store.join("blobs/sha256")).unwrap().flatten() {
+        let name = blob.file_name().to_string_lossy().into_owned();
+        assert!(named.contains(&name), "unreferenced blob {name} kept");
+    }
+    assert_eq!(s.lineage(), lineage);
+    assert_self_sufficient(&store, &s.lineage());
+    assert_eq!(tree_hashes(&image), image_files);
+
+    // The task died with its shim: containerd forgets it, the container is deleted.
+    match s.h.status(&s.id, "").await {
+        Ok((status, _)) => assert!(matches!(status, TaskStatus::Stopped | TaskStatus::Unknown), "task is {status:?}"),
+        Err(e) => assert_eq!(e.grpc_code(), Some(tonic::Code::NotFound), "{e}"),
+    }
+    let rm = s.h.ctr().run(&["tasks", "rm", &s.id]).unwrap();
+    assert!(rm.status.success() || rm.stderr.contains("not found"), "ctr tasks rm: {rm:?}");
+    s.h.delete_container(&s.id).await.unwrap();
+    s.h.assert_no_leaks(&s.id).await;
+    let _ = std::fs::remove_dir_all(&s.state_dir);
 }
