@@ -111,6 +111,15 @@ test-containerd-1.7: deps build
 bench: build
 	@$(call with_containerd,$(CARGO) run --release -p crab-integration --bin bench-shim -- $(BENCH_ARGS))
 
+# make replay: real agent trajectories (../shared/trajectories next to the repo, or
+# CRAB_TRAJECTORIES=path) replayed under each checkpoint policy against the private
+# containerd (stopped after); prints figures, writes $(CRAB_HOME)/bench/replay-*.
+# REPLAY_ARGS="--densities 1,4,8,16 --select all ..." (see `--help` of the replay binary).
+REPLAY_ARGS ?=
+.PHONY: replay
+replay: build
+	@$(call with_containerd,$(CARGO) run --release -p crab-integration --bin replay -- $(REPLAY_ARGS))
+
 clean:
 	hack/containerd.sh stop
 	rm -rf "$(CRAB_HOME)"
