@@ -1,0 +1,614 @@
+//! Restore = start (issue 5): checkpoint images exported by `crabctl export` and containers
+//! started from them under crab (`ctr run`, `crabctl fork`, `crabctl rollback`).
+//!
+//! Every test drives an agent [`Sandbox`] through real turns, then checks what a container
+//! started from one of its checkpoints sees against what the sandbox saw at that turn.
+//! Helpers first, then one function per behaviour; process-restore tests go at the end.
+
+use std::{collections::HashMap, time::Duration};
+
+use containerd_client::services::v1::{
+    content_client::ContentClient, images_client::ImagesClient, GetImageRequest, ReadContentRequest,
+};
+use crab_integration::{
+    sandbox::{Sandbox, SandboxOptions},
+    stdio::StdioOptions,
+    Harness, ProcessSpec,
+};
+use serde_json::Value;
+
+const T: Duration = Duration::from_secs(120);
+const CRAB: &str = "io.containerd.crab.v1";
+
+/// What a container's files look like, comparable across containers: the tree under /app
+/// (directories, then every other entry with type, mode and size, then file digests), whether
+/// an image file the turns delete is there, and whether crab's reserved directory shows.
+const LISTING: &str = "cd / && find app -type d | sort && find app ! -type d -exec stat -c '%n %F %a %s' {} + | sort \
+    && find app -type f -exec md5sum {} + | sort \
+    && { test -e etc/debian_version && echo 'debian_version present' || echo 'debian_version absent'; }";
+const RESERVED_SHOWS: &str =
+    "test -e /.crab-checkpoint && echo 'reserved dir visible' || echo 'reserved dir hidden'";
+
+// ---------------------------------------------------------------- helpers
+
+/// crabctl must succeed; returns its stdout.
+fn crabctl_ok(s: &Sandbox, args: &[&str]) -> String {
+    let (code, out, err) = s.crabctl(args);
+    assert_eq!(
+        code,
+        0,
+        "crabctl {args:?} failed:\nstdout: {out}\nstderr: {err}\n{}",
+        s.h.log_excerpt(args.get(1).copied().unwrap_or(""))
+    );
+    out
+}
+
+/// crabctl must fail with exit status 1 and a message containing `needle`.
+fn crabctl_fails(s: &Sandbox, args: &[&str], needle: &str) {
+    let (code, out, err) = s.crabctl(args);
+    assert_eq!(
+        code, 1,
+        "crabctl {args:?} must fail:\nstdout: {out}\nstderr: {err}"
+    );
+    assert!(
+        err.contains(needle),
+        "crabctl {args:?}: the error does not say {needle:?}:\nstdout: {out}\nstderr: {err}"
+    );
+}
+
+/// Ends the turn and waits until its checkpoint is published; returns the turn id.
+async fn end_turn_checkpointed(s: &Sandbox) -> String {
+    let turn = format!("t{}", s.turn);
+    s.end_turn().await;
+    for _ in 0..1200 {
+        if s.manifests().iter().any(|m| m["turn_id"] == turn.as_str()) {
+            return turn;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("no checkpoint for turn {turn}: {:#?}", s.manifests());
+}
+
+/// The published manifest of turn `turn` (the first one: the turn's own checkpoint).
+fn manifest_of(s: &Sandbox, turn: &str) -> Value {
+    s.manifests()
+        .into_iter()
+        .find(|m| m["turn_id"] == turn)
+        .unwrap_or_else(|| panic!("no manifest of {turn}"))
+}
+
+/// The listing of the sandbox's files as they are now.
+async fn listing(s: &mut Sandbox) -> String {
+    s.run(LISTING).await.stdout
+}
+
+async fn read_blob(h: &Harness, digest: &str) -> Vec<u8> {
+    let mut stream = ContentClient::new(h.channel())
+        .read(h.request(ReadContentRequest {
+            digest: digest.into(),
+            offset: 0,
+            size: 0,
+        }))
+        .await
+        .unwrap_or_else(|s| panic!("Content.Read {digest}: {s}"))
+        .into_inner();
+    let mut data = Vec::new();
+    while let Some(chunk) = stream.message().await.unwrap() {
+        data.extend_from_slice(&chunk.data);
+    }
+    data
+}
+
+/// An image in containerd: its record's labels, manifest and config; `None` if there is none.
+async fn image(h: &Harness, name: &str) -> Option<(HashMap<String, String>, Value, Value)> {
+    let image = match ImagesClient::new(h.channel())
+        .get(h.request(GetImageRequest { name: name.into() }))
+        .await
+    {
+        Ok(r) => r.into_inner().image.unwrap(),
+        Err(s) if s.code() == tonic::Code::NotFound => return None,
+        Err(s) => panic!("Images.Get {name}: {s}"),
+    };
+    let target = image.target.unwrap();
+    let manifest: Value = serde_json::from_slice(&read_blob(h, &target.digest).await).unwrap();
+    let config: Value =
+        serde_json::from_slice(&read_blob(h, manifest["config"]["digest"].as_str().unwrap()).await)
+            .unwrap();
+    Some((image.labels, manifest, config))
+}
+
+/// Removes images when dropped (also on panic).
+struct ImageGuard(Harness, Vec<String>);
+
+impl Drop for ImageGuard {
+    fn drop(&mut self) {
+        for name in &self.1 {
+            let _ = self.0.ctr().run(&["images", "rm", name]);
+        }
+    }
+}
+
+/// `ctr run --rm` of `image` under crab with `bash -c script`; returns its stdout. The
+/// container's crab state goes to a directory of its own, removed afterwards.
+fn ctr_run(h: &Harness, image: &str, id: &str, script: &str) -> String {
+    let _g = h.guard(&[id]);
+    let state = h.env.crab_home.join("state").join(id);
+    let config = state.with_extension("toml");
+    std::fs::create_dir_all(config.parent().unwrap()).unwrap();
+    std::fs::write(
+        &config,
+        format!("[store]\nstate_dir = \"{}\"\n", state.display()),
+    )
+    .unwrap();
+    let out = h.ctr().run_with(
+        &[
+            "run",
+            "--rm",
+            "--runtime",
+            CRAB,
+            "--runtime-config-path",
+            config.to_str().unwrap(),
+            image,
+            id,
+            "bash",
+            "-c",
+            script,
+        ],
+        None,
+        T,
+    );
+    let _ = std::fs::remove_file(&config);
+    let _ = std::fs::remove_dir_all(&state);
+    let out = out.unwrap();
+    assert!(
+        out.status.success(),
+        "ctr run {image}: {} {}\n{}",
+        out.stdout,
+        out.stderr,
+        h.log_excerpt(id)
+    );
+    out.stdout
+}
+
+/// A sandbox of container `id` (a fork or the rolled-back container), for running turns in it.
+fn sandbox_for(s: &Sandbox, id: &str) -> Sandbox {
+    Sandbox {
+        h: s.h.clone(),
+        id: id.to_string(),
+        state_dir: s.state_dir.clone(),
+        turn: 0,
+    }
+}
+
+fn reserved_dir_hidden(out: &str, what: &str) {
+    assert!(
+        out.contains("reserved dir hidden"),
+        "{what}: /.crab-checkpoint is visible inside the container (the shim must hide it on Create): {out}"
+    );
+}
+
+/// Three fs turns (an edit, a delete of an image file and of a file of turn 1, a directory
+/// removed); returns each turn's id with the listing the sandbox showed right after it.
+async fn three_fs_turns(s: &mut Sandbox) -> Vec<(String, String)> {
+    let mut turns = Vec::new();
+    for script in [
+        "mkdir -p /app/src && echo one > /app/src/a.txt && echo keep > /app/keep.txt && chmod 640 /app/keep.txt",
+        "echo two >> /app/src/a.txt && rm /app/keep.txt /etc/debian_version && ln -s src/a.txt /app/link",
+        "rm -r /app/src && echo three > /app/b.txt && head -c 300000 /dev/urandom > /app/blob.bin",
+    ] {
+        s.run(script).await;
+        let turn = end_turn_checkpointed(s).await;
+        turns.push((turn, listing(s).await));
+    }
+    turns
+}
+
+// ---------------------------------------------------------------- export
+
+/// `crabctl export` of an fs-only chain: the image in containerd has the base layers, the
+/// chain and one checkpoint layer, keeps the base config's process settings, carries crab's
+/// labels, and `ctr run` of it under crab shows exactly the files of that turn (also of an
+/// earlier turn with --turn).
+#[tokio::test(flavor = "multi_thread")]
+async fn export_of_an_fs_chain_runs_as_that_turn() {
+    let (mut s, _g) = Sandbox::start("restore_export", SandboxOptions::default()).await;
+    let h = s.h.clone();
+    let turns = three_fs_turns(&mut s).await;
+    let (latest_ref, first_ref) = (
+        format!("localhost/crab-test/{}:latest", s.id),
+        format!("localhost/crab-test/{}:first", s.id),
+    );
+    let _images = ImageGuard(h.clone(), vec![latest_ref.clone(), first_ref.clone()]);
+
+    let out = crabctl_ok(&s, &["export", &s.id, &latest_ref]);
+    assert!(out.contains("files only"), "{out}");
+    let (labels, manifest, config) = image(&h, &latest_ref)
+        .await
+        .expect("the image record exists");
+    let (_, base_manifest, base_config) = image(&h, &h.image.name).await.unwrap();
+    let base_layers = base_manifest["layers"].as_array().unwrap().len();
+    let m = manifest_of(&s, &turns[2].0);
+    let chain = m["fs_layers"].as_array().unwrap().len();
+    assert_eq!(chain, 3, "three fs turns make a chain of three: {m:#}");
+    let layers = manifest["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), base_layers + chain + 1, "{manifest:#}");
+    assert_eq!(
+        layers[..base_layers],
+        base_manifest["layers"].as_array().unwrap()[..],
+        "the base layers are the image's"
+    );
+    for (i, l) in m["fs_layers"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(layers[base_layers + i]["digest"], l["digest"]);
+    }
+    assert_eq!(
+        manifest["mediaType"],
+        "application/vnd.oci.image.manifest.v1+json"
+    );
+    assert_eq!(
+        config["rootfs"]["diff_ids"].as_array().unwrap().len(),
+        layers.len()
+    );
+    for key in ["Entrypoint", "Cmd", "Env", "WorkingDir", "User"] {
+        assert_eq!(
+            config["config"][key], base_config["config"][key],
+            "config {key} kept"
+        );
+    }
+    let source = format!("{}/{}@{}", h.env.namespace, s.id, m["seq"]);
+    assert_eq!(
+        config["config"]["Labels"]["io.crab.checkpoint.base-layers"],
+        base_layers.to_string()
+    );
+    assert_eq!(
+        config["config"]["Labels"]["io.crab.checkpoint.source"],
+        source.as_str()
+    );
+    assert_eq!(labels.get("io.crab.checkpoint.source"), Some(&source));
+
+    let restored = ctr_run(
+        &h,
+        &latest_ref,
+        &format!("{}-run-latest", s.id),
+        &format!("{LISTING}; {RESERVED_SHOWS}"),
+    );
+    assert!(
+        restored.starts_with(&turns[2].1),
+        "the latest export shows other files than turn {}:\nsandbox:\n{}\nrestored:\n{restored}",
+        turns[2].0,
+        turns[2].1
+    );
+
+    crabctl_ok(&s, &["export", &s.id, "--turn", &turns[0].0, &first_ref]);
+    let (_, manifest, _) = image(&h, &first_ref).await.unwrap();
+    assert_eq!(
+        manifest["layers"].as_array().unwrap().len(),
+        base_layers + 1 + 1
+    );
+    let restored_first = ctr_run(
+        &h,
+        &first_ref,
+        &format!("{}-run-first", s.id),
+        &format!("{LISTING}; {RESERVED_SHOWS}"),
+    );
+    assert!(
+        restored_first.starts_with(&turns[0].1),
+        "--turn {}: other files:\nsandbox:\n{}\nrestored:\n{restored_first}",
+        turns[0].0,
+        turns[0].1
+    );
+
+    // Exporting the same checkpoint again gives the same image.
+    let again = format!("localhost/crab-test/{}:again", s.id);
+    let _again = ImageGuard(h.clone(), vec![again.clone()]);
+    crabctl_ok(&s, &["export", &s.id, "--turn", &turns[0].0, &again]);
+    assert_eq!(
+        image(&h, &again).await.unwrap().1,
+        manifest,
+        "exports are reproducible"
+    );
+
+    reserved_dir_hidden(&restored, "ctr run of the exported image");
+    s.finish().await;
+}
+
+// ---------------------------------------------------------------- fork
+
+/// `crabctl fork --count 8` of an fs checkpoint: eight running containers with the
+/// checkpoint's files, each changed differently, none seeing another's files or processes,
+/// and the source untouched.
+#[tokio::test(flavor = "multi_thread")]
+async fn fork_8_of_an_fs_checkpoint_are_independent() {
+    let (mut s, _g) = Sandbox::start("restore_fork", SandboxOptions::default()).await;
+    let h = s.h.clone();
+    s.run("echo base > /app/base.txt && mkdir /app/shared")
+        .await;
+    let turn = end_turn_checkpointed(&s).await;
+    let expected = listing(&mut s).await;
+
+    let out = crabctl_ok(&s, &["fork", &s.id, "--at", &turn, "--count", "8"]);
+    let ids: Vec<String> = out.lines().map(str::to_string).collect();
+    let want: Vec<String> = (1..=8).map(|i| format!("{}-fork-{i}", s.id)).collect();
+    assert_eq!(ids, want, "{out}");
+    let mut guard = h.guard(&[]);
+    for id in &ids {
+        guard.add(id);
+    }
+    let mut forks: Vec<Sandbox> = ids.iter().map(|id| sandbox_for(&s, id)).collect();
+
+    // Each starts from the checkpoint, then changes its files and starts a process of its own.
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, mut f) in forks.drain(..).enumerate() {
+        let expected = expected.clone();
+        tasks.spawn(async move {
+            let seen = listing(&mut f).await;
+            assert_eq!(seen, expected, "fork {} does not start from the checkpoint", f.id);
+            let hidden = f.run(RESERVED_SHOWS).await.stdout;
+            f.run(&format!(
+                "echo fork-{i} > /app/mine-{i}.txt && echo {i} >> /app/base.txt && touch /app/shared/{i} && \
+                 (nohup sleep {} >/dev/null 2>&1 &) && sleep 0.2",
+                100_000 + i
+            ))
+            .await;
+            (i, f, hidden)
+        });
+    }
+    let mut forks = Vec::new();
+    while let Some(r) = tasks.join_next().await {
+        forks.push(r.unwrap());
+    }
+    forks.sort_by_key(|(i, _, _)| *i);
+    for (i, f, _) in forks.iter_mut() {
+        let files = f
+            .run("ls /app /app/shared && cat /app/base.txt")
+            .await
+            .stdout;
+        let procs = f.run("ps -eo args").await.stdout;
+        for j in 0..8 {
+            let own = j == *i;
+            assert_eq!(
+                files.contains(&format!("mine-{j}.txt")),
+                own,
+                "fork {i} and mine-{j}.txt:\n{files}"
+            );
+            assert_eq!(
+                procs.contains(&format!("sleep {}", 100_000 + j)),
+                own,
+                "fork {i} and sleep of {j}:\n{procs}"
+            );
+        }
+        assert!(
+            files.ends_with(&format!("base\n{i}\n")),
+            "fork {i}: {files}"
+        );
+        let (_, pid) = h.status(&f.id, "").await.unwrap();
+        assert_ne!(pid, 0);
+    }
+    let source = listing(&mut s).await;
+    assert_eq!(source, expected, "the source saw its forks' changes");
+
+    // Forking again numbers on.
+    let more = crabctl_ok(&s, &["fork", &s.id, "--at", &turn, "--count", "1"]);
+    assert_eq!(more.trim(), format!("{}-fork-9", s.id));
+    guard.add(more.trim());
+    h.kill_and_remove(more.trim()).await.unwrap();
+
+    for (_, f, hidden) in &forks {
+        reserved_dir_hidden(hidden, &format!("fork {}", f.id));
+    }
+    for (_, f, _) in forks {
+        h.kill_and_remove(&f.id).await.unwrap();
+        h.assert_no_leaks(&f.id).await;
+    }
+    s.finish().await;
+}
+
+// ---------------------------------------------------------------- rollback
+
+/// `crabctl rollback` across fs turns, backwards then forwards then to the middle: the same
+/// container id with a new task whose files are those of the turn; a running exec ends and is
+/// reported; the sandbox keeps taking checkpoints afterwards and the lineage records the
+/// rollbacks.
+#[tokio::test(flavor = "multi_thread")]
+async fn rollback_across_fs_turns_backwards_and_forwards() {
+    let (mut s, _g) = Sandbox::start("restore_rollback", SandboxOptions::default()).await;
+    let h = s.h.clone();
+    let turns = three_fs_turns(&mut s).await;
+    let (_, pid_before) = h.status(&s.id, "").await.unwrap();
+
+    // An exec still running when the rollback comes.
+    let io = h.stdio(&s.id, "long", StdioOptions::default()).unwrap();
+    h.exec(&s.id, "long", &ProcessSpec::new(&["sleep", "1000"]), &io)
+        .await
+        .unwrap();
+    h.start(&s.id, "long").await.unwrap();
+
+    let out = crabctl_ok(&s, &["rollback", &s.id, "--to", &turns[0].0]);
+    assert!(
+        out.contains("ended 1 running execs") && out.contains("long"),
+        "{out}"
+    );
+    drop(io);
+    let (_, pid_after) = h.status(&s.id, "").await.unwrap();
+    assert_ne!(pid_after, pid_before, "a new task");
+    let mut s2 = sandbox_for(&s, &s.id);
+    s2.turn = 100;
+    assert_eq!(
+        listing(&mut s2).await,
+        turns[0].1,
+        "backwards to {}",
+        turns[0].0
+    );
+    reserved_dir_hidden(&s2.run(RESERVED_SHOWS).await.stdout, "after rollback");
+
+    // Forwards again, past the turn rolled back to, then to the middle.
+    for (turn, expected) in [&turns[2], &turns[1]] {
+        let out = crabctl_ok(&s, &["rollback", &s.id, "--to", turn]);
+        assert!(!out.contains("running execs"), "{out}");
+        assert_eq!(&listing(&mut s2).await, expected, "rollback to {turn}");
+    }
+
+    // The sandbox goes on: a new turn is checkpointed on top of the restored chain.
+    s2.run("echo after > /app/after.txt").await;
+    let after = end_turn_checkpointed(&s2).await;
+    let m = manifest_of(&s2, &after);
+    let middle = manifest_of(&s, &turns[1].0);
+    let chain = m["fs_layers"].as_array().unwrap();
+    assert_eq!(
+        chain.len(),
+        middle["fs_layers"].as_array().unwrap().len() + 1,
+        "{m:#}"
+    );
+    assert_eq!(
+        chain[..chain.len() - 1],
+        middle["fs_layers"].as_array().unwrap()[..]
+    );
+    // The lineage records each rollback as a `restored` checkpoint of the turn it returned to.
+    let restored: Vec<Value> = s
+        .lineage()
+        .into_iter()
+        .filter(|m| m["kind"] == "restored")
+        .collect();
+    assert_eq!(restored.len(), 3, "{:#?}", s.lineage());
+    assert_eq!(
+        restored[2]["turn_id"],
+        turns[1].0.as_str(),
+        "{:#}",
+        restored[2]
+    );
+    s.finish().await;
+}
+
+/// `crabctl recover` after the container's processes were SIGKILLed: back at the newest
+/// checkpoint, same id, running again.
+#[tokio::test(flavor = "multi_thread")]
+async fn recover_after_the_processes_were_killed() {
+    let (mut s, _g) = Sandbox::start("restore_recover", SandboxOptions::default()).await;
+    let h = s.h.clone();
+    s.run("echo kept > /app/kept.txt").await;
+    end_turn_checkpointed(&s).await;
+    let expected = listing(&mut s).await;
+    h.kill(&s.id, "", libc::SIGKILL, true).await.unwrap();
+    h.wait(&s.id, "", T).await.unwrap();
+    let out = crabctl_ok(&s, &["recover", &s.id]);
+    assert!(out.starts_with("recovered"), "{out}");
+    let mut again = sandbox_for(&s, &s.id);
+    again.turn = 100;
+    assert_eq!(listing(&mut again).await, expected);
+    s.finish().await;
+}
+
+// ---------------------------------------------------------------- bad input
+
+/// Unknown containers, unknown turns and failed checkpoints: a clear error, and nothing is
+/// created (no image, no fork) or stopped (the sandbox keeps its task).
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_input_is_refused_and_changes_nothing() {
+    let (mut s, _g) = Sandbox::start("restore_bad", SandboxOptions::default()).await;
+    let h = s.h.clone();
+    s.run("echo x > /app/x").await;
+    let turn = end_turn_checkpointed(&s).await;
+    let (_, pid) = h.status(&s.id, "").await.unwrap();
+    let reference = format!("localhost/crab-test/{}:bad", s.id);
+    let _images = ImageGuard(h.clone(), vec![reference.clone()]);
+    let unknown = format!("{}-nosuch", s.id);
+
+    crabctl_fails(
+        &s,
+        &["export", &unknown, &reference],
+        &format!("no container {unknown}"),
+    );
+    crabctl_fails(
+        &s,
+        &["fork", &unknown, "--at", &turn, "--count", "2"],
+        "no container",
+    );
+    crabctl_fails(&s, &["rollback", &unknown, "--to", &turn], "no container");
+    crabctl_fails(&s, &["recover", &unknown], "no container");
+    crabctl_fails(
+        &s,
+        &["export", &s.id, "--turn", "t999", &reference],
+        "has no checkpoint t999",
+    );
+    crabctl_fails(
+        &s,
+        &["export", &s.id, "--turn", "999", &reference],
+        "has no checkpoint 999",
+    );
+    crabctl_fails(
+        &s,
+        &["fork", &s.id, "--at", "t999", "--count", "2"],
+        "has no checkpoint t999",
+    );
+    crabctl_fails(
+        &s,
+        &["rollback", &s.id, "--to", "t999"],
+        "has no checkpoint t999",
+    );
+    let (code, _, err) = s.crabctl(&["fork", &s.id, "--at", &turn, "--count", "0"]);
+    assert_eq!(code, 2, "a usage error: {err}");
+
+    // A failed checkpoint (as the shim records one when its store is full) is no recovery point.
+    let last = s.manifests().last().cloned().unwrap();
+    let seq = last["seq"].as_u64().unwrap() + 1;
+    let mut failed = last.clone();
+    failed["seq"] = seq.into();
+    failed["parent"] = last["seq"].clone();
+    failed["kind"] = "failed".into();
+    failed["turn_id"] = "tfailed".into();
+    failed["explanation"] = "injected by the test: a failed checkpoint".into();
+    std::fs::write(
+        s.store().join(format!("checkpoints/{seq:06}.json")),
+        serde_json::to_vec(&failed).unwrap(),
+    )
+    .unwrap();
+    let seq_arg = seq.to_string();
+    for args in [
+        vec![
+            "export",
+            s.id.as_str(),
+            "--turn",
+            "tfailed",
+            reference.as_str(),
+        ],
+        vec![
+            "export",
+            s.id.as_str(),
+            "--turn",
+            seq_arg.as_str(),
+            reference.as_str(),
+        ],
+        vec!["rollback", s.id.as_str(), "--to", "tfailed"],
+        vec!["fork", s.id.as_str(), "--at", "tfailed", "--count", "1"],
+    ] {
+        crabctl_fails(&s, &args, "failed: it is not a recovery point");
+    }
+    // Without --turn, the newest recovery point before the failure is taken.
+    let out = crabctl_ok(&s, &["export", &s.id, &reference]);
+    assert!(
+        out.contains(&format!("checkpoint {}", last["seq"])),
+        "{out}"
+    );
+    h.ctr().run(&["images", "rm", &reference]).unwrap();
+
+    assert!(
+        image(&h, &reference).await.is_none(),
+        "an image was left behind"
+    );
+    let containers = h.inventory().await.unwrap();
+    let leftovers: Vec<&String> = containers
+        .iter()
+        .flat_map(|n| &n.containers)
+        .filter(|c| c.starts_with(&s.id) && **c != s.id)
+        .collect();
+    assert!(
+        leftovers.is_empty(),
+        "containers were created: {leftovers:?}"
+    );
+    assert_eq!(
+        h.status(&s.id, "").await.unwrap().1,
+        pid,
+        "the sandbox was touched"
+    );
+    assert!(!h.env.crab_home.join("state").join(&unknown).exists());
+    s.finish().await;
+}
