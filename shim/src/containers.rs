@@ -650,6 +650,7 @@ impl Containers {
         std::fs::write(&spec_file, p.exec_spec.as_deref().unwrap_or_default())
             .map_err(Error::io(format!("cannot write {}", spec_file.display())))?;
         let mut prepared = PreparedIo::new(&p.stdio, &p.exec_id, &self.namespace).await?;
+        prepared.null_from_container(c.init.pid());
         let child = std::mem::replace(&mut prepared.child, crate::runc::ChildStdio::null());
         let console = prepared.console.as_ref().map(|c| c.path.clone());
         let result = c.runc.exec(&c.id, &spec_file, &pid_file, console.as_deref(), child).await;

@@ -216,6 +216,28 @@ pub struct PreparedIo {
     stdin_pipe: Option<OwnedFd>,
     outputs: Vec<(OwnedFd, Writer)>,
     console_output: Option<Writer>,
+    /// Which of stdin, stdout, stderr the child gets no stream for (`/dev/null`).
+    null: [bool; 3],
+}
+
+/// The null device as seen inside the container of `pid`, or `None` if what is at its
+/// `/dev/null` is anything else. A process that an exec leaves behind keeps the exec's null
+/// streams; if they are the host's `/dev/null` (a file on a mount the container does not
+/// have), CRIU cannot dump it. Opened without following a symlink, and checked to be the
+/// null device (1:3) before it is opened for I/O: the container controls that path.
+fn container_null(pid: u32) -> Option<std::fs::File> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+    let path = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW)
+        .open(format!("/proc/{pid}/root/dev/null"))
+        .ok()?;
+    let md = path.metadata().ok()?;
+    if !md.file_type().is_char_device() || md.rdev() != libc::makedev(1, 3) {
+        log::warn!("pid {pid}: /dev/null in its container is not the null device; execs get the host's");
+        return None;
+    }
+    std::fs::OpenOptions::new().read(true).write(true).open(format!("/proc/self/fd/{}", path.as_raw_fd())).ok()
 }
 
 impl PreparedIo {
@@ -248,6 +270,7 @@ impl PreparedIo {
             stdin_pipe: None,
             outputs: Vec::new(),
             console_output: None,
+            null: [false; 3],
         };
         if spec.terminal {
             prepared.console = Some(ConsoleSocket::new()?);
@@ -262,6 +285,8 @@ impl PreparedIo {
             let (r, w) = pipe()?;
             prepared.child.stdin = r.into();
             prepared.stdin_pipe = Some(w);
+        } else {
+            prepared.null[0] = true;
         }
         for (uri, is_stdout) in [(&spec.stdout, true), (&spec.stderr, false)] {
             let to_logger = if is_stdout { logger_stdout.take() } else { logger_stderr.take() };
@@ -280,9 +305,27 @@ impl PreparedIo {
                     prepared.child.stderr = w.into();
                 }
                 prepared.outputs.push((r, writer));
+            } else {
+                prepared.null[if is_stdout { 1 } else { 2 }] = true;
             }
         }
         Ok(prepared)
+    }
+
+    /// Gives the streams the child gets none for the null device of `init_pid`'s container
+    /// instead of the host's (see [`container_null`]); for execs, whose container exists.
+    pub fn null_from_container(&mut self, init_pid: u32) {
+        if !self.null.contains(&true) {
+            return;
+        }
+        let Some(null) = container_null(init_pid) else { return };
+        for (i, slot) in [&mut self.child.stdin, &mut self.child.stdout, &mut self.child.stderr].into_iter().enumerate() {
+            if self.null[i] {
+                if let Ok(f) = null.try_clone() {
+                    *slot = f.into();
+                }
+            }
+        }
     }
 
     /// Starts copying once runc has run. `self.child` must have been handed to runc.
@@ -391,6 +434,16 @@ impl Drop for ProcessIo {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_null_device_of_a_process_root() {
+        use std::os::unix::fs::MetadataExt;
+        let null = super::container_null(std::process::id()).expect("our own /dev/null");
+        assert_eq!(null.metadata().unwrap().rdev(), libc::makedev(1, 3));
+        let mut buf = [0u8; 4];
+        assert_eq!(std::io::Read::read(&mut &null, &mut buf).unwrap(), 0, "reads EOF");
+        assert!(super::container_null(u32::MAX).is_none(), "no such process");
+    }
+
     use super::*;
 
     #[test]

@@ -1,0 +1,180 @@
+//! Another node: a checkpoint image exported on this node and pushed to a registry on
+//! 127.0.0.1 (Debian's `docker-registry`) restores in a second private containerd with its
+//! own root, state and socket, as a normal `ctr images pull` and `ctr run`: files, the
+//! processes, a server still answering and an interpreter's variables.
+
+use std::{
+    net::TcpListener,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use crab_integration::{
+    ctr::Ctr,
+    sandbox::{Sandbox, SandboxOptions},
+    TestEnv,
+};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// A registry serving from a temporary directory; killed when dropped.
+struct Registry {
+    child: Child,
+    addr: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Registry {
+    fn start() -> Registry {
+        let dir = tempfile::tempdir().unwrap();
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let addr = format!("127.0.0.1:{port}");
+        let config = dir.path().join("config.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {addr}\n",
+                dir.path().join("data").display()
+            ),
+        )
+        .unwrap();
+        let child = Command::new("docker-registry")
+            .arg("serve")
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("docker-registry (hack/install-deps.sh installs it)");
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(&addr).is_ok() {
+                return Registry { child, addr, _dir: dir };
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("docker-registry did not listen on {addr}");
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A second private containerd (hack/containerd.sh with its own CRAB_HOME); stopped, with its
+/// containers, when dropped.
+struct Node {
+    env: TestEnv,
+}
+
+impl Node {
+    fn start(home: &Path) -> Node {
+        let bin = home.join("bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let shim = repo().join("target/release/containerd-shim-crab-v1").canonicalize().unwrap();
+        let link = bin.join("containerd-shim-crab-v1");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(shim, link).unwrap();
+        let node = Node { env: Node::env(home) };
+        node.hack("start");
+        node
+    }
+
+    fn env(home: &Path) -> TestEnv {
+        let out = Command::new(repo().join("hack/containerd.sh")).arg("env").env("CRAB_HOME", home).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let address = text
+            .lines()
+            .find_map(|l| l.strip_prefix("export CRAB_CONTAINERD_ADDRESS="))
+            .map(|v| PathBuf::from(v.trim_matches(|c| c == '\'' || c == '"')))
+            .unwrap_or_else(|| panic!("hack/containerd.sh env: {text}"));
+        TestEnv { crab_home: home.to_path_buf(), address, ..TestEnv::from_env() }
+    }
+
+    fn hack(&self, cmd: &str) {
+        let out = Command::new(repo().join("hack/containerd.sh"))
+            .arg(cmd)
+            .env("CRAB_HOME", &self.env.crab_home)
+            .env_remove("CRAB_CONTAINERD_ADDRESS")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "hack/containerd.sh {cmd}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.hack("stop");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pushed_checkpoint_restores_on_another_node() {
+    let registry = Registry::start();
+    let (mut s, _guard) = Sandbox::start("registry", SandboxOptions::default()).await;
+    s.run("mkdir -p proj && echo 'made on node 1' > proj/notes.txt").await;
+    s.end_turn().await;
+    s.run(
+        "nohup python3 -c 'import http.server as h; h.ThreadingHTTPServer((\"127.0.0.1\", 8000), h.SimpleHTTPRequestHandler).serve_forever()' \
+         >/dev/null 2>&1 & \
+         nohup python3 -c 'import socket; secret = [i * i for i in range(1000)]; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((\"127.0.0.1\", 9000)); s.listen(); [c.sendall(str(sum(secret)).encode()) or c.close() for c, _ in iter(s.accept, None)]' \
+         >/dev/null 2>&1 & \
+         for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/9000) 2>/dev/null && break; sleep 0.05; done",
+    )
+    .await;
+    s.end_turn().await;
+    s.sync().await;
+    let reference = format!("{}/crab/registry-test:{}", registry.addr, s.id);
+    let (code, out, err) = s.crabctl(&["export", &s.id, &reference]);
+    assert_eq!(code, 0, "export: {out}{err}");
+    let ctr1 = s.h.ctr();
+    ctr1.run(&["images", "push", "--plain-http", &reference]).unwrap().ok().unwrap();
+
+    let home = s.h.env.crab_home.join(format!("node2-{}", std::process::id()));
+    let node = Node::start(&home);
+    let ctr2 = Ctr::new(&node.env);
+    ctr2.run(&["images", "pull", "--plain-http", &reference]).unwrap().ok().unwrap();
+    let config = home.join("crab.toml");
+    std::fs::write(&config, format!("[store]\nstate_dir = \"{}\"\n", home.join("state").display())).unwrap();
+    let id = "restored-on-node-2";
+    ctr2.run(&[
+        "run",
+        "-d",
+        "--runtime",
+        "io.containerd.crab.v1",
+        "--runtime-config-path",
+        config.to_str().unwrap(),
+        &reference,
+        id,
+    ])
+    .unwrap()
+    .ok()
+    .unwrap();
+    let check = "cat /app/proj/notes.txt; ls -a / | grep -c crab-checkpoint; ps -eo args --no-headers | grep '^python3' | sort; \
+                 python3 -c 'import urllib.request as u; print(u.urlopen(\"http://127.0.0.1:8000/proj/notes.txt\").read().decode().strip())'";
+    let out = ctr2.run(&["tasks", "exec", "--exec-id", "check", id, "bash", "-c", check]).unwrap();
+    assert!(out.stdout.contains("made on node 1\n0\n"), "files restored, reserved dir hidden: {out:?}");
+    assert!(out.stdout.contains("python3 -c import http.server"), "the server process: {out:?}");
+    assert!(out.stdout.contains("secret = [i * i"), "the interpreter process: {out:?}");
+    assert!(out.stdout.trim_end().ends_with("made on node 1"), "the server answers: {out:?}");
+    // The interpreter's memory: it answers from the list it built on node 1.
+    let probe = "python3 -c 'import socket; c = socket.create_connection((\"127.0.0.1\", 9000)); print(c.recv(100).decode())'";
+    let out = ctr2.run(&["tasks", "exec", "--exec-id", "probe", id, "bash", "-c", probe]).unwrap();
+    assert_eq!(out.stdout.trim(), (0..1000u64).map(|i| i * i).sum::<u64>().to_string(), "{out:?}");
+    // Its lineage on node 2 begins with the restored checkpoint.
+    let origin = home.join("state/crab-test").join(id).join("checkpoints/000001.json");
+    let origin: serde_json::Value = serde_json::from_slice(&std::fs::read(&origin).unwrap()).unwrap();
+    assert_eq!(origin["kind"], "restored", "{origin:#}");
+    assert!(origin["process"]["image"].is_string(), "{origin:#}");
+    assert!(origin["explanation"].as_str().unwrap().contains(&s.id), "{origin:#}");
+
+    drop(node);
+    let _ = std::fs::remove_dir_all(&home);
+    let _ = ctr1.run(&["images", "rm", &reference]);
+    drop(registry);
+    s.finish().await;
+}
