@@ -351,11 +351,32 @@ fn assert_self_sufficient(store: &Path, lineage: &[Value]) {
     }
 }
 
-/// The shim is killed (SIGKILL) while it writes a checkpoint: the previous checkpoints are
+/// The shim is killed (SIGKILL) while it writes an fs layer: the previous checkpoints are
 /// intact, nothing partial is visible, and the next opening of the store sweeps the leftovers.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_shim_killed_mid_checkpoint_leaves_the_previous_one_intact() {
-    let (mut s, _g) = Sandbox::start("ckpt_sigkill", SandboxOptions::default()).await;
+    // A large layer: hundreds of milliseconds of compression after the container is thawed.
+    kill_shim_mid_checkpoint("ckpt_sigkill", "head -c 200000000 /dev/urandom > /app/big.bin", |store| {
+        temp_files(store).iter().any(|p| p.to_string_lossy().contains(".layer.tar.zst-"))
+    })
+    .await;
+}
+
+/// The same while CRIU dumps a large process (runc and CRIU outlive the shim).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shim_killed_mid_process_dump_leaves_the_previous_one_intact() {
+    let memory = "nohup python3 -c 'import os, time; x = os.urandom(400 << 20); time.sleep(100000)' >/dev/null 2>&1 & sleep 3";
+    kill_shim_mid_checkpoint("ckpt_sigkill_proc", memory, |store| {
+        std::fs::read_dir(store.join("proc")).into_iter().flatten().flatten().any(|e| e.file_name().to_string_lossy().ends_with(".work.tmp"))
+    })
+    .await;
+}
+
+/// Takes a full checkpoint (a file and a background process), runs `second` as the next turn
+/// and SIGKILLs the shim as soon as `in_progress(store)` says that turn's checkpoint is being
+/// written; then checks the store and removes the container.
+async fn kill_shim_mid_checkpoint(name: &str, second: &str, in_progress: impl Fn(&Path) -> bool) {
+    let (mut s, _g) = Sandbox::start(name, SandboxOptions::default()).await;
     s.run("echo v1 > /app/a.txt; nohup sleep 3000 >/dev/null 2>&1 & sleep 0.2").await;
     s.end_turn().await;
     let first = s.wait_manifests(1).await;
@@ -365,21 +386,19 @@ async fn a_shim_killed_mid_checkpoint_leaves_the_previous_one_intact() {
     let image = store.join(first[0]["process"]["image"].as_str().unwrap());
     let image_files = tree_hashes(&image);
 
-    // A large layer: hundreds of milliseconds of compression after the container is thawed.
-    s.run("head -c 200000000 /dev/urandom > /app/big.bin").await;
+    s.run(second).await;
     let shims = host::shim_processes(&s.id);
     assert_eq!(shims.len(), 1, "{shims:?}");
     s.end_turn().await;
     let deadline = Instant::now() + Duration::from_secs(60);
     let leftovers = loop {
-        let tmp = temp_files(&store);
-        if tmp.iter().any(|p| p.to_string_lossy().contains(".layer.tar.zst-")) {
+        if in_progress(&store) {
             // SAFETY: kill(2) of the shim found above.
             assert_eq!(unsafe { libc::kill(shims[0].pid, libc::SIGKILL) }, 0, "kill {}", shims[0]);
-            break tmp;
+            break temp_files(&store);
         }
         assert_eq!(s.manifests().len(), 1, "the checkpoint finished before it could be killed");
-        assert!(Instant::now() < deadline, "the checkpoint never started writing its layer");
+        assert!(Instant::now() < deadline, "the checkpoint never got under way");
         tokio::time::sleep(Duration::from_millis(1)).await;
     };
 
@@ -393,7 +412,7 @@ async fn a_shim_killed_mid_checkpoint_leaves_the_previous_one_intact() {
     assert_eq!(after, lineage, "the lineage changed");
     assert_self_sufficient(&store, &after);
     assert_eq!(tree_hashes(&image), image_files, "the process image changed");
-    assert!(!temp_files(&store).is_empty(), "the kill left no temp files ({leftovers:?} were there): was it mid-checkpoint?");
+    assert!(!leftovers.is_empty(), "no temp files when the shim was killed: was it mid-checkpoint?");
 
     // Opening the store (crabctl does) sweeps the leftovers; what the manifests name stays.
     let config = s.state_dir.with_extension("toml");
@@ -416,6 +435,11 @@ async fn a_shim_killed_mid_checkpoint_leaves_the_previous_one_intact() {
     for blob in std::fs::read_dir(store.join("blobs/sha256")).unwrap().flatten() {
         let name = blob.file_name().to_string_lossy().into_owned();
         assert!(named.contains(&name), "unreferenced blob {name} kept");
+    }
+    let images: Vec<String> = after.iter().filter_map(|m| m["process"]["image"].as_str()).map(|i| i.trim_start_matches("proc/").to_string()).collect();
+    for dir in std::fs::read_dir(store.join("proc")).unwrap().flatten() {
+        let name = dir.file_name().to_string_lossy().into_owned();
+        assert!(images.contains(&name), "unreferenced process image {name} kept");
     }
     assert_eq!(s.lineage(), lineage);
     assert_self_sufficient(&store, &s.lineage());
