@@ -117,13 +117,45 @@ async fn image(h: &Harness, name: &str) -> Option<(HashMap<String, String>, Valu
     Some((image.labels, manifest, config))
 }
 
-/// Removes images when dropped (also on panic).
-struct ImageGuard(Harness, Vec<String>);
+/// Removes images when dropped (also on panic): the names given, and the checkpoint images
+/// crabctl made for containers started from the given sandboxes' checkpoints.
+struct ImageGuard {
+    h: Harness,
+    names: Vec<String>,
+    internal_of: Vec<String>,
+}
+
+impl ImageGuard {
+    fn new(h: &Harness, names: &[&str], internal_of: &[&str]) -> ImageGuard {
+        let owned = |v: &[&str]| v.iter().map(|s| s.to_string()).collect();
+        ImageGuard {
+            h: h.clone(),
+            names: owned(names),
+            internal_of: owned(internal_of),
+        }
+    }
+}
+
+/// The names of crabctl's own checkpoint images of `container`.
+fn internal_images(h: &Harness, container: &str) -> Vec<String> {
+    let prefix = format!("crab.local/checkpoint/{}/{container}:", h.env.namespace);
+    let listed = h.ctr().run(&["images", "ls", "-q"]).unwrap().ok().unwrap();
+    listed
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with(&prefix))
+        .map(str::to_string)
+        .collect()
+}
 
 impl Drop for ImageGuard {
     fn drop(&mut self) {
-        for name in &self.1 {
-            let _ = self.0.ctr().run(&["images", "rm", name]);
+        let mut names = self.names.clone();
+        for c in &self.internal_of {
+            names.extend(internal_images(&self.h, c));
+        }
+        for name in names {
+            let _ = self.h.ctr().run(&["images", "rm", &name]);
         }
     }
 }
@@ -218,7 +250,7 @@ async fn export_of_an_fs_chain_runs_as_that_turn() {
         format!("localhost/crab-test/{}:latest", s.id),
         format!("localhost/crab-test/{}:first", s.id),
     );
-    let _images = ImageGuard(h.clone(), vec![latest_ref.clone(), first_ref.clone()]);
+    let _images = ImageGuard::new(&h, &[&latest_ref, &first_ref], &[]);
 
     let out = crabctl_ok(&s, &["export", &s.id, &latest_ref]);
     assert!(out.contains("files only"), "{out}");
@@ -299,7 +331,7 @@ async fn export_of_an_fs_chain_runs_as_that_turn() {
 
     // Exporting the same checkpoint again gives the same image.
     let again = format!("localhost/crab-test/{}:again", s.id);
-    let _again = ImageGuard(h.clone(), vec![again.clone()]);
+    let _again = ImageGuard::new(&h, &[&again], &[]);
     crabctl_ok(&s, &["export", &s.id, "--turn", &turns[0].0, &again]);
     assert_eq!(
         image(&h, &again).await.unwrap().1,
@@ -320,6 +352,7 @@ async fn export_of_an_fs_chain_runs_as_that_turn() {
 async fn fork_8_of_an_fs_checkpoint_are_independent() {
     let (mut s, _g) = Sandbox::start("restore_fork", SandboxOptions::default()).await;
     let h = s.h.clone();
+    let _images = ImageGuard::new(&h, &[], &[&s.id]);
     s.run("echo base > /app/base.txt && mkdir /app/shared")
         .await;
     let turn = end_turn_checkpointed(&s).await;
@@ -412,6 +445,7 @@ async fn fork_8_of_an_fs_checkpoint_are_independent() {
 async fn rollback_across_fs_turns_backwards_and_forwards() {
     let (mut s, _g) = Sandbox::start("restore_rollback", SandboxOptions::default()).await;
     let h = s.h.clone();
+    let _images = ImageGuard::new(&h, &[], &[&s.id]);
     let turns = three_fs_turns(&mut s).await;
     let (_, pid_before) = h.status(&s.id, "").await.unwrap();
 
@@ -446,6 +480,18 @@ async fn rollback_across_fs_turns_backwards_and_forwards() {
         assert!(!out.contains("running execs"), "{out}");
         assert_eq!(&listing(&mut s2).await, expected, "rollback to {turn}");
     }
+
+    // Each rollback dropped the checkpoint image the previous one started from.
+    let seq_of = |turn: &str| manifest_of(&s, turn)["seq"].as_u64().unwrap();
+    assert_eq!(
+        internal_images(&h, &s.id),
+        [format!(
+            "crab.local/checkpoint/{}/{}:{}",
+            h.env.namespace,
+            s.id,
+            seq_of(&turns[1].0)
+        )]
+    );
 
     // The sandbox goes on: a new turn is checkpointed on top of the restored chain.
     s2.run("echo after > /app/after.txt").await;
@@ -484,6 +530,7 @@ async fn rollback_across_fs_turns_backwards_and_forwards() {
 async fn recover_after_the_processes_were_killed() {
     let (mut s, _g) = Sandbox::start("restore_recover", SandboxOptions::default()).await;
     let h = s.h.clone();
+    let _images = ImageGuard::new(&h, &[], &[&s.id]);
     s.run("echo kept > /app/kept.txt").await;
     end_turn_checkpointed(&s).await;
     let expected = listing(&mut s).await;
@@ -509,7 +556,7 @@ async fn bad_input_is_refused_and_changes_nothing() {
     let turn = end_turn_checkpointed(&s).await;
     let (_, pid) = h.status(&s.id, "").await.unwrap();
     let reference = format!("localhost/crab-test/{}:bad", s.id);
-    let _images = ImageGuard(h.clone(), vec![reference.clone()]);
+    let _images = ImageGuard::new(&h, &[&reference], &[&s.id]);
     let unknown = format!("{}-nosuch", s.id);
 
     crabctl_fails(

@@ -23,8 +23,8 @@ use containerd_client::{
         tasks_client::TasksClient,
         AddResourceRequest, ApplyRequest, Container, CreateContainerRequest, CreateImageRequest,
         CreateRequest as CreateLeaseRequest, CreateTaskRequest, DeleteContainerRequest,
-        DeleteRequest as DeleteLeaseRequest, DeleteTaskRequest, GetContainerRequest,
-        GetImageRequest, Image, Info as ContentInfo, InfoRequest, KillRequest,
+        DeleteImageRequest, DeleteRequest as DeleteLeaseRequest, DeleteTaskRequest,
+        GetContainerRequest, GetImageRequest, Image, Info as ContentInfo, InfoRequest, KillRequest,
         ListContainersRequest, ListPidsRequest, ReadContentRequest, Resource, StartRequest,
         UpdateImageRequest, UpdateRequest as UpdateContentRequest, WaitRequest, WriteAction,
         WriteContentRequest, WriteContentResponse,
@@ -421,6 +421,26 @@ impl Client {
         }
     }
 
+    /// Deletes image `name` (its content goes with the next garbage collection unless
+    /// something else references it).
+    pub async fn delete_image(&self, name: &str) -> Result<(), CtlError> {
+        match ImagesClient::new(self.channel.clone())
+            .delete(self.req(
+                DeleteImageRequest {
+                    name: name.into(),
+                    sync: false,
+                    target: None,
+                },
+                None,
+            ))
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(s) if s.code() == Code::NotFound => Ok(()),
+            Err(s) => Err(grpc(format!("Images.Delete {name}"))(s)),
+        }
+    }
+
     // --- snapshots and the differ ---
 
     fn snapshots(&self) -> SnapshotsClient<Channel> {
@@ -632,17 +652,14 @@ impl Client {
         }
     }
 
-    /// The ids of every container in the namespace.
-    pub async fn container_ids(&self) -> Result<Vec<String>, CtlError> {
+    /// Every container record of the namespace.
+    pub async fn containers(&self) -> Result<Vec<Container>, CtlError> {
         Ok(ContainersClient::new(self.channel.clone())
             .list(self.req(ListContainersRequest::default(), None))
             .await
             .map_err(grpc("Containers.List"))?
             .into_inner()
-            .containers
-            .into_iter()
-            .map(|c| c.id)
-            .collect())
+            .containers)
     }
 
     /// Prepares `container`'s rootfs snapshot on `parent` and creates the container record.

@@ -121,10 +121,13 @@ fn kind_name(k: CheckpointKind) -> String {
     format!("{k:?}").to_lowercase()
 }
 
+/// Where the names of [`internal_reference`]s start.
+pub const INTERNAL_PREFIX: &str = "crab.local/checkpoint/";
+
 /// The image name crabctl gives a checkpoint it starts containers from.
 pub fn internal_reference(namespace: &str, container: &str, seq: u64) -> String {
     format!(
-        "crab.local/checkpoint/{}/{}:{seq}",
+        "{INTERNAL_PREFIX}{}/{}:{seq}",
         namespace.to_lowercase(),
         container.to_lowercase()
     )

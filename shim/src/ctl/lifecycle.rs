@@ -11,7 +11,7 @@ use containerd_client::services::v1::Container;
 use serde_json::Value;
 use tokio::task::JoinSet;
 
-use super::{client::Lease, Client, Ctl, CtlError, Exported, Result};
+use super::{client::Lease, export::INTERNAL_PREFIX, Client, Ctl, CtlError, Exported, Result};
 
 /// A container started from a checkpoint image.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -162,7 +162,13 @@ impl Ctl {
         let lease = self.client.create_lease().await?;
         let r = async {
             let (exported, top) = self.prepare_checkpoint(&lease, container, Some(at)).await?;
-            let existing = self.client.container_ids().await?;
+            let existing: Vec<String> = self
+                .client
+                .containers()
+                .await?
+                .into_iter()
+                .map(|c| c.id)
+                .collect();
             let records = fork_ids(&existing, container, count)
                 .iter()
                 .map(|id| clone_record(&exported.container, id, &exported.reference))
@@ -192,6 +198,7 @@ impl Ctl {
                 for f in &forks {
                     self.remove_started(&f.id).await;
                 }
+                self.drop_unused_internal_image(&exported.reference).await;
                 return Err(e);
             }
             forks.sort_by(|a, b| natural_key(&a.id).cmp(&natural_key(&b.id)));
@@ -204,6 +211,29 @@ impl Ctl {
         .await;
         self.client.delete_lease(lease).await;
         r
+    }
+
+    /// Deletes `image` if crabctl made it (a checkpoint an earlier rollback or fork started
+    /// from) and no container uses it any more. Images of other origins are never touched.
+    async fn drop_unused_internal_image(&self, image: &str) {
+        if !image.starts_with(INTERNAL_PREFIX) {
+            return;
+        }
+        let dropped = async {
+            if self
+                .client
+                .containers()
+                .await?
+                .iter()
+                .any(|c| c.image == image)
+            {
+                return Ok(());
+            }
+            self.client.delete_image(image).await
+        };
+        if let Err(e) = dropped.await {
+            log::warn!("cannot delete the unused checkpoint image {image}: {e}");
+        }
     }
 
     async fn remove_started(&self, id: &str) {
@@ -243,6 +273,8 @@ impl Ctl {
                 })?;
             // The record stays if the start fails, so `crabctl recover` can try again.
             let pid = self.client.start_task(&record).await?;
+            self.drop_unused_internal_image(&exported.container.image)
+                .await;
             Ok(RolledBack {
                 restarted: Restarted {
                     id: container.to_string(),
