@@ -456,3 +456,22 @@ async fn kill_shim_mid_checkpoint(name: &str, second: &str, in_progress: impl Fn
     s.h.assert_no_leaks(&s.id).await;
     let _ = std::fs::remove_dir_all(&s.state_dir);
 }
+
+/// Changes under a tracked volume make a turn non-none, but the volume's contents are not in
+/// checkpoints yet: the manifest says so instead of implying they are kept.
+#[tokio::test(flavor = "multi_thread")]
+async fn tracked_volume_changes_are_named_as_not_captured() {
+    let dir = TestEnv::from_env().crab_home.join(format!("ckpt-volume-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (mut s, _g) = Sandbox::start("ckpt_volume", SandboxOptions { volume: Some((&dir, "/workspace")), ..Default::default() }).await;
+    s.run("echo w > /workspace/w.txt; echo r > /app/r.txt").await;
+    s.end_turn().await;
+    let m = s.wait_manifests(1).await;
+    assert_eq!(m[0]["kind"], "fs", "{:#}", m[0]);
+    let explanation = m[0]["explanation"].as_str().unwrap();
+    assert!(explanation.contains("not captured") && explanation.contains("/workspace"), "{explanation}");
+    let l = s.layer(&m[0]["fs_layers"][0]);
+    assert!(l.contains_key("app/r.txt") && !l.keys().any(|k| k.contains("w.txt")), "{:?}", l.keys().collect::<Vec<_>>());
+    s.finish().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

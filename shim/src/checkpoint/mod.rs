@@ -465,16 +465,32 @@ impl Coordinator {
                     work.deleted.clone(),
                 )
             };
-            let outside_volumes = |v: Vec<PathBuf>| -> Vec<PathBuf> {
-                v.into_iter()
-                    .filter(|p| !target.volumes.iter().any(|vol| p.starts_with(vol)))
-                    .collect()
+            // A tracked volume is not in the upperdir, and its contents are not captured yet
+            // (the manifest has no place for them): say so rather than imply they are kept.
+            let mut in_volumes = 0;
+            let mut outside_volumes = |v: Vec<PathBuf>| -> Vec<PathBuf> {
+                let (inside, outside): (Vec<_>, Vec<_>) = v
+                    .into_iter()
+                    .partition(|p| target.volumes.iter().any(|vol| p.starts_with(vol)));
+                in_volumes += inside.len();
+                outside
             };
             let (added, modified, deleted) = (
                 outside_volumes(added),
                 outside_volumes(modified),
                 outside_volumes(deleted),
             );
+            if in_volumes > 0 {
+                let volumes: Vec<String> =
+                    t.volumes.iter().map(|v| v.display().to_string()).collect();
+                let note = format!(
+                    "not captured: {in_volumes} change(s) under tracked volume(s) {} (volume contents are not part of checkpoints yet)",
+                    volumes.join(", ")
+                );
+                log::warn!("checkpoint {seq} of {}: {note}", t.container_id);
+                m.explanation.push('\n');
+                m.explanation.push_str(&note);
+            }
             let init_pid = t.init_pid;
             let (desc, stats) = tokio::task::spawn_blocking(move || {
                 let freezer = CgroupFreezer::for_pid(init_pid)
