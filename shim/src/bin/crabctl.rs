@@ -69,7 +69,7 @@ async fn main() -> ExitCode {
         namespace: std::env::var("CONTAINERD_NAMESPACE").unwrap_or_else(|_| "default".into()),
         config: None,
     };
-    while let Some(flag) = args.first().filter(|a| a.starts_with("--")).cloned() {
+    while let Some(flag) = args.first().filter(|a| a.starts_with('-')).cloned() {
         args.remove(0);
         if flag == "--help" {
             println!("{USAGE}");
@@ -150,12 +150,12 @@ async fn fork(g: &Global, container: &str, at: &str, count: usize) -> Result<(),
     }
     let s = &forked.exported.source;
     eprintln!(
-        "crabctl: started {} forks of {} from checkpoint {} (turn {:?}) in {:.0} ms",
+        "crabctl: started {} forks of {} from checkpoint {} (turn {:?}) in {}",
         forked.forks.len(),
         container,
         s.seq,
         s.turn_id,
-        forked.elapsed_ms
+        forked.phases
     );
     Ok(())
 }
@@ -166,11 +166,11 @@ async fn rollback(g: &Global, container: &str, to: Option<&str>) -> Result<(), S
     let s = &r.exported.source;
     let verb = if to.is_some() { "rolled back" } else { "recovered" };
     println!(
-        "{verb} {container} to checkpoint {} (turn {:?}, {}) in {:.0} ms: pid {}, image {}",
+        "{verb} {container} to checkpoint {} (turn {:?}, {}) in {}: pid {}, image {}",
         s.seq,
         s.turn_id,
         format!("{:?}", r.exported.kind).to_lowercase(),
-        r.elapsed_ms,
+        r.phases,
         r.restarted.pid,
         r.exported.reference
     );

@@ -57,7 +57,9 @@ impl Exported {
 /// The checkpoint `turn` names among `manifests` (oldest first): a sequence number, else a
 /// turn id (the newest checkpoint of that turn: a rollback republishes a turn's state under
 /// its turn id); `None` means the newest recovery point. Failed checkpoints are no recovery
-/// point: naming one is an error that says which ones are.
+/// point: naming one is an error that says which ones are. A `restored` checkpoint that
+/// republished one of this store's own (a rollback or recovery) stands for that one: the
+/// same layers and process image, so a turn returned to again reuses its image.
 pub fn select_checkpoint<'a>(
     container: &str,
     manifests: &'a [Manifest],
@@ -86,6 +88,7 @@ pub fn select_checkpoint<'a>(
             .iter()
             .rev()
             .find(|m| m.kind.is_durable_state())
+            .map(|m| original(manifests, m))
             .ok_or_else(|| CtlError::NoRecoveryPoint {
                 container: container.to_string(),
             });
@@ -102,7 +105,7 @@ pub fn select_checkpoint<'a>(
             .or_else(|| of_turn.clone().next())
     });
     match found {
-        Some(m) if m.kind.is_durable_state() => Ok(m),
+        Some(m) if m.kind.is_durable_state() => Ok(original(manifests, m)),
         Some(m) => Err(CtlError::FailedCheckpoint {
             container: container.to_string(),
             seq: m.seq,
@@ -115,6 +118,25 @@ pub fn select_checkpoint<'a>(
             available: usable(),
         }),
     }
+}
+
+/// The checkpoint a `restored` one republished in its own store (its parent, when that holds
+/// the same state), followed back to the first; any other checkpoint is its own original.
+fn original<'a>(manifests: &'a [Manifest], m: &'a Manifest) -> &'a Manifest {
+    let mut m = m;
+    while m.kind == CheckpointKind::Restored {
+        let source = m
+            .parent
+            .and_then(|p| manifests.iter().find(|s| s.seq == p))
+            .filter(|s| {
+                s.kind.is_durable_state() && s.fs_layers == m.fs_layers && s.process == m.process
+            });
+        match source {
+            Some(s) => m = s,
+            None => break,
+        }
+    }
+    m
 }
 
 fn kind_name(k: CheckpointKind) -> String {
@@ -333,7 +355,7 @@ impl Ctl {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::store::Manifest;
+    use crate::checkpoint::store::{Descriptor, Manifest};
 
     fn manifest(seq: u64, turn: &str, kind: CheckpointKind) -> Manifest {
         let mut m = Manifest::child_of(None, seq, turn, kind);
@@ -342,24 +364,45 @@ mod tests {
     }
 
     fn lineage() -> Vec<Manifest> {
+        let mut restored = manifest(4, "t2", CheckpointKind::Restored);
+        restored.parent = Some(2);
         vec![
             manifest(1, "t1", CheckpointKind::Fs),
             manifest(2, "t2", CheckpointKind::Proc),
             manifest(3, "t3", CheckpointKind::Failed),
-            manifest(4, "t2", CheckpointKind::Restored),
+            restored,
             manifest(5, "t5", CheckpointKind::Failed),
         ]
     }
 
     #[test]
     fn selects_by_seq_by_turn_and_the_newest_recovery_point() {
-        let ms = lineage();
-        assert_eq!(select_checkpoint("c", &ms, None).unwrap().seq, 4);
+        let mut ms = lineage();
         assert_eq!(select_checkpoint("c", &ms, Some("1")).unwrap().seq, 1);
         assert_eq!(select_checkpoint("c", &ms, Some("t1")).unwrap().seq, 1);
-        // A turn republished by a rollback: the newest checkpoint of that turn.
-        assert_eq!(select_checkpoint("c", &ms, Some("t2")).unwrap().seq, 4);
         assert_eq!(select_checkpoint("c", &ms, Some("2")).unwrap().seq, 2);
+        // A turn republished by a rollback stands for the checkpoint it restored.
+        for turn in [None, Some("t2"), Some("4")] {
+            assert_eq!(
+                select_checkpoint("c", &ms, turn).unwrap().seq,
+                2,
+                "{turn:?}"
+            );
+        }
+        // Not when the state differs (or the source is gone, or another container's).
+        ms[3].fs_layers.push(Descriptor {
+            digest: "sha256:x".into(),
+            diff_id: "sha256:x".into(),
+            size: 1,
+            media_type: String::new(),
+        });
+        assert_eq!(select_checkpoint("c", &ms, Some("t2")).unwrap().seq, 4);
+        ms[3].fs_layers.clear();
+        ms[3].parent = None;
+        assert_eq!(select_checkpoint("c", &ms, None).unwrap().seq, 4);
+        // The newest of a turn id used again for another state (exec turns after a restart).
+        ms.push(manifest(6, "t1", CheckpointKind::Fs));
+        assert_eq!(select_checkpoint("c", &ms, Some("t1")).unwrap().seq, 6);
     }
 
     #[test]

@@ -327,8 +327,6 @@ pub fn host_platform() -> (&'static str, &'static str) {
     let arch = match std::env::consts::ARCH {
         "x86_64" => "amd64",
         "aarch64" => "arm64",
-        "x86" => "386",
-        "powerpc64" => "ppc64le",
         other => other,
     };
     ("linux", arch)

@@ -20,12 +20,44 @@ pub struct Restarted {
     pub pid: u32,
 }
 
+/// Where the time of a fork or rollback went, in milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Phases {
+    /// Exporting the checkpoint and unpacking it (both mostly skipped when done before).
+    pub checkpoint_ms: f64,
+    /// Killing and deleting the old task and container (rollback only).
+    pub stop_ms: f64,
+    /// Creating and starting the new container(s).
+    pub start_ms: f64,
+    pub total_ms: f64,
+}
+
+impl Phases {
+    fn since(start: Instant) -> f64 {
+        start.elapsed().as_secs_f64() * 1000.0
+    }
+}
+
+impl std::fmt::Display for Phases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:.0} ms (checkpoint {:.0} ms",
+            self.total_ms, self.checkpoint_ms
+        )?;
+        if self.stop_ms > 0.0 {
+            write!(f, ", stop {:.0} ms", self.stop_ms)?;
+        }
+        write!(f, ", start {:.0} ms)", self.start_ms)
+    }
+}
+
 /// What `fork` did.
 #[derive(Debug)]
 pub struct Forked {
     pub exported: Exported,
     pub forks: Vec<Restarted>,
-    pub elapsed_ms: f64,
+    pub phases: Phases,
 }
 
 /// What `rollback` / `recover` did.
@@ -37,7 +69,7 @@ pub struct RolledBack {
     pub had_task: bool,
     /// Execs that were running and were ended with the old task.
     pub execs_ended: Vec<String>,
-    pub elapsed_ms: f64,
+    pub phases: Phases,
 }
 
 /// The runtime spec of a container started from `from`'s record as `to`: with no stdio there
@@ -162,6 +194,11 @@ impl Ctl {
         let lease = self.client.create_lease().await?;
         let r = async {
             let (exported, top) = self.prepare_checkpoint(&lease, container, Some(at)).await?;
+            let mut phases = Phases {
+                checkpoint_ms: Phases::since(start),
+                ..Phases::default()
+            };
+            let started = Instant::now();
             let existing: Vec<String> = self
                 .client
                 .containers()
@@ -202,10 +239,12 @@ impl Ctl {
                 return Err(e);
             }
             forks.sort_by(|a, b| natural_key(&a.id).cmp(&natural_key(&b.id)));
+            phases.start_ms = Phases::since(started);
+            phases.total_ms = Phases::since(start);
             Ok(Forked {
                 exported,
                 forks,
-                elapsed_ms: start.elapsed().as_secs_f64() * 1000.0,
+                phases,
             })
         }
         .await;
@@ -258,9 +297,16 @@ impl Ctl {
         let lease = self.client.create_lease().await?;
         let r = async {
             let (exported, top) = self.prepare_checkpoint(&lease, container, to).await?;
+            let mut phases = Phases {
+                checkpoint_ms: Phases::since(start),
+                ..Phases::default()
+            };
+            let stopping = Instant::now();
             let execs = self.client.task_execs(container).await?;
             self.client.remove_task(container).await?;
             self.client.delete_container(&exported.container).await?;
+            phases.stop_ms = Phases::since(stopping);
+            let starting = Instant::now();
             let record = clone_record(&exported.container, container, &exported.reference)?;
             self.client
                 .create_container(&lease, record.clone(), &top)
@@ -273,8 +319,10 @@ impl Ctl {
                 })?;
             // The record stays if the start fails, so `crabctl recover` can try again.
             let pid = self.client.start_task(&record).await?;
+            phases.start_ms = Phases::since(starting);
             self.drop_unused_internal_image(&exported.container.image)
                 .await;
+            phases.total_ms = Phases::since(start);
             Ok(RolledBack {
                 restarted: Restarted {
                     id: container.to_string(),
@@ -283,7 +331,7 @@ impl Ctl {
                 had_task: execs.is_some(),
                 execs_ended: execs.unwrap_or_default(),
                 exported,
-                elapsed_ms: start.elapsed().as_secs_f64() * 1000.0,
+                phases,
             })
         }
         .await;

@@ -25,7 +25,7 @@ use crab_runtime_config::{Config, ConfigError};
 pub use self::{
     client::Client,
     export::{select_checkpoint, Exported},
-    lifecycle::{clone_spec, Forked, Restarted, RolledBack},
+    lifecycle::{clone_spec, Forked, Phases, Restarted, RolledBack},
 };
 use crate::checkpoint::{pages::PagesError, store::StoreError};
 
