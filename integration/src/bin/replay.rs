@@ -23,13 +23,15 @@ const USAGE: &str = "usage: replay [options]
                         (default: $CRAB_TRAJECTORIES, else ../shared/trajectories next to the repo)
   --select A,B,...      trials to replay: full names, parts of names, or `all`
                         (default: a representative set of 4, see replay::trajectory)
-  --densities 1,4,...   sandboxes at once (default 1,4; the issue's set is 1,4,8,16)
+  --densities 1,4,...   sandboxes at once (default 1,4; the issue's set is 1,4,8,16); the
+                        accuracy pass runs the largest at once
   --policies a,b,...    of none, fs-every-turn, full-every-turn, crab (default: all; none is
                         the baseline of the relative figures and is always run)
   --think-scale X       recorded think time multiplier (default 0.05)
   --timeout S           command timeout in seconds (default 30, as the agent's harness)
   --max-turns N         replay at most N turns of each trajectory
-  --no-oracle           skip the inspector-accuracy pass";
+  --no-oracle           skip the inspector-accuracy pass
+  --accuracy-only       only the inspector-accuracy pass (no policy rounds)";
 
 fn die(msg: &str) -> ! {
     eprintln!("replay: {msg}");
@@ -43,6 +45,7 @@ struct Args {
     policies: Vec<Policy>,
     opts: Options,
     oracle: bool,
+    rounds: bool,
 }
 
 fn args() -> Args {
@@ -66,6 +69,7 @@ fn args() -> Args {
             max_turns: None,
         },
         oracle: true,
+        rounds: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -128,6 +132,7 @@ fn args() -> Args {
                 )
             }
             "--no-oracle" => a.oracle = false,
+            "--accuracy-only" => a.rounds = false,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -135,7 +140,7 @@ fn args() -> Args {
             other => die(&format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
-    if a.select.is_empty() || a.densities.is_empty() {
+    if a.select.is_empty() || a.densities.is_empty() || !(a.rounds || a.oracle) {
         die("nothing to replay");
     }
     // The relative figures need the baseline, first.
@@ -182,7 +187,7 @@ async fn main() {
     let started = Instant::now();
     let mut rounds = Vec::new();
     let mut figures = Vec::new();
-    for &density in &a.densities {
+    for &density in a.densities.iter().filter(|_| a.rounds) {
         let mut baseline = None;
         for &policy in &a.policies {
             let round = Round {
@@ -208,20 +213,18 @@ async fn main() {
         }
     }
     let accuracy = if a.oracle {
-        eprintln!(
-            "replay: accuracy pass (crab, {} sandboxes at once) ...",
-            selected.len()
-        );
-        let r = replay::run_round(
-            Round {
-                policy: Policy::Crab,
-                density: selected.len(),
-                oracle: true,
-            },
-            &selected,
-            &a.opts,
-        )
-        .await;
+        // As many at once as the largest density (every turn is judged the same way; the
+        // pass's timings are not used).
+        let density = selected
+            .len()
+            .min(a.densities.iter().copied().max().unwrap_or(1));
+        eprintln!("replay: accuracy pass (crab, {density} sandboxes at once) ...");
+        let round = Round {
+            policy: Policy::Crab,
+            density,
+            oracle: true,
+        };
+        let r = replay::run_round(round, &selected, &a.opts).await;
         let acc = report::accuracy(&r);
         rounds.push(r);
         Some(acc)

@@ -302,6 +302,8 @@ async fn replay_turns(
     };
     // The base: crab's first mark is taken at Start, before any exec.
     let mut prev: Option<(Snapshot, Snapshot)> = None;
+    // Whether crab's checkpoint job ran across the previous turn end (see oracle::judge).
+    let mut prev_froze = false;
     if let Some(o) = observer.take() {
         let (o, s) = snapshot(o).await;
         prev = Some((s.clone(), s));
@@ -365,14 +367,16 @@ async fn replay_turns(
             r.decision_ms = answer["elapsed_us"].as_f64().map(|us| us / 1e3);
             if let (Some(o), Some(before), Some((pb, pa))) = (observer.take(), before, prev.take())
             {
-                if r.decision.as_deref() != Some("none") {
+                let froze = [prev_froze, r.decision.as_deref() != Some("none")];
+                if froze[1] {
                     wait_published(sb, &turn_id).await?;
                 }
+                prev_froze = froze[1];
                 let (mut o, after) = snapshot(o).await;
                 let crab = CrabAnswer::from_json(&answer);
                 let (j, o2) = tokio::task::spawn_blocking(move || {
                     let resolved = o.resolve([&pb, &pa, &before, &after]);
-                    let j = oracle::judge(&resolved, &crab);
+                    let j = oracle::judge(&resolved, &crab, froze);
                     (j, (o, before, after))
                 })
                 .await

@@ -457,7 +457,13 @@ fn verdict(said: bool, certain: bool, changed: bool, unstable: bool) -> Verdict 
 }
 
 /// Judges crab's answer for a turn against the resolved snapshots.
-pub fn judge(r: &Resolved, crab: &CrabAnswer) -> Judgement {
+///
+/// `froze` says whether crab's checkpoint job ran across the previous and this turn end: its
+/// freeze (and a CRIU dump) wakes every process, which rewrites a little of their memory, and
+/// crab re-marks the idle ones after its own freeze. A process that moved across such a turn
+/// end is judged by what changed between the snapshots around the turn (previous A, this B):
+/// crab's own doing is not the agent's. Files are not touched by a freeze.
+pub fn judge(r: &Resolved, crab: &CrabAnswer, froze: [bool; 2]) -> Judgement {
     let mut fs_changed = Vec::new();
     let mut fs_unstable = Vec::new();
     let mut any_fs_change = false;
@@ -515,7 +521,9 @@ pub fn judge(r: &Resolved, crab: &CrabAnswer) -> Judgement {
             _ => "memory changed",
         };
         let changed = st(1) != st(2) || what == "memory unreadable";
-        let unstable = st(0) != st(1) || st(2) != st(3) || what == "memory unreadable";
+        let unstable = (!froze[0] && st(0) != st(1))
+            || (!froze[1] && st(2) != st(3))
+            || what == "memory unreadable";
         any_proc_change |= changed;
         if unstable && changed {
             proc_unstable.push(format!(
@@ -795,6 +803,8 @@ fn held_files(pid: u32) -> BTreeSet<PathBuf> {
 mod tests {
     use super::*;
 
+    const NO_FREEZE: [bool; 2] = [false, false];
+
     fn file(digest: u64) -> Node {
         Node::File {
             mode: 0o644,
@@ -858,13 +868,13 @@ mod tests {
         // Changed between the previous A and this B, still across both turn ends.
         let r = resolved(&[("/app/x", [a.clone(), a.clone(), b.clone(), b.clone()])]);
         assert_eq!(
-            judge(&r, &crab(true, false, &["/app/x"])).fs,
+            judge(&r, &crab(true, false, &["/app/x"]), NO_FREEZE).fs,
             Verdict::TruePositive
         );
-        let j = judge(&r, &crab(false, false, &[]));
+        let j = judge(&r, &crab(false, false, &[]), NO_FREEZE);
         assert_eq!((j.fs, j.fs_missed.len()), (Verdict::FalseNegative, 1));
         // The right kind but the path missing from the layer is a false negative too.
-        let j = judge(&r, &crab(true, false, &["/app/y"]));
+        let j = judge(&r, &crab(true, false, &["/app/y"]), NO_FREEZE);
         assert_eq!(
             (j.fs, j.fs_missed, j.fs_extra),
             (
@@ -882,26 +892,32 @@ mod tests {
             ("/etc", [a.clone(), a.clone(), a.clone(), a.clone()]),
         ]);
         assert_eq!(
-            judge(&r, &crab(false, false, &[])).fs,
+            judge(&r, &crab(false, false, &[]), NO_FREEZE).fs,
             Verdict::TrueNegative
         );
         assert_eq!(
-            judge(&r, &crab(true, false, &["/etc"])).fs,
+            judge(&r, &crab(true, false, &["/etc"]), NO_FREEZE).fs,
             Verdict::FalsePositive
         );
         // A writer across this turn end: uncertain unless crab took it.
         let r = resolved(&[("/app/log", [a.clone(), a.clone(), a.clone(), b.clone()])]);
-        assert_eq!(judge(&r, &crab(false, false, &[])).fs, Verdict::Ambiguous);
         assert_eq!(
-            judge(&r, &crab(true, false, &["/app/log"])).fs,
+            judge(&r, &crab(false, false, &[]), NO_FREEZE).fs,
+            Verdict::Ambiguous
+        );
+        assert_eq!(
+            judge(&r, &crab(true, false, &["/app/log"]), NO_FREEZE).fs,
             Verdict::Ambiguous
         );
         let r = resolved(&[("/app/log", [a.clone(), b.clone(), file(3), file(4)])]);
         assert_eq!(
-            judge(&r, &crab(true, false, &["/app/log"])).fs,
+            judge(&r, &crab(true, false, &["/app/log"]), NO_FREEZE).fs,
             Verdict::TruePositive
         );
-        assert_eq!(judge(&r, &crab(false, false, &[])).fs, Verdict::Ambiguous);
+        assert_eq!(
+            judge(&r, &crab(false, false, &[]), NO_FREEZE).fs,
+            Verdict::Ambiguous
+        );
     }
 
     #[test]
@@ -913,7 +929,7 @@ mod tests {
         )]);
         let mut c = crab(true, false, &["/app/d"]);
         c.deleted.insert(PathBuf::from("/app/d"));
-        let j = judge(&r, &c);
+        let j = judge(&r, &c, NO_FREEZE);
         assert_eq!((j.fs, j.fs_missed.len()), (Verdict::TruePositive, 0));
     }
 
@@ -935,37 +951,56 @@ mod tests {
         // Started during the turn.
         let r = with([None, None, proc(1, &[]), proc(1, &[])]);
         assert_eq!(
-            judge(&r, &crab(false, true, &[])).proc,
+            judge(&r, &crab(false, true, &[]), NO_FREEZE).proc,
             Verdict::TruePositive
         );
         assert_eq!(
-            judge(&r, &crab(false, false, &[])).proc,
+            judge(&r, &crab(false, false, &[]), NO_FREEZE).proc,
             Verdict::FalseNegative
         );
         // Idle throughout.
         let r = with([proc(1, &[]), proc(1, &[]), proc(1, &[]), proc(1, &[])]);
         assert_eq!(
-            judge(&r, &crab(false, false, &[])).proc,
+            judge(&r, &crab(false, false, &[]), NO_FREEZE).proc,
             Verdict::TrueNegative
         );
         assert_eq!(
-            judge(&r, &crab(false, true, &[])).proc,
+            judge(&r, &crab(false, true, &[]), NO_FREEZE).proc,
             Verdict::FalsePositive
         );
         // Memory changed during the turn.
         let r = with([proc(1, &[]), proc(1, &[]), proc(2, &[]), proc(2, &[])]);
         assert_eq!(
-            judge(&r, &crab(false, false, &[])).proc,
+            judge(&r, &crab(false, false, &[]), NO_FREEZE).proc,
             Verdict::FalseNegative
         );
-        // Woken across the previous turn end (crab's freeze): uncertain.
+        // Moved across the previous turn end: uncertain, unless crab's own checkpoint job
+        // (its freeze) ran then.
         let r = with([proc(1, &[]), proc(2, &[]), proc(2, &[]), proc(2, &[])]);
-        assert_eq!(judge(&r, &crab(false, false, &[])).proc, Verdict::Ambiguous);
+        assert_eq!(
+            judge(&r, &crab(false, false, &[]), NO_FREEZE).proc,
+            Verdict::Ambiguous
+        );
+        let j = judge(&r, &crab(false, false, &[]), [true, false]);
+        assert_eq!(j.proc, Verdict::TrueNegative);
+        // Changed during the turn, then dumped by crab across this turn end.
+        let r = with([proc(1, &[]), proc(1, &[]), proc(2, &[]), proc(3, &[])]);
+        assert_eq!(
+            judge(&r, &crab(false, true, &[]), [false, true]).proc,
+            Verdict::TruePositive
+        );
+        assert_eq!(
+            judge(&r, &crab(true, false, &[]), [false, true]).proc,
+            Verdict::FalseNegative
+        );
         // Unreadable memory is never a certain answer.
         let mut n = proc(1, &[]);
         n.as_mut().unwrap().memory = None;
         let r = with([n.clone(), n.clone(), n.clone(), n]);
-        assert_eq!(judge(&r, &crab(false, false, &[])).proc, Verdict::Ambiguous);
+        assert_eq!(
+            judge(&r, &crab(false, false, &[]), NO_FREEZE).proc,
+            Verdict::Ambiguous
+        );
     }
 
     #[test]
@@ -981,10 +1016,10 @@ mod tests {
                 proc(1, &["/app/data.db"]),
             ],
         );
-        let j = judge(&r, &crab(true, false, &["/app/data.db"]));
+        let j = judge(&r, &crab(true, false, &["/app/data.db"]), NO_FREEZE);
         assert_eq!(j.proc, Verdict::FalseNegative, "{:?}", j.proc_changed);
         assert_eq!(
-            judge(&r, &crab(true, true, &["/app/data.db"])).proc,
+            judge(&r, &crab(true, true, &["/app/data.db"]), NO_FREEZE).proc,
             Verdict::TruePositive
         );
     }

@@ -216,8 +216,13 @@ pub fn accuracy(r: &RoundRecord) -> Accuracy {
     a
 }
 
-fn mib(b: u64) -> f64 {
-    b as f64 / 1048576.0
+/// Bytes for people: KiB below a MiB, MiB below a GiB.
+fn bytes(b: u64) -> String {
+    match b {
+        b if b < 1 << 20 => format!("{:.1} KiB", b as f64 / 1024.0),
+        b if b < 1 << 30 => format!("{:.1} MiB", b as f64 / 1048576.0),
+        b => format!("{:.2} GiB", b as f64 / 1073741824.0),
+    }
 }
 
 fn opt(x: Option<f64>, digits: usize) -> String {
@@ -245,7 +250,7 @@ pub fn markdown(figs: &[Figures], acc: Option<&Accuracy>) -> String {
          previous checkpoint); `exposed` = its mean minus `none`'s at the same N; `replay` = sum over sandboxes of first \
          think to last turn end; `vs none` = that sum / `none`'s (round wall time / `none`'s in brackets). p50 / p95 \
          in ms. chat-only keeps no OS state: at run time it costs what `none` costs.\n\n\
-         | policy | N | sandboxes | turns | timeouts | ckpts fs/proc/full/failed | skipped | written MiB | decision ms | turn end ms | job ms | exec start ms | exposed ms/turn | replay s | vs none |\n\
+         | policy | N | sandboxes | turns | timeouts | ckpts fs/proc/full/failed | skipped | written | decision ms | turn end ms | job ms | exec start ms | exposed ms/turn | replay s | vs none |\n\
          |---|---:|---:|---:|---:|---|---:|---:|---|---|---|---|---:|---:|---|"
     );
     for f in figs {
@@ -257,7 +262,7 @@ pub fn markdown(figs: &[Figures], acc: Option<&Accuracy>) -> String {
         };
         let _ = writeln!(
             md,
-            "| {} | {} | {}{failed} | {} | {} | {} | {:.0}% | {:.2} | {} | {} | {} | {} | {} | {:.1} | {} ({}) |",
+            "| {} | {} | {}{failed} | {} | {} | {} | {:.0}% | {} | {} | {} | {} | {} | {} | {:.1} | {} ({}) |",
             f.policy.name(),
             f.density,
             f.sandboxes,
@@ -265,7 +270,7 @@ pub fn markdown(figs: &[Figures], acc: Option<&Accuracy>) -> String {
             f.timeouts,
             if f.policy.checkpoints() { format!("{}/{}/{}/{}", k("fs"), k("proc"), k("full"), k("failed")) } else { "-".into() },
             f.skipped_share() * 100.0,
-            mib(f.total_bytes()),
+            bytes(f.total_bytes()),
             pair(&f.decision_ms, 2),
             pair(&f.turn_end_ms, 1),
             pair(&f.checkpoint_job_ms, 0),
@@ -277,7 +282,7 @@ pub fn markdown(figs: &[Figures], acc: Option<&Accuracy>) -> String {
         );
     }
     let _ = writeln!(md, "\ncrab's decisions (the inspector's answers, whatever the policy took), and where the bytes went:\n");
-    let _ = writeln!(md, "| policy | N | none | fs | proc | full | layers MiB | process images MiB | metadata MiB | drain p50 ms |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(md, "| policy | N | none | fs | proc | full | layers | process images | metadata | drain p50 ms |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for f in figs.iter().filter(|f| f.policy.checkpoints()) {
         let d = |n: &str| f.decisions.get(n).copied().unwrap_or(0);
         let b = |names: &[&str]| -> u64 {
@@ -288,16 +293,16 @@ pub fn markdown(figs: &[Figures], acc: Option<&Accuracy>) -> String {
         };
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             f.policy.name(),
             f.density,
             d("none"),
             d("fs"),
             d("proc"),
             d("full"),
-            mib(b(&["blobs"])),
-            mib(b(&["proc", "chunks"])),
-            mib(f.total_bytes() - b(&["blobs", "proc", "chunks"])),
+            bytes(b(&["blobs"])),
+            bytes(b(&["proc", "chunks"])),
+            bytes(f.total_bytes() - b(&["blobs", "proc", "chunks"])),
             opt(Some(f.drain_ms.p50).filter(|x| x.is_finite()), 0),
         );
     }

@@ -15,7 +15,7 @@ pub const DEFAULT_SELECTION: [&str; 4] = [
     "grid-pattern-transform.1-of-1.2025-08-13__19-44-27",
     // Background servers (nohup ... &), killed and restarted; pip installs.
     "hf-model-inference.1-of-1.2025-08-13__19-44-27",
-    // Mostly reads, and a tmux server left running in the background.
+    // Mostly reads (its tmux commands fail: the agent image has no tmux).
     "tmux-advanced-workflow.1-of-1.2025-08-13__19-44-27",
 ];
 
