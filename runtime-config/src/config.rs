@@ -114,6 +114,11 @@ pub struct CheckpointConfig {
     /// to become durable, in milliseconds (1 ..= 3_600_000). Default 30000.
     #[serde(deserialize_with = "action_wait_timeout_ms")]
     pub action_wait_timeout_ms: u64,
+    /// How long a restore from a process image (`runc restore`, CRIU) may take before it is
+    /// abandoned and everything it started is killed, in milliseconds (1 ..= 3_600_000).
+    /// Default 120000. A corrupt image can make CRIU spin forever.
+    #[serde(deserialize_with = "action_wait_timeout_ms")]
+    pub restore_timeout_ms: u64,
     /// Writable bind-mounted volumes whose contents are part of the sandbox's state, by
     /// their path inside the container (e.g. `/workspace`): the inspector keeps a manifest of
     /// each, as it does for the rootfs. Other volumes are outside crab's checkpoints.
@@ -191,6 +196,7 @@ impl Default for CheckpointConfig {
             keep_last: None,
             keep_every: None,
             action_wait_timeout_ms: 30_000,
+            restore_timeout_ms: 120_000,
             tracked_volumes: Vec::new(),
             turn_boundary: TurnBoundary::Annotation,
             policy: CheckpointPolicy::Minimal,
@@ -504,6 +510,7 @@ mod tests {
             keep_last = 10
             keep_every = 5
             action_wait_timeout_ms = 1500
+            restore_timeout_ms = 2500
             tracked_volumes = ["/workspace", "/data"]
             turn_boundary = "exec"
             policy = "full-every-turn"
@@ -530,6 +537,7 @@ mod tests {
                     keep_last: Some(10),
                     keep_every: Some(5),
                     action_wait_timeout_ms: 1500,
+                    restore_timeout_ms: 2500,
                     tracked_volumes: vec!["/workspace".into(), "/data".into()],
                     turn_boundary: TurnBoundary::Exec,
                     policy: CheckpointPolicy::FullEveryTurn,
@@ -708,6 +716,10 @@ mod tests {
             (
                 "checkpoint.action_wait_timeout_ms = 1.5",
                 "checkpoint.action_wait_timeout_ms",
+            ),
+            (
+                "checkpoint.restore_timeout_ms = 0",
+                "checkpoint.restore_timeout_ms",
             ),
         ] {
             let (msg, got, location) = parse_err(doc);

@@ -582,7 +582,20 @@ impl Containers {
             ..Default::default()
         };
         self.pids.lock().unwrap().starting += 1;
-        let restored = c.runc.restore(&c.id, &c.bundle, &pid_file, &opts, child).await;
+        let bound = Duration::from_millis(r.config.checkpoint.restore_timeout_ms);
+        let restore = c.runc.restore(&c.id, &c.bundle, &pid_file, &opts, child);
+        tokio::pin!(restore);
+        let restored = match tokio::time::timeout(bound, &mut restore).await {
+            Ok(result) => result,
+            Err(_) => {
+                // CRIU and what it restored so far live in the container's cgroup by now;
+                // killing them makes runc fail (and return) on its own.
+                let killed = kill_cgroup_members(&bundle::read_spec(&c.bundle)?, &c.id);
+                log::error!("restore of {} took longer than {bound:?}: killed {killed} processes", c.id);
+                let _ = tokio::time::timeout(Duration::from_secs(10), &mut restore).await;
+                Err(Error::Other(format!("the restore took longer than {bound:?} ([checkpoint] restore_timeout_ms) and was abandoned")))
+            }
+        };
         let pid = restored.and_then(|()| bundle::read_pid(&pid_file));
         let early_exit = {
             let mut t = self.pids.lock().unwrap();
@@ -1037,6 +1050,33 @@ impl Containers {
         }
         false
     }
+}
+
+/// SIGKILLs every process in container `id`'s cgroup (from the spec's `cgroupsPath`, as
+/// runc places it with the cgroupfs or the systemd driver); returns how many.
+fn kill_cgroup_members(spec: &oci_spec::runtime::Spec, id: &str) -> usize {
+    let path = spec.linux().as_ref().and_then(|l| l.cgroups_path().clone()).map(|p| p.display().to_string());
+    let suffix = match path.as_deref() {
+        // systemd driver: "slice:prefix:name" is the unit prefix-name.scope.
+        Some(p) if p.split(':').count() == 3 => {
+            let parts: Vec<&str> = p.split(':').collect();
+            format!("/{}-{}.scope", parts[1], parts[2])
+        }
+        Some(p) => format!("/{}", p.trim_start_matches('/')),
+        None => format!("/{id}"),
+    };
+    let mut killed = 0;
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        let cgroups = std::fs::read_to_string(entry.path().join("cgroup")).unwrap_or_default();
+        if cgroups.lines().any(|l| l.splitn(3, ':').nth(2).is_some_and(|p| p == suffix || p.ends_with(&suffix))) {
+            // SAFETY: plain kill(2) of a pid in the container's cgroup.
+            if unsafe { libc::kill(pid, libc::SIGKILL) } == 0 {
+                killed += 1;
+            }
+        }
+    }
+    killed
 }
 
 /// Waits (bounded) until `pid` no longer runs `runc init`: `runc start` returns once it has

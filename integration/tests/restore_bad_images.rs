@@ -1,0 +1,349 @@
+//! Bad checkpoint images: each is a real checkpoint image (exported by crabctl) with one thing
+//! broken, re-imported with `ctr images import`, then started with `ctr run` under crab. Each
+//! must fail with a clear error and leave nothing half-started (no task, no container, no
+//! mounts or cgroups), and nothing may be written outside the container's rootfs:
+//! - a checkpoint description of an unknown newer format;
+//! - a CRIU image that does not match (files of it missing or cut short);
+//! - a truncated layer (its digest no longer matches);
+//! - layer entries with `..`, absolute paths, or through a symlink that points out of the rootfs
+//!   (containerd's layer applier resolves every entry inside the rootfs: crab applies no layer
+//!   itself, so this checks the path crab depends on);
+//! - a truncated layer blob or a corrupted manifest in crab's own store (crabctl export).
+
+use std::{
+    collections::HashMap,
+    io::{Read, Write},
+    path::{Path, PathBuf},
+};
+
+use crab_integration::{
+    sandbox::{Sandbox, SandboxOptions},
+    Harness,
+};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+fn sha256(data: &[u8]) -> String {
+    format!("sha256:{}", Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect::<String>())
+}
+
+/// An OCI image archive (`ctr images export`): its files by path.
+struct Archive {
+    files: HashMap<String, Vec<u8>>,
+}
+
+impl Archive {
+    fn read(path: &Path) -> Archive {
+        let data = std::fs::read(path).unwrap();
+        let mut files = HashMap::new();
+        for e in tar::Archive::new(&data[..]).entries().unwrap() {
+            let mut e = e.unwrap();
+            let name = e.path().unwrap().to_string_lossy().into_owned();
+            let mut buf = Vec::new();
+            e.read_to_end(&mut buf).unwrap();
+            files.insert(name, buf);
+        }
+        Archive { files }
+    }
+
+    fn blob(&self, digest: &str) -> &[u8] {
+        &self.files[&format!("blobs/sha256/{}", digest.strip_prefix("sha256:").unwrap())]
+    }
+
+    fn put_blob(&mut self, data: Vec<u8>) -> String {
+        let digest = sha256(&data);
+        self.files.insert(format!("blobs/sha256/{}", digest.strip_prefix("sha256:").unwrap()), data);
+        digest
+    }
+
+    fn manifest(&self) -> Value {
+        let index: Value = serde_json::from_slice(&self.files["index.json"]).unwrap();
+        serde_json::from_slice(self.blob(index["manifests"][0]["digest"].as_str().unwrap())).unwrap()
+    }
+
+    /// Replaces the last layer with `tar` (uncompressed), or its blob with `raw_blob` kept under
+    /// the old digest (a corrupt download), and names the result `name`.
+    fn with_last_layer(&self, name: &str, tar: Option<Vec<u8>>, raw_blob: Option<Vec<u8>>) -> Archive {
+        let mut out = Archive { files: self.files.clone() };
+        let mut manifest = self.manifest();
+        let mut config: Value = serde_json::from_slice(self.blob(manifest["config"]["digest"].as_str().unwrap())).unwrap();
+        let last = manifest["layers"].as_array().unwrap().len() - 1;
+        if let Some(tar) = tar {
+            let diff_id = sha256(&tar);
+            let size = tar.len();
+            let digest = out.put_blob(tar);
+            manifest["layers"][last] = json!({"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": digest, "size": size});
+            let ids = config["rootfs"]["diff_ids"].as_array_mut().unwrap();
+            let n = ids.len();
+            ids[n - 1] = diff_id.into();
+        }
+        if let Some(raw) = raw_blob {
+            let digest = manifest["layers"][last]["digest"].as_str().unwrap().to_string();
+            out.files.insert(format!("blobs/sha256/{}", digest.strip_prefix("sha256:").unwrap()), raw);
+        }
+        let config = serde_json::to_vec(&config).unwrap();
+        let (config_size, config_digest) = (config.len(), out.put_blob(config));
+        manifest["config"]["digest"] = config_digest.into();
+        manifest["config"]["size"] = config_size.into();
+        let manifest = serde_json::to_vec(&manifest).unwrap();
+        let (manifest_size, manifest_digest) = (manifest.len(), out.put_blob(manifest));
+        let index = json!({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": manifest_digest, "size": manifest_size,
+            "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": "bad"}
+        }]});
+        out.files.insert("index.json".into(), serde_json::to_vec(&index).unwrap());
+        out
+    }
+
+    fn write(&self, path: &Path) {
+        let mut b = tar::Builder::new(Vec::new());
+        let mut names: Vec<&String> = self.files.keys().collect();
+        names.sort();
+        for name in names {
+            let data = &self.files[name];
+            let mut h = tar::Header::new_gnu();
+            h.set_size(data.len() as u64);
+            h.set_mode(0o644);
+            h.set_cksum();
+            b.append_data(&mut h, name, &data[..]).unwrap();
+        }
+        std::fs::File::create(path).unwrap().write_all(&b.into_inner().unwrap()).unwrap();
+    }
+
+    /// The entries of the last layer (zstd or plain tar): (header, data) in order.
+    fn last_layer_entries(&self) -> Vec<(tar::Header, Vec<u8>)> {
+        let manifest = self.manifest();
+        let layers = manifest["layers"].as_array().unwrap();
+        let blob = self.blob(layers.last().unwrap()["digest"].as_str().unwrap());
+        let tar = zstd::decode_all(blob).unwrap_or_else(|_| blob.to_vec());
+        let mut out = Vec::new();
+        for e in tar::Archive::new(&tar[..]).entries().unwrap() {
+            let mut e = e.unwrap();
+            let mut data = Vec::new();
+            e.read_to_end(&mut data).unwrap();
+            out.push((e.header().clone(), data));
+        }
+        out
+    }
+}
+
+/// A tar of `entries`; a `Some(target)` makes a symlink. Paths are written raw (no
+/// sanitising by the tar crate): that is the point.
+fn raw_tar(entries: &[(&str, &[u8], Option<&str>)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (path, data, link) in entries {
+        let mut h = tar::Header::new_ustar();
+        {
+            let raw = h.as_ustar_mut().unwrap();
+            raw.name[..path.len()].copy_from_slice(path.as_bytes());
+            if let Some(l) = link {
+                raw.linkname[..l.len()].copy_from_slice(l.as_bytes());
+            }
+        }
+        h.set_entry_type(if link.is_some() { tar::EntryType::Symlink } else { tar::EntryType::Regular });
+        h.set_size(if link.is_some() { 0 } else { data.len() as u64 });
+        h.set_mode(0o644);
+        h.set_cksum();
+        out.extend_from_slice(h.as_bytes());
+        if link.is_none() {
+            out.extend_from_slice(data);
+            out.resize(out.len().div_ceil(512) * 512, 0);
+        }
+    }
+    out.resize(out.len() + 1024, 0);
+    out
+}
+
+/// Layer entries re-packed into a plain tar, with `edit` applied to (path, data).
+fn repack(entries: &[(tar::Header, Vec<u8>)], edit: impl Fn(&str, &[u8]) -> Option<Vec<u8>>) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (h, data) in entries {
+        let path = h.path().unwrap().to_string_lossy().into_owned();
+        let Some(data) = (if h.entry_type().is_file() { edit(&path, data) } else { Some(data.clone()) }) else { continue };
+        let mut h = h.clone();
+        h.set_size(data.len() as u64);
+        h.set_cksum();
+        b.append_data(&mut h, &path, &data[..]).unwrap();
+    }
+    b.into_inner().unwrap()
+}
+
+struct Fixture {
+    s: Sandbox,
+    _guard: crab_integration::CleanupGuard,
+    h: Harness,
+    dir: tempfile::TempDir,
+    good: Archive,
+}
+
+/// A sandbox with an fs turn and a process turn, exported and re-exported as an archive.
+async fn fixture(name: &str) -> Fixture {
+    let (mut s, guard) = Sandbox::start(name, SandboxOptions::default()).await;
+    s.run("echo data > /app/file").await;
+    s.end_turn().await;
+    s.run("nohup sleep 100000 >/dev/null 2>&1 &").await;
+    s.end_turn().await;
+    s.sync().await;
+    let h = s.h.clone();
+    let reference = format!("localhost/crab-bad/{}:good", s.id);
+    let (code, out, err) = s.crabctl(&["export", &s.id, &reference]);
+    assert_eq!(code, 0, "export: {out}{err}");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("good.tar");
+    h.ctr().run(&["images", "export", path.to_str().unwrap(), &reference]).unwrap().ok().unwrap();
+    h.ctr().run(&["images", "rm", &reference]).unwrap().ok().unwrap();
+    let good = Archive::read(&path);
+    Fixture { s, _guard: guard, h, dir, good }
+}
+
+impl Fixture {
+    fn name(&self, label: &str) -> String {
+        format!("localhost/crab-bad/{}:{label}", self.s.id)
+    }
+
+    /// Imports `bad` and runs it: returns ctr's failure output (the run must fail), after
+    /// checking nothing of it is left.
+    async fn run_fails(&self, label: &str, bad: &Archive) -> String {
+        let name = self.name(label);
+        let path = self.dir.path().join(format!("{label}.tar"));
+        bad.write(&path);
+        let ctr = self.h.ctr();
+        let import = ctr.run(&["images", "import", path.to_str().unwrap()]).unwrap();
+        let id = format!("{}-{label}", self.s.id);
+        let out = if import.code() != 0 {
+            format!("{}{}", import.stdout, import.stderr)
+        } else {
+            // A corrupt CRIU image can make CRIU spin: the restore is bounded (short here).
+            let config = self.dir.path().join("crab.toml");
+            let state = self.dir.path().join("state");
+            std::fs::write(&config, format!("[store]\nstate_dir = \"{}\"\n[checkpoint]\nrestore_timeout_ms = 5000\n", state.display())).unwrap();
+            let run = ctr
+                .run(&["run", "-d", "--runtime", "io.containerd.crab.v1", "--runtime-config-path", config.to_str().unwrap(), &name, &id, "sleep", "1"])
+                .unwrap();
+            let _ = ctr.run(&["images", "rm", &name]);
+            assert_ne!(run.code(), 0, "{label}: the bad image started: {run:?}");
+            format!("{}{}", run.stdout, run.stderr)
+        };
+        // Nothing runs. ctr keeps what it made of a failed `run -d` (the container record, and
+        // the task when Start failed: stopped, as after any failed start); deleting them, as a
+        // user would, must work and release everything.
+        let tasks = ctr.run(&["tasks", "ls"]).unwrap().ok().unwrap();
+        if let Some(line) = tasks.stdout.lines().find(|l| l.split_whitespace().next() == Some(id.as_str())) {
+            assert!(line.contains("STOPPED"), "{label}: a task was left running: {line}");
+            ctr.run(&["tasks", "rm", &id]).unwrap().ok().unwrap();
+        }
+        let _ = ctr.run(&["containers", "rm", &id]);
+        let leftovers: Vec<String> = self.h.inventory().await.unwrap().into_iter().flat_map(|n| n.containers).filter(|c| c == &id).collect();
+        assert!(leftovers.is_empty(), "{label}: the container cannot be deleted");
+        self.h.assert_no_leaks(&id).await;
+        out
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_checkpoint_images_fail_cleanly() {
+    let f = fixture("badimg").await;
+    let entries = f.good.last_layer_entries();
+    assert!(entries.iter().any(|(h, _)| h.path().unwrap().ends_with(".crab-checkpoint/checkpoint.json")), "the last layer is crab's");
+
+    // An unknown newer format.
+    let newer = repack(&entries, |p, d| {
+        Some(if p.ends_with("checkpoint.json") {
+            let mut v: Value = serde_json::from_slice(d).unwrap();
+            v["format"] = 99.into();
+            serde_json::to_vec(&v).unwrap()
+        } else {
+            d.to_vec()
+        })
+    });
+    let out = f.run_fails("newer", &f.good.with_last_layer(&f.name("newer"), Some(newer), None)).await;
+    assert!(out.contains("format 99") && out.contains("upgrade crab"), "{out}");
+
+    // A CRIU image that does not match: its process tree is gone, or its pages are cut short.
+    let no_pstree = repack(&entries, |p, d| (!p.ends_with("pstree.img")).then(|| d.to_vec()));
+    let out = f.run_fails("nopstree", &f.good.with_last_layer(&f.name("nopstree"), Some(no_pstree), None)).await;
+    assert!(out.contains("cannot restore") && out.contains("CRIU"), "{out}");
+    let short_pages = repack(&entries, |p, d| Some(if p.contains("/pages-") { d[..d.len() / 2].to_vec() } else { d.to_vec() }));
+    let out = f.run_fails("shortpages", &f.good.with_last_layer(&f.name("shortpages"), Some(short_pages), None)).await;
+    assert!(out.contains("cannot restore") && out.contains("restore_timeout_ms"), "{out}");
+
+    // A truncated layer: its content no longer matches its digest.
+    let blob = f.good.blob(f.good.manifest()["layers"].as_array().unwrap().last().unwrap()["digest"].as_str().unwrap()).to_vec();
+    let out = f.run_fails("truncated", &f.good.with_last_layer(&f.name("truncated"), None, Some(blob[..blob.len() / 2].to_vec()))).await;
+    assert!(out.to_lowercase().contains("digest") || out.contains("unexpected EOF") || out.contains("size"), "{out}");
+
+    // Entries that try to leave the rootfs.
+    let tag = std::process::id();
+    let host = |what: &str| PathBuf::from(format!("/tmp/crab-escape-{what}-{tag}"));
+    let escape = raw_tar(&[
+        (&format!("../../../../../../../../tmp/crab-escape-dotdot-{tag}"), b"out", None),
+        (&format!("/tmp/crab-escape-abs-{tag}"), b"out", None),
+        ("hostlink", b"", Some("/tmp")),
+        (&format!("hostlink/crab-escape-symlink-{tag}"), b"out", None),
+    ]);
+    // (On an fs-only checkpoint, so that the container runs `ls` rather than a restored init.)
+    let mut tar = repack(&entries, |p, d| match p {
+        _ if p.contains("/criu/") => None,
+        _ if p.ends_with("checkpoint.json") => {
+            let mut v: Value = serde_json::from_slice(d).unwrap();
+            v["process"] = Value::Null;
+            Some(serde_json::to_vec(&v).unwrap())
+        }
+        _ => Some(d.to_vec()),
+    });
+    tar.truncate(tar.len() - 1024);
+    tar.extend_from_slice(&escape);
+    let name = f.name("escape");
+    let path = f.dir.path().join("escape.tar");
+    f.good.with_last_layer(&f.name("escape"), Some(tar), None).write(&path);
+    let ctr = f.h.ctr();
+    let import = ctr.run(&["images", "import", path.to_str().unwrap()]).unwrap();
+    let id = format!("{}-escape", f.s.id);
+    if import.code() == 0 {
+        // Either refused, or applied inside the rootfs: never outside it (checked below).
+        let run = ctr.run(&["run", "--rm", "--runtime", "io.containerd.crab.v1", &name, &id, "ls", "/tmp"]).unwrap();
+        eprintln!("escape image: exit {}: {}{}", run.code(), run.stdout, run.stderr);
+        let _ = ctr.run(&["images", "rm", &name]);
+    }
+    for what in ["dotdot", "abs", "symlink"] {
+        assert!(!host(what).exists(), "a layer entry escaped the rootfs to {}", host(what).display());
+    }
+    f.h.assert_no_leaks(&id).await;
+
+    // crab's own store: a truncated layer blob and a corrupted manifest are refused by export.
+    // (A new layer, so that containerd's content store does not have it from the first export.)
+    let mut f = f;
+    f.s.run("echo more > /app/more").await;
+    f.s.end_turn().await;
+    f.s.sync().await;
+    let store = f.s.store();
+    let manifests: Vec<PathBuf> = {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(store.join("checkpoints")).unwrap().map(|e| e.unwrap().path()).collect();
+        v.sort();
+        v
+    };
+    let newest: Value = serde_json::from_slice(&std::fs::read(manifests.last().unwrap()).unwrap()).unwrap();
+    let layer = newest["fs_layers"].as_array().unwrap().last().unwrap()["digest"].as_str().unwrap().strip_prefix("sha256:").unwrap().to_string();
+    let blob_path = store.join("blobs/sha256").join(&layer);
+    let original = std::fs::read(&blob_path).unwrap();
+    std::fs::write(&blob_path, &original[..original.len() / 2]).unwrap();
+    let reference = format!("localhost/crab-bad/{}:store", f.s.id);
+    let (code, out, err) = f.s.crabctl(&["export", &f.s.id, &reference]);
+    assert_ne!(code, 0, "export of a truncated blob succeeded: {out}");
+    assert!(err.contains(&layer[..12]) || err.contains("digest") || err.contains("size"), "{err}");
+    std::fs::write(&blob_path, &original).unwrap();
+    let manifest_bytes = std::fs::read(manifests.last().unwrap()).unwrap();
+    std::fs::write(manifests.last().unwrap(), &manifest_bytes[..manifest_bytes.len() / 2]).unwrap();
+    let (code, out, err) = f.s.crabctl(&["export", &f.s.id, &reference]);
+    assert_ne!(code, 0, "export from a corrupted manifest succeeded: {out}");
+    assert!(err.contains("checkpoint") && (err.contains("json") || err.contains("corrupt") || err.contains("parse") || err.contains("EOF")), "{err}");
+    std::fs::write(manifests.last().unwrap(), &manifest_bytes).unwrap();
+    let ours = format!("localhost/crab-bad/{}:", f.s.id);
+    let images = f.h.ctr().run(&["images", "ls", "-q"]).unwrap().stdout;
+    assert!(images.lines().all(|l| !l.starts_with(&ours)), "images left behind: {images}");
+
+    // The sandbox itself never noticed.
+    let mut s = f.s;
+    assert_eq!(s.run("cat /app/file").await.stdout, "data\n");
+    s.finish().await;
+}
