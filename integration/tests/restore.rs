@@ -160,6 +160,22 @@ impl Drop for ImageGuard {
     }
 }
 
+/// Runs containerd's garbage collector now (removing an image with --sync collects everything
+/// unreferenced before it returns).
+fn force_gc(h: &Harness, tag: &str) {
+    let dummy = format!("localhost/crab-test/gc-{tag}:x");
+    h.ctr()
+        .run(&["images", "tag", &h.image.name, &dummy])
+        .unwrap()
+        .ok()
+        .unwrap();
+    h.ctr()
+        .run(&["images", "rm", "--sync", &dummy])
+        .unwrap()
+        .ok()
+        .unwrap();
+}
+
 /// `ctr run --rm` of `image` under crab with `bash -c script`; returns its stdout. The
 /// container's crab state goes to a directory of its own, removed afterwards.
 fn ctr_run(h: &Harness, image: &str, id: &str, script: &str) -> String {
@@ -296,6 +312,18 @@ async fn export_of_an_fs_chain_runs_as_that_turn() {
         source.as_str()
     );
     assert_eq!(labels.get("io.crab.checkpoint.source"), Some(&source));
+
+    // The image holds on to its content by itself (crabctl's lease is gone): a synchronous
+    // garbage collection keeps every blob.
+    force_gc(&h, &s.id);
+    for l in layers {
+        let digest = l["digest"].as_str().unwrap();
+        assert_eq!(
+            read_blob(&h, digest).await.len() as u64,
+            l["size"].as_u64().unwrap(),
+            "layer {digest} after GC"
+        );
+    }
 
     let restored = ctr_run(
         &h,
@@ -508,6 +536,20 @@ async fn rollback_across_fs_turns_backwards_and_forwards() {
         chain[..chain.len() - 1],
         middle["fs_layers"].as_array().unwrap()[..]
     );
+    // After a garbage collection, the rolled-back container still exports: its image (one of
+    // crabctl's) says where its base ends, its store has the rest.
+    force_gc(&h, &s.id);
+    let reference = format!("localhost/crab-test/{}:after", s.id);
+    let _after = ImageGuard::new(&h, &[&reference], &[]);
+    crabctl_ok(&s, &["export", &s.id, &reference]);
+    let (_, exported, _) = image(&h, &reference).await.unwrap();
+    let (_, base, _) = image(&h, &h.image.name).await.unwrap();
+    assert_eq!(
+        exported["layers"].as_array().unwrap().len(),
+        base["layers"].as_array().unwrap().len() + chain.len() + 1,
+        "{exported:#}"
+    );
+
     // The lineage records each rollback as a `restored` checkpoint of the turn it returned to.
     let restored: Vec<Value> = s
         .lineage()
