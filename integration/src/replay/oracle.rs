@@ -521,9 +521,14 @@ pub fn judge(r: &Resolved, crab: &CrabAnswer, froze: [bool; 2]) -> Judgement {
             _ => "memory changed",
         };
         let changed = st(1) != st(2) || what == "memory unreadable";
-        let unstable = (!froze[0] && st(0) != st(1))
-            || (!froze[1] && st(2) != st(3))
-            || what == "memory unreadable";
+        // Across a turn end: a start or an exit is never crab's doing; a memory change is,
+        // where crab's job froze the container.
+        let moved = |a: usize, b: usize, froze: bool| match (&n[a], &n[b]) {
+            (Some(x), Some(y)) => !froze && x.state() != y.state(),
+            (x, y) => x.is_some() != y.is_some(),
+        };
+        let unstable =
+            moved(0, 1, froze[0]) || moved(2, 3, froze[1]) || what == "memory unreadable";
         any_proc_change |= changed;
         if unstable && changed {
             proc_unstable.push(format!(
@@ -983,6 +988,17 @@ mod tests {
         );
         let j = judge(&r, &crab(false, false, &[]), [true, false]);
         assert_eq!(j.proc, Verdict::TrueNegative);
+        // Ended across the previous turn end, where crab checkpointed: not crab's doing, so
+        // crab's mark may have had it alive (its "ended" is then right) or not.
+        let r = with([proc(1, &[]), None, None, None]);
+        assert_eq!(
+            judge(&r, &crab(false, true, &[]), [true, false]).proc,
+            Verdict::Ambiguous
+        );
+        assert_eq!(
+            judge(&r, &crab(false, false, &[]), [true, false]).proc,
+            Verdict::Ambiguous
+        );
         // Changed during the turn, then dumped by crab across this turn end.
         let r = with([proc(1, &[]), proc(1, &[]), proc(2, &[]), proc(3, &[])]);
         assert_eq!(
