@@ -25,6 +25,7 @@ pub struct Config {
     pub store: StoreConfig,
     pub log: LogConfig,
     pub checkpoint: CheckpointConfig,
+    pub engine: EngineConfig,
 }
 
 /// How crab runs runc.
@@ -200,6 +201,38 @@ impl Default for CheckpointConfig {
             tracked_volumes: Vec::new(),
             turn_boundary: TurnBoundary::Annotation,
             policy: CheckpointPolicy::Minimal,
+        }
+    }
+}
+
+/// The host engine: one bounded scheduler for the checkpoint jobs of every sandbox on the
+/// host. Shims have no daemon in common; they share the directory `root` (slot locks, a queue
+/// of tickets, stats), so every shim whose config names the same `root` is in the same engine.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default, expecting = "the [engine] table")]
+pub struct EngineConfig {
+    /// How many checkpoint jobs run at once on the host (1 ..= 1024). Default 2. Shims that
+    /// share `root` should agree: a job only takes one of its own config's first `max_jobs`
+    /// slots.
+    #[serde(deserialize_with = "max_jobs")]
+    pub max_jobs: u32,
+    /// The bytes per second checkpoint jobs may write, host-wide, in MB/s (10^6 bytes, >= 1);
+    /// `None` (the default) sets no budget. Applied when jobs are admitted (a job waits while
+    /// the host's bytes written exceed the budget), not by slowing a running job.
+    #[serde(deserialize_with = "some_positive_u32")]
+    pub io_budget_mb_s: Option<u32>,
+    /// The directory the shims share. Default `/run/crab/engine` (a tmpfs: nothing in it
+    /// outlives a reboot, when no job can be running either).
+    #[serde(deserialize_with = "absolute_path")]
+    pub root: PathBuf,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_jobs: 2,
+            io_budget_mb_s: None,
+            root: PathBuf::from("/run/crab/engine"),
         }
     }
 }
@@ -402,6 +435,18 @@ fn action_wait_timeout_ms<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Err
     }
 }
 
+fn max_jobs<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
+    let n = u32::deserialize(d)?;
+    if (1..=1024).contains(&n) {
+        Ok(n)
+    } else {
+        Err(D::Error::invalid_value(
+            Unexpected::Unsigned(n.into()),
+            &"an integer from 1 to 1024",
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -484,7 +529,7 @@ mod tests {
     fn empty_document_and_empty_tables_give_defaults() {
         assert_eq!(parse("").unwrap(), Config::default());
         assert_eq!(
-            parse("[runc]\n[store]\n[log]\n[checkpoint]\n").unwrap(),
+            parse("[runc]\n[store]\n[log]\n[checkpoint]\n[engine]\n").unwrap(),
             Config::default()
         );
     }
@@ -514,6 +559,11 @@ mod tests {
             tracked_volumes = ["/workspace", "/data"]
             turn_boundary = "exec"
             policy = "full-every-turn"
+
+            [engine]
+            max_jobs = 4
+            io_budget_mb_s = 200
+            root = "/run/crab/engine-test"
             "#,
         )
         .unwrap();
@@ -541,6 +591,11 @@ mod tests {
                     tracked_volumes: vec!["/workspace".into(), "/data".into()],
                     turn_boundary: TurnBoundary::Exec,
                     policy: CheckpointPolicy::FullEveryTurn,
+                },
+                engine: EngineConfig {
+                    max_jobs: 4,
+                    io_budget_mb_s: Some(200),
+                    root: "/run/crab/engine-test".into(),
                 },
             }
         );
@@ -571,6 +626,32 @@ mod tests {
     }
 
     #[test]
+    fn engine_settings_are_validated() {
+        let c = Config::default().engine;
+        assert_eq!(
+            (c.max_jobs, c.io_budget_mb_s, c.root.as_path()),
+            (2, None, Path::new("/run/crab/engine"))
+        );
+        for (doc, key, expected) in [
+            ("engine.max_jobs = 0", "engine.max_jobs", "an integer from 1 to 1024"),
+            ("engine.max_jobs = 1025", "engine.max_jobs", "an integer from 1 to 1024"),
+            ("engine.max_jobs = -1", "engine.max_jobs", ""),
+            ("engine.max_jobs = \"2\"", "engine.max_jobs", ""),
+            ("engine.io_budget_mb_s = 0", "engine.io_budget_mb_s", "an integer from 1"),
+            ("engine.io_budget_mb_s = 1.5", "engine.io_budget_mb_s", ""),
+            ("engine.root = \"run/crab\"", "engine.root", "an absolute path"),
+            ("engine.slots = 2", "engine.slots", "expected one of `max_jobs`, `io_budget_mb_s`, `root`"),
+        ] {
+            let (msg, got, location) = parse_err(doc);
+            assert_eq!(got.as_deref(), Some(key), "{doc}: {msg}");
+            assert!(location.is_some(), "{doc}: {msg}");
+            assert!(msg.contains(expected), "{doc}: {msg}");
+        }
+        let c = parse("[engine]\nmax_jobs = 1024\nio_budget_mb_s = 1\n").unwrap().engine;
+        assert_eq!((c.max_jobs, c.io_budget_mb_s), (1024, Some(1)));
+    }
+
+    #[test]
     fn tracked_volumes_must_be_absolute() {
         let e = parse("[checkpoint]\ntracked_volumes = [\"/ok\", \"rel\"]\n").unwrap_err().to_string();
         assert!(e.contains("checkpoint.tracked_volumes"), "{e}");
@@ -592,7 +673,7 @@ mod tests {
         assert_eq!(
             msg,
             "invalid crab config /etc/crab/test.toml:4:2: key `runtime`: unknown field `runtime`, \
-             expected one of `runc`, `store`, `log`, `checkpoint`"
+             expected one of `runc`, `store`, `log`, `checkpoint`, `engine`"
         );
     }
 
