@@ -593,6 +593,8 @@ impl Containers {
                 let killed = kill_cgroup_members(&bundle::read_spec(&c.bundle)?, &c.id);
                 log::error!("restore of {} took longer than {bound:?}: killed {killed} processes", c.id);
                 let _ = tokio::time::timeout(Duration::from_secs(10), &mut restore).await;
+                // A killed CRIU leaves its cgroup yard mounted in the work directory.
+                unmount_all_under(&work);
                 Err(Error::Other(format!("the restore took longer than {bound:?} ([checkpoint] restore_timeout_ms) and was abandoned")))
             }
         };
@@ -1077,6 +1079,23 @@ fn kill_cgroup_members(spec: &oci_spec::runtime::Spec, id: &str) -> usize {
         }
     }
     killed
+}
+
+/// Detaches every mount at or below `dir` (deepest first).
+fn unmount_all_under(dir: &Path) {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut points: Vec<PathBuf> = mountinfo
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|p| PathBuf::from(p.replace("\\040", " ")))
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    for p in points {
+        if let Err(e) = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH) {
+            log::warn!("cannot unmount {}: {e}", p.display());
+        }
+    }
 }
 
 /// Waits (bounded) until `pid` no longer runs `runc init`: `runc start` returns once it has
