@@ -41,7 +41,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use containerd_client::services::v1::snapshots::{
-    snapshots_client::SnapshotsClient, RemoveSnapshotRequest,
+    snapshots_client::SnapshotsClient, ListSnapshotsRequest, RemoveSnapshotRequest,
 };
 use containerd_client::services::v1::{
     content_client::ContentClient, images_client::ImagesClient, GetImageRequest, ListImagesRequest,
@@ -244,6 +244,8 @@ struct StartSeries {
     shim_api: Vec<f64>,
     /// Snapshots removed before each cold start.
     removed: Vec<usize>,
+    /// Layers (index in the image) whose snapshot was not there to remove.
+    absent: Vec<Vec<usize>>,
     /// Resident KiB of the holder as seen inside restored containers (process images only).
     held_kib: Vec<f64>,
 }
@@ -263,6 +265,7 @@ impl StartSeries {
             "api_task_start_ms": stats_json(&self.api_col(|a| a.task_start_ms)),
             "shim_restore_log_ms": {"cold": stats_json(&self.shim_cold), "warm": stats_json(&self.shim_warm), "api": stats_json(&self.shim_api)},
             "snapshots_removed_before_cold": self.removed,
+            "layers_not_unpacked_before_cold": self.absent,
             "held_kib_after_restore": self.held_kib,
         })
     }
@@ -346,33 +349,8 @@ impl Bench {
         Ok(took)
     }
 
-    /// A container of `h`'s image through the API, `sleep infinity` in the spec every sandbox
-    /// of this run has (so a process image restores into the mounts it was dumped from).
     async fn api_start(&self, h: &Harness, id: &str) -> Res<ApiStart> {
-        let process = ProcessSpec::new(&["sleep", "infinity"]).to_oci(&h.image.env, &h.image.cwd);
-        let spec = container_spec(id, &h.env.namespace, process);
-        let options = (h.env.runtime == DEFAULT_RUNTIME)
-            .then(|| crab_runtime_options(None, Some(&self.cfg_body)));
-        let what = |step: &str, e: &dyn std::fmt::Display| {
-            format!("{step} {id}: {e}\n{}", h.log_excerpt(id))
-        };
-        let t0 = Instant::now();
-        h.create_container_with_spec_and_options(id, &spec, options)
-            .await
-            .map_err(|e| what("create container", &e))?;
-        let t1 = Instant::now();
-        h.create_task(id, None)
-            .await
-            .map_err(|e| what("create task", &e))?;
-        let t2 = Instant::now();
-        h.start(id, "").await.map_err(|e| what("start", &e))?;
-        let t3 = Instant::now();
-        Ok(ApiStart {
-            container_ms: ms(t1 - t0),
-            task_create_ms: ms(t2 - t1),
-            task_start_ms: ms(t3 - t2),
-            total_ms: ms(t3 - t0),
-        })
+        api_start(h, id, &self.cfg_body).await
     }
 
     async fn remove(&self, id: &str) -> Res<()> {
@@ -461,7 +439,7 @@ impl Bench {
 
     /// Removes the unpacked snapshots of `image`'s layers above its base image (top first), so
     /// the next start unpacks them again. Returns how many there were.
-    async fn remove_unpacked(&self, image: &str) -> Res<usize> {
+    async fn remove_unpacked(&self, image: &str) -> Res<(usize, Vec<usize>)> {
         let config = self.image_config(image).await?;
         let diff_ids: Vec<String> = config["rootfs"]["diff_ids"]
             .as_array()
@@ -475,7 +453,7 @@ impl Bench {
             .as_str()
             .and_then(|s| s.parse().ok())
             .ok_or_else(|| format!("{image}: no io.crab.checkpoint.base-layers label"))?;
-        let mut removed = 0;
+        let (mut removed, mut absent) = (0, Vec::new());
         for i in (base..diff_ids.len()).rev() {
             let chain = chain_id(&diff_ids[..=i]).expect("non-empty");
             let r = SnapshotsClient::new(self.base.channel())
@@ -486,16 +464,34 @@ impl Bench {
                 .await;
             match r {
                 Ok(_) => removed += 1,
-                Err(s) if s.code() == tonic::Code::NotFound => {}
+                Err(s) if s.code() == tonic::Code::NotFound => absent.push(i),
                 Err(s) => {
+                    let children = self.snapshot_children(&chain).await;
                     return Err(format!(
-                        "{image}: removing snapshot {chain} (layer {i}): {}",
+                        "{image}: removing snapshot {chain} (layer {i}): {} (children: {children:?})",
                         s.message()
-                    ))
+                    ));
                 }
             }
         }
-        Ok(removed)
+        Ok((removed, absent))
+    }
+
+    /// The snapshots whose parent is `key` (for error messages).
+    async fn snapshot_children(&self, key: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let r = SnapshotsClient::new(self.base.channel())
+            .list(self.base.request(ListSnapshotsRequest {
+                snapshotter: SNAPSHOTTER.into(),
+                filters: vec![format!("parent=={key}")],
+            }))
+            .await;
+        if let Ok(mut stream) = r.map(|r| r.into_inner()) {
+            while let Ok(Some(m)) = stream.message().await {
+                out.extend(m.info.into_iter().map(|i| i.name));
+            }
+        }
+        out
     }
 
     /// Removes the image records this run wrote, and the checkpoint images crabctl wrote for
@@ -523,6 +519,34 @@ impl Bench {
             let _ = tokio::task::block_in_place(|| ctr.run(&["images", "rm", &name]));
         }
     }
+}
+
+/// A container of `h`'s image through the API, `sleep infinity` in the spec every sandbox
+/// of this run has (so a process image restores into the mounts it was dumped from).
+async fn api_start(h: &Harness, id: &str, cfg_body: &str) -> Res<ApiStart> {
+    let process = ProcessSpec::new(&["sleep", "infinity"]).to_oci(&h.image.env, &h.image.cwd);
+    let spec = container_spec(id, &h.env.namespace, process);
+    let options =
+        (h.env.runtime == DEFAULT_RUNTIME).then(|| crab_runtime_options(None, Some(cfg_body)));
+    let what =
+        |step: &str, e: &dyn std::fmt::Display| format!("{step} {id}: {e}\n{}", h.log_excerpt(id));
+    let t0 = Instant::now();
+    h.create_container_with_spec_and_options(id, &spec, options)
+        .await
+        .map_err(|e| what("create container", &e))?;
+    let t1 = Instant::now();
+    h.create_task(id, None)
+        .await
+        .map_err(|e| what("create task", &e))?;
+    let t2 = Instant::now();
+    h.start(id, "").await.map_err(|e| what("start", &e))?;
+    let t3 = Instant::now();
+    Ok(ApiStart {
+        container_ms: ms(t1 - t0),
+        task_create_ms: ms(t2 - t1),
+        task_start_ms: ms(t3 - t2),
+        total_ms: ms(t3 - t0),
+    })
 }
 
 /// Rust's `Debug` of a `Duration` ("152.288865ms", "1.2s", "830µs") in milliseconds.
@@ -659,6 +683,52 @@ async fn baseline(b: &mut Bench, r: &mut Report) -> Res<()> {
                    "api_task_create_ms": stats_json(&col(|a| a.task_create_ms)), "api_task_start_ms": stats_json(&col(|a| a.task_start_ms))}),
         );
     }
+    // What N containers started at once cost on this host, without any checkpoint: the
+    // reference for forking N.
+    let mut conc = serde_json::Map::new();
+    for (name, runtime) in [("crab", DEFAULT_RUNTIME), ("runc", RUNC_RUNTIME)] {
+        let h = b.harness_for(AGENT_IMAGE, runtime).await?;
+        let mut per_n = serde_json::Map::new();
+        for n in FORKS {
+            let mut wall = Vec::new();
+            for _ in 0..b.o.fork_reps {
+                let ids: Vec<String> = (0..n).map(|_| b.id(&format!("conc-{name}"))).collect();
+                let t0 = Instant::now();
+                let tasks: Vec<_> = ids
+                    .iter()
+                    .map(|id| {
+                        let (h, id, cfg) = (h.clone(), id.clone(), b.cfg_body.clone());
+                        tokio::spawn(async move { api_start(&h, &id, &cfg).await })
+                    })
+                    .collect();
+                let mut failed = None;
+                for t in tasks {
+                    match t.await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => failed = Some(e),
+                        Err(e) => failed = Some(e.to_string()),
+                    }
+                }
+                wall.push(ms(t0.elapsed()));
+                for id in &ids {
+                    let _ = b.remove(id).await;
+                }
+                if let Some(e) = failed {
+                    return Err(e);
+                }
+            }
+            r.row(
+                "0 baseline",
+                format!("{n} plain API starts at once, {runtime}"),
+                wall.clone(),
+                None,
+                "reference for fork N",
+            );
+            per_n.insert(n.to_string(), stats_json(&wall));
+        }
+        conc.insert(name.into(), Value::Object(per_n));
+    }
+    j.insert("concurrent_api_starts_ms".into(), Value::Object(conc));
     r.extra.insert("baseline".into(), Value::Object(j));
     Ok(())
 }
@@ -676,7 +746,9 @@ async fn restore_series(
     let h = b.harness_for(image, DEFAULT_RUNTIME).await?;
     let mut s = StartSeries::default();
     for rep in 0..b.o.reps {
-        s.removed.push(b.remove_unpacked(image).await?);
+        let (removed, absent) = b.remove_unpacked(image).await?;
+        s.removed.push(removed);
+        s.absent.push(absent);
         for cold in [true, false] {
             let id = b.id(what);
             let from = b.log_len();
@@ -745,13 +817,14 @@ fn restore_rows(
         p50_of(&s.api_col(|a| a.task_create_ms)),
         p50_of(&s.api_col(|a| a.task_start_ms))
     );
-    let removed = s.removed.first().copied().unwrap_or(0);
+    // Layers above the base image: a cold start unpacks them all.
+    let removed = s.removed.first().copied().unwrap_or(0) + s.absent.first().map_or(0, Vec::len);
     r.row(
         section,
         format!("{label}: ctr run -d, cold (unpack)"),
         s.ctr_cold.clone(),
         aim,
-        format!("{removed} snapshots unpacked again"),
+        format!("unpacks {removed} layers"),
     );
     r.row(
         section,
@@ -1039,7 +1112,13 @@ async fn bench_rollback(
 // ---------------------------------------------------------------------------------------------
 // 4. Fork
 
-async fn fork_once(b: &mut Bench, s: &Sandbox, turn: &str, n: usize) -> Res<(f64, f64, Vec<f64>)> {
+async fn fork_once(
+    b: &mut Bench,
+    s: &Sandbox,
+    turn: &str,
+    n: usize,
+    with_process: bool,
+) -> Res<(f64, f64, Vec<f64>)> {
     let from = b.log_len();
     let r = b.crabctl(&["fork", &s.id, "--at", turn, "--count", &n.to_string()]);
     let (took, out, err) = r?;
@@ -1059,7 +1138,7 @@ async fn fork_once(b: &mut Bench, s: &Sandbox, turn: &str, n: usize) -> Res<(f64
         ));
     }
     let mut shim = Vec::new();
-    for id in &ids {
+    for id in ids.iter().filter(|_| with_process) {
         if let Some(x) = b.shim_restore_ms(from, id).await {
             shim.push(x);
         }
@@ -1072,13 +1151,13 @@ async fn fork_once(b: &mut Bench, s: &Sandbox, turn: &str, n: usize) -> Res<(f64
 
 async fn fork_series(b: &mut Bench, s: &Sandbox, turn: &str, with_process: bool) -> Res<Value> {
     // Untimed: the first fork exports and unpacks the checkpoint; later ones find it unpacked.
-    let (warmup, _, _) = fork_once(b, s, turn, 1).await?;
+    let (warmup, _, _) = fork_once(b, s, turn, 1, with_process).await?;
     let mut wall: HashMap<usize, Vec<f64>> = HashMap::new();
     let mut own: HashMap<usize, Vec<f64>> = HashMap::new();
     let mut shim: HashMap<usize, Vec<f64>> = HashMap::new();
     for _ in 0..b.o.fork_reps {
         for n in FORKS {
-            let (w, o, sh) = fork_once(b, s, turn, n).await?;
+            let (w, o, sh) = fork_once(b, s, turn, n, with_process).await?;
             wall.entry(n).or_default().push(w);
             own.entry(n).or_default().push(o);
             if with_process {
@@ -1254,6 +1333,15 @@ fn report(b: &Bench, r: &Report, total: Duration, load_before: &str) {
             md,
             "- fork {label}: N=8 / N=1 (wall p50) {x:.2} (aim <= {AIM_FORK_RATIO:.0}: {})",
             verdict(x, AIM_FORK_RATIO)
+        );
+    }
+    for runtime in [DEFAULT_RUNTIME, RUNC_RUNTIME] {
+        let one = r.p50(&format!("1 plain API starts at once, {runtime}"));
+        let eight = r.p50(&format!("8 plain API starts at once, {runtime}"));
+        let _ = writeln!(
+            md,
+            "- reference: 8 plain starts at once / 1 under {runtime} (p50) {:.2}",
+            eight / one
         );
     }
     let _ = writeln!(
