@@ -197,3 +197,45 @@ fn diff(want: &str, got: &str) -> String {
     let extra = g.iter().filter(|l| !w.contains(l)).map(|l| format!("  + {l}"));
     missing.chain(extra).collect::<Vec<_>>().join("\n")
 }
+
+/// What the rollback test looks at after each rollback: files, the interpreter's variables and
+/// whether the web server runs (absent before the turn that started it).
+const PROBE: &str = r#"cd /app && ls junk.txt proj/sub 2>&1 | sort; cat proj/a.txt
+python3 /app/cli.py 'x' && python3 /app/cli.py 'names' 2>&1 | tail -1
+python3 -c 'import urllib.request; urllib.request.urlopen("http://127.0.0.1:8000/index.html")' 2>/dev/null && echo server-up || echo server-down"#;
+
+/// Rollback in place (same container id) across fs-only and process checkpoints, backwards and
+/// forwards: each time the files, the interpreter's memory and the set of servers are those
+/// of the turn rolled back to, and the lineage records every rollback.
+#[tokio::test(flavor = "multi_thread")]
+async fn rollback_across_process_checkpoints_backwards_and_forwards() {
+    let (mut s, _guard) = Sandbox::start("rec-rollback", SandboxOptions::default()).await;
+    for script in TURNS {
+        s.run(script).await;
+        end_turn_durably(&mut s).await;
+    }
+    let now = s.run(PROBE).await.stdout;
+    assert!(now.contains("84") && now.contains("['a', 'b', 'c']") && now.contains("server-up"), "{now}");
+    // (turn, what its state shows): t4 = interpreter x=42 and names, junk still there, no server;
+    // t7 = after the delete, the install and the server; t3 = x=41, names not yet defined.
+    for (turn, want, not) in [
+        ("t4", vec!["junk.txt", "v1\n42\n['a', 'b']", "server-down"], vec!["v2", "server-up"]),
+        ("t7", vec!["v1\nv2\n42\n['a', 'b']", "server-up"], vec!["junk.txt\n", "server-down"]),
+        ("t3", vec!["junk.txt", "v1\n41\n", "server-down"], vec!["['a', 'b']", "server-up"]),
+        ("t8", vec!["84", "['a', 'b', 'c']", "server-up"], vec!["junk.txt\n"]),
+    ] {
+        let (code, out, err) = s.crabctl(&["rollback", &s.id, "--to", turn]);
+        assert_eq!(code, 0, "rollback to {turn}: {out}{err}");
+        let state = s.run(PROBE).await.stdout;
+        for w in want {
+            assert!(state.contains(w), "after rollback to {turn}, expected {w:?} in:\n{state}");
+        }
+        for n in not {
+            assert!(!state.contains(n), "after rollback to {turn}, unexpected {n:?} in:\n{state}");
+        }
+        let last = s.lineage().last().cloned().unwrap();
+        assert_eq!(last["kind"], "restored", "{last:#}");
+        assert_eq!(last["turn_id"], turn, "the lineage records which turn was rolled back to: {last:#}");
+    }
+    s.finish().await;
+}
