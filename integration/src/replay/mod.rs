@@ -296,25 +296,15 @@ async fn replay_turns(
     opts: &Options,
     rec: &mut SandboxRecord,
 ) -> Result<(), String> {
-    let mut observer = match round.oracle {
-        true => Some(oracle_observer(sb).await?),
+    let mut oracle = match round.oracle {
+        true => Some(OracleRun::start(sb).await?),
         false => None,
     };
-    // The base: crab's first mark is taken at Start, before any exec.
-    let mut prev: Option<(Snapshot, Snapshot)> = None;
-    // Whether crab's checkpoint job ran across the previous turn end (see oracle::judge).
-    let mut prev_froze = false;
-    if let Some(o) = observer.take() {
-        let (o, s) = snapshot(o).await;
-        prev = Some((s.clone(), s));
-        observer = Some(o);
-    }
     let started = Instant::now();
     let mut ready_at = Instant::now();
     let turns = t.turns.iter().take(opts.max_turns.unwrap_or(usize::MAX));
     for (n, turn) in turns.enumerate() {
-        let think = turn.think.mul_f64(opts.think_scale);
-        let wake = ready_at + think;
+        let wake = ready_at + turn.think.mul_f64(opts.think_scale);
         let slept = wake.saturating_duration_since(Instant::now());
         tokio::time::sleep_until(wake.into()).await;
         let x = exec(sb, &format!("t{n}"), &turn.cmd, opts.cmd_timeout)
@@ -336,26 +326,18 @@ async fn replay_turns(
             judgement: None,
             oracle_errors: Vec::new(),
         };
-        let before = match observer.take() {
-            Some(o) => {
-                let (o, s) = snapshot(o).await;
-                observer = Some(o);
-                Some(s)
-            }
+        let before = match &oracle {
+            Some(o) => Some(o.snapshot().await),
             None => None,
         };
         if round.policy.checkpoints() {
             let turn_id = format!("t{n}");
             let t0 = Instant::now();
-            sb.h.update(
-                &sb.id,
-                None,
-                HashMap::from([(TURN_END.to_string(), turn_id.clone())]),
-            )
-            .await
-            .map_err(|e| format!("turn end {turn_id}: {e}"))?;
+            let annotations = HashMap::from([(TURN_END.to_string(), turn_id.clone())]);
+            sb.h.update(&sb.id, None, annotations)
+                .await
+                .map_err(|e| format!("turn end {turn_id}: {e}"))?;
             r.turn_end_ms = Some(ms(t0.elapsed()));
-            ready_at = Instant::now();
             let answer = last_answer(&sb.store())?;
             if answer["turn_id"] != turn_id.as_str() {
                 return Err(format!(
@@ -365,37 +347,106 @@ async fn replay_turns(
             }
             r.decision = answer["kind"].as_str().map(str::to_string);
             r.decision_ms = answer["elapsed_us"].as_f64().map(|us| us / 1e3);
-            if let (Some(o), Some(before), Some((pb, pa))) = (observer.take(), before, prev.take())
-            {
-                let froze = [prev_froze, r.decision.as_deref() != Some("none")];
-                if froze[1] {
-                    wait_published(sb, &turn_id).await?;
-                }
-                prev_froze = froze[1];
-                let (mut o, after) = snapshot(o).await;
-                let crab = CrabAnswer::from_json(&answer);
-                let (j, o2) = tokio::task::spawn_blocking(move || {
-                    let resolved = o.resolve([&pb, &pa, &before, &after]);
-                    let j = oracle::judge(&resolved, &crab, froze);
-                    (j, (o, before, after))
-                })
-                .await
-                .map_err(|e| e.to_string())?;
-                let (o, before, after) = o2;
-                r.oracle_errors = before.errors.iter().chain(&after.errors).cloned().collect();
+            if let (Some(o), Some(before)) = (&mut oracle, before) {
+                let (j, errors) = o.judge(sb, &turn_id, before, &answer).await?;
                 r.judgement = Some(j);
+                r.oracle_errors = errors;
                 r.summary = Some(summary(&answer));
-                prev = Some((before, after));
-                observer = Some(o);
-                ready_at = Instant::now();
             }
-        } else {
-            ready_at = Instant::now();
         }
+        // The agent thinks once the turn end returned (and, in the accuracy pass, once the
+        // oracle has its snapshots).
+        ready_at = Instant::now();
         rec.turns.push(r);
     }
     rec.replay_s = started.elapsed().as_secs_f64();
     Ok(())
+}
+
+/// The accuracy pass's state for one sandbox.
+struct OracleRun {
+    observer: Arc<Mutex<Observer>>,
+    /// The snapshots before and after the previous turn end (at first, the base, twice).
+    prev: (Arc<Snapshot>, Arc<Snapshot>),
+    /// Whether crab's checkpoint job ran across the previous turn end (see [`oracle::judge`]).
+    prev_froze: bool,
+}
+
+impl OracleRun {
+    async fn start(sb: &Sandbox) -> Result<OracleRun, String> {
+        let mounts = SnapshotsClient::new(sb.h.channel())
+            .mounts(sb.h.request(MountsRequest {
+                snapshotter: SNAPSHOTTER.into(),
+                key: sb.id.clone(),
+            }))
+            .await
+            .map_err(|e| format!("Snapshots.Mounts {}: {e}", sb.id))?
+            .into_inner()
+            .mounts;
+        let (upperdir, lowerdirs) = mounts
+            .iter()
+            .find(|m| m.r#type == "overlay")
+            .and_then(|m| oracle::overlay_dirs(&m.options))
+            .ok_or_else(|| {
+                format!(
+                    "{}: the rootfs is not an overlay with an upperdir: {mounts:?}",
+                    sb.id
+                )
+            })?;
+        let (_, pid) = sb.h.status(&sb.id, "").await.map_err(|e| e.to_string())?;
+        let cgroup = oracle::cgroup2_dir(pid)
+            .map_err(|e| format!("the cgroup of {} (pid {pid}): {e}", sb.id))?;
+        let observer = Observer::new(oracle::Target {
+            upperdir,
+            lowerdirs,
+            cgroup,
+        });
+        let mut run = OracleRun {
+            observer: Arc::new(Mutex::new(observer)),
+            prev: Default::default(),
+            prev_froze: false,
+        };
+        // The base: crab's first mark is taken at Start, before any exec.
+        let base = Arc::new(run.snapshot().await);
+        run.prev = (base.clone(), base);
+        Ok(run)
+    }
+
+    async fn snapshot(&self) -> Snapshot {
+        let o = self.observer.clone();
+        tokio::task::spawn_blocking(move || o.lock().unwrap().snapshot())
+            .await
+            .expect("the snapshot thread does not panic")
+    }
+
+    /// Judges crab's answer for the turn that ended just after `before` was taken: waits until
+    /// the turn's checkpoint (if any) is durable, takes the snapshot after the turn end.
+    async fn judge(
+        &mut self,
+        sb: &Sandbox,
+        turn_id: &str,
+        before: Snapshot,
+        answer: &Value,
+    ) -> Result<(Judgement, Vec<String>), String> {
+        let froze = [self.prev_froze, answer["kind"] != "none"];
+        if froze[1] {
+            wait_published(sb, turn_id).await?;
+        }
+        let (before, after) = (Arc::new(before), Arc::new(self.snapshot().await));
+        let errors = before.errors.iter().chain(&after.errors).cloned().collect();
+        let crab = CrabAnswer::from_json(answer);
+        let (o, (pb, pa)) = (self.observer.clone(), self.prev.clone());
+        let (b, a) = (before.clone(), after.clone());
+        let j = tokio::task::spawn_blocking(move || {
+            let resolved = o.lock().unwrap().resolve([&pb, &pa, &b, &a]);
+            oracle::judge(&resolved, &crab, froze)
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        self.prev = (before, after);
+        self.prev_froze = froze[1];
+        Ok((j, errors))
+    }
 }
 
 fn first_line(s: &str) -> &str {
@@ -532,45 +583,6 @@ async fn wait_published(sb: &Sandbox, turn_id: &str) -> Result<(), String> {
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-}
-
-async fn oracle_observer(sb: &Sandbox) -> Result<Observer, String> {
-    let mounts = SnapshotsClient::new(sb.h.channel())
-        .mounts(sb.h.request(MountsRequest {
-            snapshotter: SNAPSHOTTER.into(),
-            key: sb.id.clone(),
-        }))
-        .await
-        .map_err(|e| format!("Snapshots.Mounts {}: {e}", sb.id))?
-        .into_inner()
-        .mounts;
-    let (upperdir, lowerdirs) = mounts
-        .iter()
-        .find(|m| m.r#type == "overlay")
-        .and_then(|m| oracle::overlay_dirs(&m.options))
-        .ok_or_else(|| {
-            format!(
-                "{}: the rootfs is not an overlay with an upperdir: {mounts:?}",
-                sb.id
-            )
-        })?;
-    let (_, pid) = sb.h.status(&sb.id, "").await.map_err(|e| e.to_string())?;
-    let cgroup = oracle::cgroup2_dir(pid)
-        .map_err(|e| format!("the cgroup of {} (pid {pid}): {e}", sb.id))?;
-    Ok(Observer::new(oracle::Target {
-        upperdir,
-        lowerdirs,
-        cgroup,
-    }))
-}
-
-async fn snapshot(mut o: Observer) -> (Observer, Snapshot) {
-    tokio::task::spawn_blocking(move || {
-        let s = o.snapshot();
-        (o, s)
-    })
-    .await
-    .expect("the snapshot thread does not panic")
 }
 
 /// Bytes under `store`, by top-level entry, each inode once.

@@ -37,6 +37,12 @@ pub struct Figures {
     /// Sum over sandboxes of the time from the first think to the last turn end.
     pub replay_s: f64,
     pub replay_vs_none: Option<f64>,
+    /// Sum of the commands' run times: the same commands, but their run time varies with
+    /// load (and with what they find), more than checkpoints change it.
+    pub commands_s: f64,
+    /// `replay_s - commands_s` over the `none` round's: think time plus what the runtime
+    /// added (exec starts, turn ends, output collection).
+    pub harness_vs_none: Option<f64>,
     pub wall_s: f64,
     pub wall_vs_none: Option<f64>,
 }
@@ -102,7 +108,16 @@ pub fn figures(r: &RoundRecord, baseline: Option<&RoundRecord>) -> Figures {
         .map(|s| s.replay_s)
         .filter(|x| x.is_finite())
         .sum();
-    let (mut exposed, mut replay_vs_none, mut wall_vs_none) = (None, None, None);
+    let commands = |r: &RoundRecord| -> f64 {
+        r.sandboxes
+            .iter()
+            .flat_map(|s| &s.turns)
+            .map(|t| t.run_ms / 1e3)
+            .sum()
+    };
+    let commands_s = commands(r);
+    let (mut exposed, mut replay_vs_none, mut wall_vs_none, mut harness_vs_none) =
+        (None, None, None, None);
     if let Some(b) = baseline.filter(|b| b.density == r.density) {
         let base_exec = Summary::of(
             &b.sandboxes
@@ -119,6 +134,8 @@ pub fn figures(r: &RoundRecord, baseline: Option<&RoundRecord>) -> Figures {
             .filter(|x| x.is_finite())
             .sum();
         replay_vs_none = Some(replay_s / base_replay).filter(|x| x.is_finite());
+        harness_vs_none =
+            Some((replay_s - commands_s) / (base_replay - commands(b))).filter(|x| x.is_finite());
         wall_vs_none = Some(r.wall_s / b.wall_s).filter(|x| x.is_finite());
     }
     Figures {
@@ -140,6 +157,8 @@ pub fn figures(r: &RoundRecord, baseline: Option<&RoundRecord>) -> Figures {
         drain_ms: Summary::of(&r.sandboxes.iter().map(|s| s.drain_ms).collect::<Vec<_>>()),
         replay_s,
         replay_vs_none,
+        commands_s,
+        harness_vs_none,
         wall_s: r.wall_s,
         wall_vs_none,
     }
@@ -248,10 +267,11 @@ pub fn markdown(figs: &[Figures], acc: Option<&Accuracy>) -> String {
          answer (`elapsed_us` of the stored answer); `turn end` = the `Tasks.Update` call; `job` = the checkpoint job \
          (manifest `timings.total_ms`); `exec start` = `Tasks.Exec` to `Tasks.Start` returned (it waits for the \
          previous checkpoint); `exposed` = its mean minus `none`'s at the same N; `replay` = sum over sandboxes of first \
-         think to last turn end; `vs none` = that sum / `none`'s (round wall time / `none`'s in brackets). p50 / p95 \
-         in ms. chat-only keeps no OS state: at run time it costs what `none` costs.\n\n\
-         | policy | N | sandboxes | turns | timeouts | ckpts fs/proc/full/failed | skipped | written | decision ms | turn end ms | job ms | exec start ms | exposed ms/turn | replay s | vs none |\n\
-         |---|---:|---:|---:|---:|---|---:|---:|---|---|---|---|---:|---:|---|"
+         think to last turn end, of which `commands` ran the commands; `vs none` = replay / `none`'s, and without the \
+         commands' run time (which varies with load more than checkpoints change it). p50 / p95 in ms. chat-only \
+         keeps no OS state: at run time it costs what `none` costs.\n\n\
+         | policy | N | sandboxes | turns | timeouts | ckpts fs/proc/full/failed | skipped | written | decision ms | turn end ms | job ms | exec start ms | exposed ms/turn | replay s | commands s | vs none | vs none excl. commands |\n\
+         |---|---:|---:|---:|---:|---|---:|---:|---|---|---|---|---:|---:|---:|---:|---:|"
     );
     for f in figs {
         let k = |n: &str| f.checkpoints.get(n).copied().unwrap_or(0);
@@ -262,7 +282,7 @@ pub fn markdown(figs: &[Figures], acc: Option<&Accuracy>) -> String {
         };
         let _ = writeln!(
             md,
-            "| {} | {} | {}{failed} | {} | {} | {} | {:.0}% | {} | {} | {} | {} | {} | {} | {:.1} | {} ({}) |",
+            "| {} | {} | {}{failed} | {} | {} | {} | {:.0}% | {} | {} | {} | {} | {} | {} | {:.1} | {:.1} | {} | {} |",
             f.policy.name(),
             f.density,
             f.sandboxes,
@@ -277,8 +297,9 @@ pub fn markdown(figs: &[Figures], acc: Option<&Accuracy>) -> String {
             pair(&f.exec_start_ms, 1),
             opt(f.exposed_ms_per_turn, 1),
             f.replay_s,
+            f.commands_s,
             opt(f.replay_vs_none, 3),
-            opt(f.wall_vs_none, 3),
+            opt(f.harness_vs_none, 3),
         );
     }
     let _ = writeln!(md, "\ncrab's decisions (the inspector's answers, whatever the policy took), and where the bytes went:\n");
@@ -415,6 +436,10 @@ mod tests {
         assert_eq!(f.checkpoints["proc"], 1);
         assert_eq!(f.exposed_ms_per_turn, Some(4.0));
         assert_eq!(f.replay_vs_none, Some(1.5));
+        assert_eq!(
+            (f.commands_s, f.harness_vs_none),
+            (0.004, Some((3.0 - 0.004) / (2.0 - 0.004)))
+        );
         assert_eq!(f.total_bytes(), 1024);
         assert_eq!(f.checkpoint_job_ms.n, 2);
         let n = figures(&none, Some(&none));
