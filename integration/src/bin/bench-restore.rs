@@ -231,6 +231,26 @@ struct ApiStart {
     task_create_ms: f64,
     task_start_ms: f64,
     total_ms: f64,
+    /// Unix time Tasks.Start returned (to compare with the shim's log lines).
+    started_at: f64,
+}
+
+/// The shim's log lines about one restore.
+#[derive(Clone, Copy)]
+struct ShimLog {
+    /// Its `restored ... in D` figure: runc restore (CRIU) and the init's stdio.
+    restore_ms: f64,
+    /// Unix times of that line and of the inspector's start after it.
+    restored_at: f64,
+    inspector_at: Option<f64>,
+}
+
+impl ShimLog {
+    /// From the restore's end until checkpointing of the container began.
+    fn setup_ms(&self) -> f64 {
+        self.inspector_at
+            .map_or(f64::NAN, |t| (t - self.restored_at) * 1e3)
+    }
 }
 
 #[derive(Default)]
@@ -242,6 +262,10 @@ struct StartSeries {
     shim_cold: Vec<f64>,
     shim_warm: Vec<f64>,
     shim_api: Vec<f64>,
+    /// Restore's end until checkpointing began (all ways), see [`ShimLog::setup_ms`].
+    setup: Vec<f64>,
+    /// API starts: checkpointing began until Tasks.Start returned (the inspector's base mark).
+    api_tail: Vec<f64>,
     /// Snapshots removed before each cold start.
     removed: Vec<usize>,
     /// Layers (index in the image) whose snapshot was not there to remove.
@@ -263,6 +287,8 @@ impl StartSeries {
             "api_container_create_ms": stats_json(&self.api_col(|a| a.container_ms)),
             "api_task_create_ms": stats_json(&self.api_col(|a| a.task_create_ms)),
             "api_task_start_ms": stats_json(&self.api_col(|a| a.task_start_ms)),
+            "shim_after_restore_until_checkpointing_ms": stats_json(&self.setup),
+            "api_checkpointing_began_until_start_returned_ms": stats_json(&self.api_tail),
             "shim_restore_log_ms": {"cold": stats_json(&self.shim_cold), "warm": stats_json(&self.shim_warm), "api": stats_json(&self.shim_api)},
             "snapshots_removed_before_cold": self.removed,
             "layers_not_unpacked_before_cold": self.absent,
@@ -306,21 +332,46 @@ impl Bench {
     /// The shim's `container ID restored from ... in D` figure logged after byte `from` of
     /// containerd's log (the shim's log reaches it asynchronously: waits up to 2 s).
     async fn shim_restore_ms(&self, from: u64, id: &str) -> Option<f64> {
+        self.shim_log(from, id).await.map(|l| l.restore_ms)
+    }
+
+    /// What the shim logged about restoring `id` after byte `from` of containerd's log: the
+    /// `restored ... in D` line, and the next `inspector: watching cgroup` line, which the
+    /// shim logs once it has set up checkpointing of the restored container (for a new
+    /// container that includes importing the process image into its store). Only meaningful
+    /// while no other container starts: the inspector line names no container.
+    async fn shim_log(&self, from: u64, id: &str) -> Option<ShimLog> {
         let needle = format!("container {id} restored from ");
+        let mut found = None;
         for _ in 0..40 {
             if let Ok(text) = std::fs::read(&self.log) {
                 let text =
                     String::from_utf8_lossy(&text[(from as usize).min(text.len())..]).into_owned();
-                if let Some(line) = text.lines().rev().find(|l| l.contains(&needle)) {
+                let lines: Vec<&str> = text.lines().collect();
+                if let Some(at) = lines.iter().rposition(|l| l.contains(&needle)) {
+                    let line = lines[at];
                     let after = &line[line.find(&needle).unwrap() + needle.len()..];
-                    return after
+                    let restore_ms = after
                         .rsplit_once(" in ")
-                        .and_then(|(_, d)| parse_duration_ms(d.split_whitespace().next()?));
+                        .and_then(|(_, d)| parse_duration_ms(d.split_whitespace().next()?))?;
+                    let restored_at = log_time(line).unwrap_or(f64::NAN);
+                    let inspector_at = lines[at + 1..]
+                        .iter()
+                        .find(|l| l.contains("inspector: watching cgroup"))
+                        .and_then(|l| log_time(l));
+                    found = Some(ShimLog {
+                        restore_ms,
+                        restored_at,
+                        inspector_at,
+                    });
+                    if inspector_at.is_some() {
+                        return found;
+                    }
                 }
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        None
+        found
     }
 
     /// `ctr run -d` of `image` as `id` under `runtime`; its wall time (ctr returns once the task
@@ -546,7 +597,42 @@ async fn api_start(h: &Harness, id: &str, cfg_body: &str) -> Res<ApiStart> {
         task_create_ms: ms(t2 - t1),
         task_start_ms: ms(t3 - t2),
         total_ms: ms(t3 - t0),
+        started_at: unix_now(),
     })
+}
+
+/// The unix time of a containerd log line (`time="2026-11-29T13:18:09.343991922Z"`, UTC).
+fn log_time(line: &str) -> Option<f64> {
+    let t = line
+        .split("time=\"")
+        .nth(1)?
+        .split('"')
+        .next()?
+        .strip_suffix('Z')?;
+    let (date, time) = t.split_once('T')?;
+    let mut d = date.split('-').map(|x| x.parse::<i64>().ok());
+    let (y, m, dd) = (d.next()??, d.next()??, d.next()??);
+    let mut h = time.split(':');
+    let (hh, mm) = (
+        h.next()?.parse::<f64>().ok()?,
+        h.next()?.parse::<f64>().ok()?,
+    );
+    let ss = h.next()?.parse::<f64>().ok()?;
+    // Days from civil (Howard Hinnant).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + dd - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(days as f64 * 86_400.0 + hh * 3600.0 + mm * 60.0 + ss)
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(f64::NAN)
 }
 
 /// Rust's `Debug` of a `Duration` ("152.288865ms", "1.2s", "830µs") in milliseconds.
@@ -753,11 +839,13 @@ async fn restore_series(
             let id = b.id(what);
             let from = b.log_len();
             let took = b.ctr_run(DEFAULT_RUNTIME, image, &id)?;
-            let shim = if with_process {
-                b.shim_restore_ms(from, &id).await
+            let log = if with_process {
+                b.shim_log(from, &id).await
             } else {
                 None
             };
+            let shim = log.map(|l| l.restore_ms);
+            s.setup.extend(log.map(|l| l.setup_ms()));
             if with_process && rep == 0 {
                 s.held_kib.push(held_kib(&h, &id).await);
             }
@@ -772,14 +860,20 @@ async fn restore_series(
         }
         let id = b.id(what);
         let from = b.log_len();
-        s.api.push(b.api_start(&h, &id).await?);
+        let api = b.api_start(&h, &id).await?;
         if with_process {
-            s.shim_api
-                .push(b.shim_restore_ms(from, &id).await.unwrap_or(f64::NAN));
+            let log = b.shim_log(from, &id).await;
+            s.shim_api.push(log.map_or(f64::NAN, |l| l.restore_ms));
+            s.setup.extend(log.map(|l| l.setup_ms()));
+            s.api_tail.extend(
+                log.and_then(|l| l.inspector_at)
+                    .map(|t| (api.started_at - t) * 1e3),
+            );
             if rep == 0 {
                 s.held_kib.push(held_kib(&h, &id).await);
             }
         }
+        s.api.push(api);
         b.remove(&id).await?;
     }
     // The next image's cold starts must not find layers this one shares with it unpacked.
@@ -850,6 +944,20 @@ fn restore_rows(
             all,
             None,
             "all three ways",
+        );
+        r.row(
+            section,
+            format!("{label}: shim, restored until checkpointing began"),
+            s.setup.clone(),
+            None,
+            "chiefly importing the process image into the new store (log times)",
+        );
+        r.row(
+            section,
+            format!("{label}: API, checkpointing began until Start returned"),
+            s.api_tail.clone(),
+            None,
+            "the inspector's base mark (log time vs client clock)",
         );
     }
     r.row(
@@ -1019,6 +1127,10 @@ async fn rollback_series(
     with_process: bool,
 ) -> Res<Value> {
     let (mut wall, mut own, mut shim, mut held) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut setup, mut export) = (Vec::new(), Vec::new());
+    // What the export inside each rollback costs: the same checkpoint exported on its own.
+    let scratch = format!("localhost/crab-bench/restore-{}:rollback-export", b.pid);
+    b.images.push(scratch.clone());
     for rep in 0..b.o.rollback_reps {
         s.run(&format!("echo {rep} > /app/undo-me.txt")).await;
         end_turn(s).await?;
@@ -1027,8 +1139,11 @@ async fn rollback_series(
         wall.push(took);
         own.push(crabctl_ms(&out));
         if with_process {
-            shim.push(b.shim_restore_ms(from, &s.id).await.unwrap_or(f64::NAN));
+            let log = b.shim_log(from, &s.id).await;
+            shim.push(log.map_or(f64::NAN, |l| l.restore_ms));
+            setup.push(log.map_or(f64::NAN, |l| l.setup_ms()));
         }
+        export.push(b.crabctl(&["export", &s.id, "--turn", turn, &scratch])?.0);
         let check = s
             .run("test -e /app/undo-me.txt && echo present || echo gone")
             .await
@@ -1051,7 +1166,9 @@ async fn rollback_series(
         }
     }
     Ok(
-        json!({"turn": turn, "wall_ms": wall, "crabctl_ms": own, "shim_restore_log_ms": shim, "held_kib_after": held}),
+        json!({"turn": turn, "wall_ms": wall, "crabctl_ms": own, "shim_restore_log_ms": shim,
+               "shim_after_restore_until_checkpointing_ms": setup, "export_alone_ms": export,
+               "held_kib_after": held}),
     )
 }
 
@@ -1089,10 +1206,10 @@ async fn bench_rollback(
         );
         r.row(
             "3 rollback",
-            format!("rollback {label}: crabctl's own figure"),
-            nums(v, "crabctl_ms"),
-            aim,
-            "",
+            format!("rollback {label}: crabctl export of that checkpoint alone"),
+            nums(v, "export_alone_ms"),
+            None,
+            "what the export inside each rollback costs",
         );
     }
     r.row(
@@ -1101,6 +1218,13 @@ async fn bench_rollback(
         nums(&v_proc, "shim_restore_log_ms"),
         None,
         "",
+    );
+    r.row(
+        "3 rollback",
+        "rollback 50 MB process: shim, restored until checkpointing began",
+        nums(&v_proc, "shim_after_restore_until_checkpointing_ms"),
+        None,
+        "own store: the process image is referenced, not imported",
     );
     r.extra.insert(
         "rollback".into(),
@@ -1246,6 +1370,28 @@ fn loadavg() -> String {
         .join(" ")
 }
 
+/// Which code was measured: the checkout's commit (others may have uncommitted edits in it)
+/// and when the shim and crabctl binaries were built.
+fn build_info() -> Value {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let head = std::process::Command::new("git")
+        .arg("-C")
+        .arg(&root)
+        .args(["rev-parse", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    let built = |name: &str| {
+        std::fs::metadata(root.join("target/release").join(name))
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map(|d| d.as_secs())
+    };
+    json!({"git_head": head, "shim_built_unix": built("containerd-shim-crab-v1"), "crabctl_built_unix": built("crabctl")})
+}
+
 fn verdict(p50: f64, aim: f64) -> &'static str {
     if p50.is_nan() {
         "-"
@@ -1357,6 +1503,7 @@ fn report(b: &Bench, r: &Report, total: Duration, load_before: &str) {
         "total_s": total.as_secs_f64(),
         "host": {"kernel": kernel, "cpus": cpus, "loadavg_before": load_before, "loadavg_after": load_after},
         "containerd_address": b.base.env.address,
+        "build": build_info(),
         "image": AGENT_IMAGE,
         "options": {"reps": b.o.reps, "rollback_reps": b.o.rollback_reps, "fork_reps": b.o.fork_reps},
         "rows": rows_json,
