@@ -376,8 +376,8 @@ impl Coordinator {
         Ok(())
     }
 
-    /// `exec ID: pid P `cmd`, ...` for processes outside init's tree, grouped by the exec whose
-    /// main process they are or descend from (when it ran at the latest turn end).
+    /// Names processes outside init's tree as `exec ID (pid P <cmdline>, ...)`, grouped by the
+    /// exec whose main process they are or descend from (when it ran at the latest turn end).
     fn describe_outside(&self, pids: &[u32], cmdlines: &[String]) -> String {
         let execs = self.state.lock().unwrap().running_execs.clone();
         let exec_of = |pid: u32| -> Option<&String> {
