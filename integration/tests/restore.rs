@@ -13,7 +13,7 @@ use containerd_client::services::v1::{
 use crab_integration::{
     sandbox::{Sandbox, SandboxOptions},
     stdio::StdioOptions,
-    Harness, ProcessSpec,
+    Harness, ProcessSpec, TaskStatus,
 };
 use serde_json::Value;
 
@@ -566,8 +566,8 @@ async fn rollback_across_fs_turns_backwards_and_forwards() {
     s.finish().await;
 }
 
-/// `crabctl recover` after the container's processes were SIGKILLed: back at the newest
-/// checkpoint, same id, running again.
+/// `crabctl recover` after the container's processes were SIGKILLed, and of a paused
+/// container: back at the newest checkpoint, same id, running again.
 #[tokio::test(flavor = "multi_thread")]
 async fn recover_after_the_processes_were_killed() {
     let (mut s, _g) = Sandbox::start("restore_recover", SandboxOptions::default()).await;
@@ -582,6 +582,13 @@ async fn recover_after_the_processes_were_killed() {
     assert!(out.starts_with("recovered"), "{out}");
     let mut again = sandbox_for(&s, &s.id);
     again.turn = 100;
+    assert_eq!(listing(&mut again).await, expected);
+
+    // A paused (frozen) sandbox: its processes are thawed so that they can die.
+    h.pause(&s.id).await.unwrap();
+    let out = crabctl_ok(&s, &["recover", &s.id]);
+    assert!(out.starts_with("recovered"), "{out}");
+    assert_eq!(h.status(&s.id, "").await.unwrap().0, TaskStatus::Running);
     assert_eq!(listing(&mut again).await, expected);
     s.finish().await;
 }

@@ -25,9 +25,9 @@ use containerd_client::{
         CreateRequest as CreateLeaseRequest, CreateTaskRequest, DeleteContainerRequest,
         DeleteImageRequest, DeleteRequest as DeleteLeaseRequest, DeleteTaskRequest,
         GetContainerRequest, GetImageRequest, Image, Info as ContentInfo, InfoRequest, KillRequest,
-        ListContainersRequest, ListPidsRequest, ReadContentRequest, Resource, StartRequest,
-        UpdateImageRequest, UpdateRequest as UpdateContentRequest, WaitRequest, WriteAction,
-        WriteContentRequest, WriteContentResponse,
+        ListContainersRequest, ListPidsRequest, ReadContentRequest, Resource, ResumeTaskRequest,
+        StartRequest, UpdateImageRequest, UpdateRequest as UpdateContentRequest, WaitRequest,
+        WriteAction, WriteContentRequest, WriteContentResponse,
     },
     types::{Descriptor, Mount},
 };
@@ -756,6 +756,17 @@ impl Client {
     /// Kills every process of the task (SIGKILL), waits for it and deletes it. A container
     /// without a task (or whose task is gone with its shim) is fine.
     pub async fn remove_task(&self, id: &str) -> Result<(), CtlError> {
+        // A frozen process cannot die: thaw a paused task first (an error just means it was
+        // not paused, or is gone).
+        let _ = self
+            .tasks()
+            .resume(self.req(
+                ResumeTaskRequest {
+                    container_id: id.into(),
+                },
+                None,
+            ))
+            .await;
         let kill = self
             .tasks()
             .kill(self.req(
