@@ -11,6 +11,7 @@ pub mod cgroup;
 pub mod checkpoint;
 pub mod containers;
 pub mod ctl;
+pub mod engine;
 pub mod error;
 pub mod inspector;
 pub mod logdriver;

@@ -1,0 +1,1437 @@
+//! The host engine: the checkpoint jobs of every sandbox on the host go through one bounded
+//! scheduler, without a daemon of its own.
+//!
+//! Shims are separate processes (one per container or pod), so the scheduler is a directory
+//! they share (`[engine] root`, default `/run/crab/engine`, a tmpfs) and the kernel's `flock`:
+//!
+//! - `slots/<i>`, `i < max_jobs`: a job runs while it holds the lock of one slot file. A shim
+//!   that dies (SIGKILL included) loses its locks with its file descriptors, so no slot stays
+//!   taken. The holder describes itself in `slots/<i>.json` (for `crabctl engine`; it may be
+//!   stale, only the lock says whether the slot is taken).
+//! - `queue/<ticket>`: one file per waiting job (sandbox, job, enqueue time, urgent), locked by
+//!   its waiter; a ticket whose lock is free belongs to a dead shim and is removed by whoever
+//!   sees it. `queue/<ticket>.urgent` marks a ticket urgent after it entered the queue.
+//! - Order ([`plan`]): urgent tickets first (a ticket is urgent when its sandbox's next action
+//!   already waits for the job: [`Admission::urgent`]), then FIFO by enqueue time (the host's
+//!   monotonic clock). A job takes a slot only while it is among the first `free slots` of that
+//!   order: no job overtakes an earlier one of the same urgency. Fairness across sandboxes is
+//!   this FIFO: a sandbox has at most one job at a time (the coordinator coalesces turn ends
+//!   that arrive while its job runs or waits), and its next job queues behind the others.
+//! - Waiting: inotify on `queue/` (a ticket leaves, a marker appears) and on `slots/` (a
+//!   holder that releases its slot then closes `slots/released` after writing it, an event
+//!   that comes after the lock is gone), plus a [`FALLBACK_POLL`] for the one case without an
+//!   event: a shim that died holding a slot or a ticket. With nothing queued and a slot free,
+//!   admission is a handful of syscalls on a tmpfs (figures: the `idle_admission_is_fast` test).
+//! - I/O budget (`io_budget_mb_s`): a token bucket shared by the host (`budget.json`), applied
+//!   at admission: a job is admitted only while the bucket is not in debt, and a job's written
+//!   bytes ([`bytes_written`]: its layer plus its process image as CRIU wrote it) are debited
+//!   when it ends. The bucket refills at the budget and holds at most one second of it. So a
+//!   running job is never slowed (its freeze must stay short), and over any interval `t` the
+//!   jobs started write at most `budget * (t + 1 s)` plus what the jobs running at the end
+//!   still write (at most `max_jobs` jobs). The budget applies to urgent jobs too: urgency
+//!   changes the order, not the budget.
+//! - Stats (`stats.json`, rewritten atomically under `state.lock` by each job that ends): jobs,
+//!   waits (total, max, the newest [`WAIT_SAMPLES`] for percentiles), bytes, run time, and the
+//!   newest [`RECENT_JOBS`] jobs one by one. `crabctl engine` shows them with the slots and
+//!   the queue ([`Engine::snapshot`]).
+//!
+//! The engine fails open: a job whose admission fails (the root not writable, say) runs
+//! anyway and the failure is logged; a broken scheduler must not cost a recovery point.
+
+use std::{
+    collections::{HashMap, HashSet, VecDeque},
+    fs::{self, File, OpenOptions},
+    io::{self, Read, Write},
+    os::{
+        fd::{AsFd, AsRawFd},
+        unix::fs::OpenOptionsExt,
+    },
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use crab_runtime_config::EngineConfig;
+use nix::{
+    errno::Errno,
+    poll::{PollFd, PollFlags, PollTimeout},
+    sys::inotify::{AddWatchFlags, InitFlags, Inotify},
+};
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::store::{CheckpointKind, Manifest};
+
+/// How often a waiting job looks again without an event: only a shim that died holding a
+/// slot or a ticket leaves no event behind.
+pub const FALLBACK_POLL: Duration = Duration::from_millis(100);
+/// How soon a job that was entitled to a slot but lost the race for it tries again.
+const RETRY: Duration = Duration::from_millis(1);
+/// The newest waits kept for percentiles.
+pub const WAIT_SAMPLES: usize = 1000;
+/// The newest jobs kept one by one.
+pub const RECENT_JOBS: usize = 100;
+/// Wakes the waiters when a slot is released (see the module docs).
+const DOORBELL: &str = "released";
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("engine {}: {context}: {source}", path.display())]
+    Io {
+        context: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("engine: the ticket {0} left the queue while its job waited")]
+    TicketLost(PathBuf),
+}
+
+type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+fn io_err(context: &'static str, path: &Path) -> impl FnOnce(io::Error) -> EngineError {
+    let path = path.to_path_buf();
+    move |source| EngineError::Io {
+        context,
+        path,
+        source,
+    }
+}
+
+/// The pure part: the order of the queue, who may start, the budget's bucket, the stats.
+pub mod plan {
+    use std::time::Duration;
+
+    /// A waiting job as the order needs it.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Queued {
+        /// The ticket's name: unique, and sorts like the enqueue time.
+        pub name: String,
+        pub enqueued_ns: u64,
+        pub urgent: bool,
+    }
+
+    /// Urgent first, then first come first served.
+    pub fn order(queue: &mut [Queued]) {
+        queue.sort_by(|a, b| {
+            b.urgent
+                .cmp(&a.urgent)
+                .then(a.enqueued_ns.cmp(&b.enqueued_ns))
+                .then_with(|| a.name.cmp(&b.name))
+        });
+    }
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Decision {
+        /// Take a free slot now.
+        Start,
+        /// Not yet: look again at the next event, or after this long at the latest.
+        Wait(Duration),
+    }
+
+    /// Whether the job at `rank` of the ordered queue may start, with `free` slots and the
+    /// budget in debt for `budget_wait` more; `poll` bounds the wait for an event.
+    pub fn decide(rank: usize, free: usize, budget_wait: Duration, poll: Duration) -> Decision {
+        if rank >= free {
+            Decision::Wait(poll)
+        } else if budget_wait.is_zero() {
+            Decision::Start
+        } else {
+            Decision::Wait(budget_wait.min(poll))
+        }
+    }
+
+    /// A token bucket of bytes: `tokens` at `at_ns` (CLOCK_MONOTONIC); negative = debt.
+    #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+    pub struct Bucket {
+        pub tokens: f64,
+        pub at_ns: u64,
+    }
+
+    impl Bucket {
+        /// A bucket saves up at most one second of its rate.
+        pub fn full(rate: f64, now_ns: u64) -> Bucket {
+            Bucket {
+                tokens: rate,
+                at_ns: now_ns,
+            }
+        }
+
+        /// The tokens at `now_ns`.
+        pub fn level(&self, rate: f64, now_ns: u64) -> f64 {
+            let elapsed = now_ns.saturating_sub(self.at_ns) as f64 / 1e9;
+            (self.tokens + rate * elapsed).min(rate)
+        }
+
+        pub fn debit(&mut self, rate: f64, now_ns: u64, bytes: u64) {
+            self.tokens = self.level(rate, now_ns) - bytes as f64;
+            self.at_ns = now_ns;
+        }
+
+        /// How long until the bucket is out of debt.
+        pub fn wait(&self, rate: f64, now_ns: u64) -> Duration {
+            let level = self.level(rate, now_ns);
+            if level >= 0.0 {
+                Duration::ZERO
+            } else {
+                Duration::from_secs_f64(-level / rate)
+            }
+        }
+    }
+
+    /// The `p`-th percentile (0..=100, nearest rank) of `samples`.
+    pub fn percentile(samples: impl IntoIterator<Item = u64>, p: f64) -> Option<u64> {
+        let mut v: Vec<u64> = samples.into_iter().collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_unstable();
+        let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+        Some(v[rank.clamp(1, v.len()) - 1])
+    }
+}
+
+/// What a ticket file holds (written once, before the ticket enters the queue).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TicketInfo {
+    pub sandbox: String,
+    pub namespace: String,
+    /// The turns the job covers.
+    pub job: String,
+    pub pid: u32,
+    /// CLOCK_MONOTONIC (host-wide): orders the queue.
+    pub enqueued_ns: u64,
+    pub enqueued_unix_ms: u64,
+    /// Urgent from the start (its sandbox already waited when the job was queued).
+    pub urgent: bool,
+}
+
+/// Who holds a slot (`slots/<i>.json`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotHolder {
+    pub sandbox: String,
+    pub namespace: String,
+    pub job: String,
+    pub pid: u32,
+    pub urgent: bool,
+    pub since_unix_ms: u64,
+    pub waited_us: u64,
+}
+
+/// One finished job in the stats.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobRecord {
+    pub sandbox: String,
+    pub namespace: String,
+    pub job: String,
+    pub slot: u32,
+    /// Urgent when it was admitted.
+    pub urgent: bool,
+    pub enqueued_unix_ms: u64,
+    pub started_unix_ms: u64,
+    pub ended_unix_ms: u64,
+    pub wait_us: u64,
+    pub run_us: u64,
+    pub bytes: u64,
+}
+
+/// The cumulative stats (`stats.json`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Stats {
+    pub jobs: u64,
+    pub urgent_jobs: u64,
+    pub bytes: u64,
+    pub wait_us_total: u64,
+    pub wait_us_max: u64,
+    pub run_us_total: u64,
+    /// The newest waits, at most [`WAIT_SAMPLES`].
+    pub waits_us: VecDeque<u64>,
+    /// The newest jobs, at most [`RECENT_JOBS`], oldest first.
+    pub recent: VecDeque<JobRecord>,
+}
+
+impl Stats {
+    pub fn record(&mut self, r: JobRecord) {
+        self.jobs += 1;
+        self.urgent_jobs += u64::from(r.urgent);
+        self.bytes += r.bytes;
+        self.wait_us_total += r.wait_us;
+        self.wait_us_max = self.wait_us_max.max(r.wait_us);
+        self.run_us_total += r.run_us;
+        self.waits_us.push_back(r.wait_us);
+        while self.waits_us.len() > WAIT_SAMPLES {
+            self.waits_us.pop_front();
+        }
+        self.recent.push_back(r);
+        while self.recent.len() > RECENT_JOBS {
+            self.recent.pop_front();
+        }
+    }
+
+    pub fn avg_wait_us(&self) -> u64 {
+        self.wait_us_total.checked_div(self.jobs).unwrap_or(0)
+    }
+
+    /// The 95th percentile of the newest waits.
+    pub fn p95_wait_us(&self) -> Option<u64> {
+        plan::percentile(self.waits_us.iter().copied(), 95.0)
+    }
+}
+
+/// The engine as `crabctl engine` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Snapshot {
+    pub root: PathBuf,
+    pub max_jobs: u32,
+    pub io_budget_bytes_s: Option<u64>,
+    /// The budget's bucket now, in bytes (negative: debt).
+    pub budget_level: Option<f64>,
+    pub slots: Vec<SlotView>,
+    /// In the order jobs will start.
+    pub queue: Vec<QueuedView>,
+    pub stats: Stats,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SlotView {
+    pub index: u32,
+    /// `None`: free. A taken slot whose holder file is missing shows a default holder.
+    pub holder: Option<SlotHolder>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct QueuedView {
+    pub ticket: String,
+    pub info: TicketInfo,
+    pub urgent: bool,
+    pub waiting_us: u64,
+}
+
+/// The host's monotonic clock, the same for every process.
+pub fn mono_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis() as u64
+}
+
+/// `flock(op | LOCK_NB)`: `Ok(false)` when someone else holds a conflicting lock.
+fn try_lock(file: &File, op: libc::c_int) -> io::Result<bool> {
+    // SAFETY: flock on a file descriptor we own.
+    if unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) } == 0 {
+        return Ok(true);
+    }
+    match io::Error::last_os_error() {
+        e if e.raw_os_error() == Some(libc::EWOULDBLOCK) => Ok(false),
+        e => Err(e),
+    }
+}
+
+/// Whether someone holds a lock on `path` (`None`: no such file).
+fn is_locked(path: &Path) -> io::Result<Option<bool>> {
+    match File::open(path) {
+        Ok(f) => try_lock(&f, libc::LOCK_SH).map(|free| Some(!free)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// A unique name per process: the ticket names and temp files.
+fn unique(prefix: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{prefix}{:020}-{}-{}",
+        mono_ns(),
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// The counted bytes of a finished job: the fs layer it wrote and its process image as CRIU
+/// wrote it (before deduplication; the new chunks are not counted again).
+pub fn bytes_written(m: &Manifest) -> u64 {
+    let layer = match m.kind {
+        CheckpointKind::Fs | CheckpointKind::Full => m.fs_layers.last().map_or(0, |d| d.size),
+        _ => 0,
+    };
+    let process = match m.kind {
+        CheckpointKind::Proc | CheckpointKind::Full => {
+            m.process.as_ref().map_or(0, |p| p.bytes_logical)
+        }
+        _ => 0,
+    };
+    layer + process
+}
+
+/// One host engine (a root directory and this shim's settings for it).
+#[derive(Debug, Clone)]
+pub struct Engine {
+    root: PathBuf,
+    max_jobs: u32,
+    /// Bytes per second.
+    budget: Option<f64>,
+}
+
+impl Engine {
+    pub fn new(c: &EngineConfig) -> Engine {
+        Engine {
+            root: c.root.clone(),
+            max_jobs: c.max_jobs,
+            budget: c.io_budget_mb_s.map(|mb| f64::from(mb) * 1e6),
+        }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn queue_dir(&self) -> PathBuf {
+        self.root.join("queue")
+    }
+
+    fn slots_dir(&self) -> PathBuf {
+        self.root.join("slots")
+    }
+
+    fn tmp_dir(&self) -> PathBuf {
+        self.root.join("tmp")
+    }
+
+    fn slot(&self, i: u32) -> PathBuf {
+        self.slots_dir().join(i.to_string())
+    }
+
+    fn ensure_dirs(&self) -> Result<()> {
+        for dir in [self.queue_dir(), self.slots_dir(), self.tmp_dir()] {
+            fs::create_dir_all(&dir).map_err(io_err("create", &dir))?;
+        }
+        Ok(())
+    }
+
+    /// Writes `data` to `path` atomically (a temp file renamed; no fsync: a tmpfs).
+    fn write_atomic(&self, path: &Path, data: &[u8]) -> Result<()> {
+        let tmp = self.tmp_dir().join(unique("w-"));
+        fs::write(&tmp, data).map_err(io_err("write", &tmp))?;
+        fs::rename(&tmp, path).map_err(|e| {
+            let _ = fs::remove_file(&tmp);
+            io_err("publish", path)(e)
+        })
+    }
+
+    /// Queues a job of `sandbox`; [`Ticket::wait`] waits for its slot.
+    pub fn enqueue(
+        &self,
+        sandbox: &str,
+        namespace: &str,
+        job: &str,
+        urgent: bool,
+    ) -> Result<Ticket> {
+        self.ensure_dirs()?;
+        let name = unique("");
+        let info = TicketInfo {
+            sandbox: sandbox.to_string(),
+            namespace: namespace.to_string(),
+            job: job.to_string(),
+            pid: std::process::id(),
+            enqueued_ns: name[..20].parse().unwrap_or_else(|_| mono_ns()),
+            enqueued_unix_ms: unix_ms(),
+            urgent,
+        };
+        // Locked and complete before it enters the queue: a ticket in the queue without a lock
+        // is a dead shim's.
+        let tmp = self.tmp_dir().join(format!("t-{name}"));
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .open(&tmp)
+            .map_err(io_err("create ticket", &tmp))?;
+        let path = self.queue_dir().join(&name);
+        let result = (|| {
+            if !try_lock(&file, libc::LOCK_EX).map_err(io_err("lock ticket", &tmp))? {
+                return Err(io_err("lock ticket", &tmp)(
+                    io::ErrorKind::WouldBlock.into(),
+                ));
+            }
+            let json = serde_json::to_vec(&info).expect("ticket serializes");
+            file.write_all(&json)
+                .map_err(io_err("write ticket", &tmp))?;
+            fs::rename(&tmp, &path).map_err(io_err("queue ticket", &path))
+        })();
+        if let Err(e) = result {
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
+        }
+        Ok(Ticket {
+            engine: self.clone(),
+            name,
+            path,
+            file: Some(file),
+            info,
+        })
+    }
+
+    /// The live tickets in the order jobs will start. Removes dead shims' tickets and markers
+    /// that outlived their ticket unless `read_only`. `own` is a ticket this process holds
+    /// (no need to probe its lock); `cache` keeps the tickets already read (never rewritten).
+    fn read_queue(
+        &self,
+        own: Option<&str>,
+        cache: &mut HashMap<String, TicketInfo>,
+        read_only: bool,
+    ) -> Result<Vec<(plan::Queued, TicketInfo)>> {
+        let dir = self.queue_dir();
+        let mut tickets = Vec::new();
+        let mut markers = HashSet::new();
+        let entries = match fs::read_dir(&dir) {
+            Ok(d) => d,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io_err("list", &dir)(e)),
+        };
+        for entry in entries {
+            let entry = entry.map_err(io_err("list", &dir))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            match name.strip_suffix(".urgent") {
+                Some(ticket) => {
+                    markers.insert(ticket.to_string());
+                }
+                None => tickets.push(name),
+            }
+        }
+        let mut live = Vec::new();
+        for name in tickets {
+            let path = dir.join(&name);
+            if own != Some(name.as_str()) {
+                let mut file = match File::open(&path) {
+                    Ok(f) => f,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(io_err("open ticket", &path)(e)),
+                };
+                if try_lock(&file, libc::LOCK_SH).map_err(io_err("probe ticket", &path))? {
+                    if !read_only {
+                        log::info!(
+                            "engine: removing the ticket of a dead shim: {}",
+                            path.display()
+                        );
+                        let _ = fs::remove_file(&path);
+                        let _ = fs::remove_file(dir.join(format!("{name}.urgent")));
+                        cache.remove(&name);
+                    }
+                    continue;
+                }
+                if !cache.contains_key(&name) {
+                    let mut data = Vec::new();
+                    file.read_to_end(&mut data)
+                        .map_err(io_err("read ticket", &path))?;
+                    match serde_json::from_slice(&data) {
+                        Ok(info) => {
+                            cache.insert(name.clone(), info);
+                        }
+                        Err(e) => {
+                            log::warn!("engine: unreadable ticket {}: {e}", path.display());
+                            continue;
+                        }
+                    }
+                }
+            }
+            let Some(info) = cache.get(&name) else {
+                continue;
+            };
+            let q = plan::Queued {
+                name: name.clone(),
+                enqueued_ns: info.enqueued_ns,
+                urgent: info.urgent || markers.contains(&name),
+            };
+            live.push((q, info.clone()));
+        }
+        if !read_only {
+            let names: HashSet<&str> = live.iter().map(|(q, _)| q.name.as_str()).collect();
+            for orphan in markers.iter().filter(|m| !names.contains(m.as_str())) {
+                let _ = fs::remove_file(dir.join(format!("{orphan}.urgent")));
+            }
+        }
+        live.sort_by(|a, b| a.0.name.cmp(&b.0.name));
+        let mut order: Vec<plan::Queued> = live.iter().map(|(q, _)| q.clone()).collect();
+        plan::order(&mut order);
+        let mut by_name: HashMap<String, TicketInfo> =
+            live.into_iter().map(|(q, i)| (q.name, i)).collect();
+        Ok(order
+            .into_iter()
+            .filter_map(|q| by_name.remove(&q.name).map(|i| (q, i)))
+            .collect())
+    }
+
+    /// Which of this config's slots are free.
+    fn free_slots(&self) -> Result<Vec<u32>> {
+        let mut free = Vec::new();
+        for i in 0..self.max_jobs {
+            let path = self.slot(i);
+            // Read-only: closing a file opened for writing in `slots/` wakes every waiter.
+            let locked = match is_locked(&path).map_err(io_err("probe slot", &path))? {
+                Some(locked) => locked,
+                None => {
+                    OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(&path)
+                        .map_err(io_err("create slot", &path))?;
+                    false
+                }
+            };
+            if !locked {
+                free.push(i);
+            }
+        }
+        Ok(free)
+    }
+
+    fn take_slot(&self, i: u32) -> Result<Option<File>> {
+        let path = self.slot(i);
+        let file = File::open(&path).map_err(io_err("open slot", &path))?;
+        Ok(try_lock(&file, libc::LOCK_EX)
+            .map_err(io_err("lock slot", &path))?
+            .then_some(file))
+    }
+
+    fn read_bucket(&self, rate: f64) -> plan::Bucket {
+        fs::read(self.root.join("budget.json"))
+            .ok()
+            .and_then(|d| serde_json::from_slice(&d).ok())
+            .unwrap_or_else(|| plan::Bucket::full(rate, mono_ns()))
+    }
+
+    fn budget_wait(&self) -> Duration {
+        match self.budget {
+            Some(rate) => self.read_bucket(rate).wait(rate, mono_ns()),
+            None => Duration::ZERO,
+        }
+    }
+
+    /// Records a finished job: stats, and the budget's debit.
+    fn record(&self, r: JobRecord) -> Result<()> {
+        let lock_path = self.root.join("state.lock");
+        let lock = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&lock_path)
+            .map_err(io_err("open", &lock_path))?;
+        // SAFETY: flock on a file descriptor we own; released when `lock` is closed.
+        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(io_err("lock", &lock_path)(io::Error::last_os_error()));
+        }
+        if let Some(rate) = self.budget {
+            let mut bucket = self.read_bucket(rate);
+            bucket.debit(rate, mono_ns(), r.bytes);
+            let json = serde_json::to_vec(&bucket).expect("bucket serializes");
+            self.write_atomic(&self.root.join("budget.json"), &json)?;
+        }
+        let mut stats = self.stats();
+        stats.record(r);
+        let json = serde_json::to_vec(&stats).expect("stats serialize");
+        self.write_atomic(&self.root.join("stats.json"), &json)
+    }
+
+    /// The cumulative stats (empty if none were written yet or they are unreadable).
+    pub fn stats(&self) -> Stats {
+        fs::read(self.root.join("stats.json"))
+            .ok()
+            .and_then(|d| serde_json::from_slice(&d).ok())
+            .unwrap_or_default()
+    }
+
+    /// The slots, the queue and the stats, without changing anything.
+    pub fn snapshot(&self) -> Result<Snapshot> {
+        let mut indices: Vec<u32> = (0..self.max_jobs).collect();
+        // Shims with a larger max_jobs may use more slots.
+        if let Ok(entries) = fs::read_dir(self.slots_dir()) {
+            for e in entries.flatten() {
+                if let Ok(i) = e.file_name().to_string_lossy().parse::<u32>() {
+                    if !indices.contains(&i) {
+                        indices.push(i);
+                    }
+                }
+            }
+        }
+        indices.sort_unstable();
+        let mut slots = Vec::new();
+        for index in indices {
+            let path = self.slot(index);
+            let taken = is_locked(&path).map_err(io_err("probe slot", &path))?;
+            let holder = (taken == Some(true)).then(|| {
+                fs::read(path.with_extension("json"))
+                    .ok()
+                    .and_then(|d| serde_json::from_slice(&d).ok())
+                    .unwrap_or(SlotHolder {
+                        sandbox: "?".into(),
+                        namespace: "?".into(),
+                        job: "?".into(),
+                        pid: 0,
+                        urgent: false,
+                        since_unix_ms: 0,
+                        waited_us: 0,
+                    })
+            });
+            slots.push(SlotView { index, holder });
+        }
+        let now = mono_ns();
+        let queue = self
+            .read_queue(None, &mut HashMap::new(), true)?
+            .into_iter()
+            .map(|(q, info)| QueuedView {
+                waiting_us: now.saturating_sub(info.enqueued_ns) / 1000,
+                ticket: q.name,
+                urgent: q.urgent,
+                info,
+            })
+            .collect();
+        Ok(Snapshot {
+            root: self.root.clone(),
+            max_jobs: self.max_jobs,
+            io_budget_bytes_s: self.budget.map(|b| b as u64),
+            budget_level: self
+                .budget
+                .map(|rate| self.read_bucket(rate).level(rate, now)),
+            slots,
+            queue,
+            stats: self.stats(),
+        })
+    }
+}
+
+/// A queued job. Dropping it leaves the queue.
+pub struct Ticket {
+    engine: Engine,
+    name: String,
+    path: PathBuf,
+    /// Holds the ticket's lock: the ticket is alive while it is open.
+    file: Option<File>,
+    info: TicketInfo,
+}
+
+impl Ticket {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The marker that makes this ticket urgent (see [`mark_urgent`]).
+    pub fn marker(&self) -> PathBuf {
+        marker_of(&self.path)
+    }
+
+    /// Blocks until the job may run: it holds a slot, nobody before it in the queue waits for
+    /// one, and the budget is not in debt.
+    pub fn wait(self) -> Result<Permit> {
+        let mut cache = HashMap::from([(self.name.clone(), self.info.clone())]);
+        let mut watch: Option<Inotify> = None;
+        let mut watch_failed = false;
+        loop {
+            let queue = self
+                .engine
+                .read_queue(Some(&self.name), &mut cache, false)?;
+            let Some(rank) = queue.iter().position(|(q, _)| q.name == self.name) else {
+                return Err(EngineError::TicketLost(self.path.clone()));
+            };
+            let urgent = queue[rank].0.urgent;
+            let free = self.engine.free_slots()?;
+            let poll = if watch_failed {
+                RETRY * 10
+            } else {
+                FALLBACK_POLL
+            };
+            match plan::decide(rank, free.len(), self.engine.budget_wait(), poll) {
+                plan::Decision::Start => {
+                    for &i in &free {
+                        if let Some(lock) = self.engine.take_slot(i)? {
+                            return Ok(self.admitted(i, lock, urgent));
+                        }
+                    }
+                    // Another job took the slot first (or a probe held it for a moment).
+                    std::thread::sleep(RETRY);
+                }
+                plan::Decision::Wait(timeout) => {
+                    if watch.is_none() && !watch_failed {
+                        match self.watch() {
+                            Ok(w) => watch = Some(w),
+                            Err(e) => {
+                                log::warn!("engine: no inotify, polling instead: {e}");
+                                watch_failed = true;
+                            }
+                        }
+                        // Look again now that events are seen: nothing between the last look
+                        // and the watch is missed.
+                        continue;
+                    }
+                    match &watch {
+                        Some(w) => wait_event(w, timeout),
+                        None => std::thread::sleep(timeout),
+                    }
+                }
+            }
+        }
+    }
+
+    fn watch(&self) -> nix::Result<Inotify> {
+        let inotify = Inotify::init(InitFlags::IN_CLOEXEC | InitFlags::IN_NONBLOCK)?;
+        inotify.add_watch(
+            &self.engine.queue_dir(),
+            AddWatchFlags::IN_DELETE | AddWatchFlags::IN_CREATE,
+        )?;
+        inotify.add_watch(&self.engine.slots_dir(), AddWatchFlags::IN_CLOSE_WRITE)?;
+        Ok(inotify)
+    }
+
+    fn admitted(mut self, slot: u32, lock: File, urgent: bool) -> Permit {
+        let started_ns = mono_ns();
+        let waited_us = started_ns.saturating_sub(self.info.enqueued_ns) / 1000;
+        let holder = SlotHolder {
+            sandbox: self.info.sandbox.clone(),
+            namespace: self.info.namespace.clone(),
+            job: self.info.job.clone(),
+            pid: self.info.pid,
+            urgent,
+            since_unix_ms: unix_ms(),
+            waited_us,
+        };
+        let holder_path = self.engine.slot(slot).with_extension("json");
+        let json = serde_json::to_vec(&holder).expect("holder serializes");
+        if let Err(e) = self.engine.write_atomic(&holder_path, &json) {
+            log::warn!("{e}");
+        }
+        self.leave();
+        Permit {
+            held: Some(Held {
+                engine: self.engine.clone(),
+                slot,
+                lock,
+                info: self.info.clone(),
+                urgent,
+                started_ns,
+                started_unix_ms: holder.since_unix_ms,
+                waited_us,
+            }),
+        }
+    }
+
+    fn leave(&mut self) {
+        if self.file.take().is_some() {
+            let _ = fs::remove_file(&self.path);
+            let _ = fs::remove_file(self.marker());
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.leave();
+    }
+}
+
+fn marker_of(ticket: &Path) -> PathBuf {
+    let mut m = ticket.as_os_str().to_owned();
+    m.push(".urgent");
+    PathBuf::from(m)
+}
+
+/// Makes a queued ticket urgent: it goes before every non-urgent one.
+pub fn mark_urgent(marker: &Path) -> io::Result<()> {
+    OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(marker)
+        .map(drop)
+}
+
+fn wait_event(inotify: &Inotify, timeout: Duration) {
+    let ms = u16::try_from(timeout.as_millis().max(1)).unwrap_or(u16::MAX);
+    let mut fds = [PollFd::new(inotify.as_fd(), PollFlags::POLLIN)];
+    match nix::poll::poll(&mut fds, PollTimeout::from(ms)) {
+        Ok(n) if n > 0 => {
+            // Drain: the next look reads the directories anyway.
+            while let Ok(events) = inotify.read_events() {
+                if events.is_empty() {
+                    break;
+                }
+            }
+        }
+        Ok(_) | Err(Errno::EINTR) => {}
+        Err(e) => {
+            log::warn!("engine: poll on inotify: {e}");
+            std::thread::sleep(timeout);
+        }
+    }
+}
+
+/// A running job's slot. [`Permit::finish`] records the job and releases the slot; dropping
+/// it releases the slot too (recording no bytes). An engine that failed gives an empty permit.
+pub struct Permit {
+    held: Option<Held>,
+}
+
+struct Held {
+    engine: Engine,
+    slot: u32,
+    lock: File,
+    info: TicketInfo,
+    urgent: bool,
+    started_ns: u64,
+    started_unix_ms: u64,
+    waited_us: u64,
+}
+
+impl Permit {
+    /// A permit for a job the engine could not admit (it runs anyway).
+    pub fn none() -> Permit {
+        Permit { held: None }
+    }
+
+    pub fn slot(&self) -> Option<u32> {
+        self.held.as_ref().map(|h| h.slot)
+    }
+
+    pub fn waited(&self) -> Option<Duration> {
+        self.held
+            .as_ref()
+            .map(|h| Duration::from_micros(h.waited_us))
+    }
+
+    /// The job ended having written `bytes`: records it, releases the slot.
+    pub fn finish(mut self, bytes: u64) {
+        self.release(bytes);
+    }
+
+    fn release(&mut self, bytes: u64) {
+        let Some(h) = self.held.take() else {
+            return;
+        };
+        let run_us = mono_ns().saturating_sub(h.started_ns) / 1000;
+        let record = JobRecord {
+            sandbox: h.info.sandbox.clone(),
+            namespace: h.info.namespace.clone(),
+            job: h.info.job.clone(),
+            slot: h.slot,
+            urgent: h.urgent,
+            enqueued_unix_ms: h.info.enqueued_unix_ms,
+            started_unix_ms: h.started_unix_ms,
+            ended_unix_ms: unix_ms(),
+            wait_us: h.waited_us,
+            run_us,
+            bytes,
+        };
+        // Before the slot is free: the next job's admission sees this job's bytes.
+        if let Err(e) = h.engine.record(record) {
+            log::warn!("engine: cannot record a job: {e}");
+        }
+        let slot = h.engine.slot(h.slot);
+        let _ = fs::remove_file(slot.with_extension("json"));
+        drop(h.lock);
+        // The event that wakes the waiters, after the lock is gone (closing the lock itself
+        // notifies before the kernel releases the lock).
+        let bell = h.engine.slots_dir().join(DOORBELL);
+        if let Err(e) = OpenOptions::new().create(true).append(true).open(&bell) {
+            log::warn!("engine: {}: {e}", bell.display());
+        }
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.release(0);
+    }
+}
+
+/// One sandbox's way into the engine, owned by its checkpoint coordinator: its jobs queue one
+/// at a time, and they are urgent while one of its actions waits for them.
+pub struct Admission {
+    engine: Engine,
+    sandbox: String,
+    namespace: String,
+    state: Mutex<AdmissionState>,
+}
+
+#[derive(Default)]
+struct AdmissionState {
+    /// Actions of the sandbox waiting for its checkpoint now.
+    urgent: usize,
+    /// The marker of the ticket of the job waiting now, if any.
+    queued: Option<PathBuf>,
+}
+
+impl Admission {
+    pub fn new(c: &EngineConfig, namespace: &str, sandbox: &str) -> Arc<Admission> {
+        Arc::new(Admission {
+            engine: Engine::new(c),
+            sandbox: sandbox.to_string(),
+            namespace: namespace.to_string(),
+            state: Mutex::new(AdmissionState::default()),
+        })
+    }
+
+    /// Waits for a slot for `job` (the turns it covers). Never fails: if the engine does not
+    /// work, the job runs anyway (logged).
+    pub async fn admit(self: &Arc<Self>, job: &str) -> Permit {
+        let (this, job) = (self.clone(), job.to_string());
+        let result = tokio::task::spawn_blocking(move || {
+            let ticket = {
+                let mut st = this.state.lock().unwrap();
+                let ticket =
+                    this.engine
+                        .enqueue(&this.sandbox, &this.namespace, &job, st.urgent > 0)?;
+                st.queued = Some(ticket.marker());
+                ticket
+            };
+            let permit = ticket.wait();
+            this.state.lock().unwrap().queued = None;
+            permit
+        })
+        .await;
+        match result {
+            Ok(Ok(permit)) => {
+                if let Some(w) = permit.waited().filter(|w| *w >= Duration::from_millis(10)) {
+                    log::info!(
+                        "checkpoint of {} waited {w:?} for the host engine (slot {})",
+                        self.sandbox,
+                        permit.slot().unwrap_or_default()
+                    );
+                }
+                permit
+            }
+            Ok(Err(e)) => {
+                log::warn!(
+                    "checkpoint of {} runs outside the host engine: {e}",
+                    self.sandbox
+                );
+                Permit::none()
+            }
+            Err(e) => {
+                log::warn!(
+                    "checkpoint of {} runs outside the host engine: {e}",
+                    self.sandbox
+                );
+                Permit::none()
+            }
+        }
+    }
+
+    /// While the guard lives, the sandbox's queued or next job is urgent.
+    pub fn urgent(&self) -> Urgent<'_> {
+        let mut st = self.state.lock().unwrap();
+        st.urgent += 1;
+        if let Some(marker) = &st.queued {
+            if let Err(e) = mark_urgent(marker) {
+                log::warn!("engine: cannot mark {} urgent: {e}", marker.display());
+            }
+        }
+        Urgent(self)
+    }
+}
+
+/// See [`Admission::urgent`]. A ticket marked urgent stays urgent: the sandbox did wait.
+pub struct Urgent<'a>(&'a Admission);
+
+impl Drop for Urgent<'_> {
+    fn drop(&mut self) {
+        self.0.state.lock().unwrap().urgent -= 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::plan::{Bucket, Decision, Queued};
+    use super::*;
+    use std::{os::unix::process::CommandExt, sync::atomic::AtomicUsize, time::Instant};
+
+    fn engine(dir: &Path, max_jobs: u32, budget_mb_s: Option<u32>) -> Engine {
+        Engine::new(&EngineConfig {
+            max_jobs,
+            io_budget_mb_s: budget_mb_s,
+            root: dir.to_path_buf(),
+        })
+    }
+
+    fn q(name: &str, urgent: bool) -> Queued {
+        Queued {
+            name: name.into(),
+            enqueued_ns: name[1..].parse().unwrap(),
+            urgent,
+        }
+    }
+
+    #[test]
+    fn order_is_urgent_first_then_fifo() {
+        let mut v = vec![
+            q("a5", false),
+            q("b1", false),
+            q("c9", true),
+            q("d3", true),
+            q("e2", false),
+        ];
+        plan::order(&mut v);
+        let names: Vec<&str> = v.iter().map(|q| q.name.as_str()).collect();
+        assert_eq!(names, ["d3", "c9", "b1", "e2", "a5"]);
+    }
+
+    #[test]
+    fn only_the_head_of_the_queue_starts() {
+        let poll = Duration::from_millis(100);
+        assert_eq!(plan::decide(0, 1, Duration::ZERO, poll), Decision::Start);
+        assert_eq!(plan::decide(1, 2, Duration::ZERO, poll), Decision::Start);
+        assert_eq!(
+            plan::decide(1, 1, Duration::ZERO, poll),
+            Decision::Wait(poll)
+        );
+        assert_eq!(
+            plan::decide(0, 0, Duration::ZERO, poll),
+            Decision::Wait(poll)
+        );
+        let debt = Duration::from_millis(30);
+        assert_eq!(plan::decide(0, 1, debt, poll), Decision::Wait(debt));
+        assert_eq!(
+            plan::decide(0, 1, Duration::from_secs(5), poll),
+            Decision::Wait(poll)
+        );
+    }
+
+    #[test]
+    fn bucket_refills_up_to_one_second_and_goes_into_debt() {
+        let rate = 10e6;
+        let mut b = Bucket::full(rate, 0);
+        assert_eq!(b.level(rate, 0), rate);
+        assert_eq!(b.wait(rate, 0), Duration::ZERO);
+        b.debit(rate, 0, 25_000_000);
+        assert_eq!(b.level(rate, 0), -15e6);
+        assert_eq!(b.wait(rate, 0), Duration::from_millis(1500));
+        assert_eq!(b.wait(rate, 1_000_000_000), Duration::from_millis(500));
+        assert_eq!(b.wait(rate, 1_500_000_000), Duration::ZERO);
+        // Idle for long: still one second's worth saved, no more.
+        assert_eq!(b.level(rate, 60_000_000_000), rate);
+        b.debit(rate, 60_000_000_000, 4_000_000);
+        assert_eq!(b.level(rate, 60_000_000_000), 6e6);
+    }
+
+    #[test]
+    fn stats_keep_totals_and_the_newest_samples() {
+        let mut s = Stats::default();
+        assert_eq!(s.p95_wait_us(), None);
+        for i in 1..=(WAIT_SAMPLES as u64 + 100) {
+            s.record(JobRecord {
+                sandbox: format!("s{i}"),
+                namespace: "ns".into(),
+                job: "t".into(),
+                slot: 0,
+                urgent: i % 2 == 0,
+                enqueued_unix_ms: 0,
+                started_unix_ms: 0,
+                ended_unix_ms: 0,
+                wait_us: i,
+                run_us: 10,
+                bytes: 100,
+            });
+        }
+        let n = WAIT_SAMPLES as u64 + 100;
+        assert_eq!((s.jobs, s.urgent_jobs, s.bytes), (n, n / 2, 100 * n));
+        assert_eq!((s.wait_us_max, s.avg_wait_us()), (n, 550));
+        assert_eq!(s.waits_us.len(), WAIT_SAMPLES);
+        assert_eq!(s.recent.len(), RECENT_JOBS);
+        assert_eq!(s.recent.back().unwrap().sandbox, format!("s{n}"));
+        // The newest 1000 waits are 101..=1100.
+        assert_eq!(s.p95_wait_us(), Some(1050));
+        assert_eq!(plan::percentile([5], 95.0), Some(5));
+        assert_eq!(plan::percentile([1, 2, 3, 4], 50.0), Some(2));
+    }
+
+    #[test]
+    fn idle_admission_is_fast() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path(), 2, None);
+        let (mut admit, mut finish) = (Vec::new(), Vec::new());
+        for i in 0..300 {
+            let t = Instant::now();
+            let permit = e
+                .enqueue("s", "ns", &format!("t{i}"), false)
+                .unwrap()
+                .wait()
+                .unwrap();
+            admit.push(t.elapsed().as_micros() as u64);
+            let t = Instant::now();
+            permit.finish(1000);
+            finish.push(t.elapsed().as_micros() as u64);
+        }
+        let p = |v: &Vec<u64>, x| plan::percentile(v.iter().copied(), x).unwrap();
+        eprintln!(
+            "idle admission (enqueue + slot): p50 {} us, p99 {} us, max {} us; finish (stats + release): p50 {} us, p99 {} us",
+            p(&admit, 50.0),
+            p(&admit, 99.0),
+            admit.iter().max().unwrap(),
+            p(&finish, 50.0),
+            p(&finish, 99.0)
+        );
+        assert!(p(&admit, 50.0) < 1000, "{admit:?}");
+        let s = e.stats();
+        assert_eq!((s.jobs, s.bytes), (300, 300_000));
+        assert!(
+            fs::read_dir(e.queue_dir()).unwrap().next().is_none(),
+            "the queue is empty"
+        );
+        let leftovers: Vec<_> = fs::read_dir(e.tmp_dir()).unwrap().collect();
+        assert!(leftovers.is_empty(), "{leftovers:?}");
+    }
+
+    /// Tickets queued in this order while the only slot is taken start urgent first, then in
+    /// FIFO order; a ticket made urgent while queued overtakes the non-urgent ones.
+    #[test]
+    fn queued_jobs_start_urgent_first_then_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path(), 1, None);
+        let first = e.enqueue("s0", "ns", "t", false).unwrap().wait().unwrap();
+        let started = Arc::new(Mutex::new(Vec::new()));
+        let mut threads = Vec::new();
+        let mut markers = Vec::new();
+        for (name, urgent) in [
+            ("a", false),
+            ("b", false),
+            ("c", true),
+            ("d", false),
+            ("e", false),
+        ] {
+            let ticket = e.enqueue(name, "ns", "t", urgent).unwrap();
+            markers.push(ticket.marker());
+            let started = started.clone();
+            threads.push(std::thread::spawn(move || {
+                let permit = ticket.wait().unwrap();
+                started.lock().unwrap().push(name);
+                std::thread::sleep(Duration::from_millis(5));
+                permit.finish(0);
+            }));
+        }
+        // d becomes urgent while it waits (its sandbox's next action waits for it).
+        mark_urgent(&markers[3]).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let snap = e.snapshot().unwrap();
+        let queued: Vec<(&str, bool)> = snap
+            .queue
+            .iter()
+            .map(|q| (q.info.sandbox.as_str(), q.urgent))
+            .collect();
+        assert_eq!(
+            queued,
+            [
+                ("c", true),
+                ("d", true),
+                ("a", false),
+                ("b", false),
+                ("e", false)
+            ]
+        );
+        assert_eq!(snap.slots[0].holder.as_ref().unwrap().sandbox, "s0");
+        assert!(
+            started.lock().unwrap().is_empty(),
+            "nothing starts while the slot is taken"
+        );
+        first.finish(0);
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(*started.lock().unwrap(), ["c", "d", "a", "b", "e"]);
+        let s = e.stats();
+        assert_eq!((s.jobs, s.urgent_jobs), (6, 2));
+        let order: Vec<&str> = s.recent.iter().map(|r| r.sandbox.as_str()).collect();
+        assert_eq!(order, ["s0", "c", "d", "a", "b", "e"]);
+        assert!(dir
+            .path()
+            .join("queue")
+            .read_dir()
+            .unwrap()
+            .next()
+            .is_none());
+    }
+
+    /// Many jobs from many threads: never more than max_jobs at once, all of them run.
+    #[test]
+    fn at_most_max_jobs_run_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path(), 2, None);
+        let (running, peak) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let threads: Vec<_> = (0..6)
+            .map(|t| {
+                let (e, running, peak) = (e.clone(), running.clone(), peak.clone());
+                std::thread::spawn(move || {
+                    for j in 0..5 {
+                        let permit = e
+                            .enqueue(&format!("s{t}"), "ns", &format!("t{j}"), false)
+                            .unwrap()
+                            .wait()
+                            .unwrap();
+                        let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                        peak.fetch_max(now, Ordering::SeqCst);
+                        std::thread::sleep(Duration::from_millis(3));
+                        running.fetch_sub(1, Ordering::SeqCst);
+                        permit.finish(10);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(peak.load(Ordering::SeqCst), 2);
+        let s = e.stats();
+        assert_eq!((s.jobs, s.bytes), (30, 300));
+        assert!(s.wait_us_max > 1000, "some jobs waited: {s:?}");
+    }
+
+    /// A slot held by a process that is SIGKILLed is free again (the kernel drops its lock),
+    /// and a dead process's ticket is removed from the queue.
+    #[test]
+    fn a_dead_holder_leaves_no_stuck_slot_or_ticket() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path(), 1, None);
+        e.ensure_dirs().unwrap();
+        let slot = e.slot(0);
+        File::create(&slot).unwrap();
+        let path = std::ffi::CString::new(slot.to_str().unwrap()).unwrap();
+        let mut cmd = std::process::Command::new("sleep");
+        cmd.arg("100");
+        // SAFETY: open and flock are async-signal-safe; the lock is the child's, inherited by
+        // the sleep it execs.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fd = libc::open(path.as_ptr(), libc::O_RDONLY);
+                if fd < 0 || libc::flock(fd, libc::LOCK_EX) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().unwrap();
+        // A dead shim's ticket, earlier than ours: nobody holds its lock.
+        let dead = e.queue_dir().join(format!("{:020}-1-0", 1));
+        let info = TicketInfo {
+            sandbox: "dead".into(),
+            namespace: "ns".into(),
+            job: "t".into(),
+            pid: 1,
+            enqueued_ns: 1,
+            enqueued_unix_ms: 0,
+            urgent: true,
+        };
+        fs::write(&dead, serde_json::to_vec(&info).unwrap()).unwrap();
+        assert_eq!(is_locked(&slot).unwrap(), Some(true));
+        let ticket = e.enqueue("alive", "ns", "t", false).unwrap();
+        let waiter = std::thread::spawn(move || {
+            let permit = ticket.wait().unwrap();
+            (Instant::now(), permit.slot())
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!waiter.is_finished(), "the slot is taken");
+        assert!(!dead.exists(), "the dead shim's ticket was removed");
+        let killed = Instant::now();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let (admitted, slot) = waiter.join().unwrap();
+        let after = admitted.duration_since(killed);
+        eprintln!("slot of a SIGKILLed holder taken over after {after:?}");
+        assert_eq!(slot, Some(0));
+        assert!(after < FALLBACK_POLL * 3, "{after:?}");
+    }
+
+    /// With a budget, the bytes a job wrote delay the next admission until the bucket is out of
+    /// debt.
+    #[test]
+    fn the_io_budget_delays_admission_after_a_big_job() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path(), 2, Some(10));
+        let t = Instant::now();
+        let p = e.enqueue("s", "ns", "t1", false).unwrap().wait().unwrap();
+        assert!(
+            t.elapsed() < Duration::from_millis(50),
+            "a full bucket admits at once"
+        );
+        p.finish(13_000_000);
+        let snap = e.snapshot().unwrap();
+        let level = snap.budget_level.unwrap();
+        assert!((-3.1e6..-2.5e6).contains(&level), "{level}");
+        let t = Instant::now();
+        let p = e.enqueue("s", "ns", "t2", false).unwrap().wait().unwrap();
+        let waited = t.elapsed();
+        assert!(
+            (Duration::from_millis(200)..Duration::from_millis(800)).contains(&waited),
+            "3 MB of debt at 10 MB/s: {waited:?}"
+        );
+        p.finish(0);
+    }
+
+    #[tokio::test]
+    async fn admission_marks_its_queued_job_urgent() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = EngineConfig {
+            max_jobs: 1,
+            io_budget_mb_s: None,
+            root: dir.path().to_path_buf(),
+        };
+        let e = Engine::new(&c);
+        let holder = e
+            .enqueue("other", "ns", "t", false)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let waiting_before = e.enqueue("earlier", "ns", "t", false).unwrap();
+        let a = Admission::new(&c, "ns", "me");
+        let job = tokio::spawn({
+            let a = a.clone();
+            async move { a.admit("t1").await }
+        });
+        // Wait until the job is queued, then its sandbox's next action waits for it.
+        for _ in 0..200 {
+            if e.snapshot().unwrap().queue.len() == 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let urgent = a.urgent();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let queue = e.snapshot().unwrap().queue;
+        assert_eq!(queue[0].info.sandbox, "me");
+        assert!(queue[0].urgent);
+        holder.finish(0);
+        let permit = job.await.unwrap();
+        assert_eq!(permit.slot(), Some(0));
+        drop(urgent);
+        permit.finish(0);
+        // The earlier non-urgent job comes next.
+        let p = waiting_before.wait().unwrap();
+        p.finish(0);
+        let order: Vec<(String, bool)> = e
+            .stats()
+            .recent
+            .iter()
+            .map(|r| (r.sandbox.clone(), r.urgent))
+            .collect();
+        assert_eq!(
+            order,
+            [
+                ("other".into(), false),
+                ("me".into(), true),
+                ("earlier".into(), false)
+            ]
+        );
+        // Later jobs of the sandbox are urgent only while an action waits.
+        let p = a.admit("t2").await;
+        p.finish(0);
+        assert!(!e.stats().recent.back().unwrap().urgent);
+    }
+}
