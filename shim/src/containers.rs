@@ -219,15 +219,7 @@ impl Containers {
             }
             _ => None,
         };
-        match runtime_options {
-            Some(o) if o.config_body.is_some() => {
-                let origin = Path::new("<runtime options ConfigBody>");
-                let config = Config::from_toml_str(o.config_body.as_deref().unwrap_or_default(), origin)?;
-                Ok((config, ConfigSource::File(origin.into())))
-            }
-            Some(o) => Ok(Config::load_or_default(o.config_path.as_deref())?),
-            None => Ok(Config::load_or_default(None)?),
-        }
+        Ok(crab_runtime_config::RuntimeOptions::load_config(runtime_options.as_ref())?)
     }
 
     pub async fn create(&self, p: CreateParams) -> Result<u32> {
@@ -431,6 +423,7 @@ impl Containers {
                 .map(|(u, _)| u),
             volumes: turns::tracked_volumes(&spec, &config.checkpoint.tracked_volumes).into_iter().map(|(at, _)| at).collect(),
             policy: crate::checkpoint::policy::for_container(&spec, config.checkpoint.policy)?,
+            engine: crate::engine::Admission::new(&config.engine, &self.namespace, id),
         };
         let c = &config.checkpoint;
         *shared.lock().await = Some(inspection);

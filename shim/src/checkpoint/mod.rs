@@ -61,6 +61,8 @@ pub struct JobTarget {
     pub volumes: Vec<PathBuf>,
     /// Which checkpoint a turn end takes ([`policy`]).
     pub policy: policy::CheckpointPolicy,
+    /// Where its jobs wait for their turn among the host's ([`crate::engine`]).
+    pub engine: Arc<crate::engine::Admission>,
 }
 
 /// The work one job does: the union of the turns it covers.
@@ -222,7 +224,12 @@ impl Coordinator {
                 None => Vec::new(),
             };
             let result = match waited {
-                Ok(()) => self.job(&work, force_full).await,
+                Ok(()) => {
+                    let permit = self.target.engine.admit(&work.turn_ids.join(",")).await;
+                    let result = self.job(&work, force_full).await;
+                    permit.finish(result.as_ref().map_or(0, crate::engine::bytes_written));
+                    result
+                }
                 Err(e) => Err(e),
             };
             if !idle.is_empty() {
@@ -573,6 +580,8 @@ impl Coordinator {
         }
         let started = Instant::now();
         let _waiting = WaitingAction::new(&self.state, action);
+        // A job of this container still queued on the host goes first now.
+        let _urgent = self.target.engine.urgent();
         let wait = async {
             loop {
                 if !busy(&self.state.lock().unwrap()) {
