@@ -219,7 +219,15 @@ impl Containers {
             }
             _ => None,
         };
-        Ok(crab_runtime_config::RuntimeOptions::load_config(runtime_options.as_ref())?)
+        match runtime_options {
+            Some(o) if o.config_body.is_some() => {
+                let origin = Path::new("<runtime options ConfigBody>");
+                let config = Config::from_toml_str(o.config_body.as_deref().unwrap_or_default(), origin)?;
+                Ok((config, ConfigSource::File(origin.into())))
+            }
+            Some(o) => Ok(Config::load_or_default(o.config_path.as_deref())?),
+            None => Ok(Config::load_or_default(None)?),
+        }
     }
 
     pub async fn create(&self, p: CreateParams) -> Result<u32> {
