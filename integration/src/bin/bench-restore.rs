@@ -7,7 +7,8 @@
 //!
 //! 0. Baseline: a plain start of the agent image under crab and under io.containerd.runc.v2,
 //!    both as `ctr run -d` (wall time of the command) and through the API (Snapshots.Prepare +
-//!    Containers.Create, Tasks.Create, Tasks.Start).
+//!    Containers.Create, Tasks.Create, Tasks.Start); and 1 / 4 / 8 plain API starts at once,
+//!    the reference for forking N on this host.
 //! 1. Restore of fs-only chains of 1 / 10 / 50 layers: one sandbox gets 50 fs turns (a small
 //!    edit each); `crabctl export --turn` of turns 1, 10 and 50; then starts of a new container
 //!    from each image: `ctr run -d` with the image's snapshots removed first (`cold`: containerd
@@ -15,14 +16,19 @@
 //!    on the unpacked image (request until Tasks.Start returned = the task runs).
 //! 2. Restore of a 50 MB process: a python3 holding a 50 MB bytearray of random bytes (started
 //!    in a turn, alive in the background: a proc checkpoint), exported, started the same three
-//!    ways; the shim's own part is read from its log line `container X restored from ... in D`
-//!    (runc restore + CRIU), and each restored container is checked to hold the process again.
+//!    ways; the shim's own part is read from its log: `container X restored from ... in D`
+//!    (runc restore + CRIU), then until its `inspector: watching cgroup` line (setting up
+//!    checkpoints, chiefly importing the process image into the new container's store), then
+//!    until Tasks.Start returned (the inspector's base mark). Each restored container is
+//!    checked to hold the process again.
 //! 3. Rollback, end to end (`crabctl rollback C --to T`, wall time; crabctl's own figure too):
 //!    each repetition runs a turn that writes a file and then rolls back to before it; fs-only
-//!    (turn 10 of the 50-turn sandbox) and with the 50 MB process.
+//!    (turn 10 of the 50-turn sandbox) and with the 50 MB process. The same checkpoint is also
+//!    exported on its own after each rollback: the share of the export in a rollback.
 //! 4. Fork: `crabctl fork C --at T --count N` for N = 1, 4, 8 (N interleaved per round, after
 //!    one untimed warm-up fork), of the fs checkpoint and of the process checkpoint; the forks
-//!    are removed after each repetition. Ratio fork8 / fork1 of the p50s.
+//!    are removed after each repetition. Ratio fork8 / fork1 of the p50s. Each fork's store is
+//!    looked at: one that already holds checkpoints continues a removed fork's lineage.
 //!
 //! Aims (the issue's; printed next to the figures, not checked): fs-only rollback p50 <= 20 ms;
 //! restore with a 50 MB process p50 <= 300 ms; forking 8 <= 2x forking 1.
@@ -33,7 +39,9 @@
 //! `cargo run --release -p crab-integration --bin bench-restore [-- --reps N --rollback-reps N
 //! --fork-reps N]` with the private containerd up and the images imported (`make build images
 //! containerd-up`, then `eval "$(hack/containerd.sh env)"`); crabctl is taken from
-//! target/release.
+//! target/release. For the steps inside crabctl and the shim (runc create/restore, Diff.Apply,
+//! the inspector's base mark), start that containerd with `CRAB_CONTAINERD_LOG_LEVEL=debug`:
+//! shims then log at debug level too, with timestamps, into its log.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -71,9 +79,6 @@ struct Opts {
     reps: usize,
     rollback_reps: usize,
     fork_reps: usize,
-    /// The shim's log level for every container of the run (`[log] level`), to see where time
-    /// goes; `None`: the config's default.
-    shim_log: Option<String>,
 }
 
 fn opts() -> Opts {
@@ -81,7 +86,6 @@ fn opts() -> Opts {
         reps: 5,
         rollback_reps: 10,
         fork_reps: 5,
-        shim_log: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -98,19 +102,8 @@ fn opts() -> Opts {
             "--reps" => o.reps = num("--reps"),
             "--rollback-reps" => o.rollback_reps = num("--rollback-reps"),
             "--fork-reps" => o.fork_reps = num("--fork-reps"),
-            "--shim-log" => {
-                let level = args
-                    .next()
-                    .unwrap_or_else(|| die("--shim-log needs a level"));
-                if !["error", "warn", "info", "debug", "trace"].contains(&level.as_str()) {
-                    die(&format!(
-                        "--shim-log: error, warn, info, debug or trace, not {level:?}"
-                    ));
-                }
-                o.shim_log = Some(level);
-            }
             "-h" | "--help" => {
-                eprintln!("usage: bench-restore [--reps N (5): starts per image and way] [--rollback-reps N (10)] [--fork-reps N (5)] [--shim-log LEVEL]");
+                eprintln!("usage: bench-restore [--reps N (5): starts per image and way] [--rollback-reps N (10)] [--fork-reps N (5)]");
                 std::process::exit(0);
             }
             other => die(&format!("unknown argument {other:?} (see --help)")),
@@ -186,6 +179,8 @@ struct Row {
 #[derive(Default)]
 struct Report {
     rows: Vec<Row>,
+    /// Things seen on the way, printed after the table.
+    notes: Vec<String>,
     extra: serde_json::Map<String, Value>,
 }
 
@@ -315,6 +310,8 @@ struct Bench {
     log: PathBuf,
     /// The process checkpoint's manifest, for the results.
     extra_manifest: Option<Value>,
+    /// Manifests in each fork's store right after it started.
+    fork_store_manifests: Vec<usize>,
 }
 
 impl Bench {
@@ -972,14 +969,6 @@ fn restore_rows(
     );
 }
 
-/// Extra crab config of the run's sandboxes (dotted keys, see [`SandboxOptions::config`]).
-fn sandbox_config(o: &Opts) -> String {
-    o.shim_log
-        .as_ref()
-        .map(|l| format!("log.level = \"{l}\""))
-        .unwrap_or_default()
-}
-
 struct FsSandbox {
     s: Sandbox,
     /// chain length -> (seq, turn id)
@@ -989,15 +978,7 @@ struct FsSandbox {
 async fn fs_sandbox(b: &mut Bench) -> Res<(FsSandbox, CleanupGuard)> {
     let max = *CHAINS.iter().max().expect("chains");
     progress(&format!("1/4 fs chains: a sandbox with {max} fs turns"));
-    let config = sandbox_config(&b.o);
-    let (mut s, guard) = Sandbox::start(
-        "bench-restore-fs",
-        SandboxOptions {
-            config: &config,
-            ..Default::default()
-        },
-    )
-    .await;
+    let (mut s, guard) = Sandbox::start("bench-restore-fs", SandboxOptions::default()).await;
     b.sandboxes.push(s.id.clone());
     let mut at = HashMap::new();
     for i in 1..=max {
@@ -1060,15 +1041,7 @@ async fn proc_sandbox(b: &mut Bench) -> Res<(ProcSandbox, CleanupGuard)> {
     progress(&format!(
         "2/4 process: a sandbox with a {HELD_MB} MB python3"
     ));
-    let config = sandbox_config(&b.o);
-    let (mut s, guard) = Sandbox::start(
-        "bench-restore-proc",
-        SandboxOptions {
-            config: &config,
-            ..Default::default()
-        },
-    )
-    .await;
+    let (mut s, guard) = Sandbox::start("bench-restore-proc", SandboxOptions::default()).await;
     b.sandboxes.push(s.id.clone());
     s.run("echo 'a file of the sandbox' > /app/a.txt").await;
     end_turn(&mut s).await?;
@@ -1261,6 +1234,27 @@ async fn fork_once(
             ids.len()
         ));
     }
+    // A fork's store starts with its `restored` origin manifest; more means the id was used
+    // before (crabctl numbers forks after the highest existing one, and a removed container
+    // keeps its store) and the new fork continues that old lineage.
+    for id in &ids {
+        let dir = s
+            .state_dir
+            .join(&s.h.env.namespace)
+            .join(id)
+            .join("checkpoints");
+        let manifests = std::fs::read_dir(&dir)
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| {
+                        let n = e.file_name().to_string_lossy().into_owned();
+                        n.ends_with(".json") && !n.starts_with('.')
+                    })
+                    .count()
+            })
+            .unwrap_or(0);
+        b.fork_store_manifests.push(manifests);
+    }
     let mut shim = Vec::new();
     for id in ids.iter().filter(|_| with_process) {
         if let Some(x) = b.shim_restore_ms(from, id).await {
@@ -1351,6 +1345,17 @@ async fn bench_fork(b: &mut Bench, r: &mut Report, fs: &FsSandbox, p: &ProcSandb
         let ratio = p50_of(&samples(v, 8, "wall_ms")) / p50_of(&samples(v, 1, "wall_ms"));
         ratios.insert(label.into(), json!(ratio));
     }
+    let reused = b.fork_store_manifests.iter().filter(|n| **n > 1).count();
+    if reused > 0 {
+        r.notes.push(format!(
+            "{reused} of {} forks started on a store that already had checkpoints (up to {} manifests): \
+             fork ids are reused once earlier forks are removed, and a removed container's store stays",
+            b.fork_store_manifests.len(),
+            b.fork_store_manifests.iter().max().unwrap_or(&0)
+        ));
+    }
+    r.extra
+        .insert("fork_store_manifests".into(), json!(b.fork_store_manifests));
     r.extra.insert(
         "fork".into(),
         json!({"fs": v_fs, "proc": v_proc, "ratio_8_over_1_p50": ratios}),
@@ -1496,6 +1501,12 @@ fn report(b: &Bench, r: &Report, total: Duration, load_before: &str) {
          {AIM_RESTORE_PROC_MS:.0} ms; forking 8 <= {AIM_FORK_RATIO:.0}x forking 1. (For scale: published CRAB restore < 1 s; \
          Morph < 250 ms; E2B resume ~1 s.)"
     );
+    if !r.notes.is_empty() {
+        let _ = writeln!(md, "\n## Seen on the way\n");
+        for n in &r.notes {
+            let _ = writeln!(md, "- {n}");
+        }
+    }
 
     let mut result = json!({
         "benchmark": "restore",
@@ -1507,6 +1518,7 @@ fn report(b: &Bench, r: &Report, total: Duration, load_before: &str) {
         "image": AGENT_IMAGE,
         "options": {"reps": b.o.reps, "rollback_reps": b.o.rollback_reps, "fork_reps": b.o.fork_reps},
         "rows": rows_json,
+        "notes": r.notes,
         "aims": {"rollback_fs_p50_ms": AIM_ROLLBACK_FS_MS, "restore_proc_50mb_p50_ms": AIM_RESTORE_PROC_MS, "fork8_over_fork1": AIM_FORK_RATIO},
     });
     for (k, v) in &r.extra {
@@ -1553,15 +1565,7 @@ async fn main() {
         .crab_home
         .join("state")
         .join(format!("bench-restore-{pid}"));
-    let log_level = o
-        .shim_log
-        .as_ref()
-        .map(|l| format!("[log]\nlevel = \"{l}\"\n"))
-        .unwrap_or_default();
-    let cfg_body = format!(
-        "{log_level}[store]\nstate_dir = \"{}\"\n",
-        state_dir.display()
-    );
+    let cfg_body = format!("[store]\nstate_dir = \"{}\"\n", state_dir.display());
     let cfg_path = base
         .env
         .crab_home
@@ -1586,6 +1590,7 @@ async fn main() {
         n: 0,
         log,
         extra_manifest: None,
+        fork_store_manifests: Vec::new(),
     };
     let mut r = Report::default();
     let load_before = loadavg();
