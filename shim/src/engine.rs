@@ -310,6 +310,100 @@ pub struct QueuedView {
     pub waiting_us: u64,
 }
 
+/// `1.2 ms`, `3.40 s`: durations for people.
+fn human_us(us: u64) -> String {
+    match us {
+        0..=999 => format!("{us} us"),
+        1_000..=999_999 => format!("{:.1} ms", us as f64 / 1e3),
+        _ => format!("{:.2} s", us as f64 / 1e6),
+    }
+}
+
+fn human_bytes(b: f64) -> String {
+    match b.abs() {
+        x if x < 1e3 => format!("{b:.0} B"),
+        x if x < 1e6 => format!("{:.1} kB", b / 1e3),
+        x if x < 1e9 => format!("{:.1} MB", b / 1e6),
+        _ => format!("{:.2} GB", b / 1e9),
+    }
+}
+
+/// What `crabctl engine` prints.
+impl std::fmt::Display for Snapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let budget = match (self.io_budget_bytes_s, self.budget_level) {
+            (Some(rate), Some(level)) => format!(
+                "I/O budget {}/s (bucket {})",
+                human_bytes(rate as f64),
+                human_bytes(level)
+            ),
+            _ => "no I/O budget".into(),
+        };
+        writeln!(
+            f,
+            "engine {}: max_jobs {}, {budget}",
+            self.root.display(),
+            self.max_jobs
+        )?;
+        let now = unix_ms();
+        writeln!(
+            f,
+            "{:<4}  {:<40} {:<20} {:<6}  SINCE",
+            "SLOT", "SANDBOX", "JOB", "URGENT"
+        )?;
+        for s in &self.slots {
+            match &s.holder {
+                Some(h) => writeln!(
+                    f,
+                    "{:<4}  {:<40} {:<20} {:<6}  {} ago (waited {}), pid {}",
+                    s.index,
+                    format!("{}/{}", h.namespace, h.sandbox),
+                    h.job,
+                    if h.urgent { "yes" } else { "no" },
+                    human_us(now.saturating_sub(h.since_unix_ms) * 1000),
+                    human_us(h.waited_us),
+                    h.pid
+                )?,
+                None => writeln!(f, "{:<4}  -", s.index)?,
+            }
+        }
+        writeln!(f, "queue: {} waiting", self.queue.len())?;
+        if !self.queue.is_empty() {
+            writeln!(
+                f,
+                "{:<4}  {:<40} {:<20} {:<6}  WAITING",
+                "POS", "SANDBOX", "JOB", "URGENT"
+            )?;
+        }
+        for (i, q) in self.queue.iter().enumerate() {
+            writeln!(
+                f,
+                "{:<4}  {:<40} {:<20} {:<6}  {}, pid {}",
+                i + 1,
+                format!("{}/{}", q.info.namespace, q.info.sandbox),
+                q.info.job,
+                if q.urgent { "yes" } else { "no" },
+                human_us(q.waiting_us),
+                q.info.pid
+            )?;
+        }
+        let s = &self.stats;
+        write!(
+            f,
+            "stats: {} jobs ({} urgent), {} written; wait avg {}, p95 {} (newest {}), max {}, total {}; run avg {}",
+            s.jobs,
+            s.urgent_jobs,
+            human_bytes(s.bytes as f64),
+            human_us(s.avg_wait_us()),
+            s.p95_wait_us().map_or("-".into(), human_us),
+            s.waits_us.len(),
+            human_us(s.wait_us_max),
+            human_us(s.wait_us_total),
+            human_us(s.run_us_total.checked_div(s.jobs).unwrap_or(0))
+        )
+    }
+}
+
 /// The host's monotonic clock, the same for every process.
 pub fn mono_ns() -> u64 {
     let mut ts = libc::timespec {
@@ -1238,6 +1332,14 @@ mod tests {
             ]
         );
         assert_eq!(snap.slots[0].holder.as_ref().unwrap().sandbox, "s0");
+        let text = snap.to_string();
+        assert!(text.contains("max_jobs 1, no I/O budget"), "{text}");
+        assert!(text.contains("queue: 5 waiting"), "{text}");
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("2 ") && l.contains("ns/d") && l.contains(" yes ")),
+            "{text}"
+        );
         assert!(
             started.lock().unwrap().is_empty(),
             "nothing starts while the slot is taken"

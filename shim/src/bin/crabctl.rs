@@ -8,6 +8,7 @@
 //!   crabctl [GLOBAL] fork CONTAINER --at T --count N  N new containers from checkpoint T
 //!   crabctl [GLOBAL] rollback CONTAINER --to T        the container back at checkpoint T (same id)
 //!   crabctl [GLOBAL] recover CONTAINER                the container back at its last recovery point
+//!   crabctl [GLOBAL] engine [--json]                  the host engine: slots, queue, stats
 //!
 //! The checkpoint commands find the container's store through its own runtime options (as its
 //! shim does) unless --config says otherwise; their logic is in `crab_shim::ctl`.
@@ -50,6 +51,9 @@ commands:
                                    killed (running execs end) and a new one starts from T
   recover CONTAINER                after a crash (its processes, shim or containerd killed): like
                                    rollback to its newest recovery point
+  engine [--json]                  the host engine that schedules every shim's checkpoint jobs
+                                   ([engine] root of the config): who holds its slots, the queue
+                                   (urgent first), cumulative stats (jobs, waits, bytes)
 T: a checkpoint's sequence number or turn id (see `checkpoints`); failed checkpoints are refused.
 Containers started by fork/rollback/recover get no stdio (/dev/null) and no terminal.
 --config overrides the crab config the container's runtime options name (for its state_dir).";
@@ -101,6 +105,8 @@ async fn main() -> ExitCode {
         },
         ["rollback", container, "--to", to] => rollback(&g, container, Some(to)).await,
         ["recover", container] => rollback(&g, container, None).await,
+        ["engine"] => engine(&g, false),
+        ["engine", "--json"] => engine(&g, true),
         [] => return usage("no command"),
         _ => return usage(&format!("cannot parse `{}`", args.join(" "))),
     };
@@ -179,6 +185,16 @@ async fn rollback(g: &Global, container: &str, to: Option<&str>) -> Result<(), S
     }
     if !r.execs_ended.is_empty() {
         println!("ended {} running execs with the old task (killed): {}", r.execs_ended.len(), r.execs_ended.join(", "));
+    }
+    Ok(())
+}
+
+fn engine(g: &Global, json: bool) -> Result<(), String> {
+    let (config, _) = Config::load_or_default(g.config.as_deref()).map_err(|e| e.to_string())?;
+    let snapshot = crab_shim::engine::Engine::new(&config.engine).snapshot().map_err(|e| e.to_string())?;
+    match json {
+        true => println!("{}", serde_json::to_string_pretty(&snapshot).map_err(|e| e.to_string())?),
+        false => println!("{snapshot}"),
     }
     Ok(())
 }
