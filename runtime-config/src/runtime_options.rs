@@ -20,9 +20,9 @@
 //! runtime types containerd knows as runc; they are not crab's, and crab takes
 //! those settings from its own config file instead.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use crate::ConfigError;
+use crate::{Config, ConfigError, ConfigSource};
 
 /// The `Any.type_url` containerd uses for [`RuntimeOptions`].
 pub const RUNTIME_OPTIONS_TYPE_URL: &str = "runtimeoptions.v1.Options";
@@ -34,6 +34,22 @@ pub const RUNTIME_OPTIONS_TYPE_URL: &str = "runtimeoptions.v1.Options";
 pub struct RuntimeOptions {
     pub config_path: Option<PathBuf>,
     pub config_body: Option<String>,
+}
+
+impl RuntimeOptions {
+    /// The config these options name, as the shim and crabctl both read it: the inline TOML
+    /// (`ConfigBody`) first, else the file (`ConfigPath`), else the default file or the
+    /// built-in defaults (see [`Config::load_or_default`]).
+    pub fn load_config(options: Option<&RuntimeOptions>) -> Result<(Config, ConfigSource), ConfigError> {
+        match options {
+            Some(RuntimeOptions { config_body: Some(body), .. }) => {
+                let origin = Path::new("<runtime options ConfigBody>");
+                Ok((Config::from_toml_str(body, origin)?, ConfigSource::File(origin.into())))
+            }
+            Some(o) => Config::load_or_default(o.config_path.as_deref()),
+            None => Config::load_or_default(None),
+        }
+    }
 }
 
 /// Decodes the `value` bytes of a `runtimeoptions.v1.Options` `Any`.

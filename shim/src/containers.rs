@@ -219,15 +219,7 @@ impl Containers {
             }
             _ => None,
         };
-        match runtime_options {
-            Some(o) if o.config_body.is_some() => {
-                let origin = Path::new("<runtime options ConfigBody>");
-                let config = Config::from_toml_str(o.config_body.as_deref().unwrap_or_default(), origin)?;
-                Ok((config, ConfigSource::File(origin.into())))
-            }
-            Some(o) => Ok(Config::load_or_default(o.config_path.as_deref())?),
-            None => Ok(Config::load_or_default(None)?),
-        }
+        Ok(crab_runtime_config::RuntimeOptions::load_config(runtime_options.as_ref())?)
     }
 
     pub async fn create(&self, p: CreateParams) -> Result<u32> {
@@ -244,6 +236,8 @@ impl Containers {
         log::info!("create {}: config from {source}, runc {}", p.id, runc.binary.display());
         let spec = bundle::read_spec(&p.bundle)?;
         let exec_boundary = turns::exec_boundary(&spec, config.checkpoint.turn_boundary)?;
+        // Checked again where the coordinator takes it; here so a bad value changes nothing.
+        crate::checkpoint::policy::for_container(&spec, config.checkpoint.policy)?;
         let rootfs_mounted = bundle::mount_rootfs(&p.bundle, &p.rootfs).await?;
         let unmount = |why: &dyn std::fmt::Display| {
             log::warn!("create of {} failed: {why}", p.id);

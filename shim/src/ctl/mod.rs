@@ -17,7 +17,7 @@ pub mod export;
 pub mod image;
 pub mod lifecycle;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use containerd_client::services::v1::Container;
 use crab_runtime_config::{Config, ConfigError};
@@ -139,15 +139,8 @@ impl Ctl {
                     .ends_with(crab_runtime_config::RUNTIME_OPTIONS_TYPE_URL)
             })
             .map(|o| crab_runtime_config::decode_runtime_options(&o.value))
-            .transpose()?
-            .unwrap_or_default();
-        if let Some(body) = &options.config_body {
-            return Ok(Config::from_toml_str(
-                body,
-                Path::new("<runtime options ConfigBody>"),
-            )?);
-        }
-        Ok(Config::load_or_default(options.config_path.as_deref())?.0)
+            .transpose()?;
+        Ok(crab_runtime_config::RuntimeOptions::load_config(options.as_ref())?.0)
     }
 
     /// The checkpoint store directory of `container`.
