@@ -199,13 +199,19 @@ impl Ctl {
                 ..Phases::default()
             };
             let started = Instant::now();
-            let existing: Vec<String> = self
+            let mut existing: Vec<String> = self
                 .client
                 .containers()
                 .await?
                 .into_iter()
                 .map(|c| c.id)
                 .collect();
+            // A removed fork's store stays (recover needs stores to outlive containers): a new
+            // fork must not take its id and inherit its history.
+            let stores = self.config_for(&exported.container)?.store.state_dir.join(self.namespace());
+            if let Ok(dir) = std::fs::read_dir(&stores) {
+                existing.extend(dir.flatten().filter_map(|e| e.file_name().into_string().ok()));
+            }
             let records = fork_ids(&existing, container, count)
                 .iter()
                 .map(|id| clone_record(&exported.container, id, &exported.reference))
