@@ -13,7 +13,8 @@
 #   make test-containerd-1.7
 #                         the end-to-end lifecycle tests against containerd 1.7 (a second
 #                         private containerd, Debian trixie's, unpacked under $(CRAB_HOME))
-#   make bench            shim benchmarks against the private containerd (stopped after)
+#   make bench            the benchmarks (shim, inspector, checkpoint, restore) against the
+#                         private containerd (stopped after); figures under $(CRAB_HOME)/bench
 #   make clean            stop containerd, remove $(CRAB_HOME) and cargo's target dir
 #
 # Tests read CRAB_HOME, CRAB_CONTAINERD_ADDRESS, CRAB_NAMESPACE and CRAB_RUNTIME
@@ -108,8 +109,10 @@ test: deps build
 test-containerd-1.7: deps build
 	@$(test_containerd_17)
 
+# BENCHES picks some: make bench BENCHES="bench-restore".
+BENCHES ?= bench-shim bench-inspector bench-checkpoint bench-restore
 bench: build
-	@$(call with_containerd,$(CARGO) run --release -p crab-integration --bin bench-shim -- $(BENCH_ARGS))
+	@$(call with_containerd,for b in $(BENCHES); do $(CARGO) run --release -p crab-integration --bin $$b -- $(BENCH_ARGS) || exit 1; done)
 
 # make replay: real agent trajectories (../shared/trajectories next to the repo, or
 # CRAB_TRAJECTORIES=path) replayed under each checkpoint policy against the private
