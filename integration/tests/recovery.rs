@@ -239,3 +239,46 @@ async fn rollback_across_process_checkpoints_backwards_and_forwards() {
     }
     s.finish().await;
 }
+
+/// A process holding a file lock and serving on a unix socket comes back from a crash with both:
+/// the lock still held (another process cannot take it) and the socket answering.
+#[tokio::test(flavor = "multi_thread")]
+async fn unix_sockets_and_file_locks_survive_a_crash() {
+    let (mut s, _guard) = Sandbox::start("rec-unix", SandboxOptions::default()).await;
+    s.run(
+        r#"cat > holder.py <<'EOF'
+import fcntl, os, socket
+lock = open("/app/lockfile", "w")
+fcntl.flock(lock, fcntl.LOCK_EX)
+try:
+    os.unlink("/app/u.sock")
+except FileNotFoundError:
+    pass
+s = socket.socket(socket.AF_UNIX)
+s.bind("/app/u.sock")
+s.listen()
+open("/app/ready", "w").close()
+while True:
+    c, _ = s.accept()
+    c.sendall(b"unix-ok")
+    c.close()
+EOF
+nohup python3 /app/holder.py >/dev/null 2>&1 &
+for i in $(seq 100); do [ -e /app/ready ] && break; sleep 0.05; done"#,
+    )
+    .await;
+    end_turn_durably(&mut s).await;
+    const PROBE: &str = r#"python3 -c '
+import fcntl, socket
+c = socket.socket(socket.AF_UNIX); c.connect("/app/u.sock"); print(c.recv(100).decode())
+try:
+    fcntl.flock(open("/app/lockfile"), fcntl.LOCK_EX | fcntl.LOCK_NB); print("lock-free")
+except BlockingIOError:
+    print("lock-held")'"#;
+    assert_eq!(s.run(PROBE).await.stdout, "unix-ok\nlock-held\n");
+    crash(&s, Crash::Processes).await;
+    let (code, out, err) = s.crabctl(&["recover", &s.id]);
+    assert_eq!(code, 0, "recover: {out}{err}");
+    assert_eq!(s.run(PROBE).await.stdout, "unix-ok\nlock-held\n", "after the crash and recover");
+    s.finish().await;
+}
