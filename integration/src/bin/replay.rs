@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crab_integration::env::{TestEnv, DEFAULT_RUNTIME};
+use crab_integration::replay::recovery::{self, RecoveryOptions, RecoveryPolicy};
 use crab_integration::replay::{self, report, trajectory, Options, Policy, Round};
 use crab_integration::sandbox::AGENT_IMAGE;
 use crab_integration::Harness;
@@ -31,7 +32,14 @@ const USAGE: &str = "usage: replay [options]
   --timeout S           command timeout in seconds (default 30, as the agent's harness)
   --max-turns N         replay at most N turns of each trajectory
   --no-oracle           skip the inspector-accuracy pass
-  --accuracy-only       only the inspector-accuracy pass (no policy rounds)";
+  --accuracy-only       only the inspector-accuracy pass (no policy rounds)
+  --recovery            recovery correctness instead (see replay::recovery): per trajectory two
+                        fault-free runs, then per policy (chat-only, fs-every-turn,
+                        full-every-turn, crab; --policies picks) crashes after K turns spread
+                        over it, recovery, the rest, and the state digest compared; default
+                        selection: replay::recovery::DEFAULT_SELECTION
+  --crash-turns K       crash points per trajectory and policy (default 3)
+  --jobs N              recovery: sandboxes at once (default 4)";
 
 fn die(msg: &str) -> ! {
     eprintln!("replay: {msg}");
@@ -46,6 +54,11 @@ struct Args {
     opts: Options,
     oracle: bool,
     rounds: bool,
+    recovery: bool,
+    select_given: bool,
+    policies_given: Option<Vec<String>>,
+    crash_turns: usize,
+    jobs: usize,
 }
 
 fn args() -> Args {
@@ -70,6 +83,11 @@ fn args() -> Args {
         },
         oracle: true,
         rounds: true,
+        recovery: false,
+        select_given: false,
+        policies_given: None,
+        crash_turns: recovery::DEFAULT_CRASH_TURNS,
+        jobs: 4,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -85,7 +103,10 @@ fn args() -> Args {
         };
         match flag.as_str() {
             "--trajectories" => a.trajectories = PathBuf::from(value()),
-            "--select" => a.select = list(value()),
+            "--select" => {
+                a.select = list(value());
+                a.select_given = true;
+            }
             "--densities" => {
                 a.densities = list(value())
                     .iter()
@@ -96,14 +117,23 @@ fn args() -> Args {
                     })
                     .collect()
             }
-            "--policies" => {
-                a.policies = list(value())
-                    .iter()
-                    .map(|p| {
-                        Policy::from_name(p)
-                            .unwrap_or_else(|| die(&format!("--policies: unknown policy {p:?}")))
-                    })
-                    .collect()
+            "--policies" => a.policies_given = Some(list(value())),
+            "--recovery" => a.recovery = true,
+            "--crash-turns" => {
+                let v = value();
+                a.crash_turns = v
+                    .parse()
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .unwrap_or_else(|| die(&format!("--crash-turns: {v:?}")))
+            }
+            "--jobs" => {
+                let v = value();
+                a.jobs = v
+                    .parse()
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .unwrap_or_else(|| die(&format!("--jobs: {v:?}")))
             }
             "--think-scale" => {
                 let v = value();
@@ -140,6 +170,21 @@ fn args() -> Args {
             other => die(&format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
+    if a.recovery && !a.select_given {
+        a.select = recovery::DEFAULT_SELECTION
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    }
+    if let (Some(list), false) = (&a.policies_given, a.recovery) {
+        a.policies = list
+            .iter()
+            .map(|p| {
+                Policy::from_name(p)
+                    .unwrap_or_else(|| die(&format!("--policies: unknown policy {p:?}")))
+            })
+            .collect();
+    }
     if a.select.is_empty() || a.densities.is_empty() || !(a.rounds || a.oracle) {
         die("nothing to replay");
     }
@@ -163,8 +208,11 @@ fn loadavg() -> String {
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
     let a = args();
-    let all = trajectory::load(&a.trajectories)
+    let mut all = trajectory::load(&a.trajectories)
         .unwrap_or_else(|e| die(&format!("{e} (set --trajectories or CRAB_TRAJECTORIES)")));
+    if a.recovery {
+        all.insert(0, recovery::synthetic());
+    }
     let selected = trajectory::select(&all, &a.select).unwrap_or_else(|e| die(&e.to_string()));
     let env = TestEnv {
         image: AGENT_IMAGE.into(),
@@ -182,6 +230,9 @@ async fn main() {
     for t in &selected {
         let turns = t.turns.len().min(a.opts.max_turns.unwrap_or(usize::MAX));
         eprintln!("replay: {} ({turns} turns)", t.trial);
+    }
+    if a.recovery {
+        return recovery_main(&a, &h, &selected).await;
     }
     let load_before = loadavg();
     let started = Instant::now();
@@ -293,6 +344,71 @@ async fn main() {
     match crab_integration::bench::write_results(&dir, "replay", now, &result, &md) {
         Ok(()) => eprintln!(
             "replay: results in {}/replay-{now}.{{json,md}} (and replay-latest.*)",
+            dir.display()
+        ),
+        Err(e) => die(&format!("writing results to {}: {e}", dir.display())),
+    }
+}
+
+/// `--recovery`: recovery correctness (see `replay::recovery`).
+async fn recovery_main(a: &Args, h: &Harness, selected: &[trajectory::Trajectory]) {
+    let policies = match &a.policies_given {
+        Some(list) => list
+            .iter()
+            .filter(|p| *p != "none")
+            .map(|p| {
+                RecoveryPolicy::from_name(p)
+                    .unwrap_or_else(|| die(&format!("--policies: unknown recovery policy {p:?}")))
+            })
+            .collect(),
+        None => RecoveryPolicy::ALL.to_vec(),
+    };
+    let ro = RecoveryOptions {
+        crash_turns: a.crash_turns,
+        jobs: a.jobs,
+        policies,
+    };
+    let load_before = loadavg();
+    let r = recovery::run(selected, &a.opts, &ro).await;
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .unwrap_or_default()
+        .trim()
+        .to_string();
+    let load_after = loadavg();
+    let mut md = format!(
+        "# Recovery correctness\n\nkernel {kernel}, unix time {now}, total {:.0} s, {} sandboxes at once, loadavg before \
+         {load_before} / after {load_after}. Image {AGENT_IMAGE}. Think time x{}, command timeout {:?}{}, {} crash points \
+         per trajectory and policy. Trajectories ({}): {}.\n\n",
+        r.wall_s,
+        ro.jobs,
+        a.opts.think_scale,
+        a.opts.cmd_timeout,
+        a.opts.max_turns.map(|m| format!(", at most {m} turns each")).unwrap_or_default(),
+        ro.crash_turns,
+        selected.len(),
+        selected.iter().map(|t| t.trial.as_str()).collect::<Vec<_>>().join(", ")
+    );
+    md.push_str(&recovery::markdown(&r));
+    let result = json!({
+        "benchmark": "recovery",
+        "unix_time": now,
+        "host": {"kernel": kernel, "loadavg_before": load_before, "loadavg_after": load_after},
+        "image": AGENT_IMAGE,
+        "options": {"think_scale": a.opts.think_scale, "cmd_timeout_s": a.opts.cmd_timeout.as_secs_f64(),
+                    "max_turns": a.opts.max_turns, "crash_turns": ro.crash_turns, "jobs": ro.jobs,
+                    "policies": ro.policies.iter().map(|p| p.name()).collect::<Vec<_>>()},
+        "trajectories": selected.iter().map(|t| json!({"trial": t.trial, "turns": t.turns.len()})).collect::<Vec<_>>(),
+        "report": r,
+    });
+    println!("{md}");
+    let dir = h.env.bench_dir();
+    match crab_integration::bench::write_results(&dir, "recovery", now, &result, &md) {
+        Ok(()) => eprintln!(
+            "replay: results in {}/recovery-{now}.{{json,md}} (and recovery-latest.*)",
             dir.display()
         ),
         Err(e) => die(&format!("writing results to {}: {e}", dir.display())),

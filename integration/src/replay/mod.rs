@@ -22,6 +22,7 @@
 //! (so crab's own freeze is not mistaken for the agent's doing). Its timings are not used.
 
 pub mod oracle;
+pub mod recovery;
 pub mod report;
 pub mod stats;
 pub mod trajectory;
