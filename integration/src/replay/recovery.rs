@@ -404,6 +404,31 @@ pub struct Case {
     /// container for chat-only).
     pub recover_ms: f64,
     pub errors: Vec<String>,
+    /// Trouble after the digest was taken (removing the sandbox, leaks).
+    pub warnings: Vec<String>,
+}
+
+/// A turn whose exit status differs between the two fault-free runs (`None`: timed out).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct UnstableTurn {
+    /// Position in the replay (0-based) and the recording's index.
+    pub turn: usize,
+    pub index: u64,
+    pub statuses: [Option<u32>; 2],
+}
+
+/// Turns whose exit statuses differ between two runs (compared as far as both got).
+pub fn unstable_turns(t: &Trajectory, a: &[Option<u32>], b: &[Option<u32>]) -> Vec<UnstableTurn> {
+    a.iter()
+        .zip(b)
+        .enumerate()
+        .filter(|(_, (x, y))| x != y)
+        .map(|(n, (x, y))| UnstableTurn {
+            turn: n,
+            index: t.turns.get(n).map(|t| t.index).unwrap_or(n as u64),
+            statuses: [*x, *y],
+        })
+        .collect()
 }
 
 /// The fault-free runs of one trajectory.
@@ -414,7 +439,11 @@ pub struct Reference {
     pub items: usize,
     /// Items the two fault-free runs disagree on (left out of the comparisons).
     pub unstable: Vec<Difference>,
+    /// Turns that ended differently in the two fault-free runs (where the nondeterminism
+    /// likely comes from; their items are covered by `unstable`).
+    pub unstable_turns: Vec<UnstableTurn>,
     pub errors: Vec<String>,
+    pub warnings: Vec<String>,
 }
 
 /// Recovered correctly / total for one policy.
@@ -485,6 +514,10 @@ struct RunResult {
     digest: Option<Digest>,
     recover_ms: f64,
     errors: Vec<String>,
+    /// Exit status (None: killed at the timeout) of each turn replayed.
+    statuses: Vec<Option<u32>>,
+    /// Trouble after the digest (removing the sandbox, leaks): reported, not an outcome.
+    warnings: Vec<String>,
 }
 
 /// Runs every fault-free and crashed run of `trajectories`, `ro.jobs` sandboxes at once.
@@ -541,6 +574,8 @@ pub async fn run(
                         digest: None,
                         recover_ms: f64::NAN,
                         errors: vec![format!("the run panicked: {e}")],
+                        statuses: Vec::new(),
+                        warnings: Vec::new(),
                     },
                 };
                 eprintln!(
@@ -578,6 +613,10 @@ pub async fn run(
             [a, b, ..] => differences(a, b),
             _ => Vec::new(),
         };
+        let turns_unstable = match runs.as_slice() {
+            [a, b, ..] => unstable_turns(t, &a.statuses, &b.statuses),
+            _ => Vec::new(),
+        };
         let mut errors: Vec<String> = runs.iter().flat_map(|r| r.errors.clone()).collect();
         if digests.len() < 2 {
             errors.push(format!(
@@ -590,7 +629,9 @@ pub async fn run(
             turns: t.turns.len().min(opts.max_turns.unwrap_or(usize::MAX)),
             items: digests.first().map(|d| d.items.len()).unwrap_or(0),
             unstable: unstable.clone(),
+            unstable_turns: turns_unstable,
             errors,
+            warnings: runs.iter().flat_map(|r| r.warnings.clone()).collect(),
         });
         refs.insert(
             i,
@@ -618,6 +659,7 @@ pub async fn run(
             ignored_unstable: 0,
             recover_ms: r.recover_ms,
             errors: r.errors,
+            warnings: r.warnings,
         };
         match (reference, &r.digest) {
             (Some(want), Some(got)) if case.errors.is_empty() => {
@@ -666,6 +708,8 @@ async fn run_one(
         digest: None,
         recover_ms: f64::NAN,
         errors: Vec::new(),
+        statuses: Vec::new(),
+        warnings: Vec::new(),
     };
     let outcome = async {
         let turns: Vec<&Turn> = t
@@ -719,9 +763,10 @@ async fn run_one(
             }
             tokio::time::sleep_until((ready_at + turn.think.mul_f64(opts.think_scale)).into())
                 .await;
-            exec(&sb, &format!("t{n}"), &turn.cmd, opts.cmd_timeout)
+            let x = exec(&sb, &format!("t{n}"), &turn.cmd, opts.cmd_timeout)
                 .await
                 .map_err(|e| format!("turn {} (`{}`): {e}", turn.index, first_line(&turn.cmd)))?;
+            r.statuses.push(if x.timed_out { None } else { x.status });
             if policy.checkpoints() {
                 let annotations =
                     std::collections::HashMap::from([(TURN_END.to_string(), format!("t{n}"))]);
@@ -740,7 +785,12 @@ async fn run_one(
         Err(e) => r.errors.push(e),
     }
     if let Err(e) = sb.h.kill_and_remove(&sb.id).await {
-        r.errors.push(format!("removing the sandbox: {e}"));
+        r.warnings.push(format!("removing the sandbox: {e}"));
+    }
+    let leaks = sb.h.leaks(&sb.id).await;
+    if !leaks.is_empty() {
+        r.warnings
+            .push(format!("left behind: {}", leaks.join("; ")));
     }
     let _ = std::fs::remove_dir_all(&sb.state_dir);
     drop(guards);
@@ -841,11 +891,20 @@ pub fn markdown(r: &RecoveryReport) -> String {
     md.push_str("\n### Fault-free runs: nondeterminism\n\n");
     for rf in &r.references {
         md.push_str(&format!(
-            "- {} ({} turns, {} items): {} unstable{}\n",
+            "- {} ({} turns, {} items): {} unstable items, turns ending differently: {}{}\n",
             rf.trial,
             rf.turns,
             rf.items,
             rf.unstable.len(),
+            if rf.unstable_turns.is_empty() {
+                "none".to_string()
+            } else {
+                rf.unstable_turns
+                    .iter()
+                    .map(|u| format!("{} ({:?} vs {:?})", u.index, u.statuses[0], u.statuses[1]))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            },
             rf.errors
                 .first()
                 .map(|e| format!("; ERROR: {e}"))
@@ -853,6 +912,31 @@ pub fn markdown(r: &RecoveryReport) -> String {
         ));
         for d in rf.unstable.iter().take(10) {
             md.push_str(&format!("  - {d}\n"));
+        }
+    }
+    let warnings: Vec<String> = r
+        .references
+        .iter()
+        .flat_map(|rf| {
+            rf.warnings
+                .iter()
+                .map(move |w| format!("{} fault-free: {w}", rf.trial))
+        })
+        .chain(r.cases.iter().flat_map(|c| {
+            c.warnings.iter().map(move |w| {
+                format!(
+                    "{} {} after {}: {w}",
+                    c.policy.name(),
+                    c.trial,
+                    c.crash_after
+                )
+            })
+        }))
+        .collect();
+    if !warnings.is_empty() {
+        md.push_str(&format!("\n### Cleanup warnings ({})\n\n", warnings.len()));
+        for w in warnings.iter().take(20) {
+            md.push_str(&format!("- {w}\n"));
         }
     }
     let failing: Vec<&Case> = r
@@ -1027,6 +1111,29 @@ mod tests {
         }
     }
 
+    #[test]
+    fn turns_ending_differently() {
+        let t = synthetic();
+        let u = unstable_turns(
+            &t,
+            &[Some(0), Some(1), None, Some(0)],
+            &[Some(0), Some(2), None],
+        );
+        assert_eq!(
+            u,
+            [UnstableTurn {
+                turn: 1,
+                index: 1,
+                statuses: [Some(1), Some(2)]
+            }]
+        );
+        assert!(unstable_turns(&t, &[], &[Some(0)]).is_empty());
+        assert_eq!(
+            unstable_turns(&t, &[None], &[Some(0)])[0].statuses,
+            [None, Some(0)]
+        );
+    }
+
     fn case(policy: RecoveryPolicy, outcome: Outcome, ignored: usize) -> Case {
         Case {
             trial: "t".into(),
@@ -1039,6 +1146,7 @@ mod tests {
             ignored_unstable: ignored,
             recover_ms: 1.0,
             errors: Vec::new(),
+            warnings: Vec::new(),
         }
     }
 
