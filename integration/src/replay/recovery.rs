@@ -85,16 +85,28 @@ pub const DEFAULT_CRASH_TURNS: usize = 3;
 
 /// A built-in trajectory (not a recording): the agent script of `tests/recovery.rs`, reduced to
 /// what the digest sees without a client of its own: a server holding state in memory that
-/// answers `GET /` with it, a static file server, edits and deletes. The recordings replayed in
+/// answers `GET /` with it, a static file server, edits and deletes, and a time stamp written
+/// into a file (nondeterministic on purpose: it checks that the detection works). The recordings replayed in
 /// the generic image rarely leave a working server behind (their tasks' files and packages are
 /// missing), so without it the process half of recovery would go untested.
 pub const SYNTHETIC_TRIAL: &str = "crab-synthetic.memory-and-servers";
 
-/// The default selection of the recovery mode: the synthetic trajectory, and a recording that
-/// writes and rewrites files all along (one run of all policies takes a few minutes).
-pub const DEFAULT_SELECTION: [&str; 2] = [
+/// The default selection of the recovery mode: the synthetic trajectory and recordings of each
+/// kind of work (one run of all policies takes about 4 minutes, 4 sandboxes at once). Replayed
+/// in the generic image, `fix-git` (no repository) and `tmux-advanced-workflow` (no tmux)
+/// change next to nothing, so even chat-only recovers them: they are in to show that.
+pub const DEFAULT_SELECTION: [&str; 7] = [
     SYNTHETIC_TRIAL,
+    // Files written with heredocs and rewritten.
     "grid-pattern-transform.1-of-1.2025-08-13__19-44-27",
+    // Background servers (nohup ... &), killed and restarted; pip installs that time out.
+    "hf-model-inference.1-of-1.2025-08-13__19-44-27",
+    // A service started in the background (`python bitcoin_service.py &`).
+    "get-bitcoin-nodes.1-of-1.2025-08-15__16-23-45",
+    // Scripts written and run on data files.
+    "raman-fitting.1-of-1.2025-08-15__16-23-45",
+    "fix-git.1-of-1.2025-08-13__19-44-27",
+    "tmux-advanced-workflow.1-of-1.2025-08-13__19-44-27",
 ];
 
 const KV_SERVER: &str = r#"cat > kv.py <<'EOF'
@@ -134,6 +146,9 @@ pub fn synthetic() -> Trajectory {
         "rm junk.txt && echo v2 >> proj/a.txt && mkdir -p proj/sub && echo deep > proj/sub/b.txt",
         "echo '<h1>crab</h1>' > index.html && (nohup python3 -m http.server 8000 --bind 127.0.0.1 --directory /app/proj >/dev/null 2>&1 &) && sleep 0.5",
         "python3 /app/set.py c=4 && grep -r v proj",
+        // Nondeterministic on purpose, like a build stamp: both fault-free runs differ here, so
+        // the item must come out as unstable and be left out, never counted as a failure.
+        "date +%s%N > build-stamp.txt",
         "python3 /app/set.py a=5 && echo v3 >> proj/a.txt",
         "ls -la proj",
     ];
