@@ -918,18 +918,27 @@ pub fn markdown(r: &RecoveryReport) -> String {
          checkpoint, recovery, the remaining turns, then the state digest (files, live processes, listening \
          services' answers; noise rules in `replay/recovery.rs`) against a fault-free run's. Items that differ \
          between two fault-free runs are left out and listed below.\n\n\
-         | policy | recovered correctly | wrong | errors | share | of them with nondeterministic items ignored |\n|---|---|---|---|---|---|\n",
+         | policy | recovered correctly | wrong | errors | share | of them with nondeterministic items ignored | recovery p50 / max |\n|---|---|---|---|---|---|---|\n",
     );
     for (p, t) in &r.tallies {
+        let recover: Vec<f64> = r
+            .cases
+            .iter()
+            .filter(|c| c.policy == *p)
+            .map(|c| c.recover_ms)
+            .collect();
+        let s = super::stats::Summary::of(&recover);
         md.push_str(&format!(
-            "| {} | {}/{} | {} | {} | {:.0}% | {} |\n",
+            "| {} | {}/{} | {} | {} | {:.0}% | {} | {:.0} / {:.0} ms |\n",
             p.name(),
             t.correct,
             t.total,
             t.wrong,
             t.errors,
             t.share * 100.0,
-            t.correct_with_ignored
+            t.correct_with_ignored,
+            s.p50,
+            s.max
         ));
     }
     md.push_str("\n### Fault-free runs: nondeterminism\n\n");
