@@ -67,6 +67,30 @@ pub struct CheckpointOpts {
     pub manage_cgroups_mode: Option<String>,
 }
 
+impl CheckpointOpts {
+    /// The arguments `runc checkpoint` and `runc restore` share (go-runc's order).
+    fn criu_args(&self) -> Vec<OsString> {
+        let mut args: Vec<OsString> = vec!["--image-path".into(), self.image_path.clone().into()];
+        if let Some(w) = &self.work_path {
+            args.extend(["--work-path".into(), w.clone().into()]);
+        }
+        for (set, flag) in [
+            (self.tcp_established, "--tcp-established"),
+            (self.ext_unix_sk, "--ext-unix-sk"),
+            (self.shell_job, "--shell-job"),
+            (self.file_locks, "--file-locks"),
+        ] {
+            if set {
+                args.push(flag.into());
+            }
+        }
+        if let Some(mode) = &self.manage_cgroups_mode {
+            args.extend(["--manage-cgroups-mode".into(), mode.into()]);
+        }
+        args
+    }
+}
+
 #[derive(Deserialize)]
 struct LogLine {
     level: String,
@@ -231,23 +255,7 @@ impl Runc {
 
     /// `runc checkpoint`: dumps the container's init and its descendants with CRIU.
     pub async fn checkpoint(&self, id: &str, opts: &CheckpointOpts) -> Result<()> {
-        let mut args: Vec<OsString> = vec!["--image-path".into(), opts.image_path.clone().into()];
-        if let Some(w) = &opts.work_path {
-            args.extend(["--work-path".into(), w.clone().into()]);
-        }
-        for (set, flag) in [
-            (opts.tcp_established, "--tcp-established"),
-            (opts.ext_unix_sk, "--ext-unix-sk"),
-            (opts.shell_job, "--shell-job"),
-            (opts.file_locks, "--file-locks"),
-        ] {
-            if set {
-                args.push(flag.into());
-            }
-        }
-        if let Some(mode) = &opts.manage_cgroups_mode {
-            args.extend(["--manage-cgroups-mode".into(), mode.into()]);
-        }
+        let mut args = opts.criu_args();
         if opts.leave_running {
             args.push("--leave-running".into());
         }
@@ -266,23 +274,7 @@ impl Runc {
         opts: &CheckpointOpts,
         stdio: ChildStdio,
     ) -> Result<()> {
-        let mut args: Vec<OsString> = vec!["--image-path".into(), opts.image_path.clone().into()];
-        if let Some(w) = &opts.work_path {
-            args.extend(["--work-path".into(), w.clone().into()]);
-        }
-        for (set, flag) in [
-            (opts.tcp_established, "--tcp-established"),
-            (opts.ext_unix_sk, "--ext-unix-sk"),
-            (opts.shell_job, "--shell-job"),
-            (opts.file_locks, "--file-locks"),
-        ] {
-            if set {
-                args.push(flag.into());
-            }
-        }
-        if let Some(mode) = &opts.manage_cgroups_mode {
-            args.extend(["--manage-cgroups-mode".into(), mode.into()]);
-        }
+        let mut args = opts.criu_args();
         args.extend([
             "--detach".into(),
             "--pid-file".into(),
@@ -326,6 +318,23 @@ fn last_error(log: &Path, offset: u64) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn checkpoint_and_restore_share_criu_arguments() {
+        let opts = CheckpointOpts {
+            image_path: "/img".into(),
+            work_path: Some("/work".into()),
+            tcp_established: true,
+            file_locks: true,
+            manage_cgroups_mode: Some("soft".into()),
+            ..Default::default()
+        };
+        let args: Vec<String> = opts.criu_args().into_iter().map(|a| a.into_string().unwrap()).collect();
+        assert_eq!(
+            args,
+            ["--image-path", "/img", "--work-path", "/work", "--tcp-established", "--file-locks", "--manage-cgroups-mode", "soft"]
+        );
+    }
+
     use super::*;
 
     #[test]
