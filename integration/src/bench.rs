@@ -19,3 +19,29 @@ pub fn write_results(dir: &Path, name: &str, stamp: impl std::fmt::Display, json
     }
     Ok(())
 }
+
+/// Parses a benchmark's command line: each flag of `counts` takes a positive integer and
+/// overwrites its default; `-h`/`--help` prints `usage` and exits 0; anything else exits 1
+/// with a message naming `bench`.
+pub fn parse_counts(bench: &str, usage: &str, counts: &mut [(&str, &mut usize)]) {
+    let die = |msg: String| -> ! {
+        eprintln!("{bench}: {msg}");
+        std::process::exit(1)
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        if a == "-h" || a == "--help" {
+            eprintln!("usage: {bench} {usage}");
+            std::process::exit(0);
+        }
+        let Some((name, slot)) = counts.iter_mut().find(|(name, _)| *name == a) else {
+            die(format!("unknown argument {a:?} (see --help)"))
+        };
+        let v = args.next().unwrap_or_else(|| die(format!("{name} needs a value")));
+        **slot = v
+            .parse()
+            .ok()
+            .filter(|n| *n > 0)
+            .unwrap_or_else(|| die(format!("{name}: positive integer expected, got {v:?}")));
+    }
+}

@@ -59,34 +59,13 @@ struct Opts {
 }
 
 fn opts() -> Opts {
-    let mut o = Opts {
-        fs_turns: 5,
-        proc_turns: 3,
-        dedup_turns: 10,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut num = |name: &str| -> usize {
-            let v = args
-                .next()
-                .unwrap_or_else(|| die(&format!("{name} needs a value")));
-            v.parse()
-                .ok()
-                .filter(|n| *n > 0)
-                .unwrap_or_else(|| die(&format!("{name}: positive integer expected, got {v:?}")))
-        };
-        match a.as_str() {
-            "--fs-turns" => o.fs_turns = num("--fs-turns"),
-            "--proc-turns" => o.proc_turns = num("--proc-turns"),
-            "--dedup-turns" => o.dedup_turns = num("--dedup-turns"),
-            "-h" | "--help" => {
-                eprintln!("usage: bench-checkpoint [--fs-turns N (5)] [--proc-turns N (3)] [--dedup-turns N (10)]");
-                std::process::exit(0);
-            }
-            other => die(&format!("unknown argument {other:?} (see --help)")),
-        }
-    }
-    o
+    let (mut fs_turns, mut proc_turns, mut dedup_turns) = (5, 3, 10);
+    crab_integration::bench::parse_counts(
+        "bench-checkpoint",
+        "[--fs-turns N (5)] [--proc-turns N (3)] [--dedup-turns N (10)]",
+        &mut [("--fs-turns", &mut fs_turns), ("--proc-turns", &mut proc_turns), ("--dedup-turns", &mut dedup_turns)],
+    );
+    Opts { fs_turns, proc_turns, dedup_turns }
 }
 
 fn die(msg: &str) -> ! {

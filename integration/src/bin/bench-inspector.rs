@@ -56,41 +56,19 @@ struct Opts {
 }
 
 fn opts() -> Opts {
-    let mut o = Opts {
-        turns: 30,
-        rounds: 20,
-        mem_turns: 10,
-        others: 16,
-        syscall_iters: 20_000,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut num = |name: &str| -> usize {
-            let v = args
-                .next()
-                .unwrap_or_else(|| die(&format!("{name} needs a value")));
-            v.parse()
-                .ok()
-                .filter(|n| *n > 0)
-                .unwrap_or_else(|| die(&format!("{name}: positive integer expected, got {v:?}")))
-        };
-        match a.as_str() {
-            "--turns" => o.turns = num("--turns"),
-            "--rounds" => o.rounds = num("--rounds"),
-            "--mem-turns" => o.mem_turns = num("--mem-turns"),
-            "--others" => o.others = num("--others"),
-            "--syscall-iters" => o.syscall_iters = num("--syscall-iters"),
-            "-h" | "--help" => {
-                eprintln!(
-                    "usage: bench-inspector [--turns N (30)] [--rounds N (20)] [--mem-turns N (10)] \
-                     [--others N (16)] [--syscall-iters N (20000)]"
-                );
-                std::process::exit(0);
-            }
-            other => die(&format!("unknown argument {other:?} (see --help)")),
-        }
-    }
-    o
+    let (mut turns, mut rounds, mut mem_turns, mut others, mut syscall_iters) = (30, 20, 10, 16, 20_000);
+    crab_integration::bench::parse_counts(
+        "bench-inspector",
+        "[--turns N (30)] [--rounds N (20)] [--mem-turns N (10)] [--others N (16)] [--syscall-iters N (20000)]",
+        &mut [
+            ("--turns", &mut turns),
+            ("--rounds", &mut rounds),
+            ("--mem-turns", &mut mem_turns),
+            ("--others", &mut others),
+            ("--syscall-iters", &mut syscall_iters),
+        ],
+    );
+    Opts { turns, rounds, mem_turns, others, syscall_iters }
 }
 
 fn die(msg: &str) -> ! {

@@ -82,34 +82,13 @@ struct Opts {
 }
 
 fn opts() -> Opts {
-    let mut o = Opts {
-        reps: 5,
-        rollback_reps: 10,
-        fork_reps: 5,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut num = |name: &str| -> usize {
-            let v = args
-                .next()
-                .unwrap_or_else(|| die(&format!("{name} needs a value")));
-            v.parse()
-                .ok()
-                .filter(|n| *n > 0)
-                .unwrap_or_else(|| die(&format!("{name}: positive integer expected, got {v:?}")))
-        };
-        match a.as_str() {
-            "--reps" => o.reps = num("--reps"),
-            "--rollback-reps" => o.rollback_reps = num("--rollback-reps"),
-            "--fork-reps" => o.fork_reps = num("--fork-reps"),
-            "-h" | "--help" => {
-                eprintln!("usage: bench-restore [--reps N (5): starts per image and way] [--rollback-reps N (10)] [--fork-reps N (5)]");
-                std::process::exit(0);
-            }
-            other => die(&format!("unknown argument {other:?} (see --help)")),
-        }
-    }
-    o
+    let (mut reps, mut rollback_reps, mut fork_reps) = (5, 10, 5);
+    crab_integration::bench::parse_counts(
+        "bench-restore",
+        "[--reps N (5): starts per image and way] [--rollback-reps N (10)] [--fork-reps N (5)]",
+        &mut [("--reps", &mut reps), ("--rollback-reps", &mut rollback_reps), ("--fork-reps", &mut fork_reps)],
+    );
+    Opts { reps, rollback_reps, fork_reps }
 }
 
 fn die(msg: &str) -> ! {
