@@ -45,3 +45,13 @@ pub fn parse_counts(bench: &str, usage: &str, counts: &mut [(&str, &mut usize)])
             .unwrap_or_else(|| die(format!("{name}: positive integer expected, got {v:?}")));
     }
 }
+
+/// The host's 1, 5 and 15 minute load averages, as `/proc/loadavg` has them ("" if unreadable).
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+}
+
+/// The running kernel's release ("" if unreadable).
+pub fn kernel() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string()
+}

@@ -383,14 +383,6 @@ async fn bench_dedup(base: &Harness, pid: u32, o: &Opts, guard: &mut CleanupGuar
 // ---------------------------------------------------------------------------------------------
 // Report
 
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
-}
 
 /// The crab store dirs of this run's sandboxes (a failed run leaves some behind).
 fn remove_state_dirs(h: &Harness, pid: u32) {
@@ -411,7 +403,7 @@ async fn main() {
     }
     let base = Harness::connect_env(env).await.unwrap_or_else(|e| die(&e.to_string()));
     let pid = std::process::id();
-    let load_before = loadavg();
+    let load_before = crab_integration::bench::loadavg();
     let started = Instant::now();
     let mut guard = base.guard(&[]);
     let res = async {
@@ -430,9 +422,9 @@ async fn main() {
 
 fn report(h: &Harness, o: &Opts, fs: &[Series], proc: &[(usize, Series, Turn)], dedup: &Dedup, total: Duration, load_before: &str) {
     let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string();
+    let kernel = crab_integration::bench::kernel();
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
-    let load_after = loadavg();
+    let load_after = crab_integration::bench::loadavg();
     let mut md = String::new();
     let _ = writeln!(
         md,

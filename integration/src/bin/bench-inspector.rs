@@ -692,14 +692,6 @@ async fn bench_memory(
 // ---------------------------------------------------------------------------------------------
 // Report
 
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
-}
 
 /// The inspector program sets pinned on the host (one per BPF ABI version of the shims that
 /// loaded them): every one still attached runs on every traced syscall of the host, watched
@@ -743,7 +735,7 @@ async fn main() {
         .await
         .unwrap_or_else(|e| die(&e.to_string()));
     let pid = std::process::id();
-    let load_before = loadavg();
+    let load_before = crab_integration::bench::loadavg();
     let started = Instant::now();
     // Removes whatever a failed run left (ctr-based, also on panic).
     let mut guard = base.guard(&[]);
@@ -775,14 +767,11 @@ fn report(
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .unwrap_or_default()
-        .trim()
-        .to_string();
+    let kernel = crab_integration::bench::kernel();
     let cpus = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(0);
-    let load_after = loadavg();
+    let load_after = crab_integration::bench::loadavg();
     let pinned = pinned_program_sets();
     let mut md = String::new();
     let _ = writeln!(

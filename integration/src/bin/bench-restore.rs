@@ -1345,14 +1345,6 @@ async fn bench_fork(b: &mut Bench, r: &mut Report, fs: &FsSandbox, p: &ProcSandb
 // ---------------------------------------------------------------------------------------------
 // Report
 
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
-}
 
 /// Which code was measured: the checkout's commit (others may have uncommitted edits in it)
 /// and when the shim and crabctl binaries were built.
@@ -1391,14 +1383,11 @@ fn report(b: &Bench, r: &Report, total: Duration, load_before: &str) {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .unwrap_or_default()
-        .trim()
-        .to_string();
+    let kernel = crab_integration::bench::kernel();
     let cpus = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(0);
-    let load_after = loadavg();
+    let load_after = crab_integration::bench::loadavg();
     let mut md = String::new();
     let _ = writeln!(
         md,
@@ -1572,7 +1561,7 @@ async fn main() {
         fork_store_manifests: Vec::new(),
     };
     let mut r = Report::default();
-    let load_before = loadavg();
+    let load_before = crab_integration::bench::loadavg();
     let started = Instant::now();
     let mut guards = Vec::new();
     let mut sandboxes = Vec::new();

@@ -196,14 +196,6 @@ fn args() -> Args {
     a
 }
 
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
-}
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
@@ -234,7 +226,7 @@ async fn main() {
     if a.recovery {
         return recovery_main(&a, &h, &selected).await;
     }
-    let load_before = loadavg();
+    let load_before = crab_integration::bench::loadavg();
     let started = Instant::now();
     let mut rounds = Vec::new();
     let mut figures = Vec::new();
@@ -298,14 +290,11 @@ async fn main() {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .unwrap_or_default()
-        .trim()
-        .to_string();
+    let kernel = crab_integration::bench::kernel();
     let cpus = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(0);
-    let load_after = loadavg();
+    let load_after = crab_integration::bench::loadavg();
     let mut md = format!(
         "# Trajectory replay\n\nkernel {kernel}, {cpus} CPUs, unix time {now}, total {:.0} s, loadavg before {load_before} / after \
          {load_after}. Image {AGENT_IMAGE} through the private containerd and the crab shim. Think time x{}, command timeout \
@@ -368,17 +357,14 @@ async fn recovery_main(a: &Args, h: &Harness, selected: &[trajectory::Trajectory
         jobs: a.jobs,
         policies,
     };
-    let load_before = loadavg();
+    let load_before = crab_integration::bench::loadavg();
     let r = recovery::run(selected, &a.opts, &ro).await;
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .unwrap_or_default()
-        .trim()
-        .to_string();
-    let load_after = loadavg();
+    let kernel = crab_integration::bench::kernel();
+    let load_after = crab_integration::bench::loadavg();
     let mut md = format!(
         "# Recovery correctness\n\nkernel {kernel}, unix time {now}, total {:.0} s, {} sandboxes at once, loadavg before \
          {load_before} / after {load_after}. Image {AGENT_IMAGE}. Think time x{}, command timeout {:?}{}, {} crash points \
