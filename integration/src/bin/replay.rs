@@ -41,6 +41,11 @@ const USAGE: &str = "usage: replay [options]
   --crash-turns K       crash points per trajectory and policy (default 3)
   --jobs N              recovery: sandboxes at once (default 4)";
 
+/// `v` as a positive integer, or exit naming `flag`.
+fn positive(flag: &str, v: &str) -> usize {
+    v.parse().ok().filter(|n| *n > 0).unwrap_or_else(|| die(&format!("{flag}: {v:?} is not a positive integer")))
+}
+
 fn die(msg: &str) -> ! {
     eprintln!("replay: {msg}");
     std::process::exit(1)
@@ -107,34 +112,11 @@ fn args() -> Args {
                 a.select = list(value());
                 a.select_given = true;
             }
-            "--densities" => {
-                a.densities = list(value())
-                    .iter()
-                    .map(|d| {
-                        d.parse().ok().filter(|n| *n > 0).unwrap_or_else(|| {
-                            die(&format!("--densities: {d:?} is not a positive integer"))
-                        })
-                    })
-                    .collect()
-            }
+            "--densities" => a.densities = list(value()).iter().map(|d| positive("--densities", d)).collect(),
             "--policies" => a.policies_given = Some(list(value())),
             "--recovery" => a.recovery = true,
-            "--crash-turns" => {
-                let v = value();
-                a.crash_turns = v
-                    .parse()
-                    .ok()
-                    .filter(|n| *n > 0)
-                    .unwrap_or_else(|| die(&format!("--crash-turns: {v:?}")))
-            }
-            "--jobs" => {
-                let v = value();
-                a.jobs = v
-                    .parse()
-                    .ok()
-                    .filter(|n| *n > 0)
-                    .unwrap_or_else(|| die(&format!("--jobs: {v:?}")))
-            }
+            "--crash-turns" => a.crash_turns = positive("--crash-turns", &value()),
+            "--jobs" => a.jobs = positive("--jobs", &value()),
             "--think-scale" => {
                 let v = value();
                 a.opts.think_scale = v
