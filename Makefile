@@ -31,7 +31,8 @@ SHELL := /usr/bin/env bash
 export CRAB_HOME ?= $(CURDIR)/.crab
 CARGO ?= cargo
 SHIM := containerd-shim-crab-v1
-NAMESPACES := crab-test crab-demo
+# k8s.io is the CRI's namespace (2.x only: 1.7 runs without the CRI plugin).
+NAMESPACES := crab-test crab-demo $(if $(filter 1.7,$(CRAB_CONTAINERD)),,k8s.io)
 DEMO_NAMESPACE := crab-demo
 DEMO_IMAGE := localhost/crab/busybox:latest
 DEMO_RUNTIME ?= io.containerd.crab.v1

@@ -2,8 +2,8 @@
 # Builds crab's test images without any registry and imports them into the
 # private containerd (hack/containerd.sh).
 #
-#   hack/build-images.sh [busybox|agent|all]               build the image tars (default all)
-#   hack/build-images.sh import NAMESPACE [busybox|agent|all]
+#   hack/build-images.sh [busybox|agent|pause|all]         build the image tars (default all)
+#   hack/build-images.sh import NAMESPACE [busybox|agent|pause|all]
 #                                                          build if needed, then import into
 #                                                          NAMESPACE of the private containerd
 #                                                          (skipped when already imported)
@@ -12,10 +12,13 @@
 #   localhost/crab/busybox:latest  busybox-static with its applets, root/nobody, Cmd sh
 #   localhost/crab/agent:latest    Debian trixie (mmdebstrap): bash coreutils python3
 #                                  python3-pip git procps ca-certificates; WorkingDir /app, Cmd bash
+#   localhost/crab/pause:3.10      the CRI pod sandbox image: hack/pause.c, built static with
+#                                  cc; what the CRI plugin's pinned sandbox image names
+#                                  (hack/containerd.sh), so pods need no registry
 #
 # Each image is an OCI layout tar built with umoci, cached as
 # $CRAB_HOME/images/<image>-<key>.tar where <key> hashes this script, lib.sh
-# and (busybox) the busybox binary: a rerun takes seconds, a change rebuilds.
+# and the image's inputs (the busybox binary, pause.c): a rerun takes seconds, a change rebuilds.
 #
 # Environment:
 #   CRAB_HOME            state directory (default <repo>/.crab)
@@ -37,6 +40,7 @@ image_ref() {
   case $1 in
     busybox) echo "$CRAB_BUSYBOX_IMAGE" ;;
     agent) echo "$CRAB_AGENT_IMAGE" ;;
+    pause) echo "$CRAB_PAUSE_IMAGE" ;;
   esac
 }
 
@@ -45,6 +49,7 @@ cache_key() {
     echo "$1"
     cat "${BASH_SOURCE[0]}" "$CRAB_REPO/hack/lib.sh"
     [[ $1 != busybox ]] || sha256sum </bin/busybox
+    [[ $1 != pause ]] || cat "$CRAB_REPO/hack/pause.c"
   } | sha256sum | cut -c1-16
 }
 
@@ -114,6 +119,24 @@ build_busybox() {
   write_archive "$layout" "$CRAB_BUSYBOX_IMAGE" "$out"
 }
 
+build_pause() {
+  local work=$1 out=$2
+  local layout=$work/layout bundle=$work/bundle
+  command -v cc >/dev/null || die "pause: no C compiler (cc); run 'make deps'"
+  umoci init --layout "$layout"
+  umoci new --image "$layout:latest"
+  umoci unpack --image "$layout:latest" "$bundle" >/dev/null
+  chmod 0755 "$bundle/rootfs"
+  cc -static -Os -Wall -Wextra -Werror -o "$bundle/rootfs/pause" "$CRAB_REPO/hack/pause.c" ||
+    die "pause: cannot build hack/pause.c statically (needs libc6-dev)"
+  strip "$bundle/rootfs/pause"
+  umoci repack --image "$layout:latest" "$bundle"
+  # Kubernetes' pause runs as 65535; so does this one.
+  umoci config --image "$layout:latest" --config.entrypoint /pause --config.user 65535:65535 \
+    --config.workingdir /
+  write_archive "$layout" "$CRAB_PAUSE_IMAGE" "$out"
+}
+
 build_agent() {
   local work=$1 out=$2 mirror
   local layout=$work/layout
@@ -178,8 +201,8 @@ import_image() {
 
 selected() {
   case ${1:-all} in
-    all) echo busybox agent ;;
-    busybox | agent) echo "$1" ;;
+    all) echo busybox agent pause ;;
+    busybox | agent | pause) echo "$1" ;;
     *) usage ;;
   esac
 }

@@ -52,6 +52,8 @@ CRAB_NAMESPACES=(crab-test crab-demo)
 
 CRAB_BUSYBOX_IMAGE=localhost/crab/busybox:latest
 CRAB_AGENT_IMAGE=localhost/crab/agent:latest
+# The CRI plugin's sandbox image (hack/containerd.sh), built locally by hack/build-images.sh.
+CRAB_PAUSE_IMAGE=localhost/crab/pause:3.10
 
 log() { printf '%s: %s\n' "${CRAB_LOG_PREFIX:-crab}" "$*" >&2; }
 die() { log "error: $*"; exit 1; }
