@@ -294,13 +294,18 @@ fn boot_ticks() -> u64 {
 }
 
 /// Compares the live processes of the container with the image's process tree. A live process
-/// that started no later than the dump finished (`dump_end`, boot ticks) must be in the image.
+/// that started no later than the dump began (`dump_start`, boot ticks) must be in the image.
 /// Returns the host pids found in the image.
+///
+/// Why the start and not the end of the dump: the container keeps running once CRIU thaws it,
+/// so a loop that forks (`while :; do sleep 0.2; done`) has new children alive by the time
+/// `runc checkpoint` returns. They began after the image was taken and are not lost; a
+/// process alive before the dump began and absent from the image is.
 fn verify_image(
     init_pid: u32,
     cgroup_dir: &Path,
     dir: &Path,
-    dump_end: u64,
+    dump_start: u64,
 ) -> Result<Vec<u32>, ProcError> {
     let tree = read_pstree(dir)?;
     let in_image: BTreeSet<u32> = tree.iter().map(|e| e.pid).collect();
@@ -312,7 +317,7 @@ fn verify_image(
     let mut found = Vec::new();
     let mut missing: BTreeMap<u32, String> = BTreeMap::new();
     for p in procs::list(cgroup_dir)? {
-        if p.start_time > dump_end {
+        if p.start_time > dump_start {
             continue;
         }
         let Some(ns) = ns_pids(p.pid)? else { continue };
@@ -421,9 +426,9 @@ pub async fn checkpoint(
         ..Default::default()
     };
     let dump_started = Instant::now();
+    let dump_start = boot_ticks();
     let dumped = runc.checkpoint(id, &opts).await;
     let dump = dump_started.elapsed();
-    let dump_end = boot_ticks();
     if let Err(e) = dumped {
         discard(dir);
         let message = match e {
@@ -439,7 +444,7 @@ pub async fn checkpoint(
         });
     }
     let finish = async {
-        let pids = verify_image(init_pid, cgroup_dir, dir, dump_end)?;
+        let pids = verify_image(init_pid, cgroup_dir, dir, dump_start)?;
         let bytes_logical = dir_bytes(dir)?;
         let (d, c) = (dir.to_path_buf(), chunks.to_path_buf());
         let dedup = tokio::task::spawn_blocking(move || pages::dedup(&d, &c))
