@@ -10,8 +10,12 @@
 //!   crabctl [GLOBAL] recover CONTAINER                the container back at its last recovery point
 //!   crabctl [GLOBAL] engine [--json]                  the host engine: slots, queue, stats
 //!
-//! The checkpoint commands find the container's store through its own runtime options (as its
-//! shim does) unless --config says otherwise; their logic is in `crab_shim::ctl`.
+//! CONTAINER is a containerd container id, or a Kubernetes pod's container by name:
+//! `--pod P [--pod-namespace NS] --container C` in its place (anywhere after the command),
+//! resolved through the CRI's container records (`crab_shim::ctl::pod`).
+//!
+//! Every command finds the container's store through its own runtime options (as its shim
+//! does) unless --config says otherwise; their logic is in `crab_shim::ctl`.
 //!
 //! GLOBAL: --address SOCK (default /run/containerd/containerd.sock, or $CONTAINERD_ADDRESS),
 //!         --namespace NS (default "default", or $CONTAINERD_NAMESPACE),
@@ -19,15 +23,10 @@
 //!
 //! Exit status: 0 on success, 1 on failure (with a message on stderr), 2 on a usage error.
 
-use std::{collections::HashMap, path::PathBuf, process::ExitCode};
+use std::{path::PathBuf, process::ExitCode};
 
-use containerd_client::{services::v1::tasks_client::TasksClient, services::v1::UpdateTaskRequest, with_namespace};
 use crab_runtime_config::Config;
-use crab_shim::{
-    ctl::{Client, Ctl},
-    turns::{turns_dir, TURN_END},
-};
-use tonic::Request;
+use crab_shim::ctl::{pod::DEFAULT_POD_NAMESPACE, Client, Ctl, PodContainer};
 
 struct Global {
     address: PathBuf,
@@ -54,6 +53,11 @@ commands:
   engine [--json]                  the host engine that schedules every shim's checkpoint jobs
                                    ([engine] root of the config): who holds its slots, the queue
                                    (urgent first), cumulative stats (jobs, waits, bytes)
+CONTAINER: a container id, or in its place (anywhere after the command) a Kubernetes pod's
+  container by name: --pod POD [--pod-namespace NS] --container NAME (NS: the pod's Kubernetes
+  namespace, default \"default\"). Use it with the CRI's containerd namespace (--namespace k8s.io).
+  It names the pod's app container NAME, never the pod's sandbox (pause) container; of a
+  restarted container's records the newest running one.
 T: a checkpoint's sequence number or turn id (see `checkpoints`); failed checkpoints are refused.
 Containers started by fork/rollback/recover get no stdio (/dev/null) and no terminal.
 --config overrides the crab config the container's runtime options name (for its state_dir).";
@@ -89,12 +93,28 @@ async fn main() -> ExitCode {
             _ => return usage(&format!("unknown option {flag}")),
         }
     }
+    match take_pod_container(&mut args) {
+        Ok(None) => {}
+        Ok(Some(target)) => {
+            if !args.first().is_some_and(|c| CONTAINER_COMMANDS.contains(&c.as_str())) {
+                return usage(&format!("--pod and --container name a container, which `{}` does not take", args.join(" ")));
+            }
+            match resolve(&g, &target).await {
+                Ok(id) => args.insert(1, id),
+                Err(e) => {
+                    eprintln!("crabctl: {e}");
+                    return ExitCode::from(1);
+                }
+            }
+        }
+        Err(e) => return usage(&e),
+    }
     let result = match args.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
         ["turn-end", container] => turn_end(&g, container, None).await,
         ["turn-end", container, "--turn", id] => turn_end(&g, container, Some(id)).await,
-        ["turns", container] => turns(&g, container),
-        ["show", container, turn] => show(&g, container, turn),
-        ["checkpoints", container] => checkpoints(&g, container),
+        ["turns", container] => turns(&g, container).await,
+        ["show", container, turn] => show(&g, container, turn).await,
+        ["checkpoints", container] => checkpoints(&g, container).await,
         ["export", container, reference] => export(&g, container, None, reference).await,
         ["export", container, "--turn", turn, reference] | ["export", container, reference, "--turn", turn] => {
             export(&g, container, Some(turn), reference).await
@@ -119,23 +139,72 @@ async fn main() -> ExitCode {
     }
 }
 
+/// The commands that take a CONTAINER (first after the command name).
+const CONTAINER_COMMANDS: [&str; 8] = ["turn-end", "turns", "show", "checkpoints", "export", "fork", "rollback", "recover"];
+
+/// Takes `--pod P [--pod-namespace NS] --container C` out of the command's arguments.
+fn take_pod_container(args: &mut Vec<String>) -> Result<Option<PodContainer>, String> {
+    let (mut pod, mut pod_namespace, mut container) = (None, None, None);
+    let mut i = 1;
+    while i < args.len() {
+        let slot = match args[i].as_str() {
+            "--pod" => &mut pod,
+            "--pod-namespace" => &mut pod_namespace,
+            "--container" => &mut container,
+            _ => {
+                i += 1;
+                continue;
+            }
+        };
+        let flag = args.remove(i);
+        if i >= args.len() || args[i].is_empty() {
+            return Err(format!("{flag} needs a value"));
+        }
+        if slot.replace(args.remove(i)).is_some() {
+            return Err(format!("{flag} is given twice"));
+        }
+    }
+    match (pod, container) {
+        (Some(pod), Some(container)) => Ok(Some(PodContainer {
+            pod,
+            pod_namespace: pod_namespace.unwrap_or_else(|| DEFAULT_POD_NAMESPACE.to_string()),
+            container,
+        })),
+        (None, None) if pod_namespace.is_none() => Ok(None),
+        (Some(_), None) => Err("--pod needs --container NAME (the container's name in the pod)".into()),
+        (None, _) => Err("--container and --pod-namespace need --pod NAME".into()),
+    }
+}
+
+/// The id of the container `target` names; a note about the choice goes to stderr.
+async fn resolve(g: &Global, target: &PodContainer) -> Result<String, String> {
+    let resolved = ctl(g).await?.resolve_pod_container(target).await.map_err(|e| e.to_string())?;
+    if let Some(note) = &resolved.note {
+        eprintln!("crabctl: {note}");
+    }
+    Ok(resolved.id)
+}
+
 async fn turn_end(g: &Global, container: &str, turn: Option<&str>) -> Result<(), String> {
     let turn = match turn {
         Some(t) => t.to_string(),
         None => format!("crabctl-{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis()),
     };
-    let channel = containerd_client::connect(&g.address)
-        .await
-        .map_err(|e| format!("cannot connect to containerd at {}: {e}", g.address.display()))?;
-    let req = UpdateTaskRequest {
-        container_id: container.into(),
-        resources: None,
-        annotations: HashMap::from([(TURN_END.to_string(), turn.clone())]),
-    };
-    let req: Request<UpdateTaskRequest> = with_namespace!(req, g.namespace.as_str());
-    TasksClient::new(channel).update(req).await.map_err(|s| format!("turn end of {container}: {}", s.message()))?;
+    ctl(g).await?.client.end_turn(container, &turn).await.map_err(|e| e.to_string())?;
     println!("turn {turn} of {container} ended");
     Ok(())
+}
+
+/// The directory of `container`'s store and turn answers. With --config no containerd is
+/// needed; without, the container's runtime options say which config its shim used.
+async fn sandbox_dir(g: &Global, container: &str) -> Result<PathBuf, String> {
+    match &g.config {
+        Some(path) => {
+            let config = Config::load(path).map_err(|e| e.to_string())?;
+            Ok(crab_shim::turns::sandbox_dir(&config.store.state_dir, &g.namespace, container))
+        }
+        None => ctl(g).await?.sandbox_dir(container).await.map_err(|e| e.to_string()),
+    }
 }
 
 async fn ctl(g: &Global) -> Result<Ctl, String> {
@@ -199,9 +268,8 @@ fn engine(g: &Global, json: bool) -> Result<(), String> {
     Ok(())
 }
 
-fn answers(g: &Global, container: &str) -> Result<Vec<serde_json::Value>, String> {
-    let (config, _) = Config::load_or_default(g.config.as_deref()).map_err(|e| e.to_string())?;
-    let dir = turns_dir(&config.store.state_dir, &g.namespace, container);
+async fn answers(g: &Global, container: &str) -> Result<Vec<serde_json::Value>, String> {
+    let dir = sandbox_dir(g, container).await?.join("turns");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .map_err(|e| format!("no turns of {container} in {}: {e}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -221,9 +289,9 @@ fn count(v: &serde_json::Value) -> usize {
     v.as_array().map(Vec::len).unwrap_or(0)
 }
 
-fn turns(g: &Global, container: &str) -> Result<(), String> {
+async fn turns(g: &Global, container: &str) -> Result<(), String> {
     println!("{:>5}  {:<20} {:<5} {:>9}  WHY", "SEQ", "TURN", "KIND", "TOOK(us)");
-    for a in answers(g, container)? {
+    for a in answers(g, container).await? {
         let fs = &a["fs"];
         let p = &a["procs"];
         let mut why = Vec::new();
@@ -248,8 +316,8 @@ fn turns(g: &Global, container: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn show(g: &Global, container: &str, turn: &str) -> Result<(), String> {
-    let all = answers(g, container)?;
+async fn show(g: &Global, container: &str, turn: &str) -> Result<(), String> {
+    let all = answers(g, container).await?;
     let found = all
         .iter()
         .find(|a| a["turn_id"].as_str() == Some(turn) || a["seq"].as_u64().map(|s| s.to_string()).as_deref() == Some(turn))
@@ -258,9 +326,8 @@ fn show(g: &Global, container: &str, turn: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn checkpoints(g: &Global, container: &str) -> Result<(), String> {
-    let (config, _) = Config::load_or_default(g.config.as_deref()).map_err(|e| e.to_string())?;
-    let root = crab_shim::turns::sandbox_dir(&config.store.state_dir, &g.namespace, container);
+async fn checkpoints(g: &Global, container: &str) -> Result<(), String> {
+    let root = sandbox_dir(g, container).await?;
     if !root.join("checkpoints").is_dir() {
         return Err(format!("{container} has no checkpoint store in {}", root.display()));
     }

@@ -3,7 +3,7 @@
 //! and tasks. Protocol types stay here; callers get plain data and [`CtlError`]s.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     path::Path,
     sync::atomic::{AtomicU64, Ordering},
     time::{Duration, SystemTime},
@@ -25,11 +25,11 @@ use containerd_client::{
         CreateRequest as CreateLeaseRequest, CreateTaskRequest, DeleteContainerRequest,
         DeleteImageRequest, DeleteRequest as DeleteLeaseRequest, DeleteTaskRequest,
         GetContainerRequest, GetImageRequest, Image, Info as ContentInfo, InfoRequest, KillRequest,
-        ListContainersRequest, ListPidsRequest, ReadContentRequest, Resource, ResumeTaskRequest,
-        StartRequest, UpdateImageRequest, UpdateRequest as UpdateContentRequest, WaitRequest,
-        WriteAction, WriteContentRequest, WriteContentResponse,
+        ListContainersRequest, ListPidsRequest, ListTasksRequest, ReadContentRequest, Resource,
+        ResumeTaskRequest, StartRequest, UpdateImageRequest, UpdateRequest as UpdateContentRequest,
+        UpdateTaskRequest, WaitRequest, WriteAction, WriteContentRequest, WriteContentResponse,
     },
-    types::{Descriptor, Mount},
+    types::{v1::Status as TaskStatus, Descriptor, Mount},
 };
 use containerd_shim::protos::{protobuf::Message as _, shim::oci::ProcessDetails};
 use serde_json::Value;
@@ -42,7 +42,7 @@ use super::{
     },
     CtlError,
 };
-use crate::checkpoint::store::rfc3339;
+use crate::{checkpoint::store::rfc3339, turns::TURN_END};
 
 /// Bytes per `Content.Write` message (containerd's own clients use 1 MiB).
 const WRITE_CHUNK: usize = 1 << 20;
@@ -662,6 +662,28 @@ impl Client {
             .containers)
     }
 
+    /// The container records matching any of containerd's `filters` (all records without
+    /// one), streamed one by one so a crowded namespace does not hit gRPC's message limit.
+    pub async fn containers_matching(
+        &self,
+        filters: Vec<String>,
+    ) -> Result<Vec<Container>, CtlError> {
+        let mut stream = ContainersClient::new(self.channel.clone())
+            .list_stream(self.req(ListContainersRequest { filters }, None))
+            .await
+            .map_err(grpc("Containers.ListStream"))?
+            .into_inner();
+        let mut out = Vec::new();
+        while let Some(m) = stream
+            .message()
+            .await
+            .map_err(grpc("Containers.ListStream"))?
+        {
+            out.extend(m.container);
+        }
+        Ok(out)
+    }
+
     /// Prepares `container`'s rootfs snapshot on `parent` and creates the container record.
     /// On failure nothing is left behind.
     pub async fn create_container(
@@ -718,6 +740,39 @@ impl Client {
 
     fn tasks(&self) -> TasksClient<Channel> {
         TasksClient::new(self.channel.clone())
+    }
+
+    /// Ends a turn of `id`: `Tasks.Update` with no resources and the turn-end annotation,
+    /// which containerd hands to the shim.
+    pub async fn end_turn(&self, id: &str, turn: &str) -> Result<(), CtlError> {
+        self.tasks()
+            .update(self.req(
+                UpdateTaskRequest {
+                    container_id: id.into(),
+                    resources: None,
+                    annotations: HashMap::from([(TURN_END.to_string(), turn.to_string())]),
+                },
+                None,
+            ))
+            .await
+            .map_err(grpc(format!("turn end of {id}: Tasks.Update")))?;
+        Ok(())
+    }
+
+    /// The ids of the containers whose task is alive (running or paused).
+    pub async fn live_tasks(&self) -> Result<HashSet<String>, CtlError> {
+        let live = [TaskStatus::Running, TaskStatus::Paused, TaskStatus::Pausing].map(|s| s as i32);
+        Ok(self
+            .tasks()
+            .list(self.req(ListTasksRequest::default(), None))
+            .await
+            .map_err(grpc("Tasks.List"))?
+            .into_inner()
+            .tasks
+            .into_iter()
+            .filter(|t| live.contains(&t.status))
+            .map(|t| t.container_id)
+            .collect())
     }
 
     /// The exec ids of the task's processes, or `None` if the container has no task.

@@ -6,7 +6,8 @@
 //! - [`client`]: the containerd API calls (leases, content, images, snapshots and the differ,
 //!   containers, tasks);
 //! - [`export`]: choosing a checkpoint in a container's store and exporting it;
-//! - [`lifecycle`]: unpacking it and starting containers from it.
+//! - [`lifecycle`]: unpacking it and starting containers from it;
+//! - [`pod`]: a Kubernetes pod's container by pod and container name (CRI records).
 //!
 //! Every operation first does everything that can fail without touching the source container
 //! (read the store, write the image, unpack it), so bad input leaves nothing behind; content
@@ -16,6 +17,7 @@ pub mod client;
 pub mod export;
 pub mod image;
 pub mod lifecycle;
+pub mod pod;
 
 use std::path::PathBuf;
 
@@ -26,6 +28,7 @@ pub use self::{
     client::Client,
     export::{select_checkpoint, Exported},
     lifecycle::{clone_spec, Forked, Phases, Restarted, RolledBack},
+    pod::{PodContainer, PodError, Resolved},
 };
 use crate::checkpoint::{pages::PagesError, store::StoreError};
 
@@ -91,6 +94,8 @@ pub enum CtlError {
     Image(#[from] image::ImageError),
     #[error(transparent)]
     Pages(#[from] PagesError),
+    #[error(transparent)]
+    Pod(#[from] PodError),
 }
 
 pub type Result<T, E = CtlError> = std::result::Result<T, E>;
@@ -141,6 +146,21 @@ impl Ctl {
             .map(|o| crab_runtime_config::decode_runtime_options(&o.value))
             .transpose()?;
         Ok(crab_runtime_config::RuntimeOptions::load_config(options.as_ref())?.0)
+    }
+
+    /// The directory of container `id`'s checkpoint store and turn answers, as its shim
+    /// chose it (see [`Ctl::config_for`]). A store outlives its container: for an id without
+    /// a record, `--config` or the default config says where.
+    pub async fn sandbox_dir(&self, id: &str) -> Result<PathBuf> {
+        let config = match self.client.container(id).await? {
+            Some(record) => self.config_for(&record)?,
+            None => Config::load_or_default(self.config.as_deref())?.0,
+        };
+        Ok(crate::turns::sandbox_dir(
+            &config.store.state_dir,
+            self.namespace(),
+            id,
+        ))
     }
 
     /// The checkpoint store directory of `container`.
