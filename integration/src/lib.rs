@@ -10,6 +10,7 @@
 
 pub mod api;
 pub mod bench;
+pub mod cri;
 pub mod ctr;
 pub mod env;
 pub mod events;
