@@ -1,0 +1,272 @@
+//! Restore in Kubernetes: a pod whose container image is a crab checkpoint image, run with the
+//! runtime handler `crab`, comes up restored through the CRI's own CreateContainer and
+//! StartContainer (no special client), in the new pod's network namespace.
+//!
+//! The checkpoint comes from another pod, as it would in a cluster: turn ends reach the app
+//! container through containerd's `Tasks.Update` in the CRI's namespace, and `crabctl export`
+//! writes the image into that namespace, where the CRI finds it like any pulled image.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use crab_integration::cri::{api, Cri, PodGuard, CRI_NAMESPACE};
+use crab_integration::{Harness, TestEnv};
+
+const TURN_END: &str = "io.crab/turn-end";
+
+/// A loop whose only copy of `tok` and `i` is in the shell's memory; it writes them out so the
+/// test can see that a restored process carries on from where it was dumped.
+const COUNTER: &str = "tok=$(head -c8 /dev/urandom | od -An -tx1 | tr -d ' \\n'); i=0; \
+                       while :; do i=$((i+1)); echo \"$tok $i\" > /tmp/count; sleep 0.2; done";
+
+/// What a fresh start of the restore pod's container would run instead of restoring.
+const FRESH: &str = "echo fresh start; exec sleep 1000";
+
+/// The kubelet's defaults for a pod that does not share its process namespace: every container
+/// gets a pid namespace of its own (the CRI's zero value, POD, would share the pause's).
+fn kubelet_namespaces() -> Option<api::NamespaceOption> {
+    Some(api::NamespaceOption {
+        pid: api::NamespaceMode::Container as i32,
+        ..Default::default()
+    })
+}
+
+fn pod_config(cri: &Cri, name: &str) -> api::PodSandboxConfig {
+    let mut pod = cri.pod_config(name);
+    pod.linux = Some(api::LinuxPodSandboxConfig {
+        security_context: Some(api::LinuxSandboxSecurityContext {
+            namespace_options: kubelet_namespaces(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    pod
+}
+
+fn container_config(name: &str, image: &str, cmd: &[&str]) -> api::ContainerConfig {
+    let mut c = Cri::container_config(name, cmd);
+    c.image = Some(crab_integration::cri::image_spec(image));
+    c.linux = Some(api::LinuxContainerConfig {
+        security_context: Some(api::LinuxContainerSecurityContext {
+            namespace_options: kubelet_namespaces(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    c
+}
+
+fn crabctl(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
+    let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl");
+    let out = std::process::Command::new(&bin)
+        .arg("--address")
+        .arg(&env.address)
+        .args(["--namespace", CRI_NAMESPACE])
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", bin.display()));
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (
+        out.status.code().unwrap_or(-1),
+        text(&out.stdout),
+        text(&out.stderr),
+    )
+}
+
+/// `tok i` as the counter wrote it.
+async fn counter(cri: &Cri, id: &str) -> (String, u64) {
+    let out = cri.sh(id, "cat /tmp/count").await.unwrap();
+    let mut parts = out.split_whitespace();
+    let (Some(tok), Some(i)) = (parts.next(), parts.next()) else {
+        panic!("/tmp/count of {id} holds {out:?}");
+    };
+    (
+        tok.to_string(),
+        i.parse().unwrap_or_else(|_| panic!("/tmp/count: {out:?}")),
+    )
+}
+
+/// The KIND column of `crabctl checkpoints` for turn `turn`.
+fn checkpoint_kind(env: &TestEnv, id: &str, turn: &str) -> Option<String> {
+    let (code, out, err) = crabctl(env, &["checkpoints", id]);
+    assert_eq!(code, 0, "crabctl checkpoints {id}: {out}{err}");
+    out.lines().find_map(|l| {
+        let cols: Vec<&str> = l.split_whitespace().collect();
+        (cols.len() > 3 && cols[2] == turn).then(|| cols[3].to_string())
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn checkpoint_image_restores_in_a_new_pod() {
+    let cri = Cri::for_test().await;
+    let mut env = cri.env.clone();
+    env.namespace = CRI_NAMESPACE.into();
+    let tasks = Harness::connect_env(env.clone()).await.unwrap();
+    let mut guard = PodGuard::new();
+
+    // The agent's pod: a long-lived process with state in memory, and a file the agent wrote.
+    let src_pod = pod_config(&cri, "restore-src");
+    let src_pod_id = cri.run_pod(&mut guard, "crab", &src_pod).await.unwrap();
+    let src = cri
+        .run_container(
+            &src_pod_id,
+            &src_pod,
+            container_config(
+                "agent",
+                crab_integration::cri::BUSYBOX,
+                &["sh", "-c", COUNTER],
+            ),
+        )
+        .await
+        .unwrap();
+    // Past the inspector's baseline (taken while the container starts), so the turn sees the
+    // counter run. (Memory a process changed before that baseline is not seen: see the README.)
+    cri.sh_until_ok(
+        &src,
+        "test \"$(cut -d' ' -f2 /tmp/count)\" -ge 5",
+        Duration::from_secs(20),
+    )
+    .await
+    .unwrap();
+    cri.sh(&src, "echo agent-was-here > /root/note")
+        .await
+        .unwrap();
+    let (tok, before) = counter(&cri, &src).await;
+
+    // The turn ends through containerd's Tasks.Update in k8s.io, as a harness would send it.
+    tasks
+        .update(
+            &src,
+            None,
+            HashMap::from([(TURN_END.to_string(), "t1".to_string())]),
+        )
+        .await
+        .unwrap();
+    // The next action waits until the turn's checkpoint is durable.
+    cri.sh(&src, "true").await.unwrap();
+    assert_eq!(
+        checkpoint_kind(&env, &src, "t1").as_deref(),
+        Some("full"),
+        "a new file and a live process with changed memory make a full checkpoint: {}",
+        crabctl(&env, &["checkpoints", &src]).1
+    );
+
+    let image = format!("localhost/crab/cri-restore:{}", std::process::id());
+    let (code, out, err) = crabctl(&env, &["export", &src, "--turn", "t1", &image]);
+    assert_eq!(code, 0, "crabctl export: {out}{err}");
+    let _image_cleanup = ImageCleanup {
+        env: env.clone(),
+        image: image.clone(),
+    };
+    // The node is lost: the source pod goes away before the restore.
+    cri.stop_pod(&src_pod_id).await.unwrap();
+    cri.remove_pod(&src_pod_id).await.unwrap();
+
+    // The new pod names the checkpoint image like any other image.
+    let dst_pod = pod_config(&cri, "restore-dst");
+    let dst_pod_id = cri.run_pod(&mut guard, "crab", &dst_pod).await.unwrap();
+    let dst = cri
+        .run_container(
+            &dst_pod_id,
+            &dst_pod,
+            container_config("agent", &image, &["sh", "-c", FRESH]),
+        )
+        .await
+        .unwrap();
+    let status = cri.container_status(&dst).await.unwrap();
+    assert_eq!(
+        status.state,
+        api::ContainerState::ContainerRunning as i32,
+        "{status:?}"
+    );
+
+    assert_eq!(
+        cri.sh(&dst, "cat /root/note").await.unwrap(),
+        "agent-was-here\n"
+    );
+    let init = cri
+        .sh(&dst, "cat /proc/1/cmdline | tr '\\0' ' '")
+        .await
+        .unwrap();
+    assert!(
+        init.contains("while :"),
+        "PID 1 is the restored counter, not a fresh start: {init:?}"
+    );
+    // The counter goes on from its dumped memory: same token, never below the value it had
+    // before the checkpoint, and still counting.
+    let (tok_after, after) = counter(&cri, &dst).await;
+    assert_eq!(tok_after, tok, "the restored shell kept its token");
+    assert!(
+        after >= before,
+        "counter went back from {before} to {after}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while counter(&cri, &dst).await.1 <= after {
+        assert!(
+            Instant::now() < deadline,
+            "the restored counter does not count"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // It lives in the new pod's network namespace, with the new pod's address.
+    let pod_ip = cri
+        .pod_status(&dst_pod_id)
+        .await
+        .unwrap()
+        .network
+        .map(|n| n.ip)
+        .unwrap_or_default();
+    assert!(!pod_ip.is_empty(), "the restore pod has an address");
+    let addrs = cri.sh(&dst, "ip -o -4 addr show").await.unwrap();
+    assert!(
+        addrs.contains(&format!("{pod_ip}/")),
+        "container addresses {addrs:?} lack the pod's {pod_ip}"
+    );
+    let log = std::fs::read_to_string(Path::new(&dst_pod.log_directory).join("agent.log"))
+        .unwrap_or_default();
+    assert!(
+        !log.contains("fresh start"),
+        "the container was started fresh: {log}"
+    );
+
+    // The restored container carries on: its lineage begins with a `restored` origin, and its
+    // next turn ends in a checkpoint of its own.
+    tasks
+        .update(
+            &dst,
+            None,
+            HashMap::from([(TURN_END.to_string(), "t2".to_string())]),
+        )
+        .await
+        .unwrap();
+    cri.sh(&dst, "true").await.unwrap();
+    let (code, out, err) = crabctl(&env, &["checkpoints", &dst]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("restored"),
+        "lineage of the restored container: {out}"
+    );
+    let kind = checkpoint_kind(&env, &dst, "t2");
+    assert!(
+        matches!(kind.as_deref(), Some("proc" | "full")),
+        "the counter ran during t2, so its memory changed: {out}"
+    );
+}
+
+/// Removes the exported image from the CRI's namespace, also when the test fails.
+struct ImageCleanup {
+    env: TestEnv,
+    image: String,
+}
+
+impl Drop for ImageCleanup {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ctr")
+            .arg("--address")
+            .arg(&self.env.address)
+            .args(["-n", CRI_NAMESPACE, "images", "rm", &self.image])
+            .output();
+    }
+}
