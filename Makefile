@@ -13,7 +13,7 @@
 #   make test-containerd-1.7
 #                         the end-to-end lifecycle tests against containerd 1.7 (a second
 #                         private containerd, Debian trixie's, unpacked under $(CRAB_HOME))
-#   make bench            the benchmarks (shim, inspector, checkpoint, restore) against the
+#   make bench            the benchmarks (shim, inspector, checkpoint, restore, cri) against the
 #                         private containerd (stopped after); figures under $(CRAB_HOME)/bench
 #   make clean            stop containerd, remove $(CRAB_HOME) and cargo's target dir
 #
@@ -111,7 +111,7 @@ test-containerd-1.7: deps build
 	@$(test_containerd_17)
 
 # BENCHES picks some: make bench BENCHES="bench-restore".
-BENCHES ?= bench-shim bench-inspector bench-checkpoint bench-restore
+BENCHES ?= bench-shim bench-inspector bench-checkpoint bench-restore bench-cri
 bench: build
 	@$(call with_containerd,for b in $(BENCHES); do $(CARGO) run --release -p crab-integration --bin $$b -- $(BENCH_ARGS) || exit 1; done)
 
