@@ -157,7 +157,8 @@ fn take_pod_container(args: &mut Vec<String>) -> Result<Option<PodContainer>, St
             }
         };
         let flag = args.remove(i);
-        if i >= args.len() || args[i].is_empty() {
+        // No pod or container name starts with '-': that is the next option, the value missing.
+        if i >= args.len() || args[i].is_empty() || args[i].starts_with('-') {
             return Err(format!("{flag} needs a value"));
         }
         if slot.replace(args.remove(i)).is_some() {

@@ -771,7 +771,8 @@ impl Client {
             .tasks
             .into_iter()
             .filter(|t| live.contains(&t.status))
-            .map(|t| t.container_id)
+            // A task's id is its container's (containerd leaves `container_id` empty here).
+            .map(|t| t.id)
             .collect())
     }
 

@@ -1,0 +1,163 @@
+//! Turn ends in Kubernetes: a pod run through the CRI with the runtime handler `crab`, its app
+//! container's turn ended by `crabctl --namespace k8s.io turn-end --pod P --container C` (a
+//! `Tasks.Update` with the turn annotation in the CRI's containerd namespace), and its store
+//! found through the container's runtime options (the CRI handler's `ConfigPath`), with no
+//! `--config`.
+//!
+//! Needs the private containerd with the CRI (`hack/containerd.sh start`, CRI on by default) and
+//! the test images in k8s.io (`hack/build-images.sh import k8s.io`).
+
+use std::{path::Path, time::Duration};
+
+use crab_integration::cri::{Cri, PodGuard, CRI_NAMESPACE, POD_NAMESPACE};
+
+/// How long a checkpoint may take to become visible (off the critical path, on a loaded box).
+const CHECKPOINT_WITHIN: Duration = Duration::from_secs(60);
+
+/// crabctl against the CRI's containerd namespace, without --config: (exit code, stdout, stderr).
+fn crabctl(cri: &Cri, args: &[&str]) -> (i32, String, String) {
+    let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl");
+    let out = std::process::Command::new(&bin)
+        .arg("--address")
+        .arg(&cri.env.address)
+        .args(["--namespace", CRI_NAMESPACE])
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot run {} (build it with `cargo build --release`): {e}",
+                bin.display()
+            )
+        });
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (
+        out.status.code().unwrap_or(-1),
+        text(&out.stdout),
+        text(&out.stderr),
+    )
+}
+
+/// `args` with the pod's container named in place of an id.
+fn by_name<'a>(
+    command: &'a str,
+    pod: &'a str,
+    container: &'a str,
+    rest: &[&'a str],
+) -> Vec<&'a str> {
+    let mut v = vec![
+        command,
+        "--pod",
+        pod,
+        "--pod-namespace",
+        POD_NAMESPACE,
+        "--container",
+        container,
+    ];
+    v.extend_from_slice(rest);
+    v
+}
+
+/// Polls `crabctl checkpoints` until a line of `turn` shows a checkpoint of `kind`.
+async fn wait_checkpoint(cri: &Cri, pod: &str, container: &str, turn: &str, kind: &str) -> String {
+    let start = std::time::Instant::now();
+    loop {
+        let (code, out, err) = crabctl(cri, &by_name("checkpoints", pod, container, &[]));
+        let found = out.lines().any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 3 && f[2] == turn && f[3] == kind
+        });
+        if code == 0 && found {
+            return out;
+        }
+        assert!(
+            start.elapsed() < CHECKPOINT_WITHIN,
+            "no {kind} checkpoint of turn {turn} after {CHECKPOINT_WITHIN:?}: {code} {out}{err}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crabctl_ends_turns_of_a_pods_container_by_name() {
+    let cri = Cri::for_test().await;
+    let mut guard = PodGuard::new();
+    let pod_config = cri.pod_config("turns");
+    let pod = pod_config.metadata.as_ref().unwrap().name.clone();
+    let pod_id = cri.run_pod(&mut guard, "crab", &pod_config).await.unwrap();
+    let app = cri
+        .run_container(
+            &pod_id,
+            &pod_config,
+            Cri::container_config("app", &["sleep", "3600"]),
+        )
+        .await
+        .unwrap();
+    cri.sh(&app, "echo hello > /greeting").await.unwrap();
+
+    let (code, out, err) = crabctl(&cri, &by_name("turn-end", &pod, "app", &["--turn", "t1"]));
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains(&format!("turn t1 of {app} ended")), "{out}");
+    let lineage = wait_checkpoint(&cri, &pod, "app", "t1", "fs").await;
+    // The same store by id, and the turn's answer through `turns` and `show`.
+    let (code, by_id, err) = crabctl(&cri, &["checkpoints", &app]);
+    assert_eq!((code, by_id.as_str()), (0, lineage.as_str()), "{err}");
+    let (code, out, err) = crabctl(&cri, &by_name("turns", &pod, "app", &[]));
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.lines()
+            .any(|l| l.contains(" t1 ") && l.contains(" fs ")),
+        "{out}"
+    );
+    let (code, out, err) = crabctl(&cri, &by_name("show", &pod, "app", &["t1"]));
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("/greeting"), "{out}");
+
+    // The pause container is neither inspected nor checkpointed: no store, and not addressable
+    // by name.
+    let (code, _, err) = crabctl(&cri, &["checkpoints", &pod_id]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("no checkpoint store"), "{err}");
+    let (code, _, err) = crabctl(&cri, &by_name("turn-end", &pod, "POD", &[]));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("sandbox (pause) container") && err.contains("its containers: app"),
+        "{err}"
+    );
+
+    // Wrong names say what there is.
+    let (code, _, err) = crabctl(&cri, &by_name("turn-end", &pod, "web", &[]));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("has no container web; its containers: app"),
+        "{err}"
+    );
+    let (code, _, err) = crabctl(&cri, &by_name("turn-end", "no-such-pod", "app", &[]));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("no pod crab-cri-test/no-such-pod")
+            && err.contains(&format!("{POD_NAMESPACE}/{pod}")),
+        "{err}"
+    );
+    let (code, _, err) = crabctl(&cri, &["turn-end", "--pod", &pod]);
+    assert_eq!(code, 2, "{err}");
+
+    // A restart, as the kubelet does it: the exited attempt stays, attempt 1 runs. The name
+    // now means the running one, which has a store of its own.
+    cri.stop_container(&app, 0).await.unwrap();
+    let mut again = Cri::container_config("app", &["sleep", "3600"]);
+    again.metadata.as_mut().unwrap().attempt = 1;
+    let restarted = cri
+        .run_container(&pod_id, &pod_config, again)
+        .await
+        .unwrap();
+    cri.sh(&restarted, "echo again > /second").await.unwrap();
+    let (code, out, err) = crabctl(&cri, &by_name("turn-end", &pod, "app", &["--turn", "t2"]));
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(&format!("turn t2 of {restarted} ended")),
+        "{out}"
+    );
+    wait_checkpoint(&cri, &pod, "app", "t2", "fs").await;
+    let (code, old, _) = crabctl(&cri, &["checkpoints", &app]);
+    assert!(code == 0 && !old.contains(" t2 "), "{old}");
+}
