@@ -125,7 +125,8 @@ impl Cri {
             .join(pod_name)
     }
 
-    /// A pod config with a unique name (from `name`) and a log directory under CRAB_HOME.
+    /// A pod config with a unique name (from `name`), a log directory under CRAB_HOME and the
+    /// kubelet's default namespaces.
     pub fn pod_config(&self, name: &str) -> PodSandboxConfig {
         let name = unique_name(name);
         PodSandboxConfig {
@@ -137,7 +138,13 @@ impl Cri {
             }),
             hostname: "crab-pod".into(),
             log_directory: self.log_dir(&name).to_string_lossy().into_owned(),
-            linux: Some(api::LinuxPodSandboxConfig::default()),
+            linux: Some(api::LinuxPodSandboxConfig {
+                security_context: Some(api::LinuxSandboxSecurityContext {
+                    namespace_options: Some(kubelet_namespaces()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
             ..Default::default()
         }
     }
@@ -203,7 +210,8 @@ impl Cri {
         .ok_or_else(|| Error::Protocol(format!("PodSandboxStatus {id}: no status")))
     }
 
-    /// A busybox container config named `name` running `cmd`, logging to `<name>.log`.
+    /// A busybox container config named `name` running `cmd`, logging to `<name>.log`, with the
+    /// kubelet's default namespaces.
     pub fn container_config(name: &str, cmd: &[&str]) -> ContainerConfig {
         ContainerConfig {
             metadata: Some(ContainerMetadata {
@@ -215,7 +223,10 @@ impl Cri {
             log_path: format!("{name}.log"),
             linux: Some(api::LinuxContainerConfig {
                 resources: None,
-                security_context: Some(Default::default()),
+                security_context: Some(api::LinuxContainerSecurityContext {
+                    namespace_options: Some(kubelet_namespaces()),
+                    ..Default::default()
+                }),
             }),
             ..Default::default()
         }
@@ -419,6 +430,18 @@ pub async fn wait_log(
             });
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// What the kubelet asks for a pod that shares nothing with the host and does not share its
+/// process namespace: network and IPC per pod, PID per container. (The CRI's zero value would
+/// put every container in the pause process's PID namespace.)
+pub fn kubelet_namespaces() -> api::NamespaceOption {
+    api::NamespaceOption {
+        network: api::NamespaceMode::Pod as i32,
+        pid: api::NamespaceMode::Container as i32,
+        ipc: api::NamespaceMode::Pod as i32,
+        ..Default::default()
     }
 }
 

@@ -822,20 +822,16 @@ fn host_ns(kind: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn pod_namespaces_shared_and_host() {
-    use api::NamespaceMode::{Container, Node, Pod};
+    use api::NamespaceMode::{Node, Pod};
     let results = for_both_handlers(|cri, h| async move {
         let mut guard = PodGuard::new();
-        // The kubelet's defaults: network and IPC per pod, PID per container.
-        let kubelet = namespaces(Pod, Container, Pod);
-        let pod1 = pod(&cri, &mut guard, h, "ns", |p| {
-            pod_sc(p).namespace_options = Some(kubelet.clone());
-        })
-        .await;
+        // The harness's defaults are the kubelet's: network and IPC per pod, PID per container.
+        let pod1 = pod(&cri, &mut guard, h, "ns", |_| {}).await;
         let with_ns = |ns: api::NamespaceOption| {
             move |c: &mut api::ContainerConfig| linux_sc(c).namespace_options = Some(ns)
         };
-        let a = container(&cri, &pod1, "a", SLEEPER, with_ns(kubelet.clone())).await;
-        let b = container(&cri, &pod1, "b", SLEEPER, with_ns(kubelet.clone())).await;
+        let a = container(&cri, &pod1, "a", SLEEPER, |_| {}).await;
+        let b = container(&cri, &pod1, "b", SLEEPER, |_| {}).await;
         let (na, nb) = (ns_of(&cri, h, &a).await, ns_of(&cri, h, &b).await);
         for kind in ["net", "ipc", "uts"] {
             assert_eq!(
@@ -873,6 +869,8 @@ async fn pod_namespaces_shared_and_host() {
         // hostNetwork, hostIPC, hostPID.
         let host = namespaces(Node, Node, Node);
         let pod3 = pod(&cri, &mut guard, h, "ns-host", |p| {
+            // As the kubelet does: a pod in the host's UTS namespace cannot set a hostname.
+            p.hostname.clear();
             pod_sc(p).namespace_options = Some(host.clone());
         })
         .await;
