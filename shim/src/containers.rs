@@ -475,6 +475,10 @@ impl Containers {
     pub async fn start(&self, id: &str, exec_id: &str) -> Result<u32> {
         let c = self.get(id)?;
         self.gate(&c, if exec_id.is_empty() { "start" } else { "exec start" }).await?;
+        if !exec_id.is_empty() {
+            // Not before the base mark that Start left running in the background.
+            drop(c.inspection.lock().await);
+        }
         if exec_id.is_empty() {
             let _guard = c.lifecycle.lock().await;
             let _starting = c.init.start_lock.lock().await;
@@ -489,9 +493,11 @@ impl Containers {
             };
             c.init.transition(&[Status::Created], Status::Running)?;
             let pid = c.init.pid();
-            // The base every turn is compared with, taken before any exec can change things
-            // but after `runc init` has become the container's own program.
-            self.with_inspection(&c, move |i| {
+            // The base every turn is compared with, taken after `runc init` has become the
+            // container's own program and its start-up has settled. Start does not wait for it
+            // (tens of ms, pod start time under Kubernetes): it holds the inspection, and execs
+            // wait for that (`gate`), so none can change the container before the base is taken.
+            self.inspect_in_background(&c, move |i| {
                 wait_for_exec(pid, std::time::Duration::from_secs(2));
                 i.mark_base();
             })
@@ -971,6 +977,30 @@ impl Containers {
         .ok()?;
         *slot = Some(inspection);
         Some(out)
+    }
+
+    /// [`Self::with_inspection`] without waiting for `f`: the inspection is taken before this
+    /// returns, so whoever needs it next (a turn end, an exec's gate) waits until `f` is done.
+    async fn inspect_in_background(
+        &self,
+        c: &Container,
+        f: impl FnOnce(&mut Inspection) + Send + 'static,
+    ) {
+        let mut slot = c.inspection.clone().lock_owned().await;
+        let Some(mut inspection) = slot.take() else {
+            return;
+        };
+        tokio::spawn(async move {
+            let done = tokio::task::spawn_blocking(move || {
+                f(&mut inspection);
+                inspection
+            })
+            .await;
+            match done {
+                Ok(inspection) => *slot = Some(inspection),
+                Err(e) => log::error!("inspection task failed: {e}"),
+            }
+        });
     }
 
     async fn end_turn(&self, c: &Container, turn_id: &str) -> Result<Answer> {
