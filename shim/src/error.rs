@@ -44,7 +44,11 @@ impl Error {
             Error::FailedPrecondition(_) => Code::FAILED_PRECONDITION,
             Error::InvalidArgument(_) | Error::Config(_) => Code::INVALID_ARGUMENT,
             Error::Unimplemented(_) => Code::UNIMPLEMENTED,
-            Error::Runc { .. } | Error::Io { .. } | Error::Other(_) => Code::INTERNAL,
+            // containerd's runc shim passes a runc failure on as an untyped error, which
+            // errdefs turns into UNKNOWN; clients see the same code from crab (the CRI hands
+            // it on to the kubelet, e.g. for an exec of a missing binary).
+            Error::Runc { .. } => Code::UNKNOWN,
+            Error::Io { .. } | Error::Other(_) => Code::INTERNAL,
         }
     }
 }
@@ -80,7 +84,7 @@ mod tests {
         assert_eq!(status(Error::NotFound("container x".into())).0, Code::NOT_FOUND);
         assert_eq!(status(Error::Unimplemented("Checkpoint")).0, Code::UNIMPLEMENTED);
         let (code, msg) = status(Error::Runc { command: "create", message: "no such file".into() });
-        assert_eq!(code, Code::INTERNAL);
+        assert_eq!(code, Code::UNKNOWN);
         assert_eq!(msg, "runc create failed: no such file");
     }
 }
