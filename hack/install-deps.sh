@@ -25,7 +25,8 @@ PREFS=/etc/apt/preferences.d/crab-debian-extra
 #     trixie's libc is in). CRIU must be 4.2+: 4.1 reads socket options that Linux
 #     6.16+ refuses on TCP/UDP sockets, so it cannot dump any process holding one
 #     (criu issue 2718).
-#  3. libc6-dev from trixie plus the BPF toolchain from the base suite. clang-19
+#  3. libc6-dev from trixie plus the BPF toolchain (and gcc for the static pause
+#     binary of the CRI sandbox image) from the base suite. clang-19
 #     from trixie would drag in gcc-14 and a new libssl and remove curl/openssh;
 #     bookworm's clang-19 + libbpf 1.1 + bpftool 7.1 compile CO-RE programs fine.
 TRIXIE_PKGS=(
@@ -36,7 +37,7 @@ SID_PKGS=(containerd runc criu libcompel1)
 TRIXIE_DEV_PKGS=(libc6-dev)
 BASE_PKGS=(
   ca-certificates curl jq iproute2 busybox-static zstd tar pkg-config protobuf-compiler
-  clang-19 llvm-19 libbpf-dev bpftool
+  clang-19 llvm-19 libbpf-dev bpftool gcc binutils
 )
 
 have_all() {
