@@ -9,7 +9,7 @@
 
 use std::{path::Path, time::Duration};
 
-use crab_integration::cri::{Cri, PodGuard, CRI_NAMESPACE, POD_NAMESPACE};
+use crab_integration::cri::{api, image_spec, Cri, PodGuard, CRI_NAMESPACE, POD_NAMESPACE};
 
 /// How long a checkpoint may take to become visible (off the critical path, on a loaded box).
 const CHECKPOINT_WITHIN: Duration = Duration::from_secs(60);
@@ -111,6 +111,44 @@ async fn crabctl_ends_turns_of_a_pods_container_by_name() {
     let (code, out, err) = crabctl(&cri, &by_name("show", &pod, "app", &["t1"]));
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("/greeting"), "{out}");
+
+    // A checkpoint leaves as an image (to run as a pod); replacing the task behind the CRI's
+    // back is refused (the CRI would delete the new task when it handles the old one's exit).
+    let reference = format!("localhost/crab/{pod}:t1");
+    let (code, out, err) = crabctl(
+        &cri,
+        &by_name("export", &pod, "app", &["--turn", "t1", &reference]),
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(&format!("exported {CRI_NAMESPACE}/{app} checkpoint")),
+        "{out}"
+    );
+    let removed = cri
+        .images()
+        .remove_image(api::RemoveImageRequest {
+            image: Some(image_spec(&reference)),
+        })
+        .await;
+    assert!(removed.is_ok(), "{removed:?}");
+    for (op, rest) in [
+        ("rollback", &["--to", "t1"][..]),
+        ("recover", &[]),
+        ("fork", &["--at", "t1", "--count", "1"]),
+    ] {
+        let (code, _, err) = crabctl(&cri, &by_name(op, &pod, "app", rest));
+        assert_eq!(code, 1, "{op}: {err}");
+        assert!(
+            err.contains("run by Kubernetes through the CRI"),
+            "{op}: {err}"
+        );
+    }
+    let status = cri.container_status(&app).await.unwrap();
+    assert_eq!(
+        status.state,
+        api::ContainerState::ContainerRunning as i32,
+        "{status:?}"
+    );
 
     // The pause container is neither inspected nor checkpointed: no store, and not addressable
     // by name.

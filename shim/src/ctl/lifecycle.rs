@@ -191,6 +191,7 @@ impl Ctl {
             ));
         }
         let start = Instant::now();
+        super::pod::refuse_cri(&self.container(container).await?, "fork")?;
         let lease = self.client.create_lease().await?;
         let r = async {
             let (exported, top) = self.prepare_checkpoint(&lease, container, Some(at)).await?;
@@ -300,6 +301,8 @@ impl Ctl {
     /// starts from the checkpoint.
     pub async fn rollback(&self, container: &str, to: Option<&str>) -> Result<RolledBack> {
         let start = Instant::now();
+        let op = if to.is_some() { "rollback" } else { "recovery" };
+        super::pod::refuse_cri(&self.container(container).await?, op)?;
         let lease = self.client.create_lease().await?;
         let r = async {
             let (exported, top) = self.prepare_checkpoint(&lease, container, to).await?;

@@ -167,6 +167,13 @@ pub enum PodError {
         container: String,
         containers: Vec<String>,
     },
+    #[error("{container} belongs to pod {pod_namespace}/{pod}, run by Kubernetes through the CRI: a {op} behind the CRI's back is undone by it (it deletes the task it did not start); export the checkpoint instead (crabctl export CONTAINER --turn T REF) and run a pod from image REF with the crab runtime class: crab restores it on create")]
+    CriManaged {
+        container: String,
+        pod: String,
+        pod_namespace: String,
+        op: String,
+    },
     #[error("no task of container {container} of pod {pod_namespace}/{pod} is running; name one of its {} records by id (newest first): {}", .records.len(), .records.join(", "))]
     NoneRunning {
         pod: String,
@@ -306,6 +313,23 @@ pub fn resolve(
         id: chosen.id.clone(),
         note,
     })
+}
+
+/// Refuses operations that replace a Kubernetes container's task behind the CRI: the CRI
+/// plugin handles the old task's exit by deleting the container's task, which by then is the
+/// new one (seen: a rolled-back task killed 2 s after it started), and a fork's record would
+/// carry the pod's CRI metadata without the CRI knowing it. A checkpoint image run as a pod
+/// with the crab runtime class restores through the CRI instead.
+pub fn refuse_cri(record: &Container, op: &str) -> Result<(), PodError> {
+    match Member::of(record, false) {
+        Some(m) => Err(PodError::CriManaged {
+            container: record.id.clone(),
+            pod: m.pod,
+            pod_namespace: m.pod_namespace,
+            op: op.to_string(),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// A containerd filter matching records whose label `key` is `value` exactly.
@@ -641,6 +665,23 @@ mod tests {
             resolve(&target("agent", "app"), &single, NS).unwrap().id,
             "gone"
         );
+    }
+
+    #[test]
+    fn kubernetes_containers_are_not_replaced_behind_the_cri() {
+        let record = cri_record("a1", ("default", "agent"), Some("app"), "s1", 1, false);
+        let e = refuse_cri(&record, "rollback").unwrap_err().to_string();
+        assert!(
+            e.contains("a1 belongs to pod default/agent")
+                && e.contains("a rollback")
+                && e.contains("crabctl export"),
+            "{e}"
+        );
+        let plain = Container {
+            id: "plain".into(),
+            ..Default::default()
+        };
+        assert!(refuse_cri(&plain, "fork").is_ok());
     }
 
     #[test]
