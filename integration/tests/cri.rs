@@ -182,8 +182,30 @@ async fn pod_sandbox_lifecycle() {
             "handler {h}: ListPodSandbox by id: {listed:?}"
         );
         assert_eq!(listed[0].runtime_handler, h);
+        // Otherwise the comparison would be of runc with itself.
+        let shims: Vec<String> = crab_integration::host::shim_processes(&pod.0)
+            .iter()
+            .map(|p| p.argv[0].rsplit('/').next().unwrap_or_default().to_string())
+            .collect();
+        let expected = match h {
+            "crab" => "containerd-shim-crab-v1",
+            _ => "containerd-shim-runc-v2",
+        };
+        assert_eq!(
+            shims,
+            [expected],
+            "handler {h}: the shim serving pod {}",
+            pod.0
+        );
 
+        let app = container(&cri, &pod, "app", SLEEPER, |_| {}).await;
         cri.stop_pod(&pod.0).await.unwrap();
+        let app_status = cri.container_status(&app).await.unwrap();
+        assert_eq!(
+            app_status.state,
+            api::ContainerState::ContainerExited as i32,
+            "handler {h}: a container of a stopped pod: {app_status:?}"
+        );
         let stopped = cri.pod_status(&pod.0).await.unwrap();
         assert_eq!(
             stopped.state,
@@ -194,10 +216,21 @@ async fn pod_sandbox_lifecycle() {
         cri.stop_pod(&pod.0).await.unwrap();
         cri.remove_pod(&pod.0).await.unwrap();
         expect_not_found(h, "PodSandboxStatus", cri.pod_status(&pod.0).await).await;
-        (status.state, stopped.state)
+        let t0 = Instant::now();
+        while !crab_integration::host::shim_processes(&pod.0).is_empty() {
+            assert!(
+                t0.elapsed() < EXIT_WAIT,
+                "handler {h}: the pod's shim outlives RemovePodSandbox by {EXIT_WAIT:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        (status.state, stopped.state, app_status.exit_code)
     })
     .await;
-    assert_same("pod states (ready, stopped)", &results);
+    assert_same(
+        "pod states (ready, stopped), exit code of its container",
+        &results,
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -385,7 +418,13 @@ async fn exec_sync_output_exit_code_and_timeout() {
         cri.sh_until_ok(&id, "! ps -o args | grep -q '[s]leep 300'", EXIT_WAIT)
             .await
             .unwrap_or_else(|e| panic!("handler {h}: the timed-out exec's process lives on: {e}"));
-        (out, missing)
+        let exited = container(&cri, &pod, "exited", &["true"], |_| {}).await;
+        cri.wait_exited(&exited, EXIT_WAIT).await.unwrap();
+        let into_exited = match cri.exec_sync(&exited, &["true"], 30).await {
+            Ok(r) => panic!("handler {h}: ExecSync in an exited container: {r:?}"),
+            Err(e) => e.grpc_code(),
+        };
+        (out, missing, into_exited)
     })
     .await;
     assert_same("ExecSync outcomes", &results);
@@ -426,13 +465,44 @@ async fn container_logs_in_cri_format() {
             records.contains(&("stderr".into(), "F".into(), "two".into())),
             "handler {h}: no stderr record `two` in {records:?}"
         );
+        // A TTY merges stderr into stdout, and its line discipline ends lines with \r\n.
+        let tty = container(
+            &cri,
+            &pod,
+            "tty",
+            &["sh", "-c", "echo on-tty; echo err-on-tty >&2"],
+            |c| {
+                c.tty = true;
+            },
+        )
+        .await;
+        let tty_status = cri.wait_exited(&tty, EXIT_WAIT).await.unwrap();
+        let tty_records = crab_integration::cri::wait_log(
+            PathBuf::from(&tty_status.log_path).as_path(),
+            EXIT_WAIT,
+            |r| r.len() >= 2,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("handler {h}: {e}"));
+        let tty_lines: Vec<_> = tty_records
+            .iter()
+            .map(|(s, _, l)| (s.as_str(), l.trim_end_matches('\r')))
+            .collect();
+        assert_eq!(
+            tty_lines,
+            [("stdout", "on-tty"), ("stdout", "err-on-tty")],
+            "handler {h}: log of a TTY container"
+        );
         // Streams are written concurrently, so only each stream's own order is defined.
         let mut by_stream = records;
         by_stream.sort_by(|a, b| a.0.cmp(&b.0));
-        by_stream
+        (by_stream, tty_records)
     })
     .await;
-    assert_same("CRI log records (stream, tag, line)", &results);
+    assert_same(
+        "CRI log records (stream, tag, line) without and with a TTY",
+        &results,
+    );
 }
 
 /// An Exec or Attach URL's stream, opened with the v4 protocol (exit codes on the error channel).
@@ -657,6 +727,27 @@ async fn streaming_port_forward() {
     assert_same("port-forward (status line, errors)", &results);
 }
 
+/// A pod's cgroup parent, which runc creates and nobody else removes: the kubelet manages pod
+/// cgroups itself. Removed (when empty) on drop, after the pod.
+struct CgroupParent(String);
+
+impl Drop for CgroupParent {
+    fn drop(&mut self) {
+        let roots = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"];
+        let hierarchies = roots.iter().flat_map(|root| {
+            std::fs::read_dir(root)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path())
+                .chain(std::iter::once(PathBuf::from(root)))
+        });
+        for dir in hierarchies {
+            let _ = std::fs::remove_dir(dir.join(&self.0));
+        }
+    }
+}
+
 /// Reads a cgroup value in the container, from cgroup v2 or the v1 controller file.
 async fn cgroup_value(cri: &Cri, h: &str, id: &str, v2: &str, v1: &str) -> String {
     sh(
@@ -673,8 +764,14 @@ const MIB: i64 = 1024 * 1024;
 #[tokio::test(flavor = "multi_thread")]
 async fn resource_limits_update_and_stats() {
     let results = for_both_handlers(|cri, h| async move {
+        // Pod-level stats come from the pod's cgroup, which only exists under a cgroup parent
+        // (the kubelet always gives one).
+        let parent = CgroupParent(crab_integration::cri::unique_name("cri-parent"));
         let mut guard = PodGuard::new();
-        let pod = pod(&cri, &mut guard, h, "resources", |_| {}).await;
+        let pod = pod(&cri, &mut guard, h, "resources", |p| {
+            p.linux.get_or_insert_with(Default::default).cgroup_parent = format!("/{}", parent.0);
+        })
+        .await;
         let id = container(&cri, &pod, "limited", SLEEPER, |c| {
             c.linux.get_or_insert_with(Default::default).resources = Some(api::LinuxContainerResources {
                 memory_limit_in_bytes: 64 * MIB,
@@ -756,6 +853,27 @@ async fn resource_limits_update_and_stats() {
             .into_inner()
             .stats;
         assert_eq!(listed.len(), 1, "handler {h}: ListContainerStats of the pod: {listed:?}");
+        let pod_stats = cri
+            .runtime()
+            .pod_sandbox_stats(api::PodSandboxStatsRequest { pod_sandbox_id: pod.0.clone() })
+            .await
+            .unwrap_or_else(|e| panic!("handler {h}: PodSandboxStats: {e}"))
+            .into_inner()
+            .stats
+            .and_then(|s| s.linux)
+            .unwrap_or_else(|| panic!("handler {h}: PodSandboxStats without Linux stats"));
+        let pod_cpu = pod_stats.cpu.and_then(|c| c.usage_core_nano_seconds).map(|v| v.value);
+        let pod_memory = pod_stats.memory.and_then(|m| m.working_set_bytes).map(|v| v.value);
+        assert!(
+            pod_cpu.is_some_and(|v| v > 0) && pod_memory.is_some_and(|v| v > 0),
+            "handler {h}: pod cpu {pod_cpu:?}, memory {pod_memory:?}"
+        );
+        let pod_containers: Vec<_> = pod_stats
+            .containers
+            .iter()
+            .filter_map(|c| c.attributes.as_ref().map(|a| a.id.clone()))
+            .collect();
+        assert_eq!(pod_containers, [id.clone()], "handler {h}: containers in PodSandboxStats");
         (before, after, stats.writable_layer.is_some())
     })
     .await;
@@ -988,6 +1106,30 @@ async fn security_context_masked_readonly_paths_and_seccomp() {
         let confined = container(&cri, &pod, "confined", SLEEPER, seccomp(ProfileType::RuntimeDefault)).await;
         let unconfined = container(&cri, &pod, "unconfined", SLEEPER, seccomp(ProfileType::Unconfined)).await;
         let probe = "grep Seccomp: /proc/self/status | tr -d '\\t'; unshare -U true 2>&1 && echo unshare-ok";
+        // A profile of our own that only refuses chmod.
+        let profile_dir = tempfile::tempdir_in(cri.env.crab_home.join("tmp")).unwrap();
+        let profile = profile_dir.path().join("no-chmod.json");
+        std::fs::write(
+            &profile,
+            r#"{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["chmod", "fchmod", "fchmodat", "fchmodat2"], "action": "SCMP_ACT_ERRNO"}]}"#,
+        )
+        .unwrap();
+        let localhost = container(&cri, &pod, "localhost", SLEEPER, |c| {
+            linux_sc(c).seccomp = Some(api::SecurityProfile {
+                profile_type: ProfileType::Localhost as i32,
+                localhost_ref: profile.to_string_lossy().into_owned(),
+            })
+        })
+        .await;
+        let chmod = |id: String| {
+            let cri = cri.clone();
+            async move { cri.exec_sync(&id, &["chmod", "700", "/tmp"], 30).await.unwrap().exit_code }
+        };
+        let (chmod_localhost, chmod_unconfined) = (chmod(localhost).await, chmod(unconfined.clone()).await);
+        assert!(
+            chmod_localhost != 0 && chmod_unconfined == 0,
+            "handler {h}: chmod exit codes: with the no-chmod profile {chmod_localhost}, unconfined {chmod_unconfined}"
+        );
         let confined_out = cri.exec_sync(&confined, &["sh", "-c", probe], 30).await.unwrap();
         let unconfined_out = cri.exec_sync(&unconfined, &["sh", "-c", probe], 30).await.unwrap();
         let (c, u) = (
@@ -996,11 +1138,11 @@ async fn security_context_masked_readonly_paths_and_seccomp() {
         );
         assert!(c.contains("Seccomp:2") && !c.contains("unshare-ok"), "handler {h}: RuntimeDefault: {c:?}");
         assert!(u.contains("Seccomp:0") && u.contains("unshare-ok"), "handler {h}: Unconfined: {u:?}");
-        (cpuinfo, etc, tmp, c, u)
+        (cpuinfo, etc, tmp, c, u, chmod_localhost)
     })
     .await;
     assert_same(
-        "(masked, read-only path, other path, seccomp default, unconfined)",
+        "(masked, read-only path, other path, seccomp default, unconfined, chmod under a localhost profile)",
         &results,
     );
 }
@@ -1039,4 +1181,58 @@ async fn sysctls_apply_to_the_pod() {
         host_before,
         "a pod's sysctl changed the host's"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn container_env_workdir_hostname_and_mounts() {
+    let results = for_both_handlers(|cri, h| async move {
+        let mut guard = PodGuard::new();
+        let pod = pod(&cri, &mut guard, h, "config", |_| {}).await;
+        let scratch = cri.env.crab_home.join("tmp");
+        std::fs::create_dir_all(&scratch).unwrap();
+        let host_dir = tempfile::tempdir_in(&scratch).unwrap();
+        std::fs::write(host_dir.path().join("from-host"), "host data\n").unwrap();
+        let host_path = host_dir.path().to_string_lossy().into_owned();
+        let id = container(&cri, &pod, "configured", SLEEPER, |c| {
+            c.envs = vec![api::KeyValue {
+                key: "CRAB_VAR".into(),
+                value: "with space".into(),
+            }];
+            c.working_dir = "/tmp".into();
+            c.mounts = vec![
+                api::Mount {
+                    container_path: "/data".into(),
+                    host_path: host_path.clone(),
+                    ..Default::default()
+                },
+                api::Mount {
+                    container_path: "/data-ro".into(),
+                    host_path: host_path.clone(),
+                    readonly: true,
+                    ..Default::default()
+                },
+            ];
+        })
+        .await;
+        let seen = sh(
+            &cri,
+            h,
+            &id,
+            "echo \"$CRAB_VAR\"; pwd; hostname; cat /data/from-host; echo from-container > /data/written; \
+             touch /data-ro/x 2>/dev/null && echo ro-writable || echo ro-refused",
+        )
+        .await;
+        assert_eq!(
+            seen,
+            "with space\n/tmp\ncrab-pod\nhost data\nro-refused",
+            "handler {h}: env, working dir, hostname, bind mounts"
+        );
+        let written = std::fs::read_to_string(host_dir.path().join("written")).unwrap_or_default();
+        assert_eq!(written, "from-container\n", "handler {h}: a write to the bind mount, seen on the host");
+        // Remove the pod before the directory it mounts.
+        drop(guard);
+        seen
+    })
+    .await;
+    assert_same("env, working dir, hostname, mounts", &results);
 }
