@@ -57,7 +57,9 @@ CONTAINER: a container id, or in its place (anywhere after the command) a Kubern
   container by name: --pod POD [--pod-namespace NS] --container NAME (NS: the pod's Kubernetes
   namespace, default \"default\"). Use it with the CRI's containerd namespace (--namespace k8s.io).
   It names the pod's app container NAME, never the pod's sandbox (pause) container; of a
-  restarted container's records the newest running one.
+  restarted container's records the newest running one. fork, rollback and recover refuse a
+  container run by Kubernetes (the CRI would delete a task started behind its back): export the
+  checkpoint and run a pod from that image with the crab runtime class instead.
 T: a checkpoint's sequence number or turn id (see `checkpoints`); failed checkpoints are refused.
 Containers started by fork/rollback/recover get no stdio (/dev/null) and no terminal.
 --config overrides the crab config the container's runtime options name (for its state_dir).";
