@@ -155,6 +155,9 @@ async fn crabctl_ends_turns_of_a_pods_container_by_name() {
     let (code, _, err) = crabctl(&cri, &["checkpoints", &pod_id]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("no checkpoint store"), "{err}");
+    let (code, _, err) = crabctl(&cri, &["turn-end", &pod_id]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("is not inspected"), "{err}");
     let (code, _, err) = crabctl(&cri, &by_name("turn-end", &pod, "POD", &[]));
     assert_eq!(code, 1, "{err}");
     assert!(
