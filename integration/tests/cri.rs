@@ -598,7 +598,28 @@ async fn streaming_exec() {
             ("tty\r\n", Some(0)),
             "handler {h}: exec with a TTY: {tty:?}"
         );
-        (plain, stdin, tty)
+        // A terminal resize on channel 4 reaches the exec's TTY (the shim's ResizePty).
+        let mut conn = exec_stream(
+            &cri,
+            h,
+            &id,
+            &[
+                "sh",
+                "-c",
+                "until [ \"$(stty size 2>/dev/null)\" = '40 100' ]; do sleep 0.1; done; stty size",
+            ],
+            true,
+            true,
+        )
+        .await;
+        conn.send(4, br#"{"Width":100,"Height":40}"#).await.unwrap();
+        let resized = collect(h, &mut conn).await;
+        assert_eq!(
+            (resized.stdout.as_str(), resized.exit_code()),
+            ("40 100\r\n", Some(0)),
+            "handler {h}: exec TTY after a resize: {resized:?}"
+        );
+        (plain, stdin, tty, resized)
     })
     .await;
     assert_same("streaming exec outputs", &results);
@@ -657,10 +678,68 @@ async fn streaming_attach() {
         )
         .await
         .unwrap_or_else(|e| panic!("handler {h}: {e}"));
-        out
+
+        // stdin_once: the container's stdin closes when the first attach ends (containerd's
+        // CloseIO to the shim), so `cat` sees EOF and the container exits.
+        let once = container(
+            &cri,
+            &pod,
+            "once",
+            &["sh", "-c", "cat; echo cat-done"],
+            |c| {
+                c.stdin = true;
+                c.stdin_once = true;
+            },
+        )
+        .await;
+        let url = cri
+            .runtime()
+            .attach(api::AttachRequest {
+                container_id: once.clone(),
+                stdin: true,
+                tty: false,
+                stdout: true,
+                stderr: true,
+            })
+            .await
+            .unwrap_or_else(|e| panic!("handler {h}: Attach: {e}"))
+            .into_inner()
+            .url;
+        let mut conn = open_stream(h, &url).await;
+        conn.send(ws::STDIN, b"last words\n").await.unwrap();
+        let mut echoed = String::new();
+        while !echoed.contains("last words\n") {
+            match tokio::time::timeout(EXIT_WAIT, conn.recv()).await {
+                Ok(Ok(Some((ws::STDOUT, d)))) => echoed.push_str(&String::from_utf8_lossy(&d)),
+                Ok(Ok(Some(_))) => {}
+                other => panic!(
+                    "handler {h}: stdin_once attach ended early ({other:?}), have {echoed:?}"
+                ),
+            }
+        }
+        conn.close().await.unwrap();
+        drop(conn);
+        let once_status = cri
+            .wait_exited(&once, EXIT_WAIT)
+            .await
+            .unwrap_or_else(|e| panic!("handler {h}: stdin_once container after detach: {e}"));
+        let once_log = crab_integration::cri::wait_log(
+            PathBuf::from(&once_status.log_path).as_path(),
+            EXIT_WAIT,
+            |r| r.iter().any(|(_, _, l)| l == "cat-done"),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("handler {h}: {e}"));
+        let once_lines: Vec<String> = once_log.into_iter().map(|(_, _, l)| l).collect();
+        assert_eq!(
+            once_lines,
+            ["last words", "cat-done"],
+            "handler {h}: log of the stdin_once container"
+        );
+        (out, once_status.exit_code, once_lines)
     })
     .await;
-    assert_same("attach output", &results);
+    assert_same("attach output, stdin_once exit code and log", &results);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -966,6 +1045,32 @@ async fn pod_namespaces_shared_and_host() {
             na["pid"], nb["pid"],
             "handler {h}: PID mode CONTAINER shares a pid namespace"
         );
+        // The pod's network is the one CNI set up: its IP is on the container's eth0, and
+        // containers of the pod reach each other on localhost.
+        let pod_ip = cri
+            .pod_status(&pod1.0)
+            .await
+            .unwrap()
+            .network
+            .map(|n| n.ip)
+            .unwrap_or_default();
+        let addrs = sh(&cri, h, &a, "ip -4 -o addr show dev eth0").await;
+        assert!(
+            !pod_ip.is_empty() && addrs.contains(&format!("inet {pod_ip}/")),
+            "handler {h}: pod IP {pod_ip:?} not on eth0: {addrs}"
+        );
+        let _server = sh(
+            &cri,
+            h,
+            &a,
+            "nc -l -p 7777 -e echo from-a >/dev/null 2>&1 & echo started",
+        )
+        .await;
+        let over_lo = cri
+            .sh_until_ok(&b, "nc 127.0.0.1 7777 </dev/null | grep from-a", EXIT_WAIT)
+            .await
+            .unwrap_or_else(|e| panic!("handler {h}: container b reaching a on localhost: {e}"));
+        assert_eq!(over_lo.trim(), "from-a");
         let own_pid1 = sh(&cri, h, &a, "cat /proc/1/comm").await;
 
         // shareProcessNamespace: the pause process is pid 1 of every container.
