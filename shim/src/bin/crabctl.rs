@@ -352,3 +352,30 @@ async fn checkpoints(g: &Global, container: &str) -> Result<(), String> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn pod_and_container_names_are_taken_out_of_the_arguments() {
+        let mut a = args("show --pod agent --container app 3");
+        let t = take_pod_container(&mut a).unwrap().unwrap();
+        assert_eq!((t.pod.as_str(), t.pod_namespace.as_str(), t.container.as_str()), ("agent", "default", "app"));
+        assert_eq!(a, args("show 3"));
+        let mut a = args("turn-end --turn t1 --container app --pod-namespace tools --pod agent");
+        let t = take_pod_container(&mut a).unwrap().unwrap();
+        assert_eq!((t.pod_namespace.as_str(), a), ("tools", args("turn-end --turn t1")));
+        // An id is left alone.
+        let mut a = args("turns c1");
+        assert_eq!(take_pod_container(&mut a), Ok(None));
+        assert_eq!(a, args("turns c1"));
+        for bad in ["turns --pod agent", "turns --container app", "turns --pod --container app", "turns --pod a --pod b --container c", "turns --pod-namespace x c1"] {
+            assert!(take_pod_container(&mut args(bad)).is_err(), "{bad}");
+        }
+    }
+}
