@@ -952,7 +952,7 @@ async fn resource_limits_update_and_stats() {
             .iter()
             .filter_map(|c| c.attributes.as_ref().map(|a| a.id.clone()))
             .collect();
-        assert_eq!(pod_containers, [id.clone()], "handler {h}: containers in PodSandboxStats");
+        assert_eq!(pod_containers, std::slice::from_ref(&id), "handler {h}: containers in PodSandboxStats");
         (before, after, stats.writable_layer.is_some())
     })
     .await;
