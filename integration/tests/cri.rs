@@ -1341,3 +1341,67 @@ async fn container_env_workdir_hostname_and_mounts() {
     .await;
     assert_same("env, working dir, hostname, mounts", &results);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exec_sync_concurrent_and_during_stop() {
+    let results = for_both_handlers(|cri, h| async move {
+        let mut guard = PodGuard::new();
+        let pod = pod(&cri, &mut guard, h, "exec-concurrent", |_| {}).await;
+        let id = container(&cri, &pod, "sleeper", SLEEPER, |_| {}).await;
+        // The kubelet runs probes and `kubectl exec` side by side in one container.
+        let execs = (0..6).map(|i| {
+            let (cri, id) = (cri.clone(), id.clone());
+            tokio::spawn(async move {
+                let script = format!("sleep 0.$((RANDOM % 5)); echo exec-{i}");
+                cri.sh(&id, &script).await
+            })
+        });
+        let mut outputs = Vec::new();
+        for exec in execs {
+            let out = exec
+                .await
+                .unwrap()
+                .unwrap_or_else(|e| panic!("handler {h}: concurrent exec: {e}"));
+            outputs.push(out.trim().to_string());
+        }
+        let expected: Vec<String> = (0..6).map(|i| format!("exec-{i}")).collect();
+        assert_eq!(
+            outputs, expected,
+            "handler {h}: outputs of concurrent ExecSyncs"
+        );
+
+        // An exec still running when its container is stopped ends with it.
+        let long = {
+            let (cri, id) = (cri.clone(), id.clone());
+            tokio::spawn(async move {
+                cri.exec_sync(&id, &["sh", "-c", "echo begun; exec sleep 300"], 0)
+                    .await
+            })
+        };
+        cri.sh_until_ok(&id, "ps -o args | grep -q '[s]leep 300'", EXIT_WAIT)
+            .await
+            .unwrap_or_else(|e| panic!("handler {h}: the long exec did not start: {e}"));
+        cri.stop_container(&id, 2).await.unwrap();
+        let ended = tokio::time::timeout(EXIT_WAIT, long)
+            .await
+            .unwrap_or_else(|_| {
+                panic!("handler {h}: ExecSync outlives its stopped container by {EXIT_WAIT:?}")
+            })
+            .unwrap();
+        let ended = match ended {
+            Ok(r) => format!(
+                "exit code {}, stdout {:?}",
+                r.exit_code,
+                String::from_utf8_lossy(&r.stdout)
+            ),
+            Err(e) => format!("error {:?}", e.grpc_code()),
+        };
+        let status = cri.container_status(&id).await.unwrap();
+        (outputs, ended, status.exit_code)
+    })
+    .await;
+    assert_same(
+        "concurrent exec outputs, an exec across StopContainer, exit code",
+        &results,
+    );
+}
