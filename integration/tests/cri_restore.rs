@@ -23,37 +23,12 @@ const COUNTER: &str = "tok=$(head -c8 /dev/urandom | od -An -tx1 | tr -d ' \\n')
 /// What a fresh start of the restore pod's container would run instead of restoring.
 const FRESH: &str = "echo fresh start; exec sleep 1000";
 
-/// The kubelet's defaults for a pod that does not share its process namespace: every container
-/// gets a pid namespace of its own (the CRI's zero value, POD, would share the pause's).
-fn kubelet_namespaces() -> Option<api::NamespaceOption> {
-    Some(api::NamespaceOption {
-        pid: api::NamespaceMode::Container as i32,
-        ..Default::default()
-    })
-}
-
-fn pod_config(cri: &Cri, name: &str) -> api::PodSandboxConfig {
-    let mut pod = cri.pod_config(name);
-    pod.linux = Some(api::LinuxPodSandboxConfig {
-        security_context: Some(api::LinuxSandboxSecurityContext {
-            namespace_options: kubelet_namespaces(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    });
-    pod
-}
-
+/// A busybox container config running `cmd` from `image` (in the kubelet's namespaces, as
+/// [`Cri::container_config`] makes them: a checkpoint holds one container's process tree, so
+/// its PID namespace must be the container's own).
 fn container_config(name: &str, image: &str, cmd: &[&str]) -> api::ContainerConfig {
     let mut c = Cri::container_config(name, cmd);
     c.image = Some(crab_integration::cri::image_spec(image));
-    c.linux = Some(api::LinuxContainerConfig {
-        security_context: Some(api::LinuxContainerSecurityContext {
-            namespace_options: kubelet_namespaces(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    });
     c
 }
 
@@ -106,7 +81,7 @@ async fn checkpoint_image_restores_in_a_new_pod() {
     let mut guard = PodGuard::new();
 
     // The agent's pod: a long-lived process with state in memory, and a file the agent wrote.
-    let src_pod = pod_config(&cri, "restore-src");
+    let src_pod = cri.pod_config("restore-src");
     let src_pod_id = cri.run_pod(&mut guard, "crab", &src_pod).await.unwrap();
     let src = cri
         .run_container(
@@ -164,7 +139,7 @@ async fn checkpoint_image_restores_in_a_new_pod() {
     cri.remove_pod(&src_pod_id).await.unwrap();
 
     // The new pod names the checkpoint image like any other image.
-    let dst_pod = pod_config(&cri, "restore-dst");
+    let dst_pod = cri.pod_config("restore-dst");
     let dst_pod_id = cri.run_pod(&mut guard, "crab", &dst_pod).await.unwrap();
     let dst = cri
         .run_container(

@@ -23,7 +23,14 @@ use crab_integration::replay::stats::Summary;
 use serde_json::{json, Value};
 
 const HANDLERS: [&str; 2] = ["crab", "runc"];
-const METRICS: [&str; 6] = ["pod-start", "run-pod", "create", "start", "pod-stop", "exec-sync"];
+const METRICS: [&str; 6] = [
+    "pod-start",
+    "run-pod",
+    "create",
+    "start",
+    "pod-stop",
+    "exec-sync",
+];
 
 /// Milliseconds per metric of one handler.
 #[derive(Default)]
@@ -43,22 +50,6 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-/// The kubelet's namespaces for a pod that does not share its process namespace.
-fn kubelet_pod(cri: &Cri, name: &str) -> api::PodSandboxConfig {
-    let mut pod = cri.pod_config(name);
-    pod.linux = Some(api::LinuxPodSandboxConfig {
-        security_context: Some(api::LinuxSandboxSecurityContext {
-            namespace_options: Some(api::NamespaceOption {
-                pid: api::NamespaceMode::Container as i32,
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    });
-    pod
-}
-
 fn sleeper() -> api::ContainerConfig {
     Cri::container_config("app", &["sleep", "100000"])
 }
@@ -70,7 +61,7 @@ async fn pod_once(
     handler: &str,
     iter: usize,
 ) -> Result<Vec<(&'static str, Duration)>, String> {
-    let pod = kubelet_pod(cri, &format!("bench-{handler}-{iter}"));
+    let pod = cri.pod_config(&format!("bench-{handler}-{iter}"));
     let t0 = Instant::now();
     let pod_id = cri
         .run_pod(guard, handler, &pod)
@@ -130,7 +121,7 @@ async fn measure(cri: &Cri, iterations: usize, execs: usize) -> Result<Vec<Sampl
 
     let mut apps = Vec::new();
     for handler in HANDLERS {
-        let pod = kubelet_pod(cri, &format!("bench-exec-{handler}"));
+        let pod = cri.pod_config(&format!("bench-exec-{handler}"));
         let pod_id = cri
             .run_pod(&mut guard, handler, &pod)
             .await
