@@ -134,7 +134,7 @@ fn state_name(state: i32) -> &'static str {
         .unwrap_or("invalid")
 }
 
-async fn expect_not_found<T: Debug>(handler: &str, what: &str, r: crab_integration::Result<T>) {
+fn expect_not_found<T: Debug>(handler: &str, what: &str, r: crab_integration::Result<T>) {
     match r {
         Err(e) if e.grpc_code() == Some(tonic::Code::NotFound) => {}
         other => {
@@ -215,7 +215,7 @@ async fn pod_sandbox_lifecycle() {
         // Stop is idempotent for the kubelet, which retries it.
         cri.stop_pod(&pod.0).await.unwrap();
         cri.remove_pod(&pod.0).await.unwrap();
-        expect_not_found(h, "PodSandboxStatus", cri.pod_status(&pod.0).await).await;
+        expect_not_found(h, "PodSandboxStatus", cri.pod_status(&pod.0).await);
         let t0 = Instant::now();
         while !crab_integration::host::shim_processes(&pod.0).is_empty() {
             assert!(
@@ -338,7 +338,7 @@ async fn container_lifecycle_and_status() {
         );
 
         cri.remove_container(&id).await.unwrap();
-        expect_not_found(h, "ContainerStatus", cri.container_status(&id).await).await;
+        expect_not_found(h, "ContainerStatus", cri.container_status(&id).await);
         let outcome =
             |s: &api::ContainerStatus| (state_name(s.state), s.exit_code, s.reason.clone());
         let outcomes = vec![
