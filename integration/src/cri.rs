@@ -345,6 +345,30 @@ impl Cri {
         .await
     }
 
+    /// crabctl against the CRI's containerd namespace (no `--config`: it finds a container's
+    /// store through the handler's runtime options): (exit code, stdout, stderr).
+    pub fn crabctl(&self, args: &[&str]) -> (i32, String, String) {
+        let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl");
+        let out = std::process::Command::new(&bin)
+            .arg("--address")
+            .arg(&self.env.address)
+            .args(["--namespace", CRI_NAMESPACE])
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot run {} (build it with `cargo build --release`): {e}",
+                    bin.display()
+                )
+            });
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (
+            out.status.code().unwrap_or(-1),
+            text(&out.stdout),
+            text(&out.stderr),
+        )
+    }
+
     /// `sh -c script` in the container; stdout when it exits 0, else an error with all output.
     pub async fn sh(&self, id: &str, script: &str) -> Result<String> {
         let r = self.exec_sync(id, &["sh", "-c", script], 30).await?;

@@ -3,29 +3,11 @@
 //! checkpointed; the pause container is infrastructure.
 
 use std::collections::HashMap;
-use std::path::Path;
 
 use crab_integration::cri::{Cri, PodGuard, CRI_NAMESPACE, HANDLERS};
 use crab_integration::{host, Harness, TestEnv};
 
 const TURN_END: &str = "io.crab/turn-end";
-
-fn crabctl(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
-    let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl");
-    let out = std::process::Command::new(&bin)
-        .arg("--address")
-        .arg(&env.address)
-        .args(["--namespace", CRI_NAMESPACE])
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", bin.display()));
-    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-    (
-        out.status.code().unwrap_or(-1),
-        text(&out.stdout),
-        text(&out.stderr),
-    )
-}
 
 /// The parent of `pid`, from `/proc/PID/stat` (after the command name, which may hold spaces).
 fn ppid(pid: i32) -> Option<i32> {
@@ -119,7 +101,7 @@ async fn only_app_containers_are_inspected() {
     let turn = HashMap::from([(TURN_END.to_string(), "t1".to_string())]);
     tasks.update(&app, None, turn.clone()).await.unwrap();
     cri.sh(&app, "true").await.unwrap();
-    let (code, out, err) = crabctl(&env, &["checkpoints", &app]);
+    let (code, out, err) = cri.crabctl(&["checkpoints", &app]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(
         out.lines()
@@ -139,6 +121,6 @@ async fn only_app_containers_are_inspected() {
         err.to_string().contains("pause container"),
         "the refusal says why: {err}"
     );
-    let (code, out, err) = crabctl(&env, &["checkpoints", &pod_id]);
+    let (code, out, err) = cri.crabctl(&["checkpoints", &pod_id]);
     assert_ne!(code, 0, "the sandbox has no checkpoints: {out}{err}");
 }

@@ -32,23 +32,6 @@ fn container_config(name: &str, image: &str, cmd: &[&str]) -> api::ContainerConf
     c
 }
 
-fn crabctl(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
-    let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl");
-    let out = std::process::Command::new(&bin)
-        .arg("--address")
-        .arg(&env.address)
-        .args(["--namespace", CRI_NAMESPACE])
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", bin.display()));
-    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-    (
-        out.status.code().unwrap_or(-1),
-        text(&out.stdout),
-        text(&out.stderr),
-    )
-}
-
 /// `tok i` as the counter wrote it.
 async fn counter(cri: &Cri, id: &str) -> (String, u64) {
     let out = cri.sh(id, "cat /tmp/count").await.unwrap();
@@ -63,8 +46,8 @@ async fn counter(cri: &Cri, id: &str) -> (String, u64) {
 }
 
 /// The KIND column of `crabctl checkpoints` for turn `turn`.
-fn checkpoint_kind(env: &TestEnv, id: &str, turn: &str) -> Option<String> {
-    let (code, out, err) = crabctl(env, &["checkpoints", id]);
+fn checkpoint_kind(cri: &Cri, id: &str, turn: &str) -> Option<String> {
+    let (code, out, err) = cri.crabctl(&["checkpoints", id]);
     assert_eq!(code, 0, "crabctl checkpoints {id}: {out}{err}");
     out.lines().find_map(|l| {
         let cols: Vec<&str> = l.split_whitespace().collect();
@@ -121,14 +104,14 @@ async fn checkpoint_image_restores_in_a_new_pod() {
     // The next action waits until the turn's checkpoint is durable.
     cri.sh(&src, "true").await.unwrap();
     assert_eq!(
-        checkpoint_kind(&env, &src, "t1").as_deref(),
+        checkpoint_kind(&cri, &src, "t1").as_deref(),
         Some("full"),
         "a new file and a live process with changed memory make a full checkpoint: {}",
-        crabctl(&env, &["checkpoints", &src]).1
+        cri.crabctl(&["checkpoints", &src]).1
     );
 
     let image = format!("localhost/crab/cri-restore:{}", std::process::id());
-    let (code, out, err) = crabctl(&env, &["export", &src, "--turn", "t1", &image]);
+    let (code, out, err) = cri.crabctl(&["export", &src, "--turn", "t1", &image]);
     assert_eq!(code, 0, "crabctl export: {out}{err}");
     let _image_cleanup = ImageCleanup {
         env: env.clone(),
@@ -217,13 +200,13 @@ async fn checkpoint_image_restores_in_a_new_pod() {
         .await
         .unwrap();
     cri.sh(&dst, "true").await.unwrap();
-    let (code, out, err) = crabctl(&env, &["checkpoints", &dst]);
+    let (code, out, err) = cri.crabctl(&["checkpoints", &dst]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(
         out.contains("restored"),
         "lineage of the restored container: {out}"
     );
-    let kind = checkpoint_kind(&env, &dst, "t2");
+    let kind = checkpoint_kind(&cri, &dst, "t2");
     assert!(
         matches!(kind.as_deref(), Some("proc" | "full")),
         "the counter ran during t2, so its memory changed: {out}"

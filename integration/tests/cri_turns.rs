@@ -7,35 +7,12 @@
 //! Needs the private containerd with the CRI (`hack/containerd.sh start`, CRI on by default) and
 //! the test images in k8s.io (`hack/build-images.sh import k8s.io`).
 
-use std::{path::Path, time::Duration};
+use std::time::Duration;
 
 use crab_integration::cri::{api, image_spec, Cri, PodGuard, CRI_NAMESPACE, POD_NAMESPACE};
 
 /// How long a checkpoint may take to become visible (off the critical path, on a loaded box).
 const CHECKPOINT_WITHIN: Duration = Duration::from_secs(60);
-
-/// crabctl against the CRI's containerd namespace, without --config: (exit code, stdout, stderr).
-fn crabctl(cri: &Cri, args: &[&str]) -> (i32, String, String) {
-    let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl");
-    let out = std::process::Command::new(&bin)
-        .arg("--address")
-        .arg(&cri.env.address)
-        .args(["--namespace", CRI_NAMESPACE])
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "cannot run {} (build it with `cargo build --release`): {e}",
-                bin.display()
-            )
-        });
-    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-    (
-        out.status.code().unwrap_or(-1),
-        text(&out.stdout),
-        text(&out.stderr),
-    )
-}
 
 /// `args` with the pod's container named in place of an id.
 fn by_name<'a>(
@@ -61,7 +38,7 @@ fn by_name<'a>(
 async fn wait_checkpoint(cri: &Cri, pod: &str, container: &str, turn: &str, kind: &str) -> String {
     let start = std::time::Instant::now();
     loop {
-        let (code, out, err) = crabctl(cri, &by_name("checkpoints", pod, container, &[]));
+        let (code, out, err) = cri.crabctl(&by_name("checkpoints", pod, container, &[]));
         let found = out.lines().any(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
             f.len() > 3 && f[2] == turn && f[3] == kind
@@ -94,31 +71,33 @@ async fn crabctl_ends_turns_of_a_pods_container_by_name() {
         .unwrap();
     cri.sh(&app, "echo hello > /greeting").await.unwrap();
 
-    let (code, out, err) = crabctl(&cri, &by_name("turn-end", &pod, "app", &["--turn", "t1"]));
+    let (code, out, err) = cri.crabctl(&by_name("turn-end", &pod, "app", &["--turn", "t1"]));
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains(&format!("turn t1 of {app} ended")), "{out}");
     let lineage = wait_checkpoint(&cri, &pod, "app", "t1", "fs").await;
     // The same store by id, and the turn's answer through `turns` and `show`.
-    let (code, by_id, err) = crabctl(&cri, &["checkpoints", &app]);
+    let (code, by_id, err) = cri.crabctl(&["checkpoints", &app]);
     assert_eq!((code, by_id.as_str()), (0, lineage.as_str()), "{err}");
-    let (code, out, err) = crabctl(&cri, &by_name("turns", &pod, "app", &[]));
+    let (code, out, err) = cri.crabctl(&by_name("turns", &pod, "app", &[]));
     assert_eq!(code, 0, "{out}{err}");
     assert!(
         out.lines()
             .any(|l| l.contains(" t1 ") && l.contains(" fs ")),
         "{out}"
     );
-    let (code, out, err) = crabctl(&cri, &by_name("show", &pod, "app", &["t1"]));
+    let (code, out, err) = cri.crabctl(&by_name("show", &pod, "app", &["t1"]));
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("/greeting"), "{out}");
 
     // A checkpoint leaves as an image (to run as a pod); replacing the task behind the CRI's
     // back is refused (the CRI would delete the new task when it handles the old one's exit).
     let reference = format!("localhost/crab/{pod}:t1");
-    let (code, out, err) = crabctl(
-        &cri,
-        &by_name("export", &pod, "app", &["--turn", "t1", &reference]),
-    );
+    let (code, out, err) = cri.crabctl(&by_name(
+        "export",
+        &pod,
+        "app",
+        &["--turn", "t1", &reference],
+    ));
     assert_eq!(code, 0, "{out}{err}");
     assert!(
         out.contains(&format!("exported {CRI_NAMESPACE}/{app} checkpoint")),
@@ -136,7 +115,7 @@ async fn crabctl_ends_turns_of_a_pods_container_by_name() {
         ("recover", &[]),
         ("fork", &["--at", "t1", "--count", "1"]),
     ] {
-        let (code, _, err) = crabctl(&cri, &by_name(op, &pod, "app", rest));
+        let (code, _, err) = cri.crabctl(&by_name(op, &pod, "app", rest));
         assert_eq!(code, 1, "{op}: {err}");
         assert!(
             err.contains("run by Kubernetes through the CRI"),
@@ -152,13 +131,13 @@ async fn crabctl_ends_turns_of_a_pods_container_by_name() {
 
     // The pause container is neither inspected nor checkpointed: no store, and not addressable
     // by name.
-    let (code, _, err) = crabctl(&cri, &["checkpoints", &pod_id]);
+    let (code, _, err) = cri.crabctl(&["checkpoints", &pod_id]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("no checkpoint store"), "{err}");
-    let (code, _, err) = crabctl(&cri, &["turn-end", &pod_id]);
+    let (code, _, err) = cri.crabctl(&["turn-end", &pod_id]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("is not inspected"), "{err}");
-    let (code, _, err) = crabctl(&cri, &by_name("turn-end", &pod, "POD", &[]));
+    let (code, _, err) = cri.crabctl(&by_name("turn-end", &pod, "POD", &[]));
     assert_eq!(code, 1, "{err}");
     assert!(
         err.contains("sandbox (pause) container") && err.contains("its containers: app"),
@@ -166,20 +145,20 @@ async fn crabctl_ends_turns_of_a_pods_container_by_name() {
     );
 
     // Wrong names say what there is.
-    let (code, _, err) = crabctl(&cri, &by_name("turn-end", &pod, "web", &[]));
+    let (code, _, err) = cri.crabctl(&by_name("turn-end", &pod, "web", &[]));
     assert_eq!(code, 1, "{err}");
     assert!(
         err.contains("has no container web; its containers: app"),
         "{err}"
     );
-    let (code, _, err) = crabctl(&cri, &by_name("turn-end", "no-such-pod", "app", &[]));
+    let (code, _, err) = cri.crabctl(&by_name("turn-end", "no-such-pod", "app", &[]));
     assert_eq!(code, 1, "{err}");
     assert!(
         err.contains("no pod crab-cri-test/no-such-pod")
             && err.contains(&format!("{POD_NAMESPACE}/{pod}")),
         "{err}"
     );
-    let (code, _, err) = crabctl(&cri, &["turn-end", "--pod", &pod]);
+    let (code, _, err) = cri.crabctl(&["turn-end", "--pod", &pod]);
     assert_eq!(code, 2, "{err}");
 
     // A restart, as the kubelet does it: the exited attempt stays, attempt 1 runs. The name
@@ -192,13 +171,13 @@ async fn crabctl_ends_turns_of_a_pods_container_by_name() {
         .await
         .unwrap();
     cri.sh(&restarted, "echo again > /second").await.unwrap();
-    let (code, out, err) = crabctl(&cri, &by_name("turn-end", &pod, "app", &["--turn", "t2"]));
+    let (code, out, err) = cri.crabctl(&by_name("turn-end", &pod, "app", &["--turn", "t2"]));
     assert_eq!(code, 0, "{out}{err}");
     assert!(
         out.contains(&format!("turn t2 of {restarted} ended")),
         "{out}"
     );
     wait_checkpoint(&cri, &pod, "app", "t2", "fs").await;
-    let (code, old, _) = crabctl(&cri, &["checkpoints", &app]);
+    let (code, old, _) = cri.crabctl(&["checkpoints", &app]);
     assert!(code == 0 && !old.contains(" t2 "), "{old}");
 }
