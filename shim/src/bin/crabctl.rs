@@ -9,6 +9,8 @@
 //!   crabctl [GLOBAL] rollback CONTAINER --to T        the container back at checkpoint T (same id)
 //!   crabctl [GLOBAL] recover CONTAINER                the container back at its last recovery point
 //!   crabctl [GLOBAL] engine [--json]                  the host engine: slots, queue, stats
+//!   crabctl [GLOBAL] prune [--dry-run]                stores and internal images of containers
+//!                                                     that are gone (`--all-namespaces`: of all)
 //!
 //! CONTAINER is a containerd container id, or a Kubernetes pod's container by name:
 //! `--pod P [--pod-namespace NS] --container C` in its place (anywhere after the command),
@@ -18,7 +20,8 @@
 //! does) unless --config says otherwise; their logic is in `crab_shim::ctl`.
 //!
 //! GLOBAL: --address SOCK (default /run/containerd/containerd.sock, or $CONTAINERD_ADDRESS),
-//!         --namespace NS (default "default", or $CONTAINERD_NAMESPACE),
+//!         --namespace NS (default "default", or $CONTAINERD_NAMESPACE), or for prune
+//!         --all-namespaces (-A),
 //!         --config PATH (crab's config, for its state directory; default: as the shim finds it).
 //!
 //! Exit status: 0 on success, 1 on failure (with a message on stderr), 2 on a usage error.
@@ -32,9 +35,10 @@ struct Global {
     address: PathBuf,
     namespace: String,
     config: Option<PathBuf>,
+    all_namespaces: bool,
 }
 
-const USAGE: &str = "usage: crabctl [--address SOCK] [--namespace NS] [--config PATH] <command>
+const USAGE: &str = "usage: crabctl [--address SOCK] [--namespace NS | --all-namespaces] [--config PATH] <command>
 commands:
   turn-end CONTAINER [--turn ID]   end a turn of CONTAINER (its answer is logged and stored)
   turns CONTAINER                  list CONTAINER's turn answers
@@ -53,6 +57,18 @@ commands:
   engine [--json]                  the host engine that schedules every shim's checkpoint jobs
                                    ([engine] root of the config): who holds its slots, the queue
                                    (urgent first), cumulative stats (jobs, waits, bytes)
+  prune [--dry-run]                remove the checkpoint stores and the internal images
+                                   (crab.local/checkpoint/NS/ID:SEQ) of containers that have no
+                                   container record any more (a record without a task keeps
+                                   them: recover needs them); prints each with its size and a
+                                   total. Looks in --config's state_dir if given, else in the
+                                   default config's and in those of the configs the namespace's
+                                   existing crab containers name (a state_dir no remaining
+                                   container names needs --config). Leaves alone and reports:
+                                   symlinks (never followed), entries that are not crab stores,
+                                   stores changed in the last 60 s, stores in use, images a
+                                   container still uses. --all-namespaces (-A): every namespace
+                                   containerd has. --dry-run: remove nothing, say what would go
 CONTAINER: a container id, or in its place (anywhere after the command) a Kubernetes pod's
   container by name: --pod POD [--pod-namespace NS] --container NAME (NS: the pod's Kubernetes
   namespace, default \"default\"). Use it with the CRI's containerd namespace (--namespace k8s.io).
@@ -78,22 +94,34 @@ async fn main() -> ExitCode {
             .unwrap_or_else(|| "/run/containerd/containerd.sock".into()),
         namespace: std::env::var("CONTAINERD_NAMESPACE").unwrap_or_else(|_| "default".into()),
         config: None,
+        all_namespaces: false,
     };
+    let mut namespace_given = false;
     while let Some(flag) = args.first().filter(|a| a.starts_with('-')).cloned() {
         args.remove(0);
         if flag == "--help" {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
         }
+        if flag == "--all-namespaces" || flag == "-A" {
+            g.all_namespaces = true;
+            continue;
+        }
         let Some(value) = (!args.is_empty()).then(|| args.remove(0)) else {
             return usage(&format!("{flag} needs a value"));
         };
         match flag.as_str() {
             "--address" | "-a" => g.address = value.into(),
-            "--namespace" | "-n" => g.namespace = value,
+            "--namespace" | "-n" => (g.namespace, namespace_given) = (value, true),
             "--config" => g.config = Some(value.into()),
             _ => return usage(&format!("unknown option {flag}")),
         }
+    }
+    if g.all_namespaces && namespace_given {
+        return usage("--namespace and --all-namespaces exclude each other");
+    }
+    if g.all_namespaces && args.first().is_some_and(|c| c != "prune") {
+        return usage("--all-namespaces is for prune only");
     }
     match take_pod_container(&mut args) {
         Ok(None) => {}
@@ -129,6 +157,8 @@ async fn main() -> ExitCode {
         ["recover", container] => rollback(&g, container, None).await,
         ["engine"] => engine(&g, false),
         ["engine", "--json"] => engine(&g, true),
+        ["prune"] => prune(&g, false).await,
+        ["prune", "--dry-run"] => prune(&g, true).await,
         [] => return usage("no command"),
         _ => return usage(&format!("cannot parse `{}`", args.join(" "))),
     };
@@ -269,6 +299,15 @@ fn engine(g: &Global, json: bool) -> Result<(), String> {
         false => println!("{snapshot}"),
     }
     Ok(())
+}
+
+async fn prune(g: &Global, dry_run: bool) -> Result<(), String> {
+    let pruned = ctl(g).await?.prune(g.all_namespaces, dry_run).await.map_err(|e| e.to_string())?;
+    println!("{pruned}");
+    match pruned.failures() {
+        0 => Ok(()),
+        n => Err(format!("{n} removals failed (see above)")),
+    }
 }
 
 async fn answers(g: &Global, container: &str) -> Result<Vec<serde_json::Value>, String> {

@@ -16,6 +16,7 @@ use containerd_client::{
         diff_client::DiffClient,
         images_client::ImagesClient,
         leases_client::LeasesClient,
+        namespaces_client::NamespacesClient,
         snapshots::{
             snapshots_client::SnapshotsClient, CommitSnapshotRequest, MountsRequest,
             PrepareSnapshotRequest, RemoveSnapshotRequest, StatSnapshotRequest,
@@ -25,9 +26,10 @@ use containerd_client::{
         CreateRequest as CreateLeaseRequest, CreateTaskRequest, DeleteContainerRequest,
         DeleteImageRequest, DeleteRequest as DeleteLeaseRequest, DeleteTaskRequest,
         GetContainerRequest, GetImageRequest, Image, Info as ContentInfo, InfoRequest, KillRequest,
-        ListContainersRequest, ListPidsRequest, ListTasksRequest, ReadContentRequest, Resource,
-        ResumeTaskRequest, StartRequest, UpdateImageRequest, UpdateRequest as UpdateContentRequest,
-        UpdateTaskRequest, WaitRequest, WriteAction, WriteContentRequest, WriteContentResponse,
+        ListContainersRequest, ListImagesRequest, ListNamespacesRequest, ListPidsRequest,
+        ListTasksRequest, ReadContentRequest, Resource, ResumeTaskRequest, StartRequest,
+        UpdateImageRequest, UpdateRequest as UpdateContentRequest, UpdateTaskRequest, WaitRequest,
+        WriteAction, WriteContentRequest, WriteContentResponse,
     },
     types::{v1::Status as TaskStatus, Descriptor, Mount},
 };
@@ -61,8 +63,9 @@ fn grpc(op: impl Into<String>) -> impl FnOnce(Status) -> CtlError {
     }
 }
 
-/// A unique suffix for names crabctl makes up (leases, ingest refs, extraction keys).
-fn unique() -> String {
+/// A unique suffix for names crabctl makes up (leases, ingest refs, extraction keys, pruned
+/// stores).
+pub(super) fn unique() -> String {
     static N: AtomicU64 = AtomicU64::new(0);
     let nanos = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
@@ -115,6 +118,27 @@ impl Client {
 
     pub fn namespace(&self) -> &str {
         &self.namespace
+    }
+
+    /// The same connection, in namespace `namespace`.
+    pub fn in_namespace(&self, namespace: &str) -> Client {
+        Client {
+            channel: self.channel.clone(),
+            namespace: namespace.to_string(),
+        }
+    }
+
+    /// The names of containerd's namespaces.
+    pub async fn namespaces(&self) -> Result<Vec<String>, CtlError> {
+        Ok(NamespacesClient::new(self.channel.clone())
+            .list(Request::new(ListNamespacesRequest::default()))
+            .await
+            .map_err(grpc("Namespaces.List"))?
+            .into_inner()
+            .namespaces
+            .into_iter()
+            .map(|n| n.name)
+            .collect())
     }
 
     fn req<T>(&self, msg: T, lease: Option<&Lease>) -> Request<T> {
@@ -347,6 +371,17 @@ impl Client {
             Err(s) if s.code() == Code::NotFound => Ok(None),
             Err(s) => Err(grpc(format!("Images.Get {name}"))(s)),
         }
+    }
+
+    /// The image records of the namespace matching any of containerd's `filters` (all
+    /// without one).
+    pub async fn images(&self, filters: Vec<String>) -> Result<Vec<Image>, CtlError> {
+        Ok(ImagesClient::new(self.channel.clone())
+            .list(self.req(ListImagesRequest { filters }, None))
+            .await
+            .map_err(grpc("Images.List"))?
+            .into_inner()
+            .images)
     }
 
     /// The manifest and config of image `name` (for an index, this host's manifest).

@@ -7,7 +7,8 @@
 //!   containers, tasks);
 //! - [`export`]: choosing a checkpoint in a container's store and exporting it;
 //! - [`lifecycle`]: unpacking it and starting containers from it;
-//! - [`pod`]: a Kubernetes pod's container by pod and container name (CRI records).
+//! - [`pod`]: a Kubernetes pod's container by pod and container name (CRI records);
+//! - [`prune`]: removing the stores and internal images of containers that are gone.
 //!
 //! Every operation first does everything that can fail without touching the source container
 //! (read the store, write the image, unpack it), so bad input leaves nothing behind; content
@@ -18,8 +19,9 @@ pub mod export;
 pub mod image;
 pub mod lifecycle;
 pub mod pod;
+pub mod prune;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use containerd_client::services::v1::Container;
 use crab_runtime_config::{Config, ConfigError};
@@ -100,6 +102,25 @@ pub enum CtlError {
 
 pub type Result<T, E = CtlError> = std::result::Result<T, E>;
 
+/// crab's config for `container` as its shim loads it: `explicit` (`--config`) if given, else
+/// the container's runtime options (inline TOML or a path), else the default file or defaults.
+pub fn config_for(explicit: Option<&Path>, container: &Container) -> Result<Config> {
+    if let Some(path) = explicit {
+        return Ok(Config::load(path)?);
+    }
+    let options = container
+        .runtime
+        .as_ref()
+        .and_then(|r| r.options.as_ref())
+        .filter(|o| {
+            o.type_url
+                .ends_with(crab_runtime_config::RUNTIME_OPTIONS_TYPE_URL)
+        })
+        .map(|o| crab_runtime_config::decode_runtime_options(&o.value))
+        .transpose()?;
+    Ok(crab_runtime_config::RuntimeOptions::load_config(options.as_ref())?.0)
+}
+
 /// What every operation needs: containerd, and where crab's config is when the container's
 /// own runtime options do not say.
 #[derive(Clone)]
@@ -132,20 +153,7 @@ impl Ctl {
     /// crab's config for `container` as its shim loads it: `--config` if given, else the
     /// container's runtime options (inline TOML or a path), else the default file or defaults.
     pub fn config_for(&self, container: &Container) -> Result<Config> {
-        if let Some(path) = &self.config {
-            return Ok(Config::load(path)?);
-        }
-        let options = container
-            .runtime
-            .as_ref()
-            .and_then(|r| r.options.as_ref())
-            .filter(|o| {
-                o.type_url
-                    .ends_with(crab_runtime_config::RUNTIME_OPTIONS_TYPE_URL)
-            })
-            .map(|o| crab_runtime_config::decode_runtime_options(&o.value))
-            .transpose()?;
-        Ok(crab_runtime_config::RuntimeOptions::load_config(options.as_ref())?.0)
+        config_for(self.config.as_deref(), container)
     }
 
     /// The directory of container `id`'s checkpoint store and turn answers, as its shim
