@@ -313,7 +313,7 @@ fn last_error(log: &Path, offset: u64) -> Option<String> {
         .filter_map(|l| serde_json::from_str::<LogLine>(l).ok())
         .filter(|l| l.level == "error")
         .map(|l| l.msg.trim().to_string())
-        .last()
+        .next_back()
 }
 
 #[cfg(test)]

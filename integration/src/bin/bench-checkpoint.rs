@@ -565,7 +565,7 @@ fn report(h: &Harness, o: &Opts, fs: &[Series], proc: &[(usize, Series, Turn)], 
 
     print!("{md}");
     let dir = h.env.bench_dir();
-    match crab_integration::bench::write_results(&dir, "checkpoint", &now, &result, &md) {
+    match crab_integration::bench::write_results(&dir, "checkpoint", now, &result, &md) {
         Ok(()) => progress(&format!("results in {}/checkpoint-{now}.{{json,md}} (and checkpoint-latest.*)", dir.display())),
         Err(e) => die(&format!("writing results to {}: {e}", dir.display())),
     }

@@ -1056,7 +1056,7 @@ fn report(
 
     print!("{md}");
     let dir = h.env.bench_dir();
-    match crab_integration::bench::write_results(&dir, "inspector", &now, &result, &md) {
+    match crab_integration::bench::write_results(&dir, "inspector", now, &result, &md) {
         Ok(()) => progress(&format!(
             "results in {}/inspector-{now}.{{json,md}} (and inspector-latest.*)",
             dir.display()

@@ -267,7 +267,7 @@ fn report(n: usize, runtimes: &[String], samples: &[Samples], h: &Harness) {
 
     print!("{md}");
     let dir = h.env.bench_dir();
-    match crab_integration::bench::write_results(&dir, "shim", &now, &result, &md) {
+    match crab_integration::bench::write_results(&dir, "shim", now, &result, &md) {
         Ok(()) => eprintln!(
             "bench-shim: results in {}/shim-{now}.{{json,md}}",
             dir.display()

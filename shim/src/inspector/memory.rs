@@ -1886,7 +1886,7 @@ while True:
         let d = compare(&imgs[0], &imgs[1]);
         eprintln!(
             "| idle python3 ({} MB read, {} regions) | | {:.1} ms | {:.2} ms | {} |",
-            imgs[0].stats.pages_read * page_size() >> 20,
+            (imgs[0].stats.pages_read * page_size()) >> 20,
             imgs[0].regions.len(),
             best.as_secs_f64() * 1e3,
             t.elapsed().as_secs_f64() * 1e3,
