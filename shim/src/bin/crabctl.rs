@@ -68,7 +68,9 @@ commands:
                                    symlinks (never followed), entries that are not crab stores,
                                    stores changed in the last 60 s, stores in use, images a
                                    container still uses. --all-namespaces (-A): every namespace
-                                   containerd has. --dry-run: remove nothing, say what would go
+                                   containerd has. --dry-run: remove nothing, say what would go.
+                                   A state_dir must be this containerd's alone: another
+                                   containerd's containers look gone from here
 CONTAINER: a container id, or in its place (anywhere after the command) a Kubernetes pod's
   container by name: --pod POD [--pod-namespace NS] --container NAME (NS: the pod's Kubernetes
   namespace, default \"default\"). Use it with the CRI's containerd namespace (--namespace k8s.io).

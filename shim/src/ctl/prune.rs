@@ -11,6 +11,8 @@
 //! Which state directories: `--config`'s alone if given; else the default config's and those of
 //! the configs every existing crab container of the namespaces names (a gone container's record
 //! cannot say which one it used, so a state_dir no remaining container names needs `--config`).
+//! A state_dir is taken to be this containerd's alone: stores that another containerd's
+//! containers use (same namespace name, same state_dir) would look gone from here.
 //!
 //! What is left alone, and reported:
 //! - symlinks (never followed), entries that are no directory or no container id, directories
