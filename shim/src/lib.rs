@@ -5,6 +5,7 @@
 //! - [`runc`], [`reaper`]: running runc under the shim's reaper
 //! - [`stdio`]: FIFOs, files, pipes and the pty
 //! - [`bundle`], [`oom`]: the OCI bundle and OOM notifications
+//! - [`info`]: `-info`, the runtime features containerd's introspection asks for
 
 pub mod bundle;
 pub mod cgroup;
@@ -13,6 +14,7 @@ pub mod containers;
 pub mod ctl;
 pub mod engine;
 pub mod error;
+pub mod info;
 pub mod inspector;
 pub mod logdriver;
 pub mod oom;
