@@ -3,7 +3,8 @@
 //! compared, as in tests/cri.rs: privileged pods and containers, ReopenContainerLog, attach with
 //! a TTY and a resize, container restarts within a pod and removal of a running container,
 //! CheckpointContainer, mount propagation, recursive read-only mounts, the runtime handler's
-//! features, DNS config, user names and RunAsGroup without RunAsUser.
+//! features, DNS config, user names, RunAsGroup without RunAsUser, port-forward in the host's
+//! network.
 //!
 //! Needs containerd with the CRI plugin (`CRAB_CONTAINERD_CRI=1 hack/containerd.sh start`) and
 //! the test images in its `k8s.io` namespace (`hack/build-images.sh import k8s.io`).
@@ -150,7 +151,7 @@ async fn handler_features(cri: &Cri, name: &str) -> Option<api::RuntimeHandlerFe
         .iter()
         .find(|h| h.name == name)
         .unwrap_or_else(|| panic!("no runtime handler {name} in {status:?}"));
-    handler.features.clone()
+    handler.features
 }
 
 /// containerd's introspection asks a shim binary for its runtime info (`<shim> -info`): crab
@@ -1098,4 +1099,80 @@ async fn run_as_username_and_group_without_user() {
         "ids, ContainerStatus.user, run_as_group without a user",
         &results,
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn port_forward_in_host_network() {
+    let results = for_both_handlers(|cri, h| async move {
+        // A port of its own per handler and test process: the pods share the host's network.
+        let port = 20000 + (std::process::id() % 20000) as u16 + u16::from(h == "crab");
+        let host = api::NamespaceOption {
+            network: api::NamespaceMode::Node as i32,
+            pid: api::NamespaceMode::Container as i32,
+            ipc: api::NamespaceMode::Pod as i32,
+            ..Default::default()
+        };
+        let mut guard = PodGuard::new();
+        let pod = pod(&cri, &mut guard, h, "hostnet-portfwd", |p| {
+            p.hostname.clear();
+            pod_sc(p).namespace_options = Some(host.clone());
+        })
+        .await;
+        let serve = format!(
+            "mkdir -p /www && echo crab-hostnet-{h} > /www/index.html && exec httpd -f -p 127.0.0.1:{port} -h /www"
+        );
+        let id = container(&cri, &pod, "httpd", &["sh", "-c", &serve], |c| {
+            linux_sc(c).namespace_options = Some(host);
+        })
+        .await;
+        cri.sh_until_ok(&id, &format!("wget -q -O- http://127.0.0.1:{port}/"), WAIT)
+            .await
+            .unwrap_or_else(|e| panic!("handler {h}: httpd on the host network: {e}"));
+        // The server listens in the host's own network namespace.
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap_or_else(|e| panic!("handler {h}: the host cannot reach 127.0.0.1:{port}: {e}"));
+        let url = cri
+            .runtime()
+            .port_forward(api::PortForwardRequest {
+                pod_sandbox_id: pod.0.clone(),
+                port: vec![port as i32],
+            })
+            .await
+            .unwrap_or_else(|e| panic!("handler {h}: PortForward: {e}"))
+            .into_inner()
+            .url;
+        let mut conn = ws::connect(&format!("{url}?port={port}"), &[ws::V4])
+            .await
+            .unwrap_or_else(|e| panic!("handler {h}: port-forward stream: {e}"));
+        conn.send(0, b"GET /index.html HTTP/1.0\r\n\r\n").await.unwrap();
+        let mut data = Vec::new();
+        let mut headers = 0;
+        let body = format!("crab-hostnet-{h}");
+        let got = tokio::time::timeout(WAIT, async {
+            while let Some((channel, payload)) = conn.recv().await.unwrap() {
+                // Each of the data and error channels opens with the port (u16 little endian).
+                if payload == port.to_le_bytes() && headers < 2 {
+                    headers += 1;
+                    continue;
+                }
+                if channel == 0 {
+                    data.extend_from_slice(&payload);
+                }
+                if String::from_utf8_lossy(&data).contains(&body) {
+                    break;
+                }
+            }
+        })
+        .await;
+        let data = String::from_utf8_lossy(&data).into_owned();
+        assert!(
+            got.is_ok() && data.starts_with("HTTP/1.") && data.contains(&body),
+            "handler {h}: port-forwarded answer from the host network: {data:?}"
+        );
+        let _ = conn.close().await;
+        data.lines().next().unwrap_or_default().to_string()
+    })
+    .await;
+    assert_same("status line through port-forward", &results);
 }
