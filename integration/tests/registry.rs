@@ -165,8 +165,13 @@ async fn a_pushed_checkpoint_restores_on_another_node() {
     let probe = "python3 -c 'import socket; c = socket.create_connection((\"127.0.0.1\", 9000)); print(c.recv(100).decode())'";
     let out = ctr2.run(&["tasks", "exec", "--exec-id", "probe", id, "bash", "-c", probe]).unwrap();
     assert_eq!(out.stdout.trim(), (0..1000u64).map(|i| i * i).sum::<u64>().to_string(), "{out:?}");
-    // Its lineage on node 2 begins with the restored checkpoint.
+    // Its lineage on node 2 begins with the restored checkpoint (recorded in the background, as
+    // it imports the process image: the container did not wait for it).
     let origin = home.join("state/crab-test").join(id).join("checkpoints/000001.json");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !origin.exists() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     let origin: serde_json::Value = serde_json::from_slice(&std::fs::read(&origin).unwrap()).unwrap();
     assert_eq!(origin["kind"], "restored", "{origin:#}");
     assert!(origin["process"]["image"].is_string(), "{origin:#}");

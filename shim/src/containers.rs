@@ -103,6 +103,16 @@ enum Origin {
     Checkpoint(Taken),
 }
 
+/// Where [`Containers::start_checkpointing`] left the origin manifest.
+#[derive(Debug, PartialEq, Eq)]
+enum OriginImport {
+    /// Recorded (or its failure logged) before it returned.
+    Done,
+    /// Being recorded in the background, which imports and then removes the CRIU image the
+    /// container was restored from.
+    Background,
+}
+
 impl Container {
     pub fn process(&self, exec_id: &str) -> Result<Arc<Process>> {
         if exec_id.is_empty() {
@@ -311,7 +321,7 @@ impl Containers {
                         None => Origin::Image,
                     };
                     match self.start_checkpointing(&p.id, &p.bundle, &p.rootfs, &config, &runc, pid, origin, inspection.clone()).await {
-                        Ok(co) => {
+                        Ok((co, _)) => {
                             let _ = coordinator.set(co);
                         }
                         Err(e) => {
@@ -386,15 +396,20 @@ impl Containers {
         pid: u32,
         origin: Origin,
         shared: crate::checkpoint::SharedInspection,
-    ) -> Result<Arc<Coordinator>> {
+    ) -> Result<(Arc<Coordinator>, OriginImport)> {
         let spec = bundle::read_spec(bundle_dir)?;
         let root = turns::sandbox_dir(&config.store.state_dir, &self.namespace, id);
         let (namespace, cid) = (self.namespace.clone(), id.to_string());
-        let store = tokio::task::spawn_blocking(move || -> Result<Store> {
+        // The origin manifest is recorded here, unless it imports a process image (a copy and
+        // deduplication of up to hundreds of MB): that goes on in the background, below.
+        let (store, background) = tokio::task::spawn_blocking(move || -> Result<(Store, Option<Taken>)> {
             let store = Store::open(&root).map_err(|e| Error::Other(format!("checkpoint store: {e}")))?;
-            let origin = match &origin {
+            let origin = match origin {
+                Origin::Checkpoint(t) if restore::imports_process_image(&store, &namespace, &cid, &t) => {
+                    return Ok((store, Some(t)));
+                }
                 Origin::Image => restore::created_manifest(&store, "").map_err(|e| e.to_string()),
-                Origin::Checkpoint(t) => restore::restored_manifest(&store, &namespace, &cid, t).map_err(|e| e.to_string()),
+                Origin::Checkpoint(t) => restore::restored_manifest(&store, &namespace, &cid, &t).map_err(|e| e.to_string()),
             };
             match origin.and_then(|m| store.publish(&m).map_err(|e| e.to_string())) {
                 Ok(()) => {}
@@ -402,7 +417,7 @@ impl Containers {
                 // everything it needs (a failure there forces a full one).
                 Err(e) => log::error!("container {cid}: cannot record where its lineage begins: {e}"),
             }
-            Ok(store)
+            Ok((store, None))
         })
         .await
         .map_err(|e| Error::Other(e.to_string()))??;
@@ -429,7 +444,26 @@ impl Containers {
         };
         let c = &config.checkpoint;
         *shared.lock().await = Some(inspection);
-        Ok(Coordinator::new(store, target, shared, c.keep_last, c.keep_every, Duration::from_millis(c.action_wait_timeout_ms)))
+        let co = Coordinator::new(store, target, shared, c.keep_last, c.keep_every, Duration::from_millis(c.action_wait_timeout_ms));
+        let import = match background.is_some() {
+            true => OriginImport::Background,
+            false => OriginImport::Done,
+        };
+        if let Some(t) = background {
+            // The CRIU image the container was restored from (under its bundle) is imported
+            // into the store and then removed.
+            let image = t.criu_dir.clone().filter(|d| d.starts_with(bundle_dir));
+            let (namespace, cid) = (self.namespace.clone(), id.to_string());
+            co.record_origin(
+                move |store| restore::restored_manifest(store, &namespace, &cid, &t).map_err(|e| e.to_string()),
+                move || {
+                    if let Some(dir) = image {
+                        let _ = std::fs::remove_dir_all(dir);
+                    }
+                },
+            );
+        }
+        Ok((co, import))
     }
 
     /// Holds an action until the checkpoints of the turns before it are durable.
@@ -642,19 +676,24 @@ impl Containers {
         c.init.set_io(io).await;
         self.watch_oom(c, pid);
         log::info!("container {} restored from {} in {:?} (init pid {pid})", c.id, r.image.display(), started.elapsed());
+        // The restored-from image under the bundle goes once it is no longer needed: at once, or
+        // after the origin has imported it (start_checkpointing).
+        let mut image_imported = false;
         if r.checkpointing {
             let origin = match r.taken {
                 Some(t) => Origin::Checkpoint(t),
                 None => Origin::Image,
             };
+            let ours = matches!(&origin, Origin::Checkpoint(t) if t.criu_dir.as_ref() == Some(&r.image));
             match self.start_checkpointing(&c.id, &c.bundle, &r.rootfs, &r.config, &c.runc, pid, origin, c.inspection.clone()).await {
-                Ok(co) => {
+                Ok((co, import)) => {
+                    image_imported = ours && import == OriginImport::Background;
                     let _ = c.coordinator.set(co);
                 }
                 Err(e) => log::error!("container {} runs restored but without checkpoints: {e}", c.id),
             }
         }
-        if r.image.starts_with(&c.bundle) {
+        if !image_imported && r.image.starts_with(&c.bundle) {
             let _ = std::fs::remove_dir_all(&r.image);
         }
         Ok(early_exit)

@@ -141,6 +141,9 @@ pub struct Coordinator {
     state: Mutex<State>,
     /// Bumped each time the coordinator becomes idle (no job running or pending).
     idle: watch::Sender<u64>,
+    /// False while the origin manifest is being recorded in the background
+    /// ([`Coordinator::record_origin`]): jobs wait for it, as their lineage begins there.
+    origin_recorded: watch::Sender<bool>,
     keep_last: Option<u32>,
     keep_every: Option<u32>,
     wait_bound: Duration,
@@ -161,6 +164,7 @@ impl Coordinator {
             inspection,
             state: Mutex::new(State::default()),
             idle: watch::channel(0).0,
+            origin_recorded: watch::channel(true).0,
             keep_last,
             keep_every,
             wait_bound,
@@ -169,6 +173,38 @@ impl Coordinator {
 
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// Records the origin manifest that `make` builds (a restored container's, which imports
+    /// the process image it was restored from: a copy and deduplication of up to hundreds of
+    /// MB) in the background. Actions need not wait for it (they cannot change the image it
+    /// reads); checkpoint jobs do, as their lineage begins there. If it fails, the next
+    /// checkpoint is full. `then` runs after it either way.
+    pub fn record_origin(
+        self: &Arc<Self>,
+        make: impl FnOnce(&Store) -> std::result::Result<Manifest, String> + Send + 'static,
+        then: impl FnOnce() + Send + 'static,
+    ) {
+        self.origin_recorded.send_replace(false);
+        let this = self.clone();
+        tokio::spawn(async move {
+            let store = this.store.clone();
+            let recorded = tokio::task::spawn_blocking(move || {
+                let r = make(&store).and_then(|m| store.publish(&m).map_err(|e| e.to_string()));
+                then();
+                r
+            })
+            .await
+            .unwrap_or_else(|e| Err(format!("origin task: {e}")));
+            if let Err(e) = recorded {
+                log::error!(
+                    "container {}: cannot record where its lineage begins, its next checkpoint is full: {e}",
+                    this.target.container_id
+                );
+                this.state.lock().unwrap().force_full = true;
+            }
+            this.origin_recorded.send_replace(true);
+        });
     }
 
     /// Takes a turn's answer: returns at once; the checkpoint (if any) runs in the background.
@@ -208,6 +244,8 @@ impl Coordinator {
     }
 
     async fn run(self: Arc<Self>, mut work: Work) {
+        // The sender lives as long as `self`, so this only ends once the origin is recorded.
+        let _ = self.origin_recorded.subscribe().wait_for(|recorded| *recorded).await;
         loop {
             let force_full = std::mem::take(&mut self.state.lock().unwrap().force_full);
             if force_full {

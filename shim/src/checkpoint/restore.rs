@@ -317,6 +317,25 @@ pub fn created_manifest(store: &Store, image_note: &str) -> Result<Manifest, Sto
 /// carries and its process image, imported into `store` (page data deduplicated), unless the
 /// checkpoint is this very store's own (a rollback or recovery keeping the container id),
 /// whose process image is referenced as it is.
+/// The checkpoint of this very store that `taken` was exported from (a rollback or recovery
+/// of the container in place), if it is still there.
+fn own_source(store: &Store, namespace: &str, container: &str, taken: &Taken) -> Option<Manifest> {
+    let src = &taken.meta.source;
+    (src.namespace == namespace && src.container == container)
+        .then(|| store.get(src.seq).ok())
+        .flatten()
+        .filter(|m| m.fs_layers == taken.meta.fs_layers)
+}
+
+/// Whether [`restored_manifest`] must import a process image (copy and deduplicate it into the
+/// store), rather than reference one the store already holds or have none.
+pub fn imports_process_image(store: &Store, namespace: &str, container: &str, taken: &Taken) -> bool {
+    taken.criu_dir.is_some()
+        && !own_source(store, namespace, container, taken)
+            .and_then(|o| o.process)
+            .is_some_and(|p| store.root().join(&p.image).is_dir())
+}
+
 pub fn restored_manifest(
     store: &Store,
     namespace: &str,
@@ -325,10 +344,7 @@ pub fn restored_manifest(
 ) -> Result<Manifest, RestoreError> {
     let seq = store.next_seq()?;
     let src = &taken.meta.source;
-    let own = (src.namespace == namespace && src.container == container)
-        .then(|| store.get(src.seq).ok())
-        .flatten()
-        .filter(|m| m.fs_layers == taken.meta.fs_layers);
+    let own = own_source(store, namespace, container, taken);
     let mut m = Manifest::child_of(None, seq, &src.turn_id, CheckpointKind::Restored);
     m.parent = own.as_ref().map(|o| o.seq);
     m.fs_layers = taken.meta.fs_layers.clone();
