@@ -4,8 +4,7 @@
 //! a TTY and a resize, container restarts within a pod and removal of a running container,
 //! CheckpointContainer, mount propagation, recursive read-only mounts, the runtime handler's
 //! features, image volumes, DNS config, user names, RunAsGroup without RunAsUser, port-forward
-//! in the host's
-//! network.
+//! in the host's network.
 //!
 //! Needs containerd with the CRI plugin (`CRAB_CONTAINERD_CRI=1 hack/containerd.sh start`) and
 //! the test images in its `k8s.io` namespace (`hack/build-images.sh import k8s.io`).
