@@ -18,9 +18,9 @@
 //!    in a turn, alive in the background: a proc checkpoint), exported, started the same three
 //!    ways; the shim's own part is read from its log: `container X restored from ... in D`
 //!    (runc restore + CRIU), then until its `inspector: watching cgroup` line (setting up
-//!    checkpoints, chiefly importing the process image into the new container's store), then
-//!    until Tasks.Start returned (the inspector's base mark). Each restored container is
-//!    checked to hold the process again.
+//!    checkpoints; the process image is imported into the new container's store in the
+//!    background), then until Tasks.Start returned (the inspector's base mark also runs in the
+//!    background). Each restored container is checked to hold the process again.
 //! 3. Rollback, end to end (`crabctl rollback C --to T`, wall time; crabctl's own figure too):
 //!    each repetition runs a turn that writes a file and then rolls back to before it; fs-only
 //!    (turn 10 of the 50-turn sandbox) and with the 50 MB process. The same checkpoint is also
@@ -926,14 +926,14 @@ fn restore_rows(
             format!("{label}: shim, restored until checkpointing began"),
             s.setup.clone(),
             None,
-            "chiefly importing the process image into the new store (log times)",
+            "store and inspector set-up; the process image is imported in the background (log times)",
         );
         r.row(
             section,
             format!("{label}: API, checkpointing began until Start returned"),
             s.api_tail.clone(),
             None,
-            "the inspector's base mark (log time vs client clock)",
+            "the base mark runs in the background (log time vs client clock)",
         );
     }
     r.row(
