@@ -19,7 +19,10 @@ pub enum Error {
     #[error("configuration: {0}")]
     Config(#[from] crab_runtime_config::ConfigError),
     /// A runc invocation failed; `message` is runc's own last error line when it wrote one.
-    #[error("runc {command} failed: {message}")]
+    /// Worded as containerd's runc shim words it (`OCI runtime create failed: runc create
+    /// failed: ...`), since the CRI hands it on verbatim to the kubelet (a failed start's
+    /// ContainerStatus.message) and tools match on it.
+    #[error("OCI runtime {command} failed: {message}")]
     Runc { command: &'static str, message: String },
     #[error("{context}: {source}")]
     Io {
@@ -85,6 +88,6 @@ mod tests {
         assert_eq!(status(Error::Unimplemented("Checkpoint")).0, Code::UNIMPLEMENTED);
         let (code, msg) = status(Error::Runc { command: "create", message: "no such file".into() });
         assert_eq!(code, Code::UNKNOWN);
-        assert_eq!(msg, "runc create failed: no such file");
+        assert_eq!(msg, "OCI runtime create failed: no such file");
     }
 }
