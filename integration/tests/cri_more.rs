@@ -1235,3 +1235,94 @@ async fn image_volume() {
     .await;
     assert_same("image volume", &results);
 }
+
+/// `text` with runs of 64 hex digits (container and exec ids) replaced by `<id>`.
+fn without_ids(text: &str) -> String {
+    let mut out = String::new();
+    let mut run = String::new();
+    for c in text.chars().chain(std::iter::once(' ')) {
+        if c.is_ascii_hexdigit() {
+            run.push(c);
+            continue;
+        }
+        out.push_str(if run.len() == 64 { "<id>" } else { &run });
+        run.clear();
+        out.push(c);
+    }
+    out.pop();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn start_failure_is_reported() {
+    let results = for_both_handlers(|cri, h| async move {
+        let mut guard = PodGuard::new();
+        let pod = pod(&cri, &mut guard, h, "start-failure", |_| {}).await;
+        let mut outcomes = Vec::new();
+        for (name, cmd) in [
+            ("missing", &["/no/such/binary"][..]),
+            ("not-executable", &["/etc/passwd"][..]),
+        ] {
+            let id = cri
+                .create_container(&pod.0, &pod.1, Cri::container_config(name, cmd))
+                .await
+                .unwrap_or_else(|e| panic!("handler {h}: create {name}: {e}"));
+            let started = cri.start_container(&id).await;
+            let (code, message) = match started {
+                Ok(()) => panic!("handler {h}: {name}: StartContainer succeeded"),
+                Err(crab_integration::Error::Grpc { code, message, .. }) => (code, message),
+                Err(e) => panic!("handler {h}: {name}: StartContainer: {e}"),
+            };
+            let status = cri.container_status(&id).await.unwrap();
+            // What the kubelet shows: runc's own words reach the user with either shim.
+            let why = if name == "missing" {
+                "no such file or directory"
+            } else {
+                "permission denied"
+            };
+            assert!(
+                message.contains(why) && status.message.contains(why),
+                "handler {h}: {name}: StartContainer {message:?}, status message {:?}",
+                status.message
+            );
+            // The words too: the kubelet shows them, and tools match on containerd's runc shim's
+            // "OCI runtime create failed: ...".
+            assert!(
+                message.contains("OCI runtime create failed: "),
+                "handler {h}: {name}: {message:?}"
+            );
+            outcomes.push((
+                name,
+                code,
+                message,
+                state_name(status.state),
+                status.exit_code,
+                status.reason,
+                status.message,
+            ));
+            cri.remove_container(&id)
+                .await
+                .unwrap_or_else(|e| panic!("handler {h}: remove the failed {name}: {e}"));
+        }
+        // The pod is still good for the next container.
+        let next = container(&cri, &pod, "next", SLEEPER, |_| {}).await;
+        sh(&cri, h, &next, "true").await;
+        // An exec that cannot start is worded the same way ("OCI runtime exec failed: ...").
+        let exec = match cri.exec_sync(&next, &["/no/such/binary"], 30).await {
+            Err(crab_integration::Error::Grpc { code, message, .. }) => {
+                (code, without_ids(&message))
+            }
+            other => panic!("handler {h}: ExecSync of a missing binary: {other:?}"),
+        };
+        assert!(
+            exec.1.contains("OCI runtime exec failed: "),
+            "handler {h}: ExecSync of a missing binary: {exec:?}"
+        );
+        (outcomes, exec)
+    })
+    .await;
+    assert_same(
+        "(StartContainer code and message, state, exit code, reason, message) of failed starts",
+        &results,
+    );
+}
