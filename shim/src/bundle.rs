@@ -57,6 +57,16 @@ pub async fn mount_rootfs(bundle: &Path, mounts: &[Mount]) -> Result<bool> {
     let target = rootfs_path(bundle);
     std::fs::create_dir_all(&target).map_err(Error::io(format!("cannot create {}", target.display())))?;
     for m in mounts {
+        // A pod with its own user namespace: the layers are mounted id-mapped first and only
+        // needed until the overlay holds them.
+        let idmapped = match crate::idmap::prepare(bundle, m) {
+            Ok(i) => i,
+            Err(e) => {
+                unmount_rootfs(bundle);
+                return Err(e);
+            }
+        };
+        let m = idmapped.as_ref().map_or(m, |(overlay, _)| overlay);
         if let Err(e) = containerd_shim::util::mount_rootfs(m, &target).await {
             unmount_rootfs(bundle);
             return Err(Error::Other(format!("cannot mount rootfs ({} {}): {e}", m.type_, m.source)));

@@ -5,6 +5,7 @@
 //! - [`runc`], [`reaper`]: running runc under the shim's reaper
 //! - [`stdio`]: FIFOs, files, pipes and the pty
 //! - [`bundle`], [`oom`]: the OCI bundle and OOM notifications
+//! - [`idmap`]: id-mapped rootfs layers of pods with their own user namespace
 //! - [`info`]: `-info`, the runtime features containerd's introspection asks for
 
 pub mod bundle;
@@ -14,6 +15,7 @@ pub mod containers;
 pub mod ctl;
 pub mod engine;
 pub mod error;
+pub mod idmap;
 pub mod info;
 pub mod inspector;
 pub mod logdriver;
