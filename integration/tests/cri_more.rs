@@ -1326,3 +1326,109 @@ async fn start_failure_is_reported() {
         &results,
     );
 }
+
+/// The host uid a process runs as.
+fn host_uid(pid: i64) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// A pod with its own user namespace (Kubernetes `hostUsers: false`). The sandbox runs on both
+/// handlers (crab mounts the id-mapped rootfs layers containerd asks for, as its runc shim does).
+/// Its containers start only under runc's handler: for them containerd's CRI sets the FIFO owner
+/// through runc's own runtime options (WithUIDOwner), which it refuses for any other options
+/// type, before the shim is asked. The kubelet does not get that far on crab's handler, which
+/// reports no user namespace support (runtime_handler_features). This pins that difference.
+#[tokio::test(flavor = "multi_thread")]
+async fn user_namespace_per_pod() {
+    let results = for_both_handlers(|cri, h| async move {
+        // What the kubelet sends: a pod-wide user namespace mapping container root to an
+        // unprivileged host range, in the pod's and each container's namespace options.
+        let mapping = || api::IdMapping {
+            host_id: 1_000_000,
+            container_id: 0,
+            length: 65536,
+        };
+        let userns = api::NamespaceOption {
+            userns_options: Some(api::UserNamespace {
+                mode: api::NamespaceMode::Pod as i32,
+                uids: vec![mapping()],
+                gids: vec![mapping()],
+            }),
+            ..crab_integration::cri::kubelet_namespaces()
+        };
+        let mut guard = PodGuard::new();
+        let pod = pod(&cri, &mut guard, h, "userns", |p| {
+            pod_sc(p).namespace_options = Some(userns.clone());
+        })
+        .await;
+        let info = cri
+            .runtime()
+            .pod_sandbox_status(api::PodSandboxStatusRequest {
+                pod_sandbox_id: pod.0.clone(),
+                verbose: true,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .info;
+        let info: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
+        let pause_pid = info["pid"].as_i64().unwrap_or_default();
+        let pause_uid = host_uid(pause_pid);
+        // The pause image runs as its user 65535.
+        assert_eq!(
+            pause_uid, "1065535",
+            "handler {h}: the pause process's uid on the host"
+        );
+        let mut config = Cri::container_config("mapped", SLEEPER);
+        linux_sc(&mut config).namespace_options = Some(userns.clone());
+        let id = match cri.run_container(&pod.0, &pod.1, config).await {
+            Ok(id) => id,
+            Err(e) if h == "crab" => {
+                let e = e.to_string();
+                assert!(
+                    e.contains("containerd.runc.v1.Options"),
+                    "handler {h}: a container in a user namespace: {e}"
+                );
+                return (pause_uid, None);
+            }
+            Err(e) => panic!("handler {h}: a container in a user namespace: {e}"),
+        };
+        let seen = sh(
+            &cri,
+            h,
+            &id,
+            "cat /proc/self/uid_map /proc/self/gid_map | tr -s ' ' | sed 's/^ //'; id -u; \
+             touch /rootfs-write && stat -c '%u:%g' /rootfs-write /bin/busybox",
+        )
+        .await;
+        assert_eq!(
+            seen, "0 1000000 65536\n0 1000000 65536\n0\n0:0\n0:0",
+            "handler {h}: uid/gid maps, uid, owners of a new and of an image file"
+        );
+        let container_uid = host_uid(i64::from(container_pid(&cri, h, &id).await));
+        assert_eq!(
+            container_uid, "1000000",
+            "handler {h}: the container's root on the host"
+        );
+        (pause_uid, Some((seen, container_uid)))
+    })
+    .await;
+    assert!(results[0].1 .1.is_some(), "runc: {results:?}");
+    assert_eq!(
+        results[1].1 .1, None,
+        "crab's containers of a user namespace pod now start: compare them with runc's"
+    );
+    assert_same(
+        "the pause process's host uid",
+        &results
+            .iter()
+            .map(|(h, r)| (*h, r.0.clone()))
+            .collect::<Vec<_>>(),
+    );
+}
