@@ -8,103 +8,17 @@
 
 use std::collections::HashMap;
 use std::fmt::Debug;
-use std::future::Future;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crab_integration::cri::{api, ws, Cri, PodGuard, HANDLERS};
+use crab_integration::cri::both::{
+    assert_same, container, for_both_handlers, linux_sc, pod, pod_sc, sh, state_name,
+};
+use crab_integration::cri::{api, ws, Cri, PodGuard};
 use crab_integration::Error;
 
 const SLEEPER: &[&str] = &["sleep", "3600"];
 const EXIT_WAIT: Duration = Duration::from_secs(60);
-
-/// Runs `body` for each handler, each in its own task so that one handler's failure still lets
-/// the other run and both outcomes are reported together. Returns (handler, result) pairs.
-async fn for_both_handlers<T, F, Fut>(body: F) -> Vec<(&'static str, T)>
-where
-    F: Fn(Cri, &'static str) -> Fut,
-    Fut: Future<Output = T> + Send + 'static,
-    T: Send + 'static,
-{
-    let cri = Cri::for_test().await;
-    let mut results = Vec::new();
-    let mut failures = Vec::new();
-    for handler in HANDLERS {
-        match tokio::spawn(body(cri.clone(), handler)).await {
-            Ok(r) => results.push((handler, r)),
-            Err(e) => {
-                let why = match e.try_into_panic() {
-                    Ok(p) => p
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_else(|| "panic".into()),
-                    Err(e) => e.to_string(),
-                };
-                failures.push(format!("handler {handler}: {why}"));
-            }
-        }
-    }
-    assert!(failures.is_empty(), "failed:\n{}", failures.join("\n"));
-    results
-}
-
-/// Both handlers observed the same `what`.
-fn assert_same<T: Debug + PartialEq>(what: &str, results: &[(&str, T)]) {
-    let (reference, expected) = &results[0];
-    for (handler, got) in &results[1..] {
-        assert_eq!(
-            got, expected,
-            "{what}: handler {handler} differs from {reference} (left: {handler}, right: {reference})"
-        );
-    }
-}
-
-/// Runs a pod for `handler` with `edit` applied to the default config.
-async fn pod(
-    cri: &Cri,
-    guard: &mut PodGuard,
-    handler: &str,
-    name: &str,
-    edit: impl FnOnce(&mut api::PodSandboxConfig),
-) -> (String, api::PodSandboxConfig) {
-    let mut config = cri.pod_config(&format!("{name}-{handler}"));
-    edit(&mut config);
-    let id = cri
-        .run_pod(guard, handler, &config)
-        .await
-        .unwrap_or_else(|e| panic!("handler {handler}: RunPodSandbox {name}: {e}"));
-    (id, config)
-}
-
-/// Creates and starts a busybox container running `cmd` with `edit` applied to its config.
-async fn container(
-    cri: &Cri,
-    pod: &(String, api::PodSandboxConfig),
-    name: &str,
-    cmd: &[&str],
-    edit: impl FnOnce(&mut api::ContainerConfig),
-) -> String {
-    let mut config = Cri::container_config(name, cmd);
-    edit(&mut config);
-    cri.run_container(&pod.0, &pod.1, config)
-        .await
-        .unwrap_or_else(|e| panic!("pod {}: create/start container {name}: {e}", pod.0))
-}
-
-fn linux_sc(c: &mut api::ContainerConfig) -> &mut api::LinuxContainerSecurityContext {
-    c.linux
-        .get_or_insert_with(Default::default)
-        .security_context
-        .get_or_insert_with(Default::default)
-}
-
-fn pod_sc(p: &mut api::PodSandboxConfig) -> &mut api::LinuxSandboxSecurityContext {
-    p.linux
-        .get_or_insert_with(Default::default)
-        .security_context
-        .get_or_insert_with(Default::default)
-}
 
 fn namespaces(
     network: api::NamespaceMode,
@@ -117,21 +31,6 @@ fn namespaces(
         ipc: ipc as i32,
         ..Default::default()
     }
-}
-
-/// `sh -c script` in `id`, stdout trimmed; panics with the handler and the output otherwise.
-async fn sh(cri: &Cri, handler: &str, id: &str, script: &str) -> String {
-    cri.sh(id, script)
-        .await
-        .unwrap_or_else(|e| panic!("handler {handler}: in container {id}: {e}"))
-        .trim()
-        .to_string()
-}
-
-fn state_name(state: i32) -> &'static str {
-    api::ContainerState::try_from(state)
-        .map(|s| s.as_str_name())
-        .unwrap_or("invalid")
 }
 
 fn expect_not_found<T: Debug>(handler: &str, what: &str, r: crab_integration::Result<T>) {
