@@ -105,14 +105,20 @@ fn parse_mapping(mapping: &str) -> Result<String> {
 /// namespace, its maps written, its namespace opened, and then it is let go (the shim's reaper
 /// collects it).
 fn user_namespace(uid_map: &str, gid_map: &str) -> Result<OwnedFd> {
-    let (hold_r, hold_w) = nix::unistd::pipe().map_err(|e| Error::Other(format!("pipe: {e}")))?;
-    let hold = hold_r.as_raw_fd();
+    // Close-on-exec: runc and other children the shim spawns meanwhile must not inherit the
+    // write end (they would keep the child below alive, and carry the fd into containers).
+    let (hold_r, hold_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| Error::Other(format!("pipe: {e}")))?;
+    let (hold, hold_w_raw) = (hold_r.as_raw_fd(), hold_w.as_raw_fd());
     let mut stack = vec![0u8; 64 * 1024];
-    // The child only blocks in read(2) until the parent closes its end, then exits: nothing that
-    // is unsafe after a clone of a multi-threaded process.
+    // The child only closes its copy of the write end and blocks in read(2) until the parent
+    // closes its own, then exits: nothing that is unsafe after a clone of a multi-threaded
+    // process. (Without the close, the child's own copy kept the pipe open, the read never saw
+    // EOF, and every user-namespace pod left a process behind that looked like its shim.)
     let child = unsafe {
         nix::sched::clone(
             Box::new(move || {
+                libc::close(hold_w_raw);
                 let mut b = [0u8; 1];
                 libc::read(hold, b.as_mut_ptr().cast(), 1);
                 0
