@@ -215,7 +215,8 @@ impl Containers {
         }
     }
 
-    fn load_config(options: &Option<(String, Vec<u8>)>) -> Result<(Config, ConfigSource)> {
+    /// The crab config that containerd's runtime options (type URL, value) name.
+    pub(crate) fn load_config(options: &Option<(String, Vec<u8>)>) -> Result<(Config, ConfigSource)> {
         let runtime_options = match options {
             Some((type_url, value)) if type_url.ends_with(crab_runtime_config::RUNTIME_OPTIONS_TYPE_URL) => {
                 Some(crab_runtime_config::decode_runtime_options(value)?)

@@ -12,7 +12,6 @@ use std::process::Command;
 use containerd_shim::protos::protobuf::well_known_types::any::Any;
 use containerd_shim::protos::protobuf::{Message, MessageField};
 use containerd_shim::protos::types::introspection::{RuntimeInfo, RuntimeVersion};
-use crab_runtime_config::{decode_runtime_options, RuntimeOptions, RUNTIME_OPTIONS_TYPE_URL};
 
 use crate::error::{Error, Result};
 use crate::service::RUNTIME_ID;
@@ -28,17 +27,8 @@ pub fn runtime_info(options: &[u8]) -> Result<RuntimeInfo> {
         .then(|| Any::parse_from_bytes(options))
         .transpose()
         .map_err(|e| Error::InvalidArgument(format!("runtime options: {e}")))?;
-    let runtime_options = match &any {
-        Some(a) if a.type_url.ends_with(RUNTIME_OPTIONS_TYPE_URL) => Some(decode_runtime_options(&a.value)?),
-        Some(a) if !a.value.is_empty() => {
-            return Err(Error::InvalidArgument(format!(
-                "runtime options of type `{}` are not crab's ({RUNTIME_OPTIONS_TYPE_URL})",
-                a.type_url
-            )))
-        }
-        _ => None,
-    };
-    let (config, _) = RuntimeOptions::load_config(runtime_options.as_ref())?;
+    let options = any.as_ref().map(|a| (a.type_url.clone(), a.value.clone()));
+    let (config, _) = crate::containers::Containers::load_config(&options)?;
     let runc = config.resolve_runc_binary()?;
     let out = Command::new(&runc)
         .arg("features")
