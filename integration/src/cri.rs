@@ -824,7 +824,7 @@ pub mod both {
     use std::fmt::Debug;
     use std::future::Future;
 
-    use super::{api, Cri, PodGuard, HANDLERS};
+    use super::{api, ws, Cri, PodGuard, HANDLERS};
 
     /// Runs `body` for each handler, each in its own task so that one handler's failure still lets
     /// the other run and both outcomes are reported together. Returns (handler, result) pairs.
@@ -927,5 +927,52 @@ pub mod both {
         api::ContainerState::try_from(state)
             .map(|s| s.as_str_name())
             .unwrap_or("invalid")
+    }
+
+    /// Opens a streaming URL the CRI handed out; the server must speak `v4.channel.k8s.io`
+    /// (exit codes on the error channel).
+    pub async fn open_stream(h: &str, url: &str) -> ws::Conn {
+        let conn = ws::connect(url, &[ws::V4, ws::V1])
+            .await
+            .unwrap_or_else(|e| panic!("handler {h}: streaming {url}: {e}"));
+        assert_eq!(conn.protocol, ws::V4, "handler {h}: negotiated subprotocol");
+        conn
+    }
+
+    /// Attach to `id`'s stdin and output (stderr too without a TTY).
+    pub async fn attach_stream(cri: &Cri, h: &str, id: &str, tty: bool) -> ws::Conn {
+        let url = cri
+            .runtime()
+            .attach(api::AttachRequest {
+                container_id: id.into(),
+                stdin: true,
+                tty,
+                stdout: true,
+                stderr: !tty,
+            })
+            .await
+            .unwrap_or_else(|e| panic!("handler {h}: Attach: {e}"))
+            .into_inner()
+            .url;
+        open_stream(h, &url).await
+    }
+
+    /// PortForward to `port` of pod `pod_id`. The websocket flavour takes its ports from the
+    /// query; the CRI's cached request has them too, so that only matters to servers that read
+    /// the query.
+    pub async fn port_forward_stream(cri: &Cri, h: &str, pod_id: &str, port: u16) -> ws::Conn {
+        let url = cri
+            .runtime()
+            .port_forward(api::PortForwardRequest {
+                pod_sandbox_id: pod_id.into(),
+                port: vec![port.into()],
+            })
+            .await
+            .unwrap_or_else(|e| panic!("handler {h}: PortForward: {e}"))
+            .into_inner()
+            .url;
+        ws::connect(&format!("{url}?port={port}"), &[ws::V4])
+            .await
+            .unwrap_or_else(|e| panic!("handler {h}: port-forward stream: {e}"))
     }
 }

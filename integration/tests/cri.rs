@@ -12,7 +12,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crab_integration::cri::both::{
-    assert_same, container, for_both_handlers, linux_sc, pod, pod_sc, sh, state_name,
+    assert_same, attach_stream, container, for_both_handlers, linux_sc, open_stream, pod, pod_sc,
+    port_forward_stream, sh, state_name,
 };
 use crab_integration::cri::{api, ws, Cri, PodGuard};
 use crab_integration::Error;
@@ -405,14 +406,6 @@ async fn container_logs_in_cri_format() {
 }
 
 /// An Exec or Attach URL's stream, opened with the v4 protocol (exit codes on the error channel).
-async fn open_stream(h: &str, url: &str) -> ws::Conn {
-    let conn = ws::connect(url, &[ws::V4, ws::V1])
-        .await
-        .unwrap_or_else(|e| panic!("handler {h}: streaming {url}: {e}"));
-    assert_eq!(conn.protocol, ws::V4, "handler {h}: negotiated subprotocol");
-    conn
-}
-
 async fn exec_stream(
     cri: &Cri,
     h: &str,
@@ -534,20 +527,7 @@ async fn streaming_attach() {
             c.stdin = true;
         })
         .await;
-        let url = cri
-            .runtime()
-            .attach(api::AttachRequest {
-                container_id: id.clone(),
-                stdin: true,
-                tty: false,
-                stdout: true,
-                stderr: true,
-            })
-            .await
-            .unwrap_or_else(|e| panic!("handler {h}: Attach: {e}"))
-            .into_inner()
-            .url;
-        let mut conn = open_stream(h, &url).await;
+        let mut conn = attach_stream(&cri, h, &id, false).await;
         conn.send(ws::STDIN, b"ping\n").await.unwrap();
         let mut out = ws::Output::default();
         let deadline = Instant::now() + EXIT_WAIT;
@@ -591,20 +571,7 @@ async fn streaming_attach() {
             },
         )
         .await;
-        let url = cri
-            .runtime()
-            .attach(api::AttachRequest {
-                container_id: once.clone(),
-                stdin: true,
-                tty: false,
-                stdout: true,
-                stderr: true,
-            })
-            .await
-            .unwrap_or_else(|e| panic!("handler {h}: Attach: {e}"))
-            .into_inner()
-            .url;
-        let mut conn = open_stream(h, &url).await;
+        let mut conn = attach_stream(&cri, h, &once, false).await;
         conn.send(ws::STDIN, b"last words\n").await.unwrap();
         let mut echoed = String::new();
         while !echoed.contains("last words\n") {
@@ -657,21 +624,7 @@ async fn streaming_port_forward() {
         cri.sh_until_ok(&id, "wget -q -O- http://127.0.0.1:8080/index.html", EXIT_WAIT)
             .await
             .unwrap_or_else(|e| panic!("handler {h}: httpd in the pod: {e}"));
-        let url = cri
-            .runtime()
-            .port_forward(api::PortForwardRequest {
-                pod_sandbox_id: pod.0.clone(),
-                port: vec![8080],
-            })
-            .await
-            .unwrap_or_else(|e| panic!("handler {h}: PortForward: {e}"))
-            .into_inner()
-            .url;
-        // The websocket flavour takes its ports from the query; the CRI's cached request has them
-        // too, so this only matters to servers that read the query.
-        let mut conn = ws::connect(&format!("{url}?port=8080"), &["v4.channel.k8s.io"])
-            .await
-            .unwrap_or_else(|e| panic!("handler {h}: port-forward stream: {e}"));
+        let mut conn = port_forward_stream(&cri, h, &pod.0, 8080).await;
         conn.send(0, b"GET /index.html HTTP/1.0\r\n\r\n").await.unwrap();
         let mut data = Vec::new();
         let mut errors = String::new();

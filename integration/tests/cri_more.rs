@@ -13,7 +13,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crab_integration::cri::both::{
-    assert_same, container, for_both_handlers, linux_sc, pod, pod_sc, sh, state_name,
+    assert_same, attach_stream, container, for_both_handlers, linux_sc, pod, pod_sc,
+    port_forward_stream, sh, state_name,
 };
 use crab_integration::cri::{api, ws, Cri, PodGuard};
 
@@ -342,22 +343,7 @@ async fn attach_tty_and_resize() {
             c.stdin = true;
         })
         .await;
-        let url = cri
-            .runtime()
-            .attach(api::AttachRequest {
-                container_id: id.clone(),
-                stdin: true,
-                tty: true,
-                stdout: true,
-                stderr: false,
-            })
-            .await
-            .unwrap_or_else(|e| panic!("handler {h}: Attach: {e}"))
-            .into_inner()
-            .url;
-        let mut conn = ws::connect(&url, &[ws::V4, ws::V1])
-            .await
-            .unwrap_or_else(|e| panic!("handler {h}: attach stream: {e}"));
+        let mut conn = attach_stream(&cri, h, &id, true).await;
         let mut out = String::new();
         let mut sizes = Vec::new();
         for (i, (w, rows)) in [(100, 40), (132, 50)].into_iter().enumerate() {
@@ -1030,19 +1016,7 @@ async fn port_forward_in_host_network() {
         tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
             .unwrap_or_else(|e| panic!("handler {h}: the host cannot reach 127.0.0.1:{port}: {e}"));
-        let url = cri
-            .runtime()
-            .port_forward(api::PortForwardRequest {
-                pod_sandbox_id: pod.0.clone(),
-                port: vec![port as i32],
-            })
-            .await
-            .unwrap_or_else(|e| panic!("handler {h}: PortForward: {e}"))
-            .into_inner()
-            .url;
-        let mut conn = ws::connect(&format!("{url}?port={port}"), &[ws::V4])
-            .await
-            .unwrap_or_else(|e| panic!("handler {h}: port-forward stream: {e}"));
+        let mut conn = port_forward_stream(&cri, h, &pod.0, port).await;
         conn.send(0, b"GET /index.html HTTP/1.0\r\n\r\n").await.unwrap();
         let mut data = Vec::new();
         let mut headers = 0;
