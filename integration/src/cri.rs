@@ -48,16 +48,7 @@ impl Cri {
             address: address.clone(),
             reason,
         };
-        if !env.address.exists() {
-            return Err(unreachable("no socket at that path".into()));
-        }
-        let channel = tokio::time::timeout(
-            Duration::from_secs(5),
-            containerd_client::connect(&env.address),
-        )
-        .await
-        .map_err(|_| unreachable("connect timed out after 5s".into()))?
-        .map_err(|e| unreachable(format!("connect: {e}")))?;
+        let channel = crate::harness::connect_channel(&env).await?;
         let cri = Cri { env, channel };
         let version = tokio::time::timeout(
             Duration::from_secs(10),

@@ -120,16 +120,7 @@ impl Harness {
             address: env.address.clone(),
             reason,
         };
-        if !env.address.exists() {
-            return Err(unreachable("no socket at that path".into()));
-        }
-        let channel = tokio::time::timeout(
-            Duration::from_secs(5),
-            containerd_client::connect(&env.address),
-        )
-        .await
-        .map_err(|_| unreachable("connect timed out after 5s".into()))?
-        .map_err(|e| unreachable(format!("connect: {e}")))?;
+        let channel = connect_channel(&env).await?;
         let version = tokio::time::timeout(
             Duration::from_secs(5),
             VersionClient::new(channel.clone()).version(()),
@@ -802,6 +793,21 @@ impl ExitEvents {
             }),
         }
     }
+}
+
+/// A gRPC channel to the containerd of `env` (its socket must exist; bounded to 5 s).
+pub async fn connect_channel(env: &TestEnv) -> Result<Channel> {
+    let unreachable = |reason: String| Error::Unreachable {
+        address: env.address.clone(),
+        reason,
+    };
+    if !env.address.exists() {
+        return Err(unreachable("no socket at that path".into()));
+    }
+    tokio::time::timeout(Duration::from_secs(5), containerd_client::connect(&env.address))
+        .await
+        .map_err(|_| unreachable("connect timed out after 5s".into()))?
+        .map_err(|e| unreachable(format!("connect: {e}")))
 }
 
 /// Last `n` lines of containerd's log that mention `needle`, for failure messages.
