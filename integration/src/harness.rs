@@ -148,6 +148,14 @@ impl Harness {
         Ctr::new(&self.env)
     }
 
+    /// The names of crabctl's own checkpoint images of `container`
+    /// (`crab.local/checkpoint/<namespace>/<container>:<seq>`).
+    pub fn internal_images(&self, container: &str) -> Vec<String> {
+        let prefix = format!("crab.local/checkpoint/{}/{container}:", self.env.namespace);
+        let listed = self.ctr().run(&["images", "ls", "-q"]).unwrap().ok().unwrap();
+        listed.stdout.lines().filter(|l| l.starts_with(&prefix)).map(str::to_string).collect()
+    }
+
     pub fn runtime(&self) -> &str {
         &self.env.runtime
     }

@@ -25,18 +25,6 @@ fn crabctl_ok(s: &Sandbox, args: &[&str]) -> String {
     out
 }
 
-/// The names of crabctl's own checkpoint images of `container`.
-fn internal_images(h: &Harness, container: &str) -> Vec<String> {
-    let prefix = format!("crab.local/checkpoint/{}/{container}:", h.env.namespace);
-    let listed = h.ctr().run(&["images", "ls", "-q"]).unwrap().ok().unwrap();
-    listed
-        .stdout
-        .lines()
-        .filter(|l| l.starts_with(&prefix))
-        .map(str::to_string)
-        .collect()
-}
-
 /// Sets the modification time of `dir` (and of its `checkpoints/`, if any) `ago` back.
 fn set_changed(dir: &Path, ago: Duration) {
     let t = SystemTime::now() - ago;
@@ -56,7 +44,7 @@ struct Cleanup {
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        for name in internal_images(&self.h, &self.id) {
+        for name in self.h.internal_images(&self.id) {
             let _ = self.h.ctr().run(&["images", "rm", &name]);
         }
         for p in &self.paths {
@@ -92,7 +80,7 @@ async fn prune_removes_only_what_containers_without_a_record_left() {
     s.end_turn().await;
     s.wait_manifests(1).await;
     crabctl_ok(&s, &["rollback", &s.id, "--to", "t1"]);
-    let images = internal_images(&h, &s.id);
+    let images = h.internal_images(&s.id);
     assert_eq!(images.len(), 1, "{images:?}");
     let store = s.store();
     let kept = |out: &str| {
@@ -100,7 +88,7 @@ async fn prune_removes_only_what_containers_without_a_record_left() {
             store.join("checkpoints").is_dir(),
             "the store of an existing container was removed:\n{out}"
         );
-        assert_eq!(internal_images(&h, &s.id), images, "{out}");
+        assert_eq!(h.internal_images(&s.id), images, "{out}");
         assert!(
             !out.contains(&format!("remove store {}", store.display())),
             "{out}"
@@ -182,7 +170,7 @@ async fn prune_removes_only_what_containers_without_a_record_left() {
         "--dry-run removed a store:\n{dry}"
     );
     assert_eq!(
-        internal_images(&h, &s.id),
+        h.internal_images(&s.id),
         images,
         "--dry-run removed an image:\n{dry}"
     );
@@ -200,7 +188,7 @@ async fn prune_removes_only_what_containers_without_a_record_left() {
     assert!(out.contains("total: removed 2 store directories"), "{out}");
     assert!(out.contains("and 1 images"), "{out}");
     assert!(!store.exists(), "{out}");
-    assert!(internal_images(&h, &s.id).is_empty(), "{out}");
+    assert!(h.internal_images(&s.id).is_empty(), "{out}");
     let mut left: Vec<String> = fs::read_dir(&ns_dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

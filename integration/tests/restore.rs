@@ -136,23 +136,11 @@ impl ImageGuard {
     }
 }
 
-/// The names of crabctl's own checkpoint images of `container`.
-fn internal_images(h: &Harness, container: &str) -> Vec<String> {
-    let prefix = format!("crab.local/checkpoint/{}/{container}:", h.env.namespace);
-    let listed = h.ctr().run(&["images", "ls", "-q"]).unwrap().ok().unwrap();
-    listed
-        .stdout
-        .lines()
-        .filter(|l| l.starts_with(&prefix))
-        .map(str::to_string)
-        .collect()
-}
-
 impl Drop for ImageGuard {
     fn drop(&mut self) {
         let mut names = self.names.clone();
         for c in &self.internal_of {
-            names.extend(internal_images(&self.h, c));
+            names.extend(self.h.internal_images(c));
         }
         for name in names {
             let _ = self.h.ctr().run(&["images", "rm", &name]);
@@ -512,7 +500,7 @@ async fn rollback_across_fs_turns_backwards_and_forwards() {
     // Each rollback dropped the checkpoint image the previous one started from.
     let seq_of = |turn: &str| manifest_of(&s, turn)["seq"].as_u64().unwrap();
     assert_eq!(
-        internal_images(&h, &s.id),
+        h.internal_images(&s.id),
         [format!(
             "crab.local/checkpoint/{}/{}:{}",
             h.env.namespace,
