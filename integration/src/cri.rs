@@ -336,6 +336,28 @@ impl Cri {
         .await
     }
 
+    /// Ends turn `turn` of container `id` as an agent harness does under Kubernetes: containerd's
+    /// `Tasks.Update` with the turn annotation, in the CRI's namespace.
+    pub async fn end_turn(&self, id: &str, turn: &str) -> Result<()> {
+        let mut env = self.env.clone();
+        env.namespace = CRI_NAMESPACE.into();
+        let tasks = crate::Harness::connect_env(env).await?;
+        let annotation = (crate::sandbox::TURN_END.to_string(), turn.to_string());
+        tasks
+            .update(id, None, std::collections::HashMap::from([annotation]))
+            .await
+    }
+
+    /// The KIND column of `crabctl checkpoints` for turn `turn` of `id` (None: no such line).
+    pub fn checkpoint_kind(&self, id: &str, turn: &str) -> Option<String> {
+        let (code, out, err) = self.crabctl(&["checkpoints", id]);
+        assert_eq!(code, 0, "crabctl checkpoints {id}: {out}{err}");
+        out.lines().find_map(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            (cols.len() > 3 && cols[2] == turn).then(|| cols[3].to_string())
+        })
+    }
+
     /// crabctl against the CRI's containerd namespace (no `--config`: it finds a container's
     /// store through the handler's runtime options): (exit code, stdout, stderr).
     pub fn crabctl(&self, args: &[&str]) -> (i32, String, String) {

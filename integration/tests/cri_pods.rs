@@ -2,12 +2,8 @@
 //! container), as containerd's runc shim does, and only app containers are inspected and
 //! checkpointed; the pause container is infrastructure.
 
-use std::collections::HashMap;
-
 use crab_integration::cri::{Cri, PodGuard, CRI_NAMESPACE, HANDLERS};
-use crab_integration::{host, Harness, TestEnv};
-
-const TURN_END: &str = "io.crab/turn-end";
+use crab_integration::{host, TestEnv};
 
 /// The parent of `pid`, from `/proc/PID/stat` (after the command name, which may hold spaces).
 fn ppid(pid: i32) -> Option<i32> {
@@ -82,9 +78,6 @@ async fn one_shim_per_pod_for_both_handlers() {
 #[tokio::test(flavor = "multi_thread")]
 async fn only_app_containers_are_inspected() {
     let cri = Cri::for_test().await;
-    let mut env = cri.env.clone();
-    env.namespace = CRI_NAMESPACE.into();
-    let tasks = Harness::connect_env(env.clone()).await.unwrap();
     let mut guard = PodGuard::new();
     let pod = cri.pod_config("inspected");
     let pod_id = cri.run_pod(&mut guard, "crab", &pod).await.unwrap();
@@ -98,20 +91,17 @@ async fn only_app_containers_are_inspected() {
         .unwrap();
 
     cri.sh(&app, "echo kept > /root/file").await.unwrap();
-    let turn = HashMap::from([(TURN_END.to_string(), "t1".to_string())]);
-    tasks.update(&app, None, turn.clone()).await.unwrap();
+    cri.end_turn(&app, "t1").await.unwrap();
     cri.sh(&app, "true").await.unwrap();
-    let (code, out, err) = cri.crabctl(&["checkpoints", &app]);
-    assert_eq!(code, 0, "{out}{err}");
-    assert!(
-        out.lines()
-            .any(|l| l.split_whitespace().nth(2) == Some("t1")
-                && l.split_whitespace().nth(3) == Some("fs")),
-        "the app container's turn made an fs checkpoint: {out}"
+    assert_eq!(
+        cri.checkpoint_kind(&app, "t1").as_deref(),
+        Some("fs"),
+        "the app container's turn made an fs checkpoint: {}",
+        cri.crabctl(&["checkpoints", &app]).1
     );
 
     // The pause container takes no turn ends and has no store.
-    let err = tasks.update(&pod_id, None, turn).await.unwrap_err();
+    let err = cri.end_turn(&pod_id, "t1").await.unwrap_err();
     assert_eq!(
         err.grpc_code(),
         Some(tonic::Code::FailedPrecondition),

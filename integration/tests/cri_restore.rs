@@ -6,14 +6,11 @@
 //! container through containerd's `Tasks.Update` in the CRI's namespace, and `crabctl export`
 //! writes the image into that namespace, where the CRI finds it like any pulled image.
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crab_integration::cri::{api, Cri, PodGuard, CRI_NAMESPACE};
-use crab_integration::{Harness, TestEnv};
-
-const TURN_END: &str = "io.crab/turn-end";
+use crab_integration::TestEnv;
 
 /// A loop whose only copy of `tok` and `i` is in the shell's memory; it writes them out so the
 /// test can see that a restored process carries on from where it was dumped.
@@ -45,22 +42,9 @@ async fn counter(cri: &Cri, id: &str) -> (String, u64) {
     )
 }
 
-/// The KIND column of `crabctl checkpoints` for turn `turn`.
-fn checkpoint_kind(cri: &Cri, id: &str, turn: &str) -> Option<String> {
-    let (code, out, err) = cri.crabctl(&["checkpoints", id]);
-    assert_eq!(code, 0, "crabctl checkpoints {id}: {out}{err}");
-    out.lines().find_map(|l| {
-        let cols: Vec<&str> = l.split_whitespace().collect();
-        (cols.len() > 3 && cols[2] == turn).then(|| cols[3].to_string())
-    })
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn checkpoint_image_restores_in_a_new_pod() {
     let cri = Cri::for_test().await;
-    let mut env = cri.env.clone();
-    env.namespace = CRI_NAMESPACE.into();
-    let tasks = Harness::connect_env(env.clone()).await.unwrap();
     let mut guard = PodGuard::new();
 
     // The agent's pod: a long-lived process with state in memory, and a file the agent wrote.
@@ -93,18 +77,11 @@ async fn checkpoint_image_restores_in_a_new_pod() {
     let (tok, before) = counter(&cri, &src).await;
 
     // The turn ends through containerd's Tasks.Update in k8s.io, as a harness would send it.
-    tasks
-        .update(
-            &src,
-            None,
-            HashMap::from([(TURN_END.to_string(), "t1".to_string())]),
-        )
-        .await
-        .unwrap();
+    cri.end_turn(&src, "t1").await.unwrap();
     // The next action waits until the turn's checkpoint is durable.
     cri.sh(&src, "true").await.unwrap();
     assert_eq!(
-        checkpoint_kind(&cri, &src, "t1").as_deref(),
+        cri.checkpoint_kind(&src, "t1").as_deref(),
         Some("full"),
         "a new file and a live process with changed memory make a full checkpoint: {}",
         cri.crabctl(&["checkpoints", &src]).1
@@ -114,7 +91,7 @@ async fn checkpoint_image_restores_in_a_new_pod() {
     let (code, out, err) = cri.crabctl(&["export", &src, "--turn", "t1", &image]);
     assert_eq!(code, 0, "crabctl export: {out}{err}");
     let _image_cleanup = ImageCleanup {
-        env: env.clone(),
+        env: cri.env.clone(),
         image: image.clone(),
     };
     // The node is lost: the source pod goes away before the restore.
@@ -191,14 +168,7 @@ async fn checkpoint_image_restores_in_a_new_pod() {
 
     // The restored container carries on: its lineage begins with a `restored` origin, and its
     // next turn ends in a checkpoint of its own.
-    tasks
-        .update(
-            &dst,
-            None,
-            HashMap::from([(TURN_END.to_string(), "t2".to_string())]),
-        )
-        .await
-        .unwrap();
+    cri.end_turn(&dst, "t2").await.unwrap();
     cri.sh(&dst, "true").await.unwrap();
     let (code, out, err) = cri.crabctl(&["checkpoints", &dst]);
     assert_eq!(code, 0, "{out}{err}");
@@ -206,7 +176,7 @@ async fn checkpoint_image_restores_in_a_new_pod() {
         out.contains("restored"),
         "lineage of the restored container: {out}"
     );
-    let kind = checkpoint_kind(&cri, &dst, "t2");
+    let kind = cri.checkpoint_kind(&dst, "t2");
     assert!(
         matches!(kind.as_deref(), Some("proc" | "full")),
         "the counter ran during t2, so its memory changed: {out}"
