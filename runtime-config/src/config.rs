@@ -26,6 +26,7 @@ pub struct Config {
     pub log: LogConfig,
     pub checkpoint: CheckpointConfig,
     pub engine: EngineConfig,
+    pub restore: RestoreConfig,
 }
 
 /// How crab runs runc.
@@ -237,6 +238,68 @@ impl Default for EngineConfig {
     }
 }
 
+/// Starting containers from checkpoint images (see the README's Security section): whose
+/// images are restored, and how large one may be.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default, expecting = "the [restore] table")]
+pub struct RestoreConfig {
+    /// The key `crabctl export` (and fork, rollback, recover) signs checkpoint images with.
+    /// Default `<store.state_dir>/keys/checkpoint-signing.key`, generated (mode 0600) on first
+    /// use; its public half is written next to it as `.pub`.
+    #[serde(deserialize_with = "some_absolute_path")]
+    pub signing_key: Option<PathBuf>,
+    /// Files of public keys (`ed25519:<hex>` lines) whose signatures make an image's
+    /// processes restorable, e.g. a cluster key from a Kubernetes Secret. Default none.
+    #[serde(deserialize_with = "absolute_paths")]
+    pub trusted_keys: Vec<PathBuf>,
+    /// Trust the signing key's own public half (this host's exports). Default `true`.
+    pub trust_signing_key: bool,
+    /// A checkpoint image not signed by a trusted key: `refuse` (the default) fails the
+    /// container's Create with the reason; `start-fresh` starts it as an ordinary image (its
+    /// entrypoint, none of the checkpoint's processes), the checkpoint directory hidden.
+    pub unsigned_images: UnsignedImages,
+    /// The most bytes a checkpoint image's CRIU directory may hold, in MiB (>= 1). Default
+    /// 65536 (64 GiB). Larger images are refused before anything is copied.
+    #[serde(deserialize_with = "positive_u64")]
+    pub max_image_mib: u64,
+    /// The most files a checkpoint image's CRIU directory may hold (>= 1). Default 100000.
+    #[serde(deserialize_with = "positive_u64")]
+    pub max_image_files: u64,
+}
+
+/// What to do with a checkpoint image no trusted key signed (see
+/// [`RestoreConfig::unsigned_images`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum UnsignedImages {
+    #[default]
+    Refuse,
+    StartFresh,
+}
+
+impl Default for RestoreConfig {
+    fn default() -> Self {
+        RestoreConfig {
+            signing_key: None,
+            trusted_keys: Vec::new(),
+            trust_signing_key: true,
+            unsigned_images: UnsignedImages::Refuse,
+            max_image_mib: 65_536,
+            max_image_files: 100_000,
+        }
+    }
+}
+
+impl Config {
+    /// Where the checkpoint signing key is: `[restore] signing_key`, else under the store.
+    pub fn signing_key_path(&self) -> PathBuf {
+        self.restore
+            .signing_key
+            .clone()
+            .unwrap_or_else(|| self.store.state_dir.join("keys/checkpoint-signing.key"))
+    }
+}
+
 /// Where a loaded [`Config`] came from, for the shim's startup log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ConfigSource {
@@ -435,6 +498,16 @@ fn action_wait_timeout_ms<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Err
     }
 }
 
+fn positive_u64<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    match u64::deserialize(d)? {
+        0 => Err(D::Error::invalid_value(
+            Unexpected::Unsigned(0),
+            &"a positive integer",
+        )),
+        n => Ok(n),
+    }
+}
+
 fn max_jobs<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
     let n = u32::deserialize(d)?;
     if (1..=1024).contains(&n) {
@@ -529,7 +602,7 @@ mod tests {
     fn empty_document_and_empty_tables_give_defaults() {
         assert_eq!(parse("").unwrap(), Config::default());
         assert_eq!(
-            parse("[runc]\n[store]\n[log]\n[checkpoint]\n[engine]\n").unwrap(),
+            parse("[runc]\n[store]\n[log]\n[checkpoint]\n[engine]\n[restore]\n").unwrap(),
             Config::default()
         );
     }
@@ -564,6 +637,14 @@ mod tests {
             max_jobs = 4
             io_budget_mb_s = 200
             root = "/run/crab/engine-test"
+
+            [restore]
+            signing_key = "/etc/crab/keys/node.key"
+            trusted_keys = ["/etc/crab/keys/cluster.pub"]
+            trust_signing_key = false
+            unsigned_images = "start-fresh"
+            max_image_mib = 1024
+            max_image_files = 500
             "#,
         )
         .unwrap();
@@ -597,8 +678,37 @@ mod tests {
                     io_budget_mb_s: Some(200),
                     root: "/run/crab/engine-test".into(),
                 },
+                restore: RestoreConfig {
+                    signing_key: Some("/etc/crab/keys/node.key".into()),
+                    trusted_keys: vec!["/etc/crab/keys/cluster.pub".into()],
+                    trust_signing_key: false,
+                    unsigned_images: UnsignedImages::StartFresh,
+                    max_image_mib: 1024,
+                    max_image_files: 500,
+                },
             }
         );
+        assert_eq!(c.signing_key_path(), Path::new("/etc/crab/keys/node.key"));
+        assert_eq!(
+            Config::default().signing_key_path(),
+            Path::new("/var/lib/crab/keys/checkpoint-signing.key")
+        );
+    }
+
+    #[test]
+    fn bad_restore_settings_are_named() {
+        for (doc, key) in [
+            ("[restore]\nunsigned_images = \"allow\"\n", "restore.unsigned_images"),
+            ("[restore]\ntrusted_keys = [\"keys/a.pub\"]\n", "restore.trusted_keys"),
+            ("[restore]\nsigning_key = \"k\"\n", "restore.signing_key"),
+            ("[restore]\nmax_image_mib = 0\n", "restore.max_image_mib"),
+            ("[restore]\nmax_image_files = 0\n", "restore.max_image_files"),
+            ("[restore]\ntrusted_key = []\n", "restore.trusted_key"),
+        ] {
+            let (msg, got, location) = parse_err(doc);
+            assert_eq!(got.as_deref(), Some(key), "{doc}: {msg}");
+            assert_eq!(location.map(|l| l.line), Some(2), "{doc}: {msg}");
+        }
     }
 
     #[test]
@@ -673,7 +783,7 @@ mod tests {
         assert_eq!(
             msg,
             "invalid crab config /etc/crab/test.toml:4:2: key `runtime`: unknown field `runtime`, \
-             expected one of `runc`, `store`, `log`, `checkpoint`, `engine`"
+             expected one of `runc`, `store`, `log`, `checkpoint`, `engine`, `restore`"
         );
     }
 

@@ -259,10 +259,24 @@ impl Containers {
         let checkpointing = config.checkpoint.enabled && turns::is_inspected(&spec);
         // A checkpoint to start from: containerd's (`ctr run --checkpoint`), or crab's in the
         // rootfs of a checkpoint image.
+        // Whoever signed it, a process image may not ask for more than this spec grants.
+        let granted = crate::checkpoint::privilege::Granted::from_spec(&spec);
         let taken = match p.checkpoint.is_empty() {
             true => {
                 let (rootfs, dest) = (bundle::rootfs_path(&p.bundle), p.bundle.join("crab-restore"));
-                match tokio::task::spawn_blocking(move || restore::take_from_rootfs(&rootfs, &dest)).await {
+                let config = config.clone();
+                let taken = tokio::task::spawn_blocking(move || {
+                    let trusted = || crate::checkpoint::provenance::trusted_keys(&config);
+                    let guard = restore::RestoreGuard {
+                        trusted: &trusted,
+                        unsigned: config.restore.unsigned_images,
+                        limits: restore::ImageLimits::from_config(&config.restore),
+                        granted: &granted,
+                    };
+                    restore::take_from_rootfs(&rootfs, &dest, &guard)
+                })
+                .await;
+                match taken {
                     Ok(Ok(t)) => t,
                     Ok(Err(e)) => {
                         unmount(&e);
@@ -274,7 +288,22 @@ impl Containers {
                     }
                 }
             }
-            false => None,
+            // containerd's own checkpoint (`ctr run --checkpoint`, the CRI's restore): not
+            // crab's to sign, but just as able to ask for privileges.
+            false => {
+                let dir = PathBuf::from(&p.checkpoint);
+                match tokio::task::spawn_blocking(move || restore::check_privilege(&dir, &granted)).await {
+                    Ok(Ok(())) => None,
+                    Ok(Err(e)) => {
+                        unmount(&e);
+                        return Err(Error::FailedPrecondition(format!("cannot restore {}: {e}", p.id)));
+                    }
+                    Err(e) => {
+                        unmount(&e);
+                        return Err(Error::Other(e.to_string()));
+                    }
+                }
+            }
         };
         let restore_image = match (&taken, p.checkpoint.is_empty()) {
             (_, false) => Some(PathBuf::from(&p.checkpoint)),

@@ -5,7 +5,9 @@
 //! - [`process`]: process images with CRIU via runc (the trap check, image verification);
 //!   [`pages`]: their page data, content-addressed so unchanged pages are stored once;
 //! - [`restore`]: a container started from a checkpoint image (the reserved directory in its
-//!   rootfs) and the origin manifests that begin each container's lineage;
+//!   rootfs) and the origin manifests that begin each container's lineage; before anything
+//!   of such an image runs, [`provenance`] checks who signed it and [`privilege`] (reading
+//!   the CRIU image with [`criu_image`]) that it asks for no more than the spec grants;
 //! - [`Coordinator`] (here): a turn's answer becomes a background job; the next action on the
 //!   container waits until that job is durable (bounded), and turn ends that arrive while a
 //!   job runs are coalesced into the next job.
@@ -20,10 +22,13 @@
 //! with the exec named, and the next turn takes a full checkpoint. The turn end itself still
 //! returns at once.
 
+pub mod criu_image;
 pub mod layer;
 pub mod pages;
 pub mod policy;
+pub mod privilege;
 pub mod process;
+pub mod provenance;
 pub mod restore;
 pub mod store;
 

@@ -23,10 +23,16 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use std::{collections::BTreeMap, time::Instant};
+
+use crab_runtime_config::UnsignedImages;
 use serde::{Deserialize, Serialize};
 
 use super::{
+    criu_image::{self, CriuImageError},
     pages,
+    privilege::{self, Excess, Granted},
+    provenance::{self, FileDigest, HashingReader, ProvenanceError, TrustedKeys, SIGNATURE_FILE},
     store::{CheckpointKind, Descriptor, Manifest, ProcessImage, Store, StoreError},
 };
 
@@ -39,7 +45,7 @@ pub const CRIU_DIR: &str = "criu";
 /// The metadata format this crab writes and the newest it reads.
 pub const META_FORMAT: u32 = 1;
 /// `checkpoint.json` is small; anything larger is not ours.
-const META_MAX: u64 = 16 << 20;
+const META_MAX: u64 = 4 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
@@ -61,6 +67,21 @@ pub enum RestoreError {
     Store(#[from] StoreError),
     #[error("checkpoint store: importing the process image: {0}")]
     Pages(#[from] pages::PagesError),
+    #[error(transparent)]
+    Provenance(#[from] ProvenanceError),
+    #[error(transparent)]
+    Privilege(#[from] Excess),
+    #[error(transparent)]
+    CriuImage(#[from] CriuImageError),
+    #[error(
+        "checkpoint image: {path} holds {what}, more than the {limit} allowed ([restore] {key})"
+    )]
+    TooLarge {
+        path: PathBuf,
+        what: String,
+        limit: u64,
+        key: &'static str,
+    },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> RestoreError + '_ {
@@ -109,18 +130,22 @@ impl CheckpointMeta {
             path: path.to_path_buf(),
             reason,
         };
-        let value: serde_json::Value =
-            serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
-        let format = value
-            .get("format")
-            .and_then(serde_json::Value::as_u64)
+        /// Only the format, read first; the rest of the document is skipped, not built into
+        /// a tree (it is untrusted, up to [`META_MAX`] bytes).
+        #[derive(Deserialize)]
+        struct Head {
+            format: Option<u64>,
+        }
+        let head: Head = serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
+        let format = head
+            .format
             .ok_or_else(|| bad("no numeric `format`".into()))?;
         if format > u64::from(META_FORMAT) {
             return Err(RestoreError::NewerFormat {
                 format: u32::try_from(format).unwrap_or(u32::MAX),
             });
         }
-        let meta: CheckpointMeta = serde_json::from_value(value).map_err(|e| bad(e.to_string()))?;
+        let meta: CheckpointMeta = serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
         if meta.format == 0 {
             return Err(bad("format 0".into()));
         }
@@ -172,11 +197,12 @@ fn plain(path: &Path) -> Result<fs::Metadata, RestoreError> {
     }
 }
 
-/// Reads a plain file without following a symlink in its last component.
+/// Reads a plain file without following a symlink in its last component, and without
+/// blocking on a FIFO planted in its place (opened non-blocking, then refused by type).
 fn read_plain(path: &Path, max: u64) -> Result<Vec<u8>, RestoreError> {
     let f = fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
         .open(path)
         .map_err(|e| match e.raw_os_error() {
             Some(libc::ELOOP) => RestoreError::NotPlain {
@@ -192,7 +218,7 @@ fn read_plain(path: &Path, max: u64) -> Result<Vec<u8>, RestoreError> {
     if !md.is_file() {
         return Err(RestoreError::NotPlain {
             path: path.to_path_buf(),
-            found: "not a regular file",
+            found: kind_name(md.file_type()),
         });
     }
     if md.len() > max {
@@ -206,13 +232,73 @@ fn read_plain(path: &Path, max: u64) -> Result<Vec<u8>, RestoreError> {
     Ok(out)
 }
 
-/// Copies the plain files of `from` (no subdirectories: a CRIU image is flat) into a new `to`.
-fn copy_image(from: &Path, to: &Path) -> Result<u64, RestoreError> {
+/// Bounds on a CRIU image directory taken from an image.
+#[derive(Debug, Clone, Copy)]
+pub struct ImageLimits {
+    pub max_bytes: u64,
+    pub max_files: u64,
+}
+
+impl ImageLimits {
+    pub const NONE: ImageLimits = ImageLimits {
+        max_bytes: u64::MAX,
+        max_files: u64::MAX,
+    };
+
+    pub fn from_config(c: &crab_runtime_config::RestoreConfig) -> ImageLimits {
+        ImageLimits {
+            max_bytes: c.max_image_mib.saturating_mul(1 << 20),
+            max_files: c.max_image_files,
+        }
+    }
+}
+
+/// A CRIU image copied: its logical size and each file's digest.
+struct Copied {
+    bytes: u64,
+    files: BTreeMap<String, FileDigest>,
+}
+
+/// Copies the plain files of `from` (no subdirectories: a CRIU image is flat) into a new `to`,
+/// hashing each as it passes. The directory is listed and bounded by `limits` before a byte
+/// is copied; a file that grows while being copied is an error, not a longer copy.
+fn copy_image(from: &Path, to: &Path, limits: ImageLimits) -> Result<Copied, RestoreError> {
     let md = plain(from)?;
     if !md.is_dir() {
         return Err(RestoreError::MissingImage {
             path: from.to_path_buf(),
         });
+    }
+    let mut listed = Vec::new();
+    let mut total = 0u64;
+    for entry in fs::read_dir(from).map_err(io_err(from))? {
+        let entry = entry.map_err(io_err(from))?;
+        let src = entry.path();
+        let md = plain(&src)?;
+        if !md.is_file() {
+            return Err(RestoreError::NotPlain {
+                path: src,
+                found: "a directory",
+            });
+        }
+        total = total.saturating_add(md.len());
+        listed.push((entry.file_name(), md.len()));
+        if listed.len() as u64 > limits.max_files {
+            return Err(RestoreError::TooLarge {
+                path: from.to_path_buf(),
+                what: format!("more than {} files", limits.max_files),
+                limit: limits.max_files,
+                key: "max_image_files",
+            });
+        }
+        if total > limits.max_bytes {
+            return Err(RestoreError::TooLarge {
+                path: from.to_path_buf(),
+                what: format!("more than {total} bytes"),
+                limit: limits.max_bytes,
+                key: "max_image_mib",
+            });
+        }
     }
     match fs::remove_dir_all(to) {
         Ok(()) => {}
@@ -225,38 +311,78 @@ fn copy_image(from: &Path, to: &Path) -> Result<u64, RestoreError> {
         }
     }
     fs::create_dir_all(to).map_err(io_err(to))?;
-    let mut bytes = 0;
-    for entry in fs::read_dir(from).map_err(io_err(from))? {
-        let entry = entry.map_err(io_err(from))?;
-        let src = entry.path();
-        let md = plain(&src)?;
-        if !md.is_file() {
-            return Err(RestoreError::NotPlain {
-                path: src,
-                found: "a directory",
-            });
-        }
-        let mut input = fs::OpenOptions::new()
+    let mut copied = Copied {
+        bytes: 0,
+        files: BTreeMap::new(),
+    };
+    for (name, len) in listed {
+        let src = from.join(&name);
+        let input = fs::OpenOptions::new()
             .read(true)
-            .custom_flags(libc::O_NOFOLLOW)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
             .open(&src)
             .map_err(io_err(&src))?;
-        let dst = to.join(entry.file_name());
+        if !input.metadata().map_err(io_err(&src))?.is_file() {
+            return Err(RestoreError::NotPlain {
+                path: src,
+                found: "not a regular file",
+            });
+        }
+        let dst = to.join(&name);
         let mut out = File::create(&dst).map_err(io_err(&dst))?;
-        bytes += io::copy(&mut input, &mut out).map_err(io_err(&dst))?;
+        let mut hashing = HashingReader::new(input.take(len + 1));
+        let n = io::copy(&mut hashing, &mut out).map_err(io_err(&dst))?;
+        if n != len {
+            return Err(RestoreError::Io {
+                path: src,
+                source: io::Error::other(format!("{n} bytes read, {len} listed")),
+            });
+        }
+        copied.bytes += n;
+        copied
+            .files
+            .insert(name.to_string_lossy().into_owned(), hashing.finish());
     }
     if !to.join("inventory.img").is_file() {
         return Err(RestoreError::MissingImage {
             path: from.to_path_buf(),
         });
     }
-    Ok(bytes)
+    Ok(copied)
+}
+
+/// Who may restore what: the keys whose signatures are trusted, what to do with an image
+/// none of them signed, the bounds on its size, and what the new container's spec grants.
+pub struct RestoreGuard<'a> {
+    /// Loaded only when there is a checkpoint to check (a missing key file must not stop
+    /// ordinary containers).
+    pub trusted: &'a dyn Fn() -> Result<TrustedKeys, ProvenanceError>,
+    pub unsigned: UnsignedImages,
+    pub limits: ImageLimits,
+    pub granted: &'a Granted,
+}
+
+/// Checks the CRIU image in `dir` (a private copy) against what the container's spec grants.
+pub fn check_privilege(dir: &Path, granted: &Granted) -> Result<(), RestoreError> {
+    let facts = criu_image::read_facts(dir)?;
+    privilege::check(&facts, granted)?;
+    Ok(())
 }
 
 /// Looks for a checkpoint in `rootfs`. Without one: `None`, nothing touched. With one: its
-/// description is checked, the CRIU image (if any) copied to `criu_dest`, and the reserved
-/// directory removed from the rootfs. On an error the rootfs is left as it was.
-pub fn take_from_rootfs(rootfs: &Path, criu_dest: &Path) -> Result<Option<Taken>, RestoreError> {
+/// signature is verified against `guard`'s trusted keys, the CRIU image (if any) copied to
+/// `criu_dest` (bounded, each file checked against the signed digests) and checked against
+/// what the spec grants, and the reserved directory removed from the rootfs. On an error the
+/// rootfs is left as it was and nothing is left at `criu_dest`.
+///
+/// An image no trusted key signed is refused, or (`unsigned_images = "start-fresh"`) its
+/// reserved directory is removed and `None` returned: the container starts as an ordinary
+/// image. An image altered after signing is always refused.
+pub fn take_from_rootfs(
+    rootfs: &Path,
+    criu_dest: &Path,
+    guard: &RestoreGuard<'_>,
+) -> Result<Option<Taken>, RestoreError> {
     let dir = rootfs.join(RESERVED_DIR);
     match fs::symlink_metadata(&dir) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
@@ -274,16 +400,64 @@ pub fn take_from_rootfs(rootfs: &Path, criu_dest: &Path) -> Result<Option<Taken>
         }
         Ok(_) => {}
     }
+    let started = Instant::now();
     let meta_path = dir.join(META_FILE);
-    let meta = CheckpointMeta::parse(&meta_path, &read_plain(&meta_path, META_MAX)?)?;
+    let meta_bytes = read_plain(&meta_path, META_MAX)?;
+    let meta = CheckpointMeta::parse(&meta_path, &meta_bytes)?;
+    let sig_path = dir.join(SIGNATURE_FILE);
+    let verified = match fs::symlink_metadata(&sig_path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(ProvenanceError::Untrusted(format!(
+            "it carries no signature ({RESERVED_DIR}/{SIGNATURE_FILE})"
+        ))),
+        _ => (guard.trusted)()?.verify(
+            &read_plain(&sig_path, provenance::SIGNATURE_MAX)?,
+            &meta_bytes,
+        ),
+    };
+    let statement = match verified {
+        Ok(s) => s,
+        Err(e @ ProvenanceError::Untrusted(_)) if guard.unsigned == UnsignedImages::StartFresh => {
+            log::warn!(
+                "{e}: starting it as an ordinary image ([restore] unsigned_images = \"start-fresh\"), \
+                 without its processes"
+            );
+            fs::remove_dir_all(&dir).map_err(io_err(&dir))?;
+            return Ok(None);
+        }
+        Err(e) => return Err(e.into()),
+    };
     let criu = dir.join(CRIU_DIR);
     let criu_dir = match (&meta.process, fs::symlink_metadata(&criu).is_ok()) {
         (Some(_), true) => {
-            copy_image(&criu, criu_dest)?;
+            let checked = copy_image(&criu, criu_dest, guard.limits).and_then(|copied| {
+                provenance::check_files(&statement, &copied.files)?;
+                check_privilege(criu_dest, guard.granted)?;
+                Ok(copied)
+            });
+            match checked {
+                Ok(copied) => log::info!(
+                    "checkpoint image verified: {} files, {} bytes, signed, within the spec's \
+                     privileges ({:.1} ms)",
+                    copied.files.len(),
+                    copied.bytes,
+                    started.elapsed().as_secs_f64() * 1e3
+                ),
+                Err(e) => {
+                    let _ = fs::remove_dir_all(criu_dest);
+                    return Err(e);
+                }
+            }
             Some(criu_dest.to_path_buf())
         }
         (Some(_), false) => return Err(RestoreError::MissingImage { path: criu }),
         (None, present) => {
+            if !statement.criu.is_empty() {
+                return Err(ProvenanceError::Altered(
+                    "the signature names CRIU files but checkpoint.json names no process image"
+                        .into(),
+                )
+                .into());
+            }
             if present {
                 log::warn!(
                     "checkpoint image names no process image but carries {}: ignored",
@@ -329,7 +503,12 @@ fn own_source(store: &Store, namespace: &str, container: &str, taken: &Taken) ->
 
 /// Whether [`restored_manifest`] must import a process image (copy and deduplicate it into the
 /// store), rather than reference one the store already holds or have none.
-pub fn imports_process_image(store: &Store, namespace: &str, container: &str, taken: &Taken) -> bool {
+pub fn imports_process_image(
+    store: &Store,
+    namespace: &str,
+    container: &str,
+    taken: &Taken,
+) -> bool {
     taken.criu_dir.is_some()
         && !own_source(store, namespace, container, taken)
             .and_then(|o| o.process)
@@ -357,7 +536,7 @@ pub fn restored_manifest(
         (Some(_), Some(p)) if store.root().join(&p.image).is_dir() => Some(p),
         (Some(criu), _) => {
             let dir = store.proc_dir(seq);
-            let bytes_logical = copy_image(criu, &dir)?;
+            let bytes_logical = copy_image(criu, &dir, ImageLimits::NONE)?.bytes;
             let dedup = pages::dedup(&dir, &store.chunks_dir())?;
             let files: u64 = fs::read_dir(&dir)
                 .map_err(io_err(&dir))?
@@ -439,7 +618,10 @@ pub fn bring_up_loopback(pid: u32) -> io::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::criu_image::{ns, testing, Creds};
+    use super::super::provenance::{sign, Statement};
     use super::*;
+    use ed25519_dalek::SigningKey;
 
     fn meta_json(format: u32, process: bool) -> String {
         format!(
@@ -451,24 +633,113 @@ mod tests {
         )
     }
 
-    fn rootfs_with(meta: &str, criu_files: &[(&str, &[u8])]) -> tempfile::TempDir {
+    fn key() -> SigningKey {
+        SigningKey::from_bytes(&[7; 32])
+    }
+
+    const DEFAULT_CAPS: u64 = 0xa804_25fb;
+
+    fn unprivileged() -> Granted {
+        Granted {
+            gids: vec![0],
+            bounding: DEFAULT_CAPS,
+            effective: DEFAULT_CAPS,
+            permitted: DEFAULT_CAPS,
+            namespaces: ns::PID | ns::NET | ns::MNT,
+            ..Granted::default()
+        }
+    }
+
+    fn creds(caps: u64) -> Creds {
+        Creds {
+            cap_prm: caps,
+            cap_eff: caps,
+            cap_bnd: caps,
+            ..Creds::default()
+        }
+    }
+
+    struct Fixture {
+        trusted: TrustedKeys,
+        granted: Granted,
+        unsigned: UnsignedImages,
+        limits: ImageLimits,
+    }
+
+    impl Fixture {
+        fn new() -> Fixture {
+            let mut trusted = TrustedKeys::new();
+            trusted.add(key().verifying_key(), "test");
+            Fixture {
+                trusted,
+                granted: unprivileged(),
+                unsigned: UnsignedImages::Refuse,
+                limits: ImageLimits::NONE,
+            }
+        }
+
+        fn take(&self, root: &Path, dest: &Path) -> Result<Option<Taken>, RestoreError> {
+            let trusted = || Ok(self.trusted.clone());
+            take_from_rootfs(
+                root,
+                dest,
+                &RestoreGuard {
+                    trusted: &trusted,
+                    unsigned: self.unsigned,
+                    limits: self.limits,
+                    granted: &self.granted,
+                },
+            )
+        }
+    }
+
+    /// Signs what `dir` (a reserved directory) holds, as `crabctl export` does.
+    fn sign_dir(dir: &Path, key: &SigningKey) {
+        let meta = fs::read(dir.join(META_FILE)).unwrap_or_default();
+        let mut criu = BTreeMap::new();
+        if let Ok(entries) = fs::read_dir(dir.join(CRIU_DIR)) {
+            for e in entries {
+                let e = e.unwrap();
+                let mut r = HashingReader::new(File::open(e.path()).unwrap());
+                io::copy(&mut r, &mut io::sink()).unwrap();
+                criu.insert(e.file_name().to_string_lossy().into_owned(), r.finish());
+            }
+        }
+        let statement = Statement {
+            checkpoint_json: provenance::sha256(&meta),
+            criu,
+        };
+        fs::write(dir.join(SIGNATURE_FILE), sign(key, statement)).unwrap();
+    }
+
+    /// A rootfs with a signed checkpoint: `meta`, and with `image_creds` a CRIU image of
+    /// init (pid 1) and pid 7 with those credentials, plus `extra` files.
+    fn rootfs_with(
+        meta: &str,
+        image_creds: Option<&Creds>,
+        extra: &[(&str, &[u8])],
+    ) -> tempfile::TempDir {
         let root = tempfile::tempdir().unwrap();
         let dir = root.path().join(RESERVED_DIR);
         fs::create_dir_all(&dir).unwrap();
         fs::write(dir.join(META_FILE), meta).unwrap();
-        if !criu_files.is_empty() {
-            fs::create_dir(dir.join(CRIU_DIR)).unwrap();
-            for (name, data) in criu_files {
-                fs::write(dir.join(CRIU_DIR).join(name), data).unwrap();
-            }
+        if let Some(c) = image_creds {
+            testing::write_image(&dir.join(CRIU_DIR), &[(1, &[]), (7, &[])], c, ns::USER);
         }
+        for (name, data) in extra {
+            fs::create_dir_all(dir.join(CRIU_DIR)).unwrap();
+            fs::write(dir.join(CRIU_DIR).join(name), data).unwrap();
+        }
+        sign_dir(&dir, &key());
         root
     }
 
     #[test]
     fn no_reserved_dir_means_no_checkpoint() {
         let root = tempfile::tempdir().unwrap();
-        let out = take_from_rootfs(root.path(), &root.path().join("x")).unwrap();
+        let out = Fixture::new()
+            .take(root.path(), &root.path().join("x"))
+            .unwrap();
         assert!(out.is_none());
     }
 
@@ -476,24 +747,28 @@ mod tests {
     fn takes_the_image_out_and_hides_the_reserved_dir() {
         let root = rootfs_with(
             &meta_json(1, true),
-            &[("inventory.img", b"inv"), ("pages-1.img", b"pages")],
+            Some(&creds(DEFAULT_CAPS)),
+            &[("pages-1.img", b"pages")],
         );
         let dest = tempfile::tempdir().unwrap();
-        let out = take_from_rootfs(root.path(), &dest.path().join("criu"))
+        let out = Fixture::new()
+            .take(root.path(), &dest.path().join("criu"))
             .unwrap()
             .unwrap();
         assert_eq!(out.meta.source.seq, 3);
         assert_eq!(out.meta.process.unwrap().pids, vec![1, 7]);
         let criu = out.criu_dir.unwrap();
         assert_eq!(fs::read(criu.join("pages-1.img")).unwrap(), b"pages");
+        assert!(criu.join("core-7.img").is_file());
         assert!(!root.path().join(RESERVED_DIR).exists());
     }
 
     #[test]
     fn fs_only_checkpoint_has_no_process_image() {
-        let root = rootfs_with(&meta_json(1, false), &[]);
+        let root = rootfs_with(&meta_json(1, false), None, &[]);
         let dest = tempfile::tempdir().unwrap();
-        let out = take_from_rootfs(root.path(), &dest.path().join("criu"))
+        let out = Fixture::new()
+            .take(root.path(), &dest.path().join("criu"))
             .unwrap()
             .unwrap();
         assert!(out.criu_dir.is_none());
@@ -501,20 +776,32 @@ mod tests {
         assert!(!root.path().join(RESERVED_DIR).exists());
     }
 
+    /// A refusal leaves the rootfs as it was and nothing at the destination.
+    fn refused(f: &Fixture, root: &tempfile::TempDir) -> RestoreError {
+        let dest = tempfile::tempdir().unwrap();
+        let out = dest.path().join("criu");
+        let err = f.take(root.path(), &out).unwrap_err();
+        assert!(
+            root.path().join(RESERVED_DIR).join(META_FILE).exists(),
+            "{err}"
+        );
+        assert!(!out.exists(), "{err}");
+        err
+    }
+
     #[test]
     fn a_newer_format_is_refused_and_nothing_is_removed() {
         let root = rootfs_with(
             &meta_json(2, false).replace("\"source\"", "\"future\":1,\"source\""),
+            None,
             &[],
         );
-        let dest = tempfile::tempdir().unwrap();
-        let err = take_from_rootfs(root.path(), &dest.path().join("criu")).unwrap_err();
+        let err = refused(&Fixture::new(), &root);
         assert!(
             matches!(err, RestoreError::NewerFormat { format: 2 }),
             "{err}"
         );
         assert!(err.to_string().contains("upgrade crab"), "{err}");
-        assert!(root.path().join(RESERVED_DIR).join(META_FILE).exists());
     }
 
     #[test]
@@ -522,40 +809,40 @@ mod tests {
         for bad in [
             "not json".to_string(),
             r#"{"source":{}}"#.to_string(),
+            r#"{"format":"1"}"#.to_string(),
             meta_json(1, false).replace("sha256:abab", "sha256:zzzz"),
             r#"{"format":1,"source":{"namespace":"n"},"process":null}"#.to_string(),
         ] {
-            let root = rootfs_with(&bad, &[]);
-            let err = take_from_rootfs(root.path(), &root.path().join("criu-out")).unwrap_err();
+            let root = rootfs_with(&bad, None, &[]);
+            let err = refused(&Fixture::new(), &root);
             assert!(matches!(err, RestoreError::BadMeta { .. }), "{bad}: {err}");
-            assert!(root.path().join(RESERVED_DIR).exists());
         }
     }
 
     #[test]
     fn a_named_process_image_must_be_there_and_complete() {
-        let root = rootfs_with(&meta_json(1, true), &[]);
-        let err = take_from_rootfs(root.path(), &root.path().join("out")).unwrap_err();
+        let root = rootfs_with(&meta_json(1, true), None, &[]);
+        let err = refused(&Fixture::new(), &root);
         assert!(matches!(err, RestoreError::MissingImage { .. }), "{err}");
-        let root = rootfs_with(&meta_json(1, true), &[("pages-1.img", b"p")]);
-        let err = take_from_rootfs(root.path(), &root.path().join("out")).unwrap_err();
+        let root = rootfs_with(&meta_json(1, true), None, &[("pages-1.img", b"p")]);
+        let err = refused(&Fixture::new(), &root);
         assert!(matches!(err, RestoreError::MissingImage { .. }), "{err}");
-        assert!(root.path().join(RESERVED_DIR).exists());
     }
 
     #[test]
-    fn symlinks_are_never_followed() {
+    fn symlinks_fifos_and_devices_are_never_followed_or_opened() {
         let outside = tempfile::tempdir().unwrap();
         fs::write(outside.path().join("inventory.img"), b"host file").unwrap();
         fs::write(outside.path().join("secret"), meta_json(1, true)).unwrap();
+        let f = Fixture::new();
         // The image directory is a symlink to a host directory.
-        let root = rootfs_with(&meta_json(1, true), &[]);
+        let root = rootfs_with(&meta_json(1, true), None, &[]);
         std::os::unix::fs::symlink(
             outside.path(),
             root.path().join(RESERVED_DIR).join(CRIU_DIR),
         )
         .unwrap();
-        let err = take_from_rootfs(root.path(), &root.path().join("out")).unwrap_err();
+        let err = refused(&f, &root);
         assert!(
             matches!(
                 err,
@@ -567,26 +854,159 @@ mod tests {
             "{err}"
         );
         // A file of the image is a symlink.
-        let root = rootfs_with(&meta_json(1, true), &[("inventory.img", b"i")]);
+        let root = rootfs_with(&meta_json(1, true), Some(&creds(DEFAULT_CAPS)), &[]);
         std::os::unix::fs::symlink(
             outside.path().join("secret"),
             root.path().join(RESERVED_DIR).join(CRIU_DIR).join("x.img"),
         )
         .unwrap();
-        let err = take_from_rootfs(root.path(), &root.path().join("out")).unwrap_err();
+        let err = refused(&f, &root);
         assert!(matches!(err, RestoreError::NotPlain { .. }), "{err}");
-        // The description is a symlink; so is the reserved directory itself.
-        let root = rootfs_with("{}", &[]);
-        let meta = root.path().join(RESERVED_DIR).join(META_FILE);
-        fs::remove_file(&meta).unwrap();
-        std::os::unix::fs::symlink(outside.path().join("secret"), &meta).unwrap();
-        let err = take_from_rootfs(root.path(), &root.path().join("out")).unwrap_err();
-        assert!(matches!(err, RestoreError::NotPlain { .. }), "{err}");
+        // The description is a symlink, a FIFO (which would block a plain open forever), a
+        // device; so is the signature; so is the reserved directory itself.
+        for file in [META_FILE, SIGNATURE_FILE] {
+            for kind in ["symlink", "fifo", "device"] {
+                let root = rootfs_with(&meta_json(1, false), None, &[]);
+                let path = root.path().join(RESERVED_DIR).join(file);
+                fs::remove_file(&path).unwrap();
+                match kind {
+                    "symlink" => {
+                        std::os::unix::fs::symlink(outside.path().join("secret"), &path).unwrap()
+                    }
+                    "fifo" => nix::unistd::mkfifo(&path, nix::sys::stat::Mode::S_IRWXU).unwrap(),
+                    _ => nix::sys::stat::mknod(
+                        &path,
+                        nix::sys::stat::SFlag::S_IFCHR,
+                        nix::sys::stat::Mode::S_IRWXU,
+                        nix::sys::stat::makedev(1, 3),
+                    )
+                    .unwrap(),
+                }
+                let dest = tempfile::tempdir().unwrap();
+                let err = f.take(root.path(), &dest.path().join("criu")).unwrap_err();
+                assert!(
+                    matches!(err, RestoreError::NotPlain { .. }),
+                    "{file} {kind}: {err}"
+                );
+                assert!(root.path().join(RESERVED_DIR).exists());
+            }
+        }
         let root = tempfile::tempdir().unwrap();
         std::os::unix::fs::symlink(outside.path(), root.path().join(RESERVED_DIR)).unwrap();
-        let err = take_from_rootfs(root.path(), &root.path().join("out")).unwrap_err();
+        let err = f.take(root.path(), &root.path().join("out")).unwrap_err();
         assert!(matches!(err, RestoreError::NotPlain { .. }), "{err}");
         assert!(outside.path().join("secret").exists());
+    }
+
+    #[test]
+    fn an_unsigned_image_is_refused_or_started_fresh_as_configured() {
+        let root = rootfs_with(&meta_json(1, true), Some(&creds(DEFAULT_CAPS)), &[]);
+        fs::remove_file(root.path().join(RESERVED_DIR).join(SIGNATURE_FILE)).unwrap();
+        let mut f = Fixture::new();
+        let err = refused(&f, &root);
+        assert!(
+            err.to_string()
+                .contains("checkpoint image not signed by a trusted key: it carries no signature"),
+            "{err}"
+        );
+        // Signed, but by a key this host does not trust.
+        sign_dir(
+            &root.path().join(RESERVED_DIR),
+            &SigningKey::from_bytes(&[8; 32]),
+        );
+        let err = refused(&f, &root);
+        assert!(
+            err.to_string().contains("not among the 1 trusted key"),
+            "{err}"
+        );
+        // start-fresh: the reserved directory goes, the container starts as an ordinary image.
+        f.unsigned = UnsignedImages::StartFresh;
+        let dest = tempfile::tempdir().unwrap();
+        let out = f.take(root.path(), &dest.path().join("criu")).unwrap();
+        assert!(out.is_none());
+        assert!(!root.path().join(RESERVED_DIR).exists());
+        assert!(!dest.path().join("criu").exists());
+    }
+
+    #[test]
+    fn an_image_altered_after_signing_is_refused_whatever_the_config() {
+        let mut f = Fixture::new();
+        f.unsigned = UnsignedImages::StartFresh;
+        let alter: [(&str, Box<dyn Fn(&Path)>); 4] = [
+            (
+                "criu/pages-1.img is 5 bytes",
+                Box::new(|d: &Path| {
+                    fs::write(d.join(CRIU_DIR).join("pages-1.img"), b"PAGES").unwrap()
+                }),
+            ),
+            (
+                "not signed",
+                Box::new(|d: &Path| fs::write(d.join(CRIU_DIR).join("pages-2.img"), b"x").unwrap()),
+            ),
+            (
+                "missing",
+                Box::new(|d: &Path| fs::remove_file(d.join(CRIU_DIR).join("pages-1.img")).unwrap()),
+            ),
+            (
+                "checkpoint.json is",
+                Box::new(|d: &Path| {
+                    fs::write(d.join(META_FILE), meta_json(1, true).replace("t3", "t4")).unwrap()
+                }),
+            ),
+        ];
+        for (want, change) in alter {
+            let root = rootfs_with(
+                &meta_json(1, true),
+                Some(&creds(DEFAULT_CAPS)),
+                &[("pages-1.img", b"pages")],
+            );
+            change(&root.path().join(RESERVED_DIR));
+            let err = refused(&f, &root);
+            assert!(
+                matches!(err, RestoreError::Provenance(ProvenanceError::Altered(_))),
+                "{want}: {err}"
+            );
+            assert!(err.to_string().contains(want), "{want}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_signed_image_asking_for_more_than_the_spec_grants_is_refused() {
+        // Signed by a trusted key (crab's own export of a privileged container), yet refused.
+        let root = rootfs_with(&meta_json(1, true), Some(&creds(0x1ff_ffff_ffff)), &[]);
+        let err = refused(&Fixture::new(), &root);
+        assert!(matches!(err, RestoreError::Privilege(_)), "{err}");
+        assert!(err.to_string().contains("CAP_SYS_ADMIN"), "{err}");
+        // Under a privileged spec the same image restores.
+        let mut f = Fixture::new();
+        f.granted.bounding = 0x1ff_ffff_ffff;
+        f.granted.permitted = 0x1ff_ffff_ffff;
+        let dest = tempfile::tempdir().unwrap();
+        f.take(root.path(), &dest.path().join("criu"))
+            .unwrap()
+            .unwrap();
+    }
+
+    #[test]
+    fn image_bounds_are_checked_before_copying() {
+        let root = rootfs_with(
+            &meta_json(1, true),
+            Some(&creds(DEFAULT_CAPS)),
+            &[("pages-1.img", &[0u8; 4096])],
+        );
+        let mut f = Fixture::new();
+        f.limits = ImageLimits {
+            max_bytes: 4096,
+            max_files: 100,
+        };
+        let err = refused(&f, &root);
+        assert!(err.to_string().contains("max_image_mib"), "{err}");
+        f.limits = ImageLimits {
+            max_bytes: u64::MAX,
+            max_files: 3,
+        };
+        let err = refused(&f, &root);
+        assert!(err.to_string().contains("max_image_files"), "{err}");
     }
 
     #[test]
@@ -604,9 +1024,11 @@ mod tests {
         // Restored from another container: the chain is inherited, the image imported.
         let root = rootfs_with(
             &meta_json(1, true),
-            &[("inventory.img", b"inv"), ("pages-1.img", &[7u8; 8192])],
+            Some(&creds(DEFAULT_CAPS)),
+            &[("pages-1.img", &[7u8; 8192])],
         );
-        let taken = take_from_rootfs(root.path(), &root.path().join("out"))
+        let taken = Fixture::new()
+            .take(root.path(), &root.path().join("out"))
             .unwrap()
             .unwrap();
         let r = restored_manifest(&store, "ns", "other", &taken).unwrap();

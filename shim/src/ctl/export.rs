@@ -13,6 +13,7 @@ use super::{
     Ctl, CtlError, Result,
 };
 use crate::checkpoint::{
+    provenance,
     restore::{CheckpointMeta, ProcessMeta, Source, META_FORMAT},
     store::{CheckpointKind, Manifest, Store},
 };
@@ -184,6 +185,8 @@ impl Ctl {
         let start = Instant::now();
         let record = self.container(container).await?;
         let root = self.store_root(&record)?;
+        // The key the container's shim trusts as this host's (generated on first use).
+        let signer = provenance::signing_key(&self.config_for(&record)?.signing_key_path())?;
         let store = Store::open(&root)?;
         let manifests = store.list()?;
         let m = select_checkpoint(container, &manifests, turn)?.clone();
@@ -246,7 +249,7 @@ impl Ctl {
                 chunks: &chunks,
             });
             let mut out = std::io::BufWriter::new(file);
-            let blob = image::write_checkpoint_layer(&meta, criu, &mut out)?;
+            let blob = image::write_checkpoint_layer(&meta, criu, &signer, &mut out)?;
             out.flush().map_err(|e| CtlError::Io {
                 what: format!("writing {}", tmp_path.display()),
                 source: e,

@@ -15,15 +15,20 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use ed25519_dalek::SigningKey;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use crate::checkpoint::{
     pages::{self, PagesError},
+    provenance::{self, FileDigest, HashingReader, Statement, SIGNATURE_FILE},
     restore::{CheckpointMeta, CRIU_DIR, META_FILE, RESERVED_DIR},
     store::{digest_string, Descriptor},
 };
+
+/// The OCI marker that makes its directory opaque: lower layers' entries under it are hidden.
+const OPAQUE_WHITEOUT: &str = ".wh..wh..opq";
 
 pub const MEDIA_TYPE_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 pub const MEDIA_TYPE_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
@@ -388,6 +393,7 @@ pub struct CriuSource<'a> {
 pub fn write_checkpoint_layer(
     meta: &CheckpointMeta,
     criu: Option<CriuSource<'_>>,
+    signer: &SigningKey,
     out: impl Write,
 ) -> Result<LayerBlob, ImageError> {
     let compressed = Hashing::new(out);
@@ -397,6 +403,14 @@ pub fn write_checkpoint_layer(
     let mut tar = tar::Builder::new(Hashing::new(encoder));
     let root = Path::new(RESERVED_DIR);
     append(&mut tar, &root.join(""), None, layer_path)?;
+    // Opaque: whatever lower layers (the container's own fs layers, which the agent wrote)
+    // hold under the reserved directory is hidden, never merged into the checkpoint.
+    append(
+        &mut tar,
+        &root.join(OPAQUE_WHITEOUT),
+        Some((0, &mut io::empty())),
+        layer_path,
+    )?;
     let mut json = serde_json::to_vec_pretty(meta).expect("checkpoint meta serializes");
     json.push(b'\n');
     append(
@@ -405,9 +419,24 @@ pub fn write_checkpoint_layer(
         Some((json.len() as u64, &mut &json[..])),
         layer_path,
     )?;
-    if let Some(criu) = criu {
-        append_criu_image(&mut tar, &root.join(CRIU_DIR), criu)?;
-    }
+    let criu_files = match criu {
+        Some(criu) => append_criu_image(&mut tar, &root.join(CRIU_DIR), criu)?,
+        None => BTreeMap::new(),
+    };
+    // Last: the signature over the description and every CRIU file as written above.
+    let signature = provenance::sign(
+        signer,
+        Statement {
+            checkpoint_json: provenance::sha256(&json),
+            criu: criu_files,
+        },
+    );
+    append(
+        &mut tar,
+        &root.join(SIGNATURE_FILE),
+        Some((signature.len() as u64, &mut &signature[..])),
+        layer_path,
+    )?;
     let uncompressed = tar.into_inner().map_err(io_err(layer_path))?;
     let diff_id = digest_string(uncompressed.hash);
     let mut compressed = uncompressed.inner.finish().map_err(io_err(layer_path))?;
@@ -495,7 +524,7 @@ fn append_criu_image<W: Write>(
     tar: &mut tar::Builder<W>,
     at: &Path,
     criu: CriuSource<'_>,
-) -> Result<(), ImageError> {
+) -> Result<BTreeMap<String, FileDigest>, ImageError> {
     append(tar, &at.join(""), None, criu.dir)?;
     let readers = pages::materialized_readers(criu.dir, criu.chunks)?;
     let mut names: Vec<String> = Vec::new();
@@ -527,31 +556,37 @@ fn append_criu_image<W: Write>(
         .collect();
     names.extend(readers.keys().cloned());
     names.sort();
+    let mut digests = BTreeMap::new();
     for name in names {
         let dest = at.join(&name);
-        match readers.get_mut(&name) {
+        let digest = match readers.get_mut(&name) {
             Some(r) => {
                 let len = r.len();
+                let mut hashing = HashingReader::new(r);
                 append(
                     tar,
                     &dest,
-                    Some((len, r as &mut dyn Read)),
+                    Some((len, &mut hashing as &mut dyn Read)),
                     &criu.dir.join(&name),
                 )?;
+                hashing.finish()
             }
             None => {
                 let path = criu.dir.join(&name);
-                let mut f = fs::OpenOptions::new()
+                let f = fs::OpenOptions::new()
                     .read(true)
                     .custom_flags(libc::O_NOFOLLOW)
                     .open(&path)
                     .map_err(io_err(&path))?;
                 let len = f.metadata().map_err(io_err(&path))?.len();
-                append(tar, &dest, Some((len, &mut f as &mut dyn Read)), &path)?;
+                let mut hashing = HashingReader::new(f);
+                append(tar, &dest, Some((len, &mut hashing as &mut dyn Read)), &path)?;
+                hashing.finish()
             }
-        }
+        };
+        digests.insert(name, digest);
     }
-    Ok(())
+    Ok(digests)
 }
 
 #[cfg(test)]
@@ -754,6 +789,16 @@ mod tests {
         }
     }
 
+    fn key() -> SigningKey {
+        SigningKey::from_bytes(&[3; 32])
+    }
+
+    fn trusted() -> provenance::TrustedKeys {
+        let mut t = provenance::TrustedKeys::new();
+        t.add(key().verifying_key(), "test");
+        t
+    }
+
     /// The layer's entries: path -> (type, mode, mtime, data).
     fn entries(blob: &[u8]) -> BTreeMap<String, (tar::EntryType, u32, u64, Vec<u8>)> {
         let tar = zstd::decode_all(blob).unwrap();
@@ -776,7 +821,7 @@ mod tests {
     #[test]
     fn fs_only_checkpoint_layer_holds_the_description() {
         let mut out = Vec::new();
-        let blob = write_checkpoint_layer(&meta(false), None, &mut out).unwrap();
+        let blob = write_checkpoint_layer(&meta(false), None, &key(), &mut out).unwrap();
         assert_eq!(blob.size, out.len() as u64);
         assert_eq!(blob.digest, sha256_of(&out));
         assert_eq!(
@@ -786,8 +831,18 @@ mod tests {
         let e = entries(&out);
         assert_eq!(
             e.keys().collect::<Vec<_>>(),
-            [".crab-checkpoint/", ".crab-checkpoint/checkpoint.json"]
+            [
+                ".crab-checkpoint/",
+                ".crab-checkpoint/.wh..wh..opq",
+                ".crab-checkpoint/checkpoint.json",
+                ".crab-checkpoint/signature.json",
+            ]
         );
+        // Signed: the signature vouches for the description and no CRIU file.
+        let statement = trusted()
+            .verify(&e[".crab-checkpoint/signature.json"].3, &e[".crab-checkpoint/checkpoint.json"].3)
+            .unwrap();
+        assert!(statement.criu.is_empty());
         assert_eq!(e[".crab-checkpoint/"].0, tar::EntryType::Directory);
         let (kind, mode, mtime, json) = &e[".crab-checkpoint/checkpoint.json"];
         assert_eq!((*kind, *mode, *mtime), (tar::EntryType::Regular, 0o600, 0));
@@ -800,7 +855,7 @@ mod tests {
         // Deterministic.
         let mut again = Vec::new();
         assert_eq!(
-            write_checkpoint_layer(&meta(false), None, &mut again).unwrap(),
+            write_checkpoint_layer(&meta(false), None, &key(), &mut again).unwrap(),
             blob
         );
         assert_eq!(
@@ -830,6 +885,7 @@ mod tests {
                 dir: &img,
                 chunks: &chunks,
             }),
+            &key(),
             &mut out,
         )
         .unwrap();
@@ -839,14 +895,24 @@ mod tests {
             names,
             [
                 ".crab-checkpoint/",
+                ".crab-checkpoint/.wh..wh..opq",
                 ".crab-checkpoint/checkpoint.json",
                 ".crab-checkpoint/criu/",
                 ".crab-checkpoint/criu/descriptors.json",
                 ".crab-checkpoint/criu/inventory.img",
                 ".crab-checkpoint/criu/pagemap-1.img",
                 ".crab-checkpoint/criu/pages-1.img",
+                ".crab-checkpoint/signature.json",
             ]
         );
+        // The signature names every CRIU file as written, the pages materialized.
+        let statement = trusted()
+            .verify(&e[".crab-checkpoint/signature.json"].3, &e[".crab-checkpoint/checkpoint.json"].3)
+            .unwrap();
+        let files: Vec<&str> = statement.criu.keys().map(String::as_str).collect();
+        assert_eq!(files, ["descriptors.json", "inventory.img", "pagemap-1.img", "pages-1.img"]);
+        assert_eq!(statement.criu["pages-1.img"].sha256, sha256_of(&pages_data));
+        assert_eq!(statement.criu["pages-1.img"].size, pages_data.len() as u64);
         assert_eq!(e[".crab-checkpoint/criu/pages-1.img"].3, pages_data);
         assert_eq!(e[".crab-checkpoint/criu/inventory.img"].3, b"inv");
         assert!(
@@ -862,6 +928,7 @@ mod tests {
                 dir: &img,
                 chunks: &chunks,
             }),
+            &key(),
             &mut again,
         )
         .unwrap();
@@ -876,6 +943,7 @@ mod tests {
                 dir: &img,
                 chunks: &chunks,
             }),
+            &key(),
             &mut Vec::new(),
         )
         .unwrap_err();
@@ -889,6 +957,7 @@ mod tests {
                 dir: &img,
                 chunks: &chunks,
             }),
+            &key(),
             &mut Vec::new(),
         )
         .unwrap_err();

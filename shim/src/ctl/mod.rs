@@ -98,6 +98,8 @@ pub enum CtlError {
     Pages(#[from] PagesError),
     #[error(transparent)]
     Pod(#[from] PodError),
+    #[error(transparent)]
+    Provenance(#[from] crate::checkpoint::provenance::ProvenanceError),
 }
 
 pub type Result<T, E = CtlError> = std::result::Result<T, E>;

@@ -1,0 +1,960 @@
+//! Reading the few facts of a CRIU image that decide whether it may run: who its processes
+//! are (credentials, capability sets, no_new_privs, seccomp mode) and which namespaces CRIU
+//! would create for them. Everything else in the image is CRIU's business.
+//!
+//! A CRIU image is a directory of files, each a small header of magic numbers followed by
+//! protobuf entries, each prefixed with its length (`u32`, little endian). The messages are
+//! defined in CRIU's `images/*.proto`; only the fields read here are decoded, by a minimal
+//! protobuf reader that skips everything else. The input is untrusted (it comes from an
+//! image anyone may have built): every length is checked against what is left, every file is
+//! read with a size bound, and anything unexpected is an error, never a guess.
+
+use std::{
+    fs,
+    io::{self, Read},
+    os::unix::fs::OpenOptionsExt,
+    path::{Path, PathBuf},
+};
+
+/// The head of every image file but the inventory (CRIU's `IMG_COMMON_MAGIC`).
+const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
+const INVENTORY_MAGIC: u32 = 0x5831_3116;
+const PSTREE_MAGIC: u32 = 0x5027_3030;
+const CORE_MAGIC: u32 = 0x5505_3847;
+/// `inventory.img_version` of images with [`IMG_COMMON_MAGIC`] heads (CRIU's
+/// `CRTOOLS_IMAGES_V1_1`), the only layout CRIU has written for a decade.
+const IMAGES_V1_1: u64 = 2;
+/// A task that is a zombie: CRIU restores it dead, it never runs (`TASK_DEAD`).
+const TASK_DEAD: u64 = 2;
+
+/// The files read here are small (a core file is a few KB); anything larger is not CRIU's.
+pub const MAX_DESCRIPTOR_FILE: u64 = 8 << 20;
+/// More tasks than this in one image is not a sandbox's process tree.
+pub const MAX_TASKS: usize = 65_536;
+
+/// Namespace flags as in `clone(2)`.
+pub mod ns {
+    pub const MNT: u32 = 0x0002_0000;
+    pub const UTS: u32 = 0x0400_0000;
+    pub const IPC: u32 = 0x0800_0000;
+    pub const USER: u32 = 0x1000_0000;
+    pub const PID: u32 = 0x2000_0000;
+    pub const NET: u32 = 0x4000_0000;
+    pub const TIME: u32 = 0x0000_0080;
+
+    /// Names for messages, in a fixed order.
+    pub const NAMES: [(u32, &str); 7] = [
+        (MNT, "mount"),
+        (UTS, "uts"),
+        (IPC, "ipc"),
+        (USER, "user"),
+        (PID, "pid"),
+        (NET, "network"),
+        (TIME, "time"),
+    ];
+
+    pub fn names(mask: u32) -> Vec<&'static str> {
+        NAMES
+            .iter()
+            .filter(|(f, _)| mask & f != 0)
+            .map(|(_, n)| *n)
+            .collect()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CriuImageError {
+    #[error("CRIU image: {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("CRIU image: {path} is malformed: {reason}")]
+    Malformed { path: PathBuf, reason: String },
+}
+
+/// One thread's credentials and security state, as CRIU would restore them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Creds {
+    /// uid, euid, suid, fsuid.
+    pub uids: [u32; 4],
+    /// gid, egid, sgid, fsgid.
+    pub gids: [u32; 4],
+    pub groups: Vec<u32>,
+    pub cap_inh: u64,
+    pub cap_prm: u64,
+    pub cap_eff: u64,
+    pub cap_bnd: u64,
+    pub cap_amb: u64,
+    pub no_new_privs: bool,
+    /// 0 disabled, 1 strict, 2 filter (`SECCOMP_MODE_*`).
+    pub seccomp_mode: u32,
+}
+
+/// A thread of the image: its task and thread ids and what it would run as (`None` only for
+/// a zombie, which never runs again).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Thread {
+    pub pid: u32,
+    pub tid: u32,
+    pub comm: String,
+    pub creds: Option<Creds>,
+}
+
+/// What a CRIU image says about the processes it restores.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageFacts {
+    /// The root task's pid (the container's init).
+    pub root_pid: u32,
+    /// The namespaces CRIU creates for the root task (`clone(2)` flags): those in which the
+    /// root task differed from CRIU itself at dump time.
+    pub namespaces: u32,
+    pub threads: Vec<Thread>,
+}
+
+/// Reads [`ImageFacts`] from the CRIU image directory `dir` (a private copy: the caller
+/// copied it out of the container's rootfs, so nothing changes it under us).
+pub fn read_facts(dir: &Path) -> Result<ImageFacts, CriuImageError> {
+    let inventory_path = dir.join("inventory.img");
+    let inventory = read_bounded(&inventory_path)?;
+    let root_ids = parse_inventory(&inventory).map_err(malformed(&inventory_path))?;
+
+    let pstree_path = dir.join("pstree.img");
+    let pstree = read_bounded(&pstree_path)?;
+    let tasks = parse_pstree(&pstree).map_err(malformed(&pstree_path))?;
+    let root_pid = tasks
+        .first()
+        .map(|t| t.0)
+        .ok_or_else(|| malformed(&pstree_path)("no tasks".into()))?;
+
+    let mut threads = Vec::new();
+    let mut namespaces = None;
+    for (pid, tids) in &tasks {
+        // A task without threads listed is its own single thread.
+        let tids: &[u32] = if tids.is_empty() {
+            std::slice::from_ref(pid)
+        } else {
+            tids
+        };
+        for &tid in tids {
+            let path = dir.join(format!("core-{tid}.img"));
+            let core = parse_core(&read_bounded(&path)?).map_err(malformed(&path))?;
+            if tid == *pid && *pid == root_pid {
+                let ids = core
+                    .ids
+                    .ok_or_else(|| malformed(&path)("the root task has no namespace ids".into()))?;
+                namespaces = Some(clone_mask(&ids, &root_ids));
+            }
+            let creds = match (core.creds, core.task_state) {
+                (Some(c), _) => Some(c),
+                (None, Some(TASK_DEAD)) => None,
+                (None, _) => {
+                    return Err(malformed(&path)(format!(
+                        "thread {tid} records no credentials"
+                    )))
+                }
+            };
+            threads.push(Thread {
+                pid: *pid,
+                tid,
+                comm: core.comm,
+                creds,
+            });
+        }
+    }
+    Ok(ImageFacts {
+        root_pid,
+        namespaces: namespaces.unwrap_or_default(),
+        threads,
+    })
+}
+
+fn malformed(path: &Path) -> impl Fn(String) -> CriuImageError + '_ {
+    move |reason| CriuImageError::Malformed {
+        path: path.to_path_buf(),
+        reason,
+    }
+}
+
+/// Reads a plain file of at most [`MAX_DESCRIPTOR_FILE`] bytes, never through a symlink and
+/// never anything but a regular file.
+fn read_bounded(path: &Path) -> Result<Vec<u8>, CriuImageError> {
+    let io = |source| CriuImageError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(io)?;
+    let md = f.metadata().map_err(io)?;
+    if !md.is_file() {
+        return Err(malformed(path)("not a regular file".into()));
+    }
+    if md.len() > MAX_DESCRIPTOR_FILE {
+        return Err(malformed(path)(format!(
+            "{} bytes, more than the {MAX_DESCRIPTOR_FILE} a CRIU descriptor file may have",
+            md.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(md.len() as usize);
+    f.take(MAX_DESCRIPTOR_FILE + 1)
+        .read_to_end(&mut out)
+        .map_err(io)?;
+    if out.len() as u64 > MAX_DESCRIPTOR_FILE {
+        return Err(malformed(path)("grew while being read".into()));
+    }
+    Ok(out)
+}
+
+/// The entries of an image file after its magic numbers.
+fn entries(bytes: &[u8], magic: u32, common_head: bool) -> Result<Vec<&[u8]>, String> {
+    let mut rest = bytes;
+    let mut take_u32 = |what: &str| -> Result<u32, String> {
+        let (head, tail) = rest
+            .split_first_chunk::<4>()
+            .ok_or_else(|| format!("cut short in {what}"))?;
+        rest = tail;
+        Ok(u32::from_le_bytes(*head))
+    };
+    if common_head {
+        let m = take_u32("the head")?;
+        if m != IMG_COMMON_MAGIC {
+            return Err(format!("head magic {m:#x}, not CRIU's"));
+        }
+    }
+    let m = take_u32("the magic")?;
+    if m != magic {
+        return Err(format!("magic {m:#x}, expected {magic:#x}"));
+    }
+    let mut out = Vec::new();
+    while !rest.is_empty() {
+        let (len, tail) = rest
+            .split_first_chunk::<4>()
+            .ok_or("an entry's length is cut short")?;
+        let len = u32::from_le_bytes(*len) as usize;
+        if len > tail.len() {
+            return Err(format!(
+                "an entry of {len} bytes, with {} left in the file",
+                tail.len()
+            ));
+        }
+        let (entry, tail) = tail.split_at(len);
+        out.push(entry);
+        rest = tail;
+    }
+    Ok(out)
+}
+
+/// The one entry of a single-entry image file.
+fn single(bytes: &[u8], magic: u32, common_head: bool) -> Result<&[u8], String> {
+    match entries(bytes, magic, common_head)?.as_slice() {
+        [one] => Ok(one),
+        other => Err(format!("{} entries, expected one", other.len())),
+    }
+}
+
+/// `task_kobj_ids_entry`: the namespace ids (fields 5..=12 of CRIU's message), 0 when absent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct NsIds {
+    pid: u64,
+    net: u64,
+    ipc: u64,
+    uts: u64,
+    mnt: u64,
+    user: u64,
+    time: u64,
+}
+
+fn parse_ns_ids(msg: &[u8]) -> Result<NsIds, String> {
+    let mut ids = NsIds::default();
+    for field in Fields::new(msg) {
+        let (number, value) = field?;
+        let slot = match number {
+            5 => &mut ids.pid,
+            6 => &mut ids.net,
+            7 => &mut ids.ipc,
+            8 => &mut ids.uts,
+            9 => &mut ids.mnt,
+            10 => &mut ids.user,
+            12 => &mut ids.time,
+            _ => continue,
+        };
+        *slot = value.varint("a namespace id")?;
+    }
+    Ok(ids)
+}
+
+/// CRIU's `get_clone_mask` for the root task: the namespaces in which it differs from the
+/// dumping CRIU (the inventory's `root_ids`), which restore creates anew.
+fn clone_mask(task: &NsIds, criu: &NsIds) -> u32 {
+    [
+        (task.pid != criu.pid, ns::PID),
+        (task.net != criu.net, ns::NET),
+        (task.ipc != criu.ipc, ns::IPC),
+        (task.uts != criu.uts, ns::UTS),
+        (task.time != criu.time, ns::TIME),
+        (task.mnt != criu.mnt, ns::MNT),
+        (task.user != criu.user, ns::USER),
+    ]
+    .into_iter()
+    .filter(|(differs, _)| *differs)
+    .fold(0, |mask, (_, flag)| mask | flag)
+}
+
+/// `inventory_entry`: checks the layout version, returns `root_ids` (field 3).
+fn parse_inventory(bytes: &[u8]) -> Result<NsIds, String> {
+    let msg = single(bytes, INVENTORY_MAGIC, false)?;
+    let (mut version, mut root_ids) = (None, None);
+    for field in Fields::new(msg) {
+        match field? {
+            (1, v) => version = Some(v.varint("img_version")?),
+            (3, v) => root_ids = Some(parse_ns_ids(v.bytes("root_ids")?)?),
+            _ => {}
+        }
+    }
+    match version {
+        Some(IMAGES_V1_1) => {}
+        Some(v) => return Err(format!("image layout version {v}, not {IMAGES_V1_1}")),
+        None => return Err("no image layout version".into()),
+    }
+    root_ids.ok_or_else(|| "no root_ids: the namespaces cannot be told".into())
+}
+
+/// `pstree_entry`s: each task's pid (field 1) and threads (field 5), root first.
+fn parse_pstree(bytes: &[u8]) -> Result<Vec<(u32, Vec<u32>)>, String> {
+    let list = entries(bytes, PSTREE_MAGIC, true)?;
+    if list.len() > MAX_TASKS {
+        return Err(format!("{} tasks, more than {MAX_TASKS}", list.len()));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for msg in list {
+        let (mut pid, mut threads) = (None, Vec::new());
+        for field in Fields::new(msg) {
+            match field? {
+                (1, v) => pid = Some(v.u32("pid")?),
+                (5, v) => v.repeated_u32("threads", &mut threads)?,
+                _ => {}
+            }
+        }
+        if threads.len() > MAX_TASKS {
+            return Err(format!("a task with {} threads", threads.len()));
+        }
+        out.push((pid.ok_or("a task without a pid")?, threads));
+    }
+    Ok(out)
+}
+
+struct Core {
+    task_state: Option<u64>,
+    comm: String,
+    ids: Option<NsIds>,
+    creds: Option<Creds>,
+}
+
+/// `core_entry`: the task's state and comm (`tc`, field 3), its namespace ids (`ids`, field
+/// 4) and the thread's credentials and seccomp mode (`thread_core`, field 5).
+fn parse_core(bytes: &[u8]) -> Result<Core, String> {
+    let msg = single(bytes, CORE_MAGIC, true)?;
+    let mut core = Core {
+        task_state: None,
+        comm: String::new(),
+        ids: None,
+        creds: None,
+    };
+    let (mut thread_seccomp, mut task_seccomp) = (None, None);
+    for field in Fields::new(msg) {
+        match field? {
+            (3, v) => {
+                for f in Fields::new(v.bytes("tc")?) {
+                    match f? {
+                        (1, v) => core.task_state = Some(v.varint("task_state")?),
+                        (6, v) => {
+                            core.comm = String::from_utf8_lossy(v.bytes("comm")?).into_owned()
+                        }
+                        // The deprecated per-task seccomp mode of older images.
+                        (11, v) => task_seccomp = Some(v.u32("old_seccomp_mode")?),
+                        _ => {}
+                    }
+                }
+            }
+            (4, v) => core.ids = Some(parse_ns_ids(v.bytes("ids")?)?),
+            (5, v) => {
+                for f in Fields::new(v.bytes("thread_core")?) {
+                    match f? {
+                        (10, v) => core.creds = Some(parse_creds(v.bytes("creds")?)?),
+                        (11, v) => thread_seccomp = Some(v.u32("seccomp_mode")?),
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    if let Some(c) = core.creds.as_mut() {
+        // The strictest mode either field records: a thread's own mode wins where both exist,
+        // but an image must not escape a filter by leaving one field out.
+        c.seccomp_mode = thread_seccomp.or(task_seccomp).unwrap_or(0);
+    }
+    Ok(core)
+}
+
+/// `creds_entry`.
+fn parse_creds(msg: &[u8]) -> Result<Creds, String> {
+    let mut c = Creds::default();
+    let mut seen = 0u32;
+    let (mut inh, mut prm, mut eff, mut bnd, mut amb) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for field in Fields::new(msg) {
+        let (number, v) = field?;
+        match number {
+            1 => c.uids[0] = v.u32("uid")?,
+            2 => c.gids[0] = v.u32("gid")?,
+            3 => c.uids[1] = v.u32("euid")?,
+            4 => c.gids[1] = v.u32("egid")?,
+            5 => c.uids[2] = v.u32("suid")?,
+            6 => c.gids[2] = v.u32("sgid")?,
+            7 => c.uids[3] = v.u32("fsuid")?,
+            8 => c.gids[3] = v.u32("fsgid")?,
+            9 => v.repeated_u32("cap_inh", &mut inh)?,
+            10 => v.repeated_u32("cap_prm", &mut prm)?,
+            11 => v.repeated_u32("cap_eff", &mut eff)?,
+            12 => v.repeated_u32("cap_bnd", &mut bnd)?,
+            14 => v.repeated_u32("groups", &mut c.groups)?,
+            18 => c.no_new_privs = v.varint("no_new_privs")? != 0,
+            19 => v.repeated_u32("cap_amb", &mut amb)?,
+            _ => continue,
+        }
+        if number <= 8 {
+            seen |= 1 << number;
+        }
+        if c.groups.len() > 65_536 {
+            return Err("more than 65536 supplementary groups".into());
+        }
+    }
+    if seen != 0b1_1111_1110 {
+        return Err(
+            "credentials without all of uid, gid, euid, egid, suid, sgid, fsuid, fsgid".into(),
+        );
+    }
+    c.cap_inh = cap_set("cap_inh", &inh)?;
+    c.cap_prm = cap_set("cap_prm", &prm)?;
+    c.cap_eff = cap_set("cap_eff", &eff)?;
+    c.cap_bnd = cap_set("cap_bnd", &bnd)?;
+    c.cap_amb = cap_set("cap_amb", &amb)?;
+    Ok(c)
+}
+
+/// A capability set stored as 32-bit words, lowest first (CRIU's `CR_CAP_SIZE` is 2). A set
+/// that does not fit 64 bits names capabilities no kernel has: refused, not truncated.
+fn cap_set(what: &str, words: &[u32]) -> Result<u64, String> {
+    let mut set = 0u64;
+    for (i, w) in words.iter().enumerate() {
+        match i {
+            0 => set |= u64::from(*w),
+            1 => set |= u64::from(*w) << 32,
+            _ if *w == 0 => {}
+            _ => return Err(format!("{what} names capabilities beyond bit 63")),
+        }
+    }
+    Ok(set)
+}
+
+/// A protobuf field's value.
+#[derive(Debug, Clone, Copy)]
+enum Value<'a> {
+    Varint(u64),
+    Fixed64,
+    Bytes(&'a [u8]),
+    Fixed32,
+}
+
+impl<'a> Value<'a> {
+    fn varint(self, what: &str) -> Result<u64, String> {
+        match self {
+            Value::Varint(v) => Ok(v),
+            _ => Err(format!("{what} is not a varint")),
+        }
+    }
+
+    fn u32(self, what: &str) -> Result<u32, String> {
+        let v = self.varint(what)?;
+        u32::try_from(v).map_err(|_| format!("{what} {v} does not fit 32 bits"))
+    }
+
+    fn bytes(self, what: &str) -> Result<&'a [u8], String> {
+        match self {
+            Value::Bytes(b) => Ok(b),
+            _ => Err(format!("{what} is not length-delimited")),
+        }
+    }
+
+    /// A repeated uint32, packed or not.
+    fn repeated_u32(self, what: &str, out: &mut Vec<u32>) -> Result<(), String> {
+        match self {
+            Value::Varint(_) => out.push(self.u32(what)?),
+            Value::Bytes(mut b) => {
+                while !b.is_empty() {
+                    let (v, n) = varint(b).ok_or_else(|| format!("{what}: a bad packed varint"))?;
+                    out.push(
+                        u32::try_from(v).map_err(|_| format!("{what} {v} does not fit 32 bits"))?,
+                    );
+                    b = &b[n..];
+                    if out.len() > 1 << 20 {
+                        return Err(format!("{what}: too many values"));
+                    }
+                }
+            }
+            _ => return Err(format!("{what} is neither a varint nor packed")),
+        }
+        Ok(())
+    }
+}
+
+/// A varint at the start of `b`: its value and length.
+fn varint(b: &[u8]) -> Option<(u64, usize)> {
+    let mut v = 0u64;
+    for (i, byte) in b.iter().enumerate().take(10) {
+        v |= u64::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            return Some((v, i + 1));
+        }
+    }
+    None
+}
+
+/// The fields of one protobuf message, in order.
+struct Fields<'a> {
+    rest: &'a [u8],
+    failed: bool,
+}
+
+impl<'a> Fields<'a> {
+    fn new(msg: &'a [u8]) -> Self {
+        Fields {
+            rest: msg,
+            failed: false,
+        }
+    }
+
+    fn next_field(&mut self) -> Result<(u32, Value<'a>), String> {
+        let (key, n) = varint(self.rest).ok_or("a bad field key")?;
+        self.rest = &self.rest[n..];
+        let number = u32::try_from(key >> 3).map_err(|_| "a field number out of range")?;
+        if number == 0 {
+            return Err("field number 0".into());
+        }
+        let take = |rest: &mut &'a [u8], len: usize| -> Result<&'a [u8], String> {
+            if len > rest.len() {
+                return Err(format!("a field of {len} bytes, {} left", rest.len()));
+            }
+            let (head, tail) = rest.split_at(len);
+            *rest = tail;
+            Ok(head)
+        };
+        let value = match key & 7 {
+            0 => {
+                let (v, n) = varint(self.rest).ok_or("a bad varint")?;
+                self.rest = &self.rest[n..];
+                Value::Varint(v)
+            }
+            1 => {
+                take(&mut self.rest, 8)?;
+                Value::Fixed64
+            }
+            2 => {
+                let (len, n) = varint(self.rest).ok_or("a bad length")?;
+                self.rest = &self.rest[n..];
+                let len = usize::try_from(len).map_err(|_| "a length out of range")?;
+                Value::Bytes(take(&mut self.rest, len)?)
+            }
+            5 => {
+                take(&mut self.rest, 4)?;
+                Value::Fixed32
+            }
+            t => return Err(format!("wire type {t}")),
+        };
+        Ok((number, value))
+    }
+}
+
+impl<'a> Iterator for Fields<'a> {
+    type Item = Result<(u32, Value<'a>), String>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.failed || self.rest.is_empty() {
+            return None;
+        }
+        let r = self.next_field();
+        self.failed = r.is_err();
+        Some(r)
+    }
+}
+
+/// A minimal protobuf and image-file writer, for tests here and in other modules: builds the
+/// images [`read_facts`] reads, including hostile ones.
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod testing {
+    use super::*;
+
+    pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+        loop {
+            let b = (v & 0x7f) as u8;
+            v >>= 7;
+            if v == 0 {
+                out.push(b);
+                return;
+            }
+            out.push(b | 0x80);
+        }
+    }
+
+    pub fn varint_field(out: &mut Vec<u8>, number: u32, v: u64) {
+        put_varint(out, u64::from(number) << 3);
+        put_varint(out, v);
+    }
+
+    pub fn bytes_field(out: &mut Vec<u8>, number: u32, b: &[u8]) {
+        put_varint(out, (u64::from(number) << 3) | 2);
+        put_varint(out, b.len() as u64);
+        out.extend_from_slice(b);
+    }
+
+    /// An image file of `entries` under `magic` (with the common head unless inventory).
+    pub fn image_file(magic: u32, common_head: bool, entries: &[Vec<u8>]) -> Vec<u8> {
+        let mut out = Vec::new();
+        if common_head {
+            out.extend_from_slice(&IMG_COMMON_MAGIC.to_le_bytes());
+        }
+        out.extend_from_slice(&magic.to_le_bytes());
+        for e in entries {
+            out.extend_from_slice(&(e.len() as u32).to_le_bytes());
+            out.extend_from_slice(e);
+        }
+        out
+    }
+
+    pub fn ns_ids(base: u64) -> Vec<u8> {
+        let mut m = Vec::new();
+        for (number, v) in [(1, 1), (2, 2), (3, 3), (4, 4)] {
+            varint_field(&mut m, number, v);
+        }
+        for number in 5..=12 {
+            varint_field(&mut m, number, base + u64::from(number));
+        }
+        m
+    }
+
+    pub fn inventory(root_ids_base: u64) -> Vec<u8> {
+        let mut m = Vec::new();
+        varint_field(&mut m, 1, IMAGES_V1_1);
+        bytes_field(&mut m, 3, &ns_ids(root_ids_base));
+        image_file(INVENTORY_MAGIC, false, &[m])
+    }
+
+    pub fn pstree(tasks: &[(u32, &[u32])]) -> Vec<u8> {
+        let entries: Vec<Vec<u8>> = tasks
+            .iter()
+            .map(|(pid, threads)| {
+                let mut m = Vec::new();
+                varint_field(&mut m, 1, u64::from(*pid));
+                varint_field(&mut m, 2, 0);
+                varint_field(&mut m, 3, u64::from(*pid));
+                varint_field(&mut m, 4, u64::from(*pid));
+                for t in *threads {
+                    varint_field(&mut m, 5, u64::from(*t));
+                }
+                m
+            })
+            .collect();
+        image_file(PSTREE_MAGIC, true, &entries)
+    }
+
+    pub fn creds(c: &Creds) -> Vec<u8> {
+        let mut m = Vec::new();
+        for (number, v) in [
+            (1, c.uids[0]),
+            (2, c.gids[0]),
+            (3, c.uids[1]),
+            (4, c.gids[1]),
+            (5, c.uids[2]),
+            (6, c.gids[2]),
+            (7, c.uids[3]),
+            (8, c.gids[3]),
+        ] {
+            varint_field(&mut m, number, u64::from(v));
+        }
+        for (number, set) in [
+            (9, c.cap_inh),
+            (10, c.cap_prm),
+            (11, c.cap_eff),
+            (12, c.cap_bnd),
+        ] {
+            varint_field(&mut m, number, set & 0xffff_ffff);
+            varint_field(&mut m, number, set >> 32);
+        }
+        varint_field(&mut m, 13, 0);
+        for g in &c.groups {
+            varint_field(&mut m, 14, u64::from(*g));
+        }
+        varint_field(&mut m, 18, u64::from(c.no_new_privs));
+        varint_field(&mut m, 19, c.cap_amb & 0xffff_ffff);
+        varint_field(&mut m, 19, c.cap_amb >> 32);
+        m
+    }
+
+    /// A core file: `ids_base` None leaves out the namespace ids; `creds` None leaves out the
+    /// credentials (as for a zombie, with `state` 2).
+    pub fn core(state: u64, ids_base: Option<u64>, creds: Option<&Creds>) -> Vec<u8> {
+        let mut tc = Vec::new();
+        varint_field(&mut tc, 1, state);
+        varint_field(&mut tc, 2, 0);
+        bytes_field(&mut tc, 6, b"sh");
+        let mut thread = Vec::new();
+        varint_field(&mut thread, 1, 0);
+        varint_field(&mut thread, 2, 0);
+        if let Some(c) = creds {
+            bytes_field(&mut thread, 10, &super::testing::creds(c));
+            varint_field(&mut thread, 11, u64::from(c.seccomp_mode));
+        }
+        let mut m = Vec::new();
+        varint_field(&mut m, 1, 1);
+        bytes_field(&mut m, 3, &tc);
+        if let Some(base) = ids_base {
+            bytes_field(&mut m, 4, &ns_ids(base));
+        }
+        bytes_field(&mut m, 5, &thread);
+        image_file(CORE_MAGIC, true, &[m])
+    }
+
+    /// Writes an image of `tasks` (pid, threads) whose every thread has `creds`, the root
+    /// task in namespaces all different from CRIU's except those in `shared_with_criu`.
+    pub fn write_image(dir: &Path, tasks: &[(u32, &[u32])], creds: &Creds, shared_with_criu: u32) {
+        fs::create_dir_all(dir).unwrap();
+        // The root task's ids are base 100 + field number; CRIU's are base 0 + field number,
+        // except where shared.
+        let mut criu_ids = NsIds::default();
+        let task_ids = |base: u64| NsIds {
+            pid: base + 5,
+            net: base + 6,
+            ipc: base + 7,
+            uts: base + 8,
+            mnt: base + 9,
+            user: base + 10,
+            time: base + 12,
+        };
+        let (root, other) = (task_ids(100), task_ids(0));
+        for (flag, (slot, from_root, from_other)) in [
+            (ns::PID, (&mut criu_ids.pid, root.pid, other.pid)),
+            (ns::NET, (&mut criu_ids.net, root.net, other.net)),
+            (ns::IPC, (&mut criu_ids.ipc, root.ipc, other.ipc)),
+            (ns::UTS, (&mut criu_ids.uts, root.uts, other.uts)),
+            (ns::MNT, (&mut criu_ids.mnt, root.mnt, other.mnt)),
+            (ns::USER, (&mut criu_ids.user, root.user, other.user)),
+            (ns::TIME, (&mut criu_ids.time, root.time, other.time)),
+        ] {
+            *slot = if shared_with_criu & flag != 0 {
+                from_root
+            } else {
+                from_other
+            };
+        }
+        let mut inv = Vec::new();
+        varint_field(&mut inv, 1, IMAGES_V1_1);
+        let mut ids = Vec::new();
+        for (number, v) in [(1, 1), (2, 2), (3, 3), (4, 4)] {
+            varint_field(&mut ids, number, v);
+        }
+        for (number, v) in [
+            (5, criu_ids.pid),
+            (6, criu_ids.net),
+            (7, criu_ids.ipc),
+            (8, criu_ids.uts),
+            (9, criu_ids.mnt),
+            (10, criu_ids.user),
+            (12, criu_ids.time),
+        ] {
+            varint_field(&mut ids, number, v);
+        }
+        bytes_field(&mut inv, 3, &ids);
+        fs::write(
+            dir.join("inventory.img"),
+            image_file(INVENTORY_MAGIC, false, &[inv]),
+        )
+        .unwrap();
+        fs::write(dir.join("pstree.img"), pstree(tasks)).unwrap();
+        for (i, (pid, threads)) in tasks.iter().enumerate() {
+            let tids: Vec<u32> = if threads.is_empty() {
+                vec![*pid]
+            } else {
+                threads.to_vec()
+            };
+            for tid in tids {
+                let ids = (i == 0 && tid == *pid).then_some(100);
+                fs::write(
+                    dir.join(format!("core-{tid}.img")),
+                    core(1, ids, Some(creds)),
+                )
+                .unwrap();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::*;
+    use super::*;
+
+    fn root_creds() -> Creds {
+        Creds {
+            cap_prm: 0xa804_25fb,
+            cap_eff: 0xa804_25fb,
+            cap_bnd: 0xa804_25fb,
+            ..Creds::default()
+        }
+    }
+
+    #[test]
+    fn reads_tasks_threads_creds_and_namespaces() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = root_creds();
+        c.groups = vec![10, 11];
+        c.seccomp_mode = 2;
+        c.no_new_privs = true;
+        c.cap_amb = 1 << 40;
+        write_image(
+            dir.path(),
+            &[(1, &[1, 5]), (7, &[])],
+            &c,
+            ns::USER | ns::TIME,
+        );
+        let facts = read_facts(dir.path()).unwrap();
+        assert_eq!(facts.root_pid, 1);
+        assert_eq!(
+            facts.namespaces,
+            ns::MNT | ns::UTS | ns::IPC | ns::PID | ns::NET
+        );
+        let tids: Vec<(u32, u32)> = facts.threads.iter().map(|t| (t.pid, t.tid)).collect();
+        assert_eq!(tids, vec![(1, 1), (1, 5), (7, 7)]);
+        assert!(facts.threads.iter().all(|t| t.creds.as_ref() == Some(&c)));
+        assert_eq!(facts.threads[0].comm, "sh");
+    }
+
+    #[test]
+    fn a_zombie_needs_no_creds_but_a_live_task_does() {
+        let dir = tempfile::tempdir().unwrap();
+        write_image(dir.path(), &[(1, &[]), (9, &[])], &root_creds(), 0);
+        fs::write(dir.path().join("core-9.img"), core(TASK_DEAD, None, None)).unwrap();
+        let facts = read_facts(dir.path()).unwrap();
+        assert_eq!(facts.threads[1].creds, None);
+        fs::write(dir.path().join("core-9.img"), core(1, None, None)).unwrap();
+        let err = read_facts(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("no credentials"), "{err}");
+    }
+
+    #[test]
+    fn hostile_images_are_errors_not_guesses() {
+        let base = tempfile::tempdir().unwrap();
+        write_image(base.path(), &[(1, &[])], &root_creds(), 0);
+        let good_core = fs::read(base.path().join("core-1.img")).unwrap();
+        let cases: Vec<(&str, &str, Vec<u8>)> = vec![
+            ("inventory.img", "magic", pstree(&[(1, &[])])),
+            ("inventory.img", "cut short", vec![0x16]),
+            (
+                "pstree.img",
+                "no tasks",
+                image_file(PSTREE_MAGIC, true, &[]),
+            ),
+            ("pstree.img", "head magic", {
+                let mut p = pstree(&[(1, &[])]);
+                p[0] ^= 0xff;
+                p
+            }),
+            (
+                "core-1.img",
+                "namespace ids",
+                core(1, None, Some(&root_creds())),
+            ),
+            ("core-1.img", "bytes", {
+                // An entry length pointing past the end of the file.
+                let mut c = good_core.clone();
+                c[8] = 0xff;
+                c
+            }),
+            ("core-1.img", "entries", {
+                let mut c = good_core.clone();
+                c.extend_from_slice(&good_core[8..]);
+                c
+            }),
+            ("core-1.img", "varint", {
+                // A field whose varint never ends.
+                let mut m = Vec::new();
+                m.extend_from_slice(&[0x08]);
+                m.extend_from_slice(&[0xff; 11]);
+                image_file(CORE_MAGIC, true, &[m])
+            }),
+        ];
+        for (file, want, bytes) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            write_image(dir.path(), &[(1, &[])], &root_creds(), 0);
+            fs::write(dir.path().join(file), &bytes).unwrap();
+            let err = read_facts(dir.path()).unwrap_err().to_string();
+            assert!(err.contains(want), "{file}: want {want:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn missing_credential_fields_and_wide_cap_sets_are_refused() {
+        let mut partial = Vec::new();
+        varint_field(&mut partial, 1, 0);
+        varint_field(&mut partial, 2, 0);
+        let err = parse_creds(&partial).unwrap_err();
+        assert!(err.contains("without all of"), "{err}");
+        let mut wide = creds(&root_creds());
+        varint_field(&mut wide, 9, 0);
+        varint_field(&mut wide, 9, 0);
+        varint_field(&mut wide, 9, 1);
+        let err = parse_creds(&wide).unwrap_err();
+        assert!(err.contains("beyond bit 63"), "{err}");
+    }
+
+    #[test]
+    fn packed_repeated_fields_are_read() {
+        let mut m = Vec::new();
+        for number in 1..=8 {
+            varint_field(&mut m, number, 0);
+        }
+        let mut packed = Vec::new();
+        put_varint(&mut packed, 0xffff_ffff);
+        put_varint(&mut packed, 0x1ff);
+        bytes_field(&mut m, 11, &packed);
+        let c = parse_creds(&m).unwrap();
+        assert_eq!(c.cap_eff, 0x1ff_ffff_ffff);
+    }
+
+    #[test]
+    fn files_that_are_not_plain_or_too_large_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        write_image(dir.path(), &[(1, &[])], &root_creds(), 0);
+        fs::remove_file(dir.path().join("pstree.img")).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", dir.path().join("pstree.img")).unwrap();
+        assert!(read_facts(dir.path()).is_err());
+        fs::remove_file(dir.path().join("pstree.img")).unwrap();
+        nix::unistd::mkfifo(
+            &dir.path().join("pstree.img"),
+            nix::sys::stat::Mode::S_IRWXU,
+        )
+        .unwrap();
+        // A FIFO must not block the reader.
+        let err = read_facts(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("not a regular file"), "{err}");
+        fs::remove_file(dir.path().join("pstree.img")).unwrap();
+        let f = fs::File::create(dir.path().join("pstree.img")).unwrap();
+        f.set_len(MAX_DESCRIPTOR_FILE + 1).unwrap();
+        let err = read_facts(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("more than"), "{err}");
+    }
+}
