@@ -29,6 +29,8 @@ pub struct SandboxOptions<'a> {
     pub state_dir: Option<PathBuf>,
     /// More crab config: TOML keys at the document root, dotted (`checkpoint.enabled = false`).
     pub config: &'a str,
+    /// A change to the OCI spec before the container is created (e.g. all capabilities).
+    pub spec_edit: Option<&'a (dyn Fn(&mut Value) + Sync)>,
 }
 
 pub struct Sandbox {
@@ -52,6 +54,9 @@ impl Sandbox {
         let mut spec = crate::spec::container_spec(&id, &h.env.namespace, process);
         for (k, v) in o.annotations {
             spec["annotations"][*k] = Value::String(v.to_string());
+        }
+        if let Some(edit) = o.spec_edit {
+            edit(&mut spec);
         }
         if let Some((source, at)) = o.volume {
             config.push_str(&format!("checkpoint.tracked_volumes = [\"{at}\"]\n"));

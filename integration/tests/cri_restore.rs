@@ -183,6 +183,69 @@ async fn checkpoint_image_restores_in_a_new_pod() {
     );
 }
 
+/// Issue 16, item 1, through the CRI: a checkpoint of a privileged container (crab's own,
+/// signed export) is refused in a pod whose container is not privileged, with the reason in
+/// the status the kubelet would show; in a privileged pod it restores.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_privileged_checkpoint_is_refused_in_an_unprivileged_pod() {
+    use crab_integration::cri::both::{linux_sc, pod_sc};
+    let cri = Cri::for_test().await;
+    let mut guard = PodGuard::new();
+    let mut src_pod = cri.pod_config("priv-src");
+    pod_sc(&mut src_pod).privileged = true;
+    let src_pod_id = cri.run_pod(&mut guard, "crab", &src_pod).await.unwrap();
+    let mut config = container_config("agent", crab_integration::cri::BUSYBOX, &["sh", "-c", COUNTER]);
+    linux_sc(&mut config).privileged = true;
+    let src = cri.run_container(&src_pod_id, &src_pod, config).await.unwrap();
+    cri.sh_until_ok(&src, "test \"$(cut -d' ' -f2 /tmp/count)\" -ge 5", Duration::from_secs(20))
+        .await
+        .unwrap();
+    let caps = cri.sh(&src, "grep CapEff /proc/1/status").await.unwrap();
+    assert!(caps.contains("000001ffffffffff"), "the source runs privileged: {caps}");
+    cri.end_turn(&src, "t1").await.unwrap();
+    cri.sh(&src, "true").await.unwrap();
+    assert!(
+        matches!(cri.checkpoint_kind(&src, "t1").as_deref(), Some("proc" | "full")),
+        "{}",
+        cri.crabctl(&["checkpoints", &src]).1
+    );
+    let image = format!("localhost/crab/cri-restore-priv:{}", std::process::id());
+    let (code, out, err) = cri.crabctl(&["export", &src, "--turn", "t1", &image]);
+    assert_eq!(code, 0, "crabctl export: {out}{err}");
+    let _image_cleanup = ImageCleanup {
+        env: cri.env.clone(),
+        image: image.clone(),
+    };
+    cri.stop_pod(&src_pod_id).await.unwrap();
+    cri.remove_pod(&src_pod_id).await.unwrap();
+
+    // An ordinary pod (the kubelet's defaults) naming the image: StartContainer fails, and the
+    // reason is what the kubelet would show.
+    let dst_pod = cri.pod_config("priv-dst");
+    let dst_pod_id = cri.run_pod(&mut guard, "crab", &dst_pod).await.unwrap();
+    let id = cri
+        .create_container(&dst_pod_id, &dst_pod, container_config("agent", &image, &["sh", "-c", FRESH]))
+        .await
+        .unwrap();
+    let err = cri.start_container(&id).await.unwrap_err().to_string();
+    assert!(
+        err.contains("asks for more privilege than the container's spec grants") && err.contains("CAP_SYS_ADMIN"),
+        "{err}"
+    );
+    let status = cri.container_status(&id).await.unwrap();
+    assert_ne!(status.state, api::ContainerState::ContainerRunning as i32, "{status:?}");
+
+    // A privileged pod restores it: the counter goes on.
+    let mut ok_pod = cri.pod_config("priv-ok");
+    pod_sc(&mut ok_pod).privileged = true;
+    let ok_pod_id = cri.run_pod(&mut guard, "crab", &ok_pod).await.unwrap();
+    let mut config = container_config("agent", &image, &["sh", "-c", FRESH]);
+    linux_sc(&mut config).privileged = true;
+    let ok = cri.run_container(&ok_pod_id, &ok_pod, config).await.unwrap();
+    let init = cri.sh(&ok, "cat /proc/1/cmdline | tr '\\0' ' '").await.unwrap();
+    assert!(init.contains("while :"), "PID 1 is the restored counter: {init:?}");
+}
+
 /// Removes the exported image from the CRI's namespace, also when the test fails.
 struct ImageCleanup {
     env: TestEnv,

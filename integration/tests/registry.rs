@@ -139,7 +139,25 @@ async fn a_pushed_checkpoint_restores_on_another_node() {
     let ctr2 = Ctr::new(&node.env);
     ctr2.run(&["images", "pull", "--plain-http", &reference]).unwrap().ok().unwrap();
     let config = home.join("crab.toml");
+    // Node 2 has a signing key of its own: node 1's image is not signed by a key it trusts.
     std::fs::write(&config, format!("[store]\nstate_dir = \"{}\"\n", home.join("state").display())).unwrap();
+    let refused = ctr2
+        .run(&["run", "-d", "--runtime", "io.containerd.crab.v1", "--runtime-config-path", config.to_str().unwrap(), &reference, "untrusted-on-node-2"])
+        .unwrap();
+    assert_ne!(refused.code(), 0, "node 2 restored an image signed by a key it does not trust: {refused:?}");
+    assert!(format!("{refused:?}").contains("not signed by a trusted key"), "{refused:?}");
+    let _ = ctr2.run(&["containers", "rm", "untrusted-on-node-2"]);
+    // Trusting node 1's public key (as a cluster would, from a Secret on every node) restores it.
+    let node1_key = s.state_dir.join("keys/checkpoint-signing.pub");
+    std::fs::write(
+        &config,
+        format!(
+            "[store]\nstate_dir = \"{}\"\n[restore]\ntrusted_keys = [\"{}\"]\n",
+            home.join("state").display(),
+            node1_key.display()
+        ),
+    )
+    .unwrap();
     let id = "restored-on-node-2";
     ctr2.run(&[
         "run",

@@ -165,15 +165,20 @@ fn force_gc(h: &Harness, tag: &str) {
 }
 
 /// `ctr run --rm` of `image` under crab with `bash -c script`; returns its stdout. The
-/// container's crab state goes to a directory of its own, removed afterwards.
-fn ctr_run(h: &Harness, image: &str, id: &str, script: &str) -> String {
+/// container's crab state goes to a directory of its own, removed afterwards; it trusts the
+/// signing key of `signer`, the sandbox that exported the image.
+fn ctr_run(h: &Harness, signer: &Sandbox, image: &str, id: &str, script: &str) -> String {
     let _g = h.guard(&[id]);
     let state = h.env.crab_home.join("state").join(id);
     let config = state.with_extension("toml");
     std::fs::create_dir_all(config.parent().unwrap()).unwrap();
     std::fs::write(
         &config,
-        format!("[store]\nstate_dir = \"{}\"\n", state.display()),
+        format!(
+            "[store]\nstate_dir = \"{}\"\n[restore]\ntrusted_keys = [\"{}\"]\n",
+            state.display(),
+            signer.state_dir.join("keys/checkpoint-signing.pub").display()
+        ),
     )
     .unwrap();
     let out = h.ctr().run_with(
@@ -315,6 +320,7 @@ async fn export_of_an_fs_chain_runs_as_that_turn() {
 
     let restored = ctr_run(
         &h,
+        &s,
         &latest_ref,
         &format!("{}-run-latest", s.id),
         &format!("{LISTING}; {RESERVED_SHOWS}"),
@@ -334,6 +340,7 @@ async fn export_of_an_fs_chain_runs_as_that_turn() {
     );
     let restored_first = ctr_run(
         &h,
+        &s,
         &first_ref,
         &format!("{}-run-first", s.id),
         &format!("{LISTING}; {RESERVED_SHOWS}"),

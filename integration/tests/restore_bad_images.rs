@@ -154,18 +154,60 @@ fn raw_tar(entries: &[(&str, &[u8], Option<&str>)]) -> Vec<u8> {
     out
 }
 
-/// Layer entries re-packed into a plain tar, with `edit` applied to (path, data).
+/// Layer entries re-packed into a plain tar, with `edit` applied to (path, data). The
+/// signature is left as it was: the image no longer matches it.
 fn repack(entries: &[(tar::Header, Vec<u8>)], edit: impl Fn(&str, &[u8]) -> Option<Vec<u8>>) -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
+    repack_signed(entries, edit, None)
+}
+
+/// [`repack`], then, with `key`, `signature.json` made anew over what the layer now holds
+/// (someone who holds a trusted key: the image is corrupt, yet signed).
+fn repack_signed(entries: &[(tar::Header, Vec<u8>)], edit: impl Fn(&str, &[u8]) -> Option<Vec<u8>>, key: Option<&Path>) -> Vec<u8> {
+    let mut edited = Vec::new();
     for (h, data) in entries {
         let path = h.path().unwrap().to_string_lossy().into_owned();
         let Some(data) = (if h.entry_type().is_file() { edit(&path, data) } else { Some(data.clone()) }) else { continue };
-        let mut h = h.clone();
+        edited.push((h.clone(), path, data));
+    }
+    if let Some(key) = key {
+        let find = |suffix: &str| edited.iter().position(|(_, p, _)| p.ends_with(suffix)).unwrap();
+        let meta = &edited[find(".crab-checkpoint/checkpoint.json")].2;
+        let criu: serde_json::Map<String, Value> = edited
+            .iter()
+            .filter(|(h, p, _)| h.entry_type().is_file() && p.contains(".crab-checkpoint/criu/"))
+            .map(|(_, p, d)| (p.rsplit('/').next().unwrap().to_string(), json!({"sha256": sha256(d), "size": d.len()})))
+            .collect();
+        let i = find(".crab-checkpoint/signature.json");
+        edited[i].2 = sign(key, &json!({"checkpoint_json": sha256(meta), "criu": criu}));
+    }
+    let mut b = tar::Builder::new(Vec::new());
+    for (mut h, path, data) in edited {
         h.set_size(data.len() as u64);
         h.set_cksum();
         b.append_data(&mut h, &path, &data[..]).unwrap();
     }
     b.into_inner().unwrap()
+}
+
+/// `signature.json` for `statement` with the signing key file at `key`, written from the format
+/// crab documents (README, Security): ed25519 over a domain line and the statement's compact
+/// JSON with sorted keys.
+fn sign(key: &Path, statement: &Value) -> Vec<u8> {
+    use ed25519_dalek::Signer;
+    let text = std::fs::read_to_string(key).unwrap();
+    let hex = text.trim().strip_prefix("ed25519-private:").unwrap();
+    let seed: Vec<u8> = (0..32).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap()).collect();
+    let key = ed25519_dalek::SigningKey::from_bytes(&seed.try_into().unwrap());
+    let mut message = b"crab checkpoint image signature v1\n".to_vec();
+    message.extend(serde_json::to_vec(statement).unwrap());
+    let hexs = |b: &[u8]| b.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    serde_json::to_vec(&json!({
+        "format": 1,
+        "key": format!("ed25519:{}", hexs(key.verifying_key().as_bytes())),
+        "statement": statement,
+        "signature": hexs(&key.sign(&message).to_bytes()),
+    }))
+    .unwrap()
 }
 
 struct Fixture {
@@ -178,7 +220,11 @@ struct Fixture {
 
 /// A sandbox with an fs turn and a process turn, exported and re-exported as an archive.
 async fn fixture(name: &str) -> Fixture {
-    let (mut s, guard) = Sandbox::start(name, SandboxOptions::default()).await;
+    fixture_with(name, SandboxOptions::default()).await
+}
+
+async fn fixture_with(name: &str, options: SandboxOptions<'_>) -> Fixture {
+    let (mut s, guard) = Sandbox::start(name, options).await;
     s.run("echo data > /app/file").await;
     s.end_turn().await;
     s.run("nohup sleep 100000 >/dev/null 2>&1 &").await;
@@ -197,8 +243,57 @@ async fn fixture(name: &str) -> Fixture {
 }
 
 impl Fixture {
+    /// The signing key of the sandbox's crab, which signed the export.
+    fn key(&self) -> PathBuf {
+        self.s.state_dir.join("keys/checkpoint-signing.key")
+    }
+
     fn name(&self, label: &str) -> String {
         format!("localhost/crab-bad/{}:{label}", self.s.id)
+    }
+
+    /// A crab config (written under the fixture's directory) that trusts the sandbox's key,
+    /// with `more` TOML appended; its path.
+    fn config(&self, label: &str, more: &str) -> PathBuf {
+        let config = self.dir.path().join(format!("crab-{label}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "[store]\nstate_dir = \"{}\"\n[checkpoint]\nrestore_timeout_ms = 5000\n[restore]\ntrusted_keys = [\"{}\"]\n{more}",
+                self.dir.path().join("state").display(),
+                self.key().with_extension("pub").display()
+            ),
+        )
+        .unwrap();
+        config
+    }
+
+    /// Imports `image` (named by [`Fixture::name`] of `label`) and starts it under crab with `config` (`ctr run -d`, extra ctr flags
+    /// first, `sleep infinity` as the command where no process is restored), then runs
+    /// `probe` in it with `bash -c`: (exit code, output) of the start if it failed, else of
+    /// the probe. The container is removed after.
+    fn run(&self, label: &str, image: &Archive, config: &Path, flags: &[&str], probe: &str) -> (i32, String) {
+        let name = self.name(label);
+        let path = self.dir.path().join(format!("{label}.tar"));
+        image.write(&path);
+        let ctr = self.h.ctr();
+        ctr.run(&["images", "import", path.to_str().unwrap()]).unwrap().ok().unwrap();
+        let id = format!("{}-{label}", self.s.id);
+        let _g = self.h.guard(&[&id]);
+        let mut cmd = vec!["run", "-d", "--runtime", "io.containerd.crab.v1", "--runtime-config-path", config.to_str().unwrap()];
+        cmd.extend_from_slice(flags);
+        cmd.extend_from_slice(&[&name, &id, "sleep", "infinity"]);
+        let started = ctr.run(&cmd).unwrap();
+        let out = if started.code() != 0 {
+            (started.code(), format!("{}{}", started.stdout, started.stderr))
+        } else {
+            let probed = ctr.run(&["tasks", "exec", "--exec-id", "probe", &id, "bash", "-c", probe]).unwrap();
+            let _ = ctr.run(&["tasks", "kill", "-s", "SIGKILL", &id]);
+            (probed.code(), format!("{}{}", probed.stdout, probed.stderr))
+        };
+        drop(_g);
+        let _ = ctr.run(&["images", "rm", &name]);
+        out
     }
 
     /// Imports `bad` and runs it: returns ctr's failure output (the run must fail), after
@@ -214,9 +309,7 @@ impl Fixture {
             format!("{}{}", import.stdout, import.stderr)
         } else {
             // A corrupt CRIU image can make CRIU spin: the restore is bounded (short here).
-            let config = self.dir.path().join("crab.toml");
-            let state = self.dir.path().join("state");
-            std::fs::write(&config, format!("[store]\nstate_dir = \"{}\"\n[checkpoint]\nrestore_timeout_ms = 5000\n", state.display())).unwrap();
+            let config = self.config("fails", "");
             let run = ctr
                 .run(&["run", "-d", "--runtime", "io.containerd.crab.v1", "--runtime-config-path", config.to_str().unwrap(), &name, &id, "sleep", "1"])
                 .unwrap();
@@ -260,10 +353,20 @@ async fn bad_checkpoint_images_fail_cleanly() {
     assert!(out.contains("format 99") && out.contains("upgrade crab"), "{out}");
 
     // A CRIU image that does not match: its process tree is gone, or its pages are cut short.
-    let no_pstree = repack(&entries, |p, d| (!p.ends_with("pstree.img")).then(|| d.to_vec()));
+    // Changed after signing, each is refused before CRIU sees it.
+    let no_pstree_edit = |p: &str, d: &[u8]| (!p.ends_with("pstree.img")).then(|| d.to_vec());
+    let short_pages_edit = |p: &str, d: &[u8]| Some(if p.contains("/pages-") { d[..d.len() / 2].to_vec() } else { d.to_vec() });
+    let no_pstree = repack(&entries, no_pstree_edit);
+    let out = f.run_fails("nopstree-unsigned", &f.good.with_last_layer(&f.name("nopstree-unsigned"), Some(no_pstree), None)).await;
+    assert!(out.contains("altered after signing") && out.contains("pstree.img was signed but is missing"), "{out}");
+    let short_pages = repack(&entries, short_pages_edit);
+    let out = f.run_fails("shortpages-unsigned", &f.good.with_last_layer(&f.name("shortpages-unsigned"), Some(short_pages), None)).await;
+    assert!(out.contains("altered after signing") && out.contains("pages-"), "{out}");
+    // Signed anew by the trusted key, a corrupt image reaches CRIU, which fails (bounded).
+    let no_pstree = repack_signed(&entries, no_pstree_edit, Some(&f.key()));
     let out = f.run_fails("nopstree", &f.good.with_last_layer(&f.name("nopstree"), Some(no_pstree), None)).await;
-    assert!(out.contains("cannot restore") && out.contains("CRIU"), "{out}");
-    let short_pages = repack(&entries, |p, d| Some(if p.contains("/pages-") { d[..d.len() / 2].to_vec() } else { d.to_vec() }));
+    assert!(out.contains("cannot start") && out.contains("pstree.img"), "{out}");
+    let short_pages = repack_signed(&entries, short_pages_edit, Some(&f.key()));
     let out = f.run_fails("shortpages", &f.good.with_last_layer(&f.name("shortpages"), Some(short_pages), None)).await;
     assert!(out.contains("cannot restore") && out.contains("restore_timeout_ms"), "{out}");
 
@@ -282,15 +385,19 @@ async fn bad_checkpoint_images_fail_cleanly() {
         (&format!("hostlink/crab-escape-symlink-{tag}"), b"out", None),
     ]);
     // (On an fs-only checkpoint, so that the container runs `ls` rather than a restored init.)
-    let mut tar = repack(&entries, |p, d| match p {
-        _ if p.contains("/criu/") => None,
-        _ if p.ends_with("checkpoint.json") => {
-            let mut v: Value = serde_json::from_slice(d).unwrap();
-            v["process"] = Value::Null;
-            Some(serde_json::to_vec(&v).unwrap())
-        }
-        _ => Some(d.to_vec()),
-    });
+    let mut tar = repack_signed(
+        &entries,
+        |p, d| match p {
+            _ if p.contains("/criu/") => None,
+            _ if p.ends_with("checkpoint.json") => {
+                let mut v: Value = serde_json::from_slice(d).unwrap();
+                v["process"] = Value::Null;
+                Some(serde_json::to_vec(&v).unwrap())
+            }
+            _ => Some(d.to_vec()),
+        },
+        Some(&f.key()),
+    );
     tar.truncate(tar.len() - 1024);
     tar.extend_from_slice(&escape);
     let name = f.name("escape");
@@ -346,4 +453,158 @@ async fn bad_checkpoint_images_fail_cleanly() {
     let mut s = f.s;
     assert_eq!(s.run("cat /app/file").await.stdout, "data\n");
     s.finish().await;
+}
+
+/// What the container's init runs with: its capability sets.
+const INIT_CAPS: &str = "grep -E '^Cap(Eff|Prm|Bnd)' /proc/1/status";
+/// The capabilities this process holds: what `ctr run --privileged` grants.
+fn host_caps() -> u64 {
+    cap_line(&std::fs::read_to_string("/proc/self/status").unwrap(), "CapBnd")
+}
+
+fn cap_line(out: &str, name: &str) -> u64 {
+    let line = out.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no {name} in {out}"));
+    u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap()
+}
+
+/// Issue 16, item 1: a checkpoint image is a request to run processes with whatever
+/// credentials it records. An image dumped from a privileged container, signed by crab
+/// itself, is refused under an unprivileged spec (it would otherwise run with every
+/// capability: host root), and restores under a privileged one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_privileged_dump_is_refused_under_an_unprivileged_spec() {
+    // As `ctr run --privileged`: every capability this process holds (on some hosts one is
+    // withheld from everyone, which a spec may then not ask for either).
+    let all = host_caps();
+    let privileged = |spec: &mut Value| {
+        let names: Vec<String> = (0..64).filter(|bit| all & (1 << bit) != 0).map(cap_name).collect();
+        for set in ["bounding", "effective", "permitted"] {
+            spec["process"]["capabilities"][set] = json!(names);
+        }
+    };
+    let mut f = fixture_with("hostile_priv", SandboxOptions { spec_edit: Some(&privileged), ..Default::default() }).await;
+    let source = f.s.run(INIT_CAPS).await.stdout;
+    assert_eq!(cap_line(&source, "CapEff"), all, "the source runs privileged: {source}");
+    let config = f.config("priv", "");
+
+    // Unprivileged (ctr's defaults): refused before CRIU runs, with the reason.
+    let out = f.run_fails("unprivileged", &f.good.with_last_layer(&f.name("unprivileged"), None, None)).await;
+    assert!(out.contains("asks for more privilege than the container's spec grants"), "{out}");
+    assert!(out.contains("CAP_SYS_ADMIN") && out.contains("bounding"), "{out}");
+    // The same image under a privileged spec restores its processes with their capabilities.
+    let (code, out) = f.run("good", &f.good, &config, &["--privileged"], INIT_CAPS);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(cap_line(&out, "CapEff"), all, "restored under --privileged: {out}");
+
+    // The source never noticed.
+    let s = &mut f.s;
+    assert_eq!(s.run("cat /app/file").await.stdout, "data\n");
+    f.s.finish().await;
+}
+
+/// The capability's name for `bit` (`include/uapi/linux/capability.h`).
+fn cap_name(bit: u32) -> String {
+    [
+        "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
+        "CAP_SETUID", "CAP_SETPCAP", "CAP_LINUX_IMMUTABLE", "CAP_NET_BIND_SERVICE", "CAP_NET_BROADCAST", "CAP_NET_ADMIN",
+        "CAP_NET_RAW", "CAP_IPC_LOCK", "CAP_IPC_OWNER", "CAP_SYS_MODULE", "CAP_SYS_RAWIO", "CAP_SYS_CHROOT",
+        "CAP_SYS_PTRACE", "CAP_SYS_PACCT", "CAP_SYS_ADMIN", "CAP_SYS_BOOT", "CAP_SYS_NICE", "CAP_SYS_RESOURCE",
+        "CAP_SYS_TIME", "CAP_SYS_TTY_CONFIG", "CAP_MKNOD", "CAP_LEASE", "CAP_AUDIT_WRITE", "CAP_AUDIT_CONTROL",
+        "CAP_SETFCAP", "CAP_MAC_OVERRIDE", "CAP_MAC_ADMIN", "CAP_SYSLOG", "CAP_WAKE_ALARM", "CAP_BLOCK_SUSPEND",
+        "CAP_AUDIT_READ", "CAP_PERFMON", "CAP_BPF", "CAP_CHECKPOINT_RESTORE",
+    ]
+    .get(bit as usize)
+    .map_or_else(|| format!("CAP_{bit}"), |n| n.to_string())
+}
+
+/// Issue 16, item 1: provenance. An image without a signature, or signed by a key the host
+/// does not trust, is refused by default; with `unsigned_images = "start-fresh"` it starts as
+/// an ordinary image (its entrypoint, none of its processes, the reserved directory hidden).
+/// A properly signed image restores its processes as they were.
+#[tokio::test(flavor = "multi_thread")]
+async fn unsigned_and_untrusted_images_are_refused() {
+    let f = fixture("hostile_sig").await;
+    let entries = f.good.last_layer_entries();
+
+    let unsigned = repack(&entries, |p, d| (!p.ends_with("signature.json")).then(|| d.to_vec()));
+    let unsigned = f.good.with_last_layer(&f.name("unsigned"), Some(unsigned), None);
+    let out = f.run_fails("unsigned", &unsigned).await;
+    assert!(out.contains("checkpoint image not signed by a trusted key: it carries no signature"), "{out}");
+
+    // Signed by a key of the attacker's own.
+    let stranger = f.dir.path().join("stranger.key");
+    std::fs::write(&stranger, format!("ed25519-private:{}\n", "5a".repeat(32))).unwrap();
+    let foreign = repack_signed(&entries, |_, d| Some(d.to_vec()), Some(&stranger));
+    let out = f.run_fails("stranger", &f.good.with_last_layer(&f.name("stranger"), Some(foreign), None)).await;
+    assert!(out.contains("not signed by a trusted key") && out.contains("not among the 1 trusted key"), "{out}");
+
+    // start-fresh: the unsigned image starts its command as an ordinary image would.
+    let config = f.config("fresh", "unsigned_images = \"start-fresh\"\n");
+    let probe = "ls -a / | grep -c crab-checkpoint; ps -eo args --no-headers | grep -c '^sleep 100000' ; cat /app/file";
+    let (code, out) = f.run("unsigned", &unsigned, &config, &[], probe);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.starts_with("0\n0\ndata\n"), "reserved dir hidden, no restored process, the files of the image: {out}");
+
+    // The good image restores its processes (the sleep left by the process turn).
+    let config = f.config("good", "");
+    let (code, out) = f.run("good", &f.good, &config, &[], "ps -eo args --no-headers | grep -c '^sleep 100000'; grep CapEff /proc/1/status");
+    assert_eq!(code, 0, "a signed image within the spec: {out}");
+    assert!(out.starts_with("1\n"), "the process turn's sleep is restored: {out}");
+    assert_eq!(cap_line(&out, "CapEff"), 0xa804_25fb, "with ctr's default capabilities: {out}");
+    f.s.finish().await;
+}
+
+/// Issue 16, item 4: a FIFO named `checkpoint.json` in an image must not hang Create (a
+/// blocking open would, leaking a thread and a mount per retry); the reserved directory is
+/// opaque in an export, so files the agent planted there through its own fs layers never
+/// merge into the checkpoint.
+#[tokio::test(flavor = "multi_thread")]
+async fn planted_files_in_the_reserved_directory() {
+    let mut f = fixture("hostile_planted").await;
+    let entries = f.good.last_layer_entries();
+    let mut fifo = tar::Builder::new(Vec::new());
+    for (h, data) in &entries {
+        let mut h = h.clone();
+        let path = h.path().unwrap().to_string_lossy().into_owned();
+        if path.ends_with("checkpoint.json") {
+            h.set_entry_type(tar::EntryType::Fifo);
+            h.set_size(0);
+            h.set_cksum();
+            fifo.append_data(&mut h, &path, std::io::empty()).unwrap();
+        } else {
+            fifo.append_data(&mut h, &path, &data[..]).unwrap();
+        }
+    }
+    let started = std::time::Instant::now();
+    let out = f.run_fails("fifo", &f.good.with_last_layer(&f.name("fifo"), Some(fifo.into_inner().unwrap()), None)).await;
+    assert!(out.contains("must be a plain file") && out.contains("a fifo"), "{out}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(60), "Create took {:?}", started.elapsed());
+
+    // The agent plants files, a symlink and a directory in the reserved directory; a process
+    // turn; the export restores cleanly (an unsigned file merged in would be refused).
+    f.s.run("mkdir -p /.crab-checkpoint/criu/sub && echo evil > /.crab-checkpoint/criu/planted.img \
+             && ln -s /etc/shadow /.crab-checkpoint/criu/link.img && echo '{}' > /.crab-checkpoint/signature.json")
+        .await;
+    f.s.end_turn().await;
+    f.s.run("nohup sleep 100001 >/dev/null 2>&1 &").await;
+    f.s.end_turn().await;
+    f.s.sync().await;
+    let reference = f.name("planted");
+    let (code, out, err) = f.s.crabctl(&["export", &f.s.id, &reference]);
+    assert_eq!(code, 0, "export: {out}{err}");
+    let path = f.dir.path().join("planted-export.tar");
+    f.h.ctr().run(&["images", "export", path.to_str().unwrap(), &reference]).unwrap().ok().unwrap();
+    f.h.ctr().run(&["images", "rm", &reference]).unwrap().ok().unwrap();
+    let planted = Archive::read(&path);
+    let layer = planted.last_layer_entries();
+    assert!(
+        layer.iter().any(|(h, _)| h.path().unwrap().to_string_lossy() == ".crab-checkpoint/.wh..wh..opq"),
+        "the reserved directory is opaque in the checkpoint layer"
+    );
+    let config = f.config("planted", "");
+    let probe = "ls -a / | grep -c crab-checkpoint; ps -eo args --no-headers | grep -c '^sleep 10000[01]'";
+    let (code, out) = f.run("planted", &planted, &config, &[], probe);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.starts_with("0\n2\n"), "reserved dir hidden, both sleeps restored: {out}");
+    f.s.finish().await;
 }

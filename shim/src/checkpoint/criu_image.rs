@@ -21,6 +21,7 @@ const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
 const INVENTORY_MAGIC: u32 = 0x5831_3116;
 const PSTREE_MAGIC: u32 = 0x5027_3030;
 const CORE_MAGIC: u32 = 0x5505_3847;
+const IDS_MAGIC: u32 = 0x5443_2030;
 /// `inventory.img_version` of images with [`IMG_COMMON_MAGIC`] heads (CRIU's
 /// `CRTOOLS_IMAGES_V1_1`), the only layout CRIU has written for a decade.
 const IMAGES_V1_1: u64 = 2;
@@ -116,12 +117,21 @@ pub struct ImageFacts {
 /// Reads [`ImageFacts`] from the CRIU image directory `dir` (a private copy: the caller
 /// copied it out of the container's rootfs, so nothing changes it under us).
 pub fn read_facts(dir: &Path) -> Result<ImageFacts, CriuImageError> {
+    facts_from(dir, &mut |path| read_bounded(path))
+}
+
+/// [`read_facts`] over any source of files: `read` gets the path of each file needed (under
+/// `dir`) and returns its bytes. The parsing itself touches nothing else (fuzzed this way).
+pub fn facts_from(
+    dir: &Path,
+    read: &mut dyn FnMut(&Path) -> Result<Vec<u8>, CriuImageError>,
+) -> Result<ImageFacts, CriuImageError> {
     let inventory_path = dir.join("inventory.img");
-    let inventory = read_bounded(&inventory_path)?;
+    let inventory = read(&inventory_path)?;
     let root_ids = parse_inventory(&inventory).map_err(malformed(&inventory_path))?;
 
     let pstree_path = dir.join("pstree.img");
-    let pstree = read_bounded(&pstree_path)?;
+    let pstree = read(&pstree_path)?;
     let tasks = parse_pstree(&pstree).map_err(malformed(&pstree_path))?;
     let root_pid = tasks
         .first()
@@ -138,12 +148,19 @@ pub fn read_facts(dir: &Path) -> Result<ImageFacts, CriuImageError> {
             tids
         };
         for &tid in tids {
+            if threads.len() >= MAX_TASKS {
+                return Err(malformed(&pstree_path)(format!(
+                    "more than {MAX_TASKS} threads"
+                )));
+            }
             let path = dir.join(format!("core-{tid}.img"));
-            let core = parse_core(&read_bounded(&path)?).map_err(malformed(&path))?;
+            let core = parse_core(&read(&path)?).map_err(malformed(&path))?;
             if tid == *pid && *pid == root_pid {
-                let ids = core
-                    .ids
-                    .ok_or_else(|| malformed(&path)("the root task has no namespace ids".into()))?;
+                // CRIU restores namespaces from the root task's `ids-<pid>.img`.
+                let ids_path = dir.join(format!("ids-{pid}.img"));
+                let ids = single(&read(&ids_path)?, IDS_MAGIC, true)
+                    .and_then(parse_ns_ids)
+                    .map_err(malformed(&ids_path))?;
                 namespaces = Some(clone_mask(&ids, &root_ids));
             }
             let creds = match (core.creds, core.task_state) {
@@ -165,7 +182,9 @@ pub fn read_facts(dir: &Path) -> Result<ImageFacts, CriuImageError> {
     }
     Ok(ImageFacts {
         root_pid,
-        namespaces: namespaces.unwrap_or_default(),
+        namespaces: namespaces.ok_or_else(|| {
+            malformed(&pstree_path)(format!("the root task {root_pid} is not among its threads"))
+        })?,
         threads,
     })
 }
@@ -350,18 +369,16 @@ fn parse_pstree(bytes: &[u8]) -> Result<Vec<(u32, Vec<u32>)>, String> {
 struct Core {
     task_state: Option<u64>,
     comm: String,
-    ids: Option<NsIds>,
     creds: Option<Creds>,
 }
 
-/// `core_entry`: the task's state and comm (`tc`, field 3), its namespace ids (`ids`, field
-/// 4) and the thread's credentials and seccomp mode (`thread_core`, field 5).
+/// `core_entry`: the task's state and comm (`tc`, field 3) and the thread's credentials and
+/// seccomp mode (`thread_core`, field 5).
 fn parse_core(bytes: &[u8]) -> Result<Core, String> {
     let msg = single(bytes, CORE_MAGIC, true)?;
     let mut core = Core {
         task_state: None,
         comm: String::new(),
-        ids: None,
         creds: None,
     };
     let (mut thread_seccomp, mut task_seccomp) = (None, None);
@@ -380,7 +397,6 @@ fn parse_core(bytes: &[u8]) -> Result<Core, String> {
                     }
                 }
             }
-            (4, v) => core.ids = Some(parse_ns_ids(v.bytes("ids")?)?),
             (5, v) => {
                 for f in Fields::new(v.bytes("thread_core")?) {
                     match f? {
@@ -705,9 +721,8 @@ pub mod testing {
         m
     }
 
-    /// A core file: `ids_base` None leaves out the namespace ids; `creds` None leaves out the
-    /// credentials (as for a zombie, with `state` 2).
-    pub fn core(state: u64, ids_base: Option<u64>, creds: Option<&Creds>) -> Vec<u8> {
+    /// A core file: `creds` None leaves out the credentials (as for a zombie, with `state` 2).
+    pub fn core(state: u64, creds: Option<&Creds>) -> Vec<u8> {
         let mut tc = Vec::new();
         varint_field(&mut tc, 1, state);
         varint_field(&mut tc, 2, 0);
@@ -722,9 +737,6 @@ pub mod testing {
         let mut m = Vec::new();
         varint_field(&mut m, 1, 1);
         bytes_field(&mut m, 3, &tc);
-        if let Some(base) = ids_base {
-            bytes_field(&mut m, 4, &ns_ids(base));
-        }
         bytes_field(&mut m, 5, &thread);
         image_file(CORE_MAGIC, true, &[m])
     }
@@ -847,10 +859,10 @@ mod tests {
     fn a_zombie_needs_no_creds_but_a_live_task_does() {
         let dir = tempfile::tempdir().unwrap();
         write_image(dir.path(), &[(1, &[]), (9, &[])], &root_creds(), 0);
-        fs::write(dir.path().join("core-9.img"), core(TASK_DEAD, None, None)).unwrap();
+        fs::write(dir.path().join("core-9.img"), core(TASK_DEAD, None)).unwrap();
         let facts = read_facts(dir.path()).unwrap();
         assert_eq!(facts.threads[1].creds, None);
-        fs::write(dir.path().join("core-9.img"), core(1, None, None)).unwrap();
+        fs::write(dir.path().join("core-9.img"), core(1, None)).unwrap();
         let err = read_facts(dir.path()).unwrap_err().to_string();
         assert!(err.contains("no credentials"), "{err}");
     }

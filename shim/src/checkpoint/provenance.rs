@@ -63,9 +63,9 @@ pub enum ProvenanceError {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileDigest {
-    pub size: u64,
     /// `sha256:<hex>`.
     pub sha256: String,
+    pub size: u64,
 }
 
 /// What a signature vouches for.
@@ -79,8 +79,9 @@ pub struct Statement {
 }
 
 impl Statement {
-    /// The bytes signed: [`DOMAIN`] and the statement's JSON (struct fields in order, the file
-    /// map sorted: the same statement always gives the same bytes).
+    /// The bytes signed: [`DOMAIN`] and the statement's JSON, compact with every object's keys
+    /// in sorted order (the fields are declared sorted, the file map is a `BTreeMap`): the
+    /// same statement always gives the same bytes, and another implementation can make them.
     fn message(&self) -> Vec<u8> {
         let mut m = DOMAIN.to_vec();
         m.extend(serde_json::to_vec(self).expect("a statement serializes"));
@@ -155,8 +156,8 @@ impl<R: Read> HashingReader<R> {
 
     pub fn finish(self) -> FileDigest {
         FileDigest {
-            size: self.len,
             sha256: digest_string(self.hash.finalize().as_slice()),
+            size: self.len,
         }
     }
 }
@@ -507,6 +508,13 @@ mod tests {
             .unwrap();
         assert_eq!(got, statement());
         check_files(&got, &statement().criu).unwrap();
+    }
+
+    #[test]
+    fn the_signed_bytes_are_the_statement_with_sorted_keys() {
+        let st = statement();
+        let sorted = serde_json::to_vec(&serde_json::to_value(&st).unwrap()).unwrap();
+        assert_eq!(st.message(), [DOMAIN, &sorted[..]].concat());
     }
 
     #[test]
