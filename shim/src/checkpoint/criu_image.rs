@@ -803,13 +803,15 @@ pub mod testing {
             } else {
                 threads.to_vec()
             };
-            for tid in tids {
-                let ids = (i == 0 && tid == *pid).then_some(100);
+            if i == 0 {
                 fs::write(
-                    dir.join(format!("core-{tid}.img")),
-                    core(1, ids, Some(creds)),
+                    dir.join(format!("ids-{pid}.img")),
+                    image_file(IDS_MAGIC, true, &[ns_ids(100)]),
                 )
                 .unwrap();
+            }
+            for tid in tids {
+                fs::write(dir.join(format!("core-{tid}.img")), core(1, Some(creds))).unwrap();
             }
         }
     }
@@ -885,11 +887,7 @@ mod tests {
                 p[0] ^= 0xff;
                 p
             }),
-            (
-                "core-1.img",
-                "namespace ids",
-                core(1, None, Some(&root_creds())),
-            ),
+            ("ids-1.img", "magic", core(1, Some(&root_creds()))),
             ("core-1.img", "bytes", {
                 // An entry length pointing past the end of the file.
                 let mut c = good_core.clone();
