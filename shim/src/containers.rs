@@ -246,6 +246,7 @@ impl Containers {
         };
         log::info!("create {}: config from {source}, runc {}", p.id, runc.binary.display());
         let spec = bundle::read_spec(&p.bundle)?;
+        turns::check_spec_annotations(&spec)?;
         let exec_boundary = turns::exec_boundary(&spec, config.checkpoint.turn_boundary)?;
         // Checked again where the coordinator takes it; here so a bad value changes nothing.
         crate::checkpoint::policy::for_container(&spec, config.checkpoint.policy)?;

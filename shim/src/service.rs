@@ -34,8 +34,28 @@ use crate::{
 
 pub const RUNTIME_ID: &str = "io.containerd.crab.v1";
 
-/// Spec annotations that put containers in one shim: a pod's containers share one.
-const GROUP_ANNOTATIONS: [&str; 2] = ["io.kubernetes.cri.sandbox-id", "io.containerd.crab.v1.group"];
+/// The spec annotation the CRI sets on every container of a pod: a pod's containers share one
+/// shim. It is containerd's to set, and wins over [`GROUP_ANNOTATION`].
+const SANDBOX_ANNOTATION: &str = "io.kubernetes.cri.sandbox-id";
+/// A spec annotation that puts containers created outside the CRI in one shim. Its value lives
+/// in a name space of its own (`crab-group-<value>`), so it can never name another container's
+/// or pod's shim, whose grouping ids are container and sandbox ids.
+const GROUP_ANNOTATION: &str = "io.containerd.crab.v1.group";
+
+/// The id of the shim a container joins: its pod's, its explicit group's, else its own.
+fn grouping(spec: Option<&oci_spec::runtime::Spec>, id: &str) -> std::result::Result<String, String> {
+    let Some(spec) = spec else { return Ok(id.to_string()) };
+    if let Some(sandbox) = bundle::annotation(spec, &[SANDBOX_ANNOTATION]) {
+        return Ok(sandbox.to_string());
+    }
+    match bundle::annotation(spec, &[GROUP_ANNOTATION]) {
+        None => Ok(id.to_string()),
+        Some(g) if !g.is_empty() && g.len() <= 64 && g.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) => {
+            Ok(format!("crab-group-{g}"))
+        }
+        Some(g) => Err(format!("spec annotation {GROUP_ANNOTATION} must be 1 to 64 of [A-Za-z0-9._-], got {g:?}")),
+    }
+}
 
 pub fn timestamp(t: SystemTime) -> Timestamp {
     let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
@@ -62,10 +82,8 @@ impl containerd_shim::Shim for Service {
     }
 
     async fn start_shim(&mut self, opts: StartOpts) -> containerd_shim::Result<String> {
-        let grouping = bundle::read_spec(Path::new("."))
-            .ok()
-            .and_then(|spec| bundle::annotation(&spec, &GROUP_ANNOTATIONS).map(str::to_owned))
-            .unwrap_or_else(|| opts.id.clone());
+        let grouping =
+            grouping(bundle::read_spec(Path::new(".")).ok().as_ref(), &opts.id).map_err(containerd_shim::Error::InvalidArgument)?;
         // containerd writes the runtime options to the start command's stdin, and the
         // framework's spawn() parses whatever it finds there as *runc's* options (field 3 of
         // which is `shim_cgroup`): crab's options (`runtimeoptions.v1.Options`, whose field 3 is
@@ -306,5 +324,31 @@ impl containerd_shim::Task for TaskService {
     async fn shutdown(&self, _: &TtrpcContext, req: api::ShutdownRequest) -> TtrpcResult<Empty> {
         self.containers.shutdown(req.now);
         Ok(Empty::new())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(annotations: &[(&str, &str)]) -> oci_spec::runtime::Spec {
+        let map: std::collections::HashMap<&str, &str> = annotations.iter().copied().collect();
+        serde_json::from_value(serde_json::json!({"ociVersion": "1.0.2", "annotations": map})).unwrap()
+    }
+
+    #[test]
+    fn a_group_can_never_name_another_workloads_shim() {
+        assert_eq!(grouping(None, "c1").unwrap(), "c1");
+        assert_eq!(grouping(Some(&spec(&[])), "c1").unwrap(), "c1");
+        // A pod's containers share the pod's shim, whatever else they say.
+        let pod = spec(&[(SANDBOX_ANNOTATION, "abc123"), (GROUP_ANNOTATION, "other")]);
+        assert_eq!(grouping(Some(&pod), "c1").unwrap(), "abc123");
+        // An explicit group is a name of its own: naming another container's id (or a pod's)
+        // does not reach that container's shim.
+        assert_eq!(grouping(Some(&spec(&[(GROUP_ANNOTATION, "victim")])), "c1").unwrap(), "crab-group-victim");
+        for bad in ["", "../x", "a b", &"x".repeat(65)] {
+            let e = grouping(Some(&spec(&[(GROUP_ANNOTATION, bad)])), "c1").unwrap_err();
+            assert!(e.contains(GROUP_ANNOTATION), "{e}");
+        }
     }
 }

@@ -31,9 +31,43 @@ const MAX_TURN_ID: usize = 256;
 /// The spec annotation CRI sets on a pod's infrastructure (pause) container.
 const CRI_CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
 
+/// At most this many annotations in one `Tasks.Update`, of at most [`MAX_UPDATE_BYTES`] in
+/// all: what a harness sends is a handful of short keys.
+const MAX_UPDATE_ANNOTATIONS: usize = 64;
+const MAX_UPDATE_BYTES: usize = 64 << 10;
+
+/// The crab annotations a container's spec may carry; any other `io.crab/` key is a typo that
+/// must not silently change nothing.
+pub const SPEC_ANNOTATIONS: [&str; 2] = [TURN_BOUNDARY, crate::checkpoint::policy::POLICY_ANNOTATION];
+
+/// Refuses a spec with an `io.crab/` annotation crab does not know.
+pub fn check_spec_annotations(spec: &oci_spec::runtime::Spec) -> Result<()> {
+    let unknown = spec
+        .annotations()
+        .iter()
+        .flatten()
+        .map(|(k, _)| k)
+        .find(|k| k.starts_with(ANNOTATION_PREFIX) && !SPEC_ANNOTATIONS.contains(&k.as_str()));
+    match unknown {
+        Some(key) => Err(Error::InvalidArgument(format!(
+            "unknown crab annotation `{key}` in the container's spec (known: {})",
+            SPEC_ANNOTATIONS.join(", ")
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// The turn id requested by `annotations`, if any; malformed crab annotations are errors
 /// (and nothing is done).
 pub fn requested_turn_end(annotations: &HashMap<String, String>) -> Result<Option<String>> {
+    let bytes: usize = annotations.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if annotations.len() > MAX_UPDATE_ANNOTATIONS || bytes > MAX_UPDATE_BYTES {
+        return Err(Error::InvalidArgument(format!(
+            "{} annotations of {bytes} bytes in one update: at most {MAX_UPDATE_ANNOTATIONS} of \
+             {MAX_UPDATE_BYTES} bytes in all",
+            annotations.len()
+        )));
+    }
     for key in annotations.keys().filter(|k| k.starts_with(ANNOTATION_PREFIX)) {
         if key != TURN_END {
             return Err(Error::InvalidArgument(format!("unknown crab annotation `{key}` (known: {TURN_END})")));
@@ -163,6 +197,25 @@ pub fn store_answer(dir: &Path, turn_id: &str, answer: &Answer) -> Result<PathBu
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn unknown_crab_spec_annotations_are_refused() {
+        let spec = |key: &str| -> oci_spec::runtime::Spec {
+            serde_json::from_value(serde_json::json!({
+                "ociVersion": "1.0.2",
+                "annotations": {key: "x", "io.other/anything": "y"}
+            }))
+            .unwrap()
+        };
+        for known in SPEC_ANNOTATIONS {
+            check_spec_annotations(&spec(known)).unwrap();
+        }
+        check_spec_annotations(&spec("io.kubernetes.cri.sandbox-id")).unwrap();
+        for typo in ["io.crab/checkpoint-polcy", "io.crab/turn-end", "io.crab/"] {
+            let e = check_spec_annotations(&spec(typo)).unwrap_err().to_string();
+            assert!(e.contains(typo) && e.contains("io.crab/checkpoint-policy"), "{e}");
+        }
+    }
+
     use super::*;
 
     fn ann(pairs: &[(&str, &str)]) -> HashMap<String, String> {
@@ -180,5 +233,11 @@ mod tests {
         assert!(requested_turn_end(&ann(&[(TURN_END, &"x".repeat(300))])).is_err());
         let e = requested_turn_end(&ann(&[("io.crab/turn-ned", "1")])).unwrap_err().to_string();
         assert!(e.contains("io.crab/turn-ned"), "{e}");
+        // Bounded: many keys, or a few huge ones.
+        let many: Vec<(String, String)> = (0..65).map(|i| (format!("k{i}"), String::new())).collect();
+        let many: HashMap<String, String> = many.into_iter().collect();
+        assert!(requested_turn_end(&many).unwrap_err().to_string().contains("at most 64"));
+        let huge: HashMap<String, String> = [("k".to_string(), "x".repeat(70_000))].into();
+        assert!(requested_turn_end(&huge).is_err());
     }
 }
