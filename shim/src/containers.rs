@@ -265,10 +265,11 @@ impl Containers {
         let taken = match p.checkpoint.is_empty() {
             true => {
                 let (rootfs, dest) = (bundle::rootfs_path(&p.bundle), p.bundle.join("crab-restore"));
-                let config = config.clone();
+                let (config, id) = (config.clone(), p.id.clone());
                 let taken = tokio::task::spawn_blocking(move || {
                     let trusted = || crate::checkpoint::provenance::trusted_keys(&config);
                     let guard = restore::RestoreGuard {
+                        container: &id,
                         trusted: &trusted,
                         unsigned: config.restore.unsigned_images,
                         limits: restore::ImageLimits::from_config(&config.restore),

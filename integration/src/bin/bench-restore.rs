@@ -214,6 +214,10 @@ struct ApiStart {
 struct ShimLog {
     /// Its `restored ... in D` figure: runc restore (CRIU) and the init's stdio.
     restore_ms: f64,
+    /// Its `checkpoint image of ID verified in D ms` figure: the description and signature,
+    /// the CRIU files' digests (hashing time only: the files are read to be copied anyway) and
+    /// the least-privilege check.
+    verify_ms: f64,
     /// Unix times of that line and of the inspector's start after it.
     restored_at: f64,
     inspector_at: Option<f64>,
@@ -238,6 +242,8 @@ struct StartSeries {
     shim_api: Vec<f64>,
     /// Restore's end until checkpointing began (all ways), see [`ShimLog::setup_ms`].
     setup: Vec<f64>,
+    /// The shim's verification of the image (all ways), see [`ShimLog::verify_ms`].
+    verify: Vec<f64>,
     /// API starts: checkpointing began until Tasks.Start returned (the inspector's base mark).
     api_tail: Vec<f64>,
     /// Snapshots removed before each cold start.
@@ -262,6 +268,7 @@ impl StartSeries {
             "api_task_create_ms": stats_json(&self.api_col(|a| a.task_create_ms)),
             "api_task_start_ms": stats_json(&self.api_col(|a| a.task_start_ms)),
             "shim_after_restore_until_checkpointing_ms": stats_json(&self.setup),
+            "shim_image_verification_ms": stats_json(&self.verify),
             "api_checkpointing_began_until_start_returned_ms": stats_json(&self.api_tail),
             "shim_restore_log_ms": {"cold": stats_json(&self.shim_cold), "warm": stats_json(&self.shim_warm), "api": stats_json(&self.shim_api)},
             "snapshots_removed_before_cold": self.removed,
@@ -335,8 +342,18 @@ impl Bench {
                         .iter()
                         .find(|l| l.contains("inspector: watching cgroup"))
                         .and_then(|l| log_time(l));
+                    let verified = format!("checkpoint image of {id} verified in ");
+                    let verify_ms = lines[..at]
+                        .iter()
+                        .rev()
+                        .find_map(|l| {
+                            let rest = &l[l.find(&verified)? + verified.len()..];
+                            rest.split_whitespace().next()?.parse::<f64>().ok()
+                        })
+                        .unwrap_or(f64::NAN);
                     found = Some(ShimLog {
                         restore_ms,
+                        verify_ms,
                         restored_at,
                         inspector_at,
                     });
@@ -822,6 +839,7 @@ async fn restore_series(
             };
             let shim = log.map(|l| l.restore_ms);
             s.setup.extend(log.map(|l| l.setup_ms()));
+            s.verify.extend(log.map(|l| l.verify_ms));
             if with_process && rep == 0 {
                 s.held_kib.push(held_kib(&h, &id).await);
             }
@@ -841,6 +859,7 @@ async fn restore_series(
             let log = b.shim_log(from, &id).await;
             s.shim_api.push(log.map_or(f64::NAN, |l| l.restore_ms));
             s.setup.extend(log.map(|l| l.setup_ms()));
+            s.verify.extend(log.map(|l| l.verify_ms));
             s.api_tail.extend(
                 log.and_then(|l| l.inspector_at)
                     .map(|t| (api.started_at - t) * 1e3),
@@ -920,6 +939,13 @@ fn restore_rows(
             all,
             None,
             "all three ways",
+        );
+        r.row(
+            section,
+            format!("{label}: shim, image verification (signature, digests, privileges)"),
+            s.verify.clone(),
+            Some(5.0),
+            "part of Create: one read of the CRIU files while copying them out",
         );
         r.row(
             section,

@@ -143,6 +143,8 @@ pub struct HashingReader<R> {
     inner: R,
     hash: Sha256,
     len: u64,
+    /// Time spent hashing (what verifying adds to a read that happens anyway).
+    hashing: std::time::Duration,
 }
 
 impl<R: Read> HashingReader<R> {
@@ -151,7 +153,12 @@ impl<R: Read> HashingReader<R> {
             inner,
             hash: Sha256::new(),
             len: 0,
+            hashing: std::time::Duration::ZERO,
         }
+    }
+
+    pub fn hashing_time(&self) -> std::time::Duration {
+        self.hashing
     }
 
     pub fn finish(self) -> FileDigest {
@@ -165,7 +172,9 @@ impl<R: Read> HashingReader<R> {
 impl<R: Read> Read for HashingReader<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
+        let t = std::time::Instant::now();
         self.hash.update(&buf[..n]);
+        self.hashing += t.elapsed();
         self.len += n as u64;
         Ok(n)
     }

@@ -23,7 +23,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use std::{collections::BTreeMap, time::Instant};
+use std::{
+    collections::BTreeMap,
+    time::{Duration, Instant},
+};
 
 use crab_runtime_config::UnsignedImages;
 use serde::{Deserialize, Serialize};
@@ -257,6 +260,8 @@ impl ImageLimits {
 struct Copied {
     bytes: u64,
     files: BTreeMap<String, FileDigest>,
+    /// Of the copy's time, what hashing took.
+    hashing: Duration,
 }
 
 /// Copies the plain files of `from` (no subdirectories: a CRIU image is flat) into a new `to`,
@@ -314,6 +319,7 @@ fn copy_image(from: &Path, to: &Path, limits: ImageLimits) -> Result<Copied, Res
     let mut copied = Copied {
         bytes: 0,
         files: BTreeMap::new(),
+        hashing: Duration::ZERO,
     };
     for (name, len) in listed {
         let src = from.join(&name);
@@ -339,6 +345,7 @@ fn copy_image(from: &Path, to: &Path, limits: ImageLimits) -> Result<Copied, Res
             });
         }
         copied.bytes += n;
+        copied.hashing += hashing.hashing_time();
         copied
             .files
             .insert(name.to_string_lossy().into_owned(), hashing.finish());
@@ -354,6 +361,8 @@ fn copy_image(from: &Path, to: &Path, limits: ImageLimits) -> Result<Copied, Res
 /// Who may restore what: the keys whose signatures are trusted, what to do with an image
 /// none of them signed, the bounds on its size, and what the new container's spec grants.
 pub struct RestoreGuard<'a> {
+    /// The container being created (for the log).
+    pub container: &'a str,
     /// Loaded only when there is a checkpoint to check (a missing key file must not stop
     /// ordinary containers).
     pub trusted: &'a dyn Fn() -> Result<TrustedKeys, ProvenanceError>,
@@ -414,6 +423,7 @@ pub fn take_from_rootfs(
             &meta_bytes,
         ),
     };
+    let signature_time = started.elapsed();
     let statement = match verified {
         Ok(s) => s,
         Err(e @ ProvenanceError::Untrusted(_)) if guard.unsigned == UnsignedImages::StartFresh => {
@@ -429,18 +439,28 @@ pub fn take_from_rootfs(
     let criu = dir.join(CRIU_DIR);
     let criu_dir = match (&meta.process, fs::symlink_metadata(&criu).is_ok()) {
         (Some(_), true) => {
+            let copy_started = Instant::now();
             let checked = copy_image(&criu, criu_dest, guard.limits).and_then(|copied| {
+                let copy_time = copy_started.elapsed();
+                let t = Instant::now();
                 provenance::check_files(&statement, &copied.files)?;
                 check_privilege(criu_dest, guard.granted)?;
-                Ok(copied)
+                Ok((copied, copy_time, t.elapsed()))
             });
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
             match checked {
-                Ok(copied) => log::info!(
-                    "checkpoint image verified: {} files, {} bytes, signed, within the spec's \
-                     privileges ({:.1} ms)",
+                Ok((copied, copy_time, privileges)) => log::info!(
+                    "checkpoint image of {} verified in {:.2} ms (description and signature \
+                     {:.2}, file digests {:.2}, privileges {:.2}): {} files, {} bytes, copied out \
+                     in {:.1} ms",
+                    guard.container,
+                    ms(signature_time + copied.hashing + privileges),
+                    ms(signature_time),
+                    ms(copied.hashing),
+                    ms(privileges),
                     copied.files.len(),
                     copied.bytes,
-                    started.elapsed().as_secs_f64() * 1e3
+                    ms(copy_time)
                 ),
                 Err(e) => {
                     let _ = fs::remove_dir_all(criu_dest);
@@ -684,6 +704,7 @@ mod tests {
                 root,
                 dest,
                 &RestoreGuard {
+                    container: "test",
                     trusted: &trusted,
                     unsigned: self.unsigned,
                     limits: self.limits,
