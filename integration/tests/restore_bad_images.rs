@@ -299,6 +299,11 @@ impl Fixture {
     /// Imports `bad` and runs it: returns ctr's failure output (the run must fail), after
     /// checking nothing of it is left.
     async fn run_fails(&self, label: &str, bad: &Archive) -> String {
+        self.run_fails_with(label, bad, "").await
+    }
+
+    /// [`Fixture::run_fails`] with `restore` keys added to the config's `[restore]` table.
+    async fn run_fails_with(&self, label: &str, bad: &Archive, restore: &str) -> String {
         let name = self.name(label);
         let path = self.dir.path().join(format!("{label}.tar"));
         bad.write(&path);
@@ -309,7 +314,7 @@ impl Fixture {
             format!("{}{}", import.stdout, import.stderr)
         } else {
             // A corrupt CRIU image can make CRIU spin: the restore is bounded (short here).
-            let config = self.config("fails", "");
+            let config = self.config("fails", restore);
             let run = ctr
                 .run(&["run", "-d", "--runtime", "io.containerd.crab.v1", "--runtime-config-path", config.to_str().unwrap(), &name, &id, "sleep", "1"])
                 .unwrap();
@@ -369,6 +374,17 @@ async fn bad_checkpoint_images_fail_cleanly() {
     let short_pages = repack_signed(&entries, short_pages_edit, Some(&f.key()));
     let out = f.run_fails("shortpages", &f.good.with_last_layer(&f.name("shortpages"), Some(short_pages), None)).await;
     assert!(out.contains("cannot restore") && out.contains("restore_timeout_ms"), "{out}");
+
+    // A CRIU image larger than the config allows (a file of zeros: tiny once compressed) is
+    // refused before a byte of it is copied, even when a trusted key signed it.
+    let zeros = vec![0u8; 3 << 20];
+    let mut big = entries.clone();
+    let (mut h, _) = big.iter().find(|(h, _)| h.path().unwrap().to_string_lossy().contains("/pages-")).unwrap().clone();
+    h.set_path(".crab-checkpoint/criu/pages-99.img").unwrap();
+    big.push((h, zeros));
+    let big = repack_signed(&big, |_, d| Some(d.to_vec()), Some(&f.key()));
+    let out = f.run_fails_with("toobig", &f.good.with_last_layer(&f.name("toobig"), Some(big), None), "max_image_mib = 1\n").await;
+    assert!(out.contains("max_image_mib") && out.contains("more than"), "{out}");
 
     // A truncated layer: its content no longer matches its digest.
     let blob = f.good.blob(f.good.manifest()["layers"].as_array().unwrap().last().unwrap()["digest"].as_str().unwrap()).to_vec();

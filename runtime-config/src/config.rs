@@ -259,7 +259,8 @@ pub struct RestoreConfig {
     /// entrypoint, none of the checkpoint's processes), the checkpoint directory hidden.
     pub unsigned_images: UnsignedImages,
     /// The most bytes a checkpoint image's CRIU directory may hold, in MiB (>= 1). Default
-    /// 65536 (64 GiB). Larger images are refused before anything is copied.
+    /// 16384 (16 GiB: the memory of a large sandbox; the image is copied into the
+    /// bundle, which is often a tmpfs). Larger images are refused before anything is copied.
     #[serde(deserialize_with = "positive_u64")]
     pub max_image_mib: u64,
     /// The most files a checkpoint image's CRIU directory may hold (>= 1). Default 100000.
