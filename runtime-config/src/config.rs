@@ -285,7 +285,7 @@ impl Default for RestoreConfig {
             trusted_keys: Vec::new(),
             trust_signing_key: true,
             unsigned_images: UnsignedImages::Refuse,
-            max_image_mib: 65_536,
+            max_image_mib: 16_384,
             max_image_files: 100_000,
         }
     }
