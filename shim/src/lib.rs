@@ -10,6 +10,7 @@
 
 pub mod bundle;
 pub mod cgroup;
+pub mod beneath;
 pub mod checkpoint;
 pub mod containers;
 pub mod ctl;

@@ -1,0 +1,362 @@
+//! Opening files that a container controls, as host root, without being led anywhere else.
+//!
+//! Everything a sandbox can name is hostile (DESIGN.md §0): paths printed in
+//! `/proc/PID/maps` and `/proc/PID/fd` (a memfd's name is any string, slashes and `..`
+//! included), the entries of its upperdir, volumes and rootfs. A path joined onto a host
+//! directory and handed to `open(2)` can leave that directory through a symlink in any
+//! component or through `..`, and `O_NOFOLLOW` guards only the last component. Even a path
+//! that stays inside can name a device node (`mknod` is allowed in containers; opening a
+//! hardware watchdog reboots the host) or a FIFO (opening one blocks).
+//!
+//! So every such open goes through here, in two steps:
+//! 1. [`resolve_beneath`]: `openat2(2)` with `O_PATH` and `RESOLVE_BENEATH |
+//!    RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS` relative to a directory fd that stands for the
+//!    container's root (an upperdir, a volume, `/proc/PID/root`): no component may be a symlink,
+//!    `..` may not climb above the root, absolute paths are refused. An `O_PATH` open calls no
+//!    driver or filesystem `open` method, so resolving a device or a FIFO has no effect.
+//! 2. [`reopen_regular`]: `fstat` on that handle, refuse anything but a regular file, then open
+//!    the very same inode for I/O through `/proc/self/fd/N` (the handle, not the path again, so
+//!    nothing can be swapped in between). `O_NONBLOCK` keeps a file lease held by the container
+//!    from stalling the open (`EWOULDBLOCK` instead of waiting for the lease break).
+//!
+//! Checking the type *after* an ordinary open would be too late: a device's `open` has already
+//! run by then.
+
+use std::{
+    ffi::CString,
+    fs::File,
+    io,
+    os::{
+        fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+        unix::ffi::OsStrExt,
+    },
+    path::{Component, Path},
+};
+
+/// The resolution flags every lookup uses.
+const RESOLVE: u64 =
+    libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+
+/// The error for a path that resolved to something other than a regular file. `EFTYPE` does
+/// not exist on Linux; `ENXIO` ("no such device or address") is what `open(2)` itself returns
+/// for special files it will not open (a socket, a FIFO without a reader), and no lookup here
+/// can produce it otherwise.
+pub fn not_regular() -> io::Error {
+    io::Error::from_raw_os_error(libc::ENXIO)
+}
+
+/// Whether `e` is [`not_regular`]'s error (or the kernel refusing a symlink on the way).
+pub fn is_refused(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::ENXIO) | Some(libc::ELOOP) | Some(libc::EXDEV)
+    )
+}
+
+/// `rel` made relative: the leading `/` of a container path stands for `root`. Empty means
+/// `root` itself.
+fn relative(rel: &Path) -> io::Result<CString> {
+    let mut out = Vec::with_capacity(rel.as_os_str().len());
+    for c in rel.components() {
+        let part = match c {
+            Component::RootDir | Component::CurDir => continue,
+            // Kept: the kernel decides, and RESOLVE_BENEATH refuses climbing above the root.
+            Component::ParentDir => "..".as_ref(),
+            Component::Normal(n) => n,
+            Component::Prefix(_) => unreachable!("no path prefixes on Unix"),
+        };
+        if !out.is_empty() {
+            out.push(b'/');
+        }
+        out.extend_from_slice(part.as_bytes());
+    }
+    if out.is_empty() {
+        out.push(b'.');
+    }
+    CString::new(out).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+}
+
+/// An `O_PATH` handle on `rel` beneath `root` (see the module docs). A symlink as the last
+/// component is returned as itself (`O_NOFOLLOW`), never followed; one in any other component,
+/// `..` above `root`, or an absolute symlink fails with `ELOOP` or `EXDEV`.
+pub fn resolve_beneath(root: BorrowedFd<'_>, rel: &Path) -> io::Result<OwnedFd> {
+    let c = relative(rel)?;
+    let mut how = zeroed_open_how();
+    how.flags = (libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC) as u64;
+    how.resolve = RESOLVE;
+    loop {
+        // SAFETY: `c` is a NUL-terminated string and `how` a valid `open_how` of the size passed;
+        // both outlive the call. The kernel reads them only.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_openat2,
+                root.as_raw_fd(),
+                c.as_ptr(),
+                &how as *const libc::open_how,
+                std::mem::size_of::<libc::open_how>(),
+            )
+        };
+        if fd >= 0 {
+            // SAFETY: openat2 returned a new descriptor that nothing else owns.
+            return Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) });
+        }
+        let e = io::Error::last_os_error();
+        // EAGAIN: a concurrent rename made RESOLVE_BENEATH's check inconclusive; retry.
+        if e.raw_os_error() != Some(libc::EAGAIN) && e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+fn zeroed_open_how() -> libc::open_how {
+    // SAFETY: open_how is plain integers; all-zero is its documented default.
+    unsafe { std::mem::zeroed() }
+}
+
+/// `fstat` of any descriptor, `O_PATH` ones included.
+pub fn fstat(fd: BorrowedFd<'_>) -> io::Result<libc::stat> {
+    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: `st` is a valid out pointer for one `stat`; the kernel fills it on success.
+    let rc = unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fstat succeeded, so it initialised `st`.
+    Ok(unsafe { st.assume_init() })
+}
+
+pub fn is_regular(st: &libc::stat) -> bool {
+    st.st_mode & libc::S_IFMT == libc::S_IFREG
+}
+
+/// Opens the inode behind the `O_PATH` handle `path` for I/O with `flags` (access mode plus
+/// e.g. `O_NOATIME`), if and only if it is a regular file; [`not_regular`] otherwise. The
+/// handle, not a path, is reopened, so this is the inode that was checked.
+pub fn reopen_regular(path: BorrowedFd<'_>, flags: libc::c_int) -> io::Result<File> {
+    if !is_regular(&fstat(path)?) {
+        return Err(not_regular());
+    }
+    let via =
+        CString::new(format!("/proc/self/fd/{}", path.as_raw_fd())).expect("no NUL in a number");
+    let flags = flags | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC;
+    loop {
+        // SAFETY: `via` is a NUL-terminated path; open has no other preconditions.
+        let fd = unsafe { libc::open(via.as_ptr(), flags) };
+        if fd >= 0 {
+            // SAFETY: a new descriptor that nothing else owns.
+            return Ok(unsafe { File::from_raw_fd(fd) });
+        }
+        let e = io::Error::last_os_error();
+        // O_NOATIME is refused (EPERM) on files the caller does not own without CAP_FOWNER.
+        if e.raw_os_error() == Some(libc::EPERM) && flags & libc::O_NOATIME != 0 {
+            return reopen_regular(path, flags & !libc::O_NOATIME);
+        }
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// [`resolve_beneath`] then [`reopen_regular`]: a regular file beneath `root`, open for I/O.
+pub fn open_regular_beneath(
+    root: BorrowedFd<'_>,
+    rel: &Path,
+    flags: libc::c_int,
+) -> io::Result<File> {
+    let handle = resolve_beneath(root, rel)?;
+    reopen_regular(handle.as_fd(), flags)
+}
+
+/// An `O_PATH` handle on a host directory that stands for a root (an upperdir, a volume, a
+/// rootfs). The host path is trusted; what lies beneath it is not.
+pub fn open_root(dir: &Path) -> io::Result<OwnedFd> {
+    open_path(dir, libc::O_DIRECTORY)
+}
+
+/// An `O_PATH` handle on what a trusted host path refers to, magic links followed: for
+/// `/proc/PID/map_files/<range>` and `/proc/PID/fd/N`, which stand for the mapped or open
+/// file itself rather than for a name. Nothing is opened for I/O.
+pub fn open_handle(path: &Path) -> io::Result<OwnedFd> {
+    open_path(path, 0)
+}
+
+fn open_path(path: &Path, extra: libc::c_int) -> io::Result<OwnedFd> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: `c` is a NUL-terminated path.
+    let fd = unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_CLOEXEC | extra) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// The root directory of process `pid` as its paths (`/proc/PID/maps`, `fd`) are printed
+/// relative to: an `O_PATH` handle through the `/proc/PID/root` magic link, which the shim
+/// follows on purpose (it is the kernel's own answer, not a name the container chose).
+pub fn process_root(pid: u32) -> io::Result<OwnedFd> {
+    open_root(Path::new(&format!("/proc/{pid}/root")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::{
+        io::{Read, Write},
+        os::unix::fs::{symlink, FileTypeExt},
+        time::{Duration, Instant},
+    };
+
+    fn mknod(path: &Path, mode: libc::mode_t, dev: libc::dev_t) {
+        let c = CString::new(path.as_os_str().as_bytes()).unwrap();
+        // SAFETY: valid path; the test runs as root.
+        assert_eq!(
+            unsafe { libc::mknod(c.as_ptr(), mode, dev) },
+            0,
+            "mknod {}: {}",
+            path.display(),
+            io::Error::last_os_error()
+        );
+    }
+
+    /// A host directory outside the "container" root with a file the container must not reach.
+    struct Scene {
+        _dir: tempfile::TempDir,
+        root: std::path::PathBuf,
+        host: std::path::PathBuf,
+    }
+
+    fn scene() -> Scene {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        let host = dir.path().join("host");
+        std::fs::create_dir_all(root.join("app/sub")).unwrap();
+        std::fs::create_dir_all(&host).unwrap();
+        std::fs::write(host.join("secret"), "host secret").unwrap();
+        std::fs::write(root.join("app/data"), "container data").unwrap();
+        Scene {
+            _dir: dir,
+            root,
+            host,
+        }
+    }
+
+    fn open(s: &Scene, rel: &str) -> io::Result<File> {
+        let root = open_root(&s.root).unwrap();
+        open_regular_beneath(root.as_fd(), Path::new(rel), libc::O_RDONLY)
+    }
+
+    #[test]
+    fn a_regular_file_beneath_opens_with_or_without_a_leading_slash() {
+        let s = scene();
+        for rel in ["/app/data", "app/data", "app/./sub/../data", "//app//data"] {
+            let mut text = String::new();
+            open(&s, rel).unwrap().read_to_string(&mut text).unwrap();
+            assert_eq!(text, "container data", "{rel}");
+        }
+    }
+
+    #[test]
+    fn symlinks_in_any_component_are_refused() {
+        let s = scene();
+        // Absolute and relative symlinks to the host file, as the last component and as a
+        // directory on the way, and one through /proc/self (a magic link to the shim's root).
+        symlink(s.host.join("secret"), s.root.join("abs")).unwrap();
+        symlink("../../host/secret", s.root.join("app/rel")).unwrap();
+        symlink(&s.host, s.root.join("hostdir")).unwrap();
+        symlink("/proc/self/root", s.root.join("procroot")).unwrap();
+        symlink("data", s.root.join("app/inside")).unwrap();
+        let secret = s.host.join("secret");
+        let via_proc = format!("procroot/{}", secret.strip_prefix("/").unwrap().display());
+        for rel in ["abs", "app/rel", "hostdir/secret", &via_proc, "app/inside"] {
+            let e = open(&s, rel).expect_err(rel);
+            assert!(is_refused(&e), "{rel}: {e}");
+        }
+        // The last-component symlink itself resolves (as a link, O_NOFOLLOW), but is no file.
+        let root = open_root(&s.root).unwrap();
+        let h = resolve_beneath(root.as_fd(), Path::new("abs")).unwrap();
+        assert_eq!(
+            fstat(h.as_fd()).unwrap().st_mode & libc::S_IFMT,
+            libc::S_IFLNK
+        );
+    }
+
+    #[test]
+    fn dot_dot_cannot_climb_out_and_absolute_roots_stay_inside() {
+        let s = scene();
+        let e = open(&s, "app/../../host/secret").unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EXDEV), "{e}");
+        // A memfd may be called anything: "/memfd:x/../../../<host path> (deleted)".
+        let rel = format!("memfd:x/../../..{}", s.host.join("secret").display());
+        std::fs::create_dir(s.root.join("memfd:x")).unwrap();
+        assert!(open(&s, &rel).is_err());
+        // A host path given as a container path names the container's own file (or nothing).
+        assert_eq!(
+            open(&s, &s.host.join("secret").display().to_string())
+                .unwrap_err()
+                .kind(),
+            io::ErrorKind::NotFound
+        );
+    }
+
+    #[test]
+    fn devices_fifos_and_sockets_are_never_opened() {
+        let s = scene();
+        // A FIFO: an ordinary open for reading would block until a writer came.
+        nix::unistd::mkfifo(
+            &s.root.join("fifo"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+        // A character device: /dev/null's numbers, harmless, so the test is safe to get wrong.
+        mknod(
+            &s.root.join("chr"),
+            libc::S_IFCHR | 0o600,
+            libc::makedev(1, 3),
+        );
+        let _sock = std::os::unix::net::UnixListener::bind(s.root.join("sock")).unwrap();
+        let started = Instant::now();
+        for rel in ["fifo", "chr", "sock", "app"] {
+            let e = open(&s, rel).expect_err(rel);
+            assert_eq!(e.raw_os_error(), Some(libc::ENXIO), "{rel}: {e}");
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "an open blocked"
+        );
+        assert!(std::fs::symlink_metadata(s.root.join("fifo"))
+            .unwrap()
+            .file_type()
+            .is_fifo());
+    }
+
+    #[test]
+    fn the_reopened_file_is_the_inode_that_was_checked() {
+        let s = scene();
+        let root = open_root(&s.root).unwrap();
+        let handle = resolve_beneath(root.as_fd(), Path::new("app/data")).unwrap();
+        // The container swaps the name for a FIFO after the lookup: the handle still holds the file.
+        std::fs::rename(s.root.join("app/data"), s.root.join("app/old")).unwrap();
+        nix::unistd::mkfifo(
+            &s.root.join("app/data"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+        let mut f = reopen_regular(handle.as_fd(), libc::O_RDWR).unwrap();
+        f.write_all(b"C").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(s.root.join("app/old")).unwrap(),
+            "Container data"
+        );
+    }
+
+    #[test]
+    fn process_root_resolves_inside_the_process_view() {
+        // Our own root is the host's: /etc/hostname (or another file) is reachable, a symlink
+        // component (/proc/self) is not.
+        let root = process_root(std::process::id()).unwrap();
+        assert!(resolve_beneath(root.as_fd(), Path::new("/proc/self/status")).is_err());
+        assert!(resolve_beneath(root.as_fd(), Path::new("/proc")).is_ok());
+    }
+}
