@@ -11,9 +11,12 @@
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::OsStr;
 use std::io;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+
+use crate::beneath;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProcError {
@@ -235,27 +238,50 @@ fn is_anonymous_shmem(path: &[u8], deleted: bool) -> bool {
 }
 
 /// Splits the kernel's " (deleted)" suffix off. A live file whose name really ends in
-/// " (deleted)" prints the same, so when `resolve` can reach the candidate path we check that it
-/// is still the same inode as the held file (`held` = dev, ino of the open/mapped file).
-fn split_deleted(pid: u32, raw: &[u8], held: Option<(u64, u64)>) -> (Vec<u8>, bool) {
+/// " (deleted)" prints the same, so when the process's root `view` is at hand we check whether
+/// the full name still leads to the held file (`held` = dev, ino of the open/mapped file).
+///
+/// The name is the container's to choose (a memfd's is any string), so it is looked up beneath
+/// the process's own root with no symlink followed and no `..` above it, as an `O_PATH` handle
+/// that is only `fstat`ed: it can neither reach a host file nor open a device or FIFO. (A plain
+/// `lstat("/proc/PID/root/<name>")` would resolve an absolute symlink in a middle component
+/// against the host's root.)
+fn split_deleted(
+    view: Option<BorrowedFd<'_>>,
+    raw: &[u8],
+    held: Option<(u64, u64)>,
+) -> (Vec<u8>, bool) {
     let Some(stripped) = raw.strip_suffix(DELETED) else {
         return (raw.to_vec(), false);
     };
-    if let Some((dev, ino)) = held {
+    if let (Some(view), Some(held)) = (view, held) {
         // The file may still be linked under its full (suffixed) name inside the container.
-        let mut p = format!("/proc/{pid}/root").into_bytes();
-        p.extend_from_slice(raw);
-        if let Ok(m) = std::fs::symlink_metadata(Path::new(OsStr::from_bytes(&p))) {
-            if m.dev() == dev && m.ino() == ino {
-                return (raw.to_vec(), false);
-            }
+        if identity_in_view(view, Path::new(OsStr::from_bytes(raw))).ok() == Some(held) {
+            return (raw.to_vec(), false);
         }
     }
     (stripped.to_vec(), true)
 }
 
+/// `(st_dev, st_ino)` of what `path` names in a process's view (`view` from
+/// [`crate::beneath::process_root`]), without following symlinks or opening it.
+pub fn identity_in_view(view: BorrowedFd<'_>, path: &Path) -> io::Result<(u64, u64)> {
+    let handle = beneath::resolve_beneath(view, path)?;
+    let st = beneath::fstat(handle.as_fd())?;
+    Ok((st.st_dev, st.st_ino))
+}
+
+/// The device of a maps line's file (`major:minor` in hex, as `st_dev` encodes it).
+pub fn maps_dev(m: &MapsLine) -> Option<u64> {
+    let (major, minor) = m.dev.split_once(':')?;
+    Some(libc::makedev(
+        u32::from_str_radix(major, 16).ok()?,
+        u32::from_str_radix(minor, 16).ok()?,
+    ))
+}
+
 /// Undoes the octal escapes `/proc/PID/maps` uses for newlines in paths ("\012").
-fn unescape_maps_path(s: &[u8]) -> Vec<u8> {
+pub fn unescape_maps_path(s: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(s.len());
     let mut i = 0;
     while i < s.len() {
@@ -364,6 +390,9 @@ pub fn held_files(pid: u32) -> Result<Vec<HeldFile>, ProcError> {
         }
     };
 
+    // Paths are printed relative to the process's root; a process that is gone has none.
+    let view = beneath::process_root(pid).ok();
+    let view = view.as_ref().map(|v| v.as_fd());
     let fd_dir = PathBuf::from(format!("/proc/{pid}/fd"));
     let entries = match std::fs::read_dir(&fd_dir) {
         Ok(e) => e,
@@ -395,7 +424,7 @@ pub fn held_files(pid: u32) -> Result<Vec<HeldFile>, ProcError> {
             continue;
         }
         let held_id = std::fs::metadata(&link).ok().map(|m| (m.dev(), m.ino()));
-        let (path, deleted) = split_deleted(pid, raw, held_id);
+        let (path, deleted) = split_deleted(view, raw, held_id);
         if is_anonymous_shmem(&path, deleted) {
             continue;
         }
@@ -417,7 +446,7 @@ pub fn held_files(pid: u32) -> Result<Vec<HeldFile>, ProcError> {
         } else {
             None
         };
-        let (path, deleted) = split_deleted(pid, &raw, held_id);
+        let (path, deleted) = split_deleted(view, &raw, held_id);
         if is_anonymous_shmem(&path, deleted) {
             continue;
         }
@@ -698,6 +727,36 @@ sys.stdin.readline()
                 "{p}"
             );
         }
+    }
+
+    /// The " (deleted)" check looks the full name up inside the process's view without
+    /// following symlinks: a symlinked directory on the way (which an absolute symlink would
+    /// have resolved against the host's root) does not make a deleted file look live.
+    #[test]
+    fn split_deleted_does_not_follow_symlinks() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("real");
+        std::fs::create_dir(&real).unwrap();
+        std::fs::write(real.join("f (deleted)"), "x").unwrap();
+        std::os::unix::fs::symlink(&real, dir.path().join("link")).unwrap();
+        let md = std::fs::metadata(real.join("f (deleted)")).unwrap();
+        let held = Some((md.dev(), md.ino()));
+        let view = beneath::process_root(std::process::id()).unwrap();
+        let name = |p: &Path| p.join("f (deleted)").as_os_str().as_bytes().to_vec();
+        // Reached without a symlink: the suffix is part of a live name.
+        let raw = name(&real);
+        assert_eq!(
+            split_deleted(Some(view.as_fd()), &raw, held),
+            (raw.clone(), false)
+        );
+        // Through the symlink: not followed, so the suffix is taken as the kernel's.
+        let raw = name(&dir.path().join("link"));
+        let (path, deleted) = split_deleted(Some(view.as_fd()), &raw, held);
+        assert!(
+            deleted && !path.ends_with(DELETED),
+            "{:?}",
+            String::from_utf8_lossy(&path)
+        );
     }
 
     #[test]
