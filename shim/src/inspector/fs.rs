@@ -35,7 +35,7 @@ use std::collections::HashMap;
 use std::ffi::{CStr, CString, OsStr, OsString};
 use std::fmt::Write as _;
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
@@ -301,34 +301,36 @@ pub fn diff(prev: &Manifest, now: &Manifest, lowerdirs: &[PathBuf]) -> FsDiff {
     out
 }
 
-/// Writes back the dirty pages of `path` (a file under an upperdir or volume) and waits, which
-/// makes the kernel write-protect them in every shared mapping: the next store through a
-/// mapping faults and moves the file's mtime/ctime, which [`diff`] sees.
+/// Writes back the dirty pages of the file `rel` beneath `root` (an upperdir or a volume, see
+/// [`crate::beneath::open_root`]) and waits, which makes the kernel write-protect them in every
+/// shared mapping: the next store through a mapping faults and moves the file's mtime/ctime,
+/// which [`diff`] sees.
 ///
 /// Why it is needed: a store into a page that is already dirty and writable in a `MAP_SHARED`
 /// mapping causes no fault, so it changes neither mtime nor ctime until writeback happens
 /// (seconds later, or never before the next mark). For files some process maps shared and
 /// writable (`rw-s` in /proc/PID/maps), call this at the mark, with the container frozen, before
 /// [`Manifest::scan`]. Cost: one writeback of that file's dirty pages.
-pub fn arm_shared_mapping(path: &Path) -> Result<(), FsError> {
-    let c = cstring(path.as_os_str())?;
-    let fd = unsafe {
-        libc::open(
-            c.as_ptr(),
-            libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(FsError::io("open", path, io::Error::last_os_error()));
-    }
+///
+/// `rel` comes from the container (a path printed in its maps): it is resolved beneath `root`
+/// without following any symlink or climbing out with `..`, and only a regular file is opened
+/// (never a device, FIFO or socket); anything else is refused with
+/// [`crate::beneath::not_regular`]'s error or `ELOOP`/`EXDEV`.
+pub fn arm_shared_mapping(root: BorrowedFd<'_>, rel: &Path) -> Result<(), FsError> {
+    // Opened read-only: sync_file_range needs no write access. O_NOATIME: arming is no access.
+    let file = crate::beneath::open_regular_beneath(root, rel, libc::O_RDONLY | libc::O_NOATIME)
+        .map_err(|e| FsError::io("open", rel, e))?;
     let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
         | libc::SYNC_FILE_RANGE_WRITE
         | libc::SYNC_FILE_RANGE_WAIT_AFTER;
-    let rc = unsafe { libc::sync_file_range(fd, 0, 0, flags) };
-    let err = io::Error::last_os_error();
-    unsafe { libc::close(fd) };
+    // SAFETY: `file` is an open descriptor owned for the duration of the call.
+    let rc = unsafe { libc::sync_file_range(file.as_raw_fd(), 0, 0, flags) };
     if rc != 0 {
-        return Err(FsError::io("sync_file_range", path, err));
+        return Err(FsError::io(
+            "sync_file_range",
+            rel,
+            io::Error::last_os_error(),
+        ));
     }
     Ok(())
 }
@@ -1033,6 +1035,7 @@ mod tests {
     use super::*;
     use std::fs;
     use std::io::Write as _;
+    use std::os::fd::AsFd;
     use std::os::unix::fs::{symlink, OpenOptionsExt, PermissionsExt};
     use std::time::Instant;
 
@@ -1574,7 +1577,8 @@ mod tests {
             eprintln!("writeback happened between the stores; limitation not shown this time");
         }
         // Armed at the mark: the next store into the same page faults and is seen.
-        arm_shared_mapping(&ov.upper.join("tmp/map")).unwrap();
+        let upper = crate::beneath::open_root(&ov.upper).unwrap();
+        arm_shared_mapping(upper.as_fd(), Path::new("/tmp/map")).unwrap();
         let armed = ov.scan();
         assert!(
             diff(&m3, &armed, &ov.lowers).is_empty(),
@@ -1582,6 +1586,38 @@ mod tests {
         );
         let (d, _) = ov.turn(&armed, |_| map.store(2, 3));
         assert_diff(&d, &[], &["/tmp/map"], &[]);
+    }
+
+    /// What the container planted at a name it controls is never opened: FIFOs, devices,
+    /// symlinks anywhere on the path, `..` above the upperdir.
+    #[test]
+    fn arming_refuses_what_is_not_a_regular_file_beneath_the_upperdir() {
+        require_root!();
+        let tmp = tempfile::tempdir().unwrap();
+        let upper = tmp.path().join("upper");
+        fs::create_dir_all(upper.join("d")).unwrap();
+        fs::write(tmp.path().join("host"), "host").unwrap();
+        nix::unistd::mkfifo(&upper.join("fifo"), Mode::from_bits_truncate(0o600)).unwrap();
+        mknod(
+            &upper.join("chr"),
+            SFlag::S_IFCHR,
+            Mode::from_bits_truncate(0o600),
+            libc::makedev(1, 3),
+        )
+        .unwrap();
+        symlink(tmp.path(), upper.join("out")).unwrap();
+        symlink(tmp.path().join("host"), upper.join("last")).unwrap();
+        fs::write(upper.join("d/file"), "x").unwrap();
+        let root = crate::beneath::open_root(&upper).unwrap();
+        let started = Instant::now();
+        for rel in ["fifo", "chr", "out/host", "last", "d/../../host", "d"] {
+            assert!(
+                arm_shared_mapping(root.as_fd(), Path::new(rel)).is_err(),
+                "{rel}"
+            );
+        }
+        assert!(started.elapsed().as_secs() < 2, "an open blocked");
+        arm_shared_mapping(root.as_fd(), Path::new("/d/file")).unwrap();
     }
 
     #[test]

@@ -20,9 +20,13 @@ use std::{
     time::Instant,
 };
 
+use std::ffi::OsStr;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 
 use serde::Serialize;
+
+use crate::beneath;
 
 use self::{
     bpf::{CgroupCounters, HostProbes},
@@ -320,20 +324,70 @@ impl Inspection {
     /// Stores into a page that is already dirty in a shared writable mapping leave no trace
     /// in the file's times until writeback; writing those pages back now makes the next store
     /// fault and move mtime, so the scan after this (and the next turn's) sees it.
-    fn arm_shared_mappings(&self) {
-        let Some(upper) = &self.target.upperdir else { return };
-        let Ok(processes) = self.processes() else { return };
+    ///
+    /// Returns why the turn cannot be fully observed: a shared writable mapping of a file on a
+    /// tree crab tracks (the rootfs overlay, a tracked volume) that could not be armed, so that
+    /// stores into it may leave no trace. Those make the answer `full`, never a missed change.
+    ///
+    /// The path a process's maps print is the container's to choose (a memfd is named by its
+    /// creator, slashes and `..` included, and the container can plant anything at that name in
+    /// its upperdir: a device node, a FIFO, a symlink to a host file). So:
+    /// - which file is mapped is decided by identity, not by name: the name must lead, in the
+    ///   process's own view (`/proc/PID/root`, no symlinks, nothing opened), to the very inode the
+    ///   maps line names (device and inode number). A memfd, SysV or tmpfs object (its memory is
+    ///   hashed by [`memory`] through `/proc/PID/map_files`, the object itself) or a file on an
+    ///   untracked mount is not armed; a file on a tracked tree whose name leads elsewhere
+    ///   (unlinked, renamed, replaced) cannot be armed and is reported.
+    /// - the host file is then opened beneath the upperdir or volume with
+    ///   [`fs::arm_shared_mapping`]: no symlinks, no `..` above it, regular files only.
+    ///
+    /// Why not arm through `/proc/PID/map_files/<range>`, which is the mapped file itself? On
+    /// an overlay it is the overlay's file, whose page cache is empty (the pages live in the
+    /// upper file's): `sync_file_range` on it writes nothing back. The upper file has to be
+    /// found by its path beneath the upperdir; the identity check above is what makes that
+    /// path trustworthy.
+    fn arm_shared_mappings(&self) -> Vec<String> {
+        let Some(upper) = &self.target.upperdir else { return Vec::new() };
+        // Tracked trees: (path in the container, host root handle, device in the container's view).
+        let mut roots: Vec<(PathBuf, OwnedFd)> = Vec::new();
+        for (at, dir) in std::iter::once((Path::new("/"), upper.as_path())).chain(self.target.volumes.iter().map(|(a, d)| (a.as_path(), d.as_path()))) {
+            match beneath::open_root(dir) {
+                Ok(fd) => roots.push((at.to_path_buf(), fd)),
+                Err(e) => log::debug!("arm shared mappings: cannot open {}: {e}", dir.display()),
+            }
+        }
+        let Ok(processes) = self.processes() else { return Vec::new() };
+        let mut unseen = Vec::new();
         for p in processes {
             let Ok(maps) = procs::read_maps(p.pid) else { continue };
-            for m in maps.iter().filter(|m| m.perms.get(3) == Some(&b's') && m.perms.get(1) == Some(&b'w')) {
-                let path = Path::new(std::ffi::OsStr::from_bytes(&m.path));
-                if let Ok(rel) = path.strip_prefix("/") {
-                    if let Err(e) = fs::arm_shared_mapping(&upper.join(rel)) {
-                        log::debug!("arm shared mapping {}: {e}", path.display());
+            let mut shared = maps.iter().filter(|m| m.perms[3] == b's' && m.perms[1] == b'w' && m.inode != 0 && m.path.starts_with(b"/")).peekable();
+            if shared.peek().is_none() {
+                continue;
+            }
+            // The process's view; if it is gone, so are its mappings.
+            let Ok(view) = beneath::process_root(p.pid) else { continue };
+            let tracked: Vec<(&Path, BorrowedFd<'_>, Option<u64>)> = roots
+                .iter()
+                .map(|(at, fd)| (at.as_path(), fd.as_fd(), procs::identity_in_view(view.as_fd(), at).ok().map(|(dev, _)| dev)))
+                .collect();
+            for m in shared {
+                let path = PathBuf::from(OsStr::from_bytes(&procs::unescape_maps_path(&m.path)));
+                match locate_mapping(view.as_fd(), &path, procs::maps_dev(m), m.inode, &tracked) {
+                    Mapped::Tracked(root, rel) => {
+                        if let Err(e) = fs::arm_shared_mapping(root, &rel) {
+                            unseen.push(format!("pid {} maps {} shared and writable, and it cannot be armed: {e}", p.pid, path.display()));
+                        }
                     }
+                    Mapped::Untracked => {}
+                    Mapped::Unreachable => unseen.push(format!(
+                        "pid {} maps a file shared and writable whose name {:?} no longer leads to it (unlinked, renamed or replaced): its stores may leave no trace",
+                        p.pid,
+                        path.display()
+                    )),
                 }
             }
         }
+        unseen
     }
 
     /// Processes that have not been scheduled since the mark (so their memory still equals
@@ -414,7 +468,7 @@ impl Inspection {
         let manifest = if fs_activity || prev_manifest.is_none() {
             fs.scanned = true;
             if counters.is_none_or(|c| c.shared_writable_mmaps > 0) {
-                self.arm_shared_mappings();
+                degraded.extend(self.arm_shared_mappings());
             }
             match self.scan_upper() {
                 Ok(now) => {
@@ -585,6 +639,35 @@ impl Inspection {
     }
 }
 
+/// Where the file of a shared writable mapping lives, as far as arming is concerned.
+#[derive(Debug)]
+enum Mapped<'a> {
+    /// On a tracked tree: the host root it lies beneath and its path relative to it.
+    Tracked(BorrowedFd<'a>, PathBuf),
+    /// Not on a tracked tree (shared memory objects, other mounts): nothing to arm.
+    Untracked,
+    /// On a tracked tree, but its printed name does not lead to it.
+    Unreachable,
+}
+
+/// Decides [`Mapped`] for the mapping of inode `(dev, ino)` printed as `path`, in the process
+/// view `view`, given the tracked trees `(path in the container, host root, device in the view)`.
+/// A tree mounted inside another (a volume under `/`) wins by the longer prefix.
+fn locate_mapping<'a>(view: BorrowedFd<'_>, path: &Path, dev: Option<u64>, ino: u64, tracked: &[(&Path, BorrowedFd<'a>, Option<u64>)]) -> Mapped<'a> {
+    let Some(dev) = dev else { return Mapped::Untracked };
+    let on_tracked_device = tracked.iter().any(|t| t.2 == Some(dev));
+    if procs::identity_in_view(view, path).ok() != Some((dev, ino)) {
+        return if on_tracked_device { Mapped::Unreachable } else { Mapped::Untracked };
+    }
+    let tree = tracked.iter().filter(|t| path.starts_with(t.0)).max_by_key(|t| t.0.components().count());
+    match tree {
+        Some(&(at, root, Some(tree_dev))) if tree_dev == dev => {
+            Mapped::Tracked(root, path.strip_prefix(at).unwrap_or(path).to_path_buf())
+        }
+        _ => Mapped::Untracked,
+    }
+}
+
 impl Drop for Inspection {
     fn drop(&mut self) {
         if let (Some(p), Some(id)) = (&self.probes, self.cgroup_id) {
@@ -598,6 +681,7 @@ impl Drop for Inspection {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
 
     /// A target over plain directories: a fake cgroup listing this test process, an upperdir.
     fn target(dir: &Path) -> Target {
@@ -626,6 +710,122 @@ mod tests {
             assert!(a.degraded.iter().any(|d| d.contains("eBPF probes unavailable") && d.contains("not permitted")), "{a:?}");
             assert!(a.summary().contains("DEGRADED"), "{}", a.summary());
         }
+    }
+
+    fn dev_ino(p: &Path) -> (u64, u64) {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::symlink_metadata(p).unwrap();
+        (m.dev(), m.ino())
+    }
+
+    /// `locate_mapping` over a directory that is both the process's view and the upperdir (as
+    /// the merged view and the upper coincide for files written in the container).
+    #[test]
+    fn mappings_are_located_by_identity_not_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        std::fs::create_dir_all(root.join("app")).unwrap();
+        std::fs::create_dir_all(root.join("vol")).unwrap();
+        std::fs::write(root.join("app/data"), "x").unwrap();
+        std::fs::write(root.join("vol/v"), "x").unwrap();
+        std::fs::write(root.join("app/unlinked"), "x").unwrap();
+        // Held open, as by the process that maps it (a freed inode number could be reused).
+        let _held = std::fs::File::open(root.join("app/unlinked")).unwrap();
+        let unlinked = dev_ino(&root.join("app/unlinked"));
+        std::fs::remove_file(root.join("app/unlinked")).unwrap();
+        nix::unistd::mkfifo(&root.join("app/unlinked (deleted)"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        std::os::unix::fs::symlink("app", root.join("link")).unwrap();
+        let view = beneath::open_root(&root).unwrap();
+        let upper = beneath::open_root(&root).unwrap();
+        let vol = beneath::open_root(&root.join("vol")).unwrap();
+        let dev = dev_ino(&root).0;
+        let tracked = [(Path::new("/"), upper.as_fd(), Some(dev)), (Path::new("/vol"), vol.as_fd(), Some(dev))];
+        let locate = |path: &str, (d, i): (u64, u64)| locate_mapping(view.as_fd(), Path::new(path), Some(d), i, &tracked);
+
+        let data = dev_ino(&root.join("app/data"));
+        assert!(matches!(locate("/app/data", data), Mapped::Tracked(_, rel) if rel == Path::new("app/data")));
+        // The longest tracked prefix wins: the volume's own root, path relative to it.
+        let v = dev_ino(&root.join("vol/v"));
+        assert!(matches!(locate("/vol/v", v), Mapped::Tracked(fd, rel) if rel == Path::new("v") && fd.as_raw_fd() == vol.as_raw_fd()));
+        // A name that leads elsewhere (here a FIFO planted at the unlinked file's printed name)
+        // on a tracked device: cannot be armed, reported.
+        assert!(matches!(locate("/app/unlinked (deleted)", unlinked), Mapped::Unreachable));
+        // A symlink on the way to the right file is not followed: reported too.
+        assert!(matches!(locate("/link/data", data), Mapped::Unreachable));
+        // A memfd (shmem device 0:1) named after a planted node: not a tracked file at all.
+        assert!(matches!(locate("/app/unlinked (deleted)", (libc::makedev(0, 1), 3)), Mapped::Untracked));
+        assert!(matches!(locate_mapping(view.as_fd(), Path::new("/app/data"), None, data.1, &tracked), Mapped::Untracked));
+    }
+
+    /// The attack of issue 16 against the inspector itself: a process maps memfds shared and
+    /// writable whose names lead (joined onto the upperdir) to a FIFO, a device node, through a
+    /// symlink to a host directory and through `..` out of the upperdir; arming must open none
+    /// of them, and must not report them (their memory is hashed through map_files).
+    #[test]
+    fn arming_opens_nothing_a_hostile_memfd_name_points_at() {
+        use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+        let dir = tempfile::tempdir().unwrap();
+        let t = target(dir.path());
+        let upper = t.upperdir.clone().unwrap();
+        let host = dir.path().join("host");
+        std::fs::create_dir_all(&host).unwrap();
+        std::fs::write(host.join("secret (deleted)"), "host").unwrap();
+        nix::unistd::mkfifo(&upper.join("memfd:fifo (deleted)"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        nix::sys::stat::mknod(
+            &upper.join("memfd:chr (deleted)"),
+            nix::sys::stat::SFlag::S_IFCHR,
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+            libc::makedev(1, 3),
+        )
+        .unwrap();
+        std::os::unix::fs::symlink(&host, upper.join("memfd:link")).unwrap();
+        std::fs::create_dir(upper.join("memfd:up")).unwrap();
+        let climb = format!("up/..{}", "/..".repeat(dir.path().components().count() + 2)) + host.to_str().unwrap() + "/secret";
+        let script = format!(
+            r#"
+import mmap, os, sys
+keep = []
+for name in ["fifo", "chr", "link/secret", {climb:?}]:
+    fd = os.memfd_create(name)
+    os.ftruncate(fd, 4096)
+    m = mmap.mmap(fd, 4096, mmap.MAP_SHARED)
+    m[0:1] = b"x"
+    keep.append(m)
+print("ready", flush=True)
+sys.stdin.readline()
+"#
+        );
+        let mut child = std::process::Command::new("python3")
+            .args(["-c", &script])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.as_mut().unwrap()), &mut line).unwrap();
+        assert_eq!(line, "ready\n");
+        std::fs::write(t.cgroup2_dir.join("cgroup.procs"), format!("{}\n", child.id())).unwrap();
+
+        let inotify = Inotify::init(InitFlags::IN_NONBLOCK).unwrap();
+        for d in [&upper, &host] {
+            inotify.add_watch(d.as_path(), AddWatchFlags::IN_OPEN | AddWatchFlags::IN_ACCESS).unwrap();
+        }
+        let i = Inspection::new(t, Err("no probes in this test".into()));
+        let started = Instant::now();
+        let unseen = i.arm_shared_mappings();
+        let elapsed = started.elapsed();
+        let events: Vec<String> = inotify
+            .read_events()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|e| !e.mask.contains(AddWatchFlags::IN_ISDIR))
+            .map(|e| format!("{:?} {:?}", e.mask, e.name))
+            .collect();
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(events.is_empty(), "arming opened planted or host files: {events:?}");
+        assert!(unseen.is_empty(), "memfds are no tracked files: {unseen:?}");
+        assert!(elapsed < std::time::Duration::from_secs(5), "arming took {elapsed:?}");
     }
 
     #[test]
