@@ -67,7 +67,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
@@ -78,6 +78,7 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::procs::{self, MapsLine, ProcError};
+use crate::beneath;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MemError {
@@ -286,9 +287,20 @@ pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemE
                     push_jobs(&mut jobs, idx, s, e);
                 }
             }
-            RegionKind::Shmem => match File::open(map_files_path(pid, m)) {
+            RegionKind::Shmem => match shmem_file(pid, m) {
                 Ok(f) => {
                     stats.pages_read += hash_shmem(&f, m, &mut region.pages, &mut buf);
+                }
+                // A device (or anything else but a regular file) mapped shared: its `open` is
+                // not the shim's to call, and reading it through the process may touch device
+                // memory. Its content is unknown: the region always counts as changed.
+                Err(e) if e.raw_os_error() == beneath::not_regular().raw_os_error() => {
+                    log::debug!(
+                        "pid {pid}: shared mapping at {:x} is no regular file: changed",
+                        m.start
+                    );
+                    region.pages.push((m.start, UNREADABLE));
+                    stats.unreadable_pages += region.page_count();
                 }
                 // Without map_files, read through the process (faults holes in; rare).
                 Err(e) => {
@@ -436,6 +448,18 @@ fn classify(pid: u32, m: &MapsLine) -> Option<RegionKind> {
     } else {
         RegionKind::SharedFile
     })
+}
+
+/// The shmem object behind a shared mapping, open for reading. Through
+/// `/proc/PID/map_files/<range>`, which is the mapped object itself, never through the path
+/// the maps print: a memfd's "path" is a name its creator chose, and whatever the container
+/// put at that name (a device node, a FIFO, a symlink to a host file) is not the memory.
+/// Only a regular file is opened (memfd, SysV shm, shared anonymous memory and tmpfs or
+/// hugetlbfs files all are): the link is resolved to an `O_PATH` handle, checked, and that
+/// handle reopened ([`crate::beneath::reopen_regular`]), so no device's `open` ever runs.
+fn shmem_file(pid: u32, m: &MapsLine) -> io::Result<File> {
+    let handle = beneath::open_handle(&map_files_path(pid, m))?;
+    beneath::reopen_regular(handle.as_fd(), libc::O_RDONLY)
 }
 
 fn map_files_path(pid: u32, m: &MapsLine) -> PathBuf {
