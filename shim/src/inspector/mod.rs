@@ -357,7 +357,12 @@ impl Inspection {
             }
         }
         let Ok(processes) = self.processes() else { return Vec::new() };
+        // Reasons are kept for the first few mappings only: the count of mappings is the
+        // container's to choose, the size of an answer is not.
+        const SAID: usize = 8;
         let mut unseen = Vec::new();
+        let mut more = 0usize;
+        let mut note = |why: String| if unseen.len() < SAID { unseen.push(why) } else { more += 1 };
         for p in processes {
             let Ok(maps) = procs::read_maps(p.pid) else { continue };
             let mut shared = maps.iter().filter(|m| m.perms[3] == b's' && m.perms[1] == b'w' && m.inode != 0 && m.path.starts_with(b"/")).peekable();
@@ -375,17 +380,20 @@ impl Inspection {
                 match locate_mapping(view.as_fd(), &path, procs::maps_dev(m), m.inode, &tracked) {
                     Mapped::Tracked(root, rel) => {
                         if let Err(e) = fs::arm_shared_mapping(root, &rel) {
-                            unseen.push(format!("pid {} maps {} shared and writable, and it cannot be armed: {e}", p.pid, path.display()));
+                            note(format!("pid {} maps {} shared and writable, and it cannot be armed: {e}", p.pid, path.display()));
                         }
                     }
                     Mapped::Untracked => {}
-                    Mapped::Unreachable => unseen.push(format!(
+                    Mapped::Unreachable => note(format!(
                         "pid {} maps a file shared and writable whose name {:?} no longer leads to it (unlinked, renamed or replaced): its stores may leave no trace",
                         p.pid,
                         path.display()
                     )),
                 }
             }
+        }
+        if more > 0 {
+            unseen.push(format!("{more} more shared writable mappings that cannot be armed"));
         }
         unseen
     }
