@@ -223,17 +223,15 @@ pub struct PreparedIo {
 /// The null device as seen inside the container of `pid`, or `None` if what is at its
 /// `/dev/null` is anything else. A process that an exec leaves behind keeps the exec's null
 /// streams; if they are the host's `/dev/null` (a file on a mount the container does not
-/// have), CRIU cannot dump it. Opened without following a symlink, and checked to be the
-/// null device (1:3) before it is opened for I/O: the container controls that path.
+/// have), CRIU cannot dump it. The container controls that path: it is resolved beneath the
+/// process's root without following any symlink (one in `/dev` could otherwise name a host
+/// path), and checked to be the null device (1:3) before it is opened for I/O.
 fn container_null(pid: u32) -> Option<std::fs::File> {
-    use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
-    let path = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW)
-        .open(format!("/proc/{pid}/root/dev/null"))
-        .ok()?;
-    let md = path.metadata().ok()?;
-    if !md.file_type().is_char_device() || md.rdev() != libc::makedev(1, 3) {
+    use std::os::fd::AsFd;
+    let root = crate::beneath::process_root(pid).ok()?;
+    let path = crate::beneath::resolve_beneath(root.as_fd(), std::path::Path::new("dev/null")).ok()?;
+    let st = crate::beneath::fstat(path.as_fd()).ok()?;
+    if st.st_mode & libc::S_IFMT != libc::S_IFCHR || st.st_rdev != libc::makedev(1, 3) {
         log::warn!("pid {pid}: /dev/null in its container is not the null device; execs get the host's");
         return None;
     }
