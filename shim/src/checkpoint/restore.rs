@@ -19,7 +19,7 @@
 use std::{
     fs::{self, File},
     io::{self, Read},
-    os::unix::fs::OpenOptionsExt,
+    os::{fd::AsFd, unix::fs::OpenOptionsExt},
     path::{Path, PathBuf},
 };
 
@@ -200,23 +200,31 @@ fn plain(path: &Path) -> Result<fs::Metadata, RestoreError> {
     }
 }
 
-/// Reads a plain file without following a symlink in its last component, and without
-/// blocking on a FIFO planted in its place (opened non-blocking, then refused by type).
-fn read_plain(path: &Path, max: u64) -> Result<Vec<u8>, RestoreError> {
-    let f = fs::OpenOptions::new()
+/// Opens a file of a checkpoint image for reading if and only if it is a regular file: the path
+/// is resolved to an `O_PATH` handle without following a symlink in its last component, its type
+/// checked on that handle, and only then the same inode opened for reading
+/// ([`crate::beneath::reopen_regular`]). An ordinary open followed by a type check would already
+/// have run a planted device's `open` (a hardware watchdog reboots the host when opened);
+/// `O_NONBLOCK` only keeps a FIFO from blocking.
+fn open_plain(path: &Path) -> Result<File, RestoreError> {
+    let handle = fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::ELOOP) => RestoreError::NotPlain {
-                path: path.to_path_buf(),
-                found: "a symlink",
-            },
-            _ => RestoreError::Io {
-                path: path.to_path_buf(),
-                source: e,
-            },
-        })?;
+        .map_err(io_err(path))?;
+    let md = handle.metadata().map_err(io_err(path))?;
+    if !md.is_file() {
+        return Err(RestoreError::NotPlain {
+            path: path.to_path_buf(),
+            found: kind_name(md.file_type()),
+        });
+    }
+    crate::beneath::reopen_regular(handle.as_fd(), libc::O_RDONLY).map_err(io_err(path))
+}
+
+/// Reads a plain file (see [`open_plain`]) of at most `max` bytes.
+fn read_plain(path: &Path, max: u64) -> Result<Vec<u8>, RestoreError> {
+    let f = open_plain(path)?;
     let md = f.metadata().map_err(io_err(path))?;
     if !md.is_file() {
         return Err(RestoreError::NotPlain {
@@ -323,17 +331,7 @@ fn copy_image(from: &Path, to: &Path, limits: ImageLimits) -> Result<Copied, Res
     };
     for (name, len) in listed {
         let src = from.join(&name);
-        let input = fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-            .open(&src)
-            .map_err(io_err(&src))?;
-        if !input.metadata().map_err(io_err(&src))?.is_file() {
-            return Err(RestoreError::NotPlain {
-                path: src,
-                found: "not a regular file",
-            });
-        }
+        let input = open_plain(&src)?;
         let dst = to.join(&name);
         let mut out = File::create(&dst).map_err(io_err(&dst))?;
         let mut hashing = HashingReader::new(input.take(len + 1));
@@ -903,12 +901,23 @@ mod tests {
                     )
                     .unwrap(),
                 }
+                // Refused without being opened (a device's `open` would already have run).
+                let watch =
+                    nix::sys::inotify::Inotify::init(nix::sys::inotify::InitFlags::IN_NONBLOCK)
+                        .unwrap();
+                watch
+                    .add_watch(&path, nix::sys::inotify::AddWatchFlags::IN_OPEN)
+                    .unwrap();
                 let dest = tempfile::tempdir().unwrap();
                 let err = f.take(root.path(), &dest.path().join("criu")).unwrap_err();
                 assert!(
                     matches!(err, RestoreError::NotPlain { .. }),
                     "{file} {kind}: {err}"
                 );
+                if kind != "symlink" {
+                    let opened = watch.read_events().unwrap_or_default();
+                    assert!(opened.is_empty(), "{file} {kind} was opened: {opened:?}");
+                }
                 assert!(root.path().join(RESERVED_DIR).exists());
             }
         }
