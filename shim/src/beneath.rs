@@ -167,6 +167,15 @@ pub fn open_regular_beneath(
     reopen_regular(handle.as_fd(), flags)
 }
 
+/// A regular file at `path` open for reading, never through a symlink in its last component,
+/// and never opened at all unless regular (the handle is checked before any driver's `open`
+/// could run): for files of untrusted trees whose directory the caller already trusts (a
+/// private copy, a checkpoint directory containerd unpacked).
+pub fn open_regular_nofollow(path: &Path) -> io::Result<File> {
+    let handle = open_path(path, libc::O_NOFOLLOW)?;
+    reopen_regular(handle.as_fd(), libc::O_RDONLY)
+}
+
 /// An `O_PATH` handle on a host directory that stands for a root (an upperdir, a volume, a
 /// rootfs). The host path is trusted; what lies beneath it is not.
 pub fn open_root(dir: &Path) -> io::Result<OwnedFd> {

@@ -10,9 +10,7 @@
 //! read with a size bound, and anything unexpected is an error, never a guess.
 
 use std::{
-    fs,
     io::{self, Read},
-    os::unix::fs::OpenOptionsExt,
     path::{Path, PathBuf},
 };
 
@@ -203,15 +201,14 @@ fn read_bounded(path: &Path) -> Result<Vec<u8>, CriuImageError> {
         path: path.to_path_buf(),
         source,
     };
-    let f = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(io)?;
+    let f = crate::beneath::open_regular_nofollow(path).map_err(|e| {
+        if crate::beneath::is_refused(&e) {
+            malformed(path)("not a regular file".into())
+        } else {
+            io(e)
+        }
+    })?;
     let md = f.metadata().map_err(io)?;
-    if !md.is_file() {
-        return Err(malformed(path)("not a regular file".into()));
-    }
     if md.len() > MAX_DESCRIPTOR_FILE {
         return Err(malformed(path)(format!(
             "{} bytes, more than the {MAX_DESCRIPTOR_FILE} a CRIU descriptor file may have",
@@ -614,6 +611,7 @@ impl<'a> Iterator for Fields<'a> {
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod testing {
     use super::*;
+    use std::fs;
 
     pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
         loop {
@@ -821,6 +819,7 @@ pub mod testing {
 mod tests {
     use super::testing::*;
     use super::*;
+    use std::fs;
 
     fn root_creds() -> Creds {
         Creds {

@@ -351,13 +351,18 @@ fn read_small(path: &Path, max: u64) -> Result<Vec<u8>, ProvenanceError> {
         path: path.to_path_buf(),
         source,
     };
-    let f = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(io)?;
+    let f = crate::beneath::open_regular_nofollow(path).map_err(|e| {
+        if crate::beneath::is_refused(&e) {
+            ProvenanceError::Key {
+                path: path.to_path_buf(),
+                reason: "not a regular file".into(),
+            }
+        } else {
+            io(e)
+        }
+    })?;
     let md = f.metadata().map_err(io)?;
-    if !md.is_file() || md.len() > max {
+    if md.len() > max {
         return Err(ProvenanceError::Key {
             path: path.to_path_buf(),
             reason: format!("not a regular file of at most {max} bytes"),
