@@ -27,6 +27,7 @@ pub struct Config {
     pub checkpoint: CheckpointConfig,
     pub engine: EngineConfig,
     pub restore: RestoreConfig,
+    pub limits: LimitsConfig,
 }
 
 /// How crab runs runc.
@@ -287,6 +288,44 @@ impl Default for RestoreConfig {
             unsigned_images: UnsignedImages::Refuse,
             max_image_mib: 16_384,
             max_image_files: 100_000,
+/// Bounds on what one container can make the shim hold in memory or write to disk, per
+/// container. Everything inside a sandbox is untrusted (its number of files, their names and
+/// sizes, its processes' fds): each bound turns an excess into a logged outcome (the turn's
+/// checkpoint is recorded `failed` with the reason, the container keeps running), never into
+/// unbounded memory, disk or stack in the shim.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default, expecting = "the [limits] table")]
+pub struct LimitsConfig {
+    /// Entries (files, directories, ...) in one manifest of the upperdir or of a tracked
+    /// volume (1 ..= 100000000). Default 1000000 (about 200 MB of shim memory at most).
+    #[serde(deserialize_with = "max_manifest_entries")]
+    pub max_manifest_entries: u64,
+    /// Bytes of the paths of one manifest, summed (1 MiB ..= 64 GiB). Default 268435456
+    /// (256 MiB): a deep tree of long names costs its whole path per entry.
+    #[serde(deserialize_with = "max_manifest_path_bytes")]
+    pub max_manifest_path_bytes: u64,
+    /// Directory levels below the upperdir (or a tracked volume) that a walk descends
+    /// (1 ..= 4096). Default 256. Walks are iterative; this bounds their open fds and memory.
+    #[serde(deserialize_with = "max_walk_depth")]
+    pub max_walk_depth: u32,
+    /// Bytes of `/proc/PID/fdinfo` kept per process in a mark (4096 ..= 1 GiB); beyond it an
+    /// fd's info is kept as a 64-bit hash (still compared exactly). Default 1048576 (1 MiB).
+    #[serde(deserialize_with = "max_fdinfo_bytes")]
+    pub max_fdinfo_bytes: u64,
+    /// Bytes of file data one fs layer may hold, uncompressed, holes of sparse files excluded
+    /// (1 MiB ..= 16 TiB). Default 17179869184 (16 GiB).
+    #[serde(deserialize_with = "max_layer_bytes")]
+    pub max_layer_bytes: u64,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_manifest_entries: 1_000_000,
+            max_manifest_path_bytes: 256 << 20,
+            max_walk_depth: 256,
+            max_fdinfo_bytes: 1 << 20,
+            max_layer_bytes: 16 << 30,
         }
     }
 }
@@ -521,6 +560,39 @@ fn max_jobs<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
     }
 }
 
+fn u64_in<'de, D: Deserializer<'de>>(
+    d: D,
+    range: std::ops::RangeInclusive<u64>,
+    expected: &'static str,
+) -> Result<u64, D::Error> {
+    let n = u64::deserialize(d)?;
+    if range.contains(&n) {
+        Ok(n)
+    } else {
+        Err(D::Error::invalid_value(Unexpected::Unsigned(n), &expected))
+    }
+}
+
+fn max_manifest_entries<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    u64_in(d, 1..=100_000_000, "an integer from 1 to 100000000")
+}
+
+fn max_manifest_path_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    u64_in(d, 1 << 20..=64 << 30, "bytes from 1048576 (1 MiB) to 68719476736 (64 GiB)")
+}
+
+fn max_walk_depth<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
+    u64_in(d, 1..=4096, "an integer from 1 to 4096").map(|n| n as u32)
+}
+
+fn max_fdinfo_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    u64_in(d, 4096..=1 << 30, "bytes from 4096 to 1073741824 (1 GiB)")
+}
+
+fn max_layer_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    u64_in(d, 1 << 20..=16 << 40, "bytes from 1048576 (1 MiB) to 17592186044416 (16 TiB)")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -603,7 +675,7 @@ mod tests {
     fn empty_document_and_empty_tables_give_defaults() {
         assert_eq!(parse("").unwrap(), Config::default());
         assert_eq!(
-            parse("[runc]\n[store]\n[log]\n[checkpoint]\n[engine]\n[restore]\n").unwrap(),
+            parse("[runc]\n[store]\n[log]\n[checkpoint]\n[engine]\n[restore]\n[limits]\n").unwrap(),
             Config::default()
         );
     }
@@ -763,6 +835,48 @@ mod tests {
     }
 
     #[test]
+    fn limits_are_validated() {
+        let c = Config::default().limits;
+        assert_eq!(
+            (
+                c.max_manifest_entries,
+                c.max_manifest_path_bytes,
+                c.max_walk_depth,
+                c.max_fdinfo_bytes,
+                c.max_layer_bytes
+            ),
+            (1_000_000, 268_435_456, 256, 1_048_576, 17_179_869_184)
+        );
+        for (doc, key, expected) in [
+            ("limits.max_manifest_entries = 0", "limits.max_manifest_entries", "from 1 to 100000000"),
+            ("limits.max_manifest_entries = 100000001", "limits.max_manifest_entries", "from 1"),
+            ("limits.max_manifest_entries = -5", "limits.max_manifest_entries", ""),
+            ("limits.max_manifest_path_bytes = 1048575", "limits.max_manifest_path_bytes", "1 MiB"),
+            ("limits.max_walk_depth = 0", "limits.max_walk_depth", "from 1 to 4096"),
+            ("limits.max_walk_depth = 4097", "limits.max_walk_depth", "from 1 to 4096"),
+            ("limits.max_walk_depth = \"9\"", "limits.max_walk_depth", ""),
+            ("limits.max_fdinfo_bytes = 4095", "limits.max_fdinfo_bytes", "from 4096"),
+            ("limits.max_layer_bytes = 17592186044417", "limits.max_layer_bytes", "16 TiB"),
+            ("limits.max_layer_bytes = 1.5", "limits.max_layer_bytes", ""),
+            ("limits.max_files = 2", "limits.max_files", "expected one of `max_manifest_entries`"),
+        ] {
+            let (msg, got, location) = parse_err(doc);
+            assert_eq!(got.as_deref(), Some(key), "{doc}: {msg}");
+            assert!(location.is_some(), "{doc}: {msg}");
+            assert!(msg.contains(expected), "{doc}: {msg}");
+        }
+        let c = parse(
+            "[limits]\nmax_manifest_entries = 1\nmax_walk_depth = 4096\nmax_layer_bytes = 1048576\n",
+        )
+        .unwrap()
+        .limits;
+        assert_eq!(
+            (c.max_manifest_entries, c.max_walk_depth, c.max_layer_bytes),
+            (1, 4096, 1 << 20)
+        );
+    }
+
+    #[test]
     fn tracked_volumes_must_be_absolute() {
         let e = parse("[checkpoint]\ntracked_volumes = [\"/ok\", \"rel\"]\n").unwrap_err().to_string();
         assert!(e.contains("checkpoint.tracked_volumes"), "{e}");
@@ -784,7 +898,7 @@ mod tests {
         assert_eq!(
             msg,
             "invalid crab config /etc/crab/test.toml:4:2: key `runtime`: unknown field `runtime`, \
-             expected one of `runc`, `store`, `log`, `checkpoint`, `engine`, `restore`"
+             expected one of `runc`, `store`, `log`, `checkpoint`, `engine`, `restore`, `limits`"
         );
     }
 

@@ -33,7 +33,9 @@ mod error;
 pub mod runtime_options;
 
 pub use config::{
-    CheckpointConfig, CheckpointPolicy, TurnBoundary, Config, ConfigSource, EngineConfig, LogConfig, RestoreConfig, RuncConfig, StoreConfig, UnsignedImages, DEFAULT_CONFIG_PATH,
+    CheckpointConfig, CheckpointPolicy, TurnBoundary, Config, ConfigSource, EngineConfig, LimitsConfig, LogConfig, RestoreConfig, RuncConfig, StoreConfig, UnsignedImages, DEFAULT_CONFIG_PATH,
 };
 pub use error::{ConfigError, Location};
-pub use runtime_options::{decode_runtime_options, RuntimeOptions, RUNTIME_OPTIONS_TYPE_URL};
+pub use runtime_options::{
+    decode_runtime_options, shim_cgroup_of_start_options, RuntimeOptions, RUNTIME_OPTIONS_TYPE_URL,
+};

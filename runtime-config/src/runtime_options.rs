@@ -115,6 +115,42 @@ pub fn decode_runtime_options(bytes: &[u8]) -> Result<RuntimeOptions, ConfigErro
     Ok(options)
 }
 
+/// The `shim_cgroup` of the options containerd writes to a shim's `start` command on stdin (a
+/// serialised `Any`), when they are runc's (`containerd.runc.v1.Options`, field 3 `ShimCgroup`):
+/// the cgroup the shim itself is to run in. crab's own options carry none; anything that does
+/// not decode gives `None`.
+pub fn shim_cgroup_of_start_options(any: &[u8]) -> Option<String> {
+    let fields = |bytes: &[u8]| -> Option<Vec<(u64, Vec<u8>)>> {
+        let mut reader = Reader { bytes, pos: 0 };
+        let mut out = Vec::new();
+        while !reader.at_end() {
+            let key = reader.varint().ok()?;
+            match (key & 0x7) as u8 {
+                VARINT => {
+                    reader.varint().ok()?;
+                }
+                I64 => {
+                    reader.take(8, reader.pos).ok()?;
+                }
+                LEN => out.push((key >> 3, reader.length_delimited().ok()?.to_vec())),
+                I32 => {
+                    reader.take(4, reader.pos).ok()?;
+                }
+                _ => return None,
+            }
+        }
+        Some(out)
+    };
+    let outer = fields(any)?;
+    let type_url = outer.iter().find(|(f, _)| *f == 1).map(|(_, v)| v.as_slice())?;
+    if !type_url.ends_with(b"containerd.runc.v1.Options") {
+        return None;
+    }
+    let value = outer.iter().find(|(f, _)| *f == 2).map(|(_, v)| v.as_slice())?;
+    let cgroup = fields(value)?.into_iter().find(|(f, _)| *f == 3)?.1;
+    String::from_utf8(cgroup).ok().filter(|s| !s.is_empty())
+}
+
 const VARINT: u8 = 0;
 const I64: u8 = 1;
 const LEN: u8 = 2;
@@ -196,6 +232,28 @@ impl<'a> Reader<'a> {
 mod tests {
     use super::*;
     use std::path::Path;
+
+    #[test]
+    fn shim_cgroup_only_from_runc_options() {
+        let len = |field: u8, v: &[u8]| -> Vec<u8> {
+            let mut out = vec![field << 3 | LEN, v.len() as u8];
+            out.extend_from_slice(v);
+            out
+        };
+        let any = |url: &str, value: Vec<u8>| [len(1, url.as_bytes()), len(2, &value)].concat();
+        // runc's Options: no_pivot_root (varint 1), shim_cgroup (3), binary_name (6).
+        let runc = [vec![1 << 3, 1], len(3, b"/kubepods/pod1"), len(6, b"runc")].concat();
+        assert_eq!(
+            shim_cgroup_of_start_options(&any("type.googleapis.com/containerd.runc.v1.Options", runc.clone())).as_deref(),
+            Some("/kubepods/pod1")
+        );
+        // crab's options: field 3 is the inline config, never a cgroup.
+        let crab = len(3, b"[log]\nlevel = \"debug\"\n");
+        assert_eq!(shim_cgroup_of_start_options(&any(RUNTIME_OPTIONS_TYPE_URL, crab)), None);
+        assert_eq!(shim_cgroup_of_start_options(&any("containerd.runc.v1.Options", len(6, b"runc"))), None);
+        assert_eq!(shim_cgroup_of_start_options(b""), None);
+        assert_eq!(shim_cgroup_of_start_options(&[0x0a, 0x7f]), None);
+    }
 
     fn varint(mut v: u64, out: &mut Vec<u8>) {
         while v >= 0x80 {

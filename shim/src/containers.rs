@@ -258,6 +258,9 @@ impl Containers {
             }
         };
         let checkpointing = config.checkpoint.enabled && turns::is_inspected(&spec);
+        if let Some(score) = spec.process().as_ref().and_then(|p| p.oom_score_adj()) {
+            crate::placement::follow_container_oom_score(&p.id, score);
+        }
         // A checkpoint to start from: containerd's (`ctr run --checkpoint`), or crab's in the
         // rootfs of a checkpoint image.
         // Whoever signed it, a process image may not ask for more than this spec grants.
@@ -456,7 +459,8 @@ impl Containers {
         let inspection = {
             let (id, rootfs) = (id.to_string(), rootfs.to_vec());
             let volumes = turns::tracked_volumes(&spec, &config.checkpoint.tracked_volumes);
-            tokio::task::spawn_blocking(move || turns::start_inspection(&id, pid, &rootfs, volumes))
+            let limits = config.limits.clone();
+            tokio::task::spawn_blocking(move || turns::start_inspection(&id, pid, &rootfs, volumes, limits))
                 .await
                 .map_err(|e| Error::Other(e.to_string()))?
         };
@@ -470,6 +474,11 @@ impl Containers {
                 .find(|m| m.type_ == "overlay")
                 .and_then(|m| crate::inspector::fs::overlay_dirs(&m.options))
                 .map(|(u, _)| u),
+            overlay_xattrs: rootfs
+                .iter()
+                .find(|m| m.type_ == "overlay")
+                .map_or_else(Default::default, |m| crate::inspector::fs::OverlayXattrs::of_mount(&m.options)),
+            limits: config.limits.clone(),
             volumes: turns::tracked_volumes(&spec, &config.checkpoint.tracked_volumes).into_iter().map(|(at, _)| at).collect(),
             policy: crate::checkpoint::policy::for_container(&spec, config.checkpoint.policy)?,
             engine: crate::engine::Admission::new(&config.engine, &self.namespace, id),

@@ -21,6 +21,7 @@ pub mod info;
 pub mod inspector;
 pub mod logdriver;
 pub mod oom;
+pub mod placement;
 pub mod process;
 pub mod reaper;
 pub mod runc;

@@ -89,9 +89,15 @@ impl containerd_shim::Shim for Service {
         // which is `shim_cgroup`): crab's options (`runtimeoptions.v1.Options`, whose field 3 is
         // the inline config) would be taken for a cgroup path. Consume them first; crab reads
         // its options from the Create request instead.
+        // A `shim_cgroup` among runc-typed options is honoured: the daemon joins it.
         let mut options = Vec::new();
         let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut options);
-        let address = containerd_shim::spawn(opts, &grouping, Vec::new()).await?;
+        let shim_cgroup = crab_runtime_config::shim_cgroup_of_start_options(&options);
+        let vars = match &shim_cgroup {
+            Some(path) => vec![(crate::placement::SHIM_CGROUP_ENV, path.as_str())],
+            None => Vec::new(),
+        };
+        let address = containerd_shim::spawn(opts, &grouping, vars).await?;
         std::fs::write("address", &address)
             .map_err(|e| containerd_shim::Error::Other(format!("cannot write address file: {e}")))?;
         Ok(address)
@@ -127,6 +133,7 @@ impl containerd_shim::Shim for Service {
     }
 
     async fn create_task_service(&self, publisher: RemotePublisher) -> TaskService {
+        crate::placement::place_daemon();
         let exits = ExitSubscription::new().await.expect("subscribe to process exits");
         let containers = Containers::new(self.namespace.clone(), Some(Arc::new(publisher)), self.exit.clone());
         containers.spawn_exit_loop(exits);

@@ -140,10 +140,16 @@ pub fn tracked_volumes(spec: &oci_spec::runtime::Spec, tracked: &[PathBuf]) -> V
 }
 
 /// Starts inspecting a created container.
-pub fn start_inspection(container_id: &str, init_pid: u32, rootfs: &[Mount], volumes: Vec<(PathBuf, PathBuf)>) -> Inspection {
-    let (upperdir, lowerdirs) = rootfs
-        .iter()
-        .find(|m| m.type_ == "overlay")
+pub fn start_inspection(
+    container_id: &str,
+    init_pid: u32,
+    rootfs: &[Mount],
+    volumes: Vec<(PathBuf, PathBuf)>,
+    limits: crab_runtime_config::LimitsConfig,
+) -> Inspection {
+    let overlay = rootfs.iter().find(|m| m.type_ == "overlay");
+    let overlay_xattrs = overlay.map_or_else(Default::default, |m| inspector::fs::OverlayXattrs::of_mount(&m.options));
+    let (upperdir, lowerdirs) = overlay
         .and_then(|m| inspector::fs::overlay_dirs(&m.options))
         .map(|(u, l)| (Some(u), l))
         .unwrap_or((None, Vec::new()));
@@ -158,6 +164,8 @@ pub fn start_inspection(container_id: &str, init_pid: u32, rootfs: &[Mount], vol
         upperdir,
         lowerdirs,
         volumes,
+        overlay_xattrs,
+        limits,
     };
     Inspection::new(target, probes)
 }

@@ -12,6 +12,17 @@
 //!   every older layer's content of that directory, including crab's own earlier layers, so
 //!   the layer must carry everything the directory holds.
 //!
+//! - a regular file with holes (`SEEK_DATA`/`SEEK_HOLE`) is stored with its holes, as a PAX
+//!   GNU sparse 1.0 entry (the format GNU tar writes with `--sparse --posix`, and that Go's
+//!   `archive/tar`, hence containerd's differ, GNU tar and libarchive read back): a sparse map
+//!   and the data extents only. A `truncate -s 1T` file costs a few blocks, not a terabyte.
+//!   (containerd's differ then writes the holes back as zeros when it unpacks the layer: the
+//!   restored file has the same size and data, but is not sparse.)
+//!
+//! What one layer may cost is bounded ([`LayerOptions`]): file data beyond `max_bytes` fails the
+//! layer before anything is copied, and an opaque subtree is walked with an explicit stack at
+//! most `max_depth` deep; only the mount's own overlay xattr prefix is overlay state.
+//!
 //! The upperdir is read without following symlinks at any component (every directory is
 //! opened relative to its parent with `O_NOFOLLOW`), so a container that plants symlinks cannot
 //! make the layer read host files.
@@ -43,12 +54,39 @@ use std::{
 use sha2::{Digest, Sha256};
 
 use super::store::{digest_string, Descriptor, Store, StoreError, MEDIA_TYPE_LAYER_ZSTD};
-use crate::inspector::{fs::FsDiff, FsFinding};
+use crate::inspector::{
+    fs::{FsDiff, OverlayXattrs},
+    FsFinding,
+};
 
 /// zstd level: fast enough to keep up with a disk, off the critical path anyway (after the thaw).
 const ZSTD_LEVEL: i32 = 3;
 const WHITEOUT_PREFIX: &[u8] = b".wh.";
 const OPAQUE_MARKER: &[u8] = b".wh..wh..opq";
+/// Data extents of one sparse file kept apart; beyond this, the closest extents are merged
+/// (the zeros between them are stored) so that a file of a million tiny holes stays bounded.
+const MAX_SPARSE_EXTENTS: usize = 4096;
+
+/// Bounds on one layer (`[limits]` in crab's config) and the mount's overlay xattr prefix.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerOptions {
+    /// Bytes of file data (holes excluded), uncompressed.
+    pub max_bytes: u64,
+    /// Directory levels of an opaque subtree written whole.
+    pub max_depth: u32,
+    pub xattrs: OverlayXattrs,
+}
+
+impl Default for LayerOptions {
+    fn default() -> Self {
+        let c = crab_runtime_config::LimitsConfig::default();
+        LayerOptions {
+            max_bytes: c.max_layer_bytes,
+            max_depth: c.max_walk_depth,
+            xattrs: OverlayXattrs::Trusted,
+        }
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum LayerError {
@@ -73,6 +111,13 @@ pub enum LayerError {
     Changed { path: PathBuf, reason: String },
     #[error("diff path {0:?} is not an absolute container path")]
     InvalidPath(PathBuf),
+    /// The layer would be bigger than one container's checkpoint may be.
+    #[error("{what} exceed the limit of {limit} ([limits] {key}); the layer is not stored")]
+    Limit {
+        what: String,
+        limit: u64,
+        key: &'static str,
+    },
 }
 
 impl LayerError {
@@ -361,6 +406,17 @@ pub fn write_fs_layer(
     diff: &FsDiffPaths<'_>,
     freezer: &dyn Freezer,
 ) -> Result<(Descriptor, LayerStats), LayerError> {
+    write_fs_layer_with(store, upperdir, diff, freezer, &LayerOptions::default())
+}
+
+/// [`write_fs_layer`] within `opts`.
+pub fn write_fs_layer_with(
+    store: &Store,
+    upperdir: &Path,
+    diff: &FsDiffPaths<'_>,
+    freezer: &dyn Freezer,
+    opts: &LayerOptions,
+) -> Result<(Descriptor, LayerStats), LayerError> {
     let start = Instant::now();
     let paths = plan(diff)?;
     let upper = open_dir_at(
@@ -385,6 +441,8 @@ pub fn write_fs_layer(
         parent: None,
         buf: vec![0; 1 << 20],
         copy_file_range: true,
+        opts: *opts,
+        data_bytes: 0,
     };
 
     let freeze_start = Instant::now();
@@ -526,15 +584,20 @@ struct Capture<'a> {
     buf: Vec<u8>,
     /// Cleared once the kernel refuses copy_file_range between the two filesystems.
     copy_file_range: bool,
+    opts: LayerOptions,
+    /// File data written so far (holes excluded), against `opts.max_bytes`.
+    data_bytes: u64,
 }
 
 /// Whether the entries below a captured path still need visiting.
-#[derive(PartialEq, Eq)]
 enum Below {
     /// A plain directory: its listed children come next.
     Listed,
     /// Not a directory, a whiteout, or a directory whose subtree was written whole.
     Covered,
+    /// A directory inside a subtree being written whole: its children are to be written too
+    /// (by the caller's walk, which holds the stack).
+    Whole(OwnedFd),
 }
 
 impl Capture<'_> {
@@ -566,7 +629,7 @@ impl Capture<'_> {
                 };
                 self.entry(pfd, name.as_bytes(), rel, false)?
             };
-            if below == Below::Covered {
+            if !matches!(below, Below::Listed) {
                 covered = Some(rel);
             }
         }
@@ -710,7 +773,7 @@ impl Capture<'_> {
         whole: bool,
     ) -> Result<Below, LayerError> {
         let path = self.upperdir.join(rel);
-        let xattrs = Xattrs::read(&XattrSource::Fd(fd.as_raw_fd()))
+        let xattrs = Xattrs::read(&XattrSource::Fd(fd.as_raw_fd()), self.opts.xattrs)
             .map_err(|e| LayerError::upper("xattrs", &path, e))?;
         if let Some(r) = &xattrs.redirect {
             return Err(LayerError::Unsupported {
@@ -733,14 +796,54 @@ impl Capture<'_> {
             self.tar
                 .append(&TarEntry::whiteout(&child_name(rel, OPAQUE_MARKER)))?;
         }
-        let mut names =
-            list_dir(fd.as_raw_fd()).map_err(|e| LayerError::upper("readdir", &path, e))?;
-        names.sort();
-        for child in names {
-            let child_rel = rel.join(OsString::from_vec(child.clone()));
-            self.entry(fd.as_raw_fd(), &child, &child_rel, true)?;
+        if whole {
+            // Inside a subtree being written whole: the caller's stack walks this one too.
+            return Ok(Below::Whole(fd));
         }
+        self.whole_subtree(fd, rel)?;
         Ok(Below::Covered)
+    }
+
+    /// Writes everything below directory `fd` (upperdir-relative `rel`), depth-first with an
+    /// explicit stack of at most `max_depth` levels (one fd and one name list per level).
+    fn whole_subtree(&mut self, fd: OwnedFd, rel: &Path) -> Result<(), LayerError> {
+        let mut stack = vec![self.whole_level(fd, rel.to_path_buf())?];
+        while let Some((dir, names, dir_rel)) = stack.last_mut() {
+            let Some(child) = names.next() else {
+                stack.pop();
+                continue;
+            };
+            let child_rel = dir_rel.join(OsString::from_vec(child.clone()));
+            let pfd = dir.as_raw_fd();
+            if let Below::Whole(cfd) = self.entry(pfd, &child, &child_rel, true)? {
+                if stack.len() >= self.opts.max_depth as usize {
+                    return Err(LayerError::Limit {
+                        what: format!(
+                            "directories nested deeper than {} levels (at {})",
+                            self.opts.max_depth,
+                            self.upperdir.join(&child_rel).display()
+                        ),
+                        limit: self.opts.max_depth.into(),
+                        key: "max_walk_depth",
+                    });
+                }
+                let level = self.whole_level(cfd, child_rel)?;
+                stack.push(level);
+            }
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn whole_level(
+        &self,
+        fd: OwnedFd,
+        rel: PathBuf,
+    ) -> Result<(OwnedFd, std::vec::IntoIter<Vec<u8>>, PathBuf), LayerError> {
+        let mut names = list_dir(fd.as_raw_fd())
+            .map_err(|e| LayerError::upper("readdir", &self.upperdir.join(&rel), e))?;
+        names.sort();
+        Ok((fd, names.into_iter(), rel))
     }
 
     fn file(
@@ -759,7 +862,7 @@ impl Capture<'_> {
                 reason: "replaced while being read".into(),
             });
         }
-        let xattrs = Xattrs::read(&XattrSource::Fd(fd.as_raw_fd()))
+        let xattrs = Xattrs::read(&XattrSource::Fd(fd.as_raw_fd()), self.opts.xattrs)
             .map_err(|e| LayerError::upper("xattrs", &path(), e))?;
         if xattrs.whiteout && fst.st_size == 0 {
             self.tar.whiteout(rel)?;
@@ -786,14 +889,54 @@ impl Capture<'_> {
             self.links.insert(key, name.clone());
         }
         let size = fst.st_size as u64;
+        let extents = data_extents(fd.as_raw_fd(), size, MAX_SPARSE_EXTENTS)
+            .map_err(|e| LayerError::upper("seek", &path(), e))?;
+        let data: u64 = extents.iter().map(|e| e.1).sum();
+        self.charge(data, rel)?;
+        if extents.len() == 1 && extents[0] == (0, size) || size == 0 {
+            self.tar.append(&TarEntry {
+                size,
+                xattrs: &xattrs.other,
+                ..TarEntry::from_stat(&name, b'0', &fst)
+            })?;
+            self.copy_data(fd.as_raw_fd(), size, rel)?;
+            self.tar.pad(size)?;
+            return Ok(Below::Covered);
+        }
+        let map = sparse_map(&extents);
+        let stored = map.len() as u64 + data;
         self.tar.append(&TarEntry {
-            size,
+            size: stored,
             xattrs: &xattrs.other,
+            sparse_size: Some(size),
             ..TarEntry::from_stat(&name, b'0', &fst)
         })?;
-        self.copy_data(fd.as_raw_fd(), size, rel)?;
-        self.tar.pad(size)?;
+        self.tar.write_raw(&map)?;
+        for &(offset, len) in &extents {
+            if unsafe { libc::lseek(fd.as_raw_fd(), offset as libc::off_t, libc::SEEK_SET) } < 0 {
+                return Err(LayerError::upper("seek", &path(), io::Error::last_os_error()));
+            }
+            self.copy_data(fd.as_raw_fd(), len, rel)?;
+        }
+        self.tar.pad(stored)?;
         Ok(Below::Covered)
+    }
+
+    /// Counts `bytes` of file data against the layer's bound, before they are copied.
+    fn charge(&mut self, bytes: u64, rel: &Path) -> Result<(), LayerError> {
+        self.data_bytes = self.data_bytes.saturating_add(bytes);
+        if self.data_bytes > self.opts.max_bytes {
+            return Err(LayerError::Limit {
+                what: format!(
+                    "file data of more than {} bytes (reached at {}, {bytes} bytes of data)",
+                    self.opts.max_bytes,
+                    self.upperdir.join(rel).display()
+                ),
+                limit: self.opts.max_bytes,
+                key: "max_layer_bytes",
+            });
+        }
+        Ok(())
     }
 
     /// Copies exactly `size` bytes of `src` into the tar: in the kernel where both files'
@@ -870,7 +1013,7 @@ impl Capture<'_> {
         let mut p = format!("/proc/self/fd/{pfd}/").into_bytes();
         p.extend_from_slice(name);
         let c = cstring(&p, rel)?;
-        Xattrs::read(&XattrSource::Path(&c))
+        Xattrs::read(&XattrSource::Path(&c), self.opts.xattrs)
             .map_err(|e| LayerError::upper("xattrs", &self.upperdir.join(rel), e))
     }
 }
@@ -924,7 +1067,7 @@ struct Xattrs {
 }
 
 impl Xattrs {
-    fn read(src: &XattrSource) -> io::Result<Xattrs> {
+    fn read(src: &XattrSource, overlay: OverlayXattrs) -> io::Result<Xattrs> {
         let names = match read_sized(|buf, len| unsafe {
             match src {
                 XattrSource::Fd(fd) => libc::flistxattr(*fd, buf, len),
@@ -952,7 +1095,7 @@ impl Xattrs {
                 Err(e) if e.raw_os_error() == Some(libc::ENODATA) => continue,
                 Err(e) => return Err(e),
             };
-            match classify_xattr(name) {
+            match classify_xattr(name, overlay) {
                 // A pax key ends at its first `=`: such a name cannot be recorded.
                 XattrClass::Plain(n) if n.contains(&b'=') => {
                     log::warn!(
@@ -980,17 +1123,87 @@ enum XattrClass<'a> {
     Overlay(&'a [u8]),
 }
 
-fn classify_xattr(name: &[u8]) -> XattrClass<'_> {
-    for prefix in [b"trusted.overlay.".as_slice(), b"user.overlay.".as_slice()] {
-        if let Some(rest) = name.strip_prefix(prefix) {
-            // overlayfs stores the container's own `*.overlay.X` xattrs escaped as `*.overlay.overlay.X`.
-            return match rest.strip_prefix(b"overlay.".as_slice()) {
-                Some(escaped) => XattrClass::Plain([prefix, escaped].concat()),
-                None => XattrClass::Overlay(rest),
-            };
-        }
+/// Only the mount's own prefix is overlay state: without `userxattr`, `user.overlay.opaque` is
+/// an ordinary xattr the container set, which overlayfs ignores and the layer keeps as such.
+fn classify_xattr(name: &[u8], overlay: OverlayXattrs) -> XattrClass<'_> {
+    let prefix = overlay.prefix();
+    if let Some(rest) = name.strip_prefix(prefix) {
+        // overlayfs stores the container's own `*.overlay.X` xattrs escaped as `*.overlay.overlay.X`.
+        return match rest.strip_prefix(b"overlay.".as_slice()) {
+            Some(escaped) => XattrClass::Plain([prefix, escaped].concat()),
+            None => XattrClass::Overlay(rest),
+        };
     }
     XattrClass::Plain(name.to_vec())
+}
+
+/// The data extents `(offset, length)` of a file of `size` bytes, from `SEEK_DATA`/`SEEK_HOLE`
+/// (a filesystem without them reports the whole file as data). At most `max` extents: beyond
+/// that the extents separated by the smallest holes are merged.
+fn data_extents(fd: RawFd, size: u64, max: usize) -> io::Result<Vec<(u64, u64)>> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    let mut min_gap = 0u64;
+    let mut pos = 0u64;
+    while pos < size {
+        let data = unsafe { libc::lseek(fd, pos as libc::off_t, libc::SEEK_DATA) };
+        if data < 0 {
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                // No data after `pos`: the rest is a hole.
+                Some(libc::ENXIO) => break,
+                Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) if pos == 0 => {
+                    return Ok(vec![(0, size)])
+                }
+                _ => return Err(e),
+            }
+        }
+        let data = (data as u64).min(size);
+        let hole = unsafe { libc::lseek(fd, data as libc::off_t, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let hole = (hole as u64).clamp(data, size);
+        if hole == data {
+            break;
+        }
+        match out.last_mut() {
+            Some(last) if data - (last.0 + last.1) <= min_gap => last.1 = hole - last.0,
+            _ => out.push((data, hole - data)),
+        }
+        if out.len() > max {
+            min_gap = min_gap.max(1) * 2;
+            out = merge_extents(&out, min_gap);
+        }
+        pos = hole;
+    }
+    if size > 0 && out.is_empty() {
+        // All hole: one empty extent at the end says how long the file is to every reader.
+        out.push((size, 0));
+    }
+    Ok(out)
+}
+
+/// Merges extents separated by holes of at most `gap` bytes.
+fn merge_extents(extents: &[(u64, u64)], gap: u64) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(extents.len());
+    for &(off, len) in extents {
+        match out.last_mut() {
+            Some(last) if off - (last.0 + last.1) <= gap => last.1 = off + len - last.0,
+            _ => out.push((off, len)),
+        }
+    }
+    out
+}
+
+/// The sparse map that starts a GNU sparse 1.0 entry's data: the number of extents, then each
+/// extent's offset and length, as decimal lines, padded with NULs to a whole block.
+fn sparse_map(extents: &[(u64, u64)]) -> Vec<u8> {
+    let mut map = format!("{}\n", extents.len()).into_bytes();
+    for (off, len) in extents {
+        map.extend_from_slice(format!("{off}\n{len}\n").as_bytes());
+    }
+    map.resize(map.len().div_ceil(512) * 512, 0);
+    map
 }
 
 use crate::inspector::fs::read_sized;
@@ -1094,6 +1307,8 @@ struct TarEntry<'a> {
     link: &'a [u8],
     dev: (u32, u32),
     xattrs: &'a [(Vec<u8>, Vec<u8>)],
+    /// A GNU sparse 1.0 file of this real size; `size` is then the stored map and data.
+    sparse_size: Option<u64>,
 }
 
 impl<'a> TarEntry<'a> {
@@ -1109,6 +1324,7 @@ impl<'a> TarEntry<'a> {
             link: b"",
             dev: (0, 0),
             xattrs: &[],
+            sparse_size: None,
         }
     }
 
@@ -1124,6 +1340,7 @@ impl<'a> TarEntry<'a> {
             link: b"",
             dev: (0, 0),
             xattrs: &[],
+            sparse_size: None,
         }
     }
 }
@@ -1193,7 +1410,22 @@ impl TarWriter<BufWriter<File>> {
 fn encode_header(e: &TarEntry) -> Vec<u8> {
     let mut pax = Vec::new();
     let mut block = [0u8; 512];
-    match split_ustar_name(e.name) {
+    // A sparse file's header carries a placeholder name (as GNU tar's): readers that know the
+    // format take the real one from GNU.sparse.name, others extract the map and data there.
+    let placeholder;
+    let header_name = match e.sparse_size {
+        Some(real) => {
+            pax_record(&mut pax, b"GNU.sparse.major", b"1");
+            pax_record(&mut pax, b"GNU.sparse.minor", b"0");
+            pax_record(&mut pax, b"GNU.sparse.name", e.name);
+            pax_record(&mut pax, b"GNU.sparse.realsize", real.to_string().as_bytes());
+            let base = e.name.rsplit(|b| *b == b'/').next().unwrap_or(e.name);
+            placeholder = [b"GNUSparseFile.0/".as_slice(), &base[..base.len().min(80)]].concat();
+            placeholder.as_slice()
+        }
+        None => e.name,
+    };
+    match split_ustar_name(header_name) {
         Some((prefix, name)) => {
             block[..name.len()].copy_from_slice(name);
             block[345..345 + prefix.len()].copy_from_slice(prefix);

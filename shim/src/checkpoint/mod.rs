@@ -62,6 +62,10 @@ pub struct JobTarget {
     pub init_pid: u32,
     pub cgroup2_dir: PathBuf,
     pub upperdir: Option<PathBuf>,
+    /// Which xattr prefix is overlay state on the rootfs mount.
+    pub overlay_xattrs: crate::inspector::fs::OverlayXattrs,
+    /// What one checkpoint may cost (`[limits]`).
+    pub limits: crab_runtime_config::LimitsConfig,
     /// Container paths under tracked volumes: their contents are not in the upperdir.
     pub volumes: Vec<PathBuf>,
     /// Which checkpoint a turn end takes ([`policy`]).
@@ -80,6 +84,10 @@ struct Work {
     modified: Vec<PathBuf>,
     deleted: Vec<PathBuf>,
     explanation: Vec<String>,
+    /// A turn whose file changes are not known (the upperdir could not be scanned, e.g. it is
+    /// over a `[limits]` bound): its paths are not in `added`/`modified`/`deleted`, so the job
+    /// must capture the whole upperdir (a new chain) or fail, never store a partial layer.
+    fs_unknown: bool,
 }
 
 impl Work {
@@ -96,6 +104,7 @@ impl Work {
         self.added.extend(a.fs.added.iter().cloned());
         self.modified.extend(a.fs.modified.iter().cloned());
         self.deleted.extend(a.fs.deleted.iter().cloned());
+        self.fs_unknown |= a.fs.unobserved;
         self.explanation.push(a.summary());
     }
 
@@ -108,6 +117,7 @@ impl Work {
         self.modified.extend(later.modified);
         self.deleted.extend(later.deleted);
         self.explanation.extend(later.explanation);
+        self.fs_unknown |= later.fs_unknown;
     }
 
     fn kind(&self) -> CheckpointKind {
@@ -252,7 +262,8 @@ impl Coordinator {
         // The sender lives as long as `self`, so this only ends once the origin is recorded.
         let _ = self.origin_recorded.subscribe().wait_for(|recorded| *recorded).await;
         loop {
-            let force_full = std::mem::take(&mut self.state.lock().unwrap().force_full);
+            let force_full = std::mem::take(&mut self.state.lock().unwrap().force_full)
+                || std::mem::take(&mut work.fs_unknown);
             if force_full {
                 work.fs = true;
                 work.proc = true;
@@ -500,7 +511,8 @@ impl Coordinator {
             let (added, modified, deleted) = if new_chain {
                 // After a failure nothing is known about what the missing layers held: one
                 // layer of the whole upperdir, starting a new chain on top of the image.
-                let all = crate::inspector::fs::Manifest::scan(&upper)
+                let limits = (&t.limits).into();
+                let all = crate::inspector::fs::Manifest::scan_with(&upper, &limits, t.overlay_xattrs)
                     .map_err(|e| Error::Other(e.to_string()))?;
                 let d = crate::inspector::fs::diff(
                     &crate::inspector::fs::Manifest::default(),
@@ -542,6 +554,11 @@ impl Coordinator {
                 m.explanation.push_str(&note);
             }
             let init_pid = t.init_pid;
+            let opts = layer::LayerOptions {
+                max_bytes: t.limits.max_layer_bytes,
+                max_depth: t.limits.max_walk_depth,
+                xattrs: t.overlay_xattrs,
+            };
             let (desc, stats) = tokio::task::spawn_blocking(move || {
                 let freezer = CgroupFreezer::for_pid(init_pid)
                     .map_err(Error::io("find the container's freezer"))?;
@@ -550,7 +567,7 @@ impl Coordinator {
                     modified: &modified,
                     deleted: &deleted,
                 };
-                layer::write_fs_layer(&store, &upper, &paths, &freezer)
+                layer::write_fs_layer_with(&store, &upper, &paths, &freezer, &opts)
                     .map_err(|e| Error::Other(e.to_string()))
             })
             .await

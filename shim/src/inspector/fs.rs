@@ -55,6 +55,78 @@ pub enum FsError {
     },
     #[error("path contains a NUL byte: {0}")]
     NulInPath(PathBuf),
+    /// The tree is bigger than the shim may hold for one container ([`ScanLimits`]).
+    #[error("{root}: {what} exceed the limit of {limit} ([limits] {key}); the tree is not captured")]
+    Limit {
+        root: PathBuf,
+        what: String,
+        limit: u64,
+        key: &'static str,
+    },
+}
+
+/// Bounds on one manifest walk (`[limits]` in crab's config): the walk is iterative, so these,
+/// not the thread's stack or `RLIMIT_NOFILE`, bound what a container's tree costs the shim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScanLimits {
+    pub max_entries: u64,
+    /// Bytes of all entry paths (relative to the root), summed.
+    pub max_path_bytes: u64,
+    /// Directory levels below the root; the walk holds one fd per level.
+    pub max_depth: u32,
+}
+
+impl Default for ScanLimits {
+    fn default() -> Self {
+        let c = crab_runtime_config::LimitsConfig::default();
+        ScanLimits::from(&c)
+    }
+}
+
+impl From<&crab_runtime_config::LimitsConfig> for ScanLimits {
+    fn from(c: &crab_runtime_config::LimitsConfig) -> Self {
+        ScanLimits {
+            max_entries: c.max_manifest_entries,
+            max_path_bytes: c.max_manifest_path_bytes,
+            max_depth: c.max_walk_depth,
+        }
+    }
+}
+
+/// Where overlayfs keeps its own state on a mount: `trusted.overlay.*`, or `user.overlay.*`
+/// when mounted with `userxattr`. Only that prefix is overlay state; the other one is an
+/// ordinary xattr the container set (without `userxattr` a container can set
+/// `user.overlay.opaque` on its own files, and overlayfs ignores it: so must crab).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum OverlayXattrs {
+    #[default]
+    Trusted,
+    User,
+}
+
+impl OverlayXattrs {
+    /// From the overlay mount's options.
+    pub fn of_mount(mount_options: &[String]) -> OverlayXattrs {
+        if mount_options.iter().any(|o| o == "userxattr") {
+            OverlayXattrs::User
+        } else {
+            OverlayXattrs::Trusted
+        }
+    }
+
+    pub fn prefix(self) -> &'static [u8] {
+        match self {
+            OverlayXattrs::Trusted => b"trusted.overlay.",
+            OverlayXattrs::User => b"user.overlay.",
+        }
+    }
+
+    /// The overlay attribute `name` stands for (`opaque` for `trusted.overlay.opaque`), if it
+    /// is overlay state on this mount; `*.overlay.overlay.*` is an escaped container xattr.
+    pub fn overlay_name(self, name: &[u8]) -> Option<&[u8]> {
+        name.strip_prefix(self.prefix())
+            .filter(|rest| !rest.starts_with(b"overlay."))
+    }
 }
 
 impl FsError {
@@ -127,6 +199,9 @@ pub struct Manifest {
     // A depth-first walk that visits siblings in byte order produces exactly `Path` order, so
     // a sorted Vec costs no comparisons to build (a BTreeMap's component-wise compares did).
     entries: Vec<(PathBuf, EntryMeta)>,
+    /// Which xattrs were overlay state when it was scanned (not stored: a stored manifest is
+    /// read as `trusted`, which a container cannot set).
+    xattrs: OverlayXattrs,
 }
 
 impl Manifest {
@@ -134,6 +209,15 @@ impl Manifest {
     /// so a container swapping a directory for a symlink mid-scan cannot lead the walk outside.
     /// Entries that vanish during the walk are skipped (the container may be running).
     pub fn scan(upperdir: &Path) -> Result<Manifest, FsError> {
+        Manifest::scan_with(upperdir, &ScanLimits::default(), OverlayXattrs::Trusted)
+    }
+
+    /// [`Manifest::scan`] within `limits`, reading overlay state from `xattrs`' prefix.
+    pub fn scan_with(
+        upperdir: &Path,
+        limits: &ScanLimits,
+        xattrs: OverlayXattrs,
+    ) -> Result<Manifest, FsError> {
         let c_root = cstring(upperdir.as_os_str())?;
         let fd = unsafe {
             libc::open(
@@ -146,17 +230,23 @@ impl Manifest {
         }
         let root = DirStream::from_fd(fd).map_err(|e| FsError::io("opendir", upperdir, e))?;
         let st = fstat(root.fd()).map_err(|e| FsError::io("stat", upperdir, e))?;
-        let xattrs = dir_xattrs(&XattrTarget::Fd(root.fd()))
+        let dx = dir_xattrs(&XattrTarget::Fd(root.fd()), xattrs)
             .map_err(|e| FsError::io("listxattr", upperdir, e))?;
-        let mut manifest = Manifest::default();
+        let mut manifest = Manifest {
+            xattrs,
+            ..Manifest::default()
+        };
         manifest
             .entries
-            .push((PathBuf::new(), EntryMeta::from_stat(&st, None, xattrs)));
+            .push((PathBuf::new(), EntryMeta::from_stat(&st, None, dx)));
         let mut walker = Walker {
             upperdir,
             entries: &mut manifest.entries,
+            limits,
+            xattrs,
+            path_bytes: 0,
         };
-        walker.walk(root, &mut PathBuf::new())?;
+        walker.walk(root)?;
         Ok(manifest)
     }
 
@@ -204,7 +294,10 @@ impl<'de> Deserialize<'de> for Manifest {
         // whatever wrote them.
         entries.sort_by(|a, b| a.0.cmp(&b.0));
         entries.dedup_by(|a, b| a.0 == b.0);
-        Ok(Manifest { entries })
+        Ok(Manifest {
+            entries,
+            xattrs: OverlayXattrs::Trusted,
+        })
     }
 }
 
@@ -239,7 +332,7 @@ impl FsDiff {
 /// what the image showed, and whether a new path is `added` (not in the image) or `modified`.
 /// Without lowers (a tracked volume) every new path is `added`.
 pub fn diff(prev: &Manifest, now: &Manifest, lowerdirs: &[PathBuf]) -> FsDiff {
-    let mut lower = LowerView::new(lowerdirs, now);
+    let mut lower = LowerView::new(lowerdirs, now, now.xattrs);
     let mut out = FsDiff::default();
     let mut p_it = prev.entries.iter().peekable();
     let mut n_it = now.entries.iter().peekable();
@@ -493,55 +586,137 @@ fn nanos(sec: i64, nsec: i64) -> i64 {
 struct Walker<'a> {
     upperdir: &'a Path,
     entries: &'a mut Vec<(PathBuf, EntryMeta)>,
+    limits: &'a ScanLimits,
+    xattrs: OverlayXattrs,
+    path_bytes: u64,
+}
+
+/// One directory being walked: its stream (the base for `*at` calls) and its names left.
+struct Level {
+    dir: DirStream,
+    names: std::vec::IntoIter<CString>,
 }
 
 impl Walker<'_> {
-    /// Depth-first; holds one fd per level (a depth beyond RLIMIT_NOFILE fails the scan).
-    fn walk(&mut self, mut dir: DirStream, rel: &mut PathBuf) -> Result<(), FsError> {
-        let mut names = dir
-            .names()
-            .map_err(|e| FsError::io("readdir", &self.upperdir.join(&*rel), e))?;
-        names.sort_unstable();
-        let fd = dir.fd();
-        for name in names {
+    fn limit(&self, what: String, limit: u64, key: &'static str) -> FsError {
+        FsError::Limit {
+            root: self.upperdir.to_path_buf(),
+            what,
+            limit,
+            key,
+        }
+    }
+
+    /// Depth-first in name order, with an explicit stack (never the thread's): one fd per
+    /// level, at most `max_depth` levels.
+    fn walk(&mut self, root: DirStream) -> Result<(), FsError> {
+        let mut rel = PathBuf::new();
+        let mut stack = vec![self.level(root, &rel)?];
+        while let Some(top) = stack.last_mut() {
+            let Some(name) = top.names.next() else {
+                stack.pop();
+                rel.pop();
+                continue;
+            };
+            let fd = top.dir.fd();
             rel.push(OsStr::from_bytes(name.to_bytes()));
-            let res = self.visit(fd, &name, rel);
-            rel.pop();
-            res?;
+            match self.visit(fd, &name, &rel)? {
+                Some(child) => {
+                    if stack.len() >= self.limits.max_depth as usize {
+                        return Err(self.limit(
+                            format!("directories nested deeper than {} levels (at {})", self.limits.max_depth, rel.display()),
+                            self.limits.max_depth.into(),
+                            "max_walk_depth",
+                        ));
+                    }
+                    let level = self.level(child, &rel)?;
+                    stack.push(level);
+                }
+                None => {
+                    rel.pop();
+                }
+            }
         }
         Ok(())
     }
 
-    fn visit(&mut self, dirfd: RawFd, name: &CStr, rel: &mut PathBuf) -> Result<(), FsError> {
+    fn level(&self, mut dir: DirStream, rel: &Path) -> Result<Level, FsError> {
+        let room = self
+            .limits
+            .max_entries
+            .saturating_sub(self.entries.len() as u64);
+        let mut names = dir
+            .names_bounded(room)
+            .map_err(|e| FsError::io("readdir", &self.upperdir.join(rel), e))?
+            .ok_or_else(|| {
+                self.limit(
+                    format!("more than {} entries", self.limits.max_entries),
+                    self.limits.max_entries,
+                    "max_manifest_entries",
+                )
+            })?;
+        names.sort_unstable();
+        Ok(Level {
+            dir,
+            names: names.into_iter(),
+        })
+    }
+
+    fn push(&mut self, rel: &Path, meta: EntryMeta) -> Result<(), FsError> {
+        if self.entries.len() as u64 >= self.limits.max_entries {
+            return Err(self.limit(
+                format!("more than {} entries", self.limits.max_entries),
+                self.limits.max_entries,
+                "max_manifest_entries",
+            ));
+        }
+        self.path_bytes += rel.as_os_str().len() as u64;
+        if self.path_bytes > self.limits.max_path_bytes {
+            return Err(self.limit(
+                format!("paths of more than {} bytes in all", self.limits.max_path_bytes),
+                self.limits.max_path_bytes,
+                "max_manifest_path_bytes",
+            ));
+        }
+        self.entries.push((rel.to_path_buf(), meta));
+        Ok(())
+    }
+
+    /// Records the entry `name` of `dirfd`; a directory comes back open, to be walked next.
+    fn visit(
+        &mut self,
+        dirfd: RawFd,
+        name: &CStr,
+        rel: &Path,
+    ) -> Result<Option<DirStream>, FsError> {
         let st = match fstatat(dirfd, name) {
             Ok(st) => st,
-            Err(e) if vanished(&e) => return Ok(()),
-            Err(e) => return Err(FsError::io("lstat", &self.upperdir.join(&*rel), e)),
+            Err(e) if vanished(&e) => return Ok(None),
+            Err(e) => return Err(FsError::io("lstat", &self.upperdir.join(rel), e)),
         };
         match st.st_mode & libc::S_IFMT {
             libc::S_IFDIR => {
                 let child = match DirStream::open_at(dirfd, name) {
                     Ok(d) => d,
-                    Err(e) if vanished(&e) => return Ok(()),
-                    Err(e) => return Err(FsError::io("open", &self.upperdir.join(&*rel), e)),
+                    Err(e) if vanished(&e) => return Ok(None),
+                    Err(e) => return Err(FsError::io("open", &self.upperdir.join(rel), e)),
                 };
-                let xattrs = dir_xattrs(&XattrTarget::Fd(child.fd()))
-                    .map_err(|e| FsError::io("listxattr", &self.upperdir.join(&*rel), e))?;
-                self.entries
-                    .push((rel.clone(), EntryMeta::from_stat(&st, None, xattrs)));
-                self.walk(child, rel)
+                let xattrs = dir_xattrs(&XattrTarget::Fd(child.fd()), self.xattrs)
+                    .map_err(|e| FsError::io("listxattr", &self.upperdir.join(rel), e))?;
+                self.push(rel, EntryMeta::from_stat(&st, None, xattrs))?;
+                Ok(Some(child))
             }
             libc::S_IFLNK => {
                 let target = match readlinkat(dirfd, name) {
                     Ok(t) => t,
-                    Err(e) if vanished(&e) => return Ok(()),
-                    Err(e) => return Err(FsError::io("readlink", &self.upperdir.join(&*rel), e)),
+                    Err(e) if vanished(&e) => return Ok(None),
+                    Err(e) => return Err(FsError::io("readlink", &self.upperdir.join(rel), e)),
                 };
-                self.entries.push((
-                    rel.clone(),
+                self.push(
+                    rel,
                     EntryMeta::from_stat(&st, Some(target), DirXattrs::default()),
-                ));
-                Ok(())
+                )?;
+                Ok(None)
             }
             fmt => {
                 let mut meta = EntryMeta::from_stat(&st, None, DirXattrs::default());
@@ -553,17 +728,17 @@ impl Walker<'_> {
                     let mut via_fd = format!("/proc/self/fd/{dirfd}/").into_bytes();
                     via_fd.extend_from_slice(name.to_bytes());
                     let c = CString::new(via_fd).expect("no NUL in a file name");
-                    match is_xwhiteout(&XattrTarget::Path(&c)) {
+                    match is_xwhiteout(&XattrTarget::Path(&c), self.xattrs) {
                         Ok(true) => meta.kind = EntryKind::Whiteout,
                         Ok(false) => {}
-                        Err(e) if vanished(&e) => return Ok(()),
+                        Err(e) if vanished(&e) => return Ok(None),
                         Err(e) => {
-                            return Err(FsError::io("listxattr", &self.upperdir.join(&*rel), e))
+                            return Err(FsError::io("listxattr", &self.upperdir.join(rel), e))
                         }
                     }
                 }
-                self.entries.push((rel.clone(), meta));
-                Ok(())
+                self.push(rel, meta)?;
+                Ok(None)
             }
         }
     }
@@ -620,14 +795,16 @@ struct LowerView<'a> {
     lowers: &'a [PathBuf],
     upper: &'a Manifest,
     cache: HashMap<PathBuf, Resolved>,
+    xattrs: OverlayXattrs,
 }
 
 impl<'a> LowerView<'a> {
-    fn new(lowers: &'a [PathBuf], upper: &'a Manifest) -> LowerView<'a> {
+    fn new(lowers: &'a [PathBuf], upper: &'a Manifest, xattrs: OverlayXattrs) -> LowerView<'a> {
         LowerView {
             lowers,
             upper,
             cache: HashMap::new(),
+            xattrs,
         }
     }
 
@@ -685,7 +862,7 @@ impl<'a> LowerView<'a> {
             if (fmt == libc::S_IFCHR && st.st_rdev == 0)
                 || (fmt == libc::S_IFREG
                     && st.st_size == 0
-                    && is_xwhiteout(&target).unwrap_or(false))
+                    && is_xwhiteout(&target, self.xattrs).unwrap_or(false))
             {
                 break;
             }
@@ -695,7 +872,7 @@ impl<'a> LowerView<'a> {
                 }
                 break;
             }
-            let xattrs = dir_xattrs(&target)
+            let xattrs = dir_xattrs(&target, self.xattrs)
                 .inspect_err(|e| log::warn!("listxattr {}: {e}", full.display()))
                 .ok();
             let opaque = xattrs.as_ref().is_some_and(|x| x.opaque);
@@ -755,7 +932,8 @@ impl DirStream {
         unsafe { libc::dirfd(self.0.as_ptr()) }
     }
 
-    fn names(&mut self) -> io::Result<Vec<CString>> {
+    /// The names of the directory, or `None` once there are more than `max`.
+    fn names_bounded(&mut self, max: u64) -> io::Result<Option<Vec<CString>>> {
         let mut names = Vec::new();
         loop {
             nix::errno::Errno::clear();
@@ -765,11 +943,14 @@ impl DirStream {
                 if errno != 0 {
                     return Err(io::Error::from_raw_os_error(errno));
                 }
-                return Ok(names);
+                return Ok(Some(names));
             }
             let name = unsafe { CStr::from_ptr((*ent).d_name.as_ptr()) };
             let b = name.to_bytes();
             if b != b"." && b != b".." {
+                if names.len() as u64 >= max {
+                    return Ok(None);
+                }
                 names.push(name.to_owned());
             }
         }
@@ -894,15 +1075,6 @@ pub(crate) fn read_sized(f: impl Fn(*mut libc::c_char, usize) -> isize) -> io::R
     }
 }
 
-/// overlayfs keeps its state in `trusted.overlay.*` (or `user.overlay.*` with `userxattr`);
-/// `*.overlay.overlay.*` is an escaped user xattr, not overlay state.
-fn overlay_xattr(name: &[u8]) -> Option<&[u8]> {
-    [b"trusted.overlay.".as_slice(), b"user.overlay.".as_slice()]
-        .iter()
-        .find_map(|prefix| name.strip_prefix(*prefix))
-        .filter(|rest| !rest.starts_with(b"overlay."))
-}
-
 /// Overlay xattrs on directories that say nothing about the container's view beyond what is
 /// tracked elsewhere: copy-up/lookup bookkeeping, and the markers of directories holding xattr
 /// whiteouts (`opaque` other than `y`, `whiteouts`; the whiteouts themselves are entries).
@@ -924,11 +1096,11 @@ struct DirXattrs {
     other: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
-fn dir_xattrs(target: &XattrTarget) -> io::Result<DirXattrs> {
+fn dir_xattrs(target: &XattrTarget, xattrs: OverlayXattrs) -> io::Result<DirXattrs> {
     let list = target.list()?;
     let mut out = DirXattrs::default();
     for name in list.split(|b| *b == 0).filter(|n| !n.is_empty()) {
-        let ovl = overlay_xattr(name);
+        let ovl = xattrs.overlay_name(name);
         if ovl.is_some_and(|n| OVERLAY_BOOKKEEPING.contains(&n)) {
             continue;
         }
@@ -948,11 +1120,11 @@ fn dir_xattrs(target: &XattrTarget) -> io::Result<DirXattrs> {
 /// overlayfs only honours this form inside a directory marked `overlay.opaque=x` (6.8+) or
 /// `overlay.whiteouts` (6.7); it is recognised regardless here, which can only change how a
 /// path is reported (deleted instead of added), never whether it is.
-fn is_xwhiteout(target: &XattrTarget) -> io::Result<bool> {
+fn is_xwhiteout(target: &XattrTarget, xattrs: OverlayXattrs) -> io::Result<bool> {
     let list = target.list()?;
     Ok(list
         .split(|b| *b == 0)
-        .any(|n| overlay_xattr(n) == Some(b"whiteout".as_slice())))
+        .any(|n| xattrs.overlay_name(n) == Some(b"whiteout".as_slice())))
 }
 
 // ---- path escaping for serde ----

@@ -227,6 +227,9 @@ pub struct CaptureOptions {
     /// a thread that merely ran on another CPU would otherwise show a changed page). Use the
     /// same ranges for the images you compare.
     pub volatile: Vec<(u64, u64)>,
+    /// Bytes of `fdinfo` text kept for the whole process (`[limits] max_fdinfo_bytes`;
+    /// `None`: its default). Beyond it an fd's info is kept as a hash ([`fdinfo_lines`]).
+    pub max_fdinfo_bytes: Option<u64>,
 }
 
 /// Captures the memory image of process `pid` (see the module docs for what is covered).
@@ -386,7 +389,10 @@ pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemE
         r.pages.sort_unstable_by_key(|p| p.0);
     }
 
-    let state = capture_state(pid)?;
+    let fdinfo_budget = opts
+        .max_fdinfo_bytes
+        .unwrap_or(crab_runtime_config::LimitsConfig::default().max_fdinfo_bytes);
+    let state = capture_state(pid, fdinfo_budget)?;
     // Everything above must belong to one process: a recycled pid would mix two.
     if procs::identity(pid)?.map(|i| i.1) != Some(start_time) {
         return Err(MemError::Gone(pid));
@@ -941,7 +947,62 @@ fn readlink_opt(path: &str) -> String {
         .unwrap_or_default()
 }
 
-fn capture_state(pid: u32) -> Result<ProcState, MemError> {
+/// An fd's `fdinfo` as a mark keeps it: its lines (whitespace normalised, timerfd's
+/// self-changing `it_value` left out) while `budget` lasts, each line's bytes taken from it;
+/// once it is spent, one line `xxh3 <hash> <bytes>` of the rest, read in bounded chunks. An epoll
+/// fd watching a million fds then costs the shim a few bytes, and a change still shows.
+fn fdinfo_lines(mut src: impl io::Read, budget: &mut u64) -> Vec<String> {
+    const MAX_LINE: usize = 4096;
+    let mut lines = Vec::new();
+    let mut hash: Option<(xxhash_rust::xxh3::Xxh3, u64)> = None;
+    let mut keep = |line: &[u8], lines: &mut Vec<String>, hash: &mut Option<(xxhash_rust::xxh3::Xxh3, u64)>| {
+        if line.starts_with(b"it_value:") {
+            return;
+        }
+        let text = String::from_utf8_lossy(line)
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        if hash.is_none() && (text.len() as u64) < *budget {
+            *budget -= text.len() as u64 + 1;
+            lines.push(text);
+            return;
+        }
+        let (h, n) = hash.get_or_insert_with(|| (xxhash_rust::xxh3::Xxh3::new(), 0));
+        h.update(text.as_bytes());
+        h.update(b"\n");
+        *n += text.len() as u64 + 1;
+    };
+    let mut buf = vec![0u8; 64 << 10];
+    let mut carry: Vec<u8> = Vec::new();
+    loop {
+        let n = match src.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        carry.extend_from_slice(&buf[..n]);
+        let mut start = 0;
+        while let Some(i) = carry[start..].iter().position(|b| *b == b'\n') {
+            keep(&carry[start..start + i], &mut lines, &mut hash);
+            start += i + 1;
+        }
+        carry.drain(..start);
+        if carry.len() > MAX_LINE {
+            // No line is this long in a real fdinfo: hash it in pieces.
+            keep(&carry, &mut lines, &mut hash);
+            carry.clear();
+        }
+    }
+    if !carry.is_empty() {
+        keep(&carry, &mut lines, &mut hash);
+    }
+    if let Some((h, n)) = hash {
+        lines.push(format!("xxh3 {:016x} {n}", h.digest()));
+    }
+    lines
+}
+
+fn capture_state(pid: u32, mut fdinfo_budget: u64) -> Result<ProcState, MemError> {
     let mut st = ProcState::default();
     let task_dir = format!("/proc/{pid}/task");
     let mut tids: Vec<u32> = std::fs::read_dir(&task_dir)
@@ -979,13 +1040,9 @@ fn capture_state(pid: u32) -> Result<ProcState, MemError> {
     fds.sort_unstable();
     for fd in fds {
         let target = readlink_opt(&format!("{fd_dir}/{fd}"));
-        let info = read_opt(&format!("/proc/{pid}/fdinfo/{fd}"))
-            .unwrap_or_default()
-            .lines()
-            // timerfd's remaining time counts down on its own.
-            .filter(|l| !l.starts_with("it_value:"))
-            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
-            .collect();
+        let info = std::fs::File::open(format!("/proc/{pid}/fdinfo/{fd}"))
+            .map(|f| fdinfo_lines(f, &mut fdinfo_budget))
+            .unwrap_or_default();
         st.fds.push(FdState { fd, target, info });
     }
     st.cwd = readlink_opt(&format!("/proc/{pid}/cwd"));

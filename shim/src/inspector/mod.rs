@@ -67,6 +67,10 @@ pub struct Target {
     pub lowerdirs: Vec<PathBuf>,
     /// Tracked writable volumes: (path in the container, host directory).
     pub volumes: Vec<(PathBuf, PathBuf)>,
+    /// Which xattr prefix is overlay state on the rootfs mount (`userxattr` or not).
+    pub overlay_xattrs: fs::OverlayXattrs,
+    /// What one observation may cost the shim (`[limits]`).
+    pub limits: crab_runtime_config::LimitsConfig,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -87,6 +91,10 @@ pub struct FsFinding {
     pub changed: bool,
     /// Whether the upperdir was compared at all (not when no mutating syscall happened).
     pub scanned: bool,
+    /// The upperdir or a tracked volume could not be scanned (unreadable, or over a `[limits]`
+    /// bound): the paths below are incomplete, a checkpoint must capture everything or fail.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub unobserved: bool,
     /// Mutating syscalls seen since the mark, by class.
     pub syscalls: BTreeMap<String, u64>,
     pub added: Vec<PathBuf>,
@@ -295,7 +303,7 @@ impl Inspection {
             if let Some(n) = self.run_count(p.pid) {
                 run_counts.insert(p.pid, n);
             }
-            match memory::capture(p.pid) {
+            match self.capture(p.pid) {
                 Ok(img) => {
                     memory.insert(p.pid, img);
                 }
@@ -306,17 +314,21 @@ impl Inspection {
         Ok(Mark { counters, manifest, processes, run_counts, memory, volumes })
     }
 
+    fn capture(&self, pid: u32) -> Result<MemoryImage, memory::MemError> {
+        capture_bounded(pid, self.target.limits.max_fdinfo_bytes)
+    }
+
     fn scan_volumes(&self) -> Result<Vec<Manifest>, String> {
         self.target
             .volumes
             .iter()
-            .map(|(at, dir)| Manifest::scan(dir).map_err(|e| format!("cannot scan volume {} ({}): {e}", at.display(), dir.display())))
+            .map(|(at, dir)| Manifest::scan_with(dir, &(&self.target.limits).into(), fs::OverlayXattrs::Trusted).map_err(|e| format!("cannot scan volume {} ({}): {e}", at.display(), dir.display())))
             .collect()
     }
 
     fn scan_upper(&self) -> Result<Manifest, String> {
         match &self.target.upperdir {
-            Some(upper) => Manifest::scan(upper).map_err(|e| format!("cannot scan upperdir {}: {e}", upper.display())),
+            Some(upper) => Manifest::scan_with(upper, &(&self.target.limits).into(), self.target.overlay_xattrs).map_err(|e| format!("cannot scan upperdir {}: {e}", upper.display())),
             None => Err("rootfs is not an overlay: its changes cannot be seen".into()),
         }
     }
@@ -420,7 +432,7 @@ impl Inspection {
         let Some(mark) = self.mark.as_mut() else { return };
         for &(pid, _) in idle {
             let Some(n) = self.probes.as_ref().and_then(|p| p.run_count(pid).ok().flatten()) else { continue };
-            match memory::capture(pid) {
+            match capture_bounded(pid, self.target.limits.max_fdinfo_bytes) {
                 Ok(img) => {
                     mark.memory.insert(pid, img);
                     mark.run_counts.insert(pid, n);
@@ -489,6 +501,7 @@ impl Inspection {
                     Some(now)
                 }
                 Err(e) => {
+                    fs.unobserved = true;
                     degraded.push(e);
                     None
                 }
@@ -512,6 +525,7 @@ impl Inspection {
                     Some(now)
                 }
                 Err(e) => {
+                    fs.unobserved = true;
                     degraded.push(e);
                     None
                 }
@@ -582,7 +596,7 @@ impl Inspection {
                         continue;
                     }
                 }
-                match (memory::capture(p.pid), prev_img) {
+                match (self.capture(p.pid), prev_img) {
                     (Ok(img), Some(prev_img)) => {
                         let d = memory::compare(prev_img, &img);
                         procs.memory.push(MemoryFinding {
@@ -606,7 +620,7 @@ impl Inspection {
                 if let Some(n) = self.run_count(p.pid) {
                     run_counts.insert(p.pid, n);
                 }
-                match memory::capture(p.pid) {
+                match self.capture(p.pid) {
                     Ok(img) => {
                         memory_images.insert(p.pid, img);
                     }
@@ -676,6 +690,17 @@ fn locate_mapping<'a>(view: BorrowedFd<'_>, path: &Path, dev: Option<u64>, ino: 
     }
 }
 
+/// A memory image whose fd state keeps at most `max_fdinfo_bytes` of fdinfo text.
+fn capture_bounded(pid: u32, max_fdinfo_bytes: u64) -> Result<MemoryImage, memory::MemError> {
+    memory::capture_with(
+        pid,
+        &memory::CaptureOptions {
+            max_fdinfo_bytes: Some(max_fdinfo_bytes),
+            ..Default::default()
+        },
+    )
+}
+
 impl Drop for Inspection {
     fn drop(&mut self) {
         if let (Some(p), Some(id)) = (&self.probes, self.cgroup_id) {
@@ -704,6 +729,8 @@ mod tests {
             upperdir: Some(upper),
             lowerdirs: Vec::new(),
             volumes: Vec::new(),
+            overlay_xattrs: fs::OverlayXattrs::Trusted,
+            limits: Default::default(),
         }
     }
 
