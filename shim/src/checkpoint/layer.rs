@@ -816,7 +816,7 @@ impl Capture<'_> {
             let child_rel = dir_rel.join(OsString::from_vec(child.clone()));
             let pfd = dir.as_raw_fd();
             if let Below::Whole(cfd) = self.entry(pfd, &child, &child_rel, true)? {
-                if stack.len() >= self.opts.max_depth as usize {
+                if stack.len() > self.opts.max_depth as usize {
                     return Err(LayerError::Limit {
                         what: format!(
                             "directories nested deeper than {} levels (at {})",
@@ -894,6 +894,10 @@ impl Capture<'_> {
         let data: u64 = extents.iter().map(|e| e.1).sum();
         self.charge(data, rel)?;
         if extents.len() == 1 && extents[0] == (0, size) || size == 0 {
+            // SEEK_DATA/SEEK_HOLE moved the offset the copy reads from.
+            if unsafe { libc::lseek(fd.as_raw_fd(), 0, libc::SEEK_SET) } < 0 {
+                return Err(LayerError::upper("seek", &path(), io::Error::last_os_error()));
+            }
             self.tar.append(&TarEntry {
                 size,
                 xattrs: &xattrs.other,
@@ -1176,8 +1180,9 @@ fn data_extents(fd: RawFd, size: u64, max: usize) -> io::Result<Vec<(u64, u64)>>
         }
         pos = hole;
     }
-    if size > 0 && out.is_empty() {
-        // All hole: one empty extent at the end says how long the file is to every reader.
+    if size > 0 && out.last().is_none_or(|&(off, len)| off + len < size) {
+        // Ending in a hole: an empty extent at the end says how long the file is (GNU tar
+        // takes the size from the map, not from GNU.sparse.realsize).
         out.push((size, 0));
     }
     Ok(out)
@@ -1710,7 +1715,7 @@ mod tests {
 
     fn lxattrs(p: &Path) -> Vec<(Vec<u8>, Vec<u8>)> {
         let c = CString::new(p.as_os_str().as_bytes()).unwrap();
-        Xattrs::read(&XattrSource::Path(&c)).unwrap().other
+        Xattrs::read(&XattrSource::Path(&c), OverlayXattrs::Trusted).unwrap().other
     }
 
     fn mknod(p: &Path, kind: libc::mode_t, mode: u32, dev: libc::dev_t) {
@@ -2412,6 +2417,7 @@ mod tests {
                 link: b"",
                 dev: (0, 0),
                 xattrs: &xattrs,
+                sparse_size: None,
             },
             TarEntry {
                 name: b"l",
@@ -2424,6 +2430,7 @@ mod tests {
                 link: long_link.as_bytes(),
                 dev: (0, 0),
                 xattrs: &[],
+                sparse_size: None,
             },
             TarEntry {
                 name: b"d",
@@ -2436,6 +2443,7 @@ mod tests {
                 link: b"",
                 dev: (4095, 1_048_575),
                 xattrs: &[],
+                sparse_size: None,
             },
         ];
         for e in &entries {
@@ -2493,6 +2501,7 @@ mod tests {
             link: b"",
             dev: (0, 0),
             xattrs: &cap,
+            sparse_size: None,
         });
         tar.extend_from_slice(&[0u8; 1024]);
         fs::write(dir.path().join("nl.tar"), &tar).unwrap();
@@ -2509,6 +2518,275 @@ mod tests {
             String::from_utf8_lossy(&out.stderr)
         );
         assert_eq!(lxattrs(&dir.path().join("f")), cap.to_vec());
+    }
+
+    // ---- bounds: sparse files, the layer's size, depth, overlay xattrs ----
+
+    /// A file of `size` bytes with `chunks` written at their offsets, holes elsewhere.
+    fn sparse(p: &Path, size: u64, chunks: &[(u64, &[u8])]) {
+        use std::os::unix::fs::FileExt;
+        let f = fs::File::create(p).unwrap();
+        f.set_len(size).unwrap();
+        for (off, data) in chunks {
+            f.write_all_at(data, *off).unwrap();
+        }
+        f.sync_all().unwrap();
+    }
+
+    /// Extracts a plain tar with GNU tar (which restores holes) into `dir`.
+    fn gnu_extract(tar: &[u8], dir: &Path) {
+        fs::write(dir.join("layer.tar"), tar).unwrap();
+        fs::create_dir(dir.join("x")).unwrap();
+        let out = Command::new("tar")
+            .args(["--numeric-owner", "-xf"])
+            .arg(dir.join("layer.tar"))
+            .arg("-C")
+            .arg(dir.join("x"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        fs::remove_file(dir.join("layer.tar")).unwrap();
+    }
+
+    fn read_at(p: &Path, off: u64, len: usize) -> Vec<u8> {
+        use std::os::unix::fs::FileExt;
+        let mut buf = vec![0u8; len];
+        fs::File::open(p).unwrap().read_exact_at(&mut buf, off).unwrap();
+        buf
+    }
+
+    /// `truncate -s 1T` plus a few bytes: the layer holds the bytes, not the terabyte, and GNU
+    /// tar gives back a file of the same size, data and holes.
+    #[test]
+    fn sparse_files_are_stored_with_their_holes() {
+        const TB: u64 = 1 << 40;
+        let o = Overlay::new(|l| write(&l.join("keep"), b"k", 0o644));
+        let base = o.scan();
+        let chunks: [(u64, &[u8]); 3] = [
+            (0, b"head"),
+            (300 << 30, b"in the middle"),
+            (TB - 4, b"tail"),
+        ];
+        sparse(&o.m("big"), TB, &chunks);
+        sparse(&o.m("hole-at-end"), 10 << 20, &[(0, &[7u8; 8192])]);
+        sparse(&o.m("all-hole"), 5 << 30, &[]);
+        write(&o.m("dense"), &noise(100_000, 3), 0o600);
+        let (_, d) = o.diff(&base);
+        let store_dir = tempfile::tempdir().unwrap();
+        let store = Store::open(store_dir.path()).unwrap();
+        let t = Instant::now();
+        let (desc, stats) =
+            write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), &CountingFreezer::default())
+                .unwrap();
+        eprintln!("1 TB sparse file: layer in {:?}, {} tar bytes, {} stored", t.elapsed(), stats.bytes, desc.size);
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+        assert!(stats.bytes < 1 << 20, "{stats:?}");
+        let tar = plain_tar(&store, &desc);
+        let dir = tempfile::tempdir().unwrap();
+        gnu_extract(&tar, dir.path());
+        let x = dir.path().join("x");
+        let big = fs::metadata(x.join("big")).unwrap();
+        assert_eq!(big.len(), TB);
+        assert!(big.blocks() * 512 < 1 << 20, "extracted sparse: {} blocks", big.blocks());
+        for (off, data) in chunks {
+            assert_eq!(read_at(&x.join("big"), off, data.len()), data);
+        }
+        assert_eq!(read_at(&x.join("big"), 1 << 30, 4), [0u8; 4]);
+        assert_eq!(fs::metadata(x.join("hole-at-end")).unwrap().len(), 10 << 20);
+        assert_eq!(read_at(&x.join("hole-at-end"), 0, 8192), vec![7u8; 8192]);
+        assert_eq!(read_at(&x.join("hole-at-end"), (10 << 20) - 1, 1), [0]);
+        assert_eq!(fs::metadata(x.join("all-hole")).unwrap().len(), 5 << 30);
+        assert_eq!(fs::read(x.join("dense")).unwrap(), noise(100_000, 3));
+        // Modes survive the sparse form too.
+        assert_eq!(
+            fs::metadata(x.join("big")).unwrap().mode() & 0o7777,
+            fs::metadata(o.m("big")).unwrap().mode() & 0o7777
+        );
+    }
+
+    /// Go's archive/tar (umoci's unpacker, like containerd's differ) reads the sparse entries:
+    /// same size and bytes as the merged view.
+    #[test]
+    fn sparse_layer_applies_with_go_archive_tar() {
+        let o = Overlay::new(populate_lower);
+        let base = o.scan();
+        sparse(&o.m("s"), 64 << 20, &[(1 << 20, b"one"), ((40 << 20) + 5, &noise(9000, 1))]);
+        sparse(&o.m("z"), 3 << 20, &[]);
+        let (_, d) = o.diff(&base);
+        let store_dir = tempfile::tempdir().unwrap();
+        let store = Store::open(store_dir.path()).unwrap();
+        let (desc, _) =
+            write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), &CountingFreezer::default())
+                .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let rootfs = umoci_unpack(dir.path(), &[base_layer(&o.lower), plain_tar(&store, &desc)]);
+        for name in ["s", "z"] {
+            assert_eq!(fs::read(rootfs.join(name)).unwrap(), fs::read(o.m(name)).unwrap(), "{name}");
+        }
+    }
+
+    #[test]
+    fn sparse_extents_are_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        // 2000 data blocks, each followed by a hole.
+        let chunks: Vec<(u64, Vec<u8>)> =
+            (0..2000u64).map(|i| (i * (1 << 20), vec![1u8; 4096])).collect();
+        let refs: Vec<(u64, &[u8])> = chunks.iter().map(|(o, d)| (*o, d.as_slice())).collect();
+        sparse(&p, 2000 << 20, &refs);
+        let f = fs::File::open(&p).unwrap();
+        let all = data_extents(f.as_raw_fd(), 2000 << 20, 4096).unwrap();
+        // 2000 data extents and the empty one that marks the end of the file.
+        assert_eq!(all.len(), 2001);
+        assert_eq!(all[2000], (2000 << 20, 0));
+        assert!(all[..2000].iter().all(|&(off, len)| off % (1 << 20) == 0 && len >= 4096), "{:?}", &all[..3]);
+        let few = data_extents(f.as_raw_fd(), 2000 << 20, 100).unwrap();
+        assert!(few.len() <= 100, "{}", few.len());
+        // Every data byte is still covered.
+        for (off, _) in &chunks {
+            assert!(few.iter().any(|&(o, l)| o <= *off && off + 4096 <= o + l), "{off}");
+        }
+        assert_eq!(merge_extents(&[(0, 10), (15, 5), (100, 1)], 5), vec![(0, 20), (100, 1)]);
+        assert_eq!(sparse_map(&[(0, 4), (8, 2)]).len(), 512);
+        assert!(sparse_map(&[(0, 4), (8, 2)]).starts_with(b"2\n0\n4\n8\n2\n\0"));
+    }
+
+    #[test]
+    fn layer_over_its_byte_bound_fails_before_copying_and_thaws() {
+        let o = Overlay::new(|l| write(&l.join("keep"), b"k", 0o644));
+        let base = o.scan();
+        write(&o.m("a"), &noise(600 << 10, 1), 0o644);
+        write(&o.m("b"), &noise(600 << 10, 2), 0o644);
+        // Holes are free: a 1 TB sparse file fits in a 1 MiB bound.
+        sparse(&o.m("c"), 1 << 40, &[(5, b"x")]);
+        let (_, d) = o.diff(&base);
+        let store_dir = tempfile::tempdir().unwrap();
+        let store = Store::open(store_dir.path()).unwrap();
+        let freezer = CountingFreezer::default();
+        let opts = LayerOptions { max_bytes: 1 << 20, ..LayerOptions::default() };
+        let e = write_fs_layer_with(&store, &o.upper, &FsDiffPaths::from(&d), &freezer, &opts)
+            .unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, LayerError::Limit { key: "max_layer_bytes", .. }), "{msg}");
+        assert!(msg.contains("[limits] max_layer_bytes") && msg.contains("1048576"), "{msg}");
+        assert_eq!(freezer.counts(), (1, 1));
+        assert!(
+            files_under(store_dir.path()).iter().all(|f| !f.to_string_lossy().contains("blobs/sha256/")),
+            "{:?}",
+            files_under(store_dir.path())
+        );
+        fs::remove_file(o.m("b")).unwrap();
+        let (_, d) = o.diff(&base);
+        write_fs_layer_with(&store, &o.upper, &FsDiffPaths::from(&d), &freezer, &opts).unwrap();
+    }
+
+    /// An opaque directory is written whole with an explicit stack: a tree deeper than the
+    /// bound is a clear error (never a stack overflow), within it the layer is complete.
+    #[test]
+    fn opaque_subtree_walk_is_depth_bounded() {
+        let o = Overlay::new(|l| write(&l.join("d/old"), b"o", 0o644));
+        let base = o.scan();
+        fs::remove_dir_all(o.m("d")).unwrap();
+        let mut p = o.m("d");
+        for _ in 0..12 {
+            p.push("n");
+        }
+        fs::create_dir_all(&p).unwrap();
+        write(&p.join("leaf"), b"l", 0o644);
+        let (_, d) = o.diff(&base);
+        let store_dir = tempfile::tempdir().unwrap();
+        let store = Store::open(store_dir.path()).unwrap();
+        let freezer = CountingFreezer::default();
+        let shallow = LayerOptions { max_depth: 8, ..LayerOptions::default() };
+        let e = write_fs_layer_with(&store, &o.upper, &FsDiffPaths::from(&d), &freezer, &shallow)
+            .unwrap_err();
+        assert!(matches!(e, LayerError::Limit { key: "max_walk_depth", .. }), "{e}");
+        assert_eq!(freezer.counts(), (1, 1));
+        let deep = LayerOptions { max_depth: 12, ..LayerOptions::default() };
+        let (desc, _) =
+            write_fs_layer_with(&store, &o.upper, &FsDiffPaths::from(&d), &freezer, &deep).unwrap();
+        let items = read_layer(&store, &desc);
+        let leaf = format!("d/{}leaf", "n/".repeat(12));
+        assert_eq!(item(&items, &leaf).data, b"l");
+        assert!(names(&items).contains(&"d/.wh..wh..opq"));
+    }
+
+    /// Without `userxattr`, `user.overlay.*` is the container's own xattr (overlayfs ignores
+    /// it): it neither hides the image (opaque on `/` or a directory), nor turns a file into a
+    /// whiteout, nor fails the layer (redirect, metacopy); it is kept as a plain xattr. With
+    /// `userxattr` it is overlay state.
+    #[test]
+    fn user_overlay_xattrs_are_overlay_state_only_with_userxattr() {
+        let o = Overlay::new(|l| {
+            write(&l.join("etc/conf"), b"c", 0o644);
+            write(&l.join("lib/x"), b"x", 0o644);
+        });
+        let base = o.scan();
+        setxattr(&o.merged, "user.overlay.opaque", b"y");
+        setxattr(&o.m("etc"), "user.overlay.opaque", b"y");
+        setxattr(&o.m("lib"), "user.overlay.redirect", b"/elsewhere");
+        write(&o.m("w"), b"", 0o644);
+        setxattr(&o.m("w"), "user.overlay.whiteout", b"");
+        write(&o.m("m"), b"data", 0o644);
+        setxattr(&o.m("m"), "user.overlay.metacopy", b"");
+        // The overlay itself ignores them: the image is all still there.
+        assert_eq!(fs::read(o.m("etc/conf")).unwrap(), b"c");
+        assert_eq!(fs::read(o.m("lib/x")).unwrap(), b"x");
+        let now = o.scan();
+        assert!(!now.get(Path::new("")).unwrap().opaque);
+        assert!(!now.get(Path::new("etc")).unwrap().opaque);
+        assert!(now.get(Path::new("lib")).unwrap().redirect.is_none());
+        assert_eq!(now.get(Path::new("w")).unwrap().kind, crate::inspector::fs::EntryKind::File);
+        let (_, d) = o.diff(&base);
+        assert!(d.added.contains(&PathBuf::from("/w")) && d.deleted.is_empty(), "{d:?}");
+        let store_dir = tempfile::tempdir().unwrap();
+        let store = Store::open(store_dir.path()).unwrap();
+        let (desc, _) =
+            write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), &CountingFreezer::default())
+                .unwrap();
+        let items = read_layer(&store, &desc);
+        let n = names(&items);
+        assert!(!n.iter().any(|n| n.contains(".wh.")), "{n:?}");
+        assert_eq!(item(&items, "w").kind, b'0');
+        assert_eq!(item(&items, "m").data, b"data");
+        let opaque_xattr = (b"user.overlay.opaque".to_vec(), b"y".to_vec());
+        assert!(item(&items, "./").xattrs.contains(&opaque_xattr), "{:?}", item(&items, "./").xattrs);
+        assert!(item(&items, "etc/").xattrs.contains(&opaque_xattr));
+
+        // The same names on a `userxattr` mount are overlay state.
+        let user = LayerOptions { xattrs: OverlayXattrs::User, ..LayerOptions::default() };
+        let e = write_fs_layer_with(
+            &store,
+            &o.upper,
+            &FsDiffPaths::from(&d),
+            &CountingFreezer::default(),
+            &user,
+        )
+        .unwrap_err();
+        assert!(matches!(e, LayerError::Unsupported { .. }), "{e}");
+        let trusted_scan = Manifest::scan_with(
+            &o.upper,
+            &Default::default(),
+            OverlayXattrs::User,
+        )
+        .unwrap();
+        assert!(trusted_scan.get(Path::new("etc")).unwrap().opaque);
+        assert_eq!(
+            trusted_scan.get(Path::new("w")).unwrap().kind,
+            crate::inspector::fs::EntryKind::Whiteout
+        );
+        assert!(matches!(
+            classify_xattr(b"user.overlay.opaque", OverlayXattrs::Trusted),
+            XattrClass::Plain(_)
+        ));
+        assert!(matches!(
+            classify_xattr(b"trusted.overlay.opaque", OverlayXattrs::Trusted),
+            XattrClass::Overlay(b"opaque")
+        ));
+        assert!(matches!(
+            classify_xattr(b"user.overlay.overlay.x", OverlayXattrs::User),
+            XattrClass::Plain(n) if n == b"user.overlay.x"
+        ));
     }
 
     // ---- the cgroup freezer ----

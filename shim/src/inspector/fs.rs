@@ -622,7 +622,7 @@ impl Walker<'_> {
             rel.push(OsStr::from_bytes(name.to_bytes()));
             match self.visit(fd, &name, &rel)? {
                 Some(child) => {
-                    if stack.len() >= self.limits.max_depth as usize {
+                    if stack.len() > self.limits.max_depth as usize {
                         return Err(self.limit(
                             format!("directories nested deeper than {} levels (at {})", self.limits.max_depth, rel.display()),
                             self.limits.max_depth.into(),
@@ -1208,6 +1208,87 @@ mod tests {
     use std::fs;
     use std::io::Write as _;
     use std::os::fd::AsFd;
+
+    /// `n` nested directories `d/d/...` under `root`, made with `mkdirat` (the path grows past
+    /// PATH_MAX), and a file in the deepest.
+    fn nest(root: &Path, n: usize, name: &str) {
+        let c = CString::new(root.as_os_str().as_bytes()).unwrap();
+        let mut fd = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY) };
+        assert!(fd >= 0);
+        let cname = CString::new(name).unwrap();
+        for _ in 0..n {
+            assert_eq!(unsafe { libc::mkdirat(fd, cname.as_ptr(), 0o755) }, 0);
+            let next = unsafe { libc::openat(fd, cname.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY) };
+            assert!(next >= 0);
+            unsafe { libc::close(fd) };
+            fd = next;
+        }
+        let f = unsafe { libc::openat(fd, c"leaf".as_ptr(), libc::O_CREAT | libc::O_WRONLY, 0o644) };
+        assert!(f >= 0);
+        unsafe {
+            libc::close(f);
+            libc::close(fd);
+        }
+    }
+
+    fn limits(max_entries: u64, max_path_bytes: u64, max_depth: u32) -> ScanLimits {
+        ScanLimits { max_entries, max_path_bytes, max_depth }
+    }
+
+    /// A tree far deeper than any stack or fd table would allow: the walk stops at the bound
+    /// with a clear error; within it every entry is there.
+    #[test]
+    fn walk_is_iterative_and_depth_bounded() {
+        let tmp = tempfile::tempdir().unwrap();
+        nest(tmp.path(), 3000, &"x".repeat(200));
+        let t = Instant::now();
+        let e = Manifest::scan(tmp.path()).unwrap_err();
+        assert!(
+            matches!(&e, FsError::Limit { key: "max_walk_depth", limit: 256, .. }),
+            "{e}"
+        );
+        assert!(e.to_string().contains("[limits] max_walk_depth"), "{e}");
+        assert!(t.elapsed() < std::time::Duration::from_secs(5), "{:?}", t.elapsed());
+        // As deep as the config allows: no stack overflow; the whole paths of 3000 levels of
+        // 200-byte names (about 900 MB) are what the path bound is for.
+        let e = Manifest::scan_with(tmp.path(), &limits(u64::MAX, 64 << 20, 4096), OverlayXattrs::Trusted)
+            .unwrap_err();
+        assert!(matches!(&e, FsError::Limit { key: "max_manifest_path_bytes", .. }), "{e}");
+
+        let tmp = tempfile::tempdir().unwrap();
+        nest(tmp.path(), 10, "d");
+        let m = Manifest::scan_with(tmp.path(), &limits(100, 1 << 20, 10), OverlayXattrs::Trusted).unwrap();
+        assert_eq!(m.len(), 1 + 10 + 1);
+        assert!(m.get(&Path::new("d/d/d/d/d/d/d/d/d/d/leaf")).is_some());
+        let e = Manifest::scan_with(tmp.path(), &limits(100, 1 << 20, 9), OverlayXattrs::Trusted).unwrap_err();
+        assert!(matches!(&e, FsError::Limit { key: "max_walk_depth", .. }), "{e}");
+    }
+
+    #[test]
+    fn manifest_entries_and_path_bytes_are_bounded() {
+        let tmp = tempfile::tempdir().unwrap();
+        for i in 0..50 {
+            fs::write(tmp.path().join(format!("file-{i:03}")), b"").unwrap();
+        }
+        fs::create_dir(tmp.path().join("sub")).unwrap();
+        for i in 0..50 {
+            fs::write(tmp.path().join(format!("sub/{i}")), b"").unwrap();
+        }
+        let ok = Manifest::scan_with(tmp.path(), &limits(102, 1 << 20, 8), OverlayXattrs::Trusted).unwrap();
+        assert_eq!(ok.len(), 102);
+        for max in [101, 60, 10, 1] {
+            let e = Manifest::scan_with(tmp.path(), &limits(max, 1 << 20, 8), OverlayXattrs::Trusted)
+                .unwrap_err();
+            assert!(matches!(&e, FsError::Limit { key: "max_manifest_entries", .. }), "{max}: {e}");
+        }
+        // 50 * 8 bytes + "sub" + 50 * ("sub/" + 1..2 digits) = 400 + 3 + 290.
+        let bytes: u64 = ok.iter().map(|(p, _)| p.as_os_str().len() as u64).sum();
+        assert_eq!(bytes, 693);
+        Manifest::scan_with(tmp.path(), &limits(1000, bytes, 8), OverlayXattrs::Trusted).unwrap();
+        let e = Manifest::scan_with(tmp.path(), &limits(1000, bytes - 1, 8), OverlayXattrs::Trusted)
+            .unwrap_err();
+        assert!(matches!(&e, FsError::Limit { key: "max_manifest_path_bytes", .. }), "{e}");
+    }
     use std::os::unix::fs::{symlink, OpenOptionsExt, PermissionsExt};
     use std::time::Instant;
 

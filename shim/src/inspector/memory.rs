@@ -1275,6 +1275,34 @@ mod tests {
     use std::os::fd::{FromRawFd, OwnedFd};
     use std::process::{Child, Command, Stdio};
 
+    #[test]
+    fn fdinfo_is_kept_within_the_budget_then_hashed() {
+        let small = "pos:\t0\nflags:\t02\nit_value: (0,5)\n";
+        let mut budget = 1 << 20;
+        assert_eq!(fdinfo_lines(small.as_bytes(), &mut budget), vec!["pos: 0", "flags: 02"]);
+        assert_eq!(budget, (1 << 20) - 7 - 10);
+        // An epoll fd watching 200000 fds: a few KiB kept, then one hash line.
+        let big: String = (0..200_000)
+            .map(|i| format!("tfd: {i:8} events: 19 data: {i:16x} pos:0 ino:1 sdev:e\n"))
+            .collect();
+        let mut budget = 4096;
+        let lines = fdinfo_lines(big.as_bytes(), &mut budget);
+        let kept: usize = lines.iter().map(|l| l.len() + 1).sum();
+        assert!(kept < 4096 + 100, "{kept}");
+        assert!(lines.last().unwrap().starts_with("xxh3 "), "{:?}", lines.last());
+        // Exact enough: one changed watch shows.
+        let changed = big.replacen("tfd:   199999 events: 19", "tfd:   199999 events: 1b", 1);
+        assert_ne!(changed, big);
+        assert_ne!(fdinfo_lines(changed.as_bytes(), &mut 4096), lines);
+        assert_eq!(fdinfo_lines(big.as_bytes(), &mut 4096), lines);
+        // A spent budget hashes everything, it-value lines still left out.
+        let mut spent = 0;
+        let a = fdinfo_lines("x: 1\nit_value: (0,1)\n".as_bytes(), &mut spent);
+        let b = fdinfo_lines("x: 1\nit_value: (0,2)\n".as_bytes(), &mut spent);
+        assert_eq!(a, b);
+        assert_eq!(a.len(), 1);
+    }
+
     /// Waits until `pid` sleeps in syscall `nr` (so that its state is quiescent for a capture).
     fn wait_blocked(pid: u32, nr: u32) {
         let want = format!("{nr} ");
