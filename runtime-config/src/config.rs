@@ -718,6 +718,13 @@ mod tests {
             unsigned_images = "start-fresh"
             max_image_mib = 1024
             max_image_files = 500
+
+            [limits]
+            max_manifest_entries = 20000
+            max_manifest_path_bytes = 2097152
+            max_walk_depth = 64
+            max_fdinfo_bytes = 8192
+            max_layer_bytes = 1073741824
             "#,
         )
         .unwrap();
@@ -758,6 +765,13 @@ mod tests {
                     unsigned_images: UnsignedImages::StartFresh,
                     max_image_mib: 1024,
                     max_image_files: 500,
+                },
+                limits: LimitsConfig {
+                    max_manifest_entries: 20_000,
+                    max_manifest_path_bytes: 2 << 20,
+                    max_walk_depth: 64,
+                    max_fdinfo_bytes: 8192,
+                    max_layer_bytes: 1 << 30,
                 },
             }
         );

@@ -34,9 +34,8 @@ pub fn join_cgroup(pid: u32, path: &str) -> io::Result<Vec<PathBuf>> {
         if !dir.is_dir() {
             continue;
         }
-        fs::write(dir.join("cgroup.procs"), pid.to_string()).map_err(|e| {
-            io::Error::new(e.kind(), format!("join {}: {e}", dir.display()))
-        })?;
+        fs::write(dir.join("cgroup.procs"), pid.to_string())
+            .map_err(|e| io::Error::new(e.kind(), format!("join {}: {e}", dir.display())))?;
         joined.push(dir);
     }
     if joined.is_empty() {
@@ -89,7 +88,10 @@ pub fn place_daemon() {
     match join_cgroup(std::process::id(), &path) {
         Ok(dirs) => log::info!(
             "shim joined cgroup {path} ({})",
-            dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
+            dirs.iter()
+                .map(|d| d.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
         ),
         Err(e) => log::warn!("shim cannot join cgroup {path}: {e}"),
     }
@@ -100,7 +102,9 @@ pub fn place_daemon() {
 pub fn follow_container_oom_score(container_id: &str, score: i32) {
     match raise_own_oom_score_adj(score) {
         Ok(now) => log::debug!("shim oom_score_adj {now} (container {container_id}: {score})"),
-        Err(e) => log::warn!("cannot raise the shim's oom_score_adj to {score} ({container_id}): {e}"),
+        Err(e) => {
+            log::warn!("cannot raise the shim's oom_score_adj to {score} ({container_id}): {e}")
+        }
     }
 }
 
@@ -118,7 +122,10 @@ mod tests {
 ";
         assert_eq!(
             cgroup_mounts(mi),
-            vec![PathBuf::from("/sys/fs/cgroup/unified"), PathBuf::from("/sys/fs/cgroup/memory")]
+            vec![
+                PathBuf::from("/sys/fs/cgroup/unified"),
+                PathBuf::from("/sys/fs/cgroup/memory")
+            ]
         );
         assert!(join_cgroup(1, "/a/../../etc").is_err());
     }
@@ -128,11 +135,20 @@ mod tests {
     #[test]
     fn oom_score_is_only_raised() {
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "placement::tests::oom_child", "--nocapture", "--include-ignored"])
+            .args([
+                "--exact",
+                "placement::tests::oom_child",
+                "--nocapture",
+                "--include-ignored",
+            ])
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success() && text.contains("oom child ok"), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success() && text.contains("oom child ok"),
+            "{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     #[test]
@@ -141,7 +157,11 @@ mod tests {
         let before = oom_score_adj(std::process::id()).unwrap();
         let target = (before + 7).min(1000);
         assert_eq!(raise_own_oom_score_adj(target).unwrap(), target);
-        assert_eq!(raise_own_oom_score_adj(target - 3).unwrap(), target, "never lowered");
+        assert_eq!(
+            raise_own_oom_score_adj(target - 3).unwrap(),
+            target,
+            "never lowered"
+        );
         assert_eq!(oom_score_adj(std::process::id()).unwrap(), target);
         println!("oom child ok");
     }

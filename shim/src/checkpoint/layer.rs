@@ -1174,7 +1174,7 @@ fn data_extents(fd: RawFd, size: u64, max: usize) -> io::Result<Vec<(u64, u64)>>
             Some(last) if data - (last.0 + last.1) <= min_gap => last.1 = hole - last.0,
             _ => out.push((data, hole - data)),
         }
-        if out.len() > max {
+        while out.len() > max {
             min_gap = min_gap.max(1) * 2;
             out = merge_extents(&out, min_gap);
         }

@@ -1,0 +1,374 @@
+//! A hostile agent's filesystem against crab's bounds, through containerd and the crab shim:
+//! a terabyte sparse file, a tree deeper than the walk bound, a manifest over the entry bound
+//! and the `user.overlay.*` xattrs overlayfs ignores on a mount without `userxattr`. Each one
+//! must end in a bounded, explained outcome (a small layer, or a `failed` checkpoint naming the
+//! `[limits]` key) while the container keeps running, its shim stays small and a neighbouring
+//! sandbox's checkpoints keep working.
+
+use std::{
+    collections::BTreeMap,
+    io::Read,
+    time::{Duration, Instant},
+};
+
+use crab_integration::{
+    host,
+    sandbox::{Sandbox, SandboxOptions},
+    Harness, TaskStatus,
+};
+use serde_json::Value;
+
+/// crabctl must succeed; returns its stdout.
+fn crabctl_ok(s: &Sandbox, args: &[&str]) -> String {
+    let (code, out, err) = s.crabctl(args);
+    assert_eq!(
+        code, 0,
+        "crabctl {args:?} failed:\nstdout: {out}\nstderr: {err}"
+    );
+    out
+}
+
+/// Removes crabctl's internal images of a container when the test ends, however it ends.
+struct InternalImages {
+    h: Harness,
+    of: String,
+}
+
+impl Drop for InternalImages {
+    fn drop(&mut self) {
+        for name in self.h.internal_images(&self.of) {
+            let _ = self.h.ctr().run(&["images", "rm", &name]);
+        }
+    }
+}
+
+/// The layer blob of `desc` in the sandbox's store, decompressed (a plain tar).
+fn plain_layer(s: &Sandbox, desc: &Value) -> Vec<u8> {
+    let digest = desc["digest"]
+        .as_str()
+        .unwrap()
+        .strip_prefix("sha256:")
+        .unwrap();
+    let blob = std::fs::read(s.store().join("blobs/sha256").join(digest)).unwrap();
+    zstd::decode_all(&blob[..]).unwrap()
+}
+
+/// Tar entries with their pax xattrs: name -> (entry type byte, xattrs).
+fn entries_with_xattrs(tar: &[u8]) -> BTreeMap<String, (u8, Vec<(String, Vec<u8>)>)> {
+    let mut out = BTreeMap::new();
+    for e in tar::Archive::new(tar).entries().unwrap() {
+        let mut e = e.unwrap();
+        let name = String::from_utf8_lossy(&e.path_bytes()).into_owned();
+        let kind = e.header().entry_type().as_byte();
+        let mut xattrs = Vec::new();
+        if let Some(pax) = e.pax_extensions().unwrap() {
+            for ext in pax {
+                let ext = ext.unwrap();
+                if let Some(name) = ext.key().unwrap().strip_prefix("SCHILY.xattr.") {
+                    xattrs.push((name.to_string(), ext.value_bytes().to_vec()));
+                }
+            }
+        }
+        let mut sink = Vec::new();
+        e.read_to_end(&mut sink).unwrap();
+        out.insert(name, (kind, xattrs));
+    }
+    out
+}
+
+/// The shim serving `s`: its pid and (VmRSS, VmHWM) in KiB.
+fn shim_memory(s: &Sandbox) -> (i32, u64, u64) {
+    let shims = host::shim_processes(&s.id);
+    assert_eq!(shims.len(), 1, "one shim for {}: {shims:?}", s.id);
+    let pid = shims[0].pid;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib = |key: &str| -> u64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {key} in /proc/{pid}/status"))
+    };
+    (pid, kib("VmRSS:"), kib("VmHWM:"))
+}
+
+async fn assert_running(s: &Sandbox) {
+    let (status, _) = s.h.status(&s.id, "").await.unwrap();
+    assert_eq!(status, TaskStatus::Running, "{} is not running", s.id);
+}
+
+/// A neighbour's fs turn, checkpointed as usual (the `n`th manifest of its store).
+async fn neighbour_turn(b: &mut Sandbox, n: usize) {
+    b.run(&format!("echo {n} > /app/n{n}")).await;
+    b.end_turn().await;
+    let m = b.wait_manifests(n).await;
+    assert_eq!(
+        m[n - 1]["kind"],
+        "fs",
+        "the neighbour's checkpoint: {:#}",
+        m[n - 1]
+    );
+}
+
+/// `truncate -s 1T` and a few bytes: the turn's checkpoint completes at once with a layer of a
+/// few KB that holds the holes (GNU tar extracts a sparse terabyte from it); a smaller sparse
+/// file comes back through `crabctl rollback` (containerd's differ, Go's archive/tar) with the
+/// same size and bytes.
+#[tokio::test(flavor = "multi_thread")]
+async fn sparse_files_checkpoint_small_and_restore() {
+    let (mut s, _g) = Sandbox::start("hostile_sparse", SandboxOptions::default()).await;
+    let _images = InternalImages {
+        h: s.h.clone(),
+        of: s.id.clone(),
+    };
+
+    // Turn 1: 256 MiB apparent, three data regions (one at the very end), sha256 recorded.
+    let sum = s
+        .run(
+            "truncate -s 256M s && printf head | dd of=s conv=notrunc status=none && \
+             printf middle | dd of=s bs=1 seek=$((100 << 20)) conv=notrunc status=none && \
+             printf end | dd of=s bs=1 seek=$(((256 << 20) - 3)) conv=notrunc status=none && \
+             sha256sum s | cut -d' ' -f1",
+        )
+        .await
+        .stdout;
+    s.end_turn().await;
+    let m = s.wait_manifests(1).await;
+    assert_eq!(m[0]["kind"], "fs", "{:#}", m[0]);
+    let small = &m[0]["fs_layers"][0];
+    assert!(
+        small["size"].as_u64().unwrap() < 64 << 10,
+        "256 MiB sparse stored as {:#}",
+        small
+    );
+
+    // Turn 2: a sparse terabyte.
+    s.run("truncate -s 1T huge && printf tail | dd of=huge bs=1 seek=$(((1 << 40) - 4)) conv=notrunc status=none")
+        .await;
+    let t = Instant::now();
+    s.end_turn().await;
+    let m = s.wait_manifests(2).await;
+    let took = t.elapsed();
+    eprintln!(
+        "1 TB sparse turn: checkpoint durable in {took:?}, manifest timings {}",
+        m[1]["timings"]
+    );
+    assert_eq!(m[1]["kind"], "fs", "{:#}", m[1]);
+    assert!(
+        took < Duration::from_secs(15),
+        "the checkpoint of a sparse terabyte took {took:?}"
+    );
+    let layers = m[1]["fs_layers"].as_array().unwrap();
+    let huge = layers.last().unwrap();
+    let stored = huge["size"].as_u64().unwrap();
+    eprintln!("1 TB sparse turn: layer of {stored} bytes");
+    assert!(
+        stored < 64 << 10,
+        "a sparse terabyte stored as {stored} bytes"
+    );
+    // The layer holds a sparse terabyte: GNU tar extracts it with its holes.
+    let tar = plain_layer(&s, huge);
+    assert!(tar.len() < 1 << 20, "{} bytes of tar", tar.len());
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("l.tar"), &tar).unwrap();
+    let out = std::process::Command::new("tar")
+        .arg("-xf")
+        .arg(dir.path().join("l.tar"))
+        .arg("-C")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let extracted = dir.path().join("app/huge");
+    let md = std::fs::metadata(&extracted).unwrap();
+    assert_eq!(md.len(), 1 << 40);
+    assert!(
+        std::os::unix::fs::MetadataExt::blocks(&md) < 2048,
+        "extracted with its holes"
+    );
+    let mut tail = [0u8; 4];
+    std::os::unix::fs::FileExt::read_exact_at(
+        &std::fs::File::open(&extracted).unwrap(),
+        &mut tail,
+        (1 << 40) - 4,
+    )
+    .unwrap();
+    assert_eq!(&tail, b"tail");
+    drop(dir);
+
+    // Back to turn 1 through containerd's differ: the same size and bytes, no terabyte.
+    s.run("rm huge").await;
+    s.end_turn().await;
+    s.wait_manifests(3).await;
+    crabctl_ok(&s, &["rollback", &s.id, "--to", "t1"]);
+    s.turn = 100;
+    let after = s
+        .run("stat -c %s s; sha256sum s | cut -d' ' -f1; test ! -e huge && echo no-huge")
+        .await
+        .stdout;
+    assert_eq!(
+        after,
+        format!("268435456\n{sum}no-huge\n"),
+        "after rollback to t1"
+    );
+    s.finish().await;
+}
+
+/// A tree ~900 levels deep of 200-byte names (its manifest would hold ~80 MB of paths, its
+/// walk ~900 fds and frames): the walk stops at `max_walk_depth`, the turn's checkpoint is
+/// recorded `failed` naming the key, the container keeps running, the shim's memory stays
+/// small, and a neighbour's checkpoints carry on meanwhile. Removing the tree makes the next
+/// checkpoint succeed again (a full one, after the failure).
+#[tokio::test(flavor = "multi_thread")]
+async fn deep_tree_fails_the_turn_not_the_shim() {
+    let (mut a, _ga) = Sandbox::start("hostile_deep", SandboxOptions::default()).await;
+    let (mut b, _gb) = Sandbox::start("hostile_deep_nb", SandboxOptions::default()).await;
+    neighbour_turn(&mut b, 1).await;
+    let (pid, rss_before, _) = shim_memory(&a);
+
+    // Relative mkdir/chdir: the path outgrows PATH_MAX after 20 levels.
+    a.run(&format!(
+        "python3 -c \"import os\nos.mkdir('deep'); os.chdir('deep')\nfor i in range(900):\n    os.mkdir('{n}'); os.chdir('{n}')\nopen('leaf', 'w').write('leaf')\"",
+        n = "d".repeat(200)
+    ))
+    .await;
+    let answer = a.end_turn().await;
+    assert_eq!(answer["kind"], "full", "{answer:#}");
+    let degraded = answer["degraded"].to_string();
+    assert!(degraded.contains("max_walk_depth"), "{answer:#}");
+    // Meanwhile, the neighbour.
+    neighbour_turn(&mut b, 2).await;
+    let m = a.wait_manifests(1).await;
+    assert_eq!(m[0]["kind"], "failed", "{:#}", m[0]);
+    let why = m[0]["explanation"].as_str().unwrap();
+    assert!(
+        why.contains("[limits] max_walk_depth") && why.contains("256"),
+        "{why}"
+    );
+    assert_running(&a).await;
+    let (pid_after, rss, hwm) = shim_memory(&a);
+    eprintln!(
+        "shim of the deep tree: VmRSS {rss_before} KiB before, {rss} KiB after, peak {hwm} KiB"
+    );
+    assert_eq!(pid_after, pid, "the shim was replaced");
+    assert!(hwm < 64 << 10, "the shim peaked at {hwm} KiB");
+
+    // The container works on; without the tree the next checkpoint is whole again.
+    a.run("rm -rf deep && echo fine > after").await;
+    a.end_turn().await;
+    let m = a.wait_manifests(2).await;
+    assert_eq!(m[1]["kind"], "full", "{:#}", m[1]);
+    let l = a.layer(m[1]["fs_layers"].as_array().unwrap().last().unwrap());
+    assert_eq!(
+        l.get("app/after").map(|(_, d)| d.as_slice()),
+        Some(&b"fine\n"[..])
+    );
+    neighbour_turn(&mut b, 3).await;
+    a.finish().await;
+    b.finish().await;
+}
+
+/// More entries than `max_manifest_entries`: the turn is recorded `failed` naming the key; the
+/// container keeps running and the shim stays small; below the bound again, checkpoints resume.
+#[tokio::test(flavor = "multi_thread")]
+async fn manifest_over_the_entry_bound_fails_the_turn() {
+    let opts = SandboxOptions {
+        config: "limits.max_manifest_entries = 5000",
+        ..Default::default()
+    };
+    let (mut s, _g) = Sandbox::start("hostile_wide", opts).await;
+    s.run("echo ok > small").await;
+    s.end_turn().await;
+    assert_eq!(s.wait_manifests(1).await[0]["kind"], "fs");
+
+    s.run("mkdir wide && cd wide && seq 6000 | xargs touch")
+        .await;
+    let answer = s.end_turn().await;
+    assert!(
+        answer["degraded"]
+            .to_string()
+            .contains("max_manifest_entries"),
+        "{answer:#}"
+    );
+    let m = s.wait_manifests(2).await;
+    assert_eq!(m[1]["kind"], "failed", "{:#}", m[1]);
+    assert!(
+        m[1]["explanation"]
+            .as_str()
+            .unwrap()
+            .contains("more than 5000 entries"),
+        "{:#}",
+        m[1]
+    );
+    assert_running(&s).await;
+    let (_, _, hwm) = shim_memory(&s);
+    assert!(hwm < 64 << 10, "the shim peaked at {hwm} KiB");
+
+    s.run("rm -rf wide").await;
+    s.end_turn().await;
+    assert_eq!(s.wait_manifests(3).await[2]["kind"], "full");
+    s.finish().await;
+}
+
+/// On crab's overlay mounts (no `userxattr`) `user.overlay.*` is the container's own xattr,
+/// which overlayfs ignores. Set on `/` and `/etc` (`opaque`), on a truncated image file
+/// (`whiteout`) and on a directory (`redirect`, which crab cannot capture if it believed it):
+/// the turn's checkpoint succeeds, hides nothing and deletes nothing, keeps the xattrs as
+/// plain ones, and a rollback to it shows the whole image.
+#[tokio::test(flavor = "multi_thread")]
+async fn user_overlay_xattrs_are_not_overlay_state() {
+    let (mut s, _g) = Sandbox::start("hostile_xattr", SandboxOptions::default()).await;
+    let _images = InternalImages {
+        h: s.h.clone(),
+        of: s.id.clone(),
+    };
+    s.run(
+        "mkdir -p d && : > /etc/issue && python3 -c \"import os
+os.setxattr('/', 'user.overlay.opaque', b'y')
+os.setxattr('/etc', 'user.overlay.opaque', b'y')
+os.setxattr('/etc/issue', 'user.overlay.whiteout', b'')
+os.setxattr('/app/d', 'user.overlay.redirect', b'/nowhere')\"",
+    )
+    .await;
+    // The live container still sees the image.
+    assert!(s.run("cat /etc/os-release").await.stdout.contains("ID="));
+    s.end_turn().await;
+    let m = s.wait_manifests(1).await;
+    assert_eq!(m[0]["kind"], "fs", "{:#}", m[0]);
+    let entries = entries_with_xattrs(&plain_layer(&s, &m[0]["fs_layers"][0]));
+    let names: Vec<&String> = entries.keys().collect();
+    assert!(
+        !names.iter().any(|n| n.contains(".wh.")),
+        "whiteouts in the layer: {names:?}"
+    );
+    let (kind, xattrs) = &entries["etc/issue"];
+    assert_eq!(*kind, b'0', "etc/issue is a regular file");
+    assert!(
+        xattrs.iter().any(|(n, _)| n == "user.overlay.whiteout"),
+        "{xattrs:?}"
+    );
+    let (_, etc) = &entries["etc/"];
+    assert!(
+        etc.contains(&("user.overlay.opaque".into(), b"y".to_vec())),
+        "{etc:?}"
+    );
+    assert!(entries.contains_key("app/d/"), "{names:?}");
+
+    crabctl_ok(&s, &["rollback", &s.id, "--to", "t1"]);
+    s.turn = 100;
+    let out = s
+        .run("grep -c ID= /etc/os-release; stat -c %s /etc/issue; test -d /app/d && ls /usr/bin | grep -c python3")
+        .await
+        .stdout;
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    assert_ne!(lines[0], "0", "/etc/os-release lost: {out}");
+    assert_eq!(lines[1], "0", "/etc/issue is an empty file: {out}");
+    assert_ne!(lines[2], "0", "the image's /usr is hidden: {out}");
+    s.finish().await;
+}
