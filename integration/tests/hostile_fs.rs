@@ -335,9 +335,9 @@ os.setxattr('/etc/issue', 'user.overlay.whiteout', b'')
 os.setxattr('/app/d', 'user.overlay.redirect', b'/nowhere')\"",
     )
     .await;
+    s.end_turn().await;
     // The live container still sees the image.
     assert!(s.run("cat /etc/os-release").await.stdout.contains("ID="));
-    s.end_turn().await;
     let m = s.wait_manifests(1).await;
     assert_eq!(m[0]["kind"], "fs", "{:#}", m[0]);
     let entries = entries_with_xattrs(&plain_layer(&s, &m[0]["fs_layers"][0]));
