@@ -893,7 +893,7 @@ impl Capture<'_> {
             .map_err(|e| LayerError::upper("seek", &path(), e))?;
         let data: u64 = extents.iter().map(|e| e.1).sum();
         self.charge(data, rel)?;
-        if extents.len() == 1 && extents[0] == (0, size) || size == 0 {
+        if size == 0 || (extents.len() == 1 && extents[0] == (0, size)) {
             // SEEK_DATA/SEEK_HOLE moved the offset the copy reads from.
             if unsafe { libc::lseek(fd.as_raw_fd(), 0, libc::SEEK_SET) } < 0 {
                 return Err(LayerError::upper("seek", &path(), io::Error::last_os_error()));

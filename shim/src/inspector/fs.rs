@@ -1259,7 +1259,7 @@ mod tests {
         nest(tmp.path(), 10, "d");
         let m = Manifest::scan_with(tmp.path(), &limits(100, 1 << 20, 10), OverlayXattrs::Trusted).unwrap();
         assert_eq!(m.len(), 1 + 10 + 1);
-        assert!(m.get(&Path::new("d/d/d/d/d/d/d/d/d/d/leaf")).is_some());
+        assert!(m.get(Path::new("d/d/d/d/d/d/d/d/d/d/leaf")).is_some());
         let e = Manifest::scan_with(tmp.path(), &limits(100, 1 << 20, 9), OverlayXattrs::Trusted).unwrap_err();
         assert!(matches!(&e, FsError::Limit { key: "max_walk_depth", .. }), "{e}");
     }
