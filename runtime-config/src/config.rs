@@ -288,6 +288,10 @@ impl Default for RestoreConfig {
             unsigned_images: UnsignedImages::Refuse,
             max_image_mib: 16_384,
             max_image_files: 100_000,
+        }
+    }
+}
+
 /// Bounds on what one container can make the shim hold in memory or write to disk, per
 /// container. Everything inside a sandbox is untrusted (its number of files, their names and
 /// sizes, its processes' fds): each bound turns an excess into a logged outcome (the turn's
