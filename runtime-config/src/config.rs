@@ -224,9 +224,20 @@ pub struct EngineConfig {
     #[serde(deserialize_with = "some_positive_u32")]
     pub io_budget_mb_s: Option<u32>,
     /// The directory the shims share. Default `/run/crab/engine` (a tmpfs: nothing in it
-    /// outlives a reboot, when no job can be running either).
+    /// outlives a reboot, when no job can be running either). crab makes it `0700` and its
+    /// files `0600`: whoever can lock a slot file can stall every sandbox's checkpoints.
     #[serde(deserialize_with = "absolute_path")]
     pub root: PathBuf,
+    /// How long a checkpoint job may wait for a slot, in milliseconds (1 ..= 3_600_000).
+    /// Default 300000. A job still waiting then is recorded `failed` (naming the slots'
+    /// holders) and the sandbox's next turn takes a full checkpoint.
+    #[serde(deserialize_with = "action_wait_timeout_ms")]
+    pub wait_timeout_ms: u64,
+    /// How long a checkpoint job may hold its slot, in milliseconds (1 ..= 3_600_000).
+    /// Default 600000. A job still running then is aborted (`runc checkpoint` and CRIU
+    /// killed, the container thawed) and recorded `failed`.
+    #[serde(deserialize_with = "action_wait_timeout_ms")]
+    pub job_timeout_ms: u64,
 }
 
 impl Default for EngineConfig {
@@ -235,6 +246,8 @@ impl Default for EngineConfig {
             max_jobs: 2,
             io_budget_mb_s: None,
             root: PathBuf::from("/run/crab/engine"),
+            wait_timeout_ms: 300_000,
+            job_timeout_ms: 600_000,
         }
     }
 }
@@ -714,6 +727,8 @@ mod tests {
             max_jobs = 4
             io_budget_mb_s = 200
             root = "/run/crab/engine-test"
+            wait_timeout_ms = 5000
+            job_timeout_ms = 7000
 
             [restore]
             signing_key = "/etc/crab/keys/node.key"
@@ -761,6 +776,8 @@ mod tests {
                     max_jobs: 4,
                     io_budget_mb_s: Some(200),
                     root: "/run/crab/engine-test".into(),
+                    wait_timeout_ms: 5000,
+                    job_timeout_ms: 7000,
                 },
                 restore: RestoreConfig {
                     signing_key: Some("/etc/crab/keys/node.key".into()),
@@ -833,6 +850,7 @@ mod tests {
             (c.max_jobs, c.io_budget_mb_s, c.root.as_path()),
             (2, None, Path::new("/run/crab/engine"))
         );
+        assert_eq!((c.wait_timeout_ms, c.job_timeout_ms), (300_000, 600_000));
         for (doc, key, expected) in [
             ("engine.max_jobs = 0", "engine.max_jobs", "an integer from 1 to 1024"),
             ("engine.max_jobs = 1025", "engine.max_jobs", "an integer from 1 to 1024"),
@@ -841,15 +859,20 @@ mod tests {
             ("engine.io_budget_mb_s = 0", "engine.io_budget_mb_s", "an integer from 1"),
             ("engine.io_budget_mb_s = 1.5", "engine.io_budget_mb_s", ""),
             ("engine.root = \"run/crab\"", "engine.root", "an absolute path"),
-            ("engine.slots = 2", "engine.slots", "expected one of `max_jobs`, `io_budget_mb_s`, `root`"),
+            ("engine.wait_timeout_ms = 0", "engine.wait_timeout_ms", "milliseconds from 1 to 3600000"),
+            ("engine.wait_timeout_ms = 3600001", "engine.wait_timeout_ms", "milliseconds from 1 to 3600000"),
+            ("engine.job_timeout_ms = 0", "engine.job_timeout_ms", "milliseconds from 1 to 3600000"),
+            ("engine.job_timeout_ms = \"1s\"", "engine.job_timeout_ms", ""),
+            ("engine.slots = 2", "engine.slots", "expected one of `max_jobs`, `io_budget_mb_s`, `root`, `wait_timeout_ms`, `job_timeout_ms`"),
         ] {
             let (msg, got, location) = parse_err(doc);
             assert_eq!(got.as_deref(), Some(key), "{doc}: {msg}");
             assert!(location.is_some(), "{doc}: {msg}");
             assert!(msg.contains(expected), "{doc}: {msg}");
         }
-        let c = parse("[engine]\nmax_jobs = 1024\nio_budget_mb_s = 1\n").unwrap().engine;
+        let c = parse("[engine]\nmax_jobs = 1024\nio_budget_mb_s = 1\nwait_timeout_ms = 1\njob_timeout_ms = 3600000\n").unwrap().engine;
         assert_eq!((c.max_jobs, c.io_budget_mb_s), (1024, Some(1)));
+        assert_eq!((c.wait_timeout_ms, c.job_timeout_ms), (1, 3_600_000));
     }
 
     #[test]

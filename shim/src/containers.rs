@@ -438,7 +438,9 @@ impl Containers {
         // The origin manifest is recorded here, unless it imports a process image (a copy and
         // deduplication of up to hundreds of MB): that goes on in the background, below.
         let (store, background) = tokio::task::spawn_blocking(move || -> Result<(Store, Option<Taken>)> {
-            let store = Store::open(&root).map_err(|e| Error::Other(format!("checkpoint store: {e}")))?;
+            // Only a container restored from this store's own checkpoint carries on its lineage.
+            let continues = |s: &Store| matches!(&origin, Origin::Checkpoint(t) if restore::own_source(s, &namespace, &cid, t).is_some());
+            let (store, _) = Store::open_for_container(&root, continues).map_err(|e| Error::Other(format!("checkpoint store: {e}")))?;
             let origin = match origin {
                 Origin::Checkpoint(t) if restore::imports_process_image(&store, &namespace, &cid, &t) => {
                     return Ok((store, Some(t)));

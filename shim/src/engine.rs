@@ -12,11 +12,23 @@
 //!   its waiter; a ticket whose lock is free belongs to a dead shim and is removed by whoever
 //!   sees it. `queue/<ticket>.urgent` marks a ticket urgent after it entered the queue.
 //! - Order ([`plan`]): urgent tickets first (a ticket is urgent when its sandbox's next action
-//!   already waits for the job: [`Admission::urgent`]), then FIFO by enqueue time (the host's
-//!   monotonic clock). A job takes a slot only while it is among the first `free slots` of that
-//!   order: no job overtakes an earlier one of the same urgency. Fairness across sandboxes is
-//!   this FIFO: a sandbox has at most one job at a time (the coordinator coalesces turn ends
-//!   that arrive while its job runs or waits), and its next job queues behind the others.
+//!   already waits for the job: [`Admission::urgent`]), then by enqueue time (the host's
+//!   monotonic clock) plus the sandbox's recent use of the slots ([`plan::Usage`], in
+//!   `usage.json`: slot time, halved every [`USAGE_HALF_LIFE`], at most [`MAX_PENALTY`]). A
+//!   job takes a slot only while it is among the first `free slots` of that order. So among
+//!   sandboxes that wait at the same time, the one that used the slots least goes first: a
+//!   sandbox whose jobs write huge layers, or keep running into their deadline, waits behind
+//!   the others instead of taking turns with them, and never for longer than its penalty. A
+//!   sandbox has at most one job at a time (the coordinator coalesces turn ends that arrive
+//!   while its job runs or waits).
+//! - Deadlines: a job waits at most `[engine] wait_timeout_ms` for a slot
+//!   ([`EngineError::WaitTimeout`], naming the slots' holders; the coordinator records the
+//!   turn `failed`), and holds it at most `job_timeout_ms` (enforced by the coordinator, which
+//!   kills `runc checkpoint` and CRIU and thaws the container; [`Admission::job_timeout`]).
+//! - Permissions: the root and its directories are `0700`, its files `0600` (an existing root
+//!   is tightened). Anyone who could open a slot file could `flock` it and stall every
+//!   sandbox's checkpoints until the wait deadline; a sandbox that sees the host's `/run`
+//!   as root is beyond what permissions can stop, and the deadlines bound what it can do.
 //! - Waiting: inotify on `queue/` (a ticket leaves, a marker appears) and on `slots/` (a
 //!   holder that releases its slot then closes `slots/released` after writing it, an event
 //!   that comes after the lock is gone), plus a [`FALLBACK_POLL`] for the one case without an
@@ -78,6 +90,15 @@ pub const WAIT_SAMPLES: usize = 1000;
 pub const RECENT_JOBS: usize = 100;
 /// Wakes the waiters when a slot is released (see the module docs).
 const DOORBELL: &str = "released";
+/// A sandbox's recorded slot time halves in this long.
+pub const USAGE_HALF_LIFE: Duration = Duration::from_secs(30);
+/// The most a sandbox's recent slot time delays its next job in the order.
+pub const MAX_PENALTY: Duration = Duration::from_secs(60);
+/// At most this many sandboxes are remembered in `usage.json` (the most used ones).
+const USAGE_ENTRIES: usize = 4096;
+/// The mode of every directory and file the engine creates.
+const DIR_MODE: u32 = 0o700;
+const FILE_MODE: u32 = 0o600;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -90,6 +111,8 @@ pub enum EngineError {
     },
     #[error("engine: the ticket {0} left the queue while its job waited")]
     TicketLost(PathBuf),
+    #[error("no slot of the host engine for {waited:?} ([engine] wait_timeout_ms): {holders}")]
+    WaitTimeout { waited: Duration, holders: String },
 }
 
 type Result<T, E = EngineError> = std::result::Result<T, E>;
@@ -114,16 +137,58 @@ pub mod plan {
         pub name: String,
         pub enqueued_ns: u64,
         pub urgent: bool,
+        /// Its sandbox's recent slot time ([`Usage::penalty`]): the job goes as if it had been
+        /// queued this much later.
+        pub penalty_ns: u64,
     }
 
-    /// Urgent first, then first come first served.
+    /// Urgent first, then by enqueue time plus penalty: first come first served among
+    /// sandboxes that used the slots alike.
     pub fn order(queue: &mut [Queued]) {
         queue.sort_by(|a, b| {
             b.urgent
                 .cmp(&a.urgent)
-                .then(a.enqueued_ns.cmp(&b.enqueued_ns))
+                .then(
+                    a.enqueued_ns
+                        .saturating_add(a.penalty_ns)
+                        .cmp(&b.enqueued_ns.saturating_add(b.penalty_ns)),
+                )
                 .then_with(|| a.name.cmp(&b.name))
         });
+    }
+
+    /// A sandbox's recent use of the slots: slot time in microseconds at `at_ns`
+    /// (CLOCK_MONOTONIC), halving every `half_life`.
+    #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+    pub struct Usage {
+        pub slot_us: f64,
+        pub at_ns: u64,
+    }
+
+    impl Usage {
+        /// The slot time at `now_ns`.
+        pub fn decayed(&self, now_ns: u64, half_life: Duration) -> f64 {
+            let elapsed = now_ns.saturating_sub(self.at_ns) as f64 / 1e9;
+            self.slot_us * 0.5f64.powf(elapsed / half_life.as_secs_f64().max(1e-9))
+        }
+
+        /// Adds a job that held a slot for `run_us`.
+        pub fn charge(&mut self, now_ns: u64, run_us: u64, half_life: Duration) {
+            self.slot_us = self.decayed(now_ns, half_life) + run_us as f64;
+            self.at_ns = now_ns.max(self.at_ns);
+        }
+
+        /// How much later than its enqueue time the sandbox's next job goes: its decayed slot
+        /// time, at most `max`.
+        pub fn penalty(&self, now_ns: u64, half_life: Duration, max: Duration) -> Duration {
+            let us = self.decayed(now_ns, half_life).max(0.0);
+            Duration::from_secs_f64(us / 1e6).min(max)
+        }
+    }
+
+    /// What is left of a wait bounded by `deadline_ns` at `now_ns`: `None` once it is over.
+    pub fn remaining(deadline_ns: u64, now_ns: u64) -> Option<Duration> {
+        (now_ns < deadline_ns).then(|| Duration::from_nanos(deadline_ns - now_ns))
     }
 
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -446,6 +511,36 @@ fn is_locked(path: &Path) -> io::Result<Option<bool>> {
     }
 }
 
+/// `opts` creating files `0600`.
+fn private_file(opts: &mut OpenOptions) -> &mut OpenOptions {
+    opts.mode(FILE_MODE)
+}
+
+/// Creates `dir` `0700`, or tightens an existing one (a root an older crab made `0755`).
+fn ensure_private_dir(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    match fs::DirBuilder::new().mode(DIR_MODE).create(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+            let md = fs::metadata(dir).map_err(io_err("stat", dir))?;
+            if !md.is_dir() {
+                return Err(io_err("create", dir)(io::ErrorKind::NotADirectory.into()));
+            }
+            if md.permissions().mode() & 0o7777 != DIR_MODE {
+                fs::set_permissions(dir, fs::Permissions::from_mode(DIR_MODE))
+                    .map_err(io_err("restrict", dir))?;
+            }
+            Ok(())
+        }
+        Err(e) => Err(io_err("create", dir)(e)),
+    }
+}
+
+/// The key of a sandbox in `usage.json`.
+fn usage_key(namespace: &str, sandbox: &str) -> String {
+    format!("{namespace}/{sandbox}")
+}
+
 /// A unique name per process: the ticket names and temp files.
 fn unique(prefix: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -480,6 +575,8 @@ pub struct Engine {
     max_jobs: u32,
     /// Bytes per second.
     budget: Option<f64>,
+    wait_timeout: Duration,
+    job_timeout: Duration,
 }
 
 impl Engine {
@@ -488,6 +585,8 @@ impl Engine {
             root: c.root.clone(),
             max_jobs: c.max_jobs,
             budget: c.io_budget_mb_s.map(|mb| f64::from(mb) * 1e6),
+            wait_timeout: Duration::from_millis(c.wait_timeout_ms),
+            job_timeout: Duration::from_millis(c.job_timeout_ms),
         }
     }
 
@@ -511,9 +610,22 @@ impl Engine {
         self.slots_dir().join(i.to_string())
     }
 
+    fn usage_path(&self) -> PathBuf {
+        self.root.join("usage.json")
+    }
+
+    /// The root and its directories, `0700` (an existing one that is wider is tightened).
     fn ensure_dirs(&self) -> Result<()> {
-        for dir in [self.queue_dir(), self.slots_dir(), self.tmp_dir()] {
-            fs::create_dir_all(&dir).map_err(io_err("create", &dir))?;
+        if let Some(parent) = self.root.parent() {
+            fs::create_dir_all(parent).map_err(io_err("create", parent))?;
+        }
+        for dir in [
+            self.root.clone(),
+            self.queue_dir(),
+            self.slots_dir(),
+            self.tmp_dir(),
+        ] {
+            ensure_private_dir(&dir)?;
         }
         Ok(())
     }
@@ -521,7 +633,13 @@ impl Engine {
     /// Writes `data` to `path` atomically (a temp file renamed; no fsync: a tmpfs).
     fn write_atomic(&self, path: &Path, data: &[u8]) -> Result<()> {
         let tmp = self.tmp_dir().join(unique("w-"));
-        fs::write(&tmp, data).map_err(io_err("write", &tmp))?;
+        let written = private_file(OpenOptions::new().write(true).create_new(true))
+            .open(&tmp)
+            .and_then(|mut f| f.write_all(data));
+        if let Err(e) = written {
+            let _ = fs::remove_file(&tmp);
+            return Err(io_err("write", &tmp)(e));
+        }
         fs::rename(&tmp, path).map_err(|e| {
             let _ = fs::remove_file(&tmp);
             io_err("publish", path)(e)
@@ -554,7 +672,7 @@ impl Engine {
             .read(true)
             .write(true)
             .create_new(true)
-            .mode(0o644)
+            .mode(FILE_MODE)
             .open(&tmp)
             .map_err(io_err("create ticket", &tmp))?;
         let path = self.queue_dir().join(&name);
@@ -609,6 +727,11 @@ impl Engine {
                 None => tickets.push(name),
             }
         }
+        let usage = match tickets.len() > 1 {
+            true => self.usage(),
+            false => HashMap::new(),
+        };
+        let now = mono_ns();
         let mut live = Vec::new();
         for name in tickets {
             let path = dir.join(&name);
@@ -648,10 +771,16 @@ impl Engine {
             let Some(info) = cache.get(&name) else {
                 continue;
             };
+            let penalty = usage
+                .get(&usage_key(&info.namespace, &info.sandbox))
+                .map_or(Duration::ZERO, |u| {
+                    u.penalty(now, USAGE_HALF_LIFE, MAX_PENALTY)
+                });
             let q = plan::Queued {
                 name: name.clone(),
                 enqueued_ns: info.enqueued_ns,
                 urgent: info.urgent || markers.contains(&name),
+                penalty_ns: penalty.as_nanos() as u64,
             };
             live.push((q, info.clone()));
         }
@@ -681,9 +810,7 @@ impl Engine {
             let locked = match is_locked(&path).map_err(io_err("probe slot", &path))? {
                 Some(locked) => locked,
                 None => {
-                    OpenOptions::new()
-                        .create(true)
-                        .append(true)
+                    private_file(OpenOptions::new().create(true).append(true))
                         .open(&path)
                         .map_err(io_err("create slot", &path))?;
                     false
@@ -718,12 +845,18 @@ impl Engine {
         }
     }
 
-    /// Records a finished job: stats, and the budget's debit.
+    /// Each sandbox's recent use of the slots (empty if none was written or it is unreadable).
+    fn usage(&self) -> HashMap<String, plan::Usage> {
+        fs::read(self.usage_path())
+            .ok()
+            .and_then(|d| serde_json::from_slice(&d).ok())
+            .unwrap_or_default()
+    }
+
+    /// Records a finished job: stats, its sandbox's slot time, and the budget's debit.
     fn record(&self, r: JobRecord) -> Result<()> {
         let lock_path = self.root.join("state.lock");
-        let lock = OpenOptions::new()
-            .create(true)
-            .append(true)
+        let lock = private_file(OpenOptions::new().create(true).append(true))
             .open(&lock_path)
             .map_err(io_err("open", &lock_path))?;
         // SAFETY: flock on a file descriptor we own; released when `lock` is closed.
@@ -736,6 +869,25 @@ impl Engine {
             let json = serde_json::to_vec(&bucket).expect("bucket serializes");
             self.write_atomic(&self.root.join("budget.json"), &json)?;
         }
+        let now = mono_ns();
+        let mut usage = self.usage();
+        usage
+            .entry(usage_key(&r.namespace, &r.sandbox))
+            .or_default()
+            .charge(now, r.run_us, USAGE_HALF_LIFE);
+        // Sandboxes whose use has faded no longer matter; the map stays small.
+        usage.retain(|_, u| u.decayed(now, USAGE_HALF_LIFE) >= 1000.0);
+        if usage.len() > USAGE_ENTRIES {
+            let mut by_use: Vec<(String, plan::Usage)> = usage.drain().collect();
+            by_use.sort_by(|a, b| {
+                b.1.decayed(now, USAGE_HALF_LIFE)
+                    .total_cmp(&a.1.decayed(now, USAGE_HALF_LIFE))
+            });
+            by_use.truncate(USAGE_ENTRIES);
+            usage = by_use.into_iter().collect();
+        }
+        let json = serde_json::to_vec(&usage).expect("usage serializes");
+        self.write_atomic(&self.usage_path(), &json)?;
         let mut stats = self.stats();
         stats.record(r);
         let json = serde_json::to_vec(&stats).expect("stats serialize");
@@ -754,6 +906,39 @@ impl Engine {
             .ok()
             .and_then(|d| serde_json::from_slice(&d).ok())
             .unwrap_or_default()
+    }
+
+    /// Who holds the slots, for a job that gave up waiting.
+    fn describe_holders(&self) -> String {
+        let slots = match self.snapshot() {
+            Ok(s) => s.slots,
+            Err(e) => return format!("the slots cannot be read: {e}"),
+        };
+        let held: Vec<String> = slots
+            .iter()
+            .filter_map(|s| {
+                let h = s.holder.as_ref()?;
+                Some(match h.pid {
+                    // A lock without a holder record: not taken by a crab job.
+                    0 => format!(
+                        "slot {} is locked by a process that is not a crab job",
+                        s.index
+                    ),
+                    pid => format!(
+                        "slot {} is held by {}/{} job {} (pid {pid}) since {} ms ago",
+                        s.index,
+                        h.namespace,
+                        h.sandbox,
+                        h.job,
+                        unix_ms().saturating_sub(h.since_unix_ms)
+                    ),
+                })
+            })
+            .collect();
+        match held.is_empty() {
+            true => "the slots went to jobs ahead of it in the queue".into(),
+            false => held.join("; "),
+        }
     }
 
     /// The slots, the queue and the stats, without changing anything.
@@ -836,12 +1021,25 @@ impl Ticket {
     }
 
     /// Blocks until the job may run: it holds a slot, nobody before it in the queue waits for
-    /// one, and the budget is not in debt.
+    /// one, and the budget is not in debt. Gives up ([`EngineError::WaitTimeout`]) once the
+    /// ticket has waited `[engine] wait_timeout_ms`.
     pub fn wait(self) -> Result<Permit> {
+        let deadline_ns = self
+            .info
+            .enqueued_ns
+            .saturating_add(self.engine.wait_timeout.as_nanos() as u64);
         let mut cache = HashMap::from([(self.name.clone(), self.info.clone())]);
         let mut watch: Option<Watch> = None;
         let mut watch_failed = false;
         loop {
+            let Some(left) = plan::remaining(deadline_ns, mono_ns()) else {
+                return Err(EngineError::WaitTimeout {
+                    waited: Duration::from_nanos(
+                        mono_ns().saturating_sub(self.info.enqueued_ns),
+                    ),
+                    holders: self.engine.describe_holders(),
+                });
+            };
             let queue = self
                 .engine
                 .read_queue(Some(&self.name), &mut cache, false)?;
@@ -854,7 +1052,8 @@ impl Ticket {
                 RETRY * 10
             } else {
                 FALLBACK_POLL
-            };
+            }
+            .min(left);
             match plan::decide(rank, free.len(), self.engine.budget_wait(), poll) {
                 plan::Decision::Start => {
                     for &i in &free {
@@ -942,6 +1141,7 @@ fn marker_of(ticket: &Path) -> PathBuf {
 /// Makes a queued ticket urgent: it goes before every non-urgent one.
 pub fn mark_urgent(marker: &Path) -> io::Result<()> {
     OpenOptions::new()
+        .mode(FILE_MODE)
         .write(true)
         .create(true)
         .truncate(false)
@@ -1091,7 +1291,7 @@ impl Permit {
         // The event that wakes the waiters, after the lock is gone (closing the lock itself
         // notifies before the kernel releases the lock).
         let bell = h.engine.slots_dir().join(DOORBELL);
-        if let Err(e) = OpenOptions::new().create(true).append(true).open(&bell) {
+        if let Err(e) = private_file(OpenOptions::new().create(true).append(true)).open(&bell) {
             log::warn!("engine: {}: {e}", bell.display());
         }
         h.engine.record_or_warn(record);
@@ -1131,9 +1331,15 @@ impl Admission {
         })
     }
 
-    /// Waits for a slot for `job` (the turns it covers). Never fails: if the engine does not
-    /// work, the job runs anyway (logged).
-    pub async fn admit(self: &Arc<Self>, job: &str) -> Permit {
+    /// How long a job may hold its slot (`[engine] job_timeout_ms`).
+    pub fn job_timeout(&self) -> Duration {
+        self.engine.job_timeout
+    }
+
+    /// Waits for a slot for `job` (the turns it covers). Fails only when the wait deadline
+    /// passes ([`EngineError::WaitTimeout`]): if the engine does not work, the job runs anyway
+    /// (logged).
+    pub async fn admit(self: &Arc<Self>, job: &str) -> Result<Permit> {
         let (this, job) = (self.clone(), job.to_string());
         let result = tokio::task::spawn_blocking(move || {
             let ticket = {
@@ -1158,21 +1364,22 @@ impl Admission {
                         permit.slot().unwrap_or_default()
                     );
                 }
-                permit
+                Ok(permit)
             }
+            Ok(Err(e @ EngineError::WaitTimeout { .. })) => Err(e),
             Ok(Err(e)) => {
                 log::warn!(
                     "checkpoint of {} runs outside the host engine: {e}",
                     self.sandbox
                 );
-                Permit::none()
+                Ok(Permit::none())
             }
             Err(e) => {
                 log::warn!(
                     "checkpoint of {} runs outside the host engine: {e}",
                     self.sandbox
                 );
-                Permit::none()
+                Ok(Permit::none())
             }
         }
     }
@@ -1205,12 +1412,17 @@ mod tests {
     use super::*;
     use std::{os::unix::process::CommandExt, sync::atomic::AtomicUsize, time::Instant};
 
-    fn engine(dir: &Path, max_jobs: u32, budget_mb_s: Option<u32>) -> Engine {
-        Engine::new(&EngineConfig {
+    fn config(dir: &Path, max_jobs: u32, budget_mb_s: Option<u32>) -> EngineConfig {
+        EngineConfig {
             max_jobs,
             io_budget_mb_s: budget_mb_s,
             root: dir.to_path_buf(),
-        })
+            ..EngineConfig::default()
+        }
+    }
+
+    fn engine(dir: &Path, max_jobs: u32, budget_mb_s: Option<u32>) -> Engine {
+        Engine::new(&config(dir, max_jobs, budget_mb_s))
     }
 
     fn q(name: &str, urgent: bool) -> Queued {
@@ -1218,6 +1430,7 @@ mod tests {
             name: name.into(),
             enqueued_ns: name[1..].parse().unwrap(),
             urgent,
+            penalty_ns: 0,
         }
     }
 
@@ -1567,11 +1780,7 @@ mod tests {
     #[tokio::test]
     async fn admission_marks_its_queued_job_urgent() {
         let dir = tempfile::tempdir().unwrap();
-        let c = EngineConfig {
-            max_jobs: 1,
-            io_budget_mb_s: None,
-            root: dir.path().to_path_buf(),
-        };
+        let c = config(dir.path(), 1, None);
         let e = Engine::new(&c);
         let holder = e
             .enqueue("other", "ns", "t", false)
@@ -1597,7 +1806,7 @@ mod tests {
         assert_eq!(queue[0].info.sandbox, "me");
         assert!(queue[0].urgent);
         holder.finish(0);
-        let permit = job.await.unwrap();
+        let permit = job.await.unwrap().unwrap();
         assert_eq!(permit.slot(), Some(0));
         drop(urgent);
         permit.finish(0);
@@ -1619,8 +1828,196 @@ mod tests {
             ]
         );
         // Later jobs of the sandbox are urgent only while an action waits.
-        let p = a.admit("t2").await;
+        let p = a.admit("t2").await.unwrap();
         p.finish(0);
         assert!(!e.stats().recent.back().unwrap().urgent);
+    }
+
+    #[test]
+    fn order_puts_recent_heavy_users_behind_light_ones() {
+        let sec = 1_000_000_000;
+        let mut v = vec![
+            Queued {
+                penalty_ns: 3 * sec,
+                ..q("h10", false)
+            },
+            q("s12", false),
+            Queued {
+                penalty_ns: 3 * sec,
+                ..q("u20", true)
+            },
+            q("t5000000000", false),
+        ];
+        plan::order(&mut v);
+        let names: Vec<&str> = v.iter().map(|q| q.name.as_str()).collect();
+        // Urgent first whatever its penalty; then h (queued at 10 ns, 3 s of penalty) goes
+        // after s (12 ns) but before t, queued more than 3 s after it.
+        assert_eq!(names, ["u20", "s12", "h10", "t5000000000"]);
+    }
+
+    #[test]
+    fn usage_decays_by_half_lives_and_the_penalty_is_capped() {
+        let half = Duration::from_secs(30);
+        let max = Duration::from_secs(60);
+        let mut u = plan::Usage::default();
+        u.charge(0, 2_000_000, half);
+        assert_eq!(u.penalty(0, half, max), Duration::from_secs(2));
+        let later = 30_000_000_000;
+        assert!((u.decayed(later, half) - 1_000_000.0).abs() < 1.0);
+        u.charge(later, 500_000, half);
+        assert!((u.decayed(later, half) - 1_500_000.0).abs() < 1.0);
+        u.charge(later, 100_000_000, half);
+        assert_eq!(u.penalty(later, half, max), max);
+        // A clock that went backwards (another process's older stamp) charges without decay.
+        let mut v = plan::Usage {
+            slot_us: 10.0,
+            at_ns: 100,
+        };
+        v.charge(50, 5, half);
+        assert_eq!((v.slot_us, v.at_ns), (15.0, 100));
+        assert_eq!(plan::remaining(10, 4), Some(Duration::from_nanos(6)));
+        assert_eq!(plan::remaining(10, 10), None);
+    }
+
+    /// A sandbox whose jobs held the slot for long waits behind one that queued after it.
+    #[test]
+    fn a_heavy_sandbox_queues_behind_a_light_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path(), 1, None);
+        let heavy = e.enqueue("heavy", "ns", "t1", false).unwrap().wait().unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        heavy.finish(0);
+        let holder = e.enqueue("other", "ns", "t", false).unwrap().wait().unwrap();
+        let started = Arc::new(Mutex::new(Vec::new()));
+        let mut threads = Vec::new();
+        for name in ["heavy", "light"] {
+            let ticket = e.enqueue(name, "ns", "t2", false).unwrap();
+            let started = started.clone();
+            threads.push(std::thread::spawn(move || {
+                let permit = ticket.wait().unwrap();
+                started.lock().unwrap().push(name);
+                permit.finish(0);
+            }));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        let queue = e.snapshot().unwrap().queue;
+        let order: Vec<&str> = queue.iter().map(|q| q.info.sandbox.as_str()).collect();
+        assert_eq!(order, ["light", "heavy"]);
+        holder.finish(0);
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(*started.lock().unwrap(), ["light", "heavy"]);
+        let usage = e.usage();
+        assert!(usage["ns/heavy"].slot_us >= 300_000.0, "{usage:?}");
+        assert!(usage["ns/light"].slot_us < 50_000.0, "{usage:?}");
+    }
+
+    /// A slot file locked by a process that is no crab job: the wait ends at the deadline with
+    /// an error naming it, the ticket leaves the queue.
+    #[test]
+    fn a_foreign_lock_ends_the_wait_at_the_deadline() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Engine::new(&EngineConfig {
+            wait_timeout_ms: 300,
+            ..config(dir.path(), 1, None)
+        });
+        e.ensure_dirs().unwrap();
+        let slot = File::create(e.slot(0)).unwrap();
+        assert!(try_lock(&slot, libc::LOCK_EX).unwrap());
+        let t = Instant::now();
+        let err = match e.enqueue("s", "ns", "t1", false).unwrap().wait() {
+            Err(e) => e,
+            Ok(_) => panic!("a locked slot was taken"),
+        };
+        let waited = t.elapsed();
+        assert!(
+            (Duration::from_millis(290)..Duration::from_millis(800)).contains(&waited),
+            "{waited:?}"
+        );
+        let text = err.to_string();
+        assert!(matches!(err, EngineError::WaitTimeout { .. }), "{text}");
+        assert!(
+            text.contains("wait_timeout_ms") && text.contains("slot 0 is locked by a process that is not a crab job"),
+            "{text}"
+        );
+        assert!(fs::read_dir(e.queue_dir()).unwrap().next().is_none());
+        drop(slot);
+        let p = e.enqueue("s", "ns", "t2", false).unwrap().wait().unwrap();
+        assert_eq!(p.slot(), Some(0));
+        p.finish(0);
+    }
+
+    #[tokio::test]
+    async fn admission_reports_the_wait_deadline_and_fails_open_otherwise() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = EngineConfig {
+            wait_timeout_ms: 100,
+            job_timeout_ms: 1234,
+            ..config(dir.path(), 1, None)
+        };
+        let holder = Engine::new(&c)
+            .enqueue("other", "ns", "t", false)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let a = Admission::new(&c, "ns", "me");
+        assert_eq!(a.job_timeout(), Duration::from_millis(1234));
+        let err = a.admit("t1").await.err().expect("no slot within 100 ms");
+        assert!(err.to_string().contains("held by ns/other job t"), "{err}");
+        holder.finish(0);
+        // An engine that cannot work (its root is a file) lets the job run.
+        let file = dir.path().join("file");
+        fs::write(&file, "").unwrap();
+        let broken = Admission::new(
+            &EngineConfig {
+                root: file.join("engine"),
+                ..c
+            },
+            "ns",
+            "me",
+        );
+        assert_eq!(broken.admit("t2").await.unwrap().slot(), None);
+    }
+
+    /// Nobody but root reads or locks anything of the engine, also under a root an older crab
+    /// made world-readable.
+    #[test]
+    fn the_engine_directory_is_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("engine");
+        fs::create_dir(&root).unwrap();
+        fs::set_permissions(&root, fs::Permissions::from_mode(0o755)).unwrap();
+        let e = Engine::new(&EngineConfig {
+            io_budget_mb_s: Some(100),
+            ..config(&root, 2, None)
+        });
+        let ticket = e.enqueue("s", "ns", "t1", false).unwrap();
+        mark_urgent(&ticket.marker()).unwrap();
+        let mut modes = Vec::new();
+        let mut walk = vec![root.clone()];
+        while let Some(d) = walk.pop() {
+            for entry in fs::read_dir(&d).unwrap() {
+                let p = entry.unwrap().path();
+                let md = fs::symlink_metadata(&p).unwrap();
+                if md.is_dir() {
+                    walk.push(p.clone());
+                }
+                modes.push((p, md.is_dir(), md.permissions().mode() & 0o7777));
+            }
+        }
+        ticket.wait().unwrap().finish(1000);
+        for entry in ["usage.json", "stats.json", "budget.json", "state.lock", "slots/released", "slots/0", "slots/1"] {
+            let p = root.join(entry);
+            modes.push((p.clone(), false, fs::metadata(&p).unwrap().permissions().mode() & 0o7777));
+        }
+        modes.push((root.clone(), true, fs::metadata(&root).unwrap().permissions().mode() & 0o7777));
+        assert!(modes.len() > 10, "{modes:?}");
+        for (p, is_dir, mode) in &modes {
+            let want = if *is_dir { 0o700 } else { 0o600 };
+            assert_eq!(*mode, want, "{} is {mode:o}", p.display());
+        }
     }
 }

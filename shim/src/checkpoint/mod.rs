@@ -21,8 +21,16 @@
 //! kill (which would otherwise wait for the very process it ends), makes the turn `failed`
 //! with the exec named, and the next turn takes a full checkpoint. The turn end itself still
 //! returns at once.
+//!
+//! Deadlines (host engine, `[engine]`): a job that gets no slot within `wait_timeout_ms` is
+//! recorded `failed` with the slots' holders named; a job that holds its slot longer than
+//! `job_timeout_ms` is aborted ([`deadline`]: `runc checkpoint` and CRIU killed, the container
+//! thawed) and recorded `failed`. An aborted fs capture cannot be interrupted on its blocking
+//! thread: it finishes in the background, its output is discarded, and the sandbox's next job
+//! waits for it (outside the engine) so that two captures never overlap.
 
 pub mod criu_image;
+pub mod deadline;
 pub mod layer;
 pub mod pages;
 pub mod policy;
@@ -35,7 +43,10 @@ pub mod store;
 use std::{
     collections::HashMap,
     path::PathBuf,
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
     time::{Duration, Instant},
 };
 
@@ -53,6 +64,8 @@ use crate::{
 
 /// How often a job waiting for running execs looks again.
 const EXEC_POLL: Duration = Duration::from_millis(20);
+/// How long an aborted job gets to end on its own once what it started was killed.
+const ABORT_GRACE: Duration = Duration::from_secs(5);
 
 /// What a job needs to know about its container.
 #[derive(Clone)]
@@ -162,6 +175,11 @@ pub struct Coordinator {
     keep_last: Option<u32>,
     keep_every: Option<u32>,
     wait_bound: Duration,
+    /// Set when the running job passed its deadline: it starts nothing more and publishes
+    /// nothing.
+    aborted: AtomicBool,
+    /// Held by an fs capture's blocking thread while it runs (also after its job was aborted).
+    capture: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Coordinator {
@@ -183,6 +201,8 @@ impl Coordinator {
             keep_last,
             keep_every,
             wait_bound,
+            aborted: AtomicBool::new(false),
+            capture: Arc::new(tokio::sync::Mutex::new(())),
         })
     }
 
@@ -277,13 +297,19 @@ impl Coordinator {
                 Some(i) => i.idle_since_mark(),
                 None => Vec::new(),
             };
+            // An aborted job's fs capture that still runs ends first (outside the engine).
+            drop(self.capture.lock().await);
             let result = match waited {
-                Ok(()) => {
-                    let permit = self.target.engine.admit(&work.turn_ids.join(",")).await;
-                    let result = self.job(&work, force_full).await;
-                    permit.finish(result.as_ref().map_or(0, crate::engine::bytes_written));
-                    result
-                }
+                Ok(()) => match self.target.engine.admit(&work.turn_ids.join(",")).await {
+                    Ok(permit) => {
+                        let result = self.bounded_job(&work, force_full).await;
+                        permit.finish(result.as_ref().map_or(0, crate::engine::bytes_written));
+                        result
+                    }
+                    Err(e) => Err(Error::FailedPrecondition(format!(
+                        "no checkpoint taken: {e}"
+                    ))),
+                },
                 Err(e) => Err(e),
             };
             if !idle.is_empty() {
@@ -495,6 +521,58 @@ impl Coordinator {
         }
     }
 
+    /// [`Coordinator::job`] within `[engine] job_timeout_ms`: past it, what the job started is
+    /// killed and the container thawed ([`deadline::abort`]), and the job is given
+    /// [`ABORT_GRACE`] to end; whatever it then returns, it fails (a job that already
+    /// published keeps its checkpoint).
+    async fn bounded_job(&self, work: &Work, new_chain: bool) -> Result<Manifest> {
+        let limit = self.target.engine.job_timeout();
+        self.aborted.store(false, Ordering::SeqCst);
+        let job = self.job(work, new_chain);
+        tokio::pin!(job);
+        if let Ok(result) = tokio::time::timeout(limit, &mut job).await {
+            return result;
+        }
+        self.aborted.store(true, Ordering::SeqCst);
+        let abort = || {
+            let (id, init) = (self.target.container_id.clone(), self.target.init_pid);
+            tokio::task::spawn_blocking(move || deadline::abort(&id, init))
+        };
+        let aborted = abort().await.unwrap_or_default();
+        let why = format!(
+            "the checkpoint held its engine slot longer than {limit:?} ([engine] job_timeout_ms) and was aborted: {aborted}"
+        );
+        log::error!("container {}: {why}", self.target.container_id);
+        let ended = tokio::time::timeout(ABORT_GRACE, &mut job).await;
+        // Anything the job started between the look and its end.
+        let late = abort().await.unwrap_or_default();
+        if !late.killed.is_empty() {
+            log::error!(
+                "container {}: after the abort: {late}",
+                self.target.container_id
+            );
+        }
+        match ended {
+            Ok(Ok(m)) => {
+                log::warn!(
+                    "container {}: checkpoint {} was published right at its deadline",
+                    self.target.container_id,
+                    m.seq
+                );
+                Ok(m)
+            }
+            Ok(Err(e)) => Err(Error::FailedPrecondition(format!("{why} ({e})"))),
+            Err(_) => Err(Error::FailedPrecondition(why)),
+        }
+    }
+
+    fn check_aborted(&self) -> Result<()> {
+        match self.aborted.load(Ordering::SeqCst) {
+            true => Err(Error::Other("aborted at its deadline".into())),
+            false => Ok(()),
+        }
+    }
+
     async fn job(&self, work: &Work, new_chain: bool) -> Result<Manifest> {
         let started = Instant::now();
         let t = &self.target;
@@ -559,7 +637,9 @@ impl Coordinator {
                 max_depth: t.limits.max_walk_depth,
                 xattrs: t.overlay_xattrs,
             };
+            let capturing = self.capture.clone().lock_owned().await;
             let (desc, stats) = tokio::task::spawn_blocking(move || {
+                let _capturing = capturing;
                 let freezer = CgroupFreezer::for_pid(init_pid)
                     .map_err(Error::io("find the container's freezer"))?;
                 let paths = FsDiffPaths {
@@ -581,6 +661,7 @@ impl Coordinator {
             timings.capture_ms = Timings::ms(stats.capture);
         }
         if work.proc {
+            self.check_aborted()?;
             let dir = self.store.proc_dir(seq);
             let cp = process::checkpoint(
                 &t.runc,
@@ -606,6 +687,7 @@ impl Coordinator {
         }
         timings.total_ms = Timings::ms(started.elapsed());
         m.timings = timings;
+        self.check_aborted()?;
         self.store.publish(&m).map_err(store_err)?;
         match self.store.apply_retention(self.keep_last, self.keep_every) {
             Ok(r) if !r.removed_proc.is_empty() => {

@@ -511,7 +511,7 @@ pub fn created_manifest(store: &Store, image_note: &str) -> Result<Manifest, Sto
 /// whose process image is referenced as it is.
 /// The checkpoint of this very store that `taken` was exported from (a rollback or recovery
 /// of the container in place), if it is still there.
-fn own_source(store: &Store, namespace: &str, container: &str, taken: &Taken) -> Option<Manifest> {
+pub(crate) fn own_source(store: &Store, namespace: &str, container: &str, taken: &Taken) -> Option<Manifest> {
     let src = &taken.meta.source;
     (src.namespace == namespace && src.container == container)
         .then(|| store.get(src.seq).ok())

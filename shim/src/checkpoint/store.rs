@@ -13,6 +13,16 @@
 //! Leftovers (`*.tmp`, blobs and process images no manifest names) are swept by [`Store::open`],
 //! but only by the store that holds the root's lock: a second `Store` on the same root (another
 //! job, `crabctl`) never deletes what the first may still be writing.
+//!
+//! A store belongs to one lineage, not to a container id: a container created with the id of a
+//! removed one (from an ordinary image, or restored from another container's checkpoint) must
+//! not see, list or roll back to its predecessor's checkpoints. [`Store::open_for_container`]
+//! sets such a leftover aside (`.replaced-<id>-<unique>` next to it, which `crabctl prune`
+//! removes) before the new store is made; only a container restored from this very store's
+//! checkpoint (a rollback or recovery keeping its id) carries on with it. Setting aside and
+//! creating happen under the lock of the namespace directory (`flock` on the directory
+//! itself), which `crabctl prune` takes too while it removes a store: a container re-created
+//! while prune runs never has its new store removed.
 
 use std::{
     collections::HashSet,
@@ -228,6 +238,30 @@ pub struct Retention {
     pub removed_proc: Vec<PathBuf>,
 }
 
+/// Where [`Store::open_for_container`] puts a store it sets aside: `<prefix><id>-<unique>`
+/// next to it (no container id starts with a dot, so no shim takes that name for a store).
+pub const SET_ASIDE_PREFIX: &str = ".replaced-";
+
+/// The lock of the directory that holds the stores of a namespace, held while a store is
+/// created or set aside (see the module docs). Creates the directory (`0700`) if needed.
+pub fn lock_namespace_dir(dir: &Path) -> Result<File, StoreError> {
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| StoreError::io("create", dir, e))?;
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(dir)
+        .map_err(|e| StoreError::io("open", dir, e))?;
+    // SAFETY: flock on a file descriptor we own; released when `file` is closed.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        return Err(StoreError::io("lock", dir, io::Error::last_os_error()));
+    }
+    Ok(file)
+}
+
 /// The store of one sandbox. Cheap to share (`&Store` from several threads).
 #[derive(Debug)]
 pub struct Store {
@@ -280,6 +314,62 @@ impl Store {
             );
         }
         Ok(store)
+    }
+
+    /// Opens the store of a container being created at `root`. If a store is already there
+    /// (checkpoints or turns of an earlier container with the same id), `continues` decides
+    /// whether the new container carries on its lineage (restored from one of its
+    /// checkpoints); if not, it is set aside and a new store begins. Returns the store and
+    /// where the old one went.
+    pub fn open_for_container(
+        root: &Path,
+        continues: impl FnOnce(&Store) -> bool,
+    ) -> Result<(Store, Option<PathBuf>), StoreError> {
+        let (parent, name) = match (root.parent(), root.file_name()) {
+            (Some(p), Some(n)) => (p, n.to_string_lossy().into_owned()),
+            _ => return Ok((Store::open(root)?, None)),
+        };
+        let _lock = lock_namespace_dir(parent)?;
+        let md = match fs::symlink_metadata(root) {
+            Ok(md) => md,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((Store::open(root)?, None)),
+            Err(e) => return Err(StoreError::io("stat", root, e)),
+        };
+        // A symlink or file where a store belongs is set aside unopened.
+        if md.is_dir() {
+            let store = Store::open(root)?;
+            if !store.holds_a_lineage()? || continues(&store) {
+                return Ok((store, None));
+            }
+        }
+        let aside = parent.join(format!(
+            "{SET_ASIDE_PREFIX}{name}-{}-{}",
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos(),
+            std::process::id()
+        ));
+        fs::rename(root, &aside).map_err(|e| StoreError::io("set aside", root, e))?;
+        fsync_dir(parent)?;
+        log::info!(
+            "checkpoint store {}: it belonged to an earlier container with this id, set aside as {}",
+            root.display(),
+            aside.display()
+        );
+        Ok((Store::open(root)?, Some(aside)))
+    }
+
+    /// Whether anything of a lineage is here: a manifest or a turn's answer.
+    fn holds_a_lineage(&self) -> Result<bool, StoreError> {
+        if !self.seqs()?.is_empty() {
+            return Ok(true);
+        }
+        match fs::read_dir(self.root.join("turns")) {
+            Ok(mut it) => Ok(it.next().is_some()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(StoreError::io("read", &self.root.join("turns"), e)),
+        }
     }
 
     pub fn root(&self) -> &Path {
@@ -1109,6 +1199,84 @@ mod tests {
         assert!(dir.path().join("checkpoints/000001.json").exists());
         fs::write(dir.path().join("checkpoints/000003.json"), b"{not json").unwrap();
         assert!(matches!(store.get(3), Err(StoreError::Corrupt { .. })));
+    }
+
+    /// A new container with the id of a removed one gets a store of its own; the old one is
+    /// set aside whole (checkpoints and turns); a restore from the store's own checkpoint
+    /// carries on with it.
+    #[test]
+    fn a_new_container_sets_a_removed_ones_store_aside() {
+        let ns = tempfile::tempdir().unwrap();
+        let root = ns.path().join("c");
+        let open = |continues: bool| {
+            Store::open_for_container(&root, |s| {
+                assert_eq!(s.root(), root);
+                continues
+            })
+            .unwrap()
+        };
+        // Nothing there, or a store that holds no lineage yet: used as it is.
+        let (store, aside) = open(false);
+        assert_eq!(aside, None);
+        drop(store);
+        let (store, aside) = open(false);
+        assert_eq!(aside, None);
+        let m1 = checkpoint(&store, true, true);
+        fs::create_dir_all(root.join("turns")).unwrap();
+        fs::write(root.join("turns/000001.json"), b"{}").unwrap();
+        drop(store);
+        // Restored from its own checkpoint: the same lineage.
+        let (store, aside) = open(true);
+        assert_eq!(aside, None);
+        assert_eq!(store.list().unwrap(), vec![m1.clone()]);
+        drop(store);
+        // A new container: a new store; the old one is set aside in one piece.
+        let (store, aside) = open(false);
+        let aside = aside.expect("set aside");
+        assert_eq!(aside.parent(), Some(ns.path()));
+        let name = aside.file_name().unwrap().to_str().unwrap();
+        assert!(name.starts_with(".replaced-c-"), "{name}");
+        assert!(store.list().unwrap().is_empty());
+        assert_eq!(store.next_seq().unwrap(), 1);
+        assert!(!root.join("turns").exists());
+        assert_eq!(Store::open(&aside).unwrap().list().unwrap(), vec![m1]);
+        assert!(aside.join("turns/000001.json").is_file());
+        assert!(aside.join(proc_image_name(1)).is_dir());
+        // Turns alone are a lineage too.
+        fs::create_dir_all(root.join("turns")).unwrap();
+        fs::write(root.join("turns/000001.json"), b"{}").unwrap();
+        drop(store);
+        let (_, aside) = open(false);
+        assert!(aside.is_some());
+        assert!(!root.join("turns").exists());
+        // A symlink where the store belongs is set aside, never followed.
+        let elsewhere = tempfile::tempdir().unwrap();
+        fs::remove_dir_all(&root).unwrap();
+        std::os::unix::fs::symlink(elsewhere.path(), &root).unwrap();
+        let (store, aside) = open(true);
+        assert!(aside.is_some());
+        assert!(fs::symlink_metadata(&root).unwrap().is_dir());
+        drop(store);
+        assert!(fs::read_dir(elsewhere.path()).unwrap().next().is_none());
+    }
+
+    /// While `crabctl prune` holds the namespace directory's lock, a store is neither created
+    /// nor set aside.
+    #[test]
+    fn stores_are_created_under_the_namespace_lock() {
+        let ns = tempfile::tempdir().unwrap();
+        let root = ns.path().join("c");
+        let lock = lock_namespace_dir(ns.path()).unwrap();
+        let opener = std::thread::spawn({
+            let root = root.clone();
+            move || Store::open_for_container(&root, |_| true).map(|_| ())
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!opener.is_finished());
+        assert!(!root.exists(), "nothing is created while prune holds the lock");
+        drop(lock);
+        opener.join().unwrap().unwrap();
+        assert!(root.join("checkpoints").is_dir());
     }
 
     #[test]

@@ -26,7 +26,13 @@
 //! Removal renames the store to `.prune-<id>-<unique>.tmp` in its namespace directory, then
 //! deletes it: a crash leaves either the intact store under its own name or such a leftover,
 //! which the next prune finishes (no container id starts with a dot, so no shim ever takes that
-//! name for a store).
+//! name for a store). The check of the record and the rename happen under the lock of the
+//! namespace directory, which a shim holds while it creates a store
+//! ([`crate::checkpoint::store::lock_namespace_dir`]): a container re-created with the same id
+//! meanwhile either finds its store gone and starts a new one, or keeps it.
+//!
+//! Stores a shim set aside (`.replaced-<id>-<unique>`: an earlier container's, found where a
+//! new container with the same id began a new lineage) are removed like such leftovers.
 
 use std::{
     collections::{BTreeSet, HashMap, HashSet},
@@ -106,9 +112,11 @@ pub fn decide(entry: &Entry, existing: &HashSet<String>, min_age: Duration) -> D
 }
 
 fn is_leftover(name: &str) -> bool {
-    name.len() > LEFTOVER_PREFIX.len() + LEFTOVER_SUFFIX.len()
+    let set_aside = crate::checkpoint::store::SET_ASIDE_PREFIX;
+    (name.len() > LEFTOVER_PREFIX.len() + LEFTOVER_SUFFIX.len()
         && name.starts_with(LEFTOVER_PREFIX)
-        && name.ends_with(LEFTOVER_SUFFIX)
+        && name.ends_with(LEFTOVER_SUFFIX))
+        || (name.len() > set_aside.len() && name.starts_with(set_aside))
 }
 
 /// containerd's identifiers: alphanumerics separated by single `.`, `_` or `-`.
@@ -329,6 +337,20 @@ fn try_lock(store: &Path) -> io::Result<Lock> {
     }
 }
 
+/// The namespace directory's lock (see the module docs), without creating anything.
+fn lock_namespace(dir: &Path) -> io::Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(dir)?;
+    // SAFETY: flock on a file descriptor we own; released when `file` is closed. A shim
+    // holds it only while it creates or sets aside a store.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(file)
+}
+
 /// Allocated bytes under `path` (symlinks not followed, hard links counted once); what cannot
 /// be read counts as nothing.
 fn disk_usage(path: &Path) -> u64 {
@@ -350,13 +372,15 @@ fn disk_usage(path: &Path) -> u64 {
     walk(path, &mut HashSet::new())
 }
 
-/// Renames the store `<dir>/<name>` to a leftover name, then deletes it.
-fn remove_store(dir: &Path, name: &str) -> io::Result<()> {
+/// Renames the store `<dir>/<name>` to a leftover name (the caller holds the namespace
+/// directory's lock), then deletes it.
+fn remove_store(dir: &Path, name: &str, ns_lock: File) -> io::Result<()> {
     let doomed = dir.join(format!(
         "{LEFTOVER_PREFIX}{name}-{}{LEFTOVER_SUFFIX}",
         unique()
     ));
     fs::rename(dir.join(name), &doomed)?;
+    drop(ns_lock);
     fs::remove_dir_all(&doomed)
 }
 
@@ -433,6 +457,11 @@ async fn remove_if_gone(
     records: &impl Records,
     dry_run: bool,
 ) -> (Outcome, u64) {
+    // Held from the record's check to the rename: a shim creating a store waits for it.
+    let ns_lock = match lock_namespace(dir) {
+        Ok(l) => l,
+        Err(e) => return (Outcome::Failed(format!("the lock of {}: {e}", dir.display())), 0),
+    };
     let _lock = match try_lock(&entry.path) {
         Ok(Lock::Held) => {
             return (
@@ -452,7 +481,7 @@ async fn remove_if_gone(
     if dry_run {
         return (Outcome::Removed, bytes);
     }
-    match remove_store(dir, &entry.name) {
+    match remove_store(dir, &entry.name, ns_lock) {
         Ok(()) => (Outcome::Removed, bytes),
         Err(e) => (Outcome::Failed(e.to_string()), 0),
     }
@@ -633,6 +662,11 @@ mod tests {
                 EntryKind::Dir { store: false },
                 0
             )),
+            Decision::Leftover
+        );
+        // A store a shim set aside for a new container with the same id.
+        assert_eq!(
+            d(entry(".replaced-alive-1764600000-42", store, 0)),
             Decision::Leftover
         );
         let kept = |e: Entry, needle: &str| match d(e) {
