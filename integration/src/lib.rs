@@ -12,6 +12,7 @@ pub mod api;
 pub mod bench;
 pub mod cri;
 pub mod ctr;
+pub mod engine;
 pub mod env;
 pub mod events;
 pub mod harness;

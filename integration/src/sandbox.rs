@@ -31,6 +31,8 @@ pub struct SandboxOptions<'a> {
     pub config: &'a str,
     /// A change to the OCI spec before the container is created (e.g. all capabilities).
     pub spec_edit: Option<&'a (dyn Fn(&mut Value) + Sync)>,
+    /// The image (default [`AGENT_IMAGE`]; [`Sandbox::run`] needs bash and /app).
+    pub image: Option<&'a str>,
 }
 
 pub struct Sandbox {
@@ -43,7 +45,7 @@ pub struct Sandbox {
 impl Sandbox {
     /// Starts `sleep infinity` in the agent image under crab. Panics (with the reason) on failure.
     pub async fn start(name: &str, o: SandboxOptions<'_>) -> (Sandbox, CleanupGuard) {
-        let env = TestEnv { image: AGENT_IMAGE.into(), ..TestEnv::from_env() };
+        let env = TestEnv { image: o.image.unwrap_or(AGENT_IMAGE).into(), ..TestEnv::from_env() };
         assert_eq!(env.runtime, "io.containerd.crab.v1", "turns and checkpoints are crab's own: run with CRAB_RUNTIME unset");
         let h = Harness::connect_env(env).await.unwrap_or_else(|e| panic!("integration test setup failed: {e}"));
         let id = h.unique_id(name);

@@ -3,66 +3,13 @@
 //! job whose sandbox's next action waits for it overtakes a queued one. Each test has its own
 //! engine root, so tests running at the same time (and other shims of the host) don't mix.
 
-use std::{
-    path::PathBuf,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use crab_integration::{
-    env::TestEnv,
+    engine::Engine,
     sandbox::{Sandbox, SandboxOptions},
 };
 use serde_json::Value;
-
-/// A private engine: its root and a crab config naming it (for crabctl).
-struct Engine {
-    root: PathBuf,
-    config: PathBuf,
-    toml: String,
-}
-
-impl Engine {
-    fn new(name: &str, settings: &str) -> Engine {
-        let base = TestEnv::from_env().crab_home.join("engine");
-        std::fs::create_dir_all(&base).unwrap();
-        let root = base.join(format!("{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
-        let toml = format!("engine.root = \"{}\"\n{settings}", root.display());
-        let config = root.with_extension("toml");
-        std::fs::write(&config, format!("{toml}\n")).unwrap();
-        Engine { root, config, toml }
-    }
-
-    /// `crabctl engine` (text, or the snapshot as JSON).
-    fn crabctl(&self, s: &Sandbox, json: bool) -> (String, Value) {
-        let config = self.config.to_str().unwrap();
-        let mut args = vec!["--config", config, "engine"];
-        if json {
-            args.push("--json");
-        }
-        let (code, out, err) = s.crabctl(&args);
-        assert_eq!(code, 0, "crabctl engine: {out}{err}");
-        let v = if json {
-            serde_json::from_str(&out).unwrap()
-        } else {
-            Value::Null
-        };
-        (out, v)
-    }
-
-    /// The finished job of `sandbox` in the stats.
-    fn record<'a>(stats: &'a Value, sandbox: &str) -> &'a Value {
-        let recent = stats["recent"].as_array().unwrap();
-        let mine: Vec<&Value> = recent.iter().filter(|r| r["sandbox"] == sandbox).collect();
-        assert_eq!(mine.len(), 1, "one job of {sandbox}: {stats:#}");
-        mine[0]
-    }
-
-    fn remove(self) {
-        let _ = std::fs::remove_dir_all(&self.root);
-        let _ = std::fs::remove_file(&self.config);
-    }
-}
 
 fn ms(r: &Value, key: &str) -> u64 {
     r[key].as_u64().unwrap_or_else(|| panic!("{key} in {r:#}"))

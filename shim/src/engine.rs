@@ -1910,8 +1910,12 @@ mod tests {
         }
         assert_eq!(*started.lock().unwrap(), ["light", "heavy"]);
         let usage = e.usage();
-        assert!(usage["ns/heavy"].slot_us >= 300_000.0, "{usage:?}");
-        assert!(usage["ns/light"].slot_us < 50_000.0, "{usage:?}");
+        assert!(usage["ns/heavy"].slot_us >= 250_000.0, "{usage:?}");
+        // Light use (under a millisecond) is not even remembered.
+        assert!(
+            usage.get("ns/light").map_or(0.0, |u| u.slot_us) < 50_000.0,
+            "{usage:?}"
+        );
     }
 
     /// A slot file locked by a process that is no crab job: the wait ends at the deadline with

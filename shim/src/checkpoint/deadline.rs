@@ -175,7 +175,11 @@ mod tests {
         assert_eq!(checkpoint_tree(&procs, 10, "other"), [31, 30]);
         assert!(checkpoint_tree(&procs, 10, "nothing").is_empty());
         // An id that is also a word of runc's command line is matched as the last argument only.
-        let procs = [p(20, 10, "runc --root r checkpoint --image-path /p checkpoint")];
+        let procs = [p(
+            20,
+            10,
+            "runc --root r checkpoint --image-path /p checkpoint",
+        )];
         assert_eq!(checkpoint_tree(&procs, 10, "checkpoint"), [20]);
         assert!(checkpoint_tree(&procs, 10, "r").is_empty());
     }

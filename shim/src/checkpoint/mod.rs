@@ -65,7 +65,7 @@ use crate::{
 /// How often a job waiting for running execs looks again.
 const EXEC_POLL: Duration = Duration::from_millis(20);
 /// How long an aborted job gets to end on its own once what it started was killed.
-const ABORT_GRACE: Duration = Duration::from_secs(5);
+const ABORT_GRACE: Duration = Duration::from_secs(1);
 
 /// What a job needs to know about its container.
 #[derive(Clone)]

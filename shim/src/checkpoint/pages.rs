@@ -178,7 +178,33 @@ fn write_atomic(dir: &Path, name: &str, data: &[&[u8]]) -> Result<(), PagesError
         f.into_inner().map_err(|e| e.into_error())?;
         fs::rename(&tmp, dir.join(name))
     };
-    write().map_err(io_err(format!("writing {}", dir.join(name).display())))
+    write().map_err(|e| {
+        // A full disk must not keep what it could not finish.
+        let _ = fs::remove_file(&tmp);
+        io_err(format!("writing {}", dir.join(name).display()))(e)
+    })
+}
+
+/// A temp file removed when dropped unless [`TempPath::keep`] was called: what a failed write
+/// (a full disk) leaves behind.
+struct TempPath(Option<PathBuf>);
+
+impl TempPath {
+    fn path(&self) -> &Path {
+        self.0.as_deref().expect("kept only once")
+    }
+
+    fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for TempPath {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let _ = fs::remove_file(p);
+        }
+    }
 }
 
 fn syncfs(path: &Path) -> Result<(), PagesError> {
@@ -330,7 +356,7 @@ impl ChunkStore {
         let file = File::create(&tmp).map_err(io_err(format!("creating {}", tmp.display())))?;
         Ok(PackWriter {
             name,
-            tmp,
+            tmp: TempPath(Some(tmp)),
             out: BufWriter::with_capacity(READ_BUF, file),
             len: 0,
             entries: Vec::new(),
@@ -364,7 +390,7 @@ impl ChunkStore {
 /// A pack being written: chunks appended to a temp file, published by [`PackWriter::finish`].
 struct PackWriter {
     name: String,
-    tmp: PathBuf,
+    tmp: TempPath,
     out: BufWriter<File>,
     len: u64,
     entries: Vec<IndexEntry>,
@@ -374,7 +400,7 @@ impl PackWriter {
     fn add(&mut self, digest: ChunkDigest, data: &[u8]) -> Result<(), PagesError> {
         self.out
             .write_all(data)
-            .map_err(io_err(format!("writing {}", self.tmp.display())))?;
+            .map_err(io_err(format!("writing {}", self.tmp.path().display())))?;
         self.entries.push((digest, self.len, data.len() as u32));
         self.len += data.len() as u64;
         Ok(())
@@ -390,14 +416,16 @@ impl PackWriter {
             len,
             entries,
         } = self;
-        out.into_inner()
-            .map_err(|e| io_err(format!("writing {}", tmp.display()))(e.into_error()))?;
+        out.into_inner().map_err(|e| {
+            io_err(format!("writing {}", tmp.path().display()))(e.into_error())
+        })?;
         if entries.is_empty() {
-            fs::remove_file(&tmp).map_err(io_err(format!("removing {}", tmp.display())))?;
             return Ok(None);
         }
         let pack = dir.join(format!("{name}.pack"));
-        fs::rename(&tmp, &pack).map_err(io_err(format!("renaming {}", tmp.display())))?;
+        fs::rename(tmp.path(), &pack)
+            .map_err(io_err(format!("renaming {}", tmp.path().display())))?;
+        tmp.keep();
         let mut index = Vec::with_capacity(INDEX_HEADER + entries.len() * INDEX_ENTRY);
         index.extend_from_slice(INDEX_MAGIC);
         index.extend_from_slice(&len.to_le_bytes());
@@ -750,6 +778,22 @@ mod tests {
             .into_iter()
             .filter(|n| n.ends_with(".pack"))
             .collect()
+    }
+
+    /// A chunk store that runs out of space mid-pack keeps neither the partial pack nor a temp
+    /// file (issue 16: they stayed and kept the disk full), and the image is left as it was.
+    #[test]
+    fn a_full_disk_leaves_no_temp_pack() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (img, chunks) = (tmp.path().join("img"), tmp.path().join("chunks"));
+        fs::create_dir_all(&img).unwrap();
+        let _fs = crate::checkpoint::store::test_support::Tmpfs::mount(&chunks, "256k");
+        let pages: Vec<u8> = (0..200).flat_map(|i| page(i as u8)).collect();
+        fs::write(img.join("pages-1.img"), &pages).unwrap();
+        let e = dedup(&img, &chunks).unwrap_err();
+        assert!(e.to_string().contains("No space left"), "{e}");
+        assert!(files(&chunks).is_empty(), "{:?}", files(&chunks));
+        assert_eq!(fs::read(img.join("pages-1.img")).unwrap(), pages);
     }
 
     #[test]

@@ -597,9 +597,13 @@ impl Store {
 
     /// Keeps the newest `keep_last` manifests, every one whose seq is a multiple of
     /// `keep_every`, and always the newest; deletes the other manifests, then every blob and
-    /// process image no kept manifest names (a kept manifest names its whole layer chain).
-    /// Blobs this store put for a manifest not yet published, and process images newer than
-    /// the newest manifest, are never touched. `None, None` keeps everything.
+    /// process image no kept manifest names (a kept manifest names its whole layer chain), and
+    /// the turn answers (`turns/`) older than the oldest kept manifest, except those of kept
+    /// checkpoints' turns. Blobs this store put for a manifest not yet published, and process
+    /// images newer than the newest manifest, are never touched. `None, None` keeps everything.
+    /// A corrupt manifest (unparsable: never a recovery point) is renamed
+    /// `<seq>.json.corrupt` and left out, so it cannot stop retention for good; one of a newer
+    /// format stops it (a newer crab may need what it names).
     /// Page chunks (`chunks/`) are the process images' business (pages.rs).
     pub fn apply_retention(
         &self,
@@ -611,7 +615,7 @@ impl Store {
             return Ok(report);
         }
         // Read every manifest before deleting anything: one unreadable manifest stops it all.
-        let all = self.list()?;
+        let all = self.list_setting_aside_corrupt()?;
         let Some(newest) = all.last().map(|m| m.seq) else {
             return Ok(report);
         };
@@ -633,6 +637,9 @@ impl Store {
         }
         let kept: Vec<&Manifest> = kept.into_iter().map(|(_, m)| m).collect();
         self.collect_garbage(&kept, newest, &mut report)?;
+        if !dropped.is_empty() {
+            self.retain_turns(&kept)?;
+        }
         if !report.removed_manifests.is_empty() {
             log::info!(
                 "checkpoint store {}: retention removed checkpoints {:?}, {} blobs, {} process images",
@@ -643,6 +650,82 @@ impl Store {
             );
         }
         Ok(report)
+    }
+
+    /// Every manifest, oldest first; corrupt ones are renamed out of the way (logged).
+    fn list_setting_aside_corrupt(&self) -> Result<Vec<Manifest>, StoreError> {
+        let mut all = Vec::new();
+        for seq in self.seqs()? {
+            match self.get(seq) {
+                Ok(m) => all.push(m),
+                Err(StoreError::Corrupt { path, reason }) => {
+                    let aside = path.with_extension("json.corrupt");
+                    log::error!(
+                        "checkpoint store {}: manifest {} is corrupt ({reason}): set aside as {}",
+                        self.root.display(),
+                        path.display(),
+                        aside.display()
+                    );
+                    fs::rename(&path, &aside).map_err(|e| StoreError::io("rename", &path, e))?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(all)
+    }
+
+    /// Removes the turn answers older than the oldest manifest of `kept`, except the answers
+    /// of the turns `kept` names.
+    fn retain_turns(&self, kept: &[&Manifest]) -> Result<(), StoreError> {
+        let dir = self.root.join("turns");
+        let Some(oldest) = kept.first() else {
+            return Ok(());
+        };
+        let since = match fs::metadata(self.manifest_path(oldest.seq)).and_then(|m| m.modified()) {
+            Ok(t) => t,
+            Err(e) => return Err(StoreError::io("stat", &self.manifest_path(oldest.seq), e)),
+        };
+        let turns: HashSet<&str> = kept.iter().flat_map(|m| m.turn_id.split(',')).collect();
+        let entries = match fs::read_dir(&dir) {
+            Ok(it) => it,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(StoreError::io("read", &dir, e)),
+        };
+        let mut removed = 0;
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let name = entry.file_name();
+            if !name.as_bytes().ends_with(b".json") || name.as_bytes().starts_with(b".") {
+                continue;
+            }
+            let older = entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t < since);
+            if !older {
+                continue;
+            }
+            #[derive(Deserialize)]
+            struct Turn {
+                turn_id: String,
+            }
+            let turn = fs::read(&path)
+                .ok()
+                .and_then(|d| serde_json::from_slice::<Turn>(&d).ok());
+            // The answer behind a kept checkpoint stays; an unreadable one explains nothing.
+            if turn.is_some_and(|t| turns.contains(t.turn_id.as_str())) {
+                continue;
+            }
+            remove_any(&path)?;
+            removed += 1;
+        }
+        if removed > 0 {
+            log::info!(
+                "checkpoint store {}: retention removed {removed} turn answers",
+                self.root.display()
+            );
+        }
+        Ok(())
     }
 
     /// Removes blobs and process images that no manifest of `kept` names, except pending
@@ -702,8 +785,12 @@ impl Store {
     }
 
     fn sweep(&self) -> Result<(), StoreError> {
-        for dir in ["", "checkpoints", "blobs", "blobs/sha256", "proc", "chunks"] {
-            let dir = self.root.join(dir);
+        for name in ["", "checkpoints", "blobs", "blobs/sha256", "proc", "chunks", "turns"] {
+            let dir = self.root.join(name);
+            // Turn answers come with the first turn end.
+            if name == "turns" && !dir.is_dir() {
+                continue;
+            }
             for entry in read_dir(&dir)? {
                 if entry.file_name().as_bytes().ends_with(b".tmp") {
                     let path = entry.path();
@@ -1258,6 +1345,56 @@ mod tests {
         assert!(fs::symlink_metadata(&root).unwrap().is_dir());
         drop(store);
         assert!(fs::read_dir(elsewhere.path()).unwrap().next().is_none());
+    }
+
+    /// A corrupt manifest no longer stops retention for good; turn answers are retained with
+    /// the checkpoints; a turn answer's temp file is swept.
+    #[test]
+    fn retention_survives_a_corrupt_manifest_and_retains_turns() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let store = Store::open(root).unwrap();
+        let turns = root.join("turns");
+        fs::create_dir_all(&turns).unwrap();
+        let answer = |n: u64, turn: &str| {
+            fs::write(
+                turns.join(format!("{n:06}.json")),
+                format!("{{\"turn_id\": \"{turn}\", \"seq\": {n}}}"),
+            )
+            .unwrap();
+        };
+        // Turn answers 1..=3 come before checkpoint 1 (turn-1; 2 and 3 needed none).
+        answer(1, "turn-1");
+        answer(2, "chat-2");
+        answer(3, "chat-3");
+        std::thread::sleep(Duration::from_millis(20));
+        checkpoint(&store, true, false);
+        std::thread::sleep(Duration::from_millis(20));
+        answer(4, "turn-2");
+        checkpoint(&store, true, false);
+        fs::write(root.join("checkpoints/000001.json"), b"{not json").unwrap();
+        answer(5, "turn-3");
+        std::thread::sleep(Duration::from_millis(20));
+        checkpoint(&store, true, false);
+        answer(6, "turn-4");
+        let r = store.apply_retention(Some(1), None).unwrap();
+        assert_eq!(r.removed_manifests, [2]);
+        assert!(root.join("checkpoints/000001.json.corrupt").is_file());
+        assert_eq!(store.list().unwrap().iter().map(|m| m.seq).collect::<Vec<_>>(), [3]);
+        // Kept: the answer of the kept checkpoint's turn (turn-3) and those after it.
+        let mut left: Vec<String> = fs::read_dir(&turns)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["000005.json", "000006.json"]);
+        // Retention goes on working.
+        checkpoint(&store, true, false);
+        assert_eq!(store.apply_retention(Some(1), None).unwrap().removed_manifests, [3]);
+        drop(store);
+        fs::write(turns.join(".000007.json.tmp"), b"{").unwrap();
+        drop(Store::open(root).unwrap());
+        assert!(!turns.join(".000007.json.tmp").exists());
     }
 
     /// While `crabctl prune` holds the namespace directory's lock, a store is neither created
