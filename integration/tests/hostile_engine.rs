@@ -74,7 +74,6 @@ fn as_nobody(argv: &[&str]) -> (bool, String) {
         .args(&argv[1..])
         .uid(65534)
         .gid(65534)
-        .groups(&[])
         .output()
         .unwrap();
     (
@@ -211,7 +210,8 @@ time.sleep(100000)' >/dev/null 2>&1 </dev/null & echo $! > /app/pid
         state.contains("State:\tS") && state.contains("TracerPid:\t0"),
         "{state}"
     );
-    // Nothing of the dump is left: no runc checkpoint of the container, no process image.
+    // Nothing of the dump is left: no runc checkpoint of the container, no process image (only
+    // CRIU's work directory with its log, a `.tmp` the store sweeps).
     let id = s.id.clone();
     let left: Vec<String> = fs::read_dir("/proc")
         .unwrap()
@@ -224,7 +224,8 @@ time.sleep(100000)' >/dev/null 2>&1 </dev/null & echo $! > /app/pid
     let images: Vec<_> = fs::read_dir(s.store().join("proc"))
         .unwrap()
         .flatten()
-        .map(|e| e.file_name())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.ends_with(".work.tmp"))
         .collect();
     assert!(images.is_empty(), "{images:?}");
     eprintln!("aborted after {took:?}: {why}");
@@ -242,12 +243,14 @@ async fn huge_layers_of_one_sandbox_do_not_hold_up_anothers_checkpoints() {
     let e = Engine::new(
         "fair",
         &format!(
-            "engine.max_jobs = 1\nengine.job_timeout_ms = {}\n",
+            // The huge sandbox's next turn waits for its aborted capture to end.
+            "engine.max_jobs = 1\nengine.job_timeout_ms = {}\ncheckpoint.action_wait_timeout_ms = 120000\n",
             DEADLINE.as_millis()
         ),
     );
     let ((mut huge, _gh), (mut small, _gs)) =
         tokio::join!(start("hostile_huge", &e), start("hostile_small", &e));
+    let huge_id = huge.id.clone();
     let huge_turns = async {
         for _ in 0..4 {
             huge.run("rm -f /app/h*.bin; head -c 1000000000 /dev/urandom > /app/h$RANDOM.bin")
@@ -261,7 +264,7 @@ async fn huge_layers_of_one_sandbox_do_not_hold_up_anothers_checkpoints() {
         let deadline = Instant::now() + T;
         loop {
             let (_, snap) = e.crabctl(&small, true);
-            if snap["slots"][0]["holder"]["sandbox"] == huge.id.as_str() {
+            if snap["slots"][0]["holder"]["sandbox"] == huge_id.as_str() {
                 break;
             }
             assert!(
