@@ -330,6 +330,18 @@ async fn huge_layers_of_one_sandbox_do_not_hold_up_anothers_checkpoints() {
         *max <= BOUND,
         "a small checkpoint took {max:?} (> {BOUND:?}): {latencies:?}"
     );
+    // An aborted capture runs on to its end in the background (it cannot be interrupted): the
+    // huge sandbox is removed once it is done (its temp files are gone).
+    let blobs = huge.store().join("blobs");
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while fs::read_dir(&blobs)
+        .unwrap()
+        .flatten()
+        .any(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+    {
+        assert!(Instant::now() < deadline, "the aborted capture never ended");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     huge.finish().await;
     small.finish().await;
     e.remove();
