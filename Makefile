@@ -15,6 +15,9 @@
 #                         private containerd, Debian trixie's, unpacked under $(CRAB_HOME))
 #   make bench            the benchmarks (shim, inspector, checkpoint, restore, cri) against the
 #                         private containerd (stopped after); figures under $(CRAB_HOME)/bench
+#   make fuzz             fuzz every parser of untrusted bytes, FUZZ_SECONDS (60) each
+#                         (hack/fuzz.sh; summary in $(CRAB_HOME)/fuzz/summary.txt);
+#                         make fuzz-smoke: 5 s each (CI)
 #   make clean            stop containerd, remove $(CRAB_HOME) and cargo's target dir
 #
 # Tests read CRAB_HOME, CRAB_CONTAINERD_ADDRESS, CRAB_NAMESPACE and CRAB_RUNTIME
@@ -64,7 +67,7 @@ endef
 .PHONY: help deps build images containerd-up containerd-down demo test test-containerd-1.7 bench clean
 
 help:
-	@sed -n '3,17s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '3,20s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
 
 deps:
 	hack/install-deps.sh
@@ -123,6 +126,15 @@ REPLAY_ARGS ?=
 .PHONY: replay
 replay: build
 	@$(call with_containerd,$(CARGO) run --release -p crab-integration --bin replay -- $(REPLAY_ARGS))
+
+# make fuzz: needs no containerd. FUZZ_TARGETS="criu_image signature" picks some.
+FUZZ_SECONDS ?= 60
+.PHONY: fuzz fuzz-smoke
+fuzz:
+	FUZZ_SECONDS=$(FUZZ_SECONDS) hack/fuzz.sh
+
+fuzz-smoke:
+	FUZZ_SECONDS=5 hack/fuzz.sh
 
 clean:
 	hack/containerd.sh stop

@@ -257,7 +257,9 @@ struct ChunkStore {
     leftovers: Vec<PathBuf>,
 }
 
-fn parse_index(data: &[u8]) -> Option<(u64, Vec<IndexEntry>)> {
+/// Parses a pack index (`pack-*.idx`): the pack's length and its (digest, offset, length)
+/// entries, each within the pack; None if malformed. Public for the fuzz targets.
+pub fn parse_index(data: &[u8]) -> Option<(u64, Vec<(ChunkDigest, u64, u32)>)> {
     if data.len() < INDEX_HEADER || &data[..8] != INDEX_MAGIC {
         return None;
     }
@@ -497,14 +499,21 @@ pub fn dedup(dir: &Path, chunks: &Path) -> Result<DedupStats, PagesError> {
     Ok(stats)
 }
 
-struct Recipe {
-    len: u64,
-    chunk_size: usize,
-    digests: Vec<ChunkDigest>,
+/// A pages file as chunk digests (its `.recipe` file).
+#[derive(Debug)]
+pub struct Recipe {
+    pub len: u64,
+    pub chunk_size: usize,
+    pub digests: Vec<ChunkDigest>,
 }
 
 fn read_recipe(path: &Path) -> Result<Recipe, PagesError> {
     let data = fs::read(path).map_err(io_err(format!("reading {}", path.display())))?;
+    parse_recipe(path, &data)
+}
+
+/// Parses the recipe `data` read from `path` (named in errors). Public for the fuzz targets.
+pub fn parse_recipe(path: &Path, data: &[u8]) -> Result<Recipe, PagesError> {
     let bad = |what: String| PagesError::BadRecipe {
         path: path.to_path_buf(),
         what,

@@ -987,7 +987,8 @@ fn manifest_seq(name: &OsStr) -> Option<u64> {
         .then(|| digits.parse().ok())?
 }
 
-fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest, StoreError> {
+/// Parses the manifest `bytes` read from `path` (named in errors). Public for the fuzz targets.
+pub fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest, StoreError> {
     // The format decides how to read the rest: check it before the typed parse, so a newer
     // manifest is reported as such rather than as a missing or mistyped field.
     #[derive(Deserialize)]
