@@ -67,7 +67,7 @@ endef
 .PHONY: help deps build images containerd-up containerd-down demo test test-containerd-1.7 bench clean
 
 help:
-	@sed -n '3,20s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '3,21s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
 
 deps:
 	hack/install-deps.sh
