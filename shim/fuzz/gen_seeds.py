@@ -154,3 +154,10 @@ spec = {"ociVersion": "1.2.0",
                         "io.crab/turn-boundary": "t1"}}
 put("spec_annotations", "spec.json", json.dumps(spec))
 put("spec_annotations", "update.json", json.dumps({"io.crab/turn-boundary": "turn-7"}))
+
+# procfs: /proc/PID/stat (a hostile comm) and maps lines
+put("procfs", "stat", "42 (a) b (c)) S 1 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 "
+    "12345 1000 10 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 0 0 0 0 0 0\n")
+put("procfs", "maps", "55d0c0000000-55d0c0021000 r-xp 00000000 fd:01 1234   /usr/bin/sh\n"
+    "7ffd1000-7ffd2000 rw-p 00000000 00:00 0                  [stack]\n"
+    "7f00-8f00 rw-s 00001000 00:05 99 /x (deleted)\n")

@@ -35,10 +35,12 @@ fuzz_target!(|data: &[u8]| {
     }
     let mut next = files.into_iter();
     let facts = criu_image::facts_from(Path::new("/fuzz/criu"), &mut |path: &Path| {
-        next.next().map(<[u8]>::to_vec).ok_or_else(|| CriuImageError::Malformed {
-            path: path.to_path_buf(),
-            reason: "missing".into(),
-        })
+        next.next()
+            .map(<[u8]>::to_vec)
+            .ok_or_else(|| CriuImageError::Malformed {
+                path: path.to_path_buf(),
+                reason: "missing".into(),
+            })
     });
     if let Ok(facts) = facts {
         let _ = privilege::check(&facts, &Granted::default());

@@ -7,7 +7,8 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     // The options may carry the config itself (`config_body`): parsed as at Create.
-    if let Ok(Some(body)) = crab_runtime_config::decode_runtime_options(data).map(|o| o.config_body) {
+    if let Ok(Some(body)) = crab_runtime_config::decode_runtime_options(data).map(|o| o.config_body)
+    {
         let _ = crab_runtime_config::Config::from_toml_str(&body, Path::new("/fuzz/options"));
     }
 });

@@ -14,8 +14,12 @@ fuzz_target!(|data: &[u8]| {
         let _ = crab_shim::turns::check_spec_annotations(&spec);
         let _ = policy::for_container(&spec, policy::CheckpointPolicy::default());
         let _ = Granted::from_spec(&spec);
-        let annotations: HashMap<String, String> =
-            spec.annotations().clone().unwrap_or_default().into_iter().collect();
+        let annotations: HashMap<String, String> = spec
+            .annotations()
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
         let _ = crab_shim::turns::requested_turn_end(&annotations);
     }
     // An Update's annotations alone (a JSON object of strings).
