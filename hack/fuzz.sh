@@ -22,6 +22,12 @@ FUZZ_SANITIZER=${FUZZ_SANITIZER:-address}
 # The newest cargo-fuzz that builds on the stable toolchain here (1.95).
 CARGO_FUZZ_VERSION=0.13.2
 export RUSTC_BOOTSTRAP=1
+# libfuzzer-sys compiles libFuzzer (C++): take Debian's clang++-NN when there is no c++.
+if [[ -z ${CXX:-} ]] && ! command -v c++ >/dev/null; then
+  for cxx in clang++ clang++-{25..14} g++; do
+    command -v "$cxx" >/dev/null && { export CXX=$cxx; break; }
+  done
+fi
 
 log() { printf 'fuzz: %s\n' "$*" >&2; }
 
