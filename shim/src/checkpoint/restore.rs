@@ -153,12 +153,7 @@ impl CheckpointMeta {
             return Err(bad("format 0".into()));
         }
         for d in &meta.fs_layers {
-            if !d.digest.starts_with("sha256:")
-                || d.hex().len() != 64
-                || !d.hex().bytes().all(|b| b.is_ascii_hexdigit())
-            {
-                return Err(bad(format!("layer digest {:?}", d.digest)));
-            }
+            d.check().map_err(bad)?;
         }
         Ok(meta)
     }
@@ -829,7 +824,10 @@ mod tests {
             "not json".to_string(),
             r#"{"source":{}}"#.to_string(),
             r#"{"format":"1"}"#.to_string(),
-            meta_json(1, false).replace("sha256:abab", "sha256:zzzz"),
+            meta_json(1, false).replace("\"digest\":\"sha256:abab", "\"digest\":\"sha256:zzzz"),
+            meta_json(1, false).replace("\"diff_id\":\"sha256:", "\"diff_id\":\"md5:"),
+            meta_json(1, false).replace("tar+zstd", "tar+evil"),
+            meta_json(1, false).replace("\"size\":10", "\"size\":0"),
             r#"{"format":1,"source":{"namespace":"n"},"process":null}"#.to_string(),
         ] {
             let root = rootfs_with(&bad, None, &[]);

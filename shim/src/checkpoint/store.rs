@@ -145,6 +145,28 @@ pub struct Descriptor {
 }
 
 impl Descriptor {
+    /// Checks what an OCI descriptor of a layer must be, before it goes into an image or comes
+    /// out of one: sha256 digests, a layer media type, a size.
+    pub fn check(&self) -> Result<(), String> {
+        let sha256 = |s: &str| {
+            s.strip_prefix("sha256:")
+                .is_some_and(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+        };
+        if !sha256(&self.digest) {
+            return Err(format!("layer digest {:?}", self.digest));
+        }
+        if !sha256(&self.diff_id) {
+            return Err(format!("layer diff_id {:?}", self.diff_id));
+        }
+        if ![MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_LAYER_TAR].contains(&self.media_type.as_str()) {
+            return Err(format!("layer media type {:?}", self.media_type));
+        }
+        if self.size == 0 {
+            return Err(format!("layer {} of size 0", self.digest));
+        }
+        Ok(())
+    }
+
     /// The hex part of the digest.
     pub fn hex(&self) -> &str {
         self.digest.strip_prefix("sha256:").unwrap_or(&self.digest)

@@ -190,6 +190,12 @@ impl Ctl {
         let store = Store::open(&root)?;
         let manifests = store.list()?;
         let m = select_checkpoint(container, &manifests, turn)?.clone();
+        // The store is the shim's, but what goes into an image is checked like what comes out.
+        for d in &m.fs_layers {
+            d.check().map_err(|e| {
+                CtlError::Invalid(format!("checkpoint {} of {container}: {e}", m.seq))
+            })?;
+        }
         let source = Source {
             namespace: self.namespace().to_string(),
             container: container.to_string(),
