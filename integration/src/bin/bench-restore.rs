@@ -974,6 +974,16 @@ fn restore_rows(
     );
 }
 
+/// Sandbox config that signs its exports with the key the bench's own containers trust (the
+/// default key of the bench's state_dir): images from the sandboxes restore under
+/// `cfg_body`, as on one host.
+fn signing_config(b: &Bench) -> String {
+    format!(
+        "restore.signing_key = \"{}\"\n",
+        b.state_dir.join("keys/checkpoint-signing.key").display()
+    )
+}
+
 struct FsSandbox {
     s: Sandbox,
     /// chain length -> (seq, turn id)
@@ -983,7 +993,15 @@ struct FsSandbox {
 async fn fs_sandbox(b: &mut Bench) -> Res<(FsSandbox, CleanupGuard)> {
     let max = *CHAINS.iter().max().expect("chains");
     progress(&format!("1/4 fs chains: a sandbox with {max} fs turns"));
-    let (mut s, guard) = Sandbox::start("bench-restore-fs", SandboxOptions::default()).await;
+    let config = signing_config(b);
+    let (mut s, guard) = Sandbox::start(
+        "bench-restore-fs",
+        SandboxOptions {
+            config: &config,
+            ..Default::default()
+        },
+    )
+    .await;
     b.sandboxes.push(s.id.clone());
     let mut at = HashMap::new();
     for i in 1..=max {
@@ -1046,7 +1064,15 @@ async fn proc_sandbox(b: &mut Bench) -> Res<(ProcSandbox, CleanupGuard)> {
     progress(&format!(
         "2/4 process: a sandbox with a {HELD_MB} MB python3"
     ));
-    let (mut s, guard) = Sandbox::start("bench-restore-proc", SandboxOptions::default()).await;
+    let config = signing_config(b);
+    let (mut s, guard) = Sandbox::start(
+        "bench-restore-proc",
+        SandboxOptions {
+            config: &config,
+            ..Default::default()
+        },
+    )
+    .await;
     b.sandboxes.push(s.id.clone());
     s.run("echo 'a file of the sandbox' > /app/a.txt").await;
     end_turn(&mut s).await?;
