@@ -613,6 +613,16 @@ pub mod testing {
     use super::*;
     use std::fs;
 
+    /// Root's credentials with `caps` in the permitted, effective and bounding sets.
+    pub fn with_caps(caps: u64) -> Creds {
+        Creds {
+            cap_prm: caps,
+            cap_eff: caps,
+            cap_bnd: caps,
+            ..Creds::default()
+        }
+    }
+
     pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
         loop {
             let b = (v & 0x7f) as u8;
@@ -822,12 +832,7 @@ mod tests {
     use std::fs;
 
     fn root_creds() -> Creds {
-        Creds {
-            cap_prm: 0xa804_25fb,
-            cap_eff: 0xa804_25fb,
-            cap_bnd: 0xa804_25fb,
-            ..Creds::default()
-        }
+        with_caps(0xa804_25fb)
     }
 
     #[test]

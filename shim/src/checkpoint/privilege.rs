@@ -259,6 +259,7 @@ fn check_thread(c: &Creds, g: &Granted) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::criu_image::testing::with_caps as creds;
     use super::super::criu_image::Thread;
     use super::*;
 
@@ -278,15 +279,6 @@ mod tests {
             no_new_privs: false,
             seccomp: false,
             namespaces: ns::PID | ns::NET | ns::IPC | ns::UTS | ns::MNT,
-        }
-    }
-
-    fn creds(caps: u64) -> Creds {
-        Creds {
-            cap_prm: caps,
-            cap_eff: caps,
-            cap_bnd: caps,
-            ..Creds::default()
         }
     }
 

@@ -506,7 +506,12 @@ pub fn created_manifest(store: &Store, image_note: &str) -> Result<Manifest, Sto
 /// whose process image is referenced as it is.
 /// The checkpoint of this very store that `taken` was exported from (a rollback or recovery
 /// of the container in place), if it is still there.
-pub(crate) fn own_source(store: &Store, namespace: &str, container: &str, taken: &Taken) -> Option<Manifest> {
+pub(crate) fn own_source(
+    store: &Store,
+    namespace: &str,
+    container: &str,
+    taken: &Taken,
+) -> Option<Manifest> {
     let src = &taken.meta.source;
     (src.namespace == namespace && src.container == container)
         .then(|| store.get(src.seq).ok())
@@ -631,6 +636,7 @@ pub fn bring_up_loopback(pid: u32) -> io::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::criu_image::testing::with_caps as creds;
     use super::super::criu_image::{ns, testing, Creds};
     use super::super::provenance::{sign, Statement};
     use super::*;
@@ -660,15 +666,6 @@ mod tests {
             permitted: DEFAULT_CAPS,
             namespaces: ns::PID | ns::NET | ns::MNT,
             ..Granted::default()
-        }
-    }
-
-    fn creds(caps: u64) -> Creds {
-        Creds {
-            cap_prm: caps,
-            cap_eff: caps,
-            cap_bnd: caps,
-            ..Creds::default()
         }
     }
 
