@@ -4,7 +4,13 @@ use std::path::Path;
 
 /// Writes `<name>-<stamp>.{json,md}` and `<name>-latest.{json,md}` into `dir`, each through a
 /// temp file and a rename, so a reader never sees half a result.
-pub fn write_results(dir: &Path, name: &str, stamp: impl std::fmt::Display, json: &serde_json::Value, md: &str) -> std::io::Result<()> {
+pub fn write_results(
+    dir: &Path,
+    name: &str,
+    stamp: impl std::fmt::Display,
+    json: &serde_json::Value,
+    md: &str,
+) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     let json_text = serde_json::to_string_pretty(json).expect("json serializes") + "\n";
     for (file, text) in [
@@ -37,7 +43,9 @@ pub fn parse_counts(bench: &str, usage: &str, counts: &mut [(&str, &mut usize)])
         let Some((name, slot)) = counts.iter_mut().find(|(name, _)| *name == a) else {
             die(format!("unknown argument {a:?} (see --help)"))
         };
-        let v = args.next().unwrap_or_else(|| die(format!("{name} needs a value")));
+        let v = args
+            .next()
+            .unwrap_or_else(|| die(format!("{name} needs a value")));
         **slot = v
             .parse()
             .ok()
@@ -48,10 +56,18 @@ pub fn parse_counts(bench: &str, usage: &str, counts: &mut [(&str, &mut usize)])
 
 /// The host's 1, 5 and 15 minute load averages, as `/proc/loadavg` has them ("" if unreadable).
 pub fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The running kernel's release ("" if unreadable).
 pub fn kernel() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string()
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .unwrap_or_default()
+        .trim()
+        .to_string()
 }

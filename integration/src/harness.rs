@@ -152,8 +152,18 @@ impl Harness {
     /// (`crab.local/checkpoint/<namespace>/<container>:<seq>`).
     pub fn internal_images(&self, container: &str) -> Vec<String> {
         let prefix = format!("crab.local/checkpoint/{}/{container}:", self.env.namespace);
-        let listed = self.ctr().run(&["images", "ls", "-q"]).unwrap().ok().unwrap();
-        listed.stdout.lines().filter(|l| l.starts_with(&prefix)).map(str::to_string).collect()
+        let listed = self
+            .ctr()
+            .run(&["images", "ls", "-q"])
+            .unwrap()
+            .ok()
+            .unwrap();
+        listed
+            .stdout
+            .lines()
+            .filter(|l| l.starts_with(&prefix))
+            .map(str::to_string)
+            .collect()
     }
 
     pub fn runtime(&self) -> &str {
@@ -812,10 +822,13 @@ pub async fn connect_channel(env: &TestEnv) -> Result<Channel> {
     if !env.address.exists() {
         return Err(unreachable("no socket at that path".into()));
     }
-    tokio::time::timeout(Duration::from_secs(5), containerd_client::connect(&env.address))
-        .await
-        .map_err(|_| unreachable("connect timed out after 5s".into()))?
-        .map_err(|e| unreachable(format!("connect: {e}")))
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        containerd_client::connect(&env.address),
+    )
+    .await
+    .map_err(|_| unreachable("connect timed out after 5s".into()))?
+    .map_err(|e| unreachable(format!("connect: {e}")))
 }
 
 /// Last `n` lines of containerd's log that mention `needle`, for failure messages.

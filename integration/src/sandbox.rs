@@ -12,7 +12,10 @@ use std::{
 
 use serde_json::Value;
 
-use crate::{api::crab_runtime_options, env::TestEnv, CleanupGuard, Harness, ProcessSpec, RunOutput, StdioOptions};
+use crate::{
+    api::crab_runtime_options, env::TestEnv, CleanupGuard, Harness, ProcessSpec, RunOutput,
+    StdioOptions,
+};
 
 pub const AGENT_IMAGE: &str = "localhost/crab/agent:latest";
 pub const TURN_END: &str = "io.crab/turn-end";
@@ -45,12 +48,22 @@ pub struct Sandbox {
 impl Sandbox {
     /// Starts `sleep infinity` in the agent image under crab. Panics (with the reason) on failure.
     pub async fn start(name: &str, o: SandboxOptions<'_>) -> (Sandbox, CleanupGuard) {
-        let env = TestEnv { image: o.image.unwrap_or(AGENT_IMAGE).into(), ..TestEnv::from_env() };
-        assert_eq!(env.runtime, "io.containerd.crab.v1", "turns and checkpoints are crab's own: run with CRAB_RUNTIME unset");
-        let h = Harness::connect_env(env).await.unwrap_or_else(|e| panic!("integration test setup failed: {e}"));
+        let env = TestEnv {
+            image: o.image.unwrap_or(AGENT_IMAGE).into(),
+            ..TestEnv::from_env()
+        };
+        assert_eq!(
+            env.runtime, "io.containerd.crab.v1",
+            "turns and checkpoints are crab's own: run with CRAB_RUNTIME unset"
+        );
+        let h = Harness::connect_env(env)
+            .await
+            .unwrap_or_else(|e| panic!("integration test setup failed: {e}"));
         let id = h.unique_id(name);
         let guard = h.guard(&[&id]);
-        let state_dir = o.state_dir.unwrap_or_else(|| h.env.crab_home.join("state").join(&id));
+        let state_dir = o
+            .state_dir
+            .unwrap_or_else(|| h.env.crab_home.join("state").join(&id));
         let mut config = format!("{}\n", o.config);
         let process = ProcessSpec::new(&["sleep", "infinity"]).to_oci(&h.image.env, &h.image.cwd);
         let mut spec = crate::spec::container_spec(&id, &h.env.namespace, process);
@@ -62,33 +75,66 @@ impl Sandbox {
         }
         if let Some((source, at)) = o.volume {
             config.push_str(&format!("checkpoint.tracked_volumes = [\"{at}\"]\n"));
-            spec["mounts"].as_array_mut().unwrap().push(serde_json::json!({
-                "destination": at, "type": "bind", "source": source, "options": ["rbind", "rw"]
-            }));
+            spec["mounts"]
+                .as_array_mut()
+                .unwrap()
+                .push(serde_json::json!({
+                    "destination": at, "type": "bind", "source": source, "options": ["rbind", "rw"]
+                }));
         }
-        config.push_str(&format!("[store]\nstate_dir = \"{}\"\n", state_dir.display()));
-        h.create_container_with_spec_and_options(&id, &spec, Some(crab_runtime_options(None, Some(&config))))
-            .await
-            .unwrap();
+        config.push_str(&format!(
+            "[store]\nstate_dir = \"{}\"\n",
+            state_dir.display()
+        ));
+        h.create_container_with_spec_and_options(
+            &id,
+            &spec,
+            Some(crab_runtime_options(None, Some(&config))),
+        )
+        .await
+        .unwrap();
         h.create_task(&id, None).await.unwrap();
         h.start(&id, "").await.unwrap();
-        (Sandbox { h, id, state_dir, turn: 0 }, guard)
+        (
+            Sandbox {
+                h,
+                id,
+                state_dir,
+                turn: 0,
+            },
+            guard,
+        )
     }
 
     /// Runs one agent command to completion (it must succeed).
     pub async fn run(&mut self, script: &str) -> RunOutput {
         self.turn += 1;
         let exec_id = format!("turn-{}", self.turn);
-        let mut io = self.h.stdio(&self.id, &exec_id, StdioOptions::default()).unwrap();
+        let mut io = self
+            .h
+            .stdio(&self.id, &exec_id, StdioOptions::default())
+            .unwrap();
         let spec = ProcessSpec::new(&["bash", "-c", script]).cwd("/app");
         self.h.exec(&self.id, &exec_id, &spec, &io).await.unwrap();
         self.h.start(&self.id, &exec_id).await.unwrap();
         let exit_status = self.h.wait(&self.id, &exec_id, T).await.unwrap();
-        let stdout = io.stdout_string(T).unwrap_or_else(|e| panic!("turn {} `{script}`: {e}", self.turn));
-        let stderr = io.stderr_string(T).unwrap_or_else(|e| panic!("turn {} `{script}`: {e}", self.turn));
+        let stdout = io
+            .stdout_string(T)
+            .unwrap_or_else(|e| panic!("turn {} `{script}`: {e}", self.turn));
+        let stderr = io
+            .stderr_string(T)
+            .unwrap_or_else(|e| panic!("turn {} `{script}`: {e}", self.turn));
         self.h.delete_process(&self.id, &exec_id).await.unwrap();
-        assert_eq!(exit_status, 0, "turn {} `{script}` failed: {stdout}{stderr}", self.turn);
-        RunOutput { exit_status, stdout, stderr }
+        assert_eq!(
+            exit_status, 0,
+            "turn {} `{script}` failed: {stdout}{stderr}",
+            self.turn
+        );
+        RunOutput {
+            exit_status,
+            stdout,
+            stderr,
+        }
     }
 
     /// Runs crabctl against the sandbox's containerd and namespace: (exit code, stdout, stderr).
@@ -102,15 +148,25 @@ impl Sandbox {
             .output()
             .unwrap_or_else(|e| panic!("cannot run {}: {e}", bin.display()));
         let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-        (out.status.code().unwrap_or(-1), text(&out.stdout), text(&out.stderr))
+        (
+            out.status.code().unwrap_or(-1),
+            text(&out.stdout),
+            text(&out.stderr),
+        )
     }
 
     /// Waits until the checkpoints of the turns ended so far are durable: a no-op exec goes
     /// through the same gate as the agent's next action.
     pub async fn sync(&mut self) {
         let exec_id = format!("sync-{}", self.turn);
-        let io = self.h.stdio(&self.id, &exec_id, StdioOptions::default()).unwrap();
-        self.h.exec(&self.id, &exec_id, &ProcessSpec::new(&["true"]), &io).await.unwrap();
+        let io = self
+            .h
+            .stdio(&self.id, &exec_id, StdioOptions::default())
+            .unwrap();
+        self.h
+            .exec(&self.id, &exec_id, &ProcessSpec::new(&["true"]), &io)
+            .await
+            .unwrap();
         self.h.start(&self.id, &exec_id).await.unwrap();
         self.h.wait(&self.id, &exec_id, T).await.unwrap();
         self.h.delete_process(&self.id, &exec_id).await.unwrap();
@@ -132,7 +188,10 @@ impl Sandbox {
     /// The checkpoints turn ends published, oldest first (without the origin manifest,
     /// `created` or `restored`, that begins the lineage: see [`Sandbox::lineage`]).
     pub fn manifests(&self) -> Vec<Value> {
-        self.lineage().into_iter().filter(|m| !matches!(m["kind"].as_str(), Some("created" | "restored"))).collect()
+        self.lineage()
+            .into_iter()
+            .filter(|m| !matches!(m["kind"].as_str(), Some("created" | "restored")))
+            .collect()
     }
 
     /// Every published manifest of the sandbox's store, oldest first.
@@ -154,13 +213,22 @@ impl Sandbox {
 
     /// The entries of a layer blob: path -> (tar entry type, content).
     pub fn layer(&self, desc: &Value) -> BTreeMap<String, (String, Vec<u8>)> {
-        let digest = desc["digest"].as_str().unwrap().strip_prefix("sha256:").unwrap();
+        let digest = desc["digest"]
+            .as_str()
+            .unwrap()
+            .strip_prefix("sha256:")
+            .unwrap();
         let blob = std::fs::read(self.store().join("blobs/sha256").join(digest)).unwrap();
         let tar = zstd::decode_all(&blob[..]).unwrap();
         let mut out = BTreeMap::new();
         for e in tar::Archive::new(&tar[..]).entries().unwrap() {
             let mut e = e.unwrap();
-            let path = e.path().unwrap().to_string_lossy().trim_end_matches('/').to_string();
+            let path = e
+                .path()
+                .unwrap()
+                .to_string_lossy()
+                .trim_end_matches('/')
+                .to_string();
             let kind = format!("{:?}", e.header().entry_type());
             let mut data = Vec::new();
             e.read_to_end(&mut data).unwrap();
@@ -182,7 +250,13 @@ fn json_files(dir: &Path) -> Vec<Value> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
         .unwrap_or_default();
-    files.retain(|p| p.extension().is_some_and(|x| x == "json") && !p.file_name().unwrap().to_string_lossy().starts_with('.'));
+    files.retain(|p| {
+        p.extension().is_some_and(|x| x == "json")
+            && !p.file_name().unwrap().to_string_lossy().starts_with('.')
+    });
     files.sort();
-    files.iter().map(|f| serde_json::from_slice(&std::fs::read(f).unwrap()).unwrap()).collect()
+    files
+        .iter()
+        .map(|f| serde_json::from_slice(&std::fs::read(f).unwrap()).unwrap())
+        .collect()
 }

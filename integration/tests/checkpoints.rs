@@ -32,23 +32,55 @@ async fn fs_turns_store_exactly_the_net_change() {
     let layers = m[0]["fs_layers"].as_array().unwrap();
     assert_eq!(layers.len(), 1);
     let l = s.layer(&layers[0]);
-    assert_eq!(l.get("app/a.txt").map(|(_, d)| d.as_slice()), Some(&b"hello\n"[..]), "{:?}", l.keys().collect::<Vec<_>>());
-    assert!(l.contains_key("etc/.wh.debian_version"), "{:?}", l.keys().collect::<Vec<_>>());
-    assert!(!l.keys().any(|k| k.contains("tmp/tmp")), "{:?}", l.keys().collect::<Vec<_>>());
-    assert!(m[0]["timings"]["freeze_ms"].as_f64().unwrap() > 0.0, "{:#}", m[0]);
+    assert_eq!(
+        l.get("app/a.txt").map(|(_, d)| d.as_slice()),
+        Some(&b"hello\n"[..]),
+        "{:?}",
+        l.keys().collect::<Vec<_>>()
+    );
+    assert!(
+        l.contains_key("etc/.wh.debian_version"),
+        "{:?}",
+        l.keys().collect::<Vec<_>>()
+    );
+    assert!(
+        !l.keys().any(|k| k.contains("tmp/tmp")),
+        "{:?}",
+        l.keys().collect::<Vec<_>>()
+    );
+    assert!(
+        m[0]["timings"]["freeze_ms"].as_f64().unwrap() > 0.0,
+        "{:#}",
+        m[0]
+    );
 
     // crabctl lists the lineage.
     let config = s.state_dir.with_extension("toml");
-    std::fs::write(&config, format!("[store]\nstate_dir = \"{}\"\n", s.state_dir.display())).unwrap();
-    let out = std::process::Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl"))
-        .args(["--namespace", &s.h.env.namespace, "--config"])
-        .arg(&config)
-        .args(["checkpoints", &s.id])
-        .output()
-        .unwrap();
+    std::fs::write(
+        &config,
+        format!("[store]\nstate_dir = \"{}\"\n", s.state_dir.display()),
+    )
+    .unwrap();
+    let out = std::process::Command::new(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl"),
+    )
+    .args(["--namespace", &s.h.env.namespace, "--config"])
+    .arg(&config)
+    .args(["checkpoints", &s.id])
+    .output()
+    .unwrap();
     let listing = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{listing}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(listing.lines().any(|l| l.contains(" t2 ") && l.contains(" fs ")), "{listing}");
+    assert!(
+        out.status.success(),
+        "{listing}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        listing
+            .lines()
+            .any(|l| l.contains(" t2 ") && l.contains(" fs ")),
+        "{listing}"
+    );
     let _ = std::fs::remove_file(&config);
 
     // The next turn's layer is relative to the previous one: only its own change.
@@ -59,21 +91,33 @@ async fn fs_turns_store_exactly_the_net_change() {
     assert_eq!(layers.len(), 2, "the chain grows: {:#}", m[1]);
     assert_eq!(m[1]["parent"], m[0]["seq"]);
     let l = s.layer(&layers[1]);
-    assert_eq!(l.get("app/a.txt").map(|(_, d)| d.as_slice()), Some(&b"hello\nmore\n"[..]));
-    assert!(!l.contains_key("etc/.wh.debian_version"), "only this turn's change: {:?}", l.keys().collect::<Vec<_>>());
+    assert_eq!(
+        l.get("app/a.txt").map(|(_, d)| d.as_slice()),
+        Some(&b"hello\nmore\n"[..])
+    );
+    assert!(
+        !l.contains_key("etc/.wh.debian_version"),
+        "only this turn's change: {:?}",
+        l.keys().collect::<Vec<_>>()
+    );
     s.finish().await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_next_action_waits_for_the_checkpoint() {
     let (mut s, _g) = Sandbox::start("ckpt_gate", SandboxOptions::default()).await;
-    s.run("head -c 20000000 /dev/urandom > /app/big.bin; echo v1 > /app/state.txt").await;
+    s.run("head -c 20000000 /dev/urandom > /app/big.bin; echo v1 > /app/state.txt")
+        .await;
     s.end_turn().await;
     // The very next action rewrites the file: it must not start before the layer holds v1.
     s.run("echo v2 > /app/state.txt").await;
     let m = s.wait_manifests(1).await;
     let l = s.layer(&m[0]["fs_layers"][0]);
-    assert_eq!(l.get("app/state.txt").map(|(_, d)| d.as_slice()), Some(&b"v1\n"[..]), "the layer saw the next turn's write");
+    assert_eq!(
+        l.get("app/state.txt").map(|(_, d)| d.as_slice()),
+        Some(&b"v1\n"[..]),
+        "the layer saw the next turn's write"
+    );
     assert_eq!(l.get("app/big.bin").map(|(_, d)| d.len()), Some(20_000_000));
     s.finish().await;
 }
@@ -87,33 +131,62 @@ async fn process_turns_store_a_process_image() {
     assert_eq!(m[0]["kind"], "proc", "{:#}", m[0]);
     let p = &m[0]["process"];
     let image = s.store().join(p["image"].as_str().unwrap());
-    assert!(Path::new(&image).join("pstree.img").exists() || std::fs::read_dir(&image).unwrap().count() > 0, "{}", image.display());
-    assert_eq!(p["pids"].as_array().unwrap().len(), 2, "init and the sleep: {p:#}");
+    assert!(
+        Path::new(&image).join("pstree.img").exists()
+            || std::fs::read_dir(&image).unwrap().count() > 0,
+        "{}",
+        image.display()
+    );
+    assert_eq!(
+        p["pids"].as_array().unwrap().len(),
+        2,
+        "init and the sleep: {p:#}"
+    );
     // An fs-only turn keeps the process image (C_i = (P_j, F_k)).
     s.run("echo x > /app/x").await;
     s.end_turn().await;
     let m = s.wait_manifests(2).await;
     // Under heavy load the kernel may migrate the idle sleep between CPUs, which rewrites its
     // rseq area: a (documented) false positive that makes this turn full. Never a miss.
-    if m[1]["kind"] == "full" && m[1]["explanation"].as_str().is_some_and(|e| e.contains("memory")) {
-        eprintln!("turn 2 was full (memory false positive): {}", m[1]["explanation"]);
+    if m[1]["kind"] == "full"
+        && m[1]["explanation"]
+            .as_str()
+            .is_some_and(|e| e.contains("memory"))
+    {
+        eprintln!(
+            "turn 2 was full (memory false positive): {}",
+            m[1]["explanation"]
+        );
     } else {
         assert_eq!(m[1]["kind"], "fs", "{:#}", m[1]);
         assert_eq!(m[1]["process"], m[0]["process"], "{:#}", m[1]);
     }
     // A listening TCP server (needs CRIU 4.2+ on Linux 6.16+) is dumped too.
-    s.run("nohup python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1 & sleep 1").await;
+    s.run("nohup python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1 & sleep 1")
+        .await;
     s.end_turn().await;
     let m = s.wait_manifests(3).await;
     assert_eq!(m[2]["kind"], "proc", "{:#}", m[2]);
-    assert_eq!(m[2]["process"]["pids"].as_array().unwrap().len(), 3, "{:#}", m[2]);
+    assert_eq!(
+        m[2]["process"]["pids"].as_array().unwrap().len(),
+        3,
+        "{:#}",
+        m[2]
+    );
     s.finish().await;
 }
 
 /// Zero-integration mode: each exec that finishes while no other runs ends a turn.
 #[tokio::test(flavor = "multi_thread")]
 async fn exec_boundaries_end_turns_without_a_harness() {
-    let (mut s, _g) = Sandbox::start("ckpt_exec", SandboxOptions { annotations: &[("io.crab/turn-boundary", "exec")], ..Default::default() }).await;
+    let (mut s, _g) = Sandbox::start(
+        "ckpt_exec",
+        SandboxOptions {
+            annotations: &[("io.crab/turn-boundary", "exec")],
+            ..Default::default()
+        },
+    )
+    .await;
     s.run("echo one > /app/one").await;
     s.run("cat /app/one").await;
     s.run("echo two > /app/two").await;
@@ -122,14 +195,21 @@ async fn exec_boundaries_end_turns_without_a_harness() {
     assert_eq!(m[0]["turn_id"], "exec-turn-1");
     assert_eq!(m[1]["turn_id"], "exec-turn-3");
     let l = s.layer(&m[1]["fs_layers"][1]);
-    assert!(l.contains_key("app/two") && !l.contains_key("app/one"), "{:?}", l.keys().collect::<Vec<_>>());
+    assert!(
+        l.contains_key("app/two") && !l.contains_key("app/one"),
+        "{:?}",
+        l.keys().collect::<Vec<_>>()
+    );
     s.finish().await;
 }
 
 /// A bad turn-boundary annotation fails the container's creation clearly.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_bad_turn_boundary_annotation_fails_create() {
-    let env = TestEnv { image: AGENT_IMAGE.into(), ..TestEnv::from_env() };
+    let env = TestEnv {
+        image: AGENT_IMAGE.into(),
+        ..TestEnv::from_env()
+    };
     let h = Harness::connect_env(env).await.unwrap();
     let id = h.unique_id("ckpt_badboundary");
     let _g = h.guard(&[&id]);
@@ -137,7 +217,10 @@ async fn a_bad_turn_boundary_annotation_fails_create() {
     let mut spec = crab_integration::spec::container_spec(&id, &h.env.namespace, process);
     spec["annotations"]["io.crab/turn-boundary"] = Value::String("sometimes".into());
     h.create_container_with_spec(&id, &spec).await.unwrap();
-    let err = h.create_task(&id, None).await.expect_err("create with a bad annotation");
+    let err = h
+        .create_task(&id, None)
+        .await
+        .expect_err("create with a bad annotation");
     assert!(err.to_string().contains("io.crab/turn-boundary"), "{err}");
     h.delete_container(&id).await.unwrap();
     h.assert_no_leaks(&id).await;
@@ -147,30 +230,53 @@ async fn a_bad_turn_boundary_annotation_fails_create() {
 /// running, the failure is in the lineage when it fits, and the next turn takes a full one.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_full_store_fails_the_checkpoint_not_the_container() {
-    let tiny = TestEnv::from_env().crab_home.join(format!("tiny-store-{}", std::process::id()));
+    let tiny = TestEnv::from_env()
+        .crab_home
+        .join(format!("tiny-store-{}", std::process::id()));
     std::fs::create_dir_all(&tiny).unwrap();
     let mount = |opts: &str| {
-        let st = std::process::Command::new("mount").args(["-t", "tmpfs", "-o", opts, "tmpfs"]).arg(&tiny).status().unwrap();
+        let st = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", opts, "tmpfs"])
+            .arg(&tiny)
+            .status()
+            .unwrap();
         assert!(st.success(), "mount tmpfs {opts}");
     };
     mount("size=512k");
     struct Unmount(PathBuf);
     impl Drop for Unmount {
         fn drop(&mut self) {
-            let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.0)
+                .status();
             let _ = std::fs::remove_dir(&self.0);
         }
     }
     let _unmount = Unmount(tiny.clone());
-    let (mut s, _g) = Sandbox::start("ckpt_enospc", SandboxOptions { state_dir: Some(tiny.clone()), ..Default::default() }).await;
+    let (mut s, _g) = Sandbox::start(
+        "ckpt_enospc",
+        SandboxOptions {
+            state_dir: Some(tiny.clone()),
+            ..Default::default()
+        },
+    )
+    .await;
     s.run("head -c 3000000 /dev/urandom > /app/big.bin").await;
     s.end_turn().await;
     // The job fails in the background; the container must keep working meanwhile and after.
     s.run("echo alive > /app/alive").await;
     let failed = s.manifests();
-    assert!(failed.iter().all(|m| m["kind"] == "failed"), "nothing but a failure fits: {failed:#?}");
+    assert!(
+        failed.iter().all(|m| m["kind"] == "failed"),
+        "nothing but a failure fits: {failed:#?}"
+    );
     // Room again: the next turn takes everything (a full checkpoint with a new fs chain).
-    let st = std::process::Command::new("mount").args(["-o", "remount,size=64m"]).arg(&tiny).status().unwrap();
+    let st = std::process::Command::new("mount")
+        .args(["-o", "remount,size=64m"])
+        .arg(&tiny)
+        .status()
+        .unwrap();
     assert!(st.success());
     s.run("echo next > /app/next").await;
     s.end_turn().await;
@@ -181,7 +287,11 @@ async fn a_full_store_fails_the_checkpoint_not_the_container() {
     assert_eq!(layers.len(), 1, "a new chain: {last:#}");
     let l = s.layer(&layers[0]);
     for f in ["app/big.bin", "app/alive", "app/next"] {
-        assert!(l.contains_key(f), "{f} missing from the full layer: {:?}", l.keys().collect::<Vec<_>>());
+        assert!(
+            l.contains_key(f),
+            "{f} missing from the full layer: {:?}",
+            l.keys().collect::<Vec<_>>()
+        );
     }
     s.finish().await;
 }
@@ -190,7 +300,9 @@ async fn a_full_store_fails_the_checkpoint_not_the_container() {
 /// open as long as the returned value lives.
 async fn start_exec(s: &Sandbox, exec_id: &str, argv: &[&str]) -> crab_integration::Stdio {
     let io = s.h.stdio(&s.id, exec_id, StdioOptions::default()).unwrap();
-    s.h.exec(&s.id, exec_id, &ProcessSpec::new(argv).cwd("/app"), &io).await.unwrap();
+    s.h.exec(&s.id, exec_id, &ProcessSpec::new(argv).cwd("/app"), &io)
+        .await
+        .unwrap();
     s.h.start(&s.id, exec_id).await.unwrap();
     io
 }
@@ -201,19 +313,31 @@ async fn end_turn_at_once(s: &mut Sandbox) -> Value {
     s.turn += 1;
     let started = Instant::now();
     let answer = s.end_turn().await;
-    assert!(started.elapsed() < Duration::from_secs(2), "the turn end took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the turn end took {:?}",
+        started.elapsed()
+    );
     answer
 }
 
 /// The host pids of the container's processes, sorted.
 fn live_pids(s: &Sandbox) -> Vec<u64> {
-    let mut pids: Vec<u64> = host::container_processes(&s.id).iter().map(|p| p.pid as u64).collect();
+    let mut pids: Vec<u64> = host::container_processes(&s.id)
+        .iter()
+        .map(|p| p.pid as u64)
+        .collect();
     pids.sort();
     pids
 }
 
 fn image_pids(m: &Value) -> Vec<u64> {
-    let mut pids: Vec<u64> = m["process"]["pids"].as_array().unwrap().iter().map(|p| p.as_u64().unwrap()).collect();
+    let mut pids: Vec<u64> = m["process"]["pids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_u64().unwrap())
+        .collect();
     pids.sort();
     pids
 }
@@ -228,21 +352,47 @@ async fn a_turn_ending_during_an_exec_is_checkpointed_once_it_ends() {
     s.end_turn().await;
     assert_eq!(s.wait_manifests(1).await[0]["kind"], "proc");
 
-    let io = start_exec(&s, "slow", &["bash", "-c", "sleep 3; echo done > /app/after"]).await;
+    let io = start_exec(
+        &s,
+        "slow",
+        &["bash", "-c", "sleep 3; echo done > /app/after"],
+    )
+    .await;
     let answer = end_turn_at_once(&mut s).await;
-    assert_ne!(answer["kind"], "none", "the exec's processes started this turn: {answer:#}");
+    assert_ne!(
+        answer["kind"], "none",
+        "the exec's processes started this turn: {answer:#}"
+    );
     tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_eq!(s.manifests().len(), 1, "a checkpoint was taken while the exec ran: {:#?}", s.manifests());
-    assert_eq!(s.h.wait(&s.id, "slow", Duration::from_secs(30)).await.unwrap(), 0);
+    assert_eq!(
+        s.manifests().len(),
+        1,
+        "a checkpoint was taken while the exec ran: {:#?}",
+        s.manifests()
+    );
+    assert_eq!(
+        s.h.wait(&s.id, "slow", Duration::from_secs(30))
+            .await
+            .unwrap(),
+        0
+    );
     let m = s.wait_manifests(2).await;
     let c = &m[1];
     assert_eq!(c["turn_id"], "t2", "{c:#}");
     // The answer at the turn end saw the exec start; the one after it ended, its file.
     assert_eq!(c["kind"], "full", "{c:#}");
     let explanation = c["explanation"].as_str().unwrap();
-    assert!(explanation.contains("exec slow") && explanation.contains("sleep 3"), "{explanation}");
+    assert!(
+        explanation.contains("exec slow") && explanation.contains("sleep 3"),
+        "{explanation}"
+    );
     let l = s.layer(c["fs_layers"].as_array().unwrap().last().unwrap());
-    assert_eq!(l.get("app/after").map(|(_, d)| d.as_slice()), Some(&b"done\n"[..]), "{:?}", l.keys().collect::<Vec<_>>());
+    assert_eq!(
+        l.get("app/after").map(|(_, d)| d.as_slice()),
+        Some(&b"done\n"[..]),
+        "{:?}",
+        l.keys().collect::<Vec<_>>()
+    );
     // Every live process is in the image (init and the background sleep; the exec is gone).
     assert_eq!(image_pids(c), live_pids(&s), "{c:#}");
     assert_eq!(image_pids(c).len(), 2, "{c:#}");
@@ -260,7 +410,10 @@ async fn a_turn_ending_during_an_exec_is_checkpointed_once_it_ends() {
 /// naming the exec and its command line, and the next turn takes a full checkpoint.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_exec_running_past_the_bound_fails_the_turn_and_names_it() {
-    let o = SandboxOptions { config: "checkpoint.action_wait_timeout_ms = 1500", ..Default::default() };
+    let o = SandboxOptions {
+        config: "checkpoint.action_wait_timeout_ms = 1500",
+        ..Default::default()
+    };
     let (mut s, _g) = Sandbox::start("ckpt_execbound", o).await;
     let io = start_exec(&s, "forever", &["sleep", "1000"]).await;
     end_turn_at_once(&mut s).await;
@@ -271,15 +424,27 @@ async fn an_exec_running_past_the_bound_fails_the_turn_and_names_it() {
         assert!(explanation.contains(part), "{part} not in: {explanation}");
     }
     // The failure left the job: the next actions pass the gate at once.
-    s.h.kill(&s.id, "forever", libc::SIGKILL, false).await.unwrap();
-    assert_eq!(s.h.wait(&s.id, "forever", Duration::from_secs(30)).await.unwrap(), 137);
+    s.h.kill(&s.id, "forever", libc::SIGKILL, false)
+        .await
+        .unwrap();
+    assert_eq!(
+        s.h.wait(&s.id, "forever", Duration::from_secs(30))
+            .await
+            .unwrap(),
+        137
+    );
     drop(io);
     s.h.delete_process(&s.id, "forever").await.unwrap();
     s.run("echo next > /app/next").await;
     s.end_turn().await;
     let m = s.wait_manifests(2).await;
     assert_eq!(m[1]["kind"], "full", "{:#}", m[1]);
-    assert_eq!(m[1]["fs_layers"].as_array().unwrap().len(), 1, "a new chain: {:#}", m[1]);
+    assert_eq!(
+        m[1]["fs_layers"].as_array().unwrap().len(),
+        1,
+        "a new chain: {:#}",
+        m[1]
+    );
     assert_eq!(image_pids(&m[1]), live_pids(&s));
     s.finish().await;
 }
@@ -294,15 +459,29 @@ async fn a_kill_does_not_wait_for_a_checkpoint_waiting_for_an_exec() {
     end_turn_at_once(&mut s).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let started = Instant::now();
-    s.h.kill(&s.id, "stuck", libc::SIGKILL, false).await.unwrap();
-    assert!(started.elapsed() < Duration::from_secs(5), "the kill waited {:?} (bound 30 s)", started.elapsed());
-    assert_eq!(s.h.wait(&s.id, "stuck", Duration::from_secs(30)).await.unwrap(), 137);
+    s.h.kill(&s.id, "stuck", libc::SIGKILL, false)
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the kill waited {:?} (bound 30 s)",
+        started.elapsed()
+    );
+    assert_eq!(
+        s.h.wait(&s.id, "stuck", Duration::from_secs(30))
+            .await
+            .unwrap(),
+        137
+    );
     drop(io);
     s.h.delete_process(&s.id, "stuck").await.unwrap();
     let m = s.wait_manifests(1).await;
     assert_eq!(m[0]["kind"], "failed", "{:#}", m[0]);
     let explanation = m[0]["explanation"].as_str().unwrap();
-    assert!(explanation.contains("exec stuck") && explanation.contains("kill"), "{explanation}");
+    assert!(
+        explanation.contains("exec stuck") && explanation.contains("kill"),
+        "{explanation}"
+    );
     s.finish().await;
 }
 
@@ -331,7 +510,10 @@ fn tree_hashes(dir: &Path) -> std::collections::BTreeMap<PathBuf, String> {
             if e.file_type().unwrap().is_dir() {
                 todo.push(e.path());
             } else {
-                let hex: String = Sha256::digest(std::fs::read(e.path()).unwrap()).iter().map(|b| format!("{b:02x}")).collect();
+                let hex: String = Sha256::digest(std::fs::read(e.path()).unwrap())
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect();
                 out.insert(e.path().strip_prefix(dir).unwrap().to_path_buf(), hex);
             }
         }
@@ -345,14 +527,26 @@ fn assert_self_sufficient(store: &Path, lineage: &[Value]) {
     use sha2::{Digest, Sha256};
     for m in lineage {
         for l in m["fs_layers"].as_array().unwrap() {
-            let hex = l["digest"].as_str().unwrap().strip_prefix("sha256:").unwrap();
-            let blob = std::fs::read(store.join("blobs/sha256").join(hex)).unwrap_or_else(|e| panic!("checkpoint {} names blob {hex}: {e}", m["seq"]));
-            let got: String = Sha256::digest(&blob).iter().map(|b| format!("{b:02x}")).collect();
+            let hex = l["digest"]
+                .as_str()
+                .unwrap()
+                .strip_prefix("sha256:")
+                .unwrap();
+            let blob = std::fs::read(store.join("blobs/sha256").join(hex))
+                .unwrap_or_else(|e| panic!("checkpoint {} names blob {hex}: {e}", m["seq"]));
+            let got: String = Sha256::digest(&blob)
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
             assert_eq!(got, hex, "blob of checkpoint {}", m["seq"]);
             assert_eq!(blob.len() as u64, l["size"].as_u64().unwrap());
         }
         if let Some(image) = m["process"]["image"].as_str() {
-            assert!(store.join(image).join("pstree.img").is_file(), "checkpoint {} names process image {image}", m["seq"]);
+            assert!(
+                store.join(image).join("pstree.img").is_file(),
+                "checkpoint {} names process image {image}",
+                m["seq"]
+            );
         }
     }
 }
@@ -362,9 +556,15 @@ fn assert_self_sufficient(store: &Path, lineage: &[Value]) {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_shim_killed_mid_checkpoint_leaves_the_previous_one_intact() {
     // A large layer: hundreds of milliseconds of compression after the container is thawed.
-    kill_shim_mid_checkpoint("ckpt_sigkill", "head -c 200000000 /dev/urandom > /app/big.bin", |store| {
-        temp_files(store).iter().any(|p| p.to_string_lossy().contains(".layer.tar.zst-"))
-    })
+    kill_shim_mid_checkpoint(
+        "ckpt_sigkill",
+        "head -c 200000000 /dev/urandom > /app/big.bin",
+        |store| {
+            temp_files(store)
+                .iter()
+                .any(|p| p.to_string_lossy().contains(".layer.tar.zst-"))
+        },
+    )
     .await;
 }
 
@@ -373,7 +573,11 @@ async fn a_shim_killed_mid_checkpoint_leaves_the_previous_one_intact() {
 async fn a_shim_killed_mid_process_dump_leaves_the_previous_one_intact() {
     let memory = "nohup python3 -c 'import os, time; x = os.urandom(400 << 20); time.sleep(100000)' >/dev/null 2>&1 & sleep 3";
     kill_shim_mid_checkpoint("ckpt_sigkill_proc", memory, |store| {
-        std::fs::read_dir(store.join("proc")).into_iter().flatten().flatten().any(|e| e.file_name().to_string_lossy().ends_with(".work.tmp"))
+        std::fs::read_dir(store.join("proc"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().ends_with(".work.tmp"))
     })
     .await;
 }
@@ -383,7 +587,8 @@ async fn a_shim_killed_mid_process_dump_leaves_the_previous_one_intact() {
 /// written; then checks the store and removes the container.
 async fn kill_shim_mid_checkpoint(name: &str, second: &str, in_progress: impl Fn(&Path) -> bool) {
     let (mut s, _g) = Sandbox::start(name, SandboxOptions::default()).await;
-    s.run("echo v1 > /app/a.txt; nohup sleep 3000 >/dev/null 2>&1 & sleep 0.2").await;
+    s.run("echo v1 > /app/a.txt; nohup sleep 3000 >/dev/null 2>&1 & sleep 0.2")
+        .await;
     s.end_turn().await;
     let first = s.wait_manifests(1).await;
     assert_eq!(first[0]["kind"], "full", "{:#}", first[0]);
@@ -400,52 +605,114 @@ async fn kill_shim_mid_checkpoint(name: &str, second: &str, in_progress: impl Fn
     let leftovers = loop {
         if in_progress(&store) {
             // SAFETY: kill(2) of the shim found above.
-            assert_eq!(unsafe { libc::kill(shims[0].pid, libc::SIGKILL) }, 0, "kill {}", shims[0]);
+            assert_eq!(
+                unsafe { libc::kill(shims[0].pid, libc::SIGKILL) },
+                0,
+                "kill {}",
+                shims[0]
+            );
             break temp_files(&store);
         }
-        assert_eq!(s.manifests().len(), 1, "the checkpoint finished before it could be killed");
-        assert!(Instant::now() < deadline, "the checkpoint never got under way");
+        assert_eq!(
+            s.manifests().len(),
+            1,
+            "the checkpoint finished before it could be killed"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the checkpoint never got under way"
+        );
         tokio::time::sleep(Duration::from_millis(1)).await;
     };
 
     // containerd notices the lost shim and cleans the task up through the shim binary.
-    let gone = host::eventually(Duration::from_secs(30), || host::container_processes(&s.id).is_empty().then_some(()));
-    assert!(gone.is_some(), "container processes survived the shim: {:?}", host::container_processes(&s.id));
+    let gone = host::eventually(Duration::from_secs(30), || {
+        host::container_processes(&s.id).is_empty().then_some(())
+    });
+    assert!(
+        gone.is_some(),
+        "container processes survived the shim: {:?}",
+        host::container_processes(&s.id)
+    );
 
     // Nothing partial is visible: the lineage is exactly what was published before the kill,
     // and each manifest's blobs and process image are there, unchanged.
     let after = s.lineage();
     assert_eq!(after, lineage, "the lineage changed");
     assert_self_sufficient(&store, &after);
-    assert_eq!(tree_hashes(&image), image_files, "the process image changed");
-    assert!(!leftovers.is_empty(), "no temp files when the shim was killed: was it mid-checkpoint?");
+    assert_eq!(
+        tree_hashes(&image),
+        image_files,
+        "the process image changed"
+    );
+    assert!(
+        !leftovers.is_empty(),
+        "no temp files when the shim was killed: was it mid-checkpoint?"
+    );
 
     // Opening the store (crabctl does) sweeps the leftovers; what the manifests name stays.
     let config = s.state_dir.with_extension("toml");
-    std::fs::write(&config, format!("[store]\nstate_dir = \"{}\"\n", s.state_dir.display())).unwrap();
-    let out = std::process::Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl"))
-        .args(["--namespace", &s.h.env.namespace, "--config"])
-        .arg(&config)
-        .args(["checkpoints", &s.id])
-        .output()
-        .unwrap();
+    std::fs::write(
+        &config,
+        format!("[store]\nstate_dir = \"{}\"\n", s.state_dir.display()),
+    )
+    .unwrap();
+    let out = std::process::Command::new(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl"),
+    )
+    .args(["--namespace", &s.h.env.namespace, "--config"])
+    .arg(&config)
+    .args(["checkpoints", &s.id])
+    .output()
+    .unwrap();
     let _ = std::fs::remove_file(&config);
     let listing = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{listing}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(listing.lines().any(|l| l.contains(" t1 ") && l.contains(" full ")), "{listing}");
-    assert_eq!(temp_files(&store), Vec::<PathBuf>::new(), "leftovers after the store was opened");
+    assert!(
+        out.status.success(),
+        "{listing}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        listing
+            .lines()
+            .any(|l| l.contains(" t1 ") && l.contains(" full ")),
+        "{listing}"
+    );
+    assert_eq!(
+        temp_files(&store),
+        Vec::<PathBuf>::new(),
+        "leftovers after the store was opened"
+    );
     let named: Vec<String> = after
         .iter()
-        .flat_map(|m| m["fs_layers"].as_array().unwrap().iter().map(|l| l["digest"].as_str().unwrap().trim_start_matches("sha256:").to_string()))
+        .flat_map(|m| {
+            m["fs_layers"].as_array().unwrap().iter().map(|l| {
+                l["digest"]
+                    .as_str()
+                    .unwrap()
+                    .trim_start_matches("sha256:")
+                    .to_string()
+            })
+        })
         .collect();
-    for blob in std::fs::read_dir(store.join("blobs/sha256")).unwrap().flatten() {
+    for blob in std::fs::read_dir(store.join("blobs/sha256"))
+        .unwrap()
+        .flatten()
+    {
         let name = blob.file_name().to_string_lossy().into_owned();
         assert!(named.contains(&name), "unreferenced blob {name} kept");
     }
-    let images: Vec<String> = after.iter().filter_map(|m| m["process"]["image"].as_str()).map(|i| i.trim_start_matches("proc/").to_string()).collect();
+    let images: Vec<String> = after
+        .iter()
+        .filter_map(|m| m["process"]["image"].as_str())
+        .map(|i| i.trim_start_matches("proc/").to_string())
+        .collect();
     for dir in std::fs::read_dir(store.join("proc")).unwrap().flatten() {
         let name = dir.file_name().to_string_lossy().into_owned();
-        assert!(images.contains(&name), "unreferenced process image {name} kept");
+        assert!(
+            images.contains(&name),
+            "unreferenced process image {name} kept"
+        );
     }
     assert_eq!(s.lineage(), lineage);
     assert_self_sufficient(&store, &s.lineage());
@@ -453,11 +720,17 @@ async fn kill_shim_mid_checkpoint(name: &str, second: &str, in_progress: impl Fn
 
     // The task died with its shim: containerd forgets it, the container is deleted.
     match s.h.status(&s.id, "").await {
-        Ok((status, _)) => assert!(matches!(status, TaskStatus::Stopped | TaskStatus::Unknown), "task is {status:?}"),
+        Ok((status, _)) => assert!(
+            matches!(status, TaskStatus::Stopped | TaskStatus::Unknown),
+            "task is {status:?}"
+        ),
         Err(e) => assert_eq!(e.grpc_code(), Some(tonic::Code::NotFound), "{e}"),
     }
     let rm = s.h.ctr().run(&["tasks", "rm", &s.id]).unwrap();
-    assert!(rm.status.success() || rm.stderr.contains("not found"), "ctr tasks rm: {rm:?}");
+    assert!(
+        rm.status.success() || rm.stderr.contains("not found"),
+        "ctr tasks rm: {rm:?}"
+    );
     s.h.delete_container(&s.id).await.unwrap();
     s.h.assert_no_leaks(&s.id).await;
     let _ = std::fs::remove_dir_all(&s.state_dir);
@@ -467,17 +740,34 @@ async fn kill_shim_mid_checkpoint(name: &str, second: &str, in_progress: impl Fn
 /// checkpoints yet: the manifest says so instead of implying they are kept.
 #[tokio::test(flavor = "multi_thread")]
 async fn tracked_volume_changes_are_named_as_not_captured() {
-    let dir = TestEnv::from_env().crab_home.join(format!("ckpt-volume-{}", std::process::id()));
+    let dir = TestEnv::from_env()
+        .crab_home
+        .join(format!("ckpt-volume-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let (mut s, _g) = Sandbox::start("ckpt_volume", SandboxOptions { volume: Some((&dir, "/workspace")), ..Default::default() }).await;
-    s.run("echo w > /workspace/w.txt; echo r > /app/r.txt").await;
+    let (mut s, _g) = Sandbox::start(
+        "ckpt_volume",
+        SandboxOptions {
+            volume: Some((&dir, "/workspace")),
+            ..Default::default()
+        },
+    )
+    .await;
+    s.run("echo w > /workspace/w.txt; echo r > /app/r.txt")
+        .await;
     s.end_turn().await;
     let m = s.wait_manifests(1).await;
     assert_eq!(m[0]["kind"], "fs", "{:#}", m[0]);
     let explanation = m[0]["explanation"].as_str().unwrap();
-    assert!(explanation.contains("not captured") && explanation.contains("/workspace"), "{explanation}");
+    assert!(
+        explanation.contains("not captured") && explanation.contains("/workspace"),
+        "{explanation}"
+    );
     let l = s.layer(&m[0]["fs_layers"][0]);
-    assert!(l.contains_key("app/r.txt") && !l.keys().any(|k| k.contains("w.txt")), "{:?}", l.keys().collect::<Vec<_>>());
+    assert!(
+        l.contains_key("app/r.txt") && !l.keys().any(|k| k.contains("w.txt")),
+        "{:?}",
+        l.keys().collect::<Vec<_>>()
+    );
     s.finish().await;
     let _ = std::fs::remove_dir_all(&dir);
 }

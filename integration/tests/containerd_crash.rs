@@ -9,8 +9,16 @@ use crab_integration::sandbox::{Sandbox, SandboxOptions};
 
 fn hack_containerd(home: &Path, cmd: &str) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../hack/containerd.sh");
-    let out = std::process::Command::new(script).arg(cmd).env("CRAB_HOME", home).output().unwrap();
-    assert!(out.status.success(), "hack/containerd.sh {cmd}: {}", String::from_utf8_lossy(&out.stderr));
+    let out = std::process::Command::new(script)
+        .arg(cmd)
+        .env("CRAB_HOME", home)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "hack/containerd.sh {cmd}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -36,7 +44,10 @@ async fn a_sandbox_survives_a_containerd_crash_and_recovers_from_its_checkpoint(
     hack_containerd(&home, "start");
 
     // The sandbox kept running through it, with everything it had.
-    let out = s.run("cat /app/state.txt; pgrep -fc 'x = [7]'").await.stdout;
+    let out = s
+        .run("cat /app/state.txt; pgrep -fc 'x = [7]'")
+        .await
+        .stdout;
     assert_eq!(out, "before\n1\n", "the sandbox after containerd's restart");
     // And its last checkpoint is still a recovery point.
     let (code, out, err) = s.crabctl(&["recover", &s.id]);
@@ -44,7 +55,10 @@ async fn a_sandbox_survives_a_containerd_crash_and_recovers_from_its_checkpoint(
     let lineage = s.lineage();
     assert_eq!(lineage.len(), before + 1, "{lineage:#?}");
     assert_eq!(lineage.last().unwrap()["kind"], "restored");
-    let out = s.run("cat /app/state.txt; pgrep -fc 'x = [7]'").await.stdout;
+    let out = s
+        .run("cat /app/state.txt; pgrep -fc 'x = [7]'")
+        .await
+        .stdout;
     assert_eq!(out, "before\n1\n", "the sandbox after recover");
     s.finish().await;
 }

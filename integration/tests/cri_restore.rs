@@ -194,19 +194,37 @@ async fn a_privileged_checkpoint_is_refused_in_an_unprivileged_pod() {
     let mut src_pod = cri.pod_config("priv-src");
     pod_sc(&mut src_pod).privileged = true;
     let src_pod_id = cri.run_pod(&mut guard, "crab", &src_pod).await.unwrap();
-    let mut config = container_config("agent", crab_integration::cri::BUSYBOX, &["sh", "-c", COUNTER]);
+    let mut config = container_config(
+        "agent",
+        crab_integration::cri::BUSYBOX,
+        &["sh", "-c", COUNTER],
+    );
     linux_sc(&mut config).privileged = true;
-    let src = cri.run_container(&src_pod_id, &src_pod, config).await.unwrap();
-    cri.sh_until_ok(&src, "test \"$(cut -d' ' -f2 /tmp/count)\" -ge 5", Duration::from_secs(20))
+    let src = cri
+        .run_container(&src_pod_id, &src_pod, config)
         .await
         .unwrap();
+    cri.sh_until_ok(
+        &src,
+        "test \"$(cut -d' ' -f2 /tmp/count)\" -ge 5",
+        Duration::from_secs(20),
+    )
+    .await
+    .unwrap();
     let caps = cri.sh(&src, "grep CapEff /proc/1/status").await.unwrap();
     let eff = u64::from_str_radix(caps.split_whitespace().nth(1).unwrap_or(""), 16).unwrap_or(0);
-    assert_ne!(eff & 1 << 21, 0, "the source runs privileged (CAP_SYS_ADMIN): {caps}");
+    assert_ne!(
+        eff & 1 << 21,
+        0,
+        "the source runs privileged (CAP_SYS_ADMIN): {caps}"
+    );
     cri.end_turn(&src, "t1").await.unwrap();
     cri.sh(&src, "true").await.unwrap();
     assert!(
-        matches!(cri.checkpoint_kind(&src, "t1").as_deref(), Some("proc" | "full")),
+        matches!(
+            cri.checkpoint_kind(&src, "t1").as_deref(),
+            Some("proc" | "full")
+        ),
         "{}",
         cri.crabctl(&["checkpoints", &src]).1
     );
@@ -225,16 +243,25 @@ async fn a_privileged_checkpoint_is_refused_in_an_unprivileged_pod() {
     let dst_pod = cri.pod_config("priv-dst");
     let dst_pod_id = cri.run_pod(&mut guard, "crab", &dst_pod).await.unwrap();
     let id = cri
-        .create_container(&dst_pod_id, &dst_pod, container_config("agent", &image, &["sh", "-c", FRESH]))
+        .create_container(
+            &dst_pod_id,
+            &dst_pod,
+            container_config("agent", &image, &["sh", "-c", FRESH]),
+        )
         .await
         .unwrap();
     let err = cri.start_container(&id).await.unwrap_err().to_string();
     assert!(
-        err.contains("asks for more privilege than the container's spec grants") && err.contains("CAP_SYS_ADMIN"),
+        err.contains("asks for more privilege than the container's spec grants")
+            && err.contains("CAP_SYS_ADMIN"),
         "{err}"
     );
     let status = cri.container_status(&id).await.unwrap();
-    assert_ne!(status.state, api::ContainerState::ContainerRunning as i32, "{status:?}");
+    assert_ne!(
+        status.state,
+        api::ContainerState::ContainerRunning as i32,
+        "{status:?}"
+    );
 
     // A privileged pod restores it: the counter goes on.
     let mut ok_pod = cri.pod_config("priv-ok");
@@ -242,9 +269,18 @@ async fn a_privileged_checkpoint_is_refused_in_an_unprivileged_pod() {
     let ok_pod_id = cri.run_pod(&mut guard, "crab", &ok_pod).await.unwrap();
     let mut config = container_config("agent", &image, &["sh", "-c", FRESH]);
     linux_sc(&mut config).privileged = true;
-    let ok = cri.run_container(&ok_pod_id, &ok_pod, config).await.unwrap();
-    let init = cri.sh(&ok, "cat /proc/1/cmdline | tr '\\0' ' '").await.unwrap();
-    assert!(init.contains("while :"), "PID 1 is the restored counter: {init:?}");
+    let ok = cri
+        .run_container(&ok_pod_id, &ok_pod, config)
+        .await
+        .unwrap();
+    let init = cri
+        .sh(&ok, "cat /proc/1/cmdline | tr '\\0' ' '")
+        .await
+        .unwrap();
+    assert!(
+        init.contains("while :"),
+        "PID 1 is the restored counter: {init:?}"
+    );
 }
 
 /// Removes the exported image from the CRI's namespace, also when the test fails.

@@ -14,12 +14,16 @@ async fn turn(s: &mut Sandbox, script: &str, kind: &str) -> Value {
     s.run(script).await;
     let answer = s.end_turn().await;
     assert_eq!(
-        answer["kind"], kind,
+        answer["kind"],
+        kind,
         "turn {} `{script}`: expected {kind}, answer:\n{}",
         s.turn,
         serde_json::to_string_pretty(&answer).unwrap()
     );
-    assert!(answer["degraded"].as_array().unwrap().is_empty(), "degraded answer: {answer:#}");
+    assert!(
+        answer["degraded"].as_array().unwrap().is_empty(),
+        "degraded answer: {answer:#}"
+    );
     answer
 }
 
@@ -30,14 +34,23 @@ fn assert_unscanned(s: &Sandbox, a: &Value) {
     let turns = s.store().join("turns");
     let mapped = std::fs::read_dir(&turns).unwrap().any(|e| {
         let path = e.unwrap().path();
-        let answer: Value = serde_json::from_slice(&std::fs::read(path).unwrap_or_default()).unwrap_or_default();
+        let answer: Value =
+            serde_json::from_slice(&std::fs::read(path).unwrap_or_default()).unwrap_or_default();
         answer["fs"]["syscalls"].get("mmap-shared-write").is_some()
     });
-    assert!(a["fs"]["scanned"] == false || mapped, "no mutating syscall, yet the upperdir was compared: {a:#}");
+    assert!(
+        a["fs"]["scanned"] == false || mapped,
+        "no mutating syscall, yet the upperdir was compared: {a:#}"
+    );
 }
 
 fn paths(answer: &Value, field: &str) -> Vec<String> {
-    answer["fs"][field].as_array().unwrap().iter().map(|p| p.as_str().unwrap().to_string()).collect()
+    answer["fs"][field]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap().to_string())
+        .collect()
 }
 
 fn has(answer: &Value, field: &str, path: &str) -> bool {
@@ -49,7 +62,8 @@ async fn filesystem_turns() {
     let (mut s, _g) = Sandbox::start("inspect_fs", SandboxOptions::default()).await;
 
     // Setup: a repository and files to work on (python's bytecode caches get written too).
-    turn(&mut s, 
+    turn(
+        &mut s,
         "git init -q repo && cd repo && printf 'a\\nb\\n' > f.txt && git add f.txt && \
          git -c user.email=x@y -c user.name=x commit -qm init && git status >/dev/null && \
          python3 -c 'import json, http.server; print(1)' >/dev/null",
@@ -59,25 +73,39 @@ async fn filesystem_turns() {
 
     // Read-only turns leave nothing. (Plain `git status` may rewrite .git/index to refresh
     // its stat cache, a real change crab reports; `--no-optional-locks` is the read-only form.)
-    let a = turn(&mut s, 
-            "cat repo/f.txt; grep -r b repo/f.txt; ls -la / /app; find /etc -name '*.conf' | head; \
+    let a = turn(
+        &mut s,
+        "cat repo/f.txt; grep -r b repo/f.txt; ls -la / /app; find /etc -name '*.conf' | head; \
              cd repo && git --no-optional-locks status && git log --oneline; \
              python3 -c 'import json; print(json.dumps([1]))'",
-            "none",
-        )
-        .await;
+        "none",
+    )
+    .await;
     assert_unscanned(&s, &a);
 
     // A temp file created and removed: mutating syscalls, no net change.
-    let a = turn(&mut s, "echo tmp > /tmp/scratch.txt; cat /tmp/scratch.txt; rm /tmp/scratch.txt", "none").await;
+    let a = turn(
+        &mut s,
+        "echo tmp > /tmp/scratch.txt; cat /tmp/scratch.txt; rm /tmp/scratch.txt",
+        "none",
+    )
+    .await;
     assert_eq!(a["fs"]["scanned"], true, "{a:#}");
 
     // Printing to stdout/stderr is not a filesystem mutation.
-    let a = turn(&mut s, "for i in $(seq 100); do echo line $i; echo err $i >&2; done", "none").await;
+    let a = turn(
+        &mut s,
+        "for i in $(seq 100); do echo line $i; echo err $i >&2; done",
+        "none",
+    )
+    .await;
     assert_unscanned(&s, &a);
 
     let a = turn(&mut s, "sed -i 's/a/A/' repo/f.txt", "fs").await;
-    assert!(has(&a, "modified", "/app/repo/f.txt") || has(&a, "added", "/app/repo/f.txt"), "{a:#}");
+    assert!(
+        has(&a, "modified", "/app/repo/f.txt") || has(&a, "added", "/app/repo/f.txt"),
+        "{a:#}"
+    );
 
     let a = turn(&mut s, "echo appended >> repo/f.txt", "fs").await;
     assert!(has(&a, "modified", "/app/repo/f.txt"), "{a:#}");
@@ -101,15 +129,24 @@ async fn filesystem_turns() {
     let a = turn(&mut s, "truncate -s 1 repo/f.txt", "fs").await;
     assert!(has(&a, "modified", "/app/repo/f.txt"), "{a:#}");
 
-    let a = turn(&mut s, "ln repo/f.txt hard.txt && ln -s repo/f.txt soft.txt", "fs").await;
-    assert!(has(&a, "added", "/app/hard.txt") && has(&a, "added", "/app/soft.txt"), "{a:#}");
+    let a = turn(
+        &mut s,
+        "ln repo/f.txt hard.txt && ln -s repo/f.txt soft.txt",
+        "fs",
+    )
+    .await;
+    assert!(
+        has(&a, "added", "/app/hard.txt") && has(&a, "added", "/app/soft.txt"),
+        "{a:#}"
+    );
 
     // A file made in an earlier turn and removed now.
     let a = turn(&mut s, "rm soft.txt", "fs").await;
     assert!(has(&a, "deleted", "/app/soft.txt"), "{a:#}");
 
     // pip installs a local wheel into site-packages (built by hand: no index, no network).
-    turn(&mut s, 
+    turn(
+        &mut s,
         r#"python3 - <<'EOF'
 import zipfile
 with zipfile.ZipFile('/tmp/crabdemo-0.1-py3-none-any.whl', 'w') as z:
@@ -121,14 +158,17 @@ EOF"#,
         "fs",
     )
     .await;
-    let a = turn(&mut s, 
-            "pip install -q --no-index --break-system-packages /tmp/crabdemo-0.1-py3-none-any.whl && \
+    let a = turn(
+        &mut s,
+        "pip install -q --no-index --break-system-packages /tmp/crabdemo-0.1-py3-none-any.whl && \
              python3 -c 'import crabdemo; assert crabdemo.VALUE == 42'",
-            "fs",
-        )
-        .await;
+        "fs",
+    )
+    .await;
     assert!(
-        paths(&a, "added").iter().any(|p| p.contains("site-packages/crabdemo") || p.contains("dist-packages/crabdemo")),
+        paths(&a, "added")
+            .iter()
+            .any(|p| p.contains("site-packages/crabdemo") || p.contains("dist-packages/crabdemo")),
         "{a:#}"
     );
 
@@ -145,8 +185,9 @@ async fn process_turns() {
     turn(&mut s, "(sleep 0.2 &); sleep 0.6", "none").await;
 
     // A long-lived interpreter fed through a FIFO: its setup is a process (and a FIFO file).
-    let a = turn(&mut s, 
-            "mkfifo /tmp/repl; nohup python3 -u -c '
+    let a = turn(
+        &mut s,
+        "mkfifo /tmp/repl; nohup python3 -u -c '
 import sys
 state = {}
 while True:
@@ -155,51 +196,101 @@ while True:
             exec(line, state)
 ' >/dev/null 2>&1 &
 sleep 0.5",
-            "full",
-        )
-        .await;
+        "full",
+    )
+    .await;
     let started = a["procs"]["started"].as_array().unwrap();
-    assert!(started.iter().any(|p| p["cmdline"].as_str().unwrap().contains("python3")), "{a:#}");
+    assert!(
+        started
+            .iter()
+            .any(|p| p["cmdline"].as_str().unwrap().contains("python3")),
+        "{a:#}"
+    );
 
     // It receives input and changes its memory: a process turn without file changes.
-    let a = turn(&mut s, "echo 'x = bytearray(1 << 20); x[5] = 1' > /tmp/repl; sleep 0.3", "proc").await;
+    let a = turn(
+        &mut s,
+        "echo 'x = bytearray(1 << 20); x[5] = 1' > /tmp/repl; sleep 0.3",
+        "proc",
+    )
+    .await;
     let mem = a["procs"]["memory"].as_array().unwrap();
-    assert!(mem.iter().any(|m| m["changed_pages"].as_u64().unwrap() + m["added_pages"].as_u64().unwrap() > 0), "{a:#}");
+    assert!(
+        mem.iter()
+            .any(|m| m["changed_pages"].as_u64().unwrap() + m["added_pages"].as_u64().unwrap() > 0),
+        "{a:#}"
+    );
 
     // It receives nothing: it did not run, so nothing changed (exactly, without reading it).
     let a = turn(&mut s, "ls /tmp >/dev/null", "none").await;
-    assert!(!a["procs"]["idle"].as_array().unwrap().is_empty(), "the interpreter was idle: {a:#}");
+    assert!(
+        !a["procs"]["idle"].as_array().unwrap().is_empty(),
+        "the interpreter was idle: {a:#}"
+    );
 
     // A server left running is a process change...
-    let a = turn(&mut s, "nohup python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1 & sleep 1", "proc")
-        .await;
+    let a = turn(
+        &mut s,
+        "nohup python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1 & sleep 1",
+        "proc",
+    )
+    .await;
     assert!(
-        a["procs"]["started"].as_array().unwrap().iter().any(|p| p["cmdline"].as_str().unwrap().contains("http.server")),
+        a["procs"]["started"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["cmdline"].as_str().unwrap().contains("http.server")),
         "{a:#}"
     );
     // ... and, while it lives, its selector loop rewrites its memory every 0.5 s: every turn
     // is a process turn by exact comparison (DESIGN.md: measured, not guessed).
     let a = turn(&mut s, "sleep 1.2; curl -s 127.0.0.1:8000 >/dev/null || python3 -c 'import urllib.request as u; u.urlopen(\"http://127.0.0.1:8000\").read()'", "proc").await;
-    assert!(a["procs"]["started"].as_array().unwrap().is_empty(), "{a:#}");
+    assert!(
+        a["procs"]["started"].as_array().unwrap().is_empty(),
+        "{a:#}"
+    );
 
     // Stopping it is a process change too.
     let a = turn(&mut s, "pkill -f 'm http[.]server'; sleep 0.3", "proc").await;
     assert!(
-        a["procs"]["ended"].as_array().unwrap().iter().any(|p| p["cmdline"].as_str().unwrap().contains("http.server")),
+        a["procs"]["ended"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["cmdline"].as_str().unwrap().contains("http.server")),
         "{a:#}"
     );
 
     // A daemon that double-forks and calls setsid stays: a process change.
-    let a = turn(&mut s, "setsid sh -c 'sleep 1000 >/dev/null 2>&1 & exit 0'; sleep 0.3", "proc").await;
-    assert!(a["procs"]["started"].as_array().unwrap().iter().any(|p| p["cmdline"].as_str().unwrap().contains("sleep 1000")), "{a:#}");
+    let a = turn(
+        &mut s,
+        "setsid sh -c 'sleep 1000 >/dev/null 2>&1 & exit 0'; sleep 0.3",
+        "proc",
+    )
+    .await;
+    assert!(
+        a["procs"]["started"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["cmdline"].as_str().unwrap().contains("sleep 1000")),
+        "{a:#}"
+    );
 
     // Deleting a file a persisting process holds open: the process image must be retaken.
     turn(&mut s, "sleep 0.1", "none").await;
     let a = turn(&mut s, "echo log > /tmp/held.log; (exec 3</tmp/held.log; exec sleep 2000) >/dev/null 2>&1 & sleep 0.3", "full")
         .await;
-    assert!(!a["procs"]["started"].as_array().unwrap().is_empty(), "{a:#}");
+    assert!(
+        !a["procs"]["started"].as_array().unwrap().is_empty(),
+        "{a:#}"
+    );
     let a = turn(&mut s, "rm /tmp/held.log", "full").await;
-    assert!(!a["procs"]["held_changed"].as_array().unwrap().is_empty(), "{a:#}");
+    assert!(
+        !a["procs"]["held_changed"].as_array().unwrap().is_empty(),
+        "{a:#}"
+    );
 
     s.finish().await;
 }
@@ -208,16 +299,26 @@ sleep 0.5",
 async fn malformed_turn_annotations_change_nothing() {
     let (mut s, _g) = Sandbox::start("inspect_bad", SandboxOptions::default()).await;
     s.run("echo x > /app/x").await;
-    for (key, value) in [(TURN_END, ""), (TURN_END, "a\nb"), ("io.crab/turn-ned", "1")] {
-        let err = s
-            .h
-            .update(&s.id, None, HashMap::from([(key.to_string(), value.to_string())]))
+    for (key, value) in [
+        (TURN_END, ""),
+        (TURN_END, "a\nb"),
+        ("io.crab/turn-ned", "1"),
+    ] {
+        let err =
+            s.h.update(
+                &s.id,
+                None,
+                HashMap::from([(key.to_string(), value.to_string())]),
+            )
             .await
             .expect_err("malformed annotation accepted");
         assert!(err.to_string().contains("io.crab/"), "{err}");
     }
     let turns = s.store().join("turns");
-    assert!(!Path::new(&turns).exists(), "a malformed annotation stored an answer");
+    assert!(
+        !Path::new(&turns).exists(),
+        "a malformed annotation stored an answer"
+    );
     // The next well-formed turn end still sees the change made before.
     let a = s.end_turn().await;
     assert_eq!(a["kind"], "fs", "{a:#}");
@@ -229,11 +330,23 @@ async fn malformed_turn_annotations_change_nothing() {
 async fn tracked_volume_turns() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("notes.txt"), "v1\n").unwrap();
-    let (mut s, _g) = Sandbox::start("inspect_vol", SandboxOptions { volume: Some((dir.path(), "/workspace")), ..Default::default() }).await;
+    let (mut s, _g) = Sandbox::start(
+        "inspect_vol",
+        SandboxOptions {
+            volume: Some((dir.path(), "/workspace")),
+            ..Default::default()
+        },
+    )
+    .await;
     turn(&mut s, "cat /workspace/notes.txt", "none").await;
     let a = turn(&mut s, "echo v2 >> /workspace/notes.txt", "fs").await;
     assert!(has(&a, "modified", "/workspace/notes.txt"), "{a:#}");
-    let a = turn(&mut s, "mkdir /workspace/out && echo r > /workspace/out/result", "fs").await;
+    let a = turn(
+        &mut s,
+        "mkdir /workspace/out && echo r > /workspace/out/result",
+        "fs",
+    )
+    .await;
     assert!(has(&a, "added", "/workspace/out/result"), "{a:#}");
     let a = turn(&mut s, "rm /workspace/notes.txt", "fs").await;
     assert!(has(&a, "deleted", "/workspace/notes.txt"), "{a:#}");
@@ -248,7 +361,11 @@ async fn crabctl_turn_end_and_explain() {
     s.run("echo hello > /app/greeting").await;
     let config = s.state_dir.with_extension("toml");
     std::fs::create_dir_all(config.parent().unwrap()).unwrap();
-    std::fs::write(&config, format!("[store]\nstate_dir = \"{}\"\n", s.state_dir.display())).unwrap();
+    std::fs::write(
+        &config,
+        format!("[store]\nstate_dir = \"{}\"\n", s.state_dir.display()),
+    )
+    .unwrap();
     let crabctl = |args: &[&str]| {
         let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl");
         let out = std::process::Command::new(&bin)
@@ -258,14 +375,26 @@ async fn crabctl_turn_end_and_explain() {
             .arg(&config)
             .args(args)
             .output()
-            .unwrap_or_else(|e| panic!("run {}: {e} (build it with `cargo build --release`)", bin.display()));
-        (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+            .unwrap_or_else(|e| {
+                panic!(
+                    "run {}: {e} (build it with `cargo build --release`)",
+                    bin.display()
+                )
+            });
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
     };
     let (code, out, err) = crabctl(&["turn-end", &s.id, "--turn", "greet"]);
     assert_eq!(code, Some(0), "{out}{err}");
     let (code, out, err) = crabctl(&["turns", &s.id]);
     assert_eq!(code, Some(0), "{out}{err}");
-    let line = out.lines().find(|l| l.contains("greet")).unwrap_or_else(|| panic!("no turn line in:\n{out}"));
+    let line = out
+        .lines()
+        .find(|l| l.contains("greet"))
+        .unwrap_or_else(|| panic!("no turn line in:\n{out}"));
     assert!(line.contains(" fs ") && line.contains("fs +1"), "{line}");
     let (code, out, err) = crabctl(&["show", &s.id, "greet"]);
     assert_eq!(code, Some(0), "{out}{err}");

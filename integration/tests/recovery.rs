@@ -100,7 +100,10 @@ fn shim_pid(s: &Sandbox) -> i32 {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    let pids: Vec<i32> = text.split_whitespace().filter_map(|p| p.parse().ok()).collect();
+    let pids: Vec<i32> = text
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect();
     assert_eq!(pids.len(), 1, "one shim for {}: {text}", s.id);
     pids[0]
 }
@@ -138,7 +141,10 @@ async fn run_script(name: &str, crash_after: Option<(usize, Crash)>) -> String {
                 assert_eq!(code, 0, "recover after turn {at} ({how:?}): {out}{err}");
                 let lineage = s.lineage();
                 let last = lineage.last().unwrap();
-                assert_eq!(last["kind"], "restored", "the lineage records the recovery: {lineage:#?}");
+                assert_eq!(
+                    last["kind"], "restored",
+                    "the lineage records the recovery: {lineage:#?}"
+                );
             }
         }
     }
@@ -151,13 +157,34 @@ async fn run_script(name: &str, crash_after: Option<(usize, Crash)>) -> String {
 async fn crash_at_every_turn_recovers_the_fault_free_state() {
     let reference = run_script("rec-ref", None).await;
     eprintln!("fault-free state:\n{reference}");
-    for needle in ["./proj/a.txt", "crabdemo 42", "python3 /app/kv.py", "http.server 8000", "<h1>crab</h1>", "84", "['a', 'b', 'c']"] {
-        assert!(reference.contains(needle), "the fault-free run is not what the script makes ({needle}): {reference}");
+    for needle in [
+        "./proj/a.txt",
+        "crabdemo 42",
+        "python3 /app/kv.py",
+        "http.server 8000",
+        "<h1>crab</h1>",
+        "84",
+        "['a', 'b', 'c']",
+    ] {
+        assert!(
+            reference.contains(needle),
+            "the fault-free run is not what the script makes ({needle}): {reference}"
+        );
     }
     assert!(!reference.contains("junk.txt"), "{reference}");
     let runs = (1..=TURNS.len()).map(|at| {
-        let how = if at % 2 == 0 { Crash::Shim } else { Crash::Processes };
-        async move { (at, how, run_script(&format!("rec-{at}"), Some((at, how))).await) }
+        let how = if at % 2 == 0 {
+            Crash::Shim
+        } else {
+            Crash::Processes
+        };
+        async move {
+            (
+                at,
+                how,
+                run_script(&format!("rec-{at}"), Some((at, how))).await,
+            )
+        }
     });
     // A few at a time: each is a full agent sandbox.
     let mut failures = Vec::new();
@@ -170,11 +197,18 @@ async fn crash_at_every_turn_recovers_the_fault_free_state() {
         }
         for (at, how, state) in futures_join_all(batch).await {
             if state != reference {
-                failures.push(format!("crash after turn {at} ({how:?}):\n{}", diff(&reference, &state)));
+                failures.push(format!(
+                    "crash after turn {at} ({how:?}):\n{}",
+                    diff(&reference, &state)
+                ));
             }
         }
     }
-    assert!(failures.is_empty(), "recovered runs differ from the fault-free run:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "recovered runs differ from the fault-free run:\n{}",
+        failures.join("\n")
+    );
 }
 
 async fn futures_join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output>
@@ -193,8 +227,14 @@ where
 fn diff(want: &str, got: &str) -> String {
     let w: Vec<&str> = want.lines().collect();
     let g: Vec<&str> = got.lines().collect();
-    let missing = w.iter().filter(|l| !g.contains(l)).map(|l| format!("  - {l}"));
-    let extra = g.iter().filter(|l| !w.contains(l)).map(|l| format!("  + {l}"));
+    let missing = w
+        .iter()
+        .filter(|l| !g.contains(l))
+        .map(|l| format!("  - {l}"));
+    let extra = g
+        .iter()
+        .filter(|l| !w.contains(l))
+        .map(|l| format!("  + {l}"));
     missing.chain(extra).collect::<Vec<_>>().join("\n")
 }
 
@@ -215,27 +255,55 @@ async fn rollback_across_process_checkpoints_backwards_and_forwards() {
         end_turn_durably(&mut s).await;
     }
     let now = s.run(PROBE).await.stdout;
-    assert!(now.contains("84") && now.contains("['a', 'b', 'c']") && now.contains("server-up"), "{now}");
+    assert!(
+        now.contains("84") && now.contains("['a', 'b', 'c']") && now.contains("server-up"),
+        "{now}"
+    );
     // (turn, what its state shows): t4 = interpreter x=42 and names, junk still there, no server;
     // t7 = after the delete, the install and the server; t3 = x=41, names not yet defined.
     for (turn, want, not) in [
-        ("t4", vec!["junk.txt", "v1\n42\n['a', 'b']", "server-down"], vec!["v2", "server-up"]),
-        ("t7", vec!["v1\nv2\n42\n['a', 'b']", "server-up"], vec!["junk.txt\n", "server-down"]),
-        ("t3", vec!["junk.txt", "v1\n41\n", "server-down"], vec!["['a', 'b']", "server-up"]),
-        ("t8", vec!["84", "['a', 'b', 'c']", "server-up"], vec!["junk.txt\n"]),
+        (
+            "t4",
+            vec!["junk.txt", "v1\n42\n['a', 'b']", "server-down"],
+            vec!["v2", "server-up"],
+        ),
+        (
+            "t7",
+            vec!["v1\nv2\n42\n['a', 'b']", "server-up"],
+            vec!["junk.txt\n", "server-down"],
+        ),
+        (
+            "t3",
+            vec!["junk.txt", "v1\n41\n", "server-down"],
+            vec!["['a', 'b']", "server-up"],
+        ),
+        (
+            "t8",
+            vec!["84", "['a', 'b', 'c']", "server-up"],
+            vec!["junk.txt\n"],
+        ),
     ] {
         let (code, out, err) = s.crabctl(&["rollback", &s.id, "--to", turn]);
         assert_eq!(code, 0, "rollback to {turn}: {out}{err}");
         let state = s.run(PROBE).await.stdout;
         for w in want {
-            assert!(state.contains(w), "after rollback to {turn}, expected {w:?} in:\n{state}");
+            assert!(
+                state.contains(w),
+                "after rollback to {turn}, expected {w:?} in:\n{state}"
+            );
         }
         for n in not {
-            assert!(!state.contains(n), "after rollback to {turn}, unexpected {n:?} in:\n{state}");
+            assert!(
+                !state.contains(n),
+                "after rollback to {turn}, unexpected {n:?} in:\n{state}"
+            );
         }
         let last = s.lineage().last().cloned().unwrap();
         assert_eq!(last["kind"], "restored", "{last:#}");
-        assert_eq!(last["turn_id"], turn, "the lineage records which turn was rolled back to: {last:#}");
+        assert_eq!(
+            last["turn_id"], turn,
+            "the lineage records which turn was rolled back to: {last:#}"
+        );
     }
     s.finish().await;
 }
@@ -279,6 +347,10 @@ except BlockingIOError:
     crash(&s, Crash::Processes).await;
     let (code, out, err) = s.crabctl(&["recover", &s.id]);
     assert_eq!(code, 0, "recover: {out}{err}");
-    assert_eq!(s.run(PROBE).await.stdout, "unix-ok\nlock-held\n", "after the crash and recover");
+    assert_eq!(
+        s.run(PROBE).await.stdout,
+        "unix-ok\nlock-held\n",
+        "after the crash and recover"
+    );
     s.finish().await;
 }

@@ -30,7 +30,11 @@ struct Registry {
 impl Registry {
     fn start() -> Registry {
         let dir = tempfile::tempdir().unwrap();
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let addr = format!("127.0.0.1:{port}");
         let config = dir.path().join("config.yml");
         std::fs::write(
@@ -50,7 +54,11 @@ impl Registry {
             .expect("docker-registry (hack/install-deps.sh installs it)");
         for _ in 0..100 {
             if std::net::TcpStream::connect(&addr).is_ok() {
-                return Registry { child, addr, _dir: dir };
+                return Registry {
+                    child,
+                    addr,
+                    _dir: dir,
+                };
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -75,24 +83,37 @@ impl Node {
     fn start(home: &Path) -> Node {
         let bin = home.join("bin");
         std::fs::create_dir_all(&bin).unwrap();
-        let shim = repo().join("target/release/containerd-shim-crab-v1").canonicalize().unwrap();
+        let shim = repo()
+            .join("target/release/containerd-shim-crab-v1")
+            .canonicalize()
+            .unwrap();
         let link = bin.join("containerd-shim-crab-v1");
         let _ = std::fs::remove_file(&link);
         std::os::unix::fs::symlink(shim, link).unwrap();
-        let node = Node { env: Node::env(home) };
+        let node = Node {
+            env: Node::env(home),
+        };
         node.hack("start");
         node
     }
 
     fn env(home: &Path) -> TestEnv {
-        let out = Command::new(repo().join("hack/containerd.sh")).arg("env").env("CRAB_HOME", home).output().unwrap();
+        let out = Command::new(repo().join("hack/containerd.sh"))
+            .arg("env")
+            .env("CRAB_HOME", home)
+            .output()
+            .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
         let address = text
             .lines()
             .find_map(|l| l.strip_prefix("export CRAB_CONTAINERD_ADDRESS="))
             .map(|v| PathBuf::from(v.trim_matches(|c| c == '\'' || c == '"')))
             .unwrap_or_else(|| panic!("hack/containerd.sh env: {text}"));
-        TestEnv { crab_home: home.to_path_buf(), address, ..TestEnv::from_env() }
+        TestEnv {
+            crab_home: home.to_path_buf(),
+            address,
+            ..TestEnv::from_env()
+        }
     }
 
     fn hack(&self, cmd: &str) {
@@ -102,7 +123,11 @@ impl Node {
             .env_remove("CRAB_CONTAINERD_ADDRESS")
             .output()
             .unwrap();
-        assert!(out.status.success(), "hack/containerd.sh {cmd}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "hack/containerd.sh {cmd}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 
@@ -116,7 +141,8 @@ impl Drop for Node {
 async fn a_pushed_checkpoint_restores_on_another_node() {
     let registry = Registry::start();
     let (mut s, _guard) = Sandbox::start("registry", SandboxOptions::default()).await;
-    s.run("mkdir -p proj && echo 'made on node 1' > proj/notes.txt").await;
+    s.run("mkdir -p proj && echo 'made on node 1' > proj/notes.txt")
+        .await;
     s.end_turn().await;
     s.run(
         "nohup python3 -c 'import http.server as h; h.ThreadingHTTPServer((\"127.0.0.1\", 8000), h.SimpleHTTPRequestHandler).serve_forever()' \
@@ -132,20 +158,52 @@ async fn a_pushed_checkpoint_restores_on_another_node() {
     let (code, out, err) = s.crabctl(&["export", &s.id, &reference]);
     assert_eq!(code, 0, "export: {out}{err}");
     let ctr1 = s.h.ctr();
-    ctr1.run(&["images", "push", "--plain-http", &reference]).unwrap().ok().unwrap();
+    ctr1.run(&["images", "push", "--plain-http", &reference])
+        .unwrap()
+        .ok()
+        .unwrap();
 
-    let home = s.h.env.crab_home.join(format!("node2-{}", std::process::id()));
+    let home =
+        s.h.env
+            .crab_home
+            .join(format!("node2-{}", std::process::id()));
     let node = Node::start(&home);
     let ctr2 = Ctr::new(&node.env);
-    ctr2.run(&["images", "pull", "--plain-http", &reference]).unwrap().ok().unwrap();
+    ctr2.run(&["images", "pull", "--plain-http", &reference])
+        .unwrap()
+        .ok()
+        .unwrap();
     let config = home.join("crab.toml");
     // Node 2 has a signing key of its own: node 1's image is not signed by a key it trusts.
-    std::fs::write(&config, format!("[store]\nstate_dir = \"{}\"\n", home.join("state").display())).unwrap();
+    std::fs::write(
+        &config,
+        format!(
+            "[store]\nstate_dir = \"{}\"\n",
+            home.join("state").display()
+        ),
+    )
+    .unwrap();
     let refused = ctr2
-        .run(&["run", "-d", "--runtime", "io.containerd.crab.v1", "--runtime-config-path", config.to_str().unwrap(), &reference, "untrusted-on-node-2"])
+        .run(&[
+            "run",
+            "-d",
+            "--runtime",
+            "io.containerd.crab.v1",
+            "--runtime-config-path",
+            config.to_str().unwrap(),
+            &reference,
+            "untrusted-on-node-2",
+        ])
         .unwrap();
-    assert_ne!(refused.code(), 0, "node 2 restored an image signed by a key it does not trust: {refused:?}");
-    assert!(format!("{refused:?}").contains("not signed by a trusted key"), "{refused:?}");
+    assert_ne!(
+        refused.code(),
+        0,
+        "node 2 restored an image signed by a key it does not trust: {refused:?}"
+    );
+    assert!(
+        format!("{refused:?}").contains("not signed by a trusted key"),
+        "{refused:?}"
+    );
     let _ = ctr2.run(&["containers", "rm", "untrusted-on-node-2"]);
     // Trusting node 1's public key (as a cluster would, from a Secret on every node) restores it.
     let node1_key = s.state_dir.join("keys/checkpoint-signing.pub");
@@ -174,26 +232,71 @@ async fn a_pushed_checkpoint_restores_on_another_node() {
     .unwrap();
     let check = "cat /app/proj/notes.txt; ls -a / | grep -c crab-checkpoint; ps -eo args --no-headers | grep '^python3' | sort; \
                  python3 -c 'import urllib.request as u; print(u.urlopen(\"http://127.0.0.1:8000/proj/notes.txt\").read().decode().strip())'";
-    let out = ctr2.run(&["tasks", "exec", "--exec-id", "check", id, "bash", "-c", check]).unwrap();
-    assert!(out.stdout.contains("made on node 1\n0\n"), "files restored, reserved dir hidden: {out:?}");
-    assert!(out.stdout.contains("python3 -c import http.server"), "the server process: {out:?}");
-    assert!(out.stdout.contains("secret = [i * i"), "the interpreter process: {out:?}");
-    assert!(out.stdout.trim_end().ends_with("made on node 1"), "the server answers: {out:?}");
+    let out = ctr2
+        .run(&[
+            "tasks",
+            "exec",
+            "--exec-id",
+            "check",
+            id,
+            "bash",
+            "-c",
+            check,
+        ])
+        .unwrap();
+    assert!(
+        out.stdout.contains("made on node 1\n0\n"),
+        "files restored, reserved dir hidden: {out:?}"
+    );
+    assert!(
+        out.stdout.contains("python3 -c import http.server"),
+        "the server process: {out:?}"
+    );
+    assert!(
+        out.stdout.contains("secret = [i * i"),
+        "the interpreter process: {out:?}"
+    );
+    assert!(
+        out.stdout.trim_end().ends_with("made on node 1"),
+        "the server answers: {out:?}"
+    );
     // The interpreter's memory: it answers from the list it built on node 1.
     let probe = "python3 -c 'import socket; c = socket.create_connection((\"127.0.0.1\", 9000)); print(c.recv(100).decode())'";
-    let out = ctr2.run(&["tasks", "exec", "--exec-id", "probe", id, "bash", "-c", probe]).unwrap();
-    assert_eq!(out.stdout.trim(), (0..1000u64).map(|i| i * i).sum::<u64>().to_string(), "{out:?}");
+    let out = ctr2
+        .run(&[
+            "tasks",
+            "exec",
+            "--exec-id",
+            "probe",
+            id,
+            "bash",
+            "-c",
+            probe,
+        ])
+        .unwrap();
+    assert_eq!(
+        out.stdout.trim(),
+        (0..1000u64).map(|i| i * i).sum::<u64>().to_string(),
+        "{out:?}"
+    );
     // Its lineage on node 2 begins with the restored checkpoint (recorded in the background, as
     // it imports the process image: the container did not wait for it).
-    let origin = home.join("state/crab-test").join(id).join("checkpoints/000001.json");
+    let origin = home
+        .join("state/crab-test")
+        .join(id)
+        .join("checkpoints/000001.json");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     while !origin.exists() && std::time::Instant::now() < deadline {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
-    let origin: serde_json::Value = serde_json::from_slice(&std::fs::read(&origin).unwrap()).unwrap();
+    let origin: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&origin).unwrap()).unwrap();
     assert_eq!(origin["kind"], "restored", "{origin:#}");
     assert!(origin["process"]["image"].is_string(), "{origin:#}");
-    assert!(origin["explanation"].as_str().unwrap().contains(&s.id), "{origin:#}");
+    assert!(
+        origin["explanation"].as_str().unwrap().contains(&s.id),
+        "{origin:#}"
+    );
 
     drop(node);
     let _ = std::fs::remove_dir_all(&home);

@@ -177,7 +177,10 @@ fn ctr_run(h: &Harness, signer: &Sandbox, image: &str, id: &str, script: &str) -
         format!(
             "[store]\nstate_dir = \"{}\"\n[restore]\ntrusted_keys = [\"{}\"]\n",
             state.display(),
-            signer.state_dir.join("keys/checkpoint-signing.pub").display()
+            signer
+                .state_dir
+                .join("keys/checkpoint-signing.pub")
+                .display()
         ),
     )
     .unwrap();

@@ -24,7 +24,13 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 fn sha256(data: &[u8]) -> String {
-    format!("sha256:{}", Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect::<String>())
+    format!(
+        "sha256:{}",
+        Sha256::digest(data)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    )
 }
 
 /// An OCI image archive (`ctr images export`): its files by path.
@@ -37,9 +43,16 @@ impl Archive {
     fn try_read(path: &Path) -> Result<Archive, String> {
         let data = std::fs::read(path).map_err(|e| e.to_string())?;
         let mut files = HashMap::new();
-        for e in tar::Archive::new(&data[..]).entries().map_err(|e| e.to_string())? {
+        for e in tar::Archive::new(&data[..])
+            .entries()
+            .map_err(|e| e.to_string())?
+        {
             let mut e = e.map_err(|e| e.to_string())?;
-            let name = e.path().map_err(|e| e.to_string())?.to_string_lossy().into_owned();
+            let name = e
+                .path()
+                .map_err(|e| e.to_string())?
+                .to_string_lossy()
+                .into_owned();
             let mut buf = Vec::new();
             e.read_to_end(&mut buf).map_err(|e| e.to_string())?;
             files.insert(name, buf);
@@ -56,7 +69,11 @@ impl Archive {
     fn export(h: &Harness, reference: &str, path: &Path) -> Archive {
         let mut last = String::new();
         for attempt in 1..=3 {
-            h.ctr().run(&["images", "export", path.to_str().unwrap(), reference]).unwrap().ok().unwrap();
+            h.ctr()
+                .run(&["images", "export", path.to_str().unwrap(), reference])
+                .unwrap()
+                .ok()
+                .unwrap();
             match Archive::try_read(path) {
                 Ok(a) => return a,
                 Err(e) => {
@@ -74,21 +91,34 @@ impl Archive {
 
     fn put_blob(&mut self, data: Vec<u8>) -> String {
         let digest = sha256(&data);
-        self.files.insert(format!("blobs/sha256/{}", digest.strip_prefix("sha256:").unwrap()), data);
+        self.files.insert(
+            format!("blobs/sha256/{}", digest.strip_prefix("sha256:").unwrap()),
+            data,
+        );
         digest
     }
 
     fn manifest(&self) -> Value {
         let index: Value = serde_json::from_slice(&self.files["index.json"]).unwrap();
-        serde_json::from_slice(self.blob(index["manifests"][0]["digest"].as_str().unwrap())).unwrap()
+        serde_json::from_slice(self.blob(index["manifests"][0]["digest"].as_str().unwrap()))
+            .unwrap()
     }
 
     /// Replaces the last layer with `tar` (uncompressed), or its blob with `raw_blob` kept under
     /// the old digest (a corrupt download), and names the result `name`.
-    fn with_last_layer(&self, name: &str, tar: Option<Vec<u8>>, raw_blob: Option<Vec<u8>>) -> Archive {
-        let mut out = Archive { files: self.files.clone() };
+    fn with_last_layer(
+        &self,
+        name: &str,
+        tar: Option<Vec<u8>>,
+        raw_blob: Option<Vec<u8>>,
+    ) -> Archive {
+        let mut out = Archive {
+            files: self.files.clone(),
+        };
         let mut manifest = self.manifest();
-        let mut config: Value = serde_json::from_slice(self.blob(manifest["config"]["digest"].as_str().unwrap())).unwrap();
+        let mut config: Value =
+            serde_json::from_slice(self.blob(manifest["config"]["digest"].as_str().unwrap()))
+                .unwrap();
         let last = manifest["layers"].as_array().unwrap().len() - 1;
         if let Some(tar) = tar {
             let diff_id = sha256(&tar);
@@ -100,8 +130,14 @@ impl Archive {
             ids[n - 1] = diff_id.into();
         }
         if let Some(raw) = raw_blob {
-            let digest = manifest["layers"][last]["digest"].as_str().unwrap().to_string();
-            out.files.insert(format!("blobs/sha256/{}", digest.strip_prefix("sha256:").unwrap()), raw);
+            let digest = manifest["layers"][last]["digest"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            out.files.insert(
+                format!("blobs/sha256/{}", digest.strip_prefix("sha256:").unwrap()),
+                raw,
+            );
         }
         let config = serde_json::to_vec(&config).unwrap();
         let (config_size, config_digest) = (config.len(), out.put_blob(config));
@@ -113,7 +149,8 @@ impl Archive {
             "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": manifest_digest, "size": manifest_size,
             "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": "bad"}
         }]});
-        out.files.insert("index.json".into(), serde_json::to_vec(&index).unwrap());
+        out.files
+            .insert("index.json".into(), serde_json::to_vec(&index).unwrap());
         out
     }
 
@@ -129,7 +166,10 @@ impl Archive {
             h.set_cksum();
             b.append_data(&mut h, name, &data[..]).unwrap();
         }
-        std::fs::File::create(path).unwrap().write_all(&b.into_inner().unwrap()).unwrap();
+        std::fs::File::create(path)
+            .unwrap()
+            .write_all(&b.into_inner().unwrap())
+            .unwrap();
     }
 
     /// The entries of the last layer (zstd or plain tar): (header, data) in order.
@@ -162,7 +202,11 @@ fn raw_tar(entries: &[(&str, &[u8], Option<&str>)]) -> Vec<u8> {
                 raw.linkname[..l.len()].copy_from_slice(l.as_bytes());
             }
         }
-        h.set_entry_type(if link.is_some() { tar::EntryType::Symlink } else { tar::EntryType::Regular });
+        h.set_entry_type(if link.is_some() {
+            tar::EntryType::Symlink
+        } else {
+            tar::EntryType::Regular
+        });
         h.set_size(if link.is_some() { 0 } else { data.len() as u64 });
         h.set_mode(0o644);
         h.set_cksum();
@@ -178,26 +222,49 @@ fn raw_tar(entries: &[(&str, &[u8], Option<&str>)]) -> Vec<u8> {
 
 /// Layer entries re-packed into a plain tar, with `edit` applied to (path, data). The
 /// signature is left as it was: the image no longer matches it.
-fn repack(entries: &[(tar::Header, Vec<u8>)], edit: impl Fn(&str, &[u8]) -> Option<Vec<u8>>) -> Vec<u8> {
+fn repack(
+    entries: &[(tar::Header, Vec<u8>)],
+    edit: impl Fn(&str, &[u8]) -> Option<Vec<u8>>,
+) -> Vec<u8> {
     repack_signed(entries, edit, None)
 }
 
 /// [`repack`], then, with `key`, `signature.json` made anew over what the layer now holds
 /// (someone who holds a trusted key: the image is corrupt, yet signed).
-fn repack_signed(entries: &[(tar::Header, Vec<u8>)], edit: impl Fn(&str, &[u8]) -> Option<Vec<u8>>, key: Option<&Path>) -> Vec<u8> {
+fn repack_signed(
+    entries: &[(tar::Header, Vec<u8>)],
+    edit: impl Fn(&str, &[u8]) -> Option<Vec<u8>>,
+    key: Option<&Path>,
+) -> Vec<u8> {
     let mut edited = Vec::new();
     for (h, data) in entries {
         let path = h.path().unwrap().to_string_lossy().into_owned();
-        let Some(data) = (if h.entry_type().is_file() { edit(&path, data) } else { Some(data.clone()) }) else { continue };
+        let Some(data) = (if h.entry_type().is_file() {
+            edit(&path, data)
+        } else {
+            Some(data.clone())
+        }) else {
+            continue;
+        };
         edited.push((h.clone(), path, data));
     }
     if let Some(key) = key {
-        let find = |suffix: &str| edited.iter().position(|(_, p, _)| p.ends_with(suffix)).unwrap();
+        let find = |suffix: &str| {
+            edited
+                .iter()
+                .position(|(_, p, _)| p.ends_with(suffix))
+                .unwrap()
+        };
         let meta = &edited[find(".crab-checkpoint/checkpoint.json")].2;
         let criu: serde_json::Map<String, Value> = edited
             .iter()
             .filter(|(h, p, _)| h.entry_type().is_file() && p.contains(".crab-checkpoint/criu/"))
-            .map(|(_, p, d)| (p.rsplit('/').next().unwrap().to_string(), json!({"sha256": sha256(d), "size": d.len()})))
+            .map(|(_, p, d)| {
+                (
+                    p.rsplit('/').next().unwrap().to_string(),
+                    json!({"sha256": sha256(d), "size": d.len()}),
+                )
+            })
             .collect();
         let i = find(".crab-checkpoint/signature.json");
         edited[i].2 = sign(key, &json!({"checkpoint_json": sha256(meta), "criu": criu}));
@@ -218,7 +285,9 @@ fn sign(key: &Path, statement: &Value) -> Vec<u8> {
     use ed25519_dalek::Signer;
     let text = std::fs::read_to_string(key).unwrap();
     let hex = text.trim().strip_prefix("ed25519-private:").unwrap();
-    let seed: Vec<u8> = (0..32).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap()).collect();
+    let seed: Vec<u8> = (0..32)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
     let key = ed25519_dalek::SigningKey::from_bytes(&seed.try_into().unwrap());
     let mut message = b"crab checkpoint image signature v1\n".to_vec();
     message.extend(serde_json::to_vec(statement).unwrap());
@@ -259,8 +328,18 @@ async fn fixture_with(name: &str, options: SandboxOptions<'_>) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("good.tar");
     let good = Archive::export(&h, &reference, &path);
-    h.ctr().run(&["images", "rm", &reference]).unwrap().ok().unwrap();
-    Fixture { s, _guard: guard, h, dir, good }
+    h.ctr()
+        .run(&["images", "rm", &reference])
+        .unwrap()
+        .ok()
+        .unwrap();
+    Fixture {
+        s,
+        _guard: guard,
+        h,
+        dir,
+        good,
+    }
 }
 
 impl Fixture {
@@ -293,22 +372,53 @@ impl Fixture {
     /// first, `sleep infinity` as the command where no process is restored), then runs
     /// `probe` in it with `bash -c`: (exit code, output) of the start if it failed, else of
     /// the probe. The container is removed after.
-    fn run(&self, label: &str, image: &Archive, config: &Path, flags: &[&str], probe: &str) -> (i32, String) {
+    fn run(
+        &self,
+        label: &str,
+        image: &Archive,
+        config: &Path,
+        flags: &[&str],
+        probe: &str,
+    ) -> (i32, String) {
         let name = self.name(label);
         let path = self.dir.path().join(format!("{label}.tar"));
         image.write(&path);
         let ctr = self.h.ctr();
-        ctr.run(&["images", "import", path.to_str().unwrap()]).unwrap().ok().unwrap();
+        ctr.run(&["images", "import", path.to_str().unwrap()])
+            .unwrap()
+            .ok()
+            .unwrap();
         let id = format!("{}-{label}", self.s.id);
         let _g = self.h.guard(&[&id]);
-        let mut cmd = vec!["run", "-d", "--runtime", "io.containerd.crab.v1", "--runtime-config-path", config.to_str().unwrap()];
+        let mut cmd = vec![
+            "run",
+            "-d",
+            "--runtime",
+            "io.containerd.crab.v1",
+            "--runtime-config-path",
+            config.to_str().unwrap(),
+        ];
         cmd.extend_from_slice(flags);
         cmd.extend_from_slice(&[&name, &id, "sleep", "infinity"]);
         let started = ctr.run(&cmd).unwrap();
         let out = if started.code() != 0 {
-            (started.code(), format!("{}{}", started.stdout, started.stderr))
+            (
+                started.code(),
+                format!("{}{}", started.stdout, started.stderr),
+            )
         } else {
-            let probed = ctr.run(&["tasks", "exec", "--exec-id", "probe", &id, "bash", "-c", probe]).unwrap();
+            let probed = ctr
+                .run(&[
+                    "tasks",
+                    "exec",
+                    "--exec-id",
+                    "probe",
+                    &id,
+                    "bash",
+                    "-c",
+                    probe,
+                ])
+                .unwrap();
             let _ = ctr.run(&["tasks", "kill", "-s", "SIGKILL", &id]);
             (probed.code(), format!("{}{}", probed.stdout, probed.stderr))
         };
@@ -329,7 +439,9 @@ impl Fixture {
         let path = self.dir.path().join(format!("{label}.tar"));
         bad.write(&path);
         let ctr = self.h.ctr();
-        let import = ctr.run(&["images", "import", path.to_str().unwrap()]).unwrap();
+        let import = ctr
+            .run(&["images", "import", path.to_str().unwrap()])
+            .unwrap();
         let id = format!("{}-{label}", self.s.id);
         let out = if import.code() != 0 {
             format!("{}{}", import.stdout, import.stderr)
@@ -337,7 +449,18 @@ impl Fixture {
             // A corrupt CRIU image can make CRIU spin: the restore is bounded (short here).
             let config = self.config("fails", restore);
             let run = ctr
-                .run(&["run", "-d", "--runtime", "io.containerd.crab.v1", "--runtime-config-path", config.to_str().unwrap(), &name, &id, "sleep", "1"])
+                .run(&[
+                    "run",
+                    "-d",
+                    "--runtime",
+                    "io.containerd.crab.v1",
+                    "--runtime-config-path",
+                    config.to_str().unwrap(),
+                    &name,
+                    &id,
+                    "sleep",
+                    "1",
+                ])
                 .unwrap();
             let _ = ctr.run(&["images", "rm", &name]);
             assert_ne!(run.code(), 0, "{label}: the bad image started: {run:?}");
@@ -347,13 +470,31 @@ impl Fixture {
         // the task when Start failed: stopped, as after any failed start); deleting them, as a
         // user would, must work and release everything.
         let tasks = ctr.run(&["tasks", "ls"]).unwrap().ok().unwrap();
-        if let Some(line) = tasks.stdout.lines().find(|l| l.split_whitespace().next() == Some(id.as_str())) {
-            assert!(line.contains("STOPPED"), "{label}: a task was left running: {line}");
+        if let Some(line) = tasks
+            .stdout
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(id.as_str()))
+        {
+            assert!(
+                line.contains("STOPPED"),
+                "{label}: a task was left running: {line}"
+            );
             ctr.run(&["tasks", "rm", &id]).unwrap().ok().unwrap();
         }
         let _ = ctr.run(&["containers", "rm", &id]);
-        let leftovers: Vec<String> = self.h.inventory().await.unwrap().into_iter().flat_map(|n| n.containers).filter(|c| c == &id).collect();
-        assert!(leftovers.is_empty(), "{label}: the container cannot be deleted");
+        let leftovers: Vec<String> = self
+            .h
+            .inventory()
+            .await
+            .unwrap()
+            .into_iter()
+            .flat_map(|n| n.containers)
+            .filter(|c| c == &id)
+            .collect();
+        assert!(
+            leftovers.is_empty(),
+            "{label}: the container cannot be deleted"
+        );
         self.h.assert_no_leaks(&id).await;
         out
     }
@@ -363,7 +504,13 @@ impl Fixture {
 async fn bad_checkpoint_images_fail_cleanly() {
     let f = fixture("badimg").await;
     let entries = f.good.last_layer_entries();
-    assert!(entries.iter().any(|(h, _)| h.path().unwrap().ends_with(".crab-checkpoint/checkpoint.json")), "the last layer is crab's");
+    assert!(
+        entries.iter().any(|(h, _)| h
+            .path()
+            .unwrap()
+            .ends_with(".crab-checkpoint/checkpoint.json")),
+        "the last layer is crab's"
+    );
 
     // An unknown newer format.
     let newer = repack(&entries, |p, d| {
@@ -375,48 +522,141 @@ async fn bad_checkpoint_images_fail_cleanly() {
             d.to_vec()
         })
     });
-    let out = f.run_fails("newer", &f.good.with_last_layer(&f.name("newer"), Some(newer), None)).await;
-    assert!(out.contains("format 99") && out.contains("upgrade crab"), "{out}");
+    let out = f
+        .run_fails(
+            "newer",
+            &f.good.with_last_layer(&f.name("newer"), Some(newer), None),
+        )
+        .await;
+    assert!(
+        out.contains("format 99") && out.contains("upgrade crab"),
+        "{out}"
+    );
 
     // A CRIU image that does not match: its process tree is gone, or its pages are cut short.
     // Changed after signing, each is refused before CRIU sees it.
     let no_pstree_edit = |p: &str, d: &[u8]| (!p.ends_with("pstree.img")).then(|| d.to_vec());
-    let short_pages_edit = |p: &str, d: &[u8]| Some(if p.contains("/pages-") { d[..d.len() / 2].to_vec() } else { d.to_vec() });
+    let short_pages_edit = |p: &str, d: &[u8]| {
+        Some(if p.contains("/pages-") {
+            d[..d.len() / 2].to_vec()
+        } else {
+            d.to_vec()
+        })
+    };
     let no_pstree = repack(&entries, no_pstree_edit);
-    let out = f.run_fails("nopstree-unsigned", &f.good.with_last_layer(&f.name("nopstree-unsigned"), Some(no_pstree), None)).await;
-    assert!(out.contains("altered after signing") && out.contains("pstree.img was signed but is missing"), "{out}");
+    let out = f
+        .run_fails(
+            "nopstree-unsigned",
+            &f.good
+                .with_last_layer(&f.name("nopstree-unsigned"), Some(no_pstree), None),
+        )
+        .await;
+    assert!(
+        out.contains("altered after signing")
+            && out.contains("pstree.img was signed but is missing"),
+        "{out}"
+    );
     let short_pages = repack(&entries, short_pages_edit);
-    let out = f.run_fails("shortpages-unsigned", &f.good.with_last_layer(&f.name("shortpages-unsigned"), Some(short_pages), None)).await;
-    assert!(out.contains("altered after signing") && out.contains("pages-"), "{out}");
+    let out = f
+        .run_fails(
+            "shortpages-unsigned",
+            &f.good
+                .with_last_layer(&f.name("shortpages-unsigned"), Some(short_pages), None),
+        )
+        .await;
+    assert!(
+        out.contains("altered after signing") && out.contains("pages-"),
+        "{out}"
+    );
     // Signed anew by the trusted key, a corrupt image reaches CRIU, which fails (bounded).
     let no_pstree = repack_signed(&entries, no_pstree_edit, Some(&f.key()));
-    let out = f.run_fails("nopstree", &f.good.with_last_layer(&f.name("nopstree"), Some(no_pstree), None)).await;
-    assert!(out.contains("cannot start") && out.contains("pstree.img"), "{out}");
+    let out = f
+        .run_fails(
+            "nopstree",
+            &f.good
+                .with_last_layer(&f.name("nopstree"), Some(no_pstree), None),
+        )
+        .await;
+    assert!(
+        out.contains("cannot start") && out.contains("pstree.img"),
+        "{out}"
+    );
     let short_pages = repack_signed(&entries, short_pages_edit, Some(&f.key()));
-    let out = f.run_fails("shortpages", &f.good.with_last_layer(&f.name("shortpages"), Some(short_pages), None)).await;
-    assert!(out.contains("cannot restore") && out.contains("restore_timeout_ms"), "{out}");
+    let out = f
+        .run_fails(
+            "shortpages",
+            &f.good
+                .with_last_layer(&f.name("shortpages"), Some(short_pages), None),
+        )
+        .await;
+    assert!(
+        out.contains("cannot restore") && out.contains("restore_timeout_ms"),
+        "{out}"
+    );
 
     // A CRIU image larger than the config allows (a file of zeros: tiny once compressed) is
     // refused before a byte of it is copied, even when a trusted key signed it.
     let zeros = vec![0u8; 3 << 20];
     let mut big = entries.clone();
-    let (mut h, _) = big.iter().find(|(h, _)| h.path().unwrap().to_string_lossy().contains("/pages-")).unwrap().clone();
+    let (mut h, _) = big
+        .iter()
+        .find(|(h, _)| h.path().unwrap().to_string_lossy().contains("/pages-"))
+        .unwrap()
+        .clone();
     h.set_path(".crab-checkpoint/criu/pages-99.img").unwrap();
     big.push((h, zeros));
     let big = repack_signed(&big, |_, d| Some(d.to_vec()), Some(&f.key()));
-    let out = f.run_fails_with("toobig", &f.good.with_last_layer(&f.name("toobig"), Some(big), None), "max_image_mib = 1\n").await;
-    assert!(out.contains("max_image_mib") && out.contains("more than"), "{out}");
+    let out = f
+        .run_fails_with(
+            "toobig",
+            &f.good.with_last_layer(&f.name("toobig"), Some(big), None),
+            "max_image_mib = 1\n",
+        )
+        .await;
+    assert!(
+        out.contains("max_image_mib") && out.contains("more than"),
+        "{out}"
+    );
 
     // A truncated layer: its content no longer matches its digest.
-    let blob = f.good.blob(f.good.manifest()["layers"].as_array().unwrap().last().unwrap()["digest"].as_str().unwrap()).to_vec();
-    let out = f.run_fails("truncated", &f.good.with_last_layer(&f.name("truncated"), None, Some(blob[..blob.len() / 2].to_vec()))).await;
-    assert!(out.to_lowercase().contains("digest") || out.contains("unexpected EOF") || out.contains("size"), "{out}");
+    let blob = f
+        .good
+        .blob(
+            f.good.manifest()["layers"]
+                .as_array()
+                .unwrap()
+                .last()
+                .unwrap()["digest"]
+                .as_str()
+                .unwrap(),
+        )
+        .to_vec();
+    let out = f
+        .run_fails(
+            "truncated",
+            &f.good.with_last_layer(
+                &f.name("truncated"),
+                None,
+                Some(blob[..blob.len() / 2].to_vec()),
+            ),
+        )
+        .await;
+    assert!(
+        out.to_lowercase().contains("digest")
+            || out.contains("unexpected EOF")
+            || out.contains("size"),
+        "{out}"
+    );
 
     // Entries that try to leave the rootfs.
     let tag = std::process::id();
     let host = |what: &str| PathBuf::from(format!("/tmp/crab-escape-{what}-{tag}"));
     let escape = raw_tar(&[
-        (&format!("../../../../../../../../tmp/crab-escape-dotdot-{tag}"), b"out", None),
+        (
+            &format!("../../../../../../../../tmp/crab-escape-dotdot-{tag}"),
+            b"out",
+            None,
+        ),
         (&format!("/tmp/crab-escape-abs-{tag}"), b"out", None),
         ("hostlink", b"", Some("/tmp")),
         (&format!("hostlink/crab-escape-symlink-{tag}"), b"out", None),
@@ -439,18 +679,42 @@ async fn bad_checkpoint_images_fail_cleanly() {
     tar.extend_from_slice(&escape);
     let name = f.name("escape");
     let path = f.dir.path().join("escape.tar");
-    f.good.with_last_layer(&f.name("escape"), Some(tar), None).write(&path);
+    f.good
+        .with_last_layer(&f.name("escape"), Some(tar), None)
+        .write(&path);
     let ctr = f.h.ctr();
-    let import = ctr.run(&["images", "import", path.to_str().unwrap()]).unwrap();
+    let import = ctr
+        .run(&["images", "import", path.to_str().unwrap()])
+        .unwrap();
     let id = format!("{}-escape", f.s.id);
     if import.code() == 0 {
         // Either refused, or applied inside the rootfs: never outside it (checked below).
-        let run = ctr.run(&["run", "--rm", "--runtime", "io.containerd.crab.v1", &name, &id, "ls", "/tmp"]).unwrap();
-        eprintln!("escape image: exit {}: {}{}", run.code(), run.stdout, run.stderr);
+        let run = ctr
+            .run(&[
+                "run",
+                "--rm",
+                "--runtime",
+                "io.containerd.crab.v1",
+                &name,
+                &id,
+                "ls",
+                "/tmp",
+            ])
+            .unwrap();
+        eprintln!(
+            "escape image: exit {}: {}{}",
+            run.code(),
+            run.stdout,
+            run.stderr
+        );
         let _ = ctr.run(&["images", "rm", &name]);
     }
     for what in ["dotdot", "abs", "symlink"] {
-        assert!(!host(what).exists(), "a layer entry escaped the rootfs to {}", host(what).display());
+        assert!(
+            !host(what).exists(),
+            "a layer entry escaped the rootfs to {}",
+            host(what).display()
+        );
     }
     f.h.assert_no_leaks(&id).await;
 
@@ -462,29 +726,55 @@ async fn bad_checkpoint_images_fail_cleanly() {
     f.s.sync().await;
     let store = f.s.store();
     let manifests: Vec<PathBuf> = {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(store.join("checkpoints")).unwrap().map(|e| e.unwrap().path()).collect();
+        let mut v: Vec<PathBuf> = std::fs::read_dir(store.join("checkpoints"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
         v.sort();
         v
     };
-    let newest: Value = serde_json::from_slice(&std::fs::read(manifests.last().unwrap()).unwrap()).unwrap();
-    let layer = newest["fs_layers"].as_array().unwrap().last().unwrap()["digest"].as_str().unwrap().strip_prefix("sha256:").unwrap().to_string();
+    let newest: Value =
+        serde_json::from_slice(&std::fs::read(manifests.last().unwrap()).unwrap()).unwrap();
+    let layer = newest["fs_layers"].as_array().unwrap().last().unwrap()["digest"]
+        .as_str()
+        .unwrap()
+        .strip_prefix("sha256:")
+        .unwrap()
+        .to_string();
     let blob_path = store.join("blobs/sha256").join(&layer);
     let original = std::fs::read(&blob_path).unwrap();
     std::fs::write(&blob_path, &original[..original.len() / 2]).unwrap();
     let reference = format!("localhost/crab-bad/{}:store", f.s.id);
     let (code, out, err) = f.s.crabctl(&["export", &f.s.id, &reference]);
     assert_ne!(code, 0, "export of a truncated blob succeeded: {out}");
-    assert!(err.contains(&layer[..12]) || err.contains("digest") || err.contains("size"), "{err}");
+    assert!(
+        err.contains(&layer[..12]) || err.contains("digest") || err.contains("size"),
+        "{err}"
+    );
     std::fs::write(&blob_path, &original).unwrap();
     let manifest_bytes = std::fs::read(manifests.last().unwrap()).unwrap();
-    std::fs::write(manifests.last().unwrap(), &manifest_bytes[..manifest_bytes.len() / 2]).unwrap();
+    std::fs::write(
+        manifests.last().unwrap(),
+        &manifest_bytes[..manifest_bytes.len() / 2],
+    )
+    .unwrap();
     let (code, out, err) = f.s.crabctl(&["export", &f.s.id, &reference]);
     assert_ne!(code, 0, "export from a corrupted manifest succeeded: {out}");
-    assert!(err.contains("checkpoint") && (err.contains("json") || err.contains("corrupt") || err.contains("parse") || err.contains("EOF")), "{err}");
+    assert!(
+        err.contains("checkpoint")
+            && (err.contains("json")
+                || err.contains("corrupt")
+                || err.contains("parse")
+                || err.contains("EOF")),
+        "{err}"
+    );
     std::fs::write(manifests.last().unwrap(), &manifest_bytes).unwrap();
     let ours = format!("localhost/crab-bad/{}:", f.s.id);
     let images = f.h.ctr().run(&["images", "ls", "-q"]).unwrap().stdout;
-    assert!(images.lines().all(|l| !l.starts_with(&ours)), "images left behind: {images}");
+    assert!(
+        images.lines().all(|l| !l.starts_with(&ours)),
+        "images left behind: {images}"
+    );
 
     // The sandbox itself never noticed.
     let mut s = f.s;
@@ -496,11 +786,17 @@ async fn bad_checkpoint_images_fail_cleanly() {
 const INIT_CAPS: &str = "grep -E '^Cap(Eff|Prm|Bnd)' /proc/1/status";
 /// The capabilities this process holds: what `ctr run --privileged` grants.
 fn host_caps() -> u64 {
-    cap_line(&std::fs::read_to_string("/proc/self/status").unwrap(), "CapBnd")
+    cap_line(
+        &std::fs::read_to_string("/proc/self/status").unwrap(),
+        "CapBnd",
+    )
 }
 
 fn cap_line(out: &str, name: &str) -> u64 {
-    let line = out.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no {name} in {out}"));
+    let line = out
+        .lines()
+        .find(|l| l.starts_with(name))
+        .unwrap_or_else(|| panic!("no {name} in {out}"));
     u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap()
 }
 
@@ -514,24 +810,53 @@ async fn a_privileged_dump_is_refused_under_an_unprivileged_spec() {
     // withheld from everyone, which a spec may then not ask for either).
     let all = host_caps();
     let privileged = |spec: &mut Value| {
-        let names: Vec<String> = (0..64).filter(|bit| all & (1 << bit) != 0).map(cap_name).collect();
+        let names: Vec<String> = (0..64)
+            .filter(|bit| all & (1 << bit) != 0)
+            .map(cap_name)
+            .collect();
         for set in ["bounding", "effective", "permitted"] {
             spec["process"]["capabilities"][set] = json!(names);
         }
     };
-    let mut f = fixture_with("hostile_priv", SandboxOptions { spec_edit: Some(&privileged), ..Default::default() }).await;
+    let mut f = fixture_with(
+        "hostile_priv",
+        SandboxOptions {
+            spec_edit: Some(&privileged),
+            ..Default::default()
+        },
+    )
+    .await;
     let source = f.s.run(INIT_CAPS).await.stdout;
-    assert_eq!(cap_line(&source, "CapEff"), all, "the source runs privileged: {source}");
+    assert_eq!(
+        cap_line(&source, "CapEff"),
+        all,
+        "the source runs privileged: {source}"
+    );
     let config = f.config("priv", "");
 
     // Unprivileged (ctr's defaults): refused before CRIU runs, with the reason.
-    let out = f.run_fails("unprivileged", &f.good.with_last_layer(&f.name("unprivileged"), None, None)).await;
-    assert!(out.contains("asks for more privilege than the container's spec grants"), "{out}");
-    assert!(out.contains("CAP_SYS_ADMIN") && out.contains("bounding"), "{out}");
+    let out = f
+        .run_fails(
+            "unprivileged",
+            &f.good.with_last_layer(&f.name("unprivileged"), None, None),
+        )
+        .await;
+    assert!(
+        out.contains("asks for more privilege than the container's spec grants"),
+        "{out}"
+    );
+    assert!(
+        out.contains("CAP_SYS_ADMIN") && out.contains("bounding"),
+        "{out}"
+    );
     // The same image under a privileged spec restores its processes with their capabilities.
     let (code, out) = f.run("good", &f.good, &config, &["--privileged"], INIT_CAPS);
     assert_eq!(code, 0, "{out}");
-    assert_eq!(cap_line(&out, "CapEff"), all, "restored under --privileged: {out}");
+    assert_eq!(
+        cap_line(&out, "CapEff"),
+        all,
+        "restored under --privileged: {out}"
+    );
 
     // The source never noticed.
     let s = &mut f.s;
@@ -542,13 +867,47 @@ async fn a_privileged_dump_is_refused_under_an_unprivileged_spec() {
 /// The capability's name for `bit` (`include/uapi/linux/capability.h`).
 fn cap_name(bit: u32) -> String {
     [
-        "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
-        "CAP_SETUID", "CAP_SETPCAP", "CAP_LINUX_IMMUTABLE", "CAP_NET_BIND_SERVICE", "CAP_NET_BROADCAST", "CAP_NET_ADMIN",
-        "CAP_NET_RAW", "CAP_IPC_LOCK", "CAP_IPC_OWNER", "CAP_SYS_MODULE", "CAP_SYS_RAWIO", "CAP_SYS_CHROOT",
-        "CAP_SYS_PTRACE", "CAP_SYS_PACCT", "CAP_SYS_ADMIN", "CAP_SYS_BOOT", "CAP_SYS_NICE", "CAP_SYS_RESOURCE",
-        "CAP_SYS_TIME", "CAP_SYS_TTY_CONFIG", "CAP_MKNOD", "CAP_LEASE", "CAP_AUDIT_WRITE", "CAP_AUDIT_CONTROL",
-        "CAP_SETFCAP", "CAP_MAC_OVERRIDE", "CAP_MAC_ADMIN", "CAP_SYSLOG", "CAP_WAKE_ALARM", "CAP_BLOCK_SUSPEND",
-        "CAP_AUDIT_READ", "CAP_PERFMON", "CAP_BPF", "CAP_CHECKPOINT_RESTORE",
+        "CAP_CHOWN",
+        "CAP_DAC_OVERRIDE",
+        "CAP_DAC_READ_SEARCH",
+        "CAP_FOWNER",
+        "CAP_FSETID",
+        "CAP_KILL",
+        "CAP_SETGID",
+        "CAP_SETUID",
+        "CAP_SETPCAP",
+        "CAP_LINUX_IMMUTABLE",
+        "CAP_NET_BIND_SERVICE",
+        "CAP_NET_BROADCAST",
+        "CAP_NET_ADMIN",
+        "CAP_NET_RAW",
+        "CAP_IPC_LOCK",
+        "CAP_IPC_OWNER",
+        "CAP_SYS_MODULE",
+        "CAP_SYS_RAWIO",
+        "CAP_SYS_CHROOT",
+        "CAP_SYS_PTRACE",
+        "CAP_SYS_PACCT",
+        "CAP_SYS_ADMIN",
+        "CAP_SYS_BOOT",
+        "CAP_SYS_NICE",
+        "CAP_SYS_RESOURCE",
+        "CAP_SYS_TIME",
+        "CAP_SYS_TTY_CONFIG",
+        "CAP_MKNOD",
+        "CAP_LEASE",
+        "CAP_AUDIT_WRITE",
+        "CAP_AUDIT_CONTROL",
+        "CAP_SETFCAP",
+        "CAP_MAC_OVERRIDE",
+        "CAP_MAC_ADMIN",
+        "CAP_SYSLOG",
+        "CAP_WAKE_ALARM",
+        "CAP_BLOCK_SUSPEND",
+        "CAP_AUDIT_READ",
+        "CAP_PERFMON",
+        "CAP_BPF",
+        "CAP_CHECKPOINT_RESTORE",
     ]
     .get(bit as usize)
     .map_or_else(|| format!("CAP_{bit}"), |n| n.to_string())
@@ -563,31 +922,63 @@ async fn unsigned_and_untrusted_images_are_refused() {
     let f = fixture("hostile_sig").await;
     let entries = f.good.last_layer_entries();
 
-    let unsigned = repack(&entries, |p, d| (!p.ends_with("signature.json")).then(|| d.to_vec()));
-    let unsigned = f.good.with_last_layer(&f.name("unsigned"), Some(unsigned), None);
+    let unsigned = repack(&entries, |p, d| {
+        (!p.ends_with("signature.json")).then(|| d.to_vec())
+    });
+    let unsigned = f
+        .good
+        .with_last_layer(&f.name("unsigned"), Some(unsigned), None);
     let out = f.run_fails("unsigned", &unsigned).await;
-    assert!(out.contains("checkpoint image not signed by a trusted key: it carries no signature"), "{out}");
+    assert!(
+        out.contains("checkpoint image not signed by a trusted key: it carries no signature"),
+        "{out}"
+    );
 
     // Signed by a key of the attacker's own.
     let stranger = f.dir.path().join("stranger.key");
     std::fs::write(&stranger, format!("ed25519-private:{}\n", "5a".repeat(32))).unwrap();
     let foreign = repack_signed(&entries, |_, d| Some(d.to_vec()), Some(&stranger));
-    let out = f.run_fails("stranger", &f.good.with_last_layer(&f.name("stranger"), Some(foreign), None)).await;
-    assert!(out.contains("not signed by a trusted key") && out.contains("not among the 1 trusted key"), "{out}");
+    let out = f
+        .run_fails(
+            "stranger",
+            &f.good
+                .with_last_layer(&f.name("stranger"), Some(foreign), None),
+        )
+        .await;
+    assert!(
+        out.contains("not signed by a trusted key") && out.contains("not among the 1 trusted key"),
+        "{out}"
+    );
 
     // start-fresh: the unsigned image starts its command as an ordinary image would.
     let config = f.config("fresh", "unsigned_images = \"start-fresh\"\n");
     let probe = "ls -a / | grep -c crab-checkpoint; ps -eo args --no-headers | grep -c '^sleep 100000' ; cat /app/file";
     let (code, out) = f.run("unsigned", &unsigned, &config, &[], probe);
     assert_eq!(code, 0, "{out}");
-    assert!(out.starts_with("0\n0\ndata\n"), "reserved dir hidden, no restored process, the files of the image: {out}");
+    assert!(
+        out.starts_with("0\n0\ndata\n"),
+        "reserved dir hidden, no restored process, the files of the image: {out}"
+    );
 
     // The good image restores its processes (the sleep left by the process turn).
     let config = f.config("good", "");
-    let (code, out) = f.run("good", &f.good, &config, &[], "ps -eo args --no-headers | grep -c '^sleep 100000'; grep CapEff /proc/1/status");
+    let (code, out) = f.run(
+        "good",
+        &f.good,
+        &config,
+        &[],
+        "ps -eo args --no-headers | grep -c '^sleep 100000'; grep CapEff /proc/1/status",
+    );
     assert_eq!(code, 0, "a signed image within the spec: {out}");
-    assert!(out.starts_with("1\n"), "the process turn's sleep is restored: {out}");
-    assert_eq!(cap_line(&out, "CapEff"), 0xa804_25fb, "with ctr's default capabilities: {out}");
+    assert!(
+        out.starts_with("1\n"),
+        "the process turn's sleep is restored: {out}"
+    );
+    assert_eq!(
+        cap_line(&out, "CapEff"),
+        0xa804_25fb,
+        "with ctr's default capabilities: {out}"
+    );
     f.s.finish().await;
 }
 
@@ -613,9 +1004,22 @@ async fn planted_files_in_the_reserved_directory() {
         }
     }
     let started = std::time::Instant::now();
-    let out = f.run_fails("fifo", &f.good.with_last_layer(&f.name("fifo"), Some(fifo.into_inner().unwrap()), None)).await;
-    assert!(out.contains("must be a plain file") && out.contains("a fifo"), "{out}");
-    assert!(started.elapsed() < std::time::Duration::from_secs(60), "Create took {:?}", started.elapsed());
+    let out = f
+        .run_fails(
+            "fifo",
+            &f.good
+                .with_last_layer(&f.name("fifo"), Some(fifo.into_inner().unwrap()), None),
+        )
+        .await;
+    assert!(
+        out.contains("must be a plain file") && out.contains("a fifo"),
+        "{out}"
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(60),
+        "Create took {:?}",
+        started.elapsed()
+    );
 
     // The agent plants files, a symlink and a directory in the reserved directory; a process
     // turn; the export restores cleanly (an unsigned file merged in would be refused).
@@ -631,16 +1035,26 @@ async fn planted_files_in_the_reserved_directory() {
     assert_eq!(code, 0, "export: {out}{err}");
     let path = f.dir.path().join("planted-export.tar");
     let planted = Archive::export(&f.h, &reference, &path);
-    f.h.ctr().run(&["images", "rm", &reference]).unwrap().ok().unwrap();
+    f.h.ctr()
+        .run(&["images", "rm", &reference])
+        .unwrap()
+        .ok()
+        .unwrap();
     let layer = planted.last_layer_entries();
     assert!(
-        layer.iter().any(|(h, _)| h.path().unwrap().to_string_lossy() == ".crab-checkpoint/.wh..wh..opq"),
+        layer
+            .iter()
+            .any(|(h, _)| h.path().unwrap().to_string_lossy() == ".crab-checkpoint/.wh..wh..opq"),
         "the reserved directory is opaque in the checkpoint layer"
     );
     let config = f.config("planted", "");
-    let probe = "ls -a / | grep -c crab-checkpoint; ps -eo args --no-headers | grep -c '^sleep 10000[01]'";
+    let probe =
+        "ls -a / | grep -c crab-checkpoint; ps -eo args --no-headers | grep -c '^sleep 10000[01]'";
     let (code, out) = f.run("planted", &planted, &config, &[], probe);
     assert_eq!(code, 0, "{out}");
-    assert!(out.starts_with("0\n2\n"), "reserved dir hidden, both sleeps restored: {out}");
+    assert!(
+        out.starts_with("0\n2\n"),
+        "reserved dir hidden, both sleeps restored: {out}"
+    );
     f.s.finish().await;
 }

@@ -401,10 +401,18 @@ async fn checkpoint_leaves_the_task_running() {
         .start_detached(&id, &ProcessSpec::sh("sleep 1000 & exec sleep 1001"))
         .await
         .unwrap();
-    let resp = h.checkpoint(&id).await.unwrap_or_else(|e| panic!("Checkpoint: {e}\n{}", h.log_excerpt(&id)));
-    assert!(!resp.descriptors.is_empty(), "no checkpoint descriptors: {resp:?}");
+    let resp = h
+        .checkpoint(&id)
+        .await
+        .unwrap_or_else(|e| panic!("Checkpoint: {e}\n{}", h.log_excerpt(&id)));
     assert!(
-        resp.descriptors.iter().any(|d| d.media_type.contains("checkpoint")),
+        !resp.descriptors.is_empty(),
+        "no checkpoint descriptors: {resp:?}"
+    );
+    assert!(
+        resp.descriptors
+            .iter()
+            .any(|d| d.media_type.contains("checkpoint")),
         "{:?}",
         resp.descriptors
     );
@@ -426,11 +434,21 @@ async fn checkpoint_refuses_to_lose_a_running_exec() {
     }
     let id = h.unique_id("checkpoint_trap");
     let _g = h.guard(&[&id]);
-    let pid = h.start_detached(&id, &ProcessSpec::new(&["sleep", "1000"])).await.unwrap();
-    let io = h.stdio(&id, "e1", crab_integration::StdioOptions::default()).unwrap();
-    h.exec(&id, "e1", &ProcessSpec::new(&["sleep", "999"]), &io).await.unwrap();
+    let pid = h
+        .start_detached(&id, &ProcessSpec::new(&["sleep", "1000"]))
+        .await
+        .unwrap();
+    let io = h
+        .stdio(&id, "e1", crab_integration::StdioOptions::default())
+        .unwrap();
+    h.exec(&id, "e1", &ProcessSpec::new(&["sleep", "999"]), &io)
+        .await
+        .unwrap();
     h.start(&id, "e1").await.unwrap();
-    let err = h.checkpoint(&id).await.expect_err("a checkpoint that loses the exec");
+    let err = h
+        .checkpoint(&id)
+        .await
+        .expect_err("a checkpoint that loses the exec");
     assert_eq!(err.grpc_code(), Some(Code::FailedPrecondition), "{err}");
     assert!(err.to_string().contains("sleep 999"), "{err}");
     assert_eq!(h.status(&id, "").await.unwrap(), (TaskStatus::Running, pid));

@@ -486,7 +486,10 @@ fn absolute_path<'de, D: Deserializer<'de>>(d: D) -> Result<PathBuf, D::Error> {
 fn absolute_paths<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<PathBuf>, D::Error> {
     let paths = Vec::<PathBuf>::deserialize(d)?;
     match paths.iter().find(|p| !p.is_absolute()) {
-        Some(p) => Err(D::Error::invalid_value(Unexpected::Str(&p.to_string_lossy()), &"absolute paths")),
+        Some(p) => Err(D::Error::invalid_value(
+            Unexpected::Str(&p.to_string_lossy()),
+            &"absolute paths",
+        )),
         None => Ok(paths),
     }
 }
@@ -595,7 +598,11 @@ fn max_manifest_entries<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error
 }
 
 fn max_manifest_path_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-    u64_in(d, 1 << 20..=64 << 30, "bytes from 1048576 (1 MiB) to 68719476736 (64 GiB)")
+    u64_in(
+        d,
+        1 << 20..=64 << 30,
+        "bytes from 1048576 (1 MiB) to 68719476736 (64 GiB)",
+    )
 }
 
 fn max_walk_depth<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
@@ -607,7 +614,11 @@ fn max_fdinfo_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
 }
 
 fn max_layer_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-    u64_in(d, 1 << 20..=16 << 40, "bytes from 1048576 (1 MiB) to 17592186044416 (16 TiB)")
+    u64_in(
+        d,
+        1 << 20..=16 << 40,
+        "bytes from 1048576 (1 MiB) to 17592186044416 (16 TiB)",
+    )
 }
 
 #[cfg(test)]
@@ -806,11 +817,20 @@ mod tests {
     #[test]
     fn bad_restore_settings_are_named() {
         for (doc, key) in [
-            ("[restore]\nunsigned_images = \"allow\"\n", "restore.unsigned_images"),
-            ("[restore]\ntrusted_keys = [\"keys/a.pub\"]\n", "restore.trusted_keys"),
+            (
+                "[restore]\nunsigned_images = \"allow\"\n",
+                "restore.unsigned_images",
+            ),
+            (
+                "[restore]\ntrusted_keys = [\"keys/a.pub\"]\n",
+                "restore.trusted_keys",
+            ),
             ("[restore]\nsigning_key = \"k\"\n", "restore.signing_key"),
             ("[restore]\nmax_image_mib = 0\n", "restore.max_image_mib"),
-            ("[restore]\nmax_image_files = 0\n", "restore.max_image_files"),
+            (
+                "[restore]\nmax_image_files = 0\n",
+                "restore.max_image_files",
+            ),
             ("[restore]\ntrusted_key = []\n", "restore.trusted_key"),
         ] {
             let (msg, got, location) = parse_err(doc);
@@ -889,17 +909,53 @@ mod tests {
             (1_000_000, 268_435_456, 256, 1_048_576, 17_179_869_184)
         );
         for (doc, key, expected) in [
-            ("limits.max_manifest_entries = 0", "limits.max_manifest_entries", "from 1 to 100000000"),
-            ("limits.max_manifest_entries = 100000001", "limits.max_manifest_entries", "from 1"),
-            ("limits.max_manifest_entries = -5", "limits.max_manifest_entries", ""),
-            ("limits.max_manifest_path_bytes = 1048575", "limits.max_manifest_path_bytes", "1 MiB"),
-            ("limits.max_walk_depth = 0", "limits.max_walk_depth", "from 1 to 4096"),
-            ("limits.max_walk_depth = 4097", "limits.max_walk_depth", "from 1 to 4096"),
+            (
+                "limits.max_manifest_entries = 0",
+                "limits.max_manifest_entries",
+                "from 1 to 100000000",
+            ),
+            (
+                "limits.max_manifest_entries = 100000001",
+                "limits.max_manifest_entries",
+                "from 1",
+            ),
+            (
+                "limits.max_manifest_entries = -5",
+                "limits.max_manifest_entries",
+                "",
+            ),
+            (
+                "limits.max_manifest_path_bytes = 1048575",
+                "limits.max_manifest_path_bytes",
+                "1 MiB",
+            ),
+            (
+                "limits.max_walk_depth = 0",
+                "limits.max_walk_depth",
+                "from 1 to 4096",
+            ),
+            (
+                "limits.max_walk_depth = 4097",
+                "limits.max_walk_depth",
+                "from 1 to 4096",
+            ),
             ("limits.max_walk_depth = \"9\"", "limits.max_walk_depth", ""),
-            ("limits.max_fdinfo_bytes = 4095", "limits.max_fdinfo_bytes", "from 4096"),
-            ("limits.max_layer_bytes = 17592186044417", "limits.max_layer_bytes", "16 TiB"),
+            (
+                "limits.max_fdinfo_bytes = 4095",
+                "limits.max_fdinfo_bytes",
+                "from 4096",
+            ),
+            (
+                "limits.max_layer_bytes = 17592186044417",
+                "limits.max_layer_bytes",
+                "16 TiB",
+            ),
             ("limits.max_layer_bytes = 1.5", "limits.max_layer_bytes", ""),
-            ("limits.max_files = 2", "limits.max_files", "expected one of `max_manifest_entries`"),
+            (
+                "limits.max_files = 2",
+                "limits.max_files",
+                "expected one of `max_manifest_entries`",
+            ),
         ] {
             let (msg, got, location) = parse_err(doc);
             assert_eq!(got.as_deref(), Some(key), "{doc}: {msg}");
@@ -919,7 +975,9 @@ mod tests {
 
     #[test]
     fn tracked_volumes_must_be_absolute() {
-        let e = parse("[checkpoint]\ntracked_volumes = [\"/ok\", \"rel\"]\n").unwrap_err().to_string();
+        let e = parse("[checkpoint]\ntracked_volumes = [\"/ok\", \"rel\"]\n")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("checkpoint.tracked_volumes"), "{e}");
         assert!(e.contains("absolute"), "{e}");
     }

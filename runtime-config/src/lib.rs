@@ -33,7 +33,9 @@ mod error;
 pub mod runtime_options;
 
 pub use config::{
-    CheckpointConfig, CheckpointPolicy, TurnBoundary, Config, ConfigSource, EngineConfig, LimitsConfig, LogConfig, RestoreConfig, RuncConfig, StoreConfig, UnsignedImages, DEFAULT_CONFIG_PATH,
+    CheckpointConfig, CheckpointPolicy, Config, ConfigSource, EngineConfig, LimitsConfig,
+    LogConfig, RestoreConfig, RuncConfig, StoreConfig, TurnBoundary, UnsignedImages,
+    DEFAULT_CONFIG_PATH,
 };
 pub use error::{ConfigError, Location};
 pub use runtime_options::{

@@ -40,11 +40,19 @@ impl RuntimeOptions {
     /// The config these options name, as the shim and crabctl both read it: the inline TOML
     /// (`ConfigBody`) first, else the file (`ConfigPath`), else the default file or the
     /// built-in defaults (see [`Config::load_or_default`]).
-    pub fn load_config(options: Option<&RuntimeOptions>) -> Result<(Config, ConfigSource), ConfigError> {
+    pub fn load_config(
+        options: Option<&RuntimeOptions>,
+    ) -> Result<(Config, ConfigSource), ConfigError> {
         match options {
-            Some(RuntimeOptions { config_body: Some(body), .. }) => {
+            Some(RuntimeOptions {
+                config_body: Some(body),
+                ..
+            }) => {
                 let origin = Path::new("<runtime options ConfigBody>");
-                Ok((Config::from_toml_str(body, origin)?, ConfigSource::File(origin.into())))
+                Ok((
+                    Config::from_toml_str(body, origin)?,
+                    ConfigSource::File(origin.into()),
+                ))
             }
             Some(o) => Config::load_or_default(o.config_path.as_deref()),
             None => Config::load_or_default(None),
@@ -78,12 +86,14 @@ pub fn decode_runtime_options(bytes: &[u8]) -> Result<RuntimeOptions, ConfigErro
             }
             (2, LEN) => options.config_path = non_empty(reader.string()?).map(PathBuf::from),
             (3, LEN) => options.config_body = non_empty(reader.string()?),
-            (1..=3, _) => return Err(decode_error(
-                field_start,
-                format!(
+            (1..=3, _) => {
+                return Err(decode_error(
+                    field_start,
+                    format!(
                     "field {field} has wire type {wire_type}, expected {LEN} (length-delimited)"
                 ),
-            )),
+                ))
+            }
             (_, VARINT) => {
                 reader.varint()?;
             }
@@ -142,11 +152,17 @@ pub fn shim_cgroup_of_start_options(any: &[u8]) -> Option<String> {
         Some(out)
     };
     let outer = fields(any)?;
-    let type_url = outer.iter().find(|(f, _)| *f == 1).map(|(_, v)| v.as_slice())?;
+    let type_url = outer
+        .iter()
+        .find(|(f, _)| *f == 1)
+        .map(|(_, v)| v.as_slice())?;
     if !type_url.ends_with(b"containerd.runc.v1.Options") {
         return None;
     }
-    let value = outer.iter().find(|(f, _)| *f == 2).map(|(_, v)| v.as_slice())?;
+    let value = outer
+        .iter()
+        .find(|(f, _)| *f == 2)
+        .map(|(_, v)| v.as_slice())?;
     let cgroup = fields(value)?.into_iter().find(|(f, _)| *f == 3)?.1;
     String::from_utf8(cgroup).ok().filter(|s| !s.is_empty())
 }
@@ -244,13 +260,23 @@ mod tests {
         // runc's Options: no_pivot_root (varint 1), shim_cgroup (3), binary_name (6).
         let runc = [vec![1 << 3, 1], len(3, b"/kubepods/pod1"), len(6, b"runc")].concat();
         assert_eq!(
-            shim_cgroup_of_start_options(&any("type.googleapis.com/containerd.runc.v1.Options", runc.clone())).as_deref(),
+            shim_cgroup_of_start_options(&any(
+                "type.googleapis.com/containerd.runc.v1.Options",
+                runc.clone()
+            ))
+            .as_deref(),
             Some("/kubepods/pod1")
         );
         // crab's options: field 3 is the inline config, never a cgroup.
         let crab = len(3, b"[log]\nlevel = \"debug\"\n");
-        assert_eq!(shim_cgroup_of_start_options(&any(RUNTIME_OPTIONS_TYPE_URL, crab)), None);
-        assert_eq!(shim_cgroup_of_start_options(&any("containerd.runc.v1.Options", len(6, b"runc"))), None);
+        assert_eq!(
+            shim_cgroup_of_start_options(&any(RUNTIME_OPTIONS_TYPE_URL, crab)),
+            None
+        );
+        assert_eq!(
+            shim_cgroup_of_start_options(&any("containerd.runc.v1.Options", len(6, b"runc"))),
+            None
+        );
         assert_eq!(shim_cgroup_of_start_options(b""), None);
         assert_eq!(shim_cgroup_of_start_options(&[0x0a, 0x7f]), None);
     }

@@ -15,13 +15,16 @@ const RUNC_SETTINGS: &str = "crab-runc.json";
 
 pub fn read_spec(bundle: &Path) -> Result<Spec> {
     let path = bundle.join("config.json");
-    Spec::load(&path).map_err(|e| Error::InvalidArgument(format!("bundle spec {}: {e}", path.display())))
+    Spec::load(&path)
+        .map_err(|e| Error::InvalidArgument(format!("bundle spec {}: {e}", path.display())))
 }
 
 /// The value of the first of `keys` present in the spec's annotations.
 pub fn annotation<'a>(spec: &'a Spec, keys: &[&str]) -> Option<&'a str> {
     let annotations = spec.annotations().as_ref()?;
-    keys.iter().find_map(|k| annotations.get(*k)).map(String::as_str)
+    keys.iter()
+        .find_map(|k| annotations.get(*k))
+        .map(String::as_str)
 }
 
 /// Whether processes left when init exits must be killed by hand: only when the container
@@ -41,7 +44,10 @@ pub fn creates_network_namespace(spec: &Spec) -> bool {
     spec.linux()
         .as_ref()
         .and_then(|l| l.namespaces().as_ref())
-        .is_some_and(|ns| ns.iter().any(|n| n.typ() == LinuxNamespaceType::Network && n.path().is_none()))
+        .is_some_and(|ns| {
+            ns.iter()
+                .any(|n| n.typ() == LinuxNamespaceType::Network && n.path().is_none())
+        })
 }
 
 pub fn rootfs_path(bundle: &Path) -> PathBuf {
@@ -55,7 +61,8 @@ pub async fn mount_rootfs(bundle: &Path, mounts: &[Mount]) -> Result<bool> {
         return Ok(false);
     }
     let target = rootfs_path(bundle);
-    std::fs::create_dir_all(&target).map_err(Error::io(format!("cannot create {}", target.display())))?;
+    std::fs::create_dir_all(&target)
+        .map_err(Error::io(format!("cannot create {}", target.display())))?;
     for m in mounts {
         // A pod with its own user namespace: the layers are mounted id-mapped first and only
         // needed until the overlay holds them.
@@ -69,7 +76,10 @@ pub async fn mount_rootfs(bundle: &Path, mounts: &[Mount]) -> Result<bool> {
         let m = idmapped.as_ref().map_or(m, |(overlay, _)| overlay);
         if let Err(e) = containerd_shim::util::mount_rootfs(m, &target).await {
             unmount_rootfs(bundle);
-            return Err(Error::Other(format!("cannot mount rootfs ({} {}): {e}", m.type_, m.source)));
+            return Err(Error::Other(format!(
+                "cannot mount rootfs ({} {}): {e}",
+                m.type_, m.source
+            )));
         }
     }
     Ok(true)
@@ -92,8 +102,11 @@ pub fn read_init_pid(bundle: &Path) -> Result<u32> {
 }
 
 pub fn read_pid(path: &Path) -> Result<u32> {
-    let s = std::fs::read_to_string(path).map_err(Error::io(format!("cannot read {}", path.display())))?;
-    s.trim().parse().map_err(|_| Error::Other(format!("bad pid `{}` in {}", s.trim(), path.display())))
+    let s = std::fs::read_to_string(path)
+        .map_err(Error::io(format!("cannot read {}", path.display())))?;
+    s.trim()
+        .parse()
+        .map_err(|_| Error::Other(format!("bad pid `{}` in {}", s.trim(), path.display())))
 }
 
 pub fn save_runc(bundle: &Path, runc: &Runc) -> Result<()> {
@@ -123,11 +136,17 @@ mod tests {
 
     #[test]
     fn kill_all_only_without_a_private_pid_namespace() {
-        let private = spec(serde_json::json!({"ociVersion": "1.0.2", "linux": {"namespaces": [{"type": "pid"}, {"type": "mount"}]}}));
+        let private = spec(
+            serde_json::json!({"ociVersion": "1.0.2", "linux": {"namespaces": [{"type": "pid"}, {"type": "mount"}]}}),
+        );
         assert!(!must_kill_all_on_exit(&private));
-        let joined = spec(serde_json::json!({"ociVersion": "1.0.2", "linux": {"namespaces": [{"type": "pid", "path": "/proc/1/ns/pid"}]}}));
+        let joined = spec(
+            serde_json::json!({"ociVersion": "1.0.2", "linux": {"namespaces": [{"type": "pid", "path": "/proc/1/ns/pid"}]}}),
+        );
         assert!(must_kill_all_on_exit(&joined));
-        let host = spec(serde_json::json!({"ociVersion": "1.0.2", "linux": {"namespaces": [{"type": "mount"}]}}));
+        let host = spec(
+            serde_json::json!({"ociVersion": "1.0.2", "linux": {"namespaces": [{"type": "mount"}]}}),
+        );
         assert!(must_kill_all_on_exit(&host));
     }
 
@@ -135,10 +154,18 @@ mod tests {
     fn runc_settings_round_trip() {
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(load_runc(dir.path()).unwrap(), None);
-        let runc = Runc { binary: "/usr/bin/runc".into(), root: "/run/crab/runc/ns".into(), systemd_cgroup: false, log: dir.path().join("log.json") };
+        let runc = Runc {
+            binary: "/usr/bin/runc".into(),
+            root: "/run/crab/runc/ns".into(),
+            systemd_cgroup: false,
+            log: dir.path().join("log.json"),
+        };
         save_runc(dir.path(), &runc).unwrap();
         assert_eq!(load_runc(dir.path()).unwrap(), Some(runc));
         std::fs::write(dir.path().join(RUNC_SETTINGS), b"{").unwrap();
-        assert!(load_runc(dir.path()).unwrap_err().to_string().contains("corrupt"));
+        assert!(load_runc(dir.path())
+            .unwrap_err()
+            .to_string()
+            .contains("corrupt"));
     }
 }

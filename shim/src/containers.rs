@@ -8,20 +8,22 @@ use std::{
     time::Duration,
 };
 
-use containerd_shim::{protos::protobuf::MessageDyn, publisher::RemotePublisher, Context, ExitSignal};
+use containerd_shim::{
+    protos::protobuf::MessageDyn, publisher::RemotePublisher, Context, ExitSignal,
+};
 use containerd_shim_protos::{events::task as ev, topics, types::mount::Mount};
 use crab_runtime_config::{Config, ConfigSource};
 
 use crate::{
     bundle,
-    error::{Error, Result},
-    oom,
     checkpoint::{
         restore::{self, Taken},
         store::Store,
         Coordinator, JobTarget,
     },
+    error::{Error, Result},
     inspector::{Answer, Inspection},
+    oom,
     process::{ExitInfo, Process, Snapshot, Status},
     reaper::ExitSubscription,
     runc::Runc,
@@ -139,7 +141,11 @@ impl Container {
     /// a process checkpoint has to wait for them (they are outside init's tree).
     fn running_exec_pids(&self) -> Vec<(u32, String)> {
         let execs = self.execs.lock().unwrap();
-        execs.values().filter(|p| p.pid() != 0 && matches!(p.status(), Status::Running | Status::Paused)).map(|p| (p.pid(), p.exec_id.clone())).collect()
+        execs
+            .values()
+            .filter(|p| p.pid() != 0 && matches!(p.status(), Status::Running | Status::Paused))
+            .map(|p| (p.pid(), p.exec_id.clone()))
+            .collect()
     }
 
     pub fn annotations(&self) -> HashMap<String, String> {
@@ -174,7 +180,11 @@ pub struct ProcessState {
 }
 
 impl Containers {
-    pub fn new(namespace: String, publisher: Option<Arc<RemotePublisher>>, shutdown: Arc<ExitSignal>) -> Arc<Self> {
+    pub fn new(
+        namespace: String,
+        publisher: Option<Arc<RemotePublisher>>,
+        shutdown: Arc<ExitSignal>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             namespace,
             publisher,
@@ -209,16 +219,23 @@ impl Containers {
 
     async fn publish(&self, topic: &str, event: Box<dyn MessageDyn>) {
         if let Some(p) = &self.publisher {
-            if let Err(e) = p.publish(Context::default(), topic, &self.namespace, event).await {
+            if let Err(e) = p
+                .publish(Context::default(), topic, &self.namespace, event)
+                .await
+            {
                 log::error!("cannot publish {topic}: {e}");
             }
         }
     }
 
     /// The crab config that containerd's runtime options (type URL, value) name.
-    pub(crate) fn load_config(options: &Option<(String, Vec<u8>)>) -> Result<(Config, ConfigSource)> {
+    pub(crate) fn load_config(
+        options: &Option<(String, Vec<u8>)>,
+    ) -> Result<(Config, ConfigSource)> {
         let runtime_options = match options {
-            Some((type_url, value)) if type_url.ends_with(crab_runtime_config::RUNTIME_OPTIONS_TYPE_URL) => {
+            Some((type_url, value))
+                if type_url.ends_with(crab_runtime_config::RUNTIME_OPTIONS_TYPE_URL) =>
+            {
                 Some(crab_runtime_config::decode_runtime_options(value)?)
             }
             Some((type_url, value)) if !value.is_empty() => {
@@ -230,7 +247,9 @@ impl Containers {
             }
             _ => None,
         };
-        Ok(crab_runtime_config::RuntimeOptions::load_config(runtime_options.as_ref())?)
+        Ok(crab_runtime_config::RuntimeOptions::load_config(
+            runtime_options.as_ref(),
+        )?)
     }
 
     pub async fn create(&self, p: CreateParams) -> Result<u32> {
@@ -244,7 +263,11 @@ impl Containers {
             systemd_cgroup: config.runc.systemd_cgroup,
             log: p.bundle.join("log.json"),
         };
-        log::info!("create {}: config from {source}, runc {}", p.id, runc.binary.display());
+        log::info!(
+            "create {}: config from {source}, runc {}",
+            p.id,
+            runc.binary.display()
+        );
         let spec = bundle::read_spec(&p.bundle)?;
         turns::check_spec_annotations(&spec)?;
         let exec_boundary = turns::exec_boundary(&spec, config.checkpoint.turn_boundary)?;
@@ -267,7 +290,10 @@ impl Containers {
         let granted = crate::checkpoint::privilege::Granted::from_spec(&spec);
         let taken = match p.checkpoint.is_empty() {
             true => {
-                let (rootfs, dest) = (bundle::rootfs_path(&p.bundle), p.bundle.join("crab-restore"));
+                let (rootfs, dest) = (
+                    bundle::rootfs_path(&p.bundle),
+                    p.bundle.join("crab-restore"),
+                );
                 let (config, id) = (config.clone(), p.id.clone());
                 let taken = tokio::task::spawn_blocking(move || {
                     let trusted = || crate::checkpoint::provenance::trusted_keys(&config);
@@ -285,7 +311,10 @@ impl Containers {
                     Ok(Ok(t)) => t,
                     Ok(Err(e)) => {
                         unmount(&e);
-                        return Err(Error::FailedPrecondition(format!("cannot start {} from its image: {e}", p.id)));
+                        return Err(Error::FailedPrecondition(format!(
+                            "cannot start {} from its image: {e}",
+                            p.id
+                        )));
                     }
                     Err(e) => {
                         unmount(&e);
@@ -297,11 +326,16 @@ impl Containers {
             // crab's to sign, but just as able to ask for privileges.
             false => {
                 let dir = PathBuf::from(&p.checkpoint);
-                match tokio::task::spawn_blocking(move || restore::check_privilege(&dir, &granted)).await {
+                match tokio::task::spawn_blocking(move || restore::check_privilege(&dir, &granted))
+                    .await
+                {
                     Ok(Ok(())) => None,
                     Ok(Err(e)) => {
                         unmount(&e);
-                        return Err(Error::FailedPrecondition(format!("cannot restore {}: {e}", p.id)));
+                        return Err(Error::FailedPrecondition(format!(
+                            "cannot restore {}: {e}",
+                            p.id
+                        )));
                     }
                     Err(e) => {
                         unmount(&e);
@@ -323,7 +357,8 @@ impl Containers {
             )));
         }
         let init = Arc::new(Process::new(String::new(), p.stdio.clone(), None));
-        let inspection: crate::checkpoint::SharedInspection = Arc::new(tokio::sync::Mutex::new(None));
+        let inspection: crate::checkpoint::SharedInspection =
+            Arc::new(tokio::sync::Mutex::new(None));
         let coordinator = std::sync::OnceLock::new();
         let mut pending_restore = None;
         let pid = match restore_image {
@@ -355,7 +390,19 @@ impl Containers {
                         Some(t) => Origin::Checkpoint(t),
                         None => Origin::Image,
                     };
-                    match self.start_checkpointing(&p.id, &p.bundle, &p.rootfs, &config, &runc, pid, origin, inspection.clone()).await {
+                    match self
+                        .start_checkpointing(
+                            &p.id,
+                            &p.bundle,
+                            &p.rootfs,
+                            &config,
+                            &runc,
+                            pid,
+                            origin,
+                            inspection.clone(),
+                        )
+                        .await
+                    {
                         Ok((co, _)) => {
                             let _ = coordinator.set(co);
                         }
@@ -389,9 +436,16 @@ impl Containers {
             exec_boundary,
             state_dir: config.store.state_dir.clone(),
         });
-        self.map.lock().unwrap().insert(p.id.clone(), container.clone());
+        self.map
+            .lock()
+            .unwrap()
+            .insert(p.id.clone(), container.clone());
         if pid != 0 {
-            self.pids.lock().unwrap().owners.insert(pid, (p.id.clone(), String::new()));
+            self.pids
+                .lock()
+                .unwrap()
+                .owners
+                .insert(pid, (p.id.clone(), String::new()));
             self.watch_oom(&container, pid);
         }
         self.publish(
@@ -462,9 +516,11 @@ impl Containers {
             let (id, rootfs) = (id.to_string(), rootfs.to_vec());
             let volumes = turns::tracked_volumes(&spec, &config.checkpoint.tracked_volumes);
             let limits = config.limits.clone();
-            tokio::task::spawn_blocking(move || turns::start_inspection(&id, pid, &rootfs, volumes, limits))
-                .await
-                .map_err(|e| Error::Other(e.to_string()))?
+            tokio::task::spawn_blocking(move || {
+                turns::start_inspection(&id, pid, &rootfs, volumes, limits)
+            })
+            .await
+            .map_err(|e| Error::Other(e.to_string()))?
         };
         let target = JobTarget {
             container_id: id.to_string(),
@@ -479,15 +535,27 @@ impl Containers {
             overlay_xattrs: rootfs
                 .iter()
                 .find(|m| m.type_ == "overlay")
-                .map_or_else(Default::default, |m| crate::inspector::fs::OverlayXattrs::of_mount(&m.options)),
+                .map_or_else(Default::default, |m| {
+                    crate::inspector::fs::OverlayXattrs::of_mount(&m.options)
+                }),
             limits: config.limits.clone(),
-            volumes: turns::tracked_volumes(&spec, &config.checkpoint.tracked_volumes).into_iter().map(|(at, _)| at).collect(),
+            volumes: turns::tracked_volumes(&spec, &config.checkpoint.tracked_volumes)
+                .into_iter()
+                .map(|(at, _)| at)
+                .collect(),
             policy: crate::checkpoint::policy::for_container(&spec, config.checkpoint.policy)?,
             engine: crate::engine::Admission::new(&config.engine, &self.namespace, id),
         };
         let c = &config.checkpoint;
         *shared.lock().await = Some(inspection);
-        let co = Coordinator::new(store, target, shared, c.keep_last, c.keep_every, Duration::from_millis(c.action_wait_timeout_ms));
+        let co = Coordinator::new(
+            store,
+            target,
+            shared,
+            c.keep_last,
+            c.keep_every,
+            Duration::from_millis(c.action_wait_timeout_ms),
+        );
         let import = match background.is_some() {
             true => OriginImport::Background,
             false => OriginImport::Done,
@@ -498,7 +566,10 @@ impl Containers {
             let image = t.criu_dir.clone().filter(|d| d.starts_with(bundle_dir));
             let (namespace, cid) = (self.namespace.clone(), id.to_string());
             co.record_origin(
-                move |store| restore::restored_manifest(store, &namespace, &cid, &t).map_err(|e| e.to_string()),
+                move |store| {
+                    restore::restored_manifest(store, &namespace, &cid, &t)
+                        .map_err(|e| e.to_string())
+                },
                 move || {
                     if let Some(dir) = image {
                         let _ = std::fs::remove_dir_all(dir);
@@ -517,27 +588,49 @@ impl Containers {
         }
     }
 
-    async fn create_init(&self, p: &CreateParams, runc: &Runc) -> Result<(u32, crate::stdio::ProcessIo)> {
+    async fn create_init(
+        &self,
+        p: &CreateParams,
+        runc: &Runc,
+    ) -> Result<(u32, crate::stdio::ProcessIo)> {
         bundle::save_runc(&p.bundle, runc)?;
         let mut prepared = PreparedIo::new(&p.stdio, &p.id, &self.namespace).await?;
         let pid_file = bundle::init_pid_file(&p.bundle);
         let child = std::mem::replace(&mut prepared.child, crate::runc::ChildStdio::null());
         let console = prepared.console.as_ref().map(|c| c.path.clone());
-        runc.create(&p.id, &p.bundle, &pid_file, console.as_deref(), child).await?;
+        runc.create(&p.id, &p.bundle, &pid_file, console.as_deref(), child)
+            .await?;
         let io = prepared.start().await?;
         Ok((bundle::read_pid(&pid_file)?, io))
     }
 
     fn watch_oom(&self, container: &Arc<Container>, pid: u32) {
-        let (publisher, namespace, id) = (self.publisher.clone(), self.namespace.clone(), container.id.clone());
-        let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
+        let (publisher, namespace, id) = (
+            self.publisher.clone(),
+            self.namespace.clone(),
+            container.id.clone(),
+        );
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let on_oom = move || {
             log::warn!("container {id}: OOM kill");
             let (publisher, namespace, id) = (publisher.clone(), namespace.clone(), id.clone());
             handle.spawn(async move {
                 if let Some(p) = publisher {
-                    let event = ev::TaskOOM { container_id: id, ..Default::default() };
-                    if let Err(e) = p.publish(Context::default(), topics::TASK_OOM_EVENT_TOPIC, &namespace, Box::new(event)).await {
+                    let event = ev::TaskOOM {
+                        container_id: id,
+                        ..Default::default()
+                    };
+                    if let Err(e) = p
+                        .publish(
+                            Context::default(),
+                            topics::TASK_OOM_EVENT_TOPIC,
+                            &namespace,
+                            Box::new(event),
+                        )
+                        .await
+                    {
                         log::error!("cannot publish OOM event: {e}");
                     }
                 }
@@ -551,7 +644,15 @@ impl Containers {
 
     pub async fn start(&self, id: &str, exec_id: &str) -> Result<u32> {
         let c = self.get(id)?;
-        self.gate(&c, if exec_id.is_empty() { "start" } else { "exec start" }).await?;
+        self.gate(
+            &c,
+            if exec_id.is_empty() {
+                "start"
+            } else {
+                "exec start"
+            },
+        )
+        .await?;
         if !exec_id.is_empty() {
             // Not before the base mark that Start left running in the background.
             drop(c.inspection.lock().await);
@@ -581,7 +682,11 @@ impl Containers {
             .await;
             self.publish(
                 topics::TASK_START_EVENT_TOPIC,
-                Box::new(ev::TaskStart { container_id: id.into(), pid, ..Default::default() }),
+                Box::new(ev::TaskStart {
+                    container_id: id.into(),
+                    pid,
+                    ..Default::default()
+                }),
             )
             .await;
             if let Some(code) = early_exit {
@@ -594,7 +699,9 @@ impl Containers {
         }
         let p = c.process(exec_id)?;
         if !matches!(c.init.status(), Status::Running) {
-            return Err(Error::FailedPrecondition(format!("container {id} is not running")));
+            return Err(Error::FailedPrecondition(format!(
+                "container {id} is not running"
+            )));
         }
         let starting = p.start_lock.lock().await;
         p.transition(&[Status::Created], Status::Running)?;
@@ -603,7 +710,10 @@ impl Containers {
         let early_exit = {
             let mut t = self.pids.lock().unwrap();
             t.starting -= 1;
-            let early = started.as_ref().ok().and_then(|pid| t.early_exits.remove(pid));
+            let early = started
+                .as_ref()
+                .ok()
+                .and_then(|pid| t.early_exits.remove(pid));
             match &started {
                 Ok(pid) if early.is_none() => {
                     t.owners.insert(*pid, (id.to_string(), exec_id.to_string()));
@@ -669,7 +779,10 @@ impl Containers {
                 // CRIU and what it restored so far live in the container's cgroup by now;
                 // killing them makes runc fail (and return) on its own.
                 let killed = kill_cgroup_members(&bundle::read_spec(&c.bundle)?, &c.id);
-                log::error!("restore of {} took longer than {bound:?}: killed {killed} processes", c.id);
+                log::error!(
+                    "restore of {} took longer than {bound:?}: killed {killed} processes",
+                    c.id
+                );
                 let _ = tokio::time::timeout(Duration::from_secs(10), &mut restore).await;
                 // A killed CRIU leaves its cgroup yard mounted in the work directory.
                 unmount_all_under(&work);
@@ -711,14 +824,22 @@ impl Containers {
         let _ = std::fs::remove_dir_all(&work);
         if bundle::read_spec(&c.bundle).is_ok_and(|spec| bundle::creates_network_namespace(&spec)) {
             if let Err(e) = restore::bring_up_loopback(pid) {
-                log::warn!("container {}: restored, but its loopback interface is down: {e}", c.id);
+                log::warn!(
+                    "container {}: restored, but its loopback interface is down: {e}",
+                    c.id
+                );
             }
         }
         let io = prepared.start().await?;
         c.init.set_pid(pid);
         c.init.set_io(io).await;
         self.watch_oom(c, pid);
-        log::info!("container {} restored from {} in {:?} (init pid {pid})", c.id, r.image.display(), started.elapsed());
+        log::info!(
+            "container {} restored from {} in {:?} (init pid {pid})",
+            c.id,
+            r.image.display(),
+            started.elapsed()
+        );
         // The restored-from image under the bundle goes once it is no longer needed: at once, or
         // after the origin has imported it (start_checkpointing).
         let mut image_imported = false;
@@ -727,13 +848,29 @@ impl Containers {
                 Some(t) => Origin::Checkpoint(t),
                 None => Origin::Image,
             };
-            let ours = matches!(&origin, Origin::Checkpoint(t) if t.criu_dir.as_ref() == Some(&r.image));
-            match self.start_checkpointing(&c.id, &c.bundle, &r.rootfs, &r.config, &c.runc, pid, origin, c.inspection.clone()).await {
+            let ours =
+                matches!(&origin, Origin::Checkpoint(t) if t.criu_dir.as_ref() == Some(&r.image));
+            match self
+                .start_checkpointing(
+                    &c.id,
+                    &c.bundle,
+                    &r.rootfs,
+                    &r.config,
+                    &c.runc,
+                    pid,
+                    origin,
+                    c.inspection.clone(),
+                )
+                .await
+            {
                 Ok((co, import)) => {
                     image_imported = ours && import == OriginImport::Background;
                     let _ = c.coordinator.set(co);
                 }
-                Err(e) => log::error!("container {} runs restored but without checkpoints: {e}", c.id),
+                Err(e) => log::error!(
+                    "container {} runs restored but without checkpoints: {e}",
+                    c.id
+                ),
             }
         }
         if !image_imported && r.image.starts_with(&c.bundle) {
@@ -751,7 +888,10 @@ impl Containers {
         prepared.null_from_container(c.init.pid());
         let child = std::mem::replace(&mut prepared.child, crate::runc::ChildStdio::null());
         let console = prepared.console.as_ref().map(|c| c.path.clone());
-        let result = c.runc.exec(&c.id, &spec_file, &pid_file, console.as_deref(), child).await;
+        let result = c
+            .runc
+            .exec(&c.id, &spec_file, &pid_file, console.as_deref(), child)
+            .await;
         let _ = std::fs::remove_file(&spec_file);
         result?;
         let io = prepared.start().await?;
@@ -762,26 +902,43 @@ impl Containers {
         Ok(pid)
     }
 
-    pub async fn add_exec(&self, id: &str, exec_id: &str, stdio: StdioSpec, spec: Vec<u8>) -> Result<()> {
+    pub async fn add_exec(
+        &self,
+        id: &str,
+        exec_id: &str,
+        stdio: StdioSpec,
+        spec: Vec<u8>,
+    ) -> Result<()> {
         let c = self.get(id)?;
         if exec_id.is_empty() {
             return Err(Error::InvalidArgument("exec id must not be empty".into()));
         }
         if matches!(c.init.status(), Status::Stopped) {
-            return Err(Error::FailedPrecondition(format!("container {id} is stopped")));
+            return Err(Error::FailedPrecondition(format!(
+                "container {id} is stopped"
+            )));
         }
         serde_json::from_slice::<oci_spec::runtime::Process>(&spec)
             .map_err(|e| Error::InvalidArgument(format!("exec {exec_id} process spec: {e}")))?;
         {
             let mut execs = c.execs.lock().unwrap();
             if execs.contains_key(exec_id) {
-                return Err(Error::AlreadyExists(format!("exec {exec_id} in container {id}")));
+                return Err(Error::AlreadyExists(format!(
+                    "exec {exec_id} in container {id}"
+                )));
             }
-            execs.insert(exec_id.to_string(), Arc::new(Process::new(exec_id.into(), stdio, Some(spec))));
+            execs.insert(
+                exec_id.to_string(),
+                Arc::new(Process::new(exec_id.into(), stdio, Some(spec))),
+            );
         }
         self.publish(
             topics::TASK_EXEC_ADDED_EVENT_TOPIC,
-            Box::new(ev::TaskExecAdded { container_id: id.into(), exec_id: exec_id.into(), ..Default::default() }),
+            Box::new(ev::TaskExecAdded {
+                container_id: id.into(),
+                exec_id: exec_id.into(),
+                ..Default::default()
+            }),
         )
         .await;
         Ok(())
@@ -811,8 +968,16 @@ impl Containers {
     async fn handle_exit(&self, c: Arc<Container>, p: Arc<Process>, code: i32) {
         drop(p.start_lock.lock().await);
         p.drain_output(OUTPUT_DRAIN_BOUND).await;
-        let Some(info) = p.record_exit(code as u32) else { return };
-        log::debug!("container {} process {} (pid {}) exited with {}", c.id, p.display_id(), info.pid, info.status);
+        let Some(info) = p.record_exit(code as u32) else {
+            return;
+        };
+        log::debug!(
+            "container {} process {} (pid {}) exited with {}",
+            c.id,
+            p.display_id(),
+            info.pid,
+            info.status
+        );
         if p.exec_id.is_empty() {
             if c.kill_all_on_exit {
                 if let Err(e) = c.runc.kill(&c.id, libc::SIGKILL as u32, true).await {
@@ -844,7 +1009,11 @@ impl Containers {
     }
 
     async fn publish_exit(&self, c: &Container, p: &Process, info: ExitInfo) {
-        let id = if p.exec_id.is_empty() { c.id.clone() } else { p.exec_id.clone() };
+        let id = if p.exec_id.is_empty() {
+            c.id.clone()
+        } else {
+            p.exec_id.clone()
+        };
         self.publish(
             topics::TASK_EXIT_EVENT_TOPIC,
             Box::new(ev::TaskExit {
@@ -894,13 +1063,17 @@ impl Containers {
             return c.runc.kill(id, signal, all).await;
         }
         match snap.status {
-            Status::Created => Err(Error::FailedPrecondition(format!("exec {exec_id} is not started"))),
+            Status::Created => Err(Error::FailedPrecondition(format!(
+                "exec {exec_id} is not started"
+            ))),
             Status::Stopped => Err(Error::NotFound("process already finished".into())),
             Status::Running | Status::Paused => {
                 let sig = nix::sys::signal::Signal::try_from(signal as i32)
                     .map_err(|_| Error::InvalidArgument(format!("signal {signal}")))?;
                 match nix::sys::signal::kill(nix::unistd::Pid::from_raw(snap.pid as i32), sig) {
-                    Err(nix::errno::Errno::ESRCH) => Err(Error::NotFound("process already finished".into())),
+                    Err(nix::errno::Errno::ESRCH) => {
+                        Err(Error::NotFound("process already finished".into()))
+                    }
                     other => Ok(other?),
                 }
             }
@@ -913,16 +1086,24 @@ impl Containers {
             let p = c.process(exec_id)?;
             let snap = p.snapshot();
             if matches!(snap.status, Status::Running | Status::Paused) {
-                return Err(Error::FailedPrecondition(format!("cannot delete running exec {exec_id}")));
+                return Err(Error::FailedPrecondition(format!(
+                    "cannot delete running exec {exec_id}"
+                )));
             }
             c.execs.lock().unwrap().remove(exec_id);
             p.close_io().await;
-            return Ok(snap.exit.unwrap_or(ExitInfo { pid: snap.pid, status: 0, at: std::time::SystemTime::now() }));
+            return Ok(snap.exit.unwrap_or(ExitInfo {
+                pid: snap.pid,
+                status: 0,
+                at: std::time::SystemTime::now(),
+            }));
         }
         let _guard = c.lifecycle.lock().await;
         let snap = c.init.snapshot();
         if matches!(snap.status, Status::Running | Status::Paused) && snap.exit.is_none() {
-            return Err(Error::FailedPrecondition(format!("cannot delete running container {id}")));
+            return Err(Error::FailedPrecondition(format!(
+                "cannot delete running container {id}"
+            )));
         }
         // `--force` freezes and kills whatever is left, which takes ~100 ms on a cgroup v1
         // freezer even when nothing is: only a created-but-never-started init needs it.
@@ -944,7 +1125,11 @@ impl Containers {
             status: 128 + libc::SIGKILL as u32,
             at: std::time::SystemTime::now(),
         });
-        self.pids.lock().unwrap().owners.retain(|_, (cid, _)| cid != id);
+        self.pids
+            .lock()
+            .unwrap()
+            .owners
+            .retain(|_, (cid, _)| cid != id);
         c.init.close_io().await;
         let execs: Vec<_> = c.execs.lock().unwrap().drain().map(|(_, p)| p).collect();
         for p in execs {
@@ -978,8 +1163,14 @@ impl Containers {
         c.init.transition(&[Status::Running], Status::Running)?;
         c.runc.pause(id).await?;
         c.init.transition(&[Status::Running], Status::Paused)?;
-        self.publish(topics::TASK_PAUSED_EVENT_TOPIC, Box::new(ev::TaskPaused { container_id: id.into(), ..Default::default() }))
-            .await;
+        self.publish(
+            topics::TASK_PAUSED_EVENT_TOPIC,
+            Box::new(ev::TaskPaused {
+                container_id: id.into(),
+                ..Default::default()
+            }),
+        )
+        .await;
         Ok(())
     }
 
@@ -989,8 +1180,14 @@ impl Containers {
         c.init.transition(&[Status::Paused], Status::Paused)?;
         c.runc.resume(id).await?;
         c.init.transition(&[Status::Paused], Status::Running)?;
-        self.publish(topics::TASK_RESUMED_EVENT_TOPIC, Box::new(ev::TaskResumed { container_id: id.into(), ..Default::default() }))
-            .await;
+        self.publish(
+            topics::TASK_RESUMED_EVENT_TOPIC,
+            Box::new(ev::TaskResumed {
+                container_id: id.into(),
+                ..Default::default()
+            }),
+        )
+        .await;
         Ok(())
     }
 
@@ -998,9 +1195,18 @@ impl Containers {
     pub async fn pids(&self, id: &str) -> Result<Vec<(u32, Option<String>)>> {
         let c = self.get(id)?;
         let pids = c.runc.ps(id).await?;
-        let execs: HashMap<u32, String> =
-            c.execs.lock().unwrap().values().map(|p| (p.pid(), p.exec_id.clone())).filter(|(pid, _)| *pid != 0).collect();
-        Ok(pids.into_iter().map(|pid| (pid as u32, execs.get(&(pid as u32)).cloned())).collect())
+        let execs: HashMap<u32, String> = c
+            .execs
+            .lock()
+            .unwrap()
+            .values()
+            .map(|p| (p.pid(), p.exec_id.clone()))
+            .filter(|(pid, _)| *pid != 0)
+            .collect();
+        Ok(pids
+            .into_iter()
+            .map(|pid| (pid as u32, execs.get(&(pid as u32)).cloned()))
+            .collect())
     }
 
     pub async fn close_stdin(&self, id: &str, exec_id: &str) -> Result<()> {
@@ -1018,7 +1224,12 @@ impl Containers {
     }
 
     /// Applies new resources (JSON `LinuxResources`, if any) and keeps the annotations.
-    pub async fn update(&self, id: &str, resources: Option<Vec<u8>>, annotations: HashMap<String, String>) -> Result<()> {
+    pub async fn update(
+        &self,
+        id: &str,
+        resources: Option<Vec<u8>>,
+        annotations: HashMap<String, String>,
+    ) -> Result<()> {
         let c = self.get(id)?;
         let turn_end = turns::requested_turn_end(&annotations)?;
         let _guard = c.lifecycle.lock().await;
@@ -1027,7 +1238,8 @@ impl Containers {
             serde_json::from_slice::<oci_spec::runtime::LinuxResources>(&json)
                 .map_err(|e| Error::InvalidArgument(format!("resources: {e}")))?;
             let file = c.bundle.join("update-resources.json");
-            std::fs::write(&file, &json).map_err(Error::io(format!("cannot write {}", file.display())))?;
+            std::fs::write(&file, &json)
+                .map_err(Error::io(format!("cannot write {}", file.display())))?;
             let result = c.runc.update(id, &file).await;
             let _ = std::fs::remove_file(&file);
             result?;
@@ -1094,7 +1306,11 @@ impl Containers {
         })?;
         let dir = turns::turns_dir(&c.state_dir, &self.namespace, &c.id);
         let path = turns::store_answer(&dir, turn_id, &answer)?;
-        log::debug!("turn {turn_id} of {}: answer stored in {}", c.id, path.display());
+        log::debug!(
+            "turn {turn_id} of {}: answer stored in {}",
+            c.id,
+            path.display()
+        );
         if let Some(co) = c.coordinator.get() {
             co.note_running_execs(c.running_exec_pids());
             co.submit(turn_id, &answer);
@@ -1105,10 +1321,16 @@ impl Containers {
     /// containerd's own checkpoint (`ctr task checkpoint`): a CRIU image of the whole
     /// container into `path`. Refused, before anything is dumped, when a live process would
     /// be missing from the image (an exec's main process is not in init's tree).
-    pub async fn checkpoint_task(&self, id: &str, path: &Path, opts: TaskCheckpointOptions) -> Result<()> {
+    pub async fn checkpoint_task(
+        &self,
+        id: &str,
+        path: &Path,
+        opts: TaskCheckpointOptions,
+    ) -> Result<()> {
         let c = self.get(id)?;
         let _guard = c.lifecycle.lock().await;
-        c.init.transition(&[Status::Running, Status::Paused], c.init.status())?;
+        c.init
+            .transition(&[Status::Running, Status::Paused], c.init.status())?;
         let init_pid = c.init.pid();
         let cgroup = crate::cgroup::Cgroups::of(init_pid)?
             .unified
@@ -1164,7 +1386,11 @@ impl Containers {
 /// SIGKILLs every process in container `id`'s cgroup (from the spec's `cgroupsPath`, as
 /// runc places it with the cgroupfs or the systemd driver); returns how many.
 fn kill_cgroup_members(spec: &oci_spec::runtime::Spec, id: &str) -> usize {
-    let path = spec.linux().as_ref().and_then(|l| l.cgroups_path().clone()).map(|p| p.display().to_string());
+    let path = spec
+        .linux()
+        .as_ref()
+        .and_then(|l| l.cgroups_path().clone())
+        .map(|p| p.display().to_string());
     let suffix = match path.as_deref() {
         // systemd driver: "slice:prefix:name" is the unit prefix-name.scope.
         Some(p) if p.split(':').count() == 3 => {
@@ -1176,9 +1402,19 @@ fn kill_cgroup_members(spec: &oci_spec::runtime::Spec, id: &str) -> usize {
     };
     let mut killed = 0;
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
         let cgroups = std::fs::read_to_string(entry.path().join("cgroup")).unwrap_or_default();
-        if cgroups.lines().any(|l| l.splitn(3, ':').nth(2).is_some_and(|p| p == suffix || p.ends_with(&suffix))) {
+        if cgroups.lines().any(|l| {
+            l.splitn(3, ':')
+                .nth(2)
+                .is_some_and(|p| p == suffix || p.ends_with(&suffix))
+        }) {
             // SAFETY: plain kill(2) of a pid in the container's cgroup.
             if unsafe { libc::kill(pid, libc::SIGKILL) } == 0 {
                 killed += 1;
@@ -1212,7 +1448,8 @@ fn wait_for_exec(pid: u32, bound: std::time::Duration) {
     loop {
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         let mut args = cmdline.split(|b| *b == 0);
-        let is_runc_init = args.next().is_some_and(|a| a.ends_with(b"runc")) && args.next() == Some(b"init");
+        let is_runc_init =
+            args.next().is_some_and(|a| a.ends_with(b"runc")) && args.next() == Some(b"init");
         if !is_runc_init || std::time::Instant::now() >= deadline {
             if is_runc_init {
                 log::warn!("pid {pid} still runs `runc init` {bound:?} after start");

@@ -1034,9 +1034,7 @@ impl Ticket {
         loop {
             let Some(left) = plan::remaining(deadline_ns, mono_ns()) else {
                 return Err(EngineError::WaitTimeout {
-                    waited: Duration::from_nanos(
-                        mono_ns().saturating_sub(self.info.enqueued_ns),
-                    ),
+                    waited: Duration::from_nanos(mono_ns().saturating_sub(self.info.enqueued_ns)),
                     holders: self.engine.describe_holders(),
                 });
             };
@@ -1884,10 +1882,18 @@ mod tests {
     fn a_heavy_sandbox_queues_behind_a_light_one() {
         let dir = tempfile::tempdir().unwrap();
         let e = engine(dir.path(), 1, None);
-        let heavy = e.enqueue("heavy", "ns", "t1", false).unwrap().wait().unwrap();
+        let heavy = e
+            .enqueue("heavy", "ns", "t1", false)
+            .unwrap()
+            .wait()
+            .unwrap();
         std::thread::sleep(Duration::from_millis(300));
         heavy.finish(0);
-        let holder = e.enqueue("other", "ns", "t", false).unwrap().wait().unwrap();
+        let holder = e
+            .enqueue("other", "ns", "t", false)
+            .unwrap()
+            .wait()
+            .unwrap();
         let started = Arc::new(Mutex::new(Vec::new()));
         let mut threads = Vec::new();
         for name in ["heavy", "light"] {
@@ -1943,7 +1949,8 @@ mod tests {
         let text = err.to_string();
         assert!(matches!(err, EngineError::WaitTimeout { .. }), "{text}");
         assert!(
-            text.contains("wait_timeout_ms") && text.contains("slot 0 is locked by a process that is not a crab job"),
+            text.contains("wait_timeout_ms")
+                && text.contains("slot 0 is locked by a process that is not a crab job"),
             "{text}"
         );
         assert!(fs::read_dir(e.queue_dir()).unwrap().next().is_none());
@@ -2013,11 +2020,27 @@ mod tests {
             }
         }
         ticket.wait().unwrap().finish(1000);
-        for entry in ["usage.json", "stats.json", "budget.json", "state.lock", "slots/released", "slots/0", "slots/1"] {
+        for entry in [
+            "usage.json",
+            "stats.json",
+            "budget.json",
+            "state.lock",
+            "slots/released",
+            "slots/0",
+            "slots/1",
+        ] {
             let p = root.join(entry);
-            modes.push((p.clone(), false, fs::metadata(&p).unwrap().permissions().mode() & 0o7777));
+            modes.push((
+                p.clone(),
+                false,
+                fs::metadata(&p).unwrap().permissions().mode() & 0o7777,
+            ));
         }
-        modes.push((root.clone(), true, fs::metadata(&root).unwrap().permissions().mode() & 0o7777));
+        modes.push((
+            root.clone(),
+            true,
+            fs::metadata(&root).unwrap().permissions().mode() & 0o7777,
+        ));
         assert!(modes.len() > 10, "{modes:?}");
         for (p, is_dir, mode) in &modes {
             let want = if *is_dir { 0o700 } else { 0o600 };

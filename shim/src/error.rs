@@ -23,7 +23,10 @@ pub enum Error {
     /// failed: ...`), since the CRI hands it on verbatim to the kubelet (a failed start's
     /// ContainerStatus.message) and tools match on it.
     #[error("OCI runtime {command} failed: {message}")]
-    Runc { command: &'static str, message: String },
+    Runc {
+        command: &'static str,
+        message: String,
+    },
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -70,7 +73,10 @@ impl From<containerd_shim::Error> for Error {
 
 impl From<nix::Error> for Error {
     fn from(e: nix::Error) -> Self {
-        Error::Io { context: "system call".into(), source: std::io::Error::from(e) }
+        Error::Io {
+            context: "system call".into(),
+            source: std::io::Error::from(e),
+        }
     }
 }
 
@@ -84,9 +90,18 @@ mod tests {
             ttrpc::Error::RpcStatus(s) => (s.code(), s.message().to_string()),
             other => panic!("unexpected {other:?}"),
         };
-        assert_eq!(status(Error::NotFound("container x".into())).0, Code::NOT_FOUND);
-        assert_eq!(status(Error::Unimplemented("Checkpoint")).0, Code::UNIMPLEMENTED);
-        let (code, msg) = status(Error::Runc { command: "create", message: "no such file".into() });
+        assert_eq!(
+            status(Error::NotFound("container x".into())).0,
+            Code::NOT_FOUND
+        );
+        assert_eq!(
+            status(Error::Unimplemented("Checkpoint")).0,
+            Code::UNIMPLEMENTED
+        );
+        let (code, msg) = status(Error::Runc {
+            command: "create",
+            message: "no such file".into(),
+        });
         assert_eq!(code, Code::UNKNOWN);
         assert_eq!(msg, "OCI runtime create failed: no such file");
     }

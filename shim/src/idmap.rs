@@ -55,7 +55,8 @@ pub fn prepare(bundle: &Path, mount: &Mount) -> Result<Option<(Mount, IdmappedLo
         dir: bundle.join("idmapped-layers"),
         mounts: Vec::new(),
     };
-    std::fs::create_dir_all(&lowers.dir).map_err(Error::io(format!("create {}", lowers.dir.display())))?;
+    std::fs::create_dir_all(&lowers.dir)
+        .map_err(Error::io(format!("create {}", lowers.dir.display())))?;
     let mut options = Vec::new();
     for o in &mount.options {
         if o.starts_with("uidmap=") || o.starts_with("gidmap=") {
@@ -68,7 +69,8 @@ pub fn prepare(bundle: &Path, mount: &Mount) -> Result<Option<(Mount, IdmappedLo
         let mut mapped = Vec::new();
         for (i, layer) in dirs.split(':').enumerate() {
             let target = lowers.dir.join(i.to_string());
-            std::fs::create_dir_all(&target).map_err(Error::io(format!("create {}", target.display())))?;
+            std::fs::create_dir_all(&target)
+                .map_err(Error::io(format!("create {}", target.display())))?;
             mount_idmapped(Path::new(layer), &target, &userns)?;
             lowers.mounts.push(target.clone());
             mapped.push(target.to_string_lossy().into_owned());
@@ -90,7 +92,11 @@ fn parse_mapping(mapping: &str) -> Result<String> {
             .split(':')
             .map(str::parse)
             .collect::<std::result::Result<_, _>>()
-            .map_err(|_| Error::InvalidArgument(format!("id mapping {m:?} of {mapping:?} is not ctr:host:size")))?;
+            .map_err(|_| {
+                Error::InvalidArgument(format!(
+                    "id mapping {m:?} of {mapping:?} is not ctr:host:size"
+                ))
+            })?;
         let [ctr, host, size] = ids[..] else {
             return Err(Error::InvalidArgument(format!(
                 "id mapping {m:?} of {mapping:?} is not ctr:host:size"
@@ -133,8 +139,10 @@ fn user_namespace(uid_map: &str, gid_map: &str) -> Result<OwnedFd> {
     let proc = PathBuf::from(format!("/proc/{child}"));
     let result = (|| {
         for (file, map) in [("uid_map", uid_map), ("gid_map", gid_map)] {
-            std::fs::write(proc.join(file), map)
-                .map_err(Error::io(format!("write {map:?} to {}", proc.join(file).display())))?;
+            std::fs::write(proc.join(file), map).map_err(Error::io(format!(
+                "write {map:?} to {}",
+                proc.join(file).display()
+            )))?;
         }
         let ns = proc.join("ns/user");
         File::open(&ns)
@@ -147,7 +155,9 @@ fn user_namespace(uid_map: &str, gid_map: &str) -> Result<OwnedFd> {
 
 /// Mounts `source` at `target` id-mapped through `userns` (open_tree, mount_setattr, move_mount).
 fn mount_idmapped(source: &Path, target: &Path, userns: &OwnedFd) -> Result<()> {
-    let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(|e| Error::InvalidArgument(e.to_string()));
+    let c = |p: &Path| {
+        CString::new(p.as_os_str().as_bytes()).map_err(|e| Error::InvalidArgument(e.to_string()))
+    };
     let (src, dst, empty) = (c(source)?, c(target)?, CString::default());
     let fail = |what: &str| {
         let e = std::io::Error::last_os_error();
@@ -209,8 +219,14 @@ mod tests {
 
     #[test]
     fn mappings_become_proc_map_lines() {
-        assert_eq!(parse_mapping("0:1000000:65536").unwrap(), "0 1000000 65536\n");
-        assert_eq!(parse_mapping("0:100:1,1:200:10").unwrap(), "0 100 1\n1 200 10\n");
+        assert_eq!(
+            parse_mapping("0:1000000:65536").unwrap(),
+            "0 1000000 65536\n"
+        );
+        assert_eq!(
+            parse_mapping("0:100:1,1:200:10").unwrap(),
+            "0 100 1\n1 200 10\n"
+        );
         assert!(parse_mapping("0:100").is_err());
         assert!(parse_mapping("a:b:c").is_err());
     }

@@ -17,7 +17,8 @@ use crate::error::{Error, Result};
 use crate::service::RUNTIME_ID;
 
 /// The type URL containerd registers for the runtime-spec `Features` JSON.
-const FEATURES_TYPE_URL: &str = "types.containerd.io/opencontainers/runtime-spec/1/features/Features";
+const FEATURES_TYPE_URL: &str =
+    "types.containerd.io/opencontainers/runtime-spec/1/features/Features";
 
 /// The shim's `RuntimeInfo` for the runtime options containerd wrote to stdin (`options`: the
 /// marshalled `Any`, empty when the handler has none). The options are echoed back, as
@@ -101,7 +102,12 @@ mod tests {
         let features = info.features.as_ref().unwrap();
         assert_eq!(features.type_url, FEATURES_TYPE_URL);
         let json: serde_json::Value = serde_json::from_slice(&features.value).unwrap();
-        assert!(json["mountOptions"].as_array().is_some_and(|o| !o.is_empty()), "{json}");
+        assert!(
+            json["mountOptions"]
+                .as_array()
+                .is_some_and(|o| !o.is_empty()),
+            "{json}"
+        );
     }
 
     #[test]

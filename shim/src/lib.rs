@@ -8,9 +8,9 @@
 //! - [`idmap`]: id-mapped rootfs layers of pods with their own user namespace
 //! - [`info`]: `-info`, the runtime features containerd's introspection asks for
 
+pub mod beneath;
 pub mod bundle;
 pub mod cgroup;
-pub mod beneath;
 pub mod checkpoint;
 pub mod containers;
 pub mod ctl;

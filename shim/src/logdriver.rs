@@ -74,9 +74,13 @@ impl LoggerUri {
     /// empty value; a repeated key counts once, with its first value.
     pub fn parse(uri: &str) -> Result<Self> {
         let invalid = |why: &str| {
-            Error::InvalidArgument(format!("log URI `{uri}`: {why} (expected binary:///absolute/path?key=value&...)"))
+            Error::InvalidArgument(format!(
+                "log URI `{uri}`: {why} (expected binary:///absolute/path?key=value&...)"
+            ))
         };
-        let rest = uri.strip_prefix(SCHEME_PREFIX).ok_or_else(|| invalid("not a binary:// URI"))?;
+        let rest = uri
+            .strip_prefix(SCHEME_PREFIX)
+            .ok_or_else(|| invalid("not a binary:// URI"))?;
         let rest = rest.split_once('#').map_or(rest, |(r, _fragment)| r);
         let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
         if !path.starts_with('/') {
@@ -84,7 +88,8 @@ impl LoggerUri {
             // like `binary://usr/bin/logger` is refused rather than run as `/bin/logger`.
             return Err(invalid("the path must be absolute, with an empty host"));
         }
-        let path = unescape(path, false).ok_or_else(|| invalid("bad percent-escape in the path"))?;
+        let path =
+            unescape(path, false).ok_or_else(|| invalid("bad percent-escape in the path"))?;
         let mut args: Vec<String> = Vec::new();
         let mut seen = std::collections::HashSet::new();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
@@ -92,13 +97,18 @@ impl LoggerUri {
                 return Err(invalid("`;` in the query"));
             }
             let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-            let key = unescape(key, true).ok_or_else(|| invalid("bad percent-escape in the query"))?;
-            let value = unescape(value, true).ok_or_else(|| invalid("bad percent-escape in the query"))?;
+            let key =
+                unescape(key, true).ok_or_else(|| invalid("bad percent-escape in the query"))?;
+            let value =
+                unescape(value, true).ok_or_else(|| invalid("bad percent-escape in the query"))?;
             if seen.insert(key.clone()) {
                 args.extend([key, value]);
             }
         }
-        Ok(Self { path: path.into(), args })
+        Ok(Self {
+            path: path.into(),
+            args,
+        })
     }
 }
 
@@ -140,7 +150,11 @@ pub struct LoggerPipe {
 }
 
 impl AsyncWrite for LoggerPipe {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.tx).poll_write(cx, buf)
     }
 
@@ -163,8 +177,12 @@ struct Logger {
 
 impl Drop for Logger {
     fn drop(&mut self) {
-        let Some(pidfd) = self.pidfd.take() else { return };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        let Some(pidfd) = self.pidfd.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let (path, pid) = (self.path.clone(), self.pid);
         runtime.spawn(async move {
             // SAFETY: the pidfd is moved into the AsyncFd and stays open for its whole life.
@@ -202,7 +220,13 @@ fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
 fn pidfd_send_signal(pidfd: &OwnedFd, signal: i32) -> io::Result<()> {
     // SAFETY: a valid pidfd, a signal number, no siginfo, no flags.
     let rc = unsafe {
-        libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), signal, std::ptr::null::<libc::siginfo_t>(), 0)
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            signal,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
     };
     if rc < 0 {
         return Err(io::Error::last_os_error());
@@ -218,7 +242,9 @@ fn pipe() -> Result<(OwnedFd, OwnedFd)> {
 fn reader_gone(w: &OwnedFd) -> bool {
     let mut fds = [PollFd::new(w.as_fd(), PollFlags::POLLOUT)];
     matches!(poll(&mut fds, PollTimeout::ZERO), Ok(n) if n > 0)
-        && fds[0].revents().is_some_and(|r| r.contains(PollFlags::POLLERR))
+        && fds[0]
+            .revents()
+            .is_some_and(|r| r.contains(PollFlags::POLLERR))
 }
 
 /// Starts the logger of `uri` for process `id` of `namespace` and waits until it is ready.
@@ -267,7 +293,9 @@ async fn start_with_timeout(
     }
     // Subscribed before the spawn, so an exit before readiness cannot be missed.
     let mut exits = ExitSubscription::new().await?;
-    let child = cmd.spawn().map_err(Error::io(format!("cannot execute logging binary {shown}")))?;
+    let child = cmd
+        .spawn()
+        .map_err(Error::io(format!("cannot execute logging binary {shown}")))?;
     let pid = child.id() as i32;
     // The reaper waits for it; the Child (which never waits on drop) is not needed.
     drop(child);
@@ -277,17 +305,25 @@ async fn start_with_timeout(
             log::warn!("no pidfd for logging binary {shown} (pid {pid}): it will not be killed if it lingers: {e}")
         })
         .ok();
-    let logger = Arc::new(Logger { path: uri.path.clone(), pid, pidfd });
+    let logger = Arc::new(Logger {
+        path: uri.path.clone(),
+        pid,
+        pidfd,
+    });
     let kill = |logger: &Logger| match &logger.pidfd {
         Some(fd) => {
             let _ = pidfd_send_signal(fd, libc::SIGKILL);
         }
         None => {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
         }
     };
 
-    let mut ready = pipe::Receiver::from_owned_fd(ready_r).map_err(Error::io("logging binary ready pipe"))?;
+    let mut ready =
+        pipe::Receiver::from_owned_fd(ready_r).map_err(Error::io("logging binary ready pipe"))?;
     let mut byte = [0u8; 1];
     let waited = tokio::time::timeout(ready_timeout, async {
         tokio::select! {
@@ -312,7 +348,9 @@ async fn start_with_timeout(
         }
         Ok(Ok(Err(e))) => {
             kill(&logger);
-            return Err(Error::io(format!("reading the ready pipe of logging binary {shown}"))(e));
+            return Err(Error::io(format!(
+                "reading the ready pipe of logging binary {shown}"
+            ))(e));
         }
         Ok(Ok(Ok(_))) => {}
     }
@@ -324,16 +362,26 @@ async fn start_with_timeout(
             .await
             .ok()
             .and_then(|r| r.ok())
-            .map_or_else(|| "exit status unknown".to_string(), |c| format!("exit status {c}"));
+            .map_or_else(
+                || "exit status unknown".to_string(),
+                |c| format!("exit status {c}"),
+            );
         return Err(Error::Other(format!(
             "logging binary {shown} exited (or closed fds 3 and 4) before it was ready ({status})"
         )));
     }
     log::debug!("logging binary {shown} (pid {pid}) ready for {namespace}/{id}");
-    let sender = |fd: OwnedFd| pipe::Sender::from_owned_fd(fd).map_err(Error::io("logging binary pipe"));
+    let sender =
+        |fd: OwnedFd| pipe::Sender::from_owned_fd(fd).map_err(Error::io("logging binary pipe"));
     Ok(LoggerOutputs {
-        stdout: LoggerPipe { tx: sender(out_w)?, _logger: logger.clone() },
-        stderr: LoggerPipe { tx: sender(err_w)?, _logger: logger },
+        stdout: LoggerPipe {
+            tx: sender(out_w)?,
+            _logger: logger.clone(),
+        },
+        stderr: LoggerPipe {
+            tx: sender(err_w)?,
+            _logger: logger,
+        },
     })
 }
 
@@ -345,12 +393,20 @@ mod tests {
 
     #[test]
     fn parses_like_go() {
-        let u = LoggerUri::parse("binary:///usr/bin/logger?dir=/var/log/x&flag&sp=a+b%2Fc&dir=ignored#frag").unwrap();
+        let u = LoggerUri::parse(
+            "binary:///usr/bin/logger?dir=/var/log/x&flag&sp=a+b%2Fc&dir=ignored#frag",
+        )
+        .unwrap();
         assert_eq!(u.path, PathBuf::from("/usr/bin/logger"));
         assert_eq!(u.args, ["dir", "/var/log/x", "flag", "", "sp", "a b/c"]);
         let u = LoggerUri::parse("binary:///opt/my%20logger").unwrap();
         assert_eq!((u.path, u.args), (PathBuf::from("/opt/my logger"), vec![]));
-        for bad in ["binary://usr/bin/logger", "binary:///x?a=%zz", "binary:///x?a=1;b=2", "file:///x"] {
+        for bad in [
+            "binary://usr/bin/logger",
+            "binary:///x?a=%zz",
+            "binary:///x?a=1;b=2",
+            "file:///x",
+        ] {
             let err = LoggerUri::parse(bad).unwrap_err();
             assert!(matches!(err, Error::InvalidArgument(_)), "{bad}: {err}");
         }
@@ -361,7 +417,10 @@ mod tests {
         let path = dir.join("logger.sh");
         std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-        LoggerUri { path, args: vec!["out".into(), dir.display().to_string()] }
+        LoggerUri {
+            path,
+            args: vec!["out".into(), dir.display().to_string()],
+        }
     }
 
     async fn eventually_read(path: &std::path::Path, want: &str) -> String {
@@ -394,14 +453,32 @@ echo done >"$d/exited""#,
         out.stdout.write_all(b"to stdout\n").await.unwrap();
         out.stderr.write_all(b"to stderr\n").await.unwrap();
         drop(out);
-        assert_eq!(eventually_read(&dir.path().join("exited"), "done\n").await, "done\n");
-        assert_eq!(std::fs::read_to_string(dir.path().join("stdout")).unwrap(), "to stdout\n");
-        assert_eq!(std::fs::read_to_string(dir.path().join("stderr")).unwrap(), "to stderr\n");
-        assert_eq!(std::fs::read_to_string(dir.path().join("args")).unwrap(), "2 out\n");
+        assert_eq!(
+            eventually_read(&dir.path().join("exited"), "done\n").await,
+            "done\n"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("stdout")).unwrap(),
+            "to stdout\n"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("stderr")).unwrap(),
+            "to stderr\n"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("args")).unwrap(),
+            "2 out\n"
+        );
         let env = std::fs::read_to_string(dir.path().join("env")).unwrap();
         let env: Vec<&str> = env.lines().collect();
-        assert!(env.contains(&"CONTAINER_ID=c1") && env.contains(&"CONTAINER_NAMESPACE=ns1"), "{env:?}");
-        assert!(!env.iter().any(|v| v.starts_with("HOME=")), "the shim's environment leaked: {env:?}");
+        assert!(
+            env.contains(&"CONTAINER_ID=c1") && env.contains(&"CONTAINER_NAMESPACE=ns1"),
+            "{env:?}"
+        );
+        assert!(
+            !env.iter().any(|v| v.starts_with("HOME=")),
+            "the shim's environment leaked: {env:?}"
+        );
     }
 
     #[tokio::test]
@@ -409,7 +486,11 @@ echo done >"$d/exited""#,
         let dir = tempfile::tempdir().unwrap();
         let uri = script(dir.path(), "exec /bin/sleep 30");
         let started = std::time::Instant::now();
-        let err = start_with_timeout(&uri, "c", "ns", Duration::from_millis(300)).await.err().unwrap().to_string();
+        let err = start_with_timeout(&uri, "c", "ns", Duration::from_millis(300))
+            .await
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("was not ready within"), "{err}");
         assert!(started.elapsed() < Duration::from_secs(5));
     }
@@ -419,9 +500,16 @@ echo done >"$d/exited""#,
         let dir = tempfile::tempdir().unwrap();
         // Closing its output fds first makes the failure certain to be seen before readiness;
         // a plain `exit` races the kernel's closing order (best effort, as in containerd).
-        let err = start(&script(dir.path(), "exec 3<&- 4<&-; exit 3"), "c", "ns").await.err().unwrap().to_string();
+        let err = start(&script(dir.path(), "exec 3<&- 4<&-; exit 3"), "c", "ns")
+            .await
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("exited"), "{err}");
-        let missing = LoggerUri { path: dir.path().join("nope"), args: vec![] };
+        let missing = LoggerUri {
+            path: dir.path().join("nope"),
+            args: vec![],
+        };
         let err = start(&missing, "c", "ns").await.err().unwrap().to_string();
         assert!(err.contains("cannot execute logging binary"), "{err}");
     }

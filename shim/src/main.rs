@@ -2,8 +2,15 @@
 async fn main() {
     // containerd runs `<shim> -info` to learn the runtime's features (the shim framework parses
     // the flag but leaves answering it to the binary).
-    if std::env::args_os().skip(1).any(|a| a == "-info" || a == "--info") {
+    if std::env::args_os()
+        .skip(1)
+        .any(|a| a == "-info" || a == "--info")
+    {
         std::process::exit(crab_shim::info::print());
     }
-    containerd_shim::asynchronous::run::<crab_shim::service::Service>(crab_shim::service::RUNTIME_ID, None).await;
+    containerd_shim::asynchronous::run::<crab_shim::service::Service>(
+        crab_shim::service::RUNTIME_ID,
+        None,
+    )
+    .await;
 }

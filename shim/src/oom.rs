@@ -47,7 +47,9 @@ fn memory_cgroup(pid: i32) -> Result<MemoryCgroup> {
     }
     match cgroups.unified {
         Some(dir) if dir.join("memory.events").exists() => Ok(MemoryCgroup::V2(dir)),
-        _ => Err(Error::Other(format!("no memory cgroup found for pid {pid}"))),
+        _ => Err(Error::Other(format!(
+            "no memory cgroup found for pid {pid}"
+        ))),
     }
 }
 
@@ -57,17 +59,29 @@ pub fn watch(pid: i32, on_oom: impl Fn() + Send + 'static) -> Result<OomWatcher>
     match memory_cgroup(pid)? {
         MemoryCgroup::V1(dir) => {
             let efd = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC)?;
-            let control = fs::File::open(dir.join("memory.oom_control")).map_err(Error::io("open memory.oom_control"))?;
-            fs::write(dir.join("cgroup.event_control"), format!("{} {}", efd.as_fd().as_raw_fd(), control.as_raw_fd()))
-                .map_err(Error::io("register OOM eventfd"))?;
+            let control = fs::File::open(dir.join("memory.oom_control"))
+                .map_err(Error::io("open memory.oom_control"))?;
+            fs::write(
+                dir.join("cgroup.event_control"),
+                format!("{} {}", efd.as_fd().as_raw_fd(), control.as_raw_fd()),
+            )
+            .map_err(Error::io("register OOM eventfd"))?;
             let wake = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC)?;
             // Dropping the watcher writes to `wake`: poll both so it can end the thread.
-            let (stop2, wake_fd) = (stop.clone(), wake.as_fd().try_clone_to_owned().map_err(Error::io("dup eventfd"))?);
+            let (stop2, wake_fd) = (
+                stop.clone(),
+                wake.as_fd()
+                    .try_clone_to_owned()
+                    .map_err(Error::io("dup eventfd"))?,
+            );
             std::thread::Builder::new()
                 .name("oom-v1".into())
                 .spawn(move || v1_loop(&dir, efd, control, wake_fd, &stop2, on_oom))
                 .map_err(Error::io("spawn OOM watcher"))?;
-            Ok(OomWatcher { stop, wake: Some(wake) })
+            Ok(OomWatcher {
+                stop,
+                wake: Some(wake),
+            })
         }
         MemoryCgroup::V2(dir) => {
             let inotify = Inotify::init(InitFlags::IN_CLOEXEC)?;
@@ -82,14 +96,27 @@ pub fn watch(pid: i32, on_oom: impl Fn() + Send + 'static) -> Result<OomWatcher>
     }
 }
 
-fn v1_loop(dir: &Path, efd: EventFd, _control: fs::File, wake: std::os::fd::OwnedFd, stop: &AtomicBool, on_oom: impl Fn()) {
+fn v1_loop(
+    dir: &Path,
+    efd: EventFd,
+    _control: fs::File,
+    wake: std::os::fd::OwnedFd,
+    stop: &AtomicBool,
+    on_oom: impl Fn(),
+) {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     loop {
-        let mut fds = [PollFd::new(efd.as_fd(), PollFlags::POLLIN), PollFd::new(wake.as_fd(), PollFlags::POLLIN)];
+        let mut fds = [
+            PollFd::new(efd.as_fd(), PollFlags::POLLIN),
+            PollFd::new(wake.as_fd(), PollFlags::POLLIN),
+        ];
         if poll(&mut fds, PollTimeout::NONE).is_err() || stop.load(Ordering::SeqCst) {
             return;
         }
-        if fds[0].revents().is_some_and(|r| r.contains(PollFlags::POLLIN)) {
+        if fds[0]
+            .revents()
+            .is_some_and(|r| r.contains(PollFlags::POLLIN))
+        {
             if efd.read().is_err() {
                 return;
             }
@@ -104,14 +131,23 @@ fn v1_loop(dir: &Path, efd: EventFd, _control: fs::File, wake: std::os::fd::Owne
 
 fn oom_kills(dir: &Path) -> Option<u64> {
     let events = fs::read_to_string(dir.join("memory.events")).ok()?;
-    events.lines().find_map(|l| l.strip_prefix("oom_kill ")).and_then(|v| v.trim().parse().ok())
+    events
+        .lines()
+        .find_map(|l| l.strip_prefix("oom_kill "))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 fn v2_loop(dir: &Path, inotify: Inotify, stop: &AtomicBool, on_oom: impl Fn()) {
     let mut seen = oom_kills(dir).unwrap_or(0);
     loop {
-        let Ok(events) = inotify.read_events() else { return };
-        if stop.load(Ordering::SeqCst) || events.iter().any(|e| e.mask.contains(AddWatchFlags::IN_IGNORED)) {
+        let Ok(events) = inotify.read_events() else {
+            return;
+        };
+        if stop.load(Ordering::SeqCst)
+            || events
+                .iter()
+                .any(|e| e.mask.contains(AddWatchFlags::IN_IGNORED))
+        {
             return;
         }
         match oom_kills(dir) {

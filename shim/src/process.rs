@@ -60,7 +60,11 @@ impl Process {
             exec_id,
             stdio,
             exec_spec,
-            state: Mutex::new(State { pid: 0, status: Status::Created, exit: None }),
+            state: Mutex::new(State {
+                pid: 0,
+                status: Status::Created,
+                exit: None,
+            }),
             exited: watch::channel(None).0,
             io: tokio::sync::Mutex::new(None),
             start_lock: tokio::sync::Mutex::new(()),
@@ -69,7 +73,11 @@ impl Process {
 
     pub fn snapshot(&self) -> Snapshot {
         let s = self.state.lock().unwrap();
-        Snapshot { pid: s.pid, status: s.status, exit: s.exit }
+        Snapshot {
+            pid: s.pid,
+            status: s.status,
+            exit: s.exit,
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -105,7 +113,10 @@ impl Process {
     pub async fn with_io<T>(&self, f: impl FnOnce(&ProcessIo) -> Result<T>) -> Result<T> {
         match self.io.lock().await.as_ref() {
             Some(io) => f(io),
-            None => Err(Error::FailedPrecondition(format!("process {} has no stdio", self.display_id()))),
+            None => Err(Error::FailedPrecondition(format!(
+                "process {} has no stdio",
+                self.display_id()
+            ))),
         }
     }
 
@@ -128,7 +139,11 @@ impl Process {
         if s.exit.is_some() {
             return None;
         }
-        let info = ExitInfo { pid: s.pid, status, at: SystemTime::now() };
+        let info = ExitInfo {
+            pid: s.pid,
+            status,
+            at: SystemTime::now(),
+        };
         s.status = Status::Stopped;
         s.exit = Some(info);
         Some(info)
@@ -181,7 +196,9 @@ mod tests {
         p.announce_exit(info);
         let got = waiter.await.unwrap();
         assert_eq!((got.pid, got.status), (42, 3));
-        let err = p.transition(&[Status::Running], Status::Paused).unwrap_err();
+        let err = p
+            .transition(&[Status::Running], Status::Paused)
+            .unwrap_err();
         assert!(err.to_string().contains("Stopped"), "{err}");
     }
 }

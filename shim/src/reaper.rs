@@ -34,7 +34,9 @@ impl ExitSubscription {
                 }
             }
         }
-        Err(Error::Other(format!("exit monitor closed before pid {pid} exited")))
+        Err(Error::Other(format!(
+            "exit monitor closed before pid {pid} exited"
+        )))
     }
 
     pub async fn recv(&mut self) -> Option<(i32, i32)> {
@@ -73,7 +75,9 @@ pub struct Output {
 pub async fn run(mut cmd: Command, capture: bool) -> Result<Output> {
     let mut exits = ExitSubscription::new().await?;
     if capture {
-        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
     }
     let program = cmd.get_program().to_string_lossy().into_owned();
     let mut child = cmd
@@ -83,19 +87,32 @@ pub async fn run(mut cmd: Command, capture: bool) -> Result<Output> {
     // the child (and whatever it leaves behind) closes them.
     drop(cmd);
     let pid = child.id() as i32;
-    let readers = [child.stdout.take().map(|r| Box::new(r) as Box<dyn Read + Send>), child.stderr.take().map(|r| Box::new(r) as Box<dyn Read + Send>)]
-        .map(|r| {
-            tokio::task::spawn_blocking(move || {
-                let mut buf = Vec::new();
-                if let Some(mut r) = r {
-                    let _ = r.read_to_end(&mut buf);
-                }
-                buf
-            })
-        });
+    let readers = [
+        child
+            .stdout
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+        child
+            .stderr
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+    ]
+    .map(|r| {
+        tokio::task::spawn_blocking(move || {
+            let mut buf = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut buf);
+            }
+            buf
+        })
+    });
     let code = exits.wait_for(pid).await?;
     let [out, err] = readers;
     let stdout = out.await.unwrap_or_default();
     let stderr = err.await.unwrap_or_default();
-    Ok(Output { code, stdout, stderr })
+    Ok(Output {
+        code,
+        stdout,
+        stderr,
+    })
 }

@@ -328,10 +328,23 @@ mod tests {
             manage_cgroups_mode: Some("soft".into()),
             ..Default::default()
         };
-        let args: Vec<String> = opts.criu_args().into_iter().map(|a| a.into_string().unwrap()).collect();
+        let args: Vec<String> = opts
+            .criu_args()
+            .into_iter()
+            .map(|a| a.into_string().unwrap())
+            .collect();
         assert_eq!(
             args,
-            ["--image-path", "/img", "--work-path", "/work", "--tcp-established", "--file-locks", "--manage-cgroups-mode", "soft"]
+            [
+                "--image-path",
+                "/img",
+                "--work-path",
+                "/work",
+                "--tcp-established",
+                "--file-locks",
+                "--manage-cgroups-mode",
+                "soft"
+            ]
         );
     }
 

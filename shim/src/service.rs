@@ -43,23 +43,39 @@ const SANDBOX_ANNOTATION: &str = "io.kubernetes.cri.sandbox-id";
 const GROUP_ANNOTATION: &str = "io.containerd.crab.v1.group";
 
 /// The id of the shim a container joins: its pod's, its explicit group's, else its own.
-fn grouping(spec: Option<&oci_spec::runtime::Spec>, id: &str) -> std::result::Result<String, String> {
-    let Some(spec) = spec else { return Ok(id.to_string()) };
+fn grouping(
+    spec: Option<&oci_spec::runtime::Spec>,
+    id: &str,
+) -> std::result::Result<String, String> {
+    let Some(spec) = spec else {
+        return Ok(id.to_string());
+    };
     if let Some(sandbox) = bundle::annotation(spec, &[SANDBOX_ANNOTATION]) {
         return Ok(sandbox.to_string());
     }
     match bundle::annotation(spec, &[GROUP_ANNOTATION]) {
         None => Ok(id.to_string()),
-        Some(g) if !g.is_empty() && g.len() <= 64 && g.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) => {
+        Some(g)
+            if !g.is_empty()
+                && g.len() <= 64
+                && g.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) =>
+        {
             Ok(format!("crab-group-{g}"))
         }
-        Some(g) => Err(format!("spec annotation {GROUP_ANNOTATION} must be 1 to 64 of [A-Za-z0-9._-], got {g:?}")),
+        Some(g) => Err(format!(
+            "spec annotation {GROUP_ANNOTATION} must be 1 to 64 of [A-Za-z0-9._-], got {g:?}"
+        )),
     }
 }
 
 pub fn timestamp(t: SystemTime) -> Timestamp {
     let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
-    Timestamp { seconds: d.as_secs() as i64, nanos: d.subsec_nanos() as i32, ..Default::default() }
+    Timestamp {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+        ..Default::default()
+    }
 }
 
 pub struct Service {
@@ -78,12 +94,16 @@ impl containerd_shim::Shim for Service {
         if let Ok((c, _)) = Config::load_or_default(None) {
             config.default_log_level = c.log.level.to_string().to_lowercase();
         }
-        Service { id: args.id.clone(), namespace: args.namespace.clone(), exit: Arc::new(ExitSignal::default()) }
+        Service {
+            id: args.id.clone(),
+            namespace: args.namespace.clone(),
+            exit: Arc::new(ExitSignal::default()),
+        }
     }
 
     async fn start_shim(&mut self, opts: StartOpts) -> containerd_shim::Result<String> {
-        let grouping =
-            grouping(bundle::read_spec(Path::new(".")).ok().as_ref(), &opts.id).map_err(containerd_shim::Error::InvalidArgument)?;
+        let grouping = grouping(bundle::read_spec(Path::new(".")).ok().as_ref(), &opts.id)
+            .map_err(containerd_shim::Error::InvalidArgument)?;
         // containerd writes the runtime options to the start command's stdin, and the
         // framework's spawn() parses whatever it finds there as *runc's* options (field 3 of
         // which is `shim_cgroup`): crab's options (`runtimeoptions.v1.Options`, whose field 3 is
@@ -98,14 +118,16 @@ impl containerd_shim::Shim for Service {
             None => Vec::new(),
         };
         let address = containerd_shim::spawn(opts, &grouping, vars).await?;
-        std::fs::write("address", &address)
-            .map_err(|e| containerd_shim::Error::Other(format!("cannot write address file: {e}")))?;
+        std::fs::write("address", &address).map_err(|e| {
+            containerd_shim::Error::Other(format!("cannot write address file: {e}"))
+        })?;
         Ok(address)
     }
 
     /// Cleans up after a shim that died: containerd runs this in the task's bundle.
     async fn delete_shim(&mut self) -> containerd_shim::Result<api::DeleteResponse> {
-        let bundle = std::env::current_dir().map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
+        let bundle =
+            std::env::current_dir().map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
         let runc = match bundle::load_runc(&bundle) {
             Ok(Some(runc)) => Some(runc),
             Ok(None) => default_runc(&self.namespace, &bundle),
@@ -134,8 +156,14 @@ impl containerd_shim::Shim for Service {
 
     async fn create_task_service(&self, publisher: RemotePublisher) -> TaskService {
         crate::placement::place_daemon();
-        let exits = ExitSubscription::new().await.expect("subscribe to process exits");
-        let containers = Containers::new(self.namespace.clone(), Some(Arc::new(publisher)), self.exit.clone());
+        let exits = ExitSubscription::new()
+            .await
+            .expect("subscribe to process exits");
+        let containers = Containers::new(
+            self.namespace.clone(),
+            Some(Arc::new(publisher)),
+            self.exit.clone(),
+        );
         containers.spawn_exit_loop(exits);
         TaskService { containers }
     }
@@ -173,29 +201,63 @@ fn log_err<T>(rpc: &str, id: &str, r: Result<T>) -> TtrpcResult<T> {
 
 #[async_trait]
 impl containerd_shim::Task for TaskService {
-    async fn create(&self, _: &TtrpcContext, req: api::CreateTaskRequest) -> TtrpcResult<api::CreateTaskResponse> {
+    async fn create(
+        &self,
+        _: &TtrpcContext,
+        req: api::CreateTaskRequest,
+    ) -> TtrpcResult<api::CreateTaskResponse> {
         let params = CreateParams {
             id: req.id.clone(),
             bundle: PathBuf::from(&req.bundle),
             rootfs: req.rootfs.clone(),
-            stdio: StdioSpec { stdin: req.stdin, stdout: req.stdout, stderr: req.stderr, terminal: req.terminal },
-            options: req.options.as_ref().map(|a| (a.type_url.clone(), a.value.clone())),
+            stdio: StdioSpec {
+                stdin: req.stdin,
+                stdout: req.stdout,
+                stderr: req.stderr,
+                terminal: req.terminal,
+            },
+            options: req
+                .options
+                .as_ref()
+                .map(|a| (a.type_url.clone(), a.value.clone())),
             checkpoint: req.checkpoint,
         };
         let pid = log_err("create", &req.id, self.containers.create(params).await)?;
-        Ok(api::CreateTaskResponse { pid, ..Default::default() })
+        Ok(api::CreateTaskResponse {
+            pid,
+            ..Default::default()
+        })
     }
 
-    async fn start(&self, _: &TtrpcContext, req: api::StartRequest) -> TtrpcResult<api::StartResponse> {
-        let pid = log_err("start", &req.id, self.containers.start(&req.id, &req.exec_id).await)?;
-        Ok(api::StartResponse { pid, ..Default::default() })
+    async fn start(
+        &self,
+        _: &TtrpcContext,
+        req: api::StartRequest,
+    ) -> TtrpcResult<api::StartResponse> {
+        let pid = log_err(
+            "start",
+            &req.id,
+            self.containers.start(&req.id, &req.exec_id).await,
+        )?;
+        Ok(api::StartResponse {
+            pid,
+            ..Default::default()
+        })
     }
 
-    async fn state(&self, _: &TtrpcContext, req: api::StateRequest) -> TtrpcResult<api::StateResponse> {
+    async fn state(
+        &self,
+        _: &TtrpcContext,
+        req: api::StateRequest,
+    ) -> TtrpcResult<api::StateResponse> {
         let s = self.containers.state(&req.id, &req.exec_id)?;
         let exit = s.snapshot.exit;
         Ok(api::StateResponse {
-            id: if s.exec_id.is_empty() { s.container_id } else { s.exec_id.clone() },
+            id: if s.exec_id.is_empty() {
+                s.container_id
+            } else {
+                s.exec_id.clone()
+            },
             bundle: s.bundle.display().to_string(),
             pid: s.snapshot.pid,
             status: api_status(s.snapshot.status).into(),
@@ -210,8 +272,16 @@ impl containerd_shim::Task for TaskService {
         })
     }
 
-    async fn delete(&self, _: &TtrpcContext, req: api::DeleteRequest) -> TtrpcResult<api::DeleteResponse> {
-        let exit = log_err("delete", &req.id, self.containers.delete(&req.id, &req.exec_id).await)?;
+    async fn delete(
+        &self,
+        _: &TtrpcContext,
+        req: api::DeleteRequest,
+    ) -> TtrpcResult<api::DeleteResponse> {
+        let exit = log_err(
+            "delete",
+            &req.id,
+            self.containers.delete(&req.id, &req.exec_id).await,
+        )?;
         Ok(api::DeleteResponse {
             pid: exit.pid,
             exit_status: exit.status,
@@ -220,23 +290,37 @@ impl containerd_shim::Task for TaskService {
         })
     }
 
-    async fn pids(&self, _: &TtrpcContext, req: api::PidsRequest) -> TtrpcResult<api::PidsResponse> {
+    async fn pids(
+        &self,
+        _: &TtrpcContext,
+        req: api::PidsRequest,
+    ) -> TtrpcResult<api::PidsResponse> {
         let pids = log_err("pids", &req.id, self.containers.pids(&req.id).await)?;
         let processes = pids
             .into_iter()
             .map(|(pid, exec_id)| {
                 let info = exec_id.and_then(|exec_id| {
-                    let details = ProcessDetails { exec_id, ..Default::default() };
+                    let details = ProcessDetails {
+                        exec_id,
+                        ..Default::default()
+                    };
                     Some(Any {
                         type_url: "containerd.runc.v1.ProcessDetails".into(),
                         value: details.write_to_bytes().ok()?,
                         ..Default::default()
                     })
                 });
-                ProcessInfo { pid, info: info.into(), ..Default::default() }
+                ProcessInfo {
+                    pid,
+                    info: info.into(),
+                    ..Default::default()
+                }
             })
             .collect();
-        Ok(api::PidsResponse { processes, ..Default::default() })
+        Ok(api::PidsResponse {
+            processes,
+            ..Default::default()
+        })
     }
 
     async fn pause(&self, _: &TtrpcContext, req: api::PauseRequest) -> TtrpcResult<Empty> {
@@ -249,13 +333,21 @@ impl containerd_shim::Task for TaskService {
         Ok(Empty::new())
     }
 
-    async fn checkpoint(&self, _: &TtrpcContext, req: api::CheckpointTaskRequest) -> TtrpcResult<Empty> {
+    async fn checkpoint(
+        &self,
+        _: &TtrpcContext,
+        req: api::CheckpointTaskRequest,
+    ) -> TtrpcResult<Empty> {
         let o = match req.options.as_ref().filter(|a| !a.value.is_empty()) {
             Some(any) => CheckpointOptions::parse_from_bytes(&any.value)
                 .map_err(|e| Error::InvalidArgument(format!("checkpoint options: {e}")))?,
             None => CheckpointOptions::default(),
         };
-        let path = if o.image_path.is_empty() { req.path.clone() } else { o.image_path.clone() };
+        let path = if o.image_path.is_empty() {
+            req.path.clone()
+        } else {
+            o.image_path.clone()
+        };
         if path.is_empty() {
             return Err(Error::InvalidArgument("checkpoint needs an image path".into()).into());
         }
@@ -269,24 +361,53 @@ impl containerd_shim::Task for TaskService {
             work_path: (!o.work_path.is_empty()).then(|| PathBuf::from(&o.work_path)),
             work_path_was_default: o.work_path.is_empty(),
         };
-        log_err("checkpoint", &req.id, self.containers.checkpoint_task(&req.id, Path::new(&path), opts).await)?;
+        log_err(
+            "checkpoint",
+            &req.id,
+            self.containers
+                .checkpoint_task(&req.id, Path::new(&path), opts)
+                .await,
+        )?;
         Ok(Empty::new())
     }
 
     async fn kill(&self, _: &TtrpcContext, req: api::KillRequest) -> TtrpcResult<Empty> {
-        log_err("kill", &req.id, self.containers.kill(&req.id, &req.exec_id, req.signal, req.all).await)?;
+        log_err(
+            "kill",
+            &req.id,
+            self.containers
+                .kill(&req.id, &req.exec_id, req.signal, req.all)
+                .await,
+        )?;
         Ok(Empty::new())
     }
 
     async fn exec(&self, _: &TtrpcContext, req: api::ExecProcessRequest) -> TtrpcResult<Empty> {
-        let stdio = StdioSpec { stdin: req.stdin, stdout: req.stdout, stderr: req.stderr, terminal: req.terminal };
-        let spec = req.spec.as_ref().map(|a| a.value.clone()).unwrap_or_default();
-        log_err("exec", &req.id, self.containers.add_exec(&req.id, &req.exec_id, stdio, spec).await)?;
+        let stdio = StdioSpec {
+            stdin: req.stdin,
+            stdout: req.stdout,
+            stderr: req.stderr,
+            terminal: req.terminal,
+        };
+        let spec = req
+            .spec
+            .as_ref()
+            .map(|a| a.value.clone())
+            .unwrap_or_default();
+        log_err(
+            "exec",
+            &req.id,
+            self.containers
+                .add_exec(&req.id, &req.exec_id, stdio, spec)
+                .await,
+        )?;
         Ok(Empty::new())
     }
 
     async fn resize_pty(&self, _: &TtrpcContext, req: api::ResizePtyRequest) -> TtrpcResult<Empty> {
-        self.containers.resize_pty(&req.id, &req.exec_id, req.width, req.height).await?;
+        self.containers
+            .resize_pty(&req.id, &req.exec_id, req.width, req.height)
+            .await?;
         Ok(Empty::new())
     }
 
@@ -299,11 +420,21 @@ impl containerd_shim::Task for TaskService {
 
     async fn update(&self, _: &TtrpcContext, req: api::UpdateTaskRequest) -> TtrpcResult<Empty> {
         let resources = req.resources.as_ref().map(|a| a.value.clone());
-        log_err("update", &req.id, self.containers.update(&req.id, resources, req.annotations).await)?;
+        log_err(
+            "update",
+            &req.id,
+            self.containers
+                .update(&req.id, resources, req.annotations)
+                .await,
+        )?;
         Ok(Empty::new())
     }
 
-    async fn wait(&self, _: &TtrpcContext, req: api::WaitRequest) -> TtrpcResult<api::WaitResponse> {
+    async fn wait(
+        &self,
+        _: &TtrpcContext,
+        req: api::WaitRequest,
+    ) -> TtrpcResult<api::WaitResponse> {
         let exit = self.containers.wait(&req.id, &req.exec_id).await?;
         Ok(api::WaitResponse {
             exit_status: exit.status,
@@ -312,13 +443,25 @@ impl containerd_shim::Task for TaskService {
         })
     }
 
-    async fn stats(&self, _: &TtrpcContext, req: api::StatsRequest) -> TtrpcResult<api::StatsResponse> {
+    async fn stats(
+        &self,
+        _: &TtrpcContext,
+        req: api::StatsRequest,
+    ) -> TtrpcResult<api::StatsResponse> {
         let pid = self.containers.init_pid(&req.id)?;
-        let stats = crate::stats::collect(pid).map_err(|e| Error::Other(format!("stats of {}: {e}", req.id)))?;
-        Ok(api::StatsResponse { stats: Some(stats).into(), ..Default::default() })
+        let stats = crate::stats::collect(pid)
+            .map_err(|e| Error::Other(format!("stats of {}: {e}", req.id)))?;
+        Ok(api::StatsResponse {
+            stats: Some(stats).into(),
+            ..Default::default()
+        })
     }
 
-    async fn connect(&self, _: &TtrpcContext, req: api::ConnectRequest) -> TtrpcResult<api::ConnectResponse> {
+    async fn connect(
+        &self,
+        _: &TtrpcContext,
+        req: api::ConnectRequest,
+    ) -> TtrpcResult<api::ConnectResponse> {
         let task_pid = self.containers.init_pid(&req.id).unwrap_or_default();
         Ok(api::ConnectResponse {
             shim_pid: std::process::id(),
@@ -340,7 +483,8 @@ mod tests {
 
     fn spec(annotations: &[(&str, &str)]) -> oci_spec::runtime::Spec {
         let map: std::collections::HashMap<&str, &str> = annotations.iter().copied().collect();
-        serde_json::from_value(serde_json::json!({"ociVersion": "1.0.2", "annotations": map})).unwrap()
+        serde_json::from_value(serde_json::json!({"ociVersion": "1.0.2", "annotations": map}))
+            .unwrap()
     }
 
     #[test]
@@ -352,7 +496,10 @@ mod tests {
         assert_eq!(grouping(Some(&pod), "c1").unwrap(), "abc123");
         // An explicit group is a name of its own: naming another container's id (or a pod's)
         // does not reach that container's shim.
-        assert_eq!(grouping(Some(&spec(&[(GROUP_ANNOTATION, "victim")])), "c1").unwrap(), "crab-group-victim");
+        assert_eq!(
+            grouping(Some(&spec(&[(GROUP_ANNOTATION, "victim")])), "c1").unwrap(),
+            "crab-group-victim"
+        );
         for bad in ["", "../x", "a b", &"x".repeat(65)] {
             let e = grouping(Some(&spec(&[(GROUP_ANNOTATION, bad)])), "c1").unwrap_err();
             assert!(e.contains(GROUP_ANNOTATION), "{e}");

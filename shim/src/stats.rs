@@ -35,15 +35,24 @@ fn read_kv(dir: &Path, file: &str) -> Vec<(String, u64)> {
 }
 
 fn get(kv: &[(String, u64)], key: &str) -> u64 {
-    kv.iter().find(|(k, _)| k == key).map(|(_, v)| *v).unwrap_or(0)
+    kv.iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| *v)
+        .unwrap_or(0)
 }
 
 pub fn collect(pid: u32) -> Result<Any> {
     let cgroups = Cgroups::of(pid)?;
     let (type_url, value) = if cgroups.v1("memory").is_some() {
-        ("io.containerd.cgroups.v1.Metrics", v1_metrics(&cgroups).write_to_bytes())
+        (
+            "io.containerd.cgroups.v1.Metrics",
+            v1_metrics(&cgroups).write_to_bytes(),
+        )
     } else if let Some(dir) = &cgroups.unified {
-        ("io.containerd.cgroups.v2.Metrics", v2_metrics(dir).write_to_bytes())
+        (
+            "io.containerd.cgroups.v2.Metrics",
+            v2_metrics(dir).write_to_bytes(),
+        )
     } else {
         return Err(Error::Other(format!("no cgroups found for pid {pid}")));
     };
@@ -166,8 +175,12 @@ fn v2_metrics(dir: &Path) -> v2::Metrics {
     let mem = read_kv(dir, "memory.stat");
     let events = read_kv(dir, "memory.events");
     v2::Metrics {
-        pids: Some(v2::PidsStat { current: read_u64(dir, "pids.current"), limit: max_or("pids.max"), ..Default::default() })
-            .into(),
+        pids: Some(v2::PidsStat {
+            current: read_u64(dir, "pids.current"),
+            limit: max_or("pids.max"),
+            ..Default::default()
+        })
+        .into(),
         cpu: Some(v2::CPUStat {
             usage_usec: get(&cpu, "usage_usec"),
             user_usec: get(&cpu, "user_usec"),

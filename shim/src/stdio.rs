@@ -72,16 +72,24 @@ impl FdIo {
         fcntl::fcntl(fd.as_raw_fd(), fcntl::F_SETFL(flags))?;
         // SAFETY: `fd` is an OwnedFd moved into the AsyncFd, so it stays open and refers to
         // the same file description for the AsyncFd's whole life.
-        unsafe { AsyncFd::register(fd) }.map(Self).map_err(|e| e.into_parts().1)
+        unsafe { AsyncFd::register(fd) }
+            .map(Self)
+            .map_err(|e| e.into_parts().1)
     }
 }
 
 impl AsyncRead for FdIo {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         loop {
             let mut guard = ready!(self.0.poll_read_ready(cx))?;
             let unfilled = buf.initialize_unfilled();
-            match guard.try_io(|fd| nix::unistd::read(fd.as_raw_fd(), unfilled).map_err(io::Error::from)) {
+            match guard
+                .try_io(|fd| nix::unistd::read(fd.as_raw_fd(), unfilled).map_err(io::Error::from))
+            {
                 Ok(Ok(n)) => {
                     buf.advance(n);
                     return Poll::Ready(Ok(()));
@@ -96,10 +104,15 @@ impl AsyncRead for FdIo {
 }
 
 impl AsyncWrite for FdIo {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
         loop {
             let mut guard = ready!(self.0.poll_write_ready(cx))?;
-            match guard.try_io(|fd| nix::unistd::write(fd.get_ref(), data).map_err(io::Error::from)) {
+            match guard.try_io(|fd| nix::unistd::write(fd.get_ref(), data).map_err(io::Error::from))
+            {
                 Ok(result) => return Poll::Ready(result),
                 Err(_would_block) => continue,
             }
@@ -118,8 +131,12 @@ impl AsyncWrite for FdIo {
 type Writer = Box<dyn AsyncWrite + Send + Unpin>;
 
 fn open_fd(path: &Path, flags: OFlag) -> Result<OwnedFd> {
-    let fd = fcntl::open(path, flags | OFlag::O_CLOEXEC, Mode::from_bits_truncate(0o600))
-        .map_err(|e| Error::io(format!("cannot open {}", path.display()))(e.into()))?;
+    let fd = fcntl::open(
+        path,
+        flags | OFlag::O_CLOEXEC,
+        Mode::from_bits_truncate(0o600),
+    )
+    .map_err(|e| Error::io(format!("cannot open {}", path.display()))(e.into()))?;
     // SAFETY: `open` returned a fresh descriptor that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
@@ -132,7 +149,9 @@ async fn open_output(target: &Target) -> Result<Writer> {
         }
         Target::File(path) => {
             if let Some(dir) = path.parent() {
-                tokio::fs::create_dir_all(dir).await.map_err(Error::io(format!("cannot create {}", dir.display())))?;
+                tokio::fs::create_dir_all(dir)
+                    .await
+                    .map_err(Error::io(format!("cannot create {}", dir.display())))?;
             }
             let file = tokio::fs::OpenOptions::new()
                 .append(true)
@@ -159,10 +178,12 @@ const CONSOLE_DIR: &str = "/run/crab/console";
 
 impl ConsoleSocket {
     fn new() -> Result<Self> {
-        std::fs::create_dir_all(CONSOLE_DIR).map_err(Error::io(format!("cannot create {CONSOLE_DIR}")))?;
+        std::fs::create_dir_all(CONSOLE_DIR)
+            .map_err(Error::io(format!("cannot create {CONSOLE_DIR}")))?;
         // Bundle paths are too long for sun_path, hence a short private directory.
         let path = Path::new(CONSOLE_DIR).join(format!("{}-{}.sock", std::process::id(), unique()));
-        let listener = UnixListener::bind(&path).map_err(Error::io(format!("cannot bind {}", path.display())))?;
+        let listener = UnixListener::bind(&path)
+            .map_err(Error::io(format!("cannot bind {}", path.display())))?;
         Ok(Self { path, listener })
     }
 
@@ -172,7 +193,9 @@ impl ConsoleSocket {
             .map_err(|_| Error::Other("runc did not send the console within 10s".into()))?
             .map_err(Error::io("console socket accept"))?;
         let stream = stream.into_std().map_err(Error::io("console socket"))?;
-        stream.set_nonblocking(false).map_err(Error::io("console socket"))?;
+        stream
+            .set_nonblocking(false)
+            .map_err(Error::io("console socket"))?;
         tokio::task::spawn_blocking(move || recv_fd(&stream))
             .await
             .map_err(|e| Error::Other(format!("console receive task: {e}")))?
@@ -190,7 +213,12 @@ fn recv_fd(stream: &std::os::unix::net::UnixStream) -> Result<OwnedFd> {
     let mut buf = [0u8; 4096];
     let mut iov = [io::IoSliceMut::new(&mut buf)];
     let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 1]);
-    let msg = recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC)?;
+    let msg = recvmsg::<()>(
+        stream.as_raw_fd(),
+        &mut iov,
+        Some(&mut cmsg),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )?;
     for c in msg.cmsgs()? {
         if let ControlMessageOwned::ScmRights(fds) = c {
             if let Some(&fd) = fds.first() {
@@ -199,7 +227,9 @@ fn recv_fd(stream: &std::os::unix::net::UnixStream) -> Result<OwnedFd> {
             }
         }
     }
-    Err(Error::Other("console socket message carried no file descriptor".into()))
+    Err(Error::Other(
+        "console socket message carried no file descriptor".into(),
+    ))
 }
 
 fn unique() -> u64 {
@@ -229,13 +259,20 @@ pub struct PreparedIo {
 fn container_null(pid: u32) -> Option<std::fs::File> {
     use std::os::fd::AsFd;
     let root = crate::beneath::process_root(pid).ok()?;
-    let path = crate::beneath::resolve_beneath(root.as_fd(), std::path::Path::new("dev/null")).ok()?;
+    let path =
+        crate::beneath::resolve_beneath(root.as_fd(), std::path::Path::new("dev/null")).ok()?;
     let st = crate::beneath::fstat(path.as_fd()).ok()?;
     if st.st_mode & libc::S_IFMT != libc::S_IFCHR || st.st_rdev != libc::makedev(1, 3) {
-        log::warn!("pid {pid}: /dev/null in its container is not the null device; execs get the host's");
+        log::warn!(
+            "pid {pid}: /dev/null in its container is not the null device; execs get the host's"
+        );
         return None;
     }
-    std::fs::OpenOptions::new().read(true).write(true).open(format!("/proc/self/fd/{}", path.as_raw_fd())).ok()
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(format!("/proc/self/fd/{}", path.as_raw_fd()))
+        .ok()
 }
 
 impl PreparedIo {
@@ -251,16 +288,22 @@ impl PreparedIo {
                 Some((FdIo::new(reader).map_err(Error::io("stdin fifo"))?, holder))
             }
             Some(Target::File(_)) => {
-                return Err(Error::InvalidArgument(format!("stdin `{}` must be a FIFO", spec.stdin)))
+                return Err(Error::InvalidArgument(format!(
+                    "stdin `{}` must be a FIFO",
+                    spec.stdin
+                )))
             }
         };
         // A binary:// stdout takes stderr too, whatever stderr's URI (as in containerd).
-        let [mut logger_stdout, mut logger_stderr]: [Option<Writer>; 2] = if logdriver::is_binary(&spec.stdout) {
-            let logger = logdriver::start(&logdriver::LoggerUri::parse(&spec.stdout)?, id, namespace).await?;
-            [Some(Box::new(logger.stdout)), Some(Box::new(logger.stderr))]
-        } else {
-            [None, None]
-        };
+        let [mut logger_stdout, mut logger_stderr]: [Option<Writer>; 2] =
+            if logdriver::is_binary(&spec.stdout) {
+                let logger =
+                    logdriver::start(&logdriver::LoggerUri::parse(&spec.stdout)?, id, namespace)
+                        .await?;
+                [Some(Box::new(logger.stdout)), Some(Box::new(logger.stderr))]
+            } else {
+                [None, None]
+            };
         let mut prepared = PreparedIo {
             child: ChildStdio::null(),
             console: None,
@@ -287,7 +330,11 @@ impl PreparedIo {
             prepared.null[0] = true;
         }
         for (uri, is_stdout) in [(&spec.stdout, true), (&spec.stderr, false)] {
-            let to_logger = if is_stdout { logger_stdout.take() } else { logger_stderr.take() };
+            let to_logger = if is_stdout {
+                logger_stdout.take()
+            } else {
+                logger_stderr.take()
+            };
             let writer = match to_logger {
                 Some(w) => Some(w),
                 None => match parse_target(uri)? {
@@ -316,8 +363,17 @@ impl PreparedIo {
         if !self.null.contains(&true) {
             return;
         }
-        let Some(null) = container_null(init_pid) else { return };
-        for (i, slot) in [&mut self.child.stdin, &mut self.child.stdout, &mut self.child.stderr].into_iter().enumerate() {
+        let Some(null) = container_null(init_pid) else {
+            return;
+        };
+        for (i, slot) in [
+            &mut self.child.stdin,
+            &mut self.child.stdout,
+            &mut self.child.stderr,
+        ]
+        .into_iter()
+        .enumerate()
+        {
             if self.null[i] {
                 if let Ok(f) = null.try_clone() {
                     *slot = f.into();
@@ -329,14 +385,23 @@ impl PreparedIo {
     /// Starts copying once runc has run. `self.child` must have been handed to runc.
     pub async fn start(self) -> Result<ProcessIo> {
         let mut io = ProcessIo::default();
-        let PreparedIo { console, stdin_source, stdin_pipe, outputs, console_output, .. } = self;
+        let PreparedIo {
+            console,
+            stdin_source,
+            stdin_pipe,
+            outputs,
+            console_output,
+            ..
+        } = self;
         let stdin_sink: Option<Writer> = if let Some(console) = console {
             let master = console.receive_master().await?;
-            let reader = FdIo::new(master.try_clone().map_err(Error::io("dup console"))?).map_err(Error::io("console"))?;
+            let reader = FdIo::new(master.try_clone().map_err(Error::io("dup console"))?)
+                .map_err(Error::io("console"))?;
             if let Some(out) = console_output {
                 io.outputs.push(spawn_copy(reader, out, "console output"));
             }
-            let writer = FdIo::new(master.try_clone().map_err(Error::io("dup console"))?).map_err(Error::io("console"))?;
+            let writer = FdIo::new(master.try_clone().map_err(Error::io("dup console"))?)
+                .map_err(Error::io("console"))?;
             io.console = Some(master);
             Some(Box::new(writer))
         } else {
@@ -438,7 +503,11 @@ mod tests {
         let null = super::container_null(std::process::id()).expect("our own /dev/null");
         assert_eq!(null.metadata().unwrap().rdev(), libc::makedev(1, 3));
         let mut buf = [0u8; 4];
-        assert_eq!(std::io::Read::read(&mut &null, &mut buf).unwrap(), 0, "reads EOF");
+        assert_eq!(
+            std::io::Read::read(&mut &null, &mut buf).unwrap(),
+            0,
+            "reads EOF"
+        );
         assert!(super::container_null(u32::MAX).is_none(), "no such process");
     }
 
@@ -447,10 +516,21 @@ mod tests {
     #[test]
     fn targets() {
         assert_eq!(parse_target("").unwrap(), None);
-        assert_eq!(parse_target("/run/x/stdout").unwrap(), Some(Target::Fifo("/run/x/stdout".into())));
-        assert_eq!(parse_target("fifo:///a").unwrap(), Some(Target::Fifo("/a".into())));
-        assert_eq!(parse_target("file:///var/log/c.log").unwrap(), Some(Target::File("/var/log/c.log".into())));
-        let err = parse_target("binary:///usr/bin/logger?x=1").unwrap_err().to_string();
+        assert_eq!(
+            parse_target("/run/x/stdout").unwrap(),
+            Some(Target::Fifo("/run/x/stdout".into()))
+        );
+        assert_eq!(
+            parse_target("fifo:///a").unwrap(),
+            Some(Target::Fifo("/a".into()))
+        );
+        assert_eq!(
+            parse_target("file:///var/log/c.log").unwrap(),
+            Some(Target::File("/var/log/c.log".into()))
+        );
+        let err = parse_target("binary:///usr/bin/logger?x=1")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("`binary`"), "{err}");
     }
 
@@ -471,9 +551,11 @@ mod tests {
             terminal: false,
         };
         // The client side, as containerd opens it: a reader on stdout, a writer on stdin.
-        let mut client_out = FdIo::new(open_fd(&stdout, OFlag::O_RDONLY | OFlag::O_NONBLOCK).unwrap()).unwrap();
+        let mut client_out =
+            FdIo::new(open_fd(&stdout, OFlag::O_RDONLY | OFlag::O_NONBLOCK).unwrap()).unwrap();
         let mut prepared = PreparedIo::new(&spec, "c", "ns").await.unwrap();
-        let mut client_in = FdIo::new(open_fd(&stdin, OFlag::O_WRONLY | OFlag::O_NONBLOCK).unwrap()).unwrap();
+        let mut client_in =
+            FdIo::new(open_fd(&stdin, OFlag::O_WRONLY | OFlag::O_NONBLOCK).unwrap()).unwrap();
         // Play the process: `cat` from its stdin pipe to its stdout pipe.
         let child = std::mem::replace(&mut prepared.child, ChildStdio::null());
         let cat = std::process::Command::new("cat")
@@ -491,10 +573,15 @@ mod tests {
         // The client closed stdin, but the shim's holder keeps cat alive until CloseIO.
         tokio::time::sleep(Duration::from_millis(100)).await;
         let pid = nix::unistd::Pid::from_raw(cat.id() as i32);
-        assert!(nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG)).unwrap()
-            == nix::sys::wait::WaitStatus::StillAlive);
+        assert!(
+            nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG)).unwrap()
+                == nix::sys::wait::WaitStatus::StillAlive
+        );
         io.close_stdin();
-        let status = tokio::task::spawn_blocking(move || nix::sys::wait::waitpid(pid, None).unwrap()).await.unwrap();
+        let status =
+            tokio::task::spawn_blocking(move || nix::sys::wait::waitpid(pid, None).unwrap())
+                .await
+                .unwrap();
         assert_eq!(status, nix::sys::wait::WaitStatus::Exited(pid, 0));
     }
 }

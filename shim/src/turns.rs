@@ -38,7 +38,8 @@ const MAX_UPDATE_BYTES: usize = 64 << 10;
 
 /// The crab annotations a container's spec may carry; any other `io.crab/` key is a typo that
 /// must not silently change nothing.
-pub const SPEC_ANNOTATIONS: [&str; 2] = [TURN_BOUNDARY, crate::checkpoint::policy::POLICY_ANNOTATION];
+pub const SPEC_ANNOTATIONS: [&str; 2] =
+    [TURN_BOUNDARY, crate::checkpoint::policy::POLICY_ANNOTATION];
 
 /// Refuses a spec with an `io.crab/` annotation crab does not know.
 pub fn check_spec_annotations(spec: &oci_spec::runtime::Spec) -> Result<()> {
@@ -68,12 +69,19 @@ pub fn requested_turn_end(annotations: &HashMap<String, String>) -> Result<Optio
             annotations.len()
         )));
     }
-    for key in annotations.keys().filter(|k| k.starts_with(ANNOTATION_PREFIX)) {
+    for key in annotations
+        .keys()
+        .filter(|k| k.starts_with(ANNOTATION_PREFIX))
+    {
         if key != TURN_END {
-            return Err(Error::InvalidArgument(format!("unknown crab annotation `{key}` (known: {TURN_END})")));
+            return Err(Error::InvalidArgument(format!(
+                "unknown crab annotation `{key}` (known: {TURN_END})"
+            )));
         }
     }
-    let Some(id) = annotations.get(TURN_END) else { return Ok(None) };
+    let Some(id) = annotations.get(TURN_END) else {
+        return Ok(None);
+    };
     if id.is_empty() || id.len() > MAX_TURN_ID || id.chars().any(|c| c.is_control()) {
         return Err(Error::InvalidArgument(format!(
             "annotation {TURN_END} must be a turn id of 1 to {MAX_TURN_ID} printable characters, got {id:?}"
@@ -89,7 +97,9 @@ fn host_probes() -> Result<Arc<HostProbes>, String> {
         .get_or_init(|| {
             let probes = HostProbes::open_or_load().map_err(|e| e.to_string())?;
             match probes.sweep_dead() {
-                Ok(ids) if !ids.is_empty() => log::info!("unwatched {} cgroups left by shims that died", ids.len()),
+                Ok(ids) if !ids.is_empty() => {
+                    log::info!("unwatched {} cgroups left by shims that died", ids.len())
+                }
                 Ok(_) => {}
                 Err(e) => log::warn!("cannot sweep the watched cgroups: {e}"),
             }
@@ -99,7 +109,10 @@ fn host_probes() -> Result<Arc<HostProbes>, String> {
 }
 
 /// Whether each finished exec ends a turn (zero-integration mode) for this container.
-pub fn exec_boundary(spec: &oci_spec::runtime::Spec, configured: crab_runtime_config::TurnBoundary) -> Result<bool> {
+pub fn exec_boundary(
+    spec: &oci_spec::runtime::Spec,
+    configured: crab_runtime_config::TurnBoundary,
+) -> Result<bool> {
     use crab_runtime_config::TurnBoundary;
     match crate::bundle::annotation(spec, &[TURN_BOUNDARY]) {
         None => Ok(configured == TurnBoundary::Exec),
@@ -118,7 +131,10 @@ pub fn is_inspected(spec: &oci_spec::runtime::Spec) -> bool {
 
 /// The host directories of the tracked volumes: bind mounts of the spec whose destination
 /// the config lists. A tracked path that is not a bind mount is reported and skipped.
-pub fn tracked_volumes(spec: &oci_spec::runtime::Spec, tracked: &[PathBuf]) -> Vec<(PathBuf, PathBuf)> {
+pub fn tracked_volumes(
+    spec: &oci_spec::runtime::Spec,
+    tracked: &[PathBuf],
+) -> Vec<(PathBuf, PathBuf)> {
     let mounts = spec.mounts().as_deref().unwrap_or_default();
     tracked
         .iter()
@@ -126,12 +142,19 @@ pub fn tracked_volumes(spec: &oci_spec::runtime::Spec, tracked: &[PathBuf]) -> V
             let m = mounts.iter().find(|m| m.destination() == at);
             let bind = m.filter(|m| {
                 m.typ().as_deref() == Some("bind")
-                    || m.options().as_deref().unwrap_or_default().iter().any(|o| o == "bind" || o == "rbind")
+                    || m.options()
+                        .as_deref()
+                        .unwrap_or_default()
+                        .iter()
+                        .any(|o| o == "bind" || o == "rbind")
             });
             match bind.and_then(|m| m.source().clone()) {
                 Some(source) => Some((at.clone(), source)),
                 None => {
-                    log::warn!("tracked volume {} is not a bind mount of this container: not tracked", at.display());
+                    log::warn!(
+                        "tracked volume {} is not a bind mount of this container: not tracked",
+                        at.display()
+                    );
                     None
                 }
             }
@@ -148,7 +171,9 @@ pub fn start_inspection(
     limits: crab_runtime_config::LimitsConfig,
 ) -> Inspection {
     let overlay = rootfs.iter().find(|m| m.type_ == "overlay");
-    let overlay_xattrs = overlay.map_or_else(Default::default, |m| inspector::fs::OverlayXattrs::of_mount(&m.options));
+    let overlay_xattrs = overlay.map_or_else(Default::default, |m| {
+        inspector::fs::OverlayXattrs::of_mount(&m.options)
+    });
     let (upperdir, lowerdirs) = overlay
         .and_then(|m| inspector::fs::overlay_dirs(&m.options))
         .map(|(u, l)| (Some(u), l))
@@ -191,7 +216,8 @@ pub fn store_answer(dir: &Path, turn_id: &str, answer: &Answer) -> Result<PathBu
     std::fs::create_dir_all(dir).map_err(Error::io(format!("cannot create {}", dir.display())))?;
     let path = dir.join(format!("{:06}.json", answer.seq));
     let tmp = dir.join(format!(".{:06}.json.tmp", answer.seq));
-    let data = serde_json::to_vec_pretty(&Stored { turn_id, answer }).map_err(|e| Error::Other(e.to_string()))?;
+    let data = serde_json::to_vec_pretty(&Stored { turn_id, answer })
+        .map_err(|e| Error::Other(e.to_string()))?;
     let write = || -> std::io::Result<()> {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(&data)?;
@@ -220,31 +246,53 @@ mod tests {
         check_spec_annotations(&spec("io.kubernetes.cri.sandbox-id")).unwrap();
         for typo in ["io.crab/checkpoint-polcy", "io.crab/turn-end", "io.crab/"] {
             let e = check_spec_annotations(&spec(typo)).unwrap_err().to_string();
-            assert!(e.contains(typo) && e.contains("io.crab/checkpoint-policy"), "{e}");
+            assert!(
+                e.contains(typo) && e.contains("io.crab/checkpoint-policy"),
+                "{e}"
+            );
         }
     }
 
     use super::*;
 
     fn ann(pairs: &[(&str, &str)]) -> HashMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
     fn turn_end_annotations() {
         assert_eq!(requested_turn_end(&ann(&[])).unwrap(), None);
-        assert_eq!(requested_turn_end(&ann(&[("other/key", "x")])).unwrap(), None);
-        assert_eq!(requested_turn_end(&ann(&[(TURN_END, "turn-7")])).unwrap().as_deref(), Some("turn-7"));
-        let e = requested_turn_end(&ann(&[(TURN_END, "")])).unwrap_err().to_string();
+        assert_eq!(
+            requested_turn_end(&ann(&[("other/key", "x")])).unwrap(),
+            None
+        );
+        assert_eq!(
+            requested_turn_end(&ann(&[(TURN_END, "turn-7")]))
+                .unwrap()
+                .as_deref(),
+            Some("turn-7")
+        );
+        let e = requested_turn_end(&ann(&[(TURN_END, "")]))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(TURN_END), "{e}");
         assert!(requested_turn_end(&ann(&[(TURN_END, "a\nb")])).is_err());
         assert!(requested_turn_end(&ann(&[(TURN_END, &"x".repeat(300))])).is_err());
-        let e = requested_turn_end(&ann(&[("io.crab/turn-ned", "1")])).unwrap_err().to_string();
+        let e = requested_turn_end(&ann(&[("io.crab/turn-ned", "1")]))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("io.crab/turn-ned"), "{e}");
         // Bounded: many keys, or a few huge ones.
-        let many: Vec<(String, String)> = (0..65).map(|i| (format!("k{i}"), String::new())).collect();
+        let many: Vec<(String, String)> =
+            (0..65).map(|i| (format!("k{i}"), String::new())).collect();
         let many: HashMap<String, String> = many.into_iter().collect();
-        assert!(requested_turn_end(&many).unwrap_err().to_string().contains("at most 64"));
+        assert!(requested_turn_end(&many)
+            .unwrap_err()
+            .to_string()
+            .contains("at most 64"));
         let huge: HashMap<String, String> = [("k".to_string(), "x".repeat(70_000))].into();
         assert!(requested_turn_end(&huge).is_err());
     }

@@ -63,9 +63,17 @@ fn opts() -> Opts {
     crab_integration::bench::parse_counts(
         "bench-checkpoint",
         "[--fs-turns N (5)] [--proc-turns N (3)] [--dedup-turns N (10)]",
-        &mut [("--fs-turns", &mut fs_turns), ("--proc-turns", &mut proc_turns), ("--dedup-turns", &mut dedup_turns)],
+        &mut [
+            ("--fs-turns", &mut fs_turns),
+            ("--proc-turns", &mut proc_turns),
+            ("--dedup-turns", &mut dedup_turns),
+        ],
     );
-    Opts { fs_turns, proc_turns, dedup_turns }
+    Opts {
+        fs_turns,
+        proc_turns,
+        dedup_turns,
+    }
 }
 
 fn die(msg: &str) -> ! {
@@ -101,14 +109,26 @@ impl Sandbox {
         let spec = ProcessSpec::new(&["sleep", "infinity"]);
         let state_dir = h.env.crab_home.join("state").join(&id);
         let config = format!("[store]\nstate_dir = \"{}\"\n", state_dir.display());
-        h.create_container_with_runtime_options(&id, &spec, crab_runtime_options(None, Some(&config)))
-            .await
-            .map_err(|e| format!("create {id}: {e}"))?;
+        h.create_container_with_runtime_options(
+            &id,
+            &spec,
+            crab_runtime_options(None, Some(&config)),
+        )
+        .await
+        .map_err(|e| format!("create {id}: {e}"))?;
         h.create_task(&id, None)
             .await
             .map_err(|e| format!("create task {id}: {e}\n{}", h.log_excerpt(&id)))?;
-        h.start(&id, "").await.map_err(|e| format!("start {id}: {e}"))?;
-        Ok(Sandbox { h, id, state_dir, execs: 0, ends: 0 })
+        h.start(&id, "")
+            .await
+            .map_err(|e| format!("start {id}: {e}"))?;
+        Ok(Sandbox {
+            h,
+            id,
+            state_dir,
+            execs: 0,
+            ends: 0,
+        })
     }
 
     /// Runs `script` to completion; its stdout.
@@ -120,13 +140,32 @@ impl Sandbox {
             .stdio(&self.id, &exec_id, StdioOptions::default())
             .map_err(|e| e.to_string())?;
         let spec = ProcessSpec::new(&["bash", "-c", script]).cwd("/app");
-        let what = |e: &dyn std::fmt::Display| format!("{}: `{}`: {e}", self.id, script.lines().next().unwrap_or(""));
-        self.h.exec(&self.id, &exec_id, &spec, &io).await.map_err(|e| what(&e))?;
-        self.h.start(&self.id, &exec_id).await.map_err(|e| what(&e))?;
-        let status = self.h.wait(&self.id, &exec_id, T).await.map_err(|e| what(&e))?;
+        let what = |e: &dyn std::fmt::Display| {
+            format!(
+                "{}: `{}`: {e}",
+                self.id,
+                script.lines().next().unwrap_or("")
+            )
+        };
+        self.h
+            .exec(&self.id, &exec_id, &spec, &io)
+            .await
+            .map_err(|e| what(&e))?;
+        self.h
+            .start(&self.id, &exec_id)
+            .await
+            .map_err(|e| what(&e))?;
+        let status = self
+            .h
+            .wait(&self.id, &exec_id, T)
+            .await
+            .map_err(|e| what(&e))?;
         let stdout = io.stdout_string(T).map_err(|e| what(&e))?;
         let stderr = io.stderr_string(T).map_err(|e| what(&e))?;
-        self.h.delete_process(&self.id, &exec_id).await.map_err(|e| what(&e))?;
+        self.h
+            .delete_process(&self.id, &exec_id)
+            .await
+            .map_err(|e| what(&e))?;
         if status != 0 {
             return Err(what(&format!("exit {status}: {stdout}{stderr}")));
         }
@@ -134,13 +173,19 @@ impl Sandbox {
     }
 
     fn manifest_files(&self) -> Vec<PathBuf> {
-        let dir = self.state_dir.join(&self.h.env.namespace).join(&self.id).join("checkpoints");
+        let dir = self
+            .state_dir
+            .join(&self.h.env.namespace)
+            .join(&self.id)
+            .join("checkpoints");
         let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
             .map(|d| d.flatten().map(|e| e.path()).collect())
             .unwrap_or_default();
         files.retain(|p| {
             p.extension().is_some_and(|x| x == "json")
-                && !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.'))
+                && !p
+                    .file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with('.'))
         });
         files.sort();
         files
@@ -164,14 +209,25 @@ impl Sandbox {
                 let last = files.last().expect("non-empty");
                 let manifest: Value = std::fs::read(last)
                     .map_err(|e| format!("{}: {e}", last.display()))
-                    .and_then(|b| serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", last.display())))?;
+                    .and_then(|b| {
+                        serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", last.display()))
+                    })?;
                 if manifest["turn_id"] != turn_id.as_str() {
-                    return Err(format!("{}: manifest of turn {}, expected {turn_id}", self.id, manifest["turn_id"]));
+                    return Err(format!(
+                        "{}: manifest of turn {}, expected {turn_id}",
+                        self.id, manifest["turn_id"]
+                    ));
                 }
-                return Ok(Turn { manifest, publish_ms });
+                return Ok(Turn {
+                    manifest,
+                    publish_ms,
+                });
             }
             if t0.elapsed() > T {
-                return Err(format!("{}: no checkpoint published for turn {turn_id} in {T:?}", self.id));
+                return Err(format!(
+                    "{}: no checkpoint published for turn {turn_id} in {T:?}",
+                    self.id
+                ));
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
@@ -201,10 +257,20 @@ fn stats(samples: &[f64]) -> Stats {
     let mut v = samples.to_vec();
     v.sort_by(f64::total_cmp);
     if v.is_empty() {
-        return Stats { n: 0, min: f64::NAN, p50: f64::NAN, max: f64::NAN };
+        return Stats {
+            n: 0,
+            min: f64::NAN,
+            p50: f64::NAN,
+            max: f64::NAN,
+        };
     }
     let rank = |p: f64| v[((p / 100.0 * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
-    Stats { n: v.len(), min: v[0], p50: rank(50.0), max: v[v.len() - 1] }
+    Stats {
+        n: v.len(),
+        min: v[0],
+        p50: rank(50.0),
+        max: v[v.len() - 1],
+    }
 }
 
 fn stats_json(samples: &[f64]) -> Value {
@@ -248,7 +314,10 @@ impl Series {
         }
         self.stored.push(f(&m["process"]["bytes_stored"]));
         self.logical.push(f(&m["process"]["bytes_logical"]));
-        *self.kinds.entry(m["kind"].as_str().unwrap_or("?").to_string()).or_default() += 1;
+        *self
+            .kinds
+            .entry(m["kind"].as_str().unwrap_or("?").to_string())
+            .or_default() += 1;
     }
 
     fn json(&self) -> Value {
@@ -274,19 +343,30 @@ fn kinds_str(k: &HashMap<String, usize>) -> String {
 // ---------------------------------------------------------------------------------------------
 // 1. fs checkpoints
 
-async fn bench_fs(base: &Harness, pid: u32, o: &Opts, guard: &mut CleanupGuard) -> Res<Vec<Series>> {
+async fn bench_fs(
+    base: &Harness,
+    pid: u32,
+    o: &Opts,
+    guard: &mut CleanupGuard,
+) -> Res<Vec<Series>> {
     let id = format!("bench-checkpoint-{pid}-fs");
     guard.add(&id);
     let mut sb = Sandbox::start(base, id).await?;
     let res = async {
-        progress(&format!("1/3 fs: {} turns per size (+1 warm-up), sizes interleaved", o.fs_turns));
+        progress(&format!(
+            "1/3 fs: {} turns per size (+1 warm-up), sizes interleaved",
+            o.fs_turns
+        ));
         // Warm-up: the store's first checkpoint, caches, the random source.
         sb.run("head -c 1024 /dev/urandom > /app/warm.bin").await?;
         sb.end_turn().await?;
         let mut out: Vec<Series> = FS_SIZES.iter().map(|_| Series::default()).collect();
         for _ in 0..o.fs_turns {
             for (i, (_, bytes)) in FS_SIZES.iter().enumerate() {
-                sb.run(&format!("head -c {bytes} /dev/urandom > /app/changed-{bytes}.bin")).await?;
+                sb.run(&format!(
+                    "head -c {bytes} /dev/urandom > /app/changed-{bytes}.bin"
+                ))
+                .await?;
                 out[i].add(&sb.end_turn().await?);
             }
         }
@@ -329,10 +409,18 @@ fn poke(code: &str) -> String {
     format!(r#"exec 3</tmp/ack; echo '{code}' > /tmp/cmd; read -r line <&3; [ "$line" = ok ]"#)
 }
 
-async fn bench_proc(base: &Harness, pid: u32, o: &Opts, guard: &mut CleanupGuard) -> Res<Vec<(usize, Series, Turn)>> {
+async fn bench_proc(
+    base: &Harness,
+    pid: u32,
+    o: &Opts,
+    guard: &mut CleanupGuard,
+) -> Res<Vec<(usize, Series, Turn)>> {
     let mut out = Vec::new();
     for mb in PROC_MBS {
-        progress(&format!("2/3 proc: {mb} MB holder, {} poke turns after its start turn", o.proc_turns));
+        progress(&format!(
+            "2/3 proc: {mb} MB holder, {} poke turns after its start turn",
+            o.proc_turns
+        ));
         let id = format!("bench-checkpoint-{pid}-proc{mb}");
         guard.add(&id);
         let mut sb = Sandbox::start(base, id).await?;
@@ -359,7 +447,10 @@ struct Dedup {
 }
 
 async fn bench_dedup(base: &Harness, pid: u32, o: &Opts, guard: &mut CleanupGuard) -> Res<Dedup> {
-    progress(&format!("3/3 dedup: {DEDUP_MB} MB holder, {} turns changing 1% of its pages", o.dedup_turns));
+    progress(&format!(
+        "3/3 dedup: {DEDUP_MB} MB holder, {} turns changing 1% of its pages",
+        o.dedup_turns
+    ));
     let id = format!("bench-checkpoint-{pid}-dedup");
     guard.add(&id);
     let mut sb = Sandbox::start(base, id).await?;
@@ -369,7 +460,10 @@ async fn bench_dedup(base: &Harness, pid: u32, o: &Opts, guard: &mut CleanupGuar
         let mut turns = Vec::new();
         for t in 0..o.dedup_turns {
             // One byte in every 100th page, a different page of each hundred per turn: 1%.
-            let code = format!("for i in range({} * 4096, len(b), 100 * 4096): b[i] ^= 1", t % 100);
+            let code = format!(
+                "for i in range({} * 4096, len(b), 100 * 4096): b[i] ^= 1",
+                t % 100
+            );
             sb.run(&poke(&code)).await?;
             turns.push(sb.end_turn().await?);
         }
@@ -383,11 +477,14 @@ async fn bench_dedup(base: &Harness, pid: u32, o: &Opts, guard: &mut CleanupGuar
 // ---------------------------------------------------------------------------------------------
 // Report
 
-
 /// The crab store dirs of this run's sandboxes (a failed run leaves some behind).
 fn remove_state_dirs(h: &Harness, pid: u32) {
     let prefix = format!("bench-checkpoint-{pid}-");
-    for e in std::fs::read_dir(h.env.crab_home.join("state")).into_iter().flatten().flatten() {
+    for e in std::fs::read_dir(h.env.crab_home.join("state"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
         if e.file_name().to_string_lossy().starts_with(&prefix) {
             let _ = std::fs::remove_dir_all(e.path());
         }
@@ -397,11 +494,19 @@ fn remove_state_dirs(h: &Harness, pid: u32) {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let o = opts();
-    let env = TestEnv { image: AGENT_IMAGE.into(), ..TestEnv::from_env() };
+    let env = TestEnv {
+        image: AGENT_IMAGE.into(),
+        ..TestEnv::from_env()
+    };
     if env.runtime != DEFAULT_RUNTIME {
-        die(&format!("checkpoints are crab's own: unset CRAB_RUNTIME (it is {})", env.runtime));
+        die(&format!(
+            "checkpoints are crab's own: unset CRAB_RUNTIME (it is {})",
+            env.runtime
+        ));
     }
-    let base = Harness::connect_env(env).await.unwrap_or_else(|e| die(&e.to_string()));
+    let base = Harness::connect_env(env)
+        .await
+        .unwrap_or_else(|e| die(&e.to_string()));
     let pid = std::process::id();
     let load_before = crab_integration::bench::loadavg();
     let started = Instant::now();
@@ -417,13 +522,34 @@ async fn main() {
     drop(guard);
     remove_state_dirs(&base, pid);
     let (fs, proc, dedup) = res.unwrap_or_else(|e| die(&e));
-    report(&base, &o, &fs, &proc, &dedup, started.elapsed(), &load_before);
+    report(
+        &base,
+        &o,
+        &fs,
+        &proc,
+        &dedup,
+        started.elapsed(),
+        &load_before,
+    );
 }
 
-fn report(h: &Harness, o: &Opts, fs: &[Series], proc: &[(usize, Series, Turn)], dedup: &Dedup, total: Duration, load_before: &str) {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+fn report(
+    h: &Harness,
+    o: &Opts,
+    fs: &[Series],
+    proc: &[(usize, Series, Turn)],
+    dedup: &Dedup,
+    total: Duration,
+    load_before: &str,
+) {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     let kernel = crab_integration::bench::kernel();
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
     let load_after = crab_integration::bench::loadavg();
     let mut md = String::new();
     let _ = writeln!(
@@ -446,12 +572,25 @@ fn report(h: &Harness, o: &Opts, fs: &[Series], proc: &[(usize, Series, Turn)], 
     );
     let mut fs_json = serde_json::Map::new();
     for ((name, bytes), s) in FS_SIZES.iter().zip(fs) {
-        let (t, fr, c, p, l) = (stats(&s.total_ms), stats(&s.freeze_ms), stats(&s.capture_ms), stats(&s.publish_ms), stats(&s.layer_bytes));
+        let (t, fr, c, p, l) = (
+            stats(&s.total_ms),
+            stats(&s.freeze_ms),
+            stats(&s.capture_ms),
+            stats(&s.publish_ms),
+            stats(&s.layer_bytes),
+        );
         let aim = if *bytes < 1 << 20 { "<= 10 ms" } else { "-" };
         let _ = writeln!(
             md,
             "| {name} | {:.1} | {:.1} | {:.2} | {:.2} | {:.1} | {:.1} | {:.0} | {aim} | {} |",
-            t.p50, t.max, fr.p50, fr.max, c.p50, p.p50, l.p50 / 1024.0, kinds_str(&s.kinds)
+            t.p50,
+            t.max,
+            fr.p50,
+            fr.max,
+            c.p50,
+            p.p50,
+            l.p50 / 1024.0,
+            kinds_str(&s.kinds)
         );
         let mut v = s.json();
         v["changed_bytes"] = json!(bytes);
@@ -469,7 +608,12 @@ fn report(h: &Harness, o: &Opts, fs: &[Series], proc: &[(usize, Series, Turn)], 
     );
     let mut proc_json = serde_json::Map::new();
     for (mb, s, first) in proc {
-        let (t, p, lg, st) = (stats(&s.total_ms), stats(&s.publish_ms), stats(&s.logical), stats(&s.stored));
+        let (t, p, lg, st) = (
+            stats(&s.total_ms),
+            stats(&s.publish_ms),
+            stats(&s.logical),
+            stats(&s.stored),
+        );
         let aim = if *mb == 50 { "<= 150 ms" } else { "-" };
         let _ = writeln!(
             md,
@@ -486,7 +630,8 @@ fn report(h: &Harness, o: &Opts, fs: &[Series], proc: &[(usize, Series, Turn)], 
         let mut v = s.json();
         v["held_mb"] = json!(mb);
         v["aim"] = json!(aim);
-        v["start_turn"] = json!({"manifest": first.manifest, "publish_after_update_ms": first.publish_ms});
+        v["start_turn"] =
+            json!({"manifest": first.manifest, "publish_after_update_ms": first.publish_ms});
         proc_json.insert(format!("{mb}MB"), v);
     }
 
@@ -505,9 +650,15 @@ fn report(h: &Harness, o: &Opts, fs: &[Series], proc: &[(usize, Series, Turn)], 
     );
     let mut rows = Vec::new();
     let mut ratios = Vec::new();
-    for (i, t) in std::iter::once(&dedup.first).chain(&dedup.turns).enumerate() {
+    for (i, t) in std::iter::once(&dedup.first)
+        .chain(&dedup.turns)
+        .enumerate()
+    {
         let m = &t.manifest;
-        let (lg, st) = (f(&m["process"]["bytes_logical"]), f(&m["process"]["bytes_stored"]));
+        let (lg, st) = (
+            f(&m["process"]["bytes_logical"]),
+            f(&m["process"]["bytes_stored"]),
+        );
         let aim = if i == 0 { "-" } else { "<= 5%" };
         if i > 0 {
             ratios.push(st / full * 100.0);
@@ -522,13 +673,23 @@ fn report(h: &Harness, o: &Opts, fs: &[Series], proc: &[(usize, Series, Turn)], 
             st / full * 100.0,
             f(&m["timings"]["total_ms"])
         );
-        rows.push(json!({"checkpoint": i, "kind": m["kind"], "bytes_logical": lg, "bytes_stored": st,
+        rows.push(
+            json!({"checkpoint": i, "kind": m["kind"], "bytes_logical": lg, "bytes_stored": st,
             "stored_over_logical": st / lg, "stored_over_full_image": st / full,
-            "total_ms": m["timings"]["total_ms"], "publish_after_update_ms": t.publish_ms}));
+            "total_ms": m["timings"]["total_ms"], "publish_after_update_ms": t.publish_ms}),
+        );
     }
     let r = stats(&ratios);
-    let sum_stored: f64 = dedup.turns.iter().map(|t| f(&t.manifest["process"]["bytes_stored"])).sum();
-    let sum_logical: f64 = dedup.turns.iter().map(|t| f(&t.manifest["process"]["bytes_logical"])).sum();
+    let sum_stored: f64 = dedup
+        .turns
+        .iter()
+        .map(|t| f(&t.manifest["process"]["bytes_stored"]))
+        .sum();
+    let sum_logical: f64 = dedup
+        .turns
+        .iter()
+        .map(|t| f(&t.manifest["process"]["bytes_logical"]))
+        .sum();
     let _ = writeln!(
         md,
         "\nRepeated checkpoints 1-{}: stored / full image p50 {:.2}% (max {:.2}%); together {:.1} MiB with dedup \
@@ -566,7 +727,10 @@ fn report(h: &Harness, o: &Opts, fs: &[Series], proc: &[(usize, Series, Turn)], 
     print!("{md}");
     let dir = h.env.bench_dir();
     match crab_integration::bench::write_results(&dir, "checkpoint", now, &result, &md) {
-        Ok(()) => progress(&format!("results in {}/checkpoint-{now}.{{json,md}} (and checkpoint-latest.*)", dir.display())),
+        Ok(()) => progress(&format!(
+            "results in {}/checkpoint-{now}.{{json,md}} (and checkpoint-latest.*)",
+            dir.display()
+        )),
         Err(e) => die(&format!("writing results to {}: {e}", dir.display())),
     }
 }

@@ -56,7 +56,8 @@ struct Opts {
 }
 
 fn opts() -> Opts {
-    let (mut turns, mut rounds, mut mem_turns, mut others, mut syscall_iters) = (30, 20, 10, 16, 20_000);
+    let (mut turns, mut rounds, mut mem_turns, mut others, mut syscall_iters) =
+        (30, 20, 10, 16, 20_000);
     crab_integration::bench::parse_counts(
         "bench-inspector",
         "[--turns N (30)] [--rounds N (20)] [--mem-turns N (10)] [--others N (16)] [--syscall-iters N (20000)]",
@@ -68,7 +69,13 @@ fn opts() -> Opts {
             ("--syscall-iters", &mut syscall_iters),
         ],
     );
-    Opts { turns, rounds, mem_turns, others, syscall_iters }
+    Opts {
+        turns,
+        rounds,
+        mem_turns,
+        others,
+        syscall_iters,
+    }
 }
 
 fn die(msg: &str) -> ! {
@@ -691,7 +698,6 @@ async fn bench_memory(
 
 // ---------------------------------------------------------------------------------------------
 // Report
-
 
 /// The inspector program sets pinned on the host (one per BPF ABI version of the shims that
 /// loaded them): every one still attached runs on every traced syscall of the host, watched

@@ -86,9 +86,17 @@ fn opts() -> Opts {
     crab_integration::bench::parse_counts(
         "bench-restore",
         "[--reps N (5): starts per image and way] [--rollback-reps N (10)] [--fork-reps N (5)]",
-        &mut [("--reps", &mut reps), ("--rollback-reps", &mut rollback_reps), ("--fork-reps", &mut fork_reps)],
+        &mut [
+            ("--reps", &mut reps),
+            ("--rollback-reps", &mut rollback_reps),
+            ("--fork-reps", &mut fork_reps),
+        ],
     );
-    Opts { reps, rollback_reps, fork_reps }
+    Opts {
+        reps,
+        rollback_reps,
+        fork_reps,
+    }
 }
 
 fn die(msg: &str) -> ! {
@@ -1396,7 +1404,6 @@ async fn bench_fork(b: &mut Bench, r: &mut Report, fs: &FsSandbox, p: &ProcSandb
 
 // ---------------------------------------------------------------------------------------------
 // Report
-
 
 /// Which code was measured: the checkout's commit (others may have uncommitted edits in it)
 /// and when the shim and crabctl binaries were built.

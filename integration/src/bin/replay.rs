@@ -43,7 +43,10 @@ const USAGE: &str = "usage: replay [options]
 
 /// `v` as a positive integer, or exit naming `flag`.
 fn positive(flag: &str, v: &str) -> usize {
-    v.parse().ok().filter(|n| *n > 0).unwrap_or_else(|| die(&format!("{flag}: {v:?} is not a positive integer")))
+    v.parse()
+        .ok()
+        .filter(|n| *n > 0)
+        .unwrap_or_else(|| die(&format!("{flag}: {v:?} is not a positive integer")))
 }
 
 fn die(msg: &str) -> ! {
@@ -112,7 +115,12 @@ fn args() -> Args {
                 a.select = list(value());
                 a.select_given = true;
             }
-            "--densities" => a.densities = list(value()).iter().map(|d| positive("--densities", d)).collect(),
+            "--densities" => {
+                a.densities = list(value())
+                    .iter()
+                    .map(|d| positive("--densities", d))
+                    .collect()
+            }
             "--policies" => a.policies_given = Some(list(value())),
             "--recovery" => a.recovery = true,
             "--crash-turns" => a.crash_turns = positive("--crash-turns", &value()),
@@ -177,7 +185,6 @@ fn args() -> Args {
     a.policies.insert(0, Policy::None);
     a
 }
-
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {

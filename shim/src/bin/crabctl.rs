@@ -38,7 +38,8 @@ struct Global {
     all_namespaces: bool,
 }
 
-const USAGE: &str = "usage: crabctl [--address SOCK] [--namespace NS | --all-namespaces] [--config PATH] <command>
+const USAGE: &str =
+    "usage: crabctl [--address SOCK] [--namespace NS | --all-namespaces] [--config PATH] <command>
 commands:
   turn-end CONTAINER [--turn ID]   end a turn of CONTAINER (its answer is logged and stored)
   turns CONTAINER                  list CONTAINER's turn answers
@@ -128,8 +129,14 @@ async fn main() -> ExitCode {
     match take_pod_container(&mut args) {
         Ok(None) => {}
         Ok(Some(target)) => {
-            if !args.first().is_some_and(|c| CONTAINER_COMMANDS.contains(&c.as_str())) {
-                return usage(&format!("--pod and --container name a container, which `{}` does not take", args.join(" ")));
+            if !args
+                .first()
+                .is_some_and(|c| CONTAINER_COMMANDS.contains(&c.as_str()))
+            {
+                return usage(&format!(
+                    "--pod and --container name a container, which `{}` does not take",
+                    args.join(" ")
+                ));
             }
             match resolve(&g, &target).await {
                 Ok(id) => args.insert(1, id),
@@ -141,17 +148,24 @@ async fn main() -> ExitCode {
         }
         Err(e) => return usage(&e),
     }
-    let result = match args.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
+    let result = match args
+        .iter()
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .as_slice()
+    {
         ["turn-end", container] => turn_end(&g, container, None).await,
         ["turn-end", container, "--turn", id] => turn_end(&g, container, Some(id)).await,
         ["turns", container] => turns(&g, container).await,
         ["show", container, turn] => show(&g, container, turn).await,
         ["checkpoints", container] => checkpoints(&g, container).await,
         ["export", container, reference] => export(&g, container, None, reference).await,
-        ["export", container, "--turn", turn, reference] | ["export", container, reference, "--turn", turn] => {
+        ["export", container, "--turn", turn, reference]
+        | ["export", container, reference, "--turn", turn] => {
             export(&g, container, Some(turn), reference).await
         }
-        ["fork", container, "--at", at, "--count", n] | ["fork", container, "--count", n, "--at", at] => match n.parse() {
+        ["fork", container, "--at", at, "--count", n]
+        | ["fork", container, "--count", n, "--at", at] => match n.parse() {
             Ok(n) if n > 0 => fork(&g, container, at, n).await,
             _ => return usage(&format!("--count needs a positive number, not {n:?}")),
         },
@@ -174,7 +188,16 @@ async fn main() -> ExitCode {
 }
 
 /// The commands that take a CONTAINER (first after the command name).
-const CONTAINER_COMMANDS: [&str; 8] = ["turn-end", "turns", "show", "checkpoints", "export", "fork", "rollback", "recover"];
+const CONTAINER_COMMANDS: [&str; 8] = [
+    "turn-end",
+    "turns",
+    "show",
+    "checkpoints",
+    "export",
+    "fork",
+    "rollback",
+    "recover",
+];
 
 /// Takes `--pod P [--pod-namespace NS] --container C` out of the command's arguments.
 fn take_pod_container(args: &mut Vec<String>) -> Result<Option<PodContainer>, String> {
@@ -206,14 +229,20 @@ fn take_pod_container(args: &mut Vec<String>) -> Result<Option<PodContainer>, St
             container,
         })),
         (None, None) if pod_namespace.is_none() => Ok(None),
-        (Some(_), None) => Err("--pod needs --container NAME (the container's name in the pod)".into()),
+        (Some(_), None) => {
+            Err("--pod needs --container NAME (the container's name in the pod)".into())
+        }
         (None, _) => Err("--container and --pod-namespace need --pod NAME".into()),
     }
 }
 
 /// The id of the container `target` names; a note about the choice goes to stderr.
 async fn resolve(g: &Global, target: &PodContainer) -> Result<String, String> {
-    let resolved = ctl(g).await?.resolve_pod_container(target).await.map_err(|e| e.to_string())?;
+    let resolved = ctl(g)
+        .await?
+        .resolve_pod_container(target)
+        .await
+        .map_err(|e| e.to_string())?;
     if let Some(note) = &resolved.note {
         eprintln!("crabctl: {note}");
     }
@@ -223,9 +252,20 @@ async fn resolve(g: &Global, target: &PodContainer) -> Result<String, String> {
 async fn turn_end(g: &Global, container: &str, turn: Option<&str>) -> Result<(), String> {
     let turn = match turn {
         Some(t) => t.to_string(),
-        None => format!("crabctl-{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis()),
+        None => format!(
+            "crabctl-{}",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_millis()
+        ),
     };
-    ctl(g).await?.client.end_turn(container, &turn).await.map_err(|e| e.to_string())?;
+    ctl(g)
+        .await?
+        .client
+        .end_turn(container, &turn)
+        .await
+        .map_err(|e| e.to_string())?;
     println!("turn {turn} of {container} ended");
     Ok(())
 }
@@ -236,25 +276,48 @@ async fn sandbox_dir(g: &Global, container: &str) -> Result<PathBuf, String> {
     match &g.config {
         Some(path) => {
             let config = Config::load(path).map_err(|e| e.to_string())?;
-            Ok(crab_shim::turns::sandbox_dir(&config.store.state_dir, &g.namespace, container))
+            Ok(crab_shim::turns::sandbox_dir(
+                &config.store.state_dir,
+                &g.namespace,
+                container,
+            ))
         }
-        None => ctl(g).await?.sandbox_dir(container).await.map_err(|e| e.to_string()),
+        None => ctl(g)
+            .await?
+            .sandbox_dir(container)
+            .await
+            .map_err(|e| e.to_string()),
     }
 }
 
 async fn ctl(g: &Global) -> Result<Ctl, String> {
-    let client = Client::connect(&g.address, &g.namespace).await.map_err(|e| e.to_string())?;
+    let client = Client::connect(&g.address, &g.namespace)
+        .await
+        .map_err(|e| e.to_string())?;
     Ok(Ctl::new(client, g.config.clone()))
 }
 
-async fn export(g: &Global, container: &str, turn: Option<&str>, reference: &str) -> Result<(), String> {
-    let exported = ctl(g).await?.export(container, turn, reference).await.map_err(|e| e.to_string())?;
+async fn export(
+    g: &Global,
+    container: &str,
+    turn: Option<&str>,
+    reference: &str,
+) -> Result<(), String> {
+    let exported = ctl(g)
+        .await?
+        .export(container, turn, reference)
+        .await
+        .map_err(|e| e.to_string())?;
     println!("exported {}", exported.summary());
     Ok(())
 }
 
 async fn fork(g: &Global, container: &str, at: &str, count: usize) -> Result<(), String> {
-    let forked = ctl(g).await?.fork(container, at, count).await.map_err(|e| e.to_string())?;
+    let forked = ctl(g)
+        .await?
+        .fork(container, at, count)
+        .await
+        .map_err(|e| e.to_string())?;
     for f in &forked.forks {
         println!("{}", f.id);
     }
@@ -272,9 +335,17 @@ async fn fork(g: &Global, container: &str, at: &str, count: usize) -> Result<(),
 
 /// rollback (`to` given) and recover (the newest recovery point).
 async fn rollback(g: &Global, container: &str, to: Option<&str>) -> Result<(), String> {
-    let r = ctl(g).await?.rollback(container, to).await.map_err(|e| e.to_string())?;
+    let r = ctl(g)
+        .await?
+        .rollback(container, to)
+        .await
+        .map_err(|e| e.to_string())?;
     let s = &r.exported.source;
-    let verb = if to.is_some() { "rolled back" } else { "recovered" };
+    let verb = if to.is_some() {
+        "rolled back"
+    } else {
+        "recovered"
+    };
     println!(
         "{verb} {container} to checkpoint {} (turn {:?}, {}) in {}: pid {}, image {}",
         s.seq,
@@ -288,23 +359,36 @@ async fn rollback(g: &Global, container: &str, to: Option<&str>) -> Result<(), S
         println!("{container} had no task (its shim or processes were gone)");
     }
     if !r.execs_ended.is_empty() {
-        println!("ended {} running execs with the old task (killed): {}", r.execs_ended.len(), r.execs_ended.join(", "));
+        println!(
+            "ended {} running execs with the old task (killed): {}",
+            r.execs_ended.len(),
+            r.execs_ended.join(", ")
+        );
     }
     Ok(())
 }
 
 fn engine(g: &Global, json: bool) -> Result<(), String> {
     let (config, _) = Config::load_or_default(g.config.as_deref()).map_err(|e| e.to_string())?;
-    let snapshot = crab_shim::engine::Engine::new(&config.engine).snapshot().map_err(|e| e.to_string())?;
+    let snapshot = crab_shim::engine::Engine::new(&config.engine)
+        .snapshot()
+        .map_err(|e| e.to_string())?;
     match json {
-        true => println!("{}", serde_json::to_string_pretty(&snapshot).map_err(|e| e.to_string())?),
+        true => println!(
+            "{}",
+            serde_json::to_string_pretty(&snapshot).map_err(|e| e.to_string())?
+        ),
         false => println!("{snapshot}"),
     }
     Ok(())
 }
 
 async fn prune(g: &Global, dry_run: bool) -> Result<(), String> {
-    let pruned = ctl(g).await?.prune(g.all_namespaces, dry_run).await.map_err(|e| e.to_string())?;
+    let pruned = ctl(g)
+        .await?
+        .prune(g.all_namespaces, dry_run)
+        .await
+        .map_err(|e| e.to_string())?;
     println!("{pruned}");
     match pruned.failures() {
         0 => Ok(()),
@@ -317,7 +401,12 @@ async fn answers(g: &Global, container: &str) -> Result<Vec<serde_json::Value>, 
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .map_err(|e| format!("no turns of {container} in {}: {e}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "json") && !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
+        .filter(|p| {
+            p.extension().is_some_and(|x| x == "json")
+                && !p
+                    .file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+        })
         .collect();
     files.sort();
     files
@@ -334,7 +423,10 @@ fn count(v: &serde_json::Value) -> usize {
 }
 
 async fn turns(g: &Global, container: &str) -> Result<(), String> {
-    println!("{:>5}  {:<20} {:<5} {:>9}  WHY", "SEQ", "TURN", "KIND", "TOOK(us)");
+    println!(
+        "{:>5}  {:<20} {:<5} {:>9}  WHY",
+        "SEQ", "TURN", "KIND", "TOOK(us)"
+    );
     for a in answers(g, container).await? {
         let fs = &a["fs"];
         let p = &a["procs"];
@@ -343,10 +435,20 @@ async fn turns(g: &Global, container: &str) -> Result<(), String> {
             why.push("DEGRADED".to_string());
         }
         if fs["changed"] == true {
-            why.push(format!("fs +{} ~{} -{}", count(&fs["added"]), count(&fs["modified"]), count(&fs["deleted"])));
+            why.push(format!(
+                "fs +{} ~{} -{}",
+                count(&fs["added"]),
+                count(&fs["modified"]),
+                count(&fs["deleted"])
+            ));
         }
         if p["changed"] == true {
-            why.push(format!("procs +{} -{} mem {}", count(&p["started"]), count(&p["ended"]), count(&p["memory"])));
+            why.push(format!(
+                "procs +{} -{} mem {}",
+                count(&p["started"]),
+                count(&p["ended"]),
+                count(&p["memory"])
+            ));
         }
         println!(
             "{:>5}  {:<20} {:<5} {:>9}  {}",
@@ -364,28 +466,45 @@ async fn show(g: &Global, container: &str, turn: &str) -> Result<(), String> {
     let all = answers(g, container).await?;
     let found = all
         .iter()
-        .find(|a| a["turn_id"].as_str() == Some(turn) || a["seq"].as_u64().map(|s| s.to_string()).as_deref() == Some(turn))
+        .find(|a| {
+            a["turn_id"].as_str() == Some(turn)
+                || a["seq"].as_u64().map(|s| s.to_string()).as_deref() == Some(turn)
+        })
         .ok_or_else(|| format!("{container} has no turn {turn}"))?;
-    println!("{}", serde_json::to_string_pretty(found).map_err(|e| e.to_string())?);
+    println!(
+        "{}",
+        serde_json::to_string_pretty(found).map_err(|e| e.to_string())?
+    );
     Ok(())
 }
 
 async fn checkpoints(g: &Global, container: &str) -> Result<(), String> {
     let root = sandbox_dir(g, container).await?;
     if !root.join("checkpoints").is_dir() {
-        return Err(format!("{container} has no checkpoint store in {}", root.display()));
+        return Err(format!(
+            "{container} has no checkpoint store in {}",
+            root.display()
+        ));
     }
     let store = crab_shim::checkpoint::store::Store::open(&root).map_err(|e| e.to_string())?;
-    println!("{:>5} {:>6}  {:<20} {:<6} {:>6} {:>12} {:>9} {:>9}  CREATED", "SEQ", "PARENT", "TURN", "KIND", "LAYERS", "PROC(bytes)", "FREEZE", "TOTAL");
+    println!(
+        "{:>5} {:>6}  {:<20} {:<6} {:>6} {:>12} {:>9} {:>9}  CREATED",
+        "SEQ", "PARENT", "TURN", "KIND", "LAYERS", "PROC(bytes)", "FREEZE", "TOTAL"
+    );
     for m in store.list().map_err(|e| e.to_string())? {
         println!(
             "{:>5} {:>6}  {:<20} {:<6} {:>6} {:>12} {:>7.1}ms {:>7.1}ms  {}",
             m.seq,
-            m.parent.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+            m.parent
+                .map(|p| p.to_string())
+                .unwrap_or_else(|| "-".into()),
             m.turn_id,
             format!("{:?}", m.kind).to_lowercase(),
             m.fs_layers.len(),
-            m.process.as_ref().map(|p| p.bytes_stored.to_string()).unwrap_or_else(|| "-".into()),
+            m.process
+                .as_ref()
+                .map(|p| p.bytes_stored.to_string())
+                .unwrap_or_else(|| "-".into()),
             m.timings.freeze_ms,
             m.timings.total_ms,
             m.created_at
@@ -406,16 +525,32 @@ mod tests {
     fn pod_and_container_names_are_taken_out_of_the_arguments() {
         let mut a = args("show --pod agent --container app 3");
         let t = take_pod_container(&mut a).unwrap().unwrap();
-        assert_eq!((t.pod.as_str(), t.pod_namespace.as_str(), t.container.as_str()), ("agent", "default", "app"));
+        assert_eq!(
+            (
+                t.pod.as_str(),
+                t.pod_namespace.as_str(),
+                t.container.as_str()
+            ),
+            ("agent", "default", "app")
+        );
         assert_eq!(a, args("show 3"));
         let mut a = args("turn-end --turn t1 --container app --pod-namespace tools --pod agent");
         let t = take_pod_container(&mut a).unwrap().unwrap();
-        assert_eq!((t.pod_namespace.as_str(), a), ("tools", args("turn-end --turn t1")));
+        assert_eq!(
+            (t.pod_namespace.as_str(), a),
+            ("tools", args("turn-end --turn t1"))
+        );
         // An id is left alone.
         let mut a = args("turns c1");
         assert_eq!(take_pod_container(&mut a), Ok(None));
         assert_eq!(a, args("turns c1"));
-        for bad in ["turns --pod agent", "turns --container app", "turns --pod --container app", "turns --pod a --pod b --container c", "turns --pod-namespace x c1"] {
+        for bad in [
+            "turns --pod agent",
+            "turns --container app",
+            "turns --pod --container app",
+            "turns --pod a --pod b --container c",
+            "turns --pod-namespace x c1",
+        ] {
             assert!(take_pod_container(&mut args(bad)).is_err(), "{bad}");
         }
     }

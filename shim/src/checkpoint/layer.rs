@@ -896,7 +896,11 @@ impl Capture<'_> {
         if size == 0 || (extents.len() == 1 && extents[0] == (0, size)) {
             // SEEK_DATA/SEEK_HOLE moved the offset the copy reads from.
             if unsafe { libc::lseek(fd.as_raw_fd(), 0, libc::SEEK_SET) } < 0 {
-                return Err(LayerError::upper("seek", &path(), io::Error::last_os_error()));
+                return Err(LayerError::upper(
+                    "seek",
+                    &path(),
+                    io::Error::last_os_error(),
+                ));
             }
             self.tar.append(&TarEntry {
                 size,
@@ -918,7 +922,11 @@ impl Capture<'_> {
         self.tar.write_raw(&map)?;
         for &(offset, len) in &extents {
             if unsafe { libc::lseek(fd.as_raw_fd(), offset as libc::off_t, libc::SEEK_SET) } < 0 {
-                return Err(LayerError::upper("seek", &path(), io::Error::last_os_error()));
+                return Err(LayerError::upper(
+                    "seek",
+                    &path(),
+                    io::Error::last_os_error(),
+                ));
             }
             self.copy_data(fd.as_raw_fd(), len, rel)?;
         }
@@ -1423,7 +1431,11 @@ fn encode_header(e: &TarEntry) -> Vec<u8> {
             pax_record(&mut pax, b"GNU.sparse.major", b"1");
             pax_record(&mut pax, b"GNU.sparse.minor", b"0");
             pax_record(&mut pax, b"GNU.sparse.name", e.name);
-            pax_record(&mut pax, b"GNU.sparse.realsize", real.to_string().as_bytes());
+            pax_record(
+                &mut pax,
+                b"GNU.sparse.realsize",
+                real.to_string().as_bytes(),
+            );
             let base = e.name.rsplit(|b| *b == b'/').next().unwrap_or(e.name);
             placeholder = [b"GNUSparseFile.0/".as_slice(), &base[..base.len().min(80)]].concat();
             placeholder.as_slice()
@@ -1715,7 +1727,9 @@ mod tests {
 
     fn lxattrs(p: &Path) -> Vec<(Vec<u8>, Vec<u8>)> {
         let c = CString::new(p.as_os_str().as_bytes()).unwrap();
-        Xattrs::read(&XattrSource::Path(&c), OverlayXattrs::Trusted).unwrap().other
+        Xattrs::read(&XattrSource::Path(&c), OverlayXattrs::Trusted)
+            .unwrap()
+            .other
     }
 
     fn mknod(p: &Path, kind: libc::mode_t, mode: u32, dev: libc::dev_t) {
@@ -2105,7 +2119,11 @@ mod tests {
         let store_root = root.path().join("store");
         let _tmpfs = Tmpfs::mount(&store_root, "64k");
         let store = Store::open(&store_root).unwrap();
-        let free = || nix::sys::statvfs::statvfs(&store_root).unwrap().blocks_available();
+        let free = || {
+            nix::sys::statvfs::statvfs(&store_root)
+                .unwrap()
+                .blocks_available()
+        };
         let empty = free();
         // 1 MB does not fit the temporary tar; 40 KB fits the tar but not tar + blob.
         for (size, stage) in [(1 << 20, "layer.tar-"), (40 << 10, "layer.tar.zst-")] {
@@ -2544,14 +2562,21 @@ mod tests {
             .arg(dir.join("x"))
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         fs::remove_file(dir.join("layer.tar")).unwrap();
     }
 
     fn read_at(p: &Path, off: u64, len: usize) -> Vec<u8> {
         use std::os::unix::fs::FileExt;
         let mut buf = vec![0u8; len];
-        fs::File::open(p).unwrap().read_exact_at(&mut buf, off).unwrap();
+        fs::File::open(p)
+            .unwrap()
+            .read_exact_at(&mut buf, off)
+            .unwrap();
         buf
     }
 
@@ -2575,10 +2600,19 @@ mod tests {
         let store_dir = tempfile::tempdir().unwrap();
         let store = Store::open(store_dir.path()).unwrap();
         let t = Instant::now();
-        let (desc, stats) =
-            write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), &CountingFreezer::default())
-                .unwrap();
-        eprintln!("1 TB sparse file: layer in {:?}, {} tar bytes, {} stored", t.elapsed(), stats.bytes, desc.size);
+        let (desc, stats) = write_fs_layer(
+            &store,
+            &o.upper,
+            &FsDiffPaths::from(&d),
+            &CountingFreezer::default(),
+        )
+        .unwrap();
+        eprintln!(
+            "1 TB sparse file: layer in {:?}, {} tar bytes, {} stored",
+            t.elapsed(),
+            stats.bytes,
+            desc.size
+        );
         assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
         assert!(stats.bytes < 1 << 20, "{stats:?}");
         let tar = plain_tar(&store, &desc);
@@ -2587,7 +2621,11 @@ mod tests {
         let x = dir.path().join("x");
         let big = fs::metadata(x.join("big")).unwrap();
         assert_eq!(big.len(), TB);
-        assert!(big.blocks() * 512 < 1 << 20, "extracted sparse: {} blocks", big.blocks());
+        assert!(
+            big.blocks() * 512 < 1 << 20,
+            "extracted sparse: {} blocks",
+            big.blocks()
+        );
         for (off, data) in chunks {
             assert_eq!(read_at(&x.join("big"), off, data.len()), data);
         }
@@ -2610,18 +2648,33 @@ mod tests {
     fn sparse_layer_applies_with_go_archive_tar() {
         let o = Overlay::new(populate_lower);
         let base = o.scan();
-        sparse(&o.m("s"), 64 << 20, &[(1 << 20, b"one"), ((40 << 20) + 5, &noise(9000, 1))]);
+        sparse(
+            &o.m("s"),
+            64 << 20,
+            &[(1 << 20, b"one"), ((40 << 20) + 5, &noise(9000, 1))],
+        );
         sparse(&o.m("z"), 3 << 20, &[]);
         let (_, d) = o.diff(&base);
         let store_dir = tempfile::tempdir().unwrap();
         let store = Store::open(store_dir.path()).unwrap();
-        let (desc, _) =
-            write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), &CountingFreezer::default())
-                .unwrap();
+        let (desc, _) = write_fs_layer(
+            &store,
+            &o.upper,
+            &FsDiffPaths::from(&d),
+            &CountingFreezer::default(),
+        )
+        .unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let rootfs = umoci_unpack(dir.path(), &[base_layer(&o.lower), plain_tar(&store, &desc)]);
+        let rootfs = umoci_unpack(
+            dir.path(),
+            &[base_layer(&o.lower), plain_tar(&store, &desc)],
+        );
         for name in ["s", "z"] {
-            assert_eq!(fs::read(rootfs.join(name)).unwrap(), fs::read(o.m(name)).unwrap(), "{name}");
+            assert_eq!(
+                fs::read(rootfs.join(name)).unwrap(),
+                fs::read(o.m(name)).unwrap(),
+                "{name}"
+            );
         }
     }
 
@@ -2630,8 +2683,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("f");
         // 2000 data blocks, each followed by a hole.
-        let chunks: Vec<(u64, Vec<u8>)> =
-            (0..2000u64).map(|i| (i * (1 << 20), vec![1u8; 4096])).collect();
+        let chunks: Vec<(u64, Vec<u8>)> = (0..2000u64)
+            .map(|i| (i * (1 << 20), vec![1u8; 4096]))
+            .collect();
         let refs: Vec<(u64, &[u8])> = chunks.iter().map(|(o, d)| (*o, d.as_slice())).collect();
         sparse(&p, 2000 << 20, &refs);
         let f = fs::File::open(&p).unwrap();
@@ -2639,14 +2693,26 @@ mod tests {
         // 2000 data extents and the empty one that marks the end of the file.
         assert_eq!(all.len(), 2001);
         assert_eq!(all[2000], (2000 << 20, 0));
-        assert!(all[..2000].iter().all(|&(off, len)| off % (1 << 20) == 0 && len >= 4096), "{:?}", &all[..3]);
+        assert!(
+            all[..2000]
+                .iter()
+                .all(|&(off, len)| off % (1 << 20) == 0 && len >= 4096),
+            "{:?}",
+            &all[..3]
+        );
         let few = data_extents(f.as_raw_fd(), 2000 << 20, 100).unwrap();
         assert!(few.len() <= 100, "{}", few.len());
         // Every data byte is still covered.
         for (off, _) in &chunks {
-            assert!(few.iter().any(|&(o, l)| o <= *off && off + 4096 <= o + l), "{off}");
+            assert!(
+                few.iter().any(|&(o, l)| o <= *off && off + 4096 <= o + l),
+                "{off}"
+            );
         }
-        assert_eq!(merge_extents(&[(0, 10), (15, 5), (100, 1)], 5), vec![(0, 20), (100, 1)]);
+        assert_eq!(
+            merge_extents(&[(0, 10), (15, 5), (100, 1)], 5),
+            vec![(0, 20), (100, 1)]
+        );
         assert_eq!(sparse_map(&[(0, 4), (8, 2)]).len(), 512);
         assert!(sparse_map(&[(0, 4), (8, 2)]).starts_with(b"2\n0\n4\n8\n2\n\0"));
     }
@@ -2663,15 +2729,32 @@ mod tests {
         let store_dir = tempfile::tempdir().unwrap();
         let store = Store::open(store_dir.path()).unwrap();
         let freezer = CountingFreezer::default();
-        let opts = LayerOptions { max_bytes: 1 << 20, ..LayerOptions::default() };
+        let opts = LayerOptions {
+            max_bytes: 1 << 20,
+            ..LayerOptions::default()
+        };
         let e = write_fs_layer_with(&store, &o.upper, &FsDiffPaths::from(&d), &freezer, &opts)
             .unwrap_err();
         let msg = e.to_string();
-        assert!(matches!(e, LayerError::Limit { key: "max_layer_bytes", .. }), "{msg}");
-        assert!(msg.contains("[limits] max_layer_bytes") && msg.contains("1048576"), "{msg}");
+        assert!(
+            matches!(
+                e,
+                LayerError::Limit {
+                    key: "max_layer_bytes",
+                    ..
+                }
+            ),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("[limits] max_layer_bytes") && msg.contains("1048576"),
+            "{msg}"
+        );
         assert_eq!(freezer.counts(), (1, 1));
         assert!(
-            files_under(store_dir.path()).iter().all(|f| !f.to_string_lossy().contains("blobs/sha256/")),
+            files_under(store_dir.path())
+                .iter()
+                .all(|f| !f.to_string_lossy().contains("blobs/sha256/")),
             "{:?}",
             files_under(store_dir.path())
         );
@@ -2697,12 +2780,27 @@ mod tests {
         let store_dir = tempfile::tempdir().unwrap();
         let store = Store::open(store_dir.path()).unwrap();
         let freezer = CountingFreezer::default();
-        let shallow = LayerOptions { max_depth: 8, ..LayerOptions::default() };
+        let shallow = LayerOptions {
+            max_depth: 8,
+            ..LayerOptions::default()
+        };
         let e = write_fs_layer_with(&store, &o.upper, &FsDiffPaths::from(&d), &freezer, &shallow)
             .unwrap_err();
-        assert!(matches!(e, LayerError::Limit { key: "max_walk_depth", .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                LayerError::Limit {
+                    key: "max_walk_depth",
+                    ..
+                }
+            ),
+            "{e}"
+        );
         assert_eq!(freezer.counts(), (1, 1));
-        let deep = LayerOptions { max_depth: 12, ..LayerOptions::default() };
+        let deep = LayerOptions {
+            max_depth: 12,
+            ..LayerOptions::default()
+        };
         let (desc, _) =
             write_fs_layer_with(&store, &o.upper, &FsDiffPaths::from(&d), &freezer, &deep).unwrap();
         let items = read_layer(&store, &desc);
@@ -2736,25 +2834,42 @@ mod tests {
         assert!(!now.get(Path::new("")).unwrap().opaque);
         assert!(!now.get(Path::new("etc")).unwrap().opaque);
         assert!(now.get(Path::new("lib")).unwrap().redirect.is_none());
-        assert_eq!(now.get(Path::new("w")).unwrap().kind, crate::inspector::fs::EntryKind::File);
+        assert_eq!(
+            now.get(Path::new("w")).unwrap().kind,
+            crate::inspector::fs::EntryKind::File
+        );
         let (_, d) = o.diff(&base);
-        assert!(d.added.contains(&PathBuf::from("/w")) && d.deleted.is_empty(), "{d:?}");
+        assert!(
+            d.added.contains(&PathBuf::from("/w")) && d.deleted.is_empty(),
+            "{d:?}"
+        );
         let store_dir = tempfile::tempdir().unwrap();
         let store = Store::open(store_dir.path()).unwrap();
-        let (desc, _) =
-            write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), &CountingFreezer::default())
-                .unwrap();
+        let (desc, _) = write_fs_layer(
+            &store,
+            &o.upper,
+            &FsDiffPaths::from(&d),
+            &CountingFreezer::default(),
+        )
+        .unwrap();
         let items = read_layer(&store, &desc);
         let n = names(&items);
         assert!(!n.iter().any(|n| n.contains(".wh.")), "{n:?}");
         assert_eq!(item(&items, "w").kind, b'0');
         assert_eq!(item(&items, "m").data, b"data");
         let opaque_xattr = (b"user.overlay.opaque".to_vec(), b"y".to_vec());
-        assert!(item(&items, "./").xattrs.contains(&opaque_xattr), "{:?}", item(&items, "./").xattrs);
+        assert!(
+            item(&items, "./").xattrs.contains(&opaque_xattr),
+            "{:?}",
+            item(&items, "./").xattrs
+        );
         assert!(item(&items, "etc/").xattrs.contains(&opaque_xattr));
 
         // The same names on a `userxattr` mount are overlay state.
-        let user = LayerOptions { xattrs: OverlayXattrs::User, ..LayerOptions::default() };
+        let user = LayerOptions {
+            xattrs: OverlayXattrs::User,
+            ..LayerOptions::default()
+        };
         let e = write_fs_layer_with(
             &store,
             &o.upper,
@@ -2764,12 +2879,8 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(e, LayerError::Unsupported { .. }), "{e}");
-        let trusted_scan = Manifest::scan_with(
-            &o.upper,
-            &Default::default(),
-            OverlayXattrs::User,
-        )
-        .unwrap();
+        let trusted_scan =
+            Manifest::scan_with(&o.upper, &Default::default(), OverlayXattrs::User).unwrap();
         assert!(trusted_scan.get(Path::new("etc")).unwrap().opaque);
         assert_eq!(
             trusted_scan.get(Path::new("w")).unwrap().kind,

@@ -280,7 +280,11 @@ impl Coordinator {
 
     async fn run(self: Arc<Self>, mut work: Work) {
         // The sender lives as long as `self`, so this only ends once the origin is recorded.
-        let _ = self.origin_recorded.subscribe().wait_for(|recorded| *recorded).await;
+        let _ = self
+            .origin_recorded
+            .subscribe()
+            .wait_for(|recorded| *recorded)
+            .await;
         loop {
             let force_full = std::mem::take(&mut self.state.lock().unwrap().force_full)
                 || std::mem::take(&mut work.fs_unknown);
@@ -590,8 +594,9 @@ impl Coordinator {
                 // After a failure nothing is known about what the missing layers held: one
                 // layer of the whole upperdir, starting a new chain on top of the image.
                 let limits = (&t.limits).into();
-                let all = crate::inspector::fs::Manifest::scan_with(&upper, &limits, t.overlay_xattrs)
-                    .map_err(|e| Error::Other(e.to_string()))?;
+                let all =
+                    crate::inspector::fs::Manifest::scan_with(&upper, &limits, t.overlay_xattrs)
+                        .map_err(|e| Error::Other(e.to_string()))?;
                 let d = crate::inspector::fs::diff(
                     &crate::inspector::fs::Manifest::default(),
                     &all,

@@ -418,9 +418,8 @@ impl PackWriter {
             len,
             entries,
         } = self;
-        out.into_inner().map_err(|e| {
-            io_err(format!("writing {}", tmp.path().display()))(e.into_error())
-        })?;
+        out.into_inner()
+            .map_err(|e| io_err(format!("writing {}", tmp.path().display()))(e.into_error()))?;
         if entries.is_empty() {
             return Ok(None);
         }
@@ -1016,8 +1015,14 @@ mod tests {
         let before = files(&img);
         let mut readers = materialized_readers(&img, &chunks).unwrap();
         assert_eq!(
-            readers.iter().map(|r| (r.name().to_string(), r.len())).collect::<Vec<_>>(),
-            [("pages-1.img".to_string(), odd.len() as u64), ("pages-2.img".to_string(), 0)]
+            readers
+                .iter()
+                .map(|r| (r.name().to_string(), r.len()))
+                .collect::<Vec<_>>(),
+            [
+                ("pages-1.img".to_string(), odd.len() as u64),
+                ("pages-2.img".to_string(), 0)
+            ]
         );
         let mut out = Vec::new();
         readers[0].read_to_end(&mut out).unwrap();

@@ -807,7 +807,15 @@ impl Store {
     }
 
     fn sweep(&self) -> Result<(), StoreError> {
-        for name in ["", "checkpoints", "blobs", "blobs/sha256", "proc", "chunks", "turns"] {
+        for name in [
+            "",
+            "checkpoints",
+            "blobs",
+            "blobs/sha256",
+            "proc",
+            "chunks",
+            "turns",
+        ] {
             let dir = self.root.join(name);
             // Turn answers come with the first turn end.
             if name == "turns" && !dir.is_dir() {
@@ -1403,7 +1411,15 @@ mod tests {
         let r = store.apply_retention(Some(1), None).unwrap();
         assert_eq!(r.removed_manifests, [2]);
         assert!(root.join("checkpoints/000001.json.corrupt").is_file());
-        assert_eq!(store.list().unwrap().iter().map(|m| m.seq).collect::<Vec<_>>(), [3]);
+        assert_eq!(
+            store
+                .list()
+                .unwrap()
+                .iter()
+                .map(|m| m.seq)
+                .collect::<Vec<_>>(),
+            [3]
+        );
         // Kept: the answer of the kept checkpoint's turn (turn-3) and those after it.
         let mut left: Vec<String> = fs::read_dir(&turns)
             .unwrap()
@@ -1413,7 +1429,13 @@ mod tests {
         assert_eq!(left, ["000005.json", "000006.json"]);
         // Retention goes on working.
         checkpoint(&store, true, false);
-        assert_eq!(store.apply_retention(Some(1), None).unwrap().removed_manifests, [3]);
+        assert_eq!(
+            store
+                .apply_retention(Some(1), None)
+                .unwrap()
+                .removed_manifests,
+            [3]
+        );
         drop(store);
         fs::write(turns.join(".000007.json.tmp"), b"{").unwrap();
         drop(Store::open(root).unwrap());
@@ -1433,7 +1455,10 @@ mod tests {
         });
         std::thread::sleep(Duration::from_millis(100));
         assert!(!opener.is_finished());
-        assert!(!root.exists(), "nothing is created while prune holds the lock");
+        assert!(
+            !root.exists(),
+            "nothing is created while prune holds the lock"
+        );
         drop(lock);
         opener.join().unwrap().unwrap();
         assert!(root.join("checkpoints").is_dir());

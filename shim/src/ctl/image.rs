@@ -580,7 +580,12 @@ fn append_criu_image<W: Write>(
                     .map_err(io_err(&path))?;
                 let len = f.metadata().map_err(io_err(&path))?.len();
                 let mut hashing = HashingReader::new(f);
-                append(tar, &dest, Some((len, &mut hashing as &mut dyn Read)), &path)?;
+                append(
+                    tar,
+                    &dest,
+                    Some((len, &mut hashing as &mut dyn Read)),
+                    &path,
+                )?;
                 hashing.finish()
             }
         };
@@ -840,7 +845,10 @@ mod tests {
         );
         // Signed: the signature vouches for the description and no CRIU file.
         let statement = trusted()
-            .verify(&e[".crab-checkpoint/signature.json"].3, &e[".crab-checkpoint/checkpoint.json"].3)
+            .verify(
+                &e[".crab-checkpoint/signature.json"].3,
+                &e[".crab-checkpoint/checkpoint.json"].3,
+            )
             .unwrap();
         assert!(statement.criu.is_empty());
         assert_eq!(e[".crab-checkpoint/"].0, tar::EntryType::Directory);
@@ -907,10 +915,21 @@ mod tests {
         );
         // The signature names every CRIU file as written, the pages materialized.
         let statement = trusted()
-            .verify(&e[".crab-checkpoint/signature.json"].3, &e[".crab-checkpoint/checkpoint.json"].3)
+            .verify(
+                &e[".crab-checkpoint/signature.json"].3,
+                &e[".crab-checkpoint/checkpoint.json"].3,
+            )
             .unwrap();
         let files: Vec<&str> = statement.criu.keys().map(String::as_str).collect();
-        assert_eq!(files, ["descriptors.json", "inventory.img", "pagemap-1.img", "pages-1.img"]);
+        assert_eq!(
+            files,
+            [
+                "descriptors.json",
+                "inventory.img",
+                "pagemap-1.img",
+                "pages-1.img"
+            ]
+        );
         assert_eq!(statement.criu["pages-1.img"].sha256, sha256_of(&pages_data));
         assert_eq!(statement.criu["pages-1.img"].size, pages_data.len() as u64);
         assert_eq!(e[".crab-checkpoint/criu/pages-1.img"].3, pages_data);

@@ -209,9 +209,16 @@ impl Ctl {
                 .collect();
             // A removed fork's store stays (recover needs stores to outlive containers): a new
             // fork must not take its id and inherit its history.
-            let stores = self.config_for(&exported.container)?.store.state_dir.join(self.namespace());
+            let stores = self
+                .config_for(&exported.container)?
+                .store
+                .state_dir
+                .join(self.namespace());
             if let Ok(dir) = std::fs::read_dir(&stores) {
-                existing.extend(dir.flatten().filter_map(|e| e.file_name().into_string().ok()));
+                existing.extend(
+                    dir.flatten()
+                        .filter_map(|e| e.file_name().into_string().ok()),
+                );
             }
             let records = fork_ids(&existing, container, count)
                 .iter()

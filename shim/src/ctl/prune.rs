@@ -460,7 +460,12 @@ async fn remove_if_gone(
     // Held from the record's check to the rename: a shim creating a store waits for it.
     let ns_lock = match lock_namespace(dir) {
         Ok(l) => l,
-        Err(e) => return (Outcome::Failed(format!("the lock of {}: {e}", dir.display())), 0),
+        Err(e) => {
+            return (
+                Outcome::Failed(format!("the lock of {}: {e}", dir.display())),
+                0,
+            )
+        }
     };
     let _lock = match try_lock(&entry.path) {
         Ok(Lock::Held) => {

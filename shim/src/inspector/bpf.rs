@@ -684,7 +684,10 @@ impl HostProbes {
     /// Unwatches cgroups that no longer exist: a shim killed with SIGKILL never unwatches its
     /// container, so every new shim sweeps what such shims left. Returns the ids removed.
     pub fn sweep_dead(&self) -> Result<Vec<u64>, BpfError> {
-        let (mount, _) = cgroup2_mount().map_err(|source| BpfError::Syscall { op: "find the cgroup2 mount", source })?;
+        let (mount, _) = cgroup2_mount().map_err(|source| BpfError::Syscall {
+            op: "find the cgroup2 mount",
+            source,
+        })?;
         let mut removed = Vec::new();
         for id in self.watched()? {
             match cgroup_path_by_id(&mount, id) {
@@ -2260,7 +2263,10 @@ mod tests {
         std::mem::forget(dead);
         assert_eq!(probes.sweep_dead().unwrap(), vec![dead_id]);
         let watched = probes.watched().unwrap();
-        assert!(watched.contains(&live.id) && !watched.contains(&dead_id), "{watched:?}");
+        assert!(
+            watched.contains(&live.id) && !watched.contains(&dead_id),
+            "{watched:?}"
+        );
         assert_eq!(probes.sweep_dead().unwrap(), Vec::<u64>::new());
         probes.unwatch(live.id).unwrap();
     }

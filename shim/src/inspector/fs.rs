@@ -56,7 +56,9 @@ pub enum FsError {
     #[error("path contains a NUL byte: {0}")]
     NulInPath(PathBuf),
     /// The tree is bigger than the shim may hold for one container ([`ScanLimits`]).
-    #[error("{root}: {what} exceed the limit of {limit} ([limits] {key}); the tree is not captured")]
+    #[error(
+        "{root}: {what} exceed the limit of {limit} ([limits] {key}); the tree is not captured"
+    )]
     Limit {
         root: PathBuf,
         what: String,
@@ -624,7 +626,11 @@ impl Walker<'_> {
                 Some(child) => {
                     if stack.len() > self.limits.max_depth as usize {
                         return Err(self.limit(
-                            format!("directories nested deeper than {} levels (at {})", self.limits.max_depth, rel.display()),
+                            format!(
+                                "directories nested deeper than {} levels (at {})",
+                                self.limits.max_depth,
+                                rel.display()
+                            ),
                             self.limits.max_depth.into(),
                             "max_walk_depth",
                         ));
@@ -673,7 +679,10 @@ impl Walker<'_> {
         self.path_bytes += rel.as_os_str().len() as u64;
         if self.path_bytes > self.limits.max_path_bytes {
             return Err(self.limit(
-                format!("paths of more than {} bytes in all", self.limits.max_path_bytes),
+                format!(
+                    "paths of more than {} bytes in all",
+                    self.limits.max_path_bytes
+                ),
                 self.limits.max_path_bytes,
                 "max_manifest_path_bytes",
             ));
@@ -1218,12 +1227,14 @@ mod tests {
         let cname = CString::new(name).unwrap();
         for _ in 0..n {
             assert_eq!(unsafe { libc::mkdirat(fd, cname.as_ptr(), 0o755) }, 0);
-            let next = unsafe { libc::openat(fd, cname.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY) };
+            let next =
+                unsafe { libc::openat(fd, cname.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY) };
             assert!(next >= 0);
             unsafe { libc::close(fd) };
             fd = next;
         }
-        let f = unsafe { libc::openat(fd, c"leaf".as_ptr(), libc::O_CREAT | libc::O_WRONLY, 0o644) };
+        let f =
+            unsafe { libc::openat(fd, c"leaf".as_ptr(), libc::O_CREAT | libc::O_WRONLY, 0o644) };
         assert!(f >= 0);
         unsafe {
             libc::close(f);
@@ -1232,7 +1243,11 @@ mod tests {
     }
 
     fn limits(max_entries: u64, max_path_bytes: u64, max_depth: u32) -> ScanLimits {
-        ScanLimits { max_entries, max_path_bytes, max_depth }
+        ScanLimits {
+            max_entries,
+            max_path_bytes,
+            max_depth,
+        }
     }
 
     /// A tree far deeper than any stack or fd table would allow: the walk stops at the bound
@@ -1244,24 +1259,63 @@ mod tests {
         let t = Instant::now();
         let e = Manifest::scan(tmp.path()).unwrap_err();
         assert!(
-            matches!(&e, FsError::Limit { key: "max_walk_depth", limit: 256, .. }),
+            matches!(
+                &e,
+                FsError::Limit {
+                    key: "max_walk_depth",
+                    limit: 256,
+                    ..
+                }
+            ),
             "{e}"
         );
         assert!(e.to_string().contains("[limits] max_walk_depth"), "{e}");
-        assert!(t.elapsed() < std::time::Duration::from_secs(5), "{:?}", t.elapsed());
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(5),
+            "{:?}",
+            t.elapsed()
+        );
         // As deep as the config allows: no stack overflow; the whole paths of 3000 levels of
         // 200-byte names (about 900 MB) are what the path bound is for.
-        let e = Manifest::scan_with(tmp.path(), &limits(u64::MAX, 64 << 20, 4096), OverlayXattrs::Trusted)
-            .unwrap_err();
-        assert!(matches!(&e, FsError::Limit { key: "max_manifest_path_bytes", .. }), "{e}");
+        let e = Manifest::scan_with(
+            tmp.path(),
+            &limits(u64::MAX, 64 << 20, 4096),
+            OverlayXattrs::Trusted,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                FsError::Limit {
+                    key: "max_manifest_path_bytes",
+                    ..
+                }
+            ),
+            "{e}"
+        );
 
         let tmp = tempfile::tempdir().unwrap();
         nest(tmp.path(), 10, "d");
-        let m = Manifest::scan_with(tmp.path(), &limits(100, 1 << 20, 10), OverlayXattrs::Trusted).unwrap();
+        let m = Manifest::scan_with(
+            tmp.path(),
+            &limits(100, 1 << 20, 10),
+            OverlayXattrs::Trusted,
+        )
+        .unwrap();
         assert_eq!(m.len(), 1 + 10 + 1);
         assert!(m.get(Path::new("d/d/d/d/d/d/d/d/d/d/leaf")).is_some());
-        let e = Manifest::scan_with(tmp.path(), &limits(100, 1 << 20, 9), OverlayXattrs::Trusted).unwrap_err();
-        assert!(matches!(&e, FsError::Limit { key: "max_walk_depth", .. }), "{e}");
+        let e = Manifest::scan_with(tmp.path(), &limits(100, 1 << 20, 9), OverlayXattrs::Trusted)
+            .unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                FsError::Limit {
+                    key: "max_walk_depth",
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 
     #[test]
@@ -1274,20 +1328,44 @@ mod tests {
         for i in 0..50 {
             fs::write(tmp.path().join(format!("sub/{i}")), b"").unwrap();
         }
-        let ok = Manifest::scan_with(tmp.path(), &limits(102, 1 << 20, 8), OverlayXattrs::Trusted).unwrap();
+        let ok = Manifest::scan_with(tmp.path(), &limits(102, 1 << 20, 8), OverlayXattrs::Trusted)
+            .unwrap();
         assert_eq!(ok.len(), 102);
         for max in [101, 60, 10, 1] {
-            let e = Manifest::scan_with(tmp.path(), &limits(max, 1 << 20, 8), OverlayXattrs::Trusted)
-                .unwrap_err();
-            assert!(matches!(&e, FsError::Limit { key: "max_manifest_entries", .. }), "{max}: {e}");
+            let e =
+                Manifest::scan_with(tmp.path(), &limits(max, 1 << 20, 8), OverlayXattrs::Trusted)
+                    .unwrap_err();
+            assert!(
+                matches!(
+                    &e,
+                    FsError::Limit {
+                        key: "max_manifest_entries",
+                        ..
+                    }
+                ),
+                "{max}: {e}"
+            );
         }
         // 50 * 8 bytes + "sub" + 50 * ("sub/" + 1..2 digits) = 400 + 3 + 290.
         let bytes: u64 = ok.iter().map(|(p, _)| p.as_os_str().len() as u64).sum();
         assert_eq!(bytes, 693);
         Manifest::scan_with(tmp.path(), &limits(1000, bytes, 8), OverlayXattrs::Trusted).unwrap();
-        let e = Manifest::scan_with(tmp.path(), &limits(1000, bytes - 1, 8), OverlayXattrs::Trusted)
-            .unwrap_err();
-        assert!(matches!(&e, FsError::Limit { key: "max_manifest_path_bytes", .. }), "{e}");
+        let e = Manifest::scan_with(
+            tmp.path(),
+            &limits(1000, bytes - 1, 8),
+            OverlayXattrs::Trusted,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                FsError::Limit {
+                    key: "max_manifest_path_bytes",
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
     use std::os::unix::fs::{symlink, OpenOptionsExt, PermissionsExt};
     use std::time::Instant;

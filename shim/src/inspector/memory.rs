@@ -955,7 +955,9 @@ fn fdinfo_lines(mut src: impl io::Read, budget: &mut u64) -> Vec<String> {
     const MAX_LINE: usize = 4096;
     let mut lines = Vec::new();
     let mut hash: Option<(xxhash_rust::xxh3::Xxh3, u64)> = None;
-    let mut keep = |line: &[u8], lines: &mut Vec<String>, hash: &mut Option<(xxhash_rust::xxh3::Xxh3, u64)>| {
+    let mut keep = |line: &[u8],
+                    lines: &mut Vec<String>,
+                    hash: &mut Option<(xxhash_rust::xxh3::Xxh3, u64)>| {
         if line.starts_with(b"it_value:") {
             return;
         }
@@ -1279,7 +1281,10 @@ mod tests {
     fn fdinfo_is_kept_within_the_budget_then_hashed() {
         let small = "pos:\t0\nflags:\t02\nit_value: (0,5)\n";
         let mut budget = 1 << 20;
-        assert_eq!(fdinfo_lines(small.as_bytes(), &mut budget), vec!["pos: 0", "flags: 02"]);
+        assert_eq!(
+            fdinfo_lines(small.as_bytes(), &mut budget),
+            vec!["pos: 0", "flags: 02"]
+        );
         assert_eq!(budget, (1 << 20) - 7 - 10);
         // An epoll fd watching 200000 fds: a few KiB kept, then one hash line.
         let big: String = (0..200_000)
@@ -1289,7 +1294,11 @@ mod tests {
         let lines = fdinfo_lines(big.as_bytes(), &mut budget);
         let kept: usize = lines.iter().map(|l| l.len() + 1).sum();
         assert!(kept < 4096 + 100, "{kept}");
-        assert!(lines.last().unwrap().starts_with("xxh3 "), "{:?}", lines.last());
+        assert!(
+            lines.last().unwrap().starts_with("xxh3 "),
+            "{:?}",
+            lines.last()
+        );
         // Exact enough: one changed watch shows.
         let changed = big.replacen("tfd:   199999 events: 19", "tfd:   199999 events: 1b", 1);
         assert_ne!(changed, big);
@@ -1876,7 +1885,12 @@ while True:
 
     #[test]
     fn sleep_captured_twice_is_equal() {
-        let mut c = Command::new("sleep").arg("100").stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let mut c = Command::new("sleep")
+            .arg("100")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
         wait_blocked(c.id(), libc::SYS_clock_nanosleep as u32);
         let a = capture(c.id()).unwrap();
         let b = capture(c.id()).unwrap();
@@ -1893,8 +1907,18 @@ while True:
 
     #[test]
     fn different_process_is_all_change() {
-        let mut c1 = Command::new("sleep").arg("100").stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-        let mut c2 = Command::new("sleep").arg("100").stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let mut c1 = Command::new("sleep")
+            .arg("100")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut c2 = Command::new("sleep")
+            .arg("100")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
         wait_blocked(c1.id(), libc::SYS_clock_nanosleep as u32);
         wait_blocked(c2.id(), libc::SYS_clock_nanosleep as u32);
         let a = capture(c1.id()).unwrap();

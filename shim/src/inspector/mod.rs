@@ -81,8 +81,15 @@ pub struct ProcSummary {
 
 impl From<&ProcInfo> for ProcSummary {
     fn from(p: &ProcInfo) -> Self {
-        let cmdline = if p.cmdline.is_empty() { format!("[{}]", p.comm) } else { p.cmdline.join(" ") };
-        ProcSummary { pid: p.pid, cmdline }
+        let cmdline = if p.cmdline.is_empty() {
+            format!("[{}]", p.comm)
+        } else {
+            p.cmdline.join(" ")
+        };
+        ProcSummary {
+            pid: p.pid,
+            cmdline,
+        }
     }
 }
 
@@ -156,36 +163,86 @@ impl Answer {
                 self.fs.added.len(),
                 self.fs.modified.len(),
                 self.fs.deleted.len(),
-                self.fs.added.iter().chain(&self.fs.modified).chain(&self.fs.deleted).next().map(|p| p.display().to_string()).unwrap_or_default()
+                self.fs
+                    .added
+                    .iter()
+                    .chain(&self.fs.modified)
+                    .chain(&self.fs.deleted)
+                    .next()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default()
             ));
         } else if !self.fs.scanned {
             why.push("fs: no mutating syscall".into());
         } else {
-            why.push(format!("fs: {} mutating syscalls, no net change", self.fs.syscalls.values().sum::<u64>()));
+            why.push(format!(
+                "fs: {} mutating syscalls, no net change",
+                self.fs.syscalls.values().sum::<u64>()
+            ));
         }
         let p = &self.procs;
         if p.changed {
             let mut parts = Vec::new();
             if !p.started.is_empty() {
-                parts.push(format!("started {}", p.started.iter().map(|s| format!("{} ({})", s.pid, s.cmdline)).collect::<Vec<_>>().join(", ")));
+                parts.push(format!(
+                    "started {}",
+                    p.started
+                        .iter()
+                        .map(|s| format!("{} ({})", s.pid, s.cmdline))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
             }
             if !p.ended.is_empty() {
-                parts.push(format!("ended {}", p.ended.iter().map(|s| s.pid.to_string()).collect::<Vec<_>>().join(", ")));
+                parts.push(format!(
+                    "ended {}",
+                    p.ended
+                        .iter()
+                        .map(|s| s.pid.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
             }
             if !p.reexeced.is_empty() {
-                parts.push(format!("re-exec'd {}", p.reexeced.iter().map(|s| s.pid.to_string()).collect::<Vec<_>>().join(", ")));
+                parts.push(format!(
+                    "re-exec'd {}",
+                    p.reexeced
+                        .iter()
+                        .map(|s| s.pid.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
             }
-            for m in p.memory.iter().filter(|m| m.changed_pages + m.added_pages + m.removed_pages > 0) {
-                parts.push(format!("pid {} memory {} pages changed", m.pid, m.changed_pages + m.added_pages + m.removed_pages));
+            for m in p
+                .memory
+                .iter()
+                .filter(|m| m.changed_pages + m.added_pages + m.removed_pages > 0)
+            {
+                parts.push(format!(
+                    "pid {} memory {} pages changed",
+                    m.pid,
+                    m.changed_pages + m.added_pages + m.removed_pages
+                ));
             }
             for (pid, path) in &p.held_changed {
                 parts.push(format!("pid {pid} holds changed {}", path.display()));
             }
             why.push(format!("proc: {}", parts.join("; ")));
         } else {
-            why.push(format!("proc: unchanged ({} idle, {} ran without change)", p.idle.len(), p.memory.len()));
+            why.push(format!(
+                "proc: unchanged ({} idle, {} ran without change)",
+                p.idle.len(),
+                p.memory.len()
+            ));
         }
-        format!("turn {} of {}: {:?} in {} us; {}", self.seq, self.container_id, self.kind, self.elapsed_us, why.join("; "))
+        format!(
+            "turn {} of {}: {:?} in {} us; {}",
+            self.seq,
+            self.container_id,
+            self.kind,
+            self.elapsed_us,
+            why.join("; ")
+        )
     }
 }
 
@@ -217,13 +274,18 @@ impl Inspection {
     pub fn new(target: Target, probes: Result<Arc<HostProbes>, String>) -> Inspection {
         let mut blind = None;
         let (probes, cgroup_id) = match probes {
-            Ok(p) => match bpf::cgroup_id(&target.cgroup2_dir).map_err(|e| e.to_string()).and_then(|id| {
-                p.watch(id).map_err(|e| e.to_string())?;
-                Ok(id)
-            }) {
+            Ok(p) => match bpf::cgroup_id(&target.cgroup2_dir)
+                .map_err(|e| e.to_string())
+                .and_then(|id| {
+                    p.watch(id).map_err(|e| e.to_string())?;
+                    Ok(id)
+                }) {
                 Ok(id) => (Some(p), Some(id)),
                 Err(e) => {
-                    blind = Some(format!("cannot watch cgroup {}: {e}", target.cgroup2_dir.display()));
+                    blind = Some(format!(
+                        "cannot watch cgroup {}: {e}",
+                        target.cgroup2_dir.display()
+                    ));
                     (None, None)
                 }
             },
@@ -233,9 +295,19 @@ impl Inspection {
             }
         };
         if let Some(why) = &blind {
-            log::warn!("inspector for {} is BLIND, every turn will be a full checkpoint: {why}", target.container_id);
+            log::warn!(
+                "inspector for {} is BLIND, every turn will be a full checkpoint: {why}",
+                target.container_id
+            );
         }
-        Inspection { target, probes, cgroup_id, mark: None, seq: 0, blind }
+        Inspection {
+            target,
+            probes,
+            cgroup_id,
+            mark: None,
+            seq: 0,
+            blind,
+        }
     }
 
     /// Waits (bounded) until no process of the container is running: a program that just
@@ -248,10 +320,16 @@ impl Inspection {
         while Instant::now() < deadline {
             let procs = self.processes().unwrap_or_default();
             let busy = procs.iter().any(|p| {
-                procs::read_stat(p.pid).ok().flatten().is_some_and(|s| matches!(s.state, 'R' | 'D'))
+                procs::read_stat(p.pid)
+                    .ok()
+                    .flatten()
+                    .is_some_and(|s| matches!(s.state, 'R' | 'D'))
             });
             // Neither runnable nor scheduled since the last poll (when the probes can tell).
-            let runs: Vec<(u32, Option<u64>)> = procs.iter().map(|p| (p.pid, self.run_count(p.pid))).collect();
+            let runs: Vec<(u32, Option<u64>)> = procs
+                .iter()
+                .map(|p| (p.pid, self.run_count(p.pid)))
+                .collect();
             let quiet = !busy && last.as_ref() == Some(&runs);
             quiet_polls = if quiet { quiet_polls + 1 } else { 0 };
             if quiet_polls >= 3 {
@@ -260,7 +338,10 @@ impl Inspection {
             last = Some(runs);
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        log::debug!("inspector for {}: processes still busy {bound:?} after start", self.target.container_id);
+        log::debug!(
+            "inspector for {}: processes still busy {bound:?} after start",
+            self.target.container_id
+        );
     }
 
     /// Takes the base mark (at container start): an empty filesystem delta, the processes
@@ -271,11 +352,18 @@ impl Inspection {
         match self.observe_all(Manifest::default()) {
             Ok(mark) => self.mark = Some(mark),
             Err(e) => {
-                log::warn!("inspector for {}: cannot take the base mark: {e}", self.target.container_id);
+                log::warn!(
+                    "inspector for {}: cannot take the base mark: {e}",
+                    self.target.container_id
+                );
                 self.mark = None;
             }
         }
-        log::debug!("inspector for {}: base mark in {:?}", self.target.container_id, started.elapsed());
+        log::debug!(
+            "inspector for {}: base mark in {:?}",
+            self.target.container_id,
+            started.elapsed()
+        );
     }
 
     fn counters(&self) -> Result<CgroupCounters, String> {
@@ -286,7 +374,9 @@ impl Inspection {
     }
 
     fn run_count(&self, pid: u32) -> Option<u64> {
-        self.probes.as_ref().and_then(|p| p.run_count(pid).ok().flatten())
+        self.probes
+            .as_ref()
+            .and_then(|p| p.run_count(pid).ok().flatten())
     }
 
     fn processes(&self) -> Result<Vec<ProcInfo>, String> {
@@ -311,7 +401,14 @@ impl Inspection {
             }
         }
         let volumes = self.scan_volumes().unwrap_or_default();
-        Ok(Mark { counters, manifest, processes, run_counts, memory, volumes })
+        Ok(Mark {
+            counters,
+            manifest,
+            processes,
+            run_counts,
+            memory,
+            volumes,
+        })
     }
 
     fn capture(&self, pid: u32) -> Result<MemoryImage, memory::MemError> {
@@ -322,13 +419,31 @@ impl Inspection {
         self.target
             .volumes
             .iter()
-            .map(|(at, dir)| Manifest::scan_with(dir, &(&self.target.limits).into(), fs::OverlayXattrs::Trusted).map_err(|e| format!("cannot scan volume {} ({}): {e}", at.display(), dir.display())))
+            .map(|(at, dir)| {
+                Manifest::scan_with(
+                    dir,
+                    &(&self.target.limits).into(),
+                    fs::OverlayXattrs::Trusted,
+                )
+                .map_err(|e| {
+                    format!(
+                        "cannot scan volume {} ({}): {e}",
+                        at.display(),
+                        dir.display()
+                    )
+                })
+            })
             .collect()
     }
 
     fn scan_upper(&self) -> Result<Manifest, String> {
         match &self.target.upperdir {
-            Some(upper) => Manifest::scan_with(upper, &(&self.target.limits).into(), self.target.overlay_xattrs).map_err(|e| format!("cannot scan upperdir {}: {e}", upper.display())),
+            Some(upper) => Manifest::scan_with(
+                upper,
+                &(&self.target.limits).into(),
+                self.target.overlay_xattrs,
+            )
+            .map_err(|e| format!("cannot scan upperdir {}: {e}", upper.display())),
             None => Err("rootfs is not an overlay: its changes cannot be seen".into()),
         }
     }
@@ -359,33 +474,68 @@ impl Inspection {
     /// found by its path beneath the upperdir; the identity check above is what makes that
     /// path trustworthy.
     fn arm_shared_mappings(&self) -> Vec<String> {
-        let Some(upper) = &self.target.upperdir else { return Vec::new() };
+        let Some(upper) = &self.target.upperdir else {
+            return Vec::new();
+        };
         // Tracked trees: (path in the container, host root handle, device in the container's view).
         let mut roots: Vec<(PathBuf, OwnedFd)> = Vec::new();
-        for (at, dir) in std::iter::once((Path::new("/"), upper.as_path())).chain(self.target.volumes.iter().map(|(a, d)| (a.as_path(), d.as_path()))) {
+        for (at, dir) in std::iter::once((Path::new("/"), upper.as_path())).chain(
+            self.target
+                .volumes
+                .iter()
+                .map(|(a, d)| (a.as_path(), d.as_path())),
+        ) {
             match beneath::open_root(dir) {
                 Ok(fd) => roots.push((at.to_path_buf(), fd)),
                 Err(e) => log::debug!("arm shared mappings: cannot open {}: {e}", dir.display()),
             }
         }
-        let Ok(processes) = self.processes() else { return Vec::new() };
+        let Ok(processes) = self.processes() else {
+            return Vec::new();
+        };
         // Reasons are kept for the first few mappings only: the count of mappings is the
         // container's to choose, the size of an answer is not.
         const SAID: usize = 8;
         let mut unseen = Vec::new();
         let mut more = 0usize;
-        let mut note = |why: String| if unseen.len() < SAID { unseen.push(why) } else { more += 1 };
+        let mut note = |why: String| {
+            if unseen.len() < SAID {
+                unseen.push(why)
+            } else {
+                more += 1
+            }
+        };
         for p in processes {
-            let Ok(maps) = procs::read_maps(p.pid) else { continue };
-            let mut shared = maps.iter().filter(|m| m.perms[3] == b's' && m.perms[1] == b'w' && m.inode != 0 && m.path.starts_with(b"/")).peekable();
+            let Ok(maps) = procs::read_maps(p.pid) else {
+                continue;
+            };
+            let mut shared = maps
+                .iter()
+                .filter(|m| {
+                    m.perms[3] == b's'
+                        && m.perms[1] == b'w'
+                        && m.inode != 0
+                        && m.path.starts_with(b"/")
+                })
+                .peekable();
             if shared.peek().is_none() {
                 continue;
             }
             // The process's view; if it is gone, so are its mappings.
-            let Ok(view) = beneath::process_root(p.pid) else { continue };
+            let Ok(view) = beneath::process_root(p.pid) else {
+                continue;
+            };
             let tracked: Vec<(&Path, BorrowedFd<'_>, Option<u64>)> = roots
                 .iter()
-                .map(|(at, fd)| (at.as_path(), fd.as_fd(), procs::identity_in_view(view.as_fd(), at).ok().map(|(dev, _)| dev)))
+                .map(|(at, fd)| {
+                    (
+                        at.as_path(),
+                        fd.as_fd(),
+                        procs::identity_in_view(view.as_fd(), at)
+                            .ok()
+                            .map(|(dev, _)| dev),
+                    )
+                })
                 .collect();
             for m in shared {
                 let path = PathBuf::from(OsStr::from_bytes(&procs::unescape_maps_path(&m.path)));
@@ -405,7 +555,9 @@ impl Inspection {
             }
         }
         if more > 0 {
-            unseen.push(format!("{more} more shared writable mappings that cannot be armed"));
+            unseen.push(format!(
+                "{more} more shared writable mappings that cannot be armed"
+            ));
         }
         unseen
     }
@@ -413,7 +565,9 @@ impl Inspection {
     /// Processes that have not been scheduled since the mark (so their memory still equals
     /// the mark's image), with their run counts now.
     pub fn idle_since_mark(&self) -> Vec<(u32, u64)> {
-        let Some(m) = &self.mark else { return Vec::new() };
+        let Some(m) = &self.mark else {
+            return Vec::new();
+        };
         m.processes
             .iter()
             .filter_map(|p| {
@@ -429,9 +583,17 @@ impl Inspection {
     /// the freeze (`idle`, from [`Self::idle_since_mark`]), that change is crab's own, not the
     /// agent's: their images at the mark are refreshed so the next turn does not count it.
     pub fn refresh_after_freeze(&mut self, idle: &[(u32, u64)]) {
-        let Some(mark) = self.mark.as_mut() else { return };
+        let Some(mark) = self.mark.as_mut() else {
+            return;
+        };
         for &(pid, _) in idle {
-            let Some(n) = self.probes.as_ref().and_then(|p| p.run_count(pid).ok().flatten()) else { continue };
+            let Some(n) = self
+                .probes
+                .as_ref()
+                .and_then(|p| p.run_count(pid).ok().flatten())
+            else {
+                continue;
+            };
             match capture_bounded(pid, self.target.limits.max_fdinfo_bytes) {
                 Ok(img) => {
                     mark.memory.insert(pid, img);
@@ -467,7 +629,10 @@ impl Inspection {
         }
         if let (Some(c), Some(m)) = (counters, prev.as_ref()) {
             if c.errors > m.counters.errors {
-                degraded.push(format!("{} kernel events lost since the mark", c.errors - m.counters.errors));
+                degraded.push(format!(
+                    "{} kernel events lost since the mark",
+                    c.errors - m.counters.errors
+                ));
             }
         }
 
@@ -493,7 +658,11 @@ impl Inspection {
             match self.scan_upper() {
                 Ok(now) => {
                     let empty = Manifest::default();
-                    let d: FsDiff = fs::diff(prev_manifest.unwrap_or(&empty), &now, &self.target.lowerdirs);
+                    let d: FsDiff = fs::diff(
+                        prev_manifest.unwrap_or(&empty),
+                        &now,
+                        &self.target.lowerdirs,
+                    );
                     fs.changed = !d.is_empty();
                     fs.added = d.added;
                     fs.modified = d.modified;
@@ -514,7 +683,10 @@ impl Inspection {
                 Ok(now) => {
                     let empty = Manifest::default();
                     for (i, (at, _)) in self.target.volumes.iter().enumerate() {
-                        let before = prev.as_ref().and_then(|m| m.volumes.get(i)).unwrap_or(&empty);
+                        let before = prev
+                            .as_ref()
+                            .and_then(|m| m.volumes.get(i))
+                            .unwrap_or(&empty);
                         let d = fs::diff(before, &now[i], &[]);
                         let inside = |p: PathBuf| at.join(p.strip_prefix("/").unwrap_or(&p));
                         fs.changed |= !d.is_empty();
@@ -550,14 +722,24 @@ impl Inspection {
                 procs.execs = c.execs.saturating_sub(m.counters.execs);
                 procs.exits = c.exits.saturating_sub(m.counters.exits);
             }
-            let foreign_writes = counters.is_none_or(|c| c.foreign_mem_writes > m.counters.foreign_mem_writes);
+            let foreign_writes =
+                counters.is_none_or(|c| c.foreign_mem_writes > m.counters.foreign_mem_writes);
             let delta = procs::delta(&m.processes, now);
             procs.started = delta.started.iter().map(ProcSummary::from).collect();
             procs.ended = delta.ended.iter().map(ProcSummary::from).collect();
             let before: HashMap<u32, &ProcInfo> = m.processes.iter().map(|p| (p.pid, p)).collect();
-            let changed_paths: Vec<&Path> = fs.added.iter().chain(&fs.modified).chain(&fs.deleted).map(PathBuf::as_path).collect();
+            let changed_paths: Vec<&Path> = fs
+                .added
+                .iter()
+                .chain(&fs.modified)
+                .chain(&fs.deleted)
+                .map(PathBuf::as_path)
+                .collect();
             for p in &delta.persisted {
-                if before.get(&p.pid).is_some_and(|b| b.cmdline != p.cmdline || b.comm != p.comm) {
+                if before
+                    .get(&p.pid)
+                    .is_some_and(|b| b.cmdline != p.cmdline || b.comm != p.comm)
+                {
                     procs.reexeced.push(ProcSummary::from(p));
                 }
                 // CRIU restores open and mapped files by path and checks them: a file this
@@ -571,7 +753,9 @@ impl Inspection {
                                 }
                             }
                         }
-                        Err(e) => degraded.push(format!("cannot list files held by pid {}: {e}", p.pid)),
+                        Err(e) => {
+                            degraded.push(format!("cannot list files held by pid {}: {e}", p.pid))
+                        }
                     }
                 }
                 // Memory: a process that was not scheduled since the mark did not change it,
@@ -588,7 +772,8 @@ impl Inspection {
                 let prev_img = m.memory.get(&p.pid);
                 // Shared memory (shared anonymous, SysV shm, memfd, tmpfs) can be changed by
                 // another process while this one sleeps: compare it whatever the run count says.
-                let shares_memory = prev_img.is_some_and(|img| img.regions.iter().any(|r| r.kind == RegionKind::Shmem));
+                let shares_memory = prev_img
+                    .is_some_and(|img| img.regions.iter().any(|r| r.kind == RegionKind::Shmem));
                 if !ran && !shares_memory {
                     if let Some(img) = prev_img {
                         memory_images.insert(p.pid, img.clone());
@@ -613,7 +798,9 @@ impl Inspection {
                         degraded.push(format!("no memory image of pid {} at the mark", p.pid));
                         memory_images.insert(p.pid, img);
                     }
-                    (Err(e), _) => degraded.push(format!("cannot read memory of pid {}: {e}", p.pid)),
+                    (Err(e), _) => {
+                        degraded.push(format!("cannot read memory of pid {}: {e}", p.pid))
+                    }
                 }
             }
             for p in &delta.started {
@@ -631,15 +818,31 @@ impl Inspection {
                 || !procs.ended.is_empty()
                 || !procs.reexeced.is_empty()
                 || !procs.held_changed.is_empty()
-                || procs.memory.iter().any(|m| m.changed_pages + m.added_pages + m.removed_pages > 0);
+                || procs
+                    .memory
+                    .iter()
+                    .any(|m| m.changed_pages + m.added_pages + m.removed_pages > 0);
         }
 
-        let kind = if degraded.is_empty() { Kind::from_parts(fs.changed, procs.changed) } else { Kind::Full };
+        let kind = if degraded.is_empty() {
+            Kind::from_parts(fs.changed, procs.changed)
+        } else {
+            Kind::Full
+        };
         // The present becomes the mark; if it could not be observed, the next turn takes a
         // fresh full observation.
         self.mark = match (counters, manifest, now_procs, volumes) {
-            (Some(counters), Some(manifest), Some(processes), Some(volumes)) if degraded.is_empty() => {
-                Some(Mark { counters, manifest, processes, run_counts, memory: memory_images, volumes })
+            (Some(counters), Some(manifest), Some(processes), Some(volumes))
+                if degraded.is_empty() =>
+            {
+                Some(Mark {
+                    counters,
+                    manifest,
+                    processes,
+                    run_counts,
+                    memory: memory_images,
+                    volumes,
+                })
             }
             (_, manifest, _, _) => self.observe_all(manifest.unwrap_or_default()).ok(),
         };
@@ -675,13 +878,28 @@ enum Mapped<'a> {
 /// Decides [`Mapped`] for the mapping of inode `(dev, ino)` printed as `path`, in the process
 /// view `view`, given the tracked trees `(path in the container, host root, device in the view)`.
 /// A tree mounted inside another (a volume under `/`) wins by the longer prefix.
-fn locate_mapping<'a>(view: BorrowedFd<'_>, path: &Path, dev: Option<u64>, ino: u64, tracked: &[(&Path, BorrowedFd<'a>, Option<u64>)]) -> Mapped<'a> {
-    let Some(dev) = dev else { return Mapped::Untracked };
+fn locate_mapping<'a>(
+    view: BorrowedFd<'_>,
+    path: &Path,
+    dev: Option<u64>,
+    ino: u64,
+    tracked: &[(&Path, BorrowedFd<'a>, Option<u64>)],
+) -> Mapped<'a> {
+    let Some(dev) = dev else {
+        return Mapped::Untracked;
+    };
     let on_tracked_device = tracked.iter().any(|t| t.2 == Some(dev));
     if procs::identity_in_view(view, path).ok() != Some((dev, ino)) {
-        return if on_tracked_device { Mapped::Unreachable } else { Mapped::Untracked };
+        return if on_tracked_device {
+            Mapped::Unreachable
+        } else {
+            Mapped::Untracked
+        };
     }
-    let tree = tracked.iter().filter(|t| path.starts_with(t.0)).max_by_key(|t| t.0.components().count());
+    let tree = tracked
+        .iter()
+        .filter(|t| path.starts_with(t.0))
+        .max_by_key(|t| t.0.components().count());
     match tree {
         Some(&(at, root, Some(tree_dev))) if tree_dev == dev => {
             Mapped::Tracked(root, path.strip_prefix(at).unwrap_or(path).to_path_buf())
@@ -705,7 +923,10 @@ impl Drop for Inspection {
     fn drop(&mut self) {
         if let (Some(p), Some(id)) = (&self.probes, self.cgroup_id) {
             if let Err(e) = p.unwatch(id) {
-                log::warn!("cannot unwatch cgroup {id} of {}: {e}", self.target.container_id);
+                log::warn!(
+                    "cannot unwatch cgroup {id} of {}: {e}",
+                    self.target.container_id
+                );
             }
         }
     }
@@ -722,7 +943,11 @@ mod tests {
         let upper = dir.join("upper");
         std::fs::create_dir_all(&cgroup).unwrap();
         std::fs::create_dir_all(&upper).unwrap();
-        std::fs::write(cgroup.join("cgroup.procs"), format!("{}\n", std::process::id())).unwrap();
+        std::fs::write(
+            cgroup.join("cgroup.procs"),
+            format!("{}\n", std::process::id()),
+        )
+        .unwrap();
         Target {
             container_id: "c1".into(),
             cgroup2_dir: cgroup,
@@ -737,12 +962,20 @@ mod tests {
     #[test]
     fn without_probes_every_turn_is_full_and_says_why() {
         let dir = tempfile::tempdir().unwrap();
-        let mut i = Inspection::new(target(dir.path()), Err("bpf(2): Operation not permitted".into()));
+        let mut i = Inspection::new(
+            target(dir.path()),
+            Err("bpf(2): Operation not permitted".into()),
+        );
         i.mark_base();
         for _ in 0..2 {
             let a = i.turn_end();
             assert_eq!(a.kind, Kind::Full, "{a:?}");
-            assert!(a.degraded.iter().any(|d| d.contains("eBPF probes unavailable") && d.contains("not permitted")), "{a:?}");
+            assert!(
+                a.degraded
+                    .iter()
+                    .any(|d| d.contains("eBPF probes unavailable") && d.contains("not permitted")),
+                "{a:?}"
+            );
             assert!(a.summary().contains("DEGRADED"), "{}", a.summary());
         }
     }
@@ -768,28 +1001,50 @@ mod tests {
         let _held = std::fs::File::open(root.join("app/unlinked")).unwrap();
         let unlinked = dev_ino(&root.join("app/unlinked"));
         std::fs::remove_file(root.join("app/unlinked")).unwrap();
-        nix::unistd::mkfifo(&root.join("app/unlinked (deleted)"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        nix::unistd::mkfifo(
+            &root.join("app/unlinked (deleted)"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
         std::os::unix::fs::symlink("app", root.join("link")).unwrap();
         let view = beneath::open_root(&root).unwrap();
         let upper = beneath::open_root(&root).unwrap();
         let vol = beneath::open_root(&root.join("vol")).unwrap();
         let dev = dev_ino(&root).0;
-        let tracked = [(Path::new("/"), upper.as_fd(), Some(dev)), (Path::new("/vol"), vol.as_fd(), Some(dev))];
-        let locate = |path: &str, (d, i): (u64, u64)| locate_mapping(view.as_fd(), Path::new(path), Some(d), i, &tracked);
+        let tracked = [
+            (Path::new("/"), upper.as_fd(), Some(dev)),
+            (Path::new("/vol"), vol.as_fd(), Some(dev)),
+        ];
+        let locate = |path: &str, (d, i): (u64, u64)| {
+            locate_mapping(view.as_fd(), Path::new(path), Some(d), i, &tracked)
+        };
 
         let data = dev_ino(&root.join("app/data"));
-        assert!(matches!(locate("/app/data", data), Mapped::Tracked(_, rel) if rel == Path::new("app/data")));
+        assert!(
+            matches!(locate("/app/data", data), Mapped::Tracked(_, rel) if rel == Path::new("app/data"))
+        );
         // The longest tracked prefix wins: the volume's own root, path relative to it.
         let v = dev_ino(&root.join("vol/v"));
-        assert!(matches!(locate("/vol/v", v), Mapped::Tracked(fd, rel) if rel == Path::new("v") && fd.as_raw_fd() == vol.as_raw_fd()));
+        assert!(
+            matches!(locate("/vol/v", v), Mapped::Tracked(fd, rel) if rel == Path::new("v") && fd.as_raw_fd() == vol.as_raw_fd())
+        );
         // A name that leads elsewhere (here a FIFO planted at the unlinked file's printed name)
         // on a tracked device: cannot be armed, reported.
-        assert!(matches!(locate("/app/unlinked (deleted)", unlinked), Mapped::Unreachable));
+        assert!(matches!(
+            locate("/app/unlinked (deleted)", unlinked),
+            Mapped::Unreachable
+        ));
         // A symlink on the way to the right file is not followed: reported too.
         assert!(matches!(locate("/link/data", data), Mapped::Unreachable));
         // A memfd (shmem device 0:1) named after a planted node: not a tracked file at all.
-        assert!(matches!(locate("/app/unlinked (deleted)", (libc::makedev(0, 1), 3)), Mapped::Untracked));
-        assert!(matches!(locate_mapping(view.as_fd(), Path::new("/app/data"), None, data.1, &tracked), Mapped::Untracked));
+        assert!(matches!(
+            locate("/app/unlinked (deleted)", (libc::makedev(0, 1), 3)),
+            Mapped::Untracked
+        ));
+        assert!(matches!(
+            locate_mapping(view.as_fd(), Path::new("/app/data"), None, data.1, &tracked),
+            Mapped::Untracked
+        ));
     }
 
     /// The attack of issue 16 against the inspector itself: a process maps memfds shared and
@@ -805,7 +1060,11 @@ mod tests {
         let host = dir.path().join("host");
         std::fs::create_dir_all(&host).unwrap();
         std::fs::write(host.join("secret (deleted)"), "host").unwrap();
-        nix::unistd::mkfifo(&upper.join("memfd:fifo (deleted)"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        nix::unistd::mkfifo(
+            &upper.join("memfd:fifo (deleted)"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
         nix::sys::stat::mknod(
             &upper.join("memfd:chr (deleted)"),
             nix::sys::stat::SFlag::S_IFCHR,
@@ -815,7 +1074,9 @@ mod tests {
         .unwrap();
         std::os::unix::fs::symlink(&host, upper.join("memfd:link")).unwrap();
         std::fs::create_dir(upper.join("memfd:up")).unwrap();
-        let climb = format!("up/..{}", "/..".repeat(dir.path().components().count() + 2)) + host.to_str().unwrap() + "/secret";
+        let climb = format!("up/..{}", "/..".repeat(dir.path().components().count() + 2))
+            + host.to_str().unwrap()
+            + "/secret";
         let script = format!(
             r#"
 import mmap, os, sys
@@ -837,13 +1098,26 @@ sys.stdin.readline()
             .spawn()
             .unwrap();
         let mut line = String::new();
-        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.as_mut().unwrap()), &mut line).unwrap();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
+            &mut line,
+        )
+        .unwrap();
         assert_eq!(line, "ready\n");
-        std::fs::write(t.cgroup2_dir.join("cgroup.procs"), format!("{}\n", child.id())).unwrap();
+        std::fs::write(
+            t.cgroup2_dir.join("cgroup.procs"),
+            format!("{}\n", child.id()),
+        )
+        .unwrap();
 
         let inotify = Inotify::init(InitFlags::IN_NONBLOCK).unwrap();
         for d in [&upper, &host] {
-            inotify.add_watch(d.as_path(), AddWatchFlags::IN_OPEN | AddWatchFlags::IN_ACCESS).unwrap();
+            inotify
+                .add_watch(
+                    d.as_path(),
+                    AddWatchFlags::IN_OPEN | AddWatchFlags::IN_ACCESS,
+                )
+                .unwrap();
         }
         let i = Inspection::new(t, Err("no probes in this test".into()));
         let started = Instant::now();
@@ -858,9 +1132,15 @@ sys.stdin.readline()
             .collect();
         let _ = child.kill();
         let _ = child.wait();
-        assert!(events.is_empty(), "arming opened planted or host files: {events:?}");
+        assert!(
+            events.is_empty(),
+            "arming opened planted or host files: {events:?}"
+        );
         assert!(unseen.is_empty(), "memfds are no tracked files: {unseen:?}");
-        assert!(elapsed < std::time::Duration::from_secs(5), "arming took {elapsed:?}");
+        assert!(
+            elapsed < std::time::Duration::from_secs(5),
+            "arming took {elapsed:?}"
+        );
     }
 
     #[test]
@@ -871,6 +1151,11 @@ sys.stdin.readline()
         let mut i = Inspection::new(t, Err("no probes in this test".into()));
         let a = i.turn_end();
         assert_eq!(a.kind, Kind::Full);
-        assert!(a.degraded.iter().any(|d| d.contains("cannot scan upperdir")), "{a:?}");
+        assert!(
+            a.degraded
+                .iter()
+                .any(|d| d.contains("cannot scan upperdir")),
+            "{a:?}"
+        );
     }
 }
