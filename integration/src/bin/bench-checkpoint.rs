@@ -28,16 +28,20 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-use crab_integration::api::crab_runtime_options;
+use crab_integration::bench::sandbox::{
+    holder_script, kinds_str, poke, AgentSandbox, Fill, Published, Res,
+};
+use crab_integration::bench::stats::Summary;
+use crab_integration::bench::{Bench, Host};
 use crab_integration::env::{TestEnv, DEFAULT_RUNTIME};
-use crab_integration::{CleanupGuard, Harness, ProcessSpec, StdioOptions};
+use crab_integration::{CleanupGuard, Harness};
 use serde_json::{json, Value};
 
+const BENCH: Bench = Bench::new("bench-checkpoint");
+
 const AGENT_IMAGE: &str = "localhost/crab/agent:latest";
-const TURN_END: &str = "io.crab/turn-end";
 const T: Duration = Duration::from_secs(180);
 
 const FS_SIZES: [(&str, usize); 5] = [
@@ -49,8 +53,6 @@ const FS_SIZES: [(&str, usize); 5] = [
 ];
 const PROC_MBS: [usize; 4] = [10, 50, 100, 500];
 const DEDUP_MB: usize = 100;
-
-type Res<T> = Result<T, String>;
 
 struct Opts {
     fs_turns: usize,
@@ -76,212 +78,6 @@ fn opts() -> Opts {
     }
 }
 
-fn die(msg: &str) -> ! {
-    eprintln!("bench-checkpoint: {msg}");
-    std::process::exit(1)
-}
-
-fn progress(msg: &str) {
-    eprintln!("bench-checkpoint: {msg}");
-}
-
-// ---------------------------------------------------------------------------------------------
-// Sandboxes
-
-struct Sandbox {
-    h: Harness,
-    id: String,
-    state_dir: PathBuf,
-    execs: u64,
-    ends: u64,
-}
-
-/// One published checkpoint as this client saw it.
-struct Turn {
-    manifest: Value,
-    /// From the turn-end `Tasks.Update` returning until the manifest was published.
-    publish_ms: f64,
-}
-
-impl Sandbox {
-    async fn start(base: &Harness, id: String) -> Res<Sandbox> {
-        let h = base.with_runtime(DEFAULT_RUNTIME);
-        let spec = ProcessSpec::new(&["sleep", "infinity"]);
-        let state_dir = h.env.crab_home.join("state").join(&id);
-        let config = format!("[store]\nstate_dir = \"{}\"\n", state_dir.display());
-        h.create_container_with_runtime_options(
-            &id,
-            &spec,
-            crab_runtime_options(None, Some(&config)),
-        )
-        .await
-        .map_err(|e| format!("create {id}: {e}"))?;
-        h.create_task(&id, None)
-            .await
-            .map_err(|e| format!("create task {id}: {e}\n{}", h.log_excerpt(&id)))?;
-        h.start(&id, "")
-            .await
-            .map_err(|e| format!("start {id}: {e}"))?;
-        Ok(Sandbox {
-            h,
-            id,
-            state_dir,
-            execs: 0,
-            ends: 0,
-        })
-    }
-
-    /// Runs `script` to completion; its stdout.
-    async fn run(&mut self, script: &str) -> Res<String> {
-        self.execs += 1;
-        let exec_id = format!("x{}", self.execs);
-        let mut io = self
-            .h
-            .stdio(&self.id, &exec_id, StdioOptions::default())
-            .map_err(|e| e.to_string())?;
-        let spec = ProcessSpec::new(&["bash", "-c", script]).cwd("/app");
-        let what = |e: &dyn std::fmt::Display| {
-            format!(
-                "{}: `{}`: {e}",
-                self.id,
-                script.lines().next().unwrap_or("")
-            )
-        };
-        self.h
-            .exec(&self.id, &exec_id, &spec, &io)
-            .await
-            .map_err(|e| what(&e))?;
-        self.h
-            .start(&self.id, &exec_id)
-            .await
-            .map_err(|e| what(&e))?;
-        let status = self
-            .h
-            .wait(&self.id, &exec_id, T)
-            .await
-            .map_err(|e| what(&e))?;
-        let stdout = io.stdout_string(T).map_err(|e| what(&e))?;
-        let stderr = io.stderr_string(T).map_err(|e| what(&e))?;
-        self.h
-            .delete_process(&self.id, &exec_id)
-            .await
-            .map_err(|e| what(&e))?;
-        if status != 0 {
-            return Err(what(&format!("exit {status}: {stdout}{stderr}")));
-        }
-        Ok(stdout)
-    }
-
-    fn manifest_files(&self) -> Vec<PathBuf> {
-        let dir = self
-            .state_dir
-            .join(&self.h.env.namespace)
-            .join(&self.id)
-            .join("checkpoints");
-        let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-            .map(|d| d.flatten().map(|e| e.path()).collect())
-            .unwrap_or_default();
-        files.retain(|p| {
-            p.extension().is_some_and(|x| x == "json")
-                && !p
-                    .file_name()
-                    .is_some_and(|n| n.to_string_lossy().starts_with('.'))
-        });
-        files.sort();
-        files
-    }
-
-    /// Ends a turn that changed something and waits for its checkpoint to be published.
-    async fn end_turn(&mut self) -> Res<Turn> {
-        let before = self.manifest_files().len();
-        self.ends += 1;
-        let turn_id = format!("b{}", self.ends);
-        let annotations = HashMap::from([(TURN_END.to_string(), turn_id.clone())]);
-        self.h
-            .update(&self.id, None, annotations)
-            .await
-            .map_err(|e| format!("{}: turn end: {e}", self.id))?;
-        let t0 = Instant::now();
-        loop {
-            let files = self.manifest_files();
-            if files.len() > before {
-                let publish_ms = ms(t0.elapsed());
-                let last = files.last().expect("non-empty");
-                let manifest: Value = std::fs::read(last)
-                    .map_err(|e| format!("{}: {e}", last.display()))
-                    .and_then(|b| {
-                        serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", last.display()))
-                    })?;
-                if manifest["turn_id"] != turn_id.as_str() {
-                    return Err(format!(
-                        "{}: manifest of turn {}, expected {turn_id}",
-                        self.id, manifest["turn_id"]
-                    ));
-                }
-                return Ok(Turn {
-                    manifest,
-                    publish_ms,
-                });
-            }
-            if t0.elapsed() > T {
-                return Err(format!(
-                    "{}: no checkpoint published for turn {turn_id} in {T:?}",
-                    self.id
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    }
-
-    async fn remove(self) {
-        if let Err(e) = self.h.kill_and_remove(&self.id).await {
-            progress(&format!("removing {}: {e}", self.id));
-        }
-        let _ = std::fs::remove_dir_all(&self.state_dir);
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Statistics
-
-#[derive(Clone, Copy)]
-struct Stats {
-    n: usize,
-    min: f64,
-    p50: f64,
-    max: f64,
-}
-
-/// Nearest-rank p50.
-fn stats(samples: &[f64]) -> Stats {
-    let mut v = samples.to_vec();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return Stats {
-            n: 0,
-            min: f64::NAN,
-            p50: f64::NAN,
-            max: f64::NAN,
-        };
-    }
-    let rank = |p: f64| v[((p / 100.0 * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
-    Stats {
-        n: v.len(),
-        min: v[0],
-        p50: rank(50.0),
-        max: v[v.len() - 1],
-    }
-}
-
-fn stats_json(samples: &[f64]) -> Value {
-    let s = stats(samples);
-    json!({"n": s.n, "min": s.min, "p50": s.p50, "max": s.max, "samples": samples})
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
 fn f(v: &Value) -> f64 {
     v.as_f64().unwrap_or(f64::NAN)
 }
@@ -303,7 +99,7 @@ struct Series {
 }
 
 impl Series {
-    fn add(&mut self, t: &Turn) {
+    fn add(&mut self, t: &Published) {
         let m = &t.manifest;
         self.total_ms.push(f(&m["timings"]["total_ms"]));
         self.freeze_ms.push(f(&m["timings"]["freeze_ms"]));
@@ -322,22 +118,16 @@ impl Series {
 
     fn json(&self) -> Value {
         json!({
-            "total_ms": stats_json(&self.total_ms),
-            "freeze_ms": stats_json(&self.freeze_ms),
-            "capture_ms": stats_json(&self.capture_ms),
-            "publish_after_update_ms": stats_json(&self.publish_ms),
+            "total_ms": Summary::json(&self.total_ms),
+            "freeze_ms": Summary::json(&self.freeze_ms),
+            "capture_ms": Summary::json(&self.capture_ms),
+            "publish_after_update_ms": Summary::json(&self.publish_ms),
             "layer_bytes": self.layer_bytes,
             "process_bytes_stored": self.stored,
             "process_bytes_logical": self.logical,
             "kinds": self.kinds,
         })
     }
-}
-
-fn kinds_str(k: &HashMap<String, usize>) -> String {
-    let mut v: Vec<_> = k.iter().map(|(k, n)| format!("{k} x{n}")).collect();
-    v.sort();
-    v.join(", ")
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -351,15 +141,15 @@ async fn bench_fs(
 ) -> Res<Vec<Series>> {
     let id = format!("bench-checkpoint-{pid}-fs");
     guard.add(&id);
-    let mut sb = Sandbox::start(base, id).await?;
+    let mut sb = AgentSandbox::start(base, DEFAULT_RUNTIME, id, T).await?;
     let res = async {
-        progress(&format!(
+        BENCH.progress(format!(
             "1/3 fs: {} turns per size (+1 warm-up), sizes interleaved",
             o.fs_turns
         ));
         // Warm-up: the store's first checkpoint, caches, the random source.
         sb.run("head -c 1024 /dev/urandom > /app/warm.bin").await?;
-        sb.end_turn().await?;
+        sb.end_turn_checkpointed().await?;
         let mut out: Vec<Series> = FS_SIZES.iter().map(|_| Series::default()).collect();
         for _ in 0..o.fs_turns {
             for (i, (_, bytes)) in FS_SIZES.iter().enumerate() {
@@ -367,96 +157,67 @@ async fn bench_fs(
                     "head -c {bytes} /dev/urandom > /app/changed-{bytes}.bin"
                 ))
                 .await?;
-                out[i].add(&sb.end_turn().await?);
+                out[i].add(&sb.end_turn_checkpointed().await?);
             }
         }
         Ok::<_, String>(out)
     }
     .await;
-    sb.remove().await;
+    sb.remove(&BENCH).await;
     res
 }
 
 // ---------------------------------------------------------------------------------------------
 // 2./3. proc checkpoints
 
-fn holder_script(mb: usize) -> String {
-    // Random bytes: every page resident and distinct, so page dedup finds nothing to share
-    // inside the first image (identical pages would make even a full image nearly free, and
-    // all-zero pages are left out of memory images altogether).
-    format!(
-        r#"rm -f /tmp/cmd /tmp/ack; mkfifo /tmp/cmd /tmp/ack
-nohup python3 -u -c '
-import os
-b = bytearray(os.urandom({mb} << 20))
-print("ready", os.getpid(), flush=True)
-while True:
-    with open("/tmp/cmd") as f:
-        for line in f:
-            exec(line)
-            print("ok", flush=True)
-' >/tmp/ack 2>/dev/null &
-exec 3</tmp/ack
-read -r line pid <&3
-[ "$line" = ready ] || {{ echo "holder said: $line" >&2; exit 1; }}
-echo $pid"#
-    )
-}
-
-/// Has the holder run `code` (one line of python) and waits for its ack (FIFO opens are no
-/// file mutation: the turn is a proc turn).
-fn poke(code: &str) -> String {
-    format!(r#"exec 3</tmp/ack; echo '{code}' > /tmp/cmd; read -r line <&3; [ "$line" = ok ]"#)
-}
-
 async fn bench_proc(
     base: &Harness,
     pid: u32,
     o: &Opts,
     guard: &mut CleanupGuard,
-) -> Res<Vec<(usize, Series, Turn)>> {
+) -> Res<Vec<(usize, Series, Published)>> {
     let mut out = Vec::new();
     for mb in PROC_MBS {
-        progress(&format!(
+        BENCH.progress(format!(
             "2/3 proc: {mb} MB holder, {} poke turns after its start turn",
             o.proc_turns
         ));
         let id = format!("bench-checkpoint-{pid}-proc{mb}");
         guard.add(&id);
-        let mut sb = Sandbox::start(base, id).await?;
+        let mut sb = AgentSandbox::start(base, DEFAULT_RUNTIME, id, T).await?;
         let res = async {
-            sb.run(&holder_script(mb)).await?;
-            let first = sb.end_turn().await?;
+            sb.run(&holder_script(mb, Fill::Random)).await?;
+            let first = sb.end_turn_checkpointed().await?;
             let mut s = Series::default();
             for _ in 0..o.proc_turns {
                 sb.run(&poke("b[0] ^= 1")).await?;
-                s.add(&sb.end_turn().await?);
+                s.add(&sb.end_turn_checkpointed().await?);
             }
             Ok::<_, String>((mb, s, first))
         }
         .await;
-        sb.remove().await;
+        sb.remove(&BENCH).await;
         out.push(res?);
     }
     Ok(out)
 }
 
 struct Dedup {
-    first: Turn,
-    turns: Vec<Turn>,
+    first: Published,
+    turns: Vec<Published>,
 }
 
 async fn bench_dedup(base: &Harness, pid: u32, o: &Opts, guard: &mut CleanupGuard) -> Res<Dedup> {
-    progress(&format!(
+    BENCH.progress(format!(
         "3/3 dedup: {DEDUP_MB} MB holder, {} turns changing 1% of its pages",
         o.dedup_turns
     ));
     let id = format!("bench-checkpoint-{pid}-dedup");
     guard.add(&id);
-    let mut sb = Sandbox::start(base, id).await?;
+    let mut sb = AgentSandbox::start(base, DEFAULT_RUNTIME, id, T).await?;
     let res = async {
-        sb.run(&holder_script(DEDUP_MB)).await?;
-        let first = sb.end_turn().await?;
+        sb.run(&holder_script(DEDUP_MB, Fill::Random)).await?;
+        let first = sb.end_turn_checkpointed().await?;
         let mut turns = Vec::new();
         for t in 0..o.dedup_turns {
             // One byte in every 100th page, a different page of each hundred per turn: 1%.
@@ -465,31 +226,17 @@ async fn bench_dedup(base: &Harness, pid: u32, o: &Opts, guard: &mut CleanupGuar
                 t % 100
             );
             sb.run(&poke(&code)).await?;
-            turns.push(sb.end_turn().await?);
+            turns.push(sb.end_turn_checkpointed().await?);
         }
         Ok::<_, String>(Dedup { first, turns })
     }
     .await;
-    sb.remove().await;
+    sb.remove(&BENCH).await;
     res
 }
 
 // ---------------------------------------------------------------------------------------------
 // Report
-
-/// The crab store dirs of this run's sandboxes (a failed run leaves some behind).
-fn remove_state_dirs(h: &Harness, pid: u32) {
-    let prefix = format!("bench-checkpoint-{pid}-");
-    for e in std::fs::read_dir(h.env.crab_home.join("state"))
-        .into_iter()
-        .flatten()
-        .flatten()
-    {
-        if e.file_name().to_string_lossy().starts_with(&prefix) {
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
-}
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -499,14 +246,14 @@ async fn main() {
         ..TestEnv::from_env()
     };
     if env.runtime != DEFAULT_RUNTIME {
-        die(&format!(
+        BENCH.die(format!(
             "checkpoints are crab's own: unset CRAB_RUNTIME (it is {})",
             env.runtime
         ));
     }
     let base = Harness::connect_env(env)
         .await
-        .unwrap_or_else(|e| die(&e.to_string()));
+        .unwrap_or_else(|e| BENCH.die(e));
     let pid = std::process::id();
     let load_before = crab_integration::bench::loadavg();
     let started = Instant::now();
@@ -520,8 +267,8 @@ async fn main() {
     .await;
     // Before any exit: die() does not run destructors.
     drop(guard);
-    remove_state_dirs(&base, pid);
-    let (fs, proc, dedup) = res.unwrap_or_else(|e| die(&e));
+    BENCH.remove_state_dirs(&base.env.crab_home.join("state"), pid);
+    let (fs, proc, dedup) = res.unwrap_or_else(|e| BENCH.die(e));
     report(
         &base,
         &o,
@@ -537,20 +284,13 @@ fn report(
     h: &Harness,
     o: &Opts,
     fs: &[Series],
-    proc: &[(usize, Series, Turn)],
+    proc: &[(usize, Series, Published)],
     dedup: &Dedup,
     total: Duration,
     load_before: &str,
 ) {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let kernel = crab_integration::bench::kernel();
-    let cpus = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(0);
-    let load_after = crab_integration::bench::loadavg();
+    let host = Host::now();
+    let (now, kernel, cpus, load_after) = (host.unix_time, &host.kernel, host.cpus, &host.loadavg);
     let mut md = String::new();
     let _ = writeln!(
         md,
@@ -573,11 +313,11 @@ fn report(
     let mut fs_json = serde_json::Map::new();
     for ((name, bytes), s) in FS_SIZES.iter().zip(fs) {
         let (t, fr, c, p, l) = (
-            stats(&s.total_ms),
-            stats(&s.freeze_ms),
-            stats(&s.capture_ms),
-            stats(&s.publish_ms),
-            stats(&s.layer_bytes),
+            Summary::of(&s.total_ms),
+            Summary::of(&s.freeze_ms),
+            Summary::of(&s.capture_ms),
+            Summary::of(&s.publish_ms),
+            Summary::of(&s.layer_bytes),
         );
         let aim = if *bytes < 1 << 20 { "<= 10 ms" } else { "-" };
         let _ = writeln!(
@@ -609,10 +349,10 @@ fn report(
     let mut proc_json = serde_json::Map::new();
     for (mb, s, first) in proc {
         let (t, p, lg, st) = (
-            stats(&s.total_ms),
-            stats(&s.publish_ms),
-            stats(&s.logical),
-            stats(&s.stored),
+            Summary::of(&s.total_ms),
+            Summary::of(&s.publish_ms),
+            Summary::of(&s.logical),
+            Summary::of(&s.stored),
         );
         let aim = if *mb == 50 { "<= 150 ms" } else { "-" };
         let _ = writeln!(
@@ -679,7 +419,7 @@ fn report(
             "total_ms": m["timings"]["total_ms"], "publish_after_update_ms": t.publish_ms}),
         );
     }
-    let r = stats(&ratios);
+    let r = Summary::of(&ratios);
     let sum_stored: f64 = dedup
         .turns
         .iter()
@@ -719,18 +459,10 @@ fn report(
         "fs": fs_json,
         "proc": proc_json,
         "dedup": {"held_mb": DEDUP_MB, "changed_per_turn": 0.01, "full_image_bytes": full, "checkpoints": rows,
-                  "repeated_stored_over_full_pct": stats_json(&ratios),
+                  "repeated_stored_over_full_pct": Summary::json(&ratios),
                   "repeated_total_bytes_stored": sum_stored, "repeated_total_bytes_logical": sum_logical},
         "aims": {"fs_total_p50_ms_under_1mb": 10.0, "proc_total_p50_ms_at_50mb": 150.0, "repeated_proc_stored_pct_of_full": 5.0},
     });
 
-    print!("{md}");
-    let dir = h.env.bench_dir();
-    match crab_integration::bench::write_results(&dir, "checkpoint", now, &result, &md) {
-        Ok(()) => progress(&format!(
-            "results in {}/checkpoint-{now}.{{json,md}} (and checkpoint-latest.*)",
-            dir.display()
-        )),
-        Err(e) => die(&format!("writing results to {}: {e}", dir.display())),
-    }
+    BENCH.finish(&h.env.bench_dir(), "checkpoint", now, &result, &md);
 }

@@ -16,10 +16,13 @@
 //! Usage: bench-cri [--iterations N (pod starts, default 10)] [--execs N (default 50)]
 
 use std::fmt::Write as _;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
+use crab_integration::bench::stats::{ms, Summary};
+use crab_integration::bench::{Bench, Host};
 use crab_integration::cri::{api, Cri, PodGuard, BUSYBOX};
-use crab_integration::replay::stats::Summary;
+
+const BENCH: Bench = Bench::new("bench-cri");
 use serde_json::{json, Value};
 
 const HANDLERS: [&str; 2] = ["crab", "runc"];
@@ -44,10 +47,6 @@ impl Samples {
     fn push(&mut self, metric: &'static str, d: Duration) {
         self.0.entry(metric).or_default().push(ms(d));
     }
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
 }
 
 fn sleeper() -> api::ContainerConfig {
@@ -150,15 +149,11 @@ async fn measure(cri: &Cri, iterations: usize, execs: usize) -> Result<Vec<Sampl
 }
 
 fn report(iterations: usize, execs: usize, samples: &[Samples], cri: &Cri) {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let kernel = crab_integration::bench::kernel();
-    let load = crab_integration::bench::loadavg();
-    let cpus = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(0);
+    let host = Host::now();
+    let now = host.unix_time;
+    let kernel = &host.kernel;
+    let load = &host.loadavg;
+    let cpus = host.cpus;
     let summary = |h: usize, m: &str| Summary::of(samples[h].of(m));
     let (crab, runc) = (0, 1);
 
@@ -192,7 +187,6 @@ fn report(iterations: usize, execs: usize, samples: &[Samples], cri: &Cri) {
             json!({ "crab": c, "runc": r, "ratio_p50": ratio, "samples": { "crab": samples[crab].of(m), "runc": samples[runc].of(m) } }),
         );
     }
-    print!("{md}");
     let result: Value = json!({
         "bench": "cri",
         "unix_time": now,
@@ -205,17 +199,7 @@ fn report(iterations: usize, execs: usize, samples: &[Samples], cri: &Cri) {
         "aim_ratio_p50": 1.1,
         "metrics": metrics,
     });
-    let dir = cri.env.crab_home.join("bench");
-    match crab_integration::bench::write_results(&dir, "cri", now, &result, &md) {
-        Ok(()) => eprintln!(
-            "bench-cri: results in {}/cri-{now}.{{json,md}}",
-            dir.display()
-        ),
-        Err(e) => eprintln!(
-            "bench-cri: cannot write results into {}: {e}",
-            dir.display()
-        ),
-    }
+    BENCH.finish(&cri.env.crab_home.join("bench"), "cri", now, &result, &md);
 }
 
 #[tokio::main(flavor = "multi_thread")]

@@ -33,19 +33,21 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-use crab_integration::api::crab_runtime_options;
+use crab_integration::bench::sandbox::{
+    holder_script, kinds_str, poke, AgentSandbox as Sandbox, Fill, Res,
+};
+use crab_integration::bench::stats::{ms, Summary as Stats};
+use crab_integration::bench::{Bench, Host};
 use crab_integration::env::{TestEnv, DEFAULT_RUNTIME, RUNC_RUNTIME};
-use crab_integration::{CleanupGuard, Harness, ProcessSpec, StdioOptions};
+use crab_integration::{CleanupGuard, Harness};
 use serde_json::{json, Value};
 
-const AGENT_IMAGE: &str = "localhost/crab/agent:latest";
-const TURN_END: &str = "io.crab/turn-end";
-const T: Duration = Duration::from_secs(120);
+const BENCH: Bench = Bench::new("bench-inspector");
 
-type Res<T> = Result<T, String>;
+const AGENT_IMAGE: &str = "localhost/crab/agent:latest";
+const T: Duration = Duration::from_secs(120);
 
 struct Opts {
     turns: usize,
@@ -76,195 +78,6 @@ fn opts() -> Opts {
         others,
         syscall_iters,
     }
-}
-
-fn die(msg: &str) -> ! {
-    eprintln!("bench-inspector: {msg}");
-    std::process::exit(1)
-}
-
-fn progress(msg: &str) {
-    eprintln!("bench-inspector: {msg}");
-}
-
-// ---------------------------------------------------------------------------------------------
-// Sandboxes
-
-/// An agent sandbox: `sleep infinity` as init, turns as `bash -c` execs, crab's answers read
-/// from its state dir (crab runtime only).
-struct Sandbox {
-    h: Harness,
-    id: String,
-    /// The crab store dir given in the runtime options (`None` under runc).
-    state_dir: Option<PathBuf>,
-    execs: u64,
-    ends: u64,
-}
-
-impl Sandbox {
-    async fn start(base: &Harness, runtime: &str, id: String) -> Res<Sandbox> {
-        let h = base.with_runtime(runtime);
-        let spec = ProcessSpec::new(&["sleep", "infinity"]);
-        let state_dir = if runtime == DEFAULT_RUNTIME {
-            let dir = h.env.crab_home.join("state").join(&id);
-            let config = format!("[store]\nstate_dir = \"{}\"\n", dir.display());
-            h.create_container_with_runtime_options(
-                &id,
-                &spec,
-                crab_runtime_options(None, Some(&config)),
-            )
-            .await
-            .map_err(|e| format!("create {id}: {e}"))?;
-            Some(dir)
-        } else {
-            h.create_container(&id, &spec)
-                .await
-                .map_err(|e| format!("create {id}: {e}"))?;
-            None
-        };
-        h.create_task(&id, None)
-            .await
-            .map_err(|e| format!("{runtime}: create task {id}: {e}\n{}", h.log_excerpt(&id)))?;
-        h.start(&id, "")
-            .await
-            .map_err(|e| format!("start {id}: {e}"))?;
-        Ok(Sandbox {
-            h,
-            id,
-            state_dir,
-            execs: 0,
-            ends: 0,
-        })
-    }
-
-    /// Runs `script` to completion; its stdout.
-    async fn run(&mut self, script: &str) -> Res<String> {
-        self.execs += 1;
-        let exec_id = format!("x{}", self.execs);
-        let mut io = self
-            .h
-            .stdio(&self.id, &exec_id, StdioOptions::default())
-            .map_err(|e| e.to_string())?;
-        let spec = ProcessSpec::new(&["bash", "-c", script]).cwd("/app");
-        let what = |e: &dyn std::fmt::Display| {
-            format!(
-                "{}: `{}`: {e}",
-                self.id,
-                script.lines().next().unwrap_or("")
-            )
-        };
-        self.h
-            .exec(&self.id, &exec_id, &spec, &io)
-            .await
-            .map_err(|e| what(&e))?;
-        self.h
-            .start(&self.id, &exec_id)
-            .await
-            .map_err(|e| what(&e))?;
-        let status = self
-            .h
-            .wait(&self.id, &exec_id, T)
-            .await
-            .map_err(|e| what(&e))?;
-        let stdout = io.stdout_string(T).map_err(|e| what(&e))?;
-        let stderr = io.stderr_string(T).map_err(|e| what(&e))?;
-        self.h
-            .delete_process(&self.id, &exec_id)
-            .await
-            .map_err(|e| what(&e))?;
-        if status != 0 {
-            return Err(what(&format!("exit {status}: {stdout}{stderr}")));
-        }
-        Ok(stdout)
-    }
-
-    /// Ends a turn: the client's `Tasks.Update` round trip and the stored answer.
-    async fn end_turn(&mut self) -> Res<(Duration, Value)> {
-        let dir = self.state_dir.as_ref().ok_or("turn ends are crab's")?;
-        self.ends += 1;
-        let turn_id = format!("b{}", self.ends);
-        let annotations = HashMap::from([(TURN_END.to_string(), turn_id.clone())]);
-        let t0 = Instant::now();
-        self.h
-            .update(&self.id, None, annotations)
-            .await
-            .map_err(|e| format!("{}: turn end: {e}", self.id))?;
-        let rtt = t0.elapsed();
-        // Answers are numbered by the shim's turn sequence, which counts our turn ends.
-        let path = dir
-            .join(&self.h.env.namespace)
-            .join(&self.id)
-            .join("turns")
-            .join(format!("{:06}.json", self.ends));
-        let answer: Value = std::fs::read(&path)
-            .map_err(|e| format!("answer {}: {e}", path.display()))
-            .and_then(|b| {
-                serde_json::from_slice(&b).map_err(|e| format!("answer {}: {e}", path.display()))
-            })?;
-        if answer["turn_id"] != turn_id.as_str() {
-            return Err(format!(
-                "{} holds turn {}, expected {turn_id}",
-                path.display(),
-                answer["turn_id"]
-            ));
-        }
-        Ok((rtt, answer))
-    }
-
-    async fn remove(self) {
-        if let Err(e) = self.h.kill_and_remove(&self.id).await {
-            progress(&format!("removing {}: {e}", self.id));
-        }
-        if let Some(dir) = &self.state_dir {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Statistics
-
-#[derive(Clone, Copy)]
-struct Stats {
-    n: usize,
-    min: f64,
-    p50: f64,
-    p95: f64,
-    max: f64,
-    mean: f64,
-}
-
-/// Nearest-rank percentiles.
-fn stats(samples: &[f64]) -> Stats {
-    let mut v = samples.to_vec();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return Stats {
-            n: 0,
-            min: f64::NAN,
-            p50: f64::NAN,
-            p95: f64::NAN,
-            max: f64::NAN,
-            mean: f64::NAN,
-        };
-    }
-    let rank = |p: f64| v[((p / 100.0 * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
-    Stats {
-        n: v.len(),
-        min: v[0],
-        p50: rank(50.0),
-        p95: rank(95.0),
-        max: v[v.len() - 1],
-        mean: v.iter().sum::<f64>() / v.len() as f64,
-    }
-}
-
-fn stats_json(s: &Stats, samples: &[f64]) -> Value {
-    json!({"n": s.n, "min": s.min, "p50": s.p50, "p95": s.p95, "max": s.max, "mean": s.mean, "samples": samples})
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -332,7 +145,7 @@ async fn bench_latency(
     ] {
         let id = format!("bench-inspector-{pid}-lat{files}");
         guard.add(&id);
-        let sb = Sandbox::start(base, DEFAULT_RUNTIME, id).await?;
+        let sb = Sandbox::start(base, DEFAULT_RUNTIME, id, T).await?;
         let script = if files == 0 {
             "cat /etc/os-release".to_string()
         } else {
@@ -350,7 +163,7 @@ async fn bench_latency(
         };
         cases.push((case, script, sb));
     }
-    progress(&format!(
+    BENCH.progress(format!(
         "1/3 turn-end latency: {} turns (+1 warm-up) per case, cases interleaved",
         o.turns
     ));
@@ -395,7 +208,7 @@ async fn bench_latency(
     let _ = std::fs::remove_dir_all(&store_dir);
     let mut out = Vec::new();
     for (case, _, sb) in cases {
-        sb.remove().await;
+        sb.remove(&BENCH).await;
         out.push(case);
     }
     Ok((out, parts))
@@ -480,24 +293,24 @@ async fn bench_syscalls(
     let runc_id = format!("bench-inspector-{pid}-sys-runc");
     guard.add(&crab_id);
     guard.add(&runc_id);
-    let mut crab = Sandbox::start(base, DEFAULT_RUNTIME, crab_id).await?;
-    let mut runc = Sandbox::start(base, RUNC_RUNTIME, runc_id)
+    let mut crab = Sandbox::start(base, DEFAULT_RUNTIME, crab_id, T).await?;
+    let mut runc = Sandbox::start(base, RUNC_RUNTIME, runc_id, T)
         .await
         .map_err(|e| format!("{e}\n(runtime {RUNC_RUNTIME})"))?;
     let script = syscall_script(o.syscall_iters, SYSCALL_FILE_TMPFS);
-    progress(&format!(
+    BENCH.progress(format!(
         "2/3 syscall overhead: {} x open+write+close per run, {} rounds (+1 warm-up) crab vs runc",
         o.syscall_iters, o.rounds
     ));
     let (alone_crab, alone_runc) = interleaved(&mut crab, &mut runc, &script, o.rounds).await?;
-    progress(&format!(
+    BENCH.progress(format!(
         "2/3 the same loop on the overlay rootfs: {OVERLAY_ITERS} iterations, {OVERLAY_ROUNDS} rounds (+1 warm-up)"
     ));
     let overlay = syscall_script(OVERLAY_ITERS, SYSCALL_FILE_OVERLAY);
     let (overlay_crab, overlay_runc) =
         interleaved(&mut crab, &mut runc, &overlay, OVERLAY_ROUNDS).await?;
 
-    progress(&format!(
+    BENCH.progress(format!(
         "2/3 starting {} more crab sandboxes (idle, watched)",
         o.others
     ));
@@ -514,7 +327,7 @@ async fn bench_syscalls(
     for chunk in ids.chunks(2) {
         for id in chunk {
             let (b, id) = (base.clone(), id.clone());
-            set.spawn(async move { Sandbox::start(&b, DEFAULT_RUNTIME, id).await });
+            set.spawn(async move { Sandbox::start(&b, DEFAULT_RUNTIME, id, T).await });
         }
         while let Some(r) = set.join_next().await {
             others.push(r.map_err(|e| e.to_string())??);
@@ -530,16 +343,16 @@ async fn bench_syscalls(
             return Err(format!("{} is {status:?}, not running", sb.id));
         }
     }
-    progress(&format!(
+    BENCH.progress(format!(
         "2/3 {} rounds (+1 warm-up) crab vs runc with {} more crab sandboxes",
         o.rounds, o.others
     ));
     let res = interleaved(&mut crab, &mut runc, &script, o.rounds).await;
     for sb in others {
-        sb.remove().await;
+        sb.remove(&BENCH).await;
     }
-    crab.remove().await;
-    runc.remove().await;
+    crab.remove(&BENCH).await;
+    runc.remove(&BENCH).await;
     let (others_crab, others_runc) = res?;
     Ok(SyscallResult {
         alone_crab,
@@ -567,31 +380,10 @@ struct MemCase {
     degraded: Vec<String>,
 }
 
-fn holder_script(mb: usize) -> String {
-    // Every page written with non-zero bytes (all-zero pages are left out of memory images).
-    format!(
-        r#"rm -f /tmp/cmd /tmp/ack; mkfifo /tmp/cmd /tmp/ack
-nohup python3 -u -c '
-import os
-page = bytes((i * 7 + 1) % 251 + 1 for i in range(4096))
-b = bytearray(page) * ({mb} * 256)
-print("ready", os.getpid(), flush=True)
-while True:
-    with open("/tmp/cmd") as f:
-        for line in f:
-            exec(line)
-            print("ok", flush=True)
-' >/tmp/ack 2>/dev/null &
-exec 3</tmp/ack
-read -r line pid <&3
-[ "$line" = ready ] || {{ echo "holder said: $line" >&2; exit 1; }}
-echo $pid"#
-    )
-}
-
 /// Wakes the holder: it flips a byte and acks (FIFO opens are no file mutation).
-const POKE: &str =
-    r#"exec 3</tmp/ack; echo 'b[0] ^= 1' > /tmp/cmd; read -r line <&3; [ "$line" = ok ]"#;
+fn poke_one() -> String {
+    poke("b[0] ^= 1")
+}
 
 fn vm_rss_kb(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -612,16 +404,16 @@ async fn bench_memory(
 ) -> Res<Vec<MemCase>> {
     let mut out = Vec::new();
     for mb in [10usize, 100, 500] {
-        progress(&format!(
+        BENCH.progress(format!(
             "3/3 memory: {mb} MB holder, {} turns where it ran (+1 warm-up), {} idle",
             o.mem_turns,
             o.mem_turns / 2
         ));
         let id = format!("bench-inspector-{pid}-mem{mb}");
         guard.add(&id);
-        let mut sb = Sandbox::start(base, DEFAULT_RUNTIME, id).await?;
+        let mut sb = Sandbox::start(base, DEFAULT_RUNTIME, id, T).await?;
         let res = async {
-            sb.run(&holder_script(mb)).await?;
+            sb.run(&holder_script(mb, Fill::Pattern)).await?;
             sb.end_turn().await?; // the holder started: a process turn
             let mut c = MemCase {
                 mb,
@@ -636,7 +428,7 @@ async fn bench_memory(
             };
             let mut holder_pid = None;
             for i in 0..=o.mem_turns {
-                sb.run(POKE).await?;
+                sb.run(&poke_one()).await?;
                 let (rtt, a) = sb.end_turn().await?;
                 if let Some(d) = a["degraded"].as_array().filter(|d| !d.is_empty()) {
                     c.degraded
@@ -690,7 +482,7 @@ async fn bench_memory(
             Ok::<_, String>(c)
         }
         .await;
-        sb.remove().await;
+        sb.remove(&BENCH).await;
         out.push(res?);
     }
     Ok(out)
@@ -713,23 +505,6 @@ fn pinned_program_sets() -> Vec<String> {
     v
 }
 
-fn kinds_str(k: &HashMap<String, usize>) -> String {
-    let mut v: Vec<_> = k.iter().map(|(k, n)| format!("{k} x{n}")).collect();
-    v.sort();
-    v.join(", ")
-}
-
-/// The crab store dirs of this run's sandboxes (a failed run leaves some behind).
-fn remove_state_dirs(h: &Harness, pid: u32) {
-    let prefix = format!("bench-inspector-{pid}-");
-    let state = h.env.crab_home.join("state");
-    for e in std::fs::read_dir(&state).into_iter().flatten().flatten() {
-        if e.file_name().to_string_lossy().starts_with(&prefix) {
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
-}
-
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let o = opts();
@@ -739,7 +514,7 @@ async fn main() {
     };
     let base = Harness::connect_env(env)
         .await
-        .unwrap_or_else(|e| die(&e.to_string()));
+        .unwrap_or_else(|e| BENCH.die(e));
     let pid = std::process::id();
     let load_before = crab_integration::bench::loadavg();
     let started = Instant::now();
@@ -754,8 +529,8 @@ async fn main() {
     .await;
     // Before any exit: die() does not run destructors.
     drop(guard);
-    remove_state_dirs(&base, pid);
-    let (lat, sys, mem) = res.unwrap_or_else(|e| die(&e));
+    BENCH.remove_state_dirs(&base.env.crab_home.join("state"), pid);
+    let (lat, sys, mem) = res.unwrap_or_else(|e| BENCH.die(e));
     let total = started.elapsed();
     report(&base, &o, &lat, &sys, &mem, total, &load_before);
 }
@@ -769,15 +544,8 @@ fn report(
     total: Duration,
     load_before: &str,
 ) {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let kernel = crab_integration::bench::kernel();
-    let cpus = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(0);
-    let load_after = crab_integration::bench::loadavg();
+    let host = Host::now();
+    let (now, kernel, cpus, load_after) = (host.unix_time, &host.kernel, host.cpus, &host.loadavg);
     let pinned = pinned_program_sets();
     let mut md = String::new();
     let _ = writeln!(
@@ -805,9 +573,9 @@ fn report(
     );
     let mut lat_json = serde_json::Map::new();
     for c in lat {
-        let e = stats(&c.elapsed_ms);
-        let r = stats(&c.rtt_ms);
-        let paths = stats(
+        let e = Stats::of(&c.elapsed_ms);
+        let r = Stats::of(&c.rtt_ms);
+        let paths = Stats::of(
             &c.changed_paths
                 .iter()
                 .map(|n| *n as f64)
@@ -835,15 +603,15 @@ fn report(
             c.name.into(),
             json!({
                 "files_changed_per_turn": c.files,
-                "elapsed_ms": stats_json(&e, &c.elapsed_ms),
-                "round_trip_ms": stats_json(&r, &c.rtt_ms),
+                "elapsed_ms": Stats::json(&c.elapsed_ms),
+                "round_trip_ms": Stats::json(&c.rtt_ms),
                 "kinds": c.kinds, "fs_scanned": c.scanned, "changed_paths": c.changed_paths,
                 "degraded": c.degraded,
                 "aim": aim,
             }),
         );
     }
-    let (bu, st) = (stats(&parts.bare_update_ms), stats(&parts.store_ms));
+    let (bu, st) = (Stats::of(&parts.bare_update_ms), Stats::of(&parts.store_ms));
     let _ = writeln!(
         md,
         "\nIn the round trip besides the inspector: a `Tasks.Update` without annotation (containerd \
@@ -862,10 +630,10 @@ fn report(
 
     // 2.
     let (ac, ar, oc, or) = (
-        stats(&sys.alone_crab),
-        stats(&sys.alone_runc),
-        stats(&sys.others_crab),
-        stats(&sys.others_runc),
+        Stats::of(&sys.alone_crab),
+        Stats::of(&sys.alone_runc),
+        Stats::of(&sys.others_crab),
+        Stats::of(&sys.others_runc),
     );
     let pct = |a: f64, b: f64| (a / b - 1.0) * 100.0;
     let _ = writeln!(
@@ -893,7 +661,7 @@ fn report(
             per_iter(s)
         );
     }
-    let (vc, vr) = (stats(&sys.overlay_crab), stats(&sys.overlay_runc));
+    let (vc, vr) = (Stats::of(&sys.overlay_crab), Stats::of(&sys.overlay_runc));
     let _ = writeln!(
         md,
         "| overlay rootfs ({OVERLAY_ITERS} iterations, {OVERLAY_ROUNDS} rounds) | crab (watched) | {:.4} | {:.4} | {:.4} | {:.2} |\n\
@@ -909,7 +677,7 @@ fn report(
     );
     // Paired ratios per round cancel drift that hits both runtimes of a round alike.
     let paired =
-        |c: &[f64], r: &[f64]| stats(&c.iter().zip(r).map(|(c, r)| c / r).collect::<Vec<_>>());
+        |c: &[f64], r: &[f64]| Stats::of(&c.iter().zip(r).map(|(c, r)| c / r).collect::<Vec<_>>());
     let (pa, po) = (
         paired(&sys.alone_crab, &sys.alone_runc),
         paired(&sys.others_crab, &sys.others_runc),
@@ -966,21 +734,21 @@ fn report(
     );
     let mut mem_json = serde_json::Map::new();
     for c in mem {
-        let e = stats(&c.ran_elapsed_ms);
-        let r = stats(&c.ran_rtt_ms);
-        let sp = stats(
+        let e = Stats::of(&c.ran_elapsed_ms);
+        let r = Stats::of(&c.ran_rtt_ms);
+        let sp = Stats::of(
             &c.scanned_pages
                 .iter()
                 .map(|n| *n as f64)
                 .collect::<Vec<_>>(),
         );
-        let cp = stats(
+        let cp = Stats::of(
             &c.changed_pages
                 .iter()
                 .map(|n| *n as f64)
                 .collect::<Vec<_>>(),
         );
-        let idle = stats(&c.idle_elapsed_ms);
+        let idle = Stats::of(&c.idle_elapsed_ms);
         let mbps = sp.p50 * 4096.0 / 1048576.0 / (e.p50 / 1e3);
         let _ = writeln!(
             md,
@@ -1000,10 +768,10 @@ fn report(
             format!("{}MB", c.mb),
             json!({
                 "held_mb": c.mb, "holder_vmrss_kb": c.rss_kb,
-                "ran_elapsed_ms": stats_json(&e, &c.ran_elapsed_ms),
-                "ran_round_trip_ms": stats_json(&r, &c.ran_rtt_ms),
+                "ran_elapsed_ms": Stats::json(&c.ran_elapsed_ms),
+                "ran_round_trip_ms": Stats::json(&c.ran_rtt_ms),
                 "scanned_pages": c.scanned_pages, "changed_pages": c.changed_pages,
-                "idle_elapsed_ms": stats_json(&idle, &c.idle_elapsed_ms),
+                "idle_elapsed_ms": Stats::json(&c.idle_elapsed_ms),
                 "kinds": c.kinds, "degraded": c.degraded,
             }),
         );
@@ -1033,16 +801,16 @@ fn report(
         "options": {"turns": o.turns, "rounds": o.rounds, "mem_turns": o.mem_turns, "others": o.others, "syscall_iters": o.syscall_iters},
         "turn_end_latency": lat_json,
         "round_trip_parts": {
-            "bare_update_ms": stats_json(&bu, &parts.bare_update_ms),
-            "answer_store_replay_ms": stats_json(&st, &parts.store_ms),
+            "bare_update_ms": Stats::json(&parts.bare_update_ms),
+            "answer_store_replay_ms": Stats::json(&parts.store_ms),
         },
         "syscall_overhead": {
             "iterations_per_run": o.syscall_iters,
             "file": SYSCALL_FILE_TMPFS,
             "seconds": {
-                "alone": {"crab": stats_json(&ac, &sys.alone_crab), "runc": stats_json(&ar, &sys.alone_runc)},
-                "with_others": {"crab": stats_json(&oc, &sys.others_crab), "runc": stats_json(&or, &sys.others_runc)},
-                "overlay_rootfs": {"iterations_per_run": OVERLAY_ITERS, "crab": stats_json(&vc, &sys.overlay_crab), "runc": stats_json(&vr, &sys.overlay_runc)},
+                "alone": {"crab": Stats::json(&sys.alone_crab), "runc": Stats::json(&sys.alone_runc)},
+                "with_others": {"crab": Stats::json(&sys.others_crab), "runc": Stats::json(&sys.others_runc)},
+                "overlay_rootfs": {"iterations_per_run": OVERLAY_ITERS, "crab": Stats::json(&sys.overlay_crab), "runc": Stats::json(&sys.overlay_runc)},
             },
             "other_sandboxes": o.others,
             "ratios": {
@@ -1060,13 +828,5 @@ fn report(
         },
     });
 
-    print!("{md}");
-    let dir = h.env.bench_dir();
-    match crab_integration::bench::write_results(&dir, "inspector", now, &result, &md) {
-        Ok(()) => progress(&format!(
-            "results in {}/inspector-{now}.{{json,md}} (and inspector-latest.*)",
-            dir.display()
-        )),
-        Err(e) => die(&format!("writing results to {}: {e}", dir.display())),
-    }
+    BENCH.finish(&h.env.bench_dir(), "inspector", now, &result, &md);
 }

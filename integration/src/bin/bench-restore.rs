@@ -48,6 +48,9 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crab_integration::bench::stats::{ms, Summary as Stats};
+use crab_integration::bench::Host;
+
 use containerd_client::services::v1::snapshots::{
     snapshots_client::SnapshotsClient, ListSnapshotsRequest, RemoveSnapshotRequest,
 };
@@ -63,6 +66,7 @@ use crab_integration::spec::container_spec;
 use crab_integration::{CleanupGuard, Harness, ProcessSpec};
 use serde_json::{json, Value};
 
+const BENCH: crab_integration::bench::Bench = crab_integration::bench::Bench::new("bench-restore");
 const T: Duration = Duration::from_secs(180);
 const CHAINS: [usize; 3] = [1, 10, 50];
 const FORKS: [usize; 3] = [1, 4, 8];
@@ -97,61 +101,6 @@ fn opts() -> Opts {
         rollback_reps,
         fork_reps,
     }
-}
-
-fn die(msg: &str) -> ! {
-    eprintln!("bench-restore: {msg}");
-    std::process::exit(1)
-}
-
-fn progress(msg: &str) {
-    eprintln!("bench-restore: {msg}");
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-// ---------------------------------------------------------------------------------------------
-// Statistics
-
-#[derive(Clone, Copy)]
-struct Stats {
-    n: usize,
-    min: f64,
-    p50: f64,
-    p95: f64,
-    max: f64,
-}
-
-/// Nearest-rank percentiles (with few samples p95 is the maximum).
-fn stats(samples: &[f64]) -> Stats {
-    let mut v: Vec<f64> = samples.iter().copied().filter(|x| !x.is_nan()).collect();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return Stats {
-            n: 0,
-            min: f64::NAN,
-            p50: f64::NAN,
-            p95: f64::NAN,
-            max: f64::NAN,
-        };
-    }
-    let rank = |p: f64| v[((p / 100.0 * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
-    Stats {
-        n: v.len(),
-        min: v[0],
-        p50: rank(50.0),
-        p95: rank(95.0),
-        max: v[v.len() - 1],
-    }
-}
-
-fn stats_json(samples: &[f64]) -> Value {
-    let s = stats(samples);
-    let num = |x: f64| if x.is_nan() { Value::Null } else { json!(x) };
-    let samples: Vec<Value> = samples.iter().map(|x| num(*x)).collect();
-    json!({"n": s.n, "min": num(s.min), "p50": num(s.p50), "p95": num(s.p95), "max": num(s.max), "samples": samples})
 }
 
 /// One row of the report: a named series of milliseconds.
@@ -193,13 +142,13 @@ impl Report {
         self.rows
             .iter()
             .find(|r| r.what == what)
-            .map(|r| stats(&r.samples).p50)
+            .map(|r| Stats::of(&r.samples).p50)
             .unwrap_or(f64::NAN)
     }
 }
 
 fn p50_of(v: &[f64]) -> f64 {
-    stats(v).p50
+    Stats::of(v).p50
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -269,16 +218,16 @@ impl StartSeries {
 
     fn json(&self) -> Value {
         json!({
-            "ctr_run_cold_ms": stats_json(&self.ctr_cold),
-            "ctr_run_warm_ms": stats_json(&self.ctr_warm),
-            "api_total_ms": stats_json(&self.api_col(|a| a.total_ms)),
-            "api_container_create_ms": stats_json(&self.api_col(|a| a.container_ms)),
-            "api_task_create_ms": stats_json(&self.api_col(|a| a.task_create_ms)),
-            "api_task_start_ms": stats_json(&self.api_col(|a| a.task_start_ms)),
-            "shim_after_restore_until_checkpointing_ms": stats_json(&self.setup),
-            "shim_image_verification_ms": stats_json(&self.verify),
-            "api_checkpointing_began_until_start_returned_ms": stats_json(&self.api_tail),
-            "shim_restore_log_ms": {"cold": stats_json(&self.shim_cold), "warm": stats_json(&self.shim_warm), "api": stats_json(&self.shim_api)},
+            "ctr_run_cold_ms": Stats::json(&self.ctr_cold),
+            "ctr_run_warm_ms": Stats::json(&self.ctr_warm),
+            "api_total_ms": Stats::json(&self.api_col(|a| a.total_ms)),
+            "api_container_create_ms": Stats::json(&self.api_col(|a| a.container_ms)),
+            "api_task_create_ms": Stats::json(&self.api_col(|a| a.task_create_ms)),
+            "api_task_start_ms": Stats::json(&self.api_col(|a| a.task_start_ms)),
+            "shim_after_restore_until_checkpointing_ms": Stats::json(&self.setup),
+            "shim_image_verification_ms": Stats::json(&self.verify),
+            "api_checkpointing_began_until_start_returned_ms": Stats::json(&self.api_tail),
+            "shim_restore_log_ms": {"cold": Stats::json(&self.shim_cold), "warm": Stats::json(&self.shim_warm), "api": Stats::json(&self.shim_api)},
             "snapshots_removed_before_cold": self.removed,
             "layers_not_unpacked_before_cold": self.absent,
             "held_kib_after_restore": self.held_kib,
@@ -727,7 +676,7 @@ async fn held_kib(h: &Harness, id: &str) -> f64 {
 // 0. Baseline
 
 async fn baseline(b: &mut Bench, r: &mut Report) -> Res<()> {
-    progress(&format!(
+    BENCH.progress(format!(
         "0/4 baseline: plain starts of {AGENT_IMAGE}, {} each",
         b.o.reps
     ));
@@ -765,9 +714,9 @@ async fn baseline(b: &mut Bench, r: &mut Report) -> Res<()> {
         );
         j.insert(
             name.into(),
-            json!({"runtime": runtime, "ctr_run_ms": stats_json(&ctr), "api_total_ms": stats_json(&col(|a| a.total_ms)),
-                   "api_container_create_ms": stats_json(&col(|a| a.container_ms)),
-                   "api_task_create_ms": stats_json(&col(|a| a.task_create_ms)), "api_task_start_ms": stats_json(&col(|a| a.task_start_ms))}),
+            json!({"runtime": runtime, "ctr_run_ms": Stats::json(&ctr), "api_total_ms": Stats::json(&col(|a| a.total_ms)),
+                   "api_container_create_ms": Stats::json(&col(|a| a.container_ms)),
+                   "api_task_create_ms": Stats::json(&col(|a| a.task_create_ms)), "api_task_start_ms": Stats::json(&col(|a| a.task_start_ms))}),
         );
     }
     // What N containers started at once cost on this host, without any checkpoint: the
@@ -811,7 +760,7 @@ async fn baseline(b: &mut Bench, r: &mut Report) -> Res<()> {
                 None,
                 "reference for fork N",
             );
-            per_n.insert(n.to_string(), stats_json(&wall));
+            per_n.insert(n.to_string(), Stats::json(&wall));
         }
         conc.insert(name.into(), Value::Object(per_n));
     }
@@ -1000,7 +949,7 @@ struct FsSandbox {
 
 async fn fs_sandbox(b: &mut Bench) -> Res<(FsSandbox, CleanupGuard)> {
     let max = *CHAINS.iter().max().expect("chains");
-    progress(&format!("1/4 fs chains: a sandbox with {max} fs turns"));
+    BENCH.progress(format!("1/4 fs chains: a sandbox with {max} fs turns"));
     let config = signing_config(b);
     let (mut s, guard) = Sandbox::start(
         "bench-restore-fs",
@@ -1038,7 +987,7 @@ async fn bench_chains(b: &mut Bench, r: &mut Report, fs: &FsSandbox) -> Res<()> 
     for n in CHAINS {
         let (seq, turn) = fs.at[&n].clone();
         let image = format!("localhost/crab-bench/restore-{}:fs{n}", b.pid);
-        progress(&format!(
+        BENCH.progress(format!(
             "1/4 fs chain of {n}: export, {} x (cold ctr run, warm ctr run, API start)",
             b.o.reps
         ));
@@ -1055,7 +1004,7 @@ async fn bench_chains(b: &mut Bench, r: &mut Report, fs: &FsSandbox) -> Res<()> 
         let mut v = s.json();
         v["layers"] = json!(n);
         v["turn"] = json!(turn);
-        v["export_ms"] = stats_json(&export);
+        v["export_ms"] = Stats::json(&export);
         v["export_summary"] = json!(summary);
         j.insert(format!("{n}_layers"), v);
     }
@@ -1069,7 +1018,7 @@ struct ProcSandbox {
 }
 
 async fn proc_sandbox(b: &mut Bench) -> Res<(ProcSandbox, CleanupGuard)> {
-    progress(&format!(
+    BENCH.progress(format!(
         "2/4 process: a sandbox with a {HELD_MB} MB python3"
     ));
     let config = signing_config(b);
@@ -1104,7 +1053,7 @@ async fn proc_sandbox(b: &mut Bench) -> Res<(ProcSandbox, CleanupGuard)> {
 
 async fn bench_proc_restore(b: &mut Bench, r: &mut Report, p: &ProcSandbox) -> Res<()> {
     let image = format!("localhost/crab-bench/restore-{}:proc{HELD_MB}", b.pid);
-    progress(&format!(
+    BENCH.progress(format!(
         "2/4 process: export, {} x (cold ctr run, warm ctr run, API start)",
         b.o.reps
     ));
@@ -1120,7 +1069,7 @@ async fn bench_proc_restore(b: &mut Bench, r: &mut Report, p: &ProcSandbox) -> R
     );
     let mut v = s.json();
     v["turn"] = json!(p.proc_turn.1);
-    v["export_ms"] = stats_json(&export);
+    v["export_ms"] = Stats::json(&export);
     v["export_summary"] = json!(summary);
     v["checkpoint"] = b.extra_manifest.take().unwrap_or(Value::Null);
     r.extra.insert("restore_proc".into(), v);
@@ -1190,7 +1139,7 @@ async fn bench_rollback(
     fs: &mut FsSandbox,
     p: &mut ProcSandbox,
 ) -> Res<()> {
-    progress(&format!(
+    BENCH.progress(format!(
         "3/4 rollback: {} x fs-only, {} x with the process",
         b.o.rollback_reps, b.o.rollback_reps
     ));
@@ -1329,8 +1278,8 @@ async fn fork_series(b: &mut Bench, s: &Sandbox, turn: &str, with_process: bool)
         .map(|n| {
             (
                 n.to_string(),
-                json!({"wall_ms": stats_json(&wall[n]), "crabctl_ms": stats_json(&own[n]),
-                       "shim_restore_log_max_ms": stats_json(shim.get(n).map(Vec::as_slice).unwrap_or(&[]))}),
+                json!({"wall_ms": Stats::json(&wall[n]), "crabctl_ms": Stats::json(&own[n]),
+                       "shim_restore_log_max_ms": Stats::json(shim.get(n).map(Vec::as_slice).unwrap_or(&[]))}),
             )
         })
         .collect();
@@ -1338,7 +1287,7 @@ async fn fork_series(b: &mut Bench, s: &Sandbox, turn: &str, with_process: bool)
 }
 
 async fn bench_fork(b: &mut Bench, r: &mut Report, fs: &FsSandbox, p: &ProcSandbox) -> Res<()> {
-    progress(&format!(
+    BENCH.progress(format!(
         "4/4 fork: N = 1, 4, 8, {} rounds, of the fs checkpoint and of the process checkpoint",
         b.o.fork_reps
     ));
@@ -1438,15 +1387,8 @@ fn verdict(p50: f64, aim: f64) -> &'static str {
 }
 
 fn report(b: &Bench, r: &Report, total: Duration, load_before: &str) {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let kernel = crab_integration::bench::kernel();
-    let cpus = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(0);
-    let load_after = crab_integration::bench::loadavg();
+    let host = Host::now();
+    let (now, kernel, cpus, load_after) = (host.unix_time, &host.kernel, host.cpus, &host.loadavg);
     let mut md = String::new();
     let _ = writeln!(
         md,
@@ -1461,7 +1403,7 @@ fn report(b: &Bench, r: &Report, total: Duration, load_before: &str) {
     let _ = writeln!(md, "| section | measurement | n | p50 | p95 | min | max | aim (p50) | notes |\n|---|---|---:|---:|---:|---:|---:|---|---|");
     let mut rows_json = Vec::new();
     for row in &r.rows {
-        let s = stats(&row.samples);
+        let s = Stats::of(&row.samples);
         let aim = row
             .aim
             .map(|a| format!("<= {a:.0} ms: {}", verdict(s.p50, a)))
@@ -1471,7 +1413,7 @@ fn report(b: &Bench, r: &Report, total: Duration, load_before: &str) {
             "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {aim} | {} |",
             row.section, row.what, s.n, s.p50, s.p95, s.min, s.max, row.note
         );
-        rows_json.push(json!({"section": row.section, "measurement": row.what, "ms": stats_json(&row.samples), "aim_p50_ms": row.aim, "note": row.note}));
+        rows_json.push(json!({"section": row.section, "measurement": row.what, "ms": Stats::json(&row.samples), "aim_p50_ms": row.aim, "note": row.note}));
     }
 
     // Ratios that make the figures comparable.
@@ -1552,15 +1494,7 @@ fn report(b: &Bench, r: &Report, total: Duration, load_before: &str) {
         result[k] = v.clone();
     }
 
-    print!("{md}");
-    let dir = b.base.env.bench_dir();
-    match crab_integration::bench::write_results(&dir, "restore", now, &result, &md) {
-        Ok(()) => progress(&format!(
-            "results in {}/restore-{now}.{{json,md}} (and restore-latest.*)",
-            dir.display()
-        )),
-        Err(e) => die(&format!("writing results to {}: {e}", dir.display())),
-    }
+    BENCH.finish(&b.base.env.bench_dir(), "restore", now, &result, &md);
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -1571,21 +1505,21 @@ async fn main() {
         ..TestEnv::from_env()
     };
     if env.runtime != DEFAULT_RUNTIME {
-        die(&format!(
+        BENCH.die(format!(
             "checkpoint images are crab's own: unset CRAB_RUNTIME (it is {})",
             env.runtime
         ));
     }
     let crabctl = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl");
     if !crabctl.is_file() {
-        die(&format!(
+        BENCH.die(format!(
             "{} is missing: cargo build --release (make build)",
             crabctl.display()
         ));
     }
     let base = Harness::connect_env(env)
         .await
-        .unwrap_or_else(|e| die(&e.to_string()));
+        .unwrap_or_else(|e| BENCH.die(e));
     let pid = std::process::id();
     let state_dir = base
         .env
@@ -1599,9 +1533,9 @@ async fn main() {
         .join("state")
         .join(format!("bench-restore-{pid}.toml"));
     std::fs::create_dir_all(&state_dir)
-        .unwrap_or_else(|e| die(&format!("{}: {e}", state_dir.display())));
+        .unwrap_or_else(|e| BENCH.die(format!("{}: {e}", state_dir.display())));
     std::fs::write(&cfg_path, &cfg_body)
-        .unwrap_or_else(|e| die(&format!("{}: {e}", cfg_path.display())));
+        .unwrap_or_else(|e| BENCH.die(format!("{}: {e}", cfg_path.display())));
     let log = base.env.containerd_log();
     let guard = base.guard(&[]);
     let mut b = Bench {
@@ -1650,7 +1584,7 @@ async fn main() {
     if let Err(e) = res {
         cleanup_files(&b);
         drop(b.guard);
-        die(&e);
+        BENCH.die(e);
     }
     report(&b, &r, total, &load_before);
     cleanup_files(&b);

@@ -15,7 +15,10 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
+
+use crab_integration::bench::stats::{ms, Summary};
+use crab_integration::bench::{Bench, Host};
 
 use crab_integration::harness::STEP_TIMEOUT;
 use crab_integration::{CleanupGuard, Harness, ProcessSpec};
@@ -27,29 +30,7 @@ const RUNC: &str = "io.containerd.runc.v2";
 
 type Samples = BTreeMap<&'static str, Vec<Duration>>;
 
-struct Stats {
-    min: f64,
-    p50: f64,
-    p95: f64,
-    mean: f64,
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
-}
-
-/// Nearest-rank percentiles over the samples, in milliseconds.
-fn stats(samples: &[Duration]) -> Stats {
-    let mut v: Vec<f64> = samples.iter().copied().map(ms).collect();
-    v.sort_by(f64::total_cmp);
-    let rank = |p: f64| v[((p / 100.0 * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
-    Stats {
-        min: v[0],
-        p50: rank(50.0),
-        p95: rank(95.0),
-        mean: v.iter().sum::<f64>() / v.len() as f64,
-    }
-}
+const BENCH: Bench = Bench::new("bench-shim");
 
 fn iterations() -> usize {
     let mut args = std::env::args().skip(1);
@@ -61,22 +42,15 @@ fn iterations() -> usize {
                 eprintln!("usage: bench-shim [--iterations N]   (env: CRAB_BENCH_ITERATIONS, CRAB_BENCH_RUNTIMES)");
                 std::process::exit(0);
             }
-            other => die(&format!("unknown argument {other:?} (see --help)")),
+            other => BENCH.die(format!("unknown argument {other:?} (see --help)")),
         }
     }
     match n {
         None => 20,
-        Some(s) => {
-            s.parse().ok().filter(|n| *n > 0).unwrap_or_else(|| {
-                die(&format!("iterations must be a positive integer, got {s:?}"))
-            })
-        }
+        Some(s) => s.parse().ok().filter(|n| *n > 0).unwrap_or_else(|| {
+            BENCH.die(format!("iterations must be a positive integer, got {s:?}"))
+        }),
     }
-}
-
-fn die(msg: &str) -> ! {
-    eprintln!("bench-shim: {msg}");
-    std::process::exit(1)
 }
 
 /// One create->start->exit of `true`, then its delete.
@@ -131,13 +105,11 @@ async fn main() {
         .filter(|s| !s.is_empty())
         .map(|s| s.split(',').map(|r| r.trim().to_string()).collect())
         .unwrap_or_else(|| vec![CRAB.into(), RUNC.into()]);
-    let base = Harness::connect()
-        .await
-        .unwrap_or_else(|e| die(&e.to_string()));
+    let base = Harness::connect().await.unwrap_or_else(|e| BENCH.die(e));
     // measure() owns the cleanup guard, so its containers are gone by the time we exit.
     match measure(&base, &runtimes, n).await {
         Ok(samples) => report(n, &runtimes, &samples, &base),
-        Err(e) => die(&e),
+        Err(e) => BENCH.die(e),
     }
 }
 
@@ -203,14 +175,10 @@ async fn measure(base: &Harness, runtimes: &[String], n: usize) -> Result<Vec<Sa
 }
 
 fn report(n: usize, runtimes: &[String], samples: &[Samples], h: &Harness) {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let kernel = crab_integration::bench::kernel();
-    let cpus = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(0);
+    let host = Host::now();
+    let now = host.unix_time;
+    let kernel = &host.kernel;
+    let cpus = host.cpus;
 
     let mut md = String::new();
     let _ = writeln!(
@@ -223,10 +191,10 @@ fn report(n: usize, runtimes: &[String], samples: &[Samples], h: &Harness) {
          | metric | runtime | min ms | p50 ms | p95 ms | mean ms |\n|---|---|---:|---:|---:|---:|"
     );
     let mut by_runtime = serde_json::Map::new();
-    let mut table: BTreeMap<(&str, &str), Stats> = BTreeMap::new();
+    let mut table: BTreeMap<(&str, &str), Summary> = BTreeMap::new();
     for metric in METRICS {
         for (r, rt) in runtimes.iter().enumerate() {
-            let s = stats(&samples[r][metric]);
+            let s = Summary::of_durations(&samples[r][metric]);
             let _ = writeln!(
                 md,
                 "| {metric} | {rt} | {:.2} | {:.2} | {:.2} | {:.2} |",
@@ -265,13 +233,5 @@ fn report(n: usize, runtimes: &[String], samples: &[Samples], h: &Harness) {
         "ratio_crab_over_runc": ratios,
     });
 
-    print!("{md}");
-    let dir = h.env.bench_dir();
-    match crab_integration::bench::write_results(&dir, "shim", now, &result, &md) {
-        Ok(()) => eprintln!(
-            "bench-shim: results in {}/shim-{now}.{{json,md}}",
-            dir.display()
-        ),
-        Err(e) => die(&format!("writing results to {}: {e}", dir.display())),
-    }
+    BENCH.finish(&h.env.bench_dir(), "shim", now, &result, &md);
 }

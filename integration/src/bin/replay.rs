@@ -10,7 +10,11 @@
 //! `replay-latest.{json,md}` (the JSON has every turn of every sandbox).
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
+
+use crab_integration::bench::{Bench, Host};
+
+const BENCH: Bench = Bench::new("replay");
 
 use crab_integration::env::{TestEnv, DEFAULT_RUNTIME};
 use crab_integration::replay::recovery::{self, RecoveryOptions, RecoveryPolicy};
@@ -46,12 +50,7 @@ fn positive(flag: &str, v: &str) -> usize {
     v.parse()
         .ok()
         .filter(|n| *n > 0)
-        .unwrap_or_else(|| die(&format!("{flag}: {v:?} is not a positive integer")))
-}
-
-fn die(msg: &str) -> ! {
-    eprintln!("replay: {msg}");
-    std::process::exit(1)
+        .unwrap_or_else(|| BENCH.die(format!("{flag}: {v:?} is not a positive integer")))
 }
 
 struct Args {
@@ -101,7 +100,7 @@ fn args() -> Args {
     while let Some(flag) = it.next() {
         let mut value = || {
             it.next()
-                .unwrap_or_else(|| die(&format!("{flag} needs a value")))
+                .unwrap_or_else(|| BENCH.die(format!("{flag} needs a value")))
         };
         let list = |v: String| -> Vec<String> {
             v.split(',')
@@ -131,7 +130,7 @@ fn args() -> Args {
                     .parse()
                     .ok()
                     .filter(|x: &f64| x.is_finite() && *x >= 0.0)
-                    .unwrap_or_else(|| die(&format!("--think-scale: {v:?}")))
+                    .unwrap_or_else(|| BENCH.die(format!("--think-scale: {v:?}")))
             }
             "--timeout" => {
                 let v = value();
@@ -139,7 +138,7 @@ fn args() -> Args {
                     v.parse()
                         .ok()
                         .filter(|x: &f64| *x > 0.0)
-                        .unwrap_or_else(|| die(&format!("--timeout: {v:?}"))),
+                        .unwrap_or_else(|| BENCH.die(format!("--timeout: {v:?}"))),
                 )
             }
             "--max-turns" => {
@@ -148,7 +147,7 @@ fn args() -> Args {
                     v.parse()
                         .ok()
                         .filter(|n| *n > 0)
-                        .unwrap_or_else(|| die(&format!("--max-turns: {v:?}"))),
+                        .unwrap_or_else(|| BENCH.die(format!("--max-turns: {v:?}"))),
                 )
             }
             "--no-oracle" => a.oracle = false,
@@ -157,7 +156,7 @@ fn args() -> Args {
                 println!("{USAGE}");
                 std::process::exit(0);
             }
-            other => die(&format!("unknown argument {other:?}\n{USAGE}")),
+            other => BENCH.die(format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
     if a.recovery && !a.select_given {
@@ -171,12 +170,12 @@ fn args() -> Args {
             .iter()
             .map(|p| {
                 Policy::from_name(p)
-                    .unwrap_or_else(|| die(&format!("--policies: unknown policy {p:?}")))
+                    .unwrap_or_else(|| BENCH.die(format!("--policies: unknown policy {p:?}")))
             })
             .collect();
     }
     if a.select.is_empty() || a.densities.is_empty() || !(a.rounds || a.oracle) {
-        die("nothing to replay");
+        BENCH.die("nothing to replay");
     }
     // The relative figures need the baseline, first.
     a.policies.retain(|p| *p != Policy::None);
@@ -190,24 +189,24 @@ fn args() -> Args {
 async fn main() {
     let a = args();
     let mut all = trajectory::load(&a.trajectories)
-        .unwrap_or_else(|e| die(&format!("{e} (set --trajectories or CRAB_TRAJECTORIES)")));
+        .unwrap_or_else(|e| BENCH.die(format!("{e} (set --trajectories or CRAB_TRAJECTORIES)")));
     if a.recovery {
         all.insert(0, recovery::synthetic());
     }
-    let selected = trajectory::select(&all, &a.select).unwrap_or_else(|e| die(&e.to_string()));
+    let selected = trajectory::select(&all, &a.select).unwrap_or_else(|e| BENCH.die(e));
     let env = TestEnv {
         image: AGENT_IMAGE.into(),
         ..TestEnv::from_env()
     };
     if env.runtime != DEFAULT_RUNTIME {
-        die(&format!(
+        BENCH.die(format!(
             "turns and checkpoints are crab's own: unset CRAB_RUNTIME (it is {})",
             env.runtime
         ));
     }
     let h = Harness::connect_env(env)
         .await
-        .unwrap_or_else(|e| die(&e.to_string()));
+        .unwrap_or_else(|e| BENCH.die(e));
     for t in &selected {
         let turns = t.turns.len().min(a.opts.max_turns.unwrap_or(usize::MAX));
         eprintln!("replay: {} ({turns} turns)", t.trial);
@@ -275,15 +274,11 @@ async fn main() {
         })
         .collect();
 
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let kernel = crab_integration::bench::kernel();
-    let cpus = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(0);
-    let load_after = crab_integration::bench::loadavg();
+    let host = Host::now();
+    let now = host.unix_time;
+    let kernel = &host.kernel;
+    let cpus = host.cpus;
+    let load_after = &host.loadavg;
     let mut md = format!(
         "# Trajectory replay\n\nkernel {kernel}, {cpus} CPUs, unix time {now}, total {:.0} s, loadavg before {load_before} / after \
          {load_after}. Image {AGENT_IMAGE} through the private containerd and the crab shim. Think time x{}, command timeout \
@@ -317,15 +312,7 @@ async fn main() {
         "errors": failures,
         "rounds": rounds,
     });
-    println!("{md}");
-    let dir = h.env.bench_dir();
-    match crab_integration::bench::write_results(&dir, "replay", now, &result, &md) {
-        Ok(()) => eprintln!(
-            "replay: results in {}/replay-{now}.{{json,md}} (and replay-latest.*)",
-            dir.display()
-        ),
-        Err(e) => die(&format!("writing results to {}: {e}", dir.display())),
-    }
+    BENCH.finish(&h.env.bench_dir(), "replay", now, &result, &md);
 }
 
 /// `--recovery`: recovery correctness (see `replay::recovery`).
@@ -335,8 +322,9 @@ async fn recovery_main(a: &Args, h: &Harness, selected: &[trajectory::Trajectory
             .iter()
             .filter(|p| *p != "none")
             .map(|p| {
-                RecoveryPolicy::from_name(p)
-                    .unwrap_or_else(|| die(&format!("--policies: unknown recovery policy {p:?}")))
+                RecoveryPolicy::from_name(p).unwrap_or_else(|| {
+                    BENCH.die(format!("--policies: unknown recovery policy {p:?}"))
+                })
             })
             .collect(),
         None => RecoveryPolicy::ALL.to_vec(),
@@ -348,12 +336,10 @@ async fn recovery_main(a: &Args, h: &Harness, selected: &[trajectory::Trajectory
     };
     let load_before = crab_integration::bench::loadavg();
     let r = recovery::run(selected, &a.opts, &ro).await;
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let kernel = crab_integration::bench::kernel();
-    let load_after = crab_integration::bench::loadavg();
+    let host = Host::now();
+    let now = host.unix_time;
+    let kernel = &host.kernel;
+    let load_after = &host.loadavg;
     let mut md = format!(
         "# Recovery correctness\n\nkernel {kernel}, unix time {now}, total {:.0} s, {} sandboxes at once, loadavg before \
          {load_before} / after {load_after}. Image {AGENT_IMAGE}. Think time x{}, command timeout {:?}{}, {} crash points \
@@ -379,13 +365,5 @@ async fn recovery_main(a: &Args, h: &Harness, selected: &[trajectory::Trajectory
         "trajectories": selected.iter().map(|t| json!({"trial": t.trial, "turns": t.turns.len()})).collect::<Vec<_>>(),
         "report": r,
     });
-    println!("{md}");
-    let dir = h.env.bench_dir();
-    match crab_integration::bench::write_results(&dir, "recovery", now, &result, &md) {
-        Ok(()) => eprintln!(
-            "replay: results in {}/recovery-{now}.{{json,md}} (and recovery-latest.*)",
-            dir.display()
-        ),
-        Err(e) => die(&format!("writing results to {}: {e}", dir.display())),
-    }
+    BENCH.finish(&h.env.bench_dir(), "recovery", now, &result, &md);
 }

@@ -24,7 +24,6 @@
 pub mod oracle;
 pub mod recovery;
 pub mod report;
-pub mod stats;
 pub mod trajectory;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};

@@ -927,7 +927,7 @@ pub fn markdown(r: &RecoveryReport) -> String {
             .filter(|c| c.policy == *p)
             .map(|c| c.recover_ms)
             .collect();
-        let s = super::stats::Summary::of(&recover);
+        let s = crate::bench::stats::Summary::of(&recover);
         md.push_str(&format!(
             "| {} | {}/{} | {} | {} | {:.0}% | {} | {:.0} / {:.0} ms |\n",
             p.name(),

@@ -7,8 +7,8 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::oracle::Verdict;
-use super::stats::Summary;
 use super::{Policy, RoundRecord};
+use crate::bench::stats::Summary;
 
 /// The figures of one (policy, density) round.
 #[derive(Debug, Clone, Serialize)]
