@@ -8,7 +8,8 @@
 #   make containerd-down  remove its containers and stop it, reaping leftovers
 #   make demo             run a container under the crab shim; leaves containerd up
 #                         (DEMO_RUNTIME=io.containerd.runc.v2 runs it on the stock shim)
-#   make test             everything above, then all tests, then test-containerd-1.7;
+#   make lint             cargo fmt --check and cargo clippy -D warnings (part of make test)
+#   make test             everything above, lint, then all tests, then test-containerd-1.7;
 #                         containerd is always stopped after
 #   make test-containerd-1.7
 #                         the end-to-end lifecycle tests against containerd 1.7 (a second
@@ -64,10 +65,10 @@ define test_containerd_17
 	$(call with_containerd,$(CARGO) test --workspace --release $(addprefix --test ,$(E2E_TESTS_CONTAINERD_17)))
 endef
 
-.PHONY: help deps build images containerd-up containerd-down demo test test-containerd-1.7 bench clean
+.PHONY: help deps build lint images containerd-up containerd-down demo test test-containerd-1.7 bench clean
 
 help:
-	@sed -n '3,21s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '3,22s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
 
 deps:
 	hack/install-deps.sh
@@ -106,7 +107,12 @@ demo: deps build images
 	echo "containerd is still running: 'hack/containerd.sh ctr -n $(DEMO_NAMESPACE) ...' talks to it,"; \
 	echo "'make containerd-down' stops it."
 
-test: deps build
+# Formatting and lints are enforced: every target (tests, benchmarks, examples) of the workspace.
+lint:
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+
+test: deps build lint
 	@$(call with_containerd,$(CARGO) test --workspace --release --no-fail-fast)
 	@$(test_containerd_17)
 

@@ -91,6 +91,14 @@ if command -v systemctl >/dev/null && systemctl is-active -q containerd 2>/dev/n
   echo "install-deps: note: a system containerd is running; crab leaves it alone"
 fi
 
+# make lint (part of make test) needs rustfmt and clippy with the Rust toolchain; with
+# rustup they are components (a no-op when present), otherwise they must come with it.
+if command -v rustup >/dev/null; then
+  for c in rustfmt clippy; do
+    rustup component list --installed 2>/dev/null | grep -q "^$c" || rustup component add "$c"
+  done
+fi
+
 # bpffs and tracefs may be absent at boot; the inspector needs both.
 mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf
 mountpoint -q /sys/kernel/tracing || mount -t tracefs tracefs /sys/kernel/tracing

@@ -5,8 +5,13 @@
 //! `containerd-client` protos). The runtime under test comes from `CRAB_RUNTIME`, so the same
 //! tests run against `io.containerd.crab.v1` and the stock `io.containerd.runc.v2`.
 //!
-//! Nothing is skipped: an unreachable containerd or a missing test image is a test failure with
-//! a message that says how to bring them up.
+//! A missing environment skips nothing: an unreachable containerd or a missing test image is a
+//! test failure with a message that says how to bring them up. The one way a test does not run
+//! is [`Harness::runs_crab_only`]: tests of crab's own features (turns, checkpoints, crab's
+//! config) return early when the suite runs against another runtime
+//! (`CRAB_RUNTIME=io.containerd.runc.v2`, for comparison), and each says so on stderr as
+//! `SKIPPED <test> under <runtime>: <why>`. Under crab (the default, and `make test`) every
+//! test runs.
 
 pub mod api;
 pub mod bench;

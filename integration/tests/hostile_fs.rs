@@ -53,8 +53,11 @@ fn plain_layer(s: &Sandbox, desc: &Value) -> Vec<u8> {
     zstd::decode_all(&blob[..]).unwrap()
 }
 
+/// A tar entry's type byte and pax xattrs.
+type EntryXattrs = (u8, Vec<(String, Vec<u8>)>);
+
 /// Tar entries with their pax xattrs: name -> (entry type byte, xattrs).
-fn entries_with_xattrs(tar: &[u8]) -> BTreeMap<String, (u8, Vec<(String, Vec<u8>)>)> {
+fn entries_with_xattrs(tar: &[u8]) -> BTreeMap<String, EntryXattrs> {
     let mut out = BTreeMap::new();
     for e in tar::Archive::new(tar).entries().unwrap() {
         let mut e = e.unwrap();

@@ -211,9 +211,9 @@ async fn crash_at_every_turn_recovers_the_fault_free_state() {
     );
 }
 
-async fn futures_join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output>
+async fn futures_join_all<F>(futs: Vec<F>) -> Vec<F::Output>
 where
-    F: Send + 'static,
+    F: std::future::Future + Send + 'static,
     F::Output: Send + 'static,
 {
     let handles: Vec<_> = futs.into_iter().map(tokio::spawn).collect();

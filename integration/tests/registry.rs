@@ -45,7 +45,7 @@ impl Registry {
             ),
         )
         .unwrap();
-        let child = Command::new("docker-registry")
+        let mut child = Command::new("docker-registry")
             .arg("serve")
             .arg(&config)
             .stdout(Stdio::null())
@@ -62,6 +62,8 @@ impl Registry {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+        let _ = child.kill();
+        let _ = child.wait();
         panic!("docker-registry did not listen on {addr}");
     }
 }

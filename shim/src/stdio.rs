@@ -558,7 +558,7 @@ mod tests {
             FdIo::new(open_fd(&stdin, OFlag::O_WRONLY | OFlag::O_NONBLOCK).unwrap()).unwrap();
         // Play the process: `cat` from its stdin pipe to its stdout pipe.
         let child = std::mem::replace(&mut prepared.child, ChildStdio::null());
-        let cat = std::process::Command::new("cat")
+        let mut cat = std::process::Command::new("cat")
             .stdin(child.stdin)
             .stdout(child.stdout)
             .stderr(child.stderr)
@@ -572,16 +572,14 @@ mod tests {
         assert_eq!(&buf, b"hello\n");
         // The client closed stdin, but the shim's holder keeps cat alive until CloseIO.
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let pid = nix::unistd::Pid::from_raw(cat.id() as i32);
         assert!(
-            nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG)).unwrap()
-                == nix::sys::wait::WaitStatus::StillAlive
+            cat.try_wait().unwrap().is_none(),
+            "cat ended before CloseIO"
         );
         io.close_stdin();
-        let status =
-            tokio::task::spawn_blocking(move || nix::sys::wait::waitpid(pid, None).unwrap())
-                .await
-                .unwrap();
-        assert_eq!(status, nix::sys::wait::WaitStatus::Exited(pid, 0));
+        let status = tokio::task::spawn_blocking(move || cat.wait().unwrap())
+            .await
+            .unwrap();
+        assert_eq!(status.code(), Some(0));
     }
 }

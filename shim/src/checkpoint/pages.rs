@@ -257,9 +257,12 @@ struct ChunkStore {
     leftovers: Vec<PathBuf>,
 }
 
-/// Parses a pack index (`pack-*.idx`): the pack's length and its (digest, offset, length)
-/// entries, each within the pack; None if malformed. Public for the fuzz targets.
-pub fn parse_index(data: &[u8]) -> Option<(u64, Vec<(ChunkDigest, u64, u32)>)> {
+/// A parsed pack index: the pack's length and its (digest, offset, length) entries.
+pub type PackIndex = (u64, Vec<(ChunkDigest, u64, u32)>);
+
+/// Parses a pack index (`pack-*.idx`): the pack's length and its entries, each within the
+/// pack; None if malformed. Public for the fuzz targets.
+pub fn parse_index(data: &[u8]) -> Option<PackIndex> {
     if data.len() < INDEX_HEADER || &data[..8] != INDEX_MAGIC {
         return None;
     }
@@ -527,7 +530,7 @@ pub fn parse_recipe(path: &Path, data: &[u8]) -> Result<Recipe, PagesError> {
     }
     let body = &data[RECIPE_HEADER..];
     let expected = len.div_ceil(chunk_size as u64);
-    if body.len() % 32 != 0 || body.len() as u64 / 32 != expected {
+    if !body.len().is_multiple_of(32) || body.len() as u64 / 32 != expected {
         return Err(bad(format!(
             "{} digest bytes for {len} bytes in chunks of {chunk_size}",
             body.len()

@@ -957,7 +957,8 @@ mod tests {
     fn an_image_altered_after_signing_is_refused_whatever_the_config() {
         let mut f = Fixture::new();
         f.unsigned = UnsignedImages::StartFresh;
-        let alter: [(&str, Box<dyn Fn(&Path)>); 4] = [
+        type Alteration = (&'static str, Box<dyn Fn(&Path)>);
+        let alter: [Alteration; 4] = [
             (
                 "criu/pages-1.img is 5 bytes",
                 Box::new(|d: &Path| {
