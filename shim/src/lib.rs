@@ -13,7 +13,6 @@ pub mod bundle;
 pub mod cgroup;
 pub mod checkpoint;
 pub mod containers;
-pub mod ctl;
 pub mod engine;
 pub mod error;
 pub mod idmap;
@@ -29,3 +28,7 @@ pub mod service;
 pub mod stats;
 pub mod stdio;
 pub mod turns;
+
+/// The runtime's name as containerd knows it (the shim's id, and the runtime name crab's
+/// container records carry).
+pub use service::RUNTIME_ID;

@@ -1063,7 +1063,8 @@ pub(crate) fn sha256_reader(mut r: impl Read) -> io::Result<(String, u64)> {
     Ok((digest_string(h), total))
 }
 
-pub(crate) fn digest_string(h: Sha256) -> String {
+/// `sha256:<hex>` of what `h` hashed.
+pub fn digest_string(h: Sha256) -> String {
     let d = h.finalize();
     let mut s = String::with_capacity(71);
     s.push_str("sha256:");

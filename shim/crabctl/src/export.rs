@@ -12,7 +12,7 @@ use super::{
     },
     Ctl, CtlError, Result,
 };
-use crate::checkpoint::{
+use crab_shim::checkpoint::{
     provenance,
     restore::{CheckpointMeta, ProcessMeta, Source, META_FORMAT},
     store::{CheckpointKind, Manifest, Store},
@@ -193,7 +193,7 @@ impl Ctl {
         // The store is the shim's, but what goes into an image is checked like what comes out.
         for d in &m.fs_layers {
             d.check().map_err(|e| {
-                CtlError::Invalid(format!("checkpoint {} of {container}: {e}", m.seq))
+                CtlError::Failed(format!("checkpoint {} of {container}: {e}", m.seq))
             })?;
         }
         let source = Source {
@@ -263,7 +263,7 @@ impl Ctl {
             Ok::<_, CtlError>(blob)
         })
         .await
-        .map_err(|e| CtlError::Invalid(format!("building the checkpoint layer: {e}")))??;
+        .map_err(|e| CtlError::Failed(format!("building the checkpoint layer: {e}")))??;
         self.client
             .write_blob(
                 lease,
@@ -337,7 +337,7 @@ impl Ctl {
     /// rootfs, which must be built on them.
     async fn base_of(&self, record: &Container) -> Result<image::Base> {
         if record.image.is_empty() {
-            return Err(CtlError::Invalid(format!(
+            return Err(CtlError::Refused(format!(
                 "container {} has no image: a checkpoint image needs its base image",
                 record.id
             )));
@@ -364,7 +364,7 @@ impl Ctl {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::store::{Descriptor, Manifest};
+    use crab_shim::checkpoint::store::{Descriptor, Manifest};
 
     fn manifest(seq: u64, turn: &str, kind: CheckpointKind) -> Manifest {
         let mut m = Manifest::child_of(None, seq, turn, kind);

@@ -1,6 +1,11 @@
-//! crabctl's work with checkpoints through containerd: export a checkpoint as an OCI image,
-//! and start containers from one (fork, rollback, recover). The binary only parses arguments.
+//! crabctl, crab's command line for people and agent harnesses: ending turns, reading turn
+//! answers and checkpoint lineages, exporting a checkpoint as an OCI image and starting
+//! containers from one (fork, rollback, recover), the host engine's state, and pruning what
+//! removed containers left behind. The binary (`main.rs`) parses, runs and exits.
 //!
+//! - [`cli`]: the command line (clap): commands, flags, help text, shell completions;
+//! - [`commands`]: each command, run against containerd and crab's store, printing its output;
+//! - [`error`]: [`CtlError`] and the one mapping from an error to an exit status;
 //! - [`image`]: the checkpoint image as data (base image stripping, manifest and config,
 //!   the checkpoint layer with `.crab-checkpoint/`), no I/O to containerd;
 //! - [`client`]: the containerd API calls (leases, content, images, snapshots and the differ,
@@ -14,7 +19,10 @@
 //! (read the store, write the image, unpack it), so bad input leaves nothing behind; content
 //! and snapshots are written under a lease until an image or a container references them.
 
+pub mod cli;
 pub mod client;
+pub mod commands;
+pub mod error;
 pub mod export;
 pub mod image;
 pub mod lifecycle;
@@ -24,85 +32,15 @@ pub mod prune;
 use std::path::{Path, PathBuf};
 
 use containerd_client::services::v1::Container;
-use crab_runtime_config::{Config, ConfigError};
+use crab_runtime_config::Config;
 
 pub use self::{
     client::Client,
+    error::{CtlError, ErrorKind, Result},
     export::{select_checkpoint, Exported},
     lifecycle::{clone_spec, Forked, Phases, Restarted, RolledBack},
     pod::{PodContainer, PodError, Resolved},
 };
-use crate::checkpoint::{pages::PagesError, store::StoreError};
-
-#[derive(Debug, thiserror::Error)]
-pub enum CtlError {
-    #[error("cannot connect to containerd at {address}: {reason}")]
-    Connect { address: PathBuf, reason: String },
-    #[error("{op}: {message} ({code:?})")]
-    Grpc {
-        op: String,
-        code: tonic::Code,
-        message: String,
-    },
-    #[error("no container {container} in namespace {namespace}")]
-    NoContainer {
-        namespace: String,
-        container: String,
-    },
-    #[error("{container} has no checkpoint store at {path} (is it run by the crab runtime, with this state_dir?)")]
-    NoStore { container: String, path: PathBuf },
-    #[error("{container} has no checkpoint {turn}; it has: {available}")]
-    NoCheckpoint {
-        container: String,
-        turn: String,
-        available: String,
-    },
-    #[error("checkpoint {seq} of {container} (turn {turn_id:?}) failed: it is not a recovery point; usable: {available}")]
-    FailedCheckpoint {
-        container: String,
-        seq: u64,
-        turn_id: String,
-        available: String,
-    },
-    #[error("{container} has no recovery point yet (no checkpoint, or only failed ones)")]
-    NoRecoveryPoint { container: String },
-    #[error("image {0} is not in containerd's content store")]
-    NoImage(String),
-    #[error("image {0}: {1}")]
-    BadImage(String, String),
-    #[error("{container}'s rootfs is not built on its image {image} any more (the name points elsewhere now): cannot tell its base layers")]
-    BaseMismatch { container: String, image: String },
-    #[error("layer {digest} of checkpoint {seq} is neither in the store ({store}) nor in containerd's content store")]
-    MissingLayer {
-        digest: String,
-        seq: u64,
-        store: PathBuf,
-    },
-    #[error("container {0} already exists")]
-    Exists(String),
-    #[error("{0}")]
-    Invalid(String),
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("crab config: {0}")]
-    Config(#[from] ConfigError),
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error(transparent)]
-    Image(#[from] image::ImageError),
-    #[error(transparent)]
-    Pages(#[from] PagesError),
-    #[error(transparent)]
-    Pod(#[from] PodError),
-    #[error(transparent)]
-    Provenance(#[from] crate::checkpoint::provenance::ProvenanceError),
-}
-
-pub type Result<T, E = CtlError> = std::result::Result<T, E>;
 
 /// crab's config for `container` as its shim loads it: `explicit` (`--config`) if given, else
 /// the container's runtime options (inline TOML or a path), else the default file or defaults.
@@ -166,7 +104,7 @@ impl Ctl {
             Some(record) => self.config_for(&record)?,
             None => Config::load_or_default(self.config.as_deref())?.0,
         };
-        Ok(crate::turns::sandbox_dir(
+        Ok(crab_shim::turns::sandbox_dir(
             &config.store.state_dir,
             self.namespace(),
             id,
@@ -177,7 +115,7 @@ impl Ctl {
     pub fn store_root(&self, container: &Container) -> Result<PathBuf> {
         let config = self.config_for(container)?;
         let root =
-            crate::turns::sandbox_dir(&config.store.state_dir, self.namespace(), &container.id);
+            crab_shim::turns::sandbox_dir(&config.store.state_dir, self.namespace(), &container.id);
         if !root.join("checkpoints").is_dir() {
             return Err(CtlError::NoStore {
                 container: container.id.clone(),

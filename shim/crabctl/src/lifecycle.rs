@@ -89,7 +89,7 @@ pub fn clone_spec(spec: &Value, from: &str, to: &str) -> Result<Value> {
     if let Some(path) = s["linux"]["cgroupsPath"].as_str().filter(|p| !p.is_empty()) {
         let cut = path.rfind(['/', ':']).map_or(0, |i| i + 1);
         if &path[cut..] != from {
-            return Err(CtlError::Invalid(format!(
+            return Err(CtlError::Refused(format!(
                 "cannot give {to} a cgroup of its own: {from}'s cgroup path {path:?} does not end in its id"
             )));
         }
@@ -101,17 +101,17 @@ pub fn clone_spec(spec: &Value, from: &str, to: &str) -> Result<Value> {
 /// `template`'s record for a container `id` of image `image` on a snapshot of its own.
 pub fn clone_record(template: &Container, id: &str, image: &str) -> Result<Container> {
     if template.snapshotter.is_empty() {
-        return Err(CtlError::Invalid(format!(
+        return Err(CtlError::Refused(format!(
             "container {} has no snapshotter: crabctl starts containers on snapshots",
             template.id
         )));
     }
     let mut c = template.clone();
     let spec = c.spec.as_mut().ok_or_else(|| {
-        CtlError::Invalid(format!("container {} has no runtime spec", template.id))
+        CtlError::Refused(format!("container {} has no runtime spec", template.id))
     })?;
     let value: Value = serde_json::from_slice(&spec.value).map_err(|e| {
-        CtlError::Invalid(format!(
+        CtlError::Refused(format!(
             "container {}'s runtime spec is not JSON: {e}",
             template.id
         ))
@@ -186,7 +186,7 @@ impl Ctl {
     /// If one fails, the others are removed again.
     pub async fn fork(&self, container: &str, at: &str, count: usize) -> Result<Forked> {
         if count == 0 {
-            return Err(CtlError::Invalid(
+            return Err(CtlError::Refused(
                 "a fork needs a count of at least 1".into(),
             ));
         }
@@ -238,10 +238,13 @@ impl Ctl {
                 match joined {
                     Ok((_, Ok(f))) => forks.push(f),
                     Ok((id, Err(e))) => {
-                        failure.get_or_insert(CtlError::Invalid(format!("fork {id}: {e}")));
+                        failure.get_or_insert(CtlError::Fork {
+                            id,
+                            source: Box::new(e),
+                        });
                     }
                     Err(e) => {
-                        failure.get_or_insert(CtlError::Invalid(format!("a fork task: {e}")));
+                        failure.get_or_insert(CtlError::Failed(format!("a fork task: {e}")));
                     }
                 }
             }
@@ -328,13 +331,20 @@ impl Ctl {
                 .create_container(&lease, record.clone(), &top)
                 .await
                 .map_err(|e| {
-                    CtlError::Invalid(format!(
+                    CtlError::Failed(format!(
                         "{container} was removed but could not be created again from {}: {e}",
                         exported.reference
                     ))
                 })?;
             // The record stays if the start fails, so `crabctl recover` can try again.
-            let pid = self.client.start_task(&record).await?;
+            let pid = self
+                .client
+                .start_task(&record)
+                .await
+                .map_err(|e| CtlError::Restart {
+                    container: container.to_string(),
+                    source: Box::new(e),
+                })?;
             phases.start_ms = Phases::since(starting);
             self.drop_unused_internal_image(&exported.container.image)
                 .await;

@@ -20,7 +20,7 @@
 //! - a store changed in the last [`MIN_AGE`] (its directory or its `checkpoints/`): a safety
 //!   margin against clocks and creation order (containerd creates a record before its task, and
 //!   the shim opens the store in Create, so a store without a record is never a new one);
-//! - a store whose lock a live [`Store`](crate::checkpoint::store::Store) holds (a shim or
+//! - a store whose lock a live [`Store`](crab_shim::checkpoint::store::Store) holds (a shim or
 //!   crabctl still uses it).
 //!
 //! Removal renames the store to `.prune-<id>-<unique>.tmp` in its namespace directory, then
@@ -28,7 +28,7 @@
 //! which the next prune finishes (no container id starts with a dot, so no shim ever takes that
 //! name for a store). The check of the record and the rename happen under the lock of the
 //! namespace directory, which a shim holds while it creates a store
-//! ([`crate::checkpoint::store::lock_namespace_dir`]): a container re-created with the same id
+//! ([`crab_shim::checkpoint::store::lock_namespace_dir`]): a container re-created with the same id
 //! meanwhile either finds its store gone and starts a new one, or keeps it.
 //!
 //! Stores a shim set aside (`.replaced-<id>-<unique>`: an earlier container's, found where a
@@ -112,7 +112,7 @@ pub fn decide(entry: &Entry, existing: &HashSet<String>, min_age: Duration) -> D
 }
 
 fn is_leftover(name: &str) -> bool {
-    let set_aside = crate::checkpoint::store::SET_ASIDE_PREFIX;
+    let set_aside = crab_shim::checkpoint::store::SET_ASIDE_PREFIX;
     (name.len() > LEFTOVER_PREFIX.len() + LEFTOVER_SUFFIX.len()
         && name.starts_with(LEFTOVER_PREFIX)
         && name.ends_with(LEFTOVER_SUFFIX))
@@ -236,7 +236,7 @@ pub fn state_dirs<'a>(
     for r in records {
         if r.runtime
             .as_ref()
-            .is_none_or(|rt| rt.name != crate::service::RUNTIME_ID)
+            .is_none_or(|rt| rt.name != crab_shim::RUNTIME_ID)
         {
             continue;
         }
@@ -328,6 +328,8 @@ fn try_lock(store: &Path) -> io::Result<Lock> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Lock::None),
         Err(e) => return Err(e),
     };
+    // SAFETY: flock on a file descriptor `file` owns and keeps open for the call; it touches
+    // no memory. The lock is released when `file` is closed.
     if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
         return Ok(Lock::Taken(file));
     }
@@ -784,7 +786,7 @@ mod tests {
 
     #[test]
     fn state_dirs_come_from_the_configs_of_existing_crab_containers() {
-        let crab = crate::service::RUNTIME_ID;
+        let crab = crab_shim::RUNTIME_ID;
         let records = [
             record("a", crab, "[store]\nstate_dir = \"/srv/a\"\n"),
             record("b", crab, "[store]\nstate_dir = \"/srv/a\"\n"),
@@ -880,6 +882,7 @@ mod tests {
         // A live Store holds this one's lock.
         let lock = File::open(ns.join("locked/.lock")).unwrap();
         assert_eq!(
+            // SAFETY: flock on a descriptor `lock` owns; it touches no memory.
             unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
             0
         );

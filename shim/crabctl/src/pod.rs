@@ -18,7 +18,7 @@ use std::{
 use containerd_client::services::v1::Container;
 
 use super::{Ctl, Result};
-use crate::checkpoint::store::rfc3339;
+use crab_shim::checkpoint::store::rfc3339;
 
 /// The pod's (sandbox's) name and namespace, the container's name and kind, as the CRI plugin
 /// writes them into the spec annotations.

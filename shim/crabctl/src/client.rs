@@ -33,7 +33,7 @@ use containerd_client::{
     },
     types::{v1::Status as TaskStatus, Descriptor, Mount},
 };
-use containerd_shim::protos::{protobuf::Message as _, shim::oci::ProcessDetails};
+use containerd_shim_protos::{protobuf::Message as _, shim::oci::ProcessDetails};
 use serde_json::Value;
 use tokio::io::AsyncReadExt;
 use tonic::{transport::Channel, Code, Request, Status};
@@ -44,7 +44,7 @@ use super::{
     },
     CtlError,
 };
-use crate::{checkpoint::store::rfc3339, turns::TURN_END};
+use crab_shim::{checkpoint::store::rfc3339, turns::TURN_END};
 
 /// Bytes per `Content.Write` message (containerd's own clients use 1 MiB).
 const WRITE_CHUNK: usize = 1 << 20;
@@ -589,7 +589,7 @@ impl Client {
         let top = chains
             .last()
             .cloned()
-            .ok_or_else(|| CtlError::Invalid("an image without layers".into()))?;
+            .ok_or_else(|| CtlError::Refused("an image without layers".into()))?;
         self.label_content(
             &image.config_digest(),
             HashMap::from([(
@@ -632,7 +632,7 @@ impl Client {
                 .map(|d| d.digest)
                 .unwrap_or_default();
             if applied != diff_id {
-                return Err(CtlError::Invalid(format!(
+                return Err(CtlError::Refused(format!(
                     "layer {} unpacks to {applied}, but the image config says {diff_id}",
                     layer.digest
                 )));

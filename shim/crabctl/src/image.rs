@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use crate::checkpoint::{
+use crab_shim::checkpoint::{
     pages::{self, PagesError},
     provenance::{self, FileDigest, HashingReader, Statement, SIGNATURE_FILE},
     restore::{CheckpointMeta, CRIU_DIR, META_FILE, RESERVED_DIR},
@@ -37,7 +37,7 @@ pub const MEDIA_TYPE_DOCKER_MANIFEST: &str = "application/vnd.docker.distributio
 pub const MEDIA_TYPE_DOCKER_LIST: &str =
     "application/vnd.docker.distribution.manifest.list.v2+json";
 /// The checkpoint layer's media type (the store's layers use the same).
-pub use crate::checkpoint::store::MEDIA_TYPE_LAYER_ZSTD;
+pub use crab_shim::checkpoint::store::MEDIA_TYPE_LAYER_ZSTD;
 
 /// Config label: how many of the image's layers are its base image's (the rest are crab's).
 pub const LABEL_BASE_LAYERS: &str = "io.crab.checkpoint.base-layers";
@@ -599,7 +599,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::checkpoint::{
+    use crab_shim::checkpoint::{
         restore::{ProcessMeta, Source, META_FORMAT},
         store::MEDIA_TYPE_LAYER_TAR,
     };
