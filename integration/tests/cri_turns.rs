@@ -116,7 +116,7 @@ async fn crabctl_ends_turns_of_a_pods_container_by_name() {
         ("fork", &["--at", "t1", "--count", "1"]),
     ] {
         let (code, _, err) = cri.crabctl(&by_name(op, &pod, "app", rest));
-        assert_eq!(code, 1, "{op}: {err}");
+        assert_eq!(code, 4, "{op} is refused: {err}");
         assert!(
             err.contains("run by Kubernetes through the CRI"),
             "{op}: {err}"
@@ -131,14 +131,15 @@ async fn crabctl_ends_turns_of_a_pods_container_by_name() {
 
     // The pause container is neither inspected nor checkpointed: no store, and not addressable
     // by name.
+    // (Exit statuses: 3 not found, 4 refused.)
     let (code, _, err) = cri.crabctl(&["checkpoints", &pod_id]);
-    assert_eq!(code, 1, "{err}");
+    assert_eq!(code, 3, "{err}");
     assert!(err.contains("no checkpoint store"), "{err}");
     let (code, _, err) = cri.crabctl(&["turn-end", &pod_id]);
-    assert_eq!(code, 1, "{err}");
+    assert_eq!(code, 4, "{err}");
     assert!(err.contains("is not inspected"), "{err}");
     let (code, _, err) = cri.crabctl(&by_name("turn-end", &pod, "POD", &[]));
-    assert_eq!(code, 1, "{err}");
+    assert_eq!(code, 4, "{err}");
     assert!(
         err.contains("sandbox (pause) container") && err.contains("its containers: app"),
         "{err}"
@@ -146,13 +147,13 @@ async fn crabctl_ends_turns_of_a_pods_container_by_name() {
 
     // Wrong names say what there is.
     let (code, _, err) = cri.crabctl(&by_name("turn-end", &pod, "web", &[]));
-    assert_eq!(code, 1, "{err}");
+    assert_eq!(code, 3, "{err}");
     assert!(
         err.contains("has no container web; its containers: app"),
         "{err}"
     );
     let (code, _, err) = cri.crabctl(&by_name("turn-end", "no-such-pod", "app", &[]));
-    assert_eq!(code, 1, "{err}");
+    assert_eq!(code, 3, "{err}");
     assert!(
         err.contains("no pod crab-cri-test/no-such-pod")
             && err.contains(&format!("{POD_NAMESPACE}/{pod}")),

@@ -401,11 +401,12 @@ async fn crabctl_turn_end_and_explain() {
     let answer: Value = serde_json::from_str(&out).unwrap();
     assert!(has(&answer, "added", "/app/greeting"), "{answer:#}");
     // Errors are clear and exit non-zero.
+    // Not found (3), as documented in `crabctl --help`.
     let (code, _, err) = crabctl(&["show", &s.id, "nope"]);
-    assert_eq!(code, Some(1));
+    assert_eq!(code, Some(3));
     assert!(err.contains("has no turn nope"), "{err}");
     let (code, _, err) = crabctl(&["turn-end", "no-such-container"]);
-    assert_eq!(code, Some(1));
+    assert_eq!(code, Some(3));
     assert!(err.contains("no-such-container"), "{err}");
     let (code, _, err) = crabctl(&["frobnicate"]);
     assert_eq!(code, Some(2), "{err}");

@@ -43,12 +43,16 @@ fn crabctl_ok(s: &Sandbox, args: &[&str]) -> String {
     out
 }
 
-/// crabctl must fail with exit status 1 and a message containing `needle`.
-fn crabctl_fails(s: &Sandbox, args: &[&str], needle: &str) {
+/// crabctl's exit statuses (`crabctl --help`).
+const NOT_FOUND: i32 = 3;
+const REFUSED: i32 = 4;
+
+/// crabctl must fail with exit status `status` and a message containing `needle`.
+fn crabctl_fails(s: &Sandbox, args: &[&str], status: i32, needle: &str) {
     let (code, out, err) = s.crabctl(args);
     assert_eq!(
-        code, 1,
-        "crabctl {args:?} must fail:\nstdout: {out}\nstderr: {err}"
+        code, status,
+        "crabctl {args:?} must fail with {status}:\nstdout: {out}\nstderr: {err}"
     );
     assert!(
         err.contains(needle),
@@ -609,33 +613,44 @@ async fn bad_input_is_refused_and_changes_nothing() {
     crabctl_fails(
         &s,
         &["export", &unknown, &reference],
+        NOT_FOUND,
         &format!("no container {unknown}"),
     );
     crabctl_fails(
         &s,
         &["fork", &unknown, "--at", &turn, "--count", "2"],
+        NOT_FOUND,
         "no container",
     );
-    crabctl_fails(&s, &["rollback", &unknown, "--to", &turn], "no container");
-    crabctl_fails(&s, &["recover", &unknown], "no container");
+    crabctl_fails(
+        &s,
+        &["rollback", &unknown, "--to", &turn],
+        NOT_FOUND,
+        "no container",
+    );
+    crabctl_fails(&s, &["recover", &unknown], NOT_FOUND, "no container");
     crabctl_fails(
         &s,
         &["export", &s.id, "--turn", "t999", &reference],
+        NOT_FOUND,
         "has no checkpoint t999",
     );
     crabctl_fails(
         &s,
         &["export", &s.id, "--turn", "999", &reference],
+        NOT_FOUND,
         "has no checkpoint 999",
     );
     crabctl_fails(
         &s,
         &["fork", &s.id, "--at", "t999", "--count", "2"],
+        NOT_FOUND,
         "has no checkpoint t999",
     );
     crabctl_fails(
         &s,
         &["rollback", &s.id, "--to", "t999"],
+        NOT_FOUND,
         "has no checkpoint t999",
     );
     let (code, _, err) = s.crabctl(&["fork", &s.id, "--at", &turn, "--count", "0"]);
@@ -674,7 +689,7 @@ async fn bad_input_is_refused_and_changes_nothing() {
         vec!["rollback", s.id.as_str(), "--to", "tfailed"],
         vec!["fork", s.id.as_str(), "--at", "tfailed", "--count", "1"],
     ] {
-        crabctl_fails(&s, &args, "failed: it is not a recovery point");
+        crabctl_fails(&s, &args, REFUSED, "failed: it is not a recovery point");
     }
     // Without --turn, the newest recovery point before the failure is taken.
     let out = crabctl_ok(&s, &["export", &s.id, &reference]);
