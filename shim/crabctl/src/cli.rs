@@ -31,6 +31,8 @@ Containers started by fork/rollback/recover get no stdio (/dev/null) and no term
 Every command finds the container's store through its own runtime options (as its shim does)
 unless --config says otherwise.";
 
+const GLOBAL: &str = "Global options";
+
 /// crabctl's command line as clap sees it.
 #[derive(Debug, Parser)]
 #[command(
@@ -46,6 +48,7 @@ pub struct Cli {
         long,
         short = 'a',
         global = true,
+        help_heading = GLOBAL,
         value_name = "SOCK",
         env = "CONTAINERD_ADDRESS",
         default_value = "/run/containerd/containerd.sock"
@@ -56,17 +59,18 @@ pub struct Cli {
         long,
         short = 'n',
         global = true,
+        help_heading = GLOBAL,
         value_name = "NS",
         env = "CONTAINERD_NAMESPACE",
         default_value = "default"
     )]
     pub namespace: String,
     /// every namespace containerd has (prune only)
-    #[arg(long, short = 'A', global = true)]
+    #[arg(long, short = 'A', global = true, help_heading = GLOBAL)]
     pub all_namespaces: bool,
     /// crab's config, for its state_dir (default: the one the container's runtime options
     /// name, as its shim finds it)
-    #[arg(long, global = true, value_name = "PATH")]
+    #[arg(long, global = true, help_heading = GLOBAL, value_name = "PATH")]
     pub config: Option<PathBuf>,
     #[command(subcommand)]
     pub command: Command,

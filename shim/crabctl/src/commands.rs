@@ -200,11 +200,12 @@ fn count(v: &Value) -> usize {
 }
 
 async fn turns(g: &Global, container: &str) -> Result<()> {
+    let answers = answers(g, container).await?;
     println!(
         "{:>5}  {:<20} {:<5} {:>9}  WHY",
         "SEQ", "TURN", "KIND", "TOOK(us)"
     );
-    for a in answers(g, container).await? {
+    for a in answers {
         let fs = &a["fs"];
         let p = &a["procs"];
         let mut why = Vec::new();
