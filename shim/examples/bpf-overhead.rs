@@ -20,7 +20,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use crab_shim::inspector::bpf::{cgroup2_mount, cgroup_id, remove_pinned, HostProbes};
+use crab_shim::inspector::bpf::{remove_pinned, HostProbes};
+use crab_shim::sys::cgroup::{cgroup2_mount, cgroup_id};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -40,7 +41,7 @@ fn main() {
         "bpf-overhead loads BPF programs: run it as root"
     );
 
-    let (mount, _) = cgroup2_mount().expect("cgroup2 mount");
+    let mount = cgroup2_mount().expect("cgroup2 mount").mount_point;
     let pid = std::process::id();
     let bench_cg = Cgroup::new(mount.join(format!("crab-bpf-bench-{pid}")));
     let extra: Vec<Cgroup> = (0..255)

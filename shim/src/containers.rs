@@ -526,7 +526,9 @@ impl Containers {
             container_id: id.to_string(),
             runc: runc.clone(),
             init_pid: pid,
-            cgroup2_dir: crate::cgroup::Cgroups::of(pid)?.unified.unwrap_or_default(),
+            cgroup2_dir: crate::sys::cgroup::Cgroups::of(pid)?
+                .unified
+                .unwrap_or_default(),
             upperdir: rootfs
                 .iter()
                 .find(|m| m.type_ == "overlay")
@@ -1332,7 +1334,7 @@ impl Containers {
         c.init
             .transition(&[Status::Running, Status::Paused], c.init.status())?;
         let init_pid = c.init.pid();
-        let cgroup = crate::cgroup::Cgroups::of(init_pid)?
+        let cgroup = crate::sys::cgroup::Cgroups::of(init_pid)?
             .unified
             .ok_or_else(|| Error::Other(format!("no cgroup2 directory for container {id}")))?;
         crate::checkpoint::process::check_dumpable(init_pid, &cgroup)
@@ -1426,15 +1428,8 @@ fn kill_cgroup_members(spec: &oci_spec::runtime::Spec, id: &str) -> usize {
 
 /// Detaches every mount at or below `dir` (deepest first).
 fn unmount_all_under(dir: &Path) {
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let mut points: Vec<PathBuf> = mountinfo
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(|p| PathBuf::from(p.replace("\\040", " ")))
-        .filter(|p| p.starts_with(dir))
-        .collect();
-    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-    for p in points {
+    let mounts = crate::sys::mountinfo::read_self().unwrap_or_default();
+    for p in crate::sys::mountinfo::mount_points_under(&mounts, dir) {
         if let Err(e) = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH) {
             log::warn!("cannot unmount {}: {e}", p.display());
         }

@@ -71,6 +71,16 @@ impl From<containerd_shim::Error> for Error {
     }
 }
 
+impl From<crate::sys::cgroup::CgroupError> for Error {
+    fn from(e: crate::sys::cgroup::CgroupError) -> Self {
+        match e {
+            crate::sys::cgroup::CgroupError::Io { context, source } => {
+                Error::Io { context, source }
+            }
+        }
+    }
+}
+
 impl From<nix::Error> for Error {
     fn from(e: nix::Error) -> Self {
         Error::Io {

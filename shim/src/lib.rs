@@ -7,10 +7,10 @@
 //! - [`bundle`], [`oom`]: the OCI bundle and OOM notifications
 //! - [`idmap`]: id-mapped rootfs layers of pods with their own user namespace
 //! - [`info`]: `-info`, the runtime features containerd's introspection asks for
+//! - [`sys`]: the operating system below everything else (mount table, cgroups, files beneath a
+//!   root, raw system calls)
 
-pub mod beneath;
 pub mod bundle;
-pub mod cgroup;
 pub mod checkpoint;
 pub mod containers;
 pub mod engine;
@@ -27,6 +27,7 @@ pub mod runc;
 pub mod service;
 pub mod stats;
 pub mod stdio;
+pub mod sys;
 pub mod turns;
 
 /// The runtime's name as containerd knows it (the shim's id, and the runtime name crab's

@@ -41,7 +41,7 @@ enum MemoryCgroup {
 /// Finds the memory cgroup of `pid`: v1 when the memory controller is there (hybrid hosts),
 /// else the unified directory if it has the memory controller.
 fn memory_cgroup(pid: i32) -> Result<MemoryCgroup> {
-    let cgroups = crate::cgroup::Cgroups::of(pid as u32)?;
+    let cgroups = crate::sys::cgroup::Cgroups::of(pid as u32)?;
     if let Some(dir) = cgroups.v1("memory") {
         return Ok(MemoryCgroup::V1(dir.clone()));
     }

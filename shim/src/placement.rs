@@ -13,6 +13,8 @@
 
 use std::{fs, io, path::PathBuf};
 
+use crate::sys::{cgroup, mountinfo};
+
 /// The environment variable `start` hands the daemon the cgroup in.
 pub const SHIM_CGROUP_ENV: &str = "CRAB_SHIM_CGROUP";
 
@@ -27,9 +29,9 @@ pub fn join_cgroup(pid: u32, path: &str) -> io::Result<Vec<PathBuf>> {
             format!("shim cgroup {path:?} has a `..` component"),
         ));
     }
-    let mountinfo = fs::read_to_string("/proc/self/mountinfo")?;
+    let mounts = mountinfo::read_self()?;
     let mut joined = Vec::new();
-    for mount_point in cgroup_mounts(&mountinfo) {
+    for mount_point in cgroup::hierarchy_mount_points(&mounts) {
         let dir = mount_point.join(rel);
         if !dir.is_dir() {
             continue;
@@ -45,19 +47,6 @@ pub fn join_cgroup(pid: u32, path: &str) -> io::Result<Vec<PathBuf>> {
         ));
     }
     Ok(joined)
-}
-
-/// Mount points of cgroup v1 hierarchies and of cgroup2.
-fn cgroup_mounts(mountinfo: &str) -> Vec<PathBuf> {
-    mountinfo
-        .lines()
-        .filter_map(|l| {
-            let (left, right) = l.split_once(" - ")?;
-            let fstype = right.split_whitespace().next()?;
-            let mount_point = left.split_whitespace().nth(4)?;
-            matches!(fstype, "cgroup" | "cgroup2").then(|| PathBuf::from(mount_point))
-        })
-        .collect()
 }
 
 pub fn oom_score_adj(pid: u32) -> io::Result<i32> {
@@ -113,21 +102,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn cgroup_mounts_of_hybrid_and_v2() {
-        let mi = "\
-30 25 0:26 / /sys/fs/cgroup ro - tmpfs tmpfs ro,mode=755
-31 30 0:27 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw
-33 30 0:29 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory
-40 1 0:40 / /work rw - ext4 /dev/vda rw
-";
-        assert_eq!(
-            cgroup_mounts(mi),
-            vec![
-                PathBuf::from("/sys/fs/cgroup/unified"),
-                PathBuf::from("/sys/fs/cgroup/memory")
-            ]
-        );
-        assert!(join_cgroup(1, "/a/../../etc").is_err());
+    fn a_shim_cgroup_with_dot_dot_is_refused() {
+        let e = join_cgroup(1, "/a/../../etc").unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
     }
 
     /// In a child (the test process must keep its score): raising works without privileges,

@@ -11,8 +11,8 @@ use containerd_shim_protos::{
 };
 
 use crate::{
-    cgroup::Cgroups,
     error::{Error, Result},
+    sys::cgroup::Cgroups,
 };
 
 fn read_u64(dir: &Path, file: &str) -> u64 {

@@ -258,10 +258,10 @@ pub struct PreparedIo {
 /// path), and checked to be the null device (1:3) before it is opened for I/O.
 fn container_null(pid: u32) -> Option<std::fs::File> {
     use std::os::fd::AsFd;
-    let root = crate::beneath::process_root(pid).ok()?;
-    let path =
-        crate::beneath::resolve_beneath(root.as_fd(), std::path::Path::new("dev/null")).ok()?;
-    let st = crate::beneath::fstat(path.as_fd()).ok()?;
+    let root = crate::sys::beneath::process_root(pid).ok()?;
+    let path = crate::sys::beneath::resolve_beneath(root.as_fd(), std::path::Path::new("dev/null"))
+        .ok()?;
+    let st = crate::sys::beneath::fstat(path.as_fd()).ok()?;
     if st.st_mode & libc::S_IFMT != libc::S_IFCHR || st.st_rdev != libc::makedev(1, 3) {
         log::warn!(
             "pid {pid}: /dev/null in its container is not the null device; execs get the host's"

@@ -178,7 +178,7 @@ pub fn start_inspection(
         .and_then(|m| inspector::fs::overlay_dirs(&m.options))
         .map(|(u, l)| (Some(u), l))
         .unwrap_or((None, Vec::new()));
-    let cgroup2_dir = inspector::bpf::cgroup2_dir_of(init_pid);
+    let cgroup2_dir = crate::sys::cgroup::cgroup2_dir_of(init_pid);
     let probes = match &cgroup2_dir {
         Ok(_) => host_probes(),
         Err(e) => Err(format!("no cgroup2 directory for pid {init_pid}: {e}")),

@@ -201,8 +201,8 @@ fn read_bounded(path: &Path) -> Result<Vec<u8>, CriuImageError> {
         path: path.to_path_buf(),
         source,
     };
-    let f = crate::beneath::open_regular_nofollow(path).map_err(|e| {
-        if crate::beneath::is_refused(&e) {
+    let f = crate::sys::beneath::open_regular_nofollow(path).map_err(|e| {
+        if crate::sys::beneath::is_refused(&e) {
             malformed(path)("not a regular file".into())
         } else {
             io(e)

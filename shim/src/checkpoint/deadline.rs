@@ -10,6 +10,8 @@
 
 use std::{fs, path::Path};
 
+use crate::sys::cgroup::freezer::{CgroupFreezer, CgroupVersion};
+
 /// A process as the search needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProcInfo {
@@ -121,10 +123,10 @@ pub fn abort(container_id: &str, init_pid: u32) -> Aborted {
 
 /// Thaws the freezer cgroup of `init_pid`: `Some(true)` if it was frozen.
 fn thaw(init_pid: u32) -> Option<bool> {
-    let freezer = super::layer::CgroupFreezer::for_pid(init_pid).ok()?;
+    let freezer = CgroupFreezer::for_pid(init_pid).ok()?;
     let (state, thawed) = match freezer.version() {
-        super::layer::CgroupVersion::V1 => ("freezer.state", "THAWED"),
-        super::layer::CgroupVersion::V2 => ("cgroup.freeze", "0"),
+        CgroupVersion::V1 => ("freezer.state", "THAWED"),
+        CgroupVersion::V2 => ("cgroup.freeze", "0"),
     };
     let path = freezer.dir().join(state);
     let was = fs::read_to_string(&path).ok()?;

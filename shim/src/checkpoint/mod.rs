@@ -29,6 +29,7 @@
 //! thread: it finishes in the background, its output is discarded, and the sandbox's next job
 //! waits for it (outside the engine) so that two captures never overlap.
 
+mod capture;
 pub mod criu_image;
 pub mod deadline;
 pub mod layer;
@@ -39,6 +40,7 @@ pub mod process;
 pub mod provenance;
 pub mod restore;
 pub mod store;
+mod tar;
 
 use std::{
     collections::HashMap,
@@ -53,7 +55,7 @@ use std::{
 use tokio::sync::watch;
 
 use self::{
-    layer::{CgroupFreezer, FsDiffPaths},
+    layer::FsDiffPaths,
     store::{CheckpointKind, Manifest, ProcessImage, Store, Timings},
 };
 use crate::{
@@ -645,7 +647,7 @@ impl Coordinator {
             let capturing = self.capture.clone().lock_owned().await;
             let (desc, stats) = tokio::task::spawn_blocking(move || {
                 let _capturing = capturing;
-                let freezer = CgroupFreezer::for_pid(init_pid)
+                let freezer = crate::sys::cgroup::freezer::CgroupFreezer::for_pid(init_pid)
                     .map_err(Error::io("find the container's freezer"))?;
                 let paths = FsDiffPaths {
                     added: &added,

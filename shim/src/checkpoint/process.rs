@@ -545,7 +545,7 @@ mod tests {
     /// Real runc + CRIU containers built by hand from busybox-static (root only).
     mod e2e {
         use super::*;
-        use crate::{cgroup::Cgroups, reaper};
+        use crate::{reaper, sys::cgroup::Cgroups};
         use std::{
             collections::BTreeMap,
             os::unix::fs::symlink,
@@ -600,16 +600,9 @@ mod tests {
                     let pid: u32 = rest.rsplit('-').next()?.parse().ok()?;
                     (!Path::new(&format!("/proc/{pid}")).exists()).then_some(())
                 };
-                let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
-                let roots: Vec<PathBuf> = mountinfo
-                    .lines()
-                    .filter_map(|l| {
-                        let (left, right) = l.split_once(" - ")?;
-                        let mount_point = left.split_whitespace().nth(4)?;
-                        matches!(right.split_whitespace().next()?, "cgroup" | "cgroup2")
-                            .then(|| PathBuf::from(mount_point))
-                    })
-                    .collect();
+                let roots = crate::sys::cgroup::hierarchy_mount_points(
+                    &crate::sys::mountinfo::read_self().unwrap(),
+                );
                 for root in roots {
                     for e in fs::read_dir(&root).into_iter().flatten().flatten() {
                         let name = e.file_name().to_string_lossy().into_owned();

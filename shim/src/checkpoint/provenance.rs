@@ -351,8 +351,8 @@ fn read_small(path: &Path, max: u64) -> Result<Vec<u8>, ProvenanceError> {
         path: path.to_path_buf(),
         source,
     };
-    let f = crate::beneath::open_regular_nofollow(path).map_err(|e| {
-        if crate::beneath::is_refused(&e) {
+    let f = crate::sys::beneath::open_regular_nofollow(path).map_err(|e| {
+        if crate::sys::beneath::is_refused(&e) {
             ProvenanceError::Key {
                 path: path.to_path_buf(),
                 reason: "not a regular file".into(),

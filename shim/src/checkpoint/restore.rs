@@ -198,7 +198,7 @@ fn plain(path: &Path) -> Result<fs::Metadata, RestoreError> {
 /// Opens a file of a checkpoint image for reading if and only if it is a regular file: the path
 /// is resolved to an `O_PATH` handle without following a symlink in its last component, its type
 /// checked on that handle, and only then the same inode opened for reading
-/// ([`crate::beneath::reopen_regular`]). An ordinary open followed by a type check would already
+/// ([`crate::sys::beneath::reopen_regular`]). An ordinary open followed by a type check would already
 /// have run a planted device's `open` (a hardware watchdog reboots the host when opened);
 /// `O_NONBLOCK` only keeps a FIFO from blocking.
 fn open_plain(path: &Path) -> Result<File, RestoreError> {
@@ -214,7 +214,7 @@ fn open_plain(path: &Path) -> Result<File, RestoreError> {
             found: kind_name(md.file_type()),
         });
     }
-    crate::beneath::reopen_regular(handle.as_fd(), libc::O_RDONLY).map_err(io_err(path))
+    crate::sys::beneath::reopen_regular(handle.as_fd(), libc::O_RDONLY).map_err(io_err(path))
 }
 
 /// Reads a plain file (see [`open_plain`]) of at most `max` bytes.

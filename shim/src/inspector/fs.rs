@@ -397,7 +397,7 @@ pub fn diff(prev: &Manifest, now: &Manifest, lowerdirs: &[PathBuf]) -> FsDiff {
 }
 
 /// Writes back the dirty pages of the file `rel` beneath `root` (an upperdir or a volume, see
-/// [`crate::beneath::open_root`]) and waits, which makes the kernel write-protect them in every
+/// [`crate::sys::beneath::open_root`]) and waits, which makes the kernel write-protect them in every
 /// shared mapping: the next store through a mapping faults and moves the file's mtime/ctime,
 /// which [`diff`] sees.
 ///
@@ -410,11 +410,12 @@ pub fn diff(prev: &Manifest, now: &Manifest, lowerdirs: &[PathBuf]) -> FsDiff {
 /// `rel` comes from the container (a path printed in its maps): it is resolved beneath `root`
 /// without following any symlink or climbing out with `..`, and only a regular file is opened
 /// (never a device, FIFO or socket); anything else is refused with
-/// [`crate::beneath::not_regular`]'s error or `ELOOP`/`EXDEV`.
+/// [`crate::sys::beneath::not_regular`]'s error or `ELOOP`/`EXDEV`.
 pub fn arm_shared_mapping(root: BorrowedFd<'_>, rel: &Path) -> Result<(), FsError> {
     // Opened read-only: sync_file_range needs no write access. O_NOATIME: arming is no access.
-    let file = crate::beneath::open_regular_beneath(root, rel, libc::O_RDONLY | libc::O_NOATIME)
-        .map_err(|e| FsError::io("open", rel, e))?;
+    let file =
+        crate::sys::beneath::open_regular_beneath(root, rel, libc::O_RDONLY | libc::O_NOATIME)
+            .map_err(|e| FsError::io("open", rel, e))?;
     let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
         | libc::SYNC_FILE_RANGE_WRITE
         | libc::SYNC_FILE_RANGE_WAIT_AFTER;
@@ -1908,7 +1909,7 @@ mod tests {
             eprintln!("writeback happened between the stores; limitation not shown this time");
         }
         // Armed at the mark: the next store into the same page faults and is seen.
-        let upper = crate::beneath::open_root(&ov.upper).unwrap();
+        let upper = crate::sys::beneath::open_root(&ov.upper).unwrap();
         arm_shared_mapping(upper.as_fd(), Path::new("/tmp/map")).unwrap();
         let armed = ov.scan();
         assert!(
@@ -1939,7 +1940,7 @@ mod tests {
         symlink(tmp.path(), upper.join("out")).unwrap();
         symlink(tmp.path().join("host"), upper.join("last")).unwrap();
         fs::write(upper.join("d/file"), "x").unwrap();
-        let root = crate::beneath::open_root(&upper).unwrap();
+        let root = crate::sys::beneath::open_root(&upper).unwrap();
         let started = Instant::now();
         for rel in ["fifo", "chr", "out/host", "last", "d/../../host", "d"] {
             assert!(

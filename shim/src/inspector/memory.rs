@@ -78,7 +78,7 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::procs::{self, MapsLine, ProcError};
-use crate::beneath;
+use crate::sys::beneath;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MemError {
@@ -462,7 +462,7 @@ fn classify(pid: u32, m: &MapsLine) -> Option<RegionKind> {
 /// put at that name (a device node, a FIFO, a symlink to a host file) is not the memory.
 /// Only a regular file is opened (memfd, SysV shm, shared anonymous memory and tmpfs or
 /// hugetlbfs files all are): the link is resolved to an `O_PATH` handle, checked, and that
-/// handle reopened ([`crate::beneath::reopen_regular`]), so no device's `open` ever runs.
+/// handle reopened ([`crate::sys::beneath::reopen_regular`]), so no device's `open` ever runs.
 fn shmem_file(pid: u32, m: &MapsLine) -> io::Result<File> {
     let handle = beneath::open_handle(&map_files_path(pid, m))?;
     beneath::reopen_regular(handle.as_fd(), libc::O_RDONLY)

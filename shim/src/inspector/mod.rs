@@ -26,7 +26,7 @@ use std::os::unix::ffi::OsStrExt;
 
 use serde::Serialize;
 
-use crate::beneath;
+use crate::sys::beneath;
 
 use self::{
     bpf::{CgroupCounters, HostProbes},
@@ -274,7 +274,7 @@ impl Inspection {
     pub fn new(target: Target, probes: Result<Arc<HostProbes>, String>) -> Inspection {
         let mut blind = None;
         let (probes, cgroup_id) = match probes {
-            Ok(p) => match bpf::cgroup_id(&target.cgroup2_dir)
+            Ok(p) => match crate::sys::cgroup::cgroup_id(&target.cgroup2_dir)
                 .map_err(|e| e.to_string())
                 .and_then(|id| {
                     p.watch(id).map_err(|e| e.to_string())?;

@@ -16,7 +16,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use crate::beneath;
+use crate::sys::beneath;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProcError {
@@ -264,7 +264,7 @@ fn split_deleted(
 }
 
 /// `(st_dev, st_ino)` of what `path` names in a process's view (`view` from
-/// [`crate::beneath::process_root`]), without following symlinks or opening it.
+/// [`crate::sys::beneath::process_root`]), without following symlinks or opening it.
 pub fn identity_in_view(view: BorrowedFd<'_>, path: &Path) -> io::Result<(u64, u64)> {
     let handle = beneath::resolve_beneath(view, path)?;
     let st = beneath::fstat(handle.as_fd())?;
@@ -523,14 +523,7 @@ mod tests {
     }
 
     fn cgroup2_mount() -> PathBuf {
-        let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-        for l in mi.lines() {
-            let (pre, post) = l.split_once(" - ").unwrap();
-            if post.starts_with("cgroup2 ") {
-                return PathBuf::from(pre.split(' ').nth(4).unwrap());
-            }
-        }
-        panic!("no cgroup2 mount");
+        crate::sys::cgroup::cgroup2_mount().unwrap().mount_point
     }
 
     /// A cgroup2 directory for the test; kills what is left in it and removes it on drop.

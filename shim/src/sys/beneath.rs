@@ -1,6 +1,6 @@
 //! Opening files that a container controls, as host root, without being led anywhere else.
 //!
-//! Everything a sandbox can name is hostile (DESIGN.md §0): paths printed in
+//! Everything a sandbox can name is hostile: paths printed in
 //! `/proc/PID/maps` and `/proc/PID/fd` (a memfd's name is any string, slashes and `..`
 //! included), the entries of its upperdir, volumes and rootfs. A path joined onto a host
 //! directory and handed to `open(2)` can leave that directory through a symlink in any
@@ -27,15 +27,23 @@ use std::{
     fs::File,
     io,
     os::{
-        fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+        fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd},
         unix::ffi::OsStrExt,
     },
     path::{Component, Path},
 };
 
+use nix::{
+    errno::Errno,
+    fcntl::{OFlag, OpenHow, ResolveFlag},
+};
+
+use super::file;
+
 /// The resolution flags every lookup uses.
-const RESOLVE: u64 =
-    libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+const RESOLVE: ResolveFlag = ResolveFlag::RESOLVE_BENEATH
+    .union(ResolveFlag::RESOLVE_NO_SYMLINKS)
+    .union(ResolveFlag::RESOLVE_NO_MAGICLINKS);
 
 /// The error for a path that resolved to something other than a regular file. `EFTYPE` does
 /// not exist on Linux; `ENXIO` ("no such device or address") is what `open(2)` itself returns
@@ -81,48 +89,22 @@ fn relative(rel: &Path) -> io::Result<CString> {
 /// `..` above `root`, or an absolute symlink fails with `ELOOP` or `EXDEV`.
 pub fn resolve_beneath(root: BorrowedFd<'_>, rel: &Path) -> io::Result<OwnedFd> {
     let c = relative(rel)?;
-    let mut how = zeroed_open_how();
-    how.flags = (libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC) as u64;
-    how.resolve = RESOLVE;
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+        .resolve(RESOLVE);
     loop {
-        // SAFETY: `c` is a NUL-terminated string and `how` a valid `open_how` of the size passed;
-        // both outlive the call. The kernel reads them only.
-        let fd = unsafe {
-            libc::syscall(
-                libc::SYS_openat2,
-                root.as_raw_fd(),
-                c.as_ptr(),
-                &how as *const libc::open_how,
-                std::mem::size_of::<libc::open_how>(),
-            )
-        };
-        if fd >= 0 {
-            // SAFETY: openat2 returned a new descriptor that nothing else owns.
-            return Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) });
-        }
-        let e = io::Error::last_os_error();
-        // EAGAIN: a concurrent rename made RESOLVE_BENEATH's check inconclusive; retry.
-        if e.raw_os_error() != Some(libc::EAGAIN) && e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
+        match file::openat2(root, c.as_c_str(), how) {
+            Ok(fd) => return Ok(fd),
+            // EAGAIN: a concurrent rename made RESOLVE_BENEATH's check inconclusive; retry.
+            Err(Errno::EAGAIN | Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
         }
     }
-}
-
-fn zeroed_open_how() -> libc::open_how {
-    // SAFETY: open_how is plain integers; all-zero is its documented default.
-    unsafe { std::mem::zeroed() }
 }
 
 /// `fstat` of any descriptor, `O_PATH` ones included.
 pub fn fstat(fd: BorrowedFd<'_>) -> io::Result<libc::stat> {
-    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-    // SAFETY: `st` is a valid out pointer for one `stat`; the kernel fills it on success.
-    let rc = unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fstat succeeded, so it initialised `st`.
-    Ok(unsafe { st.assume_init() })
+    Ok(nix::sys::stat::fstat(fd.as_raw_fd())?)
 }
 
 pub fn is_regular(st: &libc::stat) -> bool {
@@ -136,23 +118,17 @@ pub fn reopen_regular(path: BorrowedFd<'_>, flags: libc::c_int) -> io::Result<Fi
     if !is_regular(&fstat(path)?) {
         return Err(not_regular());
     }
-    let via =
-        CString::new(format!("/proc/self/fd/{}", path.as_raw_fd())).expect("no NUL in a number");
+    let via = format!("/proc/self/fd/{}", path.as_raw_fd());
     let flags = flags | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC;
     loop {
-        // SAFETY: `via` is a NUL-terminated path; open has no other preconditions.
-        let fd = unsafe { libc::open(via.as_ptr(), flags) };
-        if fd >= 0 {
-            // SAFETY: a new descriptor that nothing else owns.
-            return Ok(unsafe { File::from_raw_fd(fd) });
-        }
-        let e = io::Error::last_os_error();
-        // O_NOATIME is refused (EPERM) on files the caller does not own without CAP_FOWNER.
-        if e.raw_os_error() == Some(libc::EPERM) && flags & libc::O_NOATIME != 0 {
-            return reopen_regular(path, flags & !libc::O_NOATIME);
-        }
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
+        match file::open(via.as_str(), OFlag::from_bits_retain(flags)) {
+            Ok(fd) => return Ok(File::from(fd)),
+            // O_NOATIME is refused (EPERM) on files the caller does not own without CAP_FOWNER.
+            Err(Errno::EPERM) if flags & libc::O_NOATIME != 0 => {
+                return reopen_regular(path, flags & !libc::O_NOATIME);
+            }
+            Err(Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
         }
     }
 }
@@ -190,15 +166,8 @@ pub fn open_handle(path: &Path) -> io::Result<OwnedFd> {
 }
 
 fn open_path(path: &Path, extra: libc::c_int) -> io::Result<OwnedFd> {
-    let c = CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: `c` is a NUL-terminated path.
-    let fd = unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_CLOEXEC | extra) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a new descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    let flags = OFlag::O_PATH | OFlag::O_CLOEXEC | OFlag::from_bits_retain(extra);
+    Ok(file::open(path, flags)?)
 }
 
 /// The root directory of process `pid` as its paths (`/proc/PID/maps`, `fd`) are printed
@@ -217,16 +186,14 @@ mod tests {
         time::{Duration, Instant},
     };
 
-    fn mknod(path: &Path, mode: libc::mode_t, dev: libc::dev_t) {
-        let c = CString::new(path.as_os_str().as_bytes()).unwrap();
-        // SAFETY: valid path; the test runs as root.
-        assert_eq!(
-            unsafe { libc::mknod(c.as_ptr(), mode, dev) },
-            0,
-            "mknod {}: {}",
-            path.display(),
-            io::Error::last_os_error()
-        );
+    fn mknod(path: &Path, kind: nix::sys::stat::SFlag, dev: libc::dev_t) {
+        nix::sys::stat::mknod(
+            path,
+            kind,
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+            dev,
+        )
+        .unwrap_or_else(|e| panic!("mknod {}: {e}", path.display()));
     }
 
     /// A host directory outside the "container" root with a file the container must not reach.
@@ -321,7 +288,7 @@ mod tests {
         // A character device: /dev/null's numbers, harmless, so the test is safe to get wrong.
         mknod(
             &s.root.join("chr"),
-            libc::S_IFCHR | 0o600,
+            nix::sys::stat::SFlag::S_IFCHR,
             libc::makedev(1, 3),
         );
         let _sock = std::os::unix::net::UnixListener::bind(s.root.join("sock")).unwrap();

@@ -1,0 +1,59 @@
+//! Opening files relative to directory descriptors, and the file calls `nix` lacks.
+//!
+//! nix 0.29's `open`, `openat` and `openat2` hand back raw descriptors; the wrappers here take
+//! ownership of them at once, so the rest of crab only ever holds [`OwnedFd`]s (closed exactly
+//! once, never leaked on an error path). Everything else crab needs from the kernel goes
+//! through nix directly, except what it does not have: `sync_file_range` (here), extended
+//! attributes ([`super::xattr`]), `open_by_handle_at` ([`super::cgroup`]) and the `bpf(2)`
+//! commands ([`super::bpf`]).
+
+use std::{
+    io,
+    os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd},
+};
+
+use nix::{
+    fcntl::{OFlag, OpenHow},
+    sys::stat::Mode,
+    NixPath,
+};
+
+/// Takes ownership of a descriptor a successful open call just returned.
+fn own(fd: RawFd) -> OwnedFd {
+    // SAFETY: only called with the result of a successful open/openat/openat2 in this module: a
+    // new, valid descriptor that nothing else owns or will close.
+    unsafe { OwnedFd::from_raw_fd(fd) }
+}
+
+/// `open(2)`; no mode (never creates a file).
+pub fn open<P: ?Sized + NixPath>(path: &P, flags: OFlag) -> nix::Result<OwnedFd> {
+    nix::fcntl::open(path, flags, Mode::empty()).map(own)
+}
+
+/// `openat(2)` relative to `dir`; no mode (never creates a file).
+pub fn openat<P: ?Sized + NixPath>(
+    dir: impl AsRawFd,
+    name: &P,
+    flags: OFlag,
+) -> nix::Result<OwnedFd> {
+    nix::fcntl::openat(Some(dir.as_raw_fd()), name, flags, Mode::empty()).map(own)
+}
+
+/// `openat2(2)` relative to `dir`.
+pub fn openat2<P: ?Sized + NixPath>(
+    dir: impl AsRawFd,
+    name: &P,
+    how: OpenHow,
+) -> nix::Result<OwnedFd> {
+    nix::fcntl::openat2(dir.as_raw_fd(), name, how).map(own)
+}
+
+/// `sync_file_range(2)` over the whole file with `flags` (`SYNC_FILE_RANGE_*`).
+pub fn sync_file_range(fd: BorrowedFd<'_>, flags: libc::c_uint) -> io::Result<()> {
+    // SAFETY: sync_file_range takes no pointers; `fd` is a descriptor borrowed for the call.
+    let rc = unsafe { libc::sync_file_range(fd.as_raw_fd(), 0, 0, flags) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}

@@ -1,0 +1,16 @@
+//! The operating system as crab uses it, below everything else: nothing here depends on the
+//! rest of crab, and the inspector depends on nothing of crab but this.
+//!
+//! - [`mountinfo`]: the one parser of `/proc/PID/mountinfo` (hostile input)
+//! - [`cgroup`]: a process's cgroup directories (v1, v2, hybrid), cgroup ids, the freezer
+//! - [`beneath`]: opening files a container controls without being led elsewhere
+//! - [`file`], [`xattr`], [`bpf`]: descriptor-owning wrappers over nix's `open*`, and the calls
+//!   nix 0.29 lacks (`sync_file_range`, xattrs, a few `bpf(2)` commands); every other system
+//!   call goes through nix directly
+
+pub mod beneath;
+pub mod bpf;
+pub mod cgroup;
+pub mod file;
+pub mod mountinfo;
+pub mod xattr;
