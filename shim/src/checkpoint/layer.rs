@@ -390,7 +390,7 @@ mod tests {
         sparse_map,
         test_support::{names, parse_tar, TarItem},
     };
-    use crate::inspector::fs::{diff, Manifest};
+    use crate::inspector::fs::{diff, TreeManifest};
     use crate::sys::cgroup::freezer::{test_support::Counter, CgroupFreezer};
     use crate::sys::xattr;
 
@@ -437,11 +437,11 @@ mod tests {
             self.merged.join(p)
         }
 
-        fn scan(&self) -> Manifest {
-            Manifest::scan(&self.upper).unwrap()
+        fn scan(&self) -> TreeManifest {
+            TreeManifest::scan(&self.upper).unwrap()
         }
 
-        fn diff(&self, prev: &Manifest) -> (Manifest, FsDiff) {
+        fn diff(&self, prev: &TreeManifest) -> (TreeManifest, FsDiff) {
             let now = self.scan();
             let d = diff(prev, &now, std::slice::from_ref(&self.lower));
             (now, d)
@@ -493,26 +493,8 @@ mod tests {
     }
 
     fn setxattr(p: &Path, name: &str, value: &[u8]) {
-        let (cp, cn) = (
-            CString::new(p.as_os_str().as_bytes()).unwrap(),
-            CString::new(name).unwrap(),
-        );
-        let rc = unsafe {
-            libc::lsetxattr(
-                cp.as_ptr(),
-                cn.as_ptr(),
-                value.as_ptr().cast(),
-                value.len(),
-                0,
-            )
-        };
-        assert_eq!(
-            rc,
-            0,
-            "setxattr {name} on {}: {}",
-            p.display(),
-            io::Error::last_os_error()
-        );
+        crate::sys::xattr::lset(p, name, value)
+            .unwrap_or_else(|e| panic!("setxattr {name} on {}: {e}", p.display()));
     }
 
     fn lxattrs(p: &Path) -> Vec<(Vec<u8>, Vec<u8>)> {
@@ -523,14 +505,14 @@ mod tests {
     }
 
     fn mknod(p: &Path, kind: libc::mode_t, mode: u32, dev: libc::dev_t) {
-        let c = CString::new(p.as_os_str().as_bytes()).unwrap();
-        assert_eq!(
-            unsafe { libc::mknod(c.as_ptr(), kind | mode, dev) },
-            0,
-            "mknod {}: {}",
-            p.display(),
-            io::Error::last_os_error()
-        );
+        use nix::sys::stat::{Mode, SFlag};
+        nix::sys::stat::mknod(
+            p,
+            SFlag::from_bits_truncate(kind),
+            Mode::from_bits_truncate(mode),
+            dev,
+        )
+        .unwrap_or_else(|e| panic!("mknod {}: {e}", p.display()));
         fs::set_permissions(p, fs::Permissions::from_mode(mode)).unwrap();
     }
 
@@ -1446,7 +1428,7 @@ mod tests {
         .unwrap_err();
         assert!(matches!(e, LayerError::Unsupported { .. }), "{e}");
         let trusted_scan =
-            Manifest::scan_with(&o.upper, &Default::default(), OverlayXattrs::User).unwrap();
+            TreeManifest::scan_with(&o.upper, &Default::default(), OverlayXattrs::User).unwrap();
         assert!(trusted_scan.get(Path::new("etc")).unwrap().opaque);
         assert_eq!(
             trusted_scan.get(Path::new("w")).unwrap().kind,

@@ -596,11 +596,14 @@ impl Coordinator {
                 // After a failure nothing is known about what the missing layers held: one
                 // layer of the whole upperdir, starting a new chain on top of the image.
                 let limits = (&t.limits).into();
-                let all =
-                    crate::inspector::fs::Manifest::scan_with(&upper, &limits, t.overlay_xattrs)
-                        .map_err(|e| Error::Other(e.to_string()))?;
+                let all = crate::inspector::fs::TreeManifest::scan_with(
+                    &upper,
+                    &limits,
+                    t.overlay_xattrs,
+                )
+                .map_err(|e| Error::Other(e.to_string()))?;
                 let d = crate::inspector::fs::diff(
-                    &crate::inspector::fs::Manifest::default(),
+                    &crate::inspector::fs::TreeManifest::default(),
                     &all,
                     &[],
                 );

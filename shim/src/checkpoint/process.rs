@@ -37,7 +37,7 @@ pub enum ProcError {
     #[error("the container's init {0} is not running")]
     InitGone(u32),
     #[error("reading the container's processes: {0}")]
-    Procs(#[from] procs::ProcError),
+    Procs(#[from] procs::ProcfsError),
     #[error("runc checkpoint failed: {message}{}{}", criu_log.as_ref().map(|l| format!(" (CRIU: {})", l.join("; "))).unwrap_or_default(), hint.map(|h| format!(". {h}")).unwrap_or_default())]
     Dump {
         message: String,

@@ -1,6 +1,6 @@
 //! Net filesystem change of a container since the last mark.
 //!
-//! Everything a container writes lands in its overlay upperdir, so a [`Manifest`] of the upperdir
+//! Everything a container writes lands in its overlay upperdir, so a [`TreeManifest`] of the upperdir
 //! (one walk, `lstat` per entry, xattrs only where overlayfs keeps its state) taken at each mark,
 //! and a [`diff`] of two manifests, gives the exact net change: a temp file that came and went
 //! between two marks is simply absent from both.
@@ -35,12 +35,17 @@ use std::collections::HashMap;
 use std::ffi::{CStr, CString, OsStr, OsString};
 use std::fmt::Write as _;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
-use std::ptr::NonNull;
 
+use nix::dir::Dir;
+use nix::errno::Errno;
+use nix::fcntl::{readlinkat, AtFlags, OFlag};
+use nix::sys::stat::{fstat, fstatat, lstat};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::sys::{file, xattr};
 
 /// Errors of a manifest scan. Any of them means the upperdir could not be observed: the caller
 /// must treat the turn as "everything changed".
@@ -191,13 +196,15 @@ fn is_false(b: &bool) -> bool {
     !*b
 }
 
-/// Relative path (`""` is the upperdir itself) -> metadata, for every entry of an upperdir,
-/// sorted in `Path` order (component-wise: parents first, then each subtree in name order).
+/// Relative path (`""` is the upperdir itself) -> metadata, for every entry of an upperdir (or
+/// a tracked volume), sorted in `Path` order (component-wise: parents first, then each subtree
+/// in name order). The state of one tree at a mark; not a checkpoint's manifest (that is
+/// `checkpoint::store::Manifest`).
 ///
 /// Serialises as a sequence of `(path, meta)`; paths are strings with `%` and bytes that are not
 /// UTF-8 percent-escaped, so non-UTF-8 names survive any serde format.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Manifest {
+pub struct TreeManifest {
     // A depth-first walk that visits siblings in byte order produces exactly `Path` order, so
     // a sorted Vec costs no comparisons to build (a BTreeMap's component-wise compares did).
     entries: Vec<(PathBuf, EntryMeta)>,
@@ -206,37 +213,30 @@ pub struct Manifest {
     xattrs: OverlayXattrs,
 }
 
-impl Manifest {
+impl TreeManifest {
     /// Walks `upperdir` once. Directories are opened relative to their parent with `O_NOFOLLOW`,
     /// so a container swapping a directory for a symlink mid-scan cannot lead the walk outside.
     /// Entries that vanish during the walk are skipped (the container may be running).
-    pub fn scan(upperdir: &Path) -> Result<Manifest, FsError> {
-        Manifest::scan_with(upperdir, &ScanLimits::default(), OverlayXattrs::Trusted)
+    pub fn scan(upperdir: &Path) -> Result<TreeManifest, FsError> {
+        TreeManifest::scan_with(upperdir, &ScanLimits::default(), OverlayXattrs::Trusted)
     }
 
-    /// [`Manifest::scan`] within `limits`, reading overlay state from `xattrs`' prefix.
+    /// [`TreeManifest::scan`] within `limits`, reading overlay state from `xattrs`' prefix.
     pub fn scan_with(
         upperdir: &Path,
         limits: &ScanLimits,
         xattrs: OverlayXattrs,
-    ) -> Result<Manifest, FsError> {
+    ) -> Result<TreeManifest, FsError> {
         let c_root = cstring(upperdir.as_os_str())?;
-        let fd = unsafe {
-            libc::open(
-                c_root.as_ptr(),
-                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            return Err(FsError::io("open", upperdir, io::Error::last_os_error()));
-        }
-        let root = DirStream::from_fd(fd).map_err(|e| FsError::io("opendir", upperdir, e))?;
-        let st = fstat(root.fd()).map_err(|e| FsError::io("stat", upperdir, e))?;
-        let dx = dir_xattrs(&XattrTarget::Fd(root.fd()), xattrs)
+        let fd = file::open(c_root.as_c_str(), DIR_FLAGS)
+            .map_err(|e| FsError::io("open", upperdir, e.into()))?;
+        let root = Dir::from(fd).map_err(|e| FsError::io("opendir", upperdir, e.into()))?;
+        let st = fstat(root.as_raw_fd()).map_err(|e| FsError::io("stat", upperdir, e.into()))?;
+        let dx = dir_xattrs(&xattr::Target::Fd(root.as_raw_fd()), xattrs)
             .map_err(|e| FsError::io("listxattr", upperdir, e))?;
-        let mut manifest = Manifest {
+        let mut manifest = TreeManifest {
             xattrs,
-            ..Manifest::default()
+            ..TreeManifest::default()
         };
         manifest
             .entries
@@ -274,7 +274,7 @@ impl Manifest {
     }
 }
 
-impl Serialize for Manifest {
+impl Serialize for TreeManifest {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.collect_seq(
             self.entries
@@ -284,7 +284,7 @@ impl Serialize for Manifest {
     }
 }
 
-impl<'de> Deserialize<'de> for Manifest {
+impl<'de> Deserialize<'de> for TreeManifest {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let list: Vec<(String, EntryMeta)> = Vec::deserialize(d)?;
         let mut entries = Vec::with_capacity(list.len());
@@ -296,7 +296,7 @@ impl<'de> Deserialize<'de> for Manifest {
         // whatever wrote them.
         entries.sort_by(|a, b| a.0.cmp(&b.0));
         entries.dedup_by(|a, b| a.0 == b.0);
-        Ok(Manifest {
+        Ok(TreeManifest {
             entries,
             xattrs: OverlayXattrs::Trusted,
         })
@@ -333,7 +333,7 @@ impl FsDiff {
 /// upperdir). `lowerdirs` (top first) decide whether a newly copied-up directory differs from
 /// what the image showed, and whether a new path is `added` (not in the image) or `modified`.
 /// Without lowers (a tracked volume) every new path is `added`.
-pub fn diff(prev: &Manifest, now: &Manifest, lowerdirs: &[PathBuf]) -> FsDiff {
+pub fn diff(prev: &TreeManifest, now: &TreeManifest, lowerdirs: &[PathBuf]) -> FsDiff {
     let mut lower = LowerView::new(lowerdirs, now, now.xattrs);
     let mut out = FsDiff::default();
     let mut p_it = prev.entries.iter().peekable();
@@ -405,7 +405,7 @@ pub fn diff(prev: &Manifest, now: &Manifest, lowerdirs: &[PathBuf]) -> FsDiff {
 /// mapping causes no fault, so it changes neither mtime nor ctime until writeback happens
 /// (seconds later, or never before the next mark). For files some process maps shared and
 /// writable (`rw-s` in /proc/PID/maps), call this at the mark, with the container frozen, before
-/// [`Manifest::scan`]. Cost: one writeback of that file's dirty pages.
+/// [`TreeManifest::scan`]. Cost: one writeback of that file's dirty pages.
 ///
 /// `rel` comes from the container (a path printed in its maps): it is resolved beneath `root`
 /// without following any symlink or climbing out with `..`, and only a regular file is opened
@@ -419,16 +419,7 @@ pub fn arm_shared_mapping(root: BorrowedFd<'_>, rel: &Path) -> Result<(), FsErro
     let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
         | libc::SYNC_FILE_RANGE_WRITE
         | libc::SYNC_FILE_RANGE_WAIT_AFTER;
-    // SAFETY: `file` is an open descriptor owned for the duration of the call.
-    let rc = unsafe { libc::sync_file_range(file.as_raw_fd(), 0, 0, flags) };
-    if rc != 0 {
-        return Err(FsError::io(
-            "sync_file_range",
-            rel,
-            io::Error::last_os_error(),
-        ));
-    }
-    Ok(())
+    file::sync_file_range(file.as_fd(), flags).map_err(|e| FsError::io("sync_file_range", rel, e))
 }
 
 /// Upper and lower directories of an overlay mount, from its options as containerd passes them
@@ -596,7 +587,7 @@ struct Walker<'a> {
 
 /// One directory being walked: its stream (the base for `*at` calls) and its names left.
 struct Level {
-    dir: DirStream,
+    dir: Dir,
     names: std::vec::IntoIter<CString>,
 }
 
@@ -612,7 +603,7 @@ impl Walker<'_> {
 
     /// Depth-first in name order, with an explicit stack (never the thread's): one fd per
     /// level, at most `max_depth` levels.
-    fn walk(&mut self, root: DirStream) -> Result<(), FsError> {
+    fn walk(&mut self, root: Dir) -> Result<(), FsError> {
         let mut rel = PathBuf::new();
         let mut stack = vec![self.level(root, &rel)?];
         while let Some(top) = stack.last_mut() {
@@ -621,7 +612,7 @@ impl Walker<'_> {
                 rel.pop();
                 continue;
             };
-            let fd = top.dir.fd();
+            let fd = top.dir.as_raw_fd();
             rel.push(OsStr::from_bytes(name.to_bytes()));
             match self.visit(fd, &name, &rel)? {
                 Some(child) => {
@@ -647,14 +638,13 @@ impl Walker<'_> {
         Ok(())
     }
 
-    fn level(&self, mut dir: DirStream, rel: &Path) -> Result<Level, FsError> {
+    fn level(&self, mut dir: Dir, rel: &Path) -> Result<Level, FsError> {
         let room = self
             .limits
             .max_entries
             .saturating_sub(self.entries.len() as u64);
-        let mut names = dir
-            .names_bounded(room)
-            .map_err(|e| FsError::io("readdir", &self.upperdir.join(rel), e))?
+        let mut names = names_bounded(&mut dir, room)
+            .map_err(|e| FsError::io("readdir", &self.upperdir.join(rel), e.into()))?
             .ok_or_else(|| {
                 self.limit(
                     format!("more than {} entries", self.limits.max_entries),
@@ -693,34 +683,31 @@ impl Walker<'_> {
     }
 
     /// Records the entry `name` of `dirfd`; a directory comes back open, to be walked next.
-    fn visit(
-        &mut self,
-        dirfd: RawFd,
-        name: &CStr,
-        rel: &Path,
-    ) -> Result<Option<DirStream>, FsError> {
-        let st = match fstatat(dirfd, name) {
+    fn visit(&mut self, dirfd: RawFd, name: &CStr, rel: &Path) -> Result<Option<Dir>, FsError> {
+        let st = match fstatat(Some(dirfd), name, AtFlags::AT_SYMLINK_NOFOLLOW) {
             Ok(st) => st,
-            Err(e) if vanished(&e) => return Ok(None),
-            Err(e) => return Err(FsError::io("lstat", &self.upperdir.join(rel), e)),
+            Err(e) if vanished(e) => return Ok(None),
+            Err(e) => return Err(FsError::io("lstat", &self.upperdir.join(rel), e.into())),
         };
         match st.st_mode & libc::S_IFMT {
             libc::S_IFDIR => {
-                let child = match DirStream::open_at(dirfd, name) {
+                let child = match open_dir_at(dirfd, name) {
                     Ok(d) => d,
-                    Err(e) if vanished(&e) => return Ok(None),
-                    Err(e) => return Err(FsError::io("open", &self.upperdir.join(rel), e)),
+                    Err(e) if vanished(e) => return Ok(None),
+                    Err(e) => return Err(FsError::io("open", &self.upperdir.join(rel), e.into())),
                 };
-                let xattrs = dir_xattrs(&XattrTarget::Fd(child.fd()), self.xattrs)
+                let xattrs = dir_xattrs(&xattr::Target::Fd(child.as_raw_fd()), self.xattrs)
                     .map_err(|e| FsError::io("listxattr", &self.upperdir.join(rel), e))?;
                 self.push(rel, EntryMeta::from_stat(&st, None, xattrs))?;
                 Ok(Some(child))
             }
             libc::S_IFLNK => {
-                let target = match readlinkat(dirfd, name) {
-                    Ok(t) => t,
-                    Err(e) if vanished(&e) => return Ok(None),
-                    Err(e) => return Err(FsError::io("readlink", &self.upperdir.join(rel), e)),
+                let target = match readlinkat(Some(dirfd), name) {
+                    Ok(t) => PathBuf::from(t),
+                    Err(e) if vanished(e) => return Ok(None),
+                    Err(e) => {
+                        return Err(FsError::io("readlink", &self.upperdir.join(rel), e.into()))
+                    }
                 };
                 self.push(
                     rel,
@@ -738,10 +725,15 @@ impl Walker<'_> {
                     let mut via_fd = format!("/proc/self/fd/{dirfd}/").into_bytes();
                     via_fd.extend_from_slice(name.to_bytes());
                     let c = CString::new(via_fd).expect("no NUL in a file name");
-                    match is_xwhiteout(&XattrTarget::Path(&c), self.xattrs) {
+                    match is_xwhiteout(&xattr::Target::Path(&c), self.xattrs) {
                         Ok(true) => meta.kind = EntryKind::Whiteout,
                         Ok(false) => {}
-                        Err(e) if vanished(&e) => return Ok(None),
+                        Err(e)
+                            if e.raw_os_error()
+                                .is_some_and(|n| vanished(Errno::from_raw(n))) =>
+                        {
+                            return Ok(None)
+                        }
                         Err(e) => {
                             return Err(FsError::io("listxattr", &self.upperdir.join(rel), e))
                         }
@@ -754,8 +746,8 @@ impl Walker<'_> {
     }
 }
 
-fn vanished(e: &io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENOTDIR))
+fn vanished(e: Errno) -> bool {
+    matches!(e, Errno::ENOENT | Errno::ENOTDIR)
 }
 
 /// What the lower layers show at a path (ignoring the upperdir entry itself).
@@ -803,13 +795,13 @@ struct Resolved {
 /// redirected or not directories hide everything below them.
 struct LowerView<'a> {
     lowers: &'a [PathBuf],
-    upper: &'a Manifest,
+    upper: &'a TreeManifest,
     cache: HashMap<PathBuf, Resolved>,
     xattrs: OverlayXattrs,
 }
 
 impl<'a> LowerView<'a> {
-    fn new(lowers: &'a [PathBuf], upper: &'a Manifest, xattrs: OverlayXattrs) -> LowerView<'a> {
+    fn new(lowers: &'a [PathBuf], upper: &'a TreeManifest, xattrs: OverlayXattrs) -> LowerView<'a> {
         LowerView {
             lowers,
             upper,
@@ -857,9 +849,9 @@ impl<'a> LowerView<'a> {
             let Ok(c) = cstring(full.as_os_str()) else {
                 break;
             };
-            let st = match lstat(&c) {
+            let st = match lstat(c.as_c_str()) {
                 Ok(st) => st,
-                Err(e) if vanished(&e) => continue,
+                Err(e) if vanished(e) => continue,
                 Err(e) => {
                     // Unreadable lower: assume nothing is there, which can only make a
                     // copied-up directory look new (a false positive).
@@ -868,7 +860,7 @@ impl<'a> LowerView<'a> {
                 }
             };
             let fmt = st.st_mode & libc::S_IFMT;
-            let target = XattrTarget::Path(&c);
+            let target = xattr::Target::Path(&c);
             if (fmt == libc::S_IFCHR && st.st_rdev == 0)
                 || (fmt == libc::S_IFREG
                     && st.st_size == 0
@@ -905,184 +897,36 @@ impl<'a> LowerView<'a> {
 
 // ---- syscalls ----
 
+/// Flags of every directory the walk opens (relative ones add `O_NOFOLLOW`).
+const DIR_FLAGS: OFlag = OFlag::O_RDONLY
+    .union(OFlag::O_DIRECTORY)
+    .union(OFlag::O_CLOEXEC);
+
 fn cstring(s: &OsStr) -> Result<CString, FsError> {
     CString::new(s.as_bytes()).map_err(|_| FsError::NulInPath(PathBuf::from(s)))
 }
 
-/// An open directory stream; its fd doubles as the base for `*at` calls on its entries.
-struct DirStream(NonNull<libc::DIR>);
+/// The directory `name` of `parent` as a stream (its fd doubles as the base for `*at` calls on
+/// its entries), never through a symlink.
+fn open_dir_at(parent: RawFd, name: &CStr) -> nix::Result<Dir> {
+    Dir::from(file::openat(parent, name, DIR_FLAGS | OFlag::O_NOFOLLOW)?)
+}
 
-impl DirStream {
-    fn open_at(parent: RawFd, name: &CStr) -> io::Result<DirStream> {
-        let fd = unsafe {
-            libc::openat(
-                parent,
-                name.as_ptr(),
-                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        DirStream::from_fd(fd)
-    }
-
-    fn from_fd(fd: RawFd) -> io::Result<DirStream> {
-        match NonNull::new(unsafe { libc::fdopendir(fd) }) {
-            Some(d) => Ok(DirStream(d)),
-            None => {
-                let e = io::Error::last_os_error();
-                unsafe { libc::close(fd) };
-                Err(e)
+/// The names of a directory (without `.` and `..`), or `None` once there are more than `max`.
+fn names_bounded(dir: &mut Dir, max: u64) -> nix::Result<Option<Vec<CString>>> {
+    let mut names = Vec::new();
+    for entry in dir.iter() {
+        let entry = entry?;
+        let name = entry.file_name();
+        let b = name.to_bytes();
+        if b != b"." && b != b".." {
+            if names.len() as u64 >= max {
+                return Ok(None);
             }
+            names.push(name.to_owned());
         }
     }
-
-    fn fd(&self) -> RawFd {
-        unsafe { libc::dirfd(self.0.as_ptr()) }
-    }
-
-    /// The names of the directory, or `None` once there are more than `max`.
-    fn names_bounded(&mut self, max: u64) -> io::Result<Option<Vec<CString>>> {
-        let mut names = Vec::new();
-        loop {
-            nix::errno::Errno::clear();
-            let ent = unsafe { libc::readdir(self.0.as_ptr()) };
-            if ent.is_null() {
-                let errno = nix::errno::Errno::last_raw();
-                if errno != 0 {
-                    return Err(io::Error::from_raw_os_error(errno));
-                }
-                return Ok(Some(names));
-            }
-            let name = unsafe { CStr::from_ptr((*ent).d_name.as_ptr()) };
-            let b = name.to_bytes();
-            if b != b"." && b != b".." {
-                if names.len() as u64 >= max {
-                    return Ok(None);
-                }
-                names.push(name.to_owned());
-            }
-        }
-    }
-}
-
-impl Drop for DirStream {
-    fn drop(&mut self) {
-        unsafe { libc::closedir(self.0.as_ptr()) };
-    }
-}
-
-fn stat_result(rc: libc::c_int, st: std::mem::MaybeUninit<libc::stat>) -> io::Result<libc::stat> {
-    if rc == 0 {
-        Ok(unsafe { st.assume_init() })
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
-fn fstatat(dirfd: RawFd, name: &CStr) -> io::Result<libc::stat> {
-    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-    let rc = unsafe {
-        libc::fstatat(
-            dirfd,
-            name.as_ptr(),
-            st.as_mut_ptr(),
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    };
-    stat_result(rc, st)
-}
-
-fn fstat(fd: RawFd) -> io::Result<libc::stat> {
-    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-    let rc = unsafe { libc::fstat(fd, st.as_mut_ptr()) };
-    stat_result(rc, st)
-}
-
-fn lstat(path: &CStr) -> io::Result<libc::stat> {
-    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-    let rc = unsafe { libc::lstat(path.as_ptr(), st.as_mut_ptr()) };
-    stat_result(rc, st)
-}
-
-fn readlinkat(dirfd: RawFd, name: &CStr) -> io::Result<PathBuf> {
-    let mut buf = vec![0u8; 256];
-    loop {
-        let n =
-            unsafe { libc::readlinkat(dirfd, name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let n = n as usize;
-        // A full buffer may mean a truncated target.
-        if n < buf.len() {
-            buf.truncate(n);
-            return Ok(PathBuf::from(OsString::from_vec(buf)));
-        }
-        buf.resize(buf.len() * 4, 0);
-    }
-}
-
-enum XattrTarget<'a> {
-    Fd(RawFd),
-    /// Not followed if it is a symlink.
-    Path(&'a CStr),
-}
-
-impl XattrTarget<'_> {
-    /// Names, NUL-separated as the kernel returns them. A filesystem without xattrs has none.
-    fn list(&self) -> io::Result<Vec<u8>> {
-        let res = read_sized(|buf, len| unsafe {
-            match self {
-                XattrTarget::Fd(fd) => libc::flistxattr(*fd, buf, len),
-                XattrTarget::Path(p) => libc::llistxattr(p.as_ptr(), buf, len),
-            }
-        });
-        match res {
-            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => Ok(Vec::new()),
-            r => r,
-        }
-    }
-
-    /// `None` if the attribute is gone (removed between list and get).
-    fn get(&self, name: &[u8]) -> io::Result<Option<Vec<u8>>> {
-        let Ok(name) = CString::new(name) else {
-            return Ok(None);
-        };
-        let res = read_sized(|buf, len| unsafe {
-            match self {
-                XattrTarget::Fd(fd) => libc::fgetxattr(*fd, name.as_ptr(), buf.cast(), len),
-                XattrTarget::Path(p) => libc::lgetxattr(p.as_ptr(), name.as_ptr(), buf.cast(), len),
-            }
-        });
-        match res {
-            Ok(v) => Ok(Some(v)),
-            Err(e) if e.raw_os_error() == Some(libc::ENODATA) => Ok(None),
-            Err(e) => Err(e),
-        }
-    }
-}
-
-/// Calls a size-probing syscall (listxattr, getxattr, readlink style) with a growing buffer.
-pub(crate) fn read_sized(f: impl Fn(*mut libc::c_char, usize) -> isize) -> io::Result<Vec<u8>> {
-    let mut buf = vec![0u8; 256];
-    loop {
-        let n = f(buf.as_mut_ptr().cast(), buf.len());
-        if n >= 0 {
-            buf.truncate(n as usize);
-            return Ok(buf);
-        }
-        let e = io::Error::last_os_error();
-        if e.raw_os_error() != Some(libc::ERANGE) {
-            return Err(e);
-        }
-        let need = f(std::ptr::null_mut(), 0);
-        if need < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        buf.resize((need as usize).max(buf.len() * 2), 0);
-    }
+    Ok(Some(names))
 }
 
 /// Overlay xattrs on directories that say nothing about the container's view beyond what is
@@ -1106,7 +950,7 @@ struct DirXattrs {
     other: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
-fn dir_xattrs(target: &XattrTarget, xattrs: OverlayXattrs) -> io::Result<DirXattrs> {
+fn dir_xattrs(target: &xattr::Target, xattrs: OverlayXattrs) -> io::Result<DirXattrs> {
     let list = target.list()?;
     let mut out = DirXattrs::default();
     for name in list.split(|b| *b == 0).filter(|n| !n.is_empty()) {
@@ -1114,7 +958,10 @@ fn dir_xattrs(target: &XattrTarget, xattrs: OverlayXattrs) -> io::Result<DirXatt
         if ovl.is_some_and(|n| OVERLAY_BOOKKEEPING.contains(&n)) {
             continue;
         }
-        let Some(value) = target.get(name)? else {
+        let Ok(cname) = CString::new(name) else {
+            continue;
+        };
+        let Some(value) = target.get(&cname)? else {
             continue;
         };
         match ovl {
@@ -1130,7 +977,7 @@ fn dir_xattrs(target: &XattrTarget, xattrs: OverlayXattrs) -> io::Result<DirXatt
 /// overlayfs only honours this form inside a directory marked `overlay.opaque=x` (6.8+) or
 /// `overlay.whiteouts` (6.7); it is recognised regardless here, which can only change how a
 /// path is reported (deleted instead of added), never whether it is.
-fn is_xwhiteout(target: &XattrTarget, xattrs: OverlayXattrs) -> io::Result<bool> {
+fn is_xwhiteout(target: &xattr::Target, xattrs: OverlayXattrs) -> io::Result<bool> {
     let list = target.list()?;
     Ok(list
         .split(|b| *b == 0)
@@ -1222,25 +1069,21 @@ mod tests {
     /// `n` nested directories `d/d/...` under `root`, made with `mkdirat` (the path grows past
     /// PATH_MAX), and a file in the deepest.
     fn nest(root: &Path, n: usize, name: &str) {
-        let c = CString::new(root.as_os_str().as_bytes()).unwrap();
-        let mut fd = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY) };
-        assert!(fd >= 0);
-        let cname = CString::new(name).unwrap();
+        use nix::sys::stat::{mkdirat, Mode};
+        let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+        let mut dir = file::open(root, flags).unwrap();
         for _ in 0..n {
-            assert_eq!(unsafe { libc::mkdirat(fd, cname.as_ptr(), 0o755) }, 0);
-            let next =
-                unsafe { libc::openat(fd, cname.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY) };
-            assert!(next >= 0);
-            unsafe { libc::close(fd) };
-            fd = next;
+            mkdirat(Some(dir.as_raw_fd()), name, Mode::from_bits_truncate(0o755)).unwrap();
+            dir = file::openat(dir.as_raw_fd(), name, flags).unwrap();
         }
-        let f =
-            unsafe { libc::openat(fd, c"leaf".as_ptr(), libc::O_CREAT | libc::O_WRONLY, 0o644) };
-        assert!(f >= 0);
-        unsafe {
-            libc::close(f);
-            libc::close(fd);
-        }
+        nix::fcntl::openat(
+            Some(dir.as_raw_fd()),
+            "leaf",
+            OFlag::O_CREAT | OFlag::O_WRONLY | OFlag::O_CLOEXEC,
+            Mode::from_bits_truncate(0o644),
+        )
+        .map(|fd| nix::unistd::close(fd).unwrap())
+        .unwrap();
     }
 
     fn limits(max_entries: u64, max_path_bytes: u64, max_depth: u32) -> ScanLimits {
@@ -1258,7 +1101,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         nest(tmp.path(), 3000, &"x".repeat(200));
         let t = Instant::now();
-        let e = Manifest::scan(tmp.path()).unwrap_err();
+        let e = TreeManifest::scan(tmp.path()).unwrap_err();
         assert!(
             matches!(
                 &e,
@@ -1278,7 +1121,7 @@ mod tests {
         );
         // As deep as the config allows: no stack overflow; the whole paths of 3000 levels of
         // 200-byte names (about 900 MB) are what the path bound is for.
-        let e = Manifest::scan_with(
+        let e = TreeManifest::scan_with(
             tmp.path(),
             &limits(u64::MAX, 64 << 20, 4096),
             OverlayXattrs::Trusted,
@@ -1297,7 +1140,7 @@ mod tests {
 
         let tmp = tempfile::tempdir().unwrap();
         nest(tmp.path(), 10, "d");
-        let m = Manifest::scan_with(
+        let m = TreeManifest::scan_with(
             tmp.path(),
             &limits(100, 1 << 20, 10),
             OverlayXattrs::Trusted,
@@ -1305,8 +1148,9 @@ mod tests {
         .unwrap();
         assert_eq!(m.len(), 1 + 10 + 1);
         assert!(m.get(Path::new("d/d/d/d/d/d/d/d/d/d/leaf")).is_some());
-        let e = Manifest::scan_with(tmp.path(), &limits(100, 1 << 20, 9), OverlayXattrs::Trusted)
-            .unwrap_err();
+        let e =
+            TreeManifest::scan_with(tmp.path(), &limits(100, 1 << 20, 9), OverlayXattrs::Trusted)
+                .unwrap_err();
         assert!(
             matches!(
                 &e,
@@ -1329,13 +1173,17 @@ mod tests {
         for i in 0..50 {
             fs::write(tmp.path().join(format!("sub/{i}")), b"").unwrap();
         }
-        let ok = Manifest::scan_with(tmp.path(), &limits(102, 1 << 20, 8), OverlayXattrs::Trusted)
-            .unwrap();
+        let ok =
+            TreeManifest::scan_with(tmp.path(), &limits(102, 1 << 20, 8), OverlayXattrs::Trusted)
+                .unwrap();
         assert_eq!(ok.len(), 102);
         for max in [101, 60, 10, 1] {
-            let e =
-                Manifest::scan_with(tmp.path(), &limits(max, 1 << 20, 8), OverlayXattrs::Trusted)
-                    .unwrap_err();
+            let e = TreeManifest::scan_with(
+                tmp.path(),
+                &limits(max, 1 << 20, 8),
+                OverlayXattrs::Trusted,
+            )
+            .unwrap_err();
             assert!(
                 matches!(
                     &e,
@@ -1350,8 +1198,9 @@ mod tests {
         // 50 * 8 bytes + "sub" + 50 * ("sub/" + 1..2 digits) = 400 + 3 + 290.
         let bytes: u64 = ok.iter().map(|(p, _)| p.as_os_str().len() as u64).sum();
         assert_eq!(bytes, 693);
-        Manifest::scan_with(tmp.path(), &limits(1000, bytes, 8), OverlayXattrs::Trusted).unwrap();
-        let e = Manifest::scan_with(
+        TreeManifest::scan_with(tmp.path(), &limits(1000, bytes, 8), OverlayXattrs::Trusted)
+            .unwrap();
+        let e = TreeManifest::scan_with(
             tmp.path(),
             &limits(1000, bytes - 1, 8),
             OverlayXattrs::Trusted,
@@ -1442,12 +1291,12 @@ mod tests {
             self.merged.join(container_path.trim_start_matches('/'))
         }
 
-        fn scan(&self) -> Manifest {
-            Manifest::scan(&self.upper).unwrap()
+        fn scan(&self) -> TreeManifest {
+            TreeManifest::scan(&self.upper).unwrap()
         }
 
         /// Runs `op` as one turn after the mark `prev`; returns the diff and the new mark.
-        fn turn(&self, prev: &Manifest, op: impl FnOnce(&Overlay)) -> (FsDiff, Manifest) {
+        fn turn(&self, prev: &TreeManifest, op: impl FnOnce(&Overlay)) -> (FsDiff, TreeManifest) {
             op(self);
             let now = self.scan();
             (diff(prev, &now, &self.lowers), now)
@@ -1484,24 +1333,8 @@ mod tests {
     }
 
     fn setxattr(p: &Path, name: &str, value: &[u8]) {
-        let c = CString::new(p.as_os_str().as_bytes()).unwrap();
-        let n = CString::new(name).unwrap();
-        let rc = unsafe {
-            libc::lsetxattr(
-                c.as_ptr(),
-                n.as_ptr(),
-                value.as_ptr().cast(),
-                value.len(),
-                0,
-            )
-        };
-        assert_eq!(
-            rc,
-            0,
-            "setxattr {name} on {}: {}",
-            p.display(),
-            io::Error::last_os_error()
-        );
+        crate::sys::xattr::lset(p, name, value)
+            .unwrap_or_else(|e| panic!("setxattr {name} on {}: {e}", p.display()));
     }
 
     fn paths(v: &[&str]) -> Vec<PathBuf> {
@@ -1532,7 +1365,7 @@ mod tests {
         require_root!();
         let ov = Overlay::image();
         let m0 = ov.scan();
-        assert!(diff(&Manifest::default(), &m0, &ov.lowers).is_empty());
+        assert!(diff(&TreeManifest::default(), &m0, &ov.lowers).is_empty());
         let (d, _) = ov.turn(&m0, |ov| {
             fs::read_to_string(ov.p("/etc/conf")).unwrap();
             fs::read_dir(ov.p("/usr/share/doc")).unwrap().for_each(drop);
@@ -1827,22 +1660,14 @@ mod tests {
                 .open(ov.p("/tmp"))
                 .expect("O_TMPFILE on overlayfs");
             f.write_all(b"anonymous").unwrap();
-            let src = CString::new(format!(
-                "/proc/self/fd/{}",
-                std::os::fd::AsRawFd::as_raw_fd(&f)
-            ))
-            .unwrap();
-            let dst = CString::new(ov.p("/tmp/linked").as_os_str().as_bytes()).unwrap();
-            let rc = unsafe {
-                libc::linkat(
-                    libc::AT_FDCWD,
-                    src.as_ptr(),
-                    libc::AT_FDCWD,
-                    dst.as_ptr(),
-                    libc::AT_SYMLINK_FOLLOW,
-                )
-            };
-            assert_eq!(rc, 0, "linkat: {}", io::Error::last_os_error());
+            nix::unistd::linkat(
+                None,
+                Path::new(&format!("/proc/self/fd/{}", f.as_raw_fd())),
+                None,
+                ov.p("/tmp/linked").as_path(),
+                AtFlags::AT_SYMLINK_FOLLOW,
+            )
+            .expect("linkat");
         });
         assert_diff(&d, &["/tmp/linked"], &[], &[]);
     }
@@ -1861,6 +1686,8 @@ mod tests {
                 .write(true)
                 .open(path)
                 .unwrap();
+            // SAFETY: a new mapping (no address hint) of an open file; nothing else in this
+            // process aliases it, and it is unmapped once, on drop.
             let ptr = unsafe {
                 libc::mmap(
                     std::ptr::null_mut(),
@@ -1881,12 +1708,16 @@ mod tests {
 
         fn store(&self, offset: usize, value: u8) {
             assert!(offset < self.len);
+            // SAFETY: `offset` is within the `len` bytes mapped read-write at `ptr`, which stay
+            // mapped until drop.
             unsafe { std::ptr::write_volatile(self.ptr.add(offset), value) };
         }
     }
 
     impl Drop for SharedMap {
         fn drop(&mut self) {
+            // SAFETY: unmaps exactly the mapping made in `new`; no reference into it outlives
+            // `self`.
             unsafe { libc::munmap(self.ptr.cast(), self.len) };
         }
     }
@@ -2045,17 +1876,17 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let vol = tmp.path();
         fs::set_permissions(vol, fs::Permissions::from_mode(0o755)).unwrap();
-        let m0 = Manifest::scan(vol).unwrap();
-        assert!(diff(&Manifest::default(), &m0, &[]).is_empty());
+        let m0 = TreeManifest::scan(vol).unwrap();
+        assert!(diff(&TreeManifest::default(), &m0, &[]).is_empty());
         fs::create_dir(vol.join("d")).unwrap();
         fs::write(vol.join("d/f"), "f").unwrap();
         fs::write(vol.join("t"), "t").unwrap();
         fs::remove_file(vol.join("t")).unwrap();
-        let m1 = Manifest::scan(vol).unwrap();
+        let m1 = TreeManifest::scan(vol).unwrap();
         assert_diff(&diff(&m0, &m1, &[]), &["/d", "/d/f"], &[], &[]);
         fs::set_permissions(vol, fs::Permissions::from_mode(0o711)).unwrap();
         fs::write(vol.join("d/f"), "g").unwrap();
-        let m2 = Manifest::scan(vol).unwrap();
+        let m2 = TreeManifest::scan(vol).unwrap();
         assert_diff(&diff(&m1, &m2, &[]), &[], &["/", "/d/f"], &[]);
     }
 
@@ -2071,8 +1902,8 @@ mod tests {
         fs::create_dir_all(upper.join("a")).unwrap();
         fs::create_dir_all(upper.join("keep")).unwrap();
         let lowers = vec![lower];
-        let m0 = Manifest::scan(&upper).unwrap();
-        assert!(diff(&Manifest::default(), &m0, &lowers).is_empty());
+        let m0 = TreeManifest::scan(&upper).unwrap();
+        assert!(diff(&TreeManifest::default(), &m0, &lowers).is_empty());
 
         mknod(
             &upper.join("a/x"),
@@ -2087,7 +1918,7 @@ mod tests {
         setxattr(&upper.join("keep"), "trusted.overlay.opaque", b"y");
         // Bookkeeping xattrs and escaped ones: only the escaped one is container state.
         setxattr(&upper.join("a"), "trusted.overlay.impure", b"y");
-        let m1 = Manifest::scan(&upper).unwrap();
+        let m1 = TreeManifest::scan(&upper).unwrap();
         assert_eq!(m1.get(Path::new("a/y")).unwrap().kind, EntryKind::Whiteout);
         assert_eq!(m1.get(Path::new("a/empty")).unwrap().kind, EntryKind::File);
         assert_diff(
@@ -2098,10 +1929,10 @@ mod tests {
         );
 
         setxattr(&upper.join("a"), "trusted.overlay.overlay.user", b"1");
-        let m2 = Manifest::scan(&upper).unwrap();
+        let m2 = TreeManifest::scan(&upper).unwrap();
         assert_diff(&diff(&m1, &m2, &lowers), &[], &["/a"], &[]);
         // A tracked volume: no lowers, every new path is added.
-        let vol = Manifest::scan(&upper).unwrap();
+        let vol = TreeManifest::scan(&upper).unwrap();
         assert!(diff(&vol, &m2, &[]).is_empty());
     }
 
@@ -2133,7 +1964,7 @@ mod tests {
         });
         let json = serde_json::to_string(&m).unwrap();
         assert!(json.contains("bad%FF%25name"), "{json}");
-        let back: Manifest = serde_json::from_str(&json).unwrap();
+        let back: TreeManifest = serde_json::from_str(&json).unwrap();
         assert_eq!(back, m);
         assert!(diff(&back, &m, &ov.lowers).is_empty());
     }
@@ -2147,7 +1978,7 @@ mod tests {
         for f in ["a/z", "a/b.x", "a.txt/0", "\u{e9}", "b/a.x"] {
             fs::write(tmp.path().join(f), "").unwrap();
         }
-        let m = Manifest::scan(tmp.path()).unwrap();
+        let m = TreeManifest::scan(tmp.path()).unwrap();
         assert_eq!(m.len(), 15);
         assert!(
             m.entries.windows(2).all(|w| w[0].0 < w[1].0),
@@ -2238,7 +2069,7 @@ mod tests {
                 fs::write(upper.join(&dir).join(format!("file{i}.py")), "x = 1\n").unwrap();
             }
             let lowers = vec![lower];
-            let empty = Manifest::default();
+            let empty = TreeManifest::default();
             let median = |f: &mut dyn FnMut()| {
                 let mut t: Vec<f64> = (0..15)
                     .map(|_| {
@@ -2250,9 +2081,9 @@ mod tests {
                 t.sort_by(|a, b| a.partial_cmp(b).unwrap());
                 t[t.len() / 2]
             };
-            let now = Manifest::scan(&upper).unwrap();
+            let now = TreeManifest::scan(&upper).unwrap();
             let scan_ms = median(&mut || {
-                Manifest::scan(&upper).unwrap();
+                TreeManifest::scan(&upper).unwrap();
             });
             // The floor: the same walk with std, lstat only, nothing kept.
             fn bare_walk(dir: &Path) -> usize {

@@ -77,7 +77,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::procs::{self, MapsLine, ProcError};
+use super::procs::{self, MapsLine, ProcfsError};
 use crate::sys::beneath;
 
 #[derive(Debug, thiserror::Error)]
@@ -93,13 +93,13 @@ pub enum MemError {
         source: io::Error,
     },
     #[error(transparent)]
-    Proc(ProcError),
+    Proc(ProcfsError),
 }
 
-impl From<ProcError> for MemError {
-    fn from(e: ProcError) -> Self {
+impl From<ProcfsError> for MemError {
+    fn from(e: ProcfsError) -> Self {
         match e {
-            ProcError::Gone(pid) => MemError::Gone(pid),
+            ProcfsError::Gone(pid) => MemError::Gone(pid),
             e => MemError::Proc(e),
         }
     }

@@ -30,7 +30,7 @@ use crate::sys::beneath;
 
 use self::{
     bpf::{CgroupCounters, HostProbes},
-    fs::{FsDiff, Manifest},
+    fs::{FsDiff, TreeManifest},
     memory::{MemoryImage, RegionKind},
     procs::ProcInfo,
 };
@@ -249,9 +249,9 @@ impl Answer {
 /// The state a turn is compared against.
 struct Mark {
     counters: CgroupCounters,
-    manifest: Manifest,
+    manifest: TreeManifest,
     /// One per tracked volume, in `Target::volumes` order.
-    volumes: Vec<Manifest>,
+    volumes: Vec<TreeManifest>,
     processes: Vec<ProcInfo>,
     run_counts: HashMap<u32, u64>,
     memory: HashMap<u32, MemoryImage>,
@@ -349,7 +349,7 @@ impl Inspection {
     pub fn mark_base(&mut self) {
         let started = Instant::now();
         self.settle(std::time::Duration::from_secs(1));
-        match self.observe_all(Manifest::default()) {
+        match self.observe_all(TreeManifest::default()) {
             Ok(mark) => self.mark = Some(mark),
             Err(e) => {
                 log::warn!(
@@ -384,7 +384,7 @@ impl Inspection {
     }
 
     /// A full observation, used when there is no usable mark.
-    fn observe_all(&self, manifest: Manifest) -> Result<Mark, String> {
+    fn observe_all(&self, manifest: TreeManifest) -> Result<Mark, String> {
         let counters = self.counters().unwrap_or_default();
         let processes = self.processes()?;
         let mut memory = HashMap::new();
@@ -415,12 +415,12 @@ impl Inspection {
         capture_bounded(pid, self.target.limits.max_fdinfo_bytes)
     }
 
-    fn scan_volumes(&self) -> Result<Vec<Manifest>, String> {
+    fn scan_volumes(&self) -> Result<Vec<TreeManifest>, String> {
         self.target
             .volumes
             .iter()
             .map(|(at, dir)| {
-                Manifest::scan_with(
+                TreeManifest::scan_with(
                     dir,
                     &(&self.target.limits).into(),
                     fs::OverlayXattrs::Trusted,
@@ -436,9 +436,9 @@ impl Inspection {
             .collect()
     }
 
-    fn scan_upper(&self) -> Result<Manifest, String> {
+    fn scan_upper(&self) -> Result<TreeManifest, String> {
         match &self.target.upperdir {
-            Some(upper) => Manifest::scan_with(
+            Some(upper) => TreeManifest::scan_with(
                 upper,
                 &(&self.target.limits).into(),
                 self.target.overlay_xattrs,
@@ -657,7 +657,7 @@ impl Inspection {
             }
             match self.scan_upper() {
                 Ok(now) => {
-                    let empty = Manifest::default();
+                    let empty = TreeManifest::default();
                     let d: FsDiff = fs::diff(
                         prev_manifest.unwrap_or(&empty),
                         &now,
@@ -681,7 +681,7 @@ impl Inspection {
         let volumes = if fs_activity || prev.is_none() {
             match self.scan_volumes() {
                 Ok(now) => {
-                    let empty = Manifest::default();
+                    let empty = TreeManifest::default();
                     for (i, (at, _)) in self.target.volumes.iter().enumerate() {
                         let before = prev
                             .as_ref()

@@ -18,8 +18,10 @@ use std::path::{Path, PathBuf};
 
 use crate::sys::beneath;
 
+/// Why a process's files under `/proc` could not be read (not the errors of a process
+/// checkpoint, which are `checkpoint::process::ProcError`).
 #[derive(Debug, thiserror::Error)]
-pub enum ProcError {
+pub enum ProcfsError {
     #[error("reading {path}: {source}")]
     Io {
         path: PathBuf,
@@ -33,10 +35,10 @@ pub enum ProcError {
     Gone(u32),
 }
 
-impl ProcError {
-    fn io(path: impl Into<PathBuf>) -> impl FnOnce(io::Error) -> ProcError {
+impl ProcfsError {
+    fn io(path: impl Into<PathBuf>) -> impl FnOnce(io::Error) -> ProcfsError {
         let path = path.into();
-        move |source| ProcError::Io { path, source }
+        move |source| ProcfsError::Io { path, source }
     }
 }
 
@@ -94,28 +96,30 @@ pub fn parse_stat(text: &str) -> Option<Stat> {
 }
 
 /// Reads `/proc/PID/stat`; `Ok(None)` if the process does not exist.
-pub fn read_stat(pid: u32) -> Result<Option<Stat>, ProcError> {
+pub fn read_stat(pid: u32) -> Result<Option<Stat>, ProcfsError> {
     let path = PathBuf::from(format!("/proc/{pid}/stat"));
     match std::fs::read(&path) {
         Ok(bytes) => {
             let text = String::from_utf8_lossy(&bytes);
-            parse_stat(&text).map(Some).ok_or_else(|| ProcError::Parse {
-                path,
-                what: text.trim_end().to_string(),
-            })
+            parse_stat(&text)
+                .map(Some)
+                .ok_or_else(|| ProcfsError::Parse {
+                    path,
+                    what: text.trim_end().to_string(),
+                })
         }
         Err(e) if is_gone(&e) => Ok(None),
-        Err(e) => Err(ProcError::Io { path, source: e }),
+        Err(e) => Err(ProcfsError::Io { path, source: e }),
     }
 }
 
 /// `(pid, start_time)` of a live process, or `None`.
-pub fn identity(pid: u32) -> Result<Option<(u32, u64)>, ProcError> {
+pub fn identity(pid: u32) -> Result<Option<(u32, u64)>, ProcfsError> {
     Ok(read_stat(pid)?.map(|s| (pid, s.start_time)))
 }
 
 /// Information about one process; `Ok(None)` if it does not exist (any more).
-pub fn info(pid: u32) -> Result<Option<ProcInfo>, ProcError> {
+pub fn info(pid: u32) -> Result<Option<ProcInfo>, ProcfsError> {
     let Some(stat) = read_stat(pid)? else {
         return Ok(None);
     };
@@ -127,7 +131,7 @@ pub fn info(pid: u32) -> Result<Option<ProcInfo>, ProcError> {
             .map(|s| String::from_utf8_lossy(s).into_owned())
             .collect(),
         Err(e) if is_gone(&e) => return Ok(None),
-        Err(e) => return Err(ProcError::io(path)(e)),
+        Err(e) => return Err(ProcfsError::io(path)(e)),
     };
     // The cmdline read may have raced with the pid being recycled: confirm the identity.
     match read_stat(pid)? {
@@ -148,12 +152,12 @@ pub fn info(pid: u32) -> Result<Option<ProcInfo>, ProcError> {
 /// Zombies are not in `cgroup.procs` (they leave the cgroup when they exit), so an exited child
 /// whose parent has not reaped it yet does not count as alive.
 /// The cgroup's descendants are not included: runc puts a container in one leaf cgroup.
-pub fn list(cgroup_dir: &Path) -> Result<Vec<ProcInfo>, ProcError> {
+pub fn list(cgroup_dir: &Path) -> Result<Vec<ProcInfo>, ProcfsError> {
     let path = cgroup_dir.join("cgroup.procs");
-    let text = std::fs::read_to_string(&path).map_err(ProcError::io(&path))?;
+    let text = std::fs::read_to_string(&path).map_err(ProcfsError::io(&path))?;
     let mut pids: Vec<u32> = Vec::new();
     for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
-        pids.push(line.parse().map_err(|_| ProcError::Parse {
+        pids.push(line.parse().map_err(|_| ProcfsError::Parse {
             path: path.clone(),
             what: format!("pid {line:?}"),
         })?);
@@ -348,18 +352,18 @@ pub fn parse_maps_line(line: &[u8]) -> Option<MapsLine> {
 }
 
 /// Reads and parses `/proc/PID/maps`.
-pub fn read_maps(pid: u32) -> Result<Vec<MapsLine>, ProcError> {
+pub fn read_maps(pid: u32) -> Result<Vec<MapsLine>, ProcfsError> {
     let path = PathBuf::from(format!("/proc/{pid}/maps"));
     let bytes = match std::fs::read(&path) {
         Ok(b) => b,
-        Err(e) if is_gone(&e) => return Err(ProcError::Gone(pid)),
-        Err(e) => return Err(ProcError::Io { path, source: e }),
+        Err(e) if is_gone(&e) => return Err(ProcfsError::Gone(pid)),
+        Err(e) => return Err(ProcfsError::Io { path, source: e }),
     };
     bytes
         .split(|b| *b == b'\n')
         .filter(|l| !l.is_empty())
         .map(|l| {
-            parse_maps_line(l).ok_or_else(|| ProcError::Parse {
+            parse_maps_line(l).ok_or_else(|| ProcfsError::Parse {
                 path: path.clone(),
                 what: String::from_utf8_lossy(l).into_owned(),
             })
@@ -371,8 +375,8 @@ pub fn read_maps(pid: u32) -> Result<Vec<MapsLine>, ProcError> {
 /// (path, deleted), sorted by path. Pipes, sockets, anon inodes and anonymous shared memory are
 /// left out. Device nodes (/dev/null, ttys) are files with paths and are included.
 /// The working directory and root are not included.
-pub fn held_files(pid: u32) -> Result<Vec<HeldFile>, ProcError> {
-    let before = identity(pid)?.ok_or(ProcError::Gone(pid))?;
+pub fn held_files(pid: u32) -> Result<Vec<HeldFile>, ProcfsError> {
+    let before = identity(pid)?.ok_or(ProcfsError::Gone(pid))?;
     let mut held: BTreeMap<(Vec<u8>, bool), HeldFile> = BTreeMap::new();
     let mut add = |path: Vec<u8>, deleted: bool, mapped: bool| {
         let e = held
@@ -396,23 +400,23 @@ pub fn held_files(pid: u32) -> Result<Vec<HeldFile>, ProcError> {
     let fd_dir = PathBuf::from(format!("/proc/{pid}/fd"));
     let entries = match std::fs::read_dir(&fd_dir) {
         Ok(e) => e,
-        Err(e) if is_gone(&e) => return Err(ProcError::Gone(pid)),
+        Err(e) if is_gone(&e) => return Err(ProcfsError::Gone(pid)),
         Err(e) => {
-            return Err(ProcError::Io {
+            return Err(ProcfsError::Io {
                 path: fd_dir,
                 source: e,
             })
         }
     };
     for entry in entries {
-        let entry = entry.map_err(ProcError::io(&fd_dir))?;
+        let entry = entry.map_err(ProcfsError::io(&fd_dir))?;
         let link = entry.path();
         let target = match std::fs::read_link(&link) {
             Ok(t) => t,
             // The fd was closed between readdir and readlink.
             Err(e) if is_gone(&e) => continue,
             Err(e) => {
-                return Err(ProcError::Io {
+                return Err(ProcfsError::Io {
                     path: link,
                     source: e,
                 })
@@ -455,7 +459,7 @@ pub fn held_files(pid: u32) -> Result<Vec<HeldFile>, ProcError> {
 
     // If the pid was recycled meanwhile, what we read may belong to two processes.
     if identity(pid)? != Some(before) {
-        return Err(ProcError::Gone(pid));
+        return Err(ProcfsError::Gone(pid));
     }
     Ok(held.into_values().collect())
 }
@@ -757,6 +761,6 @@ sys.stdin.readline()
         let mut c = Command::new("true").spawn().unwrap();
         let pid = c.id();
         c.wait().unwrap();
-        assert!(matches!(held_files(pid), Err(ProcError::Gone(p)) if p == pid));
+        assert!(matches!(held_files(pid), Err(ProcfsError::Gone(p)) if p == pid));
     }
 }

@@ -74,6 +74,29 @@ fn read_sized(f: impl Fn(*mut libc::c_char, usize) -> isize) -> io::Result<Vec<u
     }
 }
 
+/// Sets attribute `name` of `path` (a symlink is the link itself), for tests that build trees.
+#[cfg(test)]
+pub(crate) fn lset(path: &std::path::Path, name: &str, value: &[u8]) -> io::Result<()> {
+    use std::{ffi::CString, os::unix::ffi::OsStrExt};
+    let c = CString::new(path.as_os_str().as_bytes())?;
+    let n = CString::new(name)?;
+    // SAFETY: `c` and `n` are NUL-terminated strings and `value` is valid for `value.len()`
+    // bytes; all outlive the call, and the kernel only reads them.
+    let rc = unsafe {
+        libc::lsetxattr(
+            c.as_ptr(),
+            n.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -87,18 +110,7 @@ mod tests {
         let c = CString::new(file.as_os_str().as_bytes()).unwrap();
         // A value longer than the first buffer, to go through the ERANGE path.
         let big = vec![b'v'; 3000];
-        // SAFETY: valid NUL-terminated strings and a value buffer of the length given.
-        let rc = unsafe {
-            libc::setxattr(
-                c.as_ptr(),
-                c"user.crab.big".as_ptr(),
-                big.as_ptr().cast(),
-                big.len(),
-                0,
-            )
-        };
-        if rc != 0 {
-            let e = io::Error::last_os_error();
+        if let Err(e) = lset(&file, "user.crab.big", &big) {
             assert_eq!(e.raw_os_error(), Some(libc::EOPNOTSUPP), "{e}");
             eprintln!(
                 "no user xattrs on {}: only the absent case is checked",
