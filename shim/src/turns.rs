@@ -16,7 +16,7 @@ use containerd_shim_protos::types::mount::Mount;
 
 use crate::{
     error::{Error, Result},
-    inspector::{self, bpf::HostProbes, Answer, Inspection, Target},
+    inspector::{self, bpf::HostProbes, Answer, Inspection, ProbesUnavailable, Target},
 };
 
 /// `Tasks.Update` annotation ending a turn; its value is the harness's turn id.
@@ -91,11 +91,12 @@ pub fn requested_turn_end(annotations: &HashMap<String, String>) -> Result<Optio
 }
 
 /// The host probes, loaded (or opened from their pins) once per shim process.
-fn host_probes() -> Result<Arc<HostProbes>, String> {
-    static PROBES: OnceLock<Result<Arc<HostProbes>, String>> = OnceLock::new();
+fn host_probes() -> Result<Arc<HostProbes>, ProbesUnavailable> {
+    static PROBES: OnceLock<Result<Arc<HostProbes>, ProbesUnavailable>> = OnceLock::new();
     PROBES
         .get_or_init(|| {
-            let probes = HostProbes::open_or_load().map_err(|e| e.to_string())?;
+            let probes =
+                HostProbes::open_or_load().map_err(|e| ProbesUnavailable::Bpf(Arc::new(e)))?;
             match probes.sweep_dead() {
                 Ok(ids) if !ids.is_empty() => {
                     log::info!("unwatched {} cgroups left by shims that died", ids.len())
@@ -181,7 +182,10 @@ pub fn start_inspection(
     let cgroup2_dir = crate::sys::cgroup::cgroup2_dir_of(init_pid);
     let probes = match &cgroup2_dir {
         Ok(_) => host_probes(),
-        Err(e) => Err(format!("no cgroup2 directory for pid {init_pid}: {e}")),
+        Err(e) => Err(ProbesUnavailable::NoCgroup2 {
+            pid: init_pid,
+            source: Arc::new(std::io::Error::new(e.kind(), e.to_string())),
+        }),
     };
     let target = Target {
         container_id: container_id.to_string(),

@@ -1018,7 +1018,12 @@ fn escape_bytes(bytes: &[u8]) -> String {
     }
 }
 
-fn unescape_bytes(s: &str) -> Result<Vec<u8>, String> {
+/// A stored path whose `%` is not followed by two hex digits.
+#[derive(Debug, thiserror::Error)]
+#[error("bad escape in path {0:?}")]
+struct BadEscape(String);
+
+fn unescape_bytes(s: &str) -> Result<Vec<u8>, BadEscape> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -1028,7 +1033,7 @@ fn unescape_bytes(s: &str) -> Result<Vec<u8>, String> {
                 .get(i + 1..i + 3)
                 .and_then(|h| std::str::from_utf8(h).ok())
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| format!("bad escape in path {s:?}"))?;
+                .ok_or_else(|| BadEscape(s.to_owned()))?;
             out.push(hex);
             i += 3;
         } else {

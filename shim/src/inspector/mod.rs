@@ -29,11 +29,82 @@ use serde::Serialize;
 use crate::sys::beneath;
 
 use self::{
-    bpf::{CgroupCounters, HostProbes},
-    fs::{FsDiff, TreeManifest},
-    memory::{MemoryImage, RegionKind},
-    procs::ProcInfo,
+    bpf::{BpfError, CgroupCounters, HostProbes},
+    fs::{FsDiff, FsError, TreeManifest},
+    memory::{MemError, MemoryImage, RegionKind},
+    procs::{ProcInfo, ProcfsError},
 };
+
+/// Why the inspector could not observe (part of) a turn. Any of these makes the answer `full`;
+/// their text is what [`Answer::degraded`] says.
+#[derive(Debug, thiserror::Error)]
+pub enum InspectError {
+    #[error("eBPF probes unavailable: {0}")]
+    ProbesUnavailable(#[source] ProbesUnavailable),
+    #[error("cannot watch cgroup {}: {source}", dir.display())]
+    Watch {
+        dir: PathBuf,
+        #[source]
+        source: WatchError,
+    },
+    #[error("cannot read kernel counters: {0}")]
+    Counters(#[source] BpfError),
+    #[error("cannot list processes: {0}")]
+    Processes(#[source] ProcfsError),
+    #[error("cannot scan upperdir {}: {source}", upper.display())]
+    ScanUpper {
+        upper: PathBuf,
+        #[source]
+        source: FsError,
+    },
+    #[error("rootfs is not an overlay: its changes cannot be seen")]
+    NotOverlay,
+    #[error("cannot scan volume {} ({}): {source}", at.display(), dir.display())]
+    ScanVolume {
+        at: PathBuf,
+        dir: PathBuf,
+        #[source]
+        source: FsError,
+    },
+    #[error("cannot list files held by pid {pid}: {source}")]
+    HeldFiles {
+        pid: u32,
+        #[source]
+        source: ProcfsError,
+    },
+    #[error("cannot read memory of pid {pid}: {source}")]
+    Memory {
+        pid: u32,
+        #[source]
+        source: MemError,
+    },
+}
+
+/// Why an inspection has no host probes to count with (then it is blind: every turn `full`).
+/// Cheap to clone: the probes are loaded once per shim and every container hears the same why.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ProbesUnavailable {
+    /// Loading or opening the host-wide programs failed.
+    #[error("{0}")]
+    Bpf(Arc<BpfError>),
+    /// The container's cgroup2 directory is unknown, so there is nothing to watch.
+    #[error("no cgroup2 directory for pid {pid}: {source}")]
+    NoCgroup2 {
+        pid: u32,
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+}
+
+/// Why a container's cgroup could not be watched.
+#[derive(Debug, thiserror::Error)]
+pub enum WatchError {
+    /// Its directory has no cgroup id (not on cgroup2, or gone).
+    #[error("{0}")]
+    CgroupId(#[source] std::io::Error),
+    #[error("{0}")]
+    Bpf(#[source] BpfError),
+}
 
 /// The smallest checkpoint that preserves what a turn left behind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -265,32 +336,32 @@ pub struct Inspection {
     mark: Option<Mark>,
     seq: u64,
     /// Why observation is impossible for this container (BPF unavailable, ...).
-    blind: Option<String>,
+    blind: Option<InspectError>,
 }
 
 impl Inspection {
     /// Starts watching: registers the container's cgroup with the host probes. A failure
     /// does not fail the container: the inspection is then blind and every answer `full`.
-    pub fn new(target: Target, probes: Result<Arc<HostProbes>, String>) -> Inspection {
+    pub fn new(target: Target, probes: Result<Arc<HostProbes>, ProbesUnavailable>) -> Inspection {
         let mut blind = None;
         let (probes, cgroup_id) = match probes {
             Ok(p) => match crate::sys::cgroup::cgroup_id(&target.cgroup2_dir)
-                .map_err(|e| e.to_string())
+                .map_err(WatchError::CgroupId)
                 .and_then(|id| {
-                    p.watch(id).map_err(|e| e.to_string())?;
+                    p.watch(id).map_err(WatchError::Bpf)?;
                     Ok(id)
                 }) {
                 Ok(id) => (Some(p), Some(id)),
-                Err(e) => {
-                    blind = Some(format!(
-                        "cannot watch cgroup {}: {e}",
-                        target.cgroup2_dir.display()
-                    ));
+                Err(source) => {
+                    blind = Some(InspectError::Watch {
+                        dir: target.cgroup2_dir.clone(),
+                        source,
+                    });
                     (None, None)
                 }
             },
             Err(e) => {
-                blind = Some(format!("eBPF probes unavailable: {e}"));
+                blind = Some(InspectError::ProbesUnavailable(e));
                 (None, None)
             }
         };
@@ -366,10 +437,11 @@ impl Inspection {
         );
     }
 
-    fn counters(&self) -> Result<CgroupCounters, String> {
+    /// The cgroup's counters now; `None` when blind (which [`Self::blind`] already says).
+    fn counters(&self) -> Option<Result<CgroupCounters, InspectError>> {
         match (&self.probes, self.cgroup_id) {
-            (Some(p), Some(id)) => p.counters(id).map_err(|e| e.to_string()),
-            _ => Err(self.blind.clone().unwrap_or_else(|| "not watched".into())),
+            (Some(p), Some(id)) => Some(p.counters(id).map_err(InspectError::Counters)),
+            _ => None,
         }
     }
 
@@ -379,13 +451,13 @@ impl Inspection {
             .and_then(|p| p.run_count(pid).ok().flatten())
     }
 
-    fn processes(&self) -> Result<Vec<ProcInfo>, String> {
-        procs::list(&self.target.cgroup2_dir).map_err(|e| format!("cannot list processes: {e}"))
+    fn processes(&self) -> Result<Vec<ProcInfo>, InspectError> {
+        procs::list(&self.target.cgroup2_dir).map_err(InspectError::Processes)
     }
 
     /// A full observation, used when there is no usable mark.
-    fn observe_all(&self, manifest: TreeManifest) -> Result<Mark, String> {
-        let counters = self.counters().unwrap_or_default();
+    fn observe_all(&self, manifest: TreeManifest) -> Result<Mark, InspectError> {
+        let counters = self.counters().and_then(Result::ok).unwrap_or_default();
         let processes = self.processes()?;
         let mut memory = HashMap::new();
         let mut run_counts = HashMap::new();
@@ -415,7 +487,7 @@ impl Inspection {
         capture_bounded(pid, self.target.limits.max_fdinfo_bytes)
     }
 
-    fn scan_volumes(&self) -> Result<Vec<TreeManifest>, String> {
+    fn scan_volumes(&self) -> Result<Vec<TreeManifest>, InspectError> {
         self.target
             .volumes
             .iter()
@@ -425,26 +497,27 @@ impl Inspection {
                     &(&self.target.limits).into(),
                     fs::OverlayXattrs::Trusted,
                 )
-                .map_err(|e| {
-                    format!(
-                        "cannot scan volume {} ({}): {e}",
-                        at.display(),
-                        dir.display()
-                    )
+                .map_err(|source| InspectError::ScanVolume {
+                    at: at.clone(),
+                    dir: dir.clone(),
+                    source,
                 })
             })
             .collect()
     }
 
-    fn scan_upper(&self) -> Result<TreeManifest, String> {
+    fn scan_upper(&self) -> Result<TreeManifest, InspectError> {
         match &self.target.upperdir {
             Some(upper) => TreeManifest::scan_with(
                 upper,
                 &(&self.target.limits).into(),
                 self.target.overlay_xattrs,
             )
-            .map_err(|e| format!("cannot scan upperdir {}: {e}", upper.display())),
-            None => Err("rootfs is not an overlay: its changes cannot be seen".into()),
+            .map_err(|source| InspectError::ScanUpper {
+                upper: upper.clone(),
+                source,
+            }),
+            None => Err(InspectError::NotOverlay),
         }
     }
 
@@ -610,16 +683,15 @@ impl Inspection {
         self.seq += 1;
         let mut degraded = Vec::new();
         if let Some(why) = &self.blind {
-            degraded.push(why.clone());
+            degraded.push(why.to_string());
         }
         let counters = match self.counters() {
-            Ok(c) => Some(c),
-            Err(e) => {
-                if self.blind.is_none() {
-                    degraded.push(format!("cannot read kernel counters: {e}"));
-                }
+            Some(Ok(c)) => Some(c),
+            Some(Err(e)) => {
+                degraded.push(e.to_string());
                 None
             }
+            None => None,
         };
         let mut fs = FsFinding::default();
         let mut procs = ProcFinding::default();
@@ -671,7 +743,7 @@ impl Inspection {
                 }
                 Err(e) => {
                     fs.unobserved = true;
-                    degraded.push(e);
+                    degraded.push(e.to_string());
                     None
                 }
             }
@@ -698,7 +770,7 @@ impl Inspection {
                 }
                 Err(e) => {
                     fs.unobserved = true;
-                    degraded.push(e);
+                    degraded.push(e.to_string());
                     None
                 }
             }
@@ -710,7 +782,7 @@ impl Inspection {
         let now_procs = match self.processes() {
             Ok(p) => Some(p),
             Err(e) => {
-                degraded.push(e);
+                degraded.push(e.to_string());
                 None
             }
         };
@@ -753,9 +825,8 @@ impl Inspection {
                                 }
                             }
                         }
-                        Err(e) => {
-                            degraded.push(format!("cannot list files held by pid {}: {e}", p.pid))
-                        }
+                        Err(source) => degraded
+                            .push(InspectError::HeldFiles { pid: p.pid, source }.to_string()),
                     }
                 }
                 // Memory: a process that was not scheduled since the mark did not change it,
@@ -798,8 +869,8 @@ impl Inspection {
                         degraded.push(format!("no memory image of pid {} at the mark", p.pid));
                         memory_images.insert(p.pid, img);
                     }
-                    (Err(e), _) => {
-                        degraded.push(format!("cannot read memory of pid {}: {e}", p.pid))
+                    (Err(source), _) => {
+                        degraded.push(InspectError::Memory { pid: p.pid, source }.to_string())
                     }
                 }
             }
@@ -959,12 +1030,23 @@ mod tests {
         }
     }
 
+    fn no_probes() -> ProbesUnavailable {
+        ProbesUnavailable::Bpf(Arc::new(BpfError::Syscall {
+            op: "no probes in this test",
+            source: std::io::Error::from_raw_os_error(libc::ENOSYS),
+        }))
+    }
+
     #[test]
     fn without_probes_every_turn_is_full_and_says_why() {
         let dir = tempfile::tempdir().unwrap();
+        let refused = BpfError::Syscall {
+            op: "bpf(2)",
+            source: std::io::Error::from_raw_os_error(libc::EPERM),
+        };
         let mut i = Inspection::new(
             target(dir.path()),
-            Err("bpf(2): Operation not permitted".into()),
+            Err(ProbesUnavailable::Bpf(Arc::new(refused))),
         );
         i.mark_base();
         for _ in 0..2 {
@@ -1119,7 +1201,7 @@ sys.stdin.readline()
                 )
                 .unwrap();
         }
-        let i = Inspection::new(t, Err("no probes in this test".into()));
+        let i = Inspection::new(t, Err(no_probes()));
         let started = Instant::now();
         let unseen = i.arm_shared_mappings();
         let elapsed = started.elapsed();
@@ -1148,7 +1230,7 @@ sys.stdin.readline()
         let dir = tempfile::tempdir().unwrap();
         let mut t = target(dir.path());
         t.upperdir = Some(dir.path().join("missing"));
-        let mut i = Inspection::new(t, Err("no probes in this test".into()));
+        let mut i = Inspection::new(t, Err(no_probes()));
         let a = i.turn_end();
         assert_eq!(a.kind, Kind::Full);
         assert!(
