@@ -34,9 +34,8 @@ fn main() {
         .map(|a| a.parse().expect("ITERS"))
         .unwrap_or(100_000);
     let reps: usize = args.get(2).map(|a| a.parse().expect("REPS")).unwrap_or(5);
-    // SAFETY: geteuid has no preconditions.
     assert_eq!(
-        unsafe { libc::geteuid() },
+        nix::unistd::geteuid().as_raw(),
         0,
         "bpf-overhead loads BPF programs: run it as root"
     );

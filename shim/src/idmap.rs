@@ -121,6 +121,9 @@ fn user_namespace(uid_map: &str, gid_map: &str) -> Result<OwnedFd> {
     // closes its own, then exits: nothing that is unsafe after a clone of a multi-threaded
     // process. (Without the close, the child's own copy kept the pipe open, the read never saw
     // EOF, and every user-namespace pod left a process behind that looked like its shim.)
+    // SAFETY: the child runs on `stack` (owned here and alive until the parent returns, the
+    // child only needs a few bytes of it) and calls only close(2) and read(2) on descriptors it
+    // inherited, both async-signal-safe; it touches no lock or allocation of the parent.
     let child = unsafe {
         nix::sched::clone(
             Box::new(move || {
@@ -166,6 +169,7 @@ fn mount_idmapped(source: &Path, target: &Path, userns: &OwnedFd) -> Result<()> 
             source: e,
         }
     };
+    // SAFETY: `src` is a NUL-terminated string that outlives the call; open_tree reads it only.
     let tree = unsafe {
         libc::syscall(
             libc::SYS_open_tree,
@@ -177,6 +181,7 @@ fn mount_idmapped(source: &Path, target: &Path, userns: &OwnedFd) -> Result<()> 
     if tree < 0 {
         return Err(fail("open_tree"));
     }
+    // SAFETY: open_tree succeeded: `tree` is a new descriptor that nothing else owns.
     let tree = unsafe { OwnedFd::from_raw_fd(tree as i32) };
     let attr = libc::mount_attr {
         attr_set: libc::MOUNT_ATTR_IDMAP,
@@ -184,6 +189,8 @@ fn mount_idmapped(source: &Path, target: &Path, userns: &OwnedFd) -> Result<()> 
         propagation: 0,
         userns_fd: userns.as_raw_fd() as u64,
     };
+    // SAFETY: `empty` is a NUL-terminated string and `attr` a `mount_attr` of the size passed;
+    // both outlive the call and the kernel only reads them. `tree` is an open descriptor.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_mount_setattr,
@@ -197,6 +204,8 @@ fn mount_idmapped(source: &Path, target: &Path, userns: &OwnedFd) -> Result<()> 
     if rc < 0 {
         return Err(fail("mount_setattr(MOUNT_ATTR_IDMAP)"));
     }
+    // SAFETY: `empty` and `dst` are NUL-terminated strings that outlive the call; the kernel
+    // only reads them. `tree` is an open descriptor.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_move_mount,

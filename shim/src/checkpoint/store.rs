@@ -321,6 +321,7 @@ impl Store {
             .write(true)
             .open(&lock_path)
             .map_err(|e| StoreError::io("open", &lock_path, e))?;
+        // SAFETY: flock(2) takes no pointers; `lock` is an open file for the whole call.
         let locked = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
         let store = Store {
             root: root.to_path_buf(),
@@ -962,6 +963,8 @@ fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
             .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
     };
     let (f, t) = (c(from)?, c(to)?);
+    // SAFETY: `f` and `t` are NUL-terminated strings that outlive the call; the kernel only
+    // reads them.
     let rc = unsafe {
         libc::renameat2(
             libc::AT_FDCWD,

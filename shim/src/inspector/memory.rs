@@ -74,6 +74,9 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use nix::errno::Errno;
+use nix::sys::uio::{process_vm_readv, RemoteIoVec};
+use nix::unistd::{lseek, Pid, Whence};
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -121,8 +124,12 @@ const UNREADABLE: u64 = u64::MAX;
 
 pub fn page_size() -> u64 {
     static PS: OnceLock<u64> = OnceLock::new();
-    // SAFETY: sysconf has no preconditions.
-    *PS.get_or_init(|| unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64)
+    *PS.get_or_init(|| {
+        nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+            .ok()
+            .flatten()
+            .unwrap_or(4096) as u64
+    })
 }
 
 fn zero_hash() -> u64 {
@@ -431,18 +438,9 @@ fn classify(pid: u32, m: &MapsLine) -> Option<RegionKind> {
         return Some(RegionKind::Shmem);
     }
     // Shared file mapping: is the file shmem (tmpfs, memfd, SysV, shared anon) or hugetlbfs?
-    let mut sfs: libc::statfs = unsafe { std::mem::zeroed() };
-    let p = std::ffi::CString::new(map_files_path(pid, m).as_os_str().as_bytes()).ok()?;
-    // SAFETY: valid C string and out pointer.
-    let shmem = if unsafe { libc::statfs(p.as_ptr(), &mut sfs) } == 0 {
-        // f_type's integer type differs between architectures.
-        #[allow(clippy::unnecessary_cast)]
-        let (t, tmpfs, hugetlbfs) = (
-            sfs.f_type as i64,
-            libc::TMPFS_MAGIC as i64,
-            libc::HUGETLBFS_MAGIC as i64,
-        );
-        t == tmpfs || t == hugetlbfs
+    use nix::sys::statfs::{statfs, HUGETLBFS_MAGIC, TMPFS_MAGIC};
+    let shmem = if let Ok(sfs) = statfs(&map_files_path(pid, m)) {
+        matches!(sfs.filesystem_type(), TMPFS_MAGIC | HUGETLBFS_MAGIC)
     } else {
         path.starts_with(b"/memfd:")
             || path.starts_with(b"/SYSV")
@@ -557,7 +555,7 @@ fn read_jobs(
         let mut first = 0usize; // index into runs
         let mut skip = 0u64; // pages of runs[first] already done
         while first < runs.len() {
-            let iov: Vec<libc::iovec> = runs[first..]
+            let iov: Vec<RemoteIoVec> = runs[first..]
                 .iter()
                 .enumerate()
                 .map(|(i, (va, n))| {
@@ -566,44 +564,30 @@ fn read_jobs(
                     } else {
                         (*va, *n)
                     };
-                    libc::iovec {
-                        iov_base: va as *mut libc::c_void,
-                        iov_len: (n * ps) as usize,
+                    RemoteIoVec {
+                        base: va as usize,
+                        len: (n * ps) as usize,
                     }
                 })
                 .collect();
-            let want: u64 = iov.iter().map(|v| v.iov_len as u64).sum();
-            let local = libc::iovec {
-                iov_base: buf.as_mut_ptr() as *mut libc::c_void,
-                iov_len: want as usize,
-            };
-            // SAFETY: local iovec points into `buf` (want <= BATCH_BYTES); remote addresses are
-            // only read by the kernel on the other process's behalf.
-            let n = unsafe {
-                libc::process_vm_readv(
-                    pid as libc::pid_t,
-                    &local,
-                    1,
-                    iov.as_ptr(),
-                    iov.len() as libc::c_ulong,
-                    0,
-                )
-            };
-            let got = if n < 0 {
-                let e = io::Error::last_os_error();
-                match e.raw_os_error() {
-                    Some(libc::ESRCH) => return Err(MemError::Gone(pid)),
-                    Some(libc::EFAULT) | Some(libc::EIO) | Some(libc::ENOMEM) => 0,
-                    _ => {
-                        return Err(MemError::Io {
-                            pid,
-                            what: "process_vm_readv".into(),
-                            source: e,
-                        })
-                    }
+            let want: u64 = iov.iter().map(|v| v.len as u64).sum();
+            // Remote addresses are only read by the kernel on the other process's behalf.
+            let read = process_vm_readv(
+                Pid::from_raw(pid as libc::pid_t),
+                &mut [io::IoSliceMut::new(&mut buf[..want as usize])],
+                &iov,
+            );
+            let got = match read {
+                Ok(n) => n as u64,
+                Err(Errno::ESRCH) => return Err(MemError::Gone(pid)),
+                Err(Errno::EFAULT | Errno::EIO | Errno::ENOMEM) => 0,
+                Err(e) => {
+                    return Err(MemError::Io {
+                        pid,
+                        what: "process_vm_readv".into(),
+                        source: e.into(),
+                    })
                 }
-            } else {
-                n as u64
             };
             let full = got / ps;
             let mut va = runs[first].0 + skip * ps;
@@ -676,21 +660,16 @@ fn hash_shmem(f: &File, m: &MapsLine, pages: &mut Vec<(u64, u64)>, buf: &mut [u8
     let mut read = 0u64;
     let mut pos = lo;
     while pos < hi {
-        // SAFETY: plain lseek on an owned fd.
-        let data = unsafe { libc::lseek(f.as_raw_fd(), pos as libc::off_t, libc::SEEK_DATA) };
-        if data < 0 {
+        let Ok(data) = lseek(f.as_raw_fd(), pos as libc::off_t, Whence::SeekData) else {
             break; // ENXIO: no data after pos (EINVAL: no SEEK_DATA: handled by the else below)
-        }
+        };
         let data = (data as u64 / ps) * ps;
         if data >= hi {
             break;
         }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(f.as_raw_fd(), data as libc::off_t, libc::SEEK_HOLE) };
-        let hole = if hole < 0 {
-            hi
-        } else {
-            (hole as u64).div_ceil(ps) * ps
+        let hole = match lseek(f.as_raw_fd(), data as libc::off_t, Whence::SeekHole) {
+            Ok(hole) => (hole as u64).div_ceil(ps) * ps,
+            Err(_) => hi,
         }
         .min(hi);
         let mut off = data.max(pos);
@@ -1380,6 +1359,10 @@ mod tests {
             static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
             let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
             let ps = page_size() as usize;
+            // SAFETY: fresh anonymous mappings (no address hint), written only within their
+            // lengths; the child after fork(2) calls only async-signal-safe functions
+            // (open, dup2, then child_loop's read/write) before it exits; the descriptors
+            // taken into OwnedFd are the pipe ends this process just created and owns.
             unsafe {
                 let data = libc::mmap(
                     std::ptr::null_mut(),
@@ -1467,6 +1450,9 @@ mod tests {
 
     impl Drop for Forked {
         fn drop(&mut self) {
+            // SAFETY: kill and waitpid of our own child take no pointers we own (a null
+            // status is allowed); `shared` is the mapping of 16 pages made in `spawn`, and
+            // nothing refers into it after `self`.
             unsafe {
                 libc::kill(self.pid as i32, libc::SIGKILL);
                 libc::waitpid(self.pid as i32, std::ptr::null_mut(), 0);
@@ -1479,7 +1465,8 @@ mod tests {
         // Drop the fds inherited from other tests running in the harness (BPF maps, pipes):
         // their state is not ours to watch.
         let (lo, hi) = (cmd.min(ack) as u32, cmd.max(ack) as u32);
-        // SAFETY: raw syscalls on fds only.
+        // SAFETY: close_range takes no pointers; it closes descriptors of this forked child
+        // that nothing in it uses (everything but the two pipe ends it talks over).
         unsafe {
             libc::syscall(libc::SYS_close_range, 3u32, lo - 1, 0u32);
             libc::syscall(libc::SYS_close_range, lo + 1, hi - 1, 0u32);
@@ -1627,7 +1614,8 @@ mod tests {
     }
 
     fn pin(pid: u32, cpu: usize) {
-        // SAFETY: plain cpu_set_t manipulation and syscall.
+        // SAFETY: an all-zero cpu_set_t is a valid empty set, CPU_SET writes inside it, and
+        // sched_setaffinity reads exactly its size from a live local.
         unsafe {
             let mut set: libc::cpu_set_t = std::mem::zeroed();
             libc::CPU_SET(cpu, &mut set);
@@ -1710,6 +1698,7 @@ mod tests {
             .any(|r| r.kind == RegionKind::Shmem && r.start == f.shared as u64));
         // We (another process) write into the shared mapping; the child's page tables never
         // see it, the shmem object does.
+        // SAFETY: page 3 of the 16-page shared mapping `f` holds until it is dropped.
         unsafe { std::ptr::write_volatile(f.shared.add(3 * page_size() as usize), 7) };
         let b = f.capture();
         let d = compare(&a, &b);
@@ -1949,6 +1938,8 @@ while True:
         eprintln!("|---|---|---|---|---|");
         for mb in [10usize, 100, 500] {
             let len = mb << 20;
+            // SAFETY: a fresh anonymous mapping of `len` bytes, written only within it; the
+            // forked child only calls pause(2) in a loop (async-signal-safe) until killed.
             let pid = unsafe {
                 let p = libc::mmap(
                     std::ptr::null_mut(),
@@ -2007,6 +1998,7 @@ while True:
                 cmp.as_secs_f64() * 1e3,
                 many.stats.pages_read
             );
+            // SAFETY: kill and waitpid of our own child; a null status pointer is allowed.
             unsafe {
                 libc::kill(pid as i32, libc::SIGKILL);
                 libc::waitpid(pid as i32, std::ptr::null_mut(), 0);

@@ -640,7 +640,11 @@ mod tests {
     fn exited_but_unreaped_child_is_not_listed() {
         let cg = TestCgroup::new("zombie");
         let c = spawn_in(&cg, &["sleep", "1000"], Stdio::null());
-        unsafe { libc::kill(c.id() as i32, libc::SIGKILL) };
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(c.id() as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
         let t = Instant::now();
         while read_stat(c.id()).unwrap().map(|s| s.state) != Some('Z') {
             assert!(t.elapsed() < Duration::from_secs(5));
