@@ -506,8 +506,6 @@ impl<'a> Capture<'a> {
     }
 }
 
-/// Tar name of an upperdir-relative path (`./` for the root, a trailing `/` for directories).
-
 /// An entry's xattrs as a layer carries them, and the overlayfs state among them.
 #[derive(Debug, Default)]
 pub(super) struct Xattrs {
@@ -574,7 +572,6 @@ pub(super) fn classify_xattr(name: &[u8], overlay: OverlayXattrs) -> XattrClass<
 /// The data extents `(offset, length)` of a file of `size` bytes, from `SEEK_DATA`/`SEEK_HOLE`
 /// (a filesystem without them reports the whole file as data). At most `max` extents: beyond
 /// that the extents separated by the smallest holes are merged.
-
 pub(super) fn data_extents(fd: RawFd, size: u64, max: usize) -> io::Result<Vec<(u64, u64)>> {
     let mut out: Vec<(u64, u64)> = Vec::new();
     let mut min_gap = 0u64;
@@ -622,9 +619,6 @@ pub(super) fn merge_extents(extents: &[(u64, u64)], gap: u64) -> Vec<(u64, u64)>
     }
     out
 }
-
-/// The sparse map that starts a GNU sparse 1.0 entry's data: the number of extents, then each
-/// extent's offset and length, as decimal lines, padded with NULs to a whole block.
 
 /// Flags of every directory the capture opens (relative ones add `O_NOFOLLOW`).
 const DIR_FLAGS: OFlag = OFlag::O_RDONLY

@@ -314,6 +314,7 @@ fn pax_time(secs: i64, nsec: i64) -> String {
     format!("-{}.{:09}", -(secs + 1), 1_000_000_000 - nsec)
 }
 
+/// Tar name of an upperdir-relative path (`./` for the root, a trailing `/` for directories).
 pub(super) fn tar_name(rel: &Path, dir: bool) -> Vec<u8> {
     let mut name = rel.as_os_str().as_bytes().to_vec();
     if name.is_empty() {
@@ -343,6 +344,8 @@ fn whiteout_name(rel: &Path) -> Vec<u8> {
     child_name(parent, &base)
 }
 
+/// The sparse map that starts a GNU sparse 1.0 entry's data: the number of extents, then each
+/// extent's offset and length, as decimal lines, padded with NULs to a whole block.
 pub(super) fn sparse_map(extents: &[(u64, u64)]) -> Vec<u8> {
     let mut map = format!("{}\n", extents.len()).into_bytes();
     for (off, len) in extents {

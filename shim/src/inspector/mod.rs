@@ -48,7 +48,7 @@ pub enum InspectError {
         source: WatchError,
     },
     #[error("cannot read kernel counters: {0}")]
-    Counters(#[source] BpfError),
+    Counters(#[source] Box<BpfError>),
     #[error("cannot list processes: {0}")]
     Processes(#[source] ProcfsError),
     #[error("cannot scan upperdir {}: {source}", upper.display())]
@@ -103,7 +103,7 @@ pub enum WatchError {
     #[error("{0}")]
     CgroupId(#[source] std::io::Error),
     #[error("{0}")]
-    Bpf(#[source] BpfError),
+    Bpf(#[source] Box<BpfError>),
 }
 
 /// The smallest checkpoint that preserves what a turn left behind.
@@ -348,7 +348,7 @@ impl Inspection {
             Ok(p) => match crate::sys::cgroup::cgroup_id(&target.cgroup2_dir)
                 .map_err(WatchError::CgroupId)
                 .and_then(|id| {
-                    p.watch(id).map_err(WatchError::Bpf)?;
+                    p.watch(id).map_err(|e| WatchError::Bpf(Box::new(e)))?;
                     Ok(id)
                 }) {
                 Ok(id) => (Some(p), Some(id)),
@@ -440,7 +440,10 @@ impl Inspection {
     /// The cgroup's counters now; `None` when blind (which [`Self::blind`] already says).
     fn counters(&self) -> Option<Result<CgroupCounters, InspectError>> {
         match (&self.probes, self.cgroup_id) {
-            (Some(p), Some(id)) => Some(p.counters(id).map_err(InspectError::Counters)),
+            (Some(p), Some(id)) => Some(
+                p.counters(id)
+                    .map_err(|e| InspectError::Counters(Box::new(e))),
+            ),
             _ => None,
         }
     }
