@@ -14,7 +14,7 @@ use containerd_shim::protos::protobuf::{Message, MessageField};
 use containerd_shim::protos::types::introspection::{RuntimeInfo, RuntimeVersion};
 
 use crate::error::{Error, Result};
-use crate::service::RUNTIME_ID;
+use crate::RUNTIME_ID;
 
 /// The type URL containerd registers for the runtime-spec `Features` JSON.
 const FEATURES_TYPE_URL: &str =

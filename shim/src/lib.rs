@@ -10,6 +10,10 @@
 //! - [`sys`]: the operating system below everything else (mount table, cgroups, files beneath a
 //!   root, raw system calls)
 
+/// The runtime name containerd knows crab by (`--runtime io.containerd.crab.v1`): the shim's
+/// id, its `-info` answer's name, and how crabctl tells crab's containers from others.
+pub const RUNTIME_ID: &str = "io.containerd.crab.v1";
+
 pub mod bundle;
 pub mod checkpoint;
 pub mod containers;
@@ -30,6 +34,3 @@ pub mod stdio;
 pub mod sys;
 pub mod turns;
 
-/// The runtime's name as containerd knows it (the shim's id, and the runtime name crab's
-/// container records carry).
-pub use service::RUNTIME_ID;

@@ -8,9 +8,6 @@ async fn main() {
     {
         std::process::exit(crab_shim::info::print());
     }
-    containerd_shim::asynchronous::run::<crab_shim::service::Service>(
-        crab_shim::service::RUNTIME_ID,
-        None,
-    )
-    .await;
+    containerd_shim::asynchronous::run::<crab_shim::service::Service>(crab_shim::RUNTIME_ID, None)
+        .await;
 }

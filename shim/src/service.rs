@@ -32,8 +32,6 @@ use crate::{
     stdio::StdioSpec,
 };
 
-pub const RUNTIME_ID: &str = "io.containerd.crab.v1";
-
 /// The spec annotation the CRI sets on every container of a pod: a pod's containers share one
 /// shim. It is containerd's to set, and wins over [`GROUP_ANNOTATION`].
 const SANDBOX_ANNOTATION: &str = "io.kubernetes.cri.sandbox-id";
