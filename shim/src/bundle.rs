@@ -3,7 +3,6 @@
 
 use std::path::{Path, PathBuf};
 
-use containerd_shim_protos::types::mount::Mount;
 use oci_spec::runtime::{LinuxNamespaceType, Spec};
 
 use crate::{
@@ -12,6 +11,25 @@ use crate::{
 };
 
 const RUNC_SETTINGS: &str = "crab-runc.json";
+
+/// One mount of a container's rootfs, as containerd hands it over (its snapshotter's view:
+/// usually one overlay whose options name the layers and the upper directory).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RootfsMount {
+    /// The filesystem type (`overlay`, `bind`, ...).
+    pub kind: String,
+    pub source: String,
+    /// Where below the rootfs it goes (empty: the rootfs itself).
+    pub target: String,
+    pub options: Vec<String>,
+}
+
+impl RootfsMount {
+    /// The rootfs's overlay mount, if it has one (the first).
+    pub fn overlay(mounts: &[RootfsMount]) -> Option<&RootfsMount> {
+        mounts.iter().find(|m| m.kind == "overlay")
+    }
+}
 
 pub fn read_spec(bundle: &Path) -> Result<Spec> {
     let path = bundle.join("config.json");
@@ -56,7 +74,7 @@ pub fn rootfs_path(bundle: &Path) -> PathBuf {
 
 /// Mounts containerd's rootfs mounts at `<bundle>/rootfs`. Returns whether anything was
 /// mounted; on error, whatever was mounted is undone.
-pub async fn mount_rootfs(bundle: &Path, mounts: &[Mount]) -> Result<bool> {
+pub async fn mount_rootfs(bundle: &Path, mounts: &[RootfsMount]) -> Result<bool> {
     if mounts.is_empty() {
         return Ok(false);
     }
@@ -66,20 +84,42 @@ pub async fn mount_rootfs(bundle: &Path, mounts: &[Mount]) -> Result<bool> {
     for m in mounts {
         // A pod with its own user namespace: the layers are mounted id-mapped first and only
         // needed until the overlay holds them.
-        let idmapped = match crate::idmap::prepare(bundle, m) {
-            Ok(i) => i,
+        let idmapped = match crate::idmap::prepare(bundle, &m.kind, &m.options) {
+            Ok(i) => i.map(|(options, lowers)| {
+                let overlay = RootfsMount {
+                    options,
+                    ..m.clone()
+                };
+                (overlay, lowers)
+            }),
             Err(e) => {
                 unmount_rootfs(bundle);
                 return Err(e);
             }
         };
         let m = idmapped.as_ref().map_or(m, |(overlay, _)| overlay);
-        if let Err(e) = containerd_shim::util::mount_rootfs(m, &target).await {
+        let what = format!("{} {}", m.kind, m.source);
+        let mounted = {
+            let (m, target) = (m.clone(), target.clone());
+            tokio::task::spawn_blocking(move || {
+                let some = |s: &str| (!s.is_empty()).then_some(s.to_string());
+                containerd_shim::mount::mount_rootfs(
+                    some(&m.kind).as_deref(),
+                    some(&m.source).as_deref(),
+                    &m.options,
+                    &target,
+                )
+            })
+            .await
+        };
+        let failed = match mounted {
+            Ok(Ok(())) => None,
+            Ok(Err(source)) => Some(Error::Mount { what, source }),
+            Err(e) => Some(Error::Task(e)),
+        };
+        if let Some(e) = failed {
             unmount_rootfs(bundle);
-            return Err(Error::Other(format!(
-                "cannot mount rootfs ({} {}): {e}",
-                m.type_, m.source
-            )));
+            return Err(e);
         }
     }
     Ok(true)
@@ -104,14 +144,19 @@ pub fn read_init_pid(bundle: &Path) -> Result<u32> {
 pub fn read_pid(path: &Path) -> Result<u32> {
     let s = std::fs::read_to_string(path)
         .map_err(Error::io(format!("cannot read {}", path.display())))?;
-    s.trim()
-        .parse()
-        .map_err(|_| Error::Other(format!("bad pid `{}` in {}", s.trim(), path.display())))
+    s.trim().parse().map_err(|source| Error::Pid {
+        text: s.trim().to_string(),
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 pub fn save_runc(bundle: &Path, runc: &Runc) -> Result<()> {
     let path = bundle.join(RUNC_SETTINGS);
-    let data = serde_json::to_vec(runc).map_err(|e| Error::Other(e.to_string()))?;
+    let data = serde_json::to_vec(runc).map_err(|source| Error::Json {
+        context: format!("cannot encode {}", path.display()),
+        source,
+    })?;
     std::fs::write(&path, data).map_err(Error::io(format!("cannot write {}", path.display())))
 }
 
@@ -120,7 +165,10 @@ pub fn load_runc(bundle: &Path) -> Result<Option<Runc>> {
     match std::fs::read(&path) {
         Ok(data) => serde_json::from_slice(&data)
             .map(Some)
-            .map_err(|e| Error::Other(format!("corrupt {}: {e}", path.display()))),
+            .map_err(|source| Error::Json {
+                context: format!("corrupt {}", path.display()),
+                source,
+            }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(Error::io(format!("cannot read {}", path.display()))(e)),
     }

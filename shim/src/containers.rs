@@ -1,5 +1,6 @@
 //! The task service's core: containers, their processes and their lifecycle over runc.
-//! Protocol types stay in [`crate::service`]; this module speaks in plain values.
+//! It speaks in plain values: requests arrive as such from the protocol edge, and what
+//! happens is reported as [`TaskEvent`]s, which the edge publishes.
 
 use std::{
     collections::HashMap,
@@ -8,25 +9,23 @@ use std::{
     time::Duration,
 };
 
-use containerd_shim::{
-    protos::protobuf::MessageDyn, publisher::RemotePublisher, Context, ExitSignal,
-};
-use containerd_shim_protos::{events::task as ev, topics, types::mount::Mount};
+use containerd_shim::ExitSignal;
 use crab_runtime_config::{Config, ConfigSource};
 
 use crate::{
-    bundle,
+    bundle::{self, RootfsMount},
     checkpoint::{
         restore::{self, Taken},
         store::Store,
         Coordinator, JobTarget,
     },
     error::{Error, Result},
+    events::{EventSender, TaskEvent},
     inspector::{Answer, Inspection},
     oom,
     process::{ExitInfo, Process, Snapshot, Status},
     reaper::ExitSubscription,
-    runc::Runc,
+    runc::{Runc, RuncError},
     stdio::{PreparedIo, StdioSpec},
     turns,
 };
@@ -38,7 +37,7 @@ const OUTPUT_DRAIN_BOUND: Duration = Duration::from_millis(500);
 pub struct CreateParams {
     pub id: String,
     pub bundle: PathBuf,
-    pub rootfs: Vec<Mount>,
+    pub rootfs: Vec<RootfsMount>,
     pub stdio: StdioSpec,
     /// containerd's runtime options (`runtimeoptions.v1.Options`), type URL and bytes.
     pub options: Option<(String, Vec<u8>)>,
@@ -94,7 +93,7 @@ struct PendingRestore {
     /// crab's description of the checkpoint (none for containerd's own checkpoints).
     taken: Option<Taken>,
     config: Config,
-    rootfs: Vec<Mount>,
+    rootfs: Vec<RootfsMount>,
     stdio: StdioSpec,
     checkpointing: bool,
 }
@@ -165,7 +164,7 @@ struct PidTable {
 
 pub struct Containers {
     namespace: String,
-    publisher: Option<Arc<RemotePublisher>>,
+    events: EventSender,
     map: Mutex<HashMap<String, Arc<Container>>>,
     pids: Mutex<PidTable>,
     shutdown: Arc<ExitSignal>,
@@ -180,14 +179,12 @@ pub struct ProcessState {
 }
 
 impl Containers {
-    pub fn new(
-        namespace: String,
-        publisher: Option<Arc<RemotePublisher>>,
-        shutdown: Arc<ExitSignal>,
-    ) -> Arc<Self> {
+    /// The core of a shim serving containerd namespace `namespace`: it reports to `events`
+    /// and signals `shutdown` when the shim is to end.
+    pub fn new(namespace: String, events: EventSender, shutdown: Arc<ExitSignal>) -> Arc<Self> {
         Arc::new(Self {
             namespace,
-            publisher,
+            events,
             map: Mutex::new(HashMap::new()),
             pids: Mutex::new(PidTable::default()),
             shutdown,
@@ -215,17 +212,6 @@ impl Containers {
 
     pub fn is_empty(&self) -> bool {
         self.map.lock().unwrap().is_empty()
-    }
-
-    async fn publish(&self, topic: &str, event: Box<dyn MessageDyn>) {
-        if let Some(p) = &self.publisher {
-            if let Err(e) = p
-                .publish(Context::default(), topic, &self.namespace, event)
-                .await
-            {
-                log::error!("cannot publish {topic}: {e}");
-            }
-        }
     }
 
     /// The crab config that containerd's runtime options (type URL, value) name.
@@ -318,7 +304,7 @@ impl Containers {
                     }
                     Err(e) => {
                         unmount(&e);
-                        return Err(Error::Other(e.to_string()));
+                        return Err(Error::Task(e));
                     }
                 }
             }
@@ -339,7 +325,7 @@ impl Containers {
                     }
                     Err(e) => {
                         unmount(&e);
-                        return Err(Error::Other(e.to_string()));
+                        return Err(Error::Task(e));
                     }
                 }
             }
@@ -448,26 +434,16 @@ impl Containers {
                 .insert(pid, (p.id.clone(), String::new()));
             self.watch_oom(&container, pid);
         }
-        self.publish(
-            topics::TASK_CREATE_EVENT_TOPIC,
-            Box::new(ev::TaskCreate {
+        self.events
+            .publish(TaskEvent::Create {
                 container_id: p.id.clone(),
-                bundle: p.bundle.display().to_string(),
+                bundle: p.bundle.clone(),
                 rootfs: p.rootfs.clone(),
-                io: Some(ev::TaskIO {
-                    stdin: p.stdio.stdin.clone(),
-                    stdout: p.stdio.stdout.clone(),
-                    stderr: p.stdio.stderr.clone(),
-                    terminal: p.stdio.terminal,
-                    ..Default::default()
-                })
-                .into(),
+                stdio: p.stdio.clone(),
                 checkpoint: p.checkpoint.clone(),
                 pid,
-                ..Default::default()
-            }),
-        )
-        .await;
+            })
+            .await;
         Ok(pid)
     }
 
@@ -479,7 +455,7 @@ impl Containers {
         &self,
         id: &str,
         bundle_dir: &Path,
-        rootfs: &[Mount],
+        rootfs: &[RootfsMount],
         config: &Config,
         runc: &Runc,
         pid: u32,
@@ -494,7 +470,7 @@ impl Containers {
         let (store, background) = tokio::task::spawn_blocking(move || -> Result<(Store, Option<Taken>)> {
             // Only a container restored from this store's own checkpoint carries on its lineage.
             let continues = |s: &Store| matches!(&origin, Origin::Checkpoint(t) if restore::own_source(s, &namespace, &cid, t).is_some());
-            let (store, _) = Store::open_for_container(&root, continues).map_err(|e| Error::Other(format!("checkpoint store: {e}")))?;
+            let (store, _) = Store::open_for_container(&root, continues).map_err(Error::Store)?;
             let origin = match origin {
                 Origin::Checkpoint(t) if restore::imports_process_image(&store, &namespace, &cid, &t) => {
                     return Ok((store, Some(t)));
@@ -510,8 +486,7 @@ impl Containers {
             }
             Ok((store, None))
         })
-        .await
-        .map_err(|e| Error::Other(e.to_string()))??;
+        .await??;
         let inspection = {
             let (id, rootfs) = (id.to_string(), rootfs.to_vec());
             let volumes = turns::tracked_volumes(&spec, &config.checkpoint.tracked_volumes);
@@ -519,27 +494,19 @@ impl Containers {
             tokio::task::spawn_blocking(move || {
                 turns::start_inspection(&id, pid, &rootfs, volumes, limits)
             })
-            .await
-            .map_err(|e| Error::Other(e.to_string()))?
+            .await?
         };
         let target = JobTarget {
             container_id: id.to_string(),
             runc: runc.clone(),
             init_pid: pid,
-            cgroup2_dir: crate::sys::cgroup::Cgroups::of(pid)?
-                .unified
-                .unwrap_or_default(),
-            upperdir: rootfs
-                .iter()
-                .find(|m| m.type_ == "overlay")
+            cgroup2_dir: crate::sys::cgroup::Cgroups::of(pid)?.unified.unwrap_or_default(),
+            upperdir: RootfsMount::overlay(rootfs)
                 .and_then(|m| crate::inspector::fs::overlay_dirs(&m.options))
                 .map(|(u, _)| u),
-            overlay_xattrs: rootfs
-                .iter()
-                .find(|m| m.type_ == "overlay")
-                .map_or_else(Default::default, |m| {
-                    crate::inspector::fs::OverlayXattrs::of_mount(&m.options)
-                }),
+            overlay_xattrs: RootfsMount::overlay(rootfs).map_or_else(Default::default, |m| {
+                crate::inspector::fs::OverlayXattrs::of_mount(&m.options)
+            }),
             limits: config.limits.clone(),
             volumes: turns::tracked_volumes(&spec, &config.checkpoint.tracked_volumes)
                 .into_iter()
@@ -607,35 +574,11 @@ impl Containers {
     }
 
     fn watch_oom(&self, container: &Arc<Container>, pid: u32) {
-        let (publisher, namespace, id) = (
-            self.publisher.clone(),
-            self.namespace.clone(),
-            container.id.clone(),
-        );
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
+        let (events, id) = (self.events.clone(), container.id.clone());
         let on_oom = move || {
             log::warn!("container {id}: OOM kill");
-            let (publisher, namespace, id) = (publisher.clone(), namespace.clone(), id.clone());
-            handle.spawn(async move {
-                if let Some(p) = publisher {
-                    let event = ev::TaskOOM {
-                        container_id: id,
-                        ..Default::default()
-                    };
-                    if let Err(e) = p
-                        .publish(
-                            Context::default(),
-                            topics::TASK_OOM_EVENT_TOPIC,
-                            &namespace,
-                            Box::new(event),
-                        )
-                        .await
-                    {
-                        log::error!("cannot publish OOM event: {e}");
-                    }
-                }
+            events.send(TaskEvent::Oom {
+                container_id: id.clone(),
             });
         };
         match oom::watch(pid as i32, on_oom) {
@@ -682,15 +625,12 @@ impl Containers {
                 i.mark_base();
             })
             .await;
-            self.publish(
-                topics::TASK_START_EVENT_TOPIC,
-                Box::new(ev::TaskStart {
+            self.events
+                .publish(TaskEvent::Start {
                     container_id: id.into(),
                     pid,
-                    ..Default::default()
-                }),
-            )
-            .await;
+                })
+                .await;
             if let Some(code) = early_exit {
                 let this_init = c.init.clone();
                 drop(_starting);
@@ -737,16 +677,13 @@ impl Containers {
                 return Err(e);
             }
         };
-        self.publish(
-            topics::TASK_EXEC_STARTED_EVENT_TOPIC,
-            Box::new(ev::TaskExecStarted {
+        self.events
+            .publish(TaskEvent::ExecStarted {
                 container_id: id.into(),
                 exec_id: exec_id.into(),
                 pid,
-                ..Default::default()
-            }),
-        )
-        .await;
+            })
+            .await;
         drop(starting);
         if let Some(code) = early_exit {
             self.handle_exit(c, p, code).await;
@@ -776,7 +713,7 @@ impl Containers {
         let restore = c.runc.restore(&c.id, &c.bundle, &pid_file, &opts, child);
         tokio::pin!(restore);
         let restored = match tokio::time::timeout(bound, &mut restore).await {
-            Ok(result) => result,
+            Ok(result) => result.map_err(Error::from),
             Err(_) => {
                 // CRIU and what it restored so far live in the container's cgroup by now;
                 // killing them makes runc fail (and return) on its own.
@@ -788,7 +725,7 @@ impl Containers {
                 let _ = tokio::time::timeout(Duration::from_secs(10), &mut restore).await;
                 // A killed CRIU leaves its cgroup yard mounted in the work directory.
                 unmount_all_under(&work);
-                Err(Error::Other(format!("the restore took longer than {bound:?} ([checkpoint] restore_timeout_ms) and was abandoned")))
+                Err(Error::TimedOut(format!("the restore took longer than {bound:?} ([checkpoint] restore_timeout_ms) and was abandoned")))
             }
         };
         let pid = restored.and_then(|()| bundle::read_pid(&pid_file));
@@ -934,15 +871,12 @@ impl Containers {
                 Arc::new(Process::new(exec_id.into(), stdio, Some(spec))),
             );
         }
-        self.publish(
-            topics::TASK_EXEC_ADDED_EVENT_TOPIC,
-            Box::new(ev::TaskExecAdded {
+        self.events
+            .publish(TaskEvent::ExecAdded {
                 container_id: id.into(),
                 exec_id: exec_id.into(),
-                ..Default::default()
-            }),
-        )
-        .await;
+            })
+            .await;
         Ok(())
     }
 
@@ -1016,18 +950,15 @@ impl Containers {
         } else {
             p.exec_id.clone()
         };
-        self.publish(
-            topics::TASK_EXIT_EVENT_TOPIC,
-            Box::new(ev::TaskExit {
+        self.events
+            .publish(TaskEvent::Exit {
                 container_id: c.id.clone(),
                 id,
                 pid: info.pid,
                 exit_status: info.status,
-                exited_at: Some(crate::service::timestamp(info.at)).into(),
-                ..Default::default()
-            }),
-        )
-        .await;
+                exited_at: info.at,
+            })
+            .await;
         p.announce_exit(info);
     }
 
@@ -1062,7 +993,7 @@ impl Containers {
             if snap.exit.is_some() && !all {
                 return Err(Error::NotFound("process already finished".into()));
             }
-            return c.runc.kill(id, signal, all).await;
+            return c.runc.kill(id, signal, all).await.map_err(gone_or);
         }
         match snap.status {
             Status::Created => Err(Error::FailedPrecondition(format!(
@@ -1116,7 +1047,7 @@ impl Containers {
         if !never_created {
             if let Err(e) = c.runc.delete(id, force).await {
                 if force {
-                    return Err(e);
+                    return Err(e.into());
                 }
                 log::info!("delete {id}: {e}; retrying with --force");
                 c.runc.delete(id, true).await?;
@@ -1144,18 +1075,14 @@ impl Containers {
             bundle::unmount_rootfs(&c.bundle);
         }
         self.map.lock().unwrap().remove(id);
-        self.publish(
-            topics::TASK_DELETE_EVENT_TOPIC,
-            Box::new(ev::TaskDelete {
+        self.events
+            .publish(TaskEvent::Delete {
                 container_id: id.into(),
                 pid: exit.pid,
                 exit_status: exit.status,
-                exited_at: Some(crate::service::timestamp(exit.at)).into(),
-                id: id.into(),
-                ..Default::default()
-            }),
-        )
-        .await;
+                exited_at: exit.at,
+            })
+            .await;
         Ok(exit)
     }
 
@@ -1165,14 +1092,11 @@ impl Containers {
         c.init.transition(&[Status::Running], Status::Running)?;
         c.runc.pause(id).await?;
         c.init.transition(&[Status::Running], Status::Paused)?;
-        self.publish(
-            topics::TASK_PAUSED_EVENT_TOPIC,
-            Box::new(ev::TaskPaused {
+        self.events
+            .publish(TaskEvent::Paused {
                 container_id: id.into(),
-                ..Default::default()
-            }),
-        )
-        .await;
+            })
+            .await;
         Ok(())
     }
 
@@ -1182,14 +1106,11 @@ impl Containers {
         c.init.transition(&[Status::Paused], Status::Paused)?;
         c.runc.resume(id).await?;
         c.init.transition(&[Status::Paused], Status::Running)?;
-        self.publish(
-            topics::TASK_RESUMED_EVENT_TOPIC,
-            Box::new(ev::TaskResumed {
+        self.events
+            .publish(TaskEvent::Resumed {
                 container_id: id.into(),
-                ..Default::default()
-            }),
-        )
-        .await;
+            })
+            .await;
         Ok(())
     }
 
@@ -1336,7 +1257,7 @@ impl Containers {
         let init_pid = c.init.pid();
         let cgroup = crate::sys::cgroup::Cgroups::of(init_pid)?
             .unified
-            .ok_or_else(|| Error::Other(format!("no cgroup2 directory for container {id}")))?;
+            .ok_or_else(|| Error::NoCgroup(format!("no cgroup2 directory for container {id}")))?;
         crate::checkpoint::process::check_dumpable(init_pid, &cgroup)
             .map_err(|e| Error::FailedPrecondition(format!("cannot checkpoint {id}: {e}")))?;
         let work = match opts.work_path {
@@ -1363,11 +1284,12 @@ impl Containers {
             let _ = std::fs::remove_dir_all(&work);
         }
         result.map_err(|e| match e {
-            Error::Runc { message, .. } => Error::Runc {
+            RuncError::Failed { message, .. } => RuncError::Failed {
                 command: "checkpoint",
                 message: format!("{message} (CRIU log: {})", work.join("dump.log").display()),
-            },
-            e => e,
+            }
+            .into(),
+            e => e.into(),
         })
     }
 
@@ -1382,6 +1304,14 @@ impl Containers {
             return true;
         }
         false
+    }
+}
+
+/// runc's failure to signal a process, as the Task API words a process already gone.
+fn gone_or(e: RuncError) -> Error {
+    match e.is_gone() {
+        true => Error::NotFound("process already finished".into()),
+        false => e.into(),
     }
 }
 

@@ -1,6 +1,12 @@
-//! One error type for the shim core, mapped to ttrpc status codes at the edge.
+//! The shim core's error: what the task core ([`crate::containers`] and the modules it drives)
+//! returns to the protocol edge, which maps each kind to a status code (in
+//! `service::status`, the one place that knows the codes).
+//!
+//! Failures of a subsystem keep their own typed error as the source (runc's, the checkpoint
+//! store's, a system call's errno), so a caller can tell a full disk from a corrupt image;
+//! the message clients see is the one the shim always sent.
 
-use containerd_shim_protos::ttrpc::{self, Code};
+use crate::{checkpoint::store::StoreError, reaper::ReaperError, runc::RuncError};
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -18,21 +24,63 @@ pub enum Error {
     Unimplemented(&'static str),
     #[error("configuration: {0}")]
     Config(#[from] crab_runtime_config::ConfigError),
-    /// A runc invocation failed; `message` is runc's own last error line when it wrote one.
-    /// Worded as containerd's runc shim words it (`OCI runtime create failed: runc create
-    /// failed: ...`), since the CRI hands it on verbatim to the kubelet (a failed start's
-    /// ContainerStatus.message) and tools match on it.
-    #[error("OCI runtime {command} failed: {message}")]
-    Runc {
-        command: &'static str,
-        message: String,
-    },
+    /// A runc invocation failed (its message is worded as containerd's runc shim words it).
+    #[error(transparent)]
+    Runc(#[from] RuncError),
+    /// A helper command could not be run, or its exit not learnt, through the reaper.
+    #[error(transparent)]
+    Reaper(#[from] ReaperError),
     #[error("{context}: {source}")]
     Io {
         context: String,
         #[source]
         source: std::io::Error,
     },
+    /// A system call failed (the errno is the source).
+    #[error("{context}: {source}")]
+    Sys {
+        context: String,
+        #[source]
+        source: nix::Error,
+    },
+    /// A file crab wrote itself (runc settings in the bundle) could not be read back or written.
+    #[error("{context}: {source}")]
+    Json {
+        context: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A rootfs mount failed (`what`: its type and source).
+    #[error("cannot mount rootfs ({what}): {source}")]
+    Mount {
+        what: String,
+        #[source]
+        source: containerd_shim::Error,
+    },
+    /// A pid file (runc's `--pid-file`) does not hold a pid.
+    #[error("bad pid `{text}` in {}", path.display())]
+    Pid {
+        text: String,
+        path: std::path::PathBuf,
+        #[source]
+        source: std::num::ParseIntError,
+    },
+    /// The container's checkpoint store could not be opened.
+    #[error("checkpoint store: {0}")]
+    Store(#[source] StoreError),
+    /// Work handed to a blocking task never finished: the task panicked or was cancelled.
+    #[error(transparent)]
+    Task(#[from] tokio::task::JoinError),
+    /// Something the shim waited for did not happen in time (runc's console, a restore, a
+    /// logging binary's readiness).
+    #[error("{0}")]
+    TimedOut(String),
+    /// The container's cgroup (or the controller asked for) is not where it must be.
+    #[error("{0}")]
+    NoCgroup(String),
+    /// A logging binary (`binary://` stdout) exited or misbehaved before it was ready.
+    #[error("{0}")]
+    Logger(String),
     #[error("{0}")]
     Other(String),
 }
@@ -43,31 +91,9 @@ impl Error {
         move |source| Error::Io { context, source }
     }
 
-    fn code(&self) -> Code {
-        match self {
-            Error::NotFound(_) => Code::NOT_FOUND,
-            Error::AlreadyExists(_) => Code::ALREADY_EXISTS,
-            Error::FailedPrecondition(_) => Code::FAILED_PRECONDITION,
-            Error::InvalidArgument(_) | Error::Config(_) => Code::INVALID_ARGUMENT,
-            Error::Unimplemented(_) => Code::UNIMPLEMENTED,
-            // containerd's runc shim passes a runc failure on as an untyped error, which
-            // errdefs turns into UNKNOWN; clients see the same code from crab (the CRI hands
-            // it on to the kubelet, e.g. for an exec of a missing binary).
-            Error::Runc { .. } => Code::UNKNOWN,
-            Error::Io { .. } | Error::Other(_) => Code::INTERNAL,
-        }
-    }
-}
-
-impl From<Error> for ttrpc::Error {
-    fn from(e: Error) -> Self {
-        ttrpc::Error::RpcStatus(ttrpc::get_status(e.code(), e.to_string()))
-    }
-}
-
-impl From<containerd_shim::Error> for Error {
-    fn from(e: containerd_shim::Error) -> Self {
-        Error::Other(e.to_string())
+    pub fn sys(context: impl Into<String>) -> impl FnOnce(nix::Error) -> Error {
+        let context = context.into();
+        move |source| Error::Sys { context, source }
     }
 }
 
@@ -87,32 +113,5 @@ impl From<nix::Error> for Error {
             context: "system call".into(),
             source: std::io::Error::from(e),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn codes_follow_containerd_errdefs() {
-        let status = |e: Error| match ttrpc::Error::from(e) {
-            ttrpc::Error::RpcStatus(s) => (s.code(), s.message().to_string()),
-            other => panic!("unexpected {other:?}"),
-        };
-        assert_eq!(
-            status(Error::NotFound("container x".into())).0,
-            Code::NOT_FOUND
-        );
-        assert_eq!(
-            status(Error::Unimplemented("Checkpoint")).0,
-            Code::UNIMPLEMENTED
-        );
-        let (code, msg) = status(Error::Runc {
-            command: "create",
-            message: "no such file".into(),
-        });
-        assert_eq!(code, Code::UNKNOWN);
-        assert_eq!(msg, "OCI runtime create failed: no such file");
     }
 }

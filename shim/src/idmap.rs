@@ -13,7 +13,6 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use containerd_shim_protos::types::mount::Mount;
 use nix::sched::CloneFlags;
 
 use crate::error::{Error, Result};
@@ -36,18 +35,22 @@ impl Drop for IdmappedLowers {
     }
 }
 
-/// For a rootfs mount with `uidmap=`/`gidmap=` options: the overlay mount to make instead (its
-/// lower layers id-mapped under `<bundle>/idmapped-layers`, the mapping options gone) and the
-/// layer mounts to drop once it is made. None for any other mount.
-pub fn prepare(bundle: &Path, mount: &Mount) -> Result<Option<(Mount, IdmappedLowers)>> {
-    let option = |key: &str| mount.options.iter().find_map(|o| o.strip_prefix(key));
+/// For a rootfs mount (of filesystem type `kind`) with `uidmap=`/`gidmap=` among its
+/// `options`: the options of the overlay mount to make instead (its lower layers id-mapped under
+/// `<bundle>/idmapped-layers`, the mapping options gone) and the layer mounts to drop once it is
+/// made. None for any other mount.
+pub fn prepare(
+    bundle: &Path,
+    kind: &str,
+    mount_options: &[String],
+) -> Result<Option<(Vec<String>, IdmappedLowers)>> {
+    let option = |key: &str| mount_options.iter().find_map(|o| o.strip_prefix(key));
     let (Some(uidmap), Some(gidmap)) = (option("uidmap="), option("gidmap=")) else {
         return Ok(None);
     };
-    if mount.type_ != "overlay" {
+    if kind != "overlay" {
         return Err(Error::InvalidArgument(format!(
-            "an id-mapped rootfs of type {:?}: crab maps overlay rootfs layers only",
-            mount.type_
+            "an id-mapped rootfs of type {kind:?}: crab maps overlay rootfs layers only"
         )));
     }
     let userns = user_namespace(&parse_mapping(uidmap)?, &parse_mapping(gidmap)?)?;
@@ -58,7 +61,7 @@ pub fn prepare(bundle: &Path, mount: &Mount) -> Result<Option<(Mount, IdmappedLo
     std::fs::create_dir_all(&lowers.dir)
         .map_err(Error::io(format!("create {}", lowers.dir.display())))?;
     let mut options = Vec::new();
-    for o in &mount.options {
+    for o in mount_options {
         if o.starts_with("uidmap=") || o.starts_with("gidmap=") {
             continue;
         }
@@ -77,11 +80,7 @@ pub fn prepare(bundle: &Path, mount: &Mount) -> Result<Option<(Mount, IdmappedLo
         }
         options.push(format!("lowerdir={}", mapped.join(":")));
     }
-    let overlay = Mount {
-        options,
-        ..mount.clone()
-    };
-    Ok(Some((overlay, lowers)))
+    Ok(Some((options, lowers)))
 }
 
 /// `ctr:host:size[,ctr:host:size...]` as lines of a /proc/<pid>/uid_map.
@@ -113,8 +112,8 @@ fn parse_mapping(mapping: &str) -> Result<String> {
 fn user_namespace(uid_map: &str, gid_map: &str) -> Result<OwnedFd> {
     // Close-on-exec: runc and other children the shim spawns meanwhile must not inherit the
     // write end (they would keep the child below alive, and carry the fd into containers).
-    let (hold_r, hold_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-        .map_err(|e| Error::Other(format!("pipe: {e}")))?;
+    let (hold_r, hold_w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(Error::sys("pipe"))?;
     let (hold, hold_w_raw) = (hold_r.as_raw_fd(), hold_w.as_raw_fd());
     let mut stack = vec![0u8; 64 * 1024];
     // The child only closes its copy of the write end and blocks in read(2) until the parent
@@ -137,7 +136,7 @@ fn user_namespace(uid_map: &str, gid_map: &str) -> Result<OwnedFd> {
             Some(libc::SIGCHLD),
         )
     }
-    .map_err(|e| Error::Other(format!("clone a user namespace: {e}")))?;
+    .map_err(Error::sys("clone a user namespace"))?;
     drop(hold_r);
     let proc = PathBuf::from(format!("/proc/{child}"));
     let result = (|| {
@@ -242,17 +241,11 @@ mod tests {
 
     #[test]
     fn other_mounts_are_left_alone() {
-        let m = Mount {
-            type_: "overlay".into(),
-            options: vec!["lowerdir=/a:/b".into()],
-            ..Default::default()
-        };
-        assert!(prepare(Path::new("/nonexistent"), &m).unwrap().is_none());
-        let bind = Mount {
-            type_: "bind".into(),
-            options: vec!["uidmap=0:1:1".into(), "gidmap=0:1:1".into()],
-            ..Default::default()
-        };
-        assert!(prepare(Path::new("/nonexistent"), &bind).is_err());
+        let overlay = ["lowerdir=/a:/b".to_string()];
+        assert!(prepare(Path::new("/nonexistent"), "overlay", &overlay)
+            .unwrap()
+            .is_none());
+        let mapped = ["uidmap=0:1:1".to_string(), "gidmap=0:1:1".to_string()];
+        assert!(prepare(Path::new("/nonexistent"), "bind", &mapped).is_err());
     }
 }

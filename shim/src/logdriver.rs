@@ -335,13 +335,13 @@ async fn start_with_timeout(
     match waited {
         Err(_elapsed) => {
             kill(&logger);
-            return Err(Error::Other(format!(
+            return Err(Error::Logger(format!(
                 "logging binary {shown} was not ready within {ready_timeout:?}: it must close fd 5 (or write to it) \
                  once it reads the process's stdout and stderr from fds 3 and 4"
             )));
         }
         Ok(Err(code)) => {
-            return Err(Error::Other(format!(
+            return Err(Error::Logger(format!(
                 "logging binary {shown} exited before it was ready (exit status {})",
                 code.map_or_else(|e| e.to_string(), |c| c.to_string())
             )))
@@ -366,7 +366,7 @@ async fn start_with_timeout(
                 || "exit status unknown".to_string(),
                 |c| format!("exit status {c}"),
             );
-        return Err(Error::Other(format!(
+        return Err(Error::Logger(format!(
             "logging binary {shown} exited (or closed fds 3 and 4) before it was ready ({status})"
         )));
     }

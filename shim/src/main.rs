@@ -6,7 +6,7 @@ async fn main() {
         .skip(1)
         .any(|a| a == "-info" || a == "--info")
     {
-        std::process::exit(crab_shim::info::print());
+        std::process::exit(crab_shim::service::info::print());
     }
     containerd_shim::asynchronous::run::<crab_shim::service::Service>(crab_shim::RUNTIME_ID, None)
         .await;

@@ -47,7 +47,7 @@ fn memory_cgroup(pid: i32) -> Result<MemoryCgroup> {
     }
     match cgroups.unified {
         Some(dir) if dir.join("memory.events").exists() => Ok(MemoryCgroup::V2(dir)),
-        _ => Err(Error::Other(format!(
+        _ => Err(Error::NoCgroup(format!(
             "no memory cgroup found for pid {pid}"
         ))),
     }

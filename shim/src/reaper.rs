@@ -14,14 +14,34 @@ use containerd_shim::{
 };
 use std::io::Read;
 
-use crate::error::{Error, Result};
+/// Why a command could not be run, or its exit not learnt, through the reaper.
+#[derive(Debug, thiserror::Error)]
+pub enum ReaperError {
+    /// The shim framework refused the subscription to its exit monitor.
+    #[error("{0}")]
+    Subscribe(#[source] containerd_shim::Error),
+    #[error("exit monitor closed before pid {pid} exited")]
+    MonitorClosed { pid: i32 },
+    #[error("cannot execute {program}: {source}")]
+    Spawn {
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub type Result<T, E = ReaperError> = std::result::Result<T, E>;
 
 /// An exit subscription that unsubscribes itself when dropped.
 pub struct ExitSubscription(Option<Subscription>);
 
 impl ExitSubscription {
     pub async fn new() -> Result<Self> {
-        Ok(Self(Some(monitor_subscribe(Topic::Pid).await?)))
+        Ok(Self(Some(
+            monitor_subscribe(Topic::Pid)
+                .await
+                .map_err(ReaperError::Subscribe)?,
+        )))
     }
 
     /// Waits for the exit of `pid`; returns its exit code (128+signal when signalled).
@@ -34,9 +54,7 @@ impl ExitSubscription {
                 }
             }
         }
-        Err(Error::Other(format!(
-            "exit monitor closed before pid {pid} exited"
-        )))
+        Err(ReaperError::MonitorClosed { pid })
     }
 
     pub async fn recv(&mut self) -> Option<(i32, i32)> {
@@ -80,9 +98,10 @@ pub async fn run(mut cmd: Command, capture: bool) -> Result<Output> {
             .stderr(Stdio::piped());
     }
     let program = cmd.get_program().to_string_lossy().into_owned();
-    let mut child = cmd
-        .spawn()
-        .map_err(Error::io(format!("cannot execute {program}")))?;
+    let mut child = cmd.spawn().map_err(|source| ReaperError::Spawn {
+        program: program.clone(),
+        source,
+    })?;
     // Dropping the command closes our copies of the child's stdio, so pipes see EOF when
     // the child (and whatever it leaves behind) closes them.
     drop(cmd);

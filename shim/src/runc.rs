@@ -12,10 +12,41 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-use crate::{
-    error::{Error, Result},
-    reaper,
-};
+use crate::reaper::{self, ReaperError};
+
+/// Why a runc invocation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RuncError {
+    /// runc ran and failed; `message` is runc's own last error line when it wrote one. Worded
+    /// as containerd's runc shim words it (`OCI runtime create failed: runc create failed:
+    /// ...`), since the CRI hands it on verbatim to the kubelet (a failed start's
+    /// ContainerStatus.message) and tools match on it.
+    #[error("OCI runtime {command} failed: {message}")]
+    Failed {
+        command: &'static str,
+        message: String,
+    },
+    /// runc could not be run, or its exit not learnt.
+    #[error(transparent)]
+    Run(#[from] ReaperError),
+    /// runc succeeded but its output is not what it documents.
+    #[error("cannot parse runc {command} output: {source}")]
+    Output {
+        command: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+impl RuncError {
+    /// Whether runc failed because the process or container is no longer there (a signal to
+    /// a process that already exited, a container already deleted).
+    pub fn is_gone(&self) -> bool {
+        matches!(self, RuncError::Failed { message, .. } if is_gone(message))
+    }
+}
+
+pub type Result<T, E = RuncError> = std::result::Result<T, E>;
 
 /// How runc is invoked for one container: persisted in the bundle so the `delete` shim
 /// command (run after a shim crash) invokes runc exactly as the shim did.
@@ -140,7 +171,7 @@ impl Runc {
                 (!s.is_empty()).then_some(s)
             })
             .unwrap_or_else(|| format!("exit status {}", out.code));
-        Err(Error::Runc {
+        Err(RuncError::Failed {
             command: name,
             message,
         })
@@ -193,21 +224,14 @@ impl Runc {
         self.run("exec", args, Some(stdio)).await.map(drop)
     }
 
+    /// `runc kill`; a process already gone is [`RuncError::is_gone`].
     pub async fn kill(&self, id: &str, signal: u32, all: bool) -> Result<()> {
         let mut args: Vec<OsString> = Vec::new();
         if all {
             args.push("--all".into());
         }
         args.extend([id.into(), signal.to_string().into()]);
-        self.run("kill", args, None)
-            .await
-            .map(drop)
-            .map_err(|e| match e {
-                Error::Runc { message, .. } if is_gone(&message) => {
-                    Error::NotFound("process already finished".into())
-                }
-                e => e,
-            })
+        self.run("kill", args, None).await.map(drop)
     }
 
     pub async fn delete(&self, id: &str, force: bool) -> Result<()> {
@@ -217,7 +241,7 @@ impl Runc {
         }
         args.push(id.into());
         match self.run("delete", args, None).await {
-            Err(Error::Runc { message, .. }) if message.contains("does not exist") => Ok(()),
+            Err(RuncError::Failed { message, .. }) if message.contains("does not exist") => Ok(()),
             other => other.map(drop),
         }
     }
@@ -240,7 +264,10 @@ impl Runc {
             .await?;
         serde_json::from_slice::<Option<Vec<i32>>>(&out)
             .map(Option::unwrap_or_default)
-            .map_err(|e| Error::Other(format!("cannot parse runc ps output: {e}")))
+            .map_err(|source| RuncError::Output {
+                command: "ps",
+                source,
+            })
     }
 
     pub async fn update(&self, id: &str, resources_file: &Path) -> Result<()> {
@@ -288,8 +315,10 @@ impl Runc {
 
     pub async fn state(&self, id: &str) -> Result<State> {
         let out = self.run("state", vec![id.into()], None).await?;
-        serde_json::from_slice(&out)
-            .map_err(|e| Error::Other(format!("cannot parse runc state output: {e}")))
+        serde_json::from_slice(&out).map_err(|source| RuncError::Output {
+            command: "state",
+            source,
+        })
     }
 }
 

@@ -190,7 +190,7 @@ impl ConsoleSocket {
     async fn receive_master(&self) -> Result<OwnedFd> {
         let (stream, _) = tokio::time::timeout(Duration::from_secs(10), self.listener.accept())
             .await
-            .map_err(|_| Error::Other("runc did not send the console within 10s".into()))?
+            .map_err(|_| Error::TimedOut("runc did not send the console within 10s".into()))?
             .map_err(Error::io("console socket accept"))?;
         let stream = stream.into_std().map_err(Error::io("console socket"))?;
         stream
@@ -198,7 +198,7 @@ impl ConsoleSocket {
             .map_err(Error::io("console socket"))?;
         tokio::task::spawn_blocking(move || recv_fd(&stream))
             .await
-            .map_err(|e| Error::Other(format!("console receive task: {e}")))?
+            .map_err(|e| Error::io("console receive task")(io::Error::other(e)))?
     }
 }
 

@@ -12,9 +12,8 @@ use std::{
     sync::{Arc, OnceLock},
 };
 
-use containerd_shim_protos::types::mount::Mount;
-
 use crate::{
+    bundle::RootfsMount,
     error::{Error, Result},
     inspector::{self, bpf::HostProbes, Answer, Inspection, ProbesUnavailable, Target},
 };
@@ -167,11 +166,11 @@ pub fn tracked_volumes(
 pub fn start_inspection(
     container_id: &str,
     init_pid: u32,
-    rootfs: &[Mount],
+    rootfs: &[RootfsMount],
     volumes: Vec<(PathBuf, PathBuf)>,
     limits: crab_runtime_config::LimitsConfig,
 ) -> Inspection {
-    let overlay = rootfs.iter().find(|m| m.type_ == "overlay");
+    let overlay = RootfsMount::overlay(rootfs);
     let overlay_xattrs = overlay.map_or_else(Default::default, |m| {
         inspector::fs::OverlayXattrs::of_mount(&m.options)
     });

@@ -432,7 +432,7 @@ pub async fn checkpoint(
     if let Err(e) = dumped {
         discard(dir);
         let message = match e {
-            crate::error::Error::Runc { message, .. } => message,
+            crate::runc::RuncError::Failed { message, .. } => message,
             e => e.to_string(),
         };
         let criu_log = criu_errors(&work.join("dump.log"));

@@ -7,14 +7,38 @@
 //! The features are runc's own (`runc features`), as containerd's runc shim reports them, since
 //! crab runs every container with runc.
 
-use std::process::Command;
+use std::{path::PathBuf, process::Command};
 
 use containerd_shim::protos::protobuf::well_known_types::any::Any;
-use containerd_shim::protos::protobuf::{Message, MessageField};
+use containerd_shim::protos::protobuf::{self, Message, MessageField};
 use containerd_shim::protos::types::introspection::{RuntimeInfo, RuntimeVersion};
 
-use crate::error::{Error, Result};
+use crate::error::Error;
 use crate::RUNTIME_ID;
+
+/// Why the shim cannot say what it supports.
+#[derive(Debug, thiserror::Error)]
+pub enum InfoError {
+    /// The runtime options or crab's config they name, or running runc.
+    #[error(transparent)]
+    Shim(#[from] Error),
+    #[error("{} features: {status}: {stderr}", runc.display())]
+    Features {
+        runc: PathBuf,
+        status: std::process::ExitStatus,
+        stderr: String,
+    },
+    #[error("{} features is not JSON: {source}", runc.display())]
+    NotJson {
+        runc: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("read runtime options from stdin: {0}")]
+    Stdin(#[source] std::io::Error),
+    #[error("encode RuntimeInfo: {0}")]
+    Encode(#[source] protobuf::Error),
+}
 
 /// The type URL containerd registers for the runtime-spec `Features` JSON.
 const FEATURES_TYPE_URL: &str =
@@ -23,29 +47,29 @@ const FEATURES_TYPE_URL: &str =
 /// The shim's `RuntimeInfo` for the runtime options containerd wrote to stdin (`options`: the
 /// marshalled `Any`, empty when the handler has none). The options are echoed back, as
 /// containerd's runc shim does.
-pub fn runtime_info(options: &[u8]) -> Result<RuntimeInfo> {
+pub fn runtime_info(options: &[u8]) -> Result<RuntimeInfo, InfoError> {
     let any = (!options.is_empty())
         .then(|| Any::parse_from_bytes(options))
         .transpose()
         .map_err(|e| Error::InvalidArgument(format!("runtime options: {e}")))?;
     let options = any.as_ref().map(|a| (a.type_url.clone(), a.value.clone()));
     let (config, _) = crate::containers::Containers::load_config(&options)?;
-    let runc = config.resolve_runc_binary()?;
+    let runc = config.resolve_runc_binary().map_err(Error::from)?;
     let out = Command::new(&runc)
         .arg("features")
         .output()
-        .map_err(|e| Error::Other(format!("{} features: {e}", runc.display())))?;
+        .map_err(Error::io(format!("{} features", runc.display())))?;
     if !out.status.success() {
-        return Err(Error::Other(format!(
-            "{} features: {}: {}",
-            runc.display(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
+        return Err(InfoError::Features {
+            status: out.status,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+            runc,
+        });
     }
     // containerd decodes the value as JSON; garbage would only fail there, with less context.
-    serde_json::from_slice::<serde_json::Value>(&out.stdout)
-        .map_err(|e| Error::Other(format!("{} features is not JSON: {e}", runc.display())))?;
+    if let Err(source) = serde_json::from_slice::<serde_json::Value>(&out.stdout) {
+        return Err(InfoError::NotJson { runc, source });
+    }
     Ok(RuntimeInfo {
         name: RUNTIME_ID.into(),
         version: MessageField::some(RuntimeVersion {
@@ -69,12 +93,9 @@ pub fn print() -> i32 {
     let mut options = Vec::new();
     let info = std::io::stdin()
         .read_to_end(&mut options)
-        .map_err(|e| Error::Other(format!("read runtime options from stdin: {e}")))
+        .map_err(InfoError::Stdin)
         .and_then(|_| runtime_info(&options))
-        .and_then(|info| {
-            info.write_to_bytes()
-                .map_err(|e| Error::Other(format!("encode RuntimeInfo: {e}")))
-        });
+        .and_then(|info| info.write_to_bytes().map_err(InfoError::Encode));
     match info {
         Ok(bytes) => match std::io::stdout().write_all(&bytes) {
             Ok(()) => 0,

@@ -1,6 +1,14 @@
 //! The protocol edge: containerd's shim lifecycle (`start`/`delete` commands) and the ttrpc
-//! Task service. Requests are converted to plain values for [`crate::containers`]; errors
-//! go back as ttrpc status codes.
+//! Task service. Requests are converted to plain values for [`crate::containers`]; the core's
+//! events go out as containerd's ([`events`]); errors go back as ttrpc status codes
+//! ([`status`]). The only part of crab that speaks containerd's protocol: [`info`] answers
+//! `-info`, [`metrics`] formats a task's cgroup statistics as containerd reports them.
+
+mod convert;
+pub mod events;
+pub mod info;
+pub mod metrics;
+pub mod status;
 
 use std::{
     path::{Path, PathBuf},
@@ -12,21 +20,22 @@ use async_trait::async_trait;
 use containerd_shim::{
     api,
     protos::{
-        protobuf::{well_known_types::any::Any, well_known_types::timestamp::Timestamp, Message},
+        protobuf::{well_known_types::any::Any, Message},
         shim::oci::{CheckpointOptions, ProcessDetails},
         types::task::ProcessInfo,
     },
     publisher::RemotePublisher,
     ExitSignal, Flags, StartOpts, TtrpcContext, TtrpcResult,
 };
-use containerd_shim_protos::{api::Status as ApiStatus, types::empty::Empty};
+use containerd_shim_protos::types::empty::Empty;
 use crab_runtime_config::Config;
 
+use self::convert::{api_status, rootfs_mount, timestamp};
 use crate::{
     bundle,
     containers::{Containers, CreateParams, TaskCheckpointOptions},
     error::{Error, Result},
-    process::Status,
+    events::EventSender,
     reaper::ExitSubscription,
     runc::Runc,
     stdio::StdioSpec,
@@ -64,15 +73,6 @@ fn grouping(
         Some(g) => Err(format!(
             "spec annotation {GROUP_ANNOTATION} must be 1 to 64 of [A-Za-z0-9._-], got {g:?}"
         )),
-    }
-}
-
-pub fn timestamp(t: SystemTime) -> Timestamp {
-    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
-    Timestamp {
-        seconds: d.as_secs() as i64,
-        nanos: d.subsec_nanos() as i32,
-        ..Default::default()
     }
 }
 
@@ -157,11 +157,9 @@ impl containerd_shim::Shim for Service {
         let exits = ExitSubscription::new()
             .await
             .expect("subscribe to process exits");
-        let containers = Containers::new(
-            self.namespace.clone(),
-            Some(Arc::new(publisher)),
-            self.exit.clone(),
-        );
+        let (events, to_publish) = EventSender::channel();
+        events::forward(publisher, self.namespace.clone(), to_publish);
+        let containers = Containers::new(self.namespace.clone(), events, self.exit.clone());
         containers.spawn_exit_loop(exits);
         TaskService { containers }
     }
@@ -181,20 +179,16 @@ pub struct TaskService {
     containers: Arc<Containers>,
 }
 
-fn api_status(s: Status) -> ApiStatus {
-    match s {
-        Status::Created => ApiStatus::CREATED,
-        Status::Running => ApiStatus::RUNNING,
-        Status::Paused => ApiStatus::PAUSED,
-        Status::Stopped => ApiStatus::STOPPED,
-    }
-}
-
 fn log_err<T>(rpc: &str, id: &str, r: Result<T>) -> TtrpcResult<T> {
     r.map_err(|e| {
         log::info!("{rpc} {id}: {e}");
-        e.into()
+        status::to_ttrpc(e)
     })
+}
+
+/// The ttrpc status for an error the RPC does not log.
+fn unlogged<T>(r: Result<T>) -> TtrpcResult<T> {
+    r.map_err(status::to_ttrpc)
 }
 
 #[async_trait]
@@ -207,7 +201,7 @@ impl containerd_shim::Task for TaskService {
         let params = CreateParams {
             id: req.id.clone(),
             bundle: PathBuf::from(&req.bundle),
-            rootfs: req.rootfs.clone(),
+            rootfs: req.rootfs.iter().map(rootfs_mount).collect(),
             stdio: StdioSpec {
                 stdin: req.stdin,
                 stdout: req.stdout,
@@ -248,7 +242,7 @@ impl containerd_shim::Task for TaskService {
         _: &TtrpcContext,
         req: api::StateRequest,
     ) -> TtrpcResult<api::StateResponse> {
-        let s = self.containers.state(&req.id, &req.exec_id)?;
+        let s = unlogged(self.containers.state(&req.id, &req.exec_id))?;
         let exit = s.snapshot.exit;
         Ok(api::StateResponse {
             id: if s.exec_id.is_empty() {
@@ -337,8 +331,10 @@ impl containerd_shim::Task for TaskService {
         req: api::CheckpointTaskRequest,
     ) -> TtrpcResult<Empty> {
         let o = match req.options.as_ref().filter(|a| !a.value.is_empty()) {
-            Some(any) => CheckpointOptions::parse_from_bytes(&any.value)
-                .map_err(|e| Error::InvalidArgument(format!("checkpoint options: {e}")))?,
+            Some(any) => unlogged(
+                CheckpointOptions::parse_from_bytes(&any.value)
+                    .map_err(|e| Error::InvalidArgument(format!("checkpoint options: {e}"))),
+            )?,
             None => CheckpointOptions::default(),
         };
         let path = if o.image_path.is_empty() {
@@ -347,7 +343,9 @@ impl containerd_shim::Task for TaskService {
             o.image_path.clone()
         };
         if path.is_empty() {
-            return Err(Error::InvalidArgument("checkpoint needs an image path".into()).into());
+            return unlogged(Err(Error::InvalidArgument(
+                "checkpoint needs an image path".into(),
+            )));
         }
         let opts = TaskCheckpointOptions {
             exit: o.exit,
@@ -403,15 +401,17 @@ impl containerd_shim::Task for TaskService {
     }
 
     async fn resize_pty(&self, _: &TtrpcContext, req: api::ResizePtyRequest) -> TtrpcResult<Empty> {
-        self.containers
-            .resize_pty(&req.id, &req.exec_id, req.width, req.height)
-            .await?;
+        unlogged(
+            self.containers
+                .resize_pty(&req.id, &req.exec_id, req.width, req.height)
+                .await,
+        )?;
         Ok(Empty::new())
     }
 
     async fn close_io(&self, _: &TtrpcContext, req: api::CloseIORequest) -> TtrpcResult<Empty> {
         if req.stdin {
-            self.containers.close_stdin(&req.id, &req.exec_id).await?;
+            unlogged(self.containers.close_stdin(&req.id, &req.exec_id).await)?;
         }
         Ok(Empty::new())
     }
@@ -433,7 +433,7 @@ impl containerd_shim::Task for TaskService {
         _: &TtrpcContext,
         req: api::WaitRequest,
     ) -> TtrpcResult<api::WaitResponse> {
-        let exit = self.containers.wait(&req.id, &req.exec_id).await?;
+        let exit = unlogged(self.containers.wait(&req.id, &req.exec_id).await)?;
         Ok(api::WaitResponse {
             exit_status: exit.status,
             exited_at: Some(timestamp(exit.at)).into(),
@@ -446,9 +446,8 @@ impl containerd_shim::Task for TaskService {
         _: &TtrpcContext,
         req: api::StatsRequest,
     ) -> TtrpcResult<api::StatsResponse> {
-        let pid = self.containers.init_pid(&req.id)?;
-        let stats = crate::stats::collect(pid)
-            .map_err(|e| Error::Other(format!("stats of {}: {e}", req.id)))?;
+        let pid = unlogged(self.containers.init_pid(&req.id))?;
+        let stats = metrics::collect(pid).map_err(|e| status::stats_failed(&req.id, e))?;
         Ok(api::StatsResponse {
             stats: Some(stats).into(),
             ..Default::default()

@@ -7,13 +7,21 @@ use std::{fs, path::Path};
 use containerd_shim_protos::{
     cgroups::metrics as v1,
     cgroups_v2::metrics as v2,
-    protobuf::{well_known_types::any::Any, Message},
+    protobuf::{self, well_known_types::any::Any, Message},
 };
 
-use crate::{
-    error::{Error, Result},
-    sys::cgroup::Cgroups,
-};
+use crate::sys::cgroup::{CgroupError, Cgroups};
+
+/// Why a task's metrics could not be collected.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    #[error("no cgroups found for pid {0}")]
+    NoCgroup(u32),
+    #[error("{0}")]
+    Encode(#[from] protobuf::Error),
+}
 
 fn read_u64(dir: &Path, file: &str) -> u64 {
     fs::read_to_string(dir.join(file))
@@ -41,7 +49,8 @@ fn get(kv: &[(String, u64)], key: &str) -> u64 {
         .unwrap_or(0)
 }
 
-pub fn collect(pid: u32) -> Result<Any> {
+/// The metrics of the cgroup of `pid`, as containerd's `Stats` returns them.
+pub fn collect(pid: u32) -> Result<Any, MetricsError> {
     let cgroups = Cgroups::of(pid)?;
     let (type_url, value) = if cgroups.v1("memory").is_some() {
         (
@@ -54,11 +63,11 @@ pub fn collect(pid: u32) -> Result<Any> {
             v2_metrics(dir).write_to_bytes(),
         )
     } else {
-        return Err(Error::Other(format!("no cgroups found for pid {pid}")));
+        return Err(MetricsError::NoCgroup(pid));
     };
     Ok(Any {
         type_url: type_url.into(),
-        value: value.map_err(|e| Error::Other(e.to_string()))?,
+        value: value?,
         ..Default::default()
     })
 }

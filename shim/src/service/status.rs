@@ -1,0 +1,109 @@
+//! How crab's errors go back to containerd: each kind of [`Error`] has its status code here, and
+//! only here, following containerd's errdefs (the CRI and `ctr` act on the codes); the message
+//! is the error's own text.
+
+use containerd_shim::protos::ttrpc::{self, Code};
+
+use super::metrics::MetricsError;
+use crate::{error::Error, runc::RuncError};
+
+/// The status code containerd expects for `e`.
+pub fn code(e: &Error) -> Code {
+    match e {
+        Error::NotFound(_) => Code::NOT_FOUND,
+        Error::AlreadyExists(_) => Code::ALREADY_EXISTS,
+        Error::FailedPrecondition(_) => Code::FAILED_PRECONDITION,
+        Error::InvalidArgument(_) | Error::Config(_) => Code::INVALID_ARGUMENT,
+        Error::Unimplemented(_) => Code::UNIMPLEMENTED,
+        // containerd's runc shim passes a runc failure on as an untyped error, which errdefs
+        // turns into UNKNOWN; clients see the same code from crab (the CRI hands it on to the
+        // kubelet, e.g. for an exec of a missing binary).
+        Error::Runc(RuncError::Failed { .. }) => Code::UNKNOWN,
+        Error::Runc(RuncError::Run(_) | RuncError::Output { .. })
+        | Error::Reaper(_)
+        | Error::Io { .. }
+        | Error::Sys { .. }
+        | Error::Json { .. }
+        | Error::Pid { .. }
+        | Error::Mount { .. }
+        | Error::Store(_)
+        | Error::Task(_)
+        | Error::TimedOut(_)
+        | Error::NoCgroup(_)
+        | Error::Logger(_)
+        | Error::Other(_) => Code::INTERNAL,
+    }
+}
+
+/// The ttrpc status containerd receives for `e`.
+pub fn to_ttrpc(e: Error) -> ttrpc::Error {
+    ttrpc::Error::RpcStatus(ttrpc::get_status(code(&e), e.to_string()))
+}
+
+/// The ttrpc status for a `Stats` of container `id` that failed.
+pub fn stats_failed(id: &str, e: MetricsError) -> ttrpc::Error {
+    ttrpc::Error::RpcStatus(ttrpc::get_status(
+        Code::INTERNAL,
+        format!("stats of {id}: {e}"),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(e: Error) -> (Code, String) {
+        match to_ttrpc(e) {
+            ttrpc::Error::RpcStatus(s) => (s.code(), s.message().to_string()),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn codes_follow_containerd_errdefs() {
+        assert_eq!(
+            status(Error::NotFound("container x".into())),
+            (Code::NOT_FOUND, "container x not found".into())
+        );
+        assert_eq!(
+            status(Error::Unimplemented("Checkpoint")).0,
+            Code::UNIMPLEMENTED
+        );
+        assert_eq!(
+            status(Error::InvalidArgument("resources: x".into())).0,
+            Code::INVALID_ARGUMENT
+        );
+        let (code, msg) = status(
+            RuncError::Failed {
+                command: "create",
+                message: "no such file".into(),
+            }
+            .into(),
+        );
+        assert_eq!(code, Code::UNKNOWN);
+        assert_eq!(msg, "OCI runtime create failed: no such file");
+        // runc that could not even run is the shim's own failure.
+        let spawn = crate::reaper::ReaperError::Spawn {
+            program: "/nonexistent/runc".into(),
+            source: std::io::ErrorKind::NotFound.into(),
+        };
+        let (code, msg) = status(RuncError::Run(spawn).into());
+        assert_eq!(code, Code::INTERNAL);
+        assert!(
+            msg.starts_with("cannot execute /nonexistent/runc: "),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn a_full_disk_stays_visible_under_the_message() {
+        let e = Error::io("cannot write /b/update-resources.json")(
+            std::io::Error::from_raw_os_error(libc::ENOSPC),
+        );
+        let source = std::error::Error::source(&e)
+            .and_then(|s| s.downcast_ref::<std::io::Error>())
+            .unwrap();
+        assert_eq!(source.raw_os_error(), Some(libc::ENOSPC));
+        assert_eq!(status(e).0, Code::INTERNAL);
+    }
+}
