@@ -84,9 +84,9 @@ impl EventSender {
         Self(None)
     }
 
-    /// Sends `event` and waits until the edge has published it (or given up on it): what
-    /// follows an event (a reply, a waiter told of an exit, the shim's shutdown) comes after
-    /// containerd has it.
+    /// Sends `event` and waits until the edge has handed it to containerd's publisher (or given
+    /// up on it), so that what follows the event in the core (a reply, a waiter told of an
+    /// exit, the shim's shutdown) follows it on its way to containerd too.
     pub async fn publish(&self, event: TaskEvent) {
         let Some(tx) = &self.0 else { return };
         let (done, published) = oneshot::channel();

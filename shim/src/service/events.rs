@@ -1,5 +1,6 @@
 //! Publishes the core's [`TaskEvent`]s to containerd: one task reads them from the channel and
-//! publishes each as containerd's task event, one at a time, in the order the core sent them.
+//! hands each, as containerd's task event, to the shim framework's publisher (whose own queue
+//! delivers them), one at a time, in the order the core sent them.
 
 use containerd_shim::{
     protos::{events::task as ev, protobuf::MessageDyn, topics},
