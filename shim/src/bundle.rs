@@ -102,10 +102,11 @@ pub async fn mount_rootfs(bundle: &Path, mounts: &[RootfsMount]) -> Result<bool>
         let mounted = {
             let (m, target) = (m.clone(), target.clone());
             tokio::task::spawn_blocking(move || {
-                let some = |s: &str| (!s.is_empty()).then_some(s.to_string());
+                // Empty means absent, as containerd's own mount helper takes it.
+                let some = |s: &str| (!s.is_empty()).then_some(s);
                 containerd_shim::mount::mount_rootfs(
-                    some(&m.kind).as_deref(),
-                    some(&m.source).as_deref(),
+                    some(&m.kind),
+                    some(&m.source),
                     &m.options,
                     &target,
                 )
