@@ -103,7 +103,9 @@ pub async fn mount_rootfs(bundle: &Path, mounts: &[RootfsMount]) -> Result<bool>
             let (m, target) = (m.clone(), target.clone());
             tokio::task::spawn_blocking(move || {
                 // Empty means absent, as containerd's own mount helper takes it.
-                let some = |s: &str| (!s.is_empty()).then_some(s);
+                fn some(s: &str) -> Option<&str> {
+                    (!s.is_empty()).then_some(s)
+                }
                 containerd_shim::mount::mount_rootfs(
                     some(&m.kind),
                     some(&m.source),
