@@ -500,7 +500,9 @@ impl Containers {
             container_id: id.to_string(),
             runc: runc.clone(),
             init_pid: pid,
-            cgroup2_dir: crate::sys::cgroup::Cgroups::of(pid)?.unified.unwrap_or_default(),
+            cgroup2_dir: crate::sys::cgroup::Cgroups::of(pid)?
+                .unified
+                .unwrap_or_default(),
             upperdir: RootfsMount::overlay(rootfs)
                 .and_then(|m| crate::inspector::fs::overlay_dirs(&m.options))
                 .map(|(u, _)| u),

@@ -33,4 +33,3 @@ pub mod service;
 pub mod stdio;
 pub mod sys;
 pub mod turns;
-
