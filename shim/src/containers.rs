@@ -16,16 +16,15 @@ use crate::{
     bundle::{self, RootfsMount},
     checkpoint::{
         restore::{self, Taken},
-        store::Store,
-        Coordinator, JobTarget,
+        Action,
     },
     error::{Error, Result},
     events::{EventSender, TaskEvent},
-    inspector::{Answer, Inspection},
     oom,
     process::{ExitInfo, Process, Snapshot, Status},
     reaper::ExitSubscription,
     runc::{Runc, RuncError},
+    sandbox::{NotInspected, Origin, OriginImport, Sandbox},
     stdio::{PreparedIo, StdioSpec},
     turns,
 };
@@ -72,18 +71,11 @@ pub struct Container {
     /// Serialises lifecycle changes of the container (start, pause, resume, update, delete).
     lifecycle: tokio::sync::Mutex<()>,
     _oom: Mutex<Option<oom::OomWatcher>>,
-    /// What the container's turns left behind; `None` when not inspected (disabled by
-    /// config, or a pod's pause container).
-    inspection: crate::checkpoint::SharedInspection,
-    /// Turns answers into checkpoints; present exactly when `inspection` is (set at Create,
-    /// or at Start for a container restored from a process image).
-    coordinator: std::sync::OnceLock<Arc<Coordinator>>,
+    /// Its turn path: inspection, turn answers, checkpoints.
+    sandbox: Sandbox,
     /// A process image to restore at Start instead of `runc start` (with what checkpointing
     /// needs once the restored init is known).
     pending_restore: Mutex<Option<PendingRestore>>,
-    /// Each exec that finishes while no other runs ends a turn (zero-integration mode).
-    exec_boundary: bool,
-    state_dir: PathBuf,
 }
 
 /// What Start needs to restore a container's processes.
@@ -96,22 +88,6 @@ struct PendingRestore {
     rootfs: Vec<RootfsMount>,
     stdio: StdioSpec,
     checkpointing: bool,
-}
-
-/// How a container's lineage begins.
-enum Origin {
-    Image,
-    Checkpoint(Taken),
-}
-
-/// Where [`Containers::start_checkpointing`] left the origin manifest.
-#[derive(Debug, PartialEq, Eq)]
-enum OriginImport {
-    /// Recorded (or its failure logged) before it returned.
-    Done,
-    /// Being recorded in the background, which imports and then removes the CRIU image the
-    /// container was restored from.
-    Background,
 }
 
 impl Container {
@@ -343,9 +319,17 @@ impl Containers {
             )));
         }
         let init = Arc::new(Process::new(String::new(), p.stdio.clone(), None));
-        let inspection: crate::checkpoint::SharedInspection =
-            Arc::new(tokio::sync::Mutex::new(None));
-        let coordinator = std::sync::OnceLock::new();
+        let sandbox = Sandbox::new(
+            &p.id,
+            &self.namespace,
+            &config.store.state_dir,
+            exec_boundary,
+            match (checkpointing, &restore_image) {
+                (false, _) => NotInspected::Disabled,
+                (true, Some(_)) => NotInspected::UntilStart,
+                (true, None) => NotInspected::Starting,
+            },
+        );
         let mut pending_restore = None;
         let pid = match restore_image {
             Some(image) => {
@@ -376,22 +360,11 @@ impl Containers {
                         Some(t) => Origin::Checkpoint(t),
                         None => Origin::Image,
                     };
-                    match self
-                        .start_checkpointing(
-                            &p.id,
-                            &p.bundle,
-                            &p.rootfs,
-                            &config,
-                            &runc,
-                            pid,
-                            origin,
-                            inspection.clone(),
-                        )
+                    match sandbox
+                        .start_checkpointing(&p.bundle, &p.rootfs, &config, &runc, pid, origin)
                         .await
                     {
-                        Ok((co, _)) => {
-                            let _ = coordinator.set(co);
-                        }
+                        Ok(_) => {}
                         Err(e) => {
                             let _ = runc.delete(&p.id, true).await;
                             unmount(&e);
@@ -416,11 +389,8 @@ impl Containers {
             init_exit_pending: Mutex::new(None),
             lifecycle: tokio::sync::Mutex::new(()),
             _oom: Mutex::new(None),
-            inspection,
-            coordinator,
+            sandbox,
             pending_restore: Mutex::new(pending_restore),
-            exec_boundary,
-            state_dir: config.store.state_dir.clone(),
         });
         self.map
             .lock()
@@ -445,118 +415,6 @@ impl Containers {
             })
             .await;
         Ok(pid)
-    }
-
-    /// Starts inspecting container `id` (init `pid`) and opens its checkpoint store, whose
-    /// lineage begins with an origin manifest: the container's image as it is, or the
-    /// checkpoint it was restored from (its process image imported into the store).
-    #[allow(clippy::too_many_arguments)]
-    async fn start_checkpointing(
-        &self,
-        id: &str,
-        bundle_dir: &Path,
-        rootfs: &[RootfsMount],
-        config: &Config,
-        runc: &Runc,
-        pid: u32,
-        origin: Origin,
-        shared: crate::checkpoint::SharedInspection,
-    ) -> Result<(Arc<Coordinator>, OriginImport)> {
-        let spec = bundle::read_spec(bundle_dir)?;
-        let root = turns::sandbox_dir(&config.store.state_dir, &self.namespace, id);
-        let (namespace, cid) = (self.namespace.clone(), id.to_string());
-        // The origin manifest is recorded here, unless it imports a process image (a copy and
-        // deduplication of up to hundreds of MB): that goes on in the background, below.
-        let (store, background) = tokio::task::spawn_blocking(move || -> Result<(Store, Option<Taken>)> {
-            // Only a container restored from this store's own checkpoint carries on its lineage.
-            let continues = |s: &Store| matches!(&origin, Origin::Checkpoint(t) if restore::own_source(s, &namespace, &cid, t).is_some());
-            let (store, _) = Store::open_for_container(&root, continues).map_err(Error::Store)?;
-            let origin = match origin {
-                Origin::Checkpoint(t) if restore::imports_process_image(&store, &namespace, &cid, &t) => {
-                    return Ok((store, Some(t)));
-                }
-                Origin::Image => restore::created_manifest(&store, "").map_err(|e| e.to_string()),
-                Origin::Checkpoint(t) => restore::restored_manifest(&store, &namespace, &cid, &t).map_err(|e| e.to_string()),
-            };
-            match origin.and_then(|m| store.publish(&m).map_err(|e| e.to_string())) {
-                Ok(()) => {}
-                // The container runs without a recorded origin: its next checkpoint still has
-                // everything it needs (a failure there forces a full one).
-                Err(e) => log::error!("container {cid}: cannot record where its lineage begins: {e}"),
-            }
-            Ok((store, None))
-        })
-        .await??;
-        let inspection = {
-            let (id, rootfs) = (id.to_string(), rootfs.to_vec());
-            let volumes = turns::tracked_volumes(&spec, &config.checkpoint.tracked_volumes);
-            let limits = config.limits.clone();
-            tokio::task::spawn_blocking(move || {
-                turns::start_inspection(&id, pid, &rootfs, volumes, limits)
-            })
-            .await?
-        };
-        let target = JobTarget {
-            container_id: id.to_string(),
-            runc: runc.clone(),
-            init_pid: pid,
-            cgroup2_dir: crate::sys::cgroup::Cgroups::of(pid)?
-                .unified
-                .unwrap_or_default(),
-            upperdir: RootfsMount::overlay(rootfs)
-                .and_then(|m| crate::inspector::fs::overlay_dirs(&m.options))
-                .map(|(u, _)| u),
-            overlay_xattrs: RootfsMount::overlay(rootfs).map_or_else(Default::default, |m| {
-                crate::inspector::fs::OverlayXattrs::of_mount(&m.options)
-            }),
-            limits: config.limits.clone(),
-            volumes: turns::tracked_volumes(&spec, &config.checkpoint.tracked_volumes)
-                .into_iter()
-                .map(|(at, _)| at)
-                .collect(),
-            policy: crate::checkpoint::policy::for_container(&spec, config.checkpoint.policy)?,
-            engine: crate::engine::Admission::new(&config.engine, &self.namespace, id),
-        };
-        let c = &config.checkpoint;
-        *shared.lock().await = Some(inspection);
-        let co = Coordinator::new(
-            store,
-            target,
-            shared,
-            c.keep_last,
-            c.keep_every,
-            Duration::from_millis(c.action_wait_timeout_ms),
-        );
-        let import = match background.is_some() {
-            true => OriginImport::Background,
-            false => OriginImport::Done,
-        };
-        if let Some(t) = background {
-            // The CRIU image the container was restored from (under its bundle) is imported
-            // into the store and then removed.
-            let image = t.criu_dir.clone().filter(|d| d.starts_with(bundle_dir));
-            let (namespace, cid) = (self.namespace.clone(), id.to_string());
-            co.record_origin(
-                move |store| {
-                    restore::restored_manifest(store, &namespace, &cid, &t)
-                        .map_err(|e| e.to_string())
-                },
-                move || {
-                    if let Some(dir) = image {
-                        let _ = std::fs::remove_dir_all(dir);
-                    }
-                },
-            );
-        }
-        Ok((co, import))
-    }
-
-    /// Holds an action until the checkpoints of the turns before it are durable.
-    async fn gate(&self, c: &Container, action: &str) -> Result<()> {
-        match c.coordinator.get() {
-            Some(co) => co.wait_durable(action).await,
-            None => Ok(()),
-        }
     }
 
     async fn create_init(
@@ -591,18 +449,15 @@ impl Containers {
 
     pub async fn start(&self, id: &str, exec_id: &str) -> Result<u32> {
         let c = self.get(id)?;
-        self.gate(
-            &c,
-            if exec_id.is_empty() {
-                "start"
-            } else {
-                "exec start"
-            },
-        )
-        .await?;
+        c.sandbox
+            .gate(match exec_id.is_empty() {
+                true => Action::Start,
+                false => Action::ExecStart,
+            })
+            .await?;
         if !exec_id.is_empty() {
             // Not before the base mark that Start left running in the background.
-            drop(c.inspection.lock().await);
+            c.sandbox.settled().await;
         }
         if exec_id.is_empty() {
             let _guard = c.lifecycle.lock().await;
@@ -622,11 +477,7 @@ impl Containers {
             // container's own program and its start-up has settled. Start does not wait for it
             // (tens of ms, pod start time under Kubernetes): it holds the inspection, and execs
             // wait for that (`gate`), so none can change the container before the base is taken.
-            self.inspect_in_background(&c, move |i| {
-                wait_for_exec(pid, std::time::Duration::from_secs(2));
-                i.mark_base();
-            })
-            .await;
+            c.sandbox.mark_base_in_background(pid).await;
             self.events
                 .publish(TaskEvent::Start {
                     container_id: id.into(),
@@ -791,22 +642,13 @@ impl Containers {
             };
             let ours =
                 matches!(&origin, Origin::Checkpoint(t) if t.criu_dir.as_ref() == Some(&r.image));
-            match self
-                .start_checkpointing(
-                    &c.id,
-                    &c.bundle,
-                    &r.rootfs,
-                    &r.config,
-                    &c.runc,
-                    pid,
-                    origin,
-                    c.inspection.clone(),
-                )
+            match c
+                .sandbox
+                .start_checkpointing(&c.bundle, &r.rootfs, &r.config, &c.runc, pid, origin)
                 .await
             {
-                Ok((co, import)) => {
+                Ok(import) => {
                     image_imported = ours && import == OriginImport::Background;
-                    let _ = c.coordinator.set(co);
                 }
                 Err(e) => log::error!(
                     "container {} runs restored but without checkpoints: {e}",
@@ -931,8 +773,9 @@ impl Containers {
             // In exec-boundary mode the turn ends before the exit is published: the client can
             // start its next action only after the answer exists (and that action then waits
             // for the checkpoint).
-            if c.exec_boundary && c.running_execs() == 0 && c.coordinator.get().is_some() {
-                if let Err(e) = self.end_turn(&c, &format!("exec-{}", p.exec_id)).await {
+            if c.sandbox.ends_turns_at_exec_exit() && c.running_execs() == 0 {
+                let turn_id = format!("exec-{}", p.exec_id);
+                if let Err(e) = c.sandbox.end_turn(&turn_id, || c.running_exec_pids()).await {
                     log::error!("turn end after exec {} of {}: {e}", p.exec_id, c.id);
                 }
             }
@@ -986,7 +829,7 @@ impl Containers {
         let c = self.get(id)?;
         // A signal changes the sandbox too, but stopping a container must always work: after
         // the bound the kill goes ahead (said in the log).
-        if let Err(e) = self.gate(&c, "kill").await {
+        if let Err(e) = c.sandbox.gate(Action::Kill).await {
             log::warn!("{e}; killing anyway");
         }
         let p = c.process(exec_id)?;
@@ -1071,8 +914,7 @@ impl Containers {
             p.close_io().await;
         }
         c._oom.lock().unwrap().take();
-        // Dropping the inspection unregisters the cgroup from the host probes.
-        c.inspection.lock().await.take();
+        c.sandbox.stop().await;
         if c.rootfs_mounted {
             bundle::unmount_rootfs(&c.bundle);
         }
@@ -1159,7 +1001,7 @@ impl Containers {
         let turn_end = turns::requested_turn_end(&annotations)?;
         let _guard = c.lifecycle.lock().await;
         if let Some(json) = resources.filter(|r| !r.is_empty()) {
-            self.gate(&c, "update").await?;
+            c.sandbox.gate(Action::Update).await?;
             serde_json::from_slice::<oci_spec::runtime::LinuxResources>(&json)
                 .map_err(|e| Error::InvalidArgument(format!("resources: {e}")))?;
             let file = c.bundle.join("update-resources.json");
@@ -1174,73 +1016,11 @@ impl Containers {
             c.annotations.lock().unwrap().extend(annotations);
         }
         if let Some(turn_id) = turn_end {
-            self.end_turn(&c, &turn_id).await?;
+            c.sandbox
+                .end_turn(&turn_id, || c.running_exec_pids())
+                .await?;
         }
         Ok(())
-    }
-
-    /// Runs `f` on the container's inspection off the async runtime (it reads /proc,
-    /// the upperdir and process memory).
-    async fn with_inspection<T: Send + 'static>(
-        &self,
-        c: &Container,
-        f: impl FnOnce(&mut Inspection) -> T + Send + 'static,
-    ) -> Option<T> {
-        let mut slot = c.inspection.lock().await;
-        let mut inspection = slot.take()?;
-        let (inspection, out) = tokio::task::spawn_blocking(move || {
-            let out = f(&mut inspection);
-            (inspection, out)
-        })
-        .await
-        .ok()?;
-        *slot = Some(inspection);
-        Some(out)
-    }
-
-    /// [`Self::with_inspection`] without waiting for `f`: the inspection is taken before this
-    /// returns, so whoever needs it next (a turn end, an exec's gate) waits until `f` is done.
-    async fn inspect_in_background(
-        &self,
-        c: &Container,
-        f: impl FnOnce(&mut Inspection) + Send + 'static,
-    ) {
-        let mut slot = c.inspection.clone().lock_owned().await;
-        let Some(mut inspection) = slot.take() else {
-            return;
-        };
-        tokio::spawn(async move {
-            let done = tokio::task::spawn_blocking(move || {
-                f(&mut inspection);
-                inspection
-            })
-            .await;
-            match done {
-                Ok(inspection) => *slot = Some(inspection),
-                Err(e) => log::error!("inspection task failed: {e}"),
-            }
-        });
-    }
-
-    async fn end_turn(&self, c: &Container, turn_id: &str) -> Result<Answer> {
-        let answer = self.with_inspection(c, |i| i.turn_end()).await.ok_or_else(|| {
-            Error::FailedPrecondition(format!(
-                "container {} is not inspected (turn ends are disabled by [checkpoint] enabled = false, or it is a pod's pause container)",
-                c.id
-            ))
-        })?;
-        let dir = turns::turns_dir(&c.state_dir, &self.namespace, &c.id);
-        let path = turns::store_answer(&dir, turn_id, &answer)?;
-        log::debug!(
-            "turn {turn_id} of {}: answer stored in {}",
-            c.id,
-            path.display()
-        );
-        if let Some(co) = c.coordinator.get() {
-            co.note_running_execs(c.running_exec_pids());
-            co.submit(turn_id, &answer);
-        }
-        Ok(answer)
     }
 
     /// containerd's own checkpoint (`ctr task checkpoint`): a CRIU image of the whole
@@ -1365,24 +1145,5 @@ fn unmount_all_under(dir: &Path) {
         if let Err(e) = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH) {
             log::warn!("cannot unmount {}: {e}", p.display());
         }
-    }
-}
-
-/// Waits (bounded) until `pid` no longer runs `runc init`: `runc start` returns once it has
-/// released the init, which then execs the container's program on its own schedule.
-fn wait_for_exec(pid: u32, bound: std::time::Duration) {
-    let deadline = std::time::Instant::now() + bound;
-    loop {
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let mut args = cmdline.split(|b| *b == 0);
-        let is_runc_init =
-            args.next().is_some_and(|a| a.ends_with(b"runc")) && args.next() == Some(b"init");
-        if !is_runc_init || std::time::Instant::now() >= deadline {
-            if is_runc_init {
-                log::warn!("pid {pid} still runs `runc init` {bound:?} after start");
-            }
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }

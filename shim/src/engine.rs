@@ -39,11 +39,11 @@
 //!   print them). The root belongs on a tmpfs, as `/run` normally is.
 //! - I/O budget (`io_budget_mb_s`): a token bucket shared by the host (`budget.json`), applied
 //!   at admission: a job is admitted only while the bucket is not in debt, and a job's written
-//!   bytes ([`bytes_written`]: its layer plus its process image as CRIU wrote it) are debited
-//!   when it ends. The bucket refills at the budget and holds at most one second of it. So a
-//!   running job is never slowed (its freeze must stay short), and over any interval `t` the
-//!   jobs started write at most `budget * (t + 1 s)` plus what the jobs running at the end
-//!   still write (at most `max_jobs` jobs). The budget applies to urgent jobs too: urgency
+//!   bytes (given to [`Permit::finish`]: its layer plus its process image as CRIU wrote it) are
+//!   debited when it ends. The bucket refills at the budget and holds at most one second of
+//!   it. So a running job is never slowed (its freeze must stay short), and over any interval
+//!   `t` the jobs started write at most `budget * (t + 1 s)` plus what the jobs running at the
+//!   end still write (at most `max_jobs` jobs). The budget applies to urgent jobs too: urgency
 //!   changes the order, not the budget.
 //! - Stats (`stats.json`, rewritten atomically under `state.lock` by each job that ends): jobs,
 //!   waits (total, max, the newest [`WAIT_SAMPLES`] for percentiles), bytes, run time, and the
@@ -76,8 +76,6 @@ use nix::{
     sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor},
 };
 use serde::{Deserialize, Serialize};
-
-use crate::checkpoint::store::{CheckpointKind, Manifest};
 
 /// How often a waiting job looks again without an event: only a shim that died holding a
 /// slot or a ticket leaves no event behind.
@@ -550,22 +548,6 @@ fn unique(prefix: &str) -> String {
         std::process::id(),
         NEXT.fetch_add(1, Ordering::Relaxed)
     )
-}
-
-/// The counted bytes of a finished job: the fs layer it wrote and its process image as CRIU
-/// wrote it (before deduplication; the new chunks are not counted again).
-pub fn bytes_written(m: &Manifest) -> u64 {
-    let layer = match m.kind {
-        CheckpointKind::Fs | CheckpointKind::Full => m.fs_layers.last().map_or(0, |d| d.size),
-        _ => 0,
-    };
-    let process = match m.kind {
-        CheckpointKind::Proc | CheckpointKind::Full => {
-            m.process.as_ref().map_or(0, |p| p.bytes_logical)
-        }
-        _ => 0,
-    };
-    layer + process
 }
 
 /// One host engine (a root directory and this shim's settings for it).

@@ -4,6 +4,8 @@
 //!   lifecycle commands, ttrpc Task service, event publishing, `-info`, task metrics)
 //! - [`containers`]: containers and processes, their lifecycle; what happens goes out as
 //!   [`events`] (crab's own task events) and failures as [`error`]s
+//! - [`sandbox`]: one container's turn path (its inspection, turn answers and checkpoint
+//!   coordinator); [`turns`]: the annotations that end turns
 //! - [`runc`], [`reaper`]: running runc under the shim's reaper
 //! - [`stdio`]: FIFOs, files, pipes and the pty
 //! - [`bundle`], [`oom`]: the OCI bundle and OOM notifications
@@ -29,6 +31,7 @@ pub mod placement;
 pub mod process;
 pub mod reaper;
 pub mod runc;
+pub mod sandbox;
 pub mod service;
 pub mod stdio;
 pub mod sys;

@@ -1,22 +1,14 @@
-//! Turn boundaries: the annotations that end a turn, and the per-container inspection that
-//! answers them. (Checkpoints taken from the answers come with the coordinator.)
+//! Turn boundaries: the annotations that end a turn, and the spec annotations that say how a
+//! container's turns end and which checkpoints they take. (What a turn end then does is the
+//! sandbox's: [`crate::sandbox`].)
 //!
 //! A harness ends a turn by calling containerd's `Tasks.Update` with the annotation
 //! [`TURN_END`] set to its turn id (`resources` may be empty). The answer is logged and
 //! stored as `<state_dir>/<namespace>/<container>/turns/<seq>.json`.
 
-use std::{
-    collections::HashMap,
-    io::Write,
-    path::{Path, PathBuf},
-    sync::{Arc, OnceLock},
-};
+use std::collections::HashMap;
 
-use crate::{
-    bundle::RootfsMount,
-    error::{Error, Result},
-    inspector::{self, bpf::HostProbes, Answer, Inspection, ProbesUnavailable, Target},
-};
+use crate::error::{Error, Result};
 
 /// `Tasks.Update` annotation ending a turn; its value is the harness's turn id.
 pub const TURN_END: &str = "io.crab/turn-end";
@@ -89,25 +81,6 @@ pub fn requested_turn_end(annotations: &HashMap<String, String>) -> Result<Optio
     Ok(Some(id.clone()))
 }
 
-/// The host probes, loaded (or opened from their pins) once per shim process.
-fn host_probes() -> Result<Arc<HostProbes>, ProbesUnavailable> {
-    static PROBES: OnceLock<Result<Arc<HostProbes>, ProbesUnavailable>> = OnceLock::new();
-    PROBES
-        .get_or_init(|| {
-            let probes =
-                HostProbes::open_or_load().map_err(|e| ProbesUnavailable::Bpf(Arc::new(e)))?;
-            match probes.sweep_dead() {
-                Ok(ids) if !ids.is_empty() => {
-                    log::info!("unwatched {} cgroups left by shims that died", ids.len())
-                }
-                Ok(_) => {}
-                Err(e) => log::warn!("cannot sweep the watched cgroups: {e}"),
-            }
-            Ok(Arc::new(probes))
-        })
-        .clone()
-}
-
 /// Whether each finished exec ends a turn (zero-integration mode) for this container.
 pub fn exec_boundary(
     spec: &oci_spec::runtime::Spec,
@@ -127,109 +100,6 @@ pub fn exec_boundary(
 /// Whether a container is watched: not CRI's pause containers (pure infrastructure).
 pub fn is_inspected(spec: &oci_spec::runtime::Spec) -> bool {
     crate::bundle::annotation(spec, &[CRI_CONTAINER_TYPE]) != Some("sandbox")
-}
-
-/// The host directories of the tracked volumes: bind mounts of the spec whose destination
-/// the config lists. A tracked path that is not a bind mount is reported and skipped.
-pub fn tracked_volumes(
-    spec: &oci_spec::runtime::Spec,
-    tracked: &[PathBuf],
-) -> Vec<(PathBuf, PathBuf)> {
-    let mounts = spec.mounts().as_deref().unwrap_or_default();
-    tracked
-        .iter()
-        .filter_map(|at| {
-            let m = mounts.iter().find(|m| m.destination() == at);
-            let bind = m.filter(|m| {
-                m.typ().as_deref() == Some("bind")
-                    || m.options()
-                        .as_deref()
-                        .unwrap_or_default()
-                        .iter()
-                        .any(|o| o == "bind" || o == "rbind")
-            });
-            match bind.and_then(|m| m.source().clone()) {
-                Some(source) => Some((at.clone(), source)),
-                None => {
-                    log::warn!(
-                        "tracked volume {} is not a bind mount of this container: not tracked",
-                        at.display()
-                    );
-                    None
-                }
-            }
-        })
-        .collect()
-}
-
-/// Starts inspecting a created container.
-pub fn start_inspection(
-    container_id: &str,
-    init_pid: u32,
-    rootfs: &[RootfsMount],
-    volumes: Vec<(PathBuf, PathBuf)>,
-    limits: crab_runtime_config::LimitsConfig,
-) -> Inspection {
-    let overlay = RootfsMount::overlay(rootfs);
-    let overlay_xattrs = overlay.map_or_else(Default::default, |m| {
-        inspector::fs::OverlayXattrs::of_mount(&m.options)
-    });
-    let (upperdir, lowerdirs) = overlay
-        .and_then(|m| inspector::fs::overlay_dirs(&m.options))
-        .map(|(u, l)| (Some(u), l))
-        .unwrap_or((None, Vec::new()));
-    let cgroup2_dir = crate::sys::cgroup::cgroup2_dir_of(init_pid);
-    let probes = match &cgroup2_dir {
-        Ok(_) => host_probes(),
-        Err(e) => Err(ProbesUnavailable::NoCgroup2 {
-            pid: init_pid,
-            source: Arc::new(std::io::Error::new(e.kind(), e.to_string())),
-        }),
-    };
-    let target = Target {
-        container_id: container_id.to_string(),
-        cgroup2_dir: cgroup2_dir.unwrap_or_default(),
-        upperdir,
-        lowerdirs,
-        volumes,
-        overlay_xattrs,
-        limits,
-    };
-    Inspection::new(target, probes)
-}
-
-/// A sandbox's directory in the state dir: its checkpoint store and its turn answers.
-pub fn sandbox_dir(state_dir: &Path, namespace: &str, container_id: &str) -> PathBuf {
-    state_dir.join(namespace).join(container_id)
-}
-
-/// Where a container's turn answers are kept.
-pub fn turns_dir(state_dir: &Path, namespace: &str, container_id: &str) -> PathBuf {
-    sandbox_dir(state_dir, namespace, container_id).join("turns")
-}
-
-/// Writes the answer atomically (temp file, fsync, rename): a reader never sees half of it.
-pub fn store_answer(dir: &Path, turn_id: &str, answer: &Answer) -> Result<PathBuf> {
-    #[derive(serde::Serialize)]
-    struct Stored<'a> {
-        turn_id: &'a str,
-        #[serde(flatten)]
-        answer: &'a Answer,
-    }
-    std::fs::create_dir_all(dir).map_err(Error::io(format!("cannot create {}", dir.display())))?;
-    let path = dir.join(format!("{:06}.json", answer.seq));
-    let tmp = dir.join(format!(".{:06}.json.tmp", answer.seq));
-    let data = serde_json::to_vec_pretty(&Stored { turn_id, answer })
-        .map_err(|e| Error::Other(e.to_string()))?;
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&data)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &path)?;
-        std::fs::File::open(dir)?.sync_all()
-    };
-    write().map_err(Error::io(format!("cannot store {}", path.display())))?;
-    Ok(path)
 }
 
 #[cfg(test)]

@@ -78,7 +78,7 @@ async fn sandbox_dir(g: &Global, container: &str) -> Result<PathBuf> {
     match &g.config {
         Some(path) => {
             let config = Config::load(path)?;
-            Ok(crab_shim::turns::sandbox_dir(
+            Ok(crab_shim::sandbox::sandbox_dir(
                 &config.store.state_dir,
                 &g.namespace,
                 container,

@@ -104,7 +104,7 @@ impl Ctl {
             Some(record) => self.config_for(&record)?,
             None => Config::load_or_default(self.config.as_deref())?.0,
         };
-        Ok(crab_shim::turns::sandbox_dir(
+        Ok(crab_shim::sandbox::sandbox_dir(
             &config.store.state_dir,
             self.namespace(),
             id,
@@ -114,8 +114,11 @@ impl Ctl {
     /// The checkpoint store directory of `container`.
     pub fn store_root(&self, container: &Container) -> Result<PathBuf> {
         let config = self.config_for(container)?;
-        let root =
-            crab_shim::turns::sandbox_dir(&config.store.state_dir, self.namespace(), &container.id);
+        let root = crab_shim::sandbox::sandbox_dir(
+            &config.store.state_dir,
+            self.namespace(),
+            &container.id,
+        );
         if !root.join("checkpoints").is_dir() {
             return Err(CtlError::NoStore {
                 container: container.id.clone(),

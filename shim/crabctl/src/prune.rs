@@ -523,7 +523,7 @@ impl Ctl {
             let existing: HashSet<String> = records.iter().map(|c| c.id.clone()).collect();
             let mut held = HashSet::new();
             for state_dir in report.state_dirs.clone() {
-                // Where `turns::sandbox_dir` puts the namespace's stores.
+                // Where `sandbox::sandbox_dir` puts the namespace's stores.
                 let dir = state_dir.join(&ns);
                 prune_dir(&dir, &existing, &client, MIN_AGE, &mut report, &mut held).await;
             }

@@ -5,6 +5,7 @@
 //! blobs/sha256/<hex>          content-addressed layer blobs (zstd tar)
 //! proc/<seq:06>/              CRIU image directories, complete before the manifest naming them is published
 //! chunks/<hex>                content-addressed page chunks shared by process images (pages.rs)
+//! turns/<seq:06>.json         the turn answers (the sandbox writes them)
 //! ```
 //!
 //! Nothing partial is ever visible: every file appears under its final name by a rename after
@@ -388,10 +389,11 @@ impl Store {
         if !self.seqs()?.is_empty() {
             return Ok(true);
         }
-        match fs::read_dir(self.root.join("turns")) {
+        let turns = turns_dir(&self.root);
+        match fs::read_dir(&turns) {
             Ok(mut it) => Ok(it.next().is_some()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-            Err(e) => Err(StoreError::io("read", &self.root.join("turns"), e)),
+            Err(e) => Err(StoreError::io("read", &turns, e)),
         }
     }
 
@@ -700,7 +702,7 @@ impl Store {
     /// Removes the turn answers older than the oldest manifest of `kept`, except the answers
     /// of the turns `kept` names.
     fn retain_turns(&self, kept: &[&Manifest]) -> Result<(), StoreError> {
-        let dir = self.root.join("turns");
+        let dir = turns_dir(&self.root);
         let Some(oldest) = kept.first() else {
             return Ok(());
         };
@@ -875,6 +877,12 @@ impl Store {
             .all(|c| matches!(c, Component::Normal(_)))
             .then(|| self.root.join(p))
     }
+}
+
+/// Where the turn answers of the sandbox whose store is at `root` are kept (`turns/<seq:06>.json`,
+/// written by the sandbox; retention and the sweep here keep them in step with the manifests).
+pub fn turns_dir(root: &Path) -> PathBuf {
+    root.join("turns")
 }
 
 /// `proc/<seq:06>`, as a manifest's `process.image` names it.

@@ -1,0 +1,139 @@
+//! The capture a checkpoint job does on a running container: its fs layer ([`super::layer`],
+//! the container frozen while the upperdir is read), its process image ([`super::process`],
+//! CRIU through runc) and, past the job's deadline, the abort ([`super::deadline`]). This is the
+//! real [`Capture`] of the [`super::coordinator`].
+
+use std::{path::PathBuf, sync::Arc};
+
+use tokio::sync::OwnedMutexGuard;
+
+use super::{
+    coordinator::{Capture, FsLayer, ProcessCaptured},
+    deadline::{self, Aborted},
+    error::CheckpointError,
+    layer::{self, FsDiffPaths},
+    process::{self, ProcError},
+    store::Store,
+};
+use crate::{
+    inspector::{
+        self,
+        fs::{FsDiff, OverlayXattrs},
+        procs,
+    },
+    runc::Runc,
+};
+
+/// A container as its checkpoint jobs capture it.
+#[derive(Clone)]
+pub struct ContainerCapture {
+    pub container_id: String,
+    pub runc: Runc,
+    pub init_pid: u32,
+    pub cgroup2_dir: PathBuf,
+    pub upperdir: Option<PathBuf>,
+    /// Which xattr prefix is overlay state on the rootfs mount.
+    pub overlay_xattrs: OverlayXattrs,
+    /// What one checkpoint may cost (`[limits]`).
+    pub limits: crab_runtime_config::LimitsConfig,
+}
+
+impl ContainerCapture {
+    fn upperdir(&self) -> Result<PathBuf, CheckpointError> {
+        self.upperdir.clone().ok_or(CheckpointError::NotOverlay)
+    }
+}
+
+impl Capture for ContainerCapture {
+    async fn outside_init(&self) -> Result<Vec<(u32, String)>, CheckpointError> {
+        let (init, cgroup) = (self.init_pid, self.cgroup2_dir.clone());
+        let check = tokio::task::spawn_blocking(move || process::check_dumpable(init, &cgroup))
+            .await
+            .map_err(CheckpointError::task("process check"))?;
+        match check {
+            Ok(_) => Ok(Vec::new()),
+            Err(ProcError::Undumpable { pids, cmdlines, .. }) => {
+                Ok(pids.into_iter().zip(cmdlines).collect())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn parent_of(&self, pid: u32) -> Option<u32> {
+        procs::read_stat(pid).ok().flatten().map(|s| s.ppid)
+    }
+
+    async fn scan_upperdir(&self) -> Result<FsDiff, CheckpointError> {
+        let upper = self.upperdir()?;
+        let (limits, xattrs) = ((&self.limits).into(), self.overlay_xattrs);
+        let all = tokio::task::spawn_blocking(move || {
+            inspector::fs::TreeManifest::scan_with(&upper, &limits, xattrs)
+        })
+        .await
+        .map_err(CheckpointError::task("upperdir scan"))??;
+        Ok(inspector::fs::diff(
+            &inspector::fs::TreeManifest::default(),
+            &all,
+            &[],
+        ))
+    }
+
+    async fn fs_layer(
+        &self,
+        store: Arc<Store>,
+        changes: FsDiff,
+        capturing: OwnedMutexGuard<()>,
+    ) -> Result<FsLayer, CheckpointError> {
+        let upper = self.upperdir()?;
+        let init_pid = self.init_pid;
+        let opts = layer::LayerOptions {
+            max_bytes: self.limits.max_layer_bytes,
+            max_depth: self.limits.max_walk_depth,
+            xattrs: self.overlay_xattrs,
+        };
+        let (descriptor, stats) = tokio::task::spawn_blocking(move || {
+            let _capturing = capturing;
+            let freezer = crate::sys::cgroup::freezer::CgroupFreezer::for_pid(init_pid)
+                .map_err(CheckpointError::Freezer)?;
+            let paths = FsDiffPaths::from(&changes);
+            Ok::<_, CheckpointError>(layer::write_fs_layer_with(
+                &store, &upper, &paths, &freezer, &opts,
+            )?)
+        })
+        .await
+        .map_err(CheckpointError::task("fs checkpoint"))??;
+        Ok(FsLayer {
+            descriptor,
+            freeze: stats.freeze,
+            capture: stats.capture,
+        })
+    }
+
+    async fn process_image(
+        &self,
+        dir: PathBuf,
+        chunks: PathBuf,
+    ) -> Result<ProcessCaptured, CheckpointError> {
+        let cp = process::checkpoint(
+            &self.runc,
+            &self.container_id,
+            self.init_pid,
+            &self.cgroup2_dir,
+            &dir,
+            &chunks,
+        )
+        .await?;
+        Ok(ProcessCaptured {
+            pids: cp.pids,
+            bytes_logical: cp.bytes_logical,
+            bytes_stored: cp.bytes_stored,
+        })
+    }
+
+    async fn abort(&self) -> Aborted {
+        let (id, init) = (self.container_id.clone(), self.init_pid);
+        tokio::task::spawn_blocking(move || deadline::abort(&id, init))
+            .await
+            .unwrap_or_default()
+    }
+}

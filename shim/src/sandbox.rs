@@ -1,0 +1,828 @@
+//! One container's turn path: the owner of its inspection, its checkpoint coordinator and its
+//! turns directory. The task core ([`crate::containers`]) asks it to end a turn, to hold an
+//! action until the checkpoints before it are durable, and to take the base mark at start;
+//! nothing else reaches into the inspection or the coordinator.
+//!
+//! A turn end, top to bottom: [`Sandbox::end_turn`] answers it on the inspection
+//! ([`crate::inspector::Inspection::turn_end`], off the async runtime) and stores the answer
+//! (`<state_dir>/<namespace>/<container>/turns/<seq>.json`, [`store_answer`]), then gives it
+//! to the coordinator ([`Coordinator::submit`]), which turns it into a background job. Answers
+//! are written here only: a job that has to inspect again (it waited for an exec to end) does
+//! so through [`Answers`], the coordinator's view of this inspection.
+//!
+//! The inspection is used by one task at a time ([`InspectionCell`]); a panic while it is used
+//! loses it, and every later turn end says so rather than pretend it was never there.
+
+use std::{
+    io::Write,
+    path::{Path, PathBuf},
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
+
+use crab_runtime_config::Config;
+
+use crate::{
+    bundle,
+    checkpoint::{
+        coordinator::{Inspect, Settings},
+        policy,
+        restore::{self, Taken},
+        store::{self, Store},
+        Action, CheckpointError, ContainerCapture, Coordinator,
+    },
+    engine::Admission,
+    error::{Error, Result},
+    inspector::{
+        self, bpf::HostProbes, fs::OverlayXattrs, Answer, Inspection, ProbesUnavailable, Target,
+    },
+    runc::Runc,
+};
+
+/// The coordinator of a container's checkpoints, over its real inspection and capture.
+pub type SandboxCoordinator = Coordinator<Answers, ContainerCapture>;
+
+/// A sandbox's directory in the state dir: its checkpoint store and its turn answers.
+pub fn sandbox_dir(state_dir: &Path, namespace: &str, container_id: &str) -> PathBuf {
+    state_dir.join(namespace).join(container_id)
+}
+
+/// How a container's lineage begins.
+pub enum Origin {
+    Image,
+    Checkpoint(Taken),
+}
+
+/// Where [`Sandbox::start_checkpointing`] left the origin manifest.
+#[derive(Debug, PartialEq, Eq)]
+pub enum OriginImport {
+    /// Recorded (or its failure logged) before it returned.
+    Done,
+    /// Being recorded in the background, which imports and then removes the CRIU image the
+    /// container was restored from.
+    Background,
+}
+
+/// Why a container has no inspection now.
+#[derive(Debug, Clone)]
+pub enum NotInspected {
+    /// `[checkpoint] enabled = false`, or a pod's pause container.
+    Disabled,
+    /// Checkpointing is starting (at Create).
+    Starting,
+    /// Restored from a process image at Start; inspected from then on.
+    UntilStart,
+    /// Checkpointing could not start.
+    Failed(String),
+    /// The container is being deleted.
+    Deleted,
+}
+
+/// One container's turn path.
+pub struct Sandbox {
+    id: String,
+    namespace: String,
+    /// [`sandbox_dir`]: the checkpoint store, with the turn answers in it.
+    dir: PathBuf,
+    answers: Answers,
+    /// Turns answers into checkpoints; set once checkpointing has started (at Create, or at
+    /// Start for a container restored from a process image).
+    coordinator: OnceLock<Arc<SandboxCoordinator>>,
+    /// Each exec that finishes while no other runs ends a turn (zero-integration mode).
+    exec_boundary: bool,
+}
+
+impl Sandbox {
+    /// The turn path of container `id`, not inspected (`why`) until
+    /// [`Sandbox::start_checkpointing`].
+    pub fn new(
+        id: &str,
+        namespace: &str,
+        state_dir: &Path,
+        exec_boundary: bool,
+        why: NotInspected,
+    ) -> Sandbox {
+        let dir = sandbox_dir(state_dir, namespace, id);
+        Sandbox {
+            id: id.to_string(),
+            namespace: namespace.to_string(),
+            answers: Answers {
+                container_id: id.to_string(),
+                inspection: Arc::new(InspectionCell::new(id, why)),
+                turns_dir: store::turns_dir(&dir),
+            },
+            dir,
+            coordinator: OnceLock::new(),
+            exec_boundary,
+        }
+    }
+
+    /// Starts inspecting the container (init `pid`) and opens its checkpoint store, whose
+    /// lineage begins with an origin manifest: the container's image as it is, or the
+    /// checkpoint it was restored from (its process image imported into the store).
+    pub async fn start_checkpointing(
+        &self,
+        bundle_dir: &Path,
+        rootfs: &[crate::bundle::RootfsMount],
+        config: &Config,
+        runc: &Runc,
+        pid: u32,
+        origin: Origin,
+    ) -> Result<OriginImport> {
+        let started = self
+            .try_start_checkpointing(bundle_dir, rootfs, config, runc, pid, origin)
+            .await;
+        if let Err(e) = &started {
+            self.answers
+                .inspection
+                .turn_off(NotInspected::Failed(e.to_string()))
+                .await;
+        }
+        started
+    }
+
+    async fn try_start_checkpointing(
+        &self,
+        bundle_dir: &Path,
+        rootfs: &[crate::bundle::RootfsMount],
+        config: &Config,
+        runc: &Runc,
+        pid: u32,
+        origin: Origin,
+    ) -> Result<OriginImport> {
+        let spec = bundle::read_spec(bundle_dir)?;
+        let (root, namespace, cid) = (self.dir.clone(), self.namespace.clone(), self.id.clone());
+        // The origin manifest is recorded here, unless it imports a process image (a copy and
+        // deduplication of up to hundreds of MB): that goes on in the background, below.
+        let (store, background) = tokio::task::spawn_blocking(move || -> Result<(Store, Option<Taken>)> {
+            // Only a container restored from this store's own checkpoint carries on its lineage.
+            let continues = |s: &Store| matches!(&origin, Origin::Checkpoint(t) if restore::own_source(s, &namespace, &cid, t).is_some());
+            let (store, _) = Store::open_for_container(&root, continues).map_err(|e| Error::Other(format!("checkpoint store: {e}")))?;
+            let origin = match origin {
+                Origin::Checkpoint(t) if restore::imports_process_image(&store, &namespace, &cid, &t) => {
+                    return Ok((store, Some(t)));
+                }
+                Origin::Image => restore::created_manifest(&store, "").map_err(CheckpointError::from),
+                Origin::Checkpoint(t) => restore::restored_manifest(&store, &namespace, &cid, &t).map_err(CheckpointError::from),
+            };
+            match origin.and_then(|m| Ok(store.publish(&m)?)) {
+                Ok(()) => {}
+                // The container runs without a recorded origin: its next checkpoint still has
+                // everything it needs (a failure there forces a full one).
+                Err(e) => log::error!("container {cid}: cannot record where its lineage begins: {e}"),
+            }
+            Ok((store, None))
+        })
+        .await
+        .map_err(|e| Error::Other(e.to_string()))??;
+        // What the inspection and the jobs both need, found once.
+        let volumes = tracked_volumes(&spec, &config.checkpoint.tracked_volumes);
+        let overlay = Overlay::of(rootfs);
+        let cgroup2_dir =
+            tokio::task::spawn_blocking(move || crate::sys::cgroup::cgroup2_dir_of(pid))
+                .await
+                .map_err(|e| Error::Other(e.to_string()))?
+                .map_err(|e| ProbesUnavailable::NoCgroup2 {
+                    pid,
+                    source: Arc::new(e),
+                });
+        let inspection = {
+            let (id, overlay, cgroup2_dir) =
+                (self.id.clone(), overlay.clone(), cgroup2_dir.clone());
+            let (volumes, limits) = (volumes.clone(), config.limits.clone());
+            tokio::task::spawn_blocking(move || {
+                start_inspection(&id, cgroup2_dir, overlay, volumes, limits)
+            })
+        };
+        let capture = ContainerCapture {
+            container_id: self.id.clone(),
+            runc: runc.clone(),
+            init_pid: pid,
+            cgroup2_dir: cgroup2_dir.unwrap_or_default(),
+            upperdir: overlay.upperdir,
+            overlay_xattrs: overlay.xattrs,
+            limits: config.limits.clone(),
+        };
+        let c = &config.checkpoint;
+        let settings = Settings {
+            policy: policy::for_container(&spec, c.policy)?,
+            volumes: volumes.into_iter().map(|(at, _)| at).collect(),
+            keep_last: c.keep_last,
+            keep_every: c.keep_every,
+            wait_bound: Duration::from_millis(c.action_wait_timeout_ms),
+        };
+        let engine = Admission::new(&config.engine, &self.namespace, &self.id);
+        let inspection = inspection.await.map_err(|e| Error::Other(e.to_string()))?;
+        self.answers.inspection.set(inspection).await;
+        let co = Coordinator::new(
+            &self.id,
+            store,
+            self.answers.clone(),
+            capture,
+            settings,
+            engine,
+        );
+        let import = match background.is_some() {
+            true => OriginImport::Background,
+            false => OriginImport::Done,
+        };
+        if let Some(t) = background {
+            // The CRIU image the container was restored from (under its bundle) is imported
+            // into the store and then removed.
+            let image = t.criu_dir.clone().filter(|d| d.starts_with(bundle_dir));
+            let (namespace, cid) = (self.namespace.clone(), self.id.clone());
+            co.record_origin(
+                move |store| Ok(restore::restored_manifest(store, &namespace, &cid, &t)?),
+                move || {
+                    if let Some(dir) = image {
+                        let _ = std::fs::remove_dir_all(dir);
+                    }
+                },
+            );
+        }
+        let _ = self.coordinator.set(co);
+        Ok(import)
+    }
+
+    /// Whether each exec that finishes while no other runs ends a turn (and turns are answered).
+    pub fn ends_turns_at_exec_exit(&self) -> bool {
+        self.exec_boundary && self.coordinator.get().is_some()
+    }
+
+    /// Holds an action until the checkpoints of the turns before it are durable (bounded).
+    pub async fn gate(&self, action: Action) -> Result<()> {
+        match self.coordinator.get() {
+            Some(co) => Ok(co.wait_durable(action).await?),
+            None => Ok(()),
+        }
+    }
+
+    /// Ends a turn: answers it, stores the answer, and hands it to the coordinator (whose
+    /// checkpoint runs in the background). `running_execs` names the execs whose main process
+    /// runs now, as (pid, exec id): a process image cannot hold them.
+    pub async fn end_turn(
+        &self,
+        turn_id: &str,
+        running_execs: impl FnOnce() -> Vec<(u32, String)>,
+    ) -> Result<Answer> {
+        let (answer, stored) = self
+            .answers
+            .answer(turn_id)
+            .await
+            .map_err(|e| Error::FailedPrecondition(e.to_string()))?;
+        let path = stored?;
+        log::debug!(
+            "turn {turn_id} of {}: answer stored in {}",
+            self.id,
+            path.display()
+        );
+        if let Some(co) = self.coordinator.get() {
+            co.note_running_execs(running_execs());
+            co.submit(turn_id, &answer);
+        }
+        Ok(answer)
+    }
+
+    /// Takes the base every turn is compared with, once init `pid` has become the container's
+    /// own program and its start-up has settled, without waiting for it: the inspection is
+    /// taken before this returns, so whoever needs it next waits until the base is taken.
+    pub async fn mark_base_in_background(&self, pid: u32) {
+        self.answers
+            .inspection
+            .run_in_background("taking the base mark", move |i| {
+                wait_for_exec(pid, Duration::from_secs(2));
+                i.mark_base();
+            })
+            .await;
+    }
+
+    /// Returns once nothing uses the inspection (e.g. the base mark is taken).
+    pub async fn settled(&self) {
+        self.answers.inspection.settled().await;
+    }
+
+    /// Stops inspecting (the container is being deleted): the cgroup is unregistered from the
+    /// host probes.
+    pub async fn stop(&self) {
+        self.answers
+            .inspection
+            .turn_off(NotInspected::Deleted)
+            .await;
+    }
+}
+
+impl From<CheckpointError> for Error {
+    fn from(e: CheckpointError) -> Error {
+        match e {
+            CheckpointError::NotDurable { .. }
+            | CheckpointError::ExecsRunning { .. }
+            | CheckpointError::NoSlot(_)
+            | CheckpointError::Deadline { .. } => Error::FailedPrecondition(e.to_string()),
+            e => Error::Other(e.to_string()),
+        }
+    }
+}
+
+/// A container's inspection as its checkpoint coordinator uses it; the only writer of turn
+/// answers.
+#[derive(Clone)]
+pub struct Answers {
+    container_id: String,
+    inspection: Arc<InspectionCell>,
+    /// `turns/` in the sandbox's directory.
+    turns_dir: PathBuf,
+}
+
+impl Answers {
+    /// Answers a turn end and stores the answer as turn `turn_id` (while still holding the
+    /// inspection, so answers are stored in their order); the answer stands even if it could
+    /// not be stored.
+    async fn answer(
+        &self,
+        turn_id: &str,
+    ) -> Result<(Answer, Result<PathBuf>), InspectionUnavailable> {
+        let (dir, turn_id) = (self.turns_dir.clone(), turn_id.to_string());
+        self.inspection
+            .run("answering a turn end", move |i| {
+                let answer = i.turn_end();
+                let stored = store_answer(&dir, &turn_id, &answer);
+                (answer, stored)
+            })
+            .await
+    }
+}
+
+impl Inspect for Answers {
+    async fn idle_since_mark(&self) -> Vec<(u32, u64)> {
+        let idle = self
+            .inspection
+            .run("reading its marks", |i| i.idle_since_mark());
+        idle.await.unwrap_or_default()
+    }
+
+    async fn refresh_after_freeze(&self, idle: Vec<(u32, u64)>) {
+        let refresh = move |i: &mut Inspection| i.refresh_after_freeze(&idle);
+        let _ = self
+            .inspection
+            .run("refreshing its mark after a freeze", refresh)
+            .await;
+    }
+
+    async fn turn_end(&self, turn_id: &str) -> std::result::Result<Answer, CheckpointError> {
+        let (answer, stored) = self.answer(turn_id).await.map_err(|e| match e {
+            e @ InspectionUnavailable::Lost { .. } => {
+                CheckpointError::InspectionLost(e.to_string())
+            }
+            _ => CheckpointError::NotInspected,
+        })?;
+        if let Err(e) = stored {
+            log::warn!(
+                "cannot store the answer after the execs of {} ended: {e}",
+                self.container_id
+            );
+        }
+        Ok(answer)
+    }
+}
+
+/// Why the inspection could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum InspectionUnavailable {
+    #[error("container {id} is not inspected (turn ends are disabled by [checkpoint] enabled = false, or it is a pod's pause container)")]
+    Disabled { id: String },
+    #[error("container {id} is not inspected yet: its checkpointing is starting")]
+    Starting { id: String },
+    #[error("container {id} is not inspected yet: it is restored from its checkpoint at start")]
+    UntilStart { id: String },
+    #[error("container {id} is not inspected: its checkpointing could not start: {why}")]
+    Failed { id: String, why: String },
+    #[error("container {id} is being deleted")]
+    Deleted { id: String },
+    #[error("container {id} is no longer inspected: its inspection panicked while {during} ({panic}), so its turn ends cannot be answered any more")]
+    Lost {
+        id: String,
+        during: &'static str,
+        panic: String,
+    },
+}
+
+enum Slot<T> {
+    Off(NotInspected),
+    Ready(T),
+    /// A task panicked while it used the inspection: what it was doing, and the panic.
+    Lost {
+        during: &'static str,
+        panic: String,
+    },
+}
+
+/// The inspection of one container, used by one task at a time, off the async runtime (it
+/// reads /proc, the upperdir and process memory). A panic while it is used loses it for good
+/// (its state is half-updated): it is dropped, and every later use says what happened.
+pub struct InspectionCell<T = Inspection> {
+    container_id: String,
+    slot: Arc<tokio::sync::Mutex<Slot<T>>>,
+}
+
+impl<T: Send + 'static> InspectionCell<T> {
+    pub fn new(container_id: &str, why: NotInspected) -> Self {
+        InspectionCell {
+            container_id: container_id.to_string(),
+            slot: Arc::new(tokio::sync::Mutex::new(Slot::Off(why))),
+        }
+    }
+
+    /// Starts using `inspection`.
+    pub async fn set(&self, inspection: T) {
+        *self.slot.lock().await = Slot::Ready(inspection);
+    }
+
+    /// Drops the inspection (once no task uses it); later uses say `why`. A lost inspection
+    /// stays lost.
+    pub async fn turn_off(&self, why: NotInspected) {
+        let mut slot = self.slot.lock().await;
+        if !matches!(*slot, Slot::Lost { .. }) {
+            *slot = Slot::Off(why);
+        }
+    }
+
+    /// Runs `f` on the inspection on a blocking thread, once no other task uses it.
+    pub async fn run<R: Send + 'static>(
+        &self,
+        during: &'static str,
+        f: impl FnOnce(&mut T) -> R + Send + 'static,
+    ) -> Result<R, InspectionUnavailable> {
+        let slot = self.slot.clone().lock_owned().await;
+        Self::run_holding(self.container_id.clone(), slot, during, f).await
+    }
+
+    /// [`Self::run`] without waiting for `f`: the inspection is taken before this returns, so
+    /// whoever uses it next waits until `f` is done.
+    pub async fn run_in_background(
+        &self,
+        during: &'static str,
+        f: impl FnOnce(&mut T) + Send + 'static,
+    ) {
+        let slot = self.slot.clone().lock_owned().await;
+        let id = self.container_id.clone();
+        tokio::spawn(async move {
+            if let Err(e @ InspectionUnavailable::Lost { .. }) =
+                Self::run_holding(id, slot, during, f).await
+            {
+                log::error!("{e}");
+            }
+        });
+    }
+
+    /// Returns once no task uses the inspection.
+    pub async fn settled(&self) {
+        drop(self.slot.lock().await);
+    }
+
+    async fn run_holding<R: Send + 'static>(
+        id: String,
+        mut slot: tokio::sync::OwnedMutexGuard<Slot<T>>,
+        during: &'static str,
+        f: impl FnOnce(&mut T) -> R + Send + 'static,
+    ) -> Result<R, InspectionUnavailable> {
+        if let Some(e) = unavailable(&id, &slot) {
+            return Err(e);
+        }
+        let task_id = id.clone();
+        let ran = tokio::task::spawn_blocking(move || {
+            let Slot::Ready(inspection) = &mut *slot else {
+                unreachable!("checked before");
+            };
+            let panic = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                f(inspection)
+            })) {
+                Ok(out) => return Ok(out),
+                Err(payload) => panic_message(payload.as_ref()),
+            };
+            log::error!(
+                "container {task_id}: the inspection panicked while {during}, it is dropped: {panic}"
+            );
+            let lost = std::mem::replace(
+                &mut *slot,
+                Slot::Lost {
+                    during,
+                    panic: panic.clone(),
+                },
+            );
+            // Its drop unregisters the cgroup; a second panic there changes nothing more.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(lost)));
+            Err(panic)
+        })
+        .await;
+        match ran {
+            Ok(Ok(out)) => Ok(out),
+            Ok(Err(panic)) => Err(InspectionUnavailable::Lost { id, during, panic }),
+            // Only a runtime shutting down gets here (the panic is caught above).
+            Err(e) => Err(InspectionUnavailable::Lost {
+                id,
+                during,
+                panic: e.to_string(),
+            }),
+        }
+    }
+}
+
+fn unavailable<T>(id: &str, slot: &Slot<T>) -> Option<InspectionUnavailable> {
+    let id = id.to_string();
+    Some(match slot {
+        Slot::Ready(_) => return None,
+        Slot::Off(NotInspected::Disabled) => InspectionUnavailable::Disabled { id },
+        Slot::Off(NotInspected::Starting) => InspectionUnavailable::Starting { id },
+        Slot::Off(NotInspected::UntilStart) => InspectionUnavailable::UntilStart { id },
+        Slot::Off(NotInspected::Failed(why)) => InspectionUnavailable::Failed {
+            id,
+            why: why.clone(),
+        },
+        Slot::Off(NotInspected::Deleted) => InspectionUnavailable::Deleted { id },
+        Slot::Lost { during, panic } => InspectionUnavailable::Lost {
+            id,
+            during,
+            panic: panic.clone(),
+        },
+    })
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    match (
+        payload.downcast_ref::<&str>(),
+        payload.downcast_ref::<String>(),
+    ) {
+        (Some(s), _) => s.to_string(),
+        (_, Some(s)) => s.clone(),
+        _ => "a panic without a message".to_string(),
+    }
+}
+
+/// The rootfs overlay: its directories and which xattrs are its own.
+#[derive(Debug, Clone, Default)]
+struct Overlay {
+    upperdir: Option<PathBuf>,
+    lowerdirs: Vec<PathBuf>,
+    xattrs: OverlayXattrs,
+}
+
+impl Overlay {
+    fn of(rootfs: &[crate::bundle::RootfsMount]) -> Overlay {
+        let Some(m) = crate::bundle::RootfsMount::overlay(rootfs) else {
+            return Overlay::default();
+        };
+        let (upperdir, lowerdirs) = inspector::fs::overlay_dirs(&m.options)
+            .map(|(u, l)| (Some(u), l))
+            .unwrap_or((None, Vec::new()));
+        Overlay {
+            upperdir,
+            lowerdirs,
+            xattrs: OverlayXattrs::of_mount(&m.options),
+        }
+    }
+}
+
+/// The host probes, loaded (or opened from their pins) once per shim process.
+fn host_probes() -> std::result::Result<Arc<HostProbes>, ProbesUnavailable> {
+    static PROBES: OnceLock<std::result::Result<Arc<HostProbes>, ProbesUnavailable>> =
+        OnceLock::new();
+    PROBES
+        .get_or_init(|| {
+            let probes =
+                HostProbes::open_or_load().map_err(|e| ProbesUnavailable::Bpf(Arc::new(e)))?;
+            match probes.sweep_dead() {
+                Ok(ids) if !ids.is_empty() => {
+                    log::info!("unwatched {} cgroups left by shims that died", ids.len())
+                }
+                Ok(_) => {}
+                Err(e) => log::warn!("cannot sweep the watched cgroups: {e}"),
+            }
+            Ok(Arc::new(probes))
+        })
+        .clone()
+}
+
+/// Starts inspecting a created container whose cgroup2 directory is `cgroup2_dir` (or why it
+/// has none).
+fn start_inspection(
+    container_id: &str,
+    cgroup2_dir: std::result::Result<PathBuf, ProbesUnavailable>,
+    overlay: Overlay,
+    volumes: Vec<(PathBuf, PathBuf)>,
+    limits: crab_runtime_config::LimitsConfig,
+) -> Inspection {
+    let probes = match &cgroup2_dir {
+        Ok(_) => host_probes(),
+        Err(e) => Err(e.clone()),
+    };
+    let target = Target {
+        container_id: container_id.to_string(),
+        cgroup2_dir: cgroup2_dir.unwrap_or_default(),
+        upperdir: overlay.upperdir,
+        lowerdirs: overlay.lowerdirs,
+        volumes,
+        overlay_xattrs: overlay.xattrs,
+        limits,
+    };
+    Inspection::new(target, probes)
+}
+
+/// The host directories of the tracked volumes: bind mounts of the spec whose destination
+/// the config lists. A tracked path that is not a bind mount is reported and skipped.
+fn tracked_volumes(spec: &oci_spec::runtime::Spec, tracked: &[PathBuf]) -> Vec<(PathBuf, PathBuf)> {
+    let mounts = spec.mounts().as_deref().unwrap_or_default();
+    tracked
+        .iter()
+        .filter_map(|at| {
+            let m = mounts.iter().find(|m| m.destination() == at);
+            let bind = m.filter(|m| {
+                m.typ().as_deref() == Some("bind")
+                    || m.options()
+                        .as_deref()
+                        .unwrap_or_default()
+                        .iter()
+                        .any(|o| o == "bind" || o == "rbind")
+            });
+            match bind.and_then(|m| m.source().clone()) {
+                Some(source) => Some((at.clone(), source)),
+                None => {
+                    log::warn!(
+                        "tracked volume {} is not a bind mount of this container: not tracked",
+                        at.display()
+                    );
+                    None
+                }
+            }
+        })
+        .collect()
+}
+
+/// Writes the answer atomically (temp file, fsync, rename): a reader never sees half of it.
+fn store_answer(dir: &Path, turn_id: &str, answer: &Answer) -> Result<PathBuf> {
+    #[derive(serde::Serialize)]
+    struct Stored<'a> {
+        turn_id: &'a str,
+        #[serde(flatten)]
+        answer: &'a Answer,
+    }
+    std::fs::create_dir_all(dir).map_err(Error::io(format!("cannot create {}", dir.display())))?;
+    let path = dir.join(format!("{:06}.json", answer.seq));
+    let tmp = dir.join(format!(".{:06}.json.tmp", answer.seq));
+    let data = serde_json::to_vec_pretty(&Stored { turn_id, answer })
+        .map_err(|e| Error::Other(e.to_string()))?;
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&data)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)?;
+        std::fs::File::open(dir)?.sync_all()
+    };
+    write().map_err(Error::io(format!("cannot store {}", path.display())))?;
+    Ok(path)
+}
+
+/// Waits (bounded) until `pid` no longer runs `runc init`: `runc start` returns once it has
+/// released the init, which then execs the container's program on its own schedule.
+fn wait_for_exec(pid: u32, bound: Duration) {
+    let deadline = std::time::Instant::now() + bound;
+    loop {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let mut args = cmdline.split(|b| *b == 0);
+        let is_runc_init =
+            args.next().is_some_and(|a| a.ends_with(b"runc")) && args.next() == Some(b"init");
+        if !is_runc_init || std::time::Instant::now() >= deadline {
+            if is_runc_init {
+                log::warn!("pid {pid} still runs `runc init` {bound:?} after start");
+            }
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+
+    /// Stands for the inspection: a counter that says when it is dropped.
+    struct Counter {
+        n: u32,
+        dropped: Arc<AtomicBool>,
+    }
+
+    impl Drop for Counter {
+        fn drop(&mut self) {
+            self.dropped.store(true, Ordering::SeqCst);
+        }
+    }
+
+    async fn cell() -> (InspectionCell<Counter>, Arc<AtomicBool>) {
+        let dropped = Arc::new(AtomicBool::new(false));
+        let cell = InspectionCell::new("c1", NotInspected::Starting);
+        let counter = Counter {
+            n: 0,
+            dropped: dropped.clone(),
+        };
+        cell.set(counter).await;
+        (cell, dropped)
+    }
+
+    #[tokio::test]
+    async fn the_inspection_is_used_in_place_one_task_at_a_time() {
+        let (cell, _) = cell().await;
+        for want in 1..=3 {
+            let n = cell.run("counting", |c| {
+                c.n += 1;
+                c.n
+            });
+            assert_eq!(n.await.unwrap(), want);
+        }
+        cell.run_in_background("counting slowly", |c| {
+            std::thread::sleep(Duration::from_millis(50));
+            c.n += 10;
+        })
+        .await;
+        // Whoever comes next waits for the background use.
+        assert_eq!(cell.run("reading", |c| c.n).await.unwrap(), 13);
+    }
+
+    #[tokio::test]
+    async fn a_panic_loses_the_inspection_and_says_so() {
+        let (cell, dropped) = cell().await;
+        let e = cell
+            .run("answering a turn end", |_| -> u32 { panic!("boom") })
+            .await
+            .unwrap_err();
+        assert!(matches!(e, InspectionUnavailable::Lost { .. }), "{e:?}");
+        assert!(
+            dropped.load(Ordering::SeqCst),
+            "the lost inspection is dropped"
+        );
+        // Every later use says what happened, not that the container was never inspected.
+        for _ in 0..2 {
+            let e = cell.run("reading", |c| c.n).await.unwrap_err().to_string();
+            assert_eq!(
+                e,
+                "container c1 is no longer inspected: its inspection panicked while answering a \
+                 turn end (boom), so its turn ends cannot be answered any more"
+            );
+        }
+        // Turning it off (the container is deleted) does not hide it.
+        cell.turn_off(NotInspected::Deleted).await;
+        let e = cell.run("reading", |c| c.n).await.unwrap_err();
+        assert!(matches!(e, InspectionUnavailable::Lost { .. }), "{e:?}");
+    }
+
+    #[tokio::test]
+    async fn a_panic_in_the_background_is_reported_to_the_next_user() {
+        let (cell, _) = cell().await;
+        cell.run_in_background("taking the base mark", |_| {
+            panic!("{}", String::from("no memory map"))
+        })
+        .await;
+        cell.settled().await;
+        let e = cell.run("reading", |c| c.n).await.unwrap_err().to_string();
+        assert!(
+            e.contains("panicked while taking the base mark (no memory map)"),
+            "{e}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_container_without_inspection_says_why() {
+        let why = |off: NotInspected| async move {
+            let cell: InspectionCell<Counter> = InspectionCell::new("c1", off);
+            cell.run("reading", |c| c.n).await.unwrap_err().to_string()
+        };
+        assert_eq!(
+            why(NotInspected::Disabled).await,
+            "container c1 is not inspected (turn ends are disabled by [checkpoint] enabled = \
+             false, or it is a pod's pause container)"
+        );
+        assert!(why(NotInspected::UntilStart).await.contains("at start"));
+        assert!(why(NotInspected::Failed("no store".into()))
+            .await
+            .ends_with("its checkpointing could not start: no store"));
+        let (cell, dropped) = cell().await;
+        cell.turn_off(NotInspected::Deleted).await;
+        assert!(dropped.load(Ordering::SeqCst));
+        let e = cell.run("reading", |c| c.n).await.unwrap_err().to_string();
+        assert_eq!(e, "container c1 is being deleted");
+    }
+
+    #[tokio::test]
+    async fn answers_are_stored_where_the_turns_dir_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let sandbox = Sandbox::new("c1", "ns", dir.path(), false, NotInspected::Disabled);
+        assert_eq!(sandbox.dir, dir.path().join("ns/c1"));
+        assert_eq!(sandbox.answers.turns_dir, dir.path().join("ns/c1/turns"));
+        // Not inspected: the turn end is refused and nothing is written.
+        let e = sandbox.end_turn("t1", Vec::new).await.unwrap_err();
+        assert!(matches!(e, Error::FailedPrecondition(_)), "{e:?}");
+        assert!(!sandbox.answers.turns_dir.exists());
+        assert!(!sandbox.ends_turns_at_exec_exit());
+        sandbox.gate(Action::Kill).await.unwrap();
+    }
+}
