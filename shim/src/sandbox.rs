@@ -186,10 +186,19 @@ impl Sandbox {
                     pid,
                     source: Arc::new(e),
                 });
+        let c = &config.checkpoint;
+        let settings = Settings {
+            policy: policy::for_container(&spec, c.policy)?,
+            volumes: volumes.iter().map(|(at, _)| at.clone()).collect(),
+            keep_last: c.keep_last,
+            keep_every: c.keep_every,
+            wait_bound: Duration::from_millis(c.action_wait_timeout_ms),
+        };
+        let engine = Admission::new(&config.engine, &self.namespace, &self.id);
         let inspection = {
             let (id, overlay, cgroup2_dir) =
                 (self.id.clone(), overlay.clone(), cgroup2_dir.clone());
-            let (volumes, limits) = (volumes.clone(), config.limits.clone());
+            let limits = config.limits.clone();
             tokio::task::spawn_blocking(move || {
                 start_inspection(&id, cgroup2_dir, overlay, volumes, limits)
             })
@@ -203,15 +212,6 @@ impl Sandbox {
             overlay_xattrs: overlay.xattrs,
             limits: config.limits.clone(),
         };
-        let c = &config.checkpoint;
-        let settings = Settings {
-            policy: policy::for_container(&spec, c.policy)?,
-            volumes: volumes.into_iter().map(|(at, _)| at).collect(),
-            keep_last: c.keep_last,
-            keep_every: c.keep_every,
-            wait_bound: Duration::from_millis(c.action_wait_timeout_ms),
-        };
-        let engine = Admission::new(&config.engine, &self.namespace, &self.id);
         let inspection = inspection.await.map_err(|e| Error::Other(e.to_string()))?;
         self.answers.inspection.set(inspection).await;
         let co = Coordinator::new(
