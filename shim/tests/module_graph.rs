@@ -275,6 +275,8 @@ struct Named {
     segments: Vec<String>,
     line: usize,
     scope: Vec<String>,
+    /// Named by a `pub use`: re-exported, part of the module's interface.
+    reexport: bool,
 }
 
 /// Every path the tokens name: each leaf of every `use` tree, and every inline path.
@@ -314,6 +316,18 @@ fn named_paths(toks: &[(Tok, usize)]) -> Vec<Named> {
                 continue;
             }
         }
+        // Visibility (`pub(crate)`, `pub(super)`, `pub(in path)`) names no dependency.
+        let mut reexport = false;
+        if ident_at(i).as_deref() == Some("pub") {
+            i += 1;
+            if toks.get(i).is_some_and(|(t, _)| *t == Tok::Punct('(')) {
+                while i < toks.len() && toks[i].0 != Tok::Punct(')') {
+                    i += 1;
+                }
+                i += 1;
+            }
+            reexport = true;
+        }
         if ident_at(i).as_deref() == Some("use") {
             let line = toks[i].1;
             i += 1;
@@ -326,7 +340,11 @@ fn named_paths(toks: &[(Tok, usize)]) -> Vec<Named> {
                 segments,
                 line,
                 scope: scope.clone(),
+                reexport,
             }));
+            continue;
+        }
+        if reexport {
             continue;
         }
         let starts_path = ident_at(i).is_some()
@@ -351,6 +369,7 @@ fn named_paths(toks: &[(Tok, usize)]) -> Vec<Named> {
             segments,
             line,
             scope,
+            reexport: false,
         });
     }
     out
@@ -418,7 +437,7 @@ fn skip_to_tree_end(toks: &[(Tok, usize)], i: usize) -> usize {
 struct Module {
     file: String,
     path: Vec<String>,
-    /// Declared child modules (`mod x;`).
+    /// Declared child modules (`mod x;`, `mod x { ... }`).
     children: BTreeSet<String>,
     /// Comment- and literal-free tokens, test items included.
     tokens: Vec<(Tok, usize)>,
@@ -449,23 +468,28 @@ fn modules(src: &Path) -> Vec<Module> {
             }
             let source = std::fs::read_to_string(&p).unwrap();
             let tokens = tokens(&blank_comments_and_literals(&source));
-            let children = tokens
-                .windows(3)
-                .filter_map(|w| match w {
-                    [(Tok::Ident(m), _), (Tok::Ident(name), _), (Tok::Semi | Tok::Open, _)]
-                        if m == "mod" =>
-                    {
-                        Some(name.clone())
-                    }
-                    _ => None,
-                })
-                .collect();
+            let children = declared_children(&tokens);
             Module {
                 file,
                 path,
                 children,
                 tokens,
             }
+        })
+        .collect()
+}
+
+/// The child modules declared in a module (`mod x;`, or inline `mod x { ... }`).
+fn declared_children(tokens: &[(Tok, usize)]) -> BTreeSet<String> {
+    tokens
+        .windows(3)
+        .filter_map(|w| match w {
+            [(Tok::Ident(m), _), (Tok::Ident(name), _), (Tok::Semi | Tok::Open, _)]
+                if m == "mod" =>
+            {
+                Some(name.clone())
+            }
+            _ => None,
         })
         .collect()
 }
@@ -505,16 +529,20 @@ fn crate_path(m: &Module, named: &Named) -> Option<Vec<String>> {
     }
 }
 
-/// Module → the modules it names (library modules only, test items left out).
-fn dependencies(mods: &[Module]) -> BTreeMap<Vec<String>, BTreeSet<Vec<String>>> {
+type Graph = BTreeMap<Vec<String>, BTreeSet<Vec<String>>>;
+
+/// Module → the modules it names (library modules only, test items left out), each with where
+/// it first names it (`file:line`).
+fn dependencies(mods: &[Module]) -> BTreeMap<Vec<String>, BTreeMap<Vec<String>, String>> {
     let known: BTreeSet<Vec<String>> = mods
         .iter()
         .filter(|m| is_library_module(m))
         .map(|m| m.path.clone())
         .collect();
-    let mut graph = BTreeMap::new();
+    let mut deps = BTreeMap::new();
     for m in mods.iter().filter(|m| is_library_module(m)) {
-        let deps: &mut BTreeSet<Vec<String>> = graph.entry(m.path.clone()).or_default();
+        let named_here: &mut BTreeMap<Vec<String>, String> =
+            deps.entry(m.path.clone()).or_default();
         for named in named_paths(&without_test_items(&m.tokens)) {
             let Some(target) = crate_path(m, &named) else {
                 continue;
@@ -525,12 +553,23 @@ fn dependencies(mods: &[Module]) -> BTreeMap<Vec<String>, BTreeSet<Vec<String>>>
                 .map(|n| target[..n].to_vec())
                 .find(|p| known.contains(p))
                 .unwrap_or_default();
-            if module != m.path {
-                deps.insert(module);
+            // A module re-exporting what its own submodules define is their facade, not their
+            // user.
+            let facade = named.reexport && module.starts_with(&m.path);
+            if module != m.path && !facade {
+                named_here
+                    .entry(module)
+                    .or_insert_with(|| format!("{}:{}", m.file, named.line));
             }
         }
     }
-    graph
+    deps
+}
+
+fn graph_of(deps: &BTreeMap<Vec<String>, BTreeMap<Vec<String>, String>>) -> Graph {
+    deps.iter()
+        .map(|(m, named)| (m.clone(), named.keys().cloned().collect()))
+        .collect()
 }
 
 /// The places in module `m` that name containerd's protocol.
@@ -562,9 +601,9 @@ fn protocol_uses(m: &Module) -> Vec<String> {
 }
 
 /// The strongly connected components with more than one module (Tarjan).
-fn cycles(graph: &BTreeMap<Vec<String>, BTreeSet<Vec<String>>>) -> Vec<Vec<String>> {
+fn cycles(graph: &Graph) -> Vec<Vec<String>> {
     struct State<'a> {
-        graph: &'a BTreeMap<Vec<String>, BTreeSet<Vec<String>>>,
+        graph: &'a Graph,
         index: BTreeMap<&'a Vec<String>, usize>,
         low: BTreeMap<&'a Vec<String>, usize>,
         stack: Vec<&'a Vec<String>>,
@@ -664,14 +703,15 @@ fn protocol_types_appear_only_in_the_edge() {
 
 #[test]
 fn nothing_depends_on_the_edge() {
-    let graph = dependencies(&modules(&src_dir()));
-    let upward: Vec<String> = graph
+    let deps = dependencies(&modules(&src_dir()));
+    let upward: Vec<String> = deps
         .iter()
         .filter(|(m, _)| !in_edge(m))
-        .flat_map(|(m, deps)| {
-            deps.iter()
-                .filter(|d| in_edge(d))
-                .map(move |d| format!("{} -> {}", show(m), show(d)))
+        .flat_map(|(m, named)| {
+            named
+                .iter()
+                .filter(|(d, _)| in_edge(d))
+                .map(move |(d, at)| format!("{} -> {} ({at})", show(m), show(d)))
         })
         .collect();
     assert!(
@@ -680,25 +720,40 @@ fn nothing_depends_on_the_edge() {
         upward.join("\n")
     );
     // The edge drives the core: the graph must show it, or the scan is broken.
-    let service = graph.get(&vec!["service".to_string()]).unwrap();
+    let service = &deps[&vec!["service".to_string()]];
     assert!(
-        service.contains(&vec!["containers".to_string()]),
+        service.contains_key(&vec!["containers".to_string()]),
         "{service:?}"
     );
 }
 
 #[test]
 fn the_module_graph_has_no_cycle() {
-    let graph = dependencies(&modules(&src_dir()));
+    let deps = dependencies(&modules(&src_dir()));
+    let graph = graph_of(&deps);
     let found = cycles(&graph);
+    // Each cycle with the edges inside it, and where each is named.
+    let explained: Vec<String> = found
+        .iter()
+        .map(|members| {
+            let edges: Vec<String> = deps
+                .iter()
+                .filter(|(m, _)| members.contains(&show(m)))
+                .flat_map(|(m, named)| {
+                    named
+                        .iter()
+                        .filter(|(d, _)| members.contains(&show(d)))
+                        .map(move |(d, at)| format!("  {} -> {} ({at})", show(m), show(d)))
+                })
+                .collect();
+            format!("{}:\n{}", members.join(" <-> "), edges.join("\n"))
+        })
+        .collect();
     assert!(
         found.is_empty(),
-        "modules that depend on each other (each group is a cycle):\n{}",
-        found
-            .iter()
-            .map(|c| c.join(" <-> "))
-            .collect::<Vec<_>>()
-            .join("\n")
+        "modules that depend on each other (each group is a cycle; move what both need \
+         below both):\n{}",
+        explained.join("\n")
     );
     assert!(graph.values().map(BTreeSet::len).sum::<usize>() > 50);
 }
@@ -707,6 +762,7 @@ fn the_module_graph_has_no_cycle() {
 
 fn module(file: &str, source: &str) -> Module {
     let tokens = tokens(&blank_comments_and_literals(source));
+    let children = declared_children(&tokens);
     let mut path: Vec<String> = file
         .trim_end_matches(".rs")
         .split('/')
@@ -718,7 +774,7 @@ fn module(file: &str, source: &str) -> Module {
     Module {
         file: file.into(),
         path,
-        children: ["child".to_string()].into(),
+        children,
         tokens,
     }
 }
@@ -798,6 +854,36 @@ fn dependencies_are_read_from_use_trees_and_paths() {
     .map(String::from)
     .into();
     assert_eq!(internal, expected);
+}
+
+#[test]
+fn visibility_and_facades_are_no_dependency_but_calls_are() {
+    let named = |deps: &BTreeMap<Vec<String>, BTreeMap<Vec<String>, String>>| {
+        deps.iter()
+            .map(|(m, n)| (show(m), n.keys().map(|d| show(d)).collect::<Vec<_>>()))
+            .collect::<BTreeMap<_, _>>()
+    };
+    let child = || {
+        let mut m = module(
+            "a/b.rs",
+            "use super::Shared; pub(super) fn g() {} pub(in crate::a) struct S;",
+        );
+        m.children.clear();
+        m
+    };
+    let facade = module(
+        "a/mod.rs",
+        "mod child; pub use self::child::g; pub(crate) struct Shared;",
+    );
+    let deps = dependencies(&[facade, child()]);
+    assert_eq!(
+        named(&deps),
+        [("a".into(), vec![]), ("a::b".into(), vec!["a".into()])].into()
+    );
+    assert!(cycles(&graph_of(&deps)).is_empty());
+    let user = module("a/mod.rs", "mod b; pub struct Shared; fn f() { b::g(); }");
+    let deps = dependencies(&[user, child()]);
+    assert_eq!(cycles(&graph_of(&deps)), [["a", "a::b"]]);
 }
 
 #[test]
