@@ -6,6 +6,9 @@
 //! The upperdir is read without following symlinks at any component (every directory is
 //! opened relative to its parent with `O_NOFOLLOW`), so a container that plants symlinks cannot
 //! make the layer read host files.
+//!
+//! A layer's bounds ([`LayerOptions`]) and its errors ([`LayerError`]) are defined here, below
+//! the layer writer ([`super::layer`]) that drives the capture and re-exports them.
 
 use std::{
     collections::{BTreeSet, HashMap},
@@ -25,10 +28,78 @@ use nix::{
     unistd::{lseek, read, Whence},
 };
 
-use super::layer::{LayerError, LayerOptions};
+use super::store::StoreError;
 use super::tar::{child_name, sparse_map, tar_name, TarEntry, TarWriter, OPAQUE_MARKER};
 use crate::inspector::fs::OverlayXattrs;
 use crate::sys::{file, xattr};
+
+/// Bounds on one layer (`[limits]` in crab's config) and the mount's overlay xattr prefix.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerOptions {
+    /// Bytes of file data (holes excluded), uncompressed.
+    pub max_bytes: u64,
+    /// Directory levels of an opaque subtree written whole.
+    pub max_depth: u32,
+    pub xattrs: OverlayXattrs,
+}
+
+impl Default for LayerOptions {
+    fn default() -> Self {
+        let c = crab_runtime_config::LimitsConfig::default();
+        LayerOptions {
+            max_bytes: c.max_layer_bytes,
+            max_depth: c.max_walk_depth,
+            xattrs: OverlayXattrs::Trusted,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LayerError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("upperdir entry {path}: {op}: {source}")]
+    Upper {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot freeze the container: {0}")]
+    Freeze(#[source] io::Error),
+    #[error("cannot thaw the container, it may still be frozen: {0}")]
+    Thaw(#[source] io::Error),
+    #[error(
+        "upperdir entry {path}: {reason}; such an entry cannot be captured from the upperdir alone"
+    )]
+    Unsupported { path: PathBuf, reason: String },
+    #[error("upperdir entry {path} changed while the container was frozen: {reason}")]
+    Changed { path: PathBuf, reason: String },
+    #[error("diff path {0:?} is not an absolute container path")]
+    InvalidPath(PathBuf),
+    /// The layer would be bigger than one container's checkpoint may be.
+    #[error("{what} exceed the limit of {limit} ([limits] {key}); the layer is not stored")]
+    Limit {
+        what: String,
+        limit: u64,
+        key: &'static str,
+    },
+}
+
+impl LayerError {
+    /// The store's filesystem is full: nothing was published and no temporary file is left.
+    pub fn is_no_space(&self) -> bool {
+        matches!(self, LayerError::Store(e) if e.is_no_space())
+    }
+
+    pub(super) fn upper(op: &'static str, path: &Path, source: io::Error) -> LayerError {
+        LayerError::Upper {
+            op,
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}
 
 /// Data extents of one sparse file kept apart; beyond this, the closest extents are merged
 /// (the zeros between them are stored) so that a file of a million tiny holes stays bounded.

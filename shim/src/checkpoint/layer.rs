@@ -46,84 +46,14 @@ use std::{
 use sha2::{Digest, Sha256};
 
 use super::capture::{self, Capture};
+pub use super::capture::{LayerError, LayerOptions};
 use super::store::{digest_string, Descriptor, Store, StoreError, MEDIA_TYPE_LAYER_ZSTD};
 use super::tar::TarWriter;
-use crate::inspector::{
-    fs::{FsDiff, OverlayXattrs},
-    FsFinding,
-};
+use crate::inspector::{fs::FsDiff, FsFinding};
 use crate::sys::cgroup::freezer::Freezer;
 
 /// zstd level: fast enough to keep up with a disk, off the critical path anyway (after the thaw).
 const ZSTD_LEVEL: i32 = 3;
-
-/// Bounds on one layer (`[limits]` in crab's config) and the mount's overlay xattr prefix.
-#[derive(Debug, Clone, Copy)]
-pub struct LayerOptions {
-    /// Bytes of file data (holes excluded), uncompressed.
-    pub max_bytes: u64,
-    /// Directory levels of an opaque subtree written whole.
-    pub max_depth: u32,
-    pub xattrs: OverlayXattrs,
-}
-
-impl Default for LayerOptions {
-    fn default() -> Self {
-        let c = crab_runtime_config::LimitsConfig::default();
-        LayerOptions {
-            max_bytes: c.max_layer_bytes,
-            max_depth: c.max_walk_depth,
-            xattrs: OverlayXattrs::Trusted,
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum LayerError {
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error("upperdir entry {path}: {op}: {source}")]
-    Upper {
-        op: &'static str,
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
-    #[error("cannot freeze the container: {0}")]
-    Freeze(#[source] io::Error),
-    #[error("cannot thaw the container, it may still be frozen: {0}")]
-    Thaw(#[source] io::Error),
-    #[error(
-        "upperdir entry {path}: {reason}; such an entry cannot be captured from the upperdir alone"
-    )]
-    Unsupported { path: PathBuf, reason: String },
-    #[error("upperdir entry {path} changed while the container was frozen: {reason}")]
-    Changed { path: PathBuf, reason: String },
-    #[error("diff path {0:?} is not an absolute container path")]
-    InvalidPath(PathBuf),
-    /// The layer would be bigger than one container's checkpoint may be.
-    #[error("{what} exceed the limit of {limit} ([limits] {key}); the layer is not stored")]
-    Limit {
-        what: String,
-        limit: u64,
-        key: &'static str,
-    },
-}
-
-impl LayerError {
-    /// The store's filesystem is full: nothing was published and no temporary file is left.
-    pub fn is_no_space(&self) -> bool {
-        matches!(self, LayerError::Store(e) if e.is_no_space())
-    }
-
-    pub(super) fn upper(op: &'static str, path: &Path, source: io::Error) -> LayerError {
-        LayerError::Upper {
-            op,
-            path: path.to_path_buf(),
-            source,
-        }
-    }
-}
 
 /// The container paths of a net filesystem change (the inspector's [`FsDiff`] or the `fs`
 /// part of a turn's answer).
@@ -390,6 +320,7 @@ mod tests {
         sparse_map,
         test_support::{names, parse_tar, TarItem},
     };
+    use crate::inspector::fs::OverlayXattrs;
     use crate::inspector::fs::{diff, TreeManifest};
     use crate::sys::cgroup::freezer::{test_support::Counter, CgroupFreezer};
     use crate::sys::xattr;

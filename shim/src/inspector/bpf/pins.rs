@@ -17,13 +17,12 @@ use nix::mount::MsFlags;
 use nix::sys::statfs::{FsType, BPF_FS_MAGIC, TRACEFS_MAGIC};
 
 use super::programs::{
-    expected_links, pin_into, program_names, version_dir_name, RawCounters, RawRun,
+    expected_links, pin_into, program_names, version_dir_name, RawCounters, RawRun, TRACEFS_MOUNT,
 };
 use super::{io_err, map_err, BpfError, ProgramStats};
 use crate::sys::bpf;
 
 pub(super) const BPFFS_MOUNT: &str = "/sys/fs/bpf";
-pub(super) const TRACEFS_MOUNT: &str = "/sys/kernel/tracing";
 
 /// One version's pins, opened. Behind a mutex: aya's maps want `&mut` to
 /// write, and [`HostProbes::watch`] may swap in a fresh set (see there).

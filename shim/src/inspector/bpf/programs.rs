@@ -10,8 +10,10 @@ use aya::programs::links::FdLink;
 use aya::programs::{BtfTracePoint, TracePoint};
 use aya::{Btf, Ebpf, EbpfLoader, Pod};
 
-use super::pins::TRACEFS_MOUNT;
 use super::{io_err, BpfError, ABI_VERSION, FS_CLASSES};
+
+/// Where tracefs is mounted: the tracepoints the programs attach to are listed below it.
+pub(super) const TRACEFS_MOUNT: &str = "/sys/kernel/tracing";
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/inspector.bpf.o"));
 
