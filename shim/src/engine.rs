@@ -33,10 +33,9 @@
 //!   holder that releases its slot then closes `slots/released` after writing it, an event
 //!   that comes after the lock is gone), plus a [`FALLBACK_POLL`] for the one case without an
 //!   event: a shim that died holding a slot or a ticket. With nothing queued and a slot free,
-//!   admission is a handful of syscalls: measured p50 ~60 us on a tmpfs, 0.1-0.8 ms on a busy
-//!   ext4 (this machine's /run); a released slot reaches the next job in ~0.2 ms on a tmpfs
+//!   admission is a handful of syscalls, and a released slot reaches the next job at once
 //!   (the `idle_admission_is_fast` and `a_released_slot_passes_to_the_next_job_at_once` tests
-//!   print them). The root belongs on a tmpfs, as `/run` normally is.
+//!   print their timings). The root belongs on a tmpfs, as `/run` normally is.
 //! - I/O budget (`io_budget_mb_s`): a token bucket shared by the host (`budget.json`), applied
 //!   at admission: a job is admitted only while the bucket is not in debt, and a job's written
 //!   bytes (given to [`Permit::finish`]: its layer plus its process image as CRIU wrote it) are

@@ -792,7 +792,7 @@ mod tests {
     }
 
     /// A chunk store that runs out of space mid-pack keeps neither the partial pack nor a temp
-    /// file (issue 16: they stayed and kept the disk full), and the image is left as it was.
+    /// file (left behind, they kept the disk full), and the image is left as it was.
     #[test]
     fn a_full_disk_leaves_no_temp_pack() {
         let tmp = tempfile::tempdir().unwrap();

@@ -1,7 +1,7 @@
 //! Process checkpoints: `runc checkpoint` (CRIU) of a running container, checked to hold every
 //! live process of the container, with its page data deduplicated ([`super::pages`]).
 //!
-//! The trap (DESIGN.md §3): `runc checkpoint` dumps the process tree under the container's
+//! The trap: `runc checkpoint` dumps the process tree under the container's
 //! init. A process started by `exec` is a child of the shim, not of init, and while its main
 //! process runs, it and its descendants are outside that tree: CRIU only warns ("Unexpected
 //! process in the freezer cgroup") and the dump reports success. Background processes an exec

@@ -1132,7 +1132,7 @@ mod tests {
         ));
     }
 
-    /// The attack of issue 16 against the inspector itself: a process maps memfds shared and
+    /// An attack on the inspector itself: a process maps memfds shared and
     /// writable whose names lead (joined onto the upperdir) to a FIFO, a device node, through a
     /// symlink to a host directory and through `..` out of the upperdir; arming must open none
     /// of them, and must not report them (their memory is hashed through map_files).
