@@ -27,7 +27,6 @@
 
 use std::{
     collections::HashMap,
-    fmt,
     future::Future,
     path::PathBuf,
     sync::{
@@ -53,35 +52,11 @@ use crate::{
 type Result<T, E = CheckpointError> = std::result::Result<T, E>;
 
 /// How often a job waiting for running execs looks again.
+pub use super::action::Action;
+
 const EXEC_POLL: Duration = Duration::from_millis(20);
 /// How long an aborted job gets to end on its own once what it started was killed.
 const ABORT_GRACE: Duration = Duration::from_secs(1);
-
-/// An action on the container that must not change it before the checkpoints of the turns
-/// before it are durable ([`Coordinator::wait_durable`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Action {
-    /// Starting the container's init.
-    Start,
-    /// Starting an exec.
-    ExecStart,
-    /// New resources.
-    Update,
-    /// A signal: after the wait bound it goes ahead anyway, and a job waiting for an exec to
-    /// end gives up at once (the kill would otherwise wait for the very process it ends).
-    Kill,
-}
-
-impl fmt::Display for Action {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Action::Start => "start",
-            Action::ExecStart => "exec start",
-            Action::Update => "update",
-            Action::Kill => "kill",
-        })
-    }
-}
 
 /// The container's inspection, as a job needs it.
 pub trait Inspect: Send + Sync + 'static {

@@ -75,7 +75,7 @@ pub enum CheckpointError {
          which is still not durable ([checkpoint] action_wait_timeout_ms)"
     )]
     NotDurable {
-        action: super::coordinator::Action,
+        action: super::action::Action,
         container: String,
         waited: Duration,
         turns: Vec<String>,

@@ -14,6 +14,7 @@
 //!   of such an image runs, [`provenance`] checks who signed it and [`privilege`] (reading
 //!   the CRIU image with [`criu_image`]) that it asks for no more than the spec grants.
 
+pub mod action;
 mod capture;
 pub mod coordinator;
 pub mod criu_image;
@@ -31,7 +32,5 @@ pub mod store;
 mod tar;
 
 pub use self::{
-    coordinator::{Action, Coordinator},
-    error::CheckpointError,
-    jobs::ContainerCapture,
+    action::Action, coordinator::Coordinator, error::CheckpointError, jobs::ContainerCapture,
 };
