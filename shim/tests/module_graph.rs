@@ -4,8 +4,7 @@
 //!
 //! The modules are the files under `src/`; a module depends on another when it names it in a
 //! path (`crate::`, `super::`, `self::` or a child module's name, in `use` trees or inline),
-//! outside comments, literals and `#[cfg(test)]` items. crabctl (`src/ctl`, `src/bin`) talks to
-//! containerd's gRPC API, its own edge: it is exempt from the protocol rule.
+//! outside comments, literals and `#[cfg(test)]` items.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -14,8 +13,6 @@ use std::{
 
 /// The protocol edge: these modules (and their descendants) may speak containerd's protocol.
 const EDGE: &[&str] = &["service"];
-/// Files of the shim crate that are crabctl's, the gRPC client, with an edge of its own.
-const CRABCTL: &[&str] = &["ctl/", "bin/"];
 /// Crates that are containerd's protocol (or its encodings and transports).
 const PROTOCOL_CRATES: &[&str] = &[
     "containerd_shim_protos",
@@ -494,10 +491,9 @@ fn declared_children(tokens: &[(Tok, usize)]) -> BTreeSet<String> {
         .collect()
 }
 
-/// A module of the shim's library (not a binary's root), and not crabctl's (which is on its way
-/// to a crate of its own).
+/// A module of the shim's library (not the binary's root).
 fn is_library_module(m: &Module) -> bool {
-    m.file != "main.rs" && !CRABCTL.iter().any(|p| m.file.starts_with(p))
+    m.file != "main.rs"
 }
 
 fn in_edge(path: &[String]) -> bool {
@@ -678,9 +674,6 @@ fn protocol_types_appear_only_in_the_edge() {
     let mut leaks = Vec::new();
     let mut edge_uses = 0;
     for m in &mods {
-        if CRABCTL.iter().any(|p| m.file.starts_with(p)) {
-            continue;
-        }
         let uses = protocol_uses(m);
         if in_edge(&m.path) || m.file == "main.rs" {
             edge_uses += uses.len();
