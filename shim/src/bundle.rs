@@ -31,6 +31,134 @@ impl RootfsMount {
     }
 }
 
+/// Who mounted a container's rootfs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MountedBy {
+    /// containerd handed the mounts over in Create and the shim mounted them under the bundle
+    /// (ctr, nerdctl, the CRI).
+    Containerd,
+    /// The caller mounted the rootfs itself and sent no mounts: Docker Engine (both its overlay2
+    /// graph driver and its containerd image store) mounts the overlay and names its `merged`
+    /// directory in the spec's `root.path`.
+    Caller,
+}
+
+/// A container's rootfs: where runc finds it, who mounted it, and the mounts that make it up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rootfs {
+    /// The directory the spec's `root.path` names (relative paths are below the bundle).
+    pub path: PathBuf,
+    pub mounted_by: MountedBy,
+    /// containerd's mounts; for a caller-mounted rootfs, its overlay as the host's mount table
+    /// shows it (none when it is not an overlay: crab then cannot see its changes, and says so
+    /// in every turn answer).
+    pub mounts: Vec<RootfsMount>,
+}
+
+impl Rootfs {
+    /// The rootfs of the container whose bundle is `bundle`: containerd's `mounts` when it sent
+    /// any, else whatever is mounted at the spec's `root.path`. Read at Create, before any
+    /// process of the container runs, so nothing in the mount table is the container's doing.
+    pub fn resolve(bundle: &Path, spec: &Spec, mounts: &[RootfsMount]) -> Rootfs {
+        let path = root_path(bundle, spec);
+        if !mounts.is_empty() {
+            return Rootfs {
+                path,
+                mounted_by: MountedBy::Containerd,
+                mounts: mounts.to_vec(),
+            };
+        }
+        let mounts = match crate::sys::mountinfo::read_self() {
+            Ok(table) => caller_overlay(&table, &path).into_iter().collect(),
+            Err(e) => {
+                log::warn!(
+                    "cannot read the mount table to find the rootfs {}: {e}",
+                    path.display()
+                );
+                Vec::new()
+            }
+        };
+        Rootfs {
+            path,
+            mounted_by: MountedBy::Caller,
+            mounts,
+        }
+    }
+}
+
+/// The directory the spec's `root.path` names: an absolute path, or one below the bundle
+/// (containerd's `rootfs`).
+pub fn root_path(bundle: &Path, spec: &Spec) -> PathBuf {
+    match spec.root().as_ref().map(|r| r.path()) {
+        Some(p) if p.is_absolute() => p.clone(),
+        Some(p) if !p.as_os_str().is_empty() => bundle.join(p),
+        _ => rootfs_path(bundle),
+    }
+}
+
+/// The overlay mounted at `root` in the mount table `table`, as a [`RootfsMount`] whose options
+/// name absolute directories: the topmost mount there, if it is an overlay.
+///
+/// Docker's overlay2 driver mounts with paths relative to its home (`<home>/<id>/merged` is the
+/// mount point) when absolute ones would overflow the page the options travel in; those are
+/// resolved against that home, and kept only if the upper directory they give exists.
+pub fn caller_overlay(table: &[crate::sys::mountinfo::Mount], root: &Path) -> Option<RootfsMount> {
+    let root = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
+    let top = table.iter().rev().find(|m| m.mount_point == root)?;
+    if top.fstype != "overlay" {
+        log::info!(
+            "rootfs {} is a {} mount, not an overlay: its changes cannot be seen",
+            root.display(),
+            top.fstype
+        );
+        return None;
+    }
+    let home = root.parent().and_then(Path::parent);
+    let absolute = |v: &str| -> Option<String> {
+        let p = Path::new(v);
+        match (p.is_absolute(), home) {
+            (true, _) => Some(v.to_string()),
+            (false, Some(home)) if !v.is_empty() => {
+                Some(home.join(p).to_string_lossy().into_owned())
+            }
+            _ => None,
+        }
+    };
+    let mut options = Vec::new();
+    for o in top.super_options() {
+        let o = match o.split_once('=') {
+            Some((k @ ("upperdir" | "workdir" | "lowerdir+" | "datadir+"), v)) => {
+                format!("{k}={}", absolute(v)?)
+            }
+            Some(("lowerdir", v)) => {
+                let layers: Option<Vec<String>> = v
+                    .split(':')
+                    .filter(|l| !l.is_empty())
+                    .map(absolute)
+                    .collect();
+                format!("lowerdir={}", layers?.join(":"))
+            }
+            _ => o,
+        };
+        options.push(o);
+    }
+    let upper = options.iter().find_map(|o| o.strip_prefix("upperdir="))?;
+    if !Path::new(upper).is_dir() {
+        log::warn!(
+            "rootfs {} is an overlay whose upper directory {upper} is not a directory",
+            root.display()
+        );
+        return None;
+    }
+    Some(RootfsMount {
+        kind: "overlay".to_string(),
+        source: top.source.to_string_lossy().into_owned(),
+        target: String::new(),
+        options,
+    })
+}
+
 pub fn read_spec(bundle: &Path) -> Result<Spec> {
     let path = bundle.join("config.json");
     Spec::load(&path)
@@ -199,6 +327,174 @@ mod tests {
             serde_json::json!({"ociVersion": "1.0.2", "linux": {"namespaces": [{"type": "mount"}]}}),
         );
         assert!(must_kill_all_on_exit(&host));
+    }
+
+    /// A mount table line for an overlay at `at` with superblock options `opts` (escaped as
+    /// the kernel escapes them).
+    fn overlay_line(id: u32, at: &Path, opts: &str) -> String {
+        format!(
+            "{id} 1 0:{id} / {} rw,relatime shared:3 - overlay overlay rw,{opts}\n",
+            at.display()
+        )
+    }
+
+    /// A Docker-like layout: `<home>/<id>/{merged,diff,work}` and `<home>/l/<short>` layers.
+    struct Layout {
+        _dir: tempfile::TempDir,
+        home: PathBuf,
+        root: PathBuf,
+    }
+
+    fn layout() -> Layout {
+        let dir = tempfile::tempdir().unwrap();
+        let home = std::fs::canonicalize(dir.path()).unwrap().join("overlay2");
+        for d in ["c1/merged", "c1/diff", "c1/work", "l/A", "l/B"] {
+            std::fs::create_dir_all(home.join(d)).unwrap();
+        }
+        let root = home.join("c1/merged");
+        Layout {
+            _dir: dir,
+            home,
+            root,
+        }
+    }
+
+    fn parse(text: &str) -> Vec<crate::sys::mountinfo::Mount> {
+        crate::sys::mountinfo::parse(text.as_bytes())
+    }
+
+    #[test]
+    fn a_caller_mounted_overlay_is_found_at_the_root_path() {
+        let l = layout();
+        let h = l.home.display();
+        let table = parse(&format!(
+            "{}{}",
+            overlay_line(
+                40,
+                &l.home.join("c0/merged"),
+                "lowerdir=/x,upperdir=/y,workdir=/z"
+            ),
+            overlay_line(
+                41,
+                &l.root,
+                &format!("lowerdir={h}/l/A:{h}/l/B,upperdir={h}/c1/diff,workdir={h}/c1/work")
+            ),
+        ));
+        let m = caller_overlay(&table, &l.root).expect("the overlay at the root");
+        assert_eq!(m.kind, "overlay");
+        let (upper, lowers) = crate::inspector::fs::overlay_dirs(&m.options).unwrap();
+        assert_eq!(upper, l.home.join("c1/diff"));
+        assert_eq!(lowers, vec![l.home.join("l/A"), l.home.join("l/B")]);
+        // A sibling whose name only starts like the root is not it.
+        assert!(caller_overlay(&table, &l.home.join("c1/merge")).is_none());
+    }
+
+    #[test]
+    fn relative_overlay_paths_resolve_against_the_drivers_home() {
+        // Docker's overlay2 mounts with relative paths (from its home) when absolute ones would
+        // not fit in a page.
+        let l = layout();
+        let table = parse(&overlay_line(
+            41,
+            &l.root,
+            "lowerdir=l/A:l/B,upperdir=c1/diff,workdir=c1/work",
+        ));
+        let m = caller_overlay(&table, &l.root).expect("resolved");
+        assert!(m
+            .options
+            .contains(&format!("upperdir={}", l.home.join("c1/diff").display())));
+        assert!(m
+            .options
+            .contains(&format!("workdir={}", l.home.join("c1/work").display())));
+        assert!(m.options.contains(&format!(
+            "lowerdir={}:{}",
+            l.home.join("l/A").display(),
+            l.home.join("l/B").display()
+        )));
+        assert!(m.options.contains(&"rw".to_string()));
+    }
+
+    #[test]
+    fn what_is_not_a_usable_overlay_at_the_root_gives_none() {
+        let l = layout();
+        let h = l.home.display();
+        let good = overlay_line(
+            41,
+            &l.root,
+            &format!("lowerdir={h}/l/A,upperdir={h}/c1/diff,workdir={h}/c1/work"),
+        );
+        // Nothing mounted there.
+        assert!(caller_overlay(&parse(""), &l.root).is_none());
+        // The topmost mount at the root is a bind mount over the overlay.
+        let covered = format!(
+            "{good}50 41 8:1 /elsewhere {} rw - ext4 /dev/vda rw\n",
+            l.root.display()
+        );
+        assert!(caller_overlay(&parse(&covered), &l.root).is_none());
+        // The upper directory does not exist, or is a file.
+        let gone = overlay_line(
+            41,
+            &l.root,
+            &format!("lowerdir={h}/l/A,upperdir={h}/c1/nope,workdir=w"),
+        );
+        assert!(caller_overlay(&parse(&gone), &l.root).is_none());
+        std::fs::write(l.home.join("c1/file"), b"").unwrap();
+        let file = overlay_line(
+            41,
+            &l.root,
+            &format!("lowerdir={h}/l/A,upperdir={h}/c1/file,workdir=w"),
+        );
+        assert!(caller_overlay(&parse(&file), &l.root).is_none());
+        // No upper directory at all (a read-only overlay).
+        let ro = overlay_line(41, &l.root, &format!("lowerdir={h}/l/A:{h}/l/B"));
+        assert!(caller_overlay(&parse(&ro), &l.root).is_none());
+        // An empty relative path, and garbage lines around a good one.
+        let empty = overlay_line(41, &l.root, "lowerdir=,upperdir=,workdir=");
+        assert!(caller_overlay(&parse(&empty), &l.root).is_none());
+        let noisy = format!("garbage\n\n{good}1 2 3\n");
+        assert!(caller_overlay(&parse(&noisy), &l.root).is_some());
+    }
+
+    #[test]
+    fn escaped_bytes_in_overlay_paths_come_through() {
+        // The kernel escapes space, tab, newline, backslash and (for overlay) comma as \ooo.
+        let dir = tempfile::tempdir().unwrap();
+        let home = std::fs::canonicalize(dir.path()).unwrap().join("a b,c");
+        std::fs::create_dir_all(home.join("c1/merged")).unwrap();
+        std::fs::create_dir_all(home.join("c1/diff")).unwrap();
+        let esc = |p: &Path| {
+            p.display()
+                .to_string()
+                .replace(' ', "\\040")
+                .replace(',', "\\054")
+        };
+        let root = home.join("c1/merged");
+        let line = format!(
+            "41 1 0:41 / {} rw - overlay overlay rw,lowerdir={},upperdir={},workdir=/w\n",
+            esc(&root),
+            esc(&home.join("l")),
+            esc(&home.join("c1/diff"))
+        );
+        let m = caller_overlay(&parse(&line), &root).expect("found through the escapes");
+        assert!(m
+            .options
+            .contains(&format!("upperdir={}", home.join("c1/diff").display())));
+    }
+
+    #[test]
+    fn the_root_path_comes_from_the_spec() {
+        let bundle = Path::new("/run/b");
+        let abs = spec(
+            serde_json::json!({"ociVersion": "1.0.2", "root": {"path": "/var/lib/docker/x/merged"}}),
+        );
+        assert_eq!(
+            root_path(bundle, &abs),
+            Path::new("/var/lib/docker/x/merged")
+        );
+        let rel = spec(serde_json::json!({"ociVersion": "1.0.2", "root": {"path": "rootfs"}}));
+        assert_eq!(root_path(bundle, &rel), Path::new("/run/b/rootfs"));
+        let none = spec(serde_json::json!({"ociVersion": "1.0.2"}));
+        assert_eq!(root_path(bundle, &none), Path::new("/run/b/rootfs"));
     }
 
     #[test]

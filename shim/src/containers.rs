@@ -85,7 +85,7 @@ struct PendingRestore {
     /// crab's description of the checkpoint (none for containerd's own checkpoints).
     taken: Option<Taken>,
     config: Config,
-    rootfs: Vec<RootfsMount>,
+    rootfs: bundle::Rootfs,
     stdio: StdioSpec,
     checkpointing: bool,
 }
@@ -236,6 +236,24 @@ impl Containers {
         // Checked again where the coordinator takes it; here so a bad value changes nothing.
         crate::checkpoint::policy::for_container(&spec, config.checkpoint.policy)?;
         let rootfs_mounted = bundle::mount_rootfs(&p.bundle, &p.rootfs).await?;
+        // Docker Engine sends no mounts: it mounted the rootfs itself, at the spec's root.path.
+        let rootfs = {
+            let (bundle, spec, mounts) = (p.bundle.clone(), spec.clone(), p.rootfs.clone());
+            tokio::task::spawn_blocking(move || bundle::Rootfs::resolve(&bundle, &spec, &mounts))
+                .await
+                .map_err(Error::Task)?
+        };
+        if rootfs.mounted_by == bundle::MountedBy::Caller {
+            log::info!(
+                "create {}: rootfs mounted by the caller at {} ({})",
+                p.id,
+                rootfs.path.display(),
+                match bundle::RootfsMount::overlay(&rootfs.mounts) {
+                    Some(_) => "an overlay",
+                    None => "not an overlay: its changes cannot be seen",
+                }
+            );
+        }
         let unmount = |why: &dyn std::fmt::Display| {
             log::warn!("create of {} failed: {why}", p.id);
             if rootfs_mounted {
@@ -252,10 +270,7 @@ impl Containers {
         let granted = crate::checkpoint::privilege::Granted::from_spec(&spec);
         let taken = match p.checkpoint.is_empty() {
             true => {
-                let (rootfs, dest) = (
-                    bundle::rootfs_path(&p.bundle),
-                    p.bundle.join("crab-restore"),
-                );
+                let (rootfs, dest) = (rootfs.path.clone(), p.bundle.join("crab-restore"));
                 let (config, id) = (config.clone(), p.id.clone());
                 let taken = tokio::task::spawn_blocking(move || {
                     let trusted = || crate::checkpoint::provenance::trusted_keys(&config);
@@ -338,7 +353,7 @@ impl Containers {
                     image,
                     taken,
                     config: config.clone(),
-                    rootfs: p.rootfs.clone(),
+                    rootfs: rootfs.clone(),
                     stdio: p.stdio.clone(),
                     checkpointing,
                 });
@@ -361,7 +376,7 @@ impl Containers {
                         None => Origin::Image,
                     };
                     match sandbox
-                        .start_checkpointing(&p.bundle, &p.rootfs, &config, &runc, pid, origin)
+                        .start_checkpointing(&p.bundle, &rootfs, &config, &runc, pid, origin)
                         .await
                     {
                         Ok(_) => {}

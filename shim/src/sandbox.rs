@@ -123,7 +123,7 @@ impl Sandbox {
     pub async fn start_checkpointing(
         &self,
         bundle_dir: &Path,
-        rootfs: &[crate::bundle::RootfsMount],
+        rootfs: &crate::bundle::Rootfs,
         config: &Config,
         runc: &Runc,
         pid: u32,
@@ -144,7 +144,7 @@ impl Sandbox {
     async fn try_start_checkpointing(
         &self,
         bundle_dir: &Path,
-        rootfs: &[crate::bundle::RootfsMount],
+        rootfs: &crate::bundle::Rootfs,
         config: &Config,
         runc: &Runc,
         pid: u32,
@@ -177,7 +177,8 @@ impl Sandbox {
         .map_err(|e| Error::Other(e.to_string()))??;
         // What the inspection and the jobs both need, found once.
         let volumes = tracked_volumes(&spec, &config.checkpoint.tracked_volumes);
-        let overlay = Overlay::of(rootfs);
+        let overlay = Overlay::of(&rootfs.mounts);
+        record_rootfs(&self.dir, rootfs, &overlay);
         let cgroup2_dir =
             tokio::task::spawn_blocking(move || crate::sys::cgroup::cgroup2_dir_of(pid))
                 .await
@@ -555,6 +556,46 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         (Some(s), _) => s.to_string(),
         (_, Some(s)) => s.clone(),
         _ => "a panic without a message".to_string(),
+    }
+}
+
+/// `rootfs.json` in a container's checkpoint directory: where its rootfs is and the overlay
+/// directories it is made of, for `crabctl export` of a container whose rootfs the caller
+/// mounted (Docker Engine), which has no image or snapshot in containerd to build on and whose
+/// `merged` mount may be gone by the time it is exported.
+pub const ROOTFS_RECORD: &str = "rootfs.json";
+
+/// The contents of [`ROOTFS_RECORD`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RootfsRecord {
+    pub format: u32,
+    pub mounted_by: crate::bundle::MountedBy,
+    pub root_path: PathBuf,
+    #[serde(default)]
+    pub upperdir: Option<PathBuf>,
+    /// In overlay order: the first is the topmost.
+    #[serde(default)]
+    pub lowerdirs: Vec<PathBuf>,
+}
+
+/// Writes [`ROOTFS_RECORD`] into `dir` (whole or not at all); a failure is logged: only an
+/// export of a caller-mounted rootfs needs it, and that says so when it is missing.
+fn record_rootfs(dir: &Path, rootfs: &crate::bundle::Rootfs, overlay: &Overlay) {
+    let record = RootfsRecord {
+        format: 1,
+        mounted_by: rootfs.mounted_by,
+        root_path: rootfs.path.clone(),
+        upperdir: overlay.upperdir.clone(),
+        lowerdirs: overlay.lowerdirs.clone(),
+    };
+    let write = || -> std::io::Result<()> {
+        let tmp = dir.join(format!(".{ROOTFS_RECORD}.tmp"));
+        let data = serde_json::to_vec_pretty(&record).map_err(std::io::Error::other)?;
+        std::fs::write(&tmp, data)?;
+        std::fs::rename(&tmp, dir.join(ROOTFS_RECORD))
+    };
+    if let Err(e) = write() {
+        log::warn!("cannot record the rootfs in {}: {e}", dir.display());
     }
 }
 
