@@ -721,3 +721,162 @@ async fn bad_input_is_refused_and_changes_nothing() {
     assert!(!h.env.crab_home.join("state").join(&unknown).exists());
     s.finish().await;
 }
+
+// ---------------------------------------------------------------- terminals
+
+/// Creates and starts container `id` of `h`'s image running `bash` on a terminal of its own
+/// (as `ctr run -t` and `docker run -t` do), with crab's store in `state_dir` trusting the
+/// signing key under `trusted` (if any); returns its stdio.
+async fn start_on_a_terminal(
+    h: &Harness,
+    id: &str,
+    state_dir: &std::path::Path,
+    trusted: Option<&std::path::Path>,
+) -> crab_integration::Stdio {
+    let process = ProcessSpec::new(&["bash"])
+        .terminal(true)
+        .to_oci(&h.image.env, &h.image.cwd);
+    let spec = crab_integration::spec::container_spec(id, &h.env.namespace, process);
+    let mut config = format!("[store]\nstate_dir = \"{}\"\n", state_dir.display());
+    if let Some(key) = trusted {
+        config.push_str(&format!(
+            "[restore]\ntrusted_keys = [\"{}\"]\n",
+            key.display()
+        ));
+    }
+    h.create_container_with_spec_and_options(
+        id,
+        &spec,
+        Some(crab_integration::api::crab_runtime_options(
+            None,
+            Some(&config),
+        )),
+    )
+    .await
+    .unwrap();
+    let io = h
+        .stdio(
+            id,
+            "init",
+            StdioOptions {
+                stdin: true,
+                terminal: true,
+            },
+        )
+        .unwrap();
+    h.create_task(id, Some(&io)).await.unwrap();
+    h.start(id, "").await.unwrap();
+    io
+}
+
+/// What the restored shell's terminal says about itself: its standard input, its size.
+const TTY_PROBE: &str = "readlink /proc/1/fd/0; stty size < /proc/1/fd/0; cat /app/tty.txt; \
+    pgrep -x sleep >/dev/null && echo 'sleep alive'";
+
+/// A sandbox whose shell runs on a terminal: its checkpoints hold a tty, which CRIU recreates
+/// on a new terminal. Recovery in place gives it one that the shim holds (ResizePty reaches
+/// it); a container started from the exported image with a terminal of its own gets the
+/// restored shell on it, and what is typed there runs in the restored shell.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_terminal_survives_recovery_and_export() {
+    let h = Harness::connect_env(crab_integration::TestEnv {
+        image: crab_integration::sandbox::AGENT_IMAGE.into(),
+        ..crab_integration::TestEnv::from_env()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("integration test setup failed: {e}"));
+    if !h.runs_crab_only(
+        "a_terminal_survives_recovery_and_export",
+        "turns and checkpoints are crab's own",
+    ) {
+        return;
+    }
+    let id = h.unique_id("restore_tty");
+    let _g = h.guard(&[&id]);
+    let state_dir = h.env.crab_home.join("state").join(&id);
+    let _io = start_on_a_terminal(&h, &id, &state_dir, None).await;
+    let mut s = Sandbox {
+        h: h.clone(),
+        id: id.clone(),
+        state_dir: state_dir.clone(),
+        turn: 0,
+    };
+    let _images = ImageGuard::new(&h, &[], &[&id]);
+    s.run("echo on-a-tty > /app/tty.txt; (sleep 4000 </dev/null >/dev/null 2>&1 &)")
+        .await;
+    let turn = end_turn_checkpointed(&s).await;
+    assert_eq!(
+        manifest_of(&s, &turn)["kind"],
+        "full",
+        "{:#?}",
+        s.manifests()
+    );
+
+    // Recovery in place: the shell and the sleep come back, the shell on a new terminal.
+    h.kill(&id, "", libc::SIGKILL, true).await.unwrap();
+    h.wait(&id, "", T).await.unwrap();
+    let out = crabctl_ok(&s, &["recover", &id]);
+    assert!(out.starts_with("recovered"), "{out}");
+    h.resize_pty(&id, "", 91, 27).await.unwrap();
+    let mut again = sandbox_for(&s, &id);
+    again.turn = 100;
+    let seen = again.run(TTY_PROBE).await.stdout;
+    assert_eq!(
+        seen,
+        "/dev/pts/0\n27 91\non-a-tty\nsleep alive\n",
+        "after recovery:\n{}",
+        h.log_excerpt(&id)
+    );
+
+    // Export, and a new container with a terminal of its own from the image.
+    let reference = format!("localhost/crab-test/{id}:tty");
+    let _exported = ImageGuard::new(&h, &[&reference], &[]);
+    crabctl_ok(&s, &["export", &id, &reference]);
+    // Unpacked into the snapshotter (a mount of the image does it; `ctr run` would too).
+    let mnt = h.env.crab_home.join("tmp").join(format!("{id}-mnt"));
+    std::fs::create_dir_all(&mnt).unwrap();
+    let m = mnt.to_str().unwrap();
+    h.ctr().run(&["images", "mount", &reference, m]).unwrap();
+    h.ctr().run(&["images", "unmount", "--rm", m]).unwrap();
+    let _ = std::fs::remove_dir(&mnt);
+    let h2 = Harness::connect_env(crab_integration::TestEnv {
+        image: reference.clone(),
+        ..crab_integration::TestEnv::from_env()
+    })
+    .await
+    .unwrap();
+    let copy = format!("{id}-copy");
+    let _g2 = h2.guard(&[&copy]);
+    let copy_state = h.env.crab_home.join("state").join(&copy);
+    let key = state_dir.join("keys/checkpoint-signing.pub");
+    let io = start_on_a_terminal(&h2, &copy, &copy_state, Some(&key)).await;
+    io.write_stdin(b"echo typed-at-the-terminal > /app/typed.txt\n", T)
+        .unwrap();
+    let mut in_copy = sandbox_for(&s, &copy);
+    in_copy.turn = 200;
+    let mut typed = String::new();
+    for _ in 0..100 {
+        typed = in_copy
+            .run("cat /app/typed.txt 2>/dev/null; true")
+            .await
+            .stdout;
+        if !typed.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        typed,
+        "typed-at-the-terminal\n",
+        "{}",
+        h2.log_excerpt(&copy)
+    );
+    let seen = in_copy.run("readlink /proc/1/fd/0; cat /app/tty.txt; pgrep -x sleep >/dev/null && echo 'sleep alive'").await.stdout;
+    assert_eq!(seen, "/dev/pts/0\non-a-tty\nsleep alive\n");
+    h2.kill(&copy, "", libc::SIGKILL, true).await.unwrap();
+    h2.wait(&copy, "", T).await.unwrap();
+    h2.delete_task(&copy).await.unwrap();
+    h2.delete_container(&copy).await.unwrap();
+    let _ = std::fs::remove_dir_all(&copy_state);
+    s.finish().await;
+}

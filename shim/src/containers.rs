@@ -326,13 +326,6 @@ impl Containers {
             (Some(t), true) => t.criu_dir.clone(),
             (None, true) => None,
         };
-        if restore_image.is_some() && p.stdio.terminal {
-            unmount(&"terminal");
-            return Err(Error::FailedPrecondition(format!(
-                "cannot restore {} with a terminal: crab restores processes with plain stdio only",
-                p.id
-            )));
-        }
         let init = Arc::new(Process::new(String::new(), p.stdio.clone(), None));
         let sandbox = Sandbox::new(
             &p.id,
@@ -578,7 +571,15 @@ impl Containers {
         };
         self.pids.lock().unwrap().starting += 1;
         let bound = Duration::from_millis(r.config.checkpoint.restore_timeout_ms);
-        let restore = c.runc.restore(&c.id, &c.bundle, &pid_file, &opts, child);
+        let console = prepared.console.as_ref().map(|c| c.path.clone());
+        let restore = c.runc.restore(
+            &c.id,
+            &c.bundle,
+            &pid_file,
+            &opts,
+            console.as_deref(),
+            child,
+        );
         tokio::pin!(restore);
         let restored = match tokio::time::timeout(bound, &mut restore).await {
             Ok(result) => result.map_err(Error::from),

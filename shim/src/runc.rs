@@ -299,6 +299,7 @@ impl Runc {
         bundle: &Path,
         pid_file: &Path,
         opts: &CheckpointOpts,
+        console_socket: Option<&Path>,
         stdio: ChildStdio,
     ) -> Result<()> {
         let mut args = opts.criu_args();
@@ -309,6 +310,11 @@ impl Runc {
             "--bundle".into(),
             bundle.into(),
         ]);
+        // A container with a terminal: CRIU recreates the pty pair, and runc hands the new
+        // master to the socket, as at create.
+        if let Some(s) = console_socket {
+            args.extend(["--console-socket".into(), s.into()]);
+        }
         args.push(id.into());
         self.run("restore", args, Some(stdio)).await.map(drop)
     }

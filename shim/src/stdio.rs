@@ -397,9 +397,11 @@ impl PreparedIo {
             let master = console.receive_master().await?;
             let reader = FdIo::new(master.try_clone().map_err(Error::io("dup console"))?)
                 .map_err(Error::io("console"))?;
-            if let Some(out) = console_output {
-                io.outputs.push(spawn_copy(reader, out, "console output"));
-            }
+            // Nobody to read it (a task started with no stdio, e.g. by `crabctl recover`): the
+            // output is read and discarded, or the terminal's buffer would fill and block
+            // every process writing to it.
+            let out = console_output.unwrap_or_else(|| Box::new(tokio::io::sink()));
+            io.outputs.push(spawn_copy(reader, out, "console output"));
             let writer = FdIo::new(master.try_clone().map_err(Error::io("dup console"))?)
                 .map_err(Error::io("console"))?;
             io.console = Some(master);

@@ -912,8 +912,8 @@ impl Client {
         ))
     }
 
-    /// Creates the task of `container` on its rootfs snapshot (stdio: none, so /dev/null) and
-    /// starts it; returns the init pid.
+    /// Creates the task of `container` on its rootfs snapshot (stdio: none, so /dev/null, or a
+    /// terminal whose output is discarded) and starts it; returns the init pid.
     pub async fn start_task(&self, container: &Container) -> Result<u32, CtlError> {
         let id = container.id.clone();
         let rootfs = self
@@ -929,11 +929,19 @@ impl Client {
             .map_err(grpc(format!("Snapshots.Mounts {}", container.snapshot_key)))?
             .into_inner()
             .mounts;
+        // A container with a terminal gets one again (its process image holds a tty, which
+        // CRIU recreates): the shim keeps the pty master, discarding its output.
+        let terminal = container
+            .spec
+            .as_ref()
+            .and_then(|s| serde_json::from_slice::<Value>(&s.value).ok())
+            .is_some_and(|s| s["process"]["terminal"] == Value::Bool(true));
         self.tasks()
             .create(self.req(
                 CreateTaskRequest {
                     container_id: id.clone(),
                     rootfs,
+                    terminal,
                     ..Default::default()
                 },
                 None,

@@ -72,14 +72,12 @@ pub struct RolledBack {
     pub phases: Phases,
 }
 
-/// The runtime spec of a container started from `from`'s record as `to`: with no stdio there
-/// is no terminal, and a new id gets its own hostname (if it was the id) and cgroup (the
-/// path's last element, which containerd's clients make the id).
+/// The runtime spec of a container started from `from`'s record as `to`: a new id gets its
+/// own hostname (if it was the id) and cgroup (the path's last element, which containerd's
+/// clients make the id). A terminal stays: the processes of a checkpoint taken with one hold a
+/// tty, which CRIU can only recreate on a new terminal.
 pub fn clone_spec(spec: &Value, from: &str, to: &str) -> Result<Value> {
     let mut s = spec.clone();
-    if s["process"].is_object() {
-        s["process"]["terminal"] = Value::Bool(false);
-    }
     if from == to {
         return Ok(s);
     }
@@ -382,7 +380,7 @@ mod tests {
     use serde_json::json;
 
     #[test]
-    fn a_cloned_spec_gets_its_own_cgroup_and_hostname_and_no_terminal() {
+    fn a_cloned_spec_gets_its_own_cgroup_and_hostname_and_keeps_its_terminal() {
         let spec = json!({
             "process": {"terminal": true, "args": ["sleep", "infinity"]},
             "hostname": "c1",
@@ -391,11 +389,11 @@ mod tests {
         let f = clone_spec(&spec, "c1", "c1-fork-1").unwrap();
         assert_eq!(f["linux"]["cgroupsPath"], "/crab-test/c1-fork-1");
         assert_eq!(f["hostname"], "c1-fork-1");
-        assert_eq!(f["process"]["terminal"], false);
+        assert_eq!(f["process"]["terminal"], true);
         assert_eq!(f["process"]["args"], spec["process"]["args"]);
-        // The same id keeps everything but the terminal.
+        // The same id keeps everything.
         let same = clone_spec(&spec, "c1", "c1").unwrap();
-        assert_eq!(same["linux"], spec["linux"]);
+        assert_eq!(same, spec);
         assert_eq!(same["hostname"], "c1");
         // systemd-style paths end in the id after a colon.
         let sd = json!({"linux": {"cgroupsPath": "system.slice:cri-containerd:c1"}});
