@@ -122,9 +122,12 @@ pub struct CheckpointConfig {
     /// Default 120000. A corrupt image can make CRIU spin forever.
     #[serde(deserialize_with = "action_wait_timeout_ms")]
     pub restore_timeout_ms: u64,
-    /// Writable bind-mounted volumes whose contents are part of the sandbox's state, by
-    /// their path inside the container (e.g. `/workspace`): the inspector keeps a manifest of
-    /// each, as it does for the rootfs. Other volumes are outside crab's checkpoints.
+    /// Where writable bind-mounted volumes are part of the sandbox's state: a bind mount of a
+    /// host directory at or below one of these paths inside the container is tracked (the
+    /// inspector watches it as it does the rootfs, and checkpoints capture its contents below
+    /// its path: a base, then each turn's changes). Default `/workspace`, `/app`, `/testbed`
+    /// (where agent harnesses mount the task's repository); `[]` tracks none. Other volumes
+    /// are outside crab's checkpoints.
     #[serde(deserialize_with = "absolute_paths")]
     pub tracked_volumes: Vec<PathBuf>,
     /// What ends a turn: `annotation` (a `Tasks.Update` with `io.crab/turn-end`, the
@@ -200,7 +203,10 @@ impl Default for CheckpointConfig {
             keep_every: None,
             action_wait_timeout_ms: 30_000,
             restore_timeout_ms: 120_000,
-            tracked_volumes: Vec::new(),
+            tracked_volumes: ["/workspace", "/app", "/testbed"]
+                .into_iter()
+                .map(PathBuf::from)
+                .collect(),
             turn_boundary: TurnBoundary::Annotation,
             policy: CheckpointPolicy::Minimal,
         }

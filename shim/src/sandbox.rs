@@ -199,7 +199,7 @@ impl Sandbox {
         let inspection = {
             let (id, overlay, cgroup2_dir) =
                 (self.id.clone(), overlay.clone(), cgroup2_dir.clone());
-            let limits = config.limits.clone();
+            let (limits, volumes) = (config.limits.clone(), volumes.clone());
             tokio::task::spawn_blocking(move || {
                 start_inspection(&id, cgroup2_dir, overlay, volumes, limits)
             })
@@ -212,6 +212,7 @@ impl Sandbox {
             upperdir: overlay.upperdir,
             overlay_xattrs: overlay.xattrs,
             limits: config.limits.clone(),
+            volumes: volumes.clone(),
         };
         let inspection = inspection.await.map_err(|e| Error::Other(e.to_string()))?;
         self.answers.inspection.set(inspection).await;
@@ -668,34 +669,39 @@ fn start_inspection(
     Inspection::new(target, probes)
 }
 
-/// The host directories of the tracked volumes: bind mounts of the spec whose destination
-/// the config lists. A tracked path that is not a bind mount is reported and skipped.
+/// The tracked volumes: the container's writable bind mounts of host directories at or below
+/// a path the config lists (`[checkpoint] tracked_volumes`), as (path in the container, host
+/// directory). Read-only mounts, mounts of single files and other filesystems are not: their
+/// contents cannot change or cannot be diffed (each skip is logged).
 fn tracked_volumes(spec: &oci_spec::runtime::Spec, tracked: &[PathBuf]) -> Vec<(PathBuf, PathBuf)> {
     let mounts = spec.mounts().as_deref().unwrap_or_default();
-    tracked
-        .iter()
-        .filter_map(|at| {
-            let m = mounts.iter().find(|m| m.destination() == at);
-            let bind = m.filter(|m| {
-                m.typ().as_deref() == Some("bind")
-                    || m.options()
-                        .as_deref()
-                        .unwrap_or_default()
-                        .iter()
-                        .any(|o| o == "bind" || o == "rbind")
-            });
-            match bind.and_then(|m| m.source().clone()) {
-                Some(source) => Some((at.clone(), source)),
-                None => {
-                    log::warn!(
-                        "tracked volume {} is not a bind mount of this container: not tracked",
-                        at.display()
-                    );
-                    None
-                }
-            }
-        })
-        .collect()
+    let mut out: Vec<(PathBuf, PathBuf)> = Vec::new();
+    for m in mounts {
+        let at = m.destination();
+        if !at.is_absolute() || !tracked.iter().any(|t| at.starts_with(t)) {
+            continue;
+        }
+        let options = m.options().as_deref().unwrap_or_default();
+        let bind = m.typ().as_deref() == Some("bind")
+            || options.iter().any(|o| o == "bind" || o == "rbind");
+        let skip = |why: &str| log::info!("volume {} is not tracked: {why}", at.display());
+        let Some(source) = m.source().clone().filter(|_| bind) else {
+            skip("not a bind mount");
+            continue;
+        };
+        if options.iter().any(|o| o == "ro") {
+            skip("read-only");
+            continue;
+        }
+        if !source.is_dir() {
+            skip("not a directory");
+            continue;
+        }
+        // A later mount at the same place hides the earlier one.
+        out.retain(|(a, _)| a != at);
+        out.push((at.clone(), source));
+    }
+    out
 }
 
 /// Writes the answer atomically (temp file, fsync, rename): a reader never sees half of it.

@@ -165,6 +165,23 @@ impl<'a> Capture<'a> {
         self.tar
     }
 
+    /// Captures the whole tree (a tracked volume's base): its root directory, an opaque
+    /// marker (nothing of lower layers shows through) and everything below it.
+    pub fn run_whole(&mut self) -> Result<(), LayerError> {
+        let fd = self
+            .upper
+            .try_clone()
+            .map_err(|e| LayerError::upper("dup", self.upperdir, e))?;
+        let st = fstat(fd.as_raw_fd())
+            .map_err(|e| LayerError::upper("stat", self.upperdir, e.into()))?;
+        let root = Path::new("");
+        self.tar
+            .append(&TarEntry::from_stat(&tar_name(root, true), b'5', &st))?;
+        self.tar
+            .append(&TarEntry::whiteout(&child_name(root, OPAQUE_MARKER)))?;
+        self.whole_subtree(fd, root)
+    }
+
     /// Captures the upperdir-relative `paths` (in path order: parents first, each subtree
     /// contiguous).
     pub fn run(&mut self, paths: &BTreeSet<PathBuf>) -> Result<(), LayerError> {

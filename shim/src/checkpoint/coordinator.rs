@@ -26,9 +26,9 @@
 //! next job waits for it (outside the engine) so that two captures never overlap.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeSet, HashMap},
     future::Future,
-    path::PathBuf,
+    path::{Component, Path, PathBuf},
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc, Mutex,
@@ -107,6 +107,7 @@ pub trait Capture: Send + Sync + 'static {
         &self,
         store: Arc<Store>,
         changes: FsDiff,
+        volumes: Vec<VolumeChanges>,
         capturing: OwnedMutexGuard<()>,
     ) -> impl Future<Output = Result<FsLayer>> + Send;
     /// Takes a process image into `dir` (which does not exist yet), its pages into `chunks`.
@@ -599,33 +600,23 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
                 true => self.capture.scan_upperdir().await?,
                 false => work.changes(),
             };
-            // A tracked volume is not in the upperdir, and its contents are not captured yet
-            // (the manifest has no place for them): say so rather than imply they are kept.
-            let (changes, in_volumes) = outside_volumes(changes, &self.settings.volumes);
-            if in_volumes > 0 {
-                let volumes: Vec<String> = self
-                    .settings
-                    .volumes
-                    .iter()
-                    .map(|v| v.display().to_string())
-                    .collect();
-                let note = format!(
-                    "not captured: {in_volumes} change(s) under tracked volume(s) {} (volume contents are not part of checkpoints yet)",
-                    volumes.join(", ")
-                );
-                log::warn!("checkpoint {seq} of {}: {note}", self.container_id);
-                m.explanation.push('\n');
-                m.explanation.push_str(&note);
+            // A tracked volume is not in the upperdir: its changes go into the same layer below
+            // its path, read from its host directory; the first layer of a chain that has no
+            // base of it takes it whole.
+            if new_chain {
+                m.volumes.clear();
             }
+            let (changes, volumes) = split_volumes(changes, &self.settings.volumes, &m.volumes);
             let capturing = self.capturing.clone().lock_owned().await;
             let layer = self
                 .capture
-                .fs_layer(self.store.clone(), changes, capturing)
+                .fs_layer(self.store.clone(), changes, volumes, capturing)
                 .await?;
             if new_chain {
                 // The layers the container's image carries stay: the upperdir is relative to them.
                 m.fs_layers.truncate(m.image_layers);
             }
+            m.volumes = self.settings.volumes.clone();
             m.fs_layers.push(layer.descriptor);
             timings.freeze_ms = Timings::ms(layer.freeze);
             timings.capture_ms = Timings::ms(layer.capture);
@@ -725,23 +716,69 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
     }
 }
 
-/// Splits off the changes under tracked volumes (container paths `volumes`): returns the
-/// others and how many were left out.
-fn outside_volumes(changes: FsDiff, volumes: &[PathBuf]) -> (FsDiff, usize) {
-    let mut in_volumes = 0;
+/// What of a tracked volume an fs layer captures.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeChanges {
+    /// The volume's path in the container.
+    pub at: PathBuf,
+    /// Changed paths relative to the volume's root, or `None`: the whole volume (its base).
+    pub paths: Option<BTreeSet<PathBuf>>,
+}
+
+/// Splits `changes` into those of the rootfs and those of each tracked volume (`volumes`, the
+/// longest path wins for nested ones). Volumes not in `based` are taken whole.
+fn split_volumes(
+    changes: FsDiff,
+    volumes: &[PathBuf],
+    based: &[PathBuf],
+) -> (FsDiff, Vec<VolumeChanges>) {
+    let mut by_volume: Vec<BTreeSet<PathBuf>> = vec![BTreeSet::new(); volumes.len()];
     let mut outside = |v: Vec<PathBuf>| -> Vec<PathBuf> {
-        let (inside, outside): (Vec<_>, Vec<_>) = v
-            .into_iter()
-            .partition(|p| volumes.iter().any(|vol| p.starts_with(vol)));
-        in_volumes += inside.len();
-        outside
+        v.into_iter()
+            .filter(|p| {
+                let owner = volumes
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, vol)| p.starts_with(vol))
+                    .max_by_key(|(_, vol)| vol.components().count());
+                match owner {
+                    Some((i, vol)) => {
+                        let rel = p.strip_prefix(vol).unwrap_or(Path::new(""));
+                        // The inspector's paths are normalized; anything else is not followed.
+                        match rel.components().all(|c| matches!(c, Component::Normal(_))) {
+                            true => {
+                                by_volume[i].insert(rel.to_path_buf());
+                            }
+                            false => log::warn!("not a path below {}: {}", vol.display(), p.display()),
+                        }
+                        false
+                    }
+                    None => true,
+                }
+            })
+            .collect()
     };
     let changes = FsDiff {
         added: outside(changes.added),
         modified: outside(changes.modified),
         deleted: outside(changes.deleted),
     };
-    (changes, in_volumes)
+    let volumes = volumes
+        .iter()
+        .zip(by_volume)
+        .filter_map(|(at, paths)| match based.contains(at) {
+            false => Some(VolumeChanges {
+                at: at.clone(),
+                paths: None,
+            }),
+            true if paths.is_empty() => None,
+            true => Some(VolumeChanges {
+                at: at.clone(),
+                paths: Some(paths),
+            }),
+        })
+        .collect();
+    (changes, volumes)
 }
 
 /// The bytes a finished job counts against the host engine's budget: the fs layer it wrote
@@ -847,6 +884,7 @@ mod tests {
     struct FakeCapture {
         release: Semaphore,
         fs_calls: Mutex<Vec<FsDiff>>,
+        volume_calls: Mutex<Vec<Vec<VolumeChanges>>>,
         scans: AtomicUsize,
         proc_calls: AtomicUsize,
         /// How many of the next fs captures fail.
@@ -861,6 +899,7 @@ mod tests {
             Arc::new(FakeCapture {
                 release: Semaphore::new(permits),
                 fs_calls: Mutex::default(),
+                volume_calls: Mutex::default(),
                 scans: AtomicUsize::new(0),
                 proc_calls: AtomicUsize::new(0),
                 fail_fs: AtomicUsize::new(0),
@@ -896,9 +935,11 @@ mod tests {
             &self,
             store: Arc<Store>,
             changes: FsDiff,
+            volumes: Vec<VolumeChanges>,
             capturing: OwnedMutexGuard<()>,
         ) -> Result<FsLayer> {
             self.fs_calls.lock().unwrap().push(changes.clone());
+            self.volume_calls.lock().unwrap().push(volumes);
             self.release.acquire().await.unwrap().forget();
             if self
                 .fail_fs
@@ -1239,7 +1280,7 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn changes_under_tracked_volumes_are_left_out_and_said() {
+    async fn tracked_volumes_are_captured_whole_then_by_their_changes() {
         let s = sandbox(
             Settings {
                 volumes: vec![PathBuf::from("/workspace")],
@@ -1248,19 +1289,38 @@ mod tests {
             FakeCapture::new(100),
             LONG,
         );
+        let vol = |paths: Option<&[&str]>| VolumeChanges {
+            at: PathBuf::from("/workspace"),
+            paths: paths.map(|p| p.iter().map(PathBuf::from).collect()),
+        };
+        // The first fs layer takes the volume whole, whatever of it changed.
         s.co.submit("t1", &answer(1, Kind::Fs, &["/workspace/a", "/app/b"]));
+        s.idle().await;
+        // Then only its changes, relative to its root; none when it did not change.
+        s.co.submit("t2", &answer(2, Kind::Fs, &["/workspace/d/e", "/workspace"]));
+        s.idle().await;
+        s.co.submit("t3", &answer(3, Kind::Fs, &["/app/c"]));
         s.idle().await;
         let calls = s.capture.fs_calls.lock().unwrap().clone();
         assert_eq!(calls[0].added, vec![PathBuf::from("/app/b")]);
-        let m = s.latest();
-        assert!(
-            m.explanation.ends_with(
-                "\nnot captured: 1 change(s) under tracked volume(s) /workspace (volume contents \
-                 are not part of checkpoints yet)"
-            ),
-            "{}",
-            m.explanation
+        assert!(calls[1].added.is_empty());
+        let volumes = s.capture.volume_calls.lock().unwrap().clone();
+        assert_eq!(
+            volumes,
+            vec![vec![vol(None)], vec![vol(Some(&["", "d/e"]))], vec![]]
         );
+        let m = s.latest();
+        assert_eq!(m.volumes, vec![PathBuf::from("/workspace")]);
+        assert!(!m.explanation.contains("not captured"), "{}", m.explanation);
+        // A failure starts a new chain: the volume is taken whole again.
+        s.capture.fail_fs.store(1, Ordering::SeqCst);
+        s.co.submit("t4", &answer(4, Kind::Fs, &["/workspace/x"]));
+        s.idle().await;
+        assert_eq!(s.latest().kind, CheckpointKind::Failed);
+        s.co.submit("t5", &answer(5, Kind::Fs, &["/workspace/y"]));
+        s.idle().await;
+        let volumes = s.capture.volume_calls.lock().unwrap().clone();
+        assert_eq!(volumes.last().unwrap(), &vec![vol(None)]);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1310,17 +1370,28 @@ mod tests {
     fn volumes_split_off_their_changes() {
         let d = |v: &[&str]| v.iter().map(PathBuf::from).collect::<Vec<_>>();
         let changes = FsDiff {
-            added: d(&["/w/a", "/wx/b"]),
+            added: d(&["/w/a", "/wx/b", "/w/n/x", "/w/../etc/passwd"]),
             modified: d(&["/w"]),
             deleted: d(&["/v/c"]),
         };
-        let (out, n) = outside_volumes(changes, &d(&["/w", "/v"]));
-        assert_eq!(n, 3);
+        let (out, volumes) = split_volumes(changes, &d(&["/w", "/v", "/w/n"]), &d(&["/w", "/w/n"]));
         assert_eq!(
             out.added,
             d(&["/wx/b"]),
             "a prefix of a name is not a parent"
         );
         assert!(out.modified.is_empty() && out.deleted.is_empty());
+        let set = |v: &[&str]| Some(v.iter().map(PathBuf::from).collect::<BTreeSet<_>>());
+        assert_eq!(
+            volumes,
+            vec![
+                // `..` is never followed: left out of every tree.
+                VolumeChanges { at: "/w".into(), paths: set(&["", "a"]) },
+                // Not based yet: whole.
+                VolumeChanges { at: "/v".into(), paths: None },
+                // Nested: the longest path owns its changes.
+                VolumeChanges { at: "/w/n".into(), paths: set(&["x"]) },
+            ]
+        );
     }
 }

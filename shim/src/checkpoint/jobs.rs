@@ -8,7 +8,7 @@ use std::{path::PathBuf, sync::Arc};
 use tokio::sync::OwnedMutexGuard;
 
 use super::{
-    coordinator::{Capture, FsLayer, ProcessCaptured},
+    coordinator::{Capture, FsLayer, ProcessCaptured, VolumeChanges},
     deadline::{self, Aborted},
     error::CheckpointError,
     layer::{self, FsDiffPaths},
@@ -36,6 +36,8 @@ pub struct ContainerCapture {
     pub overlay_xattrs: OverlayXattrs,
     /// What one checkpoint may cost (`[limits]`).
     pub limits: crab_runtime_config::LimitsConfig,
+    /// Tracked volumes: (path in the container, host directory).
+    pub volumes: Vec<(PathBuf, PathBuf)>,
 }
 
 impl ContainerCapture {
@@ -82,9 +84,21 @@ impl Capture for ContainerCapture {
         &self,
         store: Arc<Store>,
         changes: FsDiff,
+        volumes: Vec<VolumeChanges>,
         capturing: OwnedMutexGuard<()>,
     ) -> Result<FsLayer, CheckpointError> {
         let upper = self.upperdir()?;
+        let volumes: Vec<layer::VolumeCapture> = volumes
+            .into_iter()
+            .filter_map(|v| {
+                let dir = self.volumes.iter().find(|(at, _)| *at == v.at)?.1.clone();
+                Some(layer::VolumeCapture {
+                    at: v.at,
+                    dir,
+                    paths: v.paths,
+                })
+            })
+            .collect();
         let init_pid = self.init_pid;
         let opts = layer::LayerOptions {
             max_bytes: self.limits.max_layer_bytes,
@@ -96,8 +110,8 @@ impl Capture for ContainerCapture {
             let freezer = crate::sys::cgroup::freezer::CgroupFreezer::for_pid(init_pid)
                 .map_err(CheckpointError::Freezer)?;
             let paths = FsDiffPaths::from(&changes);
-            Ok::<_, CheckpointError>(layer::write_fs_layer_with(
-                &store, &upper, &paths, &freezer, &opts,
+            Ok::<_, CheckpointError>(layer::write_fs_layer_with_volumes(
+                &store, &upper, &paths, &volumes, &freezer, &opts,
             )?)
         })
         .await

@@ -150,8 +150,50 @@ pub fn write_fs_layer_with(
     freezer: &dyn Freezer,
     opts: &LayerOptions,
 ) -> Result<(Descriptor, LayerStats), LayerError> {
+    write_fs_layer_with_volumes(store, upperdir, diff, &[], freezer, opts)
+}
+
+/// A tracked volume captured into a layer with the rootfs: a host directory bind-mounted at
+/// `at` in the container, whose entries go below `at` in the layer (so an image built from the
+/// layers has the volume's contents where the container saw them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeCapture {
+    /// The path in the container (absolute).
+    pub at: PathBuf,
+    /// The host directory.
+    pub dir: PathBuf,
+    /// Paths relative to the volume's root to capture as in an fs diff (gone: a whiteout), or
+    /// `None` for the whole volume (its base: an opaque directory with everything in it).
+    pub paths: Option<BTreeSet<PathBuf>>,
+}
+
+/// [`write_fs_layer_with`], with tracked volumes captured into the same layer, all while the
+/// container is frozen once. `opts.max_bytes` bounds each tree's data on its own.
+pub fn write_fs_layer_with_volumes(
+    store: &Store,
+    upperdir: &Path,
+    diff: &FsDiffPaths<'_>,
+    volumes: &[VolumeCapture],
+    freezer: &dyn Freezer,
+    opts: &LayerOptions,
+) -> Result<(Descriptor, LayerStats), LayerError> {
     let start = Instant::now();
     let paths = plan(diff)?;
+    let mut opened = Vec::with_capacity(volumes.len());
+    for v in volumes {
+        let prefix: PathBuf = v
+            .at
+            .components()
+            .filter_map(|c| match c {
+                Component::Normal(n) => Some(n),
+                _ => None,
+            })
+            .collect();
+        if prefix.as_os_str().is_empty() || !v.at.is_absolute() {
+            return Err(LayerError::InvalidPath(v.at.clone()));
+        }
+        opened.push((capture::open_upper(&v.dir)?, prefix, v));
+    }
     let upper = capture::open_upper(upperdir)?;
     let tar_tmp = store.temp_file("layer.tar")?;
     let tar_file = tar_tmp
@@ -162,26 +204,40 @@ pub fn write_fs_layer_with(
         BufWriter::with_capacity(1 << 20, tar_file),
         tar_tmp.path().to_path_buf(),
     );
-    let mut capture = Capture::new(upper, upperdir, tar, *opts);
+    let capture_all = |tar: TarWriter| -> Result<TarWriter, LayerError> {
+        let mut capture = Capture::new(upper, upperdir, tar, *opts);
+        capture.run(&paths)?;
+        let mut tar = capture.into_tar();
+        for (fd, prefix, v) in opened {
+            tar.set_prefix(&prefix);
+            let mut capture = Capture::new(fd, &v.dir, tar, *opts);
+            match &v.paths {
+                Some(paths) => capture.run(paths)?,
+                None => capture.run_whole()?,
+            }
+            tar = capture.into_tar();
+        }
+        tar.set_prefix(Path::new(""));
+        Ok(tar)
+    };
 
     let freeze_start = Instant::now();
     let frozen = Frozen::new(freezer)?;
     let capture_start = Instant::now();
-    let captured = capture.run(&paths);
+    let captured = capture_all(tar);
     let capture_time = capture_start.elapsed();
     let thawed = frozen.thaw();
     let freeze_time = freeze_start.elapsed();
-    match (captured, thawed) {
-        (Ok(()), Ok(())) => {}
+    let mut tar = match (captured, thawed) {
+        (Ok(tar), Ok(())) => tar,
         (Err(e), Ok(())) => return Err(e),
-        (Ok(()), Err(t)) => return Err(LayerError::Thaw(t)),
+        (Ok(_), Err(t)) => return Err(LayerError::Thaw(t)),
         (Err(e), Err(t)) => {
             log::error!("thawing the container after a failed capture: {t}");
             return Err(e);
         }
-    }
+    };
 
-    let mut tar = capture.into_tar();
     let entries = tar.entries();
     let bytes = tar.finish()?;
     let desc = compress(store, tar_tmp, bytes)?;

@@ -221,6 +221,11 @@ pub struct Manifest {
     pub timings: Timings,
     #[serde(default)]
     pub explanation: String,
+    /// The tracked volumes (paths in the container) whose whole contents `fs_layers` hold
+    /// below those paths: a base of each, then its changes. A volume not listed was never
+    /// captured whole in this chain (its next fs layer takes it whole).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<PathBuf>,
 }
 
 impl Manifest {
@@ -245,6 +250,7 @@ impl Manifest {
             created_at: rfc3339(SystemTime::now()),
             timings: Timings::default(),
             explanation: String::new(),
+            volumes: parent.map(|p| p.volumes.clone()).unwrap_or_default(),
         }
     }
 }

@@ -74,6 +74,9 @@ pub(super) struct TarWriter {
     path: PathBuf,
     bytes: u64,
     entries: u64,
+    /// Put before every name (and hard link target): the directory a captured tree is at in
+    /// the layer (a tracked volume's mount point); empty for the rootfs.
+    prefix: Vec<u8>,
 }
 
 impl TarWriter {
@@ -83,7 +86,25 @@ impl TarWriter {
             path,
             bytes: 0,
             entries: 0,
+            prefix: Vec::new(),
         }
+    }
+
+    /// Names from now on are below `dir` (relative, normal components only; empty: the root).
+    pub fn set_prefix(&mut self, dir: &Path) {
+        self.prefix = dir.as_os_str().as_bytes().to_vec();
+    }
+
+    fn prefixed(&self, name: &[u8]) -> Vec<u8> {
+        let mut out = self.prefix.clone();
+        match name {
+            b"./" => out.push(b'/'),
+            _ => {
+                out.push(b'/');
+                out.extend_from_slice(name);
+            }
+        }
+        out
     }
 
     pub fn entries(&self) -> u64 {
@@ -116,7 +137,21 @@ impl TarWriter {
     }
 
     pub fn append(&mut self, e: &TarEntry) -> Result<(), StoreError> {
-        let header = encode_header(e);
+        let header = match self.prefix.is_empty() {
+            true => encode_header(e),
+            false => {
+                let name = self.prefixed(e.name);
+                let link = match e.kind {
+                    b'1' => self.prefixed(e.link),
+                    _ => e.link.to_vec(),
+                };
+                encode_header(&TarEntry {
+                    name: &name,
+                    link: &link,
+                    ..*e
+                })
+            }
+        };
         self.write_raw(&header)?;
         self.entries += 1;
         Ok(())
