@@ -736,14 +736,40 @@ async fn kill_shim_mid_checkpoint(name: &str, second: &str, in_progress: impl Fn
     let _ = std::fs::remove_dir_all(&s.state_dir);
 }
 
-/// Changes under a tracked volume make a turn non-none, but the volume's contents are not in
-/// checkpoints yet: the manifest says so instead of implying they are kept.
+/// The host directory of a tracked volume as a sorted listing: `path kind content`.
+fn volume_listing(dir: &std::path::Path) -> Vec<String> {
+    fn walk(root: &std::path::Path, dir: &std::path::Path, out: &mut Vec<String>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            let rel = p.strip_prefix(root).unwrap().display().to_string();
+            let m = std::fs::symlink_metadata(&p).unwrap();
+            if m.is_dir() {
+                out.push(format!("{rel}/"));
+                walk(root, &p, out);
+            } else {
+                let data = std::fs::read(&p).unwrap();
+                out.push(format!("{rel} {}", String::from_utf8_lossy(&data).trim()));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out);
+    out.sort();
+    out
+}
+
+/// A tracked volume (a host directory bind-mounted at /workspace) is part of the checkpoints:
+/// the first fs layer holds it whole below its path, the next its changes; recovery and
+/// rollback put the checkpoint's contents back into the host directory, dropping what came
+/// after it.
 #[tokio::test(flavor = "multi_thread")]
-async fn tracked_volume_changes_are_named_as_not_captured() {
+async fn tracked_volumes_are_captured_and_come_back() {
     let dir = TestEnv::from_env()
         .crab_home
         .join(format!("ckpt-volume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("before.txt"), "there before\n").unwrap();
     let (mut s, _g) = Sandbox::start(
         "ckpt_volume",
         SandboxOptions {
@@ -752,22 +778,112 @@ async fn tracked_volume_changes_are_named_as_not_captured() {
         },
     )
     .await;
-    s.run("echo w > /workspace/w.txt; echo r > /app/r.txt")
+    s.run("mkdir -p /workspace/src && echo v1 > /workspace/src/a.txt && echo keep > /workspace/k; echo r > /app/r.txt")
         .await;
     s.end_turn().await;
-    let m = s.wait_manifests(1).await;
-    assert_eq!(m[0]["kind"], "fs", "{:#}", m[0]);
-    let explanation = m[0]["explanation"].as_str().unwrap();
+    let m1 = s.wait_manifests(1).await.pop().unwrap();
+    assert_eq!(m1["kind"], "fs", "{m1:#}");
+    assert_eq!(m1["volumes"], serde_json::json!(["/workspace"]), "{m1:#}");
     assert!(
-        explanation.contains("not captured") && explanation.contains("/workspace"),
-        "{explanation}"
+        !m1["explanation"].as_str().unwrap().contains("not captured"),
+        "{m1:#}"
     );
-    let l = s.layer(&m[0]["fs_layers"][0]);
+    let l = s.layer(&m1["fs_layers"][0]);
+    for k in [
+        "app/r.txt",
+        "workspace",
+        "workspace/.wh..wh..opq",
+        "workspace/before.txt",
+        "workspace/src/a.txt",
+        "workspace/k",
+    ] {
+        assert!(
+            l.contains_key(k),
+            "{k} not in the first layer: {:?}",
+            l.keys().collect::<Vec<_>>()
+        );
+    }
+    s.run("echo v2 > /workspace/src/a.txt; rm /workspace/k; echo new > /workspace/n")
+        .await;
+    s.end_turn().await;
+    let m2 = s.wait_manifests(2).await.pop().unwrap();
+    let l = s.layer(m2["fs_layers"].as_array().unwrap().last().unwrap());
+    let keys: Vec<&String> = l.keys().collect();
     assert!(
-        l.contains_key("app/r.txt") && !l.keys().any(|k| k.contains("w.txt")),
-        "{:?}",
-        l.keys().collect::<Vec<_>>()
+        l.contains_key("workspace/src/a.txt")
+            && l.contains_key("workspace/.wh.k")
+            && l.contains_key("workspace/n")
+            && !l.contains_key("workspace/before.txt"),
+        "the second layer holds the changes only: {keys:?}"
     );
+    let after_t2 = volume_listing(&dir);
+    assert_eq!(
+        after_t2,
+        ["before.txt there before", "n new", "src/", "src/a.txt v2"]
+    );
+
+    // A turn that is never checkpointed, then the sandbox dies.
+    s.run("echo junk > /workspace/junk; rm -rf /workspace/src")
+        .await;
+    s.h.kill(&s.id, "", libc::SIGKILL, true).await.unwrap();
+    s.h.wait(&s.id, "", Duration::from_secs(60)).await.unwrap();
+    let (code, out, err) = s.crabctl(&["recover", &s.id]);
+    assert_eq!(code, 0, "recover: {out} {err}");
+    assert_eq!(volume_listing(&dir), after_t2, "after recovery");
+
+    // Back to t1, and forwards again to t2.
+    let (code, out, err) = s.crabctl(&["rollback", &s.id, "--to", "t1"]);
+    assert_eq!(code, 0, "rollback: {out} {err}");
+    assert_eq!(
+        volume_listing(&dir),
+        ["before.txt there before", "k keep", "src/", "src/a.txt v1"],
+        "after the rollback to t1"
+    );
+    s.turn = 100;
+    let seen = s.run("cat /workspace/src/a.txt /workspace/k").await.stdout;
+    assert_eq!(seen, "v1\nkeep\n", "inside the container");
+    let (code, out, err) = s.crabctl(&["rollback", &s.id, "--to", "t2"]);
+    assert_eq!(code, 0, "rollback: {out} {err}");
+    assert_eq!(volume_listing(&dir), after_t2, "after the rollback to t2");
+
+    // Forks of t1 each get a directory of their own holding t1's volume; the original's stays.
+    let (code, out, err) = s.crabctl(&["fork", &s.id, "--at", "t1", "--count", "2"]);
+    assert_eq!(code, 0, "fork: {out} {err}");
+    let ids: Vec<String> = out.lines().map(str::to_string).collect();
+    assert_eq!(ids.len(), 2, "{out}");
+    let mut guard = s.h.guard(&[]);
+    for id in &ids {
+        guard.add(id);
+    }
+    let t1 = ["before.txt there before", "k keep", "src/", "src/a.txt v1"];
+    for (i, id) in ids.iter().enumerate() {
+        let own = s
+            .state_dir
+            .join(&s.h.env.namespace)
+            .join(id)
+            .join("volumes/0");
+        assert_eq!(volume_listing(&own), t1, "fork {id}'s volume");
+        let mut fork = Sandbox {
+            h: s.h.clone(),
+            id: id.clone(),
+            state_dir: s.state_dir.clone(),
+            turn: 10 * (i as u64 + 1),
+        };
+        fork.run(&format!("echo fork{i} > /workspace/mine")).await;
+        assert_eq!(
+            std::fs::read_to_string(own.join("mine")).unwrap(),
+            format!("fork{i}\n")
+        );
+        // Not `finish`: the forks share the original's state directory.
+        s.h.kill_and_remove(id).await.unwrap();
+        s.h.assert_no_leaks(id).await;
+    }
+    assert_eq!(
+        volume_listing(&dir),
+        after_t2,
+        "the original's volume after the forks"
+    );
+    drop(guard);
     s.finish().await;
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -321,6 +321,43 @@ impl Containers {
                 }
             }
         };
+        // The tracked volumes the checkpoint holds come back into their host directories.
+        if let Some(t) = taken.as_ref().filter(|t| !t.meta.volumes.is_empty()) {
+            let volumes =
+                crate::sandbox::tracked_volumes(&spec, &config.checkpoint.tracked_volumes);
+            let (held, root, id) = (t.meta.volumes.clone(), rootfs.path.clone(), p.id.clone());
+            let restored = tokio::task::spawn_blocking(move || {
+                for (at, dir) in volumes.iter().filter(|(at, _)| held.contains(at)) {
+                    let from = root.join(at.strip_prefix("/").unwrap_or(at));
+                    let c = crate::checkpoint::volumes::restore_volume(at, &from, dir)?;
+                    log::info!(
+                        "container {id}: volume {} restored into {} ({} files, {} bytes{})",
+                        at.display(),
+                        dir.display(),
+                        c.files,
+                        c.bytes,
+                        match c.skipped {
+                            0 => String::new(),
+                            n => format!(", {n} devices/FIFOs/sockets left out"),
+                        }
+                    );
+                }
+                Ok::<_, crate::checkpoint::volumes::VolumeRestoreError>(())
+            })
+            .await;
+            let failed = match restored {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(Error::FailedPrecondition(format!(
+                    "cannot start {} from its checkpoint: {e}",
+                    p.id
+                ))),
+                Err(e) => Some(Error::Task(e)),
+            };
+            if let Some(e) = failed {
+                unmount(&e);
+                return Err(e);
+            }
+        }
         let restore_image = match (&taken, p.checkpoint.is_empty()) {
             (_, false) => Some(PathBuf::from(&p.checkpoint)),
             (Some(t), true) => t.criu_dir.clone(),

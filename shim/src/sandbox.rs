@@ -673,7 +673,10 @@ fn start_inspection(
 /// a path the config lists (`[checkpoint] tracked_volumes`), as (path in the container, host
 /// directory). Read-only mounts, mounts of single files and other filesystems are not: their
 /// contents cannot change or cannot be diffed (each skip is logged).
-fn tracked_volumes(spec: &oci_spec::runtime::Spec, tracked: &[PathBuf]) -> Vec<(PathBuf, PathBuf)> {
+pub fn tracked_volumes(
+    spec: &oci_spec::runtime::Spec,
+    tracked: &[PathBuf],
+) -> Vec<(PathBuf, PathBuf)> {
     let mounts = spec.mounts().as_deref().unwrap_or_default();
     let mut out: Vec<(PathBuf, PathBuf)> = Vec::new();
     for m in mounts {

@@ -240,6 +240,7 @@ impl Ctl {
                 pids: p.pids.clone(),
             }),
             created_at: m.created_at.clone(),
+            volumes: m.volumes.clone(),
         };
         let criu_dir = m.process.as_ref().map(|p| root.join(&p.image));
         let mut tmp = store.temp_file("export")?;

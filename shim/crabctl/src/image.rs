@@ -791,6 +791,7 @@ mod tests {
             fs_layers: vec![layer('1')],
             process: process.then(|| ProcessMeta { pids: vec![1, 9] }),
             created_at: "2026-01-01T00:00:00.000Z".into(),
+            volumes: Vec::new(),
         }
     }
 

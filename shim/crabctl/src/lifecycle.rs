@@ -5,7 +5,10 @@
 //! snapshot of it, and its task gets no stdio: its processes see /dev/null, like a detached
 //! `ctr run -d` without a log. The crab shim recognises the checkpoint in the rootfs.
 
-use std::time::Instant;
+use std::{
+    path::{Path, PathBuf},
+    time::Instant,
+};
 
 use containerd_client::services::v1::Container;
 use serde_json::Value;
@@ -70,6 +73,54 @@ pub struct RolledBack {
     /// Execs that were running and were ended with the old task.
     pub execs_ended: Vec<String>,
     pub phases: Phases,
+}
+
+/// A fork's tracked volumes are its own: each bind mount the shim would track gets a new, empty
+/// host directory under `dir` (the fork's store, so `crabctl prune` removes it with the
+/// store), which the shim fills with the checkpoint's contents at Create. Forks sharing the
+/// original's host directory would see (and overwrite) each other's files.
+pub fn own_volumes(mut record: Container, tracked: &[PathBuf], dir: &Path) -> Result<Container> {
+    let Some(spec) = record.spec.as_mut() else {
+        return Ok(record);
+    };
+    let mut value: Value = serde_json::from_slice(&spec.value).map_err(|e| {
+        CtlError::Refused(format!(
+            "container {}'s runtime spec is not JSON: {e}",
+            record.id
+        ))
+    })?;
+    let volumes = match serde_json::from_value(value.clone()) {
+        Ok(parsed) => crab_shim::sandbox::tracked_volumes(&parsed, tracked),
+        Err(e) => {
+            return Err(CtlError::Refused(format!(
+                "container {}'s runtime spec is not an OCI spec: {e}",
+                record.id
+            )))
+        }
+    };
+    if volumes.is_empty() {
+        return Ok(record);
+    }
+    let Some(mounts) = value["mounts"].as_array_mut() else {
+        return Ok(record);
+    };
+    for (i, (at, _)) in volumes.iter().enumerate() {
+        let own = dir.join(i.to_string());
+        std::fs::create_dir_all(&own).map_err(|e| CtlError::Io {
+            what: format!("creating {}", own.display()),
+            source: e,
+        })?;
+        // The last mount at that path is the one the container sees.
+        if let Some(m) = mounts
+            .iter_mut()
+            .rev()
+            .find(|m| m["destination"].as_str() == at.to_str())
+        {
+            m["source"] = Value::String(own.display().to_string());
+        }
+    }
+    spec.value = serde_json::to_vec(&value).expect("a JSON value serializes");
+    Ok(record)
 }
 
 /// The runtime spec of a container started from `from`'s record as `to`: a new id gets its
@@ -218,9 +269,16 @@ impl Ctl {
                         .filter_map(|e| e.file_name().into_string().ok()),
                 );
             }
+            let tracked = self
+                .config_for(&exported.container)?
+                .checkpoint
+                .tracked_volumes;
             let records = fork_ids(&existing, container, count)
                 .iter()
-                .map(|id| clone_record(&exported.container, id, &exported.reference))
+                .map(|id| {
+                    let record = clone_record(&exported.container, id, &exported.reference)?;
+                    own_volumes(record, &tracked, &stores.join(id).join("volumes"))
+                })
                 .collect::<Result<Vec<_>>>()?;
             let mut set = JoinSet::new();
             for record in records {

@@ -749,7 +749,9 @@ fn split_volumes(
                             true => {
                                 by_volume[i].insert(rel.to_path_buf());
                             }
-                            false => log::warn!("not a path below {}: {}", vol.display(), p.display()),
+                            false => {
+                                log::warn!("not a path below {}: {}", vol.display(), p.display())
+                            }
                         }
                         false
                     }
@@ -1297,7 +1299,10 @@ mod tests {
         s.co.submit("t1", &answer(1, Kind::Fs, &["/workspace/a", "/app/b"]));
         s.idle().await;
         // Then only its changes, relative to its root; none when it did not change.
-        s.co.submit("t2", &answer(2, Kind::Fs, &["/workspace/d/e", "/workspace"]));
+        s.co.submit(
+            "t2",
+            &answer(2, Kind::Fs, &["/workspace/d/e", "/workspace"]),
+        );
         s.idle().await;
         s.co.submit("t3", &answer(3, Kind::Fs, &["/app/c"]));
         s.idle().await;
@@ -1386,11 +1391,20 @@ mod tests {
             volumes,
             vec![
                 // `..` is never followed: left out of every tree.
-                VolumeChanges { at: "/w".into(), paths: set(&["", "a"]) },
+                VolumeChanges {
+                    at: "/w".into(),
+                    paths: set(&["", "a"])
+                },
                 // Not based yet: whole.
-                VolumeChanges { at: "/v".into(), paths: None },
+                VolumeChanges {
+                    at: "/v".into(),
+                    paths: None
+                },
                 // Nested: the longest path owns its changes.
-                VolumeChanges { at: "/w/n".into(), paths: set(&["x"]) },
+                VolumeChanges {
+                    at: "/w/n".into(),
+                    paths: set(&["x"])
+                },
             ]
         );
     }

@@ -181,14 +181,13 @@ pub fn write_fs_layer_with_volumes(
     let paths = plan(diff)?;
     let mut opened = Vec::with_capacity(volumes.len());
     for v in volumes {
-        let prefix: PathBuf = v
-            .at
-            .components()
-            .filter_map(|c| match c {
-                Component::Normal(n) => Some(n),
-                _ => None,
-            })
-            .collect();
+        let prefix: PathBuf =
+            v.at.components()
+                .filter_map(|c| match c {
+                    Component::Normal(n) => Some(n),
+                    _ => None,
+                })
+                .collect();
         if prefix.as_os_str().is_empty() || !v.at.is_absolute() {
             return Err(LayerError::InvalidPath(v.at.clone()));
         }

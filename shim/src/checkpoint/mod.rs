@@ -30,6 +30,7 @@ pub mod provenance;
 pub mod restore;
 pub mod store;
 mod tar;
+pub mod volumes;
 
 pub use self::{
     action::Action, coordinator::Coordinator, error::CheckpointError, jobs::ContainerCapture,

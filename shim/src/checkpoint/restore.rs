@@ -123,6 +123,11 @@ pub struct CheckpointMeta {
     pub process: Option<ProcessMeta>,
     #[serde(default)]
     pub created_at: String,
+    /// Tracked volumes (paths in the container) whose whole contents the layers hold below
+    /// those paths: a container restored from the image with a tracked volume there gets them
+    /// back in its host directory.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<PathBuf>,
 }
 
 impl CheckpointMeta {
