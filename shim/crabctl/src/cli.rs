@@ -26,6 +26,13 @@ container's records the newest running one. fork, rollback and recover refuse a 
 Kubernetes (the CRI would delete a task started behind its back): export the checkpoint and run a
 pod from that image with the crab runtime class instead.
 
+An id of lowercase hex digits (Docker's) may be shortened to a unique prefix, as Docker's short
+ids; a prefix several ids share is a usage error listing them. Docker runs its containers in the
+containerd namespace moby (-n moby): there CONTAINER may also be a Docker container name, asked of
+dockerd at $DOCKER_HOST (default unix:///var/run/docker.sock). fork, rollback and recover refuse a
+container dockerd owns: export it (with --output FILE for Docker's overlay2 storage, then `docker
+load -i FILE`) and `docker run --runtime io.containerd.crab.v1 REF`.
+
 T is a checkpoint's sequence number or turn id (see `checkpoints`); failed checkpoints are refused.
 Containers started by fork/rollback/recover get no stdio (/dev/null) and no terminal.
 Every command finds the container's store through its own runtime options (as its shim does)
@@ -149,6 +156,15 @@ pub enum Command {
         /// the checkpoint (sequence number or turn id)
         #[arg(long, value_name = "T")]
         turn: Option<String>,
+        /// the base layers and config from image BASE (in the same namespace) instead of
+        /// the container's image, or for a container without one (Docker's) its rootfs's
+        /// lower layers
+        #[arg(long, value_name = "BASE", value_parser = non_empty)]
+        base_image: Option<String>,
+        /// write the image as an archive FILE (OCI layout with Docker's manifest.json: `docker
+        /// load -i FILE`, `ctr images import FILE`) instead of into containerd
+        #[arg(long, short = 'o', value_name = "FILE")]
+        output: Option<PathBuf>,
     },
     /// Start N new containers CONTAINER-fork-<i> from checkpoint T, concurrently (same spec,
     /// runtime and options); prints their ids
@@ -249,6 +265,8 @@ pub enum Request {
         target: Target,
         turn: Option<String>,
         reference: String,
+        base_image: Option<String>,
+        output: Option<PathBuf>,
     },
     Fork {
         target: Target,
@@ -334,12 +352,20 @@ where
         Command::Checkpoints { target } => Request::Checkpoints {
             target: target.into_target(),
         },
-        Command::Export { args, pod, turn } => {
+        Command::Export {
+            args,
+            pod,
+            turn,
+            base_image,
+            output,
+        } => {
             let (target, [reference]) = split_target("export", "CONTAINER REF", args, pod)?;
             Request::Export {
                 target,
                 turn,
                 reference,
+                base_image,
+                output,
             }
         }
         Command::Fork { target, at, count } => Request::Fork {
@@ -499,6 +525,8 @@ mod tests {
                     target: id("c1"),
                     turn: None,
                     reference: s("localhost/x:1"),
+                    base_image: None,
+                    output: None,
                 },
             ),
             (
@@ -507,6 +535,8 @@ mod tests {
                     target: id("c1"),
                     turn: Some(s("t1")),
                     reference: s("localhost/x:1"),
+                    base_image: None,
+                    output: None,
                 },
             ),
             (
@@ -515,6 +545,8 @@ mod tests {
                     target: id("c1"),
                     turn: Some(s("t1")),
                     reference: s("localhost/x:1"),
+                    base_image: None,
+                    output: None,
                 },
             ),
             (
@@ -538,6 +570,26 @@ mod tests {
                 Request::Rollback {
                     target: id("c1"),
                     to: s("2"),
+                },
+            ),
+            (
+                "export 3f4e c1/x:1 --base-image busybox:1 -o /tmp/x.tar",
+                Request::Export {
+                    target: id("3f4e"),
+                    turn: None,
+                    reference: s("c1/x:1"),
+                    base_image: Some(s("busybox:1")),
+                    output: Some("/tmp/x.tar".into()),
+                },
+            ),
+            (
+                "-n moby export agent-1 --output x.tar localhost/x --turn 2",
+                Request::Export {
+                    target: id("agent-1"),
+                    turn: Some(s("2")),
+                    reference: s("localhost/x"),
+                    base_image: None,
+                    output: Some("x.tar".into()),
                 },
             ),
             ("recover c1", Request::Recover { target: id("c1") }),
@@ -596,6 +648,8 @@ mod tests {
                     target: agent(),
                     turn: Some(s("t1")),
                     reference: s("localhost/x:1"),
+                    base_image: None,
+                    output: None,
                 },
             ),
             (
@@ -662,6 +716,9 @@ mod tests {
             "fork c1 --at t1 --count many",
             "rollback c1",
             "engine --dry-run",
+            "export c1 x --base-image",
+            "export c1 x --base-image=",
+            "export c1 x --output",
             "--bogus turns c1",
             "--namespace x -A prune",
             "-A turns c1",
@@ -698,7 +755,15 @@ mod tests {
     #[test]
     fn help_documents_the_exit_statuses() {
         let help = Cli::command().render_long_help().to_string();
-        for needle in ["Exit status:", "3  not found", "4  refused", "--pod POD"] {
+        for needle in [
+            "Exit status:",
+            "3  not found",
+            "4  refused",
+            "--pod POD",
+            "namespace moby",
+            "DOCKER_HOST",
+            "a unique prefix",
+        ] {
             assert!(help.contains(needle), "{needle}: {help}");
         }
     }

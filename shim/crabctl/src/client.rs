@@ -247,6 +247,38 @@ impl Client {
         Ok(data)
     }
 
+    /// Streams blob `digest` into `out` (at its current position).
+    pub async fn read_blob_into(
+        &self,
+        digest: &str,
+        out: &mut std::fs::File,
+    ) -> Result<(), CtlError> {
+        use std::io::Write as _;
+        let op = || format!("Content.Read {digest}");
+        let mut stream = ContentClient::new(self.channel.clone())
+            .read(self.req(
+                ReadContentRequest {
+                    digest: digest.into(),
+                    offset: 0,
+                    size: 0,
+                },
+                None,
+            ))
+            .await
+            .map_err(grpc(op()))?
+            .into_inner();
+        while let Some(chunk) = stream.message().await.map_err(grpc(op()))? {
+            out.write_all(&chunk.data).map_err(|e| CtlError::Io {
+                what: format!("saving blob {digest}"),
+                source: e,
+            })?;
+        }
+        out.flush().map_err(|e| CtlError::Io {
+            what: format!("saving blob {digest}"),
+            source: e,
+        })
+    }
+
     /// Writes a blob into the content store under `lease` with containerd's streaming Write
     /// (stat, writes, commit with the expected digest and size, which containerd verifies).
     /// A blob that is already there is only added to the lease (containerd does that when a

@@ -8,6 +8,7 @@ use serde_json::Value;
 
 use crate::{
     cli::{Global, Request, Target},
+    export::ExportOptions,
     Client, Ctl, CtlError, Result,
 };
 
@@ -28,8 +29,19 @@ pub async fn run(g: &Global, request: Request) -> Result<()> {
         Request::Show { turn, .. } => show(g, container, &turn).await,
         Request::Checkpoints { .. } => checkpoints(g, container).await,
         Request::Export {
-            turn, reference, ..
-        } => export(g, container, turn.as_deref(), &reference).await,
+            turn,
+            reference,
+            base_image,
+            output,
+            ..
+        } => {
+            let options = ExportOptions {
+                turn,
+                base_image,
+                output,
+            };
+            export(g, container, &reference, &options).await
+        }
         Request::Fork { at, count, .. } => fork(g, container, &at, count).await,
         Request::Rollback { to, .. } => rollback(g, container, Some(&to)).await,
         Request::Recover { .. } => rollback(g, container, None).await,
@@ -42,10 +54,25 @@ pub async fn run(g: &Global, request: Request) -> Result<()> {
 /// The id of the container `target` names; a note about the choice goes to stderr.
 async fn resolve(g: &Global, target: &Target) -> Result<String> {
     let target = match target {
-        Target::Id(id) => return Ok(id.clone()),
+        Target::Id(id) => return resolve_id(g, id).await,
         Target::Pod(target) => target,
     };
     let resolved = ctl(g).await?.resolve_pod_container(target).await?;
+    if let Some(note) = &resolved.note {
+        eprintln!("crabctl: {note}");
+    }
+    Ok(resolved.id)
+}
+
+/// The container `arg` stands for (an id, a unique id prefix, a Docker name: see
+/// [`crate::resolve`]). Without containerd, `arg` as given: the commands that read a store
+/// with --config need none, the others say containerd is unreachable.
+async fn resolve_id(g: &Global, arg: &str) -> Result<String> {
+    let Ok(ctl) = ctl(g).await else {
+        return Ok(arg.to_string());
+    };
+    let docker_host = std::env::var("DOCKER_HOST").ok();
+    let resolved = ctl.resolve_id(arg, docker_host.as_deref()).await?;
     if let Some(note) = &resolved.note {
         eprintln!("crabctl: {note}");
     }
@@ -88,8 +115,13 @@ async fn sandbox_dir(g: &Global, container: &str) -> Result<PathBuf> {
     }
 }
 
-async fn export(g: &Global, container: &str, turn: Option<&str>, reference: &str) -> Result<()> {
-    let exported = ctl(g).await?.export(container, turn, reference).await?;
+async fn export(
+    g: &Global,
+    container: &str,
+    reference: &str,
+    options: &ExportOptions,
+) -> Result<()> {
+    let exported = ctl(g).await?.export(container, reference, options).await?;
     println!("exported {}", exported.summary());
     Ok(())
 }

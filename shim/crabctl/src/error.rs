@@ -7,7 +7,7 @@
 //! |---|---|
 //! | 0 | success |
 //! | 1 | failed: anything else (containerd unreachable, I/O, a corrupt store, a step that broke) |
-//! | 2 | usage error: the command line does not parse (clap's status) |
+//! | 2 | usage error: the command line does not parse (clap's status), or names a container ambiguously |
 //! | 3 | not found: the container, pod, checkpoint, turn or store named does not exist |
 //! | 4 | refused: the request cannot be done as asked (a failed checkpoint, a pod's container for fork/rollback/recover, a container the shim does not inspect, an untrusted image, a bad config) |
 
@@ -29,7 +29,8 @@ pub const EXIT_CODES_HELP: &str = "\
 Exit status:
   0  success
   1  failed: anything else (containerd unreachable, I/O, a corrupt store, a step that broke)
-  2  usage error: the command line does not parse
+  2  usage error: the command line does not parse, or names a container ambiguously
+     (an id prefix several containers share)
   3  not found: the container, pod, checkpoint, turn or store named does not exist
   4  refused: the request cannot be done as asked (a failed checkpoint, a pod's container for
      fork/rollback/recover, a container the shim does not inspect, an untrusted or unusable
@@ -44,6 +45,8 @@ pub enum ErrorKind {
     NotFound,
     /// The request is well-formed but cannot be done as asked.
     Refused,
+    /// The command line names something ambiguously (clap's own usage errors exit alike).
+    Usage,
 }
 
 impl ErrorKind {
@@ -53,6 +56,7 @@ impl ErrorKind {
             ErrorKind::Failed => 1,
             ErrorKind::NotFound => 3,
             ErrorKind::Refused => 4,
+            ErrorKind::Usage => EXIT_USAGE,
         }
     }
 }
@@ -71,6 +75,12 @@ pub enum CtlError {
     NoContainer {
         namespace: String,
         container: String,
+    },
+    #[error("{prefix} is ambiguous in namespace {namespace}: it begins the ids of {} (give more of the id)", .candidates.join(", "))]
+    Ambiguous {
+        namespace: String,
+        prefix: String,
+        candidates: Vec<String>,
     },
     #[error("{container} has no checkpoint store at {path} (is it run by the crab runtime, with this state_dir? --config names the config whose state_dir holds it)")]
     NoStore { container: String, path: PathBuf },
@@ -180,6 +190,7 @@ impl CtlError {
             | CtlError::NoRecoveryPoint { .. }
             | CtlError::NoTurns { .. }
             | CtlError::NoTurn { .. } => NotFound,
+            CtlError::Ambiguous { .. } => Usage,
             CtlError::FailedCheckpoint { .. }
             | CtlError::BadImage(..)
             | CtlError::BaseMismatch { .. }
@@ -235,10 +246,15 @@ mod tests {
 
     #[test]
     fn each_kind_has_its_own_documented_status() {
-        let codes =
-            [ErrorKind::Failed, ErrorKind::NotFound, ErrorKind::Refused].map(ErrorKind::exit_code);
-        assert_eq!(codes, [1, 3, 4]);
-        for code in codes.iter().chain([&0, &EXIT_USAGE]) {
+        let codes = [
+            ErrorKind::Failed,
+            ErrorKind::NotFound,
+            ErrorKind::Refused,
+            ErrorKind::Usage,
+        ]
+        .map(ErrorKind::exit_code);
+        assert_eq!(codes, [1, 3, 4, EXIT_USAGE]);
+        for code in codes.iter().chain([&0]) {
             assert!(
                 EXIT_CODES_HELP.contains(&format!("\n  {code}  ")),
                 "{code} is not documented:\n{EXIT_CODES_HELP}"

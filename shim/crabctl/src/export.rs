@@ -1,10 +1,22 @@
-//! `crabctl export`: a checkpoint of a container's store as an OCI image in containerd.
+//! `crabctl export`: a checkpoint of a container's store as an OCI image in containerd or in
+//! an image archive file ([`super::archive`]). The image's base is the container's image, an
+//! image named with `--base-image`, or for a container without one (dockerd mounts its rootfs
+//! itself) the lower layers of its rootfs overlay read into layers ([`super::rootfs`]); its
+//! config runs the container's process ([`image::set_process`]).
 
-use std::{collections::HashMap, io::Write, time::Instant};
+use std::{
+    collections::HashMap,
+    io::{Seek, Write},
+    path::{Path, PathBuf},
+    time::Instant,
+};
 
 use containerd_client::services::v1::Container;
 
+use serde_json::Value;
+
 use super::{
+    archive,
     client::{BlobData, Lease},
     image::{
         self, base_of, CheckpointImage, CriuSource, OciDescriptor, Provenance, LABEL_BASE_LAYERS,
@@ -13,16 +25,19 @@ use super::{
     Ctl, CtlError, Result,
 };
 use crab_shim::checkpoint::{
+    layer::{write_tree_tar, LayerOptions},
     provenance,
     restore::{CheckpointMeta, ProcessMeta, Source, META_FORMAT},
-    store::{CheckpointKind, Manifest, Store},
+    store::{CheckpointKind, Manifest, Store, TempFile},
 };
 
 /// What an export produced.
 #[derive(Debug, Clone)]
 pub struct Exported {
-    /// The image record's name.
+    /// The image's name (of its record in containerd, or in the archive).
     pub reference: String,
+    /// The archive file written instead of an image in containerd.
+    pub output: Option<PathBuf>,
     pub source: Source,
     pub kind: CheckpointKind,
     pub image: CheckpointImage,
@@ -38,13 +53,17 @@ impl Exported {
         let s = &self.source;
         let layers = self.image.layers.len();
         format!(
-            "{}/{} checkpoint {} (turn {:?}, {}) as {}: {} layers ({} base, {} fs, 1 checkpoint{}), manifest {}, {:.0} ms",
+            "{}/{} checkpoint {} (turn {:?}, {}) as {}{}: {} layers ({} base, {} fs, 1 checkpoint{}), manifest {}, {:.0} ms",
             s.namespace,
             s.container,
             s.seq,
             s.turn_id,
             format!("{:?}", self.kind).to_lowercase(),
             self.reference,
+            match &self.output {
+                Some(path) => format!(" in {}", path.display()),
+                None => String::new(),
+            },
             layers,
             self.image.base_layers,
             layers - self.image.base_layers - 1,
@@ -156,18 +175,51 @@ pub fn internal_reference(namespace: &str, container: &str, seq: u64) -> String 
     )
 }
 
+/// How an export is done, beyond the image's name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExportOptions {
+    /// The checkpoint (sequence number or turn id); default: the newest recovery point.
+    pub turn: Option<String>,
+    /// The base layers and config from this image (in the container's namespace) instead of
+    /// the container's image, or its rootfs's lower layers when it has none.
+    pub base_image: Option<String>,
+    /// Write an image archive here (`docker load`-able) instead of the image into containerd.
+    pub output: Option<PathBuf>,
+}
+
+/// The blobs of an export that are files here (the store's layers, layers built from a
+/// rootfs, downloads for an archive), by digest; temporary ones are removed on drop.
+#[derive(Default)]
+struct LocalBlobs {
+    files: HashMap<String, PathBuf>,
+    temps: Vec<TempFile>,
+}
+
+impl LocalBlobs {
+    fn add_temp(&mut self, digest: &str, file: TempFile) {
+        self.files
+            .insert(digest.to_string(), file.path().to_path_buf());
+        self.temps.push(file);
+    }
+}
+
+/// The spec of `record` as JSON, if it has one.
+fn spec_of(record: &Container) -> Option<Value> {
+    serde_json::from_slice(&record.spec.as_ref()?.value).ok()
+}
+
 impl Ctl {
-    /// Exports checkpoint `turn` (default: the newest recovery point) of `container` as
-    /// image `reference`.
+    /// Exports checkpoint `options.turn` (default: the newest recovery point) of `container`
+    /// as image `reference`, into containerd or (`options.output`) an archive file.
     pub async fn export(
         &self,
         container: &str,
-        turn: Option<&str>,
         reference: &str,
+        options: &ExportOptions,
     ) -> Result<Exported> {
         let lease = self.client.create_lease().await?;
         let r = self
-            .export_leased(&lease, container, turn, Some(reference))
+            .export_leased(&lease, container, Some(reference), options)
             .await;
         self.client.delete_lease(lease).await;
         r
@@ -179,14 +231,16 @@ impl Ctl {
         &self,
         lease: &Lease,
         container: &str,
-        turn: Option<&str>,
         reference: Option<&str>,
+        options: &ExportOptions,
     ) -> Result<Exported> {
         let start = Instant::now();
+        let turn = options.turn.as_deref();
         let record = self.container(container).await?;
         let root = self.store_root(&record)?;
+        let config = self.config_for(&record)?;
         // The key the container's shim trusts as this host's (generated on first use).
-        let signer = provenance::signing_key(&self.config_for(&record)?.signing_key_path())?;
+        let signer = provenance::signing_key(&config.signing_key_path())?;
         let store = Store::open(&root)?;
         let manifests = store.list()?;
         let m = select_checkpoint(container, &manifests, turn)?.clone();
@@ -206,23 +260,39 @@ impl Ctl {
             .map(str::to_string)
             .unwrap_or_else(|| internal_reference(self.namespace(), container, m.seq));
 
-        let base = self.base_of(&record).await?;
-        for layer in &base.layers {
-            self.client.lease_content(lease, &layer.digest).await?;
+        let mut local = LocalBlobs::default();
+        let layer_options = LayerOptions {
+            max_bytes: config.limits.max_layer_bytes,
+            max_depth: config.limits.max_walk_depth,
+            ..LayerOptions::default()
+        };
+        let mut base = self
+            .base_for(
+                &record,
+                &root,
+                &store,
+                options.base_image.as_deref(),
+                layer_options,
+                &mut local,
+            )
+            .await?;
+        if let Some(spec) = spec_of(&record) {
+            image::set_process(&mut base.config, &spec);
         }
+        // Layers only in containerd's content store (a base image's, a store's layer that
+        // was moved there).
+        let mut in_content: Vec<String> = base
+            .layers
+            .iter()
+            .filter(|l| !local.files.contains_key(&l.digest))
+            .map(|l| l.digest.clone())
+            .collect();
         for layer in &m.fs_layers {
             let path = store.blob_path(&layer.digest);
             if path.is_file() {
-                self.client
-                    .write_blob(
-                        lease,
-                        &OciDescriptor::from(layer),
-                        BlobData::File(&path),
-                        HashMap::new(),
-                    )
-                    .await?;
+                local.files.insert(layer.digest.clone(), path);
             } else if self.client.content_info(&layer.digest).await?.is_some() {
-                self.client.lease_content(lease, &layer.digest).await?;
+                in_content.push(layer.digest.clone());
             } else {
                 return Err(CtlError::MissingLayer {
                     digest: layer.digest.clone(),
@@ -265,15 +335,7 @@ impl Ctl {
         })
         .await
         .map_err(|e| CtlError::Failed(format!("building the checkpoint layer: {e}")))??;
-        self.client
-            .write_blob(
-                lease,
-                &OciDescriptor::new(MEDIA_TYPE_LAYER_ZSTD, &layer.digest, layer.size),
-                BlobData::File(tmp.path()),
-                HashMap::new(),
-            )
-            .await?;
-        drop(tmp);
+        local.add_temp(&layer.digest, tmp);
 
         let source_label = format!("{}/{}@{}", source.namespace, source.container, source.seq);
         let built = image::build(
@@ -286,44 +348,44 @@ impl Ctl {
                 created: &m.created_at,
             },
         );
-        let config_desc = OciDescriptor::new(
-            image::MEDIA_TYPE_CONFIG,
-            &built.config_digest(),
-            built.config.len() as u64,
-        );
-        self.client
-            .write_blob(
-                lease,
-                &config_desc,
-                BlobData::Bytes(&built.config),
-                HashMap::new(),
-            )
-            .await?;
-        let manifest_desc = OciDescriptor::new(
-            MEDIA_TYPE_MANIFEST,
-            &built.manifest_digest(),
-            built.manifest.len() as u64,
-        );
-        self.client
-            .write_blob(
-                lease,
-                &manifest_desc,
-                BlobData::Bytes(&built.manifest),
-                built.manifest_gc_labels(),
-            )
-            .await?;
-        self.client
-            .put_image(
-                &reference,
-                &manifest_desc,
-                HashMap::from([
-                    (LABEL_SOURCE.to_string(), source_label.clone()),
-                    (LABEL_BASE_LAYERS.to_string(), built.base_layers.to_string()),
-                ]),
-            )
-            .await?;
+        match &options.output {
+            None => {
+                self.upload(
+                    lease,
+                    &reference,
+                    &built,
+                    &local,
+                    &in_content,
+                    &source_label,
+                )
+                .await?
+            }
+            Some(path) => {
+                for digest in &in_content {
+                    if local.files.contains_key(digest) {
+                        continue;
+                    }
+                    let mut download = store.temp_file("download")?;
+                    self.client.read_blob_into(digest, download.file()).await?;
+                    local.add_temp(digest, download);
+                }
+                let (path, reference, image) = (path.clone(), reference.clone(), built.clone());
+                let files = local.files.clone();
+                tokio::task::spawn_blocking(move || {
+                    let blob = |d: &str| files.get(d).map(|p| archive::Blob::File(p.as_path()));
+                    archive::write(&path, &reference, &image, &blob).map_err(|e| CtlError::Io {
+                        what: format!("writing the image archive {}", path.display()),
+                        source: e,
+                    })
+                })
+                .await
+                .map_err(|e| CtlError::Failed(format!("writing the image archive: {e}")))??;
+            }
+        }
+        drop(local);
         Ok(Exported {
             reference,
+            output: options.output.clone(),
             source,
             kind: m.kind,
             with_process: m.process.is_some(),
@@ -331,6 +393,143 @@ impl Ctl {
             container: record,
             elapsed_ms: start.elapsed().as_secs_f64() * 1000.0,
         })
+    }
+
+    /// Writes `image` into containerd as `reference`: its layers from `local` files or (those
+    /// in `in_content`) already in the content store, its config and manifest.
+    async fn upload(
+        &self,
+        lease: &Lease,
+        reference: &str,
+        image: &CheckpointImage,
+        local: &LocalBlobs,
+        in_content: &[String],
+        source_label: &str,
+    ) -> Result<()> {
+        for digest in in_content {
+            self.client.lease_content(lease, digest).await?;
+        }
+        for layer in &image.layers {
+            if let Some(path) = local.files.get(&layer.digest) {
+                self.client
+                    .write_blob(lease, layer, BlobData::File(path), HashMap::new())
+                    .await?;
+            }
+        }
+        let config_desc = OciDescriptor::new(
+            image::MEDIA_TYPE_CONFIG,
+            &image.config_digest(),
+            image.config.len() as u64,
+        );
+        self.client
+            .write_blob(
+                lease,
+                &config_desc,
+                BlobData::Bytes(&image.config),
+                HashMap::new(),
+            )
+            .await?;
+        let manifest_desc = OciDescriptor::new(
+            MEDIA_TYPE_MANIFEST,
+            &image.manifest_digest(),
+            image.manifest.len() as u64,
+        );
+        self.client
+            .write_blob(
+                lease,
+                &manifest_desc,
+                BlobData::Bytes(&image.manifest),
+                image.manifest_gc_labels(),
+            )
+            .await?;
+        self.client
+            .put_image(
+                reference,
+                &manifest_desc,
+                HashMap::from([
+                    (LABEL_SOURCE.to_string(), source_label.to_string()),
+                    (LABEL_BASE_LAYERS.to_string(), image.base_layers.to_string()),
+                ]),
+            )
+            .await
+    }
+
+    /// The base of a checkpoint image of `record`: image `base_image` if given, else the
+    /// container's image ([`Ctl::base_of`]), else (a rootfs the caller mounted: Docker's) the
+    /// lower layers of its rootfs overlay, each read into a layer here (into `local`).
+    async fn base_for(
+        &self,
+        record: &Container,
+        store_dir: &Path,
+        store: &Store,
+        base_image: Option<&str>,
+        layer_options: LayerOptions,
+        local: &mut LocalBlobs,
+    ) -> Result<image::Base> {
+        if let Some(name) = base_image {
+            let (manifest, config) = self.client.manifest_and_config(name).await?;
+            return Ok(base_of(&manifest, &config)?);
+        }
+        if !record.image.is_empty() {
+            return self.base_of(record).await;
+        }
+        let spec = spec_of(record).unwrap_or_default();
+        let root_path = spec["root"]["path"].as_str().map(PathBuf::from);
+        let overlay = crate::rootfs::resolve(store_dir, root_path.as_deref()).map_err(|e| {
+            CtlError::Refused(format!(
+                "container {} has no image, and the layers of its rootfs cannot be read: {e} \
+                 (--base-image REF names an image of this namespace to build on instead)",
+                record.id
+            ))
+        })?;
+        let mut layers = Vec::with_capacity(overlay.lowerdirs.len());
+        // Image layers go bottom first; overlay lowers are listed top first.
+        for lower in overlay.lowerdirs.iter().rev() {
+            let tar = store.temp_file("base.tar")?;
+            let mut blob = store.temp_file("base.tar.zst")?;
+            let io_err = |path: &Path| {
+                let path = path.to_path_buf();
+                move |e: std::io::Error| CtlError::Io {
+                    what: format!("writing {}", path.display()),
+                    source: e,
+                }
+            };
+            let tar_file = tar.path().to_path_buf();
+            let out = blob.file().try_clone().map_err(io_err(blob.path()))?;
+            let blob_path = blob.path().to_path_buf();
+            let dir = lower.clone();
+            let opts = LayerOptions {
+                xattrs: overlay.xattrs,
+                ..layer_options
+            };
+            let written = tokio::task::spawn_blocking(move || {
+                let mut tar = tar;
+                let file = tar.file().try_clone().map_err(io_err(&tar_file))?;
+                write_tree_tar(&dir, file, &tar_file, &opts).map_err(|e| {
+                    CtlError::Failed(format!("reading the rootfs layer {}: {e}", dir.display()))
+                })?;
+                tar.file().rewind().map_err(io_err(&tar_file))?;
+                let mut out = std::io::BufWriter::new(out);
+                let blob = image::compress_layer(std::io::BufReader::new(tar.file()), &mut out)
+                    .and_then(|b| out.flush().map(|()| b))
+                    .map_err(io_err(&blob_path))?;
+                Ok::<_, CtlError>(blob)
+            })
+            .await
+            .map_err(|e| CtlError::Failed(format!("reading the rootfs layers: {e}")))??;
+            local.add_temp(&written.digest, blob);
+            layers.push((
+                OciDescriptor::new(MEDIA_TYPE_LAYER_ZSTD, &written.digest, written.size),
+                written.diff_id,
+            ));
+        }
+        log::info!(
+            "{}: {} base layers from {}",
+            record.id,
+            layers.len(),
+            overlay.found_in
+        );
+        Ok(image::rootfs_base(layers))
     }
 
     /// The base of a checkpoint image of `record`: its image's layers and config (without

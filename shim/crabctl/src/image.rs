@@ -314,6 +314,99 @@ pub fn build(
     }
 }
 
+/// Sets the image config's process to the container's (its runtime spec `spec`), so that an
+/// image run without a command (`docker run IMG`, `ctr run IMG ID`) starts what the container
+/// ran, even when the base image had no `Cmd`: `Cmd` is the spec's `process.args` (after the
+/// base's `Entrypoint` when the args begin with it, else the `Entrypoint` is dropped), `Env`
+/// the spec's environment without the `HOSTNAME=<hostname>` the runtime sets for each
+/// container, `WorkingDir` its `cwd`. A spec without args leaves the config as it is.
+pub fn set_process(config: &mut Value, spec: &Value) {
+    let strings = |v: &Value| -> Option<Vec<String>> {
+        v.as_array()?
+            .iter()
+            .map(|s| s.as_str().map(str::to_string))
+            .collect()
+    };
+    let process = &spec["process"];
+    let Some(args) = strings(&process["args"]).filter(|a| !a.is_empty()) else {
+        return;
+    };
+    if !config.is_object() {
+        *config = json!({});
+    }
+    if !config["config"].is_object() {
+        config["config"] = json!({});
+    }
+    let c = &mut config["config"];
+    let entrypoint = strings(&c["Entrypoint"]).unwrap_or_default();
+    if !entrypoint.is_empty() && args.starts_with(&entrypoint) {
+        c["Cmd"] = json!(args[entrypoint.len()..]);
+    } else {
+        c["Entrypoint"] = Value::Null;
+        c["Cmd"] = json!(args);
+    }
+    if let Some(env) = strings(&process["env"]) {
+        let own_hostname = spec["hostname"]
+            .as_str()
+            .filter(|h| !h.is_empty())
+            .map(|h| format!("HOSTNAME={h}"));
+        let env: Vec<String> = env
+            .into_iter()
+            .filter(|e| Some(e) != own_hostname.as_ref())
+            .collect();
+        c["Env"] = json!(env);
+    }
+    if let Some(cwd) = process["cwd"].as_str().filter(|d| d.starts_with('/')) {
+        c["WorkingDir"] = json!(cwd);
+    }
+}
+
+/// The base of a checkpoint image of a container without an image: `layers` (bottom first,
+/// with their diff ids) read from its rootfs, and a config holding nothing else.
+pub fn rootfs_base(layers: Vec<(OciDescriptor, String)>) -> Base {
+    let (os, arch) = host_platform();
+    let n = layers.len();
+    let history: Vec<Value> = (1..=n)
+        .map(|i| json!({"created_by": format!("crab: layer {i} of {n} of the container's rootfs")}))
+        .collect();
+    let (layers, diff_ids): (Vec<_>, Vec<_>) = layers.into_iter().unzip();
+    Base {
+        config: json!({
+            "architecture": arch,
+            "os": os,
+            "config": {},
+            "rootfs": {"type": "layers", "diff_ids": diff_ids},
+            "history": history,
+        }),
+        layers,
+        diff_ids,
+    }
+}
+
+/// Compresses the tar `input` into a zstd layer blob written to `out`.
+pub fn compress_layer(mut input: impl Read, out: impl Write) -> io::Result<LayerBlob> {
+    let mut encoder = zstd::stream::write::Encoder::new(Hashing::new(out), ZSTD_LEVEL)?;
+    let mut diff = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = match input.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        diff.update(&buf[..n]);
+        encoder.write_all(&buf[..n])?;
+    }
+    let mut hashing = encoder.finish()?;
+    hashing.flush()?;
+    Ok(LayerBlob {
+        digest: digest_string(hashing.hash),
+        diff_id: digest_string(diff),
+        size: hashing.len,
+    })
+}
+
 /// OCI chain ids of every prefix: chain(0) = diff(0); chain(n) = sha256(chain(n-1) + " " + diff(n)).
 pub fn chain_ids(diff_ids: &[String]) -> Vec<String> {
     let mut out: Vec<String> = Vec::with_capacity(diff_ids.len());
@@ -769,6 +862,92 @@ mod tests {
         ]});
         assert_eq!(pick_manifest(&index).unwrap().digest, hexd('2'));
         assert!(pick_manifest(&json!({"manifests": []})).is_err());
+    }
+
+    #[test]
+    fn the_config_runs_the_containers_process() {
+        let spec = json!({
+            "hostname": "3f4e2b0c9d1a",
+            "process": {
+                "args": ["/init", "sleep", "infinity"],
+                "env": ["PATH=/bin", "HOSTNAME=3f4e2b0c9d1a", "A=1", "HOSTNAME=other"],
+                "cwd": "/work",
+            },
+        });
+        // The base's Entrypoint begins the args: kept, Cmd the rest.
+        let (_, mut config) = agent_image();
+        set_process(&mut config, &spec);
+        let c = &config["config"];
+        assert_eq!(c["Entrypoint"], json!(["/init"]));
+        assert_eq!(c["Cmd"], json!(["sleep", "infinity"]));
+        assert_eq!(c["Env"], json!(["PATH=/bin", "A=1", "HOSTNAME=other"]));
+        assert_eq!(c["WorkingDir"], "/work");
+        assert_eq!(c["User"], "1000", "the rest stays");
+        // Another Entrypoint is dropped: the args alone are the command.
+        let mut other = spec.clone();
+        other["process"]["args"] = json!(["python3", "-m", "http.server"]);
+        let (_, mut config) = agent_image();
+        set_process(&mut config, &other);
+        assert_eq!(config["config"]["Entrypoint"], Value::Null);
+        assert_eq!(config["config"]["Cmd"], other["process"]["args"]);
+        // A base without any process settings (a rootfs base: Docker's) gets them all.
+        let mut bare = rootfs_base(vec![]).config;
+        set_process(&mut bare, &spec);
+        assert_eq!(bare["config"]["Cmd"], spec["process"]["args"]);
+        assert_eq!(bare["config"]["Entrypoint"], Value::Null);
+        let mut not_object = json!("x");
+        set_process(&mut not_object, &spec);
+        assert_eq!(not_object["config"]["WorkingDir"], "/work");
+        // A spec without args (or none) changes nothing; junk is ignored, never a panic.
+        for junk in [
+            json!({}),
+            json!({"process": {"args": []}}),
+            json!({"process": {"args": [1, 2]}}),
+            json!({"process": "x"}),
+            json!([1]),
+        ] {
+            let (_, mut config) = agent_image();
+            let before = config.clone();
+            set_process(&mut config, &junk);
+            assert_eq!(config, before, "{junk}");
+        }
+        let mut odd = spec.clone();
+        odd["process"]["cwd"] = json!("relative");
+        odd["process"]["env"] = json!("PATH=/x");
+        let (_, mut config) = agent_image();
+        set_process(&mut config, &odd);
+        assert_eq!(config["config"]["WorkingDir"], "/app");
+        assert_eq!(config["config"]["Env"], json!(["PATH=/usr/bin"]));
+    }
+
+    #[test]
+    fn a_rootfs_base_and_its_compressed_layers() {
+        let tar = b"not really a tar, but bytes".repeat(100);
+        let mut out = Vec::new();
+        let blob = compress_layer(&tar[..], &mut out).unwrap();
+        assert_eq!(blob.size, out.len() as u64);
+        assert_eq!(blob.digest, sha256_of(&out));
+        assert_eq!(blob.diff_id, sha256_of(&tar));
+        assert_eq!(zstd::decode_all(&out[..]).unwrap(), tar);
+        let base_layer = |c: char| {
+            (
+                OciDescriptor::new(MEDIA_TYPE_LAYER_ZSTD, &hexd(c), 5),
+                hexd(c.to_ascii_uppercase()),
+            )
+        };
+        let base = rootfs_base(vec![base_layer('1'), base_layer('2')]);
+        assert_eq!(base.layers.len(), 2);
+        assert_eq!(base.config["rootfs"]["diff_ids"], json!(base.diff_ids));
+        assert_eq!(base.config["history"].as_array().unwrap().len(), 2);
+        assert_eq!(base.config["os"], "linux");
+        // A checkpoint image on it is a valid base again (history and layers agree).
+        let img = build(&base, &[layer('3')], &checkpoint_blob(), &provenance());
+        let again = base_of(
+            &serde_json::from_slice(&img.manifest).unwrap(),
+            &serde_json::from_slice(&img.config).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(again.layers, base.layers);
     }
 
     #[test]

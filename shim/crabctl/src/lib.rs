@@ -11,23 +11,31 @@
 //! - [`client`]: the containerd API calls (leases, content, images, snapshots and the differ,
 //!   containers, tasks);
 //! - [`export`]: choosing a checkpoint in a container's store and exporting it;
+//! - [`archive`]: an exported image as an image archive file (`docker load`-able);
+//! - [`rootfs`]: the overlay layers of a rootfs the caller mounted (Docker's), for its base;
 //! - [`lifecycle`]: unpacking it and starting containers from it;
 //! - [`pod`]: a Kubernetes pod's container by pod and container name (CRI records);
+//! - [`resolve`]: CONTAINER as spelled: an id, a unique id prefix, a Docker container name;
+//! - [`docker`]: the containers dockerd owns, and dockerd's names for them (its API);
 //! - [`prune`]: removing the stores and internal images of containers that are gone.
 //!
 //! Every operation first does everything that can fail without touching the source container
 //! (read the store, write the image, unpack it), so bad input leaves nothing behind; content
 //! and snapshots are written under a lease until an image or a container references them.
 
+pub mod archive;
 pub mod cli;
 pub mod client;
 pub mod commands;
+pub mod docker;
 pub mod error;
 pub mod export;
 pub mod image;
 pub mod lifecycle;
 pub mod pod;
 pub mod prune;
+pub mod resolve;
+pub mod rootfs;
 
 use std::path::{Path, PathBuf};
 
@@ -37,7 +45,7 @@ use crab_runtime_config::Config;
 pub use self::{
     client::Client,
     error::{CtlError, ErrorKind, Result},
-    export::{select_checkpoint, Exported},
+    export::{select_checkpoint, ExportOptions, Exported},
     lifecycle::{clone_spec, Forked, Phases, Restarted, RolledBack},
     pod::{PodContainer, PodError, Resolved},
 };

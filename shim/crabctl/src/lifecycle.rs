@@ -215,6 +215,21 @@ async fn start_from(
 }
 
 impl Ctl {
+    /// Refuses `op` (fork, rollback, recovery) of a container another manager owns and would
+    /// fight over: a Kubernetes pod's ([`super::pod::refuse_cri`]) or dockerd's
+    /// ([`super::docker::refusal`]).
+    fn refuse_managed(&self, record: &Container, op: &str) -> Result<()> {
+        super::pod::refuse_cri(record, op)?;
+        if super::docker::is_docker_owned(record, self.namespace()) {
+            return Err(CtlError::Refused(super::docker::refusal(
+                &record.id,
+                self.namespace(),
+                op,
+            )));
+        }
+        Ok(())
+    }
+
     /// Exports checkpoint `turn` of `container` under its internal name and unpacks it;
     /// returns it with the snapshot to start containers on.
     async fn prepare_checkpoint(
@@ -223,7 +238,11 @@ impl Ctl {
         container: &str,
         turn: Option<&str>,
     ) -> Result<(Exported, String)> {
-        let exported = self.export_leased(lease, container, turn, None).await?;
+        let options = super::export::ExportOptions {
+            turn: turn.map(str::to_string),
+            ..Default::default()
+        };
+        let exported = self.export_leased(lease, container, None, &options).await?;
         let top = self
             .client
             .unpack(lease, &exported.container.snapshotter, &exported.image)
@@ -240,7 +259,7 @@ impl Ctl {
             ));
         }
         let start = Instant::now();
-        super::pod::refuse_cri(&self.container(container).await?, "fork")?;
+        self.refuse_managed(&self.container(container).await?, "fork")?;
         let lease = self.client.create_lease().await?;
         let r = async {
             let (exported, top) = self.prepare_checkpoint(&lease, container, Some(at)).await?;
@@ -368,7 +387,7 @@ impl Ctl {
     pub async fn rollback(&self, container: &str, to: Option<&str>) -> Result<RolledBack> {
         let start = Instant::now();
         let op = if to.is_some() { "rollback" } else { "recovery" };
-        super::pod::refuse_cri(&self.container(container).await?, op)?;
+        self.refuse_managed(&self.container(container).await?, op)?;
         let lease = self.client.create_lease().await?;
         let r = async {
             let (exported, top) = self.prepare_checkpoint(&lease, container, to).await?;

@@ -221,6 +221,25 @@ impl<'a> Capture<'a> {
         Ok(())
     }
 
+    /// Captures the whole tree (an overlay layer directory: whiteouts and opaque directories
+    /// as an upperdir holds them), without an entry for the root itself; an opaque root
+    /// becomes `.wh..wh..opq` at the top.
+    pub fn run_tree(&mut self) -> Result<(), LayerError> {
+        let fd = self
+            .upper
+            .try_clone()
+            .map_err(|e| LayerError::upper("dup", self.upperdir, e))?;
+        let xattrs = Xattrs::read(&xattr::Target::Fd(fd.as_raw_fd()), self.opts.xattrs)
+            .map_err(|e| LayerError::upper("xattrs", self.upperdir, e))?;
+        if xattrs.opaque {
+            self.tar.append(&TarEntry::whiteout(&child_name(
+                Path::new(""),
+                OPAQUE_MARKER,
+            )))?;
+        }
+        self.whole_subtree(fd, Path::new(""))
+    }
+
     /// Directory fd of upperdir-relative `parent`, opened component by component without
     /// following symlinks; `None` if some component is missing or not a directory.
     fn parent_fd(&mut self, parent: &Path) -> Result<Option<RawFd>, LayerError> {

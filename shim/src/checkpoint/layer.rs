@@ -260,6 +260,28 @@ pub fn write_fs_layer_with_volumes(
     Ok((desc, stats))
 }
 
+/// Writes the whole tree of `dir`, an overlay layer directory (a lowerdir or upperdir: its
+/// whiteouts and opaque directories become their OCI forms), as an uncompressed tar into
+/// `out` (at `out_path`, for errors), within `opts`; returns its entries and bytes. Nothing is
+/// frozen: the directory must not change meanwhile (an overlay's lower layers never do).
+pub fn write_tree_tar(
+    dir: &Path,
+    out: std::fs::File,
+    out_path: &Path,
+    opts: &LayerOptions,
+) -> Result<(u64, u64), LayerError> {
+    let upper = capture::open_upper(dir)?;
+    let tar = TarWriter::new(
+        BufWriter::with_capacity(1 << 20, out),
+        out_path.to_path_buf(),
+    );
+    let mut capture = Capture::new(upper, dir, tar, *opts);
+    capture.run_tree()?;
+    let mut tar = capture.into_tar();
+    let entries = tar.entries();
+    Ok((entries, tar.finish()?))
+}
+
 /// Upperdir-relative paths to capture, in path order (parents first, each subtree contiguous).
 fn plan(diff: &FsDiffPaths<'_>) -> Result<BTreeSet<PathBuf>, LayerError> {
     let mut out = BTreeSet::new();
@@ -1498,5 +1520,74 @@ mod tests {
                 ms(med.total)
             );
         }
+    }
+
+    #[test]
+    fn a_whole_layer_directory_becomes_a_tar_with_its_whiteouts_and_opaque_dirs() {
+        let o = Overlay::new(|lower| {
+            fs::create_dir_all(lower.join("etc/old")).unwrap();
+            fs::write(lower.join("etc/old/x"), b"x").unwrap();
+            fs::write(lower.join("gone"), b"g").unwrap();
+        });
+        // Through the overlay: a file, a symlink, a deletion (whiteout), a replaced
+        // directory (opaque), nested directories.
+        fs::create_dir_all(o.m("app/a/b")).unwrap();
+        fs::write(o.m("app/a/b/f"), b"data").unwrap();
+        symlink("/etc/passwd", o.m("app/link")).unwrap();
+        fs::remove_file(o.m("gone")).unwrap();
+        fs::remove_dir_all(o.m("etc/old")).unwrap();
+        fs::create_dir(o.m("etc/old")).unwrap();
+        fs::write(o.m("etc/old/new"), b"n").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let out_path = dir.path().join("tree.tar");
+        let out = fs::File::create(&out_path).unwrap();
+        let (entries, bytes) =
+            write_tree_tar(&o.upper, out, &out_path, &LayerOptions::default()).unwrap();
+        let tar = fs::read(&out_path).unwrap();
+        assert_eq!(bytes, tar.len() as u64);
+        let items = parse_tar(&tar);
+        assert_eq!(entries, items.len() as u64);
+        let mut got = names(&items);
+        got.sort();
+        assert_eq!(
+            got,
+            [
+                "app/",
+                "app/a/",
+                "app/a/b/",
+                "app/a/b/f",
+                "app/link",
+                "etc/",
+                "etc/old/",
+                "etc/old/.wh..wh..opq",
+                "etc/old/new",
+                ".wh.gone",
+            ]
+            .iter()
+            .copied()
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect::<Vec<_>>()
+        );
+        let item = |n: &str| &items.iter().find(|(name, _)| name == n).unwrap().1;
+        assert_eq!(item("app/a/b/f").data, b"data");
+        assert_eq!(item("app/link").link.as_deref(), Some(&b"/etc/passwd"[..]));
+        // A lower layer directory (no whiteouts) is captured whole too.
+        let out = fs::File::create(&out_path).unwrap();
+        write_tree_tar(&o.lower, out, &out_path, &LayerOptions::default()).unwrap();
+        let mut got = names(&parse_tar(&fs::read(&out_path).unwrap()))
+            .into_iter()
+            .map(str::to_string)
+            .collect::<Vec<_>>();
+        got.sort();
+        assert_eq!(got, ["etc/", "etc/old/", "etc/old/x", "gone"]);
+        // Bounded like any layer.
+        let out = fs::File::create(&out_path).unwrap();
+        let tight = LayerOptions {
+            max_bytes: 2,
+            ..LayerOptions::default()
+        };
+        let e = write_tree_tar(&o.upper, out, &out_path, &tight).unwrap_err();
+        assert!(matches!(e, LayerError::Limit { .. }), "{e}");
     }
 }
