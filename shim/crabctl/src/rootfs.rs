@@ -4,8 +4,8 @@
 //!
 //! Two sources, in order:
 //! - `rootfs.json` in the container's store directory, written by its shim at start
-//!   ([`ROOTFS_FILE`]): `{"format":1,"mounted_by":"caller"|"containerd","root_path":..,
-//!   "upperdir":..,"lowerdirs":[top, .., bottom]}`; it outlives the mount;
+//!   ([`ROOTFS_FILE`], a [`RootfsRecord`]): `{"format":1,"mounted_by":"caller"|"containerd",
+//!   "root_path":..,"upperdir":..,"lowerdirs":[top, .., bottom]}`; it outlives the mount;
 //! - else the mount table: the overlay mounted at the spec's `root.path`. dockerd's overlay2
 //!   driver passes relative directories when the absolute ones do not fit in a page (it
 //!   chdirs to its `overlay2/` directory first); those are resolved against the grandparent of
@@ -16,49 +16,32 @@
 
 use std::path::{Component, Path, PathBuf};
 
-use serde::Deserialize;
-
 use crab_shim::{
     inspector::fs::{overlay_dirs, OverlayXattrs},
+    sandbox::RootfsRecord,
     sys::mountinfo,
 };
 
 /// The file in a container's store directory where its shim records its rootfs overlay.
-pub const ROOTFS_FILE: &str = "rootfs.json";
+pub use crab_shim::sandbox::ROOTFS_RECORD as ROOTFS_FILE;
 /// Bound on [`ROOTFS_FILE`]'s size.
 const MAX_ROOTFS_FILE: u64 = 1 << 20;
 /// Most lower layers an image may have (containerd's and Docker's limit is 127).
 pub const MAX_LOWERS: usize = 500;
 
-/// A rootfs overlay: upper directory, lower directories top first, the xattrs that are its
-/// own, and where it was found (for messages).
+/// A rootfs overlay: upper directory (if known), lower directories top first, the xattrs that
+/// are its own, and where it was found (for messages).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Overlay {
-    pub upperdir: PathBuf,
+    pub upperdir: Option<PathBuf>,
     pub lowerdirs: Vec<PathBuf>,
     pub xattrs: OverlayXattrs,
     pub found_in: String,
 }
 
-#[derive(Debug, Deserialize)]
-struct RootfsFile {
-    format: u32,
-    #[serde(default)]
-    #[allow(dead_code)]
-    mounted_by: String,
-    #[serde(default)]
-    #[allow(dead_code)]
-    root_path: String,
-    upperdir: PathBuf,
-    lowerdirs: Vec<PathBuf>,
-    /// `userxattr` mounts keep their overlay state in `user.overlay.*`.
-    #[serde(default)]
-    userxattr: bool,
-}
-
 /// Parses [`ROOTFS_FILE`]'s content (checked as [`checked`] does).
 pub fn parse_rootfs_file(bytes: &[u8], what: &str) -> Result<Overlay, String> {
-    let f: RootfsFile =
+    let f: RootfsRecord =
         serde_json::from_slice(bytes).map_err(|e| format!("{what} is not a rootfs record: {e}"))?;
     if f.format != 1 {
         return Err(format!(
@@ -69,11 +52,8 @@ pub fn parse_rootfs_file(bytes: &[u8], what: &str) -> Result<Overlay, String> {
     checked(Overlay {
         upperdir: f.upperdir,
         lowerdirs: f.lowerdirs,
-        xattrs: if f.userxattr {
-            OverlayXattrs::User
-        } else {
-            OverlayXattrs::Trusted
-        },
+        // dockerd's overlay2 and containerd's snapshotter mount with trusted.overlay.*.
+        xattrs: OverlayXattrs::Trusted,
         found_in: what.to_string(),
     })
 }
@@ -109,7 +89,7 @@ pub fn checked(mut overlay: Overlay) -> Result<Overlay, String> {
         }
         Ok(real)
     };
-    overlay.upperdir = check(&overlay.upperdir)?;
+    overlay.upperdir = overlay.upperdir.as_deref().map(check).transpose()?;
     overlay.lowerdirs = overlay
         .lowerdirs
         .iter()
@@ -171,7 +151,7 @@ pub fn from_mounts(mounts: &[mountinfo::Mount], root_path: &Path) -> Result<Over
     let (upperdir, lowerdirs) = overlay_dirs(&absolute)
         .ok_or_else(|| format!("{found_in}: no upper directory or unplaceable lower ones"))?;
     checked(Overlay {
-        upperdir,
+        upperdir: Some(upperdir),
         lowerdirs,
         xattrs,
         found_in,
@@ -243,7 +223,7 @@ mod tests {
         let (_d, o2) = tree();
         let merged = o2.join("id1/merged");
         let expect = |o: Overlay| {
-            assert_eq!(o.upperdir, o2.join("id1/diff"));
+            assert_eq!(o.upperdir, Some(o2.join("id1/diff")));
             assert_eq!(
                 o.lowerdirs,
                 [o2.join("id1-init/diff"), o2.join("base/diff")]
@@ -313,6 +293,10 @@ mod tests {
             parse_rootfs_file(v.to_string().as_bytes(), "f").unwrap_err()
         };
         assert!(with("format", 2.into()).contains("format 2"));
+        assert!(with("mounted_by", "someone".into()).contains("not a rootfs record"));
+        let mut no_upper = good.clone();
+        no_upper["upperdir"] = serde_json::Value::Null;
+        assert!(parse_rootfs_file(no_upper.to_string().as_bytes(), "f").is_ok());
         assert!(with("lowerdirs", serde_json::json!([])).contains("no lower layer"));
         assert!(with("lowerdirs", serde_json::json!(["rel/dir"])).contains("not an absolute"));
         let dotdot = format!("{}/id1/../base/diff", o2.display());
