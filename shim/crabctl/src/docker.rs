@@ -37,19 +37,29 @@ pub fn is_docker_owned(record: &Container, namespace: &str) -> bool {
     namespace == NAMESPACE || record.labels.contains_key(LABEL_BUNDLE)
 }
 
-/// Why fork, rollback and recover refuse a container dockerd owns: they kill its task and
-/// replace its record and snapshot behind dockerd's back. dockerd sees its task exit (and
-/// marks the container exited, applies its restart policy, or removes it with `--rm`), does
-/// not know a replaced record, and mounts and unmounts the rootfs itself. A checkpoint image
-/// run with `docker run` restores through dockerd instead.
+/// Why fork, rollback and recover refuse a container dockerd owns. A rollback or recovery
+/// kills its task and replaces its record behind dockerd's back: dockerd handles the old
+/// task's exit (marks the container exited, applies its restart policy, removes it with
+/// `--rm`) on the new one, and it mounts and unmounts the rootfs itself. A fork would be a
+/// container dockerd does not know (no name, network or cleanup), on a rootfs nobody mounted
+/// for it. A checkpoint image run with `docker run` restores through dockerd instead.
 pub fn refusal(container: &str, namespace: &str, op: &str) -> String {
+    let why = match op {
+        "fork" => {
+            "a fork would be a container dockerd does not know (no name, network or cleanup) \
+             on a rootfs dockerd never mounted for it"
+        }
+        _ => {
+            "it would kill the task and replace the record behind dockerd's back, and dockerd \
+             would handle the old task's exit (restart policy, --rm) on the new one"
+        }
+    };
     format!(
-        "{container} is run by Docker (dockerd owns its task, record and rootfs): a {op} behind \
-         dockerd's back is not seen by it, and dockerd would handle the old task's exit (restart \
-         policy, --rm) on the new one; export the checkpoint and run it through Docker instead: \
-         crabctl -n {namespace} export {container} [--turn T] REF --output FILE.tar && \
+        "{container} is run by Docker (dockerd owns its task, record and rootfs), so crabctl \
+         refuses a {op} of it: {why}; export the checkpoint and start it through Docker instead: \
+         crabctl -n {namespace} export {container} --turn T REF --output FILE.tar && \
          docker load -i FILE.tar && docker run --runtime io.containerd.crab.v1 REF \
-         (with Docker's containerd image store, export without --output: REF is then in \
+         (with Docker's containerd image store, export without --output: REF is then one of \
          Docker's images)"
     )
 }

@@ -1,0 +1,500 @@
+//! crabctl with Docker Engine as crab's client: a private dockerd (Debian's docker.io) on the
+//! private containerd, in both of Docker's storage modes, runs containers on crab; crabctl
+//! finds them by Docker name and short id in namespace `moby`, exports their checkpoints (as an
+//! archive for `docker load` under overlay2, into Docker's images under the containerd image
+//! store), `docker run` of the image needs no command and brings back files and processes, and
+//! fork/rollback/recover of a container dockerd owns are refused with what to do instead.
+//!
+//! The dockerd is this file's own: data root, exec root, socket and crab config under
+//! `$CRAB_HOME/docker-crabctl/`, no bridge or iptables, stopped and removed after each test.
+//! Nothing of a system Docker is used. The tests run one at a time (two dockerds would share
+//! containerd's `moby` namespace).
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::Mutex,
+    time::{Duration, Instant},
+};
+
+use crab_integration::{ctr::Ctr, TestEnv};
+
+const AGENT_IMAGE: &str = "localhost/crab/agent:latest";
+const USAGE: i32 = 2;
+const NOT_FOUND: i32 = 3;
+const REFUSED: i32 = 4;
+
+/// One dockerd at a time (they would share containerd's `moby` namespace).
+static ONE_DOCKERD: Mutex<()> = Mutex::new(());
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A private dockerd on the private containerd.
+struct Dockerd {
+    env: TestEnv,
+    dir: PathBuf,
+    socket: PathBuf,
+    child: Child,
+}
+
+impl Dockerd {
+    /// Starts dockerd with the overlay2 graph driver, or (`containerd_store`) containerd's
+    /// image store; its runtime `crab` is io.containerd.crab.v1 with a config of its own.
+    fn start(name: &str, containerd_store: bool) -> Dockerd {
+        let env = TestEnv::from_env();
+        let dir = env.crab_home.join("docker-crabctl").join(name);
+        cleanup_dir(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("crab.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[store]\nstate_dir = \"{}\"\n",
+                dir.join("crab-state").display()
+            ),
+        )
+        .unwrap();
+        let mut daemon = serde_json::json!({
+            "runtimes": {"crab": {"runtimeType": "io.containerd.crab.v1",
+                                   "options": {"ConfigPath": config}}},
+        });
+        if containerd_store {
+            daemon["features"] = serde_json::json!({"containerd-snapshotter": true});
+        }
+        std::fs::write(dir.join("daemon.json"), daemon.to_string()).unwrap();
+        let socket = dir.join("docker.sock");
+        let log = std::fs::File::create(dir.join("dockerd.log")).unwrap();
+        let child = Command::new("dockerd")
+            .arg(format!("--containerd={}", env.address.display()))
+            .args(["--data-root".as_ref(), dir.join("root").as_os_str()])
+            .args(["--exec-root".as_ref(), dir.join("exec").as_os_str()])
+            .arg(format!("--host=unix://{}", socket.display()))
+            .args(["--pidfile".as_ref(), dir.join("docker.pid").as_os_str()])
+            .args(["--bridge=none", "--iptables=false", "--ip6tables=false"])
+            .args([
+                "--config-file".as_ref(),
+                dir.join("daemon.json").as_os_str(),
+            ])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start dockerd (is docker.io installed?): {e}"));
+        let d = Dockerd {
+            env,
+            dir,
+            socket,
+            child,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if d.docker(&["version", "--format", "{{.Server.Version}}"]).0 == 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "dockerd did not come up; its log: {}",
+                std::fs::read_to_string(d.dir.join("dockerd.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let driver = d.ok(&["info", "--format", "{{.Driver}}"]);
+        let expected = if containerd_store {
+            "overlayfs"
+        } else {
+            "overlay2"
+        };
+        assert_eq!(driver.trim(), expected, "dockerd's storage");
+        d
+    }
+
+    fn docker_host(&self) -> String {
+        format!("unix://{}", self.socket.display())
+    }
+
+    /// `docker ARGS`: (status, stdout, stderr).
+    fn docker(&self, args: &[&str]) -> (i32, String, String) {
+        let out = Command::new("docker")
+            .env("DOCKER_HOST", self.docker_host())
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run docker: {e}"));
+        (
+            out.status.code().unwrap_or(-1),
+            text(&out.stdout),
+            text(&out.stderr),
+        )
+    }
+
+    /// `docker ARGS`, which must succeed: its stdout.
+    fn ok(&self, args: &[&str]) -> String {
+        let (code, out, err) = self.docker(args);
+        assert_eq!(code, 0, "docker {args:?}: {out}{err}");
+        out
+    }
+
+    /// `crabctl -n moby ARGS` with this dockerd as DOCKER_HOST: (status, stdout, stderr).
+    fn crabctl(&self, args: &[&str]) -> (i32, String, String) {
+        let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl");
+        let out = Command::new(&bin)
+            .env("DOCKER_HOST", self.docker_host())
+            .arg("--address")
+            .arg(&self.env.address)
+            .args(["--namespace", "moby"])
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", bin.display()));
+        (
+            out.status.code().unwrap_or(-1),
+            text(&out.stdout),
+            text(&out.stderr),
+        )
+    }
+
+    fn crabctl_ok(&self, args: &[&str]) -> String {
+        let (code, out, err) = self.crabctl(args);
+        assert_eq!(code, 0, "crabctl {args:?}: {out}{err}");
+        out
+    }
+
+    /// The test image, from the private containerd (`make images`) into dockerd.
+    fn load_agent(&self) {
+        let tar = self.dir.join("agent.tar");
+        Ctr::new(&self.env)
+            .run(&["images", "export", &tar.display().to_string(), AGENT_IMAGE])
+            .and_then(|o| o.ok())
+            .unwrap_or_else(|e| panic!("exporting {AGENT_IMAGE} (make images): {e}"));
+        self.ok(&["load", "-i", &tar.display().to_string()]);
+        std::fs::remove_file(&tar).unwrap();
+    }
+
+    /// Starts a container on crab running `sleep infinity`; its full id.
+    fn run(&self, name: &str) -> String {
+        let id = self.ok(&[
+            "run",
+            "-d",
+            "--name",
+            name,
+            "--runtime",
+            "crab",
+            AGENT_IMAGE,
+            "sleep",
+            "infinity",
+        ]);
+        id.trim().to_string()
+    }
+
+    fn exec(&self, name: &str, script: &str) -> String {
+        self.ok(&["exec", name, "bash", "-c", script])
+    }
+
+    /// Ends turn `turn` of container `name` (by its Docker name) and waits for its checkpoint
+    /// (an exec goes through the shim's checkpoint gate).
+    fn turn(&self, name: &str, turn: &str) {
+        self.crabctl_ok(&["turn-end", name, "--turn", turn]);
+        self.exec(name, "true");
+    }
+}
+
+impl Drop for Dockerd {
+    fn drop(&mut self) {
+        let (_, ids, _) = self.docker(&["ps", "-aq"]);
+        let ids: Vec<&str> = ids.split_whitespace().collect();
+        if !ids.is_empty() {
+            let mut args = vec!["rm", "-f"];
+            args.extend(ids);
+            self.docker(&args);
+        }
+        // Images too: with the containerd image store they are containerd's (namespace moby).
+        let (_, images, _) = self.docker(&["images", "-aq"]);
+        let images: Vec<&str> = images.split_whitespace().collect();
+        if !images.is_empty() {
+            let mut args = vec!["rmi", "-f"];
+            args.extend(images);
+            self.docker(&args);
+        }
+        // SAFETY: kill(2) on our own child's pid; no memory is involved.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.child.try_wait().ok().flatten().is_none() {
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        cleanup_dir(&self.dir);
+    }
+}
+
+/// Removes `dir` after unmounting whatever dockerd left mounted below it.
+fn cleanup_dir(dir: &Path) {
+    if !dir.exists() {
+        return;
+    }
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut points: Vec<&str> = mountinfo
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|p| Path::new(p).starts_with(dir))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    for p in points {
+        let _ = Command::new("umount").args(["-l", p]).status();
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The first `n` characters of `id` (Docker's short id is 12).
+fn short(id: &str, n: usize) -> &str {
+    &id[..n]
+}
+
+/// A container with files changed (added, modified in a directory of the image, deleted from
+/// the image) in turn t1 and a background counter started in turn t2.
+fn agent_with_two_turns(d: &Dockerd, name: &str) -> String {
+    let id = d.run(name);
+    d.exec(
+        name,
+        "echo hello > /root/hello.txt && mkdir -p /app/src && echo v1 > /app/src/v \
+         && rm /etc/issue.net",
+    );
+    d.turn(name, "t1");
+    d.exec(
+        name,
+        "setsid bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done' \
+         >/dev/null 2>&1 </dev/null & sleep 1",
+    );
+    d.turn(name, "t2");
+    let (_, out, _) = d.crabctl(&["checkpoints", name]);
+    assert!(
+        out.contains(" t1 ") && out.contains(" t2 "),
+        "both turns have checkpoints:\n{out}"
+    );
+    id
+}
+
+/// A container started from a checkpoint image of [`agent_with_two_turns`] at t2 has its files
+/// and its counter (the image's command is `sleep infinity`: only a restore runs the loop).
+fn assert_restored_at_t2(d: &Dockerd, name: &str) {
+    let files = d.exec(
+        name,
+        "cat /root/hello.txt /app/src/v; test -e /etc/issue.net && echo issue-there; \
+         test -e /.crab-checkpoint && echo reserved-visible; true",
+    );
+    assert_eq!(files, "hello\nv1\n", "files of the checkpoint");
+    let ps = d.exec(name, "ps -eo args");
+    assert!(
+        ps.contains("while true"),
+        "the counter was restored, processes:\n{ps}"
+    );
+    let first: u64 = d.exec(name, "cat /tmp/count").trim().parse().unwrap();
+    std::thread::sleep(Duration::from_millis(600));
+    let later: u64 = d.exec(name, "cat /tmp/count").trim().parse().unwrap();
+    assert!(
+        later > first,
+        "the restored counter counts: {first} then {later}"
+    );
+}
+
+#[test]
+fn overlay2_docker_containers_export_as_archives_and_restore_through_docker_run() {
+    let _one = ONE_DOCKERD.lock().unwrap_or_else(|e| e.into_inner());
+    let d = Dockerd::start("overlay2", false);
+    d.load_agent();
+    let id = agent_with_two_turns(&d, "dx-agent");
+
+    // Short ids and names resolve; the note says to what.
+    let (code, _, err) = d.crabctl(&["turns", short(&id, 12)]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains(&id), "{err}");
+    let (code, _, err) = d.crabctl(&["turns", "dx-agent"]);
+    assert!(
+        code == 0 && err.contains(&format!("Docker container dx-agent is {id}")),
+        "{err}"
+    );
+    let (code, _, err) = d.crabctl(&["turns", "no-such-name"]);
+    assert_eq!(code, NOT_FOUND, "{err}");
+
+    // In-place operations are refused, saying what to do instead; nothing is touched.
+    for args in [
+        &["rollback", "dx-agent", "--to", "t1"][..],
+        &["recover", "dx-agent"],
+        &["fork", "dx-agent", "--at", "t1", "--count", "1"],
+    ] {
+        let (code, out, err) = d.crabctl(args);
+        assert_eq!(code, REFUSED, "crabctl {args:?}: {out}{err}");
+        for needle in [
+            "run by Docker",
+            "export",
+            "--output",
+            "docker load",
+            "docker run",
+        ] {
+            assert!(
+                err.contains(needle),
+                "crabctl {args:?}: no {needle:?} in {err}"
+            );
+        }
+    }
+    assert_eq!(
+        d.ok(&["inspect", "-f", "{{.State.Running}} {{.Id}}", "dx-agent"])
+            .trim(),
+        format!("true {id}")
+    );
+
+    // Without an image in containerd, the base comes from the rootfs's lower layers.
+    let archive = d.dir.join("cp.tar");
+    let out = d.crabctl_ok(&[
+        "export",
+        "dx-agent",
+        "--turn",
+        "t2",
+        "localhost/crab/dx-cp:t2",
+        "--output",
+        &archive.display().to_string(),
+    ]);
+    assert!(out.contains("with the process image"), "{out}");
+    assert!(out.contains(&archive.display().to_string()), "{out}");
+    let loaded = d.ok(&["load", "-i", &archive.display().to_string()]);
+    assert!(loaded.contains("localhost/crab/dx-cp:t2"), "{loaded}");
+    // The config runs the container's process: no command needed.
+    let config = d.ok(&[
+        "inspect",
+        "-f",
+        "{{json .Config}}",
+        "localhost/crab/dx-cp:t2",
+    ]);
+    let config: serde_json::Value = serde_json::from_str(&config).unwrap();
+    assert_eq!(
+        config["Cmd"],
+        serde_json::json!(["sleep", "infinity"]),
+        "{config}"
+    );
+    assert!(config["Entrypoint"].is_null(), "{config}");
+    assert_eq!(config["WorkingDir"], "/app", "{config}");
+    assert!(
+        config["Env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| !e.as_str().unwrap().starts_with("HOSTNAME=")),
+        "{config}"
+    );
+    d.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "dx-restored",
+        "--runtime",
+        "crab",
+        "localhost/crab/dx-cp:t2",
+    ]);
+    assert_restored_at_t2(&d, "dx-restored");
+
+    // A files-only checkpoint (t1) by short id: the files, no counter.
+    let archive1 = d.dir.join("cp1.tar");
+    d.crabctl_ok(&[
+        "export",
+        short(&id, 12),
+        "localhost/crab/dx-cp:t1",
+        "--turn",
+        "t1",
+        "-o",
+        &archive1.display().to_string(),
+    ]);
+    d.ok(&["load", "-i", &archive1.display().to_string()]);
+    d.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "dx-t1",
+        "--runtime",
+        "crab",
+        "localhost/crab/dx-cp:t1",
+    ]);
+    let files = d.exec(
+        "dx-t1",
+        "cat /root/hello.txt /app/src/v; test -e /etc/issue.net && echo issue-there; \
+         test -e /tmp/count && echo counted; true",
+    );
+    assert_eq!(files, "hello\nv1\n");
+
+    // A name no container has and an unusable output are clear errors; no half archive.
+    let bad = d.dir.join("no-such-dir").join("x.tar");
+    let (code, _, err) = d.crabctl(&["export", "dx-agent", "x", "-o", &bad.display().to_string()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("archive"), "{err}");
+    assert!(!bad.exists());
+}
+
+#[test]
+fn containerd_store_docker_containers_export_into_dockers_images() {
+    let _one = ONE_DOCKERD.lock().unwrap_or_else(|e| e.into_inner());
+    let d = Dockerd::start("containerd-store", true);
+    d.load_agent();
+    let id = agent_with_two_turns(&d, "dx-agent");
+
+    // Docker's images are containerd's images in namespace moby: an export there is one.
+    for (reference, extra) in [
+        ("localhost/crab/dx-cp:rootfs", &[][..]),
+        (
+            "localhost/crab/dx-cp:based",
+            &["--base-image", AGENT_IMAGE][..],
+        ),
+    ] {
+        let mut args = vec!["export", short(&id, 16), reference, "--turn", "t2"];
+        args.extend(extra);
+        let out = d.crabctl_ok(&args);
+        assert!(out.contains("with the process image"), "{out}");
+        let images = d.ok(&["images", "--format", "{{.Repository}}:{{.Tag}}"]);
+        assert!(images.contains(reference), "{reference} in {images}");
+        let name = format!("dx-{}", reference.rsplit(':').next().unwrap());
+        d.ok(&["run", "-d", "--name", &name, "--runtime", "crab", reference]);
+        assert_restored_at_t2(&d, &name);
+    }
+    // A base image that is not there is named.
+    let (code, _, err) = d.crabctl(&["export", "dx-agent", "x:1", "--base-image", "no/such:1"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("no/such:1"), "{err}");
+}
+
+#[test]
+fn ambiguous_id_prefixes_list_their_candidates() {
+    let env = TestEnv::from_env();
+    let ctr = Ctr::new(&env);
+    let ids = ["dacafe0001", "dacafe0002"];
+    for id in ids {
+        let _ = ctr.run(&["containers", "rm", id]);
+        ctr.run(&["containers", "create", &env.image, id])
+            .and_then(|o| o.ok())
+            .unwrap();
+    }
+    let crabctl = |args: &[&str]| {
+        let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl");
+        let out = Command::new(&bin)
+            .arg("--address")
+            .arg(&env.address)
+            .args(["--namespace", &env.namespace])
+            .args(args)
+            .output()
+            .unwrap();
+        (out.status.code().unwrap_or(-1), text(&out.stderr))
+    };
+    let (code, err) = crabctl(&["checkpoints", "dacafe"]);
+    for id in ids {
+        let _ = ctr.run(&["containers", "rm", id]);
+    }
+    assert_eq!(code, USAGE, "{err}");
+    assert!(
+        err.contains("ambiguous") && err.contains(ids[0]) && err.contains(ids[1]),
+        "{err}"
+    );
+    // Outside namespace moby, a name is never asked of Docker.
+    let (code, err) = crabctl(&["checkpoints", "dx-agent"]);
+    assert_eq!(code, NOT_FOUND, "{err}");
+    assert!(!err.contains("Docker"), "{err}");
+}
