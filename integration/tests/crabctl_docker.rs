@@ -429,6 +429,42 @@ fn overlay2_docker_containers_export_as_archives_and_restore_through_docker_run(
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("archive"), "{err}");
     assert!(!bad.exists());
+
+    // After a crash: the container killed, dockerd removes its containerd record (and keeps
+    // the container). Its export works from dockerd's description of it and its store (found
+    // with --config: the crab config of dockerd's runtime), and restores as before.
+    d.ok(&["kill", "dx-agent"]);
+    let (code, _, err) = d.crabctl(&["checkpoints", "dx-agent"]);
+    assert_eq!(code, NOT_FOUND, "no record, no config: {err}");
+    let config = d.dir.join("crab.toml").display().to_string();
+    let archive3 = d.dir.join("cp3.tar").display().to_string();
+    let out = d.crabctl_ok(&[
+        "export",
+        "dx-agent",
+        "localhost/crab/dx-cp:after-kill",
+        "--config",
+        &config,
+        "-o",
+        &archive3,
+    ]);
+    assert!(
+        out.contains("(turn \"t2\", full)"),
+        "the newest recovery point: {out}"
+    );
+    d.ok(&["load", "-i", &archive3]);
+    d.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "dx-after-kill",
+        "--runtime",
+        "crab",
+        "localhost/crab/dx-cp:after-kill",
+    ]);
+    assert_restored_at_t2(&d, "dx-after-kill");
+    let (code, _, err) = d.crabctl(&["recover", "dx-agent", "--config", &config]);
+    assert_eq!(code, REFUSED, "{err}");
+    assert!(err.contains("docker run"), "{err}");
 }
 
 #[test]

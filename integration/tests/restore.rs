@@ -254,7 +254,7 @@ async fn three_fs_turns(s: &mut Sandbox) -> Vec<(String, String)> {
 // ---------------------------------------------------------------- export
 
 /// `crabctl export` of an fs-only chain: the image in containerd has the base layers, the
-/// chain and one checkpoint layer, keeps the base config's process settings, carries crab's
+/// chain and one checkpoint layer, runs the container's process, carries crab's
 /// labels, and `ctr run` of it under crab shows exactly the files of that turn (also of an
 /// earlier turn with --turn).
 #[tokio::test(flavor = "multi_thread")]
@@ -296,7 +296,18 @@ async fn export_of_an_fs_chain_runs_as_that_turn() {
         config["rootfs"]["diff_ids"].as_array().unwrap().len(),
         layers.len()
     );
-    for key in ["Entrypoint", "Cmd", "Env", "WorkingDir", "User"] {
+    // The config runs the container's process (`sleep infinity`, with the image's env and
+    // working directory here); the rest is the base's.
+    assert_eq!(
+        config["config"]["Cmd"],
+        serde_json::json!(["sleep", "infinity"]),
+        "the container's args"
+    );
+    assert!(
+        base_config["config"]["Entrypoint"].is_null() && config["config"]["Entrypoint"].is_null(),
+        "{config:#}"
+    );
+    for key in ["Env", "WorkingDir", "User"] {
         assert_eq!(
             config["config"][key], base_config["config"][key],
             "config {key} kept"

@@ -71,8 +71,7 @@ async fn resolve_id(g: &Global, arg: &str) -> Result<String> {
     let Ok(ctl) = ctl(g).await else {
         return Ok(arg.to_string());
     };
-    let docker_host = std::env::var("DOCKER_HOST").ok();
-    let resolved = ctl.resolve_id(arg, docker_host.as_deref()).await?;
+    let resolved = ctl.resolve_id(arg).await?;
     if let Some(note) = &resolved.note {
         eprintln!("crabctl: {note}");
     }
@@ -81,7 +80,7 @@ async fn resolve_id(g: &Global, arg: &str) -> Result<String> {
 
 async fn ctl(g: &Global) -> Result<Ctl> {
     let client = Client::connect(&g.address, &g.namespace).await?;
-    Ok(Ctl::new(client, g.config.clone()))
+    Ok(Ctl::new(client, g.config.clone()).with_docker_host(std::env::var("DOCKER_HOST").ok()))
 }
 
 async fn turn_end(g: &Global, container: &str, turn: Option<String>) -> Result<()> {

@@ -232,8 +232,13 @@ pub fn get(socket: &Path, path: &str) -> Result<Response, String> {
 /// What dockerd said about a container name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Lookup {
-    /// The container's full id (and its name as dockerd prints it, without the `/`).
-    Found { id: String, name: String },
+    /// The container's full id, its name as dockerd prints it (without the `/`), and the
+    /// whole inspect document.
+    Found {
+        id: String,
+        name: String,
+        doc: Value,
+    },
     /// dockerd knows no such container.
     NotFound,
 }
@@ -266,8 +271,61 @@ pub fn parse_inspect(response: &Response) -> Result<Lookup, String> {
     Ok(Lookup::Found {
         id: id.to_string(),
         name: name.strip_prefix('/').unwrap_or(name).to_string(),
+        doc,
     })
 }
+
+/// The parts of a runtime spec crabctl uses, from dockerd's inspect document of a container:
+/// for a container that has exited, whose record (and spec) dockerd removed from containerd.
+/// `process.args` is `Path` + `Args`, `env` and `cwd` the config's, `hostname` its hostname,
+/// `root.path` the graph driver's merged directory; what is missing or not text is left out.
+pub fn spec_from_inspect(doc: &Value) -> Value {
+    let text = |v: &Value| v.as_str().filter(|s| !s.is_empty()).map(str::to_string);
+    let texts = |v: &Value| -> Option<Vec<String>> {
+        v.as_array()?
+            .iter()
+            .map(|s| s.as_str().map(str::to_string))
+            .collect()
+    };
+    let mut spec = serde_json::json!({"process": {}});
+    if let (Some(path), Some(args)) = (text(&doc["Path"]), texts(&doc["Args"])) {
+        let mut all = vec![path];
+        all.extend(args);
+        spec["process"]["args"] = all.into();
+    }
+    if let Some(env) = texts(&doc["Config"]["Env"]) {
+        spec["process"]["env"] = env.into();
+    }
+    if let Some(cwd) = text(&doc["Config"]["WorkingDir"]) {
+        spec["process"]["cwd"] = cwd.into();
+    }
+    if let Some(hostname) = text(&doc["Config"]["Hostname"]) {
+        spec["hostname"] = hostname.into();
+    }
+    if let Some(merged) = text(&doc["GraphDriver"]["Data"]["MergedDir"]) {
+        spec["root"] = serde_json::json!({ "path": merged });
+    }
+    spec
+}
+
+/// A stand-in for the containerd record of Docker container `id` that has exited (dockerd
+/// removes the record when the task ends, and keeps the container): dockerd's label, and the
+/// spec of [`spec_from_inspect`]. No runtime options: its crab config is `--config`'s or the
+/// default.
+pub fn exited_record(id: &str, doc: &Value) -> Container {
+    Container {
+        id: id.to_string(),
+        labels: [(LABEL_BUNDLE.to_string(), String::new())].into(),
+        spec: Some(prost_types::Any {
+            type_url: SPEC_TYPE_URL.to_string(),
+            value: serde_json::to_vec(&spec_from_inspect(doc)).expect("JSON serializes"),
+        }),
+        ..Default::default()
+    }
+}
+
+/// The type of a runtime spec in a container record.
+const SPEC_TYPE_URL: &str = "types.containerd.io/opencontainers/runtime-spec/1/Spec";
 
 /// Asks dockerd at `DOCKER_HOST` (`docker_host`) which container `name` is (a name or an id
 /// prefix, as `docker inspect` takes it).
@@ -405,12 +463,8 @@ mod tests {
             status: 200,
             body: format!(r#"{{"Id":"{ID}","Name":"/agent-1","State":{{}}}}"#).into_bytes(),
         };
-        assert_eq!(
-            parse_inspect(&found).unwrap(),
-            Lookup::Found {
-                id: ID.into(),
-                name: "agent-1".into()
-            }
+        assert!(
+            matches!(parse_inspect(&found).unwrap(), Lookup::Found { id, name, .. } if id == ID && name == "agent-1")
         );
         for (status, body, needle) in [
             (200, r#"{"Id":"abc"}"#.to_string(), "no container id"),
@@ -436,6 +490,38 @@ mod tests {
             .unwrap_err();
             assert!(e.contains(needle), "{e}");
             assert!(e.len() < 400, "an error stays short: {}", e.len());
+        }
+    }
+
+    #[test]
+    fn an_exited_containers_process_comes_from_its_inspect_document() {
+        let doc = serde_json::json!({
+            "Id": ID, "Path": "/init", "Args": ["sleep", "infinity"],
+            "Config": {"Env": ["PATH=/bin", "HOSTNAME=3f4e2b0c9d1a"], "WorkingDir": "/app",
+                       "Hostname": "3f4e2b0c9d1a"},
+            "GraphDriver": {"Name": "overlay2", "Data": {"MergedDir": "/d/overlay2/x/merged"}},
+        });
+        assert_eq!(
+            spec_from_inspect(&doc),
+            serde_json::json!({
+                "hostname": "3f4e2b0c9d1a",
+                "process": {"args": ["/init", "sleep", "infinity"],
+                            "env": ["PATH=/bin", "HOSTNAME=3f4e2b0c9d1a"], "cwd": "/app"},
+                "root": {"path": "/d/overlay2/x/merged"},
+            })
+        );
+        // Missing or odd fields are left out, never guessed.
+        for junk in [
+            serde_json::json!({}),
+            serde_json::json!({"Path": "", "Args": []}),
+            serde_json::json!({"Path": "/x", "Args": [1]}),
+            serde_json::json!({"Config": "x", "GraphDriver": {"Data": null}}),
+        ] {
+            assert_eq!(
+                spec_from_inspect(&junk),
+                serde_json::json!({"process": {}}),
+                "{junk}"
+            );
         }
     }
 
@@ -507,12 +593,8 @@ mod tests {
         let host = format!("unix://{}", sock.display());
         let e = lookup(Some(&host), "n").unwrap_err();
         assert!(e.contains("more than"), "{e}");
-        assert_eq!(
-            lookup(Some(&host), "n").unwrap(),
-            Lookup::Found {
-                id: ID.into(),
-                name: "n".into()
-            }
+        assert!(
+            matches!(lookup(Some(&host), "n").unwrap(), Lookup::Found { id, name, .. } if id == ID && name == "n")
         );
         let e = lookup(Some(&host), "n").unwrap_err();
         assert!(e.contains("ends within its headers"), "{e}");

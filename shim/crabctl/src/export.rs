@@ -18,6 +18,7 @@ use serde_json::Value;
 use super::{
     archive,
     client::{BlobData, Lease},
+    docker,
     image::{
         self, base_of, CheckpointImage, CriuSource, OciDescriptor, Provenance, LABEL_BASE_LAYERS,
         LABEL_SOURCE, MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_MANIFEST,
@@ -236,7 +237,7 @@ impl Ctl {
     ) -> Result<Exported> {
         let start = Instant::now();
         let turn = options.turn.as_deref();
-        let record = self.container(container).await?;
+        let record = self.export_record(container).await?;
         let root = self.store_root(&record)?;
         let config = self.config_for(&record)?;
         // The key the container's shim trusts as this host's (generated on first use).
@@ -393,6 +394,31 @@ impl Ctl {
             container: record,
             elapsed_ms: start.elapsed().as_secs_f64() * 1000.0,
         })
+    }
+
+    /// The record to export `container` from: containerd's, else for a Docker container that
+    /// has exited (dockerd removes the record then, and keeps the container and its layers)
+    /// one made from dockerd's inspect document ([`docker::exited_record`]).
+    async fn export_record(&self, container: &str) -> Result<Container> {
+        if let Some(record) = self.client.container(container).await? {
+            return Ok(record);
+        }
+        if self.namespace() == docker::NAMESPACE {
+            let (id, host) = (container.to_string(), self.docker_host.clone());
+            let looked_up =
+                tokio::task::spawn_blocking(move || docker::lookup(host.as_deref(), &id))
+                    .await
+                    .map_err(|e| CtlError::Failed(format!("asking dockerd: {e}")))?;
+            match looked_up {
+                Ok(docker::Lookup::Found { id, doc, .. }) if id == container => {
+                    log::info!("{id} has exited: its process and rootfs as dockerd describes them");
+                    return Ok(docker::exited_record(&id, &doc));
+                }
+                Ok(_) => {}
+                Err(e) => log::warn!("cannot ask dockerd about {container}: {e}"),
+            }
+        }
+        self.container(container).await
     }
 
     /// Writes `image` into containerd as `reference`: its layers from `local` files or (those

@@ -76,11 +76,23 @@ pub struct Ctl {
     pub client: Client,
     /// `--config`: overrides the config the container's runtime options name.
     pub config: Option<PathBuf>,
+    /// `DOCKER_HOST`: where dockerd is asked about its containers in namespace `moby`.
+    pub docker_host: Option<String>,
 }
 
 impl Ctl {
     pub fn new(client: Client, config: Option<PathBuf>) -> Ctl {
-        Ctl { client, config }
+        Ctl {
+            client,
+            config,
+            docker_host: None,
+        }
+    }
+
+    /// The same, asking dockerd at `docker_host` (`DOCKER_HOST`; `None`: Docker's default).
+    pub fn with_docker_host(mut self, docker_host: Option<String>) -> Ctl {
+        self.docker_host = docker_host;
+        self
     }
 
     pub fn namespace(&self) -> &str {

@@ -220,9 +220,17 @@ impl Ctl {
     /// ([`super::docker::refusal`]).
     fn refuse_managed(&self, record: &Container, op: &str) -> Result<()> {
         super::pod::refuse_cri(record, op)?;
-        if super::docker::is_docker_owned(record, self.namespace()) {
+        self.refuse_docker(&record.id, Some(record), op)
+    }
+
+    /// Refuses `op` of a container dockerd owns ([`super::docker::refusal`]); in namespace
+    /// `moby` also one that has no record (dockerd removed it when its task ended).
+    fn refuse_docker(&self, id: &str, record: Option<&Container>, op: &str) -> Result<()> {
+        if record.is_some_and(|r| super::docker::is_docker_owned(r, self.namespace()))
+            || self.namespace() == super::docker::NAMESPACE
+        {
             return Err(CtlError::Refused(super::docker::refusal(
-                &record.id,
+                id,
                 self.namespace(),
                 op,
             )));
@@ -259,6 +267,7 @@ impl Ctl {
             ));
         }
         let start = Instant::now();
+        self.refuse_docker(container, None, "fork")?;
         self.refuse_managed(&self.container(container).await?, "fork")?;
         let lease = self.client.create_lease().await?;
         let r = async {
@@ -387,6 +396,7 @@ impl Ctl {
     pub async fn rollback(&self, container: &str, to: Option<&str>) -> Result<RolledBack> {
         let start = Instant::now();
         let op = if to.is_some() { "rollback" } else { "recovery" };
+        self.refuse_docker(container, None, op)?;
         self.refuse_managed(&self.container(container).await?, op)?;
         let lease = self.client.create_lease().await?;
         let r = async {

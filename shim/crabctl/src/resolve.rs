@@ -68,9 +68,8 @@ pub fn match_id<'a>(
 }
 
 impl Ctl {
-    /// The container id `arg` stands for (see the module docs); `docker_host` is
-    /// `DOCKER_HOST`.
-    pub async fn resolve_id(&self, arg: &str, docker_host: Option<&str>) -> Result<ResolvedId> {
+    /// The container id `arg` stands for (see the module docs).
+    pub async fn resolve_id(&self, arg: &str) -> Result<ResolvedId> {
         let as_given = || ResolvedId {
             id: arg.to_string(),
             note: None,
@@ -88,12 +87,12 @@ impl Ctl {
         if self.namespace() != docker::NAMESPACE {
             return Ok(as_given());
         }
-        let (name, host) = (arg.to_string(), docker_host.map(str::to_string));
+        let (name, host) = (arg.to_string(), self.docker_host.clone());
         let looked_up = tokio::task::spawn_blocking(move || docker::lookup(host.as_deref(), &name))
             .await
             .map_err(|e| CtlError::Failed(format!("asking dockerd: {e}")))?;
         match looked_up {
-            Ok(Lookup::Found { id, name }) => Ok(ResolvedId {
+            Ok(Lookup::Found { id, name, .. }) => Ok(ResolvedId {
                 note: Some(format!("Docker container {name} is {id}")),
                 id,
             }),
