@@ -32,7 +32,8 @@ containerd namespace moby (-n moby): there CONTAINER may also be a Docker contai
 dockerd at $DOCKER_HOST (default unix:///var/run/docker.sock). fork, rollback and recover refuse a
 container dockerd owns: export it (with --output FILE for Docker's overlay2 storage, then `docker
 load -i FILE`) and `docker run --runtime io.containerd.crab.v1 REF`. A Docker container that has
-exited has no containerd record: export it by name with --config naming its crab config.
+exited has no containerd record: export it by name (--config if its runtime's crab config is not
+the default).
 
 T is a checkpoint's sequence number or turn id (see `checkpoints`); failed checkpoints are refused.
 Containers started by fork/rollback/recover get no stdio (/dev/null) and no terminal.
