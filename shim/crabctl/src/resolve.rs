@@ -100,8 +100,8 @@ impl Ctl {
             Err(e) => Ok(ResolvedId {
                 id: arg.to_string(),
                 note: Some(format!(
-                    "{arg} is no container id here, and Docker could not be asked for a \
-                     container of that name: {e}"
+                    "{arg} is no container id here, and dockerd did not say which container \
+                     it names: {e}"
                 )),
             }),
         }
