@@ -265,7 +265,8 @@ fn agent_with_two_turns(d: &Dockerd, name: &str) -> String {
     d.turn(name, "t1");
     d.exec(
         name,
-        "setsid bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done' \
+        "setsid bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; \
+         mv /tmp/c.new /tmp/count; sleep 0.1; done' \
          >/dev/null 2>&1 </dev/null & sleep 1",
     );
     d.turn(name, "t2");
