@@ -6,11 +6,17 @@
 #                         private containerd, namespaces crab-test and crab-demo
 #   make containerd-up    start the private containerd (hack/containerd.sh start)
 #   make containerd-down  remove its containers and stop it, reaping leftovers
+#                         (and the private dockerds first, which run on it)
+#   make docker-up        the private containerd with the images, then two private Docker
+#                         Engines on it (overlay2 and containerd image store, hack/dockerd.sh)
+#                         with crab's test images loaded
+#   make docker-down      remove their containers and stop them (images are kept)
 #   make demo             run a container under the crab shim; leaves containerd up
 #                         (DEMO_RUNTIME=io.containerd.runc.v2 runs it on the stock shim)
 #   make lint             cargo fmt --check and cargo clippy -D warnings (part of make test)
-#   make test             everything above, lint, then all tests, then test-containerd-1.7;
-#                         containerd is always stopped after
+#   make test             everything above, lint, then all tests (the Docker ones against the
+#                         private dockerds), then test-containerd-1.7; containerd and the
+#                         dockerds are always stopped after
 #   make test-containerd-1.7
 #                         the end-to-end lifecycle tests against containerd 1.7 (a second
 #                         private containerd, Debian trixie's, unpacked under $(CRAB_HOME))
@@ -22,7 +28,8 @@
 #   make clean            stop containerd, remove $(CRAB_HOME) and cargo's target dir
 #
 # Tests read CRAB_HOME, CRAB_CONTAINERD_ADDRESS, CRAB_NAMESPACE and CRAB_RUNTIME
-# (set CRAB_RUNTIME=io.containerd.runc.v2 to run them against the stock shim).
+# (set CRAB_RUNTIME=io.containerd.runc.v2 to run them against the stock shim); the Docker
+# tests also CRAB_DOCKER_* (hack/dockerd.sh env).
 # CRAB_CONTAINERD=1.7 points every target at the containerd 1.7 instance instead of 2.x.
 
 SHELL := /usr/bin/env bash
@@ -65,10 +72,10 @@ define test_containerd_17
 	$(call with_containerd,$(CARGO) test --workspace --release $(addprefix --test ,$(E2E_TESTS_CONTAINERD_17)))
 endef
 
-.PHONY: help deps build lint images containerd-up containerd-down demo test test-containerd-1.7 bench clean
+.PHONY: help deps build lint images containerd-up containerd-down docker-up docker-down demo test test-containerd-1.7 bench clean
 
 help:
-	@sed -n '3,22s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '3,28s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
 
 deps:
 	hack/install-deps.sh
@@ -88,6 +95,13 @@ containerd-up:
 
 containerd-down:
 	hack/containerd.sh stop
+
+docker-up: images
+	hack/dockerd.sh start
+	hack/dockerd.sh images
+
+docker-down:
+	hack/dockerd.sh stop
 
 demo: deps build images
 	@$(with_env) \
@@ -112,8 +126,11 @@ lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
 
+# The Docker tests read CRAB_DOCKER_* (hack/dockerd.sh env); containerd's stop stops the
+# dockerds first.
 test: deps build lint
-	@$(call with_containerd,$(CARGO) test --workspace --release --no-fail-fast)
+	@$(call with_containerd,$(MAKE) --no-print-directory docker-up; \
+		eval "$$(hack/dockerd.sh env)"; $(CARGO) test --workspace --release --no-fail-fast)
 	@$(test_containerd_17)
 
 test-containerd-1.7: deps build

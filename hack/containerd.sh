@@ -5,8 +5,9 @@
 # instances, so both can be up at once.
 #
 #   hack/containerd.sh start    start it (no-op if already running), wait for the socket
-#   hack/containerd.sh stop     kill and delete all tasks and containers, stop it,
-#                               then reap leftover shims and mounts (no-op if stopped)
+#   hack/containerd.sh stop     stop the private dockerds on it (hack/dockerd.sh), kill and
+#                               delete all tasks and containers, stop it, then reap
+#                               leftover shims and mounts (no-op if stopped)
 #   hack/containerd.sh status   exit 0 if it answers, 1 otherwise
 #   hack/containerd.sh env      print `export CRAB_...=` lines for tests (eval them; with 1.7
 #                               also PATH, so that the tests' `ctr` is 1.7's)
@@ -421,6 +422,12 @@ unmount_leftovers() {
 }
 
 cmd_stop() {
+  # The private dockerds (hack/dockerd.sh) run on the 2.x instance: they go first, the
+  # normal way, before their containers are removed under them.
+  local docker_rc=0
+  if [[ $CRAB_CONTAINERD_FLAVOR == 2 ]]; then
+    "$CRAB_REPO/hack/dockerd.sh" stop || docker_rc=1
+  fi
   if crab_containerd_answers; then
     remove_all_containers
   fi
@@ -434,6 +441,7 @@ cmd_stop() {
   if [[ -n $(our_shims) || -n $(own_mounts) ]]; then
     die "stopped, but shims or mounts remain (see above)"
   fi
+  [[ $docker_rc -eq 0 ]] || die "stopped, but a private dockerd did not stop cleanly (see above)"
   log "stopped"
 }
 

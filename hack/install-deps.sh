@@ -15,17 +15,20 @@ export DEBIAN_FRONTEND=noninteractive
 SOURCES=/etc/apt/sources.list.d/crab-debian-extra.sources
 PREFS=/etc/apt/preferences.d/crab-debian-extra
 
-# Installed in three steps, each by name and release:
+# Installed in four steps, each by name and release:
 #  1. trixie's C library (the sid packages below need libc >= 2.38; bookworm has
 #     no criu at all), iptables (CRIU locks the network with it) and the image
 #     tools. Moving libc to trixie makes apt drop the
 #     bookworm -dev packages pinned to the old libc (libc6-dev, build-essential),
-#     so step 3 puts back what Rust and the BPF build need to link and compile.
+#     so step 4 puts back what Rust and the BPF build need to link and compile.
 #  2. containerd 2.x, runc 1.3 and CRIU 4.2 from sid (they need nothing else once
 #     trixie's libc is in). CRIU must be 4.2+: 4.1 reads socket options that Linux
 #     6.16+ refuses on TCP/UDP sockets, so it cannot dump any process holding one
 #     (criu issue 2718).
-#  3. libc6-dev from trixie plus the BPF toolchain (and gcc for the static pause
+#  3. Docker Engine from trixie (docker.io, docker-cli; the Docker tests run a private
+#     dockerd on the private containerd, hack/dockerd.sh), after step 2 so that its
+#     containerd dependency is met by the 2.x already there.
+#  4. libc6-dev from trixie plus the BPF toolchain (and gcc for the static pause
 #     binary of the CRI sandbox image) from the base suite. clang-19
 #     from trixie would drag in gcc-14 and a new libssl and remove curl/openssh;
 #     bookworm's clang-19 + libbpf 1.1 + bpftool 7.1 compile CO-RE programs fine.
@@ -34,6 +37,7 @@ TRIXIE_PKGS=(
   iptables umoci skopeo mmdebstrap docker-registry containernetworking-plugins
 )
 SID_PKGS=(containerd runc criu libcompel1)
+DOCKER_PKGS=(docker.io docker-cli)
 TRIXIE_DEV_PKGS=(libc6-dev)
 BASE_PKGS=(
   ca-certificates curl jq iproute2 busybox-static zstd tar pkg-config protobuf-compiler
@@ -53,7 +57,7 @@ want_versions_ok() {
     command -v criu >/dev/null && criu --version | grep -qE 'Version: (4\.([2-9]|[1-9][0-9])|[5-9]\.)'
 }
 
-if have_all "${BASE_PKGS[@]}" "${TRIXIE_PKGS[@]}" "${TRIXIE_DEV_PKGS[@]}" "${SID_PKGS[@]}" && want_versions_ok; then
+if have_all "${BASE_PKGS[@]}" "${TRIXIE_PKGS[@]}" "${TRIXIE_DEV_PKGS[@]}" "${SID_PKGS[@]}" "${DOCKER_PKGS[@]}" && want_versions_ok; then
   echo "install-deps: everything already installed"
 else
   if [[ ! -f $SOURCES ]]; then
@@ -81,6 +85,8 @@ PIN
   apt_install "${trixie_args[@]}"
   mapfile -t sid_args < <(with_release sid "${SID_PKGS[@]}")
   apt_install "${sid_args[@]}"
+  mapfile -t docker_args < <(with_release trixie "${DOCKER_PKGS[@]}")
+  apt_install "${docker_args[@]}"
   mapfile -t dev_args < <(with_release trixie "${TRIXIE_DEV_PKGS[@]}")
   apt_install "${dev_args[@]}" "${BASE_PKGS[@]}"
 fi
@@ -89,6 +95,10 @@ fi
 # (tests run a private one), and on hosts without systemd nothing starts anyway.
 if command -v systemctl >/dev/null && systemctl is-active -q containerd 2>/dev/null; then
   echo "install-deps: note: a system containerd is running; crab leaves it alone"
+fi
+# Likewise docker.io's docker service: the tests run their own dockerd (hack/dockerd.sh).
+if command -v systemctl >/dev/null && systemctl is-active -q docker 2>/dev/null; then
+  echo "install-deps: note: a system Docker is running; crab leaves it alone"
 fi
 
 # make lint (part of make test) needs rustfmt and clippy with the Rust toolchain; with
