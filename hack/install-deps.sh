@@ -32,6 +32,7 @@ PREFS=/etc/apt/preferences.d/crab-debian-extra
 #     binary of the CRI sandbox image) from the base suite. clang-19
 #     from trixie would drag in gcc-14 and a new libssl and remove curl/openssh;
 #     bookworm's clang-19 + libbpf 1.1 + bpftool 7.1 compile CO-RE programs fine.
+#     python3-venv: the mini-swe-agent test makes a venv (integration/harnesses).
 TRIXIE_PKGS=(
   libc6 libc-bin base-files libhogweed6t64 libnettle8t64 libp11-kit0 libgnutls30t64
   iptables umoci skopeo mmdebstrap docker-registry containernetworking-plugins
@@ -41,7 +42,7 @@ DOCKER_PKGS=(docker.io docker-cli)
 TRIXIE_DEV_PKGS=(libc6-dev)
 BASE_PKGS=(
   ca-certificates curl jq iproute2 busybox-static zstd tar pkg-config protobuf-compiler
-  clang-19 llvm-19 libbpf-dev bpftool gcc binutils
+  clang-19 llvm-19 libbpf-dev bpftool gcc binutils python3-venv
 )
 
 have_all() {

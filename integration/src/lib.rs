@@ -2,8 +2,10 @@
 //!
 //! Tests drive a private containerd (started by `hack/containerd.sh`, see `make test`) two ways:
 //! the `ctr` CLI ([`ctr::Ctr`]) and containerd's gRPC API ([`Harness`], built on the
-//! `containerd-client` protos). The runtime under test comes from `CRAB_RUNTIME`, so the same
-//! tests run against `io.containerd.crab.v1` and the stock `io.containerd.runc.v2`.
+//! `containerd-client` protos); Docker Engine is a third client ([`docker`]: private dockerds
+//! on the same containerd, `hack/dockerd.sh`). The runtime under test comes from
+//! `CRAB_RUNTIME`, so the same tests run against `io.containerd.crab.v1` and the stock
+//! `io.containerd.runc.v2`.
 //!
 //! A missing environment skips nothing: an unreachable containerd or a missing test image is a
 //! test failure with a message that says how to bring them up. The one way a test does not run
@@ -17,6 +19,7 @@ pub mod api;
 pub mod bench;
 pub mod cri;
 pub mod ctr;
+pub mod docker;
 pub mod engine;
 pub mod env;
 pub mod events;

@@ -213,28 +213,7 @@ impl Sandbox {
 
     /// The entries of a layer blob: path -> (tar entry type, content).
     pub fn layer(&self, desc: &Value) -> BTreeMap<String, (String, Vec<u8>)> {
-        let digest = desc["digest"]
-            .as_str()
-            .unwrap()
-            .strip_prefix("sha256:")
-            .unwrap();
-        let blob = std::fs::read(self.store().join("blobs/sha256").join(digest)).unwrap();
-        let tar = zstd::decode_all(&blob[..]).unwrap();
-        let mut out = BTreeMap::new();
-        for e in tar::Archive::new(&tar[..]).entries().unwrap() {
-            let mut e = e.unwrap();
-            let path = e
-                .path()
-                .unwrap()
-                .to_string_lossy()
-                .trim_end_matches('/')
-                .to_string();
-            let kind = format!("{:?}", e.header().entry_type());
-            let mut data = Vec::new();
-            e.read_to_end(&mut data).unwrap();
-            out.insert(path, (kind, data));
-        }
-        out
+        read_layer(&self.store(), desc)
     }
 
     /// Kills and removes the sandbox, checks nothing leaked, removes its state.
@@ -245,8 +224,35 @@ impl Sandbox {
     }
 }
 
+/// The entries of the layer blob `desc` names in the container store `store`:
+/// path -> (tar entry type, content).
+pub fn read_layer(store: &Path, desc: &Value) -> BTreeMap<String, (String, Vec<u8>)> {
+    let digest = desc["digest"]
+        .as_str()
+        .unwrap()
+        .strip_prefix("sha256:")
+        .unwrap();
+    let blob = std::fs::read(store.join("blobs/sha256").join(digest)).unwrap();
+    let tar = zstd::decode_all(&blob[..]).unwrap();
+    let mut out = BTreeMap::new();
+    for e in tar::Archive::new(&tar[..]).entries().unwrap() {
+        let mut e = e.unwrap();
+        let path = e
+            .path()
+            .unwrap()
+            .to_string_lossy()
+            .trim_end_matches('/')
+            .to_string();
+        let kind = format!("{:?}", e.header().entry_type());
+        let mut data = Vec::new();
+        e.read_to_end(&mut data).unwrap();
+        out.insert(path, (kind, data));
+    }
+    out
+}
+
 /// The `*.json` files of `dir` (not temp files), parsed, in name order.
-fn json_files(dir: &Path) -> Vec<Value> {
+pub fn json_files(dir: &Path) -> Vec<Value> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
         .unwrap_or_default();

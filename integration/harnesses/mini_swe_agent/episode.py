@@ -1,0 +1,243 @@
+"""A scripted mini-swe-agent episode on crab through Docker Engine.
+
+mini-swe-agent's DefaultAgent drives a DockerEnvironment whose container runs under crab
+(`--runtime io.containerd.crab.v1`) with the exec turn boundary
+(`--annotation io.crab/turn-boundary=exec`): every action is one `docker exec`, so every action
+is one crab turn. The model is mini-swe-agent's DeterministicModel replaying the steps below,
+each with the turn answer crab must give for it (none/fs/proc/full).
+
+  python episode.py run --report phase1.json
+      phase 1: edits files, makes and installs a local package, starts a background server;
+      leaves the container running and writes its id, the steps' outputs and the expected
+      answers to the report
+  python episode.py resume --image CHECKPOINT_IMAGE --report phase2.json
+      phase 2, in a container started from a checkpoint image (`crabctl export`): the server,
+      the package and the files of phase 1 are there; the remaining steps succeed
+  python episode.py demo --crabctl PATH
+      both phases, with the sandbox killed in between and brought back from crab's newest
+      checkpoint (`crabctl export` + `docker run`); prints what happened
+
+The docker CLI is --docker (default /usr/bin/docker) and talks to DOCKER_HOST.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+
+from minisweagent.agents.default import DefaultAgent
+from minisweagent.environments.docker import DockerEnvironment
+from minisweagent.exceptions import Submitted
+from minisweagent.models.test_models import DeterministicModel, make_output
+
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT; echo {}"
+
+# An in-tree PEP 517 backend: the agent image has pip but no setuptools, and nothing can be
+# downloaded (`pip install --no-index`), so the package builds its wheel with the standard
+# library.
+MAKE_PACKAGE = r"""mkdir -p /app/pkg/tinypkg && cd /app/pkg
+cat > pyproject.toml <<'EOF'
+[build-system]
+requires = []
+build-backend = "backend"
+backend-path = ["."]
+EOF
+cat > tinypkg/__init__.py <<'EOF'
+def answer():
+    return 42
+EOF
+cat > backend.py <<'EOF'
+import base64, hashlib, os, zipfile
+
+NAME, VERSION = "tinypkg", "0.1"
+DIST = NAME + "-" + VERSION + ".dist-info"
+
+
+def _record(path, data):
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return "%s,sha256=%s,%d" % (path, digest, len(data))
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    wheel = NAME + "-" + VERSION + "-py3-none-any.whl"
+    with open(os.path.join(NAME, "__init__.py"), "rb") as f:
+        init = f.read()
+    files = {
+        NAME + "/__init__.py": init,
+        DIST + "/METADATA": ("Metadata-Version: 2.1\nName: %s\nVersion: %s\n" % (NAME, VERSION)).encode(),
+        DIST + "/WHEEL": b"Wheel-Version: 1.0\nGenerator: backend\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = [_record(p, d) for p, d in files.items()] + [DIST + "/RECORD,,"]
+    with zipfile.ZipFile(os.path.join(wheel_directory, wheel), "w") as z:
+        for p, d in files.items():
+            z.writestr(p, d)
+        z.writestr(DIST + "/RECORD", "\n".join(record) + "\n")
+    return wheel
+EOF
+ls -R /app/pkg"""
+
+FETCH = (
+    "python3 -c \"import urllib.request; "
+    "print(urllib.request.urlopen('http://127.0.0.1:8123/proj/calc.py').read().decode())\""
+)
+
+# (command, the turn answer crab must give, what its output must contain)
+PHASE1 = [
+    ("cat /etc/os-release | head -n1", "none", "PRETTY_NAME"),
+    (
+        "mkdir -p /app/proj && printf 'def add(a, b):\\n    return a - b\\n' > /app/proj/calc.py",
+        "fs",
+        "",
+    ),
+    ("sed -i 's/a - b/a + b/' /app/proj/calc.py && cat /app/proj/calc.py", "fs", "a + b"),
+    (MAKE_PACKAGE, "fs", "backend.py"),
+    (
+        "pip install --no-index --break-system-packages --root-user-action=ignore ./pkg",
+        "fs",
+        "Successfully installed tinypkg-0.1",
+    ),
+    (
+        "python3 -c 'import tinypkg; print(\"answer\", tinypkg.answer())' && cat /app/proj/calc.py",
+        "none",
+        "answer 42",
+    ),
+    (
+        "nohup python3 -m http.server 8123 --bind 127.0.0.1 --directory /app >/dev/null 2>&1 & sleep 1",
+        "proc",
+        "",
+    ),
+    ("echo 'fixed add' > /app/notes.txt; nohup sleep 5000 >/dev/null 2>&1 & sleep 0.2", "full", ""),
+    (SUBMIT.format("phase1"), "none", "phase1"),
+]
+
+# After the restore: the server (a restored process with its listening socket), the installed
+# package and the files are there.
+PHASE2 = [
+    (FETCH, None, "a + b"),
+    ("python3 -c 'import tinypkg; print(\"answer\", tinypkg.answer())'", None, "answer 42"),
+    ("cat /app/notes.txt && pgrep -f 'sleep 5000' >/dev/null && echo sleeper-alive", None, "sleeper-alive"),
+    (SUBMIT.format("phase2"), None, "phase2"),
+]
+
+CONFIG = {
+    "system_template": "You are a scripted agent on crab.",
+    "instance_template": "{{task}}",
+    "step_limit": 0,
+    "cost_limit": 0,
+}
+
+
+class RecordingDockerEnvironment(DockerEnvironment):
+    """DockerEnvironment that keeps every action's result; with `image_cmd` unset, the
+    container runs its image's own command (a checkpoint image restores its processes)."""
+
+    def __init__(self, *, keep_image_cmd=False, **kwargs):
+        self.keep_image_cmd = keep_image_cmd
+        self.results = []
+        super().__init__(**kwargs)
+
+    def _start_container(self):
+        if not self.keep_image_cmd:
+            return super()._start_container()
+        cmd = [self.config.executable, "run", "-d", "-w", self.config.cwd, *self.config.run_args, self.config.image]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=self.config.pull_timeout)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)}: {result.stderr.strip()}")
+        self.container_id = result.stdout.strip()
+
+    def execute(self, action, cwd="", *, timeout=None):
+        try:
+            out = super().execute(action, cwd, timeout=timeout)
+        except Submitted as e:  # the last action, which succeeded: its output is the submission
+            output = e.messages[0].get("content", "") if e.messages else ""
+            self.results.append({"command": action["command"], "returncode": 0, "output": output})
+            raise
+        self.results.append({"command": action["command"], "returncode": out["returncode"], "output": out["output"]})
+        return out
+
+
+def run_args(runtime):
+    return ["--rm", "--runtime", runtime, "--annotation", "io.crab/turn-boundary=exec"]
+
+
+def episode(env, steps, task):
+    model = DeterministicModel(outputs=[make_output(f"step {i + 1}", [{"command": c}]) for i, (c, _, _) in enumerate(steps)])
+    agent = DefaultAgent(model, env, **CONFIG)
+    result = agent.run(task)
+    failures = []
+    for i, ((command, _, want), got) in enumerate(zip(steps, env.results)):
+        if got["returncode"] != 0 or want not in got["output"]:
+            failures.append({"step": i + 1, "command": command, "want": want, **got})
+    if len(env.results) != len(steps):
+        failures.append({"error": f"{len(env.results)} actions ran, {len(steps)} expected"})
+    return {
+        "container_id": env.container_id,
+        "exit_status": result.get("exit_status"),
+        "steps": env.results,
+        "expect": [kind for _, kind, _ in steps],
+        "failures": failures,
+    }
+
+
+def phase1(args):
+    env = RecordingDockerEnvironment(
+        image=args.image, cwd="/app", executable=args.docker, run_args=run_args(args.runtime), timeout=120
+    )
+    report = episode(env, PHASE1, "phase 1: fix add, install tinypkg, serve /app")
+    env.container_id = None  # leave the sandbox running: the caller kills it
+    return report
+
+
+def phase2(args):
+    env = RecordingDockerEnvironment(
+        image=args.image,
+        cwd="/app",
+        executable=args.docker,
+        run_args=run_args(args.runtime),
+        timeout=120,
+        keep_image_cmd=True,
+    )
+    try:
+        return episode(env, PHASE2, "phase 2: check the work survived")
+    finally:
+        subprocess.run([args.docker, "rm", "-f", env.container_id], capture_output=True)
+        env.container_id = None
+
+
+def demo(args):
+    first = phase1(args)
+    print(json.dumps({k: first[k] for k in ("container_id", "exit_status", "failures")}, indent=2))
+    cid = first["container_id"]
+    subprocess.run([args.crabctl, "--namespace", args.namespace, "turns", cid], check=True)
+    subprocess.run([args.docker, "kill", cid], check=True, capture_output=True)
+    print(f"killed {cid}; exporting crab's newest checkpoint as {args.checkpoint_image}")
+    subprocess.run(
+        [args.crabctl, "--namespace", args.namespace, "export", cid, args.checkpoint_image], check=True
+    )
+    args.image = args.checkpoint_image
+    second = phase2(args)
+    print(json.dumps({k: second[k] for k in ("exit_status", "failures")}, indent=2))
+    return {"phase1": first, "phase2": second}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["run", "resume", "demo"])
+    p.add_argument("--image", default="localhost/crab/agent:latest")
+    p.add_argument("--runtime", default="io.containerd.crab.v1")
+    p.add_argument("--docker", default="/usr/bin/docker")
+    p.add_argument("--crabctl", default="crabctl")
+    p.add_argument("--namespace", default="moby", help="Docker's containerd namespace (demo)")
+    p.add_argument("--checkpoint-image", default="localhost/crab/mini-swe-agent-restored:latest")
+    p.add_argument("--report", help="write the report (JSON) here")
+    args = p.parse_args()
+    report = {"run": phase1, "resume": phase2, "demo": demo}[args.mode](args)
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(report, f, indent=2)
+    failed = report.get("failures") or any(r.get("failures") for r in report.values() if isinstance(r, dict))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+//! A real agent harness end to end: mini-swe-agent (pinned from PyPI, in a venv under
+//! CRAB_HOME made on first use and kept) runs the scripted episode of
+//! `integration/harnesses/mini_swe_agent/episode.py` with its `DeterministicModel`, its
+//! `DefaultAgent` and its `DockerEnvironment` (`--rm --runtime io.containerd.crab.v1
+//! --annotation io.crab/turn-boundary=exec`) against the private dockerd with the containerd
+//! image store (where a checkpoint image `crabctl export` makes is an image docker runs).
+//! Each action is one turn; crab's answers must be the episode's oracle. Then the sandbox is
+//! killed mid-episode, brought back from crab's newest checkpoint (`crabctl export` + `docker
+//! run` of that image), and the remaining steps must succeed on what phase 1 left (files, the
+//! installed package, the background server and its socket).
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use crab_integration::{
+    ctr::run_command,
+    docker::{Docker, Store, DEFAULT_STATE_DIR},
+    host,
+    sandbox::json_files,
+};
+use serde_json::Value;
+
+const MINI_SWE_AGENT: &str = "mini-swe-agent==2.4.6";
+/// Debian's python3 (with python3-venv), not whatever python3 is first on PATH.
+const PYTHON: &str = "/usr/bin/python3";
+
+fn episode_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("harnesses/mini_swe_agent/episode.py")
+}
+
+/// The venv with mini-swe-agent, made once per pinned version (a marker written last says it
+/// is complete; an interrupted install is redone).
+fn venv(crab_home: &Path) -> PathBuf {
+    let dir = crab_home
+        .join("harness")
+        .join(format!("venv-{}", MINI_SWE_AGENT.replace("==", "-")));
+    let marker = dir.join(".crab-complete");
+    if std::fs::read_to_string(&marker).is_ok_and(|m| m.trim() == MINI_SWE_AGENT) {
+        return dir;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.parent().unwrap()).unwrap();
+    let mut cmd = Command::new(PYTHON);
+    cmd.args(["-m", "venv"]).arg(&dir);
+    run_command(cmd, "python3 -m venv", None, Duration::from_secs(120))
+        .and_then(|o| o.ok())
+        .unwrap_or_else(|e| panic!("cannot make the venv (python3-venv, `make deps`): {e}"));
+    let mut cmd = Command::new(dir.join("bin/python"));
+    cmd.args(["-m", "pip", "install", "-q", MINI_SWE_AGENT]);
+    run_command(cmd, "pip install", None, Duration::from_secs(900))
+        .and_then(|o| o.ok())
+        .unwrap_or_else(|e| panic!("cannot install {MINI_SWE_AGENT} from PyPI: {e}"));
+    std::fs::write(&marker, MINI_SWE_AGENT).unwrap();
+    dir
+}
+
+/// Runs episode.py MODE ARGS with the venv's python against `d`; returns its report.
+fn episode(d: &Docker, venv: &Path, mode: &str, args: &[&str], report: &Path) -> Value {
+    let mut cmd = Command::new(venv.join("bin/python"));
+    cmd.arg(episode_script())
+        .arg(mode)
+        .args(args)
+        .arg("--report")
+        .arg(report);
+    d.set_env(&mut cmd);
+    // mini-swe-agent's global config in CRAB_HOME, not in ~/.config.
+    cmd.env(
+        "MSWEA_GLOBAL_CONFIG_DIR",
+        d.env.crab_home.join("harness/mini-swe-agent-config"),
+    )
+    .env("MSWEA_SILENT_STARTUP", "1");
+    let out = run_command(
+        cmd,
+        &format!("episode.py {mode}"),
+        None,
+        Duration::from_secs(300),
+    )
+    .unwrap();
+    serde_json::from_slice(&std::fs::read(report).unwrap_or_default()).unwrap_or_else(|e| {
+        panic!(
+            "episode.py {mode} wrote no report ({e}): exit {}\n{}{}",
+            out.code(),
+            out.stdout,
+            out.stderr
+        )
+    })
+}
+
+#[test]
+fn mini_swe_agent_episode_with_a_crash_and_a_restore() {
+    let d = Docker::for_test(Store::Containerd);
+    let venv = venv(&d.env.crab_home);
+    let work = tempfile::tempdir().unwrap();
+    let mut guard = d.guard(&[]);
+    let mut problems = Vec::new();
+
+    // Phase 1: the agent works; every action is one docker exec, one turn.
+    let first = episode(&d, &venv, "run", &[], &work.path().join("phase1.json"));
+    let id = first["container_id"].as_str().unwrap().to_string();
+    guard.add(&id);
+    let store = PathBuf::from(DEFAULT_STATE_DIR)
+        .join(&d.env.namespace)
+        .join(&id);
+    guard.add_dir(store.clone());
+    assert_eq!(first["exit_status"], "Submitted", "{first:#}");
+    assert_eq!(
+        first["failures"],
+        serde_json::json!([]),
+        "phase 1 steps failed"
+    );
+
+    // crab's answers, turn by turn, against the episode's oracle (an idle process whose memory
+    // the kernel touched may add `proc` when the explanation says so, as in the ctr tests).
+    let expect: Vec<String> = first["expect"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k.as_str().unwrap().to_string())
+        .collect();
+    let answers = host::eventually(Duration::from_secs(10), || {
+        let a = json_files(&store.join("turns"));
+        (a.len() >= expect.len()).then_some(a)
+    })
+    .unwrap_or_else(|| json_files(&store.join("turns")));
+    if answers.len() != expect.len() {
+        problems.push(format!(
+            "{} turn answers for {} actions",
+            answers.len(),
+            expect.len()
+        ));
+    }
+    for (i, (a, want)) in answers.iter().zip(&expect).enumerate() {
+        let got = a["kind"].as_str().unwrap_or("");
+        let why = a["explanation"].as_str().unwrap_or("");
+        let memory_fp = why.contains("memory")
+            && matches!((want.as_str(), got), ("fs", "full") | ("none", "proc"));
+        if got != want && !memory_fp {
+            problems.push(format!(
+                "step {} `{}`: crab answered {got}, the oracle says {want}: {why}",
+                i + 1,
+                first["steps"][i]["command"]
+                    .as_str()
+                    .unwrap_or("")
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+            ));
+        }
+    }
+    // Every turn that changed something is covered by a published checkpoint (none failed).
+    let changed = expect.iter().filter(|k| *k != "none").count();
+    let covered = || {
+        json_files(&store.join("checkpoints"))
+            .into_iter()
+            .filter(|m| !matches!(m["kind"].as_str(), Some("created" | "restored")))
+            .collect::<Vec<_>>()
+    };
+    let _ = host::eventually(Duration::from_secs(30), || {
+        (covered().len() >= changed).then_some(())
+    });
+    let failed: Vec<String> = covered()
+        .iter()
+        .filter(|m| m["kind"] == "failed")
+        .map(|m| format!("{}: {}", m["turn_id"], m["explanation"]))
+        .collect();
+    if !failed.is_empty() {
+        problems.push(format!(
+            "failed checkpoints:\n    {}",
+            failed.join("\n    ")
+        ));
+    }
+
+    // The crash: the sandbox is killed (and, being --rm, removed by docker).
+    d.docker(&["kill", &id]).unwrap().ok().unwrap();
+    assert!(
+        host::eventually(Duration::from_secs(10), || host::container_processes(&id)
+            .is_empty()
+            .then_some(()))
+        .is_some(),
+        "processes survived docker kill: {:?}",
+        host::container_processes(&id)
+    );
+
+    // Brought back from crab's newest checkpoint: exported as an image, run by docker.
+    let image = format!("localhost/crab/it-msa-{}:latest", std::process::id());
+    let export = d.crabctl(&["export", &id, &image]);
+    if export.status.success() {
+        let second = episode(
+            &d,
+            &venv,
+            "resume",
+            &["--image", &image],
+            &work.path().join("phase2.json"),
+        );
+        if let Some(id2) = second["container_id"].as_str() {
+            guard.add(id2);
+            guard.add_dir(
+                PathBuf::from(DEFAULT_STATE_DIR)
+                    .join(&d.env.namespace)
+                    .join(id2),
+            );
+        }
+        if second["exit_status"] != "Submitted" || second["failures"] != serde_json::json!([]) {
+            problems.push(format!(
+                "phase 2 after the restore: exit {}, failures {:#}",
+                second["exit_status"], second["failures"]
+            ));
+        }
+        let _ = d.docker(&["rmi", &image]);
+    } else {
+        problems.push(format!(
+            "restore: `crabctl --namespace {} export {id} {image}` after the kill: exit {}: {}",
+            d.env.namespace,
+            export.code(),
+            export.stderr.trim()
+        ));
+    }
+
+    d.assert_no_leaks(&id, None);
+    assert!(
+        problems.is_empty(),
+        "mini-swe-agent on crab through Docker ({}):\n  {}",
+        d.store.name(),
+        problems.join("\n  ")
+    );
+}
