@@ -319,6 +319,24 @@ fn default_socket(dir: &Path) -> PathBuf {
     run.join("docker.sock")
 }
 
+/// Why a stored turn answer is what it is, for messages and oracles: what degraded it, and
+/// "memory changed" (with the pids) when an existing process's memory did.
+pub fn answer_why(answer: &Value) -> String {
+    let mut why: Vec<String> = answer["degraded"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|d| d.as_str().map(|d| format!("DEGRADED: {d}")))
+        .collect();
+    if answer["procs"]["memory"]
+        .as_array()
+        .is_some_and(|m| !m.is_empty())
+    {
+        why.push(format!("memory changed: {}", answer["procs"]["memory"]));
+    }
+    why.join("; ")
+}
+
 /// The workspace's crabctl (release build, `make build`).
 pub fn crabctl_bin() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl")

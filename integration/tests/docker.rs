@@ -9,7 +9,7 @@ use std::{path::PathBuf, time::Duration};
 
 use crab_integration::{
     docker::{
-        Docker, DockerSandbox, DockerSandboxOptions, Runtime, Store, DEFAULT_STATE_DIR,
+        answer_why, Docker, DockerSandbox, DockerSandboxOptions, Runtime, Store, DEFAULT_STATE_DIR,
         SHIM_RUNTIME,
     },
     env::BUSYBOX_IMAGE,
@@ -164,24 +164,19 @@ fn exec_boundary(store: Store) {
         (a.len() >= 3).then_some(a)
     })
     .unwrap_or_else(|| panic!("3 turn answers expected: {:#?}", s.answers()));
-    let got: Vec<(&str, &str)> = answers
+    // The turn ids are `exec-<exec id>`: Docker's exec ids are its own (random) ones.
+    let kinds: Vec<&str> = answers
         .iter()
-        .map(|a| {
-            (
-                a["turn_id"].as_str().unwrap_or(""),
-                a["kind"].as_str().unwrap_or(""),
-            )
-        })
+        .map(|a| a["kind"].as_str().unwrap_or(""))
         .collect();
-    assert_eq!(
-        got,
-        [
-            ("exec-turn-1", "fs"),
-            ("exec-turn-2", "none"),
-            ("exec-turn-3", "fs")
-        ],
+    assert!(
+        answers.iter().all(|a| a["turn_id"]
+            .as_str()
+            .is_some_and(|t| t.starts_with("exec-"))),
         "{answers:#?}"
     );
+    let whys: Vec<String> = answers.iter().map(answer_why).collect();
+    assert_eq!(kinds, ["fs", "none", "fs"], "{whys:?}");
     let m = s.wait_manifests(2);
     let kinds: Vec<&str> = m.iter().map(|m| m["kind"].as_str().unwrap()).collect();
     assert_eq!(kinds, ["fs", "fs"], "{m:#?}");
@@ -232,27 +227,27 @@ const MATRIX: &[(&str, &str, Option<&str>)] = &[
     ),
 ];
 
-/// One turn's outcome: (turn id, answer kind, the answer's explanation).
+/// One turn's outcome: (turn id, answer kind, why: [`answer_why`]).
 type Answer = (String, String, String);
 
 fn answer_of(a: &Value) -> Answer {
     (
         a["turn_id"].as_str().unwrap_or("").to_string(),
         a["kind"].as_str().unwrap_or("").to_string(),
-        a["explanation"].as_str().unwrap_or("").to_string(),
+        answer_why(a),
     )
 }
 
 /// Checks answers and checkpoints against [`MATRIX`]. An idle process whose memory the kernel
 /// touched (rseq area on a CPU migration, under load) is a documented false positive: a turn
-/// may add `proc` (fs -> full, none -> proc) when the explanation says memory changed; never a
+/// may add `proc` (fs -> full, none -> proc) when the answer says memory changed; never a
 /// miss.
 fn assert_matrix(label: &str, answers: &[Answer], manifests: &[Value], layer2: &[String]) {
     let mut problems = Vec::new();
     assert_eq!(answers.len(), MATRIX.len(), "{label}: {answers:#?}");
     for (i, ((script, want, want_ckpt), (turn, got, why))) in MATRIX.iter().zip(answers).enumerate()
     {
-        let memory_fp = why.contains("memory")
+        let memory_fp = why.contains("memory changed")
             && matches!((*want, got.as_str()), ("fs", "full") | ("none", "proc"));
         if got != want && !memory_fp {
             problems.push(format!(

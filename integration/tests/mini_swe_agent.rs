@@ -17,7 +17,7 @@ use std::{
 
 use crab_integration::{
     ctr::run_command,
-    docker::{Docker, Store, DEFAULT_STATE_DIR},
+    docker::{answer_why, Docker, Store, DEFAULT_STATE_DIR},
     host,
     sandbox::json_files,
 };
@@ -134,8 +134,8 @@ fn mini_swe_agent_episode_with_a_crash_and_a_restore() {
     }
     for (i, (a, want)) in answers.iter().zip(&expect).enumerate() {
         let got = a["kind"].as_str().unwrap_or("");
-        let why = a["explanation"].as_str().unwrap_or("");
-        let memory_fp = why.contains("memory")
+        let why = answer_why(a);
+        let memory_fp = why.contains("memory changed")
             && matches!((want.as_str(), got), ("fs", "full") | ("none", "proc"));
         if got != want && !memory_fp {
             problems.push(format!(
