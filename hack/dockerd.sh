@@ -168,7 +168,8 @@ our_shims() {
 
 stop_one() {
   store_vars "$1"
-  local pid i id
+  local pid i id ran=0
+  if answers || dockerd_pid >/dev/null; then ran=1; fi
   if answers; then
     for id in $(docker_cli ps -aq); do
       docker_cli rm -f "$id" >/dev/null 2>&1 || log "$STORE: warning: could not remove container $id"
@@ -213,7 +214,7 @@ stop_one() {
   if [[ -n $(our_shims) || -n $(crab_mounts_under "$D" "$RUN") ]]; then
     die "$STORE: stopped, but shims or mounts remain (see above)"
   fi
-  log "$STORE: stopped"
+  [[ $ran -eq 0 ]] || log "$STORE: stopped"
 }
 
 status_one() {
