@@ -19,7 +19,7 @@ use crab_integration::{
     ctr::run_command,
     docker::{answer_why, Docker, Store, DEFAULT_STATE_DIR},
     host,
-    sandbox::json_files,
+    sandbox::{json_files, AGENT_IMAGE},
 };
 use serde_json::Value;
 
@@ -184,9 +184,11 @@ fn mini_swe_agent_episode_with_a_crash_and_a_restore() {
         host::container_processes(&id)
     );
 
-    // Brought back from crab's newest checkpoint: exported as an image, run by docker.
+    // Brought back from crab's newest checkpoint: exported as an image, run by docker. The
+    // container went with the kill (--rm), and its rootfs layers with it: the base layers come
+    // from the image it ran, the rest from crab's store.
     let image = format!("localhost/crab/it-msa-{}:latest", std::process::id());
-    let export = d.crabctl(&["export", &id, &image]);
+    let export = d.crabctl(&["export", &id, "--base-image", AGENT_IMAGE, &image]);
     if export.status.success() {
         let second = episode(
             &d,
@@ -212,7 +214,8 @@ fn mini_swe_agent_episode_with_a_crash_and_a_restore() {
         let _ = d.docker(&["rmi", &image]);
     } else {
         problems.push(format!(
-            "restore: `crabctl --namespace {} export {id} {image}` after the kill: exit {}: {}",
+            "restore: `crabctl --namespace {} export {id} --base-image {AGENT_IMAGE} {image}` \
+             after the kill: exit {}: {}",
             d.env.namespace,
             export.code(),
             export.stderr.trim()

@@ -211,8 +211,10 @@ def demo(args):
     subprocess.run([args.crabctl, "--namespace", args.namespace, "turns", cid], check=True)
     subprocess.run([args.docker, "kill", cid], check=True, capture_output=True)
     print(f"killed {cid}; exporting crab's newest checkpoint as {args.checkpoint_image}")
+    # --rm removed the container with the kill: the base layers come from the image it ran.
     subprocess.run(
-        [args.crabctl, "--namespace", args.namespace, "export", cid, args.checkpoint_image], check=True
+        [args.crabctl, "--namespace", args.namespace, "export", cid, "--base-image", args.image, args.checkpoint_image],
+        check=True,
     )
     args.image = args.checkpoint_image
     second = phase2(args)
