@@ -48,6 +48,8 @@ pub fn sandbox_dir(state_dir: &Path, namespace: &str, container_id: &str) -> Pat
 }
 
 /// How a container's lineage begins.
+// One per container start: the size of the larger variant does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum Origin {
     Image,
     Checkpoint(Taken),
