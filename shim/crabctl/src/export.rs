@@ -398,7 +398,8 @@ impl Ctl {
 
     /// The record to export `container` from: containerd's, else for a Docker container that
     /// has exited (dockerd removes the record then, and keeps the container and its layers)
-    /// one made from dockerd's inspect document ([`docker::exited_record`]).
+    /// one made from dockerd's inspect document ([`docker::exited_record`]), else a stand-in
+    /// when only its store is left.
     async fn export_record(&self, container: &str) -> Result<Container> {
         if let Some(record) = self.client.container(container).await? {
             return Ok(record);
@@ -417,6 +418,19 @@ impl Ctl {
                 Ok(_) => {}
                 Err(e) => log::warn!("cannot ask dockerd about {container}: {e}"),
             }
+        }
+        // No record anywhere (removed with its container: `docker run --rm` after a crash, or
+        // `ctr rm`), but its store outlives it: a stand-in with only the id, so the store is
+        // the one `--config` (or the default config) names. The base then comes from
+        // `--base-image`, or from the layers `rootfs.json` names if they are still there; the
+        // process from the base image's config.
+        let stand_in = Container {
+            id: container.to_string(),
+            ..Default::default()
+        };
+        if self.store_root(&stand_in).is_ok() {
+            log::info!("{container} has no record: exporting from its store");
+            return Ok(stand_in);
         }
         self.container(container).await
     }
