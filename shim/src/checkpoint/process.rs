@@ -51,8 +51,12 @@ pub enum ProcError {
         pids: Vec<u32>,
         cmdlines: Vec<String>,
     },
-    #[error("bad CRIU image {}: {what}", path.display())]
-    Image { path: PathBuf, what: String },
+    #[error("bad CRIU image {}: {source}", path.display())]
+    Image {
+        path: PathBuf,
+        #[source]
+        source: PstreeError,
+    },
     #[error("page deduplication: {0}")]
     Pages(#[from] PagesError),
     #[error("{context}: {source}")]
@@ -227,29 +231,46 @@ fn decode_pstree_entry(msg: &[u8]) -> Option<PstreeEntry> {
     (pos == msg.len()).then_some(e)
 }
 
+/// What is wrong with a `pstree.img` ([`parse_pstree`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PstreeError {
+    #[error("truncated magic")]
+    TruncatedMagic,
+    #[error("magic {0:#x} is not pstree's")]
+    Magic(u32),
+    #[error("truncated entry size")]
+    TruncatedEntrySize,
+    #[error("truncated entry")]
+    TruncatedEntry,
+    #[error("undecodable entry")]
+    UndecodableEntry,
+}
+
 /// Parses a CRIU `pstree.img`: magic(s), then (u32 size, PstreeEntry)*.
-pub fn parse_pstree(data: &[u8]) -> Result<Vec<PstreeEntry>, String> {
+pub fn parse_pstree(data: &[u8]) -> Result<Vec<PstreeEntry>, PstreeError> {
     let u32_at = |p: usize| {
         data.get(p..p + 4)
             .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
     };
     let mut pos = 0;
-    let mut magic = u32_at(pos).ok_or("truncated magic")?;
+    let mut magic = u32_at(pos).ok_or(PstreeError::TruncatedMagic)?;
     pos += 4;
     if magic == IMG_COMMON_MAGIC || magic == IMG_SERVICE_MAGIC {
-        magic = u32_at(pos).ok_or("truncated magic")?;
+        magic = u32_at(pos).ok_or(PstreeError::TruncatedMagic)?;
         pos += 4;
     }
     if magic != PSTREE_MAGIC {
-        return Err(format!("magic {magic:#x} is not pstree's"));
+        return Err(PstreeError::Magic(magic));
     }
     let mut out = Vec::new();
     while pos < data.len() {
-        let size = u32_at(pos).ok_or("truncated entry size")? as usize;
+        let size = u32_at(pos).ok_or(PstreeError::TruncatedEntrySize)? as usize;
         pos += 4;
-        let msg = data.get(pos..pos + size).ok_or("truncated entry")?;
+        let msg = data
+            .get(pos..pos + size)
+            .ok_or(PstreeError::TruncatedEntry)?;
         pos += size;
-        out.push(decode_pstree_entry(msg).ok_or("undecodable entry")?);
+        out.push(decode_pstree_entry(msg).ok_or(PstreeError::UndecodableEntry)?);
     }
     Ok(out)
 }
@@ -257,7 +278,7 @@ pub fn parse_pstree(data: &[u8]) -> Result<Vec<PstreeEntry>, String> {
 pub fn read_pstree(dir: &Path) -> Result<Vec<PstreeEntry>, ProcError> {
     let path = dir.join("pstree.img");
     let data = fs::read(&path).map_err(io_err(format!("reading {}", path.display())))?;
-    parse_pstree(&data).map_err(|what| ProcError::Image { path, what })
+    parse_pstree(&data).map_err(|source| ProcError::Image { path, source })
 }
 
 /// `NSpid` of `/proc/PID/status`: the pid in each pid namespace, outermost first.

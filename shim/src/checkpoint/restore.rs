@@ -36,7 +36,9 @@ use super::{
     pages,
     privilege::{self, Excess, Granted},
     provenance::{self, FileDigest, HashingReader, ProvenanceError, TrustedKeys, SIGNATURE_FILE},
-    store::{CheckpointKind, Descriptor, Manifest, ProcessImage, Store, StoreError},
+    store::{
+        CheckpointKind, Descriptor, DescriptorError, Manifest, ProcessImage, Store, StoreError,
+    },
 };
 
 /// The directory at the rootfs root that carries a checkpoint in an image.
@@ -60,6 +62,12 @@ pub enum RestoreError {
     },
     #[error("checkpoint image: {path} is not a valid checkpoint description: {reason}")]
     BadMeta { path: PathBuf, reason: String },
+    #[error("checkpoint image: {path} is not a valid checkpoint description: {source}")]
+    BadLayer {
+        path: PathBuf,
+        #[source]
+        source: DescriptorError,
+    },
     #[error("checkpoint image has format {format}, newer than the newest this crab reads ({META_FORMAT}): upgrade crab to restore it")]
     NewerFormat { format: u32 },
     #[error("checkpoint image: {path} must be a plain file or directory (found {found}); refusing to follow it")]
@@ -158,7 +166,10 @@ impl CheckpointMeta {
             return Err(bad("format 0".into()));
         }
         for d in &meta.fs_layers {
-            d.check().map_err(bad)?;
+            d.check().map_err(|source| RestoreError::BadLayer {
+                path: path.to_path_buf(),
+                source,
+            })?;
         }
         Ok(meta)
     }
@@ -834,7 +845,13 @@ mod tests {
         ] {
             let root = rootfs_with(&bad, None, &[]);
             let err = refused(&Fixture::new(), &root);
-            assert!(matches!(err, RestoreError::BadMeta { .. }), "{bad}: {err}");
+            assert!(
+                matches!(
+                    err,
+                    RestoreError::BadMeta { .. } | RestoreError::BadLayer { .. }
+                ),
+                "{bad}: {err}"
+            );
         }
     }
 

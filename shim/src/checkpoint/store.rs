@@ -145,25 +145,38 @@ pub struct Descriptor {
     pub media_type: String,
 }
 
+/// What [`Descriptor::check`] refuses in a layer descriptor.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DescriptorError {
+    #[error("layer digest {0:?}")]
+    Digest(String),
+    #[error("layer diff_id {0:?}")]
+    DiffId(String),
+    #[error("layer media type {0:?}")]
+    MediaType(String),
+    #[error("layer {0} of size 0")]
+    Empty(String),
+}
+
 impl Descriptor {
     /// Checks what an OCI descriptor of a layer must be, before it goes into an image or comes
     /// out of one: sha256 digests, a layer media type, a size.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), DescriptorError> {
         let sha256 = |s: &str| {
             s.strip_prefix("sha256:")
                 .is_some_and(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
         };
         if !sha256(&self.digest) {
-            return Err(format!("layer digest {:?}", self.digest));
+            return Err(DescriptorError::Digest(self.digest.clone()));
         }
         if !sha256(&self.diff_id) {
-            return Err(format!("layer diff_id {:?}", self.diff_id));
+            return Err(DescriptorError::DiffId(self.diff_id.clone()));
         }
         if ![MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_LAYER_TAR].contains(&self.media_type.as_str()) {
-            return Err(format!("layer media type {:?}", self.media_type));
+            return Err(DescriptorError::MediaType(self.media_type.clone()));
         }
         if self.size == 0 {
-            return Err(format!("layer {} of size 0", self.digest));
+            return Err(DescriptorError::Empty(self.digest.clone()));
         }
         Ok(())
     }
