@@ -1,0 +1,58 @@
+//! What the root-only test targets (`tests/root_*.rs`) share: the one policy for what they need.
+//!
+//! Those tests mount overlays and tmpfs, create cgroups and device nodes, load eBPF programs,
+//! run containers with runc and CRIU, or fork children. They need root and the tools and
+//! filesystems they name. A test that cannot run **fails**, saying what is missing; none returns
+//! early or passes silently. `cargo test --lib` runs none of them (the library's unit tests are
+//! pure and pass as any user); `cargo test --workspace` (so `make test`) runs them all.
+#![allow(dead_code)] // each test target uses some of these
+
+use std::path::{Path, PathBuf};
+
+/// Fails unless the test runs as root; `why` says what needs it.
+#[track_caller]
+pub fn require_root(why: &str) {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "cannot run as uid {}: this test {why}, which needs root (run the root_* test targets \
+         as root; they never skip)",
+        nix::unistd::geteuid()
+    );
+}
+
+/// The path of `program` on `PATH`; fails if it is not installed.
+#[track_caller]
+pub fn require_program(program: &str) -> PathBuf {
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|dir| dir.join(program))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| panic!("cannot run: `{program}` is not installed (not on PATH)"))
+}
+
+/// Fails unless the kernel knows the filesystem type `fstype` (`/proc/filesystems`).
+#[track_caller]
+pub fn require_filesystem(fstype: &str) {
+    let known = std::fs::read_to_string("/proc/filesystems").unwrap_or_default();
+    assert!(
+        known
+            .lines()
+            .any(|l| l.split_whitespace().last() == Some(fstype)),
+        "cannot run: the kernel has no {fstype} filesystem (/proc/filesystems)"
+    );
+}
+
+/// Fails unless a filesystem of type `fstype` is mounted at `path`.
+#[track_caller]
+pub fn require_mount(path: &Path, fstype: &str) {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    assert!(
+        mounts.lines().any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.get(1).map(Path::new) == Some(path) && f.get(2) == Some(&fstype)
+        }),
+        "cannot run: no {fstype} mounted at {}",
+        path.display()
+    );
+}
