@@ -7,7 +7,7 @@ use std::{
     collections::BTreeMap,
     fs::{self, File},
     io::Write as _,
-    path::{Path, PathBuf},
+    path::Path,
 };
 
 use crab_runtime_config::UnsignedImages;
@@ -20,51 +20,7 @@ use crab_shim::checkpoint::restore::{
 };
 use crab_shim::checkpoint::store::{CheckpointKind, Manifest, Store};
 use ed25519_dalek::SigningKey;
-use nix::mount::{mount, umount2, MntFlags, MsFlags};
-
-/// A tmpfs of `size` mounted on `dir` (created), unmounted when dropped: a tiny filesystem to
-/// run out of space on.
-struct Tmpfs(PathBuf);
-
-impl Tmpfs {
-    fn mount(dir: &Path, size: &str) -> Tmpfs {
-        support::require_root("mounts a tmpfs to run out of space on");
-        fs::create_dir_all(dir).unwrap();
-        mount(
-            Some("tmpfs"),
-            dir,
-            Some("tmpfs"),
-            MsFlags::empty(),
-            Some(format!("size={size}").as_str()),
-        )
-        .unwrap_or_else(|e| panic!("mount tmpfs on {}: {e}", dir.display()));
-        Tmpfs(dir.to_path_buf())
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = umount2(&self.0, MntFlags::MNT_DETACH);
-    }
-}
-
-/// Every file (not directory) under `root`, relative.
-fn files_under(root: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for e in fs::read_dir(&dir).unwrap() {
-            let e = e.unwrap();
-            if e.file_type().unwrap().is_dir() {
-                stack.push(e.path());
-            } else {
-                out.push(e.path().strip_prefix(root).unwrap().to_path_buf());
-            }
-        }
-    }
-    out.sort();
-    out
-}
+use support::{files::files_under, Tmpfs};
 
 #[test]
 fn full_disk_on_publish_leaves_nothing_partial() {

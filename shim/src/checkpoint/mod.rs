@@ -32,6 +32,25 @@ pub mod store;
 mod tar;
 pub mod volumes;
 
+/// What the root-only tests of layers captured from real overlays (`tests/root_capture.rs`)
+/// compare a layer with: the xattrs a layer records for a file.
+#[doc(hidden)]
+pub mod testing {
+    use std::{ffi::CString, io, os::unix::ffi::OsStrExt, path::Path};
+
+    use crate::{inspector::fs::OverlayXattrs, sys::xattr};
+
+    /// The xattrs of `path` (not followed) a layer records, by name: overlayfs' own state
+    /// (under the mount's prefix, `overlay`) left out.
+    pub fn recorded_xattrs(
+        path: &Path,
+        overlay: OverlayXattrs,
+    ) -> io::Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        let c = CString::new(path.as_os_str().as_bytes())?;
+        Ok(super::capture::Xattrs::read(&xattr::Target::Path(&c), overlay)?.other)
+    }
+}
+
 pub use self::{
     action::Action, coordinator::Coordinator, error::CheckpointError, jobs::ContainerCapture,
 };

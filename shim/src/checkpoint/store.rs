@@ -1141,71 +1141,10 @@ pub fn rfc3339(t: SystemTime) -> String {
     )
 }
 
-/// Helpers shared by the checkpoint tests.
+/// Helpers shared by the checkpoint tests, also the root-only ones.
 #[cfg(test)]
-pub(crate) mod test_support {
-    use std::path::{Path, PathBuf};
-
-    use nix::mount::{mount, umount2, MntFlags, MsFlags};
-
-    /// A tmpfs of `size` mounted on `dir` (created), unmounted when dropped: a tiny
-    /// filesystem to run out of space on.
-    pub(crate) struct Tmpfs(PathBuf);
-
-    impl Tmpfs {
-        pub(crate) fn mount(dir: &Path, size: &str) -> Tmpfs {
-            std::fs::create_dir_all(dir).unwrap();
-            mount(
-                Some("tmpfs"),
-                dir,
-                Some("tmpfs"),
-                MsFlags::empty(),
-                Some(format!("size={size}").as_str()),
-            )
-            .unwrap_or_else(|e| {
-                panic!("mount tmpfs on {}: {e} (tests run as root)", dir.display())
-            });
-            Tmpfs(dir.to_path_buf())
-        }
-    }
-
-    impl Drop for Tmpfs {
-        fn drop(&mut self) {
-            let _ = umount2(&self.0, MntFlags::MNT_DETACH);
-        }
-    }
-
-    /// Every file (not directory) under `root`, relative.
-    pub(crate) fn files_under(root: &Path) -> Vec<PathBuf> {
-        let mut out = Vec::new();
-        let mut stack = vec![root.to_path_buf()];
-        while let Some(dir) = stack.pop() {
-            for e in std::fs::read_dir(&dir).unwrap() {
-                let e = e.unwrap();
-                if e.file_type().unwrap().is_dir() {
-                    stack.push(e.path());
-                } else {
-                    out.push(e.path().strip_prefix(root).unwrap().to_path_buf());
-                }
-            }
-        }
-        out.sort();
-        out
-    }
-
-    /// Incompressible bytes (xorshift), deterministic per seed.
-    pub(crate) fn noise(len: usize, seed: u64) -> Vec<u8> {
-        let mut x = seed | 1;
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 24) as u8
-            })
-            .collect()
-    }
-}
+#[path = "../../tests/support/files.rs"]
+pub(crate) mod test_support;
 
 #[cfg(test)]
 mod tests {

@@ -7,7 +7,13 @@
 //! pure and pass as any user); `cargo test --workspace` (so `make test`) runs them all.
 #![allow(dead_code)] // each test target uses some of these
 
+pub mod counter;
+pub mod files;
+pub mod tar;
+
 use std::path::{Path, PathBuf};
+
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
 /// Fails unless the test runs as root; `why` says what needs it.
 #[track_caller]
@@ -55,4 +61,57 @@ pub fn require_mount(path: &Path, fstype: &str) {
         "cannot run: no {fstype} mounted at {}",
         path.display()
     );
+}
+
+/// A tmpfs of `size` mounted on `dir` (created), unmounted when dropped: a tiny filesystem to
+/// run out of space on.
+pub struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    #[track_caller]
+    pub fn mount(dir: &Path, size: &str) -> Tmpfs {
+        require_root("mounts a tmpfs");
+        std::fs::create_dir_all(dir).unwrap();
+        mount(
+            Some("tmpfs"),
+            dir,
+            Some("tmpfs"),
+            MsFlags::empty(),
+            Some(format!("size={size}").as_str()),
+        )
+        .unwrap_or_else(|e| panic!("mount tmpfs on {}: {e}", dir.display()));
+        Tmpfs(dir.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = umount2(&self.0, MntFlags::MNT_DETACH);
+    }
+}
+
+/// Sets xattr `name` of `path` (a symlink is the link itself); panics on failure.
+#[track_caller]
+pub fn lsetxattr(path: &Path, name: &str, value: &[u8]) {
+    use std::{ffi::CString, os::unix::ffi::OsStrExt};
+    let c = CString::new(path.as_os_str().as_bytes()).unwrap();
+    let n = CString::new(name).unwrap();
+    // SAFETY: `c` and `n` are NUL-terminated strings and `value` is valid for `value.len()`
+    // bytes; all outlive the call, and the kernel only reads them.
+    let rc = unsafe {
+        libc::lsetxattr(
+            c.as_ptr(),
+            n.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    if rc != 0 {
+        panic!(
+            "setxattr {name} on {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        );
+    }
 }

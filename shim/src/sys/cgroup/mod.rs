@@ -322,23 +322,4 @@ mod tests {
             ]
         );
     }
-
-    #[test]
-    fn this_process_has_a_cgroup2_directory() {
-        let mount = cgroup2_mount().unwrap();
-        let dir = cgroup2_dir_of(std::process::id()).unwrap();
-        assert!(dir.starts_with(&mount.mount_point), "{}", dir.display());
-        let id = cgroup_id(&dir).unwrap();
-        assert_eq!(cgroup_path_by_id(&mount.mount_point, id).unwrap(), dir);
-        // v1 directories have inode numbers too, but not cgroup ids.
-        let v1 = Path::new("/sys/fs/cgroup/memory");
-        if v1.is_dir() {
-            assert!(cgroup_id(v1).is_err());
-        }
-        let e = cgroup_path_by_id(&mount.mount_point, u64::MAX).unwrap_err();
-        assert!(
-            matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ESTALE)),
-            "{e}"
-        );
-    }
 }
