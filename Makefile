@@ -20,8 +20,9 @@
 #   make test-containerd-1.7
 #                         the end-to-end lifecycle tests against containerd 1.7 (a second
 #                         private containerd, Debian trixie's, unpacked under $(CRAB_HOME))
-#   make bench            the benchmarks (shim, inspector, checkpoint, restore, cri) against the
-#                         private containerd (stopped after); figures under $(CRAB_HOME)/bench
+#   make bench            the benchmarks (shim, inspector, checkpoint, restore, cri, and the
+#                         shim's parts alone: units) against the private containerd (stopped
+#                         after); figures under $(CRAB_HOME)/bench
 #   make fuzz             fuzz every parser of untrusted bytes, FUZZ_SECONDS (60) each
 #                         (hack/fuzz.sh; summary in $(CRAB_HOME)/fuzz/summary.txt);
 #                         make fuzz-smoke: 5 s each (CI)
@@ -75,7 +76,7 @@ endef
 .PHONY: help deps build lint images containerd-up containerd-down docker-up docker-down demo test test-containerd-1.7 bench clean
 
 help:
-	@sed -n '3,28s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '3,29s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
 
 deps:
 	hack/install-deps.sh
@@ -137,7 +138,7 @@ test-containerd-1.7: deps build
 	@$(test_containerd_17)
 
 # BENCHES picks some: make bench BENCHES="bench-restore".
-BENCHES ?= bench-shim bench-inspector bench-checkpoint bench-restore bench-cri
+BENCHES ?= bench-shim bench-inspector bench-checkpoint bench-restore bench-cri bench-units
 bench: build
 	@$(call with_containerd,for b in $(BENCHES); do $(CARGO) run --release -p crab-integration --bin $$b -- $(BENCH_ARGS) || exit 1; done)
 

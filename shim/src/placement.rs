@@ -129,7 +129,7 @@ mod tests {
     }
 
     #[test]
-    #[ignore]
+    #[ignore = "run by oom_score_is_only_raised in a child process"]
     fn oom_child() {
         let before = oom_score_adj(std::process::id()).unwrap();
         let target = (before + 7).min(1000);

@@ -24,10 +24,9 @@ use crab_shim::checkpoint::layer::{
 use crab_shim::checkpoint::store::{Descriptor, Store};
 use crab_shim::checkpoint::testing::recorded_xattrs;
 use crab_shim::inspector::fs::{diff, EntryKind, FsDiff, OverlayXattrs, TreeManifest};
-use crab_shim::sys::cgroup::freezer::{CgroupFreezer, Freezer};
+use crab_shim::sys::cgroup::freezer::Freezer;
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use sha2::{Digest, Sha256};
-use support::counter::Counter;
 use support::files::{files_under, noise};
 use support::tar::{names, parse_tar, TarItem};
 use support::Tmpfs;
@@ -1028,72 +1027,6 @@ fn user_overlay_xattrs_are_overlay_state_only_with_userxattr() {
         EntryKind::Whiteout
     );
 }
-
-// ---- figures ----
-
-/// Prints fs checkpoint latency and freeze time against changed bytes (no assertions).
-/// `cargo test -p crab-shim --lib -- --ignored --nocapture fs_checkpoint_figures`
-#[test]
-#[ignore]
-fn fs_checkpoint_figures() {
-    let o = Overlay::new(|l| write(&l.join("etc/os-release"), b"ID=test\n", 0o644));
-    let store_dir = tempfile::tempdir().unwrap();
-    let store = Store::open(store_dir.path()).unwrap();
-    let counter = Counter::start(Path::new("/sys/fs/cgroup/freezer"), "bench");
-    let freezer = counter
-        .as_ref()
-        .map(|c| CgroupFreezer::for_pid(c.child.id()).unwrap());
-    let counting = CountingFreezer::default();
-    let freezer: &dyn Freezer = match &freezer {
-        Some(f) => f,
-        None => &counting,
-    };
-    println!("store and upperdir on {}", store_dir.path().display());
-    println!(
-        "{:>10} {:>6} {:>12} {:>12} {:>10} {:>10} {:>10}",
-        "changed", "runs", "tar bytes", "zstd bytes", "freeze ms", "capture ms", "total ms"
-    );
-    let mut mark = o.scan();
-    for (label, size) in [
-        ("1 KB", 1usize << 10),
-        ("100 KB", 100 << 10),
-        ("1 MB", 1 << 20),
-        ("10 MB", 10 << 20),
-        ("100 MB", 100 << 20),
-    ] {
-        let mut runs = Vec::new();
-        for run in 0..5u64 {
-            // Half noise, half text: compressible like real files, not trivially so.
-            let mut data = noise(size / 2, run + size as u64);
-            data.extend(
-                std::iter::repeat_n(
-                    b"the quick brown fox jumps over the lazy dog\n".as_slice(),
-                    size / 2 / 44 + 1,
-                )
-                .flatten()
-                .take(size - data.len()),
-            );
-            write(&o.m("work/blob.bin"), &data, 0o644);
-            let (now, d) = o.diff(&mark);
-            mark = now;
-            let (_, s) = write_fs_layer(&store, &o.upper, &FsDiffPaths::from(&d), freezer).unwrap();
-            runs.push(s);
-        }
-        runs.sort_by_key(|s| s.total);
-        let med = &runs[runs.len() / 2];
-        let ms = |d: Duration| format!("{:.2}", d.as_secs_f64() * 1000.0);
-        println!(
-            "{label:>10} {:>6} {:>12} {:>12} {:>10} {:>10} {:>10}",
-            runs.len(),
-            med.bytes,
-            med.compressed,
-            ms(med.freeze),
-            ms(med.capture),
-            ms(med.total)
-        );
-    }
-}
-
 #[test]
 fn a_whole_layer_directory_becomes_a_tar_with_its_whiteouts_and_opaque_dirs() {
     let o = Overlay::new(|lower| {

@@ -18,7 +18,7 @@ use std::{
 use crab_shim::checkpoint::pages;
 use crab_shim::checkpoint::process::testing::{boot_ticks, verify_image};
 use crab_shim::checkpoint::process::{
-    check_dumpable, checkpoint, read_pstree, work_dir, ProcCheckpoint, ProcError,
+    check_dumpable, checkpoint, read_pstree, work_dir, ProcError,
 };
 use crab_shim::inspector::procs::{self, ProcInfo};
 use crab_shim::runc::{CheckpointOpts, Runc};
@@ -167,11 +167,11 @@ static void report(const char *s) {
 }
 int main(int argc, char **argv) {
     if (argc == 3 && !strcmp(argv[1], "lock")) {
-int fd = open(argv[2], O_RDWR | O_CREAT, 0644);
-struct flock fl = { .l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0, .l_len = 1 };
-if (fd < 0 || flock(fd, LOCK_EX) || fcntl(fd, F_SETLK, &fl)) return 2;
-report("locked");
-for (;;) pause();
+        int fd = open(argv[2], O_RDWR | O_CREAT, 0644);
+        struct flock fl = { .l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0, .l_len = 1 };
+        if (fd < 0 || flock(fd, LOCK_EX) || fcntl(fd, F_SETLK, &fl)) return 2;
+        report("locked");
+        for (;;) pause();
     }
     if (argc != 3 || strcmp(argv[1], "mem")) return 1;
     size_t pages = (size_t)atol(argv[2]) * 256;
@@ -183,13 +183,13 @@ for (;;) pause();
     long turn = 0; char msg[32];
     report("0");
     for (;;) {
-while (!go) sigsuspend(&old);
-go = 0; turn++;
-size_t start = rnd() % pages;
-/* 97 is prime and does not divide pages: 1% distinct pages spread over the buffer. */
-for (size_t j = 0; j < pages / 100; j++) fill(buf + ((start + j * 97) % pages) * 4096, 64);
-snprintf(msg, sizeof msg, "%ld", turn);
-report(msg);
+        while (!go) sigsuspend(&old);
+        go = 0; turn++;
+        size_t start = rnd() % pages;
+        /* 97 is prime and does not divide pages: 1% distinct pages spread over the buffer. */
+        for (size_t j = 0; j < pages / 100; j++) fill(buf + ((start + j * 97) % pages) * 4096, 64);
+        snprintf(msg, sizeof msg, "%ld", turn);
+        report(msg);
     }
 }
 "#;
@@ -798,20 +798,6 @@ async fn wait_turn(sb: &Sandbox, turn: u32) {
     });
 }
 
-fn rss_mb(pid: u32) -> u64 {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .unwrap()
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .unwrap();
-    kb / 1024
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn repeated_checkpoints_store_only_changed_pages() {
     let sb = Sandbox::new("dedup", &["helper", "mem", "50"], true, false).await;
@@ -855,43 +841,4 @@ async fn repeated_checkpoints_store_only_changed_pages() {
     let (_rid, rinit, _rcg) = sb.restore(&last, "r").await;
     signal(rinit, libc::SIGUSR1);
     wait_turn(&sb, 10).await;
-}
-
-/// Prints proc checkpoint latency against resident size; run with
-/// `cargo test -p crab-shim --lib checkpoint::process -- --ignored --nocapture`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore]
-async fn bench_proc_checkpoint_latency_vs_resident_size() {
-    eprintln!("resident  first: dump     rest     total   stored     | next turn: dump    rest    total   stored   (rest = check, verify, dedup)");
-    for mb in [10u32, 100, 500] {
-        let sb = Sandbox::new(
-            &format!("bench{mb}"),
-            &["helper", "mem", &mb.to_string()],
-            true,
-            false,
-        )
-        .await;
-        let (id, init, cg) = sb.run("a").await;
-        wait_turn(&sb, 0).await;
-        let rss = rss_mb(init);
-        let chunks = sb.path("chunks");
-        let first = checkpoint(&sb.runc, &id, init, &cg, &sb.path("proc/1"), &chunks)
-            .await
-            .unwrap();
-        signal(init, libc::SIGUSR1);
-        wait_turn(&sb, 1).await;
-        let next = checkpoint(&sb.runc, &id, init, &cg, &sb.path("proc/2"), &chunks)
-            .await
-            .unwrap();
-        let row = |c: &ProcCheckpoint| {
-            format!(
-                "{:>7.0?} {:>7.0?} {:>7.0?} {:>8.1} MB",
-                c.dump,
-                c.duration.saturating_sub(c.dump),
-                c.duration,
-                c.bytes_stored as f64 / 1048576.0
-            )
-        };
-        eprintln!("{rss:>5} MB  {}  | {}", row(&first), row(&next));
-    }
 }

@@ -746,70 +746,6 @@ fn manifest_round_trips_through_serde() {
     assert!(diff(&back, &m, &ov.lowers).is_empty());
 }
 
-/// Figures for the issue's aim (1,000 files well under 10 ms):
-/// `cargo test -p crab-shim --release inspector::fs::tests::timing -- --ignored --nocapture`
-#[test]
-#[ignore]
-fn timing_scan_and_diff() {
-    support::require_root("mounts overlays and sets trusted.* xattrs");
-    for n in [1_000usize, 10_000] {
-        let tmp = tempfile::tempdir().unwrap();
-        let (lower, upper) = (tmp.path().join("lower"), tmp.path().join("upper"));
-        // n files, 100 per directory, in directories the image already has: the worst case
-        // for diff (every file is new and needs a lower lookup).
-        for i in 0..n {
-            let dir = format!("srv/d{:03}", i / 100);
-            if i % 100 == 0 {
-                fs::create_dir_all(lower.join(&dir)).unwrap();
-                fs::create_dir_all(upper.join(&dir)).unwrap();
-            }
-            fs::write(upper.join(&dir).join(format!("file{i}.py")), "x = 1\n").unwrap();
-        }
-        let lowers = vec![lower];
-        let empty = TreeManifest::default();
-        let median = |f: &mut dyn FnMut()| {
-            let mut t: Vec<f64> = (0..15)
-                .map(|_| {
-                    let s = Instant::now();
-                    f();
-                    s.elapsed().as_secs_f64() * 1e3
-                })
-                .collect();
-            t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            t[t.len() / 2]
-        };
-        let now = TreeManifest::scan(&upper).unwrap();
-        let scan_ms = median(&mut || {
-            TreeManifest::scan(&upper).unwrap();
-        });
-        // The floor: the same walk with std, lstat only, nothing kept.
-        fn bare_walk(dir: &Path) -> usize {
-            fs::read_dir(dir)
-                .unwrap()
-                .map(|e| {
-                    let e = e.unwrap();
-                    let md = e.metadata().unwrap();
-                    1 + if md.is_dir() { bare_walk(&e.path()) } else { 0 }
-                })
-                .sum()
-        }
-        let floor_ms = median(&mut || assert_eq!(bare_walk(&upper) + 1, now.len()));
-        let same_ms = median(&mut || assert!(diff(&now, &now, &lowers).is_empty()));
-        let all_ms = median(&mut || assert_eq!(diff(&empty, &now, &lowers).len(), n));
-        let json = serde_json::to_vec(&now).unwrap();
-        println!(
-            "fs inspector, {n} files in upper ({} entries): scan {scan_ms:.2} ms \
-             (bare std walk {floor_ms:.2} ms), \
-             diff unchanged {same_ms:.2} ms, diff all {n} new {all_ms:.2} ms, \
-             scan+diff (unchanged) {:.2} ms, (all new) {:.2} ms; manifest json {} KiB",
-            now.len(),
-            scan_ms + same_ms,
-            scan_ms + all_ms,
-            json.len() / 1024
-        );
-    }
-}
-
 // ---- arming shared mappings ----
 
 /// A target over plain directories: a fake cgroup listing this test process, an upperdir.
@@ -878,11 +814,11 @@ fn arming_opens_nothing_a_hostile_memfd_name_points_at() {
 import mmap, os, sys
 keep = []
 for name in ["fifo", "chr", "link/secret", {climb:?}]:
-fd = os.memfd_create(name)
-os.ftruncate(fd, 4096)
-m = mmap.mmap(fd, 4096, mmap.MAP_SHARED)
-m[0:1] = b"x"
-keep.append(m)
+    fd = os.memfd_create(name)
+    os.ftruncate(fd, 4096)
+    m = mmap.mmap(fd, 4096, mmap.MAP_SHARED)
+    m[0:1] = b"x"
+    keep.append(m)
 print("ready", flush=True)
 sys.stdin.readline()
 "#

@@ -9,7 +9,7 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crab_shim::inspector::memory::testing::PresenceScan;
 use crab_shim::inspector::memory::{
@@ -491,31 +491,31 @@ const PY: &str = r#"
 import sys
 buf = bytearray(4 << 20)
 for i in range(0, len(buf), 4096):
-buf[i] = 1
+    buf[i] = 1
 data = list(range(100000))
 blob = bytes(range(256)) * 4096
 def ok():
-sys.stdout.write("ok\n"); sys.stdout.flush()
+    sys.stdout.write("ok\n"); sys.stdout.flush()
 ok()
 while True:
-line = sys.stdin.readline()
-if not line:
-    break
-cmd = line.split()
-if cmd[0] == "touch":
-    for i in range(int(cmd[1])):
-        buf[i * 4096 + 7] = 2
-elif cmd[0] == "alloc":
-    extra = bytearray(int(cmd[1]) << 20)
-    for i in range(0, len(extra), 4096):
-        extra[i] = 3
-elif cmd[0] == "loop":
-    s = 0
-    for x in data:
-        s += x
-elif cmd[0] == "count":
-    blob.count(b"\xff")
-ok()
+    line = sys.stdin.readline()
+    if not line:
+        break
+    cmd = line.split()
+    if cmd[0] == "touch":
+        for i in range(int(cmd[1])):
+            buf[i * 4096 + 7] = 2
+    elif cmd[0] == "alloc":
+        extra = bytearray(int(cmd[1]) << 20)
+        for i in range(0, len(extra), 4096):
+            extra[i] = 3
+    elif cmd[0] == "loop":
+        s = 0
+        for x in data:
+            s += x
+    elif cmd[0] == "count":
+        blob.count(b"\xff")
+    ok()
 "#;
 
 impl Py {
@@ -664,101 +664,4 @@ fn different_process_is_all_change() {
         !d.is_empty() && d.removed_pages > 0 && d.added_pages > 0,
         "{d}"
     );
-}
-
-/// Capture + compare cost versus resident size. Not a test: run with
-/// `cargo test --release -p crab-shim inspector::memory::tests::bench_capture -- --ignored --nocapture`.
-#[test]
-#[ignore]
-fn bench_capture() {
-    let ps = page_size() as usize;
-    eprintln!(
-        "| resident | capture 1 thread | capture {} threads | compare | pages read |",
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-    );
-    eprintln!("|---|---|---|---|---|");
-    for mb in [10usize, 100, 500] {
-        let len = mb << 20;
-        // SAFETY: a fresh anonymous mapping of `len` bytes, written only within it; the
-        // forked child only calls pause(2) in a loop (async-signal-safe) until killed.
-        let pid = unsafe {
-            let p = libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            ) as *mut u64;
-            assert_ne!(p as *mut libc::c_void, libc::MAP_FAILED);
-            // Distinct, non-zero contents in every page.
-            for i in 0..len / 8 {
-                *p.add(i) = (i as u64).wrapping_mul(0x9e3779b97f4a7c15) | 1;
-            }
-            let pid = libc::fork();
-            if pid == 0 {
-                loop {
-                    libc::pause();
-                }
-            }
-            libc::munmap(p as *mut libc::c_void, len);
-            pid as u32
-        };
-        let _ = ps;
-        std::thread::sleep(Duration::from_millis(50));
-        let best = |threads: usize| {
-            (0..3)
-                .map(|_| {
-                    capture_with(
-                        pid,
-                        &CaptureOptions {
-                            threads,
-                            ..Default::default()
-                        },
-                    )
-                    .unwrap()
-                })
-                .min_by_key(|i| i.stats.elapsed)
-                .unwrap()
-        };
-        let one = best(1);
-        let many = best(
-            std::env::var("CRAB_BENCH_THREADS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
-        );
-        let t = Instant::now();
-        let d = compare(&one, &many);
-        let cmp = t.elapsed();
-        assert!(d.is_empty(), "{d}");
-        eprintln!(
-            "| {mb} MB | {:.1} ms | {:.1} ms | {:.2} ms | {} |",
-            one.stats.elapsed.as_secs_f64() * 1e3,
-            many.stats.elapsed.as_secs_f64() * 1e3,
-            cmp.as_secs_f64() * 1e3,
-            many.stats.pages_read
-        );
-        // SAFETY: kill and waitpid of our own child; a null status pointer is allowed.
-        unsafe {
-            libc::kill(pid as i32, libc::SIGKILL);
-            libc::waitpid(pid as i32, std::ptr::null_mut(), 0);
-        }
-    }
-    let py = Py::spawn();
-    let imgs: Vec<MemoryImage> = (0..3).map(|_| capture(py.pid()).unwrap()).collect();
-    let best = imgs.iter().map(|i| i.stats.elapsed).min().unwrap();
-    let t = Instant::now();
-    let d = compare(&imgs[0], &imgs[1]);
-    eprintln!(
-        "| idle python3 ({} MB read, {} regions) | | {:.1} ms | {:.2} ms | {} |",
-        (imgs[0].stats.pages_read * page_size()) >> 20,
-        imgs[0].regions.len(),
-        best.as_secs_f64() * 1e3,
-        t.elapsed().as_secs_f64() * 1e3,
-        imgs[0].stats.pages_read
-    );
-    assert!(d.is_empty(), "{d}");
 }

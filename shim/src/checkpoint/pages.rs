@@ -955,39 +955,6 @@ mod tests {
         assert!(files(&chunks).is_empty(), "{:?}", files(&chunks));
     }
 
-    /// Prints dedup and materialize times for a 50 MB pages file of distinct pages, cold
-    /// (every chunk new) and warm (every chunk known); `-- --ignored --nocapture`.
-    #[test]
-    #[ignore]
-    fn bench_dedup_throughput() {
-        let tmp = tempfile::tempdir().unwrap();
-        let chunks = tmp.path().join("chunks");
-        let mut data = vec![0u8; 50 << 20];
-        let mut x = 88172645463325252u64;
-        for w in data.chunks_mut(8) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            w.copy_from_slice(&x.to_le_bytes());
-        }
-        for run in ["cold", "warm"] {
-            let img = tmp.path().join(run);
-            fs::create_dir_all(&img).unwrap();
-            fs::write(img.join("pages-1.img"), &data).unwrap();
-            let t = std::time::Instant::now();
-            let s = dedup(&img, &chunks).unwrap();
-            let d = t.elapsed();
-            let t = std::time::Instant::now();
-            materialize(&img, &chunks).unwrap();
-            eprintln!(
-                "{run}: dedup {:?} ({} new chunks), materialize {:?}",
-                d,
-                s.chunks_new,
-                t.elapsed()
-            );
-        }
-    }
-
     #[test]
     fn readers_rebuild_pages_elsewhere_and_leave_the_image_alone() {
         let tmp = tempfile::tempdir().unwrap();
