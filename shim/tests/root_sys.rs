@@ -30,15 +30,15 @@ fn exercise(counter: &Counter, f: &CgroupFreezer) {
     f.thaw().unwrap();
     assert!(counter.is_counting(), "counts again after the thaw");
     // Frozen by someone else (a user's pause): left frozen.
-    testing::request(&f, true).unwrap();
-    testing::wait_frozen(&f).unwrap();
+    testing::request(f, true).unwrap();
+    testing::wait_frozen(f).unwrap();
     f.freeze().unwrap();
     f.thaw().unwrap();
     assert!(
         !counter.is_counting(),
         "a pause from outside survives our thaw"
     );
-    testing::request(&f, false).unwrap();
+    testing::request(f, false).unwrap();
     assert!(counter.is_counting());
 }
 

@@ -195,8 +195,6 @@ impl Freezer for CgroupFreezer {
     }
 }
 
-/// A real process to freeze, for the tests here and the checkpoint tests that freeze one.
-
 /// What the root-only tests of real freezers (`tests/root_sys.rs`) do besides freezing: freeze
 /// and thaw as someone else (a user's pause) would, and wait for it.
 #[doc(hidden)]
