@@ -237,8 +237,25 @@ impl Python {
         if line != "ready\n" {
             BENCH.die(format!("python3 said {line:?}"));
         }
+        wait_blocked_in_read(c.id());
         Python(c)
     }
+}
+
+/// Waits until `pid` sleeps in read(2), so that its memory holds still for the captures.
+fn wait_blocked_in_read(pid: u32) {
+    let want = format!("{} ", libc::SYS_read);
+    for _ in 0..5000 {
+        let syscall = fs::read_to_string(format!("/proc/{pid}/syscall")).unwrap_or_default();
+        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // The state follows the command name's closing parenthesis.
+        let state = stat.rsplit_once(") ").map(|(_, rest)| &rest[..1]);
+        if syscall.starts_with(&want) && state == Some("S") {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    BENCH.die(format!("process {pid} did not block in read(2)"));
 }
 
 impl Drop for Python {
