@@ -138,6 +138,37 @@ struct PidTable {
     early_exits: HashMap<u32, i32>,
 }
 
+impl PidTable {
+    /// A process is being started: until it is known, exits of unknown pids are kept.
+    fn begin_start(&mut self) {
+        self.starting += 1;
+    }
+
+    /// The start under way is done: `pid` (when the process started) belongs to `owner`
+    /// (container id, exec id) unless it exited already, whose status is returned then.
+    fn finish_start(&mut self, pid: Option<u32>, owner: (String, String)) -> Option<i32> {
+        self.starting -= 1;
+        let early = pid.and_then(|pid| self.early_exits.remove(&pid));
+        if let (Some(pid), None) = (pid, early) {
+            self.owners.insert(pid, owner);
+        }
+        if self.starting == 0 {
+            self.early_exits.clear();
+        }
+        early
+    }
+
+    /// Process `pid` exited with `code`: its owner if known (and forgotten); an unknown pid's
+    /// exit is kept while a start is under way (it may be that start's process).
+    fn exited(&mut self, pid: u32, code: i32) -> Option<(String, String)> {
+        let owner = self.owners.remove(&pid);
+        if owner.is_none() && self.starting > 0 {
+            self.early_exits.insert(pid, code);
+        }
+        owner
+    }
+}
+
 pub struct Containers {
     namespace: String,
     events: EventSender,
@@ -545,26 +576,12 @@ impl Containers {
         }
         let starting = p.start_lock.lock().await;
         p.transition(&[Status::Created], Status::Running)?;
-        self.pids.lock().unwrap().starting += 1;
+        self.pids.lock().unwrap().begin_start();
         let started = self.start_exec(&c, &p).await;
-        let early_exit = {
-            let mut t = self.pids.lock().unwrap();
-            t.starting -= 1;
-            let early = started
-                .as_ref()
-                .ok()
-                .and_then(|pid| t.early_exits.remove(pid));
-            match &started {
-                Ok(pid) if early.is_none() => {
-                    t.owners.insert(*pid, (id.to_string(), exec_id.to_string()));
-                }
-                _ => {}
-            }
-            if t.starting == 0 {
-                t.early_exits.clear();
-            }
-            early
-        };
+        let early_exit = self.pids.lock().unwrap().finish_start(
+            started.as_ref().ok().copied(),
+            (id.to_string(), exec_id.to_string()),
+        );
         let pid = match started {
             Ok(pid) => pid,
             Err(e) => {
@@ -606,7 +623,7 @@ impl Containers {
             file_locks: true,
             ..Default::default()
         };
-        self.pids.lock().unwrap().starting += 1;
+        self.pids.lock().unwrap().begin_start();
         let bound = Duration::from_millis(r.config.checkpoint.restore_timeout_ms);
         let console = prepared.console.as_ref().map(|c| c.path.clone());
         let restore = c.runc.restore(
@@ -635,18 +652,11 @@ impl Containers {
             }
         };
         let pid = restored.and_then(|()| bundle::read_pid(&pid_file));
-        let early_exit = {
-            let mut t = self.pids.lock().unwrap();
-            t.starting -= 1;
-            let early = pid.as_ref().ok().and_then(|pid| t.early_exits.remove(pid));
-            if let (Ok(pid), None) = (&pid, early) {
-                t.owners.insert(*pid, (c.id.clone(), String::new()));
-            }
-            if t.starting == 0 {
-                t.early_exits.clear();
-            }
-            early
-        };
+        let early_exit = self
+            .pids
+            .lock()
+            .unwrap()
+            .finish_start(pid.as_ref().ok().copied(), (c.id.clone(), String::new()));
         let pid = match pid {
             Ok(pid) => pid,
             Err(e) => {
@@ -778,18 +788,7 @@ impl Containers {
     }
 
     fn on_exit(self: &Arc<Self>, pid: u32, code: i32) {
-        let owner = {
-            let mut t = self.pids.lock().unwrap();
-            match t.owners.remove(&pid) {
-                Some(o) => Some(o),
-                None => {
-                    if t.starting > 0 {
-                        t.early_exits.insert(pid, code);
-                    }
-                    None
-                }
-            }
-        };
+        let owner = self.pids.lock().unwrap().exited(pid, code);
         let Some((cid, exec_id)) = owner else { return };
         let Ok(c) = self.get(&cid) else { return };
         let Ok(p) = c.process(&exec_id) else { return };
@@ -1198,5 +1197,116 @@ fn unmount_all_under(dir: &Path) {
         if let Err(e) = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH) {
             log::warn!("cannot unmount {}: {e}", p.display());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn owner(c: &str, e: &str) -> (String, String) {
+        (c.to_string(), e.to_string())
+    }
+
+    #[test]
+    fn a_known_pid_exits_once_to_its_owner() {
+        let mut t = PidTable::default();
+        t.begin_start();
+        assert_eq!(t.finish_start(Some(10), owner("c", "e1")), None);
+        assert_eq!(t.exited(10, 0), Some(owner("c", "e1")));
+        // Forgotten once reported (a pid is reused by some later process).
+        assert_eq!(t.exited(10, 0), None);
+        assert!(t.early_exits.is_empty(), "nothing was starting");
+    }
+
+    /// `runc exec --detach` can return after its process exited and was reaped: the exit
+    /// arrived for a pid not known yet, and the start that learns the pid gets it.
+    #[test]
+    fn an_exit_before_its_start_is_known_goes_to_that_start() {
+        let mut t = PidTable::default();
+        t.begin_start();
+        assert_eq!(t.exited(20, 7), None);
+        assert_eq!(t.finish_start(Some(20), owner("c", "e")), Some(7));
+        // Exited already: not registered, so a reused pid 20 is nobody's.
+        assert_eq!(t.exited(20, 0), None);
+        assert!(t.owners.is_empty() && t.early_exits.is_empty());
+    }
+
+    #[test]
+    fn unknown_exits_are_kept_only_while_a_start_is_under_way() {
+        let mut t = PidTable::default();
+        // Nothing starting: an unknown pid (not ours, or gone) is dropped.
+        assert_eq!(t.exited(30, 1), None);
+        assert!(t.early_exits.is_empty());
+        // Two starts overlap: exits are kept until the last one finished.
+        t.begin_start();
+        t.begin_start();
+        t.exited(31, 2);
+        t.exited(32, 3);
+        assert_eq!(t.finish_start(Some(31), owner("a", "x")), Some(2));
+        assert_eq!(
+            t.early_exits.get(&32),
+            Some(&3),
+            "the other start may own it"
+        );
+        // The second start failed (no pid): the kept exits are nobody's, and go.
+        assert_eq!(t.finish_start(None, owner("b", "y")), None);
+        assert_eq!(t.starting, 0);
+        assert!(t.early_exits.is_empty() && t.owners.is_empty());
+    }
+
+    #[test]
+    fn a_started_process_that_has_not_exited_is_registered() {
+        let mut t = PidTable::default();
+        t.begin_start();
+        t.exited(41, 9); // someone else's
+        assert_eq!(t.finish_start(Some(40), owner("c", "")), None);
+        assert_eq!(t.owners.get(&40), Some(&owner("c", "")));
+        assert!(t.early_exits.is_empty(), "cleared with the last start");
+    }
+
+    /// `runtimeoptions.v1.Options` with `ConfigBody` (field 3) set to `body`.
+    fn options_with_body(body: &str) -> Vec<u8> {
+        let mut v = vec![0x1a];
+        let mut len = body.len();
+        while len >= 0x80 {
+            v.push((len as u8 & 0x7f) | 0x80);
+            len >>= 7;
+        }
+        v.push(len as u8);
+        v.extend_from_slice(body.as_bytes());
+        v
+    }
+
+    #[test]
+    fn crab_runtime_options_carry_the_config() {
+        let url = format!(
+            "type.googleapis.com/{}",
+            crab_runtime_config::RUNTIME_OPTIONS_TYPE_URL
+        );
+        let body = "[runc]\nsystemd_cgroup = true\n";
+        let (config, source) =
+            Containers::load_config(&Some((url.clone(), options_with_body(body)))).unwrap();
+        assert!(config.runc.systemd_cgroup);
+        assert_eq!(source.to_string(), "<runtime options ConfigBody>");
+        // Undecodable options and an invalid config are refused, not replaced by defaults.
+        let bad_wire = vec![0x18, 0x01]; // field 3 as a varint
+        assert!(Containers::load_config(&Some((url.clone(), bad_wire))).is_err());
+        let e = Containers::load_config(&Some((url, options_with_body("[runc\n")))).unwrap_err();
+        assert!(e.to_string().contains("ConfigBody"), "{e}");
+    }
+
+    #[test]
+    fn runtime_options_of_another_runtime_are_refused() {
+        let e = Containers::load_config(&Some((
+            "containerd.runc.v1.Options".into(),
+            vec![0x08, 0x01],
+        )))
+        .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        assert!(
+            e.to_string().contains("are not crab's") && e.to_string().contains("ConfigBody"),
+            "{e}"
+        );
     }
 }
