@@ -436,13 +436,18 @@ fn live(cgroup: &Path) -> Vec<ProcInfo> {
     procs::list(cgroup).unwrap()
 }
 
-fn wait_procs(cgroup: &Path, n: usize) -> Vec<ProcInfo> {
+/// The processes of `cgroup` once they are exactly those running `cmdlines` (in any order). A
+/// count alone is not enough: a process forked but not yet exec'ed (slow under load) counts
+/// with its parent's command line, and so would every comparison made with it.
+fn wait_procs(cgroup: &Path, cmdlines: &[&str]) -> Vec<ProcInfo> {
+    let mut want: Vec<String> = cmdlines.iter().map(|c| c.to_string()).collect();
+    want.sort();
     wait_until(
-        &format!("{n} processes in {}", cgroup.display()),
+        &format!("processes {want:?} in {}", cgroup.display()),
         Duration::from_secs(10),
         || {
             let l = live(cgroup);
-            (l.len() == n).then_some(l)
+            (self::cmdlines(&l) == want).then_some(l)
         },
     )
 }
@@ -487,7 +492,7 @@ fn cmdlines(l: &[ProcInfo]) -> Vec<String> {
 async fn background_child_is_dumped_pages_round_trip_and_image_restores() {
     let sb = Sandbox::new("bg", &["sh", "-c", "sleep 100000 & wait"], false, false).await;
     let (id, init, cg) = sb.run("a").await;
-    let before = wait_procs(&cg, 2);
+    let before = wait_procs(&cg, &["sh -c sleep 100000 & wait", "sleep 100000"]);
     let expected: Vec<u32> = before.iter().map(|p| p.pid).collect();
     assert_eq!(check_dumpable(init, &cg).unwrap(), expected);
 
@@ -542,7 +547,7 @@ async fn background_child_is_dumped_pages_round_trip_and_image_restores() {
     sb.delete(&id).await;
     pages::materialize(&dir, &chunks).unwrap();
     let (_rid, rinit, rcg) = sb.restore(&dir, "r").await;
-    let after = wait_procs(&rcg, 2);
+    let after = wait_procs(&rcg, &["sh -c sleep 100000 & wait", "sleep 100000"]);
     assert_eq!(cmdlines(&after), cmdlines(&before));
     assert!(after.iter().any(|p| p.pid == rinit));
     // The restored tree is dumpable again.
@@ -553,9 +558,9 @@ async fn background_child_is_dumped_pages_round_trip_and_image_restores() {
 async fn running_exec_is_refused_and_runc_alone_would_miss_it() {
     let sb = Sandbox::new("exec", &["sleep", "100000"], false, false).await;
     let (id, init, cg) = sb.run("a").await;
-    wait_procs(&cg, 1);
+    wait_procs(&cg, &["sleep 100000"]);
     let exec_pid = sb.detached(&["exec", "-d"], &id, &["sleep", "5555"]).await;
-    wait_procs(&cg, 2);
+    wait_procs(&cg, &["sleep 100000", "sleep 5555"]);
 
     let err = check_dumpable(init, &cg).unwrap_err();
     eprintln!("check_dumpable: {err}");
