@@ -352,3 +352,85 @@ fn scenario_matrix_under_docker_overlay2() {
 fn scenario_matrix_under_docker_containerd_store() {
     scenario_matrix(Store::Containerd);
 }
+
+/// The host directory of a workspace as a sorted listing: `path content` (`path/` for dirs).
+fn workspace_listing(dir: &std::path::Path) -> Vec<String> {
+    fn walk(root: &std::path::Path, dir: &std::path::Path, out: &mut Vec<String>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            let rel = p.strip_prefix(root).unwrap().display().to_string();
+            if std::fs::symlink_metadata(&p).unwrap().is_dir() {
+                out.push(format!("{rel}/"));
+                walk(root, &p, out);
+            } else {
+                let data = std::fs::read(&p).unwrap();
+                out.push(format!("{rel} {}", String::from_utf8_lossy(&data).trim()));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out);
+    out.sort();
+    out
+}
+
+/// A workspace bind-mounted at /workspace (`docker run -v DIR:/workspace`, tracked by default)
+/// is part of the checkpoint: exported and run again through Docker with the same directory
+/// mounted, the directory holds the checkpoint's contents again (what came after is gone).
+#[test]
+fn a_bind_mounted_workspace_comes_back_through_docker_run() {
+    let store = Store::Containerd;
+    let d = Docker::for_test(store);
+    let ws = d
+        .env
+        .crab_home
+        .join(format!("docker-ws-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&ws);
+    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::write(ws.join("before.txt"), "there before\n").unwrap();
+    let mount = format!("{}:/workspace", ws.display());
+    let (mut s, mut guard) = DockerSandbox::start(
+        store,
+        "docker_ws",
+        DockerSandboxOptions {
+            run_args: &["-v", &mount],
+            ..Default::default()
+        },
+    );
+    guard.add_dir(ws.clone());
+    s.run("echo v1 > /workspace/a.txt && mkdir -p /workspace/d && echo x > /workspace/d/x");
+    s.end_turn();
+    let m = s.wait_manifests(1).pop().unwrap();
+    assert_eq!(m["volumes"], serde_json::json!(["/workspace"]), "{m:#}");
+    let at_t1 = workspace_listing(&ws);
+    assert_eq!(
+        at_t1,
+        ["a.txt v1", "before.txt there before", "d/", "d/x x"]
+    );
+    // After the checkpoint, never checkpointed: must not come back.
+    s.run("echo junk > /workspace/junk; rm /workspace/a.txt");
+
+    let image = format!("localhost/crab-test/ws-{}:1", std::process::id());
+    let out = s.d.crabctl(&["export", &s.id, "--turn", "t1", &image]);
+    assert!(out.status.success(), "export: {}{}", out.stdout, out.stderr);
+    s.d.rm(&s.name).unwrap();
+    let again = unique_id("docker_ws_again");
+    guard.add(&again);
+    let id =
+        s.d.run_detached(&["--name", &again, "--runtime", "crab", "-v", &mount, &image])
+            .unwrap_or_else(|e| panic!("docker run of the checkpoint image: {e}"));
+    guard.add_dir(
+        s.d.state_dir(Runtime::Named)
+            .join(&s.d.env.namespace)
+            .join(&id),
+    );
+    assert_eq!(
+        workspace_listing(&ws),
+        at_t1,
+        "the host directory after docker run"
+    );
+    let seen = s.d.exec(&again, &["cat", "/workspace/a.txt"]).unwrap();
+    assert_eq!(seen.stdout, "v1\n");
+    s.d.rm(&again).unwrap();
+    let _ = s.d.docker(&["rmi", &image]);
+}
