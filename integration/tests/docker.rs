@@ -434,3 +434,50 @@ fn a_bind_mounted_workspace_comes_back_through_docker_run() {
     s.d.rm(&again).unwrap();
     let _ = s.d.docker(&["rmi", &image]);
 }
+
+/// A sandbox on a terminal (`docker run -t`): its checkpoint holds the tty, and `docker run -t`
+/// of the exported image restores its processes on a new terminal (CRIU recreates the pty, the
+/// shim connects the new master to Docker's stdio).
+#[test]
+fn a_terminal_comes_back_through_docker_run() {
+    let store = Store::Containerd;
+    let (mut s, mut guard) = DockerSandbox::start(
+        store,
+        "docker_tty",
+        DockerSandboxOptions {
+            run_args: &["-t"],
+            ..Default::default()
+        },
+    );
+    s.run("echo on-a-tty > /app/tty.txt; (sleep 4000 </dev/null >/dev/null 2>&1 &)");
+    s.end_turn();
+    let m = s.wait_manifests(1).pop().unwrap();
+    assert_eq!(m["kind"], "full", "{m:#}");
+    let image = format!("localhost/crab-test/tty-{}:1", std::process::id());
+    let out = s.d.crabctl(&["export", &s.id, "--turn", "t1", &image]);
+    assert!(out.status.success(), "export: {}{}", out.stdout, out.stderr);
+    s.d.rm(&s.name).unwrap();
+    let again = unique_id("docker_tty_again");
+    guard.add(&again);
+    let id =
+        s.d.run_detached(&["--name", &again, "--runtime", "crab", "-t", &image])
+            .unwrap_or_else(|e| panic!("docker run -t of the checkpoint image: {e}"));
+    guard.add_dir(
+        s.d.state_dir(Runtime::Named)
+            .join(&s.d.env.namespace)
+            .join(&id),
+    );
+    let seen =
+        s.d.exec(
+            &again,
+            &[
+                "bash",
+                "-c",
+                "readlink /proc/1/fd/0; cat /app/tty.txt; pgrep -x sleep | wc -l",
+            ],
+        )
+        .unwrap();
+    assert_eq!(seen.stdout, "/dev/pts/0\non-a-tty\n2\n", "{}", seen.stderr);
+    s.d.rm(&again).unwrap();
+    let _ = s.d.docker(&["rmi", &image]);
+}
