@@ -887,3 +887,37 @@ async fn tracked_volumes_are_captured_and_come_back() {
     s.finish().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A tracked volume too large for a layer fails the checkpoint loudly: the manifest says which
+/// file of which volume directory crossed which limit, and the sandbox keeps running.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_volume_too_large_for_a_layer_fails_the_checkpoint_by_name() {
+    let dir = TestEnv::from_env()
+        .crab_home
+        .join(format!("ckpt-big-volume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (mut s, _g) = Sandbox::start(
+        "ckpt_big_volume",
+        SandboxOptions {
+            volume: Some((&dir, "/workspace")),
+            config: "limits.max_layer_bytes = 1048576",
+            ..Default::default()
+        },
+    )
+    .await;
+    s.run("head -c 2000000 /dev/urandom > /workspace/big.bin")
+        .await;
+    s.end_turn().await;
+    let m = s.wait_manifests(1).await.pop().unwrap();
+    assert_eq!(m["kind"], "failed", "{m:#}");
+    let explanation = m["explanation"].as_str().unwrap();
+    assert!(
+        explanation.contains(&dir.join("big.bin").display().to_string())
+            && explanation.contains("max_layer_bytes"),
+        "{explanation}"
+    );
+    assert_eq!(s.run("echo alive").await.stdout, "alive\n");
+    s.finish().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
