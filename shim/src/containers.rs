@@ -359,8 +359,7 @@ impl Containers {
             let (held, root, id) = (t.meta.volumes.clone(), rootfs.path.clone(), p.id.clone());
             let restored = tokio::task::spawn_blocking(move || {
                 for (at, dir) in volumes.iter().filter(|(at, _)| held.contains(at)) {
-                    let from = root.join(at.strip_prefix("/").unwrap_or(at));
-                    let c = crate::checkpoint::volumes::restore_volume(at, &from, dir)?;
+                    let c = crate::checkpoint::volumes::restore_volume(at, &root, dir)?;
                     log::info!(
                         "container {id}: volume {} restored into {} ({} files, {} bytes{})",
                         at.display(),

@@ -44,10 +44,35 @@ pub struct Copied {
     pub skipped: u64,
 }
 
-/// Makes host directory `dir` (the source of the bind mount at `at`) hold exactly what
-/// `from` (the volume's path in the restored rootfs) holds: its entries are removed, then
-/// `from`'s are copied in with their modes, owners and modification times.
-pub fn restore_volume(at: &Path, from: &Path, dir: &Path) -> Result<Copied, VolumeRestoreError> {
+/// Makes host directory `dir` (the source of the bind mount at `at`) hold exactly what `at`
+/// holds in the restored rootfs `root`: its entries are removed, then those are copied in with
+/// their modes, owners and modification times. `at` is resolved beneath `root` with no
+/// symlink in any component (the image's `/workspace -> /etc` would otherwise copy the host's
+/// `/etc` into the volume); what does not resolve that way restores as empty.
+pub fn restore_volume(at: &Path, root: &Path, dir: &Path) -> Result<Copied, VolumeRestoreError> {
+    let rel = at.strip_prefix("/").unwrap_or(at);
+    let from = root.join(rel);
+    let resolved = crate::sys::beneath::open_root(root)
+        .and_then(|r| crate::sys::beneath::resolve_beneath(std::os::fd::AsFd::as_fd(&r), rel))
+        .and_then(|fd| crate::sys::beneath::fstat(std::os::fd::AsFd::as_fd(&fd)));
+    let beneath = match resolved {
+        Ok(st) => st.st_mode & libc::S_IFMT == libc::S_IFDIR,
+        Err(e) => {
+            if e.kind() != io::ErrorKind::NotFound {
+                log::warn!(
+                    "restoring volume {}: {} does not resolve beneath the rootfs: {e}",
+                    at.display(),
+                    from.display()
+                );
+            }
+            false
+        }
+    };
+    restore_from(at, beneath.then_some(from.as_path()), dir)
+}
+
+/// [`restore_volume`] from `from` (a directory resolved beneath the rootfs), or `None`: empty.
+fn restore_from(at: &Path, from: Option<&Path>, dir: &Path) -> Result<Copied, VolumeRestoreError> {
     let err = |what, path: &Path| {
         let at = at.to_path_buf();
         let path = path.to_path_buf();
@@ -71,11 +96,10 @@ pub fn restore_volume(at: &Path, from: &Path, dir: &Path) -> Result<Copied, Volu
         gone.map_err(err("removing", &path))?;
     }
     let mut copied = Copied::default();
-    match fs::symlink_metadata(from) {
-        Ok(m) if m.is_dir() => {}
-        // The layers hold nothing there (an empty volume whose directory the image lacks).
-        Ok(_) | Err(_) => return Ok(copied),
-    }
+    // The layers hold nothing there (an empty volume whose directory the image lacks).
+    let Some(from) = from else {
+        return Ok(copied);
+    };
     copy_dir(at, from, dir, 0, &mut copied)?;
     let root = fs::symlink_metadata(from).map_err(err("reading", from))?;
     set_meta(dir, &root).map_err(err("setting attributes of", dir))?;
@@ -177,7 +201,7 @@ mod tests {
     #[test]
     fn the_directory_ends_up_holding_exactly_the_checkpoints_tree() {
         let t = tempfile::tempdir().unwrap();
-        let (from, dir) = (t.path().join("from"), t.path().join("dir"));
+        let (from, dir) = (t.path().join("root/workspace"), t.path().join("dir"));
         fs::create_dir_all(from.join("src/deep")).unwrap();
         fs::write(from.join("src/deep/a.py"), b"print(1)\n").unwrap();
         fs::set_permissions(
@@ -193,7 +217,7 @@ mod tests {
         fs::write(dir.join("after-the-checkpoint"), b"gone").unwrap();
         symlink("/", dir.join("root-link")).unwrap();
 
-        let c = restore_volume(Path::new("/workspace"), &from, &dir).unwrap();
+        let c = restore_volume(Path::new("/workspace"), &t.path().join("root"), &dir).unwrap();
         assert_eq!(
             c,
             Copied {
@@ -224,16 +248,40 @@ mod tests {
     }
 
     #[test]
+    fn a_volume_path_through_a_symlink_in_the_image_is_never_followed() {
+        // The image makes /workspace (or a parent of it) a link to a host directory: nothing
+        // of that directory may reach the volume.
+        let t = tempfile::tempdir().unwrap();
+        let (root, outside, dir) = (
+            t.path().join("root"),
+            t.path().join("outside"),
+            t.path().join("dir"),
+        );
+        fs::create_dir_all(outside.join("workspace")).unwrap();
+        fs::write(outside.join("secret"), b"host").unwrap();
+        fs::write(outside.join("workspace/secret"), b"host").unwrap();
+        fs::create_dir_all(&root).unwrap();
+        fs::create_dir_all(&dir).unwrap();
+        symlink(&outside, root.join("workspace")).unwrap();
+        symlink(&outside, root.join("parent")).unwrap();
+        for at in ["/workspace", "/parent/workspace"] {
+            let c = restore_volume(Path::new(at), &root, &dir).unwrap();
+            assert_eq!(c, Copied::default(), "{at}");
+            assert_eq!(fs::read_dir(&dir).unwrap().count(), 0, "{at}");
+        }
+    }
+
+    #[test]
     fn nothing_in_the_checkpoint_empties_the_directory() {
         let t = tempfile::tempdir().unwrap();
         let dir = t.path().join("dir");
         fs::create_dir_all(dir.join("a")).unwrap();
-        let c = restore_volume(Path::new("/w"), &t.path().join("absent"), &dir).unwrap();
+        let c = restore_volume(Path::new("/w"), t.path(), &dir).unwrap();
         assert_eq!(c, Copied::default());
         assert_eq!(fs::read_dir(&dir).unwrap().count(), 0);
         // A file where the host directory should be is refused.
         fs::write(t.path().join("file"), b"").unwrap();
-        let e = restore_volume(Path::new("/w"), &dir, &t.path().join("file")).unwrap_err();
+        let e = restore_volume(Path::new("/dir"), t.path(), &t.path().join("file")).unwrap_err();
         assert!(e.to_string().contains("not a directory"), "{e}");
     }
 }
