@@ -295,3 +295,26 @@ pub fn cgroup_file(pid: u32, controller: &str, file: &str) -> Option<PathBuf> {
             .join(file),
     )
 }
+
+/// A host directory's tree as a sorted listing, one line per entry: `path/` for a directory,
+/// `path content` (trimmed) for anything else; for comparing a volume's host directory with
+/// what a checkpoint held.
+pub fn tree_listing(dir: &Path) -> Vec<String> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<String>) {
+        for e in fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            let rel = p.strip_prefix(root).unwrap().display().to_string();
+            if fs::symlink_metadata(&p).unwrap().is_dir() {
+                out.push(format!("{rel}/"));
+                walk(root, &p, out);
+            } else {
+                let data = fs::read(&p).unwrap();
+                out.push(format!("{rel} {}", String::from_utf8_lossy(&data).trim()));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out);
+    out.sort();
+    out
+}

@@ -736,28 +736,6 @@ async fn kill_shim_mid_checkpoint(name: &str, second: &str, in_progress: impl Fn
     let _ = std::fs::remove_dir_all(&s.state_dir);
 }
 
-/// The host directory of a tracked volume as a sorted listing: `path kind content`.
-fn volume_listing(dir: &std::path::Path) -> Vec<String> {
-    fn walk(root: &std::path::Path, dir: &std::path::Path, out: &mut Vec<String>) {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let p = e.unwrap().path();
-            let rel = p.strip_prefix(root).unwrap().display().to_string();
-            let m = std::fs::symlink_metadata(&p).unwrap();
-            if m.is_dir() {
-                out.push(format!("{rel}/"));
-                walk(root, &p, out);
-            } else {
-                let data = std::fs::read(&p).unwrap();
-                out.push(format!("{rel} {}", String::from_utf8_lossy(&data).trim()));
-            }
-        }
-    }
-    let mut out = Vec::new();
-    walk(dir, dir, &mut out);
-    out.sort();
-    out
-}
-
 /// A tracked volume (a host directory bind-mounted at /workspace) is part of the checkpoints:
 /// the first fs layer holds it whole below its path, the next its changes; recovery and
 /// rollback put the checkpoint's contents back into the host directory, dropping what came
@@ -816,7 +794,7 @@ async fn tracked_volumes_are_captured_and_come_back() {
             && !l.contains_key("workspace/before.txt"),
         "the second layer holds the changes only: {keys:?}"
     );
-    let after_t2 = volume_listing(&dir);
+    let after_t2 = host::tree_listing(&dir);
     assert_eq!(
         after_t2,
         ["before.txt there before", "n new", "src/", "src/a.txt v2"]
@@ -829,13 +807,13 @@ async fn tracked_volumes_are_captured_and_come_back() {
     s.h.wait(&s.id, "", Duration::from_secs(60)).await.unwrap();
     let (code, out, err) = s.crabctl(&["recover", &s.id]);
     assert_eq!(code, 0, "recover: {out} {err}");
-    assert_eq!(volume_listing(&dir), after_t2, "after recovery");
+    assert_eq!(host::tree_listing(&dir), after_t2, "after recovery");
 
     // Back to t1, and forwards again to t2.
     let (code, out, err) = s.crabctl(&["rollback", &s.id, "--to", "t1"]);
     assert_eq!(code, 0, "rollback: {out} {err}");
     assert_eq!(
-        volume_listing(&dir),
+        host::tree_listing(&dir),
         ["before.txt there before", "k keep", "src/", "src/a.txt v1"],
         "after the rollback to t1"
     );
@@ -844,7 +822,11 @@ async fn tracked_volumes_are_captured_and_come_back() {
     assert_eq!(seen, "v1\nkeep\n", "inside the container");
     let (code, out, err) = s.crabctl(&["rollback", &s.id, "--to", "t2"]);
     assert_eq!(code, 0, "rollback: {out} {err}");
-    assert_eq!(volume_listing(&dir), after_t2, "after the rollback to t2");
+    assert_eq!(
+        host::tree_listing(&dir),
+        after_t2,
+        "after the rollback to t2"
+    );
 
     // Forks of t1 each get a directory of their own holding t1's volume; the original's stays.
     let (code, out, err) = s.crabctl(&["fork", &s.id, "--at", "t1", "--count", "2"]);
@@ -862,7 +844,7 @@ async fn tracked_volumes_are_captured_and_come_back() {
             .join(&s.h.env.namespace)
             .join(id)
             .join("volumes/0");
-        assert_eq!(volume_listing(&own), t1, "fork {id}'s volume");
+        assert_eq!(host::tree_listing(&own), t1, "fork {id}'s volume");
         let mut fork = Sandbox {
             h: s.h.clone(),
             id: id.clone(),
@@ -879,7 +861,7 @@ async fn tracked_volumes_are_captured_and_come_back() {
         s.h.assert_no_leaks(id).await;
     }
     assert_eq!(
-        volume_listing(&dir),
+        host::tree_listing(&dir),
         after_t2,
         "the original's volume after the forks"
     );

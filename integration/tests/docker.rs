@@ -353,27 +353,6 @@ fn scenario_matrix_under_docker_containerd_store() {
     scenario_matrix(Store::Containerd);
 }
 
-/// The host directory of a workspace as a sorted listing: `path content` (`path/` for dirs).
-fn workspace_listing(dir: &std::path::Path) -> Vec<String> {
-    fn walk(root: &std::path::Path, dir: &std::path::Path, out: &mut Vec<String>) {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let p = e.unwrap().path();
-            let rel = p.strip_prefix(root).unwrap().display().to_string();
-            if std::fs::symlink_metadata(&p).unwrap().is_dir() {
-                out.push(format!("{rel}/"));
-                walk(root, &p, out);
-            } else {
-                let data = std::fs::read(&p).unwrap();
-                out.push(format!("{rel} {}", String::from_utf8_lossy(&data).trim()));
-            }
-        }
-    }
-    let mut out = Vec::new();
-    walk(dir, dir, &mut out);
-    out.sort();
-    out
-}
-
 /// A workspace bind-mounted at /workspace (`docker run -v DIR:/workspace`, tracked by default)
 /// is part of the checkpoint: exported and run again through Docker with the same directory
 /// mounted, the directory holds the checkpoint's contents again (what came after is gone).
@@ -402,7 +381,7 @@ fn a_bind_mounted_workspace_comes_back_through_docker_run() {
     s.end_turn();
     let m = s.wait_manifests(1).pop().unwrap();
     assert_eq!(m["volumes"], serde_json::json!(["/workspace"]), "{m:#}");
-    let at_t1 = workspace_listing(&ws);
+    let at_t1 = host::tree_listing(&ws);
     assert_eq!(
         at_t1,
         ["a.txt v1", "before.txt there before", "d/", "d/x x"]
@@ -425,7 +404,7 @@ fn a_bind_mounted_workspace_comes_back_through_docker_run() {
             .join(&id),
     );
     assert_eq!(
-        workspace_listing(&ws),
+        host::tree_listing(&ws),
         at_t1,
         "the host directory after docker run"
     );
