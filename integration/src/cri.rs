@@ -300,6 +300,29 @@ impl Cri {
         .ok_or_else(|| Error::Protocol(format!("ContainerStatus {id}: no status")))
     }
 
+    /// The container's init pid (on the host), from the verbose ContainerStatus, as the
+    /// kubelet's debug tools read it.
+    pub async fn container_pid(&self, id: &str) -> Result<u32> {
+        let info = timed(
+            "ContainerStatus",
+            self.runtime().container_status(ContainerStatusRequest {
+                container_id: id.into(),
+                verbose: true,
+            }),
+        )
+        .await?
+        .info;
+        let json: serde_json::Value = info
+            .get("info")
+            .and_then(|i| serde_json::from_str(i).ok())
+            .ok_or_else(|| Error::Protocol(format!("ContainerStatus {id}: no verbose info")))?;
+        json["pid"]
+            .as_u64()
+            .and_then(|p| u32::try_from(p).ok())
+            .filter(|p| *p > 0)
+            .ok_or_else(|| Error::Protocol(format!("ContainerStatus {id}: no pid in {json}")))
+    }
+
     /// Polls ContainerStatus until the container has exited.
     pub async fn wait_exited(&self, id: &str, within: Duration) -> Result<ContainerStatus> {
         let start = Instant::now();
@@ -358,11 +381,14 @@ impl Cri {
         })
     }
 
-    /// crabctl against the CRI's containerd namespace (no `--config`: it finds a container's
-    /// store through the handler's runtime options): (exit code, stdout, stderr).
+    /// crabctl against the CRI's containerd namespace, as an operator runs it on the node: no
+    /// `--config`, the CRI handlers' config in `$CRAB_CONFIG` (the handler `crab` is
+    /// registered with runc's runtime type, whose options cannot name it; the shim gets the same
+    /// variable from its wrapper): (exit code, stdout, stderr).
     pub fn crabctl(&self, args: &[&str]) -> (i32, String, String) {
         let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl");
         let out = std::process::Command::new(&bin)
+            .env(crab_runtime_config::CONFIG_ENV, &self.env.cri_config)
             .arg("--address")
             .arg(&self.env.address)
             .args(["--namespace", CRI_NAMESPACE])

@@ -18,6 +18,9 @@ pub struct TestEnv {
     pub namespace: String,
     pub runtime: String,
     pub image: String,
+    /// The crab config of the CRI handlers `crab` and `crab-v1` (`CRAB_CRI_CONFIG`, default
+    /// `$CRAB_HOME/containerd/cri-crab.toml`, as hack/containerd.sh writes it).
+    pub cri_config: PathBuf,
 }
 
 impl TestEnv {
@@ -36,6 +39,9 @@ impl TestEnv {
             namespace: var("CRAB_NAMESPACE").unwrap_or_else(|| DEFAULT_NAMESPACE.into()),
             runtime: var("CRAB_RUNTIME").unwrap_or_else(|| DEFAULT_RUNTIME.into()),
             image: BUSYBOX_IMAGE.into(),
+            cri_config: var("CRAB_CRI_CONFIG")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| crab_home.join("containerd").join("cri-crab.toml")),
             crab_home,
         }
     }

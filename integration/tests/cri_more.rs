@@ -95,24 +95,28 @@ async fn runtime_info_through_introspection() {
 }
 
 /// The CRI asks only runtime type io.containerd.runc.v2 for its features (containerd 2.1's
-/// introspectRuntimeFeatures refuses other types before it runs the shim), so a handler of type
-/// io.containerd.crab.v1 reports none, whatever its shim answers: the kubelet refuses pods with
-/// recursive read-only mounts or user namespaces on it (and critest skips those cases), while
-/// runc's handler takes them. This pins that difference: a change of containerd or of how crab
-/// is configured that lifts it makes this test fail, and then the handlers must be equal.
+/// introspectRuntimeFeatures refuses other types before it runs the shim). crab's handler `crab`
+/// is registered as the README recommends, with runc's runtime type and crab's shim as
+/// `runtime_path`: it reports runc's features (recursive read-only mounts, user namespaces),
+/// so the kubelet takes such pods on it as on runc. The same shim under its own runtime type
+/// (`crab-v1`, as ctr, nerdctl and Docker use it) reports none: the kubelet would refuse those
+/// pods there, which is why the README recommends the runc-type registration for Kubernetes.
 #[tokio::test(flavor = "multi_thread")]
 async fn runtime_handler_features() {
     let results = for_both_handlers(|cri, h| async move { handler_features(&cri, h).await }).await;
     // The reference: runc 1.3 on this kernel (mount_setattr) mounts recursively read-only.
     let (_, runc) = &results[0];
     assert!(
-        runc.as_ref().is_some_and(|f| f.recursive_read_only_mounts),
+        runc.as_ref()
+            .is_some_and(|f| f.recursive_read_only_mounts && f.user_namespaces),
         "runc handler features: {runc:?}"
     );
-    let (_, crab) = &results[1];
+    assert_same("runtime handler features", &results);
+    let cri = Cri::for_test().await;
     assert_eq!(
-        crab, &None,
-        "crab's handler now reports features: compare them with runc's instead"
+        handler_features(&cri, "crab-v1").await,
+        None,
+        "crab under its own runtime type now reports features: say so in the README"
     );
 }
 
@@ -401,20 +405,9 @@ async fn attach_tty_and_resize() {
 /// The container's init pid from the verbose ContainerStatus, as the kubelet's debug tools read
 /// it.
 async fn container_pid(cri: &Cri, h: &str, id: &str) -> i32 {
-    let info = cri
-        .runtime()
-        .container_status(api::ContainerStatusRequest {
-            container_id: id.into(),
-            verbose: true,
-        })
+    cri.container_pid(id)
         .await
-        .unwrap_or_else(|e| panic!("handler {h}: ContainerStatus: {e}"))
-        .into_inner()
-        .info;
-    let json: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
-    json["pid"]
-        .as_i64()
-        .unwrap_or_else(|| panic!("handler {h}: no pid in {json}")) as i32
+        .unwrap_or_else(|e| panic!("handler {h}: ContainerStatus: {e}")) as i32
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -890,13 +883,16 @@ async fn readonly_and_recursive_readonly_mounts() {
         (outcomes, refused)
     })
     .await;
-    // crab's handler gets no recursive read-only mounts (runtime_handler_features): compare what
-    // both did.
-    let common: Vec<_> = results
+    let outcomes: Vec<_> = results
         .iter()
-        .map(|(h, (outcomes, _))| (*h, outcomes[0].clone()))
+        .map(|(h, (outcomes, _))| (*h, outcomes.clone()))
         .collect();
-    assert_same("plain read-only mount", &common);
+    assert_eq!(
+        outcomes.iter().map(|(_, o)| o.len()).collect::<Vec<_>>(),
+        [2, 2],
+        "both handlers take recursive read-only mounts (runtime_handler_features): {outcomes:?}"
+    );
+    assert_same("read-only and recursive read-only mounts", &outcomes);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1210,12 +1206,10 @@ fn host_uid(pid: i64) -> String {
         .to_string()
 }
 
-/// A pod with its own user namespace (Kubernetes `hostUsers: false`). The sandbox runs on both
-/// handlers (crab mounts the id-mapped rootfs layers containerd asks for, as its runc shim does).
-/// Its containers start only under runc's handler: for them containerd's CRI sets the FIFO owner
-/// through runc's own runtime options (WithUIDOwner), which it refuses for any other options
-/// type, before the shim is asked. The kubelet does not get that far on crab's handler, which
-/// reports no user namespace support (runtime_handler_features). This pins that difference.
+/// A pod with its own user namespace (Kubernetes `hostUsers: false`), on both handlers: crab
+/// mounts the id-mapped rootfs layers containerd asks for, and owns the stdio pipes by the
+/// container user's host ids (runc's `IoUid`/`IoGid`, which the CRI sets for such pods), as
+/// containerd's runc shim does. (Checkpoint and restore in such pods: cri_restore.rs.)
 #[tokio::test(flavor = "multi_thread")]
 async fn user_namespace_per_pod() {
     let results = for_both_handlers(|cri, h| async move {
@@ -1259,48 +1253,35 @@ async fn user_namespace_per_pod() {
         );
         let mut config = Cri::container_config("mapped", SLEEPER);
         linux_sc(&mut config).namespace_options = Some(userns.clone());
-        let id = match cri.run_container(&pod.0, &pod.1, config).await {
-            Ok(id) => id,
-            Err(e) if h == "crab" => {
-                let e = e.to_string();
-                assert!(
-                    e.contains("containerd.runc.v1.Options"),
-                    "handler {h}: a container in a user namespace: {e}"
-                );
-                return (pause_uid, None);
-            }
-            Err(e) => panic!("handler {h}: a container in a user namespace: {e}"),
-        };
+        let id = cri
+            .run_container(&pod.0, &pod.1, config)
+            .await
+            .unwrap_or_else(|e| panic!("handler {h}: a container in a user namespace: {e}"));
+        // The last line: the container's root reopens its own stdout (a pipe), which needs the
+        // pipe to be owned by its host uid.
         let seen = sh(
             &cri,
             h,
             &id,
             "cat /proc/self/uid_map /proc/self/gid_map | tr -s ' ' | sed 's/^ //'; id -u; \
-             touch /rootfs-write && stat -c '%u:%g' /rootfs-write /bin/busybox",
+             touch /rootfs-write && stat -c '%u:%g' /rootfs-write /bin/busybox; \
+             echo reopened > /proc/self/fd/1",
         )
         .await;
         assert_eq!(
-            seen, "0 1000000 65536\n0 1000000 65536\n0\n0:0\n0:0",
-            "handler {h}: uid/gid maps, uid, owners of a new and of an image file"
+            seen, "0 1000000 65536\n0 1000000 65536\n0\n0:0\n0:0\nreopened",
+            "handler {h}: uid/gid maps, uid, owners of a new and of an image file, stdout reopened"
         );
         let container_uid = host_uid(i64::from(container_pid(&cri, h, &id).await));
         assert_eq!(
             container_uid, "1000000",
             "handler {h}: the container's root on the host"
         );
-        (pause_uid, Some((seen, container_uid)))
+        (pause_uid, seen, container_uid)
     })
     .await;
-    assert!(results[0].1 .1.is_some(), "runc: {results:?}");
-    assert_eq!(
-        results[1].1 .1, None,
-        "crab's containers of a user namespace pod now start: compare them with runc's"
-    );
     assert_same(
-        "the pause process's host uid",
-        &results
-            .iter()
-            .map(|(h, r)| (*h, r.0.clone()))
-            .collect::<Vec<_>>(),
+        "pause uid, what the container saw, its root's host uid",
+        &results,
     );
 }

@@ -183,6 +183,156 @@ async fn checkpoint_image_restores_in_a_new_pod() {
     );
 }
 
+/// Pods with their own user namespace (Kubernetes `hostUsers: false`), which crab takes as runc
+/// does when registered with runc's runtime type: the agent's container runs as an unprivileged
+/// host uid on id-mapped layers, and its turns are inspected and checkpointed like any other
+/// (CRIU dumps the user-namespaced tree). Its files restore into another such pod, whose mapping
+/// differs; its processes cannot (CRIU cannot restore a tree into an existing user namespace):
+/// that start is refused before anything runs, with what to do instead, and the pod runs on.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_user_namespaced_pod_checkpoints_and_its_files_restore_in_another() {
+    let (src_host, dst_host) = (1_000_000, 1_200_000);
+    let cri = Cri::for_test().await;
+    let mut guard = PodGuard::new();
+    let mut src_pod = cri.pod_config("userns-src");
+    let mut src_config = container_config(
+        "agent",
+        crab_integration::cri::BUSYBOX,
+        &["sleep", "100000"],
+    );
+    in_userns(src_host, &mut src_pod, &mut src_config);
+    let src_pod_id = cri.run_pod(&mut guard, "crab", &src_pod).await.unwrap();
+    let src = cri
+        .run_container(&src_pod_id, &src_pod, src_config)
+        .await
+        .unwrap();
+    let pid = cri.container_pid(&src).await.unwrap();
+    assert_eq!(
+        host_uid(pid),
+        src_host.to_string(),
+        "the agent's root on the host"
+    );
+
+    // A file only: a filesystem checkpoint.
+    cri.sh(&src, "echo agent-was-here > /root/note")
+        .await
+        .unwrap();
+    cri.end_turn(&src, "t1").await.unwrap();
+    cri.sh(&src, "true").await.unwrap();
+    assert_eq!(
+        cri.checkpoint_kind(&src, "t1").as_deref(),
+        Some("fs"),
+        "{}",
+        cri.crabctl(&["checkpoints", &src]).1
+    );
+    // A process left running: a process checkpoint of the user-namespaced tree.
+    cri.sh(&src, "sleep 100000 </dev/null >/dev/null 2>&1 &")
+        .await
+        .unwrap();
+    cri.end_turn(&src, "t2").await.unwrap();
+    cri.sh(&src, "true").await.unwrap();
+    let kind = cri.checkpoint_kind(&src, "t2");
+    assert!(
+        matches!(kind.as_deref(), Some("proc" | "full")),
+        "a new process makes a process checkpoint: {}",
+        cri.crabctl(&["checkpoints", &src]).1
+    );
+
+    let pid = std::process::id();
+    let (files, procs) = (
+        format!("localhost/crab/cri-userns-fs:{pid}"),
+        format!("localhost/crab/cri-userns-proc:{pid}"),
+    );
+    let mut cleanups = Vec::new();
+    for (turn, image) in [("t1", &files), ("t2", &procs)] {
+        let (code, out, err) = cri.crabctl(&["export", &src, "--turn", turn, image]);
+        assert_eq!(code, 0, "crabctl export {turn}: {out}{err}");
+        cleanups.push(ImageCleanup {
+            env: cri.env.clone(),
+            image: image.clone(),
+        });
+    }
+
+    // The files come back in a pod with another mapping: owned by the new pod's root.
+    let mut dst_pod = cri.pod_config("userns-dst");
+    let mut dst_config = container_config("files", &files, &["sh", "-c", FRESH]);
+    in_userns(dst_host, &mut dst_pod, &mut dst_config);
+    let dst_pod_id = cri.run_pod(&mut guard, "crab", &dst_pod).await.unwrap();
+    let dst = cri
+        .run_container(&dst_pod_id, &dst_pod, dst_config)
+        .await
+        .unwrap();
+    let pid = cri.container_pid(&dst).await.unwrap();
+    assert_eq!(
+        host_uid(pid),
+        dst_host.to_string(),
+        "the restored root on the host"
+    );
+    assert_eq!(
+        cri.sh(
+            &dst,
+            "cat /root/note; cat /proc/self/uid_map | tr -s ' ' | sed 's/^ //'; stat -c '%u:%g' /root/note"
+        )
+        .await
+        .unwrap(),
+        format!("agent-was-here\n0 {dst_host} 65536\n0:0\n"),
+        "the note, the uid map and the note's owner in the new pod"
+    );
+
+    // The processes cannot: refused at create, naming the reason and what works.
+    let mut config = container_config("procs", &procs, &["sh", "-c", FRESH]);
+    in_userns(dst_host, &mut dst_pod, &mut config);
+    let err = cri
+        .run_container(&dst_pod_id, &dst_pod, config)
+        .await
+        .expect_err("a process image started in a user-namespaced pod");
+    let err = err.to_string();
+    assert!(
+        err.contains("user namespace") && err.contains("fs-every-turn"),
+        "{err}"
+    );
+    // The pod and its other container run on.
+    assert_eq!(
+        cri.sh(&dst, "cat /root/note").await.unwrap(),
+        "agent-was-here\n"
+    );
+    drop(cleanups);
+}
+
+/// A pod-wide user namespace mapping container ids 0..65536 to host ids from `host`.
+fn userns(host: u32) -> api::NamespaceOption {
+    let mapping = || api::IdMapping {
+        host_id: host,
+        container_id: 0,
+        length: 65536,
+    };
+    api::NamespaceOption {
+        userns_options: Some(api::UserNamespace {
+            mode: api::NamespaceMode::Pod as i32,
+            uids: vec![mapping()],
+            gids: vec![mapping()],
+        }),
+        ..crab_integration::cri::kubelet_namespaces()
+    }
+}
+
+/// Puts a pod config and a container config of it in the user namespace of `host`.
+fn in_userns(host: u32, pod: &mut api::PodSandboxConfig, c: &mut api::ContainerConfig) {
+    crab_integration::cri::both::pod_sc(pod).namespace_options = Some(userns(host));
+    crab_integration::cri::both::linux_sc(c).namespace_options = Some(userns(host));
+}
+
+/// The host uid of `pid` (`Uid:` of /proc/PID/status, the real one).
+fn host_uid(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap_or_default()
+        .to_string()
+}
+
 /// Issue 16, item 1, through the CRI: a checkpoint of a privileged container (crab's own,
 /// signed export) is refused in a pod whose container is not privileged, with the reason in
 /// the status the kubelet would show; in a privileged pod it restores.

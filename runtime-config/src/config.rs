@@ -14,6 +14,10 @@ use crate::error::{ConfigError, Location};
 /// Where the shim looks for its config when containerd passes none.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/crab/config.toml";
 
+/// The environment variable naming crab's config file when the runtime options do not
+/// ([`Config::load_or_default`]).
+pub const CONFIG_ENV: &str = "CRAB_CONFIG";
+
 /// crab's configuration: one TOML file, every key optional.
 ///
 /// Values are validated while parsing, so a `Config` that came out of
@@ -367,6 +371,8 @@ impl Config {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ConfigSource {
     File(PathBuf),
+    /// The file `$CRAB_CONFIG` names ([`CONFIG_ENV`]).
+    Env(PathBuf),
     BuiltinDefaults,
 }
 
@@ -374,6 +380,7 @@ impl fmt::Display for ConfigSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ConfigSource::File(path) => write!(f, "{}", path.display()),
+            ConfigSource::Env(path) => write!(f, "{} (${CONFIG_ENV})", path.display()),
             ConfigSource::BuiltinDefaults => f.write_str("built-in defaults"),
         }
     }
@@ -410,8 +417,19 @@ impl Config {
     /// The shim's lookup: the `explicit` path (from containerd's runtime
     /// options) must exist; without one, [`DEFAULT_CONFIG_PATH`] is used if it
     /// exists, else the built-in defaults.
+    ///
+    /// With no `explicit` path, the file `$CRAB_CONFIG` ([`CONFIG_ENV`]) names comes before the
+    /// default file: it must then exist, like an explicit path. This is how a handler registered
+    /// with runc's runtime type (whose options cannot name crab's config) gets one other than
+    /// [`DEFAULT_CONFIG_PATH`]: containerd passes its environment to the shims it starts, and a
+    /// wrapper script at the handler's `runtime_path` can set it for one handler alone.
     pub fn load_or_default(explicit: Option<&Path>) -> Result<(Config, ConfigSource), ConfigError> {
-        load_or_default_from(explicit, Path::new(DEFAULT_CONFIG_PATH))
+        let env = std::env::var_os(CONFIG_ENV).filter(|v| !v.is_empty());
+        load_or_default_from(
+            explicit,
+            env.as_deref().map(Path::new),
+            Path::new(DEFAULT_CONFIG_PATH),
+        )
     }
 
     /// Finds the runc executable: `runc.binary` itself if absolute, else the
@@ -423,10 +441,23 @@ impl Config {
 
 fn load_or_default_from(
     explicit: Option<&Path>,
+    env: Option<&Path>,
     default_path: &Path,
 ) -> Result<(Config, ConfigSource), ConfigError> {
     if let Some(path) = explicit {
         return Ok((Config::load(path)?, ConfigSource::File(path.to_path_buf())));
+    }
+    if let Some(path) = env {
+        if !path.is_absolute() {
+            return Err(ConfigError::Read {
+                path: path.to_path_buf(),
+                source: io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("${CONFIG_ENV} must be an absolute path"),
+                ),
+            });
+        }
+        return Ok((Config::load(path)?, ConfigSource::Env(path.to_path_buf())));
     }
     match fs::read_to_string(default_path) {
         Ok(text) => Ok((
@@ -698,11 +729,12 @@ mod tests {
         let crab =
             &doc["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["crab"];
         assert_eq!(doc["version"].as_integer(), Some(3));
-        assert_eq!(crab["runtime_type"].as_str(), Some("io.containerd.crab.v1"));
-        assert_eq!(
-            crab["options"]["ConfigPath"].as_str(),
-            Some(DEFAULT_CONFIG_PATH)
-        );
+        // runc's runtime type with crab's shim as its binary (the README's recommendation).
+        assert_eq!(crab["runtime_type"].as_str(), Some("io.containerd.runc.v2"));
+        assert!(crab["runtime_path"]
+            .as_str()
+            .is_some_and(|p| p.ends_with("/containerd-shim-crab-v1")));
+        assert!(crab.get("options").is_none());
     }
 
     #[test]
@@ -1198,30 +1230,50 @@ mod tests {
         fs::write(&default_path, "log.level = \"warn\"").unwrap();
 
         // An explicit path wins over the default file.
-        let (c, src) = load_or_default_from(Some(&explicit), &default_path).unwrap();
+        let (c, src) = load_or_default_from(Some(&explicit), None, &default_path).unwrap();
         assert_eq!(
             (c.log.level, src),
             (LevelFilter::Debug, ConfigSource::File(explicit.clone()))
         );
 
         // An explicit path must exist, even when the default file does.
-        let err = load_or_default_from(Some(&missing), &default_path).unwrap_err();
+        let err = load_or_default_from(Some(&missing), None, &default_path).unwrap_err();
         assert!(matches!(err, ConfigError::Read { path, .. } if path == missing));
 
         // No explicit path: the default file if it exists...
-        let (c, src) = load_or_default_from(None, &default_path).unwrap();
+        let (c, src) = load_or_default_from(None, None, &default_path).unwrap();
         assert_eq!(
             (c.log.level, src),
             (LevelFilter::Warn, ConfigSource::File(default_path.clone()))
         );
 
         // ... else built-in defaults.
-        let (c, src) = load_or_default_from(None, &missing).unwrap();
+        let (c, src) = load_or_default_from(None, None, &missing).unwrap();
         assert_eq!((c, src), (Config::default(), ConfigSource::BuiltinDefaults));
 
         // An invalid default file is an error, not a silent fallback.
         fs::write(&default_path, "bogus = 1").unwrap();
-        assert!(load_or_default_from(None, &default_path).is_err());
+        assert!(load_or_default_from(None, None, &default_path).is_err());
+
+        // $CRAB_CONFIG: after an explicit path, before the default file; it must exist and be
+        // absolute, like an explicit path.
+        let env = dir.path().join("env.toml");
+        fs::write(&env, "log.level = \"error\"").unwrap();
+        fs::write(&default_path, "log.level = \"warn\"").unwrap();
+        let (c, src) = load_or_default_from(None, Some(&env), &default_path).unwrap();
+        assert_eq!(
+            (c.log.level, src),
+            (LevelFilter::Error, ConfigSource::Env(env.clone()))
+        );
+        let (c, _) = load_or_default_from(Some(&explicit), Some(&env), &default_path).unwrap();
+        assert_eq!(c.log.level, LevelFilter::Debug);
+        let err = load_or_default_from(None, Some(&missing), &default_path).unwrap_err();
+        assert!(matches!(err, ConfigError::Read { path, .. } if path == missing));
+        let err =
+            load_or_default_from(None, Some(Path::new("env.toml")), &default_path).unwrap_err();
+        assert!(err.to_string().contains("absolute"), "{err}");
+        fs::write(&env, "bogus = 1").unwrap();
+        assert!(load_or_default_from(None, Some(&env), &default_path).is_err());
     }
 
     #[test]

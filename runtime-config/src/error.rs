@@ -38,10 +38,22 @@ pub enum ConfigError {
     #[error("runc binary `{}` not found (runc.binary): {reason}", binary.display())]
     RuncBinaryNotFound { binary: PathBuf, reason: String },
 
-    /// The bytes containerd sent as `runtimeoptions.v1.Options` are not a
-    /// valid encoding of that message.
-    #[error("cannot decode containerd runtime options (runtimeoptions.v1.Options) at byte {offset}: {reason}")]
-    RuntimeOptions { offset: usize, reason: String },
+    /// The bytes containerd sent as runtime options (`message`: `runtimeoptions.v1.Options` or
+    /// `containerd.runc.v1.Options`) are not a valid encoding of that message.
+    #[error("cannot decode containerd runtime options ({message}) at byte {offset}: {reason}")]
+    RuntimeOptions {
+        message: &'static str,
+        offset: usize,
+        reason: String,
+    },
+
+    /// The runtime options are of a type crab does not read (neither its own nor runc's).
+    #[error("runtime options of type `{type_url}` are neither crab's (runtimeoptions.v1.Options: ConfigPath or ConfigBody) nor runc's (containerd.runc.v1.Options): register crab with runtime_type io.containerd.crab.v1 or io.containerd.runc.v2 (see crab's README)")]
+    ForeignRuntimeOptions { type_url: String },
+
+    /// runc options that crab cannot honour (the field and why).
+    #[error("runc runtime option {field} is not supported by crab: {reason}")]
+    UnsupportedRuncOption { field: &'static str, reason: String },
 }
 
 /// A 1-based line and column (in characters) in a TOML document.

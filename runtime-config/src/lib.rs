@@ -8,14 +8,17 @@
 //!
 //! - `ctr run --runtime io.containerd.crab.v1 --runtime-config-path /path/crab.toml ...`
 //!   sends the path as `config_path`.
-//! - The CRI plugin sends the `[...runtimes.crab.options]` table of
-//!   containerd's config: `ConfigPath = "/etc/crab/config.toml"` as
+//! - The CRI plugin sends the `[...runtimes.crab-v1.options]` table of a handler of
+//!   crab's own runtime type: `ConfigPath = "/etc/crab/config.toml"` as
 //!   `config_path`, or `ConfigBody = '''...'''` (the TOML itself) as
-//!   `config_body`. `examples/containerd-config.toml` registers the `crab`
-//!   handler; `examples/runtimeclass.yaml` is the matching Kubernetes
-//!   RuntimeClass.
-//! - With neither, the shim reads [`DEFAULT_CONFIG_PATH`] if it exists, and
-//!   otherwise runs on the built-in defaults ([`Config::load_or_default`]).
+//!   `config_body`. For Kubernetes, `examples/containerd-config.toml` registers
+//!   the `crab` handler with runc's runtime type instead (next item);
+//!   `examples/runtimeclass.yaml` is the matching Kubernetes RuntimeClass.
+//! - With neither (and when crab is registered with runc's runtime type, whose options cannot
+//!   name a config), the shim reads the file `$CRAB_CONFIG` names ([`CONFIG_ENV`], which must
+//!   exist), else [`DEFAULT_CONFIG_PATH`] if it exists, and otherwise runs on the built-in
+//!   defaults ([`Config::load_or_default`]). runc's options (`BinaryName`, `Root`,
+//!   `SystemdCgroup`) then override the `[runc]` table ([`RuncOptions`]).
 //!
 //! The shim uses `config_body` when present, else `config_path`. A path that
 //! is given must exist: a typo should fail the container, not silently fall
@@ -25,8 +28,6 @@
 //! optional; unknown keys are errors, and errors name the key (`runc.root`),
 //! the file and, where the TOML parser knows it, the line and column.
 //!
-//! containerd's runc options (`containerd.runc.v1.Options`) belong to its runc
-//! shims and are not read by crab; runc settings live in the `[runc]` table.
 
 mod config;
 mod error;
@@ -34,10 +35,11 @@ pub mod runtime_options;
 
 pub use config::{
     CheckpointConfig, CheckpointPolicy, Config, ConfigSource, EngineConfig, LimitsConfig,
-    LogConfig, RestoreConfig, RuncConfig, StoreConfig, TurnBoundary, UnsignedImages,
+    LogConfig, RestoreConfig, RuncConfig, StoreConfig, TurnBoundary, UnsignedImages, CONFIG_ENV,
     DEFAULT_CONFIG_PATH,
 };
 pub use error::{ConfigError, Location};
 pub use runtime_options::{
-    decode_runtime_options, shim_cgroup_of_start_options, RuntimeOptions, RUNTIME_OPTIONS_TYPE_URL,
+    decode_runc_options, decode_runtime_options, shim_cgroup_of_start_options, RuncOptions,
+    RuntimeOptions, ShimOptions, RUNC_OPTIONS_TYPE_URL, RUNTIME_OPTIONS_TYPE_URL,
 };

@@ -185,6 +185,18 @@ pub fn must_kill_all_on_exit(spec: &Spec) -> bool {
     !private_pid_ns
 }
 
+/// Whether the container joins an existing user namespace (one with a path in the spec: a
+/// Kubernetes pod's, `hostUsers: false`), rather than having runc make its own or none.
+pub fn joins_user_namespace(spec: &Spec) -> bool {
+    spec.linux()
+        .as_ref()
+        .and_then(|l| l.namespaces().as_ref())
+        .is_some_and(|nss| {
+            nss.iter()
+                .any(|n| n.typ() == LinuxNamespaceType::User && n.path().is_some())
+        })
+}
+
 /// Whether runc creates the container's network namespace (one without a path in the spec).
 pub fn creates_network_namespace(spec: &Spec) -> bool {
     spec.linux()
@@ -506,6 +518,9 @@ mod tests {
             root: "/run/crab/runc/ns".into(),
             systemd_cgroup: false,
             log: dir.path().join("log.json"),
+            no_pivot_root: true,
+            no_new_keyring: false,
+            io_owner: Some((65536, 65536)),
         };
         save_runc(dir.path(), &runc).unwrap();
         assert_eq!(load_runc(dir.path()).unwrap(), Some(runc));

@@ -10,7 +10,7 @@ use std::{
 };
 
 use containerd_shim::ExitSignal;
-use crab_runtime_config::{Config, ConfigSource};
+use crab_runtime_config::{Config, ConfigSource, ShimOptions};
 
 use crate::{
     bundle::{self, RootfsMount},
@@ -73,6 +73,8 @@ pub struct Container {
     _oom: Mutex<Option<oom::OomWatcher>>,
     /// Its turn path: inspection, turn answers, checkpoints.
     sandbox: Sandbox,
+    /// The argv prefixes of execs that are no agent actions (probes; [`turns::PROBE_COMMANDS`]).
+    probes: Vec<Vec<String>>,
     /// A process image to restore at Start instead of `runc start` (with what checkpointing
     /// needs once the restored init is known).
     pending_restore: Mutex<Option<PendingRestore>>,
@@ -103,12 +105,13 @@ impl Container {
             .ok_or_else(|| Error::NotFound(format!("exec {exec_id} in container {}", self.id)))
     }
 
+    /// The running execs that are agent actions (probes are not).
     fn running_execs(&self) -> usize {
         self.execs
             .lock()
             .unwrap()
             .values()
-            .filter(|p| matches!(p.status(), Status::Running | Status::Paused))
+            .filter(|p| !p.probe && matches!(p.status(), Status::Running | Status::Paused))
             .count()
     }
 
@@ -221,49 +224,40 @@ impl Containers {
         self.map.lock().unwrap().is_empty()
     }
 
-    /// The crab config that containerd's runtime options (type URL, value) name.
+    /// The crab config that containerd's runtime options (type URL, value) lead to, and the
+    /// options decoded: crab's own name the config; with runc's (crab registered with runc's
+    /// runtime type) or none, `$CRAB_CONFIG` or the default file does, and runc's settings
+    /// apply on top (see [`crab_runtime_config::ShimOptions`]).
     pub(crate) fn load_config(
         options: &Option<(String, Vec<u8>)>,
-    ) -> Result<(Config, ConfigSource)> {
-        let runtime_options = match options {
-            Some((type_url, value))
-                if type_url.ends_with(crab_runtime_config::RUNTIME_OPTIONS_TYPE_URL) =>
-            {
-                Some(crab_runtime_config::decode_runtime_options(value)?)
-            }
-            Some((type_url, value)) if !value.is_empty() => {
-                return Err(Error::InvalidArgument(format!(
-                    "runtime options of type `{type_url}` are not crab's: configure crab with \
-                     {} (ConfigPath or ConfigBody)",
-                    crab_runtime_config::RUNTIME_OPTIONS_TYPE_URL
-                )))
-            }
-            _ => None,
+    ) -> Result<(Config, ConfigSource, ShimOptions)> {
+        let options = match options {
+            Some((type_url, value)) => ShimOptions::decode(type_url, value)?,
+            None => ShimOptions::None,
         };
-        Ok(crab_runtime_config::RuntimeOptions::load_config(
-            runtime_options.as_ref(),
-        )?)
+        let (config, source) = options.load_config()?;
+        Ok((config, source, options))
     }
 
     pub async fn create(&self, p: CreateParams) -> Result<u32> {
         if self.map.lock().unwrap().contains_key(&p.id) {
             return Err(Error::AlreadyExists(format!("container {}", p.id)));
         }
-        let (config, source) = Self::load_config(&p.options)?;
-        let runc = Runc {
-            binary: config.resolve_runc_binary()?,
-            root: config.runc.root.join(&self.namespace),
-            systemd_cgroup: config.runc.systemd_cgroup,
-            log: p.bundle.join("log.json"),
-        };
+        let (config, source, options) = Self::load_config(&p.options)?;
+        let runc = Runc::from_config(&config, options.runc(), &self.namespace, &p.bundle)?;
         log::info!(
-            "create {}: config from {source}, runc {}",
+            "create {}: config from {source}{}, runc {}",
             p.id,
+            match options {
+                ShimOptions::Runc(_) => " with runc's runtime options",
+                _ => "",
+            },
             runc.binary.display()
         );
         let spec = bundle::read_spec(&p.bundle)?;
         turns::check_spec_annotations(&spec)?;
         let exec_boundary = turns::exec_boundary(&spec, config.checkpoint.turn_boundary)?;
+        let probes = turns::probe_commands(&spec)?;
         // Checked again where the coordinator takes it; here so a bad value changes nothing.
         crate::checkpoint::policy::for_container(&spec, config.checkpoint.policy)?;
         let rootfs_mounted = bundle::mount_rootfs(&p.bundle, &p.rootfs).await?;
@@ -393,6 +387,24 @@ impl Containers {
             (Some(t), true) => t.criu_dir.clone(),
             (None, true) => None,
         };
+        // CRIU (4.2, through runc 1.3) cannot restore a process tree into a user namespace the
+        // container joins (a Kubernetes pod with `hostUsers: false`): it makes a user namespace
+        // of its own for the tree, which then may not enter the pod's network namespace
+        // (`Can't setns .../net: Operation not permitted`). Refused here, before anything runs,
+        // with what works instead; the image's files restore (a filesystem checkpoint).
+        if restore_image.is_some() && bundle::joins_user_namespace(&spec) {
+            let e = Error::FailedPrecondition(format!(
+                "cannot restore the processes of {} into the user namespace it joins (a pod \
+                 with hostUsers: false): CRIU cannot restore a process tree into an existing \
+                 user namespace. Restore this checkpoint into a pod without a user namespace, or \
+                 take filesystem-only checkpoints in such pods (io.crab/checkpoint-policy: \
+                 fs-every-turn), \
+                 whose images restore there",
+                p.id
+            ));
+            unmount(&e);
+            return Err(e);
+        }
         let init = Arc::new(Process::new(String::new(), p.stdio.clone(), None));
         let sandbox = Sandbox::new(
             &p.id,
@@ -465,6 +477,7 @@ impl Containers {
             lifecycle: tokio::sync::Mutex::new(()),
             _oom: Mutex::new(None),
             sandbox,
+            probes,
             pending_restore: Mutex::new(pending_restore),
         });
         self.map
@@ -498,7 +511,7 @@ impl Containers {
         runc: &Runc,
     ) -> Result<(u32, crate::stdio::ProcessIo)> {
         bundle::save_runc(&p.bundle, runc)?;
-        let mut prepared = PreparedIo::new(&p.stdio, &p.id, &self.namespace).await?;
+        let mut prepared = PreparedIo::new(&p.stdio, &p.id, &self.namespace, runc.io_owner).await?;
         let pid_file = bundle::init_pid_file(&p.bundle);
         let child = std::mem::replace(&mut prepared.child, crate::runc::ChildStdio::null());
         let console = prepared.console.as_ref().map(|c| c.path.clone());
@@ -524,12 +537,16 @@ impl Containers {
 
     pub async fn start(&self, id: &str, exec_id: &str) -> Result<u32> {
         let c = self.get(id)?;
-        c.sandbox
-            .gate(match exec_id.is_empty() {
-                true => Action::Start,
-                false => Action::ExecStart,
-            })
-            .await?;
+        // A probe (the kubelet's liveness check) must not wait behind a long checkpoint.
+        let probe = !exec_id.is_empty() && c.process(exec_id)?.probe;
+        if !probe {
+            c.sandbox
+                .gate(match exec_id.is_empty() {
+                    true => Action::Start,
+                    false => Action::ExecStart,
+                })
+                .await?;
+        }
         if !exec_id.is_empty() {
             // Not before the base mark that Start left running in the background.
             c.sandbox.settled().await;
@@ -611,7 +628,8 @@ impl Containers {
     async fn restore_init(&self, c: &Arc<Container>, r: PendingRestore) -> Result<Option<i32>> {
         let started = std::time::Instant::now();
         let pid_file = bundle::init_pid_file(&c.bundle);
-        let mut prepared = PreparedIo::new(&r.stdio, &c.id, &self.namespace).await?;
+        let mut prepared =
+            PreparedIo::new(&r.stdio, &c.id, &self.namespace, c.runc.io_owner).await?;
         let child = std::mem::replace(&mut prepared.child, crate::runc::ChildStdio::null());
         let work = c.bundle.join("criu-restore-work");
         let opts = crate::runc::CheckpointOpts {
@@ -729,7 +747,8 @@ impl Containers {
         let pid_file = c.bundle.join(format!("exec-{}.pid", p.exec_id));
         std::fs::write(&spec_file, p.exec_spec.as_deref().unwrap_or_default())
             .map_err(Error::io(format!("cannot write {}", spec_file.display())))?;
-        let mut prepared = PreparedIo::new(&p.stdio, &p.exec_id, &self.namespace).await?;
+        let mut prepared =
+            PreparedIo::new(&p.stdio, &p.exec_id, &self.namespace, c.runc.io_owner).await?;
         prepared.null_from_container(c.init.pid());
         let child = std::mem::replace(&mut prepared.child, crate::runc::ChildStdio::null());
         let console = prepared.console.as_ref().map(|c| c.path.clone());
@@ -763,8 +782,12 @@ impl Containers {
                 "container {id} is stopped"
             )));
         }
-        serde_json::from_slice::<oci_spec::runtime::Process>(&spec)
+        let process = serde_json::from_slice::<oci_spec::runtime::Process>(&spec)
             .map_err(|e| Error::InvalidArgument(format!("exec {exec_id} process spec: {e}")))?;
+        let probe = turns::is_probe(&c.probes, process.args().as_deref().unwrap_or_default());
+        if probe {
+            log::debug!("exec {exec_id} of {id} is a probe: it neither waits for nor ends turns");
+        }
         {
             let mut execs = c.execs.lock().unwrap();
             if execs.contains_key(exec_id) {
@@ -772,10 +795,9 @@ impl Containers {
                     "exec {exec_id} in container {id}"
                 )));
             }
-            execs.insert(
-                exec_id.to_string(),
-                Arc::new(Process::new(exec_id.into(), stdio, Some(spec))),
-            );
+            let mut process = Process::new(exec_id.into(), stdio, Some(spec));
+            process.probe = probe;
+            execs.insert(exec_id.to_string(), Arc::new(process));
         }
         self.events
             .publish(TaskEvent::ExecAdded {
@@ -824,7 +846,7 @@ impl Containers {
             // In exec-boundary mode the turn ends before the exit is published: the client can
             // start its next action only after the answer exists (and that action then waits
             // for the checkpoint).
-            if c.sandbox.ends_turns_at_exec_exit() && c.running_execs() == 0 {
+            if !p.probe && c.sandbox.ends_turns_at_exec_exit() && c.running_execs() == 0 {
                 let turn_id = format!("exec-{}", p.exec_id);
                 if let Err(e) = c.sandbox.end_turn(&turn_id, || c.running_exec_pids()).await {
                     log::error!("turn end after exec {} of {}: {e}", p.exec_id, c.id);
@@ -1284,7 +1306,7 @@ mod tests {
             crab_runtime_config::RUNTIME_OPTIONS_TYPE_URL
         );
         let body = "[runc]\nsystemd_cgroup = true\n";
-        let (config, source) =
+        let (config, source, _) =
             Containers::load_config(&Some((url.clone(), options_with_body(body)))).unwrap();
         assert!(config.runc.systemd_cgroup);
         assert_eq!(source.to_string(), "<runtime options ConfigBody>");
@@ -1298,14 +1320,31 @@ mod tests {
     #[test]
     fn runtime_options_of_another_runtime_are_refused() {
         let e = Containers::load_config(&Some((
-            "containerd.runc.v1.Options".into(),
+            "io.containerd.runsc.v1.options".into(),
             vec![0x08, 0x01],
         )))
         .unwrap_err();
-        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        assert!(matches!(e, Error::Config(_)), "{e}");
         assert!(
-            e.to_string().contains("are not crab's") && e.to_string().contains("ConfigBody"),
+            e.to_string().contains("neither crab's") && e.to_string().contains("ConfigBody"),
             "{e}"
         );
+    }
+
+    /// crab registered with runc's runtime type gets runc's options: its config comes from
+    /// `$CRAB_CONFIG` or the default, with runc's settings on top.
+    #[test]
+    fn runc_runtime_options_are_taken() {
+        // no_pivot_root = true, binary_name = "runc", io_uid = 1000, io_gid = 1000
+        let value = vec![
+            0x08, 0x01, 0x32, 0x04, b'r', b'u', b'n', b'c', 0x20, 0xe8, 0x07, 0x28, 0xe8, 0x07,
+        ];
+        let (config, _, options) =
+            Containers::load_config(&Some(("containerd.runc.v1.Options".into(), value))).unwrap();
+        assert_eq!(config.runc.binary, std::path::Path::new("runc"));
+        let runc = Runc::from_config(&config, options.runc(), "k8s.io", "/b".as_ref()).unwrap();
+        assert!(runc.no_pivot_root && !runc.no_new_keyring);
+        assert_eq!(runc.io_owner, Some((1000, 1000)));
+        assert_eq!(runc.root, config.runc.root.join("k8s.io"));
     }
 }

@@ -46,6 +46,9 @@ pub struct Process {
     pub stdio: StdioSpec,
     /// An exec's OCI process spec (JSON), as given to `runc exec --process`.
     pub exec_spec: Option<Vec<u8>>,
+    /// An exec that is no agent action (a probe the spec names, see
+    /// [`crate::turns::PROBE_COMMANDS`]): it neither waits for checkpoints nor ends turns.
+    pub probe: bool,
     state: Mutex<State>,
     exited: watch::Sender<Option<ExitInfo>>,
     io: tokio::sync::Mutex<Option<ProcessIo>>,
@@ -60,6 +63,7 @@ impl Process {
             exec_id,
             stdio,
             exec_spec,
+            probe: false,
             state: Mutex::new(State {
                 pid: 0,
                 status: Status::Created,

@@ -58,6 +58,50 @@ pub struct Runc {
     pub systemd_cgroup: bool,
     /// runc's JSON log, inside the bundle.
     pub log: PathBuf,
+    /// `runc create/restore --no-pivot` (runc's options `NoPivotRoot`, for a rootfs on a ramdisk).
+    #[serde(default)]
+    pub no_pivot_root: bool,
+    /// `runc create/restore --no-new-keyring` (runc's options `NoNewKeyring`).
+    #[serde(default)]
+    pub no_new_keyring: bool,
+    /// Who owns the stdio pipes of the container's processes (runc's options `IoUid`/`IoGid`,
+    /// which the CRI sets for a user-namespaced pod to the host ids of the container's user, so
+    /// that it can reopen its own `/dev/stdout`); `None`: the shim's own (root).
+    #[serde(default)]
+    pub io_owner: Option<(u32, u32)>,
+}
+
+impl Runc {
+    /// runc as crab's `config` says, with runc's own `options` (a handler registered with runc's
+    /// runtime type) on top, for a container of `namespace` whose bundle is `bundle`.
+    pub fn from_config(
+        config: &crab_runtime_config::Config,
+        runc_options: Option<&crab_runtime_config::RuncOptions>,
+        namespace: &str,
+        bundle: &Path,
+    ) -> std::result::Result<Runc, crab_runtime_config::ConfigError> {
+        Ok(Runc {
+            binary: config.resolve_runc_binary()?,
+            root: config.runc.root.join(namespace),
+            systemd_cgroup: config.runc.systemd_cgroup,
+            log: bundle.join("log.json"),
+            no_pivot_root: runc_options.is_some_and(|o| o.no_pivot_root),
+            no_new_keyring: runc_options.is_some_and(|o| o.no_new_keyring),
+            io_owner: runc_options.and_then(|o| o.io_owner()),
+        })
+    }
+
+    /// The flags `create` and `restore` share.
+    fn create_flags(&self) -> Vec<OsString> {
+        let mut args = Vec::new();
+        if self.no_pivot_root {
+            args.push("--no-pivot".into());
+        }
+        if self.no_new_keyring {
+            args.push("--no-new-keyring".into());
+        }
+        args
+    }
 }
 
 /// The stdio a container process gets from runc (runc passes its own stdio down).
@@ -191,6 +235,7 @@ impl Runc {
             "--pid-file".into(),
             pid_file.into(),
         ];
+        args.extend(self.create_flags());
         if let Some(s) = console_socket {
             args.extend(["--console-socket".into(), s.into()]);
         }
@@ -310,6 +355,7 @@ impl Runc {
             "--bundle".into(),
             bundle.into(),
         ]);
+        args.extend(self.create_flags());
         // A container with a terminal: CRIU recreates the pty pair, and runc hands the new
         // master to the socket, as at create.
         if let Some(s) = console_socket {

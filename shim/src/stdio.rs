@@ -164,8 +164,25 @@ async fn open_output(target: &Target) -> Result<Writer> {
     }
 }
 
-fn pipe() -> Result<(OwnedFd, OwnedFd)> {
-    Ok(nix::unistd::pipe2(OFlag::O_CLOEXEC)?)
+/// A pipe towards runc's child; both ends owned by `owner` (uid, gid) when given, as containerd's
+/// runc shim does with `IoUid`/`IoGid`: a process running as a user-namespaced uid can then
+/// reopen its own stdio (`/proc/self/fd/1`, `/dev/stdout`), which needs the pipe's owner.
+fn pipe(owner: Option<(u32, u32)>) -> Result<(OwnedFd, OwnedFd)> {
+    let (r, w) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
+    if let Some((uid, gid)) = owner {
+        for fd in [&r, &w] {
+            nix::unistd::fchown(
+                fd.as_raw_fd(),
+                Some(nix::unistd::Uid::from_raw(uid)),
+                Some(nix::unistd::Gid::from_raw(gid)),
+            )
+            .map_err(|source| Error::Sys {
+                context: format!("chown stdio pipe to {uid}:{gid}"),
+                source,
+            })?;
+        }
+    }
+    Ok((r, w))
 }
 
 /// The socket runc hands a new pty master to (`--console-socket`).
@@ -279,7 +296,13 @@ impl PreparedIo {
     /// Opens the targets and makes the pipes (or the console socket). Errors here leave
     /// nothing behind: everything is owned and closed on drop. `id` (container id for an
     /// init, exec id for an exec) and `namespace` are for a `binary://` logger.
-    pub async fn new(spec: &StdioSpec, id: &str, namespace: &str) -> Result<Self> {
+    /// `owner`: who owns the pipes (see [`pipe`]).
+    pub async fn new(
+        spec: &StdioSpec,
+        id: &str,
+        namespace: &str,
+        owner: Option<(u32, u32)>,
+    ) -> Result<Self> {
         let stdin_source = match parse_target(&spec.stdin)? {
             None => None,
             Some(Target::Fifo(path)) => {
@@ -323,7 +346,7 @@ impl PreparedIo {
             return Ok(prepared);
         }
         if prepared.stdin_source.is_some() {
-            let (r, w) = pipe()?;
+            let (r, w) = pipe(owner)?;
             prepared.child.stdin = r.into();
             prepared.stdin_pipe = Some(w);
         } else {
@@ -343,7 +366,7 @@ impl PreparedIo {
                 },
             };
             if let Some(writer) = writer {
-                let (r, w) = pipe()?;
+                let (r, w) = pipe(owner)?;
                 if is_stdout {
                     prepared.child.stdout = w.into();
                 } else {
@@ -555,7 +578,7 @@ mod tests {
         // The client side, as containerd opens it: a reader on stdout, a writer on stdin.
         let mut client_out =
             FdIo::new(open_fd(&stdout, OFlag::O_RDONLY | OFlag::O_NONBLOCK).unwrap()).unwrap();
-        let mut prepared = PreparedIo::new(&spec, "c", "ns").await.unwrap();
+        let mut prepared = PreparedIo::new(&spec, "c", "ns", None).await.unwrap();
         let mut client_in =
             FdIo::new(open_fd(&stdin, OFlag::O_WRONLY | OFlag::O_NONBLOCK).unwrap()).unwrap();
         // Play the process: `cat` from its stdin pipe to its stdout pipe.

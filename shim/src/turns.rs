@@ -15,6 +15,14 @@ pub const TURN_END: &str = "io.crab/turn-end";
 /// Container spec annotation choosing what ends a turn (`annotation` or `exec`); overrides
 /// `[checkpoint] turn_boundary`.
 pub const TURN_BOUNDARY: &str = "io.crab/turn-boundary";
+/// Container spec annotation naming the commands that are not agent actions (the kubelet's exec
+/// probes): a JSON array of argv prefixes, e.g. `[["cat", "/tmp/healthy"], ["/bin/check"]]`. An
+/// exec whose argv begins with one of them neither waits for the last turn's checkpoint nor ends
+/// a turn ([`probe_commands`]).
+pub const PROBE_COMMANDS: &str = "io.crab/probe-commands";
+/// At most this many probe commands, of at most [`MAX_PROBE_BYTES`] of annotation value.
+const MAX_PROBES: usize = 16;
+const MAX_PROBE_BYTES: usize = 4096;
 /// Every annotation crab interprets starts with this; other keys are kept untouched.
 pub const ANNOTATION_PREFIX: &str = "io.crab/";
 const MAX_TURN_ID: usize = 256;
@@ -29,8 +37,11 @@ const MAX_UPDATE_BYTES: usize = 64 << 10;
 
 /// The crab annotations a container's spec may carry; any other `io.crab/` key is a typo that
 /// must not silently change nothing.
-pub const SPEC_ANNOTATIONS: [&str; 2] =
-    [TURN_BOUNDARY, crate::checkpoint::policy::POLICY_ANNOTATION];
+pub const SPEC_ANNOTATIONS: [&str; 3] = [
+    TURN_BOUNDARY,
+    crate::checkpoint::policy::POLICY_ANNOTATION,
+    PROBE_COMMANDS,
+];
 
 /// Refuses a spec with an `io.crab/` annotation crab does not know.
 pub fn check_spec_annotations(spec: &oci_spec::runtime::Spec) -> Result<()> {
@@ -95,6 +106,39 @@ pub fn exec_boundary(
             "spec annotation {TURN_BOUNDARY} must be `exec` or `annotation`, got {other:?}"
         ))),
     }
+}
+
+/// The argv prefixes the spec annotation [`PROBE_COMMANDS`] names (none without it). The
+/// annotation comes from whoever wrote the pod spec: a malformed, empty or oversized value fails
+/// the container's create with the reason, so that a typo never turns probes into agent actions
+/// (or agent actions into probes) silently.
+pub fn probe_commands(spec: &oci_spec::runtime::Spec) -> Result<Vec<Vec<String>>> {
+    let Some(value) = crate::bundle::annotation(spec, &[PROBE_COMMANDS]) else {
+        return Ok(Vec::new());
+    };
+    let bad = |why: String| {
+        Error::InvalidArgument(format!(
+            "spec annotation {PROBE_COMMANDS} must be a JSON array of at most {MAX_PROBES} \
+             non-empty argv prefixes (arrays of strings), e.g. [[\"cat\", \"/tmp/healthy\"]], \
+             in at most {MAX_PROBE_BYTES} bytes: {why}"
+        ))
+    };
+    if value.len() > MAX_PROBE_BYTES {
+        return Err(bad(format!("it has {} bytes", value.len())));
+    }
+    let probes: Vec<Vec<String>> = serde_json::from_str(value).map_err(|e| bad(format!("{e}")))?;
+    if probes.len() > MAX_PROBES {
+        return Err(bad(format!("it names {} commands", probes.len())));
+    }
+    if let Some(i) = probes.iter().position(|p| p.is_empty() || p[0].is_empty()) {
+        return Err(bad(format!("command {i} is empty")));
+    }
+    Ok(probes)
+}
+
+/// Whether an exec running `args` is one of the `probes` (its argv begins with one of them).
+pub fn is_probe(probes: &[Vec<String>], args: &[String]) -> bool {
+    probes.iter().any(|p| args.starts_with(p))
 }
 
 /// Whether a container is watched: not CRI's pause containers (pure infrastructure).
@@ -168,5 +212,63 @@ mod tests {
             .contains("at most 64"));
         let huge: HashMap<String, String> = [("k".to_string(), "x".repeat(70_000))].into();
         assert!(requested_turn_end(&huge).is_err());
+    }
+
+    fn spec_with(value: &str) -> oci_spec::runtime::Spec {
+        serde_json::from_value(serde_json::json!({
+            "ociVersion": "1.0.2",
+            "annotations": {super::PROBE_COMMANDS: value}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn probe_commands_are_argv_prefixes() {
+        let probes =
+            super::probe_commands(&spec_with(r#"[["cat", "/tmp/healthy"], ["/bin/check"]]"#))
+                .unwrap();
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(super::is_probe(&probes, &args(&["cat", "/tmp/healthy"])));
+        assert!(super::is_probe(&probes, &args(&["/bin/check", "--deep"])));
+        // Not a prefix of the argv: an agent action.
+        assert!(!super::is_probe(
+            &probes,
+            &args(&["cat", "/tmp/healthy.bak"])
+        ));
+        assert!(!super::is_probe(&probes, &args(&["cat"])));
+        assert!(!super::is_probe(
+            &probes,
+            &args(&["sh", "-c", "cat /tmp/healthy"])
+        ));
+        assert!(!super::is_probe(&probes, &[]));
+        let none: oci_spec::runtime::Spec =
+            serde_json::from_value(serde_json::json!({"ociVersion": "1.0.2"})).unwrap();
+        assert!(super::probe_commands(&none).unwrap().is_empty());
+        // The annotation is known: a spec carrying it is not refused as a typo.
+        super::check_spec_annotations(&spec_with("[]")).unwrap();
+    }
+
+    #[test]
+    fn hostile_probe_commands_are_refused_with_the_reason() {
+        let big = format!("[[\"{}\"]]", "x".repeat(5000));
+        let many = format!("[{}]", vec!["[\"a\"]"; 17].join(","));
+        for (value, why) in [
+            ("cat /tmp/healthy", "expected value"),
+            ("[[]]", "command 0 is empty"),
+            (r#"[[""]]"#, "command 0 is empty"),
+            (r#"[["a"], 3]"#, "invalid type"),
+            (r#"{"a": ["b"]}"#, "invalid type"),
+            (r#"[["a", null]]"#, "invalid type"),
+            (big.as_str(), "bytes"),
+            (many.as_str(), "names 17 commands"),
+        ] {
+            let e = super::probe_commands(&spec_with(value))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(why) && e.contains(super::PROBE_COMMANDS),
+                "{value}: {e}"
+            );
+        }
     }
 }

@@ -51,22 +51,18 @@ pub use self::{
 };
 
 /// crab's config for `container` as its shim loads it: `explicit` (`--config`) if given, else
-/// the container's runtime options (inline TOML or a path), else the default file or defaults.
+/// what the container's runtime options lead to: crab's own name the config (inline TOML or a
+/// path); with runc's (crab registered with runc's runtime type) or none, `$CRAB_CONFIG`, the
+/// default file or the defaults, with runc's settings on top.
 pub fn config_for(explicit: Option<&Path>, container: &Container) -> Result<Config> {
     if let Some(path) = explicit {
         return Ok(Config::load(path)?);
     }
-    let options = container
-        .runtime
-        .as_ref()
-        .and_then(|r| r.options.as_ref())
-        .filter(|o| {
-            o.type_url
-                .ends_with(crab_runtime_config::RUNTIME_OPTIONS_TYPE_URL)
-        })
-        .map(|o| crab_runtime_config::decode_runtime_options(&o.value))
-        .transpose()?;
-    Ok(crab_runtime_config::RuntimeOptions::load_config(options.as_ref())?.0)
+    let options = match container.runtime.as_ref().and_then(|r| r.options.as_ref()) {
+        Some(o) => crab_runtime_config::ShimOptions::decode(&o.type_url, &o.value)?,
+        None => crab_runtime_config::ShimOptions::None,
+    };
+    Ok(options.load_config()?.0)
 }
 
 /// What every operation needs: containerd, and where crab's config is when the container's

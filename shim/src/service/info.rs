@@ -53,7 +53,7 @@ pub fn runtime_info(options: &[u8]) -> Result<RuntimeInfo, InfoError> {
         .transpose()
         .map_err(|e| Error::InvalidArgument(format!("runtime options: {e}")))?;
     let options = any.as_ref().map(|a| (a.type_url.clone(), a.value.clone()));
-    let (config, _) = crate::containers::Containers::load_config(&options)?;
+    let (config, _, _) = crate::containers::Containers::load_config(&options)?;
     let runc = config.resolve_runc_binary().map_err(Error::from)?;
     let out = Command::new(&runc)
         .arg("features")
@@ -134,11 +134,34 @@ mod tests {
     #[test]
     fn options_of_another_runtime_are_refused() {
         let any = Any {
-            type_url: "containerd.runc.v1.Options".into(),
+            type_url: "io.containerd.runsc.v1.options".into(),
             value: vec![0x08, 0x01],
             ..Default::default()
         };
         let err = runtime_info(&any.write_to_bytes().unwrap()).unwrap_err();
-        assert!(err.to_string().contains("not crab's"), "{err}");
+        assert!(err.to_string().contains("neither crab's"), "{err}");
+    }
+
+    /// Registered with runc's runtime type, crab gets runc's options on `-info` too (containerd
+    /// validates every runc-type handler this way before its first container): it answers, with
+    /// runc's features, and echoes them.
+    #[test]
+    fn runc_options_are_answered() {
+        let any = Any {
+            type_url: "containerd.runc.v1.Options".into(),
+            value: vec![0x32, 0x04, b'r', b'u', b'n', b'c'], // binary_name = "runc"
+            ..Default::default()
+        };
+        let info = runtime_info(&any.write_to_bytes().unwrap()).unwrap();
+        assert_eq!(info.options.as_ref().unwrap().type_url, any.type_url);
+        assert_eq!(info.features.as_ref().unwrap().type_url, FEATURES_TYPE_URL);
+        // A BinaryName that is no executable fails -info with runc's name in the message.
+        let bad = Any {
+            type_url: "containerd.runc.v1.Options".into(),
+            value: [vec![0x32, 0x0e], b"/no/such/runc1".to_vec()].concat(),
+            ..Default::default()
+        };
+        let err = runtime_info(&bad.write_to_bytes().unwrap()).unwrap_err();
+        assert!(err.to_string().contains("/no/such/runc1"), "{err}");
     }
 }

@@ -167,12 +167,7 @@ impl containerd_shim::Shim for Service {
 
 fn default_runc(namespace: &str, bundle: &Path) -> Option<Runc> {
     let config = Config::load_or_default(None).ok()?.0;
-    Some(Runc {
-        binary: config.resolve_runc_binary().ok()?,
-        root: config.runc.root.join(namespace),
-        systemd_cgroup: config.runc.systemd_cgroup,
-        log: bundle.join("log.json"),
-    })
+    Runc::from_config(&config, None, namespace, bundle).ok()
 }
 
 pub struct TaskService {
