@@ -11,11 +11,11 @@ use clap::{
     parser::ValueSource, ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand,
 };
 
-use crate::{error::EXIT_CODES_HELP, pod::DEFAULT_POD_NAMESPACE, PodContainer};
+use crate::{error::EXIT_CODES_HELP, output::Format, pod::DEFAULT_POD_NAMESPACE, PodContainer};
 
 const ABOUT: &str = "crab's command line: end turns, read their answers and checkpoints, export a \
 checkpoint as an OCI image, start containers from one (fork, rollback, recover), show the host \
-engine, prune what removed containers left behind";
+engine, prune what removed containers left behind, diff two points of a sandbox's history";
 
 const AFTER_HELP: &str = "\
 CONTAINER is a containerd container id, or in its place (anywhere after the command) a Kubernetes
@@ -38,7 +38,13 @@ the default).
 T is a checkpoint's sequence number or turn id (see `checkpoints`); failed checkpoints are refused.
 Containers started by fork/rollback/recover get no stdio (/dev/null) and no terminal.
 Every command finds the container's store through its own runtime options (as its shim does)
-unless --config says otherwise.";
+unless --config says otherwise.
+
+-o json (or --json) on turns, show, checkpoints, diff, fork, engine and prune prints one JSON
+document on stdout (field names are stable, snake_case, listed in README.md); a failure then
+prints {\"error\": {\"kind\", \"exit_code\", \"message\"}} there instead (prune: its report, with
+\"failures\"), and the message on stderr as always. export and fork show their progress on stderr
+when it is a terminal (--progress: always; never with -o json unless --progress).";
 
 const GLOBAL: &str = "Global options";
 
@@ -99,6 +105,33 @@ pub struct PodArgs {
     pub container: Option<String>,
 }
 
+/// `-o FORMAT` / `--json`: how a list or show command prints its result.
+#[derive(Debug, Args)]
+pub struct OutputArgs {
+    /// text (for people) or json (one document on stdout, stable field names: see README.md;
+    /// a failure prints {"error": {...}} there instead)
+    #[arg(
+        long = "output",
+        short = 'o',
+        value_name = "FORMAT",
+        value_enum,
+        default_value_t = Format::Text
+    )]
+    pub format: Format,
+    /// the same as -o json
+    #[arg(long, conflicts_with = "format")]
+    pub json: bool,
+}
+
+impl OutputArgs {
+    fn format(&self) -> Format {
+        match self.json {
+            true => Format::Json,
+            false => self.format,
+        }
+    }
+}
+
 /// CONTAINER, or a pod's container by name.
 #[derive(Debug, Args)]
 pub struct TargetArgs {
@@ -124,10 +157,12 @@ pub enum Command {
         #[arg(long, value_name = "ID")]
         turn: Option<String>,
     },
-    /// List CONTAINER's turn answers, one line each
+    /// List CONTAINER's turn answers, one line each (-o json: the answers whole)
     Turns {
         #[command(flatten)]
         target: TargetArgs,
+        #[command(flatten)]
+        out: OutputArgs,
     },
     /// Explain one turn's answer (TURN: its sequence number or turn id)
     #[command(override_usage = "crabctl show [OPTIONS] CONTAINER TURN\n       \
@@ -138,11 +173,31 @@ pub enum Command {
         args: Vec<String>,
         #[command(flatten)]
         pod: PodArgs,
+        #[command(flatten)]
+        out: OutputArgs,
     },
     /// List CONTAINER's checkpoints (lineage, kinds, sizes, timings)
     Checkpoints {
         #[command(flatten)]
         target: TargetArgs,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
+    /// What changed in CONTAINER between A and B (default: the newest turn): files created,
+    /// modified, deleted; processes started, ended, alive; memory; checkpoints taken
+    #[command(
+        override_usage = "crabctl diff [OPTIONS] CONTAINER A [B]\n       \
+        crabctl diff [OPTIONS] --pod POD [--pod-namespace NS] --container NAME A [B]",
+        long_about = DIFF_LONG
+    )]
+    Diff {
+        /// CONTAINER A [B], or A [B] alone with --pod/--container
+        #[arg(value_name = "ARGS", num_args = 1..=3, required = true, value_parser = non_empty)]
+        args: Vec<String>,
+        #[command(flatten)]
+        pod: PodArgs,
+        #[command(flatten)]
+        out: OutputArgs,
     },
     /// Write checkpoint T (default: the newest recovery point) as the OCI image REF into
     /// containerd (base image layers + fs layers + a layer with the CRIU image); `ctr run
@@ -167,6 +222,9 @@ pub enum Command {
         /// load -i FILE`, `ctr images import FILE`) instead of into containerd
         #[arg(long, short = 'o', value_name = "FILE")]
         output: Option<PathBuf>,
+        /// show the layers and bytes written on stderr even when it is no terminal
+        #[arg(long)]
+        progress: bool,
     },
     /// Start N new containers CONTAINER-fork-<i> from checkpoint T, concurrently (same spec,
     /// runtime and options); prints their ids
@@ -179,6 +237,11 @@ pub enum Command {
         /// how many forks
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
         count: u32,
+        /// show the forks started on stderr even when it is no terminal (or with -o json)
+        #[arg(long)]
+        progress: bool,
+        #[command(flatten)]
+        out: OutputArgs,
     },
     /// Return CONTAINER to checkpoint T, keeping its id: its task is killed (running execs
     /// end) and a new one starts from T
@@ -198,9 +261,8 @@ pub enum Command {
     /// The host engine that schedules every shim's checkpoint jobs ([engine] root of the
     /// config): who holds its slots, the queue (urgent first), cumulative stats
     Engine {
-        /// the snapshot as JSON
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        out: OutputArgs,
     },
     /// Remove the checkpoint stores and internal images (crab.local/checkpoint/NS/ID:SEQ) of
     /// containers that have no container record any more
@@ -209,6 +271,8 @@ pub enum Command {
         /// remove nothing, say what would go
         #[arg(long)]
         dry_run: bool,
+        #[command(flatten)]
+        out: OutputArgs,
     },
     /// Print a completion script for SHELL to stdout (e.g. `crabctl completions bash >
     /// /etc/bash_completion.d/crabctl`)
@@ -229,6 +293,21 @@ the namespace's existing crab containers name (a state_dir no remaining containe
 stores changed in the last 60 s, stores in use, images a container still uses. --all-namespaces
 (-A): every namespace containerd has. A state_dir must be this containerd's alone: another
 containerd's containers look gone from here.";
+
+const DIFF_LONG: &str = "\
+What changed in CONTAINER's sandbox between two points of its history, like `git diff --stat`:
+files created, modified and deleted; processes started (and still running), ended, started and
+ended again, alive throughout; memory changed; the checkpoints taken on the way and the layers
+they added. It is derived from what the store recorded: the inspector's turn answers composed
+turn by turn, and the checkpoint manifests.
+
+A and B are checkpoints' sequence numbers (as `checkpoints` lists them) or turn ids: the state
+right after that turn ended (an origin checkpoint, `created` or `restored`: its task's start).
+B defaults to the newest turn. A must not be newer than B (refused, exit 4: swap them); a point
+that is neither a checkpoint nor a turn is not found (exit 3, listing those there are). A diff
+across a rollback or recovery is refused (the turns before it were undone): diff from the
+restored checkpoint on. A turn the inspector could not fully observe makes the diff
+incomplete, and it says so.";
 
 /// The global options every command shares.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -255,13 +334,22 @@ pub enum Request {
     },
     Turns {
         target: Target,
+        format: Format,
     },
     Show {
         target: Target,
         turn: String,
+        format: Format,
     },
     Checkpoints {
         target: Target,
+        format: Format,
+    },
+    Diff {
+        target: Target,
+        from: String,
+        to: Option<String>,
+        format: Format,
     },
     Export {
         target: Target,
@@ -269,11 +357,14 @@ pub enum Request {
         reference: String,
         base_image: Option<String>,
         output: Option<PathBuf>,
+        progress: bool,
     },
     Fork {
         target: Target,
         at: String,
         count: usize,
+        format: Format,
+        progress: bool,
     },
     Rollback {
         target: Target,
@@ -283,10 +374,11 @@ pub enum Request {
         target: Target,
     },
     Engine {
-        json: bool,
+        format: Format,
     },
     Prune {
         dry_run: bool,
+        format: Format,
     },
     Completions {
         shell: clap_complete::Shell,
@@ -298,14 +390,33 @@ impl Request {
     pub fn target(&self) -> Option<&Target> {
         match self {
             Request::TurnEnd { target, .. }
-            | Request::Turns { target }
+            | Request::Turns { target, .. }
             | Request::Show { target, .. }
-            | Request::Checkpoints { target }
+            | Request::Checkpoints { target, .. }
+            | Request::Diff { target, .. }
             | Request::Export { target, .. }
             | Request::Fork { target, .. }
             | Request::Rollback { target, .. }
             | Request::Recover { target } => Some(target),
             Request::Engine { .. } | Request::Prune { .. } | Request::Completions { .. } => None,
+        }
+    }
+
+    /// How the request's result (or failure) is printed.
+    pub fn format(&self) -> Format {
+        match self {
+            Request::Turns { format, .. }
+            | Request::Show { format, .. }
+            | Request::Checkpoints { format, .. }
+            | Request::Diff { format, .. }
+            | Request::Fork { format, .. }
+            | Request::Engine { format }
+            | Request::Prune { format, .. } => *format,
+            Request::TurnEnd { .. }
+            | Request::Export { .. }
+            | Request::Rollback { .. }
+            | Request::Recover { .. }
+            | Request::Completions { .. } => Format::Text,
         }
     }
 }
@@ -344,22 +455,38 @@ where
             target: target.into_target(),
             turn,
         },
-        Command::Turns { target } => Request::Turns {
+        Command::Turns { target, out } => Request::Turns {
             target: target.into_target(),
+            format: out.format(),
         },
-        Command::Show { args, pod } => {
+        Command::Show { args, pod, out } => {
             let (target, [turn]) = split_target("show", "CONTAINER TURN", args, pod)?;
-            Request::Show { target, turn }
+            Request::Show {
+                target,
+                turn,
+                format: out.format(),
+            }
         }
-        Command::Checkpoints { target } => Request::Checkpoints {
+        Command::Checkpoints { target, out } => Request::Checkpoints {
             target: target.into_target(),
+            format: out.format(),
         },
+        Command::Diff { args, pod, out } => {
+            let (target, from, to) = split_diff(args, pod)?;
+            Request::Diff {
+                target,
+                from,
+                to,
+                format: out.format(),
+            }
+        }
         Command::Export {
             args,
             pod,
             turn,
             base_image,
             output,
+            progress,
         } => {
             let (target, [reference]) = split_target("export", "CONTAINER REF", args, pod)?;
             Request::Export {
@@ -368,12 +495,21 @@ where
                 reference,
                 base_image,
                 output,
+                progress,
             }
         }
-        Command::Fork { target, at, count } => Request::Fork {
+        Command::Fork {
+            target,
+            at,
+            count,
+            progress,
+            out,
+        } => Request::Fork {
             target: target.into_target(),
             at,
             count: count as usize,
+            format: out.format(),
+            progress,
         },
         Command::Rollback { target, to } => Request::Rollback {
             target: target.into_target(),
@@ -382,8 +518,13 @@ where
         Command::Recover { target } => Request::Recover {
             target: target.into_target(),
         },
-        Command::Engine { json } => Request::Engine { json },
-        Command::Prune { dry_run } => Request::Prune { dry_run },
+        Command::Engine { out } => Request::Engine {
+            format: out.format(),
+        },
+        Command::Prune { dry_run, out } => Request::Prune {
+            dry_run,
+            format: out.format(),
+        },
         Command::Completions { shell } => Request::Completions { shell },
     };
     Ok(Invocation {
@@ -459,6 +600,27 @@ fn split_target(
     }
 }
 
+/// `CONTAINER A [B]` or, with --pod/--container, `A [B]`: the target, A and B.
+fn split_diff(
+    mut args: Vec<String>,
+    pod: PodArgs,
+) -> Result<(Target, String, Option<String>), clap::Error> {
+    let wrong = |what: &str| {
+        usage(&format!(
+            "diff takes CONTAINER A [B], or --pod POD --container NAME in place of CONTAINER: \
+             {what}"
+        ))
+    };
+    let target = match (pod.into_pod_container(), args.len()) {
+        (Some(pod), 1 | 2) => Target::Pod(pod),
+        (None, 2 | 3) => Target::Id(args.remove(0)),
+        (Some(_), _) => return Err(wrong("a CONTAINER besides --pod and --container")),
+        (None, _) => return Err(wrong("A missing")),
+    };
+    let to = (args.len() == 2).then(|| args.remove(1));
+    Ok((target, args.remove(0), to))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -512,15 +674,28 @@ mod tests {
                     turn: Some(s("t7")),
                 },
             ),
-            ("turns c1", Request::Turns { target: id("c1") }),
+            (
+                "turns c1",
+                Request::Turns {
+                    target: id("c1"),
+                    format: Format::Text,
+                },
+            ),
             (
                 "show c1 3",
                 Request::Show {
                     target: id("c1"),
                     turn: s("3"),
+                    format: Format::Text,
                 },
             ),
-            ("checkpoints c1", Request::Checkpoints { target: id("c1") }),
+            (
+                "checkpoints c1",
+                Request::Checkpoints {
+                    target: id("c1"),
+                    format: Format::Text,
+                },
+            ),
             (
                 "export c1 localhost/x:1",
                 Request::Export {
@@ -529,6 +704,7 @@ mod tests {
                     reference: s("localhost/x:1"),
                     base_image: None,
                     output: None,
+                    progress: false,
                 },
             ),
             (
@@ -539,6 +715,7 @@ mod tests {
                     reference: s("localhost/x:1"),
                     base_image: None,
                     output: None,
+                    progress: false,
                 },
             ),
             (
@@ -549,6 +726,7 @@ mod tests {
                     reference: s("localhost/x:1"),
                     base_image: None,
                     output: None,
+                    progress: false,
                 },
             ),
             (
@@ -557,6 +735,8 @@ mod tests {
                     target: id("c1"),
                     at: s("t1"),
                     count: 4,
+                    format: Format::Text,
+                    progress: false,
                 },
             ),
             (
@@ -565,6 +745,8 @@ mod tests {
                     target: id("c1"),
                     at: s("t1"),
                     count: 4,
+                    format: Format::Text,
+                    progress: false,
                 },
             ),
             (
@@ -582,6 +764,7 @@ mod tests {
                     reference: s("c1/x:1"),
                     base_image: Some(s("busybox:1")),
                     output: Some("/tmp/x.tar".into()),
+                    progress: false,
                 },
             ),
             (
@@ -592,13 +775,42 @@ mod tests {
                     reference: s("localhost/x"),
                     base_image: None,
                     output: Some("x.tar".into()),
+                    progress: false,
                 },
             ),
             ("recover c1", Request::Recover { target: id("c1") }),
-            ("engine", Request::Engine { json: false }),
-            ("engine --json", Request::Engine { json: true }),
-            ("prune", Request::Prune { dry_run: false }),
-            ("prune --dry-run", Request::Prune { dry_run: true }),
+            (
+                "engine",
+                Request::Engine {
+                    format: Format::Text,
+                },
+            ),
+            (
+                "engine --json",
+                Request::Engine {
+                    format: Format::Json,
+                },
+            ),
+            (
+                "engine -o json",
+                Request::Engine {
+                    format: Format::Json,
+                },
+            ),
+            (
+                "prune",
+                Request::Prune {
+                    dry_run: false,
+                    format: Format::Text,
+                },
+            ),
+            (
+                "prune --dry-run --json",
+                Request::Prune {
+                    dry_run: true,
+                    format: Format::Json,
+                },
+            ),
             (
                 "completions bash",
                 Request::Completions {
@@ -620,6 +832,7 @@ mod tests {
                 Request::Show {
                     target: agent(),
                     turn: s("3"),
+                    format: Format::Text,
                 },
             ),
             (
@@ -627,6 +840,7 @@ mod tests {
                 Request::Show {
                     target: agent(),
                     turn: s("3"),
+                    format: Format::Text,
                 },
             ),
             (
@@ -638,11 +852,17 @@ mod tests {
             ),
             (
                 "checkpoints --pod agent --container app",
-                Request::Checkpoints { target: agent() },
+                Request::Checkpoints {
+                    target: agent(),
+                    format: Format::Text,
+                },
             ),
             (
                 "turns --container app --pod agent",
-                Request::Turns { target: agent() },
+                Request::Turns {
+                    target: agent(),
+                    format: Format::Text,
+                },
             ),
             (
                 "export --pod agent --turn t1 --container app localhost/x:1",
@@ -652,6 +872,7 @@ mod tests {
                     reference: s("localhost/x:1"),
                     base_image: None,
                     output: None,
+                    progress: false,
                 },
             ),
             (
@@ -660,6 +881,8 @@ mod tests {
                     target: agent(),
                     at: s("t1"),
                     count: 2,
+                    format: Format::Text,
+                    progress: false,
                 },
             ),
             (
@@ -677,6 +900,140 @@ mod tests {
         for (line, expected) in cases {
             assert_eq!(request(line), expected, "{line}");
         }
+    }
+
+    #[test]
+    fn output_formats_diff_and_progress_parse() {
+        let json = Format::Json;
+        let cases = [
+            (
+                "turns c1 -o json",
+                Request::Turns {
+                    target: id("c1"),
+                    format: json,
+                },
+            ),
+            (
+                "turns --json c1",
+                Request::Turns {
+                    target: id("c1"),
+                    format: json,
+                },
+            ),
+            (
+                "show c1 t1 --output json",
+                Request::Show {
+                    target: id("c1"),
+                    turn: s("t1"),
+                    format: json,
+                },
+            ),
+            (
+                "checkpoints c1 -o text",
+                Request::Checkpoints {
+                    target: id("c1"),
+                    format: Format::Text,
+                },
+            ),
+            (
+                "diff c1 2",
+                Request::Diff {
+                    target: id("c1"),
+                    from: s("2"),
+                    to: None,
+                    format: Format::Text,
+                },
+            ),
+            (
+                "diff c1 t1 t3 -o json",
+                Request::Diff {
+                    target: id("c1"),
+                    from: s("t1"),
+                    to: Some(s("t3")),
+                    format: json,
+                },
+            ),
+            (
+                "diff --pod agent --container app t1 --json",
+                Request::Diff {
+                    target: pod("agent", "default", "app"),
+                    from: s("t1"),
+                    to: None,
+                    format: json,
+                },
+            ),
+            (
+                "diff t1 4 --pod agent --container app",
+                Request::Diff {
+                    target: pod("agent", "default", "app"),
+                    from: s("t1"),
+                    to: Some(s("4")),
+                    format: Format::Text,
+                },
+            ),
+            (
+                "fork c1 --at 2 --count 3 -o json --progress",
+                Request::Fork {
+                    target: id("c1"),
+                    at: s("2"),
+                    count: 3,
+                    format: json,
+                    progress: true,
+                },
+            ),
+            (
+                "export c1 x:1 -o x.tar --progress",
+                Request::Export {
+                    target: id("c1"),
+                    turn: None,
+                    reference: s("x:1"),
+                    base_image: None,
+                    output: Some("x.tar".into()),
+                    progress: true,
+                },
+            ),
+        ];
+        for (line, expected) in cases {
+            let r = request(line);
+            assert_eq!(r.format(), expected.format(), "{line}");
+            assert_eq!(r, expected, "{line}");
+        }
+        // Commands without a JSON document print text.
+        assert_eq!(request("recover c1").format(), Format::Text);
+        assert_eq!(request("export c1 x:1 -o json").format(), Format::Text);
+        for bad in [
+            "turns c1 -o yaml",
+            "turns c1 -o json --json",
+            "turns c1 -o text --json",
+            "diff c1",
+            "diff c1 1 2 3",
+            "diff c1 1 \"\"",
+            "diff --pod agent --container app",
+            "diff --pod agent --container app 1 2 3",
+            "turn-end c1 -o json",
+            "rollback c1 --to 1 --json",
+            "turns c1 --progress",
+        ] {
+            let e = parse(std::iter::once("crabctl").chain(shell_words(bad))).expect_err(bad);
+            assert_eq!(
+                e.exit_code(),
+                i32::from(crate::error::EXIT_USAGE),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    /// Whitespace-separated words, `""` standing for an empty one.
+    fn shell_words(line: &str) -> Vec<String> {
+        line.split_whitespace()
+            .map(|w| {
+                if w == "\"\"" {
+                    String::new()
+                } else {
+                    w.to_string()
+                }
+            })
+            .collect()
     }
 
     #[test]

@@ -4,11 +4,13 @@
 use std::path::PathBuf;
 
 use crab_runtime_config::Config;
-use serde_json::Value;
 
 use crate::{
+    answer::{self, Stored},
     cli::{Global, Request, Target},
     export::ExportOptions,
+    output::{print_json, CheckpointRow, ForkReport, Format, PruneReport},
+    progress::Progress,
     Client, Ctl, CtlError, Result,
 };
 
@@ -25,14 +27,18 @@ pub async fn run(g: &Global, request: Request) -> Result<()> {
     let container = container.as_str();
     match request {
         Request::TurnEnd { turn, .. } => turn_end(g, container, turn).await,
-        Request::Turns { .. } => turns(g, container).await,
-        Request::Show { turn, .. } => show(g, container, &turn).await,
-        Request::Checkpoints { .. } => checkpoints(g, container).await,
+        Request::Turns { format, .. } => turns(g, container, format).await,
+        Request::Show { turn, format, .. } => show(g, container, &turn, format).await,
+        Request::Checkpoints { format, .. } => checkpoints(g, container, format).await,
+        Request::Diff {
+            from, to, format, ..
+        } => diff(g, container, &from, to.as_deref(), format).await,
         Request::Export {
             turn,
             reference,
             base_image,
             output,
+            progress,
             ..
         } => {
             let options = ExportOptions {
@@ -40,13 +46,23 @@ pub async fn run(g: &Global, request: Request) -> Result<()> {
                 base_image,
                 output,
             };
-            export(g, container, &reference, &options).await
+            let progress = Progress::for_stderr(progress, false);
+            export(g, container, &reference, &options, progress).await
         }
-        Request::Fork { at, count, .. } => fork(g, container, &at, count).await,
+        Request::Fork {
+            at,
+            count,
+            format,
+            progress,
+            ..
+        } => {
+            let progress = Progress::for_stderr(progress, format == Format::Json);
+            fork(g, container, &at, count, format, progress).await
+        }
         Request::Rollback { to, .. } => rollback(g, container, Some(&to)).await,
         Request::Recover { .. } => rollback(g, container, None).await,
-        Request::Engine { json } => engine(g, json),
-        Request::Prune { dry_run } => prune(g, dry_run).await,
+        Request::Engine { format } => engine(g, format),
+        Request::Prune { dry_run, format } => prune(g, dry_run, format).await,
         Request::Completions { .. } => unreachable!("handled above"),
     }
 }
@@ -119,16 +135,37 @@ async fn export(
     container: &str,
     reference: &str,
     options: &ExportOptions,
+    progress: Progress,
 ) -> Result<()> {
-    let exported = ctl(g).await?.export(container, reference, options).await?;
+    let exported = ctl(g)
+        .await?
+        .with_progress(progress)
+        .export(container, reference, options)
+        .await?;
     println!("exported {}", exported.summary());
     Ok(())
 }
 
-async fn fork(g: &Global, container: &str, at: &str, count: usize) -> Result<()> {
-    let forked = ctl(g).await?.fork(container, at, count).await?;
-    for f in &forked.forks {
-        println!("{}", f.id);
+async fn fork(
+    g: &Global,
+    container: &str,
+    at: &str,
+    count: usize,
+    format: Format,
+    progress: Progress,
+) -> Result<()> {
+    let forked = ctl(g)
+        .await?
+        .with_progress(progress)
+        .fork(container, at, count)
+        .await?;
+    match format {
+        Format::Json => print_json(&ForkReport::of(container, &forked)),
+        Format::Text => {
+            for f in &forked.forks {
+                println!("{}", f.id);
+            }
+        }
     }
     let s = &forked.exported.source;
     eprintln!(
@@ -173,137 +210,107 @@ async fn rollback(g: &Global, container: &str, to: Option<&str>) -> Result<()> {
     Ok(())
 }
 
-fn engine(g: &Global, json: bool) -> Result<()> {
+fn engine(g: &Global, format: Format) -> Result<()> {
     let (config, _) = Config::load_or_default(g.config.as_deref())?;
     let snapshot = crab_shim::engine::Engine::new(&config.engine).snapshot()?;
-    match json {
-        true => println!(
-            "{}",
-            serde_json::to_string_pretty(&snapshot).expect("a snapshot serializes")
-        ),
-        false => println!("{snapshot}"),
+    match format {
+        Format::Json => print_json(&snapshot),
+        Format::Text => println!("{snapshot}"),
     }
     Ok(())
 }
 
-async fn prune(g: &Global, dry_run: bool) -> Result<()> {
+async fn prune(g: &Global, dry_run: bool, format: Format) -> Result<()> {
     let pruned = ctl(g).await?.prune(g.all_namespaces, dry_run).await?;
-    println!("{pruned}");
+    match format {
+        Format::Json => print_json(&PruneReport::from(&pruned)),
+        Format::Text => println!("{pruned}"),
+    }
     match pruned.failures() {
         0 => Ok(()),
         failures => Err(CtlError::PruneFailures { failures }),
     }
 }
 
-/// `container`'s turn answers, in the order they were written.
-async fn answers(g: &Global, container: &str) -> Result<Vec<Value>> {
+/// `container`'s turn answers, in the order of their numbers.
+async fn answers(g: &Global, container: &str) -> Result<Vec<Stored>> {
     let dir = sandbox_dir(g, container).await?.join("turns");
-    let entries = std::fs::read_dir(&dir).map_err(|source| CtlError::NoTurns {
+    answer::read_dir(&dir)?.ok_or_else(|| CtlError::NoTurns {
         container: container.to_string(),
         dir: dir.clone(),
-        source,
-    })?;
-    let mut files: Vec<PathBuf> = entries
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.extension().is_some_and(|x| x == "json")
-                && !p
-                    .file_name()
-                    .is_some_and(|n| n.to_string_lossy().starts_with('.'))
-        })
-        .collect();
-    files.sort();
-    files
-        .iter()
-        .map(|f| {
-            let bad = |reason: String| CtlError::BadAnswer {
-                path: f.clone(),
-                reason,
-            };
-            let data = std::fs::read(f).map_err(|e| bad(e.to_string()))?;
-            serde_json::from_slice(&data).map_err(|e| bad(e.to_string()))
-        })
-        .collect()
+        source: std::io::ErrorKind::NotFound.into(),
+    })
 }
 
-fn count(v: &Value) -> usize {
-    v.as_array().map(Vec::len).unwrap_or(0)
-}
-
-async fn turns(g: &Global, container: &str) -> Result<()> {
+async fn turns(g: &Global, container: &str, format: Format) -> Result<()> {
     let answers = answers(g, container).await?;
+    if format == Format::Json {
+        let all: Vec<&answer::TurnAnswer> = answers.iter().map(|s| &s.answer).collect();
+        print_json(&all);
+        return Ok(());
+    }
     println!(
         "{:>5}  {:<20} {:<5} {:>9}  WHY",
         "SEQ", "TURN", "KIND", "TOOK(us)"
     );
-    for a in answers {
-        let fs = &a["fs"];
-        let p = &a["procs"];
-        let mut why = Vec::new();
-        if count(&a["degraded"]) > 0 {
-            why.push("DEGRADED".to_string());
-        }
-        if fs["changed"] == true {
-            why.push(format!(
-                "fs +{} ~{} -{}",
-                count(&fs["added"]),
-                count(&fs["modified"]),
-                count(&fs["deleted"])
-            ));
-        }
-        if p["changed"] == true {
-            why.push(format!(
-                "procs +{} -{} mem {}",
-                count(&p["started"]),
-                count(&p["ended"]),
-                count(&p["memory"])
-            ));
-        }
+    for s in answers {
+        let a = &s.answer;
         println!(
             "{:>5}  {:<20} {:<5} {:>9}  {}",
-            a["seq"].as_u64().unwrap_or_default(),
-            a["turn_id"].as_str().unwrap_or("-"),
-            a["kind"].as_str().unwrap_or("?"),
-            a["elapsed_us"].as_u64().unwrap_or_default(),
-            why.join(", ")
+            a.seq,
+            a.turn_id,
+            format!("{:?}", a.kind).to_lowercase(),
+            a.elapsed_us,
+            a.why()
         );
     }
     Ok(())
 }
 
-async fn show(g: &Global, container: &str, turn: &str) -> Result<()> {
+/// `show` prints the answer as JSON in either format (its text form is that document).
+async fn show(g: &Global, container: &str, turn: &str, _format: Format) -> Result<()> {
     let all = answers(g, container).await?;
+    // The newest answer of a turn id (turns are numbered again after a rollback).
     let found = all
         .iter()
-        .find(|a| {
-            a["turn_id"].as_str() == Some(turn)
-                || a["seq"].as_u64().map(|s| s.to_string()).as_deref() == Some(turn)
-        })
+        .rev()
+        .find(|s| s.answer.turn_id == turn || s.answer.seq.to_string() == turn)
         .ok_or_else(|| CtlError::NoTurn {
             container: container.to_string(),
             turn: turn.to_string(),
         })?;
-    println!(
-        "{}",
-        serde_json::to_string_pretty(found).expect("a JSON value serializes")
-    );
+    print_json(&found.answer);
     Ok(())
 }
 
-async fn checkpoints(g: &Global, container: &str) -> Result<()> {
-    let root = sandbox_dir(g, container).await?;
+/// The manifests of `container`'s store, oldest first.
+fn manifests(
+    container: &str,
+    root: &std::path::Path,
+) -> Result<Vec<crab_shim::checkpoint::store::Manifest>> {
     if !root.join("checkpoints").is_dir() {
         return Err(CtlError::NoStore {
             container: container.to_string(),
-            path: root,
+            path: root.to_path_buf(),
         });
     }
-    let store = crab_shim::checkpoint::store::Store::open(&root)?;
+    let store = crab_shim::checkpoint::store::Store::open(root)?;
+    Ok(store.list()?)
+}
+
+async fn checkpoints(g: &Global, container: &str, format: Format) -> Result<()> {
+    let root = sandbox_dir(g, container).await?;
+    let manifests = manifests(container, &root)?;
+    if format == Format::Json {
+        let rows: Vec<CheckpointRow> = manifests.iter().map(CheckpointRow::from).collect();
+        print_json(&rows);
+        return Ok(());
+    }
     println!(
         "{:>5} {:>6}  {:<20} {:<6} {:>6} {:>12} {:>9} {:>9}  CREATED",
         "SEQ", "PARENT", "TURN", "KIND", "LAYERS", "PROC(bytes)", "FREEZE", "TOTAL"
     );
-    for m in store.list()? {
+    for m in manifests {
         println!(
             "{:>5} {:>6}  {:<20} {:<6} {:>6} {:>12} {:>7.1}ms {:>7.1}ms  {}",
             m.seq,
@@ -321,6 +328,34 @@ async fn checkpoints(g: &Global, container: &str) -> Result<()> {
             m.timings.total_ms,
             m.created_at
         );
+    }
+    Ok(())
+}
+
+async fn diff(
+    g: &Global,
+    container: &str,
+    from: &str,
+    to: Option<&str>,
+    format: Format,
+) -> Result<()> {
+    let root = sandbox_dir(g, container).await?;
+    let answers = answer::read_dir(&root.join("turns"))?.unwrap_or_default();
+    // A container whose turns were never checkpointed has answers and no store.
+    let manifests = match root.join("checkpoints").is_dir() {
+        true => manifests(container, &root)?,
+        false if !answers.is_empty() => Vec::new(),
+        false => {
+            return Err(CtlError::NoStore {
+                container: container.to_string(),
+                path: root,
+            })
+        }
+    };
+    let d = crate::diff::diff(container, &manifests, &answers, from, to)?;
+    match format {
+        Format::Json => print_json(&d),
+        Format::Text => print!("{d}"),
     }
     Ok(())
 }

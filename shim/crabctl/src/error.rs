@@ -108,6 +108,12 @@ pub enum CtlError {
     },
     #[error("{container} has no turn {turn} (crabctl turns {container} lists them)")]
     NoTurn { container: String, turn: String },
+    #[error("{container} has no checkpoint or turn {point:?} to diff; it has {available}")]
+    NoDiffPoint {
+        container: String,
+        point: String,
+        available: String,
+    },
     #[error("turn answer {}: {reason}", path.display())]
     BadAnswer { path: PathBuf, reason: String },
     #[error("image {0} is not in containerd's content store (pull or import it again)")]
@@ -189,7 +195,8 @@ impl CtlError {
             | CtlError::NoCheckpoint { .. }
             | CtlError::NoRecoveryPoint { .. }
             | CtlError::NoTurns { .. }
-            | CtlError::NoTurn { .. } => NotFound,
+            | CtlError::NoTurn { .. }
+            | CtlError::NoDiffPoint { .. } => NotFound,
             CtlError::Ambiguous { .. } => Usage,
             CtlError::FailedCheckpoint { .. }
             | CtlError::BadImage(..)
@@ -278,6 +285,11 @@ mod tests {
             CtlError::NoTurn {
                 container: s(),
                 turn: s(),
+            },
+            CtlError::NoDiffPoint {
+                container: s(),
+                point: s(),
+                available: s(),
             },
             CtlError::NoRecoveryPoint { container: s() },
             CtlError::NoStore {

@@ -372,12 +372,28 @@ impl Ctl {
                 }
                 let (path, reference, image) = (path.clone(), reference.clone(), built.clone());
                 let files = local.files.clone();
+                let progress = self.progress.clone();
                 tokio::task::spawn_blocking(move || {
-                    let blob = |d: &str| files.get(d).map(|p| archive::Blob::File(p.as_path()));
+                    let sizes: HashMap<&str, u64> = image
+                        .layers
+                        .iter()
+                        .map(|l| (l.digest.as_str(), l.size))
+                        .collect();
+                    let total_bytes = sizes.values().sum();
+                    // The archive asks for each layer once, right before writing it.
+                    let written = std::sync::Mutex::new((0, 0));
+                    let blob = |d: &str| {
+                        let mut w = written.lock().unwrap_or_else(|e| e.into_inner());
+                        progress.layers("export", w.0, sizes.len(), w.1, total_bytes);
+                        *w = (w.0 + 1, w.1 + sizes.get(d).copied().unwrap_or_default());
+                        files.get(d).map(|p| archive::Blob::File(p.as_path()))
+                    };
                     archive::write(&path, &reference, &image, &blob).map_err(|e| CtlError::Io {
                         what: format!("writing the image archive {}", path.display()),
                         source: e,
-                    })
+                    })?;
+                    progress.layers("export", sizes.len(), sizes.len(), total_bytes, total_bytes);
+                    Ok::<_, CtlError>(())
                 })
                 .await
                 .map_err(|e| CtlError::Failed(format!("writing the image archive: {e}")))??;
@@ -449,12 +465,17 @@ impl Ctl {
         for digest in in_content {
             self.client.lease_content(lease, digest).await?;
         }
-        for layer in &image.layers {
+        let total_bytes = image.layers.iter().map(|l| l.size).sum();
+        let mut bytes = 0;
+        for (i, layer) in image.layers.iter().enumerate() {
             if let Some(path) = local.files.get(&layer.digest) {
                 self.client
                     .write_blob(lease, layer, BlobData::File(path), HashMap::new())
                     .await?;
             }
+            bytes += layer.size;
+            self.progress
+                .layers("export", i + 1, image.layers.len(), bytes, total_bytes);
         }
         let config_desc = OciDescriptor::new(
             image::MEDIA_TYPE_CONFIG,

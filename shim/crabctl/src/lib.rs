@@ -14,6 +14,10 @@
 //! - [`archive`]: an exported image as an image archive file (`docker load`-able);
 //! - [`rootfs`]: the overlay layers of a rootfs the caller mounted (Docker's), for its base;
 //! - [`lifecycle`]: unpacking it and starting containers from it;
+//! - [`answer`]: the turn answers of a store as typed data; [`diff`]: what changed between
+//!   two checkpoints or turns, from the answers and manifests;
+//! - [`output`]: `-o json`, the documents every list/show command prints;
+//! - [`progress`]: progress of long operations (export, fork) on stderr;
 //! - [`pod`]: a Kubernetes pod's container by pod and container name (CRI records);
 //! - [`resolve`]: CONTAINER as spelled: an id, a unique id prefix, a Docker container name;
 //! - [`docker`]: the containers dockerd owns, and dockerd's names for them (its API);
@@ -23,16 +27,20 @@
 //! (read the store, write the image, unpack it), so bad input leaves nothing behind; content
 //! and snapshots are written under a lease until an image or a container references them.
 
+pub mod answer;
 pub mod archive;
 pub mod cli;
 pub mod client;
 pub mod commands;
+pub mod diff;
 pub mod docker;
 pub mod error;
 pub mod export;
 pub mod image;
 pub mod lifecycle;
+pub mod output;
 pub mod pod;
+pub mod progress;
 pub mod prune;
 pub mod resolve;
 pub mod rootfs;
@@ -74,6 +82,8 @@ pub struct Ctl {
     pub config: Option<PathBuf>,
     /// `DOCKER_HOST`: where dockerd is asked about its containers in namespace `moby`.
     pub docker_host: Option<String>,
+    /// Where export and fork report their progress (off by default).
+    pub progress: progress::Progress,
 }
 
 impl Ctl {
@@ -82,7 +92,14 @@ impl Ctl {
             client,
             config,
             docker_host: None,
+            progress: progress::Progress::off(),
         }
+    }
+
+    /// The same, reporting the progress of export and fork to `progress`.
+    pub fn with_progress(mut self, progress: progress::Progress) -> Ctl {
+        self.progress = progress;
+        self
     }
 
     /// The same, asking dockerd at `docker_host` (`DOCKER_HOST`; `None`: Docker's default).

@@ -318,9 +318,13 @@ impl Ctl {
             }
             let mut forks = Vec::new();
             let mut failure = None;
+            self.progress.forks(0, count);
             while let Some(joined) = set.join_next().await {
                 match joined {
-                    Ok((_, Ok(f))) => forks.push(f),
+                    Ok((_, Ok(f))) => {
+                        forks.push(f);
+                        self.progress.forks(forks.len(), count);
+                    }
                     Ok((id, Err(e))) => {
                         failure.get_or_insert(CtlError::Fork {
                             id,

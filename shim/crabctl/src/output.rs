@@ -1,0 +1,465 @@
+//! Machine-readable output (`-o json`, alias `--json`): one JSON document per invocation on
+//! stdout, newline-terminated, serialized from the typed structs below (never formatted by
+//! hand). Their field names are stable and snake_case; README.md (crabctl section) lists them.
+//!
+//! | command | document |
+//! |---|---|
+//! | `turns` | array of turn answers ([`crate::answer::TurnAnswer`]), oldest first |
+//! | `show` | one turn answer |
+//! | `checkpoints` | array of [`CheckpointRow`], oldest first |
+//! | `diff` | [`crate::diff::Diff`] |
+//! | `fork` | [`ForkReport`] |
+//! | `prune` | [`PruneReport`] |
+//! | `engine` | the engine's snapshot (`crab_shim::engine::Snapshot`) |
+//!
+//! A command that fails prints an [`ErrorReport`] on stdout instead (and its message on stderr,
+//! with the exit status of its kind), except `prune`, whose report (with `failures` counted)
+//! is the document even when removals failed. A command line that does not parse (exit 2 from
+//! the argument parser) prints nothing on stdout: its format is not known.
+
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+use crate::{
+    error::ErrorKind,
+    lifecycle::Forked,
+    prune::{Outcome, Pruned},
+    CtlError,
+};
+use crab_shim::checkpoint::store::{CheckpointKind, Manifest};
+
+/// How a command prints its result.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// for people: tables and sentences
+    #[default]
+    Text,
+    /// one JSON document on stdout (field names: see README.md)
+    Json,
+}
+
+/// Prints `value` as one JSON document (pretty, newline-terminated) on stdout.
+pub fn print_json<T: Serialize + ?Sized>(value: &T) {
+    println!("{}", to_json(value));
+}
+
+/// `value` as the JSON document crabctl prints.
+pub fn to_json<T: Serialize + ?Sized>(value: &T) -> String {
+    // Every type printed is made of strings, numbers, sequences and string-keyed maps.
+    serde_json::to_string_pretty(value).expect("crabctl's output types serialize")
+}
+
+/// What `-o json` prints on stdout when a command fails.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ErrorReport {
+    pub error: ErrorBody,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ErrorBody {
+    /// `failed`, `not_found`, `refused` or `usage`.
+    pub kind: &'static str,
+    /// The exit status (1, 3, 4, 2).
+    pub exit_code: u8,
+    /// The message stderr shows too.
+    pub message: String,
+}
+
+impl ErrorReport {
+    pub fn of(e: &CtlError) -> ErrorReport {
+        let kind = match e.kind() {
+            ErrorKind::Failed => "failed",
+            ErrorKind::NotFound => "not_found",
+            ErrorKind::Refused => "refused",
+            ErrorKind::Usage => "usage",
+        };
+        ErrorReport {
+            error: ErrorBody {
+                kind,
+                exit_code: e.exit_code(),
+                message: e.to_string(),
+            },
+        }
+    }
+}
+
+/// The name of a checkpoint kind as the store writes it (`fs`, `proc`, `full`, `failed`,
+/// `created`, `restored`).
+pub fn kind_name(k: CheckpointKind) -> String {
+    format!("{k:?}").to_lowercase()
+}
+
+/// One checkpoint of `crabctl checkpoints -o json`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CheckpointRow {
+    pub seq: u64,
+    pub parent: Option<u64>,
+    /// The turn(s) it was taken for (comma-separated when turns were coalesced; empty for an
+    /// origin).
+    pub turn_id: String,
+    /// `fs`, `proc`, `full`, `failed` (no recovery point), `created`, `restored` (origins).
+    pub kind: String,
+    /// Whether it can be exported, forked from, rolled back to (every kind but `failed`).
+    pub recovery_point: bool,
+    /// The fs layers of its whole chain, oldest first.
+    pub layers: usize,
+    /// Of `layers`, the first ones the container's image carries.
+    pub image_layers: usize,
+    /// Bytes of its chain's layers (compressed, as stored).
+    pub layer_bytes: u64,
+    /// Bytes its process image takes in the store (`null`: no process image).
+    pub process_bytes: Option<u64>,
+    /// Bytes of the memory its process image holds (before sharing and compression).
+    pub process_logical_bytes: Option<u64>,
+    /// The pids its process image holds.
+    pub pids: Vec<u32>,
+    pub freeze_ms: f64,
+    pub capture_ms: f64,
+    pub total_ms: f64,
+    /// RFC 3339, UTC.
+    pub created_at: String,
+    /// Why it was taken as it was (or why it failed).
+    pub explanation: String,
+    /// Tracked volumes its layers hold whole.
+    pub volumes: Vec<PathBuf>,
+}
+
+impl From<&Manifest> for CheckpointRow {
+    fn from(m: &Manifest) -> CheckpointRow {
+        CheckpointRow {
+            seq: m.seq,
+            parent: m.parent,
+            turn_id: m.turn_id.clone(),
+            kind: kind_name(m.kind),
+            recovery_point: m.kind.is_durable_state(),
+            layers: m.fs_layers.len(),
+            image_layers: m.image_layers,
+            layer_bytes: m.fs_layers.iter().map(|l| l.size).sum(),
+            process_bytes: m.process.as_ref().map(|p| p.bytes_stored),
+            process_logical_bytes: m.process.as_ref().map(|p| p.bytes_logical),
+            pids: m
+                .process
+                .as_ref()
+                .map(|p| p.pids.clone())
+                .unwrap_or_default(),
+            freeze_ms: m.timings.freeze_ms,
+            capture_ms: m.timings.capture_ms,
+            total_ms: m.timings.total_ms,
+            created_at: m.created_at.clone(),
+            explanation: m.explanation.clone(),
+            volumes: m.volumes.clone(),
+        }
+    }
+}
+
+/// What `crabctl fork -o json` prints.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ForkReport {
+    /// The container forked.
+    pub container: String,
+    /// The checkpoint the forks started from.
+    pub seq: u64,
+    pub turn_id: String,
+    /// The (internal) image they run.
+    pub image: String,
+    /// The forks, in id order.
+    pub forks: Vec<ForkItem>,
+    pub checkpoint_ms: f64,
+    pub start_ms: f64,
+    pub total_ms: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ForkItem {
+    pub id: String,
+    /// Its init's pid on the host.
+    pub pid: u32,
+}
+
+impl ForkReport {
+    pub fn of(container: &str, f: &Forked) -> ForkReport {
+        let s = &f.exported.source;
+        ForkReport {
+            container: container.to_string(),
+            seq: s.seq,
+            turn_id: s.turn_id.clone(),
+            image: f.exported.reference.clone(),
+            forks: f
+                .forks
+                .iter()
+                .map(|r| ForkItem {
+                    id: r.id.clone(),
+                    pid: r.pid,
+                })
+                .collect(),
+            checkpoint_ms: f.phases.checkpoint_ms,
+            start_ms: f.phases.start_ms,
+            total_ms: f.phases.total_ms,
+        }
+    }
+}
+
+/// What `crabctl prune -o json` prints.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PruneReport {
+    /// Nothing was removed: the items say what would be.
+    pub dry_run: bool,
+    pub namespaces: Vec<String>,
+    pub state_dirs: Vec<PathBuf>,
+    /// Store directories, leftovers and other entries looked at (not those of existing
+    /// containers).
+    pub stores: Vec<PruneStore>,
+    /// Internal images looked at.
+    pub images: Vec<PruneImage>,
+    /// Stores of existing containers (kept, not listed).
+    pub existing: usize,
+    pub warnings: Vec<String>,
+    /// Store directories removed (would be) and their bytes, images removed (would be).
+    pub removed_stores: usize,
+    pub removed_bytes: u64,
+    pub removed_images: usize,
+    /// Removals that failed (then crabctl exits 1).
+    pub failures: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PruneStore {
+    pub path: PathBuf,
+    /// `removed`, `finished` (an interrupted prune's leftover), `kept` or `failed`.
+    pub outcome: &'static str,
+    /// Why it was kept, or why its removal failed.
+    pub reason: Option<String>,
+    /// Disk usage (allocated bytes) of what was (would be) removed.
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PruneImage {
+    pub name: String,
+    pub outcome: &'static str,
+    pub reason: Option<String>,
+}
+
+fn outcome(o: &Outcome) -> (&'static str, Option<String>) {
+    match o {
+        Outcome::Removed => ("removed", None),
+        Outcome::Finished => ("finished", None),
+        Outcome::Kept(why) => ("kept", Some(why.clone())),
+        Outcome::Failed(e) => ("failed", Some(e.clone())),
+    }
+}
+
+impl From<&Pruned> for PruneReport {
+    fn from(p: &Pruned) -> PruneReport {
+        let gone = |o: &Outcome| matches!(o, Outcome::Removed | Outcome::Finished);
+        PruneReport {
+            dry_run: p.dry_run,
+            namespaces: p.namespaces.clone(),
+            state_dirs: p.state_dirs.clone(),
+            stores: p
+                .stores
+                .iter()
+                .map(|s| {
+                    let (outcome, reason) = outcome(&s.outcome);
+                    PruneStore {
+                        path: s.path.clone(),
+                        outcome,
+                        reason,
+                        bytes: s.bytes,
+                    }
+                })
+                .collect(),
+            images: p
+                .images
+                .iter()
+                .map(|i| {
+                    let (outcome, reason) = outcome(&i.outcome);
+                    PruneImage {
+                        name: i.name.clone(),
+                        outcome,
+                        reason,
+                    }
+                })
+                .collect(),
+            existing: p.existing,
+            warnings: p.warnings.clone(),
+            removed_stores: p.stores.iter().filter(|s| gone(&s.outcome)).count(),
+            removed_bytes: p
+                .stores
+                .iter()
+                .filter(|s| gone(&s.outcome))
+                .map(|s| s.bytes)
+                .sum(),
+            removed_images: p.images.iter().filter(|i| gone(&i.outcome)).count(),
+            failures: p.failures(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, Value};
+
+    use super::*;
+    use crate::prune::{ImageItem, StoreItem};
+    use crab_shim::checkpoint::store::{Descriptor, ProcessImage};
+
+    /// The keys of a JSON object, sorted.
+    fn keys(v: &Value) -> Vec<&str> {
+        let mut k: Vec<&str> = v
+            .as_object()
+            .unwrap_or_else(|| panic!("not an object: {v}"))
+            .keys()
+            .map(String::as_str)
+            .collect();
+        k.sort_unstable();
+        k
+    }
+
+    #[test]
+    fn error_reports_carry_kind_status_and_message() {
+        let e = CtlError::NoTurn {
+            container: "c1".into(),
+            turn: "t9".into(),
+        };
+        let v = serde_json::to_value(ErrorReport::of(&e)).unwrap();
+        assert_eq!(
+            v,
+            json!({"error": {"kind": "not_found", "exit_code": 3, "message": e.to_string()}})
+        );
+        let v = serde_json::to_value(ErrorReport::of(&CtlError::Refused("no".into()))).unwrap();
+        assert_eq!(
+            (&v["error"]["kind"], &v["error"]["exit_code"]),
+            (&json!("refused"), &json!(4))
+        );
+        // One document, newline-terminated when printed (println! adds it): no newline inside
+        // a line's worth of error that would split it.
+        assert!(to_json(&ErrorReport::of(&e)).starts_with('{'));
+    }
+
+    #[test]
+    fn checkpoint_rows_pin_their_field_names() {
+        let mut m = Manifest::child_of(None, 3, "t2", CheckpointKind::Full);
+        m.parent = Some(2);
+        m.fs_layers = vec![
+            Descriptor {
+                digest: format!("sha256:{}", "a".repeat(64)),
+                diff_id: format!("sha256:{}", "b".repeat(64)),
+                size: 100,
+                media_type: crab_shim::checkpoint::store::MEDIA_TYPE_LAYER_ZSTD.into(),
+            };
+            2
+        ];
+        m.fs_layers[1].size = 23;
+        m.process = Some(ProcessImage {
+            image: "proc/000003".into(),
+            bytes_stored: 4096,
+            bytes_logical: 8192,
+            pids: vec![1, 7],
+        });
+        let v = serde_json::to_value(CheckpointRow::from(&m)).unwrap();
+        assert_eq!(
+            keys(&v),
+            [
+                "capture_ms",
+                "created_at",
+                "explanation",
+                "freeze_ms",
+                "image_layers",
+                "kind",
+                "layer_bytes",
+                "layers",
+                "parent",
+                "pids",
+                "process_bytes",
+                "process_logical_bytes",
+                "recovery_point",
+                "seq",
+                "total_ms",
+                "turn_id",
+                "volumes"
+            ]
+        );
+        assert_eq!(v["seq"], 3);
+        assert_eq!(v["parent"], 2);
+        assert_eq!(v["kind"], "full");
+        assert_eq!(v["recovery_point"], true);
+        assert_eq!(v["layers"], 2);
+        assert_eq!(v["layer_bytes"], 123);
+        assert_eq!(v["process_bytes"], 4096);
+        assert_eq!(v["pids"], json!([1, 7]));
+        let failed = Manifest::child_of(None, 1, "", CheckpointKind::Failed);
+        let v = serde_json::to_value(CheckpointRow::from(&failed)).unwrap();
+        assert_eq!(v["recovery_point"], false);
+        assert_eq!(v["process_bytes"], Value::Null);
+        assert_eq!(v["parent"], Value::Null);
+    }
+
+    #[test]
+    fn prune_reports_pin_their_field_names_and_totals() {
+        let p = Pruned {
+            dry_run: true,
+            namespaces: vec!["default".into()],
+            state_dirs: vec!["/var/lib/crab".into()],
+            stores: vec![
+                StoreItem {
+                    path: "/var/lib/crab/default/gone".into(),
+                    outcome: Outcome::Removed,
+                    bytes: 1000,
+                },
+                StoreItem {
+                    path: "/var/lib/crab/default/.replaced-x-1".into(),
+                    outcome: Outcome::Finished,
+                    bytes: 24,
+                },
+                StoreItem {
+                    path: "/var/lib/crab/default/link".into(),
+                    outcome: Outcome::Kept("a symlink".into()),
+                    bytes: 0,
+                },
+            ],
+            images: vec![ImageItem {
+                name: "crab.local/checkpoint/default/gone:2".into(),
+                outcome: Outcome::Failed("in use".into()),
+            }],
+            existing: 4,
+            warnings: vec!["w".into()],
+        };
+        let v = serde_json::to_value(PruneReport::from(&p)).unwrap();
+        assert_eq!(
+            keys(&v),
+            [
+                "dry_run",
+                "existing",
+                "failures",
+                "images",
+                "namespaces",
+                "removed_bytes",
+                "removed_images",
+                "removed_stores",
+                "state_dirs",
+                "stores",
+                "warnings"
+            ]
+        );
+        assert_eq!(
+            keys(&v["stores"][0]),
+            ["bytes", "outcome", "path", "reason"]
+        );
+        assert_eq!(keys(&v["images"][0]), ["name", "outcome", "reason"]);
+        assert_eq!(v["stores"][1]["outcome"], "finished");
+        assert_eq!(v["stores"][2]["outcome"], "kept");
+        assert_eq!(v["stores"][2]["reason"], "a symlink");
+        assert_eq!(v["images"][0]["outcome"], "failed");
+        assert_eq!(
+            (
+                &v["removed_stores"],
+                &v["removed_bytes"],
+                &v["removed_images"],
+                &v["failures"]
+            ),
+            (&json!(2), &json!(1024), &json!(0), &json!(1))
+        );
+    }
+}
