@@ -1014,7 +1014,8 @@ mod tests {
             "rollback c1 --to 1 --json",
             "turns c1 --progress",
         ] {
-            let e = parse(std::iter::once("crabctl").chain(shell_words(bad))).expect_err(bad);
+            let e = parse(std::iter::once("crabctl".to_string()).chain(shell_words(bad)))
+                .expect_err(bad);
             assert_eq!(
                 e.exit_code(),
                 i32::from(crate::error::EXIT_USAGE),

@@ -120,15 +120,15 @@ pub enum CtlError {
     NoImage(String),
     #[error("image {0}: {1}")]
     BadImage(String, String),
-    #[error("{container}'s rootfs is not built on its image {image} any more (the name points elsewhere now): cannot tell its base layers")]
+    #[error("{container}'s rootfs is not built on its image {image} any more (the name points elsewhere now): cannot tell its base layers (--base-image REF names the image it was built on)")]
     BaseMismatch { container: String, image: String },
-    #[error("layer {digest} of checkpoint {seq} is neither in the store ({store}) nor in containerd's content store")]
+    #[error("layer {digest} of checkpoint {seq} is neither in the store ({store}) nor in containerd's content store: that checkpoint cannot be exported any more (--turn T names another; crabctl checkpoints lists them)")]
     MissingLayer {
         digest: String,
         seq: u64,
         store: PathBuf,
     },
-    #[error("container {0} already exists")]
+    #[error("container {0} already exists (remove it first, or give another id)")]
     Exists(String),
     /// The request cannot be done as asked (a precondition the caller can fix).
     #[error("{0}")]
@@ -156,7 +156,9 @@ pub enum CtlError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{failures} removals failed (see above)")]
+    #[error(
+        "{failures} removals failed (see above): fix what they say, then run crabctl prune again"
+    )]
     PruneFailures { failures: usize },
     #[error("crab config: {0}")]
     Config(#[from] ConfigError),

@@ -248,7 +248,11 @@ impl Ctl {
         // The store is the shim's, but what goes into an image is checked like what comes out.
         for d in &m.fs_layers {
             d.check().map_err(|e| {
-                CtlError::Failed(format!("checkpoint {} of {container}: {e}", m.seq))
+                CtlError::Failed(format!(
+                    "checkpoint {} of {container}: {e} (its manifest is damaged: export another \
+                     checkpoint with --turn T; crabctl checkpoints {container} lists them)",
+                    m.seq
+                ))
             })?;
         }
         let source = Source {
@@ -599,7 +603,8 @@ impl Ctl {
     async fn base_of(&self, record: &Container) -> Result<image::Base> {
         if record.image.is_empty() {
             return Err(CtlError::Refused(format!(
-                "container {} has no image: a checkpoint image needs its base image",
+                "container {} has no image: a checkpoint image needs its base image \
+                 (--base-image REF names one of this namespace to build on)",
                 record.id
             )));
         }

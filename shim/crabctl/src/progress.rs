@@ -10,10 +10,13 @@ use std::{
     sync::Arc,
 };
 
+/// Takes a line of progress, and whether it is the last.
+type Sink = Arc<dyn Fn(&str, bool) + Send + Sync>;
+
 /// Where progress goes; cheap to clone, quiet by default.
 #[derive(Clone, Default)]
 pub struct Progress {
-    sink: Option<Arc<dyn Fn(&str, bool) + Send + Sync>>,
+    sink: Option<Sink>,
 }
 
 impl std::fmt::Debug for Progress {
@@ -101,7 +104,9 @@ mod tests {
 
     use super::*;
 
-    fn recording() -> (Progress, Arc<Mutex<Vec<(String, bool)>>>) {
+    type Lines = Arc<Mutex<Vec<(String, bool)>>>;
+
+    fn recording() -> (Progress, Lines) {
         let lines = Arc::new(Mutex::new(Vec::new()));
         let sink = lines.clone();
         let p = Progress::to(move |l, done| sink.lock().unwrap().push((l.to_string(), done)));
