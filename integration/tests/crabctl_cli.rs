@@ -384,6 +384,34 @@ async fn json_documents_and_diff_describe_real_turns() {
     std::fs::remove_file(&planted).unwrap();
     let again = json_ok(&s, &["turns", &id, "--json"]);
     assert_eq!(again.as_array().unwrap(), turns);
+    // A corrupt manifest likewise; with -o json the error is the document.
+    let planted = s.store().join("checkpoints/000099.json");
+    std::fs::write(
+        &planted,
+        "{\"format\": 1, \"seq\": 99, \"kind\": \"everything\"}",
+    )
+    .unwrap();
+    json_err(
+        &s,
+        &["checkpoints", &id, "-o", "json"],
+        1,
+        "failed",
+        "000099.json",
+    );
+    json_err(
+        &s,
+        &["diff", &id, "t1", "--json"],
+        1,
+        "failed",
+        "000099.json",
+    );
+    std::fs::remove_file(&planted).unwrap();
+    assert_eq!(
+        json_ok(&s, &["checkpoints", &id, "--json"])
+            .as_array()
+            .unwrap(),
+        rows
+    );
 
     // fork -o json: the forks it started, and with --progress their count on stderr.
     let (code, out, err) = s.crabctl(&[

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use crab_runtime_config::Config;
+use crab_shim::checkpoint::store::StoreError;
 
 use crate::{
     answer::{self, Stored},
@@ -295,7 +296,13 @@ fn manifests(
         });
     }
     let store = crab_shim::checkpoint::store::Store::open(root)?;
-    Ok(store.list()?)
+    store.list().map_err(|e| match e {
+        // Not a checkpoint crab wrote: say how to read the others.
+        e @ StoreError::Corrupt { .. } => CtlError::Failed(format!(
+            "{e} (it is no recovery point: move it out of the way to read the others)"
+        )),
+        e => e.into(),
+    })
 }
 
 async fn checkpoints(g: &Global, container: &str, format: Format) -> Result<()> {
@@ -358,4 +365,42 @@ async fn diff(
         Format::Text => print!("{d}"),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_corrupt_or_newer_manifest_is_an_error_naming_the_file() {
+        let root = tempfile::tempdir().unwrap();
+        let e = manifests("c1", root.path()).unwrap_err();
+        assert_eq!(e.exit_code(), 3, "no store: {e}");
+        let dir = root.path().join("checkpoints");
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(manifests("c1", root.path()).unwrap().is_empty());
+        for (data, needle) in [
+            ("{", "out of the way"),
+            (
+                "{\"format\": 1, \"seq\": 1, \"kind\": \"everything\"}",
+                "is corrupt",
+            ),
+            ("[]", "is corrupt"),
+            ("{\"format\": 99, \"seq\": 1}", "upgrade crab"),
+        ] {
+            std::fs::write(dir.join("000001.json"), data).unwrap();
+            let e = manifests("c1", root.path()).unwrap_err();
+            assert_eq!(e.exit_code(), 1, "{data}: {e}");
+            let msg = e.to_string();
+            assert!(
+                msg.contains("checkpoints/000001.json") && msg.contains(needle),
+                "{data}: {msg}"
+            );
+            // Nothing was lost: the file is still there for a person to look at.
+            assert_eq!(
+                std::fs::read_to_string(dir.join("000001.json")).unwrap(),
+                data
+            );
+        }
+    }
 }
