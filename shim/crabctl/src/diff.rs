@@ -76,7 +76,8 @@ pub struct Processes {
     pub ended: Vec<Proc>,
     /// Started and ended again between the two.
     pub transient: Vec<Proc>,
-    /// Running at both ends (those `to`'s turn still saw).
+    /// Running at both ends (those `to`'s turn still saw). A process no answer recorded
+    /// running (it stayed idle since before `from`) has an empty `cmdline`.
     pub alive: Vec<Proc>,
 }
 
@@ -507,6 +508,13 @@ fn human_bytes(b: u64) -> String {
     }
 }
 
+fn plural(n: usize, what: &str) -> String {
+    match n {
+        1 => format!("1 {what}"),
+        n => format!("{n} {what}s"),
+    }
+}
+
 fn describe(e: &End, default: &str) -> String {
     let mut s = match (&e.checkpoint, &e.turn_id) {
         (Some(c), Some(t)) => format!("checkpoint {c} (turn {t})"),
@@ -525,11 +533,11 @@ impl std::fmt::Display for Diff {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "diff {}: {} .. {}: {} turns{}",
+            "diff {}: {} .. {}: {}{}",
             self.container,
             describe(&self.from, "the start"),
             describe(&self.to, "now"),
-            self.turns.len(),
+            plural(self.turns.len(), "turn"),
             match self.turns.is_empty() {
                 true => String::new(),
                 false => format!(" ({})", self.turns.join(", ")),
@@ -564,7 +572,12 @@ impl std::fmt::Display for Diff {
             ("=", "alive", &p.alive),
         ] {
             for x in list {
-                writeln!(f, "  {mark} {:>7} {}  ({what})", x.pid, x.cmdline)?;
+                // The answers name a process that never ran during a turn by its pid alone.
+                let cmdline = match x.cmdline.is_empty() {
+                    true => "?",
+                    false => &x.cmdline,
+                };
+                writeln!(f, "  {mark} {:>7} {cmdline}  ({what})", x.pid)?;
             }
         }
         if !self.memory.is_empty() {
@@ -582,11 +595,11 @@ impl std::fmt::Display for Diff {
             for c in &self.checkpoints {
                 write!(
                     f,
-                    "  {:>5} {:<6} turn {}: +{} layers ({})",
+                    "  {:>5} {:<6} turn {}: +{} ({})",
                     c.seq,
                     c.kind,
                     c.turn_id,
-                    c.new_layers,
+                    plural(c.new_layers, "layer"),
                     human_bytes(c.new_layer_bytes)
                 )?;
                 if let Some(b) = c.process_bytes {
@@ -786,9 +799,13 @@ mod tests {
         t5.answer.procs.ended = vec![proc(40, "python -m http.server")];
         t5.answer.degraded = vec!["probes unavailable".into()];
         t5.answer.fs.unobserved = true;
+        // Pid 99 never ran during a turn: no answer recorded its command line.
+        t5.answer.procs.idle = vec![1, 99];
         answers.push(t5);
         let d = diff("c1", &ms, &answers, "t4", None).unwrap();
         assert_eq!(d.processes.ended, [proc(40, "python -m http.server")]);
+        assert_eq!(d.processes.alive, [proc(1, "sh"), proc(99, "")]);
+        assert!(d.to_string().contains("=      99 ?  (alive)"), "{d}");
         assert!(!d.complete);
         assert_eq!(d.incomplete.len(), 2, "{:?}", d.incomplete);
         assert!(d.incomplete[0].contains("probes unavailable"));
@@ -915,9 +932,10 @@ mod tests {
         );
         let text = d.to_string();
         for needle in [
-            "diff c1: turn t1 .. checkpoint 3 (turn t2)",
+            "diff c1: turn t1 .. checkpoint 3 (turn t2): 1 turn (t2)",
             "- /app/tmp",
             "+      40 python",
+            "+1 layer (500 B), process image 8.2 kB",
         ] {
             assert!(text.contains(needle), "{needle}: {text}");
         }
