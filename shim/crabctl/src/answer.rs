@@ -274,6 +274,8 @@ mod tests {
         assert_eq!(back["fs"]["unobserved"], false);
         back["fs"].as_object_mut().unwrap().remove("unobserved");
         assert_eq!(back, stored);
+        back["fs"]["unobserved"] = json!(false);
+        crate::output::tests::documented(&back, crate::output::ANSWER_FIELDS);
         let mut top: Vec<&String> = back.as_object().unwrap().keys().collect();
         top.sort();
         assert_eq!(

@@ -11,7 +11,12 @@ use clap::{
     parser::ValueSource, ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand,
 };
 
-use crate::{error::EXIT_CODES_HELP, output::Format, pod::DEFAULT_POD_NAMESPACE, PodContainer};
+use crate::{
+    error::EXIT_CODES_HELP,
+    output::{self, Format},
+    pod::DEFAULT_POD_NAMESPACE,
+    PodContainer,
+};
 
 const ABOUT: &str = "crab's command line: end turns, read their answers and checkpoints, export a \
 checkpoint as an OCI image, start containers from one (fork, rollback, recover), show the host \
@@ -158,15 +163,20 @@ pub enum Command {
         turn: Option<String>,
     },
     /// List CONTAINER's turn answers, one line each (-o json: the answers whole)
+    #[command(after_long_help = output::ANSWER_FIELDS)]
     Turns {
         #[command(flatten)]
         target: TargetArgs,
         #[command(flatten)]
         out: OutputArgs,
     },
-    /// Explain one turn's answer (TURN: its sequence number or turn id)
-    #[command(override_usage = "crabctl show [OPTIONS] CONTAINER TURN\n       \
-        crabctl show [OPTIONS] --pod POD [--pod-namespace NS] --container NAME TURN")]
+    /// Explain one turn's answer (TURN: its sequence number or turn id; the newest of that id),
+    /// printed as JSON in either format
+    #[command(
+        override_usage = "crabctl show [OPTIONS] CONTAINER TURN\n       \
+        crabctl show [OPTIONS] --pod POD [--pod-namespace NS] --container NAME TURN",
+        after_long_help = output::ANSWER_FIELDS
+    )]
     Show {
         /// CONTAINER TURN, or TURN alone with --pod/--container
         #[arg(value_name = "ARGS", num_args = 1..=2, required = true)]
@@ -177,6 +187,7 @@ pub enum Command {
         out: OutputArgs,
     },
     /// List CONTAINER's checkpoints (lineage, kinds, sizes, timings)
+    #[command(after_long_help = output::CHECKPOINT_FIELDS)]
     Checkpoints {
         #[command(flatten)]
         target: TargetArgs,
@@ -188,7 +199,8 @@ pub enum Command {
     #[command(
         override_usage = "crabctl diff [OPTIONS] CONTAINER A [B]\n       \
         crabctl diff [OPTIONS] --pod POD [--pod-namespace NS] --container NAME A [B]",
-        long_about = DIFF_LONG
+        long_about = DIFF_LONG,
+        after_long_help = output::DIFF_FIELDS
     )]
     Diff {
         /// CONTAINER A [B], or A [B] alone with --pod/--container
@@ -228,6 +240,7 @@ pub enum Command {
     },
     /// Start N new containers CONTAINER-fork-<i> from checkpoint T, concurrently (same spec,
     /// runtime and options); prints their ids
+    #[command(after_long_help = output::FORK_FIELDS)]
     Fork {
         #[command(flatten)]
         target: TargetArgs,
@@ -260,13 +273,14 @@ pub enum Command {
     },
     /// The host engine that schedules every shim's checkpoint jobs ([engine] root of the
     /// config): who holds its slots, the queue (urgent first), cumulative stats
+    #[command(after_long_help = output::ENGINE_FIELDS)]
     Engine {
         #[command(flatten)]
         out: OutputArgs,
     },
     /// Remove the checkpoint stores and internal images (crab.local/checkpoint/NS/ID:SEQ) of
     /// containers that have no container record any more
-    #[command(long_about = PRUNE_LONG)]
+    #[command(long_about = PRUNE_LONG, after_long_help = output::PRUNE_FIELDS)]
     Prune {
         /// remove nothing, say what would go
         #[arg(long)]

@@ -930,6 +930,7 @@ mod tests {
             v["from"],
             json!({"arg": "t1", "checkpoint": null, "turn_id": "t1"})
         );
+        crate::output::tests::documented(&v, crate::output::DIFF_FIELDS);
         let text = d.to_string();
         for needle in [
             "diff c1: turn t1 .. checkpoint 3 (turn t2): 1 turn (t2)",

@@ -29,6 +29,48 @@ use crate::{
 };
 use crab_shim::checkpoint::store::{CheckpointKind, Manifest};
 
+/// `crabctl show --help`, `turns --help`: the fields of a turn answer in `-o json`.
+pub const ANSWER_FIELDS: &str = "\
+JSON (-o json): a turn answer is {turn_id, container_id, seq (the turn's number in its task),
+kind (none|fs|proc|full), fs {changed, scanned, unobserved, syscalls {class: count}, added,
+modified, deleted (paths)}, procs {changed, started, ended, reexeced [{pid, cmdline}],
+held_changed [[pid, path]], memory [{pid, cmdline, changed_pages, added_pages, removed_pages,
+scanned_pages}], idle (pids), forks, execs, exits}, degraded (reasons), elapsed_us}; turns prints
+an array of them, oldest first.";
+
+/// `crabctl checkpoints --help`: the fields of a row in `-o json`.
+pub const CHECKPOINT_FIELDS: &str = "\
+JSON (-o json): an array, oldest first, of {seq, parent, turn_id, kind
+(fs|proc|full|failed|created|restored), recovery_point, layers, image_layers, layer_bytes,
+process_bytes, process_logical_bytes (null without a process image), pids, freeze_ms,
+capture_ms, total_ms, created_at (RFC 3339 UTC), explanation, volumes}.";
+
+/// `crabctl diff --help`: the fields of `-o json`.
+pub const DIFF_FIELDS: &str = "\
+JSON (-o json): {container, from {arg, checkpoint, turn_id}, to {...}, turns (ids between),
+complete, incomplete (reasons), files {created, modified, deleted}, processes {started, ended,
+transient, alive: [{pid, cmdline}]}, memory [{pid, cmdline, changed_pages, added_pages,
+removed_pages}], checkpoints [{seq, kind, turn_id, new_layers, new_layer_bytes,
+process_bytes}]}.";
+
+/// `crabctl fork --help`: the fields of `-o json`.
+pub const FORK_FIELDS: &str = "\
+JSON (-o json): {container, seq, turn_id (the checkpoint), image, forks [{id, pid}],
+checkpoint_ms, start_ms, total_ms}.";
+
+/// `crabctl prune --help`: the fields of `-o json`.
+pub const PRUNE_FIELDS: &str = "\
+JSON (-o json): {dry_run, namespaces, state_dirs, stores [{path, outcome
+(removed|finished|kept|failed), reason, bytes}], images [{name, outcome, reason}], existing,
+warnings, removed_stores, removed_bytes, removed_images, failures}; printed even when removals
+failed (exit 1).";
+
+/// `crabctl engine --help`: the fields of `-o json`.
+pub const ENGINE_FIELDS: &str = "\
+JSON (-o json or --json): {root, max_jobs, io_budget_bytes_s, budget_level, slots [{index,
+holder}], queue [{ticket, info, urgent, waiting_us}], stats {jobs, urgent_jobs, bytes,
+wait_us_total, wait_us_max, run_us_total, waits_us, recent}}.";
+
 /// How a command prints its result.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
@@ -298,7 +340,7 @@ impl From<&Pruned> for PruneReport {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use serde_json::{json, Value};
 
     use super::*;
@@ -315,6 +357,98 @@ mod tests {
             .collect();
         k.sort_unstable();
         k
+    }
+
+    /// Every key of `v`, at any depth.
+    fn all_keys(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Object(m) => {
+                for (k, x) in m {
+                    out.push(k.clone());
+                    all_keys(x, out);
+                }
+            }
+            Value::Array(a) => a.iter().for_each(|x| all_keys(x, out)),
+            _ => {}
+        }
+    }
+
+    /// Each field of `doc` is named in `help` (as a word).
+    pub(crate) fn documented(doc: &Value, help: &str) {
+        let words: Vec<&str> = help
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .collect();
+        let mut keys = Vec::new();
+        all_keys(doc, &mut keys);
+        assert!(!keys.is_empty());
+        for k in keys {
+            // syscalls' keys are classes, not fields
+            if ["write", "unlink"].contains(&k.as_str()) {
+                continue;
+            }
+            assert!(
+                words.contains(&k.as_str()),
+                "{k} is not documented in:\n{help}"
+            );
+        }
+    }
+
+    #[test]
+    fn help_documents_every_field() {
+        let mut m = Manifest::child_of(None, 1, "t", CheckpointKind::Full);
+        m.process = Some(ProcessImage {
+            image: "proc/000001".into(),
+            bytes_stored: 1,
+            bytes_logical: 1,
+            pids: vec![1],
+        });
+        documented(
+            &serde_json::to_value([CheckpointRow::from(&m)]).unwrap(),
+            CHECKPOINT_FIELDS,
+        );
+        let p = Pruned {
+            stores: vec![StoreItem {
+                path: "/x".into(),
+                outcome: Outcome::Removed,
+                bytes: 1,
+            }],
+            images: vec![ImageItem {
+                name: "x".into(),
+                outcome: Outcome::Removed,
+            }],
+            ..Pruned::default()
+        };
+        documented(
+            &serde_json::to_value(PruneReport::from(&p)).unwrap(),
+            PRUNE_FIELDS,
+        );
+        let fork = ForkReport {
+            container: "c1".into(),
+            seq: 2,
+            turn_id: "t1".into(),
+            image: "crab.local/checkpoint/default/c1:2".into(),
+            forks: vec![ForkItem {
+                id: "c1-fork-1".into(),
+                pid: 7,
+            }],
+            checkpoint_ms: 1.0,
+            start_ms: 1.0,
+            total_ms: 2.0,
+        };
+        let v = serde_json::to_value(&fork).unwrap();
+        assert_eq!(v["forks"], json!([{"id": "c1-fork-1", "pid": 7}]));
+        documented(&v, FORK_FIELDS);
+        let engine_root = tempfile::tempdir().unwrap();
+        let config = crab_runtime_config::EngineConfig {
+            root: engine_root.path().to_path_buf(),
+            ..crab_runtime_config::EngineConfig::default()
+        };
+        let snapshot = crab_shim::engine::Engine::new(&config).snapshot().unwrap();
+        documented(&serde_json::to_value(&snapshot).unwrap(), ENGINE_FIELDS);
+        documented(
+            &serde_json::to_value(&snapshot).unwrap()["stats"],
+            ENGINE_FIELDS,
+        );
     }
 
     #[test]
