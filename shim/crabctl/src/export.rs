@@ -354,8 +354,8 @@ impl Ctl {
             },
         );
         match &options.output {
-            None => {
-                self.upload(
+            None => self
+                .upload(
                     lease,
                     &reference,
                     &built,
@@ -363,8 +363,8 @@ impl Ctl {
                     &in_content,
                     &source_label,
                 )
-                .await?
-            }
+                .await
+                .inspect_err(|_| self.progress.interrupted())?,
             Some(path) => {
                 for digest in &in_content {
                     if local.files.contains_key(digest) {
@@ -400,7 +400,9 @@ impl Ctl {
                     Ok::<_, CtlError>(())
                 })
                 .await
-                .map_err(|e| CtlError::Failed(format!("writing the image archive: {e}")))??;
+                .map_err(|e| CtlError::Failed(format!("writing the image archive: {e}")))
+                .and_then(|r| r)
+                .inspect_err(|_| self.progress.interrupted())?;
             }
         }
         drop(local);

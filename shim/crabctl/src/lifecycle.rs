@@ -337,6 +337,7 @@ impl Ctl {
                 }
             }
             if let Some(e) = failure {
+                self.progress.interrupted();
                 for f in &forks {
                     self.remove_started(&f.id).await;
                 }

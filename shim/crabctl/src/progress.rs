@@ -43,6 +43,13 @@ impl Progress {
         }
         Progress::to(move |line, done| {
             let mut err = std::io::stderr().lock();
+            if line.is_empty() {
+                // Interrupted: end the line drawn in place, so what follows starts afresh.
+                if terminal {
+                    let _ = writeln!(err);
+                }
+                return;
+            }
             let _ = match (terminal, done) {
                 // Redrawn in place: carriage return, the line, clear to its end.
                 (true, false) => write!(err, "\r{line}\x1b[K"),
@@ -85,6 +92,11 @@ impl Progress {
         );
     }
 
+    /// The operation stopped before its last step (it failed): ends the progress line.
+    pub fn interrupted(&self) {
+        self.say("", true);
+    }
+
     /// `fork`: `done` of `total` forks started.
     pub fn forks(&self, done: usize, total: usize) {
         self.say(
@@ -119,6 +131,7 @@ mod tests {
         p.layers("export", 1, 3, 1 << 20, 3 << 20);
         p.layers("export", 3, 3, 3 << 20, 3 << 20);
         p.forks(1, 2);
+        p.interrupted();
         p.forks(2, 2);
         let lines = lines.lock().unwrap();
         assert_eq!(
@@ -133,6 +146,7 @@ mod tests {
                     true
                 ),
                 ("crabctl: fork: 1/2 forks started".into(), false),
+                (String::new(), true),
                 ("crabctl: fork: 2/2 forks started".into(), true),
             ]
         );
