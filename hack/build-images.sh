@@ -55,19 +55,6 @@ cache_key() {
 
 cached_tar() { echo "$CRAB_IMAGES_DIR/$1-$(cache_key "$1").tar"; }
 
-# The host's Debian mirror (deb822 or one-line sources), so the agent image
-# is fetched from wherever this machine is known to reach.
-debian_mirror() {
-  if [[ -n ${CRAB_DEBIAN_MIRROR:-} ]]; then
-    echo "$CRAB_DEBIAN_MIRROR"
-    return
-  fi
-  local uri
-  uri=$(cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null |
-    grep -v '^[[:space:]]*#' | grep -oE 'https?://[^ ]+/debian/?( |$)' | head -n1 | tr -d ' ') || true
-  echo "${uri:-http://deb.debian.org/debian}"
-}
-
 # rootfs: a directory to fill; populated with busybox and the minimum a shell
 # and user lookups need.
 populate_busybox_rootfs() {
@@ -140,7 +127,7 @@ build_pause() {
 build_agent() {
   local work=$1 out=$2 mirror
   local layout=$work/layout
-  mirror=$(debian_mirror)
+  mirror=$(crab_debian_mirror)
   log "agent: mmdebstrap $AGENT_SUITE from $mirror (about a minute)"
   mmdebstrap --quiet --variant=apt --format=tar --include="$AGENT_PACKAGES" \
     --customize-hook='mkdir -p "$1/app"' \

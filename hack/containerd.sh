@@ -87,6 +87,9 @@ cri_plugin_config() {
   [plugins.'io.containerd.cri.v1.images']
     [plugins.'io.containerd.cri.v1.images'.pinned_images]
       sandbox = $(toml_str "$CRAB_PAUSE_IMAGE")
+    # Per-registry hosts.toml (mirrors); hack/critest.sh points upstream names at a local registry.
+    [plugins.'io.containerd.cri.v1.images'.registry]
+      config_path = $(toml_str "$CRAB_REGISTRY_HOSTS_DIR")
   [plugins.'io.containerd.cri.v1.runtime']
     restrict_oom_score_adj = true
     # Pod network namespaces under our state dir, not the host's /run/netns.

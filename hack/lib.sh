@@ -44,6 +44,8 @@ CRAB_CONTAINERD_LOG=$CRAB_CONTAINERD_DIR/containerd.log
 CRAB_RUN_DIR=$CRAB_CONTAINERD_HOME/run
 CRAB_CONTAINERD_STATE=$CRAB_RUN_DIR/state
 CRAB_CONTAINERD_PIDFILE=$CRAB_RUN_DIR/containerd.pid
+# containerd's registry hosts directory (<host>/hosts.toml), read on every CRI pull.
+CRAB_REGISTRY_HOSTS_DIR=$CRAB_CONTAINERD_DIR/certs.d
 CRAB_IMAGES_DIR=$CRAB_HOME/images
 CRAB_BIN_DIR=$CRAB_HOME/bin
 
@@ -54,6 +56,20 @@ CRAB_BUSYBOX_IMAGE=localhost/crab/busybox:latest
 CRAB_AGENT_IMAGE=localhost/crab/agent:latest
 # The CRI plugin's sandbox image (hack/containerd.sh), built locally by hack/build-images.sh.
 CRAB_PAUSE_IMAGE=localhost/crab/pause:3.10
+
+# The host's Debian mirror (deb822 or one-line sources), so that the Debian-based
+# images (hack/build-images.sh, hack/critest-images.sh) are fetched from wherever
+# this machine is known to reach.
+crab_debian_mirror() {
+  if [[ -n ${CRAB_DEBIAN_MIRROR:-} ]]; then
+    echo "$CRAB_DEBIAN_MIRROR"
+    return
+  fi
+  local uri
+  uri=$(cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null |
+    grep -v '^[[:space:]]*#' | grep -oE 'https?://[^ ]+/debian/?( |$)' | head -n1 | tr -d ' ') || true
+  echo "${uri:-http://deb.debian.org/debian}"
+}
 
 log() { printf '%s: %s\n' "${CRAB_LOG_PREFIX:-crab}" "$*" >&2; }
 die() { log "error: $*"; exit 1; }

@@ -1,0 +1,273 @@
+#!/usr/bin/env bash
+# Runs the Kubernetes CRI conformance suite (critest, cri-tools v1.30.0) against the private
+# containerd's CRI (hack/containerd.sh) for one or more runtime handlers, offline.
+#
+#   hack/critest.sh                        (what `make critest` runs)
+#
+# Before the run: the images critest uses are built (hack/critest-images.sh, cached) and
+# pushed under their upstream names to a registry on 127.0.0.1 (Debian's docker-registry,
+# data kept in $CRAB_HOME/critest/registry), and containerd's registry hosts directory
+# (hack/containerd.sh) gets a hosts.toml for registry.k8s.io and gcr.io that sends pulls
+# there and nowhere else. Everything this script starts (the registry; containerd when it
+# was not running) is stopped and the hosts.toml files removed when it ends, also on failure.
+#
+# Per handler, under $CRAB_HOME/critest/<handler>/: junit.xml (ginkgo's JUnit report),
+# critest.log (its output), summary.txt (one line: passed/failed/skipped, from the JUnit,
+# and the wall time) and failed.txt (each failed test with its message). With more than
+# one handler, a comparison table (also $CRAB_HOME/critest/comparison.txt) and the tests
+# runc passed that another handler did not. Each handler starts from the same state: the
+# critest images are removed from containerd first, so every run pulls them.
+#
+# Exits non-zero when any test failed, when critest itself failed, and, when `runc` ran
+# too, when another handler passed fewer tests than runc.
+#
+# Skipped on purpose (for every handler):
+#   "public image with digest should be pulled and removed": it pulls upstream's
+#   test-image-digest by one exact manifest digest, which no locally built image can have;
+#   offline it can never pass.
+#
+# Only one critest may run on a host at a time (the networking tests use host ports
+# 12000-12003): a second run waits for the first (lock /run/lock/crab-critest.lock).
+#
+# Environment:
+#   CRITEST           the critest binary (default <repo>/../shared/critest/critest); cri-tools
+#                     v1.30.0 `make critest`, see ../shared/critest/README.md
+#   CRITEST_HANDLER   the CRI runtime handlers to test, space-separated, in order (default
+#                     crab; `runc crab` runs both and compares; hack/containerd.sh
+#                     configures `crab` and `runc`)
+#   CRITEST_ARGS      more critest arguments, e.g. -ginkgo.focus='PodSandbox'
+#   CRAB_HOME         state directory (default <repo>/.crab)
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+CRAB_LOG_PREFIX=critest
+
+CRITEST_VERSION=1.30.0
+CRITEST_SKIP='public image with digest should be pulled and removed'
+CRITEST_DIR=$CRAB_HOME/critest
+LOCK=/run/lock/crab-critest.lock
+HOSTS=(registry.k8s.io gcr.io)
+SHIM=containerd-shim-crab-v1
+
+usage() {
+  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+  exit 2
+}
+case ${1:-} in
+  '') ;;
+  *) usage ;;
+esac
+
+CRITEST=${CRITEST:-$CRAB_REPO/../shared/critest/critest}
+[[ -x $CRITEST ]] || die "no critest binary at $CRITEST: set CRITEST to cri-tools v$CRITEST_VERSION's critest (its README: ../shared/critest/README.md next to the repo; or build it from cri-tools v$CRITEST_VERSION with 'make critest')"
+version=$("$CRITEST" -version 2>&1 | awk '/critest version/ {print $3}') || true
+[[ $version == "$CRITEST_VERSION" ]] ||
+  log "warning: $CRITEST is critest '${version:-?}'; the images and the skip list are for v$CRITEST_VERSION"
+
+read -r -a handlers <<<"${CRITEST_HANDLER:-crab}"
+((${#handlers[@]} > 0)) || die "CRITEST_HANDLER is empty: name one or more handlers (crab, runc)"
+for h in "${handlers[@]}"; do
+  [[ $h =~ ^[A-Za-z0-9._-]+$ ]] || die "CRITEST_HANDLER: '$h' is not a handler name"
+done
+read -r -a extra_args <<<"${CRITEST_ARGS:-}"
+
+[[ $EUID -eq 0 ]] || die "must run as root (containerd, images)"
+[[ $CRAB_CONTAINERD_FLAVOR == 2 && ${CRAB_CONTAINERD_CRI:-1} == 1 ]] ||
+  die "critest needs the CRI: containerd 2.x with CRAB_CONTAINERD_CRI=1 (the default)"
+for cmd in docker-registry skopeo python3 flock; do
+  command -v "$cmd" >/dev/null || die "$cmd not found; run 'make deps'"
+done
+
+mkdir -p "$CRITEST_DIR" "$(dirname "$LOCK")"
+exec 9>"$LOCK"
+if ! flock -n 9; then
+  log "another critest run holds $LOCK (host ports 12000-12003); waiting for it"
+  flock 9
+fi
+
+registry_pid=
+started_containerd=0
+written_hosts=()
+cleanup() {
+  local rc=$? f
+  for f in "${written_hosts[@]}"; do rm -f "$f"; done
+  if [[ -n $registry_pid ]]; then
+    kill "$registry_pid" 2>/dev/null || true
+    wait "$registry_pid" 2>/dev/null || true
+  fi
+  if ((started_containerd)); then
+    "$CRAB_REPO/hack/containerd.sh" stop || { [[ $rc -ne 0 ]] || rc=1; }
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+if ! crab_containerd_answers; then
+  "$CRAB_REPO/hack/containerd.sh" start
+  started_containerd=1
+fi
+grep -qF "$CRAB_REGISTRY_HOSTS_DIR" "$CRAB_CONTAINERD_CONFIG" ||
+  die "the running containerd was started without the registry hosts directory: run 'hack/containerd.sh stop' and retry"
+for h in "${handlers[@]}"; do
+  [[ $h != crab || -x $CRAB_BIN_DIR/$SHIM ]] || die "no $CRAB_BIN_DIR/$SHIM: run 'make build'"
+done
+"$CRAB_REPO/hack/build-images.sh" import k8s.io pause
+
+# The registry, on a free port of 127.0.0.1.
+start_registry() {
+  local port config=$CRITEST_DIR/registry.yml i
+  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  REGISTRY=127.0.0.1:$port
+  cat >"$config" <<EOF
+# Written by hack/critest.sh for one run.
+version: 0.1
+log:
+  level: warn
+storage:
+  filesystem:
+    rootdirectory: $CRITEST_DIR/registry
+http:
+  addr: $REGISTRY
+EOF
+  docker-registry serve "$config" >>"$CRITEST_DIR/registry.log" 2>&1 &
+  registry_pid=$!
+  for ((i = 0; i < 100; i++)); do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+      log "registry on $REGISTRY (pid $registry_pid, log $CRITEST_DIR/registry.log)"
+      return
+    fi
+    kill -0 "$registry_pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  tail -n 20 "$CRITEST_DIR/registry.log" >&2 || true
+  die "docker-registry did not listen on $REGISTRY"
+}
+
+# hosts.toml per upstream registry: pulls and resolves go to the local registry only.
+write_hosts() {
+  local host dir f
+  for host in "${HOSTS[@]}"; do
+    dir=$CRAB_REGISTRY_HOSTS_DIR/$host
+    f=$dir/hosts.toml
+    mkdir -p "$dir"
+    written_hosts+=("$f")
+    cat >"$f.tmp" <<EOF
+# Written by hack/critest.sh for one run and removed after it: $host's images come from
+# the local registry (hack/critest-images.sh push), never from $host.
+server = "http://$REGISTRY"
+
+[host."http://$REGISTRY"]
+  capabilities = ["pull", "resolve"]
+EOF
+    mv "$f.tmp" "$f"
+  done
+}
+
+# Removes critest's images from the CRI's namespace, so that a run pulls them afresh.
+remove_images() {
+  local refs
+  mapfile -t refs < <("$CRAB_REPO/hack/critest-images.sh" refs | awk '{print $2}')
+  crab_ctr -n k8s.io images rm "${refs[@]}" >/dev/null 2>&1 || true
+}
+
+# Prints "passed failed skipped" from a JUnit report; writes the failed tests (name and
+# message) to $2 and the passed tests' names to $3. Suite-level nodes (BeforeSuite, ...)
+# count when they fail, never as passed tests.
+junit_counts() {
+  python3 - "$1" "$2" "$3" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+
+report, failed_out, passed_out = sys.argv[1:4]
+passed, failed, skipped = [], [], 0
+for case in ET.parse(report).getroot().iter("testcase"):
+    name = case.get("name", "")
+    status = case.get("status", "")
+    problem = case.find("failure")
+    if problem is None:
+        problem = case.find("error")
+    suite_node = not name.startswith("[It]")
+    if problem is not None or status in ("failed", "panicked", "interrupted", "aborted", "timedout"):
+        message = (problem.get("message") if problem is not None else None) or status
+        failed.append(f"{name}\n    {message.strip()}")
+    elif case.find("skipped") is not None or status in ("skipped", "pending"):
+        if not suite_node:
+            skipped += 1
+    elif not suite_node:
+        passed.append(name)
+with open(failed_out, "w") as f:
+    f.write("".join(line + "\n" for line in failed))
+with open(passed_out, "w") as f:
+    f.write("".join(line + "\n" for line in sorted(passed)))
+print(len(passed), len(failed), skipped)
+EOF
+}
+
+declare -A PASSED FAILED SKIPPED WALL
+rc=0
+run_handler() {
+  local h=$1 out=$CRITEST_DIR/$1 start wall crit_rc=0 passed failed skipped
+  rm -rf "$out"
+  mkdir -p "$out"
+  remove_images
+  log "$h: running critest (output in $out/critest.log)"
+  start=$SECONDS
+  "$CRITEST" -runtime-endpoint "unix://$CRAB_CONTAINERD_ADDRESS" \
+    -image-endpoint "unix://$CRAB_CONTAINERD_ADDRESS" -runtime-handler "$h" \
+    -ginkgo.skip "$CRITEST_SKIP" -ginkgo.junit-report "$out/junit.xml" -ginkgo.no-color \
+    "${extra_args[@]}" 2>&1 | tee "$out/critest.log" || crit_rc=$?
+  wall=$((SECONDS - start))
+  [[ -s $out/junit.xml ]] || die "$h: critest wrote no JUnit report (exit $crit_rc); see $out/critest.log"
+  read -r passed failed skipped < <(junit_counts "$out/junit.xml" "$out/failed.txt" "$out/passed.txt")
+  if ((crit_rc != 0 && failed == 0)); then
+    echo "critest exited $crit_rc with no failed test in its report; see $out/critest.log" >>"$out/failed.txt"
+    failed=1
+  fi
+  printf '%s: %d passed, %d failed, %d skipped in %dm%02ds (critest v%s, containerd %s)\n' \
+    "$h" "$passed" "$failed" "$skipped" $((wall / 60)) $((wall % 60)) "${version:-?}" \
+    "$(containerd --version | awk '{print $3}')" >"$out/summary.txt"
+  PASSED[$h]=$passed FAILED[$h]=$failed SKIPPED[$h]=$skipped WALL[$h]=$wall
+  log "$(cat "$out/summary.txt")"
+  if ((failed > 0)); then
+    log "$h: failed tests:"
+    sed 's/^/  /' "$out/failed.txt" >&2
+    rc=1
+  fi
+}
+
+start_registry
+"$CRAB_REPO/hack/critest-images.sh" push "$REGISTRY"
+write_hosts
+for h in "${handlers[@]}"; do run_handler "$h"; done
+
+if ((${#handlers[@]} > 1)); then
+  {
+    printf '%-10s %7s %7s %8s %9s\n' handler passed failed skipped wall
+    for h in "${handlers[@]}"; do
+      printf '%-10s %7d %7d %8d %6dm%02ds\n' "$h" "${PASSED[$h]}" "${FAILED[$h]}" "${SKIPPED[$h]}" \
+        $((WALL[$h] / 60)) $((WALL[$h] % 60))
+    done
+    if [[ -n ${PASSED[runc]:-} ]]; then
+      for h in "${handlers[@]}"; do
+        [[ $h != runc ]] || continue
+        missing=$(comm -23 "$CRITEST_DIR/runc/passed.txt" "$CRITEST_DIR/$h/passed.txt")
+        if [[ -n $missing ]]; then
+          printf '\npassed under runc, not under %s:\n' "$h"
+          sed 's/^/  /' <<<"$missing"
+        fi
+      done
+    fi
+  } >"$CRITEST_DIR/comparison.txt"
+  echo
+  cat "$CRITEST_DIR/comparison.txt"
+  if [[ -n ${PASSED[runc]:-} ]]; then
+    for h in "${handlers[@]}"; do
+      if ((PASSED[$h] < PASSED[runc])); then
+        log "$h passed ${PASSED[$h]} tests, runc ${PASSED[runc]}: $h must pass every test runc passes"
+        rc=1
+      fi
+    done
+  fi
+fi
+exit "$rc"
