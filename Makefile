@@ -26,6 +26,11 @@
 #   make fuzz             fuzz every parser of untrusted bytes, FUZZ_SECONDS (60) each
 #                         (hack/fuzz.sh; summary in $(CRAB_HOME)/fuzz/summary.txt);
 #                         make fuzz-smoke: 5 s each (CI)
+#   make critest          the Kubernetes CRI conformance suite (critest v1.30.0, binary from
+#                         CRITEST, default ../shared/critest/critest) against the private
+#                         containerd's CRI for CRITEST_HANDLER (crab; "runc crab" runs both and
+#                         compares), every image built locally and pulled from a registry on
+#                         127.0.0.1 (hack/critest.sh); JUnit and summary under $(CRAB_HOME)/critest
 #   make clean            stop containerd, remove $(CRAB_HOME) and cargo's target dir
 #
 # Tests read CRAB_HOME, CRAB_CONTAINERD_ADDRESS, CRAB_NAMESPACE and CRAB_RUNTIME
@@ -76,7 +81,7 @@ endef
 .PHONY: help deps build lint images containerd-up containerd-down docker-up docker-down demo test test-containerd-1.7 bench clean
 
 help:
-	@sed -n '3,29s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '3,34s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
 
 deps:
 	hack/install-deps.sh
@@ -150,6 +155,11 @@ REPLAY_ARGS ?=
 .PHONY: replay
 replay: build
 	@$(call with_containerd,$(CARGO) run --release -p crab-integration --bin replay -- $(REPLAY_ARGS))
+
+# make critest: hack/critest.sh starts and stops its registry; containerd is stopped after.
+.PHONY: critest
+critest: deps build
+	@$(call with_containerd,hack/critest.sh)
 
 # make fuzz: needs no containerd. FUZZ_TARGETS="criu_image signature" picks some.
 FUZZ_SECONDS ?= 60

@@ -177,6 +177,8 @@ write_cni_config() {
   local tmp=$CRAB_CNI_CONF_DIR/.10-crab.conflist.tmp
   # ipMasq off: pods need no way out (nothing is reachable from here anyway),
   # and it would add iptables rules to the host. Loopback is containerd's own.
+  # portmap: the CRI's port mappings (a pod's hostPort, critest's port-mapping test)
+  # as DNAT rules on the host, made for the pods that ask for one and removed with them.
   cat >"$tmp" <<EOF
 {
   "cniVersion": "1.0.0",
@@ -194,6 +196,10 @@ write_cni_config() {
         "routes": [{ "dst": "0.0.0.0/0" }],
         "dataDir": "$CRAB_CONTAINERD_HOME/cni/ipam"
       }
+    },
+    {
+      "type": "portmap",
+      "capabilities": { "portMappings": true }
     }
   ]
 }

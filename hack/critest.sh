@@ -9,7 +9,9 @@
 # data kept in $CRAB_HOME/critest/registry), and containerd's registry hosts directory
 # (hack/containerd.sh) gets a hosts.toml for registry.k8s.io and gcr.io that sends pulls
 # there and nowhere else. Everything this script starts (the registry; containerd when it
-# was not running) is stopped and the hosts.toml files removed when it ends, also on failure.
+# was not running) is stopped and the hosts.toml files removed when it ends, also on failure,
+# and so are the host-wide iptables chains of the CNI portmap plugin (the port-mapping tests)
+# when this run made them.
 #
 # Per handler, under $CRAB_HOME/critest/<handler>/: junit.xml (ginkgo's JUnit report),
 # critest.log (its output), summary.txt (one line: passed/failed/skipped, from the JUnit,
@@ -73,7 +75,7 @@ read -r -a extra_args <<<"${CRITEST_ARGS:-}"
 [[ $EUID -eq 0 ]] || die "must run as root (containerd, images)"
 [[ $CRAB_CONTAINERD_FLAVOR == 2 && ${CRAB_CONTAINERD_CRI:-1} == 1 ]] ||
   die "critest needs the CRI: containerd 2.x with CRAB_CONTAINERD_CRI=1 (the default)"
-for cmd in docker-registry skopeo python3 flock; do
+for cmd in docker-registry skopeo python3 flock iptables; do
   command -v "$cmd" >/dev/null || die "$cmd not found; run 'make deps'"
 done
 
@@ -84,12 +86,39 @@ if ! flock -n 9; then
   flock 9
 fi
 
+# The CNI portmap plugin (hack/containerd.sh's pod network) makes host-wide chains for the
+# port-mapping tests on first use and leaves them; when this run made them and they are idle
+# again, they go with it.
+PORTMAP_CHAINS=(CNI-HOSTPORT-DNAT CNI-HOSTPORT-MASQ CNI-HOSTPORT-SETMARK)
+portmap_chains_existed=1
+iptables -t nat -S CNI-HOSTPORT-DNAT >/dev/null 2>&1 || portmap_chains_existed=0
+remove_portmap_chains() {
+  local c
+  ((portmap_chains_existed == 0)) || return 0
+  iptables -t nat -S CNI-HOSTPORT-DNAT >/dev/null 2>&1 || return 0
+  if [[ -n $(iptables -t nat -S CNI-HOSTPORT-DNAT | grep -v '^-N') ]]; then
+    log "warning: CNI-HOSTPORT-DNAT still has rules (a pod with host ports is left); keeping the portmap chains"
+    return 0
+  fi
+  iptables -t nat -D PREROUTING -m addrtype --dst-type LOCAL -j CNI-HOSTPORT-DNAT 2>/dev/null || true
+  iptables -t nat -D OUTPUT -m addrtype --dst-type LOCAL -j CNI-HOSTPORT-DNAT 2>/dev/null || true
+  iptables -t nat -D POSTROUTING -m comment --comment "CNI portfwd requiring masquerade" \
+    -j CNI-HOSTPORT-MASQ 2>/dev/null || true
+  for c in "${PORTMAP_CHAINS[@]}"; do
+    iptables -t nat -F "$c" 2>/dev/null || true
+    iptables -t nat -X "$c" 2>/dev/null || log "warning: could not remove iptables chain nat/$c"
+  done
+}
+
 registry_pid=
 started_containerd=0
 written_hosts=()
 cleanup() {
   local rc=$? f
-  for f in "${written_hosts[@]}"; do rm -f "$f"; done
+  for f in "${written_hosts[@]}"; do
+    rm -f "$f"
+    rmdir "$(dirname "$f")" 2>/dev/null || true
+  done
   if [[ -n $registry_pid ]]; then
     kill "$registry_pid" 2>/dev/null || true
     wait "$registry_pid" 2>/dev/null || true
@@ -97,6 +126,7 @@ cleanup() {
   if ((started_containerd)); then
     "$CRAB_REPO/hack/containerd.sh" stop || { [[ $rc -ne 0 ]] || rc=1; }
   fi
+  remove_portmap_chains
   exit "$rc"
 }
 trap cleanup EXIT
