@@ -15,7 +15,8 @@
 #
 # Per handler, under $CRAB_HOME/critest/<handler>/: junit.xml (ginkgo's JUnit report),
 # critest.log (its output), summary.txt (one line: passed/failed/skipped, from the JUnit,
-# and the wall time) and failed.txt (each failed test with its message). With more than
+# and the wall time), failed.txt (each failed test with its message), passed.txt and
+# skipped.txt (test names). With more than
 # one handler, a comparison table (also $CRAB_HOME/critest/comparison.txt) and the tests
 # runc passed that another handler did not. Each handler starts from the same state: the
 # critest images are removed from containerd first, so every run pulls them.
@@ -201,16 +202,16 @@ remove_images() {
   crab_ctr -n k8s.io images rm "${refs[@]}" >/dev/null 2>&1 || true
 }
 
-# Prints "passed failed skipped" from a JUnit report; writes the failed tests (name and
-# message) to $2 and the passed tests' names to $3. Suite-level nodes (BeforeSuite, ...)
-# count when they fail, never as passed tests.
+# Prints "passed failed skipped" from a JUnit report ($1); writes the failed tests with
+# their messages to $2, the names of the passed tests to $3 and of the skipped ones to $4.
+# Suite-level nodes (BeforeSuite, ...) count when they fail, never as passed or skipped tests.
 junit_counts() {
-  python3 - "$1" "$2" "$3" <<'EOF'
+  python3 - "$@" <<'EOF'
 import sys
 import xml.etree.ElementTree as ET
 
-report, failed_out, passed_out = sys.argv[1:4]
-passed, failed, skipped = [], [], 0
+report, failed_out, passed_out, skipped_out = sys.argv[1:5]
+passed, failed, skipped = [], [], []
 for case in ET.parse(report).getroot().iter("testcase"):
     name = case.get("name", "")
     status = case.get("status", "")
@@ -223,14 +224,13 @@ for case in ET.parse(report).getroot().iter("testcase"):
         failed.append(f"{name}\n    {message.strip()}")
     elif case.find("skipped") is not None or status in ("skipped", "pending"):
         if not suite_node:
-            skipped += 1
+            skipped.append(name)
     elif not suite_node:
         passed.append(name)
-with open(failed_out, "w") as f:
-    f.write("".join(line + "\n" for line in failed))
-with open(passed_out, "w") as f:
-    f.write("".join(line + "\n" for line in sorted(passed)))
-print(len(passed), len(failed), skipped)
+for path, lines in ((failed_out, failed), (passed_out, sorted(passed)), (skipped_out, sorted(skipped))):
+    with open(path, "w") as f:
+        f.write("".join(line + "\n" for line in lines))
+print(len(passed), len(failed), len(skipped))
 EOF
 }
 
@@ -249,7 +249,8 @@ run_handler() {
     "${extra_args[@]}" 2>&1 | tee "$out/critest.log" || crit_rc=$?
   wall=$((SECONDS - start))
   [[ -s $out/junit.xml ]] || die "$h: critest wrote no JUnit report (exit $crit_rc); see $out/critest.log"
-  read -r passed failed skipped < <(junit_counts "$out/junit.xml" "$out/failed.txt" "$out/passed.txt")
+  read -r passed failed skipped < <(junit_counts "$out/junit.xml" "$out/failed.txt" "$out/passed.txt" \
+    "$out/skipped.txt")
   if ((crit_rc != 0 && failed == 0)); then
     echo "critest exited $crit_rc with no failed test in its report; see $out/critest.log" >>"$out/failed.txt"
     failed=1
@@ -284,7 +285,11 @@ if ((${#handlers[@]} > 1)); then
         missing=$(comm -23 "$CRITEST_DIR/runc/passed.txt" "$CRITEST_DIR/$h/passed.txt")
         if [[ -n $missing ]]; then
           printf '\npassed under runc, not under %s:\n' "$h"
-          sed 's/^/  /' <<<"$missing"
+          while IFS= read -r name; do
+            how=failed
+            ! grep -qxF -- "$name" "$CRITEST_DIR/$h/skipped.txt" || how=skipped
+            printf '  %-8s %s\n' "$how" "$name"
+          done <<<"$missing"
         fi
       done
     fi
