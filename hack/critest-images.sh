@@ -38,7 +38,7 @@
 #
 # The images are one OCI layout (umoci; busybox and the web servers are shared base layers),
 # cached as $CRAB_HOME/images/critest-<key>/ where <key> hashes this script, lib.sh and
-# hack/nonewprivs.c: a rerun takes no time, a change rebuilds (about a minute: three
+# hack/nonewprivs.c: a rerun takes no time, a change rebuilds (about 40 s: three
 # `mmdebstrap --variant=extract` runs of Debian $CRITEST_IMAGES_SUITE).
 #
 # Environment:
