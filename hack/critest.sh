@@ -112,10 +112,16 @@ remove_portmap_chains() {
 }
 
 registry_pid=
+critest_pid=
 started_containerd=0
 written_hosts=()
 cleanup() {
   local rc=$? f
+  if [[ -n $critest_pid ]]; then
+    log "stopping critest (pid $critest_pid)"
+    kill "$critest_pid" 2>/dev/null || true
+    wait "$critest_pid" 2>/dev/null || true
+  fi
   for f in "${written_hosts[@]}"; do
     rm -f "$f"
     rmdir "$(dirname "$f")" 2>/dev/null || true
@@ -243,10 +249,15 @@ run_handler() {
   remove_images
   log "$h: running critest (output in $out/critest.log)"
   start=$SECONDS
+  # In the background, so that a signal to this script ends the run at once (the trap
+  # stops critest) instead of after it.
   "$CRITEST" -runtime-endpoint "unix://$CRAB_CONTAINERD_ADDRESS" \
     -image-endpoint "unix://$CRAB_CONTAINERD_ADDRESS" -runtime-handler "$h" \
     -ginkgo.skip "$CRITEST_SKIP" -ginkgo.junit-report "$out/junit.xml" -ginkgo.no-color \
-    "${extra_args[@]}" 2>&1 | tee "$out/critest.log" || crit_rc=$?
+    "${extra_args[@]}" > >(tee "$out/critest.log") 2>&1 &
+  critest_pid=$!
+  wait "$critest_pid" || crit_rc=$?
+  critest_pid=
   wall=$((SECONDS - start))
   [[ -s $out/junit.xml ]] || die "$h: critest wrote no JUnit report (exit $crit_rc); see $out/critest.log"
   read -r passed failed skipped < <(junit_counts "$out/junit.xml" "$out/failed.txt" "$out/passed.txt" \
