@@ -6,7 +6,7 @@
 #
 # Before the run: the images critest uses are built (hack/critest-images.sh, cached) and
 # pushed under their upstream names to a registry on 127.0.0.1 (Debian's docker-registry,
-# data kept in $CRAB_HOME/critest/registry), and containerd's registry hosts directory
+# data kept in $CRAB_HOME/critest/registry/ for the current build of the images), and containerd's registry hosts directory
 # (hack/containerd.sh) gets a hosts.toml for registry.k8s.io and gcr.io that sends pulls
 # there and nowhere else. Everything this script starts (the registry; containerd when it
 # was not running) is stopped and the hosts.toml files removed when it ends, also on failure,
@@ -28,6 +28,8 @@
 #   "public image with digest should be pulled and removed": it pulls upstream's
 #   test-image-digest by one exact manifest digest, which no locally built image can have;
 #   offline it can never pass.
+# critest itself skips its 5 benchmarks (they run with -benchmark instead of the conformance
+# tests), so a full run reports 6 skipped.
 #
 # Only one critest may run on a host at a time (the networking tests use host ports
 # 12000-12003): a second run waits for the first (lock /run/lock/crab-critest.lock).
@@ -151,9 +153,12 @@ for h in "${handlers[@]}"; do
 done
 "$CRAB_REPO/hack/build-images.sh" import k8s.io pause
 
-# The registry, on a free port of 127.0.0.1.
+# The registry, on a free port of 127.0.0.1, its storage kept for one build of the images
+# ($1: the layout's directory name) and dropped with it.
 start_registry() {
-  local port config=$CRITEST_DIR/registry.yml i
+  local storage=$CRITEST_DIR/registry/$1 port config=$CRITEST_DIR/registry.yml i
+  mkdir -p "$storage"
+  find "$CRITEST_DIR/registry" -mindepth 1 -maxdepth 1 ! -name "$1" -exec rm -rf {} +
   port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   REGISTRY=127.0.0.1:$port
   cat >"$config" <<EOF
@@ -163,7 +168,7 @@ log:
   level: warn
 storage:
   filesystem:
-    rootdirectory: $CRITEST_DIR/registry
+    rootdirectory: $storage
 http:
   addr: $REGISTRY
 EOF
@@ -278,7 +283,8 @@ run_handler() {
   fi
 }
 
-start_registry
+layout=$("$CRAB_REPO/hack/critest-images.sh" build)
+start_registry "$(basename "$layout")"
 "$CRAB_REPO/hack/critest-images.sh" push "$REGISTRY"
 write_hosts
 for h in "${handlers[@]}"; do run_handler "$h"; done
