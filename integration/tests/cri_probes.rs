@@ -30,13 +30,15 @@ fn turns(cri: &Cri, id: &str) -> Vec<(String, String)> {
 }
 
 /// Every slot of the engine at `root` (of `max_jobs` slots), locked until dropped.
-struct HeldSlots(Vec<std::fs::File>);
+struct HeldSlots {
+    _locked: Vec<std::fs::File>,
+}
 
 impl HeldSlots {
     fn lock(root: &std::path::Path, max_jobs: u32) -> HeldSlots {
         std::fs::create_dir_all(root.join("slots")).unwrap();
-        HeldSlots(
-            (0..max_jobs)
+        HeldSlots {
+            _locked: (0..max_jobs)
                 .map(|i| {
                     let f = std::fs::OpenOptions::new()
                         .create(true)
@@ -49,7 +51,7 @@ impl HeldSlots {
                     f
                 })
                 .collect(),
-        )
+        }
     }
 }
 

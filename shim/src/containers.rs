@@ -547,8 +547,9 @@ impl Containers {
                 })
                 .await?;
         }
-        if !exec_id.is_empty() {
-            // Not before the base mark that Start left running in the background.
+        if !exec_id.is_empty() && !probe {
+            // Not before the base mark that Start left running in the background (nor while a
+            // checkpoint job uses the inspection). A probe's effects are no turn's: it goes on.
             c.sandbox.settled().await;
         }
         if exec_id.is_empty() {
@@ -900,12 +901,17 @@ impl Containers {
 
     pub async fn kill(&self, id: &str, exec_id: &str, signal: u32, all: bool) -> Result<()> {
         let c = self.get(id)?;
-        // A signal changes the sandbox too, but stopping a container must always work: after
-        // the bound the kill goes ahead (said in the log).
-        if let Err(e) = c.sandbox.gate(Action::Kill).await {
-            log::warn!("{e}; killing anyway");
-        }
         let p = c.process(exec_id)?;
+        // A signal changes the sandbox too, but stopping a container must always work: after
+        // the bound the kill goes ahead (said in the log). Not for a probe, nor for an exec that
+        // already ended (the CRI kills every ExecSync process as it cleans up): that signal
+        // changes nothing.
+        let ended_exec = !exec_id.is_empty() && p.snapshot().status == Status::Stopped;
+        if !p.probe && !ended_exec {
+            if let Err(e) = c.sandbox.gate(Action::Kill).await {
+                log::warn!("{e}; killing anyway");
+            }
+        }
         let snap = p.snapshot();
         if exec_id.is_empty() {
             if snap.exit.is_some() && !all {

@@ -41,6 +41,10 @@ pub struct LayerOptions {
     /// Directory levels of an opaque subtree written whole.
     pub max_depth: u32,
     pub xattrs: OverlayXattrs,
+    /// The owners the layer records: a container in a user namespace writes its upper dir as
+    /// host ids, which the layer turns back into the container's own (what an image holds, so
+    /// that it unpacks right under any mapping).
+    pub ids: super::tar::IdShift,
 }
 
 impl Default for LayerOptions {
@@ -50,6 +54,7 @@ impl Default for LayerOptions {
             max_bytes: c.max_layer_bytes,
             max_depth: c.max_walk_depth,
             xattrs: OverlayXattrs::Trusted,
+            ids: super::tar::IdShift::default(),
         }
     }
 }
@@ -147,6 +152,8 @@ impl<'a> Capture<'a> {
         tar: TarWriter,
         opts: LayerOptions,
     ) -> Capture<'a> {
+        let mut tar = tar;
+        tar.set_ids(opts.ids);
         Capture {
             upper,
             upperdir,

@@ -31,6 +31,9 @@ pub enum CheckpointError {
     NotOverlay,
     #[error("find the container's freezer: {0}")]
     Freezer(#[source] std::io::Error),
+    /// The id maps of the container's user namespace could not be read.
+    #[error("read the container's user namespace id maps: {0}")]
+    IdMaps(String),
     /// The job got no slot of the host engine in time.
     #[error("no checkpoint taken: {0}")]
     NoSlot(#[from] EngineError),

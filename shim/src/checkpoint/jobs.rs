@@ -100,10 +100,16 @@ impl Capture for ContainerCapture {
             })
             .collect();
         let init_pid = self.init_pid;
+        // A container in a user namespace (a pod with hostUsers: false) writes its upper dir as
+        // host ids: the layer records the container's own, so that it unpacks right in any
+        // other mapping. The maps cannot be read: the checkpoint fails rather than record
+        // host ids an image must not carry.
+        let ids = super::tar::IdShift::of_pid(init_pid).map_err(CheckpointError::IdMaps)?;
         let opts = layer::LayerOptions {
             max_bytes: self.limits.max_layer_bytes,
             max_depth: self.limits.max_walk_depth,
             xattrs: self.overlay_xattrs,
+            ids,
         };
         let (descriptor, stats) = tokio::task::spawn_blocking(move || {
             let _capturing = capturing;

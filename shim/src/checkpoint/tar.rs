@@ -67,6 +67,84 @@ impl<'a> TarEntry<'a> {
     }
 }
 
+/// At most this many ranges per id map are shifted ([`IdShift`]); the CRI writes one.
+const MAX_ID_RANGES: usize = 5;
+
+/// One direction of a user namespace's id map: (inside, outside, count) ranges, as
+/// `/proc/PID/uid_map` lists them; none: the identity (the initial user namespace).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IdRanges {
+    n: usize,
+    ranges: [(u32, u32, u32); MAX_ID_RANGES],
+}
+
+impl IdRanges {
+    /// Parses a `uid_map`/`gid_map` text. The identity map gives none; a map of more ranges
+    /// than crab shifts, or malformed text, is an error.
+    pub fn parse(text: &str) -> Result<IdRanges, String> {
+        let mut out = IdRanges::default();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let f: Vec<u32> = line
+                .split_whitespace()
+                .map(|n| n.parse::<u32>())
+                .collect::<Result<_, _>>()
+                .map_err(|e| format!("{line:?}: {e}"))?;
+            let [inside, outside, count] = f[..] else {
+                return Err(format!("{line:?}: not three numbers"));
+            };
+            if (inside, outside, count) == (0, 0, u32::MAX) {
+                continue;
+            }
+            if out.n == MAX_ID_RANGES {
+                return Err(format!("more than {MAX_ID_RANGES} ranges"));
+            }
+            out.ranges[out.n] = (inside, outside, count);
+            out.n += 1;
+        }
+        Ok(out)
+    }
+
+    /// The id inside the namespace of host id `host`; unchanged when no range holds it.
+    pub fn inside(&self, host: u32) -> u32 {
+        self.ranges[..self.n]
+            .iter()
+            .find(|(_, outside, count)| host >= *outside && host - outside < *count)
+            .map_or(host, |(inside, outside, _)| inside + (host - outside))
+    }
+
+    pub fn is_identity(&self) -> bool {
+        self.n == 0
+    }
+}
+
+/// How a layer's owners are shifted from host ids to a user namespace's (the container's).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IdShift {
+    pub uids: IdRanges,
+    pub gids: IdRanges,
+}
+
+impl IdShift {
+    /// The id maps of `pid`'s user namespace (set by runc before the container ran; a process
+    /// cannot change its namespace's maps once written).
+    pub fn of_pid(pid: u32) -> Result<IdShift, String> {
+        let read = |what: &str| {
+            let path = format!("/proc/{pid}/{what}");
+            std::fs::read_to_string(&path)
+                .map_err(|e| format!("{path}: {e}"))
+                .and_then(|t| IdRanges::parse(&t).map_err(|e| format!("{path}: {e}")))
+        };
+        Ok(IdShift {
+            uids: read("uid_map")?,
+            gids: read("gid_map")?,
+        })
+    }
+
+    fn is_identity(&self) -> bool {
+        self.uids.is_identity() && self.gids.is_identity()
+    }
+}
+
 /// Writes a tar into a temporary file of the store, counting its bytes and entries. Its errors
 /// are the store's (a full disk there is the store's disk).
 pub(super) struct TarWriter {
@@ -77,6 +155,8 @@ pub(super) struct TarWriter {
     /// Put before every name (and hard link target): the directory a captured tree is at in
     /// the layer (a tracked volume's mount point); empty for the rootfs.
     prefix: Vec<u8>,
+    /// Owners are written as these ids.
+    ids: IdShift,
 }
 
 impl TarWriter {
@@ -87,7 +167,13 @@ impl TarWriter {
             bytes: 0,
             entries: 0,
             prefix: Vec::new(),
+            ids: IdShift::default(),
         }
+    }
+
+    /// Owners from now on are written shifted by `ids` (host ids to the container's).
+    pub fn set_ids(&mut self, ids: IdShift) {
+        self.ids = ids;
     }
 
     /// Names from now on are below `dir` (relative, normal components only; empty: the root).
@@ -137,6 +223,18 @@ impl TarWriter {
     }
 
     pub fn append(&mut self, e: &TarEntry) -> Result<(), StoreError> {
+        let shifted;
+        let e = match self.ids.is_identity() {
+            true => e,
+            false => {
+                shifted = TarEntry {
+                    uid: self.ids.uids.inside(e.uid),
+                    gid: self.ids.gids.inside(e.gid),
+                    ..*e
+                };
+                &shifted
+            }
+        };
         let header = match self.prefix.is_empty() {
             true => encode_header(e),
             false => {
@@ -579,5 +677,50 @@ mod tests {
             String::from_utf8_lossy(&out.stderr)
         );
         assert_eq!(lxattrs(&dir.path().join("f")), cap.to_vec());
+    }
+
+    #[test]
+    fn id_maps_shift_host_owners_to_the_containers() {
+        let m = IdRanges::parse("         0    1000000      65536\n").unwrap();
+        assert_eq!((m.inside(1_000_000), m.inside(1_000_005)), (0, 5));
+        assert_eq!(
+            m.inside(1_065_536),
+            1_065_536,
+            "outside every range: unchanged"
+        );
+        assert_eq!(m.inside(0), 0);
+        assert!(IdRanges::parse("0 0 4294967295\n").unwrap().is_identity());
+        let two = IdRanges::parse("0 2000 10\n100 5000 1\n").unwrap();
+        assert_eq!(
+            (two.inside(2009), two.inside(5000), two.inside(2010)),
+            (9, 100, 2010)
+        );
+        // Hostile or unexpected text is an error, never a wrong shift.
+        for bad in [
+            "0 1 x\n",
+            "0 1\n",
+            "0 1 2 3\n",
+            "-1 0 1\n",
+            &"0 1 1\n".repeat(6),
+        ] {
+            assert!(IdRanges::parse(bad).is_err(), "{bad:?}");
+        }
+        // The upper dir's host ids become the container's in the headers.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.tar");
+        let mut w = TarWriter::new(BufWriter::new(File::create(&path).unwrap()), path.clone());
+        w.set_ids(IdShift {
+            uids: m,
+            gids: IdRanges::parse("0 1000000 65536\n").unwrap(),
+        });
+        let mut e = TarEntry::whiteout(b"root/note");
+        e.uid = 1_000_000;
+        e.gid = 1_000_007;
+        w.append(&e).unwrap();
+        w.flush().unwrap();
+        let header = std::fs::read(&path).unwrap();
+        // ustar uid (offset 108) and gid (116): octal.
+        assert_eq!(&header[108..115], b"0000000");
+        assert_eq!(&header[116..123], b"0000007");
     }
 }
