@@ -92,6 +92,14 @@ struct PendingRestore {
     checkpointing: bool,
 }
 
+/// Counts a restore's outcome in the host engine's directory (`crabctl metrics`); a failure
+/// to count is logged, never the restore's.
+fn count_restore(engine: &crab_runtime_config::EngineConfig, ok: bool) {
+    if let Err(e) = crate::engine::Engine::new(engine).count_restore(ok) {
+        log::warn!("cannot count a restore for crabctl metrics: {e}");
+    }
+}
+
 impl Container {
     pub fn process(&self, exec_id: &str) -> Result<Arc<Process>> {
         if exec_id.is_empty() {
@@ -293,6 +301,7 @@ impl Containers {
         // rootfs of a checkpoint image.
         // Whoever signed it, a process image may not ask for more than this spec grants.
         let granted = crate::checkpoint::privilege::Granted::from_spec(&spec);
+        let engine = config.engine.clone();
         let taken = match p.checkpoint.is_empty() {
             true => {
                 let (rootfs, dest) = (rootfs.path.clone(), p.bundle.join("crab-restore"));
@@ -313,6 +322,7 @@ impl Containers {
                     Ok(Ok(t)) => t,
                     Ok(Err(e)) => {
                         unmount(&e);
+                        count_restore(&engine, false);
                         return Err(Error::FailedPrecondition(format!(
                             "cannot start {} from its image: {e}",
                             p.id
@@ -334,6 +344,7 @@ impl Containers {
                     Ok(Ok(())) => None,
                     Ok(Err(e)) => {
                         unmount(&e);
+                        count_restore(&engine, false);
                         return Err(Error::FailedPrecondition(format!(
                             "cannot restore {}: {e}",
                             p.id
@@ -379,6 +390,7 @@ impl Containers {
             };
             if let Some(e) = failed {
                 unmount(&e);
+                count_restore(&engine, false);
                 return Err(e);
             }
         }
@@ -439,9 +451,16 @@ impl Containers {
                             log::warn!("cleanup after failed create of {}: {d}", p.id);
                         }
                         unmount(&e);
+                        if taken.is_some() {
+                            count_restore(&engine, false);
+                        }
                         return Err(e);
                     }
                 };
+                // A checkpoint without a process image is restored once its files are there.
+                if taken.is_some() {
+                    count_restore(&engine, true);
+                }
                 if checkpointing {
                     let origin = match taken {
                         Some(t) => Origin::Checkpoint(t),
@@ -558,7 +577,12 @@ impl Containers {
             c.init.transition(&[Status::Created], Status::Created)?;
             let pending = c.pending_restore.lock().unwrap().take();
             let early_exit = match pending {
-                Some(r) => self.restore_init(&c, r).await?,
+                Some(r) => {
+                    let engine = r.config.engine.clone();
+                    let restored = self.restore_init(&c, r).await;
+                    count_restore(&engine, restored.is_ok());
+                    restored?
+                }
                 None => {
                     c.runc.start(id).await?;
                     None

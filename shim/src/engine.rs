@@ -85,6 +85,8 @@ const RETRY: Duration = Duration::from_millis(1);
 pub const WAIT_SAMPLES: usize = 1000;
 /// The newest jobs kept one by one.
 pub const RECENT_JOBS: usize = 100;
+/// Restores by outcome (`crabctl metrics`).
+const RESTORES: &str = "restores.json";
 /// Wakes the waiters when a slot is released (see the module docs).
 const DOORBELL: &str = "released";
 /// A sandbox's recorded slot time halves in this long.
@@ -316,6 +318,11 @@ pub struct Stats {
     pub waits_us: VecDeque<u64>,
     /// The newest jobs, at most [`RECENT_JOBS`], oldest first.
     pub recent: VecDeque<JobRecord>,
+    /// Every wait, in the buckets of [`crate::metrics::WAIT_BOUNDS`] (not cumulative; the
+    /// last is `+Inf`), for `crabctl metrics`. Counts the jobs since the crab that added it.
+    pub wait_buckets: Vec<u64>,
+    /// The sum of the waits in `wait_buckets`.
+    pub wait_buckets_us: u64,
 }
 
 impl Stats {
@@ -326,6 +333,15 @@ impl Stats {
         self.wait_us_total += r.wait_us;
         self.wait_us_max = self.wait_us_max.max(r.wait_us);
         self.run_us_total += r.run_us;
+        let bounds = crate::metrics::WAIT_BOUNDS;
+        self.wait_buckets.resize(bounds.len() + 1, 0);
+        let seconds = r.wait_us as f64 / 1e6;
+        let bucket = bounds
+            .iter()
+            .position(|b| seconds <= *b)
+            .unwrap_or(bounds.len());
+        self.wait_buckets[bucket] += 1;
+        self.wait_buckets_us = self.wait_buckets_us.saturating_add(r.wait_us);
         self.waits_us.push_back(r.wait_us);
         while self.waits_us.len() > WAIT_SAMPLES {
             self.waits_us.pop_front();
@@ -834,8 +850,8 @@ impl Engine {
             .unwrap_or_default()
     }
 
-    /// Records a finished job: stats, its sandbox's slot time, and the budget's debit.
-    fn record(&self, r: JobRecord) -> Result<()> {
+    /// Takes `state.lock` (released when the file is dropped).
+    fn lock_state(&self) -> Result<File> {
         let lock_path = self.root.join("state.lock");
         let lock = private_file(OpenOptions::new().create(true).append(true))
             .open(&lock_path)
@@ -844,6 +860,35 @@ impl Engine {
         if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) } != 0 {
             return Err(io_err("lock", &lock_path)(io::Error::last_os_error()));
         }
+        Ok(lock)
+    }
+
+    /// Counts a restore of a container from a checkpoint (`restores.json`, host-wide, for
+    /// `crabctl metrics`): `ok` once its processes run again (or, without a process image,
+    /// once it is created from the checkpoint), failed when its create or start failed.
+    pub fn count_restore(&self, ok: bool) -> Result<()> {
+        self.ensure_dirs()?;
+        let _lock = self.lock_state()?;
+        let mut counts = self.restores();
+        match ok {
+            true => counts.ok = counts.ok.saturating_add(1),
+            false => counts.failed = counts.failed.saturating_add(1),
+        }
+        let json = serde_json::to_vec(&counts).expect("counts serialize");
+        self.write_atomic(&self.root.join(RESTORES), &json)
+    }
+
+    /// The restores counted so far (none if none were or the file is unreadable).
+    pub fn restores(&self) -> crate::metrics::Restores {
+        fs::read(self.root.join(RESTORES))
+            .ok()
+            .and_then(|d| serde_json::from_slice(&d).ok())
+            .unwrap_or_default()
+    }
+
+    /// Records a finished job: stats, its sandbox's slot time, and the budget's debit.
+    fn record(&self, r: JobRecord) -> Result<()> {
+        let _lock = self.lock_state()?;
         if let Some(rate) = self.budget {
             let mut bucket = self.read_bucket(rate);
             bucket.debit(rate, mono_ns(), r.bytes);

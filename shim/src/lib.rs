@@ -26,6 +26,7 @@ pub mod events;
 pub mod idmap;
 pub mod inspector;
 pub mod logdriver;
+pub mod metrics;
 pub mod oom;
 pub mod placement;
 pub mod process;

@@ -216,7 +216,14 @@ impl Sandbox {
             limits: config.limits.clone(),
             volumes: volumes.clone(),
         };
-        let inspection = inspection.await.map_err(|e| Error::Other(e.to_string()))?;
+        let mut inspection = inspection.await.map_err(|e| Error::Other(e.to_string()))?;
+        // A lineage that goes on (a rollback or recovery keeping the id) numbers its answers
+        // after the ones it has: a new shim must not overwrite them.
+        let dir = self.dir.clone();
+        let last = tokio::task::spawn_blocking(move || crate::metrics::last_answer_seq(&dir))
+            .await
+            .unwrap_or(0);
+        inspection.continue_after(last);
         self.answers.inspection.set(inspection).await;
         let co = Coordinator::new(
             &self.id,

@@ -288,6 +288,11 @@ pub enum Command {
         #[command(flatten)]
         out: OutputArgs,
     },
+    /// crab's host-level figures (turns, checkpoints by kind and outcome, bytes, latencies,
+    /// the engine, restores) in the OpenMetrics text format, from every store of the config's
+    /// state_dir: print once (node-exporter's textfile collector) or serve them (--listen)
+    #[command(long_about = crate::metrics::LONG_ABOUT)]
+    Metrics(crate::metrics::MetricsArgs),
     /// Print a completion script for SHELL to stdout (e.g. `crabctl completions bash >
     /// /etc/bash_completion.d/crabctl`)
     Completions {
@@ -394,6 +399,7 @@ pub enum Request {
         dry_run: bool,
         format: Format,
     },
+    Metrics(crate::metrics::MetricsArgs),
     Completions {
         shell: clap_complete::Shell,
     },
@@ -412,7 +418,10 @@ impl Request {
             | Request::Fork { target, .. }
             | Request::Rollback { target, .. }
             | Request::Recover { target } => Some(target),
-            Request::Engine { .. } | Request::Prune { .. } | Request::Completions { .. } => None,
+            Request::Engine { .. }
+            | Request::Prune { .. }
+            | Request::Metrics(_)
+            | Request::Completions { .. } => None,
         }
     }
 
@@ -430,6 +439,7 @@ impl Request {
             | Request::Export { .. }
             | Request::Rollback { .. }
             | Request::Recover { .. }
+            | Request::Metrics(_)
             | Request::Completions { .. } => Format::Text,
         }
     }
@@ -539,6 +549,7 @@ where
             dry_run,
             format: out.format(),
         },
+        Command::Metrics(args) => Request::Metrics(args),
         Command::Completions { shell } => Request::Completions { shell },
     };
     Ok(Invocation {

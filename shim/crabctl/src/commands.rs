@@ -64,6 +64,7 @@ pub async fn run(g: &Global, request: Request) -> Result<()> {
         Request::Recover { .. } => rollback(g, container, None).await,
         Request::Engine { format } => engine(g, format),
         Request::Prune { dry_run, format } => prune(g, dry_run, format).await,
+        Request::Metrics(args) => crate::metrics::run(g.config.as_deref(), &args).await,
         Request::Completions { .. } => unreachable!("handled above"),
     }
 }

@@ -21,7 +21,8 @@
 //! - [`pod`]: a Kubernetes pod's container by pod and container name (CRI records);
 //! - [`resolve`]: CONTAINER as spelled: an id, a unique id prefix, a Docker container name;
 //! - [`docker`]: the containers dockerd owns, and dockerd's names for them (its API);
-//! - [`prune`]: removing the stores and internal images of containers that are gone.
+//! - [`prune`]: removing the stores and internal images of containers that are gone;
+//! - [`metrics`]: the host's figures in the OpenMetrics text format (`crabctl metrics`).
 //!
 //! Every operation first does everything that can fail without touching the source container
 //! (read the store, write the image, unpack it), so bad input leaves nothing behind; content
@@ -38,6 +39,7 @@ pub mod error;
 pub mod export;
 pub mod image;
 pub mod lifecycle;
+pub mod metrics;
 pub mod output;
 pub mod pod;
 pub mod progress;

@@ -148,6 +148,8 @@ struct Work {
     /// over a `[limits]` bound): its paths are not in `added`/`modified`/`deleted`, so the job
     /// must capture the whole upperdir (a new chain) or fail, never store a partial layer.
     fs_unknown: bool,
+    /// A turn the inspector could not observe (a degraded answer) is among them.
+    degraded: bool,
 }
 
 impl Work {
@@ -165,6 +167,7 @@ impl Work {
         self.modified.extend(a.fs.modified.iter().cloned());
         self.deleted.extend(a.fs.deleted.iter().cloned());
         self.fs_unknown |= a.fs.unobserved;
+        self.degraded |= !a.degraded.is_empty();
         self.explanation.push(a.summary());
     }
 
@@ -178,6 +181,7 @@ impl Work {
         self.deleted.extend(later.deleted);
         self.explanation.extend(later.explanation);
         self.fs_unknown |= later.fs_unknown;
+        self.degraded |= later.degraded;
     }
 
     fn kind(&self) -> CheckpointKind {
@@ -529,6 +533,8 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
                 CheckpointKind::Failed,
             );
             m.explanation = format!("failed: {e}");
+            m.attempted = Some(work.kind());
+            m.degraded = work.degraded;
             self.store.publish(&m)
         })();
         if let Err(pe) = result {
@@ -592,6 +598,7 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
         let seq = self.store.next_seq()?;
         let mut m = Manifest::child_of(parent.as_ref(), seq, &work.turn_ids.join(","), work.kind());
         m.explanation = work.explanation.join("\n");
+        m.degraded = work.degraded;
         let mut timings = Timings::default();
         if work.fs {
             // After a failure nothing is known about what the missing layers held: one layer of

@@ -239,6 +239,13 @@ pub struct Manifest {
     /// captured whole in this chain (its next fs layer takes it whole).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<PathBuf>,
+    /// Of a `failed` checkpoint: the kind it attempted (for the figures of `crabctl metrics`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempted: Option<CheckpointKind>,
+    /// Taken for a turn the inspector could not observe (a degraded answer): a full checkpoint
+    /// in place of the one the turn needed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub degraded: bool,
 }
 
 impl Manifest {
@@ -264,6 +271,8 @@ impl Manifest {
             timings: Timings::default(),
             explanation: String::new(),
             volumes: parent.map(|p| p.volumes.clone()).unwrap_or_default(),
+            attempted: None,
+            degraded: false,
         }
     }
 }
@@ -671,6 +680,28 @@ impl Store {
         };
         let (kept, dropped): (Vec<_>, Vec<_>) =
             all.iter().enumerate().partition(|(i, m)| keep(*i, m));
+        let kept: Vec<&Manifest> = kept.into_iter().map(|(_, m)| m).collect();
+        let turns = match dropped.is_empty() {
+            true => Vec::new(),
+            false => self.turns_to_retire(&kept)?,
+        };
+        // Their figures go on counting (`crabctl metrics`): recorded before anything goes.
+        let dropped_manifests: Vec<&Manifest> = dropped.iter().map(|(_, m)| *m).collect();
+        let answers: Vec<(u64, Option<crate::metrics::AnswerFigures>)> = turns
+            .iter()
+            .filter_map(|(path, figures)| {
+                Some((crate::metrics::answer_seq(path)?, figures.clone()))
+            })
+            .collect();
+        // Retention goes on if they cannot be (a full disk is what it may be freeing); the
+        // counters then go down, which Prometheus takes for a reset.
+        if let Err(e) = crate::metrics::retire(&self.root, &dropped_manifests, &answers) {
+            log::warn!(
+                "checkpoint store {}: cannot record the figures of what retention removes in {}: {e}",
+                self.root.display(),
+                crate::metrics::RETIRED_FILE
+            );
+        }
         for (_, m) in &dropped {
             let path = self.manifest_path(m.seq);
             fs::remove_file(&path).map_err(|e| StoreError::io("remove", &path, e))?;
@@ -679,10 +710,16 @@ impl Store {
         if !dropped.is_empty() {
             fsync_dir(&self.checkpoints_dir())?;
         }
-        let kept: Vec<&Manifest> = kept.into_iter().map(|(_, m)| m).collect();
         self.collect_garbage(&kept, newest, &mut report)?;
-        if !dropped.is_empty() {
-            self.retain_turns(&kept)?;
+        for (path, _) in &turns {
+            remove_any(path)?;
+        }
+        if !turns.is_empty() {
+            log::info!(
+                "checkpoint store {}: retention removed {} turn answers",
+                self.root.display(),
+                turns.len()
+            );
         }
         if !report.removed_manifests.is_empty() {
             log::info!(
@@ -718,12 +755,16 @@ impl Store {
         Ok(all)
     }
 
-    /// Removes the turn answers older than the oldest manifest of `kept`, except the answers
-    /// of the turns `kept` names.
-    fn retain_turns(&self, kept: &[&Manifest]) -> Result<(), StoreError> {
+    /// The turn answers retention removes: those older than the oldest manifest of `kept`,
+    /// except the answers of the turns `kept` names; with their figures, if readable.
+    #[allow(clippy::type_complexity)]
+    fn turns_to_retire(
+        &self,
+        kept: &[&Manifest],
+    ) -> Result<Vec<(PathBuf, Option<crate::metrics::AnswerFigures>)>, StoreError> {
         let dir = turns_dir(&self.root);
         let Some(oldest) = kept.first() else {
-            return Ok(());
+            return Ok(Vec::new());
         };
         let since = match fs::metadata(self.manifest_path(oldest.seq)).and_then(|m| m.modified()) {
             Ok(t) => t,
@@ -732,10 +773,10 @@ impl Store {
         let turns: HashSet<&str> = kept.iter().flat_map(|m| m.turn_id.split(',')).collect();
         let entries = match fs::read_dir(&dir) {
             Ok(it) => it,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
             Err(e) => return Err(StoreError::io("read", &dir, e)),
         };
-        let mut removed = 0;
+        let mut retire = Vec::new();
         for entry in entries.flatten() {
             let path = entry.path();
             let name = entry.file_name();
@@ -749,27 +790,21 @@ impl Store {
             if !older {
                 continue;
             }
-            #[derive(Deserialize)]
-            struct Turn {
-                turn_id: String,
-            }
-            let turn = fs::read(&path)
+            let turn = fs::symlink_metadata(&path)
                 .ok()
-                .and_then(|d| serde_json::from_slice::<Turn>(&d).ok());
+                .filter(|md| md.is_file() && md.len() <= crate::metrics::MAX_FILE_BYTES)
+                .and_then(|_| fs::read(&path).ok())
+                .and_then(|d| crate::metrics::answer_figures(&d).ok());
             // The answer behind a kept checkpoint stays; an unreadable one explains nothing.
-            if turn.is_some_and(|t| turns.contains(t.turn_id.as_str())) {
+            if turn
+                .as_ref()
+                .is_some_and(|t| turns.contains(t.turn_id.as_str()))
+            {
                 continue;
             }
-            remove_any(&path)?;
-            removed += 1;
+            retire.push((path, turn));
         }
-        if removed > 0 {
-            log::info!(
-                "checkpoint store {}: retention removed {removed} turn answers",
-                self.root.display()
-            );
-        }
-        Ok(())
+        Ok(retire)
     }
 
     /// Removes blobs and process images that no manifest of `kept` names, except pending

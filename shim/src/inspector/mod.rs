@@ -381,6 +381,11 @@ impl Inspection {
         }
     }
 
+    /// Numbers the next answers after `seq` (the last one its store already holds).
+    pub fn continue_after(&mut self, seq: u64) {
+        self.seq = self.seq.max(seq);
+    }
+
     /// Waits (bounded) until no process of the container is running: a program that just
     /// started (dynamic loading, initialisation) is still changing its memory, and the base
     /// mark should hold it as it idles, not halfway through its start.
