@@ -844,7 +844,7 @@ mod tests {
         // fs 1000 + full 1000; proc 500 + full 500.
         assert_eq!((t.layer_bytes, t.process_bytes), (2000, 1000));
         assert_eq!(t.decision_seconds.count, 6);
-        assert!((t.decision_seconds.sum - 7.0036).abs() < 1e-9);
+        assert!((t.decision_seconds.sum - 7.00363).abs() < 1e-9);
         // 30 us, 400 us x2 in the first bucket (0.5 ms); 800 us in 1 ms; 2 ms in 2.5 ms; 7 s in +Inf.
         let c = t.decision_seconds.cumulative(DECISION_BOUNDS);
         assert_eq!(c[0], (0.0005, 3));

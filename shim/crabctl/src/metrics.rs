@@ -289,17 +289,18 @@ fn family<M: EncodeMetric>(
 ) -> std::fmt::Result {
     let unit = unit.as_ref();
     let mut family = encoder.encode_descriptor(name, help, unit, metric_type)?;
-    // One sample without labels: `name 1`, not `name{} 1`.
-    if let [(labels, _)] = samples.as_slice() {
-        if labels.is_empty() {
-            let (_, metric) = samples.into_iter().next().expect("one sample");
-            return metric.encode(family);
+    // The sample without labels (at most one) last: `name 1`, not `name{} 1`.
+    let mut bare = None;
+    for (labels, metric) in samples {
+        match labels.is_empty() {
+            true => bare = Some(metric),
+            false => metric.encode(family.encode_family(&labels)?)?,
         }
     }
-    for (labels, metric) in samples {
-        metric.encode(family.encode_family(&labels)?)?;
+    match bare {
+        Some(metric) => metric.encode(family),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// A histogram as a metric prometheus-client encodes.
@@ -309,11 +310,15 @@ struct ConstHistogram<'a>(&'a Histogram, &'static [f64]);
 impl EncodeMetric for ConstHistogram<'_> {
     fn encode(&self, mut encoder: MetricEncoder) -> std::fmt::Result {
         let h = self.0;
-        // prometheus-client writes `+Inf` for the bound f64::MAX.
-        let buckets: Vec<(f64, u64)> = h
-            .cumulative(self.1)
-            .into_iter()
-            .map(|(b, n)| (if b.is_infinite() { f64::MAX } else { b }, n))
+        // prometheus-client takes each bucket's own count (it sums them up as it writes) and
+        // writes `+Inf` for the bound f64::MAX.
+        let buckets: Vec<(f64, u64)> = self
+            .1
+            .iter()
+            .copied()
+            .chain([f64::MAX])
+            .enumerate()
+            .map(|(i, b)| (b, h.counts.get(i).copied().unwrap_or(0)))
             .collect();
         encoder.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
             h.sum, h.count, &buckets, None,
@@ -858,6 +863,9 @@ mod tests {
         assert_eq!(v["crab_turns_skipped_total"], 1.0);
         assert_eq!(v["crab_turn_decision_seconds_count"], 4.0);
         assert_eq!(v["crab_turn_decision_seconds_bucket{le=\"+Inf\"}"], 4.0);
+        // Cumulative: every answer took 100 us, so every bucket holds all four.
+        assert_eq!(v["crab_turn_decision_seconds_bucket{le=\"0.0005\"}"], 4.0);
+        assert_eq!(v["crab_turn_decision_seconds_bucket{le=\"5.0\"}"], 4.0);
         assert_eq!(v["crab_metrics_stores"], 3.0);
         // Without --per-container no series names a container.
         let plain = render(&scan(

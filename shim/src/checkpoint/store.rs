@@ -790,19 +790,21 @@ impl Store {
             if !older {
                 continue;
             }
-            let turn = fs::symlink_metadata(&path)
+            #[derive(Deserialize)]
+            struct Turn {
+                turn_id: String,
+            }
+            let data = fs::symlink_metadata(&path)
                 .ok()
                 .filter(|md| md.is_file() && md.len() <= crate::metrics::MAX_FILE_BYTES)
                 .and_then(|_| fs::read(&path).ok())
-                .and_then(|d| crate::metrics::answer_figures(&d).ok());
+                .unwrap_or_default();
+            let turn = serde_json::from_slice::<Turn>(&data).ok();
             // The answer behind a kept checkpoint stays; an unreadable one explains nothing.
-            if turn
-                .as_ref()
-                .is_some_and(|t| turns.contains(t.turn_id.as_str()))
-            {
+            if turn.is_some_and(|t| turns.contains(t.turn_id.as_str())) {
                 continue;
             }
-            retire.push((path, turn));
+            retire.push((path, crate::metrics::answer_figures(&data).ok()));
         }
         Ok(retire)
     }
@@ -1445,6 +1447,58 @@ mod tests {
         fs::write(turns.join(".000007.json.tmp"), b"{").unwrap();
         drop(Store::open(root).unwrap());
         assert!(!turns.join(".000007.json.tmp").exists());
+    }
+
+    /// What retention removes goes on counting in the figures of `crabctl metrics`: its
+    /// manifests' and answers' figures are in `retired.json` before they go.
+    #[test]
+    fn retention_keeps_the_figures_of_what_it_removes() {
+        use crate::metrics::{scan_store, Retired, ScanCache, SeqSet};
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let store = Store::open(root).unwrap();
+        let turns = root.join("turns");
+        fs::create_dir_all(&turns).unwrap();
+        let answer = |n: u64, kind: &str| {
+            let a = serde_json::json!({"turn_id": format!("turn-{n}"), "seq": n, "kind": kind,
+                "degraded": [], "elapsed_us": 100 * n});
+            fs::write(turns.join(format!("{n:06}.json")), a.to_string()).unwrap();
+        };
+        for (n, (f, p)) in [(true, false), (false, true), (true, true), (true, false)]
+            .into_iter()
+            .enumerate()
+        {
+            let n = n as u64 + 1;
+            answer(
+                n,
+                if f && p {
+                    "full"
+                } else if f {
+                    "fs"
+                } else {
+                    "proc"
+                },
+            );
+            std::thread::sleep(Duration::from_millis(20));
+            checkpoint(&store, f, p);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let before = scan_store(root, &mut ScanCache::default());
+        assert_eq!(before.unreadable, 0, "{:?}", before.warnings);
+        let r = store.apply_retention(Some(1), None).unwrap();
+        assert_eq!(r.removed_manifests, [1, 2, 3]);
+        assert_eq!(store.list().unwrap().len(), 1);
+        let left = fs::read_dir(&turns).unwrap().count();
+        assert_eq!(left, 1, "the answer of the kept checkpoint");
+        let after = scan_store(root, &mut ScanCache::default());
+        assert_eq!(after.tally, before.tally);
+        assert_eq!(after.tally.checkpoints.full.ok, 1);
+        assert_eq!(after.tally.answers.fs, 2);
+        let retired = Retired::load(root).unwrap();
+        assert_eq!(retired.manifests, SeqSet(vec![(1, 3)]));
+        assert_eq!(retired.turns, SeqSet(vec![(1, 3)]));
+        // A shim carrying the lineage on numbers its answers after these.
+        assert_eq!(crate::metrics::last_answer_seq(root), 4);
     }
 
     /// While `crabctl prune` holds the namespace directory's lock, a store is neither created
