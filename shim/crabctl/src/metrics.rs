@@ -277,6 +277,8 @@ pub fn render(snap: &Snapshot) -> String {
 struct Figures(Arc<Snapshot>);
 
 type Labels = Vec<(&'static str, String)>;
+/// The counter samples of one figure of a tally, under the given labels.
+type CounterSamples = dyn Fn(&Labels, &Tally) -> Vec<(Labels, ConstCounter<u64>)>;
 
 /// Writes one metric family: each `(labels, value)` a sample.
 fn family<M: EncodeMetric>(
@@ -331,7 +333,7 @@ impl EncodeMetric for ConstHistogram<'_> {
 }
 
 /// The series of each figure: the host's, then each container's with `--per-container`.
-fn series<'a>(snap: &'a Snapshot) -> Vec<(Labels, &'a Tally)> {
+fn series(snap: &Snapshot) -> Vec<(Labels, &Tally)> {
     let mut out: Vec<(Labels, &Tally)> = vec![(Vec::new(), &snap.tally)];
     for ((ns, id), t) in &snap.per_container {
         out.push((
@@ -356,7 +358,7 @@ impl Collector for Figures {
     fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
         let snap = &*self.0;
         let all = series(snap);
-        let each = |f: &dyn Fn(&Labels, &Tally) -> Vec<(Labels, ConstCounter<u64>)>| {
+        let each = |f: &CounterSamples| {
             all.iter().flat_map(|(l, t)| f(l, t)).collect::<Vec<_>>()
         };
         family(
