@@ -731,6 +731,78 @@ pub fn last_answer_seq(root: &Path) -> u64 {
     held.max(retired)
 }
 
+/// The file in a namespace directory (`<state_dir>/<namespace>/`) holding the figures of the
+/// stores `crabctl prune` removed from it.
+pub const PRUNED_FILE: &str = ".pruned-metrics.json";
+
+/// The figures of the stores prune removed from a namespace directory, so that no counter goes
+/// down when a store goes.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Pruned {
+    pub tally: Tally,
+    /// Stores whose figures are in `tally` but that may still be on disk (being removed, or
+    /// a prune that crashed before removing them): `(name, inode)`. A scan skips them.
+    pub removing: Vec<(String, u64)>,
+}
+
+impl Pruned {
+    pub fn load(ns_dir: &Path) -> Result<Pruned, String> {
+        let path = ns_dir.join(PRUNED_FILE);
+        let data = match fs::read(&path) {
+            Ok(d) => d,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Pruned::default()),
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        };
+        let p: Pruned =
+            serde_json::from_slice(&data).map_err(|e| format!("{}: {e}", path.display()))?;
+        if !p.tally.is_consistent() {
+            return Err(format!(
+                "{}: inconsistent (histograms that do not add up)",
+                path.display()
+            ));
+        }
+        Ok(p)
+    }
+
+    /// Whether the store `<ns_dir>/<name>` is one whose figures are already here.
+    pub fn holds(&self, name: &str, md: &fs::Metadata) -> bool {
+        self.removing
+            .iter()
+            .any(|(n, ino)| n == name && *ino == md.ino())
+    }
+}
+
+/// Adds the figures of the store `<ns_dir>/<name>` to the namespace directory's
+/// [`PRUNED_FILE`], before `crabctl prune` removes the store (the caller holds the namespace
+/// directory's lock). Idempotent: a store already folded in is not added twice.
+pub fn fold_pruned_store(ns_dir: &Path, name: &str) -> io::Result<()> {
+    let root = ns_dir.join(name);
+    let md = fs::symlink_metadata(&root)?;
+    let mut pruned = Pruned::load(ns_dir).map_err(|e| {
+        io::Error::other(format!(
+            "{e}; it is left as it is (move it away to start counting afresh)"
+        ))
+    })?;
+    // Those removed since (or renamed away) need no entry any more.
+    pruned.removing.retain(|(n, ino)| {
+        fs::symlink_metadata(ns_dir.join(n)).is_ok_and(|m| m.ino() == *ino)
+    });
+    if !pruned.holds(name, &md) {
+        let f = scan_store(&root, &mut ScanCache::default());
+        pruned.tally.merge(&f.tally);
+        pruned.removing.push((name.to_string(), md.ino()));
+    }
+    let path = ns_dir.join(PRUNED_FILE);
+    let tmp = ns_dir.join(format!("{PRUNED_FILE}.tmp"));
+    let data = serde_json::to_vec(&pruned).expect("figures serialize");
+    let mut f = fs::File::create(&tmp)?;
+    f.write_all(&data)?;
+    f.sync_all()?;
+    fs::rename(&tmp, &path)?;
+    fs::File::open(ns_dir)?.sync_all()
+}
+
 /// The sequence number of a turn answer's file name.
 pub fn answer_seq(path: &Path) -> Option<u64> {
     published_seq(path.file_name()?)

@@ -114,7 +114,9 @@ pub fn scan(
 ) -> Snapshot {
     let started = Instant::now();
     let mut snap = Snapshot::default();
-    for (namespace, id, root) in stores(state_dir, &mut snap.warnings, &mut snap.unreadable) {
+    let (stores, pruned) = stores(state_dir, &mut snap.warnings, &mut snap.unreadable);
+    snap.tally.merge(&pruned);
+    for (namespace, id, root) in stores {
         let f = figures::scan_store(&root, cache);
         snap.stores += 1;
         snap.unreadable += f.unreadable;
@@ -141,21 +143,23 @@ pub fn scan(
     snap
 }
 
-/// Every store directory: `(namespace, container id, path)`. A store set aside for a reused id
-/// (`.replaced-<id>-<unique>`) is the id's too. Symlinks are never followed.
+/// Every store directory: `(namespace, container id, path)`, and the figures of the stores
+/// prune removed. A store set aside for a reused id (`.replaced-<id>-<unique>`) is the id's
+/// too. Symlinks are never followed.
 fn stores(
     state_dir: &Path,
     warnings: &mut Vec<String>,
     unreadable: &mut u64,
-) -> Vec<(String, String, PathBuf)> {
+) -> (Vec<(String, String, PathBuf)>, Tally) {
     let mut out = Vec::new();
+    let mut pruned_all = Tally::default();
     let namespaces = match fs::read_dir(state_dir) {
         Ok(it) => it,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return out,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return (out, pruned_all),
         Err(e) => {
             *unreadable += 1;
             warnings.push(format!("{}: {e}", state_dir.display()));
-            return out;
+            return (out, pruned_all);
         }
     };
     let is_dir = |p: &Path| fs::symlink_metadata(p).is_ok_and(|m| m.is_dir());
@@ -166,6 +170,17 @@ fn stores(
         if namespace.starts_with('.') || !is_dir(&ns.path()) {
             continue;
         }
+        let pruned = match figures::Pruned::load(&ns.path()) {
+            Ok(p) => p,
+            Err(e) => {
+                *unreadable += 1;
+                warnings.push(format!(
+                    "{e}: the figures of the stores prune removed are not counted"
+                ));
+                figures::Pruned::default()
+            }
+        };
+        pruned_all.merge(&pruned.tally);
         let entries = match fs::read_dir(ns.path()) {
             Ok(it) => it,
             Err(e) => {
@@ -187,12 +202,20 @@ fn stores(
                 None if name.starts_with('.') => continue,
                 None => name,
             };
-            if is_dir(&entry.path()) {
-                out.push((namespace.clone(), id, entry.path()));
+            match fs::symlink_metadata(entry.path()) {
+                // Already counted in the pruned figures: being removed.
+                Ok(md) if md.is_dir() && !pruned.holds(&name_of(&entry), &md) => {
+                    out.push((namespace.clone(), id, entry.path()))
+                }
+                _ => {}
             }
         }
     }
-    out
+    (out, pruned_all)
+}
+
+fn name_of(entry: &fs::DirEntry) -> String {
+    entry.file_name().to_string_lossy().into_owned()
 }
 
 fn engine_figures(
@@ -897,6 +920,51 @@ mod tests {
             "{prom}"
         );
         assert_eq!(samples(&prom), samples(&plain));
+    }
+
+    /// A store prune removes goes on counting (its figures folded into the namespace
+    /// directory's pruned file first), exactly once whatever point a prune stops at.
+    #[test]
+    fn pruned_stores_go_on_counting() {
+        let state = tempfile::tempdir().unwrap();
+        let ns = state.path().join("default");
+        write(&ns.join("a/turns/000001.json"), answer("fs", 100));
+        write(&ns.join("a/turns/000002.json"), answer("none", 100));
+        write(&ns.join("b/turns/000001.json"), answer("proc", 100));
+        write(&ns.join(".replaced-b-x1/turns/000001.json"), answer("full", 100));
+        let engine = tempfile::tempdir().unwrap();
+        let c = engine_config(engine.path());
+        let count = || scan(state.path(), &c, false, &mut ScanCache::default());
+        let before = count().tally;
+        assert_eq!(before.answers.fs + before.answers.proc + before.answers.full, 3);
+        // Folded, then a crash before the rename: counted once.
+        figures::fold_pruned_store(&ns, "a").unwrap();
+        assert_eq!(count().tally, before);
+        figures::fold_pruned_store(&ns, "a").unwrap();
+        assert_eq!(count().tally, before, "folding twice adds nothing");
+        // Renamed away (prune's leftover name), then removed.
+        fs::rename(ns.join("a"), ns.join(".prune-a-1.tmp")).unwrap();
+        assert_eq!(count().tally, before);
+        fs::remove_dir_all(ns.join(".prune-a-1.tmp")).unwrap();
+        assert_eq!(count().tally, before);
+        assert_eq!(count().stores, 2);
+        // A set-aside store, half removed when a prune stopped.
+        figures::fold_pruned_store(&ns, ".replaced-b-x1").unwrap();
+        fs::remove_file(ns.join(".replaced-b-x1/turns/000001.json")).unwrap();
+        assert_eq!(count().tally, before);
+        fs::remove_dir_all(ns.join(".replaced-b-x1")).unwrap();
+        // A new store under a pruned name is a new store.
+        write(&ns.join("a/turns/000001.json"), answer("fs", 100));
+        assert_eq!(count().tally.answers.fs, 2);
+        let p = figures::Pruned::load(&ns).unwrap();
+        assert_eq!(p.tally.answers.none, 1);
+        // A corrupt pruned file is named and not guessed at; prune then refuses to fold.
+        fs::write(ns.join(figures::PRUNED_FILE), b"{\"tally\": 7}").unwrap();
+        let snap = count();
+        assert_eq!(snap.unreadable, 1);
+        assert!(snap.warnings[0].contains(figures::PRUNED_FILE), "{:?}", snap.warnings);
+        let e = figures::fold_pruned_store(&ns, "b").unwrap_err().to_string();
+        assert!(e.contains("move it away"), "{e}");
     }
 
     #[test]

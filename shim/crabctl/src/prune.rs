@@ -386,6 +386,24 @@ fn remove_store(dir: &Path, name: &str, ns_lock: File) -> io::Result<()> {
     fs::remove_dir_all(&doomed)
 }
 
+/// Removes an interrupted prune's directory, or a store set aside for a reused id (whose
+/// figures are first kept for `crabctl metrics`, under the namespace directory's lock).
+fn remove_leftover(dir: &Path, entry: &Entry) -> io::Result<()> {
+    if entry
+        .name
+        .starts_with(crab_shim::checkpoint::store::SET_ASIDE_PREFIX)
+    {
+        let _lock = lock_namespace(dir)?;
+        crab_shim::metrics::fold_pruned_store(dir, &entry.name).map_err(|e| {
+            io::Error::other(format!(
+                "cannot keep its figures for crabctl metrics in {}: {e}",
+                dir.join(crab_shim::metrics::PRUNED_FILE).display()
+            ))
+        })?;
+    }
+    fs::remove_dir_all(&entry.path)
+}
+
 /// Prunes namespace directory `dir`. Ids of stores kept for now go into `held` (lowercased).
 async fn prune_dir(
     dir: &Path,
@@ -429,7 +447,7 @@ async fn prune_dir(
                 let bytes = disk_usage(&entry.path);
                 match report.dry_run {
                     true => (Outcome::Finished, bytes),
-                    false => match fs::remove_dir_all(&entry.path) {
+                    false => match remove_leftover(dir, &entry) {
                         Ok(()) => (Outcome::Finished, bytes),
                         Err(e) => (Outcome::Failed(e.to_string()), 0),
                     },
@@ -487,6 +505,16 @@ async fn remove_if_gone(
     let bytes = disk_usage(&entry.path);
     if dry_run {
         return (Outcome::Removed, bytes);
+    }
+    // Its figures go on counting in `crabctl metrics`.
+    if let Err(e) = crab_shim::metrics::fold_pruned_store(dir, &entry.name) {
+        return (
+            Outcome::Failed(format!(
+                "cannot keep its figures for crabctl metrics in {}: {e}",
+                dir.join(crab_shim::metrics::PRUNED_FILE).display()
+            )),
+            0,
+        );
     }
     match remove_store(dir, &entry.name, ns_lock) {
         Ok(()) => (Outcome::Removed, bytes),
