@@ -785,9 +785,9 @@ pub fn fold_pruned_store(ns_dir: &Path, name: &str) -> io::Result<()> {
         ))
     })?;
     // Those removed since (or renamed away) need no entry any more.
-    pruned.removing.retain(|(n, ino)| {
-        fs::symlink_metadata(ns_dir.join(n)).is_ok_and(|m| m.ino() == *ino)
-    });
+    pruned
+        .removing
+        .retain(|(n, ino)| fs::symlink_metadata(ns_dir.join(n)).is_ok_and(|m| m.ino() == *ino));
     if !pruned.holds(name, &md) {
         let f = scan_store(&root, &mut ScanCache::default());
         pruned.tally.merge(&f.tally);

@@ -144,7 +144,7 @@ pub fn scan(
 }
 
 /// Every store directory: `(namespace, container id, path)`, and the figures of the stores
-/// prune removed. A store set aside for a reused id (`.replaced-<id>-<unique>`) is the id's
+/// prune removed. A store set aside for a reused id (`.replaced-<id>-<ns>-<pid>`) is the id's
 /// too. Symlinks are never followed.
 fn stores(
     state_dir: &Path,
@@ -194,10 +194,16 @@ fn stores(
                 continue;
             };
             let id = match name.strip_prefix(crab_shim::checkpoint::store::SET_ASIDE_PREFIX) {
-                // `<id>-<unique>`: the unique part has no dash.
-                Some(rest) => match rest.rsplit_once('-') {
-                    Some((id, _)) => id.to_string(),
-                    None => continue,
+                // `<id>-<nanoseconds>-<pid>`.
+                Some(rest) => match rest.rsplitn(3, '-').collect::<Vec<_>>()[..] {
+                    [pid, nanos, id]
+                        if [pid, nanos]
+                            .iter()
+                            .all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())) =>
+                    {
+                        id.to_string()
+                    }
+                    _ => continue,
                 },
                 None if name.starts_with('.') => continue,
                 None => name,
@@ -381,9 +387,7 @@ impl Collector for Figures {
     fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
         let snap = &*self.0;
         let all = series(snap);
-        let each = |f: &CounterSamples| {
-            all.iter().flat_map(|(l, t)| f(l, t)).collect::<Vec<_>>()
-        };
+        let each = |f: &CounterSamples| all.iter().flat_map(|(l, t)| f(l, t)).collect::<Vec<_>>();
         family(
             &mut e,
             "crab_turn_answers",
@@ -838,7 +842,7 @@ mod tests {
         write(&s.join("k8s.io/b/turns/000001.json"), answer("proc", 100));
         // The earlier lineage of a reused id counts under the same id.
         write(
-            &s.join("default/.replaced-a-12ab/turns/000001.json"),
+            &s.join("default/.replaced-a-1764650000000000000-4242/turns/000001.json"),
             answer("full", 100),
         );
         // Not stores: dot entries, files, symlinks.
@@ -931,12 +935,18 @@ mod tests {
         write(&ns.join("a/turns/000001.json"), answer("fs", 100));
         write(&ns.join("a/turns/000002.json"), answer("none", 100));
         write(&ns.join("b/turns/000001.json"), answer("proc", 100));
-        write(&ns.join(".replaced-b-x1/turns/000001.json"), answer("full", 100));
+        write(
+            &ns.join(".replaced-b-1-2/turns/000001.json"),
+            answer("full", 100),
+        );
         let engine = tempfile::tempdir().unwrap();
         let c = engine_config(engine.path());
         let count = || scan(state.path(), &c, false, &mut ScanCache::default());
         let before = count().tally;
-        assert_eq!(before.answers.fs + before.answers.proc + before.answers.full, 3);
+        assert_eq!(
+            before.answers.fs + before.answers.proc + before.answers.full,
+            3
+        );
         // Folded, then a crash before the rename: counted once.
         figures::fold_pruned_store(&ns, "a").unwrap();
         assert_eq!(count().tally, before);
@@ -949,10 +959,10 @@ mod tests {
         assert_eq!(count().tally, before);
         assert_eq!(count().stores, 2);
         // A set-aside store, half removed when a prune stopped.
-        figures::fold_pruned_store(&ns, ".replaced-b-x1").unwrap();
-        fs::remove_file(ns.join(".replaced-b-x1/turns/000001.json")).unwrap();
+        figures::fold_pruned_store(&ns, ".replaced-b-1-2").unwrap();
+        fs::remove_file(ns.join(".replaced-b-1-2/turns/000001.json")).unwrap();
         assert_eq!(count().tally, before);
-        fs::remove_dir_all(ns.join(".replaced-b-x1")).unwrap();
+        fs::remove_dir_all(ns.join(".replaced-b-1-2")).unwrap();
         // A new store under a pruned name is a new store.
         write(&ns.join("a/turns/000001.json"), answer("fs", 100));
         assert_eq!(count().tally.answers.fs, 2);
@@ -962,8 +972,14 @@ mod tests {
         fs::write(ns.join(figures::PRUNED_FILE), b"{\"tally\": 7}").unwrap();
         let snap = count();
         assert_eq!(snap.unreadable, 1);
-        assert!(snap.warnings[0].contains(figures::PRUNED_FILE), "{:?}", snap.warnings);
-        let e = figures::fold_pruned_store(&ns, "b").unwrap_err().to_string();
+        assert!(
+            snap.warnings[0].contains(figures::PRUNED_FILE),
+            "{:?}",
+            snap.warnings
+        );
+        let e = figures::fold_pruned_store(&ns, "b")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("move it away"), "{e}");
     }
 
