@@ -988,10 +988,20 @@ mod tests {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         left.sort();
+        // The figures of what went stay for `crabctl metrics`.
         assert_eq!(
             left,
-            ["alive", "link", "locked", "notes.txt", "plain", "recreated"]
+            [
+                crab_shim::metrics::PRUNED_FILE,
+                "alive",
+                "link",
+                "locked",
+                "notes.txt",
+                "plain",
+                "recreated"
+            ]
         );
+        crab_shim::metrics::Pruned::load(&ns).unwrap();
         assert!(
             outside.join("checkpoints/000001.json").is_file(),
             "the symlink was followed"
