@@ -681,14 +681,10 @@ pub fn scan_store(root: &Path, cache: &mut ScanCache) -> StoreFigures {
     out
 }
 
-/// Adds the figures of manifests and answers that retention is about to remove to the store's
-/// `retired.json` (written before they go: see [`Retired`]). Answers are `(seq, figures)`;
-/// an answer whose figures could not be read adds nothing.
-pub fn retire(
-    root: &Path,
-    manifests: &[&store::Manifest],
-    answers: &[(u64, Option<AnswerFigures>)],
-) -> io::Result<()> {
+/// Adds the figures of manifests and turn answer files that retention is about to remove to
+/// the store's `retired.json` (written before they go: see [`Retired`]). An answer that cannot
+/// be read adds nothing (it counted nowhere before either).
+pub fn retire(root: &Path, manifests: &[&store::Manifest], answers: &[PathBuf]) -> io::Result<()> {
     if manifests.is_empty() && answers.is_empty() {
         return Ok(());
     }
@@ -703,12 +699,20 @@ pub fn retire(
             retired.manifests.insert(m.seq);
         }
     }
-    for (seq, figures) in answers {
-        if !retired.turns.contains(*seq) {
+    for path in answers {
+        let Some(seq) = answer_seq(path) else {
+            continue;
+        };
+        if !retired.turns.contains(seq) {
+            let figures = fs::symlink_metadata(path)
+                .ok()
+                .filter(|md| md.is_file())
+                .and_then(|md| read_bounded(path, md.len()).ok())
+                .and_then(|d| answer_figures(&d).ok());
             if let Some(a) = figures {
-                retired.tally.add_answer(a);
+                retired.tally.add_answer(&a);
             }
-            retired.turns.insert(*seq);
+            retired.turns.insert(seq);
         }
     }
     retired.save(root)
@@ -1036,10 +1040,7 @@ mod tests {
         // Retention takes manifests 2 and 3 and answers 1 and 2: recorded, then removed.
         let m2 = manifest(2, CheckpointKind::Fs);
         let m3 = manifest(3, CheckpointKind::Proc);
-        let a = |seq: u64| {
-            let p = root.join(format!("turns/{seq:06}.json"));
-            (seq, answer_figures(&fs::read(p).unwrap()).ok())
-        };
+        let a = |seq: u64| root.join(format!("turns/{seq:06}.json"));
         retire(root, &[&m2, &m3], &[a(1), a(2)]).unwrap();
         // Until the files go (a crash in between), they count once.
         assert_eq!(scan_store(root, &mut ScanCache::default()).tally, before);

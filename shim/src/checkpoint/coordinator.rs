@@ -658,7 +658,22 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
     /// Retention after a publish; chunks no kept process image uses any more go with it.
     fn apply_retention(&self) {
         let (keep_last, keep_every) = (self.settings.keep_last, self.settings.keep_every);
-        match self.store.apply_retention(keep_last, keep_every) {
+        // What it removes goes on counting in `crabctl metrics`; retention goes on if that
+        // cannot be recorded (a full disk is what it may be freeing).
+        let root = self.store.root().to_path_buf();
+        let record = |manifests: &[&Manifest], answers: &[PathBuf]| {
+            if let Err(e) = crate::metrics::retire(&root, manifests, answers) {
+                log::warn!(
+                    "retention in the store of {}: cannot keep the figures of what it removes in {}: {e}",
+                    self.container_id,
+                    crate::metrics::RETIRED_FILE
+                );
+            }
+        };
+        match self
+            .store
+            .apply_retention_with(keep_last, keep_every, record)
+        {
             Ok(r) if !r.removed_proc.is_empty() => {
                 // Jobs of a sandbox run one at a time, so no dedup into these chunks overlaps.
                 let keep: Vec<PathBuf> = self

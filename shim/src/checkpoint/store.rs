@@ -663,6 +663,18 @@ impl Store {
         keep_last: Option<u32>,
         keep_every: Option<u32>,
     ) -> Result<Retention, StoreError> {
+        self.apply_retention_with(keep_last, keep_every, |_, _| {})
+    }
+
+    /// [`Store::apply_retention`], calling `before_removing` with the manifests and turn
+    /// answer files it is about to remove, before it removes anything (the coordinator keeps
+    /// their figures for `crabctl metrics` there: [`crate::metrics::retire`]).
+    pub fn apply_retention_with(
+        &self,
+        keep_last: Option<u32>,
+        keep_every: Option<u32>,
+        before_removing: impl FnOnce(&[&Manifest], &[PathBuf]),
+    ) -> Result<Retention, StoreError> {
         let mut report = Retention::default();
         if keep_last.is_none() && keep_every.is_none() {
             return Ok(report);
@@ -685,22 +697,9 @@ impl Store {
             true => Vec::new(),
             false => self.turns_to_retire(&kept)?,
         };
-        // Their figures go on counting (`crabctl metrics`): recorded before anything goes.
         let dropped_manifests: Vec<&Manifest> = dropped.iter().map(|(_, m)| *m).collect();
-        let answers: Vec<(u64, Option<crate::metrics::AnswerFigures>)> = turns
-            .iter()
-            .filter_map(|(path, figures)| {
-                Some((crate::metrics::answer_seq(path)?, figures.clone()))
-            })
-            .collect();
-        // Retention goes on if they cannot be (a full disk is what it may be freeing); the
-        // counters then go down, which Prometheus takes for a reset.
-        if let Err(e) = crate::metrics::retire(&self.root, &dropped_manifests, &answers) {
-            log::warn!(
-                "checkpoint store {}: cannot record the figures of what retention removes in {}: {e}",
-                self.root.display(),
-                crate::metrics::RETIRED_FILE
-            );
+        if !dropped_manifests.is_empty() || !turns.is_empty() {
+            before_removing(&dropped_manifests, &turns);
         }
         for (_, m) in &dropped {
             let path = self.manifest_path(m.seq);
@@ -711,7 +710,7 @@ impl Store {
             fsync_dir(&self.checkpoints_dir())?;
         }
         self.collect_garbage(&kept, newest, &mut report)?;
-        for (path, _) in &turns {
+        for path in &turns {
             remove_any(path)?;
         }
         if !turns.is_empty() {
@@ -756,12 +755,8 @@ impl Store {
     }
 
     /// The turn answers retention removes: those older than the oldest manifest of `kept`,
-    /// except the answers of the turns `kept` names; with their figures, if readable.
-    #[allow(clippy::type_complexity)]
-    fn turns_to_retire(
-        &self,
-        kept: &[&Manifest],
-    ) -> Result<Vec<(PathBuf, Option<crate::metrics::AnswerFigures>)>, StoreError> {
+    /// except the answers of the turns `kept` names.
+    fn turns_to_retire(&self, kept: &[&Manifest]) -> Result<Vec<PathBuf>, StoreError> {
         let dir = turns_dir(&self.root);
         let Some(oldest) = kept.first() else {
             return Ok(Vec::new());
@@ -794,17 +789,16 @@ impl Store {
             struct Turn {
                 turn_id: String,
             }
-            let data = fs::symlink_metadata(&path)
+            let turn = fs::symlink_metadata(&path)
                 .ok()
-                .filter(|md| md.is_file() && md.len() <= crate::metrics::MAX_FILE_BYTES)
+                .filter(|md| md.is_file() && md.len() <= MAX_ANSWER_BYTES)
                 .and_then(|_| fs::read(&path).ok())
-                .unwrap_or_default();
-            let turn = serde_json::from_slice::<Turn>(&data).ok();
+                .and_then(|d| serde_json::from_slice::<Turn>(&d).ok());
             // The answer behind a kept checkpoint stays; an unreadable one explains nothing.
             if turn.is_some_and(|t| turns.contains(t.turn_id.as_str())) {
                 continue;
             }
-            retire.push((path, crate::metrics::answer_figures(&data).ok()));
+            retire.push(path);
         }
         Ok(retire)
     }
@@ -934,6 +928,9 @@ impl Store {
             .then(|| self.root.join(p))
     }
 }
+
+/// Retention reads at most this much of a turn answer (far above what crab writes).
+const MAX_ANSWER_BYTES: u64 = 64 << 20;
 
 /// Where the turn answers of the sandbox whose store is at `root` are kept (`turns/<seq:06>.json`,
 /// written by the sandbox; retention and the sweep here keep them in step with the manifests).
@@ -1485,7 +1482,11 @@ mod tests {
         }
         let before = scan_store(root, &mut ScanCache::default());
         assert_eq!(before.unreadable, 0, "{:?}", before.warnings);
-        let r = store.apply_retention(Some(1), None).unwrap();
+        let r = store
+            .apply_retention_with(Some(1), None, |m, a| {
+                crate::metrics::retire(root, m, a).unwrap()
+            })
+            .unwrap();
         assert_eq!(r.removed_manifests, [1, 2, 3]);
         assert_eq!(store.list().unwrap().len(), 1);
         let left = fs::read_dir(&turns).unwrap().count();
