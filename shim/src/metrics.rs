@@ -7,8 +7,13 @@
 //!   outcome, its duration and freeze, the bytes it added to the store (the new layer, the
 //!   process image after deduplication);
 //! - `retired.json` in the store root: the same figures of the manifests and answers that
-//!   retention removed ([`Retired`]), so no counter goes down when retention deletes the
-//!   files it was derived from.
+//!   retention removed ([`Retired`], written by [`retire`], which the checkpoint coordinator
+//!   calls before retention removes anything), so no counter goes down when retention
+//!   deletes the files it was derived from;
+//! - `.pruned-metrics.json` in a namespace directory: the figures of the stores `crabctl
+//!   prune` removed from it ([`Pruned`], [`fold_pruned_store`]);
+//! - `restores.json` in the host engine's directory: restores by outcome ([`Restores`],
+//!   counted by the shim).
 //!
 //! [`Tally`] is the sum of those figures; [`scan_store`] reads one store's. The figures of a
 //! manifest or an answer are read through small views ([`ManifestFigures`],
@@ -21,7 +26,7 @@
 //! else; a hostile size or duration is clamped, never a panic.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::HashMap,
     fs,
     io::{self, Write},
     os::unix::fs::MetadataExt,
@@ -820,9 +825,6 @@ pub struct Restores {
     pub ok: u64,
     pub failed: u64,
 }
-
-/// Tallies by a key (a per-container breakdown: `namespace/id`).
-pub type ByContainer = BTreeMap<(String, String), Tally>;
 
 #[cfg(test)]
 mod tests {
