@@ -264,6 +264,9 @@ impl Sandbox {
             root: tmp.path().join("runc"),
             systemd_cgroup: false,
             log: tmp.path().join("runc.log"),
+            no_pivot_root: false,
+            no_new_keyring: false,
+            io_owner: None,
         };
         let sb = Sandbox {
             tmp,
