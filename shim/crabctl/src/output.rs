@@ -69,7 +69,8 @@ failed (exit 1).";
 pub const ENGINE_FIELDS: &str = "\
 JSON (-o json or --json): {root, max_jobs, io_budget_bytes_s, budget_level, slots [{index,
 holder}], queue [{ticket, info, urgent, waiting_us}], stats {jobs, urgent_jobs, bytes,
-wait_us_total, wait_us_max, run_us_total, waits_us, recent}}.";
+wait_us_total, wait_us_max, run_us_total, waits_us, recent, wait_buckets (jobs per wait bucket
+of crabctl metrics' crab_engine_wait_seconds, not cumulative, the last +Inf), wait_buckets_us}}.";
 
 /// How a command prints its result.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
