@@ -12,6 +12,10 @@ use oci_spec::runtime::Spec;
 fuzz_target!(|data: &[u8]| {
     if let Ok(spec) = serde_json::from_slice::<Spec>(data) {
         let _ = crab_shim::turns::check_spec_annotations(&spec);
+        if let Ok(probes) = crab_shim::turns::probe_commands(&spec) {
+            let args = spec.process().as_ref().and_then(|p| p.args().clone());
+            let _ = crab_shim::turns::is_probe(&probes, &args.unwrap_or_default());
+        }
         let _ = policy::for_container(&spec, policy::CheckpointPolicy::default());
         let _ = Granted::from_spec(&spec);
         let annotations: HashMap<String, String> = spec
