@@ -5,7 +5,7 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-/// Count, min, mean, nearest-rank p50/p95 and max of a sample. NaN samples (a figure that was
+/// Count, min, mean, nearest-rank p50/p95/p99 and max of a sample. NaN samples (a figure that was
 /// missing) are left out; all fields are NaN when nothing is left (NaN is `null` in JSON).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Summary {
@@ -14,6 +14,7 @@ pub struct Summary {
     pub mean: f64,
     pub p50: f64,
     pub p95: f64,
+    pub p99: f64,
     pub max: f64,
 }
 
@@ -27,6 +28,7 @@ impl Summary {
                 mean: f64::NAN,
                 p50: f64::NAN,
                 p95: f64::NAN,
+                p99: f64::NAN,
                 max: f64::NAN,
             };
         }
@@ -41,6 +43,7 @@ impl Summary {
             mean: v.iter().sum::<f64>() / n as f64,
             p50: rank(50.0),
             p95: rank(95.0),
+            p99: rank(99.0),
             max: v[n - 1],
         }
     }
@@ -56,7 +59,7 @@ impl Summary {
         let num = |x: f64| if x.is_nan() { Value::Null } else { json!(x) };
         let samples: Vec<Value> = samples.iter().map(|x| num(*x)).collect();
         json!({"n": s.n, "min": num(s.min), "mean": num(s.mean), "p50": num(s.p50),
-               "p95": num(s.p95), "max": num(s.max), "samples": samples})
+               "p95": num(s.p95), "p99": num(s.p99), "max": num(s.max), "samples": samples})
     }
 }
 
@@ -78,7 +81,7 @@ mod tests {
         );
         let v: Vec<f64> = (1..=100).map(f64::from).collect();
         let s = Summary::of(&v);
-        assert_eq!((s.p50, s.p95, s.max), (50.0, 95.0, 100.0));
+        assert_eq!((s.p50, s.p95, s.p99, s.max), (50.0, 95.0, 99.0, 100.0));
         let s = Summary::of(&[7.0]);
         assert_eq!((s.p50, s.p95), (7.0, 7.0));
         let s = Summary::of_durations(&[Duration::from_millis(2), Duration::from_micros(500)]);

@@ -18,7 +18,9 @@ const BENCH: Bench = Bench::new("replay");
 
 use crab_integration::env::{TestEnv, DEFAULT_RUNTIME};
 use crab_integration::replay::recovery::{self, RecoveryOptions, RecoveryPolicy};
-use crab_integration::replay::{self, report, trajectory, Options, Policy, Round};
+use crab_integration::replay::{
+    self, density, report, trajectory, Options, Policy, Round, RoundRecord,
+};
 use crab_integration::sandbox::AGENT_IMAGE;
 use crab_integration::Harness;
 use serde_json::json;
@@ -36,6 +38,9 @@ const USAGE: &str = "usage: replay [options]
   --timeout S           command timeout in seconds (default 30, as the agent's harness)
   --max-turns N         replay at most N turns of each trajectory
   --no-oracle           skip the inspector-accuracy pass
+  --no-idle-memory      skip the idle shim memory pass (N idle sandboxes under crab, then under
+                        containerd's runc shim, N = the largest density)
+  --project N,...       project crab's measured costs to N sandboxes (default 64,256,1000)
   --accuracy-only       only the inspector-accuracy pass (no policy rounds)
   --recovery            recovery correctness instead (see replay::recovery): per trajectory two
                         fault-free runs, then per policy (chat-only, fs-every-turn,
@@ -66,6 +71,8 @@ struct Args {
     policies_given: Option<Vec<String>>,
     crash_turns: usize,
     jobs: usize,
+    idle_memory: bool,
+    project: Vec<usize>,
 }
 
 fn args() -> Args {
@@ -95,6 +102,8 @@ fn args() -> Args {
         policies_given: None,
         crash_turns: recovery::DEFAULT_CRASH_TURNS,
         jobs: 4,
+        idle_memory: true,
+        project: vec![64, 256, 1000],
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -151,6 +160,13 @@ fn args() -> Args {
                 )
             }
             "--no-oracle" => a.oracle = false,
+            "--no-idle-memory" => a.idle_memory = false,
+            "--project" => {
+                a.project = list(value())
+                    .iter()
+                    .map(|d| positive("--project", d))
+                    .collect()
+            }
             "--accuracy-only" => a.rounds = false,
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -262,6 +278,25 @@ async fn main() {
     } else {
         None
     };
+    let max_density = a.densities.iter().copied().max().unwrap_or(1);
+    let idle = if a.idle_memory && a.rounds {
+        eprintln!(
+            "replay: idle shim memory ({max_density} sandboxes under crab, then under runc) ..."
+        );
+        let root = density::round_engine_root(&h.env, "idle");
+        let r = density::idle_shims(max_density, &root).await;
+        let _ = std::fs::remove_dir_all(&root);
+        match r {
+            Ok(m) => Some(m),
+            Err(e) => {
+                eprintln!("replay: idle shim memory: {e}");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let projection = projection(&a, &selected, &rounds, &figures, idle.as_ref());
     let total = started.elapsed();
     let failures: Vec<String> = rounds
         .iter()
@@ -291,6 +326,26 @@ async fn main() {
         selected.iter().map(|t| t.trial.as_str()).collect::<Vec<_>>().join(", ")
     );
     md.push_str(&report::markdown(&figures, accuracy.as_ref()));
+    if let Some((crab, runc)) = &idle {
+        let m = |s: &density::ShimMemory| match (&s.pss_kib_per_shim, &s.rss_kib_per_shim) {
+            (Some(p), Some(r)) => format!(
+                "{:.1} / {:.1} MiB ({} shims)",
+                p.mean / 1024.0,
+                r.mean / 1024.0,
+                s.max_shims
+            ),
+            _ => "not measured".into(),
+        };
+        md.push_str(&format!(
+            "\n## Idle shim memory, {max_density} sandboxes\n\nPer sandbox, PSS / RSS (kernel's smaps_rollup, mean of \
+             samples over 3 s once all run): crab {}; containerd's runc shim {}.\n",
+            m(crab),
+            m(runc)
+        ));
+    }
+    if let Some(p) = &projection {
+        md.push_str(&p.markdown());
+    }
     if !failures.is_empty() {
         md.push_str(&format!("\n\n## Errors ({})\n\n", failures.len()));
         for f in failures.iter().take(30) {
@@ -309,6 +364,8 @@ async fn main() {
         "trajectories": selected.iter().map(|t| json!({"trial": t.trial, "turns": t.turns.len()})).collect::<Vec<_>>(),
         "figures": figures,
         "accuracy": accuracy,
+        "idle_shims": idle.as_ref().map(|(crab, runc)| json!({"crab": crab, "runc": runc})),
+        "projection": projection,
         "errors": failures,
         "rounds": rounds,
     });
@@ -366,4 +423,106 @@ async fn recovery_main(a: &Args, h: &Harness, selected: &[trajectory::Trajectory
         "report": r,
     });
     BENCH.finish(&h.env.bench_dir(), "recovery", now, &result, &md);
+}
+
+/// The projection of crab's costs at the largest density to more sandboxes.
+#[derive(serde::Serialize)]
+struct Projected {
+    density: usize,
+    costs: density::Costs,
+    rows: Vec<density::Projection>,
+}
+
+impl Projected {
+    fn markdown(&self) -> String {
+        let c = &self.costs;
+        let mut md = format!(
+            "\n## Projection (M/M/c model of the engine's slots, costs measured at N={})\n\n\
+             A sandbox ends a turn every {:.1} s at the recorded think times (mean think plus the measured command time); \
+             {:.2} checkpoint jobs per turn; a job holds its slot {:.0} ms on average and writes {:.2} MB; crab's shim \
+             takes {:.1} MiB (PSS) per sandbox. `wait` is the mean wait for a slot (Erlang C); `of a turn` is that wait \
+             over the turn interval, the most a turn could be held (a wait only shows when it outlasts the agent's next \
+             think).\n\n| sandboxes | slots | jobs/s | utilisation | P(wait) | wait ms | of a turn | writes MB/s | shim memory GiB |\n\
+             |---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+            self.density,
+            c.turn_interval_s,
+            c.jobs_per_turn,
+            c.job_s * 1e3,
+            c.bytes_per_job / 1e6,
+            c.shim_pss_kib / 1024.0
+        );
+        for p in &self.rows {
+            md.push_str(&format!(
+                "| {} | {} | {:.2} | {:.2} | {:.3} | {:.1} | {:.3}% | {:.2} | {:.2} |\n",
+                p.sandboxes,
+                p.slots,
+                p.jobs_per_s,
+                p.utilisation,
+                p.p_wait,
+                p.mean_wait_ms,
+                p.wait_share_of_turn * 100.0,
+                p.write_mb_s,
+                p.shim_memory_gib
+            ));
+        }
+        md
+    }
+}
+
+/// crab's costs from its round at the largest density, projected to `--project` sandboxes
+/// with the default slot count and a few more.
+fn projection(
+    a: &Args,
+    selected: &[trajectory::Trajectory],
+    rounds: &[RoundRecord],
+    figures: &[report::Figures],
+    idle: Option<&(density::ShimMemory, density::ShimMemory)>,
+) -> Option<Projected> {
+    let r = rounds
+        .iter()
+        .filter(|r| r.policy == Policy::Crab && !r.oracle)
+        .max_by_key(|r| r.density)?;
+    let f = figures
+        .iter()
+        .find(|f| f.policy == Policy::Crab && f.density == r.density)?;
+    let engine = r.engine.as_ref()?;
+    let turns: Vec<&trajectory::Turn> = selected
+        .iter()
+        .flat_map(|t| t.turns.iter().take(a.opts.max_turns.unwrap_or(usize::MAX)))
+        .collect();
+    let think_s =
+        turns.iter().map(|t| t.think.as_secs_f64()).sum::<f64>() / turns.len().max(1) as f64;
+    let run_s = f.commands_s / f.turns.max(1) as f64;
+    let shim_pss_kib = idle
+        .and_then(|(crab, _)| crab.pss_kib_per_shim)
+        .or(f.shim_pss_kib)
+        .map(|s| s.mean)
+        .unwrap_or(f64::NAN);
+    let costs = density::Costs {
+        turn_interval_s: think_s + run_s,
+        jobs_per_turn: engine.jobs as f64 / f.turns.max(1) as f64,
+        job_s: if engine.run_ms_mean.is_finite() {
+            engine.run_ms_mean / 1e3
+        } else {
+            0.0
+        },
+        bytes_per_job: if engine.jobs == 0 {
+            0.0
+        } else {
+            engine.bytes as f64 / engine.jobs as f64
+        },
+        shim_pss_kib,
+    };
+    let default_slots = crab_runtime_config::Config::default().engine.max_jobs;
+    let mut rows = Vec::new();
+    for &n in &a.project {
+        for slots in [default_slots, 8] {
+            rows.push(density::project(&costs, n, slots));
+        }
+    }
+    Some(Projected {
+        density: r.density,
+        costs,
+        rows,
+    })
 }

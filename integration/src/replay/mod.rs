@@ -21,6 +21,7 @@
 //! container's files and processes, and the next turn waits until the checkpoint is durable
 //! (so crab's own freeze is not mistaken for the agent's doing). Its timings are not used.
 
+pub mod density;
 pub mod oracle;
 pub mod recovery;
 pub mod report;
@@ -163,6 +164,12 @@ pub struct RoundRecord {
     pub oracle: bool,
     pub wall_s: f64,
     pub sandboxes: Vec<SandboxRecord>,
+    /// The crab shims' memory while the round ran.
+    pub shims: Option<density::ShimMemory>,
+    /// The round's own engine root's figures (checkpoint jobs' waits for a slot); `None`
+    /// without checkpoints.
+    pub engine: Option<density::EngineFigures>,
+    pub engine_error: Option<String>,
 }
 
 /// Replays `trajectories` in one round. Sandbox failures are recorded, not fatal.
@@ -172,10 +179,21 @@ pub async fn run_round(round: Round, trajectories: &[Trajectory], opts: &Options
         .map(|i| (i, trajectories[i % trajectories.len()].clone()))
         .collect();
     let jobs = Arc::new(Mutex::new(jobs));
+    let env = crate::env::TestEnv::from_env();
+    // The round's own engine: its stats are this round's jobs only.
+    let engine_root = density::round_engine_root(
+        &env,
+        &format!(
+            "{}-n{n}{}",
+            round.policy.name(),
+            if round.oracle { "o" } else { "" }
+        ),
+    );
+    let sampler = density::Sampler::start(env.clone(), density::CRAB_SHIM, Duration::from_secs(1));
     let started = Instant::now();
     let mut workers = Vec::new();
     for _ in 0..n {
-        let (jobs, opts) = (jobs.clone(), opts.clone());
+        let (jobs, opts, engine_root) = (jobs.clone(), opts.clone(), engine_root.clone());
         workers.push(tokio::spawn(async move {
             let mut out = Vec::new();
             loop {
@@ -188,19 +206,25 @@ pub async fn run_round(round: Round, trajectories: &[Trajectory], opts: &Options
                     if round.oracle { "o" } else { "" }
                 );
                 let trial = t.trial.clone();
-                let rec = tokio::spawn(replay_sandbox(name.clone(), round, t, opts.clone()))
-                    .await
-                    .unwrap_or_else(|e| SandboxRecord {
-                        trial,
-                        slot,
-                        id: name,
-                        turns: Vec::new(),
-                        replay_s: f64::NAN,
-                        drain_ms: f64::NAN,
-                        manifests: Vec::new(),
-                        store_bytes: BTreeMap::new(),
-                        errors: vec![format!("the sandbox's replay panicked: {e}")],
-                    });
+                let rec = tokio::spawn(replay_sandbox(
+                    name.clone(),
+                    round,
+                    t,
+                    opts.clone(),
+                    engine_root.clone(),
+                ))
+                .await
+                .unwrap_or_else(|e| SandboxRecord {
+                    trial,
+                    slot,
+                    id: name,
+                    turns: Vec::new(),
+                    replay_s: f64::NAN,
+                    drain_ms: f64::NAN,
+                    manifests: Vec::new(),
+                    store_bytes: BTreeMap::new(),
+                    errors: vec![format!("the sandbox's replay panicked: {e}")],
+                });
                 eprintln!(
                     "replay: {} N={n}{}: {} done, {} turns in {:.1} s{}",
                     round.policy.name(),
@@ -223,12 +247,25 @@ pub async fn run_round(round: Round, trajectories: &[Trajectory], opts: &Options
         sandboxes.extend(w.await.unwrap_or_default());
     }
     sandboxes.sort_by_key(|s| s.slot);
+    let wall_s = started.elapsed().as_secs_f64();
+    let shims = Some(sampler.finish().await);
+    let (engine, engine_error) = match round.policy.checkpoints() {
+        false => (None, None),
+        true => match density::EngineFigures::read(&engine_root) {
+            Ok(f) => (Some(f), None),
+            Err(e) => (None, Some(e)),
+        },
+    };
+    let _ = std::fs::remove_dir_all(&engine_root);
     RoundRecord {
         policy: round.policy,
         density: n,
         oracle: round.oracle,
-        wall_s: started.elapsed().as_secs_f64(),
+        wall_s,
         sandboxes,
+        shims,
+        engine,
+        engine_error,
     }
 }
 
@@ -236,8 +273,18 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-async fn replay_sandbox(name: String, round: Round, t: Trajectory, opts: Options) -> SandboxRecord {
-    let config = round.policy.config();
+async fn replay_sandbox(
+    name: String,
+    round: Round,
+    t: Trajectory,
+    opts: Options,
+    engine_root: std::path::PathBuf,
+) -> SandboxRecord {
+    let config = format!(
+        "{}engine.root = \"{}\"\n",
+        round.policy.config(),
+        engine_root.display()
+    );
     let (mut sb, guard) = Sandbox::start(
         &name,
         SandboxOptions {

@@ -33,6 +33,15 @@ pub struct Figures {
     pub exec_start_ms: Summary,
     /// Mean exec start minus the `none` round's at the same density (ms per turn).
     pub exposed_ms_per_turn: Option<f64>,
+    /// The delay exposed over all turns, as a share of the `none` round's replay time (the
+    /// fault-free wall time the sandboxes spent).
+    pub exposed_share: Option<f64>,
+    /// Checkpoint jobs' waits for an engine slot, in ms (the round's own engine).
+    pub queue_wait_ms: Option<Summary>,
+    pub engine_jobs: Option<u64>,
+    /// The crab shims' memory per shim (one per sandbox) while the round ran, KiB.
+    pub shim_pss_kib: Option<Summary>,
+    pub shim_rss_kib: Option<Summary>,
     pub drain_ms: Summary,
     /// Sum over sandboxes of the time from the first think to the last turn end.
     pub replay_s: f64,
@@ -118,6 +127,7 @@ pub fn figures(r: &RoundRecord, baseline: Option<&RoundRecord>) -> Figures {
     let commands_s = commands(r);
     let (mut exposed, mut replay_vs_none, mut wall_vs_none, mut harness_vs_none) =
         (None, None, None, None);
+    let mut exposed_share = None;
     if let Some(b) = baseline.filter(|b| b.density == r.density) {
         let base_exec = Summary::of(
             &b.sandboxes
@@ -134,6 +144,10 @@ pub fn figures(r: &RoundRecord, baseline: Option<&RoundRecord>) -> Figures {
             .filter(|x| x.is_finite())
             .sum();
         replay_vs_none = Some(replay_s / base_replay).filter(|x| x.is_finite());
+        let turns = turns().count() as f64;
+        exposed_share = exposed
+            .map(|e| e * turns / 1e3 / base_replay)
+            .filter(|x| x.is_finite());
         harness_vs_none =
             Some((replay_s - commands_s) / (base_replay - commands(b))).filter(|x| x.is_finite());
         wall_vs_none = Some(r.wall_s / b.wall_s).filter(|x| x.is_finite());
@@ -154,6 +168,11 @@ pub fn figures(r: &RoundRecord, baseline: Option<&RoundRecord>) -> Figures {
         checkpoint_job_ms: Summary::of(&job_ms),
         exec_start_ms,
         exposed_ms_per_turn: exposed,
+        exposed_share,
+        queue_wait_ms: r.engine.as_ref().map(|e| e.wait_ms),
+        engine_jobs: r.engine.as_ref().map(|e| e.jobs),
+        shim_pss_kib: r.shims.as_ref().and_then(|s| s.pss_kib_per_shim),
+        shim_rss_kib: r.shims.as_ref().and_then(|s| s.rss_kib_per_shim),
         drain_ms: Summary::of(&r.sandboxes.iter().map(|s| s.drain_ms).collect::<Vec<_>>()),
         replay_s,
         replay_vs_none,
@@ -302,6 +321,47 @@ pub fn markdown(figs: &[Figures], acc: Option<&Accuracy>) -> String {
             opt(f.harness_vs_none, 3),
         );
     }
+    let _ = writeln!(
+        md,
+        "\nDensity: `exposed` = the delay exposed over all turns as a share of `none`'s replay time (the fault-free \
+         time); `decision` = crab's turn-end answer p50 / p95 / p99; `queue wait` = checkpoint jobs' wait for an engine \
+         slot (the round's own engine) p50 / p95 / p99; `shim` = crab shim memory per sandbox while the round ran, \
+         PSS (shared pages split among the shims) / RSS, mean of the samples.\n\n\
+         | policy | N | exposed | decision ms | jobs | queue wait ms | shim PSS / RSS MiB |\n|---|---:|---:|---|---:|---|---|"
+    );
+    for f in figs {
+        let three = |s: &Summary, digits: usize| {
+            if s.n == 0 {
+                "-".to_string()
+            } else {
+                format!(
+                    "{:.digits$} / {:.digits$} / {:.digits$}",
+                    s.p50, s.p95, s.p99
+                )
+            }
+        };
+        let mem = match (&f.shim_pss_kib, &f.shim_rss_kib) {
+            (Some(p), Some(r)) => format!("{:.1} / {:.1}", p.mean / 1024.0, r.mean / 1024.0),
+            _ => "-".into(),
+        };
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {} | {mem} |",
+            f.policy.name(),
+            f.density,
+            f.exposed_share
+                .map(|x| format!("{:.2}%", x * 100.0))
+                .unwrap_or_else(|| "-".into()),
+            three(&f.decision_ms, 2),
+            f.engine_jobs
+                .map(|j| j.to_string())
+                .unwrap_or_else(|| "-".into()),
+            f.queue_wait_ms
+                .as_ref()
+                .map(|s| three(s, 1))
+                .unwrap_or_else(|| "-".into()),
+        );
+    }
     let _ = writeln!(md, "\ncrab's decisions (the inspector's answers, whatever the policy took), and where the bytes went:\n");
     let _ = writeln!(md, "| policy | N | none | fs | proc | full | layers | process images | metadata | drain p50 ms |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for f in figs.iter().filter(|f| f.policy.checkpoints()) {
@@ -416,6 +476,9 @@ mod tests {
                 store_bytes: BTreeMap::from([("blobs".into(), 1000), ("checkpoints".into(), 24)]),
                 errors: Vec::new(),
             }],
+            shims: None,
+            engine: None,
+            engine_error: None,
         }
     }
 
@@ -435,6 +498,8 @@ mod tests {
         );
         assert_eq!(f.checkpoints["proc"], 1);
         assert_eq!(f.exposed_ms_per_turn, Some(4.0));
+        // 4 turns exposed 4 ms each over `none`'s 2 s of replay.
+        assert_eq!(f.exposed_share, Some(4.0 * 4.0 / 1e3 / 2.0));
         assert_eq!(f.replay_vs_none, Some(1.5));
         assert_eq!(
             (f.commands_s, f.harness_vs_none),
