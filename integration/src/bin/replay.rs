@@ -296,7 +296,11 @@ async fn main() {
     } else {
         None
     };
-    let projection = projection(&a, &selected, &rounds, &figures, idle.as_ref());
+    let projections: Vec<Projected> = a
+        .densities
+        .iter()
+        .filter_map(|&d| projection(&a, &selected, &rounds, &figures, idle.as_ref(), d))
+        .collect();
     let total = started.elapsed();
     let failures: Vec<String> = rounds
         .iter()
@@ -343,7 +347,7 @@ async fn main() {
             m(runc)
         ));
     }
-    if let Some(p) = &projection {
+    for p in &projections {
         md.push_str(&p.markdown());
     }
     if !failures.is_empty() {
@@ -365,7 +369,7 @@ async fn main() {
         "figures": figures,
         "accuracy": accuracy,
         "idle_shims": idle.as_ref().map(|(crab, runc)| json!({"crab": crab, "runc": runc})),
-        "projection": projection,
+        "projections": projections,
         "errors": failures,
         "rounds": rounds,
     });
@@ -469,19 +473,20 @@ impl Projected {
     }
 }
 
-/// crab's costs from its round at the largest density, projected to `--project` sandboxes
-/// with the default slot count and a few more.
+/// crab's costs from its round at `density`, projected to `--project` sandboxes with the
+/// default slot count and a few more. Each density's own: a job's time on a busy host includes
+/// the CPU it waited for, so the smallest density's is closest to a host sized for its load.
 fn projection(
     a: &Args,
     selected: &[trajectory::Trajectory],
     rounds: &[RoundRecord],
     figures: &[report::Figures],
     idle: Option<&(density::ShimMemory, density::ShimMemory)>,
+    density: usize,
 ) -> Option<Projected> {
     let r = rounds
         .iter()
-        .filter(|r| r.policy == Policy::Crab && !r.oracle)
-        .max_by_key(|r| r.density)?;
+        .find(|r| r.policy == Policy::Crab && !r.oracle && r.density == density)?;
     let f = figures
         .iter()
         .find(|f| f.policy == Policy::Crab && f.density == r.density)?;
@@ -516,7 +521,7 @@ fn projection(
     let default_slots = crab_runtime_config::Config::default().engine.max_jobs;
     let mut rows = Vec::new();
     for &n in &a.project {
-        for slots in [default_slots, 8] {
+        for slots in [default_slots, 8, 32] {
             rows.push(density::project(&costs, n, slots));
         }
     }
