@@ -42,6 +42,27 @@ pub struct RuntimeOptionsProto {
     pub config_body: String,
 }
 
+/// The type URL of runc's options (`containerd.runc.v1.Options`), which crab also takes.
+pub const RUNC_OPTIONS_TYPE_URL: &str = "containerd.runc.v1.Options";
+
+/// `containerd.runc.v1.Options` (api/types/runc/options/oci.proto), the fields tests set.
+#[derive(Clone, PartialEq, Message)]
+pub struct RuncOptionsProto {
+    #[prost(string, tag = "3")]
+    pub shim_cgroup: String,
+}
+
+/// `Container.runtime.options` as runc's options with a `ShimCgroup`.
+pub fn runc_options_with_shim_cgroup(shim_cgroup: &str) -> Any {
+    Any {
+        type_url: RUNC_OPTIONS_TYPE_URL.into(),
+        value: RuncOptionsProto {
+            shim_cgroup: shim_cgroup.into(),
+        }
+        .encode_to_vec(),
+    }
+}
+
 /// `Container.runtime.options` pointing the crab shim at a config file and/or inline TOML.
 pub fn crab_runtime_options(config_path: Option<&str>, config_body: Option<&str>) -> Any {
     let msg = RuntimeOptionsProto {

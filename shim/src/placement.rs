@@ -20,7 +20,9 @@ pub const SHIM_CGROUP_ENV: &str = "CRAB_SHIM_CGROUP";
 
 /// Moves `pid` into cgroup `path` (absolute within each hierarchy, as runc's `ShimCgroup`) in
 /// every mounted cgroup hierarchy that has it. Returns the directories joined; a hierarchy where
-/// the cgroup exists but cannot be joined is an error.
+/// the cgroup exists but cannot be joined (a v1 cpuset cgroup without CPUs, say) is an error
+/// that names every such hierarchy and those joined anyway: one failure does not stop the
+/// others.
 pub fn join_cgroup(pid: u32, path: &str) -> io::Result<Vec<PathBuf>> {
     let rel = path.trim_start_matches('/');
     if rel.split('/').any(|c| c == "..") {
@@ -31,14 +33,38 @@ pub fn join_cgroup(pid: u32, path: &str) -> io::Result<Vec<PathBuf>> {
     }
     let mounts = mountinfo::read_self()?;
     let mut joined = Vec::new();
+    let mut failed: Vec<(PathBuf, io::Error)> = Vec::new();
     for mount_point in cgroup::hierarchy_mount_points(&mounts) {
         let dir = mount_point.join(rel);
         if !dir.is_dir() {
             continue;
         }
-        fs::write(dir.join("cgroup.procs"), pid.to_string())
-            .map_err(|e| io::Error::new(e.kind(), format!("join {}: {e}", dir.display())))?;
-        joined.push(dir);
+        match fs::write(dir.join("cgroup.procs"), pid.to_string()) {
+            Ok(()) => joined.push(dir),
+            Err(e) => failed.push((dir, e)),
+        }
+    }
+    if let Some((_, first)) = failed.first() {
+        return Err(io::Error::new(
+            first.kind(),
+            format!(
+                "cannot join {} (joined: {})",
+                failed
+                    .iter()
+                    .map(|(d, e)| format!("{}: {e}", d.display()))
+                    .collect::<Vec<_>>()
+                    .join("; "),
+                if joined.is_empty() {
+                    "none".to_string()
+                } else {
+                    joined
+                        .iter()
+                        .map(|d| d.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                }
+            ),
+        ));
     }
     if joined.is_empty() {
         return Err(io::Error::new(
