@@ -64,20 +64,6 @@ fn oom_score_adj(pid: u32) -> i32 {
         .unwrap()
 }
 
-/// Every mounted cgroup hierarchy (v1 controllers and v2 alike: a host may have both).
-fn hierarchies() -> Vec<PathBuf> {
-    std::fs::read_to_string("/proc/self/mountinfo")
-        .unwrap()
-        .lines()
-        .filter_map(|l| {
-            let (left, right) = l.split_once(" - ")?;
-            let fstype = right.split(' ').next()?;
-            matches!(fstype, "cgroup" | "cgroup2")
-                .then(|| PathBuf::from(left.split(' ').nth(4).unwrap()))
-        })
-        .collect()
-}
-
 /// A cgroup for the test, `/<name>` in every hierarchy (what runc's `ShimCgroup` names),
 /// removed on drop once no process is left in it.
 struct TestCgroup(Vec<PathBuf>);
@@ -89,7 +75,7 @@ impl TestCgroup {
 
     /// With `cpuset` false, a v1 cpuset cgroup is left without CPUs (nothing can join it).
     fn with_cpuset(name: &str, cpuset: bool) -> TestCgroup {
-        let dirs: Vec<PathBuf> = hierarchies().iter().map(|h| h.join(name)).collect();
+        let dirs: Vec<PathBuf> = host::cgroup_mounts().iter().map(|h| h.join(name)).collect();
         assert!(!dirs.is_empty(), "no cgroup hierarchy is mounted");
         for d in &dirs {
             std::fs::create_dir_all(d).unwrap();
@@ -237,7 +223,7 @@ async fn a_hostile_or_missing_shim_cgroup_leaves_the_shim_where_it_was() {
     }
     // A hierarchy that refuses the shim (a v1 cpuset cgroup without CPUs: ENOSPC) does not
     // keep it out of the others.
-    let cpuset_v1 = hierarchies()
+    let cpuset_v1 = host::cgroup_mounts()
         .into_iter()
         .find(|h| h.join("cpuset.cpus").exists() && h.join("tasks").exists());
     if let Some(cpuset) = cpuset_v1 {
@@ -249,7 +235,7 @@ async fn a_hostile_or_missing_shim_cgroup_leaves_the_shim_where_it_was() {
         let pid = shim_pid(&id);
         let want = format!("/{name}");
         let mut expected_elsewhere = 0;
-        for h in hierarchies() {
+        for h in host::cgroup_mounts() {
             let procs = std::fs::read_to_string(h.join(&name).join("cgroup.procs")).unwrap();
             let inside = procs.lines().any(|l| l.trim() == pid.to_string());
             if h == cpuset {
@@ -272,7 +258,7 @@ async fn a_hostile_or_missing_shim_cgroup_leaves_the_shim_where_it_was() {
             .unwrap_or_else(|| panic!("the shim of {id} did not exit"));
         drop(cg);
     }
-    for h in hierarchies() {
+    for h in host::cgroup_mounts() {
         assert!(!h.join("crab-test-escape").exists());
         assert!(!h.parent().unwrap().join("crab-test-escape").exists());
     }

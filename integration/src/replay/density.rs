@@ -43,51 +43,25 @@ pub fn parse_smaps_rollup(text: &str) -> Option<ProcMemory> {
     })
 }
 
-/// Whether `cmdline` (NUL-separated) is a shim named `binary` serving `namespace` of the
-/// containerd at `address` (shims take `-namespace`, `-address` as containerd starts them).
-pub fn is_shim_of(cmdline: &[u8], binary: &str, namespace: &str, address: &str) -> bool {
-    let args: Vec<&[u8]> = cmdline
-        .split(|b| *b == 0)
-        .filter(|a| !a.is_empty())
-        .collect();
-    let Some(argv0) = args.first() else {
-        return false;
-    };
-    let name = argv0.rsplit(|b| *b == b'/').next().unwrap_or(argv0);
-    if name != binary.as_bytes() {
-        return false;
-    }
-    let value = |flag: &str| {
-        args.windows(2)
-            .find(|w| w[0] == flag.as_bytes())
-            .map(|w| w[1])
-    };
-    value("-namespace") == Some(namespace.as_bytes())
-        && value("-address") == Some(address.as_bytes())
-}
-
 /// The shims of `binary` that serve `env`'s namespace, now: their memory, one entry each.
 pub fn shims_now(env: &TestEnv, binary: &str) -> Vec<ProcMemory> {
-    let address = env.address.to_string_lossy().into_owned();
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-            continue;
-        };
-        if !is_shim_of(&cmdline, binary, &env.namespace, &address) {
-            continue;
-        }
-        if let Some(m) = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
-            .ok()
-            .and_then(|t| parse_smaps_rollup(&t))
-        {
-            out.push(m);
-        }
-    }
-    out
+    crate::host::shims_of(&env.address)
+        .into_iter()
+        .filter(|(_, p)| {
+            p.argv
+                .first()
+                .and_then(|a| Path::new(a).file_name())
+                .is_some_and(|n| n == binary)
+                && p.argv
+                    .windows(2)
+                    .any(|w| w[0] == "-namespace" && w[1] == env.namespace)
+        })
+        .filter_map(|(_, p)| {
+            std::fs::read_to_string(format!("/proc/{}/smaps_rollup", p.pid))
+                .ok()
+                .and_then(|t| parse_smaps_rollup(&t))
+        })
+        .collect()
 }
 
 /// The shims' memory over a round, per shim: samples of (RSS, PSS) summed over the shims
@@ -404,29 +378,6 @@ mod tests {
         // Pss_Anon is not Pss; a text without Pss is no figure.
         assert_eq!(parse_smaps_rollup("Rss: 1 kB\nPss_Anon: 2 kB\n"), None);
         assert_eq!(parse_smaps_rollup("garbage"), None);
-    }
-
-    #[test]
-    fn shim_cmdlines() {
-        let c = b"/x/bin/containerd-shim-crab-v1\0-namespace\0ns\0-id\0a\0-address\0/run/c.sock\0";
-        assert!(is_shim_of(c, CRAB_SHIM, "ns", "/run/c.sock"));
-        assert!(!is_shim_of(c, CRAB_SHIM, "other", "/run/c.sock"));
-        assert!(!is_shim_of(c, CRAB_SHIM, "ns", "/run/docker.sock"));
-        assert!(!is_shim_of(c, RUNC_SHIM, "ns", "/run/c.sock"));
-        // A flag without its value, an empty cmdline (a zombie), another program.
-        assert!(!is_shim_of(
-            b"containerd-shim-crab-v1\0-namespace\0",
-            CRAB_SHIM,
-            "ns",
-            "/run/c.sock"
-        ));
-        assert!(!is_shim_of(b"", CRAB_SHIM, "ns", "/run/c.sock"));
-        assert!(!is_shim_of(
-            b"sleep\0-namespace\0ns\0-address\0/run/c.sock\0",
-            CRAB_SHIM,
-            "ns",
-            "/run/c.sock"
-        ));
     }
 
     #[test]
