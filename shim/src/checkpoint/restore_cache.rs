@@ -413,7 +413,7 @@ impl RestoreCache {
                 return Err(e);
             }
         };
-        let made = (|| {
+        let made = (|| -> Result<(), CacheError> {
             let wanted: BTreeMap<String, u64> =
                 files.iter().map(|(n, d)| (n.clone(), d.size)).collect();
             if listing(&tmp.join("image")).as_ref() != Some(&wanted) {
@@ -538,7 +538,7 @@ impl RestoreCache {
         files: &BTreeMap<String, FileDigest>,
     ) -> Result<StoreMeta, CacheError> {
         let tmp = self.tmp_dir(key)?;
-        let made = (|| {
+        let made = (|| -> Result<StoreMeta, CacheError> {
             let proc = tmp.join("proc");
             Self::link_out(&entry.join("image"), files, &proc)?;
             let stats = pages::dedup(&proc, &tmp.join("chunks"))?;
