@@ -495,7 +495,10 @@ async fn fork_3_of_a_process_checkpoint_share_one_verified_image() {
     );
     let log = h.env.containerd_log();
     let from = std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
-    let out = crabctl_ok(&s, &["fork", &s.id, "--at", &turn, "--count", "3", "-o", "json"]);
+    let out = crabctl_ok(
+        &s,
+        &["fork", &s.id, "--at", &turn, "--count", "3", "-o", "json"],
+    );
     let report: Value = serde_json::from_str(&out).unwrap();
     let ids: Vec<String> = report["forks"]
         .as_array()
@@ -534,16 +537,8 @@ async fn fork_3_of_a_process_checkpoint_share_one_verified_image() {
             }
         })
         .collect();
-    assert_eq!(
-        how.iter().filter(|h| **h == "built").count(),
-        1,
-        "{how:?}"
-    );
-    assert_eq!(
-        how.iter().filter(|h| **h == "linked").count(),
-        2,
-        "{how:?}"
-    );
+    assert_eq!(how.iter().filter(|h| **h == "built").count(), 1, "{how:?}");
+    assert_eq!(how.iter().filter(|h| **h == "linked").count(), 2, "{how:?}");
     let entries = s.state_dir.join(".restore-cache/entries");
     assert_eq!(
         std::fs::read_dir(&entries).unwrap().count(),
@@ -561,7 +556,9 @@ async fn fork_3_of_a_process_checkpoint_share_one_verified_image() {
                 .into_iter()
                 .flatten()
                 .flatten()
-                .filter_map(|e| serde_json::from_slice::<Value>(&std::fs::read(e.path()).ok()?).ok())
+                .filter_map(|e| {
+                    serde_json::from_slice::<Value>(&std::fs::read(e.path()).ok()?).ok()
+                })
                 .find(|m| m["kind"] == "restored");
             if origin.is_some_and(|m| !m["process"].is_null()) {
                 pack = std::fs::read_dir(store.join("chunks"))

@@ -308,7 +308,8 @@ impl Containers {
                 let (config, id) = (config.clone(), p.id.clone());
                 let taken = tokio::task::spawn_blocking(move || {
                     let trusted = || crate::checkpoint::provenance::trusted_keys(&config);
-                    let cache = crate::checkpoint::restore_cache::RestoreCache::from_config(&config);
+                    let cache =
+                        crate::checkpoint::restore_cache::RestoreCache::from_config(&config);
                     let guard = restore::RestoreGuard {
                         container: &id,
                         trusted: &trusted,

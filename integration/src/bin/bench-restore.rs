@@ -1372,7 +1372,10 @@ async fn fork_rounds(
                 round + 1,
                 b.o.fork_reps
             ));
-            plain.entry(n).or_default().push(plain_starts(b, &h, n).await?);
+            plain
+                .entry(n)
+                .or_default()
+                .push(plain_starts(b, &h, n).await?);
             for (s, turn, with_process) in [(&fs.s, &fs_turn, false), (&p.s, &proc_turn, true)] {
                 let run = fork_once(b, s, turn, n, with_process, round == 0).await?;
                 forks.entry((with_process, n)).or_default().push(run);
@@ -1401,7 +1404,11 @@ async fn bench_fork(b: &mut Bench, r: &mut Report, fs: &FsSandbox, p: &ProcSandb
         );
     }
     for (with_process, label, single) in [
-        (false, "fs-only", format!("{ROLLBACK_CHAIN} layers: API create+start, warm")),
+        (
+            false,
+            "fs-only",
+            format!("{ROLLBACK_CHAIN} layers: API create+start, warm"),
+        ),
         (
             true,
             "50 MB process",
@@ -1415,7 +1422,9 @@ async fn bench_fork(b: &mut Bench, r: &mut Report, fs: &FsSandbox, p: &ProcSandb
             let runs = &forks[&(with_process, n)];
             let col = |f: fn(&ForkRun) -> f64| runs.iter().map(f).collect::<Vec<_>>();
             let flat = |f: fn(&ForkRun) -> &Vec<f64>| {
-                runs.iter().flat_map(|x| f(x).iter().copied()).collect::<Vec<_>>()
+                runs.iter()
+                    .flat_map(|x| f(x).iter().copied())
+                    .collect::<Vec<_>>()
             };
             let wall = col(|x| x.wall_ms);
             let sandbox = flat(|x| &x.sandbox_ms);
@@ -1530,10 +1539,15 @@ fn verdict(p50: f64, aim: f64) -> &'static str {
     }
 }
 
-
 /// The report of what was measured so far, as (JSON, Markdown); `state` says whether the run is
 /// still going (a partial report, rewritten after each section), complete, or was stopped.
-fn render(b: &Bench, r: &Report, total: Duration, load_before: &str, state: &str) -> (Value, String) {
+fn render(
+    b: &Bench,
+    r: &Report,
+    total: Duration,
+    load_before: &str,
+    state: &str,
+) -> (Value, String) {
     let host = Host::now();
     let (now, kernel, cpus, load_after) = (host.unix_time, &host.kernel, host.cpus, &host.loadavg);
     let mut md = String::new();
@@ -1626,7 +1640,10 @@ fn render(b: &Bench, r: &Report, total: Duration, load_before: &str, state: &str
         }
     }
     if let Some(e) = &r.failed {
-        let _ = writeln!(md, "\n## Stopped\n\n{e}\n\nThe figures above were measured before.");
+        let _ = writeln!(
+            md,
+            "\n## Stopped\n\n{e}\n\nThe figures above were measured before."
+        );
     }
     if !r.cleanup.is_empty() {
         let _ = writeln!(md, "\n## Cleanup left\n");
@@ -1661,9 +1678,13 @@ fn render(b: &Bench, r: &Report, total: Duration, load_before: &str, state: &str
 /// a run stopped later, or killed, keeps these figures.
 fn save_partial(b: &Bench, r: &Report, started: Instant, load_before: &str) {
     let (json, md) = render(b, r, started.elapsed(), load_before, "partial: running");
-    if let Err(e) =
-        crab_integration::bench::write_results(&b.base.env.bench_dir(), "restore", b.stamp, &json, &md)
-    {
+    if let Err(e) = crab_integration::bench::write_results(
+        &b.base.env.bench_dir(),
+        "restore",
+        b.stamp,
+        &json,
+        &md,
+    ) {
         BENCH.progress(format!("cannot write the partial results: {e}"));
     }
 }
@@ -1835,13 +1856,14 @@ async fn cleanup(b: &Bench) -> Vec<String> {
     }
     for name in &names {
         let deleted = ImagesClient::new(b.base.channel())
-            .delete(b.base.request(
-                containerd_client::services::v1::DeleteImageRequest {
-                    name: name.clone(),
-                    sync: false,
-                    target: None,
-                },
-            ))
+            .delete(
+                b.base
+                    .request(containerd_client::services::v1::DeleteImageRequest {
+                        name: name.clone(),
+                        sync: false,
+                        target: None,
+                    }),
+            )
             .await;
         match deleted {
             Ok(_) => {}

@@ -370,7 +370,10 @@ impl Ctl {
                 let (client, lease, top) = (self.client.clone(), lease.clone(), top.clone());
                 set.spawn(async move {
                     let id = record.id.clone();
-                    (id, start_from(&client, &lease, record, &top, launched).await)
+                    (
+                        id,
+                        start_from(&client, &lease, record, &top, launched).await,
+                    )
                 });
             }
             let mut forks = Vec::new();

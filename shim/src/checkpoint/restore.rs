@@ -39,7 +39,7 @@ use super::{
     provenance::{
         self, FileDigest, HashingReader, ProvenanceError, Statement, TrustedKeys, SIGNATURE_FILE,
     },
-    restore_cache::{CacheError, RestoreCache, Source},
+    restore_cache::{self, CacheError, RestoreCache},
     store::{
         CheckpointKind, Descriptor, DescriptorError, Manifest, ProcessImage, Store, StoreError,
     },
@@ -571,8 +571,8 @@ fn take_image<'a>(
         match cache.provide(&statement.criu, dest, build) {
             Ok(Some((p, built))) => {
                 let how = match p.source {
-                    Source::Hit => "the restore cache's verified copy",
-                    Source::Built => "verified into the restore cache",
+                    restore_cache::Source::Hit => "the restore cache's verified copy",
+                    restore_cache::Source::Built => "verified into the restore cache",
                 };
                 return Ok(TakenImage {
                     bytes,
@@ -1187,7 +1187,7 @@ mod tests {
             .take(image().path(), &dest.path().join("2"))
             .unwrap()
             .unwrap();
-        let criu = second.criu_dir.unwrap();
+        let criu = second.criu_dir.clone().unwrap();
         assert_eq!(
             ino(&criu.join("pages-1.img")),
             ino(&cached.join("pages-1.img"))
@@ -1196,7 +1196,10 @@ mod tests {
         // Altered in place after signing, same size: the verified bytes restore, not these.
         let root = image();
         fs::write(
-            root.path().join(RESERVED_DIR).join(CRIU_DIR).join("pages-1.img"),
+            root.path()
+                .join(RESERVED_DIR)
+                .join(CRIU_DIR)
+                .join("pages-1.img"),
             b"PAGES",
         )
         .unwrap();
@@ -1213,7 +1216,9 @@ mod tests {
         let alter: [Alteration; 3] = [
             (
                 "criu/pages-1.img is 2 bytes, the signed one 5 bytes",
-                Box::new(|d: &Path| fs::write(d.join(CRIU_DIR).join("pages-1.img"), b"pa").unwrap()),
+                Box::new(|d: &Path| {
+                    fs::write(d.join(CRIU_DIR).join("pages-1.img"), b"pa").unwrap()
+                }),
             ),
             (
                 "criu/pages-2.img was not signed",

@@ -77,7 +77,7 @@ pub enum CacheError {
     Pages(#[from] pages::PagesError),
 }
 
-fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> CacheError + '_ {
+fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> CacheError + 'a {
     move |source| CacheError::Io {
         what,
         path: path.to_path_buf(),
@@ -501,25 +501,24 @@ impl RestoreCache {
                 link_or_copy(&e.path(), &dst, &name.to_string_lossy())?;
             }
         }
-        let proc_files: BTreeMap<String, FileDigest> =
-            listing(&store.join("proc"))
-                .ok_or_else(|| {
-                    CacheError::Bad(format!(
-                        "{} holds something other than files",
-                        store.display()
-                    ))
-                })?
-                .into_iter()
-                .map(|(n, size)| {
-                    (
-                        n,
-                        FileDigest {
-                            sha256: String::new(),
-                            size,
-                        },
-                    )
-                })
-                .collect();
+        let proc_files: BTreeMap<String, FileDigest> = listing(&store.join("proc"))
+            .ok_or_else(|| {
+                CacheError::Bad(format!(
+                    "{} holds something other than files",
+                    store.display()
+                ))
+            })?
+            .into_iter()
+            .map(|(n, size)| {
+                (
+                    n,
+                    FileDigest {
+                        sha256: String::new(),
+                        size,
+                    },
+                )
+            })
+            .collect();
         Self::link_out(&store.join("proc"), &proc_files, proc_dir)?;
         drop(lock);
         pages::sync(proc_dir, chunks)?;
@@ -548,8 +547,11 @@ impl RestoreCache {
                 bytes_stored: files_bytes + stats.bytes_stored(),
             };
             let path = tmp.join(STORE_FILE);
-            fs::write(&path, serde_json::to_vec(&meta).expect("store meta serializes"))
-                .map_err(io_err("writing", &path))?;
+            fs::write(
+                &path,
+                serde_json::to_vec(&meta).expect("store meta serializes"),
+            )
+            .map_err(io_err("writing", &path))?;
             let store = entry.join("store");
             fs::rename(&tmp, &store).map_err(io_err("publishing", &store))?;
             Ok(meta)
@@ -563,7 +565,11 @@ impl RestoreCache {
     /// Removes the least recently used entries (never `keep`, nor one in use) until the cache
     /// holds at most its bound, and what dead builders left in `tmp/`.
     pub fn evict(&self, keep: &str) {
-        for e in fs::read_dir(self.root.join("tmp")).into_iter().flatten().flatten() {
+        for e in fs::read_dir(self.root.join("tmp"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
             let name = e.file_name().to_string_lossy().into_owned();
             // `<key>-<pid>-<nanos>` or `gone-<pid>-<nanos>`.
             let pid = name.rsplitn(3, '-').nth(1).and_then(|p| p.parse().ok());
@@ -842,7 +848,11 @@ mod tests {
         // Nothing cached yet: the caller imports on its own.
         assert_eq!(
             cache
-                .import(&files, &t.path().join("s0/proc/1"), &t.path().join("s0/chunks"))
+                .import(
+                    &files,
+                    &t.path().join("s0/proc/1"),
+                    &t.path().join("s0/chunks")
+                )
                 .unwrap(),
             None
         );
