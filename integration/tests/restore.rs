@@ -546,6 +546,29 @@ async fn fork_3_of_a_process_checkpoint_share_one_verified_image() {
         "one cached image in {}",
         entries.display()
     );
+    // No restore wrote to the cached image (CRIU writes its statistics into the directory it
+    // restores from: each restore's own copy): its files still hash to its key.
+    let entry = std::fs::read_dir(&entries)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap();
+    let mut files = std::collections::BTreeMap::new();
+    for f in std::fs::read_dir(entry.path().join("image"))
+        .unwrap()
+        .flatten()
+    {
+        let mut r = crab_shim::checkpoint::provenance::HashingReader::new(
+            std::fs::File::open(f.path()).unwrap(),
+        );
+        std::io::copy(&mut r, &mut std::io::sink()).unwrap();
+        files.insert(f.file_name().into_string().unwrap(), r.finish());
+    }
+    assert_eq!(
+        crab_shim::checkpoint::restore_cache::RestoreCache::key(&files),
+        entry.file_name().to_string_lossy(),
+        "the cached image changed: {files:#?}"
+    );
     // Each fork's store imports the image (in the background): the same pack in all three.
     let mut packs = Vec::new();
     for id in &ids {

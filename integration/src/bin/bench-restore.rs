@@ -7,8 +7,7 @@
 //!
 //! 0. Baseline: a plain start of the agent image under crab and under io.containerd.runc.v2,
 //!    both as `ctr run -d` (wall time of the command) and through the API (Snapshots.Prepare +
-//!    Containers.Create, Tasks.Create, Tasks.Start); and 1 / 4 / 8 plain API starts at once,
-//!    the reference for forking N on this host.
+//!    Containers.Create, Tasks.Create, Tasks.Start).
 //! 1. Restore of fs-only chains of 1 / 10 / 50 layers: one sandbox gets 50 fs turns (a small
 //!    edit each); `crabctl export --turn` of turns 1, 10 and 50; then starts of a new container
 //!    from each image: `ctr run -d` with the image's snapshots removed first (`cold`: containerd
@@ -25,16 +24,27 @@
 //!    each repetition runs a turn that writes a file and then rolls back to before it; fs-only
 //!    (turn 10 of the 50-turn sandbox) and with the 50 MB process. The same checkpoint is also
 //!    exported on its own after each rollback: the share of the export in a rollback.
-//! 4. Fork: `crabctl fork C --at T --count N` for N = 1, 4, 8 (N interleaved per round, after
-//!    one untimed warm-up fork), of the fs checkpoint and of the process checkpoint; the forks
-//!    are removed after each repetition. Ratio fork8 / fork1 of the p50s. Each fork's store is
-//!    looked at: one that already holds checkpoints continues a removed fork's lineage.
+//! 4. Fork: for N = 1, 8, 32, in each round: N plain API starts of the agent image at once
+//!    under crab (the reference), `crabctl fork C --at T --count N -o json` of the fs checkpoint,
+//!    and of the process checkpoint (after one untimed warm-up fork of each); the forks are
+//!    removed after each. Per fork, crabctl's figures (its own time: Containers.Create,
+//!    Tasks.Create, Tasks.Start) and the shim's `restored in`; the last fork of the first round
+//!    is checked to hold the process again. Ratios: fork N wall / N plain starts (p50s), and
+//!    fork N wall / N against one start of the same checkpoint image (a plain start plus a
+//!    restore, sections 1 and 2). Each fork's store is looked at: one that already holds
+//!    checkpoints continues a removed fork's lineage.
 //!
-//! Aims (the issue's; printed next to the figures, not checked): fs-only rollback p50 <= 20 ms;
-//! restore with a 50 MB process p50 <= 300 ms; forking 8 <= 2x forking 1.
+//! Aims (the issues'; printed next to the figures, not checked): fs-only rollback p50 <= 20 ms;
+//! restore with a 50 MB process p50 <= 300 ms; forking N <= 1.2x N plain starts at once, and no
+//! slower per sandbox than a plain start plus a restore.
 //!
 //! Output: a table on stdout; `$CRAB_HOME/bench/restore-<unix time>.{json,md}` and
-//! `restore-latest.{json,md}`.
+//! `restore-latest.{json,md}`, written after each section too (a run that stops keeps what it
+//! measured: the report then says where it stopped). Cleanup comes last, in dependency order
+//! (containers, then the unpacked snapshots of the run's checkpoint images, children first,
+//! then the images); what it cannot remove is reported with the figures, not fatal to them.
+//! `CRAB_BENCH_RESTORE_CACHE=off` runs the sandboxes without the restore cache (for a before /
+//! after of the cache in the same build).
 //!
 //! `cargo run --release -p crab-integration --bin bench-restore [-- --reps N --rollback-reps N
 //! --fork-reps N]` with the private containerd up and the images imported (`make build images
@@ -914,11 +924,22 @@ fn restore_rows(
 /// Sandbox config that signs its exports with the key the bench's own containers trust (the
 /// default key of the bench's state_dir): images from the sandboxes restore under
 /// `cfg_body`, as on one host.
+/// With `CRAB_BENCH_RESTORE_CACHE=off` the sandboxes (and so their forks and rollbacks) run
+/// without the restore cache (`[restore] cache_mib = 0`): each restore verifies and copies the
+/// CRIU image itself, and each store deduplicates its own copy, as before the cache.
 fn signing_config(b: &Bench) -> String {
-    format!(
+    let mut c = format!(
         "restore.signing_key = \"{}\"\n",
         b.state_dir.join("keys/checkpoint-signing.key").display()
-    )
+    );
+    if !restore_cache_on() {
+        c.push_str("restore.cache_mib = 0\n");
+    }
+    c
+}
+
+fn restore_cache_on() -> bool {
+    std::env::var("CRAB_BENCH_RESTORE_CACHE").as_deref() != Ok("off")
 }
 
 struct FsSandbox {
@@ -1553,12 +1574,13 @@ fn render(
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "# Restore benchmark\n\nRun: **{state}**. kernel {kernel}, {cpus} CPUs, unix time {now}, total {:.0} s, loadavg before {load_before} / \
+        "# Restore benchmark\n\nRun: **{state}**, restore cache {}. kernel {kernel}, {cpus} CPUs, unix time {now}, total {:.0} s, loadavg before {load_before} / \
          after {load_after}. Image {AGENT_IMAGE} through the private containerd; starts of checkpoint images under \
          io.containerd.crab.v1. Milliseconds; nearest-rank percentiles (with few samples p95 = max). Figures only: the \
          aims are the issue's, not checked here. `cold` = the checkpoint's layers were not unpacked (their snapshots \
          removed first); `warm` = unpacked; `API` = Snapshots.Prepare + Containers.Create, Tasks.Create, Tasks.Start \
          until it returned (the task runs); `crabctl wall` = the command from spawn to exit.\n",
+        if restore_cache_on() { "on" } else { "off (CRAB_BENCH_RESTORE_CACHE=off)" },
         total.as_secs_f64()
     );
     let _ = writeln!(md, "| section | measurement | n | p50 | p95 | min | max | aim (p50) | notes |\n|---|---|---:|---:|---:|---:|---:|---|---|");
@@ -1661,7 +1683,7 @@ fn render(
         "containerd_address": b.base.env.address,
         "build": build_info(),
         "image": AGENT_IMAGE,
-        "options": {"reps": b.o.reps, "rollback_reps": b.o.rollback_reps, "fork_reps": b.o.fork_reps},
+        "options": {"reps": b.o.reps, "rollback_reps": b.o.rollback_reps, "fork_reps": b.o.fork_reps, "restore_cache": restore_cache_on()},
         "rows": rows_json,
         "notes": r.notes,
         "failed": r.failed,
