@@ -541,17 +541,24 @@ impl Bench {
     }
 
     /// The snapshots whose parent is `key` (for error messages).
+    /// (All snapshots are listed and matched here: a `parent==` filter with a digest in it
+    /// matched nothing, which hid the children that made removals fail.)
     async fn snapshot_children(&self, key: &str) -> Vec<String> {
         let mut out = Vec::new();
         let r = SnapshotsClient::new(self.base.channel())
             .list(self.base.request(ListSnapshotsRequest {
                 snapshotter: SNAPSHOTTER.into(),
-                filters: vec![format!("parent=={key}")],
+                filters: vec![],
             }))
             .await;
         if let Ok(mut stream) = r.map(|r| r.into_inner()) {
             while let Ok(Some(m)) = stream.message().await {
-                out.extend(m.info.into_iter().map(|i| i.name));
+                out.extend(
+                    m.info
+                        .into_iter()
+                        .filter(|i| i.parent == key)
+                        .map(|i| i.name),
+                );
             }
         }
         out
@@ -1869,11 +1876,14 @@ async fn cleanup(b: &Bench) -> Vec<String> {
             }
         }
     }
+    // Snapshots containerd would not remove yet ("with child" while the child is being
+    // collected): checked again once the images are gone, and reported only if they stay.
+    let mut refused: Vec<(String, String)> = Vec::new();
     for name in &names {
         match b.remove_unpacked(name).await {
             Ok(_) => {}
             Err(e) if e.contains("not found") || e.contains("NotFound") => {}
-            Err(e) => errors.push(format!("snapshots of {name}: {e}")),
+            Err(e) => refused.push((name.clone(), e)),
         }
     }
     for name in &names {
@@ -1891,6 +1901,35 @@ async fn cleanup(b: &Bench) -> Vec<String> {
             Ok(_) => {}
             Err(s) if s.code() == tonic::Code::NotFound => {}
             Err(s) => errors.push(format!("image {name}: {}", s.message())),
+        }
+    }
+    for (name, e) in refused {
+        // The snapshot the error names, as `removing snapshot <key>: ...`.
+        let key = e
+            .split("removing snapshot ")
+            .nth(1)
+            .and_then(|r| r.split(':').take(2).collect::<Vec<_>>().join(":").into())
+            .unwrap_or_default();
+        let mut gone = false;
+        for _ in 0..100 {
+            let stat = SnapshotsClient::new(b.base.channel())
+                .stat(b.base.request(
+                    containerd_client::services::v1::snapshots::StatSnapshotRequest {
+                        snapshotter: SNAPSHOTTER.into(),
+                        key: key.clone(),
+                    },
+                ))
+                .await;
+            if matches!(&stat, Err(s) if s.code() == tonic::Code::NotFound) {
+                gone = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if !gone {
+            errors.push(format!(
+                "snapshots of {name}: {e}; still there 10 s after the images were deleted"
+            ));
         }
     }
     errors
