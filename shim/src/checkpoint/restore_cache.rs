@@ -572,7 +572,7 @@ impl RestoreCache {
         {
             let name = e.file_name().to_string_lossy().into_owned();
             // `<key>-<pid>-<nanos>` or `gone-<pid>-<nanos>`.
-            let pid = name.rsplitn(3, '-').nth(1).and_then(|p| p.parse().ok());
+            let pid = name.rsplit('-').nth(1).and_then(|p| p.parse().ok());
             if pid.is_some_and(|p: u32| !pid_alive(p)) {
                 let _ = fs::remove_dir_all(e.path());
             }
