@@ -448,9 +448,33 @@ async fn json_documents_and_diff_describe_real_turns() {
         .unwrap()
         .iter()
         .all(|f| f["pid"].as_u64() > Some(0)));
+    // Where each fork's time went: its steps add up to its own time, which ends before the
+    // whole start did.
+    for f in report["forks"].as_array().unwrap() {
+        let t = |k: &str| {
+            f[k].as_f64()
+                .unwrap_or_else(|| panic!("fork without {k}: {report:#}"))
+        };
+        let steps = t("container_ms") + t("task_create_ms") + t("task_start_ms");
+        assert!(t("task_start_ms") > 0.0, "{report:#}");
+        assert!((steps - t("total_ms")).abs() < 1.0, "{report:#}");
+        assert!(t("done_at_ms") >= t("total_ms") - 1.0, "{report:#}");
+        assert!(
+            t("done_at_ms") <= report["start_ms"].as_f64().unwrap() + 1.0,
+            "{report:#}"
+        );
+    }
+    let spread = &report["per_sandbox_ms"];
+    assert!(
+        spread["min"].as_f64() <= spread["p50"].as_f64()
+            && spread["p50"].as_f64() <= spread["max"].as_f64()
+            && spread["min"].as_f64() > Some(0.0),
+        "{report:#}"
+    );
     assert_eq!(report["seq"], c2["seq"], "{report:#}");
     assert_eq!(report["turn_id"], "t2");
     assert!(err.contains("2/2 forks started"), "{err}");
+    assert!(err.contains("per sandbox"), "{err}");
     assert!(err.contains("layers"), "the export's progress: {err}");
     for f in &forks {
         s.h.kill_and_remove(f).await.unwrap();

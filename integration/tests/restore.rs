@@ -476,6 +476,144 @@ async fn fork_8_of_an_fs_checkpoint_are_independent() {
     s.finish().await;
 }
 
+/// `crabctl fork --count 3` of a process checkpoint: each fork has the process back, the
+/// shims verified and copied the CRIU image once (the host's restore cache: one shim verified
+/// it into the cache, the others linked that copy), the forks' stores share the one pack of
+/// its deduplicated pages, and each fork checkpoints on its own afterwards.
+#[tokio::test(flavor = "multi_thread")]
+async fn fork_3_of_a_process_checkpoint_share_one_verified_image() {
+    let (mut s, _g) = Sandbox::start("restore_forkproc", SandboxOptions::default()).await;
+    let h = s.h.clone();
+    let _images = ImageGuard::new(&h, &[], &[&s.id]);
+    s.run("(nohup sleep 424242 >/dev/null 2>&1 &) && sleep 0.2")
+        .await;
+    let turn = end_turn_checkpointed(&s).await;
+    assert!(
+        !manifest_of(&s, &turn)["process"].is_null(),
+        "a process turn: {:#}",
+        manifest_of(&s, &turn)
+    );
+    let log = h.env.containerd_log();
+    let from = std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
+    let out = crabctl_ok(
+        &s,
+        &["fork", &s.id, "--at", &turn, "--count", "3", "-o", "json"],
+    );
+    let report: Value = serde_json::from_str(&out).unwrap();
+    let ids: Vec<String> = report["forks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["id"].as_str().unwrap().to_string())
+        .collect();
+    let mut guard = h.guard(&[]);
+    for id in &ids {
+        guard.add(id);
+    }
+    assert_eq!(ids.len(), 3, "{out}");
+    for id in &ids {
+        let mut f = sandbox_for(&s, id);
+        f.turn = 1;
+        let procs = f.run("ps -eo args").await.stdout;
+        assert!(procs.contains("sleep 424242"), "fork {id}: {procs}");
+    }
+    // How each shim got the image: one verified it into the cache, the others linked it.
+    let text = std::fs::read(&log).unwrap();
+    let text = String::from_utf8_lossy(&text[from as usize..]).into_owned();
+    let how: Vec<&str> = ids
+        .iter()
+        .map(|id| {
+            let needle = format!("checkpoint image of {id} verified in ");
+            let line = text
+                .lines()
+                .find(|l| l.contains(&needle))
+                .unwrap_or_else(|| panic!("no verification logged for {id}"));
+            if line.contains("verified into the restore cache") {
+                "built"
+            } else if line.contains("the restore cache's verified copy") {
+                "linked"
+            } else {
+                "other"
+            }
+        })
+        .collect();
+    assert_eq!(how.iter().filter(|h| **h == "built").count(), 1, "{how:?}");
+    assert_eq!(how.iter().filter(|h| **h == "linked").count(), 2, "{how:?}");
+    let entries = s.state_dir.join(".restore-cache/entries");
+    assert_eq!(
+        std::fs::read_dir(&entries).unwrap().count(),
+        1,
+        "one cached image in {}",
+        entries.display()
+    );
+    // No restore wrote to the cached image (CRIU writes its statistics into the directory it
+    // restores from: each restore's own copy): its files still hash to its key.
+    let entry = std::fs::read_dir(&entries)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap();
+    let mut files = std::collections::BTreeMap::new();
+    for f in std::fs::read_dir(entry.path().join("image"))
+        .unwrap()
+        .flatten()
+    {
+        let mut r = crab_shim::checkpoint::provenance::HashingReader::new(
+            std::fs::File::open(f.path()).unwrap(),
+        );
+        std::io::copy(&mut r, &mut std::io::sink()).unwrap();
+        files.insert(f.file_name().into_string().unwrap(), r.finish());
+    }
+    assert_eq!(
+        crab_shim::checkpoint::restore_cache::RestoreCache::key(&files),
+        entry.file_name().to_string_lossy(),
+        "the cached image changed: {files:#?}"
+    );
+    // Each fork's store imports the image (in the background): the same pack in all three.
+    let mut packs = Vec::new();
+    for id in &ids {
+        let store = s.state_dir.join(&h.env.namespace).join(id);
+        let mut pack = None;
+        for _ in 0..200 {
+            let origin = std::fs::read_dir(store.join("checkpoints"))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|e| {
+                    serde_json::from_slice::<Value>(&std::fs::read(e.path()).ok()?).ok()
+                })
+                .find(|m| m["kind"] == "restored");
+            if origin.is_some_and(|m| !m["process"].is_null()) {
+                pack = std::fs::read_dir(store.join("chunks"))
+                    .unwrap()
+                    .flatten()
+                    .find(|e| e.file_name().to_string_lossy().ends_with(".pack"))
+                    .map(|e| {
+                        use std::os::unix::fs::MetadataExt;
+                        e.metadata().unwrap().ino()
+                    });
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        packs.push(pack.unwrap_or_else(|| panic!("{id}: no imported process image")));
+    }
+    assert!(packs.iter().all(|p| *p == packs[0]), "{packs:?}");
+    // A fork checkpoints on its own: a process turn of its own, published in its store.
+    let mut f = sandbox_for(&s, &ids[0]);
+    f.turn = 2;
+    f.run("(nohup sleep 434343 >/dev/null 2>&1 &) && sleep 0.2")
+        .await;
+    let t = end_turn_checkpointed(&f).await;
+    assert!(!manifest_of(&f, &t)["process"].is_null());
+    for id in &ids {
+        h.kill_and_remove(id).await.unwrap();
+        h.assert_no_leaks(id).await;
+    }
+    drop(guard);
+    s.finish().await;
+}
+
 // ---------------------------------------------------------------- rollback
 
 /// `crabctl rollback` across fs turns, backwards then forwards then to the middle: the same

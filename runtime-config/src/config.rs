@@ -290,6 +290,13 @@ pub struct RestoreConfig {
     /// The most files a checkpoint image's CRIU directory may hold (>= 1). Default 100000.
     #[serde(deserialize_with = "positive_u64")]
     pub max_image_files: u64,
+    /// The most MiB the host's cache of verified CRIU images may hold
+    /// (`<store.state_dir>/.restore-cache`): an image restored once (the N forks of one
+    /// checkpoint, a rollback repeated) is verified and copied once, and later restores and
+    /// their stores' imports link that verified copy instead of reading the image again.
+    /// Least recently used images go first; an image larger than this is not cached. `0`
+    /// turns the cache off. Default 4096.
+    pub cache_mib: u64,
 }
 
 /// What to do with a checkpoint image no trusted key signed (see
@@ -311,6 +318,7 @@ impl Default for RestoreConfig {
             unsigned_images: UnsignedImages::Refuse,
             max_image_mib: 16_384,
             max_image_files: 100_000,
+            cache_mib: 4096,
         }
     }
 }
@@ -786,6 +794,7 @@ mod tests {
             unsigned_images = "start-fresh"
             max_image_mib = 1024
             max_image_files = 500
+            cache_mib = 0
 
             [limits]
             max_manifest_entries = 20000
@@ -835,6 +844,7 @@ mod tests {
                     unsigned_images: UnsignedImages::StartFresh,
                     max_image_mib: 1024,
                     max_image_files: 500,
+                    cache_mib: 0,
                 },
                 limits: LimitsConfig {
                     max_manifest_entries: 20_000,

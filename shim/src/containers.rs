@@ -308,12 +308,15 @@ impl Containers {
                 let (config, id) = (config.clone(), p.id.clone());
                 let taken = tokio::task::spawn_blocking(move || {
                     let trusted = || crate::checkpoint::provenance::trusted_keys(&config);
+                    let cache =
+                        crate::checkpoint::restore_cache::RestoreCache::from_config(&config);
                     let guard = restore::RestoreGuard {
                         container: &id,
                         trusted: &trusted,
                         unsigned: config.restore.unsigned_images,
                         limits: restore::ImageLimits::from_config(&config.restore),
                         granted: &granted,
+                        cache: cache.as_ref(),
                     };
                     restore::take_from_rootfs(&rootfs, &dest, &guard)
                 })

@@ -114,6 +114,7 @@ fn restore_never_opens_a_device() {
         unsigned: UnsignedImages::Refuse,
         limits: ImageLimits::NONE,
         granted: &granted,
+        cache: None,
     };
     let meta = format!(
         r#"{{"format":1,"source":{{"namespace":"ns","container":"c","seq":3,"turn_id":"t3"}},

@@ -947,6 +947,14 @@ impl Client {
     /// Creates the task of `container` on its rootfs snapshot (stdio: none, so /dev/null, or a
     /// terminal whose output is discarded) and starts it; returns the init pid.
     pub async fn start_task(&self, container: &Container) -> Result<u32, CtlError> {
+        self.start_task_timed(container).await.map(|(pid, _)| pid)
+    }
+
+    /// [`Client::start_task`], also returning when Tasks.Create returned (Start began).
+    pub async fn start_task_timed(
+        &self,
+        container: &Container,
+    ) -> Result<(u32, std::time::Instant), CtlError> {
         let id = container.id.clone();
         let rootfs = self
             .snapshots()
@@ -980,6 +988,7 @@ impl Client {
             ))
             .await
             .map_err(grpc(format!("Tasks.Create {id}")))?;
+        let created = std::time::Instant::now();
         let started = self
             .tasks()
             .start(self.req(
@@ -991,7 +1000,7 @@ impl Client {
             ))
             .await;
         match started {
-            Ok(r) => Ok(r.into_inner().pid),
+            Ok(r) => Ok((r.into_inner().pid, created)),
             Err(s) => {
                 let _ = self.remove_task(&id).await;
                 Err(grpc(format!("Tasks.Start {id}"))(s))

@@ -170,8 +170,10 @@ async fn fork(
         }
     }
     let s = &forked.exported.source;
+    let (min, p50, max) = forked.per_sandbox_ms();
     eprintln!(
-        "crabctl: started {} forks of {} from checkpoint {} (turn {:?}) in {}",
+        "crabctl: started {} forks of {} from checkpoint {} (turn {:?}) in {}; per sandbox \
+         {min:.0} / {p50:.0} / {max:.0} ms (min / p50 / max)",
         forked.forks.len(),
         container,
         s.seq,

@@ -56,7 +56,7 @@ pub use self::{
     client::Client,
     error::{CtlError, ErrorKind, Result},
     export::{select_checkpoint, ExportOptions, Exported},
-    lifecycle::{clone_spec, Forked, Phases, Restarted, RolledBack},
+    lifecycle::{clone_spec, Fork, ForkTimes, Forked, Phases, Restarted, RolledBack},
     pod::{PodContainer, PodError, Resolved},
 };
 

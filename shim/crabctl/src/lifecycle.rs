@@ -55,12 +55,50 @@ impl std::fmt::Display for Phases {
     }
 }
 
+/// Where one fork's start went, in milliseconds from the moment the forks were launched.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ForkTimes {
+    /// Snapshots.Prepare and Containers.Create.
+    pub container_ms: f64,
+    /// Tasks.Create: the shim starts, mounts the rootfs and takes the checkpoint out of it
+    /// (verifies the CRIU image, or links its verified copy).
+    pub task_create_ms: f64,
+    /// Tasks.Start: `runc restore` (or `runc start` for a checkpoint without processes) and
+    /// the start of checkpointing.
+    pub task_start_ms: f64,
+    /// All three: this sandbox's own time.
+    pub total_ms: f64,
+    /// From the launch of all forks until this one ran: its own time plus what it waited for.
+    pub done_at_ms: f64,
+}
+
+/// One container `fork` started.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fork {
+    pub id: String,
+    pub pid: u32,
+    pub times: ForkTimes,
+}
+
 /// What `fork` did.
 #[derive(Debug)]
 pub struct Forked {
     pub exported: Exported,
-    pub forks: Vec<Restarted>,
+    /// In id order.
+    pub forks: Vec<Fork>,
     pub phases: Phases,
+}
+
+impl Forked {
+    /// The forks' own times (`total_ms`): (min, p50, max), nearest rank.
+    pub fn per_sandbox_ms(&self) -> (f64, f64, f64) {
+        let mut t: Vec<f64> = self.forks.iter().map(|f| f.times.total_ms).collect();
+        if t.is_empty() {
+            return (f64::NAN, f64::NAN, f64::NAN);
+        }
+        t.sort_by(f64::total_cmp);
+        (t[0], t[(t.len() - 1) / 2], t[t.len() - 1])
+    }
 }
 
 /// What `rollback` / `recover` did.
@@ -193,18 +231,36 @@ pub fn fork_ids(existing: &[String], container: &str, count: usize) -> Vec<Strin
         .collect()
 }
 
-/// Creates `record`'s container on `parent` and starts its task; on failure removes what it made.
+/// Creates `record`'s container on `parent` and starts its task, timing each step from
+/// `launched` on; on failure removes what it made.
 async fn start_from(
     client: &Client,
     lease: &Lease,
     record: Container,
     parent: &str,
-) -> Result<Restarted> {
+    launched: Instant,
+) -> Result<Fork> {
+    let t0 = Instant::now();
     client
         .create_container(lease, record.clone(), parent)
         .await?;
-    match client.start_task(&record).await {
-        Ok(pid) => Ok(Restarted { id: record.id, pid }),
+    let t1 = Instant::now();
+    match client.start_task_timed(&record).await {
+        Ok((pid, created)) => {
+            let t3 = Instant::now();
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+            Ok(Fork {
+                id: record.id,
+                pid,
+                times: ForkTimes {
+                    container_ms: ms(t1 - t0),
+                    task_create_ms: ms(created - t1),
+                    task_start_ms: ms(t3 - created),
+                    total_ms: ms(t3 - t0),
+                    done_at_ms: ms(t3 - launched),
+                },
+            })
+        }
         Err(e) => {
             if let Err(d) = client.delete_container(&record).await {
                 log::warn!("cleanup of {}: {d}", record.id);
@@ -309,11 +365,15 @@ impl Ctl {
                 })
                 .collect::<Result<Vec<_>>>()?;
             let mut set = JoinSet::new();
+            let launched = Instant::now();
             for record in records {
                 let (client, lease, top) = (self.client.clone(), lease.clone(), top.clone());
                 set.spawn(async move {
                     let id = record.id.clone();
-                    (id, start_from(&client, &lease, record, &top).await)
+                    (
+                        id,
+                        start_from(&client, &lease, record, &top, launched).await,
+                    )
                 });
             }
             let mut forks = Vec::new();

@@ -55,8 +55,12 @@ process_bytes}]}.";
 
 /// `crabctl fork --help`: the fields of `-o json`.
 pub const FORK_FIELDS: &str = "\
-JSON (-o json): {container, seq, turn_id (the checkpoint), image, forks [{id, pid}],
-checkpoint_ms, start_ms, total_ms}.";
+JSON (-o json): {container, seq, turn_id (the checkpoint), image, forks [{id, pid,
+container_ms (Snapshots.Prepare + Containers.Create), task_create_ms (the shim takes the
+checkpoint out of the rootfs), task_start_ms (runc restore), total_ms (the three: this
+sandbox's own time), done_at_ms (from the launch of all forks until it ran)}], checkpoint_ms
+(export and unpack), start_ms (all forks, concurrently), total_ms, per_sandbox_ms {min, p50,
+max} (of the forks' total_ms)}.";
 
 /// `crabctl prune --help`: the fields of `-o json`.
 pub const PRUNE_FIELDS: &str = "\
@@ -211,13 +215,28 @@ pub struct ForkReport {
     pub checkpoint_ms: f64,
     pub start_ms: f64,
     pub total_ms: f64,
+    /// Of the forks' own times (`total_ms`).
+    pub per_sandbox_ms: Spread,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ForkItem {
     pub id: String,
     /// Its init's pid on the host.
     pub pid: u32,
+    pub container_ms: f64,
+    pub task_create_ms: f64,
+    pub task_start_ms: f64,
+    pub total_ms: f64,
+    pub done_at_ms: f64,
+}
+
+/// Minimum, median and maximum of some milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Spread {
+    pub min: f64,
+    pub p50: f64,
+    pub max: f64,
 }
 
 impl ForkReport {
@@ -234,11 +253,20 @@ impl ForkReport {
                 .map(|r| ForkItem {
                     id: r.id.clone(),
                     pid: r.pid,
+                    container_ms: r.times.container_ms,
+                    task_create_ms: r.times.task_create_ms,
+                    task_start_ms: r.times.task_start_ms,
+                    total_ms: r.times.total_ms,
+                    done_at_ms: r.times.done_at_ms,
                 })
                 .collect(),
             checkpoint_ms: f.phases.checkpoint_ms,
             start_ms: f.phases.start_ms,
             total_ms: f.phases.total_ms,
+            per_sandbox_ms: {
+                let (min, p50, max) = f.per_sandbox_ms();
+                Spread { min, p50, max }
+            },
         }
     }
 }
@@ -431,13 +459,26 @@ pub(crate) mod tests {
             forks: vec![ForkItem {
                 id: "c1-fork-1".into(),
                 pid: 7,
+                container_ms: 3.0,
+                task_create_ms: 20.0,
+                task_start_ms: 100.0,
+                total_ms: 123.0,
+                done_at_ms: 125.0,
             }],
             checkpoint_ms: 1.0,
-            start_ms: 1.0,
-            total_ms: 2.0,
+            start_ms: 125.0,
+            total_ms: 126.0,
+            per_sandbox_ms: Spread {
+                min: 123.0,
+                p50: 123.0,
+                max: 123.0,
+            },
         };
         let v = serde_json::to_value(&fork).unwrap();
-        assert_eq!(v["forks"], json!([{"id": "c1-fork-1", "pid": 7}]));
+        assert_eq!(v["forks"][0]["id"], "c1-fork-1");
+        assert_eq!(v["forks"][0]["pid"], 7);
+        assert_eq!(v["forks"][0]["task_start_ms"], 100.0);
+        assert_eq!(v["per_sandbox_ms"]["p50"], 123.0);
         documented(&v, FORK_FIELDS);
         let engine_root = tempfile::tempdir().unwrap();
         let config = crab_runtime_config::EngineConfig {

@@ -12,7 +12,8 @@
 //! - [`restore`]: a container started from a checkpoint image (the reserved directory in its
 //!   rootfs) and the origin manifests that begin each container's lineage; before anything
 //!   of such an image runs, [`provenance`] checks who signed it and [`privilege`] (reading
-//!   the CRIU image with [`criu_image`]) that it asks for no more than the spec grants.
+//!   the CRIU image with [`criu_image`]) that it asks for no more than the spec grants;
+//!   [`restore_cache`] keeps a verified image for the next restores of the same checkpoint.
 
 pub mod action;
 mod capture;
@@ -28,6 +29,7 @@ pub mod privilege;
 pub mod process;
 pub mod provenance;
 pub mod restore;
+pub mod restore_cache;
 pub mod store;
 mod tar;
 pub mod volumes;

@@ -330,6 +330,37 @@ pub fn check_files(
     Ok(())
 }
 
+/// Checks the CRIU files found in an image by name and size only (`found`, as listed, not
+/// read) against a verified statement: what a restore checks of an image whose verified copy
+/// it takes from the restore cache, never reading these files.
+pub fn check_sizes(
+    statement: &Statement,
+    found: &BTreeMap<String, u64>,
+) -> Result<(), ProvenanceError> {
+    for (name, size) in found {
+        match statement.criu.get(name) {
+            None => {
+                return Err(ProvenanceError::Altered(format!(
+                    "criu/{name} was not signed"
+                )))
+            }
+            Some(signed) if signed.size != *size => {
+                return Err(ProvenanceError::Altered(format!(
+                    "criu/{name} is {size} bytes, the signed one {} bytes",
+                    signed.size
+                )))
+            }
+            Some(_) => {}
+        }
+    }
+    if let Some(name) = statement.criu.keys().find(|n| !found.contains_key(*n)) {
+        return Err(ProvenanceError::Altered(format!(
+            "criu/{name} was signed but is missing"
+        )));
+    }
+    Ok(())
+}
+
 /// The keys `config` trusts: the files of `[restore] trusted_keys`, and the signing key's
 /// public half unless `trust_signing_key = false` (none yet if it was never generated).
 pub fn trusted_keys(config: &crab_runtime_config::Config) -> Result<TrustedKeys, ProvenanceError> {

@@ -17,6 +17,7 @@
 //! newer format is refused rather than half-understood.
 
 use std::{
+    ffi::OsString,
     fs::{self, File},
     io::{self, Read},
     os::{fd::AsFd, unix::fs::OpenOptionsExt},
@@ -35,7 +36,10 @@ use super::{
     criu_image::{self, CriuImageError},
     pages,
     privilege::{self, Excess, Granted},
-    provenance::{self, FileDigest, HashingReader, ProvenanceError, TrustedKeys, SIGNATURE_FILE},
+    provenance::{
+        self, FileDigest, HashingReader, ProvenanceError, Statement, TrustedKeys, SIGNATURE_FILE,
+    },
+    restore_cache::{self, CacheError, RestoreCache},
     store::{
         CheckpointKind, Descriptor, DescriptorError, Manifest, ProcessImage, Store, StoreError,
     },
@@ -84,6 +88,8 @@ pub enum RestoreError {
     Privilege(#[from] Excess),
     #[error(transparent)]
     CriuImage(#[from] CriuImageError),
+    #[error(transparent)]
+    Cache(#[from] CacheError),
     #[error(
         "checkpoint image: {path} holds {what}, more than the {limit} allowed ([restore] {key})"
     )]
@@ -181,6 +187,9 @@ pub struct Taken {
     pub meta: CheckpointMeta,
     /// The CRIU image, copied out of the rootfs (present exactly when `meta.process` is).
     pub criu_dir: Option<PathBuf>,
+    /// The restore cache that holds a verified copy of the CRIU image, and the image's
+    /// verified file list (its key): the store imports that copy.
+    pub cached: Option<(RestoreCache, BTreeMap<String, FileDigest>)>,
 }
 
 /// Kinds of file a checkpoint image may not contain in its reserved directory.
@@ -283,10 +292,9 @@ struct Copied {
     hashing: Duration,
 }
 
-/// Copies the plain files of `from` (no subdirectories: a CRIU image is flat) into a new `to`,
-/// hashing each as it passes. The directory is listed and bounded by `limits` before a byte
-/// is copied; a file that grows while being copied is an error, not a longer copy.
-fn copy_image(from: &Path, to: &Path, limits: ImageLimits) -> Result<Copied, RestoreError> {
+/// The plain files of CRIU image directory `from` (no subdirectories: a CRIU image is flat)
+/// with their sizes, bounded by `limits`; nothing is opened.
+fn list_image(from: &Path, limits: ImageLimits) -> Result<Vec<(OsString, u64)>, RestoreError> {
     let md = plain(from)?;
     if !md.is_dir() {
         return Err(RestoreError::MissingImage {
@@ -324,6 +332,14 @@ fn copy_image(from: &Path, to: &Path, limits: ImageLimits) -> Result<Copied, Res
             });
         }
     }
+    Ok(listed)
+}
+
+/// Copies the plain files of `from` into a new `to`, hashing each as it passes. The directory
+/// is listed and bounded by `limits` ([`list_image`]) before a byte is copied; a file that
+/// grows while being copied is an error, not a longer copy.
+fn copy_image(from: &Path, to: &Path, limits: ImageLimits) -> Result<Copied, RestoreError> {
+    let listed = list_image(from, limits)?;
     match fs::remove_dir_all(to) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -378,6 +394,8 @@ pub struct RestoreGuard<'a> {
     pub unsigned: UnsignedImages,
     pub limits: ImageLimits,
     pub granted: &'a Granted,
+    /// The host's cache of verified CRIU images ([`RestoreCache`]), if the config keeps one.
+    pub cache: Option<&'a RestoreCache>,
 }
 
 /// Checks the CRIU image in `dir` (a private copy) against what the container's spec grants.
@@ -446,31 +464,35 @@ pub fn take_from_rootfs(
         Err(e) => return Err(e.into()),
     };
     let criu = dir.join(CRIU_DIR);
+    let mut cached = None;
     let criu_dir = match (&meta.process, fs::symlink_metadata(&criu).is_ok()) {
         (Some(_), true) => {
             let copy_started = Instant::now();
-            let checked = copy_image(&criu, criu_dest, guard.limits).and_then(|copied| {
+            let checked = take_image(&criu, criu_dest, &statement, guard).and_then(|taken| {
                 let copy_time = copy_started.elapsed();
                 let t = Instant::now();
-                provenance::check_files(&statement, &copied.files)?;
                 check_privilege(criu_dest, guard.granted)?;
-                Ok((copied, copy_time, t.elapsed()))
+                Ok((taken, copy_time, t.elapsed()))
             });
             let ms = |d: Duration| d.as_secs_f64() * 1e3;
             match checked {
-                Ok((copied, copy_time, privileges)) => log::info!(
-                    "checkpoint image of {} verified in {:.2} ms (description and signature \
-                     {:.2}, file digests {:.2}, privileges {:.2}): {} files, {} bytes, copied out \
-                     in {:.1} ms",
-                    guard.container,
-                    ms(signature_time + copied.hashing + privileges),
-                    ms(signature_time),
-                    ms(copied.hashing),
-                    ms(privileges),
-                    copied.files.len(),
-                    copied.bytes,
-                    ms(copy_time)
-                ),
+                Ok((taken, copy_time, privileges)) => {
+                    log::info!(
+                        "checkpoint image of {} verified in {:.2} ms (description and signature \
+                         {:.2}, file digests {:.2}, privileges {:.2}): {} files, {} bytes, {} in \
+                         {:.1} ms",
+                        guard.container,
+                        ms(signature_time + taken.hashing + privileges),
+                        ms(signature_time),
+                        ms(taken.hashing),
+                        ms(privileges),
+                        statement.criu.len(),
+                        taken.bytes,
+                        taken.how,
+                        ms(copy_time)
+                    );
+                    cached = taken.cache.map(|c| (c.clone(), statement.criu.clone()));
+                }
                 Err(e) => {
                     let _ = fs::remove_dir_all(criu_dest);
                     return Err(e);
@@ -505,7 +527,75 @@ pub fn take_from_rootfs(
             source: e,
         });
     }
-    Ok(Some(Taken { meta, criu_dir }))
+    Ok(Some(Taken {
+        meta,
+        criu_dir,
+        cached,
+    }))
+}
+
+/// A CRIU image put into a restore's directory.
+struct TakenImage<'a> {
+    bytes: u64,
+    /// Time spent hashing (zero when the verified copy came from the cache).
+    hashing: Duration,
+    /// How, for the log.
+    how: String,
+    /// The cache that holds its verified copy.
+    cache: Option<&'a RestoreCache>,
+}
+
+/// Puts the CRIU image `criu` of a rootfs into `dest`, verified against `statement`: through
+/// the restore cache when there is one (the image's files are then only listed, by name and
+/// size, if another restore verified the same image before), else copied and hashed here.
+fn take_image<'a>(
+    criu: &Path,
+    dest: &Path,
+    statement: &Statement,
+    guard: &RestoreGuard<'a>,
+) -> Result<TakenImage<'a>, RestoreError> {
+    let bytes: u64 = statement.criu.values().map(|d| d.size).sum();
+    if let Some(cache) = guard.cache {
+        // Whatever the cache holds, an image whose files are not the signed ones (by name and
+        // size) is refused as it would be without it; their bytes are never read from here on.
+        let listed: BTreeMap<String, u64> = list_image(criu, guard.limits)?
+            .into_iter()
+            .map(|(n, len)| (n.to_string_lossy().into_owned(), len))
+            .collect();
+        provenance::check_sizes(statement, &listed)?;
+        let build = |to: &Path| {
+            let copied = copy_image(criu, to, guard.limits)?;
+            provenance::check_files(statement, &copied.files)?;
+            Ok::<_, RestoreError>(copied)
+        };
+        match cache.provide(&statement.criu, dest, build) {
+            Ok(Some((p, built))) => {
+                let how = match p.source {
+                    restore_cache::Source::Hit => "the restore cache's verified copy",
+                    restore_cache::Source::Built => "verified into the restore cache",
+                };
+                return Ok(TakenImage {
+                    bytes,
+                    hashing: built.map_or(Duration::ZERO, |c| c.hashing),
+                    how: format!("{how} ({} files linked, {} copied)", p.linked, p.copied),
+                    cache: Some(cache),
+                });
+            }
+            Ok(None) => {}
+            Err(RestoreError::Cache(e)) => {
+                log::warn!("{e}: copying the image without the cache");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let copied = copy_image(criu, dest, guard.limits)?;
+    provenance::check_files(statement, &copied.files)?;
+    Ok(TakenImage {
+        bytes: copied.bytes,
+        hashing: copied.hashing,
+        how: "copied out".into(),
+        cache: None,
+    })
 }
 
 /// The origin manifest of a container started from an ordinary image: nothing on top of it.
@@ -570,20 +660,28 @@ pub fn restored_manifest(
         (Some(_), Some(p)) if store.root().join(&p.image).is_dir() => Some(p),
         (Some(criu), _) => {
             let dir = store.proc_dir(seq);
-            let bytes_logical = copy_image(criu, &dir, ImageLimits::NONE)?.bytes;
-            let dedup = pages::dedup(&dir, &store.chunks_dir())?;
-            let files: u64 = fs::read_dir(&dir)
-                .map_err(io_err(&dir))?
-                .filter_map(|e| e.ok()?.metadata().ok())
-                .filter(|md| md.is_file())
-                .map(|md| md.len())
-                .sum();
+            // The restore cache's deduplicated form of the verified image, linked; else this
+            // restore's own copy, copied and deduplicated.
+            let (bytes_logical, bytes_stored) = match cached_import(store, &dir, taken) {
+                Some(i) => (i.bytes_logical, i.bytes_stored),
+                None => {
+                    let bytes_logical = copy_image(criu, &dir, ImageLimits::NONE)?.bytes;
+                    let dedup = pages::dedup(&dir, &store.chunks_dir())?;
+                    let files: u64 = fs::read_dir(&dir)
+                        .map_err(io_err(&dir))?
+                        .filter_map(|e| e.ok()?.metadata().ok())
+                        .filter(|md| md.is_file())
+                        .map(|md| md.len())
+                        .sum();
+                    (bytes_logical, files + dedup.bytes_stored())
+                }
+            };
             Some(ProcessImage {
                 image: format!(
                     "proc/{}",
                     dir.file_name().unwrap_or_default().to_string_lossy()
                 ),
-                bytes_stored: files + dedup.bytes_stored(),
+                bytes_stored,
                 bytes_logical,
                 pids: taken
                     .meta
@@ -608,6 +706,40 @@ pub fn restored_manifest(
         }
     );
     Ok(m)
+}
+
+/// Imports `taken`'s process image into `dir` of `store` from the restore cache, if it holds
+/// the verified image; `None` (and nothing left at `dir`) otherwise.
+fn cached_import(
+    store: &Store,
+    dir: &Path,
+    taken: &Taken,
+) -> Option<super::restore_cache::Imported> {
+    let (cache, files) = taken.cached.as_ref()?;
+    let started = Instant::now();
+    match cache.import(files, dir, &store.chunks_dir()) {
+        Ok(Some(i)) => {
+            log::info!(
+                "checkpoint store {}: process image imported from the restore cache in {:.1} ms \
+                 ({} bytes, {})",
+                store.root().display(),
+                started.elapsed().as_secs_f64() * 1e3,
+                i.bytes_logical,
+                if i.built {
+                    "deduplicated for the cache now"
+                } else {
+                    "linked"
+                }
+            );
+            Some(i)
+        }
+        Ok(None) => None,
+        Err(e) => {
+            log::warn!("{e}: importing the restored copy instead");
+            let _ = fs::remove_dir_all(dir);
+            None
+        }
+    }
 }
 
 /// Brings the loopback interface of `pid`'s network namespace up. `runc create` does that for
@@ -690,6 +822,7 @@ mod tests {
         granted: Granted,
         unsigned: UnsignedImages,
         limits: ImageLimits,
+        cache: Option<RestoreCache>,
     }
 
     impl Fixture {
@@ -701,6 +834,15 @@ mod tests {
                 granted: unprivileged(),
                 unsigned: UnsignedImages::Refuse,
                 limits: ImageLimits::NONE,
+                cache: None,
+            }
+        }
+
+        /// With a restore cache at `dir`.
+        fn cached(dir: &Path) -> Fixture {
+            Fixture {
+                cache: Some(RestoreCache::new(dir, 1 << 30)),
+                ..Fixture::new()
             }
         }
 
@@ -715,6 +857,7 @@ mod tests {
                     unsigned: self.unsigned,
                     limits: self.limits,
                     granted: &self.granted,
+                    cache: self.cache.as_ref(),
                 },
             )
         }
@@ -1010,6 +1153,124 @@ mod tests {
                 "{want}: {err}"
             );
             assert!(err.to_string().contains(want), "{want}: {err}");
+        }
+    }
+
+    /// With the restore cache: the second restore of an image links the verified copy; an image
+    /// whose files are not the signed ones by name or size is still refused, one altered in
+    /// place (same size) restores the verified bytes, never its own; privileges are checked
+    /// on every restore.
+    #[test]
+    fn with_the_restore_cache_each_image_is_verified_once_and_hostile_ones_still_fail() {
+        let cache_dir = tempfile::tempdir().unwrap();
+        let f = Fixture::cached(cache_dir.path());
+        let image = || {
+            rootfs_with(
+                &meta_json(1, true),
+                Some(&creds(DEFAULT_CAPS)),
+                &[("pages-1.img", b"pages")],
+            )
+        };
+        let dest = tempfile::tempdir().unwrap();
+        let first = f
+            .take(image().path(), &dest.path().join("1"))
+            .unwrap()
+            .unwrap();
+        let (cache, files) = first.cached.clone().unwrap();
+        let key = RestoreCache::key(&files);
+        let cached = super::super::restore_cache::testing::image_dir(&cache, &key);
+        let ino = |p: &Path| {
+            use std::os::unix::fs::MetadataExt;
+            fs::metadata(p).unwrap().ino()
+        };
+        let second = f
+            .take(image().path(), &dest.path().join("2"))
+            .unwrap()
+            .unwrap();
+        let criu = second.criu_dir.clone().unwrap();
+        assert_eq!(
+            ino(&criu.join("pages-1.img")),
+            ino(&cached.join("pages-1.img"))
+        );
+        assert!(criu.join("core-7.img").is_file());
+        // Altered in place after signing, same size: the verified bytes restore, not these.
+        let root = image();
+        fs::write(
+            root.path()
+                .join(RESERVED_DIR)
+                .join(CRIU_DIR)
+                .join("pages-1.img"),
+            b"PAGES",
+        )
+        .unwrap();
+        let taken = f
+            .take(root.path(), &dest.path().join("3"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            fs::read(taken.criu_dir.unwrap().join("pages-1.img")).unwrap(),
+            b"pages"
+        );
+        // Cut short, planted or missing files are refused, as without the cache.
+        type Alteration = (&'static str, Box<dyn Fn(&Path)>);
+        let alter: [Alteration; 3] = [
+            (
+                "criu/pages-1.img is 2 bytes, the signed one 5 bytes",
+                Box::new(|d: &Path| {
+                    fs::write(d.join(CRIU_DIR).join("pages-1.img"), b"pa").unwrap()
+                }),
+            ),
+            (
+                "criu/pages-2.img was not signed",
+                Box::new(|d: &Path| fs::write(d.join(CRIU_DIR).join("pages-2.img"), b"x").unwrap()),
+            ),
+            (
+                "criu/pages-1.img was signed but is missing",
+                Box::new(|d: &Path| fs::remove_file(d.join(CRIU_DIR).join("pages-1.img")).unwrap()),
+            ),
+        ];
+        for (want, change) in alter {
+            let root = image();
+            change(&root.path().join(RESERVED_DIR));
+            let err = refused(&f, &root);
+            assert!(
+                matches!(err, RestoreError::Provenance(ProvenanceError::Altered(_))),
+                "{want}: {err}"
+            );
+            assert!(err.to_string().contains(want), "{want}: {err}");
+        }
+        // Over the bounds: refused before the cache is asked.
+        let mut bounded = Fixture::cached(cache_dir.path());
+        bounded.limits = ImageLimits {
+            max_bytes: 4,
+            max_files: 100,
+        };
+        let err = refused(&bounded, &image());
+        assert!(err.to_string().contains("max_image_mib"), "{err}");
+        // A privileged image cached by a privileged restore is refused under a spec that does
+        // not grant it.
+        let privileged = || rootfs_with(&meta_json(1, true), Some(&creds(0x1ff_ffff_ffff)), &[]);
+        let mut p = Fixture::cached(cache_dir.path());
+        p.granted.bounding = 0x1ff_ffff_ffff;
+        p.granted.permitted = 0x1ff_ffff_ffff;
+        p.take(privileged().path(), &dest.path().join("4"))
+            .unwrap()
+            .unwrap();
+        let err = refused(&f, &privileged());
+        assert!(err.to_string().contains("CAP_SYS_ADMIN"), "{err}");
+        // The stores of the restored containers import the cached image: both rebuild it byte
+        // for byte, from one pack.
+        for (i, ns) in ["a", "b"].iter().enumerate() {
+            let store_dir = tempfile::tempdir().unwrap();
+            let store = Store::open(store_dir.path()).unwrap();
+            let t = if i == 0 { &first } else { &second };
+            let m = restored_manifest(&store, ns, "fork", t).unwrap();
+            let p = m.process.unwrap();
+            let dir = store.root().join(&p.image);
+            assert!(dir.join("pages-1.img.recipe").is_file());
+            pages::materialize(&dir, &store.chunks_dir()).unwrap();
+            assert_eq!(fs::read(dir.join("pages-1.img")).unwrap(), b"pages");
+            assert_eq!(p.bytes_logical, files.values().map(|d| d.size).sum::<u64>());
         }
     }
 
