@@ -118,9 +118,9 @@ fn pid_of(r: &Value) -> u64 {
     r["pid"].as_u64().unwrap_or_else(|| panic!("no pid in {r}"))
 }
 
-/// The pids of the container's `sleep` processes, in its pid namespace (procps is not in the
-/// image).
-const SLEEPERS: &str = r#"for p in /proc/[0-9]*; do [ "$(cat $p/comm 2>/dev/null)" = sleep ] && echo ${p#/proc/}; done | sort -n"#;
+/// The pids of the container's `sleep 1000` processes, in its pid namespace (procps is not in
+/// the image; init is a `sleep` too).
+const SLEEPERS: &str = r#"for p in /proc/[0-9]*; do tr '\0' ' ' < $p/cmdline 2>/dev/null | grep -q '^sleep 1000' && echo ${p#/proc/}; done | sort -n"#;
 
 fn diff(a: &str, b: &str) -> String {
     let (a, b): (Vec<&str>, Vec<&str>) = (a.lines().collect(), b.lines().collect());

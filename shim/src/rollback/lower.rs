@@ -35,6 +35,10 @@ impl std::fmt::Debug for LowerEntry {
     }
 }
 
+/// At most this many entries of a directory are looked at for another name of a hard-linked
+/// image file.
+const MAX_SIBLINGS: usize = 4096;
+
 struct Resolved {
     top: Option<LowerEntry>,
     /// Layers whose directory at this path is merged into the view, top first.
@@ -172,6 +176,30 @@ impl<'a> Lowers<'a> {
         }
         out.sort();
         Ok(out)
+    }
+
+    /// Other names of the image's file `e` at `rel` in the same directory of its layer, that
+    /// sort before it (at most [`MAX_SIBLINGS`] entries are looked at).
+    pub fn same_file_before(&self, e: &LowerEntry, rel: &Path) -> Vec<PathBuf> {
+        let (Some(parent), Some(name)) = (rel.parent(), rel.file_name()) else {
+            return Vec::new();
+        };
+        let Ok(rd) = std::fs::read_dir(self.dirs[e.layer].join(parent)) else {
+            return Vec::new();
+        };
+        let mut out: Vec<PathBuf> = rd
+            .take(MAX_SIBLINGS)
+            .flatten()
+            .filter(|d| d.file_name().as_os_str() < name)
+            .filter(|d| {
+                lstat(&d.path()).is_some_and(|st| {
+                    st.st_ino == e.st.st_ino && st.st_mode & libc::S_IFMT == libc::S_IFREG
+                })
+            })
+            .map(|d| parent.join(d.file_name()))
+            .collect();
+        out.sort();
+        out
     }
 
     /// The image's regular file at `rel`, open for reading.

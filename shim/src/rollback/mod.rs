@@ -204,7 +204,8 @@ enum Source {
         sparse: Option<Vec<(u64, u64)>>,
         linked: Option<PathBuf>,
     },
-    Lower(LowerEntry),
+    /// The image's file; with another path of the same image file (a hard link) to link to.
+    Lower(LowerEntry, Option<PathBuf>),
 }
 
 impl Target<'_> {
@@ -257,6 +258,22 @@ impl Target<'_> {
                     Kind::Symlink => self.lowers.readlink(&e, rel)?,
                     _ => PathBuf::new(),
                 };
+                // A hard link of the image's: the first other name of the same file in its
+                // directory, if the checkpoint still has it there, is linked to (overlayfs
+                // breaks such links when it copies one up; the checkpoint has them).
+                let partner = match kind == Kind::File && st.st_nlink > 1 {
+                    false => None,
+                    true => self
+                        .lowers
+                        .same_file_before(&e, rel)
+                        .into_iter()
+                        .find(|q| {
+                            self.layers.lookup(q) == Lookup::Lower
+                                && self.lowers.lookup(q).is_some_and(|o| {
+                                    o.layer == e.layer && o.st.st_ino == st.st_ino
+                                })
+                        }),
+                };
                 Ok(Some(Want {
                     kind,
                     meta: Meta {
@@ -269,7 +286,7 @@ impl Target<'_> {
                             _ => self.lowers.xattrs(&e, rel)?,
                         },
                     },
-                    source: Source::Lower(e),
+                    source: Source::Lower(e, partner),
                     size: st.st_size as u64,
                     link,
                     dev: (libc::major(st.st_rdev), libc::minor(st.st_rdev)),
@@ -444,6 +461,7 @@ fn apply(view: &mut View, target: &mut Target<'_>, plan: &Plan<'_>) -> Result<(u
                         {
                             links.push((q.clone(), to.clone(), w))
                         }
+                        Source::Lower(_, Some(to)) => links.push((q.clone(), to.clone(), w)),
                         _ => writes.push(w),
                     }
                 }
@@ -510,7 +528,7 @@ fn write_data(
                 let f = view.create_file(&w.rel).map_err(|e| err(&w.rel, &e))?;
                 view::finish_file(&f, &w.meta).map_err(|e| err(&w.rel, &e))?;
             }
-            Source::Lower(e) => {
+            Source::Lower(e, _) => {
                 let mut from = target.lowers.open(e, &w.rel).map_err(|e| err(&w.rel, &e))?;
                 let mut f = view.create_file(&w.rel).map_err(|e| err(&w.rel, &e))?;
                 io::copy(&mut from, &mut f).map_err(|e| err(&w.rel, &e))?;
