@@ -29,7 +29,7 @@
 //!    in place when it can.) Then (3b) a rollback of a 1 MB delta (half of a 1 MB file
 //!    rewritten, a 512 KiB file and a directory created since the checkpoint), in place and
 //!    recreated (`--recreate`) alternately in the same run: crabctl's wall time and own total,
-//!    and in place the shim's freeze and apply.
+//!    and in place the shim's freeze and apply. `BENCH_RESTORE_ONLY=3b` runs this section alone.
 //! 4. Fork: `crabctl fork C --at T --count N` for N = 1, 4, 8 (N interleaved per round, after
 //!    one untimed warm-up fork), of the fs checkpoint and of the process checkpoint; the forks
 //!    are removed after each repetition. Ratio fork8 / fork1 of the p50s. Each fork's store is
@@ -1703,6 +1703,10 @@ async fn main() {
     let mut guards = Vec::new();
     let mut sandboxes = Vec::new();
     let res = async {
+        // Section 3b alone (the in-place rollback figures), for quick runs.
+        if std::env::var("BENCH_RESTORE_ONLY").as_deref() == Ok("3b") {
+            return bench_in_place(&mut b, &mut r).await;
+        }
         baseline(&mut b, &mut r).await?;
         let (mut fs, g) = fs_sandbox(&mut b).await?;
         guards.push(g);

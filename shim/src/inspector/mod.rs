@@ -665,16 +665,30 @@ impl Inspection {
     /// the kernel updates the rseq area). For the processes that were idle since the mark up to
     /// the freeze (`idle`, from [`Self::idle_since_mark`]), that change is crab's own, not the
     /// agent's: their images at the mark are refreshed so the next turn does not count it.
+    ///
+    /// A thawed process rewrites that memory when it next runs, which may be after the thaw
+    /// returned: each is waited for (bounded) until it has run and gone back to sleep since the
+    /// freeze (its run count, taken before the freeze, moved by two: the switch-out into the
+    /// freezer and the one after the thaw), so that its image is taken after the rewrite.
     pub fn refresh_after_freeze(&mut self, idle: &[(u32, u64)]) {
+        let deadline = Instant::now() + REFRESH_WAIT;
         let Some(mark) = self.mark.as_mut() else {
             return;
         };
-        for &(pid, _) in idle {
-            let Some(n) = self
-                .probes
-                .as_ref()
-                .and_then(|p| p.run_count(pid).ok().flatten())
-            else {
+        for &(pid, before) in idle {
+            let count = || {
+                self.probes
+                    .as_ref()
+                    .and_then(|p| p.run_count(pid).ok().flatten())
+            };
+            let Some(n) = (loop {
+                match count() {
+                    Some(n) if n < before + 2 && Instant::now() < deadline => {
+                        std::thread::sleep(std::time::Duration::from_micros(200))
+                    }
+                    n => break n,
+                }
+            }) else {
                 continue;
             };
             match capture_bounded(pid, self.target.limits.max_fdinfo_bytes) {
@@ -1067,6 +1081,9 @@ impl Inspection {
         Ok(())
     }
 }
+
+/// How long [`Inspection::refresh_after_freeze`] waits, in all, for thawed processes to run.
+const REFRESH_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// Where the file of a shared writable mapping lives, as far as arming is concerned.
 #[derive(Debug)]
