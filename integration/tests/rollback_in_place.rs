@@ -149,8 +149,11 @@ async fn in_place_rollback_equals_a_recreated_one_and_keeps_the_processes() {
     )
     .await;
     // A process of the container started before the checkpoint: it must keep running.
-    s.run("nohup sleep 1000 >/dev/null 2>&1 & echo $! > /tmp/sleeper")
-        .await;
+    s.run(
+        "nohup sleep 1000 >/dev/null 2>&1 & echo $! > /tmp/sleeper
+until tr '\\0' ' ' < /proc/$!/cmdline | grep -q '^sleep 1000'; do sleep 0.01; done",
+    )
+    .await;
     s.end_turn().await;
     s.sync().await;
     s.run(BASE).await;

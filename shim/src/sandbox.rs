@@ -313,6 +313,7 @@ impl Sandbox {
         let Some(co) = self.coordinator.get().cloned() else {
             return Err(refused("the container's checkpointing is off".into()));
         };
+        let waited = std::time::Instant::now();
         co.wait_durable(Action::Update).await?;
         let epoch = self.answers.epoch.clone();
         let origin_seq = *self.origin_seq.lock().unwrap();
@@ -402,14 +403,17 @@ impl Sandbox {
             .await
             .map_err(|e| refused(e.to_string()))??;
         log::info!(
-            "container {}: rolled back in place to checkpoint {seq} (turn {:?}): {} paths, {} bytes, frozen {:?} (applying {:?}), {:?} in all",
+            "container {}: rolled back in place to checkpoint {seq} (turn {:?}): {} paths, {} bytes, frozen {:?} (applying {:?}, scans {:?}); layers read in {:?}, peek {:?}; {:?} in all",
             self.id,
             done.to.turn_id,
             done.reset.paths,
             done.reset.bytes,
             done.reset.freeze,
             done.reset.apply,
-            done.reset.total
+            done.reset.scans,
+            done.reset.read,
+            done.reset.peek,
+            waited.elapsed()
         );
         *self.answers.after_rollback.lock().unwrap() = Some(RollbackNote {
             to_checkpoint: seq,

@@ -80,6 +80,12 @@ pub struct Reset {
     pub freeze: Duration,
     /// Of which applying the changes.
     pub apply: Duration,
+    /// Reading the checkpoint's layers and those after it (before the freeze).
+    pub read: Duration,
+    /// Asking the inspection what a turn end would answer (before the freeze).
+    pub peek: Duration,
+    /// Scanning the files changed since the last turn end, and after the reset (frozen).
+    pub scans: Duration,
     pub total: Duration,
     /// Processes idle before the freeze: their marks are refreshed after it.
     pub idle: Vec<(u32, u64)>,
@@ -263,16 +269,13 @@ impl Target<'_> {
                 // breaks such links when it copies one up; the checkpoint has them).
                 let partner = match kind == Kind::File && st.st_nlink > 1 {
                     false => None,
-                    true => self
-                        .lowers
-                        .same_file_before(&e, rel)
-                        .into_iter()
-                        .find(|q| {
-                            self.layers.lookup(q) == Lookup::Lower
-                                && self.lowers.lookup(q).is_some_and(|o| {
-                                    o.layer == e.layer && o.st.st_ino == st.st_ino
-                                })
-                        }),
+                    true => self.lowers.same_file_before(&e, rel).into_iter().find(|q| {
+                        self.layers.lookup(q) == Lookup::Lower
+                            && self
+                                .lowers
+                                .lookup(q)
+                                .is_some_and(|o| o.layer == e.layer && o.st.st_ino == st.st_ino)
+                    }),
                 };
                 Ok(Some(Want {
                     kind,
@@ -628,6 +631,7 @@ pub fn reset(
     }
     let limits = &t.limits;
     // The checkpoint's own layers (the image carries the others) and those after it.
+    let reading = Instant::now();
     let own = &target.fs_layers[latest.image_layers..];
     let mut layers = LayerState::default();
     for d in own {
@@ -647,8 +651,11 @@ pub fn reset(
         changed.extend(named.paths);
         deep.extend(named.opaque);
     }
+    let read = reading.elapsed();
     // Processes: what a turn end would say now.
+    let peeking = Instant::now();
     let (answer, observed) = inspection.peek();
+    let peek = peeking.elapsed();
     if !answer.degraded.is_empty() {
         return Err(refused(format!(
             "the container cannot be fully observed now: {}",
@@ -684,9 +691,11 @@ pub fn reset(
         }
         None => return Err(refused("the kernel counters cannot be read")),
     }
+    let scanning = Instant::now();
     let since = inspection
         .fs_since_mark()
         .map_err(|e| refused(format!("cannot scan its files: {e}")))?;
+    let mut scans = scanning.elapsed();
     let rel = |p: &PathBuf| p.strip_prefix("/").unwrap_or(p).to_path_buf();
     changed.extend(since.changed.paths().map(|p| rel(&p.to_path_buf())));
     deep.extend(since.hiding.iter().map(rel));
@@ -718,9 +727,11 @@ pub fn reset(
     let applying = Instant::now();
     let (paths, bytes) = apply(&mut view, &mut tgt, &plan).map_err(ResetError::Failed)?;
     let apply_time = applying.elapsed();
+    let scanning = Instant::now();
     inspection
         .rebase(observed)
         .map_err(|e| ResetError::Failed(format!("cannot scan the files reset: {e}")))?;
+    scans += scanning.elapsed();
     frozen.armed = false;
     freezer
         .thaw()
@@ -730,6 +741,9 @@ pub fn reset(
         bytes,
         freeze: frozen_at.elapsed(),
         apply: apply_time,
+        read,
+        peek,
+        scans,
         total: started.elapsed(),
         idle,
     })
