@@ -1105,6 +1105,18 @@ impl Containers {
     ) -> Result<()> {
         let c = self.get(id)?;
         let turn_end = turns::requested_turn_end(&annotations)?;
+        let with_resources = resources.as_ref().is_some_and(|r| !r.is_empty());
+        if let Some(seq) = turns::requested_rollback(&annotations, with_resources)? {
+            let _guard = c.lifecycle.lock().await;
+            if c.init.status() != Status::Running {
+                return Err(Error::FailedPrecondition(format!(
+                    "in-place rollback refused: container {id} is not running ({:?})",
+                    c.init.status()
+                )));
+            }
+            c.sandbox.rollback_in_place(seq, c.init.pid()).await?;
+            return Ok(());
+        }
         let _guard = c.lifecycle.lock().await;
         if let Some(json) = resources.filter(|r| !r.is_empty()) {
             c.sandbox.gate(Action::Update).await?;

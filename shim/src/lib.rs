@@ -4,6 +4,7 @@
 //!   lifecycle commands, ttrpc Task service, event publishing, `-info`, task metrics)
 //! - [`containers`]: containers and processes, their lifecycle; what happens goes out as
 //!   [`events`] (crab's own task events) and failures as [`error`]s
+//! - [`rollback`]: resetting a running container's files to a checkpoint in place
 //! - [`sandbox`]: one container's turn path (its inspection, turn answers and checkpoint
 //!   coordinator); [`turns`]: the annotations that end turns
 //! - [`runc`], [`reaper`]: running runc under the shim's reaper
@@ -31,6 +32,7 @@ pub mod oom;
 pub mod placement;
 pub mod process;
 pub mod reaper;
+pub mod rollback;
 pub mod runc;
 pub mod sandbox;
 pub mod service;

@@ -28,13 +28,14 @@ use crate::{
         coordinator::{Inspect, Settings},
         policy,
         restore::{self, Taken},
-        store::{self, Store},
+        store::{self, CheckpointKind, Manifest, Store},
         Action, CheckpointError, ContainerCapture, Coordinator,
     },
     engine::Admission,
     error::{Error, Result},
     inspector::{
-        self, bpf::HostProbes, fs::OverlayXattrs, Answer, Inspection, ProbesUnavailable, Target,
+        self, bpf::HostProbes, fs::OverlayXattrs, Answer, Inspection, Kind, ProbesUnavailable,
+        Target,
     },
     runc::Runc,
 };
@@ -92,6 +93,9 @@ pub struct Sandbox {
     coordinator: OnceLock<Arc<SandboxCoordinator>>,
     /// Each exec that finishes while no other runs ends a turn (zero-integration mode).
     exec_boundary: bool,
+    /// The sequence number of the origin manifest this shim recorded (when it recorded it
+    /// before the container started): the start of its first process epoch.
+    origin_seq: Arc<std::sync::Mutex<Option<u64>>>,
 }
 
 impl Sandbox {
@@ -112,7 +116,10 @@ impl Sandbox {
                 container_id: id.to_string(),
                 inspection: Arc::new(InspectionCell::new(id, why)),
                 turns_dir: store::turns_dir(&dir),
+                epoch: Arc::default(),
+                after_rollback: Arc::default(),
             },
+            origin_seq: Arc::default(),
             dir,
             coordinator: OnceLock::new(),
             exec_boundary,
@@ -156,6 +163,7 @@ impl Sandbox {
         let (root, namespace, cid) = (self.dir.clone(), self.namespace.clone(), self.id.clone());
         // The origin manifest is recorded here, unless it imports a process image (a copy and
         // deduplication of up to hundreds of MB): that goes on in the background, below.
+        let origin_seq = self.origin_seq.clone();
         let (store, background) = tokio::task::spawn_blocking(move || -> Result<(Store, Option<Taken>)> {
             // Only a container restored from this store's own checkpoint carries on its lineage.
             let continues = |s: &Store| matches!(&origin, Origin::Checkpoint(t) if restore::own_source(s, &namespace, &cid, t).is_some());
@@ -167,8 +175,8 @@ impl Sandbox {
                 Origin::Image => restore::created_manifest(&store, "").map_err(CheckpointError::from),
                 Origin::Checkpoint(t) => restore::restored_manifest(&store, &namespace, &cid, &t).map_err(CheckpointError::from),
             };
-            match origin.and_then(|m| Ok(store.publish(&m)?)) {
-                Ok(()) => {}
+            match origin.and_then(|m| Ok(store.publish(&m).map(|()| m.seq)?)) {
+                Ok(seq) => *origin_seq.lock().unwrap() = Some(seq),
                 // The container runs without a recorded origin: its next checkpoint still has
                 // everything it needs (a failure there forces a full one).
                 Err(e) => log::error!("container {cid}: cannot record where its lineage begins: {e}"),
@@ -294,6 +302,137 @@ impl Sandbox {
         Ok(answer)
     }
 
+    /// Resets the container's files to checkpoint `seq` in place, keeping its processes (init
+    /// `pid`): see [`crate::rollback`]. Waits for the checkpoints of earlier turns; refuses
+    /// (`FailedPrecondition`, nothing changed) unless the checkpoint is in the current process
+    /// epoch and everything since can be observed. A failure part way is an `Internal` error:
+    /// the container must then be recreated from the checkpoint.
+    pub async fn rollback_in_place(&self, seq: u64, pid: u32) -> Result<InPlace> {
+        let refused =
+            |why: String| Error::FailedPrecondition(format!("in-place rollback refused: {why}"));
+        let Some(co) = self.coordinator.get().cloned() else {
+            return Err(refused("the container's checkpointing is off".into()));
+        };
+        let waited = std::time::Instant::now();
+        co.wait_durable(Action::Update).await?;
+        let epoch = self.answers.epoch.clone();
+        let origin_seq = *self.origin_seq.lock().unwrap();
+        let id = self.id.clone();
+        let co2 = co.clone();
+        let run = move |i: &mut Inspection| -> Result<InPlace> {
+            let co = co2;
+            if !co.is_idle() {
+                return Err(refused(
+                    "a checkpoint of a turn end began meanwhile: try again".into(),
+                ));
+            }
+            let store = co.store();
+            let target = store.get(seq).map_err(|e| refused(e.to_string()))?;
+            let latest = store
+                .latest()
+                .map_err(|e| refused(e.to_string()))?
+                .ok_or_else(|| refused("the store holds no checkpoint".into()))?;
+            let origin = origin_seq.and_then(|s| store.get(s).ok());
+            if !epoch.lock().unwrap().holds(&target, origin.as_ref()) {
+                return Err(refused(format!(
+                    "the processes may have changed since checkpoint {seq} (turn {:?}): a later \
+                     turn changed them, or this shim did not answer that turn",
+                    target.turn_id
+                )));
+            }
+            let reset =
+                crate::rollback::reset(i, store, &target, &latest, pid).map_err(|e| match e {
+                    crate::rollback::ResetError::Refused(why) => refused(why),
+                    e @ crate::rollback::ResetError::Failed(_) => {
+                        // The files match neither the checkpoint nor the chain: the next checkpoint
+                        // takes them whole.
+                        co.lose_chain();
+                        Error::Other(format!(
+                            "in-place rollback of {id} to checkpoint {seq}: {e}; roll it back by \
+                         recreating it (crabctl rollback --recreate)"
+                        ))
+                    }
+                })?;
+            // The lineage goes on from the checkpoint: a `restored` manifest with its references.
+            let recorded = (|| -> std::result::Result<u64, store::StoreError> {
+                let mut m = Manifest::child_of(
+                    Some(&latest),
+                    store.next_seq()?,
+                    &target.turn_id,
+                    CheckpointKind::Restored,
+                );
+                m.parent = Some(target.seq);
+                m.fs_layers = target.fs_layers.clone();
+                m.image_layers = latest.image_layers;
+                m.process = target.process.clone();
+                m.volumes = target.volumes.clone();
+                m.explanation = format!(
+                    "rolled back in place to checkpoint {} (turn {:?}): {} paths reset, {} bytes written, processes kept",
+                    target.seq, target.turn_id, reset.paths, reset.bytes
+                );
+                m.in_place = Some(store::InPlaceRollback {
+                    paths: reset.paths,
+                    bytes: reset.bytes,
+                });
+                m.timings = store::Timings {
+                    freeze_ms: store::Timings::ms(reset.freeze),
+                    capture_ms: store::Timings::ms(reset.apply),
+                    total_ms: store::Timings::ms(reset.total),
+                };
+                store.publish(&m)?;
+                Ok(m.seq)
+            })();
+            let recorded = match recorded {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    log::error!("container {id}: cannot record the in-place rollback to checkpoint {seq}, its next checkpoint is full: {e}");
+                    co.lose_chain();
+                    None
+                }
+            };
+            Ok(InPlace {
+                to: target,
+                recorded,
+                reset,
+            })
+        };
+        let done = self
+            .answers
+            .inspection
+            .run("rolling back in place", run)
+            .await
+            .map_err(|e| refused(e.to_string()))??;
+        log::info!(
+            "container {}: rolled back in place to checkpoint {seq} (turn {:?}): {} paths, {} bytes, frozen {:?} (applying {:?}, scans {:?}); layers read in {:?}, peek {:?}; {:?} in all",
+            self.id,
+            done.to.turn_id,
+            done.reset.paths,
+            done.reset.bytes,
+            done.reset.freeze,
+            done.reset.apply,
+            done.reset.scans,
+            done.reset.read,
+            done.reset.peek,
+            waited.elapsed()
+        );
+        *self.answers.after_rollback.lock().unwrap() = Some(RollbackNote {
+            to_checkpoint: seq,
+            to_turn: done.to.turn_id.clone(),
+            checkpoint: done.recorded,
+            in_place: true,
+            paths: done.reset.paths,
+        });
+        // The freeze woke the idle processes: their marks are refreshed, off the request.
+        let idle = done.reset.idle.clone();
+        self.answers
+            .inspection
+            .run_in_background("refreshing its mark after an in-place rollback", move |i| {
+                i.refresh_after_freeze(&idle)
+            })
+            .await;
+        Ok(done)
+    }
+
     /// Takes the base every turn is compared with, once init `pid` has become the container's
     /// own program and its start-up has settled, without waiting for it: the inspection is
     /// taken before this returns, so whoever needs it next waits until the base is taken.
@@ -342,6 +481,91 @@ pub struct Answers {
     inspection: Arc<InspectionCell>,
     /// `turns/` in the sandbox's directory.
     turns_dir: PathBuf,
+    /// The turns answered since the last process change.
+    epoch: Arc<std::sync::Mutex<Epoch>>,
+    /// An in-place rollback since the last answer: the next answer's record says so.
+    after_rollback: Arc<std::sync::Mutex<Option<RollbackNote>>>,
+}
+
+/// At most this many turn ids of one process epoch are remembered (the oldest are forgotten:
+/// their checkpoints are then rolled back to by recreating the container).
+const MAX_EPOCH_TURNS: usize = 4096;
+
+/// The current process epoch of a container: the turns answered since its processes last
+/// changed (that turn included: its checkpoint holds the processes as they still are), by this
+/// shim. A checkpoint of one of these turns can be rolled back to in place.
+#[derive(Debug)]
+pub struct Epoch {
+    turns: std::collections::VecDeque<String>,
+    /// Whether the origin (the container's start) is still in it.
+    origin: bool,
+}
+
+impl Default for Epoch {
+    fn default() -> Self {
+        Epoch {
+            turns: Default::default(),
+            origin: true,
+        }
+    }
+}
+
+impl Epoch {
+    /// Counts a turn's answer: a process change (or anything not observed) begins a new epoch.
+    pub fn answered(&mut self, turn_id: &str, a: &Answer) {
+        if a.procs.changed || !a.degraded.is_empty() || matches!(a.kind, Kind::Proc | Kind::Full) {
+            self.turns.clear();
+            self.origin = false;
+        }
+        if self.turns.len() >= MAX_EPOCH_TURNS {
+            self.turns.pop_front();
+        }
+        self.turns.push_back(turn_id.to_string());
+    }
+
+    /// Whether checkpoint `m` holds the processes as they are now (as far as the answers tell):
+    /// the origin `origin` (or what it republished) while no process changed since the start,
+    /// or a later checkpoint whose last turn is in the epoch.
+    pub fn holds(&self, m: &Manifest, origin: Option<&Manifest>) -> bool {
+        if let Some(o) = origin {
+            let same_state = o.seq == m.seq
+                || (o.kind == CheckpointKind::Restored
+                    && o.parent == Some(m.seq)
+                    && o.fs_layers == m.fs_layers
+                    && o.process == m.process);
+            if same_state {
+                return self.origin;
+            }
+            if m.seq < o.seq {
+                return false;
+            }
+        }
+        let last = m.turn_id.rsplit(',').next().unwrap_or_default();
+        !last.is_empty() && self.turns.iter().any(|t| t == last)
+    }
+}
+
+/// What the record of the first turn after an in-place rollback says about it.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct RollbackNote {
+    /// The checkpoint the files were reset to, and its turn.
+    pub to_checkpoint: u64,
+    pub to_turn: String,
+    /// The `restored` checkpoint that recorded it.
+    pub checkpoint: Option<u64>,
+    pub in_place: bool,
+    /// Paths reset.
+    pub paths: u64,
+}
+
+/// What [`Sandbox::rollback_in_place`] did.
+#[derive(Debug, Clone)]
+pub struct InPlace {
+    pub to: Manifest,
+    /// The `restored` checkpoint recording it (`None` if it could not be published: the next
+    /// checkpoint is then full).
+    pub recorded: Option<u64>,
+    pub reset: crate::rollback::Reset,
 }
 
 impl Answers {
@@ -353,10 +577,13 @@ impl Answers {
         turn_id: &str,
     ) -> Result<(Answer, Result<PathBuf>), InspectionUnavailable> {
         let (dir, turn_id) = (self.turns_dir.clone(), turn_id.to_string());
+        let (epoch, after_rollback) = (self.epoch.clone(), self.after_rollback.clone());
         self.inspection
             .run("answering a turn end", move |i| {
                 let answer = i.turn_end();
-                let stored = store_answer(&dir, &turn_id, &answer);
+                epoch.lock().unwrap().answered(&turn_id, &answer);
+                let note = after_rollback.lock().unwrap().take();
+                let stored = store_answer(&dir, &turn_id, &answer, note.as_ref());
                 (answer, stored)
             })
             .await
@@ -717,18 +944,30 @@ pub fn tracked_volumes(
 }
 
 /// Writes the answer atomically (temp file, fsync, rename): a reader never sees half of it.
-fn store_answer(dir: &Path, turn_id: &str, answer: &Answer) -> Result<PathBuf> {
+/// The first answer after an in-place rollback says so (`rollback`).
+fn store_answer(
+    dir: &Path,
+    turn_id: &str,
+    answer: &Answer,
+    rollback: Option<&RollbackNote>,
+) -> Result<PathBuf> {
     #[derive(serde::Serialize)]
     struct Stored<'a> {
         turn_id: &'a str,
         #[serde(flatten)]
         answer: &'a Answer,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        rollback: Option<&'a RollbackNote>,
     }
     std::fs::create_dir_all(dir).map_err(Error::io(format!("cannot create {}", dir.display())))?;
     let path = dir.join(format!("{:06}.json", answer.seq));
     let tmp = dir.join(format!(".{:06}.json.tmp", answer.seq));
-    let data = serde_json::to_vec_pretty(&Stored { turn_id, answer })
-        .map_err(|e| Error::Other(e.to_string()))?;
+    let data = serde_json::to_vec_pretty(&Stored {
+        turn_id,
+        answer,
+        rollback,
+    })
+    .map_err(|e| Error::Other(e.to_string()))?;
     let write = || -> std::io::Result<()> {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(&data)?;

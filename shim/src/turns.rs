@@ -12,6 +12,9 @@ use crate::error::{Error, Result};
 
 /// `Tasks.Update` annotation ending a turn; its value is the harness's turn id.
 pub const TURN_END: &str = "io.crab/turn-end";
+/// `Tasks.Update` annotation asking for an in-place rollback ([`crate::rollback`]); its value
+/// is the sequence number of the checkpoint to return to (crabctl resolves turn ids to it).
+pub const ROLLBACK: &str = "io.crab/rollback";
 /// Container spec annotation choosing what ends a turn (`annotation` or `exec`); overrides
 /// `[checkpoint] turn_boundary`.
 pub const TURN_BOUNDARY: &str = "io.crab/turn-boundary";
@@ -75,9 +78,9 @@ pub fn requested_turn_end(annotations: &HashMap<String, String>) -> Result<Optio
         .keys()
         .filter(|k| k.starts_with(ANNOTATION_PREFIX))
     {
-        if key != TURN_END {
+        if key != TURN_END && key != ROLLBACK {
             return Err(Error::InvalidArgument(format!(
-                "unknown crab annotation `{key}` (known: {TURN_END})"
+                "unknown crab annotation `{key}` (known: {TURN_END}, {ROLLBACK})"
             )));
         }
     }
@@ -90,6 +93,29 @@ pub fn requested_turn_end(annotations: &HashMap<String, String>) -> Result<Optio
         )));
     }
     Ok(Some(id.clone()))
+}
+
+/// The checkpoint an `Update` asks to roll back to in place ([`ROLLBACK`]), if any. It comes
+/// alone: with a turn end or resources it is refused, as is a value that is not a sequence
+/// number.
+pub fn requested_rollback(
+    annotations: &HashMap<String, String>,
+    with_resources: bool,
+) -> Result<Option<u64>> {
+    let Some(v) = annotations.get(ROLLBACK) else {
+        return Ok(None);
+    };
+    if annotations.contains_key(TURN_END) || with_resources {
+        return Err(Error::InvalidArgument(format!(
+            "annotation {ROLLBACK} comes alone: not with {TURN_END} or new resources"
+        )));
+    }
+    match v.parse::<u64>() {
+        Ok(seq) if seq > 0 && v.bytes().all(|b| b.is_ascii_digit()) => Ok(Some(seq)),
+        _ => Err(Error::InvalidArgument(format!(
+            "annotation {ROLLBACK} must be a checkpoint's sequence number, got {v:?}"
+        ))),
+    }
 }
 
 /// Whether each finished exec ends a turn (zero-integration mode) for this container.
@@ -177,6 +203,24 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn rollback_annotations_name_a_checkpoint_and_come_alone() {
+        assert_eq!(requested_rollback(&ann(&[]), false).unwrap(), None);
+        assert_eq!(
+            requested_rollback(&ann(&[(ROLLBACK, "12")]), false).unwrap(),
+            Some(12)
+        );
+        // Known to the turn-end parser (not an unknown crab annotation).
+        assert_eq!(requested_turn_end(&ann(&[(ROLLBACK, "12")])).unwrap(), None);
+        for bad in ["", "0", "-1", "+3", "t3", "1 ", "99999999999999999999999"] {
+            let e = requested_rollback(&ann(&[(ROLLBACK, bad)]), false).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{bad:?}: {e:?}");
+        }
+        let both = ann(&[(ROLLBACK, "3"), (TURN_END, "t4")]);
+        assert!(requested_rollback(&both, false).is_err());
+        assert!(requested_rollback(&ann(&[(ROLLBACK, "3")]), true).is_err());
     }
 
     #[test]

@@ -24,6 +24,11 @@
 //!    each repetition runs a turn that writes a file and then rolls back to before it; fs-only
 //!    (turn 10 of the 50-turn sandbox) and with the 50 MB process. The same checkpoint is also
 //!    exported on its own after each rollback: the share of the export in a rollback.
+//!    (With the process, `--recreate`: the process restore is what is measured; fs-only goes
+//!    in place when it can.) Then (3b) a rollback of a 1 MB delta (half of a 1 MB file
+//!    rewritten, a 512 KiB file and a directory created since the checkpoint), in place and
+//!    recreated (`--recreate`) alternately in the same run: crabctl's wall time and own total,
+//!    and in place the shim's freeze and apply. `BENCH_RESTORE_ONLY=3b` runs this section alone.
 //! 4. Fork: for N = 1, 8, 32, in each round: N plain API starts of the agent image at once
 //!    under crab (the reference), `crabctl fork C --at T --count N -o json` of the fs checkpoint,
 //!    and of the process checkpoint (after one untimed warm-up fork of each); the forks are
@@ -1104,7 +1109,12 @@ async fn rollback_series(
         s.run(&format!("echo {rep} > /app/undo-me.txt")).await;
         end_turn(s).await?;
         let from = b.log_len();
-        let (took, out, _) = b.crabctl(&["rollback", &s.id, "--to", turn])?;
+        // With the process: a restore of it is what is measured (in place would keep it).
+        let mut args = vec!["rollback", &s.id, "--to", turn];
+        if with_process {
+            args.push("--recreate");
+        }
+        let (took, out, _) = b.crabctl(&args)?;
         wall.push(took);
         own.push(crabctl_ms(&out));
         if with_process {
@@ -1200,6 +1210,140 @@ async fn bench_rollback(
         json!({"fs": v_fs, "proc": v_proc, "fs_chain": ROLLBACK_CHAIN}),
     );
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3b. Rollback of a 1 MB delta: in place against recreating, in the same run
+
+/// The delta each repetition makes after the checkpoint: half of a 1 MB file of the checkpoint
+/// rewritten, a new 512 KiB file, a new directory.
+const DELTA_1MB: &str = "head -c 524288 /dev/urandom | dd of=/app/base.bin conv=notrunc status=none && head -c 524288 /dev/urandom > /app/delta.bin && mkdir -p /app/newdir && echo x > /app/newdir/f";
+/// What the files must be after the rollback.
+const DELTA_CHECK: &str =
+    "sha256sum /app/base.bin | cut -c1-64; ls /app/delta.bin /app/newdir 2>/dev/null | wc -l";
+
+/// A sandbox whose checkpoint holds a 1 MB file; each repetition makes [`DELTA_1MB`], ends the
+/// turn (durable), then `crabctl rollback --to` the checkpoint, in place and with `--recreate`
+/// alternately (wall time of crabctl, and its own figures), checking the files each time.
+async fn bench_in_place(b: &mut Bench, r: &mut Report) -> Res<()> {
+    BENCH.progress(format!(
+        "3b rollback of a 1 MB delta: {} x in place, {} x recreated",
+        b.o.rollback_reps, b.o.rollback_reps
+    ));
+    let config = signing_config(b);
+    let (mut s, guard) = Sandbox::start(
+        "bench-restore-inplace",
+        SandboxOptions {
+            config: &config,
+            ..Default::default()
+        },
+    )
+    .await;
+    b.sandboxes.push(s.id.clone());
+    let res = async {
+        s.run("head -c 1048576 /dev/urandom > /app/base.bin").await;
+        let (_, turn, _) = end_turn(&mut s).await?;
+        let want = s.run(DELTA_CHECK).await.stdout;
+        let (mut wall, mut own, mut frozen, mut apply) = (vec![], vec![], vec![], vec![]);
+        let (mut r_wall, mut r_own) = (vec![], vec![]);
+        let mut refused = Vec::new();
+        for _ in 0..b.o.rollback_reps {
+            for recreate in [false, true] {
+                s.run(DELTA_1MB).await;
+                end_turn(&mut s).await?;
+                let mut args = vec!["rollback", &s.id, "--to", &turn, "-o", "json"];
+                if recreate {
+                    args.push("--recreate");
+                }
+                let (took, out, _) = b.crabctl(&args)?;
+                let v: Value = serde_json::from_str(out.trim())
+                    .map_err(|e| format!("crabctl rollback -o json: {e}: {out}"))?;
+                let got = s.run(DELTA_CHECK).await.stdout;
+                if got != want {
+                    return Err(format!(
+                        "{}: after rollback to {turn} ({}) the files are {got:?}, not {want:?}",
+                        s.id, v["way"]
+                    ));
+                }
+                let total = v["total_ms"].as_f64().unwrap_or(f64::NAN);
+                match (recreate, v["way"].as_str()) {
+                    (true, _) => {
+                        r_wall.push(took);
+                        r_own.push(total);
+                    }
+                    (false, Some("in_place")) => {
+                        wall.push(took);
+                        own.push(total);
+                        frozen.push(v["freeze_ms"].as_f64().unwrap_or(f64::NAN));
+                        apply.push(v["apply_ms"].as_f64().unwrap_or(f64::NAN));
+                    }
+                    (false, _) => refused.push(v["not_in_place"].to_string()),
+                }
+            }
+        }
+        if !refused.is_empty() {
+            return Err(format!(
+                "{}: {} rollbacks were not done in place: {}",
+                s.id,
+                refused.len(),
+                refused.join("; ")
+            ));
+        }
+        r.row(
+            "3b rollback 1 MB delta",
+            "in place: crabctl wall",
+            wall.clone(),
+            Some(AIM_ROLLBACK_FS_MS),
+            "files reset through the container's view, processes kept",
+        );
+        r.row(
+            "3b rollback 1 MB delta",
+            "in place: crabctl's own total",
+            own.clone(),
+            Some(AIM_ROLLBACK_FS_MS),
+            "without crabctl's process start and connection",
+        );
+        r.row(
+            "3b rollback 1 MB delta",
+            "in place: container frozen (shim)",
+            frozen.clone(),
+            None,
+            "of which the files are reset (apply)",
+        );
+        r.row(
+            "3b rollback 1 MB delta",
+            "in place: files reset (shim)",
+            apply.clone(),
+            None,
+            "",
+        );
+        r.row(
+            "3b rollback 1 MB delta",
+            "recreated: crabctl wall",
+            r_wall.clone(),
+            None,
+            "export, kill and delete, create and start",
+        );
+        r.row(
+            "3b rollback 1 MB delta",
+            "recreated: crabctl's own total",
+            r_own.clone(),
+            None,
+            "",
+        );
+        r.extra.insert(
+            "rollback_1mb_delta".into(),
+            json!({"turn": turn, "in_place": {"wall_ms": wall, "crabctl_ms": own,
+                   "frozen_ms": frozen, "apply_ms": apply},
+                   "recreated": {"wall_ms": r_wall, "crabctl_ms": r_own}}),
+        );
+        Ok(())
+    }
+    .await;
+    let _ = s.h.kill_and_remove(&s.id).await;
+    let _ = std::fs::remove_dir_all(&s.state_dir);
+    drop(guard);
+    res
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1782,6 +1926,10 @@ async fn main() {
     let started = Instant::now();
     let mut guards = Vec::new();
     let res = async {
+        // Section 3b alone (the in-place rollback figures), for quick runs.
+        if std::env::var("BENCH_RESTORE_ONLY").as_deref() == Ok("3b") {
+            return bench_in_place(&mut b, &mut r).await;
+        }
         baseline(&mut b, &mut r).await?;
         save_partial(&b, &r, started, &load_before);
         let (mut fs, g) = fs_sandbox(&mut b).await?;
@@ -1793,6 +1941,7 @@ async fn main() {
         bench_proc_restore(&mut b, &mut r, &p).await?;
         save_partial(&b, &r, started, &load_before);
         bench_rollback(&mut b, &mut r, &mut fs, &mut p).await?;
+        bench_in_place(&mut b, &mut r).await?;
         save_partial(&b, &r, started, &load_before);
         bench_fork(&mut b, &mut r, &fs, &p).await?;
         Ok::<_, String>(())

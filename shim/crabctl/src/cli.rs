@@ -256,14 +256,20 @@ pub enum Command {
         #[command(flatten)]
         out: OutputArgs,
     },
-    /// Return CONTAINER to checkpoint T, keeping its id: its task is killed (running execs
-    /// end) and a new one starts from T
+    /// Return CONTAINER to checkpoint T, keeping its id: in place when T shares its process
+    /// epoch (its files are reset, its processes keep running), else its task is killed
+    /// (running execs end) and a new one starts from T
     Rollback {
         #[command(flatten)]
         target: TargetArgs,
         /// the checkpoint (sequence number or turn id)
         #[arg(long, value_name = "T")]
         to: String,
+        /// recreate the container from T even when its files could be reset in place
+        #[arg(long)]
+        recreate: bool,
+        #[command(flatten)]
+        out: OutputArgs,
     },
     /// After a crash (its processes, shim or containerd killed): like rollback to
     /// CONTAINER's newest recovery point
@@ -388,6 +394,8 @@ pub enum Request {
     Rollback {
         target: Target,
         to: String,
+        recreate: bool,
+        format: Format,
     },
     Recover {
         target: Target,
@@ -433,11 +441,11 @@ impl Request {
             | Request::Checkpoints { format, .. }
             | Request::Diff { format, .. }
             | Request::Fork { format, .. }
+            | Request::Rollback { format, .. }
             | Request::Engine { format }
             | Request::Prune { format, .. } => *format,
             Request::TurnEnd { .. }
             | Request::Export { .. }
-            | Request::Rollback { .. }
             | Request::Recover { .. }
             | Request::Metrics(_)
             | Request::Completions { .. } => Format::Text,
@@ -535,9 +543,16 @@ where
             format: out.format(),
             progress,
         },
-        Command::Rollback { target, to } => Request::Rollback {
+        Command::Rollback {
+            target,
+            to,
+            recreate,
+            out,
+        } => Request::Rollback {
             target: target.into_target(),
             to,
+            recreate,
+            format: out.format(),
         },
         Command::Recover { target } => Request::Recover {
             target: target.into_target(),
@@ -779,6 +794,17 @@ mod tests {
                 Request::Rollback {
                     target: id("c1"),
                     to: s("2"),
+                    recreate: false,
+                    format: Format::Text,
+                },
+            ),
+            (
+                "rollback c1 --to 2 --recreate -o json",
+                Request::Rollback {
+                    target: id("c1"),
+                    to: s("2"),
+                    recreate: true,
+                    format: Format::Json,
                 },
             ),
             (
@@ -915,6 +941,8 @@ mod tests {
                 Request::Rollback {
                     target: agent(),
                     to: s("t1"),
+                    recreate: false,
+                    format: Format::Text,
                 },
             ),
             (
@@ -1036,7 +1064,8 @@ mod tests {
             "diff --pod agent --container app",
             "diff --pod agent --container app 1 2 3",
             "turn-end c1 -o json",
-            "rollback c1 --to 1 --json",
+            "rollback c1 --to 1 --json -o text",
+            "rollback c1 --to 1 --recreate=no",
             "turns c1 --progress",
         ] {
             let e = parse(std::iter::once("crabctl".to_string()).chain(shell_words(bad)))

@@ -44,7 +44,10 @@ use super::{
     },
     CtlError,
 };
-use crab_shim::{checkpoint::store::rfc3339, turns::TURN_END};
+use crab_shim::{
+    checkpoint::store::rfc3339,
+    turns::{ROLLBACK, TURN_END},
+};
 
 /// Bytes per `Content.Write` message (containerd's own clients use 1 MiB).
 const WRITE_CHUNK: usize = 1 << 20;
@@ -824,6 +827,36 @@ impl Client {
             .await
             .map_err(grpc(format!("turn end of {id}: Tasks.Update")))?;
         Ok(())
+    }
+
+    /// Asks `id`'s shim to reset its files to checkpoint `seq` in place (`Tasks.Update` with
+    /// the rollback annotation; the shim refuses what it cannot do in place).
+    pub async fn rollback_in_place(&self, id: &str, seq: u64) -> Result<(), CtlError> {
+        self.tasks()
+            .update(self.req(
+                UpdateTaskRequest {
+                    container_id: id.into(),
+                    resources: None,
+                    annotations: HashMap::from([(ROLLBACK.to_string(), seq.to_string())]),
+                },
+                None,
+            ))
+            .await
+            .map_err(grpc(format!("in-place rollback of {id}: Tasks.Update")))?;
+        Ok(())
+    }
+
+    /// The pid of the task's init, or `None` if the container has no task.
+    pub async fn task_pid(&self, id: &str) -> Result<Option<u32>, CtlError> {
+        let req = containerd_client::services::v1::GetRequest {
+            container_id: id.into(),
+            exec_id: String::new(),
+        };
+        match self.tasks().get(self.req(req, None)).await {
+            Ok(r) => Ok(r.into_inner().process.map(|p| p.pid)),
+            Err(s) if s.code() == Code::NotFound => Ok(None),
+            Err(s) => Err(grpc(format!("Tasks.Get {id}"))(s)),
+        }
     }
 
     /// The ids of the containers whose task is alive (running or paused).

@@ -10,7 +10,8 @@ use crate::{
     answer::{self, Stored},
     cli::{Global, Request, Target},
     export::ExportOptions,
-    output::{print_json, CheckpointRow, ForkReport, Format, PruneReport},
+    lifecycle::{RollbackHow, RollbackWay},
+    output::{print_json, CheckpointRow, ForkReport, Format, PruneReport, RollbackReport},
     progress::Progress,
     Client, Ctl, CtlError, Result,
 };
@@ -60,8 +61,21 @@ pub async fn run(g: &Global, request: Request) -> Result<()> {
             let progress = Progress::for_stderr(progress, format == Format::Json);
             fork(g, container, &at, count, format, progress).await
         }
-        Request::Rollback { to, .. } => rollback(g, container, Some(&to)).await,
-        Request::Recover { .. } => rollback(g, container, None).await,
+        Request::Rollback {
+            to,
+            recreate,
+            format,
+            ..
+        } => {
+            let how = match recreate {
+                true => RollbackHow::Recreate,
+                false => RollbackHow::InPlaceFirst,
+            };
+            rollback(g, container, Some(&to), how, format).await
+        }
+        Request::Recover { .. } => {
+            rollback(g, container, None, RollbackHow::Recreate, Format::Text).await
+        }
         Request::Engine { format } => engine(g, format),
         Request::Prune { dry_run, format } => prune(g, dry_run, format).await,
         Request::Metrics(args) => crate::metrics::run(g.config.as_deref(), &args).await,
@@ -184,32 +198,54 @@ async fn fork(
 }
 
 /// rollback (`to` given) and recover (the newest recovery point).
-async fn rollback(g: &Global, container: &str, to: Option<&str>) -> Result<()> {
-    let r = ctl(g).await?.rollback(container, to).await?;
-    let s = &r.exported.source;
+async fn rollback(
+    g: &Global,
+    container: &str,
+    to: Option<&str>,
+    how: RollbackHow,
+    format: Format,
+) -> Result<()> {
+    let r = ctl(g).await?.rollback(container, to, how).await?;
+    if format == Format::Json {
+        print_json(&RollbackReport::of(container, &r));
+        return Ok(());
+    }
     let verb = if to.is_some() {
         "rolled back"
     } else {
         "recovered"
     };
-    println!(
-        "{verb} {container} to checkpoint {} (turn {:?}, {}) in {}: pid {}, image {}",
-        s.seq,
-        s.turn_id,
-        format!("{:?}", r.exported.kind).to_lowercase(),
-        r.phases,
-        r.restarted.pid,
-        r.exported.reference
-    );
-    if !r.had_task {
-        println!("{container} had no task (its shim or processes were gone)");
-    }
-    if !r.execs_ended.is_empty() {
-        println!(
-            "ended {} running execs with the old task (killed): {}",
-            r.execs_ended.len(),
-            r.execs_ended.join(", ")
-        );
+    let kind = format!("{:?}", r.kind).to_lowercase();
+    match &r.way {
+        RollbackWay::InPlace(p) => println!(
+            "{verb} {container} to checkpoint {} (turn {:?}, {kind}) in place in {:.0} ms: {} \
+             paths reset, processes kept (pid {}), frozen {:.1} ms",
+            r.seq, r.turn_id, r.phases.total_ms, p.paths, r.pid, p.freeze_ms
+        ),
+        RollbackWay::Recreated {
+            exported,
+            had_task,
+            execs_ended,
+        } => {
+            println!(
+                "{verb} {container} to checkpoint {} (turn {:?}, {kind}) by recreating it in {}: \
+                 pid {}, image {}",
+                r.seq, r.turn_id, r.phases, r.pid, exported.reference
+            );
+            if let Some(why) = &r.not_in_place {
+                println!("not in place: {why}");
+            }
+            if !had_task {
+                println!("{container} had no task (its shim or processes were gone)");
+            }
+            if !execs_ended.is_empty() {
+                println!(
+                    "ended {} running execs with the old task (killed): {}",
+                    execs_ended.len(),
+                    execs_ended.join(", ")
+                );
+            }
+        }
     }
     Ok(())
 }

@@ -101,15 +101,56 @@ impl Forked {
     }
 }
 
+/// How `rollback` may return a container to a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RollbackHow {
+    /// In place if its shim can (the checkpoint shares the current process epoch), else by
+    /// recreating the container.
+    InPlaceFirst,
+    /// By recreating the container.
+    Recreate,
+}
+
+/// What an in-place rollback did, as the shim recorded it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InPlaceReset {
+    /// The `restored` checkpoint recording it (none if the shim could not record it).
+    pub recorded: Option<u64>,
+    pub paths: u64,
+    pub freeze_ms: f64,
+    pub apply_ms: f64,
+}
+
+/// How a rollback was done.
+#[derive(Debug)]
+// One per rollback: the size of the larger variant does not matter.
+#[allow(clippy::large_enum_variant)]
+pub enum RollbackWay {
+    /// The files were reset in place: same task, same processes.
+    InPlace(InPlaceReset),
+    /// The task was killed and the container started again from the exported checkpoint.
+    Recreated {
+        exported: Exported,
+        /// Whether the container still had a task (a recovery after its shim died may find
+        /// none).
+        had_task: bool,
+        /// Execs that were running and were ended with the old task.
+        execs_ended: Vec<String>,
+    },
+}
+
 /// What `rollback` / `recover` did.
 #[derive(Debug)]
 pub struct RolledBack {
-    pub exported: Exported,
-    pub restarted: Restarted,
-    /// Whether the container still had a task (a recovery after its shim died may find none).
-    pub had_task: bool,
-    /// Execs that were running and were ended with the old task.
-    pub execs_ended: Vec<String>,
+    /// The checkpoint returned to.
+    pub seq: u64,
+    pub turn_id: String,
+    pub kind: crab_shim::checkpoint::store::CheckpointKind,
+    /// The init's pid now.
+    pub pid: u32,
+    pub way: RollbackWay,
+    /// Why it was not done in place, when that was tried.
+    pub not_in_place: Option<String>,
     pub phases: Phases,
 }
 
@@ -455,14 +496,93 @@ impl Ctl {
     }
 
     /// Returns `container` to checkpoint `to` (default: its newest recovery point) keeping its
-    /// id: the checkpoint is exported and unpacked, then the task is killed and deleted (its
-    /// running execs end), the container record and snapshot are replaced, and the new task
-    /// starts from the checkpoint.
-    pub async fn rollback(&self, container: &str, to: Option<&str>) -> Result<RolledBack> {
+    /// id. With [`RollbackHow::InPlaceFirst`] and a checkpoint named, its shim is asked to
+    /// reset the files in place ([`Ctl::rollback_in_place`]); if it refuses (the processes
+    /// changed since, an older shim, ...), or otherwise, the container is recreated: the
+    /// checkpoint is exported and unpacked, then the task is killed and deleted (its running
+    /// execs end), the container record and snapshot are replaced, and the new task starts from
+    /// the checkpoint.
+    pub async fn rollback(
+        &self,
+        container: &str,
+        to: Option<&str>,
+        how: RollbackHow,
+    ) -> Result<RolledBack> {
         let start = Instant::now();
         let op = if to.is_some() { "rollback" } else { "recovery" };
         self.refuse_docker(container, None, op)?;
-        self.refuse_managed(&self.container(container).await?, op)?;
+        let record = self.container(container).await?;
+        self.refuse_managed(&record, op)?;
+        let mut not_in_place = None;
+        if let (Some(to), RollbackHow::InPlaceFirst) = (to, how) {
+            match self.rollback_in_place(&record, to, start).await {
+                Ok(r) => return Ok(r),
+                Err(e) => {
+                    log::info!("{container}: not rolled back in place: {e}");
+                    not_in_place = Some(e.to_string());
+                }
+            }
+        }
+        let mut r = self.rollback_recreate(container, to, start).await?;
+        r.not_in_place = not_in_place;
+        Ok(r)
+    }
+
+    /// Asks the shim of `record`'s container to reset its files to checkpoint `to` in place
+    /// (see the shim's `rollback` module); an error says why it did not.
+    async fn rollback_in_place(
+        &self,
+        record: &Container,
+        to: &str,
+        start: Instant,
+    ) -> Result<RolledBack> {
+        use crab_shim::checkpoint::store::{CheckpointKind, Store};
+        let store = Store::open(&self.store_root(record)?)?;
+        let manifests = store.list()?;
+        let m = super::export::select_checkpoint(&record.id, &manifests, Some(to))?.clone();
+        let newest = manifests.last().map_or(0, |m| m.seq);
+        let pid = self.client.task_pid(&record.id).await?.ok_or_else(|| {
+            CtlError::Refused(format!("{} has no task to roll back in place", record.id))
+        })?;
+        let mut phases = Phases {
+            checkpoint_ms: Phases::since(start),
+            ..Phases::default()
+        };
+        let asked = Instant::now();
+        self.client.rollback_in_place(&record.id, m.seq).await?;
+        phases.start_ms = Phases::since(asked);
+        // What the shim recorded: a `restored` checkpoint of `m`, newer than those listed.
+        let recorded = store.latest()?.filter(|l| {
+            l.kind == CheckpointKind::Restored && l.parent == Some(m.seq) && l.seq > newest
+        });
+        phases.total_ms = Phases::since(start);
+        let paths = recorded
+            .as_ref()
+            .and_then(|l| l.in_place.as_ref())
+            .map_or(0, |p| p.paths);
+        Ok(RolledBack {
+            seq: m.seq,
+            turn_id: m.turn_id.clone(),
+            kind: m.kind,
+            pid,
+            way: RollbackWay::InPlace(InPlaceReset {
+                recorded: recorded.as_ref().map(|l| l.seq),
+                paths,
+                freeze_ms: recorded.as_ref().map_or(0.0, |l| l.timings.freeze_ms),
+                apply_ms: recorded.as_ref().map_or(0.0, |l| l.timings.capture_ms),
+            }),
+            not_in_place: None,
+            phases,
+        })
+    }
+
+    /// The recreating rollback (see [`Ctl::rollback`]).
+    async fn rollback_recreate(
+        &self,
+        container: &str,
+        to: Option<&str>,
+        start: Instant,
+    ) -> Result<RolledBack> {
         let lease = self.client.create_lease().await?;
         let r = async {
             let (exported, top) = self.prepare_checkpoint(&lease, container, to).await?;
@@ -500,13 +620,16 @@ impl Ctl {
                 .await;
             phases.total_ms = Phases::since(start);
             Ok(RolledBack {
-                restarted: Restarted {
-                    id: container.to_string(),
-                    pid,
+                seq: exported.source.seq,
+                turn_id: exported.source.turn_id.clone(),
+                kind: exported.kind,
+                pid,
+                way: RollbackWay::Recreated {
+                    had_task: execs.is_some(),
+                    execs_ended: execs.unwrap_or_default(),
+                    exported,
                 },
-                had_task: execs.is_some(),
-                execs_ended: execs.unwrap_or_default(),
-                exported,
+                not_in_place: None,
                 phases,
             })
         }

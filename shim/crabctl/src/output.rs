@@ -23,7 +23,7 @@ use serde::Serialize;
 
 use crate::{
     error::ErrorKind,
-    lifecycle::Forked,
+    lifecycle::{Forked, RollbackWay, RolledBack},
     prune::{Outcome, Pruned},
     CtlError,
 };
@@ -268,6 +268,69 @@ impl ForkReport {
                 Spread { min, p50, max }
             },
         }
+    }
+}
+
+/// What `crabctl rollback -o json` prints.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RollbackReport {
+    pub container: String,
+    /// The checkpoint returned to.
+    pub seq: u64,
+    pub turn_id: String,
+    /// `in_place` (files reset, processes kept) or `recreated` (a new task from the checkpoint).
+    pub way: &'static str,
+    /// Why it was not done in place (`recreated` only; `null` when it was not tried:
+    /// `--recreate`, or a recovery).
+    pub not_in_place: Option<String>,
+    /// The init's pid now (unchanged in place).
+    pub pid: u32,
+    /// In place: the paths reset, how long the container was frozen and, of that, how long
+    /// the files took; the `restored` checkpoint that records it.
+    pub paths: Option<u64>,
+    pub freeze_ms: Option<f64>,
+    pub apply_ms: Option<f64>,
+    pub recorded: Option<u64>,
+    /// Recreated: the (internal) image the new task runs.
+    pub image: Option<String>,
+    pub checkpoint_ms: f64,
+    pub stop_ms: f64,
+    pub start_ms: f64,
+    pub total_ms: f64,
+}
+
+impl RollbackReport {
+    pub fn of(container: &str, r: &RolledBack) -> RollbackReport {
+        let mut out = RollbackReport {
+            container: container.to_string(),
+            seq: r.seq,
+            turn_id: r.turn_id.clone(),
+            way: "recreated",
+            not_in_place: r.not_in_place.clone(),
+            pid: r.pid,
+            paths: None,
+            freeze_ms: None,
+            apply_ms: None,
+            recorded: None,
+            image: None,
+            checkpoint_ms: r.phases.checkpoint_ms,
+            stop_ms: r.phases.stop_ms,
+            start_ms: r.phases.start_ms,
+            total_ms: r.phases.total_ms,
+        };
+        match &r.way {
+            RollbackWay::InPlace(p) => {
+                out.way = "in_place";
+                out.paths = Some(p.paths);
+                out.freeze_ms = Some(p.freeze_ms);
+                out.apply_ms = Some(p.apply_ms);
+                out.recorded = p.recorded;
+            }
+            RollbackWay::Recreated { exported, .. } => {
+                out.image = Some(exported.reference.clone());
+            }
+        }
+        out
     }
 }
 

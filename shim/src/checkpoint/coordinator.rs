@@ -266,6 +266,18 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
         &self.store
     }
 
+    /// Whether no job runs or waits (every submitted turn's checkpoint is durable).
+    pub fn is_idle(&self) -> bool {
+        let st = self.state.lock().unwrap();
+        !st.running && st.pending.is_none()
+    }
+
+    /// The container's files no longer match its newest checkpoint's chain (an in-place
+    /// rollback could not record where it went): the next checkpoint takes everything.
+    pub fn lose_chain(&self) {
+        self.state.lock().unwrap().force_full = true;
+    }
+
     /// Records the origin manifest that `make` builds (a restored container's, which imports
     /// the process image it was restored from: a copy and deduplication of up to hundreds of
     /// MB) in the background. Actions need not wait for it (they cannot change the image it

@@ -246,6 +246,19 @@ pub struct Manifest {
     /// in place of the one the turn needed.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub degraded: bool,
+    /// Of a `restored` checkpoint recording an in-place rollback (the container's files reset
+    /// to its `parent`, its processes kept): what was done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_place: Option<InPlaceRollback>,
+}
+
+/// What an in-place rollback did (`crate::rollback`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InPlaceRollback {
+    /// Paths given their checkpoint state (removed, created or rewritten).
+    pub paths: u64,
+    /// Bytes of file data written.
+    pub bytes: u64,
 }
 
 impl Manifest {
@@ -273,6 +286,7 @@ impl Manifest {
             volumes: parent.map(|p| p.volumes.clone()).unwrap_or_default(),
             attempted: None,
             degraded: false,
+            in_place: None,
         }
     }
 }

@@ -72,6 +72,8 @@ pub enum InspectError {
         #[source]
         source: ProcfsError,
     },
+    #[error("no mark to compare with")]
+    NoMark,
     #[error("cannot read memory of pid {pid}: {source}")]
     Memory {
         pid: u32,
@@ -663,16 +665,30 @@ impl Inspection {
     /// the kernel updates the rseq area). For the processes that were idle since the mark up to
     /// the freeze (`idle`, from [`Self::idle_since_mark`]), that change is crab's own, not the
     /// agent's: their images at the mark are refreshed so the next turn does not count it.
+    ///
+    /// A thawed process rewrites that memory when it next runs, which may be after the thaw
+    /// returned: each is waited for (bounded) until it has run and gone back to sleep since the
+    /// freeze (its run count, taken before the freeze, moved by two: the switch-out into the
+    /// freezer and the one after the thaw), so that its image is taken after the rewrite.
     pub fn refresh_after_freeze(&mut self, idle: &[(u32, u64)]) {
+        let deadline = Instant::now() + REFRESH_WAIT;
         let Some(mark) = self.mark.as_mut() else {
             return;
         };
-        for &(pid, _) in idle {
-            let Some(n) = self
-                .probes
-                .as_ref()
-                .and_then(|p| p.run_count(pid).ok().flatten())
-            else {
+        for &(pid, before) in idle {
+            let count = || {
+                self.probes
+                    .as_ref()
+                    .and_then(|p| p.run_count(pid).ok().flatten())
+            };
+            let Some(n) = (loop {
+                match count() {
+                    Some(n) if n < before + 2 && Instant::now() < deadline => {
+                        std::thread::sleep(std::time::Duration::from_micros(200))
+                    }
+                    n => break n,
+                }
+            }) else {
                 continue;
             };
             match capture_bounded(pid, self.target.limits.max_fdinfo_bytes) {
@@ -687,8 +703,29 @@ impl Inspection {
 
     /// Answers a turn end and makes the present the new mark.
     pub fn turn_end(&mut self) -> Answer {
-        let started = Instant::now();
         self.seq += 1;
+        let prev = self.mark.take();
+        let (answer, mark) = self.observe_since(prev.as_ref(), self.seq);
+        self.mark = mark;
+        if answer.degraded.is_empty() {
+            log::info!("{}", answer.summary());
+        } else {
+            log::warn!("{}", answer.summary());
+        }
+        answer
+    }
+
+    /// What a turn end would answer now, without ending a turn: the mark stays as it is. Also
+    /// returns the observation of the present, which [`Self::rebase`] can make the mark.
+    pub fn peek(&self) -> (Answer, Option<Observed>) {
+        let (answer, mark) = self.observe_since(self.mark.as_ref(), self.seq);
+        (answer, mark.map(Observed))
+    }
+
+    /// The answer of the turn since `prev` (numbered `seq`) and the mark it leaves: the present,
+    /// or a fresh full observation when the present could not be observed.
+    fn observe_since(&self, prev: Option<&Mark>, seq: u64) -> (Answer, Option<Mark>) {
+        let started = Instant::now();
         let mut degraded = Vec::new();
         if let Some(why) = &self.blind {
             degraded.push(why.to_string());
@@ -703,11 +740,10 @@ impl Inspection {
         };
         let mut fs = FsFinding::default();
         let mut procs = ProcFinding::default();
-        let prev = self.mark.take();
         if prev.is_none() {
             degraded.push("no mark to compare with".into());
         }
-        if let (Some(c), Some(m)) = (counters, prev.as_ref()) {
+        if let (Some(c), Some(m)) = (counters, prev) {
             if c.errors > m.counters.errors {
                 degraded.push(format!(
                     "{} kernel events lost since the mark",
@@ -718,7 +754,7 @@ impl Inspection {
 
         // Filesystem: scan only when a mutating syscall (or a shared writable mapping, whose
         // writes need no syscall) happened since the mark.
-        let fs_activity = match (counters, prev.as_ref()) {
+        let fs_activity = match (counters, prev) {
             (Some(c), Some(m)) => {
                 let since = c.since(&m.counters);
                 for (class, n) in since.fs_classes() {
@@ -729,7 +765,7 @@ impl Inspection {
             }
             _ => true,
         };
-        let prev_manifest = prev.as_ref().map(|m| &m.manifest);
+        let prev_manifest = prev.map(|m| &m.manifest);
         let manifest = if fs_activity || prev_manifest.is_none() {
             fs.scanned = true;
             if counters.is_none_or(|c| c.shared_writable_mmaps > 0) {
@@ -783,7 +819,7 @@ impl Inspection {
                 }
             }
         } else {
-            prev.as_ref().map(|m| m.volumes.clone())
+            prev.map(|m| m.volumes.clone())
         };
 
         // Processes.
@@ -796,7 +832,7 @@ impl Inspection {
         };
         let mut run_counts = HashMap::new();
         let mut memory_images = HashMap::new();
-        if let (Some(now), Some(m)) = (&now_procs, prev.as_ref()) {
+        if let (Some(now), Some(m)) = (&now_procs, prev) {
             if let Some(c) = counters {
                 procs.forks = c.forks.saturating_sub(m.counters.forks);
                 procs.execs = c.execs.saturating_sub(m.counters.execs);
@@ -910,7 +946,7 @@ impl Inspection {
         };
         // The present becomes the mark; if it could not be observed, the next turn takes a
         // fresh full observation.
-        self.mark = match (counters, manifest, now_procs, volumes) {
+        let mark = match (counters, manifest, now_procs, volumes) {
             (Some(counters), Some(manifest), Some(processes), Some(volumes))
                 if degraded.is_empty() =>
             {
@@ -927,21 +963,127 @@ impl Inspection {
         };
         let answer = Answer {
             container_id: self.target.container_id.clone(),
-            seq: self.seq,
+            seq,
             kind,
             fs,
             procs,
             degraded,
             elapsed_us: started.elapsed().as_micros() as u64,
         };
-        if answer.degraded.is_empty() {
-            log::info!("{}", answer.summary());
-        } else {
-            log::warn!("{}", answer.summary());
-        }
-        answer
+        (answer, mark)
     }
 }
+
+/// An observation of the present ([`Inspection::peek`]) that can become the mark after the
+/// container's files were reset in place ([`Inspection::rebase`]).
+pub struct Observed(Mark);
+
+/// The net change of the container's files since the mark, read with the container frozen
+/// (for an in-place rollback, [`Inspection::fs_since_mark`]).
+#[derive(Debug, Clone, Default)]
+pub struct FsSinceMark {
+    /// Container paths, as a turn answer lists them (volumes' below their mount points).
+    pub changed: FsDiff,
+    /// Changed directories of the upperdir that hide what the image has below them (opaque, or
+    /// renamed with a redirect): their whole content must be compared, not only the paths
+    /// listed.
+    pub hiding: Vec<PathBuf>,
+}
+
+impl Inspection {
+    /// What it watches.
+    pub fn target(&self) -> &Target {
+        &self.target
+    }
+
+    /// Forks, execs, exits and foreign memory writes in the container since `o` was observed;
+    /// `None` when the probes cannot tell (blind).
+    pub fn process_events_since(&self, o: &Observed) -> Option<u64> {
+        let now = self.counters()?.ok()?;
+        let then = &o.0.counters;
+        Some(
+            now.forks.saturating_sub(then.forks)
+                + now.execs.saturating_sub(then.execs)
+                + now.exits.saturating_sub(then.exits)
+                + now
+                    .foreign_mem_writes
+                    .saturating_sub(then.foreign_mem_writes)
+                + now.errors.saturating_sub(then.errors),
+        )
+    }
+
+    /// The processes of `o` that have not been scheduled since it was observed, with their run
+    /// counts now (for [`Self::refresh_after_freeze`] once a freeze that follows is over).
+    pub fn idle_since(&self, o: &Observed) -> Vec<(u32, u64)> {
+        o.0.processes
+            .iter()
+            .filter_map(|p| {
+                let now = self.run_count(p.pid)?;
+                (o.0.run_counts.get(&p.pid) == Some(&now)).then_some((p.pid, now))
+            })
+            .collect()
+    }
+
+    /// The net change of the files (upperdir and tracked volumes) since the mark, scanned now:
+    /// the caller has frozen the container. An error when there is no mark or a tree cannot be
+    /// scanned (the change is then unknown).
+    pub fn fs_since_mark(&self) -> Result<FsSinceMark, InspectError> {
+        let Some(mark) = &self.mark else {
+            return Err(InspectError::NoMark);
+        };
+        let now = self.scan_upper()?;
+        let mut out = FsSinceMark {
+            changed: fs::diff(&mark.manifest, &now, &self.target.lowerdirs),
+            hiding: Vec::new(),
+        };
+        for p in out.changed.added.iter().chain(&out.changed.modified) {
+            let rel = p.strip_prefix("/").unwrap_or(p);
+            if now
+                .get(rel)
+                .is_some_and(|m| m.kind == fs::EntryKind::Dir && (m.opaque || m.redirect.is_some()))
+            {
+                out.hiding.push(p.clone());
+            }
+        }
+        let volumes = self.scan_volumes()?;
+        let empty = TreeManifest::default();
+        for (i, (at, _)) in self.target.volumes.iter().enumerate() {
+            let before = mark.volumes.get(i).unwrap_or(&empty);
+            let d = fs::diff(before, &volumes[i], &[]);
+            let inside = |p: PathBuf| at.join(p.strip_prefix("/").unwrap_or(&p));
+            out.changed.added.extend(d.added.into_iter().map(inside));
+            out.changed
+                .modified
+                .extend(d.modified.into_iter().map(inside));
+            out.changed
+                .deleted
+                .extend(d.deleted.into_iter().map(inside));
+        }
+        Ok(out)
+    }
+
+    /// Makes `o` the mark, with the files as they are now (scanned again, and the kernel
+    /// counters read again): after the container's files were reset in place, with the
+    /// container still frozen, the next turn is compared with the reset state.
+    pub fn rebase(&mut self, o: Observed) -> Result<(), InspectError> {
+        let counters = match self.counters() {
+            Some(c) => c?,
+            None => CgroupCounters::default(),
+        };
+        let manifest = self.scan_upper()?;
+        let volumes = self.scan_volumes()?;
+        self.mark = Some(Mark {
+            counters,
+            manifest,
+            volumes,
+            ..o.0
+        });
+        Ok(())
+    }
+}
+
+/// How long [`Inspection::refresh_after_freeze`] waits, in all, for thawed processes to run.
+const REFRESH_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// Where the file of a shared writable mapping lives, as far as arming is concerned.
 #[derive(Debug)]

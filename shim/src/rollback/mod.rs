@@ -1,0 +1,888 @@
+//! In-place rollback: returning a running container's files to one of its checkpoints without
+//! touching its processes, when the checkpoint shares the current process epoch (no process
+//! changed since it). The task, its pids and its open descriptors stay; only files change.
+//!
+//! [`reset`], with the container's inspection held (no turn end can interleave):
+//! 1. the lineage is checked ([`check_lineage`]): the checkpoint's layer chain must be the start
+//!    of the newest checkpoint's (nothing since started a new chain or failed), and must hold
+//!    the container's image layers;
+//! 2. the checkpoint's own layers (those in the store) are read into a [`state::LayerState`]
+//!    (every blob's digest checked), and the layers after it into the paths they name: what
+//!    changed between the checkpoint and the last turn end;
+//! 3. the inspection is asked what a turn end would answer now ([`Inspection::peek`]): any
+//!    process change, or anything it cannot observe, refuses the rollback (nothing was changed:
+//!    the caller falls back to recreating the container);
+//! 4. the container is frozen (`sys::cgroup::freezer`); if any process was created, exec'd or
+//!    ended since the peek, the rollback is refused. The files changed since the last turn end
+//!    are scanned ([`Inspection::fs_since_mark`]);
+//! 5. every changed path is given its state at the checkpoint, through the container's own view
+//!    ([`view`]): from the checkpoint's layers, or the image's lower layers ([`lower`]) where
+//!    the layers say nothing. Directories that hide what is below them (opaque, renamed, or
+//!    created or deleted whole) are compared entry by entry. Data is copied last, one pass per
+//!    layer in the order it is stored, then hard links;
+//! 6. the files are scanned again and become the inspection's mark ([`Inspection::rebase`]):
+//!    the next turn is compared with the checkpoint's state; then the container is thawed.
+//!
+//! The caller records the new lineage (a `restored` manifest with the checkpoint's references,
+//! so the next layer stacks on the checkpoint's chain).
+
+pub mod lower;
+pub mod state;
+pub mod tar;
+pub mod view;
+
+use std::{
+    collections::{BTreeSet, HashSet},
+    fs::File,
+    io::{self, BufReader, Read},
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use sha2::{Digest, Sha256};
+
+use crate::{
+    checkpoint::store::{CheckpointKind, Descriptor, Manifest, Store, MEDIA_TYPE_LAYER_TAR},
+    inspector::{Inspection, Kind as AnswerKind},
+    sys::cgroup::freezer::{CgroupFreezer, Freezer},
+};
+
+use self::{
+    lower::{LowerEntry, Lowers},
+    state::{DataRef, LayerState, Lookup, Named, Node},
+    tar::Kind,
+    view::{Meta, Special, View},
+};
+
+/// Why a rollback was not done in place.
+#[derive(Debug, thiserror::Error)]
+pub enum ResetError {
+    /// Nothing was changed: the container can be rolled back by recreating it.
+    #[error("{0}")]
+    Refused(String),
+    /// Files may have been changed: the container must be rolled back by recreating it.
+    #[error("resetting the files failed part way: {0}")]
+    Failed(String),
+}
+
+fn refused(why: impl Into<String>) -> ResetError {
+    ResetError::Refused(why.into())
+}
+
+/// What an in-place rollback did.
+#[derive(Debug, Clone, Default)]
+pub struct Reset {
+    /// Paths given their checkpoint state (removed, created or rewritten).
+    pub paths: u64,
+    /// Bytes of file data written.
+    pub bytes: u64,
+    /// How long the container was frozen.
+    pub freeze: Duration,
+    /// Of which applying the changes.
+    pub apply: Duration,
+    /// Reading the checkpoint's layers and those after it (before the freeze).
+    pub read: Duration,
+    /// Asking the inspection what a turn end would answer (before the freeze).
+    pub peek: Duration,
+    /// Scanning the files changed since the last turn end, and after the reset (frozen).
+    pub scans: Duration,
+    pub total: Duration,
+    /// Processes idle before the freeze: their marks are refreshed after it.
+    pub idle: Vec<(u32, u64)>,
+}
+
+/// Checks that the files of `target` can be reached from the container's present through its
+/// lineage (`latest`: the newest checkpoint, every earlier turn's checkpoint durable).
+pub fn check_lineage(target: &Manifest, latest: &Manifest) -> Result<(), String> {
+    if !target.kind.is_durable_state() {
+        return Err(format!(
+            "checkpoint {} failed: it is no recovery point",
+            target.seq
+        ));
+    }
+    if latest.kind == CheckpointKind::Failed {
+        return Err(format!(
+            "the newest checkpoint ({}) failed: the files of its turns are in no layer",
+            latest.seq
+        ));
+    }
+    let n = target.fs_layers.len();
+    if latest.fs_layers.len() < n || latest.fs_layers[..n] != target.fs_layers[..] {
+        return Err(format!(
+            "the container's files no longer descend from checkpoint {}'s layers (a later \
+             checkpoint began a new chain, or it is on another branch)",
+            target.seq
+        ));
+    }
+    if n < latest.image_layers {
+        return Err(format!(
+            "checkpoint {} is older than the checkpoint image the container was started from",
+            target.seq
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `pid`'s user namespace maps ids one to one (the initial one): the layers hold the
+/// container's ids, the view shows the host's.
+fn identity_ids(pid: u32) -> Result<bool, String> {
+    for f in ["uid_map", "gid_map"] {
+        let path = format!("/proc/{pid}/{f}");
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
+        let fields: Vec<&str> = text.split_whitespace().collect();
+        if fields != ["0", "0", "4294967295"] {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// A reader that hashes what goes through it.
+struct Hashing<R> {
+    inner: R,
+    hash: Sha256,
+}
+
+impl<R: Read> Read for Hashing<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.hash.update(&buf[..n]);
+        Ok(n)
+    }
+}
+
+/// Reads the layer blob of `d` in `store` (uncompressed) with `f`, then checks the blob's
+/// digest over all of it.
+fn read_layer<T>(
+    store: &Store,
+    d: &Descriptor,
+    f: impl FnOnce(&mut dyn Read) -> Result<T, tar::TarError>,
+) -> Result<T, String> {
+    let path = store.blob_path(&d.digest);
+    let what = |e: &dyn std::fmt::Display| format!("layer {} ({}): {e}", d.digest, path.display());
+    let file = File::open(&path).map_err(|e| what(&e))?;
+    let mut raw = Hashing {
+        inner: BufReader::new(file),
+        hash: Sha256::new(),
+    };
+    let out = if d.media_type == MEDIA_TYPE_LAYER_TAR {
+        let out = f(&mut raw).map_err(|e| what(&e))?;
+        io::copy(&mut raw, &mut io::sink()).map_err(|e| what(&e))?;
+        out
+    } else {
+        let mut dec = zstd::stream::read::Decoder::with_buffer(BufReader::new(&mut raw))
+            .map_err(|e| what(&e))?;
+        let out = f(&mut dec).map_err(|e| what(&e))?;
+        io::copy(&mut dec, &mut io::sink()).map_err(|e| what(&e))?;
+        let mut rest = dec.finish();
+        io::copy(&mut rest, &mut io::sink()).map_err(|e| what(&e))?;
+        out
+    };
+    let got = format!("sha256:{:x}", raw.hash.finalize());
+    if got != d.digest {
+        return Err(what(&format!(
+            "its content has digest {got}: it is damaged"
+        )));
+    }
+    Ok(out)
+}
+
+/// The checkpoint's files as its layers and the image give them.
+struct Target<'a> {
+    layers: &'a LayerState,
+    lowers: Lowers<'a>,
+}
+
+/// A path's state in the checkpoint.
+struct Want {
+    kind: Kind,
+    meta: Meta,
+    source: Source,
+    size: u64,
+    link: PathBuf,
+    dev: (u32, u32),
+}
+
+enum Source {
+    None,
+    Layer {
+        data: DataRef,
+        sparse: Option<Vec<(u64, u64)>>,
+        linked: Option<PathBuf>,
+    },
+    /// The image's file; with another path of the same image file (a hard link) to link to.
+    Lower(LowerEntry, Option<PathBuf>),
+}
+
+impl Target<'_> {
+    fn want(&mut self, rel: &Path) -> io::Result<Option<Want>> {
+        match self.layers.lookup(rel) {
+            Lookup::Absent => Ok(None),
+            Lookup::Entry(Node::Gone) => Ok(None),
+            Lookup::Entry(Node::Entry {
+                header,
+                data,
+                linked,
+            }) => Ok(Some(Want {
+                kind: header.kind,
+                meta: Meta {
+                    mode: header.mode,
+                    uid: header.uid,
+                    gid: header.gid,
+                    mtime: header.mtime,
+                    xattrs: header.xattrs.clone(),
+                },
+                source: match data {
+                    Some(d) => Source::Layer {
+                        data: *d,
+                        sparse: header.sparse.clone(),
+                        linked: linked.clone(),
+                    },
+                    None => Source::None,
+                },
+                size: header.size,
+                link: header.link.clone(),
+                dev: header.dev,
+            })),
+            Lookup::Lower => {
+                let Some(e) = self.lowers.lookup(rel) else {
+                    return Ok(None);
+                };
+                let st = e.st;
+                let fmt = st.st_mode & libc::S_IFMT;
+                let kind = match fmt {
+                    libc::S_IFDIR => Kind::Dir,
+                    libc::S_IFLNK => Kind::Symlink,
+                    libc::S_IFCHR => Kind::CharDev,
+                    libc::S_IFBLK => Kind::BlockDev,
+                    libc::S_IFIFO => Kind::Fifo,
+                    libc::S_IFREG => Kind::File,
+                    // A socket in an image is not something a layer can hold either.
+                    _ => return Ok(None),
+                };
+                let link = match kind {
+                    Kind::Symlink => self.lowers.readlink(&e, rel)?,
+                    _ => PathBuf::new(),
+                };
+                // A hard link of the image's: the first other name of the same file in its
+                // directory, if the checkpoint still has it there, is linked to (overlayfs
+                // breaks such links when it copies one up; the checkpoint has them).
+                let partner = match kind == Kind::File && st.st_nlink > 1 {
+                    false => None,
+                    true => self.lowers.same_file_before(&e, rel).into_iter().find(|q| {
+                        self.layers.lookup(q) == Lookup::Lower
+                            && self
+                                .lowers
+                                .lookup(q)
+                                .is_some_and(|o| o.layer == e.layer && o.st.st_ino == st.st_ino)
+                    }),
+                };
+                Ok(Some(Want {
+                    kind,
+                    meta: Meta {
+                        mode: st.st_mode & 0o7777,
+                        uid: st.st_uid,
+                        gid: st.st_gid,
+                        mtime: (st.st_mtime, st.st_mtime_nsec),
+                        xattrs: match kind {
+                            Kind::Symlink => Vec::new(),
+                            _ => self.lowers.xattrs(&e, rel)?,
+                        },
+                    },
+                    source: Source::Lower(e, partner),
+                    size: st.st_size as u64,
+                    link,
+                    dev: (libc::major(st.st_rdev), libc::minor(st.st_rdev)),
+                }))
+            }
+        }
+    }
+
+    /// The checkpoint's names directly below directory `rel`.
+    fn children(&mut self, rel: &Path) -> Vec<PathBuf> {
+        let mut named: BTreeSet<PathBuf> = BTreeSet::new();
+        let mut decided: HashSet<PathBuf> = HashSet::new();
+        for (p, present) in self.layers.children(rel) {
+            decided.insert(p.clone());
+            if present {
+                named.insert(p);
+            }
+        }
+        if self.layers.lower_below(rel) {
+            for p in self.lowers.children(rel) {
+                if !decided.contains(&p) {
+                    named.insert(p);
+                }
+            }
+        }
+        named.into_iter().collect()
+    }
+}
+
+/// A regular file to write once the tree's shape is right.
+struct Write {
+    rel: PathBuf,
+    meta: Meta,
+    size: u64,
+    source: Source,
+}
+
+/// Whether the entry `st` in the view already is `want` (for entries reached by a whole-
+/// directory comparison, not named as changed).
+fn same(st: &libc::stat, want: &Want) -> bool {
+    let fmt = st.st_mode & libc::S_IFMT;
+    let kind_ok = matches!(
+        (fmt, want.kind),
+        (libc::S_IFREG, Kind::File)
+            | (libc::S_IFLNK, Kind::Symlink)
+            | (libc::S_IFCHR, Kind::CharDev)
+            | (libc::S_IFBLK, Kind::BlockDev)
+            | (libc::S_IFIFO, Kind::Fifo)
+    );
+    kind_ok
+        && st.st_mode & 0o7777 == want.meta.mode
+        && (st.st_uid, st.st_gid) == (want.meta.uid, want.meta.gid)
+        && st.st_size as u64 == want.size
+        && (st.st_mtime, st.st_mtime_nsec) == want.meta.mtime
+}
+
+/// What [`apply`] is given.
+struct Plan<'a> {
+    store: &'a Store,
+    /// The checkpoint's own layers, as indexed by [`DataRef::layer`].
+    layers: &'a [Descriptor],
+    /// Container paths (relative) that may differ from the checkpoint.
+    changed: BTreeSet<PathBuf>,
+    /// Directories whose whole content must be compared.
+    deep: HashSet<PathBuf>,
+    /// Tracked volumes the checkpoint does not hold (relative): left as they are.
+    untouched: Vec<PathBuf>,
+    max_bytes: u64,
+}
+
+/// Gives every changed path its checkpoint state through `view`.
+fn apply(view: &mut View, target: &mut Target<'_>, plan: &Plan<'_>) -> Result<(u64, u64), String> {
+    let err = |rel: &Path, what: &str, e: &dyn std::fmt::Display| {
+        format!("{what} /{}: {e}", rel.display())
+    };
+    let mut done_deep: HashSet<PathBuf> = HashSet::new();
+    let mut writes: Vec<Write> = Vec::new();
+    let mut links: Vec<(PathBuf, PathBuf, Write)> = Vec::new();
+    let mut paths = 0u64;
+    let under = |p: &Path, set: &HashSet<PathBuf>| p.ancestors().skip(1).any(|a| set.contains(a));
+    for p in &plan.changed {
+        if plan.untouched.iter().any(|v| p.starts_with(v)) || under(p, &done_deep) {
+            continue;
+        }
+        let mut stack = vec![(p.clone(), plan.deep.contains(p))];
+        while let Some((q, deep)) = stack.pop() {
+            // Named as changed, or only reached by comparing a whole directory.
+            let named = plan.changed.contains(&q);
+            let want = target
+                .want(&q)
+                .map_err(|e| err(&q, "reading the checkpoint's", &e))?;
+            let cur = view.lstat(&q).map_err(|e| err(&q, "lstat", &e))?;
+            if q.as_os_str().is_empty() {
+                // The root is never removed or replaced.
+                if let Some(w) = want.as_ref().filter(|w| w.kind == Kind::Dir) {
+                    view.set_dir_meta(&q, &w.meta)
+                        .map_err(|e| err(&q, "setting", &e))?;
+                }
+                if deep {
+                    done_deep.insert(q.clone());
+                    push_children(&mut stack, target, view, &q, false)
+                        .map_err(|e| err(&q, "listing", &e))?;
+                }
+                continue;
+            }
+            let Some(want) = want else {
+                if cur.is_some() {
+                    view.remove(&q).map_err(|e| err(&q, "removing", &e))?;
+                    paths += 1;
+                }
+                continue;
+            };
+            if want.kind == Kind::Dir {
+                let fresh = match cur {
+                    Some(st) if view::is_dir(&st) => false,
+                    Some(_) => {
+                        view.remove(&q).map_err(|e| err(&q, "removing", &e))?;
+                        true
+                    }
+                    None => true,
+                };
+                if fresh {
+                    view.mkdir(&q, &want.meta)
+                        .map_err(|e| err(&q, "creating", &e))?;
+                    paths += 1;
+                } else {
+                    view.set_dir_meta(&q, &want.meta)
+                        .map_err(|e| err(&q, "setting", &e))?;
+                    paths += u64::from(named);
+                }
+                if fresh || deep {
+                    done_deep.insert(q.clone());
+                    push_children(&mut stack, target, view, &q, fresh)
+                        .map_err(|e| err(&q, "listing", &e))?;
+                }
+                continue;
+            }
+            if !named && cur.as_ref().is_some_and(|st| same(st, &want)) {
+                continue;
+            }
+            if cur.is_some() {
+                view.remove(&q).map_err(|e| err(&q, "removing", &e))?;
+            }
+            paths += 1;
+            match want.kind {
+                Kind::Symlink => view
+                    .symlink(&q, &want.link, &want.meta)
+                    .map_err(|e| err(&q, "creating", &e))?,
+                Kind::CharDev | Kind::BlockDev | Kind::Fifo => {
+                    let kind = match want.kind {
+                        Kind::CharDev => Special::Char(want.dev.0, want.dev.1),
+                        Kind::BlockDev => Special::Block(want.dev.0, want.dev.1),
+                        _ => Special::Fifo,
+                    };
+                    view.mknod(&q, kind, &want.meta)
+                        .map_err(|e| err(&q, "creating", &e))?
+                }
+                Kind::File | Kind::Hardlink => {
+                    let w = Write {
+                        rel: q.clone(),
+                        meta: want.meta,
+                        size: want.size,
+                        source: want.source,
+                    };
+                    match &w.source {
+                        Source::Layer {
+                            linked: Some(to),
+                            data,
+                            ..
+                        } if matches!(target.layers.lookup(to),
+                                Lookup::Entry(Node::Entry { data: Some(d), .. }) if d == data) =>
+                        {
+                            links.push((q.clone(), to.clone(), w))
+                        }
+                        Source::Lower(_, Some(to)) => links.push((q.clone(), to.clone(), w)),
+                        _ => writes.push(w),
+                    }
+                }
+                Kind::Dir => unreachable!("handled above"),
+            }
+        }
+    }
+    let bytes = write_data(view, target, plan, writes)?;
+    for (rel, to, w) in links {
+        // The link's target is in place (written, or unchanged since the checkpoint) unless
+        // it too is a path of a tracked volume left as it is: then the data is written.
+        if view.link(&rel, &to).is_err() {
+            write_data(view, target, plan, vec![w])?;
+        }
+    }
+    Ok((paths, bytes))
+}
+
+/// Pushes the entries of directory `q` to compare: the checkpoint's and (unless it was just
+/// made) the view's.
+fn push_children(
+    stack: &mut Vec<(PathBuf, bool)>,
+    target: &mut Target<'_>,
+    view: &View,
+    q: &Path,
+    fresh: bool,
+) -> io::Result<()> {
+    let mut names: BTreeSet<PathBuf> = target.children(q).into_iter().collect();
+    if !fresh {
+        names.extend(view.children(q)?);
+    }
+    for n in names.into_iter().rev() {
+        stack.push((n, true));
+    }
+    Ok(())
+}
+
+/// Creates and fills the regular files: those from layers one pass per layer, in the order
+/// their data is stored. Returns the bytes written.
+fn write_data(
+    view: &View,
+    target: &Target<'_>,
+    plan: &Plan<'_>,
+    writes: Vec<Write>,
+) -> Result<u64, String> {
+    let total: u64 = writes.iter().map(|w| w.size).sum();
+    if total > plan.max_bytes {
+        return Err(format!(
+            "{total} bytes of file data to write, more than [limits] max_layer_bytes ({})",
+            plan.max_bytes
+        ));
+    }
+    let err = |rel: &Path, e: &dyn std::fmt::Display| format!("writing /{}: {e}", rel.display());
+    type Sparse = Option<Vec<(u64, u64)>>;
+    let mut by_layer: Vec<Vec<(DataRef, Sparse, Write)>> =
+        (0..plan.layers.len()).map(|_| Vec::new()).collect();
+    for w in writes {
+        match &w.source {
+            Source::Layer { data, sparse, .. } => {
+                let (data, sparse) = (*data, sparse.clone());
+                by_layer[data.layer].push((data, sparse, w))
+            }
+            Source::None => {
+                let f = view.create_file(&w.rel).map_err(|e| err(&w.rel, &e))?;
+                view::finish_file(&f, &w.meta).map_err(|e| err(&w.rel, &e))?;
+            }
+            Source::Lower(e, _) => {
+                let mut from = target.lowers.open(e, &w.rel).map_err(|e| err(&w.rel, &e))?;
+                let mut f = view.create_file(&w.rel).map_err(|e| err(&w.rel, &e))?;
+                io::copy(&mut from, &mut f).map_err(|e| err(&w.rel, &e))?;
+                view::finish_file(&f, &w.meta).map_err(|e| err(&w.rel, &e))?;
+            }
+        }
+    }
+    // Paths sharing data already read in a pass (hard links written as files) get another.
+    let mut again: Vec<Write> = Vec::new();
+    for (i, mut ws) in by_layer.into_iter().enumerate() {
+        if ws.is_empty() {
+            continue;
+        }
+        ws.sort_by_key(|(d, _, _)| d.at.offset);
+        let d = &plan.layers[i];
+        let path = plan.store.blob_path(&d.digest);
+        let file = File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut r: Box<dyn Read> = match d.media_type == MEDIA_TYPE_LAYER_TAR {
+            true => Box::new(BufReader::new(file)),
+            false => Box::new(
+                zstd::stream::read::Decoder::new(file)
+                    .map_err(|e| format!("{}: {e}", path.display()))?,
+            ),
+        };
+        let mut at = 0u64;
+        for (data, sparse, w) in ws {
+            if data.at.offset < at {
+                again.push(w);
+                continue;
+            }
+            let skip = data.at.offset - at;
+            let skipped =
+                io::copy(&mut (&mut r).take(skip), &mut io::sink()).map_err(|e| err(&w.rel, &e))?;
+            if skipped != skip {
+                return Err(err(&w.rel, &"the layer ends early"));
+            }
+            let f = view.create_file(&w.rel).map_err(|e| err(&w.rel, &e))?;
+            let mut chunk = (&mut r).take(data.at.len);
+            match &sparse {
+                Some(map) => view::write_sparse(&f, w.size, map, &mut chunk),
+                None => io::copy(&mut chunk, &mut &f).and_then(|n| match n == data.at.len {
+                    true => Ok(()),
+                    false => Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+                }),
+            }
+            .map_err(|e| err(&w.rel, &e))?;
+            view::finish_file(&f, &w.meta).map_err(|e| err(&w.rel, &e))?;
+            at = data.at.offset + data.at.len;
+        }
+    }
+    if !again.is_empty() {
+        write_data(view, target, plan, again)?;
+    }
+    Ok(total)
+}
+
+/// Thaws on drop unless thawed explicitly.
+struct Frozen<'a> {
+    freezer: &'a dyn Freezer,
+    armed: bool,
+}
+
+impl Drop for Frozen<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            if let Err(e) = self.freezer.thaw() {
+                log::error!("thawing the container after a failed in-place rollback: {e}");
+            }
+        }
+    }
+}
+
+/// Resets the files of the container whose init is `pid` to checkpoint `target`, in place
+/// (see the module docs). `latest` is the newest checkpoint; every turn end before is durable.
+pub fn reset(
+    inspection: &mut Inspection,
+    store: &Store,
+    target: &Manifest,
+    latest: &Manifest,
+    pid: u32,
+) -> Result<Reset, ResetError> {
+    let started = Instant::now();
+    check_lineage(target, latest).map_err(refused)?;
+    match identity_ids(pid) {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(refused(
+                "the container has a user namespace of its own: its files are reset by \
+                 recreating it",
+            ))
+        }
+        Err(e) => return Err(refused(format!("cannot read its id maps: {e}"))),
+    }
+    let t = inspection.target().clone();
+    if t.upperdir.is_none() {
+        return Err(refused("its rootfs is not an overlay"));
+    }
+    let limits = &t.limits;
+    // The checkpoint's own layers (the image carries the others) and those after it.
+    let reading = Instant::now();
+    let own = &target.fs_layers[latest.image_layers..];
+    let mut layers = LayerState::default();
+    for d in own {
+        read_layer(store, d, |r| layers.apply(r, limits.max_manifest_entries))
+            .map_err(|e| refused(format!("cannot read checkpoint {}: {e}", target.seq)))?;
+    }
+    let mut changed: BTreeSet<PathBuf> = BTreeSet::new();
+    let mut deep: HashSet<PathBuf> = HashSet::new();
+    for d in &latest.fs_layers[target.fs_layers.len()..] {
+        let named =
+            read_layer(store, d, |r| Named::read(r, limits.max_manifest_entries)).map_err(|e| {
+                refused(format!(
+                    "cannot read the layers after checkpoint {}: {e}",
+                    target.seq
+                ))
+            })?;
+        changed.extend(named.paths);
+        deep.extend(named.opaque);
+    }
+    let read = reading.elapsed();
+    // Processes: what a turn end would say now.
+    let peeking = Instant::now();
+    let (answer, observed) = inspection.peek();
+    let peek = peeking.elapsed();
+    if !answer.degraded.is_empty() {
+        return Err(refused(format!(
+            "the container cannot be fully observed now: {}",
+            answer.degraded.join("; ")
+        )));
+    }
+    if answer.procs.changed || matches!(answer.kind, AnswerKind::Proc | AnswerKind::Full) {
+        return Err(refused(format!(
+            "its processes changed since the last turn end ({})",
+            answer.summary()
+        )));
+    }
+    let Some(observed) = observed else {
+        return Err(refused("the container cannot be observed now"));
+    };
+    let idle = inspection.idle_since(&observed);
+    let freezer = CgroupFreezer::for_pid(pid)
+        .map_err(|e| refused(format!("cannot find its freezer: {e}")))?;
+    let frozen_at = Instant::now();
+    freezer
+        .freeze()
+        .map_err(|e| refused(format!("cannot freeze it: {e}")))?;
+    let mut frozen = Frozen {
+        freezer: &freezer,
+        armed: true,
+    };
+    match inspection.process_events_since(&observed) {
+        Some(0) => {}
+        Some(n) => {
+            return Err(refused(format!(
+                "{n} process events (fork, exec, exit) while the rollback began"
+            )))
+        }
+        None => return Err(refused("the kernel counters cannot be read")),
+    }
+    let scanning = Instant::now();
+    let since = inspection
+        .fs_since_mark()
+        .map_err(|e| refused(format!("cannot scan its files: {e}")))?;
+    let mut scans = scanning.elapsed();
+    let rel = |p: &PathBuf| p.strip_prefix("/").unwrap_or(p).to_path_buf();
+    changed.extend(since.changed.paths().map(|p| rel(&p.to_path_buf())));
+    deep.extend(since.hiding.iter().map(rel));
+    let untouched: Vec<PathBuf> = t
+        .volumes
+        .iter()
+        .filter(|(at, _)| !target.volumes.contains(at))
+        .map(|(at, _)| rel(at))
+        .collect();
+    let mut view = View::open(
+        pid,
+        &t.volumes,
+        limits.max_walk_depth,
+        limits.max_manifest_entries,
+    )
+    .map_err(|e| refused(format!("cannot open its root: {e}")))?;
+    let mut tgt = Target {
+        layers: &layers,
+        lowers: Lowers::new(&t.lowerdirs, t.overlay_xattrs),
+    };
+    let plan = Plan {
+        store,
+        layers: own,
+        changed,
+        deep,
+        untouched,
+        max_bytes: limits.max_layer_bytes,
+    };
+    let applying = Instant::now();
+    let (paths, bytes) = apply(&mut view, &mut tgt, &plan).map_err(ResetError::Failed)?;
+    let apply_time = applying.elapsed();
+    let scanning = Instant::now();
+    inspection
+        .rebase(observed)
+        .map_err(|e| ResetError::Failed(format!("cannot scan the files reset: {e}")))?;
+    scans += scanning.elapsed();
+    frozen.armed = false;
+    freezer
+        .thaw()
+        .map_err(|e| ResetError::Failed(format!("cannot thaw it: {e}")))?;
+    Ok(Reset {
+        paths,
+        bytes,
+        freeze: frozen_at.elapsed(),
+        apply: apply_time,
+        read,
+        peek,
+        scans,
+        total: started.elapsed(),
+        idle,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc(n: u8) -> Descriptor {
+        Descriptor {
+            digest: format!("sha256:{}", format!("{n:02x}").repeat(32)),
+            diff_id: format!("sha256:{}", format!("{n:02x}").repeat(32)),
+            size: 1,
+            media_type: crate::checkpoint::store::MEDIA_TYPE_LAYER_ZSTD.into(),
+        }
+    }
+
+    fn manifest(seq: u64, kind: CheckpointKind, layers: &[u8]) -> Manifest {
+        let mut m = Manifest::child_of(None, seq, &format!("t{seq}"), kind);
+        m.fs_layers = layers.iter().map(|&n| desc(n)).collect();
+        m
+    }
+
+    struct NoFreeze;
+
+    impl Freezer for NoFreeze {
+        fn freeze(&self) -> io::Result<()> {
+            Ok(())
+        }
+        fn thaw(&self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// What crab's layer writer writes, this reader reads: pax names and times, sparse files,
+    /// hard links, symlinks, xattrs, whiteouts; and the data offsets lead to the data.
+    #[test]
+    fn layers_the_writer_writes_read_back() {
+        use std::os::unix::fs::{symlink, FileExt};
+        let t = tempfile::tempdir().unwrap();
+        let upper = t.path().join("upper");
+        let long = "n".repeat(150);
+        std::fs::create_dir_all(upper.join("app").join(&long)).unwrap();
+        std::fs::write(upper.join("app/a.txt"), "hello").unwrap();
+        std::fs::hard_link(upper.join("app/a.txt"), upper.join("app/b.txt")).unwrap();
+        symlink("a.txt", upper.join("app/l")).unwrap();
+        std::fs::write(upper.join("app").join(&long).join("f"), "deep").unwrap();
+        let f = File::create(upper.join("app/sparse")).unwrap();
+        f.set_len(64 << 20).unwrap();
+        f.write_all_at(b"middle", 32 << 20).unwrap();
+        drop(f);
+        let tagged = crate::sys::xattr::lset(&upper.join("app/a.txt"), "user.crab", b"v").is_ok();
+        let store = Store::open(&t.path().join("store")).unwrap();
+        let p = |v: &[&str]| v.iter().map(PathBuf::from).collect::<Vec<_>>();
+        let added = p(&["/app", "/app/a.txt", "/app/b.txt", "/app/l", "/app/sparse"]);
+        let mut deep_added = added.clone();
+        deep_added.push(Path::new("/app").join(&long));
+        deep_added.push(Path::new("/app").join(&long).join("f"));
+        let deleted = p(&["/gone"]);
+        let diff = crate::checkpoint::layer::FsDiffPaths {
+            added: &deep_added,
+            modified: &[],
+            deleted: &deleted,
+        };
+        let (desc, _) =
+            crate::checkpoint::layer::write_fs_layer(&store, &upper, &diff, &NoFreeze).unwrap();
+        let mut st = LayerState::default();
+        read_layer(&store, &desc, |r| st.apply(r, 1000)).unwrap();
+        assert_eq!(st.lookup(Path::new("gone")), Lookup::Absent);
+        let entry = |rel: &str| match st.lookup(Path::new(rel)) {
+            Lookup::Entry(Node::Entry {
+                header,
+                data,
+                linked,
+            }) => (header.clone(), *data, linked.clone()),
+            other => panic!("{rel}: {other:?}"),
+        };
+        // The data offsets lead to the bytes (one pass over the uncompressed tar).
+        let mut tar = Vec::new();
+        read_layer(&store, &desc, |r| {
+            r.read_to_end(&mut tar)?;
+            Ok(())
+        })
+        .unwrap();
+        let bytes = |d: DataRef| tar[d.at.offset as usize..][..d.at.len as usize].to_vec();
+        let (a, da, _) = entry("app/a.txt");
+        assert_eq!(bytes(da.unwrap()), b"hello");
+        if tagged {
+            assert_eq!(a.xattrs, vec![(b"user.crab".to_vec(), b"v".to_vec())]);
+        }
+        let (_, db, linked) = entry("app/b.txt");
+        assert_eq!((db, linked.as_deref()), (da, Some(Path::new("app/a.txt"))));
+        let (l, _, _) = entry("app/l");
+        assert_eq!(
+            (l.kind, l.link.as_path()),
+            (Kind::Symlink, Path::new("a.txt"))
+        );
+        let (deep, dd, _) = entry(&format!("app/{long}/f"));
+        assert_eq!(
+            (deep.kind, bytes(dd.unwrap())),
+            (Kind::File, b"deep".to_vec())
+        );
+        let (sp, ds, _) = entry("app/sparse");
+        assert_eq!(sp.size, 64 << 20);
+        let map = sp.sparse.expect("stored sparse");
+        let data = bytes(ds.unwrap());
+        assert_eq!(data.len() as u64, map.iter().map(|e| e.1).sum::<u64>());
+        let (off, len) = map.iter().copied().find(|e| e.1 > 0).unwrap();
+        assert!(off <= 32 << 20 && 32 << 20 < off + len, "{map:?}");
+        let at = (32 << 20) - off as usize;
+        assert_eq!(&data[at..at + 6], b"middle");
+        // A damaged blob is refused by its digest.
+        let blob = store.blob_path(&desc.digest);
+        let mut raw = std::fs::read(&blob).unwrap();
+        let n = raw.len();
+        raw[n - 1] ^= 1;
+        std::fs::write(&blob, raw).unwrap();
+        let e = read_layer(&store, &desc, |r| LayerState::default().apply(r, 1000));
+        assert!(e.is_err(), "a damaged layer was read");
+    }
+
+    #[test]
+    fn the_lineage_must_lead_from_the_checkpoint_to_the_present() {
+        use CheckpointKind::*;
+        let target = manifest(2, Fs, &[1, 2]);
+        assert!(check_lineage(&target, &manifest(5, Fs, &[1, 2, 3, 4])).is_ok());
+        assert!(check_lineage(&target, &manifest(5, Full, &[1, 2])).is_ok());
+        // A new chain (after a failure), another branch, a failed newest checkpoint.
+        let e = check_lineage(&target, &manifest(5, Fs, &[9])).unwrap_err();
+        assert!(e.contains("no longer descend"), "{e}");
+        assert!(check_lineage(&target, &manifest(5, Fs, &[1, 3, 4])).is_err());
+        let e = check_lineage(&target, &manifest(5, Failed, &[1, 2, 3])).unwrap_err();
+        assert!(e.contains("failed"), "{e}");
+        assert!(check_lineage(&manifest(2, Failed, &[1]), &manifest(5, Fs, &[1])).is_err());
+        // Older than the image the container runs (a recreate rollback to a later one).
+        let mut latest = manifest(5, Fs, &[1, 2, 3]);
+        latest.image_layers = 3;
+        let e = check_lineage(&target, &latest).unwrap_err();
+        assert!(e.contains("older than the checkpoint image"), "{e}");
+    }
+}

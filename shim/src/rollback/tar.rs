@@ -1,0 +1,625 @@
+//! A reader of crab's own fs layers (what [`crate::checkpoint::tar`] writes: ustar headers,
+//! pax extended headers, GNU sparse 1.0 entries, OCI whiteouts), for an in-place rollback.
+//!
+//! The layers come from the store, whose files are a trust boundary like any other (a blob may
+//! be damaged, or written by something else): every header is checked (checksum, octal or
+//! base-256 numbers, sizes within bounds), names are normalized and refused if they climb
+//! (`..`), pax headers and sparse maps are bounded, and an entry type the writer never produces
+//! is an error. The blob's digest is checked against its descriptor over the whole stream.
+
+use std::{
+    ffi::OsStr,
+    io::{self, Read},
+    os::unix::ffi::OsStrExt,
+    path::{Component, Path, PathBuf},
+};
+
+/// At most this many bytes of pax extended header per entry.
+const MAX_PAX: u64 = 1 << 20;
+/// At most this many bytes of one path or link target.
+const MAX_NAME: usize = 64 << 10;
+/// At most this many extents in one sparse map.
+const MAX_SPARSE_EXTENTS: u64 = 1 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TarError {
+    #[error("reading the layer: {0}")]
+    Io(#[from] io::Error),
+    #[error("damaged layer at byte {offset}: {why}")]
+    Bad { offset: u64, why: String },
+}
+
+/// What an entry is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    File,
+    /// A hard link to another entry of the same layer (its `link`).
+    Hardlink,
+    Symlink,
+    CharDev,
+    BlockDev,
+    Dir,
+    Fifo,
+}
+
+/// One entry's header, its name made a normalized relative path (`""`: the root).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    pub path: PathBuf,
+    pub kind: Kind,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub mtime: (i64, i64),
+    /// Symlink target (as stored), or hard link target (a normalized relative path).
+    pub link: PathBuf,
+    pub dev: (u32, u32),
+    pub xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+    /// The file's size (a sparse file's real size).
+    pub size: u64,
+    /// A sparse file's data extents (offset, length), in order; its data is their bytes,
+    /// one after the other.
+    pub sparse: Option<Vec<(u64, u64)>>,
+}
+
+/// What a layer entry stands for once the OCI whiteout names are read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Item {
+    Entry(Header),
+    /// `<dir>/.wh.<name>`: `<dir>/<name>` is deleted.
+    Whiteout(PathBuf),
+    /// `<dir>/.wh..wh..opq`: the older content of `<dir>` is hidden.
+    Opaque(PathBuf),
+}
+
+/// Where an entry's data is in the uncompressed tar: `len` bytes from `offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataAt {
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// A reader that counts what it has read.
+struct Counted<R> {
+    inner: R,
+    at: u64,
+}
+
+impl<R: Read> Read for Counted<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.at += n as u64;
+        Ok(n)
+    }
+}
+
+impl<R: Read> Counted<R> {
+    fn skip(&mut self, n: u64) -> io::Result<()> {
+        let copied = io::copy(&mut (&mut *self).take(n), &mut io::sink())?;
+        if copied != n {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the layer ends inside an entry",
+            ));
+        }
+        Ok(())
+    }
+
+    fn block(&mut self) -> io::Result<Option<[u8; 512]>> {
+        let mut b = [0u8; 512];
+        let mut got = 0;
+        while got < 512 {
+            match self.read(&mut b[got..])? {
+                0 if got == 0 => return Ok(None),
+                0 => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the layer ends inside a header",
+                    ))
+                }
+                n => got += n,
+            }
+        }
+        Ok(Some(b))
+    }
+}
+
+/// Reads every entry of the uncompressed tar `r`, calling `visit` with each item and, for a
+/// regular file (sparse or not), where its data is. At most `max_entries` entries.
+pub fn read(
+    r: impl Read,
+    max_entries: u64,
+    mut visit: impl FnMut(Item, Option<DataAt>) -> Result<(), TarError>,
+) -> Result<(), TarError> {
+    let mut r = Counted { inner: r, at: 0 };
+    let mut entries = 0u64;
+    let mut pax: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+    let mut long_name: Option<Vec<u8>> = None;
+    let mut long_link: Option<Vec<u8>> = None;
+    loop {
+        let at = r.at;
+        let bad = |why: String| TarError::Bad { offset: at, why };
+        let Some(block) = r.block()? else {
+            return Err(bad("no end-of-archive blocks".into()));
+        };
+        if block.iter().all(|&b| b == 0) {
+            return Ok(());
+        }
+        check_sum(&block).map_err(bad)?;
+        let typeflag = block[156];
+        let size = number(&block[124..136]).map_err(|e| bad(format!("size: {e}")))?;
+        match typeflag {
+            b'x' | b'g' | b'L' | b'K' => {
+                if size > MAX_PAX {
+                    return Err(bad(format!("an extended header of {size} bytes")));
+                }
+                let mut data = vec![0u8; size as usize];
+                r.read_exact(&mut data)?;
+                r.skip(pad(size))?;
+                match typeflag {
+                    b'x' => pax = parse_pax(&data).map_err(bad)?,
+                    b'L' => long_name = Some(trim_nul(&data).to_vec()),
+                    b'K' => long_link = Some(trim_nul(&data).to_vec()),
+                    _ => {}
+                }
+                continue;
+            }
+            _ => {}
+        }
+        entries += 1;
+        if entries > max_entries {
+            return Err(bad(format!("more than {max_entries} entries")));
+        }
+        let ext = std::mem::take(&mut pax);
+        let get = |key: &[u8]| ext.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v);
+        let ustar = &block[257..262] == b"ustar";
+        let mut name = match (get(b"GNU.sparse.name"), get(b"path"), long_name.take()) {
+            (Some(n), _, _) | (None, Some(n), _) => n.clone(),
+            (None, None, Some(n)) => n,
+            (None, None, None) => {
+                let base = trim_nul(&block[..100]);
+                let prefix = if ustar {
+                    trim_nul(&block[345..500])
+                } else {
+                    b""
+                };
+                match prefix.is_empty() {
+                    true => base.to_vec(),
+                    false => [prefix, b"/", base].concat(),
+                }
+            }
+        };
+        let link = match (get(b"linkpath"), long_link.take()) {
+            (Some(l), _) => l.clone(),
+            (None, Some(l)) => l,
+            (None, None) => trim_nul(&block[157..257]).to_vec(),
+        };
+        if name.len() > MAX_NAME || link.len() > MAX_NAME {
+            return Err(bad("a name or link target too long".into()));
+        }
+        let num = |key: &[u8], field: &[u8]| -> Result<u64, String> {
+            match get(key) {
+                Some(v) => std::str::from_utf8(v)
+                    .ok()
+                    .and_then(|s| s.parse::<u64>().ok())
+                    .ok_or_else(|| format!("pax {}: {v:?}", String::from_utf8_lossy(key))),
+                None => number(field),
+            }
+        };
+        let id = |key: &[u8], field: &[u8]| -> Result<u32, String> {
+            u32::try_from(num(key, field)?)
+                .map_err(|_| format!("{} too large", String::from_utf8_lossy(key)))
+        };
+        let stored = num(b"size", &block[124..136]).map_err(bad)?;
+        let mtime = match get(b"mtime") {
+            Some(v) => parse_time(v).map_err(bad)?,
+            None => (number(&block[136..148]).map_err(bad)? as i64, 0),
+        };
+        let kind = match typeflag {
+            b'0' | b'\0' | b'7' => Kind::File,
+            b'1' => Kind::Hardlink,
+            b'2' => Kind::Symlink,
+            b'3' => Kind::CharDev,
+            b'4' => Kind::BlockDev,
+            b'5' => Kind::Dir,
+            b'6' => Kind::Fifo,
+            other => return Err(bad(format!("entry type {:?}", other as char))),
+        };
+        // A directory's name may end in a slash; a file's must not.
+        if kind != Kind::Dir && name.ends_with(b"/") && name != b"./" {
+            return Err(bad(format!(
+                "{:?} ends in a slash",
+                String::from_utf8_lossy(&name)
+            )));
+        }
+        while name.len() > 1 && name.ends_with(b"/") {
+            name.pop();
+        }
+        let path = normalize(&name).map_err(bad)?;
+        let xattrs: Vec<(Vec<u8>, Vec<u8>)> = ext
+            .iter()
+            .filter_map(|(k, v)| Some((k.strip_prefix(b"SCHILY.xattr.")?.to_vec(), v.clone())))
+            .collect();
+        let mut header = Header {
+            path,
+            kind,
+            mode: (number(&block[100..108]).map_err(bad)? & 0o7777) as u32,
+            uid: id(b"uid", &block[108..116]).map_err(bad)?,
+            gid: id(b"gid", &block[116..124]).map_err(bad)?,
+            mtime,
+            link: PathBuf::from(OsStr::from_bytes(&link)),
+            dev: (
+                id(b"SCHILY.devmajor", &block[329..337]).map_err(bad)?,
+                id(b"SCHILY.devminor", &block[337..345]).map_err(bad)?,
+            ),
+            xattrs,
+            size: 0,
+            sparse: None,
+        };
+        if kind == Kind::Hardlink {
+            header.link = normalize(&link).map_err(bad)?;
+        }
+        let data_start = r.at;
+        let mut data = None;
+        if kind == Kind::File {
+            match get(b"GNU.sparse.major").map(Vec::as_slice) {
+                None => {
+                    header.size = stored;
+                    data = Some(DataAt {
+                        offset: data_start,
+                        len: stored,
+                    });
+                    r.skip(stored)?;
+                }
+                Some(b"1") => {
+                    let real = get(b"GNU.sparse.realsize")
+                        .and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok())
+                        .ok_or_else(|| bad("a sparse file without its real size".into()))?;
+                    let (map, map_len) = read_sparse_map(&mut r, stored).map_err(|e| match e {
+                        TarError::Bad { why, .. } => bad(why),
+                        e => e,
+                    })?;
+                    let data_len: u64 = map.iter().map(|(_, l)| l).sum();
+                    let mut end = 0u64;
+                    for &(o, l) in &map {
+                        if o < end || o.checked_add(l).is_none_or(|e| e > real) {
+                            return Err(bad("a sparse map out of order or beyond the size".into()));
+                        }
+                        end = o + l;
+                    }
+                    if map_len + data_len != stored {
+                        return Err(bad(
+                            "a sparse entry whose data does not match its map".into()
+                        ));
+                    }
+                    header.size = real;
+                    header.sparse = Some(map);
+                    data = Some(DataAt {
+                        offset: r.at,
+                        len: data_len,
+                    });
+                    r.skip(data_len)?;
+                }
+                Some(v) => {
+                    return Err(bad(format!(
+                        "sparse format {:?}",
+                        String::from_utf8_lossy(v)
+                    )))
+                }
+            }
+        } else {
+            // Only regular files carry data here.
+            r.skip(stored)?;
+        }
+        r.skip(pad(stored))?;
+        let item = match header.path.file_name().map(|n| n.as_bytes()) {
+            Some(b".wh..wh..opq") => Item::Opaque(parent(&header.path)),
+            Some(n) if n.starts_with(b".wh.") => {
+                let hidden = OsStr::from_bytes(&n[4..]);
+                if hidden.is_empty() || hidden == "." || hidden == ".." {
+                    return Err(bad("a whiteout without a name".into()));
+                }
+                Item::Whiteout(parent(&header.path).join(hidden))
+            }
+            _ => Item::Entry(header),
+        };
+        visit(item, data)?;
+    }
+}
+
+fn parent(p: &Path) -> PathBuf {
+    p.parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
+/// The sparse map at the start of a GNU sparse 1.0 entry's data: decimal lines (count, then
+/// offset and length per extent), padded to a block. Returns it and its length with the padding.
+fn read_sparse_map(
+    r: &mut Counted<impl Read>,
+    stored: u64,
+) -> Result<(Vec<(u64, u64)>, u64), TarError> {
+    let bad = |why: &str| TarError::Bad {
+        offset: 0,
+        why: why.to_string(),
+    };
+    let mut text: Vec<u8> = Vec::new();
+    let mut numbers: Vec<u64> = Vec::new();
+    let mut want: Option<u64> = None;
+    let mut consumed = 0u64;
+    loop {
+        if consumed + 512 > stored {
+            return Err(bad("a sparse map longer than its entry"));
+        }
+        let block = r
+            .block()?
+            .ok_or_else(|| bad("the layer ends inside a sparse map"))?;
+        consumed += 512;
+        for &b in block.iter() {
+            if want.is_some_and(|n| numbers.len() as u64 == 1 + 2 * n) {
+                break;
+            }
+            if b == b'\n' {
+                let n = std::str::from_utf8(&text)
+                    .ok()
+                    .and_then(|s| s.parse::<u64>().ok())
+                    .ok_or_else(|| bad("a sparse map that is not numbers"))?;
+                text.clear();
+                if numbers.is_empty() {
+                    if n > MAX_SPARSE_EXTENTS {
+                        return Err(bad("a sparse map of too many extents"));
+                    }
+                    want = Some(n);
+                }
+                numbers.push(n);
+            } else if b.is_ascii_digit() && text.len() < 20 {
+                text.push(b);
+            } else {
+                return Err(bad("a sparse map that is not numbers"));
+            }
+        }
+        if let Some(n) = want {
+            if numbers.len() as u64 == 1 + 2 * n {
+                let map = numbers[1..].chunks(2).map(|c| (c[0], c[1])).collect();
+                return Ok((map, consumed));
+            }
+        }
+    }
+}
+
+/// A tar name as a relative path of normal components (`./` and `/` are the root); `..`, or a
+/// NUL, is refused.
+pub fn normalize(name: &[u8]) -> Result<PathBuf, String> {
+    let p = Path::new(OsStr::from_bytes(name));
+    let mut out = PathBuf::new();
+    for c in p.components() {
+        match c {
+            Component::RootDir | Component::CurDir => {}
+            Component::Normal(n) => out.push(n),
+            Component::ParentDir | Component::Prefix(_) => {
+                return Err(format!("the name {:?} climbs", p.display()))
+            }
+        }
+    }
+    if name.contains(&0) {
+        return Err("a name with a NUL".into());
+    }
+    Ok(out)
+}
+
+fn trim_nul(b: &[u8]) -> &[u8] {
+    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+    &b[..end]
+}
+
+fn pad(size: u64) -> u64 {
+    (512 - size % 512) % 512
+}
+
+fn check_sum(block: &[u8; 512]) -> Result<(), String> {
+    let want = number(&block[148..156]).map_err(|e| format!("checksum field: {e}"))?;
+    let sum: u64 = block
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| {
+            if (148..156).contains(&i) {
+                32
+            } else {
+                u64::from(b)
+            }
+        })
+        .sum();
+    match sum == want {
+        true => Ok(()),
+        false => Err(format!(
+            "header checksum {want} but the header sums to {sum}"
+        )),
+    }
+}
+
+/// An octal field (NUL/space padded), or a base-256 one (high bit of the first byte set).
+fn number(field: &[u8]) -> Result<u64, String> {
+    if field.first().is_some_and(|b| b & 0x80 != 0) {
+        let mut v: u64 = u64::from(field[0] & 0x7f);
+        for &b in &field[1..] {
+            v = v
+                .checked_mul(256)
+                .and_then(|v| v.checked_add(u64::from(b)))
+                .ok_or("a base-256 number too large")?;
+        }
+        return Ok(v);
+    }
+    let digits: &[u8] = {
+        let t = trim_nul(field);
+        let start = t.iter().position(|&b| b != b' ').unwrap_or(t.len());
+        let end = t.iter().rposition(|&b| b != b' ').map_or(start, |e| e + 1);
+        &t[start..end.max(start)]
+    };
+    if digits.is_empty() {
+        return Ok(0);
+    }
+    let s = std::str::from_utf8(digits).map_err(|_| "not octal".to_string())?;
+    u64::from_str_radix(s, 8).map_err(|_| format!("{s:?} is not octal"))
+}
+
+/// (key, value) pairs: pax records, xattrs.
+pub type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// pax records: `<len> <key>=<value>\n`.
+fn parse_pax(mut data: &[u8]) -> Result<Pairs, String> {
+    let mut out = Vec::new();
+    while !data.is_empty() {
+        if data.iter().all(|&b| b == 0) {
+            break;
+        }
+        let sp = data
+            .iter()
+            .position(|&b| b == b' ')
+            .filter(|&i| i <= 20)
+            .ok_or("a pax record without a length")?;
+        let len: usize = std::str::from_utf8(&data[..sp])
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or("a pax record length that is not a number")?;
+        if len <= sp + 1 || len > data.len() || data[len - 1] != b'\n' {
+            return Err("a pax record of a wrong length".into());
+        }
+        let record = &data[sp + 1..len - 1];
+        let eq = record
+            .iter()
+            .position(|&b| b == b'=')
+            .ok_or("a pax record without '='")?;
+        out.push((record[..eq].to_vec(), record[eq + 1..].to_vec()));
+        data = &data[len..];
+    }
+    Ok(out)
+}
+
+/// A pax time: seconds, optionally negative, with an optional fraction.
+fn parse_time(v: &[u8]) -> Result<(i64, i64), String> {
+    let s = std::str::from_utf8(v).map_err(|_| "a pax mtime that is not text")?;
+    let (neg, s) = match s.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, s),
+    };
+    let (secs, frac) = s.split_once('.').unwrap_or((s, ""));
+    let secs: i64 = secs.parse().map_err(|_| format!("pax mtime {s:?}"))?;
+    if frac.len() > 9 || !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!("pax mtime {s:?}"));
+    }
+    let nsec: i64 = match frac.is_empty() {
+        true => 0,
+        false => format!("{frac:0<9}").parse().map_err(|_| "pax mtime")?,
+    };
+    Ok(match (neg, nsec) {
+        (false, _) => (secs, nsec),
+        (true, 0) => (-secs, 0),
+        (true, n) => (-secs - 1, 1_000_000_000 - n),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ustar(name: &str, typeflag: u8, size: u64) -> Vec<u8> {
+        let mut b = [0u8; 512];
+        b[..name.len()].copy_from_slice(name.as_bytes());
+        b[100..107].copy_from_slice(b"0000644");
+        b[108..115].copy_from_slice(b"0000000");
+        b[116..123].copy_from_slice(b"0000000");
+        b[124..135].copy_from_slice(format!("{size:011o}").as_bytes());
+        b[136..147].copy_from_slice(b"00000000000");
+        b[156] = typeflag;
+        b[257..263].copy_from_slice(b"ustar\0");
+        b[263..265].copy_from_slice(b"00");
+        b[148..156].fill(b' ');
+        let sum: u32 = b.iter().map(|&x| u32::from(x)).sum();
+        b[148..156].copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
+        b.to_vec()
+    }
+
+    fn items(tar: &[u8]) -> Result<Vec<(Item, Option<DataAt>)>, TarError> {
+        let mut out = Vec::new();
+        read(tar, 100, |i, d| {
+            out.push((i, d));
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    #[test]
+    fn hostile_headers_are_refused_not_followed() {
+        let end = [0u8; 1024];
+        // A name that climbs out.
+        let tar = [ustar("../etc/passwd", b'0', 0), end.to_vec()].concat();
+        assert!(matches!(items(&tar), Err(TarError::Bad { .. })));
+        // A hard link whose target climbs out.
+        let mut h = ustar("a", b'1', 0);
+        h[157..170].copy_from_slice(b"../../secret\0");
+        h[148..156].fill(b' ');
+        let sum: u32 = h.iter().map(|&x| u32::from(x)).sum();
+        h[148..156].copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
+        assert!(items(&[h, end.to_vec()].concat()).is_err());
+        // A bad checksum, a truncated layer, no end blocks, an unknown type, a huge pax header.
+        let mut h = ustar("a", b'0', 0);
+        h[0] = b'b';
+        assert!(items(&[h, end.to_vec()].concat()).is_err());
+        assert!(items(&ustar("a", b'0', 100)).is_err());
+        assert!(items(&ustar("a", b'0', 0)).is_err());
+        assert!(items(&[ustar("a", b'S', 0), end.to_vec()].concat()).is_err());
+        assert!(items(&[ustar("p", b'x', 1 << 30), end.to_vec()].concat()).is_err());
+        // More entries than allowed.
+        let many: Vec<u8> = (0..101)
+            .flat_map(|i| ustar(&format!("f{i}"), b'0', 0))
+            .chain(end)
+            .collect();
+        assert!(items(&many)
+            .unwrap_err()
+            .to_string()
+            .contains("more than 100"));
+    }
+
+    #[test]
+    fn whiteouts_opaque_markers_and_data_offsets() {
+        let end = [0u8; 1024];
+        let mut data = b"hello".to_vec();
+        data.resize(512, 0);
+        let tar = [
+            ustar("./", b'5', 0),
+            ustar("app/", b'5', 0),
+            ustar("app/.wh..wh..opq", b'0', 0),
+            ustar("app/.wh.gone", b'0', 0),
+            ustar("app/x", b'0', 5),
+            data,
+            end.to_vec(),
+        ]
+        .concat();
+        let got = items(&tar).unwrap();
+        assert!(
+            matches!(&got[0].0, Item::Entry(h) if h.path == Path::new("") && h.kind == Kind::Dir)
+        );
+        assert_eq!(got[2].0, Item::Opaque(PathBuf::from("app")));
+        assert_eq!(got[3].0, Item::Whiteout(PathBuf::from("app/gone")));
+        let (Item::Entry(h), Some(at)) = &got[4] else {
+            panic!("{:?}", got[4]);
+        };
+        assert_eq!((h.path.as_path(), h.size), (Path::new("app/x"), 5));
+        assert_eq!(&tar[at.offset as usize..][..5], b"hello");
+    }
+
+    #[test]
+    fn pax_times_and_numbers() {
+        assert_eq!(parse_time(b"12.5").unwrap(), (12, 500_000_000));
+        assert_eq!(parse_time(b"-1.5").unwrap(), (-2, 500_000_000));
+        assert_eq!(parse_time(b"7").unwrap(), (7, 0));
+        assert!(parse_time(b"1.1234567890").is_err());
+        assert_eq!(number(b"0000644\0").unwrap(), 0o644);
+        assert_eq!(number(&[0x80, 0, 0, 1, 0]).unwrap(), 256);
+        assert!(number(b"99\0").is_err());
+        assert_eq!(
+            parse_pax(b"11 path=a\n13 x=a=b\nc\n").unwrap_err(),
+            "a pax record of a wrong length"
+        );
+        let recs = parse_pax(b"10 path=a\n").unwrap();
+        assert_eq!(recs, vec![(b"path".to_vec(), b"a".to_vec())]);
+    }
+}

@@ -1,0 +1,538 @@
+//! Changing a container's files through its own view: its root as its init sees it
+//! (`/proc/<init>/root`, in its mount namespace), never the overlay's upperdir behind
+//! overlayfs' back. overlayfs then does what it does for any write: copies up, makes whiteouts
+//! for deleted image files, marks directories opaque.
+//!
+//! Everything here is hostile ground, even with the container frozen: the container planted
+//! what is there. So:
+//! - a path's parent is resolved with `openat2(2)` and `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
+//!   RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV` from the root of the tree it belongs to (the
+//!   rootfs, or a tracked volume's mount, checked to be that volume's host directory): no
+//!   symlink is followed, nothing outside is reached, and no other mount is crossed (a bind
+//!   mount of a host file, `/proc`, an untracked volume: refused with `EXDEV`);
+//! - the last component is only ever acted on with `*at` calls that do not follow it
+//!   (`fstatat(AT_SYMLINK_NOFOLLOW)`, `unlinkat`, `mkdirat`, `symlinkat`, `mknodat`, `linkat`
+//!   without `AT_SYMLINK_FOLLOW`); new files are created with `O_CREAT | O_EXCL | O_NOFOLLOW`
+//!   (an existing entry is removed first), so nothing the container left is ever opened for
+//!   writing, and nothing but directories is opened at all (a FIFO or a device never is);
+//! - removing a tree is iterative, holds one descriptor per level and is bounded in depth and
+//!   entries.
+
+use std::{
+    ffi::{CStr, CString, OsStr},
+    fs::File,
+    io,
+    os::{
+        fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+        unix::{ffi::OsStrExt, fs::FileExt},
+    },
+    path::{Path, PathBuf},
+};
+
+use nix::{
+    dir::Dir,
+    errno::Errno,
+    fcntl::{OFlag, OpenHow, ResolveFlag},
+};
+
+use crate::sys::{beneath, file};
+
+const RESOLVE: ResolveFlag = ResolveFlag::RESOLVE_BENEATH
+    .union(ResolveFlag::RESOLVE_NO_SYMLINKS)
+    .union(ResolveFlag::RESOLVE_NO_MAGICLINKS)
+    .union(ResolveFlag::RESOLVE_NO_XDEV);
+
+/// Ownership, permissions, time and xattrs to give an entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Meta {
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub mtime: (i64, i64),
+    pub xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+/// What kind of special file to make.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Special {
+    Char(u32, u32),
+    Block(u32, u32),
+    Fifo,
+}
+
+/// A container's files as its init sees them.
+pub struct View {
+    root: OwnedFd,
+    /// Tracked volumes: (path relative to the root, the volume's mount root).
+    volumes: Vec<(PathBuf, OwnedFd)>,
+    max_depth: usize,
+    max_entries: u64,
+    /// Entries removed so far (bounded by `max_entries`).
+    removed: u64,
+}
+
+fn cvt(rc: libc::c_int) -> io::Result<()> {
+    match rc {
+        -1 => Err(io::Error::last_os_error()),
+        _ => Ok(()),
+    }
+}
+
+fn cname(n: &OsStr) -> io::Result<CString> {
+    CString::new(n.as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+}
+
+fn rel_c(rel: &Path) -> io::Result<CString> {
+    match rel.as_os_str().is_empty() {
+        true => Ok(CString::new(".").expect("no NUL")),
+        false => cname(rel.as_os_str()),
+    }
+}
+
+fn fstatat(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<libc::stat> {
+    // SAFETY: an all-zero stat is a valid value to be overwritten.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `name` is NUL-terminated, `st` is valid for writes; the fd is borrowed for the call.
+    cvt(unsafe {
+        libc::fstatat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            &mut st,
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    })?;
+    Ok(st)
+}
+
+pub fn is_dir(st: &libc::stat) -> bool {
+    st.st_mode & libc::S_IFMT == libc::S_IFDIR
+}
+
+fn gone(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENOTDIR))
+}
+
+impl View {
+    /// The view of the container whose init is `pid`, with its tracked volumes (path in the
+    /// container, host directory): each is opened in the view and must be that very directory.
+    pub fn open(
+        pid: u32,
+        volumes: &[(PathBuf, PathBuf)],
+        max_depth: u32,
+        max_entries: u64,
+    ) -> io::Result<View> {
+        let root = beneath::process_root(pid)?;
+        let mut out = View {
+            root,
+            volumes: Vec::new(),
+            max_depth: max_depth as usize,
+            max_entries,
+            removed: 0,
+        };
+        for (at, host) in volumes {
+            let rel = at.strip_prefix("/").unwrap_or(at).to_path_buf();
+            // Reaching the mount root crosses into it: no RESOLVE_NO_XDEV for this one.
+            let how = OpenHow::new()
+                .flags(OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+                .resolve(
+                    ResolveFlag::RESOLVE_BENEATH
+                        | ResolveFlag::RESOLVE_NO_SYMLINKS
+                        | ResolveFlag::RESOLVE_NO_MAGICLINKS,
+                );
+            let fd = file::openat2(out.root.as_raw_fd(), rel_c(&rel)?.as_c_str(), how)?;
+            let (a, b) = (
+                beneath::fstat(fd.as_fd())?,
+                nix::sys::stat::stat(host.as_path())?,
+            );
+            if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) {
+                return Err(io::Error::other(format!(
+                    "{} in the container is not the tracked volume {}",
+                    at.display(),
+                    host.display()
+                )));
+            }
+            out.volumes.push((rel, fd));
+        }
+        // The longest first: a volume inside another is its own tree.
+        out.volumes
+            .sort_by_key(|(p, _)| std::cmp::Reverse(p.components().count()));
+        Ok(out)
+    }
+
+    /// The tree `rel` belongs to and its path in it.
+    fn base<'a>(&'a self, rel: &'a Path) -> (BorrowedFd<'a>, &'a Path) {
+        for (at, fd) in &self.volumes {
+            if let Ok(inside) = rel.strip_prefix(at) {
+                return (fd.as_fd(), inside);
+            }
+        }
+        (self.root.as_fd(), rel)
+    }
+
+    /// Whether `rel` is a tracked volume's mount point.
+    pub fn is_volume_root(&self, rel: &Path) -> bool {
+        self.volumes.iter().any(|(at, _)| at == rel)
+    }
+
+    /// The directory `rel` of its tree, as an `O_PATH` handle.
+    fn dir_handle(&self, rel: &Path) -> io::Result<OwnedFd> {
+        let (base, inside) = self.base(rel);
+        let how = OpenHow::new()
+            .flags(OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC)
+            .resolve(RESOLVE);
+        loop {
+            match file::openat2(base, rel_c(inside)?.as_c_str(), how) {
+                Ok(fd) => return Ok(fd),
+                Err(Errno::EAGAIN | Errno::EINTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// The parent directory of `rel` (resolved safely) and its last component.
+    fn parent(&self, rel: &Path) -> io::Result<(OwnedFd, CString)> {
+        let name = rel
+            .file_name()
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let parent = rel.parent().unwrap_or(Path::new(""));
+        Ok((self.dir_handle(parent)?, cname(name)?))
+    }
+
+    /// `lstat` of `rel`; `None` if it (or a directory above it) is not there.
+    pub fn lstat(&self, rel: &Path) -> io::Result<Option<libc::stat>> {
+        if rel.as_os_str().is_empty() || self.is_volume_root(rel) {
+            return Ok(Some(beneath::fstat(self.dir_handle(rel)?.as_fd())?));
+        }
+        let (dir, name) = match self.parent(rel) {
+            Ok(p) => p,
+            Err(e) if gone(&e) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        match fstatat(dir.as_fd(), &name) {
+            Ok(st) => Ok(Some(st)),
+            Err(e) if gone(&e) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The names in directory `rel`, as paths below it.
+    pub fn children(&self, rel: &Path) -> io::Result<Vec<PathBuf>> {
+        let h = self.dir_handle(rel)?;
+        let mut dir = Dir::openat(
+            Some(h.as_raw_fd()),
+            ".",
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )?;
+        let mut out = Vec::new();
+        for e in dir.iter() {
+            let e = e?;
+            let n = e.file_name().to_bytes();
+            if n == b"." || n == b".." {
+                continue;
+            }
+            if out.len() as u64 >= self.max_entries {
+                return Err(io::Error::other(format!(
+                    "{} holds more than {} entries",
+                    rel.display(),
+                    self.max_entries
+                )));
+            }
+            out.push(rel.join(OsStr::from_bytes(n)));
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// Removes `rel` whatever it is (a directory with everything below it); nothing if absent.
+    pub fn remove(&mut self, rel: &Path) -> io::Result<()> {
+        let (dir, name) = self.parent(rel)?;
+        let st = match fstatat(dir.as_fd(), &name) {
+            Ok(st) => st,
+            Err(e) if gone(&e) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        self.count_removed(rel)?;
+        if !is_dir(&st) {
+            // SAFETY: NUL-terminated name, borrowed fd.
+            return cvt(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) });
+        }
+        self.remove_tree(dir.as_fd(), &name, rel)
+    }
+
+    fn count_removed(&mut self, rel: &Path) -> io::Result<()> {
+        self.removed += 1;
+        if self.removed > self.max_entries {
+            return Err(io::Error::other(format!(
+                "more than {} entries to remove (at {})",
+                self.max_entries,
+                rel.display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Removes directory `name` of `parent` and its content: depth first with an explicit
+    /// stack, one descriptor per level.
+    fn remove_tree(&mut self, parent: BorrowedFd<'_>, name: &CStr, rel: &Path) -> io::Result<()> {
+        struct Frame {
+            dir: OwnedFd,
+            name: CString,
+            names: std::vec::IntoIter<CString>,
+        }
+        let open = |at: BorrowedFd<'_>, n: &CStr| -> io::Result<Frame> {
+            let how = OpenHow::new()
+                .flags(OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+                .resolve(RESOLVE);
+            let fd = file::openat2(at, n, how)?;
+            // The stream gets its own descriptor (it closes it); `fd` stays the frame's base.
+            let mut d = Dir::from_fd(nix::unistd::dup(fd.as_raw_fd())?)?;
+            let mut names = Vec::new();
+            for e in d.iter() {
+                let e = e?;
+                let b = e.file_name().to_bytes();
+                if b != b"." && b != b".." {
+                    names.push(e.file_name().to_owned());
+                }
+            }
+            Ok(Frame {
+                dir: fd,
+                name: n.to_owned(),
+                names: names.into_iter(),
+            })
+        };
+        let mut stack = vec![open(parent, name)?];
+        loop {
+            let depth = stack.len();
+            let Some(top) = stack.last_mut() else {
+                return Ok(());
+            };
+            match top.names.next() {
+                Some(n) => {
+                    let st = match fstatat(top.dir.as_fd(), &n) {
+                        Ok(st) => st,
+                        Err(e) if gone(&e) => continue,
+                        Err(e) => return Err(e),
+                    };
+                    self.count_removed(rel)?;
+                    if is_dir(&st) {
+                        if depth >= self.max_depth {
+                            return Err(io::Error::other(format!(
+                                "{} is nested deeper than {} levels",
+                                rel.display(),
+                                self.max_depth
+                            )));
+                        }
+                        let child = open(top.dir.as_fd(), &n)?;
+                        stack.push(child);
+                    } else {
+                        // SAFETY: NUL-terminated name, descriptor owned by the frame.
+                        cvt(unsafe { libc::unlinkat(top.dir.as_raw_fd(), n.as_ptr(), 0) })?;
+                    }
+                }
+                None => {
+                    let done = stack.pop().expect("a frame");
+                    let at = stack.last().map_or(parent, |f| f.dir.as_fd());
+                    // SAFETY: NUL-terminated name, borrowed descriptor.
+                    cvt(unsafe {
+                        libc::unlinkat(at.as_raw_fd(), done.name.as_ptr(), libc::AT_REMOVEDIR)
+                    })?;
+                }
+            }
+        }
+    }
+
+    /// Makes directory `rel` (its parent must be there) with `meta`.
+    pub fn mkdir(&self, rel: &Path, meta: &Meta) -> io::Result<()> {
+        let (dir, name) = self.parent(rel)?;
+        // SAFETY: NUL-terminated name, borrowed fd.
+        cvt(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), 0o700) })?;
+        self.set_dir_meta(rel, meta)
+    }
+
+    /// Gives the existing directory `rel` the owner, mode and xattrs of `meta` (its other
+    /// xattrs are removed). A tracked volume's mount point is left as it is.
+    pub fn set_dir_meta(&self, rel: &Path, meta: &Meta) -> io::Result<()> {
+        if self.is_volume_root(rel) {
+            return Ok(());
+        }
+        let (base, inside) = self.base(rel);
+        let how = OpenHow::new()
+            .flags(OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+            .resolve(RESOLVE);
+        let fd = file::openat2(base, rel_c(inside)?.as_c_str(), how)?;
+        let f = File::from(fd);
+        set_fd_meta(&f, meta, true)
+    }
+
+    /// Creates the regular file `rel` (nothing may be there) for writing its data; then
+    /// [`finish_file`] gives it `meta`.
+    pub fn create_file(&self, rel: &Path) -> io::Result<File> {
+        let (dir, name) = self.parent(rel)?;
+        // SAFETY: NUL-terminated name, borrowed fd; the mode is a plain integer.
+        let fd = unsafe {
+            libc::openat(
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                0o600 as libc::c_uint,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: openat returned a new descriptor nothing else owns.
+        Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// Makes symlink `rel` to `target` with `meta`'s owner, time and xattrs.
+    pub fn symlink(&self, rel: &Path, target: &Path, meta: &Meta) -> io::Result<()> {
+        let (dir, name) = self.parent(rel)?;
+        let t = cname(target.as_os_str())?;
+        // SAFETY: NUL-terminated strings, borrowed fd.
+        cvt(unsafe { libc::symlinkat(t.as_ptr(), dir.as_raw_fd(), name.as_ptr()) })?;
+        self.set_nofollow_meta(dir.as_fd(), &name, meta, false)
+    }
+
+    /// Makes the device node or FIFO `rel` with `meta`.
+    pub fn mknod(&self, rel: &Path, kind: Special, meta: &Meta) -> io::Result<()> {
+        let (dir, name) = self.parent(rel)?;
+        let (fmt, dev) = match kind {
+            Special::Char(ma, mi) => (libc::S_IFCHR, libc::makedev(ma, mi)),
+            Special::Block(ma, mi) => (libc::S_IFBLK, libc::makedev(ma, mi)),
+            Special::Fifo => (libc::S_IFIFO, 0),
+        };
+        // SAFETY: NUL-terminated name, borrowed fd.
+        cvt(unsafe { libc::mknodat(dir.as_raw_fd(), name.as_ptr(), fmt | 0o600, dev) })?;
+        self.set_nofollow_meta(dir.as_fd(), &name, meta, true)
+    }
+
+    /// Makes `rel` a hard link of `to` (both in the same tree).
+    pub fn link(&self, rel: &Path, to: &Path) -> io::Result<()> {
+        let (dir, name) = self.parent(rel)?;
+        let (tdir, tname) = self.parent(to)?;
+        // SAFETY: NUL-terminated names, borrowed fds; no AT_SYMLINK_FOLLOW.
+        cvt(unsafe {
+            libc::linkat(
+                tdir.as_raw_fd(),
+                tname.as_ptr(),
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                0,
+            )
+        })
+    }
+
+    /// Owner, mode (not for symlinks), xattrs and time of entry `name` of `dir`, which the
+    /// rollback just made (the container is frozen: it cannot have swapped it).
+    fn set_nofollow_meta(
+        &self,
+        dir: BorrowedFd<'_>,
+        name: &CStr,
+        meta: &Meta,
+        chmod: bool,
+    ) -> io::Result<()> {
+        // SAFETY: NUL-terminated name, borrowed fd.
+        cvt(unsafe {
+            libc::fchownat(
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                meta.uid,
+                meta.gid,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        })?;
+        if chmod {
+            // SAFETY: as above. fchmodat follows a symlink, and this entry is none.
+            cvt(unsafe { libc::fchmodat(dir.as_raw_fd(), name.as_ptr(), meta.mode & 0o7777, 0) })?;
+        }
+        let mut via = format!("/proc/self/fd/{}/", dir.as_raw_fd()).into_bytes();
+        via.extend_from_slice(name.to_bytes());
+        let via = CString::new(via).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        for (k, v) in &meta.xattrs {
+            let k = CString::new(k.as_slice())
+                .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+            // SAFETY: NUL-terminated strings, `v` valid for its length.
+            cvt(unsafe {
+                libc::lsetxattr(via.as_ptr(), k.as_ptr(), v.as_ptr().cast(), v.len(), 0)
+            })?;
+        }
+        let t = times(meta);
+        // SAFETY: NUL-terminated name, `t` valid for two timespecs.
+        cvt(unsafe {
+            libc::utimensat(
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                t.as_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        })
+    }
+}
+
+fn times(meta: &Meta) -> [libc::timespec; 2] {
+    let ts = libc::timespec {
+        tv_sec: meta.mtime.0,
+        tv_nsec: meta.mtime.1,
+    };
+    [ts, ts]
+}
+
+/// Gives the open file or directory `f` the owner, mode, xattrs and time of `meta`; with
+/// `exact`, xattrs it has and `meta` does not are removed.
+fn set_fd_meta(f: &File, meta: &Meta, exact: bool) -> io::Result<()> {
+    let fd = f.as_raw_fd();
+    // SAFETY: plain calls on a descriptor owned by `f`.
+    cvt(unsafe { libc::fchown(fd, meta.uid, meta.gid) })?;
+    cvt(unsafe { libc::fchmod(fd, meta.mode & 0o7777) })?;
+    if exact {
+        let have = crate::sys::xattr::Target::Fd(fd).list()?;
+        for name in have.split(|b| *b == 0).filter(|n| !n.is_empty()) {
+            if meta.xattrs.iter().any(|(k, _)| k == name) {
+                continue;
+            }
+            let Ok(c) = CString::new(name) else { continue };
+            // SAFETY: NUL-terminated name, owned descriptor.
+            match cvt(unsafe { libc::fremovexattr(fd, c.as_ptr()) }) {
+                Err(e) if e.raw_os_error() == Some(libc::ENODATA) => {}
+                r => r?,
+            }
+        }
+    }
+    for (k, v) in &meta.xattrs {
+        let k =
+            CString::new(k.as_slice()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: NUL-terminated name, `v` valid for its length, owned descriptor.
+        cvt(unsafe { libc::fsetxattr(fd, k.as_ptr(), v.as_ptr().cast(), v.len(), 0) })?;
+    }
+    let t = times(meta);
+    // SAFETY: `t` is valid for two timespecs; owned descriptor.
+    cvt(unsafe { libc::futimens(fd, t.as_ptr()) })
+}
+
+/// Gives a file made by [`View::create_file`], its data written, its `meta` (owner and mode
+/// after the data: writing would drop a capability, chown the setuid bit).
+pub fn finish_file(f: &File, meta: &Meta) -> io::Result<()> {
+    set_fd_meta(f, meta, false)
+}
+
+/// Writes a sparse file's extents (`data` their bytes one after the other) and sets its size.
+pub fn write_sparse(
+    f: &File,
+    size: u64,
+    extents: &[(u64, u64)],
+    data: &mut impl io::Read,
+) -> io::Result<()> {
+    f.set_len(size)?;
+    let mut buf = vec![0u8; 1 << 16];
+    for &(mut off, mut len) in extents {
+        while len > 0 {
+            let n = len.min(buf.len() as u64) as usize;
+            data.read_exact(&mut buf[..n])?;
+            f.write_all_at(&buf[..n], off)?;
+            off += n as u64;
+            len -= n as u64;
+        }
+    }
+    Ok(())
+}
