@@ -13,7 +13,10 @@
 //! 2. proc checkpoint latency versus resident size: a python3 process holding a random
 //!    bytearray of 10 / 50 / 100 / 500 MB (started with nohup in a turn), then turns that poke
 //!    it through a FIFO (it flips a byte: memory changed, so a proc turn) — `total_ms`, the
-//!    publish delay, and the image's `bytes_stored` / `bytes_logical`.
+//!    publish delay, and the image's `bytes_stored` / `bytes_logical`; and where the time goes:
+//!    the phases the shim records in the manifest's `timings.process` (trap check, the dump and
+//!    CRIU's own part of it with its freezing/frozen/memdump/memwrite figures, image
+//!    verification, page dedup, sync).
 //! 3. Page deduplication: a 100 MB holder, then 10 turns that each write one byte in 1% of its
 //!    pages (a different 1% each turn): per checkpoint `bytes_stored` (after dedup) versus
 //!    `bytes_logical` (the image as CRIU wrote it, i.e. what storing without dedup costs), and
@@ -96,7 +99,26 @@ struct Series {
     stored: Vec<f64>,
     logical: Vec<f64>,
     kinds: HashMap<String, usize>,
+    /// The process image's phases (`timings.process`), by name, in [`PHASES`] order.
+    phases: Vec<Vec<f64>>,
+    drivers: HashMap<String, usize>,
 }
+
+/// The phases of a process checkpoint the shim records in `timings.process`, with the report's
+/// column names. `around CRIU` (dump minus CRIU's own run) and `rest` (total minus the
+/// phases: the job around the process image) are derived.
+const PHASES: [(&str, &str); 10] = [
+    ("check_ms", "trap check"),
+    ("dump_ms", "dump"),
+    ("criu_ms", "CRIU own"),
+    ("freezing_ms", "freezing"),
+    ("frozen_ms", "frozen"),
+    ("memdump_ms", "memdump"),
+    ("memwrite_ms", "memwrite"),
+    ("verify_ms", "verify"),
+    ("dedup_ms", "dedup"),
+    ("sync_ms", "sync"),
+];
 
 impl Series {
     fn add(&mut self, t: &Published) {
@@ -114,6 +136,51 @@ impl Series {
             .kinds
             .entry(m["kind"].as_str().unwrap_or("?").to_string())
             .or_default() += 1;
+        let p = &m["timings"]["process"];
+        if p.is_object() {
+            self.phases.resize(PHASES.len(), Vec::new());
+            for (i, (key, _)) in PHASES.iter().enumerate() {
+                self.phases[i].push(f(&p[key]));
+            }
+            *self
+                .drivers
+                .entry(p["driver"].as_str().unwrap_or("?").to_string())
+                .or_default() += 1;
+        }
+    }
+
+    /// The p50 of phase `key` (NaN when not recorded).
+    fn phase_p50(&self, key: &str) -> f64 {
+        PHASES
+            .iter()
+            .position(|(k, _)| *k == key)
+            .and_then(|i| self.phases.get(i))
+            .map_or(f64::NAN, |v| Summary::of(v).p50)
+    }
+
+    /// Per checkpoint: dump minus CRIU's own run, and total minus the phases.
+    fn derived(&self) -> (Vec<f64>, Vec<f64>) {
+        let at = |key: &str| {
+            PHASES
+                .iter()
+                .position(|(k, _)| *k == key)
+                .and_then(|i| self.phases.get(i))
+        };
+        let (Some(dump), Some(criu)) = (at("dump_ms"), at("criu_ms")) else {
+            return (Vec::new(), Vec::new());
+        };
+        let around = dump.iter().zip(criu).map(|(d, c)| d - c).collect();
+        let summed = ["check_ms", "dump_ms", "verify_ms", "dedup_ms", "sync_ms"];
+        let rest = (0..self.total_ms.len())
+            .map(|n| {
+                let phases: f64 = summed
+                    .iter()
+                    .filter_map(|k| at(k).and_then(|v| v.get(n)))
+                    .sum();
+                self.total_ms[n] - phases
+            })
+            .collect();
+        (around, rest)
     }
 
     fn json(&self) -> Value {
@@ -126,7 +193,23 @@ impl Series {
             "process_bytes_stored": self.stored,
             "process_bytes_logical": self.logical,
             "kinds": self.kinds,
+            "process_phases_ms": self.phases_json(),
         })
+    }
+
+    fn phases_json(&self) -> Value {
+        if self.phases.is_empty() {
+            return Value::Null;
+        }
+        let mut out = serde_json::Map::new();
+        for ((key, _), v) in PHASES.iter().zip(&self.phases) {
+            out.insert((*key).into(), Summary::json(v));
+        }
+        let (around, rest) = self.derived();
+        out.insert("around_criu_ms".into(), Summary::json(&around));
+        out.insert("rest_of_job_ms".into(), Summary::json(&rest));
+        out.insert("drivers".into(), json!(self.drivers));
+        Value::Object(out)
     }
 }
 
@@ -373,6 +456,35 @@ fn report(
         v["start_turn"] =
             json!({"manifest": first.manifest, "publish_after_update_ms": first.publish_ms});
         proc_json.insert(format!("{mb}MB"), v);
+    }
+    let _ = writeln!(
+        md,
+        "\n### Where a proc checkpoint's time goes (p50 ms of the poke turns)\n\n\
+         `dump` is what the shim waited for (`runc checkpoint`, or CRIU directly); `CRIU own` is CRIU's run by \
+         its log; `around CRIU` = dump - CRIU own (runc's start-up and its CRIU version check, CRIU's start-up). \
+         `freezing`/`frozen`/`memdump`/`memwrite` are CRIU's `stats-dump` (inside `CRIU own`; the container is \
+         frozen for `frozen`). `dedup` hashes the pages and writes new chunks and recipes; `sync` makes image \
+         and chunks durable; `rest` = total - (trap check + dump + verify + dedup + sync): the job around the \
+         process image.\n\n\
+         | held | driver | total | {} | around CRIU | rest |\n|---:|---|---:|{}---:|---:|",
+        PHASES.map(|(_, name)| name).join(" | "),
+        "---:|".repeat(PHASES.len())
+    );
+    for (mb, s, _) in proc {
+        let (around, rest) = s.derived();
+        let cols: Vec<String> = PHASES
+            .iter()
+            .map(|(k, _)| format!("{:.1}", s.phase_p50(k)))
+            .collect();
+        let _ = writeln!(
+            md,
+            "| {mb} MB | {} | {:.1} | {} | {:.1} | {:.1} |",
+            kinds_str(&s.drivers),
+            Summary::of(&s.total_ms).p50,
+            cols.join(" | "),
+            Summary::of(&around).p50,
+            Summary::of(&rest).p50
+        );
     }
 
     // 3.
