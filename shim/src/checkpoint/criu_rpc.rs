@@ -237,39 +237,39 @@ pub fn decode_resp(data: &[u8]) -> Result<Resp, String> {
 pub struct RuncState {
     pub init_process_pid: u32,
     pub config: RuncConfig,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub cgroup_paths: HashMap<String, String>,
     /// Where init's stdio pointed at create (`pipe:[...]`, `/dev/null`): runc writes them
     /// into the image as `descriptors.json`, and `runc restore` reads them back.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub external_descriptors: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct RuncConfig {
     pub rootfs: PathBuf,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub mounts: Vec<RuncMount>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub devices: Vec<RuncDevice>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub mask_paths: Vec<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub namespaces: Vec<RuncNamespace>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub labels: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct RuncMount {
     pub destination: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub device: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct RuncDevice {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub path: String,
 }
 
@@ -277,8 +277,17 @@ pub struct RuncDevice {
 pub struct RuncNamespace {
     #[serde(rename = "type")]
     pub kind: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub path: String,
+}
+
+/// Go writes a nil slice, map or string as `null`: read it as empty.
+fn null_as_empty<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
 impl RuncState {
@@ -1138,6 +1147,13 @@ mod tests {
         ] {
             assert!(RuncState::parse(bad.as_bytes()).is_err(), "{bad}");
         }
+        // Go's nil slices, maps and strings are null.
+        let nulls = r#"{"init_process_pid": 1, "cgroup_paths": null, "external_descriptors": null,
+            "config": {"rootfs": "/r", "mounts": [{"destination": "/d", "device": null}], "devices": null,
+            "mask_paths": null, "namespaces": [{"type": "NEWNET", "path": null}], "labels": null}}"#;
+        let st = RuncState::parse(nulls.as_bytes()).unwrap();
+        assert!(st.config.devices.is_empty() && st.config.namespaces[0].path.is_empty());
+        assert!(dump_opts(&st, &DumpOptions::default(), &[], 1, 2).is_ok());
         let ok = r#"{"init_process_pid": 1, "config": {"rootfs": "/r"}}"#;
         let st = RuncState::parse(ok.as_bytes()).unwrap();
         assert!(st.external_descriptors.is_empty() && st.freezer_cgroup().is_none());
