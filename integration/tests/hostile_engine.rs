@@ -196,7 +196,7 @@ time.sleep(100000)' >/dev/null 2>&1 </dev/null & echo $! > /app/pid
     assert_eq!(m[0]["kind"], "failed", "{m:#?}");
     let why = m[0]["explanation"].as_str().unwrap();
     assert!(
-        why.contains("job_timeout_ms") && why.contains("killed runc checkpoint and CRIU"),
+        why.contains("job_timeout_ms") && why.contains("killed the process dump: CRIU"),
         "{why}"
     );
     assert!(took < Duration::from_secs(10), "{took:?}");

@@ -49,8 +49,8 @@ pub struct RuncConfig {
     pub root: PathBuf,
     /// Let systemd manage the container cgroups (`runc --systemd-cgroup`).
     pub systemd_cgroup: bool,
-    /// CRIU binary for checkpoint/restore (`runc --criu`); `None` lets runc
-    /// find `criu` on its `PATH`.
+    /// CRIU binary crab starts itself for process dumps (`[checkpoint] process_dump =
+    /// "criu"`); `None` finds `criu` on `PATH`. runc always finds its own on `PATH`.
     #[serde(deserialize_with = "some_absolute_path")]
     pub criu: Option<PathBuf>,
 }
@@ -141,6 +141,20 @@ pub struct CheckpointConfig {
     /// Which checkpoint a turn end takes (see [`CheckpointPolicy`]). A container's spec
     /// annotation `io.crab/checkpoint-policy` overrides it.
     pub policy: CheckpointPolicy,
+    /// How process images are dumped (see [`ProcessDump`]). Default `criu`.
+    pub process_dump: ProcessDump,
+}
+
+/// How a process image is dumped. Both write the same image (`runc restore` restores either).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProcessDump {
+    /// crab drives CRIU through its RPC interface (`criu swrk`) with the options `runc
+    /// checkpoint` would pass: one CRIU start per dump, no runc start-up.
+    #[default]
+    Criu,
+    /// `runc checkpoint`, which starts CRIU twice (its version, then the dump).
+    Runc,
 }
 
 /// Which checkpoint a turn end takes, given what the inspector found.
@@ -213,6 +227,7 @@ impl Default for CheckpointConfig {
                 .collect(),
             turn_boundary: TurnBoundary::Annotation,
             policy: CheckpointPolicy::Minimal,
+            process_dump: ProcessDump::Criu,
         }
     }
 }
@@ -779,6 +794,7 @@ mod tests {
             tracked_volumes = ["/workspace", "/data"]
             turn_boundary = "exec"
             policy = "full-every-turn"
+            process_dump = "runc"
 
             [engine]
             max_jobs = 4
@@ -829,6 +845,7 @@ mod tests {
                     tracked_volumes: vec!["/workspace".into(), "/data".into()],
                     turn_boundary: TurnBoundary::Exec,
                     policy: CheckpointPolicy::FullEveryTurn,
+                    process_dump: ProcessDump::Runc,
                 },
                 engine: EngineConfig {
                     max_jobs: 4,
@@ -884,6 +901,27 @@ mod tests {
             let (msg, got, location) = parse_err(doc);
             assert_eq!(got.as_deref(), Some(key), "{doc}: {msg}");
             assert_eq!(location.map(|l| l.line), Some(2), "{doc}: {msg}");
+        }
+    }
+
+    #[test]
+    fn process_dump_names() {
+        assert_eq!(
+            parse("").unwrap().checkpoint.process_dump,
+            ProcessDump::Criu
+        );
+        for (name, want) in [("criu", ProcessDump::Criu), ("runc", ProcessDump::Runc)] {
+            let doc = format!("checkpoint.process_dump = {name:?}");
+            assert_eq!(parse(&doc).unwrap().checkpoint.process_dump, want);
+        }
+        for bad in ["\"CRIU\"", "\"\"", "\"criu-rpc\"", "1", "true"] {
+            let (msg, key, location) = parse_err(&format!("[checkpoint]\nprocess_dump = {bad}\n"));
+            assert_eq!(
+                key.as_deref(),
+                Some("checkpoint.process_dump"),
+                "{bad}: {msg}"
+            );
+            assert_eq!(location.map(|l| l.line), Some(2), "{bad}: {msg}");
         }
     }
 

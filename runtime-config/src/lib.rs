@@ -35,8 +35,8 @@ pub mod runtime_options;
 
 pub use config::{
     CheckpointConfig, CheckpointPolicy, Config, ConfigSource, EngineConfig, LimitsConfig,
-    LogConfig, RestoreConfig, RuncConfig, StoreConfig, TurnBoundary, UnsignedImages, CONFIG_ENV,
-    DEFAULT_CONFIG_PATH,
+    LogConfig, ProcessDump, RestoreConfig, RuncConfig, StoreConfig, TurnBoundary, UnsignedImages,
+    CONFIG_ENV, DEFAULT_CONFIG_PATH,
 };
 pub use error::{ConfigError, Location};
 pub use runtime_options::{

@@ -223,6 +223,7 @@ impl Sandbox {
             overlay_xattrs: overlay.xattrs,
             limits: config.limits.clone(),
             volumes: volumes.clone(),
+            dumper: crate::checkpoint::process::Dumper::from_config(config),
         };
         let mut inspection = inspection.await.map_err(|e| Error::Other(e.to_string()))?;
         // A lineage that goes on (a rollback or recovery keeping the id) numbers its answers

@@ -18,15 +18,15 @@ use std::{
 use crab_shim::checkpoint::pages;
 use crab_shim::checkpoint::process::testing::{boot_ticks, verify_image};
 use crab_shim::checkpoint::process::{
-    check_dumpable, checkpoint, read_pstree, work_dir, ProcError,
+    check_dumpable, checkpoint, read_pstree, work_dir, Dumper, ProcError,
 };
 use crab_shim::inspector::procs::{self, ProcInfo};
 use crab_shim::runc::{CheckpointOpts, Runc};
 use crab_shim::{reaper, sys::cgroup::Cgroups};
 
-/// Unit tests have no shim reaper: this thread stands in for it, for runc only. It reaps
-/// exited children of this process named runc (everything else the tests spawn is waited
-/// for by std) and publishes their exits on the shim's monitor, which [`reaper::run`] waits on.
+/// Unit tests have no shim reaper: this thread stands in for it, for runc and CRIU only. It
+/// reaps exited children of this process named runc or criu (everything else the tests spawn
+/// is waited for by std) and publishes their exits on the shim's monitor, which [`reaper::run`] waits on.
 fn start_runc_reaper() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
@@ -122,7 +122,7 @@ fn zombie_runc_children() -> Vec<i32> {
             .filter_map(|p| p.parse::<u32>().ok())
         {
             if let Ok(Some(st)) = procs::read_stat(pid) {
-                if st.state == 'Z' && st.comm.starts_with("runc") {
+                if st.state == 'Z' && (st.comm.starts_with("runc") || st.comm.starts_with("criu")) {
                     out.push(pid as i32);
                 }
             }
@@ -427,6 +427,21 @@ impl Drop for Sandbox {
     }
 }
 
+/// The direct CRIU driver, with `criu` from `PATH`.
+fn criu() -> Dumper {
+    Dumper::Criu {
+        binary: "criu".into(),
+    }
+}
+
+/// A short name of the driver, for container names.
+fn tag(d: &Dumper) -> &'static str {
+    match d {
+        Dumper::Runc => "runc",
+        Dumper::Criu { .. } => "criu",
+    }
+}
+
 fn cgroup_of(pid: u32) -> PathBuf {
     let c = Cgroups::of(pid).unwrap();
     c.unified
@@ -492,8 +507,23 @@ fn cmdlines(l: &[ProcInfo]) -> Vec<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn background_child_is_dumped_pages_round_trip_and_image_restores() {
-    let sb = Sandbox::new("bg", &["sh", "-c", "sleep 100000 & wait"], false, false).await;
+async fn background_child_is_dumped_pages_round_trip_and_image_restores_criu() {
+    background_child_is_dumped_pages_round_trip_and_image_restores(criu()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_child_is_dumped_pages_round_trip_and_image_restores_runc() {
+    background_child_is_dumped_pages_round_trip_and_image_restores(Dumper::Runc).await
+}
+
+async fn background_child_is_dumped_pages_round_trip_and_image_restores(d: Dumper) {
+    let sb = Sandbox::new(
+        &format!("bg-{}", tag(&d)),
+        &["sh", "-c", "sleep 100000 & wait"],
+        false,
+        false,
+    )
+    .await;
     let (id, init, cg) = sb.run("a").await;
     let before = wait_procs(&cg, &["sh -c sleep 100000 & wait", "sleep 100000"]);
     let expected: Vec<u32> = before.iter().map(|p| p.pid).collect();
@@ -531,7 +561,7 @@ async fn background_child_is_dumped_pages_round_trip_and_image_restores() {
 
     // crab's checkpoint.
     let dir = sb.path("proc/000001");
-    let cp = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks)
+    let cp = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks)
         .await
         .unwrap();
     assert_eq!(cp.pids, expected);
@@ -558,8 +588,23 @@ async fn background_child_is_dumped_pages_round_trip_and_image_restores() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn running_exec_is_refused_and_runc_alone_would_miss_it() {
-    let sb = Sandbox::new("exec", &["sleep", "100000"], false, false).await;
+async fn running_exec_is_refused_and_runc_alone_would_miss_it_criu() {
+    running_exec_is_refused_and_runc_alone_would_miss_it(criu()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_exec_is_refused_and_runc_alone_would_miss_it_runc() {
+    running_exec_is_refused_and_runc_alone_would_miss_it(Dumper::Runc).await
+}
+
+async fn running_exec_is_refused_and_runc_alone_would_miss_it(d: Dumper) {
+    let sb = Sandbox::new(
+        &format!("exec-{}", tag(&d)),
+        &["sleep", "100000"],
+        false,
+        false,
+    )
+    .await;
     let (id, init, cg) = sb.run("a").await;
     wait_procs(&cg, &["sleep 100000"]);
     let exec_pid = sb.detached(&["exec", "-d"], &id, &["sleep", "5555"]).await;
@@ -582,7 +627,7 @@ async fn running_exec_is_refused_and_runc_alone_would_miss_it() {
     }
     let chunks = sb.path("chunks");
     let dir = sb.path("proc/000001");
-    let err = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks)
+    let err = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks)
         .await
         .unwrap_err();
     assert!(matches!(err, ProcError::Undumpable { .. }), "{err}");
@@ -637,7 +682,7 @@ async fn running_exec_is_refused_and_runc_alone_would_miss_it() {
     );
     let left = l.iter().find(|p| p.cmdline == ["sleep", "7777"]).unwrap();
     assert_eq!(left.ppid, init);
-    let cp = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks)
+    let cp = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks)
         .await
         .unwrap();
     assert_eq!(cp.pids, l.iter().map(|p| p.pid).collect::<Vec<_>>());
@@ -690,9 +735,18 @@ fn version(text: &str) -> (u32, u32) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn file_locks_survive_restore() {
+async fn file_locks_survive_restore_criu() {
+    file_locks_survive_restore(criu()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_locks_survive_restore_runc() {
+    file_locks_survive_restore(Dumper::Runc).await
+}
+
+async fn file_locks_survive_restore(d: Dumper) {
     let sb = Sandbox::new(
-        "lock",
+        &format!("lock-{}", tag(&d)),
         &["sh", "-c", "helper lock /tmp/lock & wait"],
         true,
         false,
@@ -706,7 +760,7 @@ async fn file_locks_survive_restore() {
     });
     let chunks = sb.path("chunks");
     let dir = sb.path("proc/000001");
-    let cp = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks)
+    let cp = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks)
         .await
         .unwrap();
     assert_eq!(cp.pids, before.iter().map(|p| p.pid).collect::<Vec<_>>());
@@ -724,10 +778,25 @@ async fn file_locks_survive_restore() {
 /// a namespace of its own loopback would come back down and connections could not be
 /// restored).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tcp_listener_and_connection_survive_restore() {
+async fn tcp_listener_and_connection_survive_restore_criu() {
+    tcp_listener_and_connection_survive_restore(criu()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_listener_and_connection_survive_restore_runc() {
+    tcp_listener_and_connection_survive_restore(Dumper::Runc).await
+}
+
+async fn tcp_listener_and_connection_survive_restore(d: Dumper) {
     let script = "httpd -f -p 8080 & (sleep 100000 | nc -l -p 9000 >/dev/null) & \
                   sleep 0.3; (sleep 100000 | nc 127.0.0.1 9000 >/dev/null) & wait";
-    let sb = Sandbox::new("tcp", &["sh", "-c", script], false, true).await;
+    let sb = Sandbox::new(
+        &format!("tcp-{}", tag(&d)),
+        &["sh", "-c", script],
+        false,
+        true,
+    )
+    .await;
     let (id, init, cg) = sb.run("a").await;
     // httpd listens; busybox nc -l stops listening once it accepted its connection; the
     // connecting nc's ephemeral port is the second established socket.
@@ -744,10 +813,17 @@ async fn tcp_listener_and_connection_survive_restore() {
     );
     let chunks = sb.path("chunks");
     let dir = sb.path("proc/000001");
-    let criu = Command::new("criu")
-        .arg("--version")
-        .output()
-        .expect("criu is installed");
+    // Through the stand-in reaper, which reaps every child named criu.
+    let criu = reaper::run(
+        {
+            let mut c = Command::new("criu");
+            c.arg("--version");
+            c
+        },
+        true,
+    )
+    .await
+    .expect("criu is installed");
     let criu = version(&String::from_utf8_lossy(&criu.stdout));
     let kernel = version(
         &nix::sys::utsname::uname()
@@ -755,7 +831,7 @@ async fn tcp_listener_and_connection_survive_restore() {
             .release()
             .to_string_lossy(),
     );
-    let result = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks).await;
+    let result = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks).await;
     if criu < (4, 2) && kernel >= (6, 16) {
         let err = result.unwrap_err();
         assert!(
@@ -807,8 +883,23 @@ async fn wait_turn(sb: &Sandbox, turn: u32) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn repeated_checkpoints_store_only_changed_pages() {
-    let sb = Sandbox::new("dedup", &["helper", "mem", "50"], true, false).await;
+async fn repeated_checkpoints_store_only_changed_pages_criu() {
+    repeated_checkpoints_store_only_changed_pages(criu()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_checkpoints_store_only_changed_pages_runc() {
+    repeated_checkpoints_store_only_changed_pages(Dumper::Runc).await
+}
+
+async fn repeated_checkpoints_store_only_changed_pages(d: Dumper) {
+    let sb = Sandbox::new(
+        &format!("dedup-{}", tag(&d)),
+        &["helper", "mem", "50"],
+        true,
+        false,
+    )
+    .await;
     let (id, init, cg) = sb.run("a").await;
     wait_turn(&sb, 0).await;
     let chunks = sb.path("chunks");
@@ -820,7 +911,7 @@ async fn repeated_checkpoints_store_only_changed_pages() {
             wait_turn(&sb, turn).await;
         }
         let dir = sb.path(&format!("proc/{turn:06}"));
-        let cp = checkpoint(&sb.runc, &id, init, &cg, &dir, &chunks)
+        let cp = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks)
             .await
             .unwrap();
         let ratio = cp.bytes_stored as f64 / cp.bytes_logical as f64;
@@ -833,6 +924,7 @@ async fn repeated_checkpoints_store_only_changed_pages() {
             cp.dump,
             cp.duration
         );
+        eprintln!("      {:?}", cp.timings);
         assert!(cp.bytes_logical > 50 << 20);
         if turn > 0 {
             assert!(

@@ -49,11 +49,22 @@ impl AgentSandbox {
         id: String,
         timeout: Duration,
     ) -> Res<AgentSandbox> {
+        Self::start_with(base, runtime, id, timeout, "").await
+    }
+
+    /// [`AgentSandbox::start`] with `config` (TOML tables) added to crab's config.
+    pub async fn start_with(
+        base: &Harness,
+        runtime: &str,
+        id: String,
+        timeout: Duration,
+        config: &str,
+    ) -> Res<AgentSandbox> {
         let h = base.with_runtime(runtime);
         let spec = ProcessSpec::new(&["sleep", "infinity"]);
         let state_dir = if runtime == DEFAULT_RUNTIME {
             let dir = h.env.crab_home.join("state").join(&id);
-            let config = format!("[store]\nstate_dir = \"{}\"\n", dir.display());
+            let config = format!("[store]\nstate_dir = \"{}\"\n{config}", dir.display());
             h.create_container_with_runtime_options(
                 &id,
                 &spec,

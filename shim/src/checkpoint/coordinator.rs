@@ -81,6 +81,8 @@ pub struct ProcessCaptured {
     pub bytes_logical: u64,
     /// What it added to the disk after deduplication.
     pub bytes_stored: u64,
+    /// Where its time went.
+    pub timings: super::store::ProcessTimings,
 }
 
 /// What an fs capture wrote.
@@ -658,11 +660,20 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
                 bytes_logical: cp.bytes_logical,
                 pids: cp.pids,
             });
+            timings.process = Some(cp.timings);
         }
         timings.total_ms = Timings::ms(started.elapsed());
         m.timings = timings;
         self.check_aborted()?;
+        let publishing = Instant::now();
         self.store.publish(&m)?;
+        log::info!(
+            "checkpoint {} of {}: published in {:.1} ms after a job of {:.1} ms",
+            m.seq,
+            self.container_id,
+            Timings::ms(publishing.elapsed()),
+            m.timings.total_ms
+        );
         self.apply_retention();
         Ok(m)
     }
@@ -1002,6 +1013,7 @@ mod tests {
                 pids: vec![1],
                 bytes_logical: 10,
                 bytes_stored: 5,
+                ..Default::default()
             })
         }
 
@@ -1288,7 +1300,7 @@ mod tests {
         assert_eq!(
             m.explanation,
             "failed: the checkpoint held its engine slot longer than 100ms ([engine] \
-             job_timeout_ms) and was aborted: no runc checkpoint was running, the container's \
+             job_timeout_ms) and was aborted: no process dump was running, the container's \
              freezer could not be reached (aborted at its deadline)"
         );
         // Once to end the job, once more for what it may have started meanwhile.

@@ -93,8 +93,11 @@ pub struct Aborted {
 impl std::fmt::Display for Aborted {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.killed.len() {
-            0 => write!(f, "no runc checkpoint was running")?,
-            n => write!(f, "killed runc checkpoint and CRIU ({n} processes)")?,
+            0 => write!(f, "no process dump was running")?,
+            n => write!(
+                f,
+                "killed the process dump: CRIU and any runc checkpoint ({n} processes)"
+            )?,
         }
         match self.thawed {
             Some(true) => write!(f, ", thawed the container"),
@@ -194,11 +197,11 @@ mod tests {
         };
         assert_eq!(
             a.to_string(),
-            "killed runc checkpoint and CRIU (2 processes), thawed the container"
+            "killed the process dump: CRIU and any runc checkpoint (2 processes), thawed the container"
         );
         assert_eq!(
             Aborted::default().to_string(),
-            "no runc checkpoint was running, the container's freezer could not be reached"
+            "no process dump was running, the container's freezer could not be reached"
         );
     }
 }

@@ -1,6 +1,6 @@
 //! The capture a checkpoint job does on a running container: its fs layer ([`super::layer`],
 //! the container frozen while the upperdir is read), its process image ([`super::process`],
-//! CRIU through runc) and, past the job's deadline, the abort ([`super::deadline`]). This is the
+//! CRIU driven directly or through runc) and, past the job's deadline, the abort ([`super::deadline`]). This is the
 //! real [`Capture`] of the [`super::coordinator`].
 
 use std::{path::PathBuf, sync::Arc};
@@ -38,6 +38,8 @@ pub struct ContainerCapture {
     pub limits: crab_runtime_config::LimitsConfig,
     /// Tracked volumes: (path in the container, host directory).
     pub volumes: Vec<(PathBuf, PathBuf)>,
+    /// How process images are dumped (`[checkpoint] process_dump`).
+    pub dumper: process::Dumper,
 }
 
 impl ContainerCapture {
@@ -136,6 +138,7 @@ impl Capture for ContainerCapture {
     ) -> Result<ProcessCaptured, CheckpointError> {
         let cp = process::checkpoint(
             &self.runc,
+            &self.dumper,
             &self.container_id,
             self.init_pid,
             &self.cgroup2_dir,
@@ -147,13 +150,19 @@ impl Capture for ContainerCapture {
             pids: cp.pids,
             bytes_logical: cp.bytes_logical,
             bytes_stored: cp.bytes_stored,
+            timings: cp.timings,
         })
     }
 
     async fn abort(&self) -> Aborted {
         let (id, init) = (self.container_id.clone(), self.init_pid);
-        tokio::task::spawn_blocking(move || deadline::abort(&id, init))
+        // A CRIU the shim drives itself first, then `runc checkpoint` and its CRIU, then the
+        // thaw (a CRIU killed midway leaves the container frozen).
+        let criu = super::criu_rpc::kill_running(&id);
+        let mut aborted = tokio::task::spawn_blocking(move || deadline::abort(&id, init))
             .await
-            .unwrap_or_default()
+            .unwrap_or_default();
+        aborted.killed.extend(criu);
+        aborted
     }
 }

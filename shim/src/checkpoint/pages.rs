@@ -51,7 +51,11 @@ const INDEX_MAGIC: &[u8; 8] = b"CRABIDX1";
 const INDEX_HEADER: usize = 24;
 const INDEX_ENTRY: usize = 44;
 /// Pages files are read in runs of this many bytes (a multiple of the chunk size).
-const READ_BUF: usize = 1 << 20;
+const READ_BUF: usize = 8 << 20;
+/// Below this many bytes a run is hashed on the calling thread alone.
+const PARALLEL_MIN: usize = 1 << 20;
+/// At most this many threads hash one run.
+const MAX_HASHERS: usize = 4;
 /// A pack whose live chunks fill less than this fraction of it is rewritten by the collector.
 const COMPACT_BELOW: f64 = 0.5;
 
@@ -150,6 +154,35 @@ fn list_image(dir: &Path) -> Result<(Vec<String>, Vec<String>), PagesError> {
     pages.sort();
     recipes.sort();
     Ok((pages, recipes))
+}
+
+/// The sha256 of each [`CHUNK_SIZE`] chunk of `data` (the last may be short), in order. A
+/// large run is split between the host's CPUs (at most [`MAX_HASHERS`]): hashing is most of
+/// a large image's deduplication.
+fn chunk_digests(data: &[u8]) -> Vec<ChunkDigest> {
+    let hash = |part: &[u8]| -> Vec<ChunkDigest> {
+        part.chunks(CHUNK_SIZE)
+            .map(|c| Sha256::digest(c).into())
+            .collect()
+    };
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(MAX_HASHERS);
+    if data.len() < PARALLEL_MIN || threads < 2 {
+        return hash(data);
+    }
+    // Parts of whole chunks, so that the digests line up.
+    let per = data.len().div_ceil(CHUNK_SIZE).div_ceil(threads) * CHUNK_SIZE;
+    std::thread::scope(|s| {
+        let parts: Vec<_> = data
+            .chunks(per)
+            .map(|part| s.spawn(move || hash(part)))
+            .collect();
+        parts
+            .into_iter()
+            .flat_map(|h| h.join().expect("a hashing thread panicked"))
+            .collect()
+    })
 }
 
 /// Reads until `buf` is full or the file ends; returns the bytes read.
@@ -449,6 +482,14 @@ impl PackWriter {
 /// to an existing recipe (after [`materialize`]) is simply removed again. Makes everything
 /// durable before returning.
 pub fn dedup(dir: &Path, chunks: &Path) -> Result<DedupStats, PagesError> {
+    let stats = dedup_unsynced(dir, chunks)?;
+    sync(dir, chunks)?;
+    Ok(stats)
+}
+
+/// [`dedup`] without making anything durable: the caller calls [`sync`] before it relies on
+/// the recipes or the chunks.
+pub fn dedup_unsynced(dir: &Path, chunks: &Path) -> Result<DedupStats, PagesError> {
     let store = ChunkStore::open(chunks)?;
     let (pages, _) = list_image(dir)?;
     let mut stats = DedupStats::default();
@@ -465,8 +506,8 @@ pub fn dedup(dir: &Path, chunks: &Path) -> Result<DedupStats, PagesError> {
             let n = read_full(&mut f, &mut buf)
                 .map_err(io_err(format!("reading {}", path.display())))?;
             len += n as u64;
-            for chunk in buf[..n].chunks(CHUNK_SIZE) {
-                let digest: ChunkDigest = Sha256::digest(chunk).into();
+            let hashed = chunk_digests(&buf[..n]);
+            for (chunk, digest) in buf[..n].chunks(CHUNK_SIZE).zip(hashed) {
                 digests.extend_from_slice(&digest);
                 stats.chunks += 1;
                 if !store.index.contains_key(&digest) && added.insert(digest) {
@@ -497,7 +538,6 @@ pub fn dedup(dir: &Path, chunks: &Path) -> Result<DedupStats, PagesError> {
         fs::remove_file(&path).map_err(io_err(format!("removing {}", path.display())))?;
         stats.recipe_bytes += recipe.len() as u64;
     }
-    sync(dir, chunks)?;
     Ok(stats)
 }
 
@@ -862,6 +902,27 @@ mod tests {
         assert_eq!(packs(&chunks).len(), 2);
         assert!(!img1.join("pages-1.img").exists());
         assert!(files(&chunks).iter().all(|n| !n.ends_with(".tmp")));
+    }
+
+    #[test]
+    fn parallel_digests_match_serial_ones() {
+        // Sizes around the thresholds and a short last chunk.
+        for len in [
+            0,
+            1,
+            CHUNK_SIZE,
+            PARALLEL_MIN - 1,
+            PARALLEL_MIN,
+            PARALLEL_MIN + 5,
+            3 * PARALLEL_MIN + CHUNK_SIZE / 2,
+        ] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
+            let serial: Vec<ChunkDigest> = data
+                .chunks(CHUNK_SIZE)
+                .map(|c| Sha256::digest(c).into())
+                .collect();
+            assert_eq!(chunk_digests(&data), serial, "{len} bytes");
+        }
     }
 
     #[test]

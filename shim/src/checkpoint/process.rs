@@ -22,7 +22,11 @@ use crate::{
     runc::{CheckpointOpts, Runc},
 };
 
-use super::pages::{self, DedupStats, PagesError};
+use super::{
+    criu_rpc::{proto_fields, ProtoValue},
+    pages::{self, DedupStats, PagesError},
+    store::{ProcessTimings, Timings},
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProcError {
@@ -38,8 +42,10 @@ pub enum ProcError {
     InitGone(u32),
     #[error("reading the container's processes: {0}")]
     Procs(#[from] procs::ProcfsError),
-    #[error("runc checkpoint failed: {message}{}{}", criu_log.as_ref().map(|l| format!(" (CRIU: {})", l.join("; "))).unwrap_or_default(), hint.map(|h| format!(". {h}")).unwrap_or_default())]
+    #[error("{} failed: {message}{}{}", match *driver { "runc" => "runc checkpoint", _ => "the CRIU dump" }, criu_log.as_ref().map(|l| format!(" (CRIU: {})", l.join("; "))).unwrap_or_default(), hint.map(|h| format!(". {h}")).unwrap_or_default())]
     Dump {
+        /// `runc` or `criu` ([`Dumper`]).
+        driver: &'static str,
         message: String,
         criu_log: Option<Vec<String>>,
         hint: Option<&'static str>,
@@ -103,6 +109,8 @@ pub struct ProcCheckpoint {
     /// `runc checkpoint` alone (the container is frozen for part of it).
     pub dump: Duration,
     pub dedup: DedupStats,
+    /// Where the time went, phase by phase.
+    pub timings: ProcessTimings,
 }
 
 /// How many steps up the parent chain before giving up (a loop can only come from pid reuse
@@ -398,6 +406,90 @@ fn dir_bytes(dir: &Path) -> Result<u64, ProcError> {
     Ok(total)
 }
 
+/// CRIU's own figures of one dump, in milliseconds (its `stats-dump` file, in the work
+/// directory).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CriuDumpStats {
+    pub freezing_ms: f64,
+    pub frozen_ms: f64,
+    pub memdump_ms: f64,
+    pub memwrite_ms: f64,
+    pub pages_written: u64,
+}
+
+const IMG_SERVICE_MAGIC_STATS: u32 = 0x5709_3306;
+
+/// Parses CRIU's `stats-dump`: a service or common head, the stats magic, then one
+/// `StatsEntry` whose field 1 is a `DumpStatsEntry` (times in microseconds: freezing 1,
+/// frozen 2, memdump 3, memwrite 4; pages_written 7). `None` when it is not that.
+pub fn parse_dump_stats(data: &[u8]) -> Option<CriuDumpStats> {
+    let u32_at = |p: usize| {
+        data.get(p..p + 4)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+    };
+    let mut pos = 0;
+    let mut magic = u32_at(pos)?;
+    pos += 4;
+    if magic == IMG_COMMON_MAGIC || magic == IMG_SERVICE_MAGIC {
+        magic = u32_at(pos)?;
+        pos += 4;
+    }
+    if magic != IMG_SERVICE_MAGIC_STATS {
+        return None;
+    }
+    let size = u32_at(pos)? as usize;
+    pos += 4;
+    let entry = data.get(pos..pos.checked_add(size)?)?;
+    let dump = proto_fields(entry)?
+        .into_iter()
+        .find_map(|(field, v)| match (field, v) {
+            (1, ProtoValue::Bytes(b)) => Some(b),
+            _ => None,
+        })?;
+    let mut st = CriuDumpStats::default();
+    for (field, v) in proto_fields(dump)? {
+        let ProtoValue::Varint(v) = v else { continue };
+        let ms = v as f64 / 1000.0;
+        match field {
+            1 => st.freezing_ms = ms,
+            2 => st.frozen_ms = ms,
+            3 => st.memdump_ms = ms,
+            4 => st.memwrite_ms = ms,
+            7 => st.pages_written = v,
+            _ => {}
+        }
+    }
+    Some(st)
+}
+
+/// How long CRIU ran by its own log: the last line's timestamp (`(SS.UUUUUU) ...`, seconds
+/// since CRIU opened the log), in milliseconds.
+pub fn criu_log_span(text: &str) -> Option<f64> {
+    text.lines().rev().find_map(|l| {
+        let stamp = l.trim_start().strip_prefix('(')?.split_once(')')?.0;
+        let (sec, usec) = stamp.trim().split_once('.')?;
+        let (sec, usec): (u64, u64) = (sec.parse().ok()?, usec.parse().ok()?);
+        (usec < 1_000_000).then(|| sec as f64 * 1000.0 + usec as f64 / 1000.0)
+    })
+}
+
+/// CRIU's figures for a dump whose work directory is `work`, into `t` (left absent if CRIU
+/// left none).
+fn read_criu_figures(work: &Path, t: &mut ProcessTimings) {
+    if let Ok(text) = fs::read_to_string(work.join("dump.log")) {
+        t.criu_ms = criu_log_span(&text);
+    }
+    if let Some(st) = fs::read(work.join("stats-dump"))
+        .ok()
+        .and_then(|d| parse_dump_stats(&d))
+    {
+        t.freezing_ms = Some(st.freezing_ms);
+        t.frozen_ms = Some(st.frozen_ms);
+        t.memdump_ms = Some(st.memdump_ms);
+        t.memwrite_ms = Some(st.memwrite_ms);
+    }
+}
+
 /// The directory CRIU logs to while dumping into `dir`: a sibling, so logs never enter the image;
 /// named `*.tmp` so the store sweeps one left by a failed dump (kept for its log) on open.
 pub fn work_dir(dir: &Path) -> PathBuf {
@@ -415,13 +507,43 @@ fn discard(dir: &Path) {
     }
 }
 
+/// How a process image is dumped (`[checkpoint] process_dump`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Dumper {
+    /// `runc checkpoint`: runc starts CRIU (twice: its version, then the dump).
+    Runc,
+    /// CRIU's RPC directly ([`super::criu_rpc`]), with the options runc would pass.
+    Criu { binary: PathBuf },
+}
+
+impl Dumper {
+    pub fn from_config(config: &crab_runtime_config::Config) -> Dumper {
+        match config.checkpoint.process_dump {
+            crab_runtime_config::ProcessDump::Runc => Dumper::Runc,
+            crab_runtime_config::ProcessDump::Criu => Dumper::Criu {
+                binary: super::criu_rpc::criu_binary(config),
+            },
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Dumper::Runc => "runc",
+            Dumper::Criu { .. } => "criu",
+        }
+    }
+}
+
 /// Checkpoints container `id` (init `init_pid`, cgroup `cgroup_dir`) into `dir`, which must not
-/// exist yet, leaving it running: [`check_dumpable`], `runc checkpoint --leave-running`
-/// (established TCP connections, file locks and external unix sockets allowed), verification
-/// of the image's process tree against the live processes, then page deduplication into
-/// `chunks`. On any failure `dir` is removed; CRIU's log stays in [`work_dir`]`(dir)` only then.
+/// exist yet, leaving it running: [`check_dumpable`], the dump (`runc checkpoint
+/// --leave-running`, or the same through CRIU's RPC: see [`Dumper`]; established TCP
+/// connections, file locks and external unix sockets allowed), verification of the image's
+/// process tree against the live processes, then page deduplication into `chunks`. On any
+/// failure `dir` is removed; CRIU's log stays in [`work_dir`]`(dir)` only then.
+#[allow(clippy::too_many_arguments)]
 pub async fn checkpoint(
     runc: &Runc,
+    dumper: &Dumper,
     id: &str,
     init_pid: u32,
     cgroup_dir: &Path,
@@ -429,54 +551,177 @@ pub async fn checkpoint(
     chunks: &Path,
 ) -> Result<ProcCheckpoint, ProcError> {
     let started = Instant::now();
-    check_dumpable(init_pid, cgroup_dir)?;
+    let mut timings = ProcessTimings {
+        driver: dumper.name().into(),
+        ..Default::default()
+    };
     if dir.exists() {
         return Err(io_err(format!("checkpoint directory {}", dir.display()))(
             io::ErrorKind::AlreadyExists.into(),
         ));
     }
+    // The container is frozen by crab before CRIU starts: CRIU polls its freezer every 100 ms
+    // (one poll is most of a small dump's freeze), this one every few microseconds. CRIU,
+    // finding the cgroup frozen, seizes the tasks and leaves it frozen when done; crab thaws
+    // it as soon as CRIU has answered. The trap check then also sees the very tree CRIU dumps.
+    let freezing = Instant::now();
+    let frozen = freeze(init_pid).await;
+    timings.freeze_ms = Timings::ms(freezing.elapsed());
+    let result = dump_frozen(runc, dumper, id, init_pid, cgroup_dir, dir, &mut timings).await;
+    if let Some(freezer) = frozen {
+        let thawing = Instant::now();
+        use crate::sys::cgroup::freezer::Freezer;
+        let thawed = tokio::task::spawn_blocking(move || freezer.thaw())
+            .await
+            .map_err(io::Error::other)
+            .and_then(|r| r);
+        if let Err(e) = thawed {
+            log::error!("checkpoint of {id}: cannot thaw the container after the dump: {e}");
+        }
+        timings.thaw_ms = Timings::ms(thawing.elapsed());
+    }
+    let (work, dump_start) = result?;
+    let dump = Duration::from_secs_f64(timings.dump_ms / 1000.0);
+    finish(
+        id, init_pid, cgroup_dir, dir, chunks, &work, dump_start, dump, started, timings,
+    )
+    .await
+}
+
+/// Freezes the container of `init_pid` (see [`checkpoint`]); `None` when its freezer cannot
+/// be used (CRIU then freezes it itself).
+async fn freeze(init_pid: u32) -> Option<crate::sys::cgroup::freezer::CgroupFreezer> {
+    use crate::sys::cgroup::freezer::{CgroupFreezer, Freezer};
+    let frozen = tokio::task::spawn_blocking(move || {
+        let f = CgroupFreezer::for_pid(init_pid)?.with_timeout(Duration::from_secs(5));
+        f.freeze()?;
+        Ok::<_, io::Error>(f)
+    })
+    .await
+    .map_err(io::Error::other)
+    .and_then(|r| r);
+    match frozen {
+        Ok(f) => Some(f),
+        Err(e) => {
+            log::warn!(
+                "process checkpoint: cannot freeze the container beforehand ({e}): CRIU freezes it"
+            );
+            None
+        }
+    }
+}
+
+/// The trap check and the dump of a frozen container; returns CRIU's work directory and the
+/// dump's start (boot ticks).
+async fn dump_frozen(
+    runc: &Runc,
+    dumper: &Dumper,
+    id: &str,
+    init_pid: u32,
+    cgroup_dir: &Path,
+    dir: &Path,
+    timings: &mut ProcessTimings,
+) -> Result<(PathBuf, u64), ProcError> {
+    let checking = Instant::now();
+    check_dumpable(init_pid, cgroup_dir)?;
+    timings.check_ms = Timings::ms(checking.elapsed());
     let work = work_dir(dir);
     discard(&work);
-    let opts = CheckpointOpts {
-        image_path: dir.to_path_buf(),
-        work_path: Some(work.clone()),
-        leave_running: true,
-        tcp_established: true,
-        ext_unix_sk: true,
-        file_locks: true,
-        ..Default::default()
-    };
     let dump_started = Instant::now();
     let dump_start = boot_ticks();
-    let dumped = runc.checkpoint(id, &opts).await;
-    let dump = dump_started.elapsed();
-    if let Err(e) = dumped {
+    let dumped = match dumper {
+        Dumper::Runc => {
+            let opts = CheckpointOpts {
+                image_path: dir.to_path_buf(),
+                work_path: Some(work.clone()),
+                leave_running: true,
+                tcp_established: true,
+                ext_unix_sk: true,
+                file_locks: true,
+                ..Default::default()
+            };
+            runc.checkpoint(id, &opts).await.map_err(|e| match e {
+                crate::runc::RuncError::Failed { message, .. } => message,
+                e => e.to_string(),
+            })
+        }
+        Dumper::Criu { binary } => {
+            let opts = super::criu_rpc::DumpOptions {
+                leave_running: true,
+                tcp_established: true,
+                ext_unix_sk: true,
+                file_locks: true,
+                ..Default::default()
+            };
+            let run_dir = super::criu_rpc::kdat_dir();
+            super::criu_rpc::dump(
+                binary,
+                &runc.root,
+                id,
+                dir,
+                &work,
+                &opts,
+                run_dir.as_deref(),
+            )
+            .await
+            .map_err(|e| e.to_string())
+        }
+    };
+    timings.dump_ms = Timings::ms(dump_started.elapsed());
+    read_criu_figures(&work, timings);
+    if let Err(message) = dumped {
         discard(dir);
-        let message = match e {
-            crate::runc::RuncError::Failed { message, .. } => message,
-            e => e.to_string(),
-        };
         let criu_log = criu_errors(&work.join("dump.log"));
         let hint = criu_log.as_deref().and_then(known_cause);
         return Err(ProcError::Dump {
+            driver: dumper.name(),
             message,
             criu_log,
             hint,
         });
     }
+    Ok((work, dump_start))
+}
+
+/// After the dump: the image's process tree against the live processes, page deduplication,
+/// durability; `dir` is removed on failure.
+#[allow(clippy::too_many_arguments)]
+async fn finish(
+    id: &str,
+    init_pid: u32,
+    cgroup_dir: &Path,
+    dir: &Path,
+    chunks: &Path,
+    work: &Path,
+    dump_start: u64,
+    dump: Duration,
+    started: Instant,
+    mut timings: ProcessTimings,
+) -> Result<ProcCheckpoint, ProcError> {
     let finish = async {
+        let verifying = Instant::now();
         let pids = verify_image(init_pid, cgroup_dir, dir, dump_start)?;
         let bytes_logical = dir_bytes(dir)?;
+        timings.verify_ms = Timings::ms(verifying.elapsed());
         let (d, c) = (dir.to_path_buf(), chunks.to_path_buf());
-        let dedup = tokio::task::spawn_blocking(move || pages::dedup(&d, &c))
-            .await
-            .map_err(|e| io_err("page deduplication task")(io::Error::other(e)))??;
+        let (dedup, dedup_took, sync_took) = tokio::task::spawn_blocking(move || {
+            let deduping = Instant::now();
+            let stats = pages::dedup_unsynced(&d, &c)?;
+            let dedup_took = deduping.elapsed();
+            let syncing = Instant::now();
+            pages::sync(&d, &c)?;
+            Ok::<_, PagesError>((stats, dedup_took, syncing.elapsed()))
+        })
+        .await
+        .map_err(|e| io_err("page deduplication task")(io::Error::other(e)))??;
+        timings.dedup_ms = Timings::ms(dedup_took);
+        timings.sync_ms = Timings::ms(sync_took);
         let bytes_stored = dir_bytes(dir)? + dedup.bytes_new + dedup.index_bytes;
         Ok::<_, ProcError>((pids, bytes_logical, bytes_stored, dedup))
     };
     match finish.await {
         Ok((pids, bytes_logical, bytes_stored, dedup)) => {
-            discard(&work);
+            discard(work);
             let cp = ProcCheckpoint {
                 dir: dir.to_path_buf(),
                 pids,
@@ -485,15 +730,30 @@ pub async fn checkpoint(
                 duration: started.elapsed(),
                 dump,
                 dedup,
+                timings,
             };
+            let t = &cp.timings;
+            let opt = |v: Option<f64>| v.map_or("?".to_string(), |v| format!("{v:.1}"));
             log::info!(
-                "proc checkpoint of {id}: {} processes, {} bytes logical, {} stored ({} new chunks), dump {:?}, total {:?}",
+                "proc checkpoint of {id}: {} processes, {} bytes logical, {} stored ({} new chunks), total {:.1} ms: freeze {:.1}, check {:.1}, dump ({}) {:.1} (CRIU {}: freezing {}, frozen {}, memdump {}, memwrite {}), thaw {:.1}, verify {:.1}, dedup {:.1}, sync {:.1}",
                 cp.pids.len(),
                 cp.bytes_logical,
                 cp.bytes_stored,
                 cp.dedup.chunks_new,
-                cp.dump,
-                cp.duration
+                Timings::ms(cp.duration),
+                t.freeze_ms,
+                t.check_ms,
+                t.driver,
+                t.dump_ms,
+                opt(t.criu_ms),
+                opt(t.freezing_ms),
+                opt(t.frozen_ms),
+                opt(t.memdump_ms),
+                opt(t.memwrite_ms),
+                t.thaw_ms,
+                t.verify_ms,
+                t.dedup_ms,
+                t.sync_ms,
             );
             Ok(cp)
         }
@@ -575,6 +835,54 @@ mod tests {
         );
         assert!(parse_pstree(&img[..img.len() - 1]).is_err());
         assert!(parse_pstree(&img[8..]).is_err(), "no magic");
+    }
+
+    #[test]
+    fn criu_figures_from_its_log_and_stats() {
+        let log = "(00.000000) Version: 4.2.1\n(00.004512) Dumping\n(01.250001) Dumping finished successfully\n";
+        assert_eq!(criu_log_span(log), Some(1250.001));
+        // A last line without a stamp is passed over; nothing stamped at all is no figure.
+        assert_eq!(criu_log_span("(00.5) a\nno stamp\n"), Some(0.005));
+        for bad in ["", "nothing\n", "(x.1) a", "(1.99999999) a", "(1.-1) a"] {
+            assert_eq!(criu_log_span(bad), None, "{bad:?}");
+        }
+
+        // A stats-dump as CRIU writes it: service head, stats magic, one StatsEntry whose
+        // field 1 is a DumpStatsEntry (freezing 1200 us, frozen 45000, memdump 3000, memwrite
+        // 9000, pages_written 2561 = varint 0x81 0x14).
+        let dump = [
+            0x08, 0xb0, 0x09, 0x10, 0xc8, 0xdf, 0x02, 0x18, 0xb8, 0x17, 0x20, 0xa8, 0x46, 0x38,
+            0x81, 0x14,
+        ];
+        let mut entry = vec![0x0a, dump.len() as u8];
+        entry.extend(dump);
+        let mut file = Vec::new();
+        file.extend(IMG_SERVICE_MAGIC.to_le_bytes());
+        file.extend(IMG_SERVICE_MAGIC_STATS.to_le_bytes());
+        file.extend((entry.len() as u32).to_le_bytes());
+        file.extend(&entry);
+        assert_eq!(
+            parse_dump_stats(&file),
+            Some(CriuDumpStats {
+                freezing_ms: 1.2,
+                frozen_ms: 45.0,
+                memdump_ms: 3.0,
+                memwrite_ms: 9.0,
+                pages_written: 2561,
+            })
+        );
+        // Cut short anywhere, another magic, a bad varint: no figures, no panic.
+        for n in 0..file.len() {
+            assert_eq!(parse_dump_stats(&file[..n]), None, "cut at {n}");
+        }
+        let mut other = file.clone();
+        other[4] ^= 1;
+        assert_eq!(parse_dump_stats(&other), None);
+        let mut bad = file.clone();
+        let at = bad.len() - 1;
+        bad[at] = 0x80;
+        assert_eq!(parse_dump_stats(&bad), None);
+        assert_eq!(parse_dump_stats(&[0xff; 64]), None);
     }
 
     #[test]

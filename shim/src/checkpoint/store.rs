@@ -205,6 +205,57 @@ pub struct Timings {
     pub capture_ms: f64,
     #[serde(default)]
     pub total_ms: f64,
+    /// Where a process image's time went (only when the checkpoint has one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process: Option<ProcessTimings>,
+}
+
+/// The phases of a process image, in milliseconds, in the order they run. CRIU's own figures
+/// are absent when CRIU did not report them (its log or `stats-dump` unreadable).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProcessTimings {
+    /// How the dump was driven: `runc` (`runc checkpoint`) or `criu` (CRIU's RPC directly).
+    #[serde(default)]
+    pub driver: String,
+    /// crab freezing the container before the dump (CRIU, finding it frozen, does not poll
+    /// its freezer).
+    #[serde(default)]
+    pub freeze_ms: f64,
+    /// The trap check before the dump (every live process descends from init).
+    #[serde(default)]
+    pub check_ms: f64,
+    /// The dump as the shim waited for it: `runc checkpoint`, or CRIU from its start to its
+    /// answer.
+    #[serde(default)]
+    pub dump_ms: f64,
+    /// CRIU's own run, from its log's first to its last line: `dump_ms` minus this is what
+    /// runs around CRIU (runc's start-up, its CRIU version check, CRIU's own start-up).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub criu_ms: Option<f64>,
+    /// From CRIU's `stats-dump`: freezing the container's processes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub freezing_ms: Option<f64>,
+    /// From CRIU's `stats-dump`: how long the processes stayed frozen.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frozen_ms: Option<f64>,
+    /// From CRIU's `stats-dump`: collecting the memory to dump (parasite, page pipes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memdump_ms: Option<f64>,
+    /// From CRIU's `stats-dump`: writing the pages out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memwrite_ms: Option<f64>,
+    /// Thawing the container after the dump (it stays frozen from `freeze_ms` until here).
+    #[serde(default)]
+    pub thaw_ms: f64,
+    /// Checking the image's process tree against the live processes.
+    #[serde(default)]
+    pub verify_ms: f64,
+    /// Page deduplication: hashing the pages, writing the new chunks and the recipes.
+    #[serde(default)]
+    pub dedup_ms: f64,
+    /// Making the image and its chunks durable.
+    #[serde(default)]
+    pub sync_ms: f64,
 }
 
 impl Timings {

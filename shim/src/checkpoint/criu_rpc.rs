@@ -1,0 +1,1277 @@
+//! Process dumps through CRIU's RPC interface (`criu swrk`), without `runc checkpoint`.
+//!
+//! `runc checkpoint` is a Go program that loads the container's state, starts CRIU once to
+//! learn its version, then again to dump. Each start costs the process start-up and CRIU's
+//! probing of the kernel (`kerndat`, which CRIU caches only where `/run` is a tmpfs), before
+//! any page is touched. This module does what runc's `Checkpoint` does (runc's
+//! `libcontainer/criu_linux.go`, with the options crab passes) in the shim: it reads the
+//! container's configuration from runc's own state file, writes `descriptors.json` into the
+//! image exactly as runc does (so that `runc restore` of the image works unchanged), starts
+//! one `criu swrk` and speaks CRIU's protobuf RPC to it (`criu/rpc.proto`; the few messages
+//! needed are encoded and decoded here by hand, like the rest of crab's protobuf).
+//!
+//! Bounds: CRIU's own `timeout` limits how long it may take to freeze the tree; the whole run
+//! is bounded by the checkpoint job's deadline, which kills the CRIU this module registered
+//! for the container ([`kill_running`]) before the container's freezer is thawed. A CRIU
+//! whose caller went away (the job's future was dropped) is killed by its guard. CRIU is held
+//! by a pidfd, so a kill never reaches a reused pid.
+
+use std::{
+    collections::HashMap,
+    fs,
+    io::{self, Write},
+    os::{
+        fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
+        unix::{fs::DirBuilderExt, process::CommandExt},
+    },
+    path::{Component, Path, PathBuf},
+    process::{Command, Stdio},
+    sync::{Arc, Mutex, OnceLock},
+};
+
+use nix::{
+    fcntl::{OFlag, OpenHow, ResolveFlag},
+    sys::socket::{self, AddressFamily, MsgFlags, SockFlag, SockType},
+};
+use serde::Deserialize;
+
+use crate::reaper::{ExitSubscription, ReaperError};
+
+/// How long CRIU may take to freeze the container's processes (CRIU's `--timeout`, seconds).
+const FREEZE_TIMEOUT_S: u64 = 10;
+/// CRIU's answers are small; runc reads them into 40 KiB.
+const RESP_BUF: usize = 10 * 4096;
+/// runc's state file is a few KB; a larger one is not runc's.
+const MAX_STATE_FILE: u64 = 4 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CriuError {
+    #[error("reading runc's state of the container ({path}): {source}")]
+    State {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("runc's state of the container ({path}) is not what runc writes: {what}")]
+    BadState { path: PathBuf, what: String },
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("starting CRIU: {0}")]
+    Start(#[from] ReaperError),
+    #[error("CRIU's answer is malformed: {0}")]
+    Protocol(String),
+    /// CRIU answered that the request failed.
+    #[error("CRIU {request} failed{}{}", errno.map(|e| format!(": {}", io::Error::from_raw_os_error(e))).unwrap_or_default(), message.as_ref().map(|m| format!(" ({m})")).unwrap_or_default())]
+    Failed {
+        request: &'static str,
+        errno: Option<i32>,
+        message: Option<String>,
+    },
+    #[error("CRIU exited with status {0} after its answer")]
+    Exit(i32),
+    #[error("CRIU ended without answering (killed, or it crashed: see its log)")]
+    NoAnswer,
+}
+
+fn io_err(context: impl std::fmt::Display) -> impl FnOnce(io::Error) -> CriuError {
+    let context = context.to_string();
+    move |source| CriuError::Io { context, source }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Protobuf, the little CRIU's RPC needs.
+
+/// A protobuf message being encoded.
+#[derive(Default)]
+struct Enc(Vec<u8>);
+
+impl Enc {
+    fn key(&mut self, field: u32, wire: u8) {
+        self.raw_varint(u64::from(field) << 3 | u64::from(wire));
+    }
+
+    fn raw_varint(&mut self, mut v: u64) {
+        while v >= 0x80 {
+            self.0.push(v as u8 | 0x80);
+            v >>= 7;
+        }
+        self.0.push(v as u8);
+    }
+
+    fn uint(&mut self, field: u32, v: u64) -> &mut Self {
+        self.key(field, 0);
+        self.raw_varint(v);
+        self
+    }
+
+    /// An `int32`: negative values are sign-extended to ten bytes, as protobuf does.
+    fn int32(&mut self, field: u32, v: i32) -> &mut Self {
+        self.uint(field, i64::from(v) as u64)
+    }
+
+    fn bool(&mut self, field: u32, v: bool) -> &mut Self {
+        self.uint(field, u64::from(v))
+    }
+
+    fn bytes(&mut self, field: u32, v: &[u8]) -> &mut Self {
+        self.key(field, 2);
+        self.raw_varint(v.len() as u64);
+        self.0.extend_from_slice(v);
+        self
+    }
+
+    fn str(&mut self, field: u32, v: &str) -> &mut Self {
+        self.bytes(field, v.as_bytes())
+    }
+
+    fn msg(&mut self, field: u32, m: &Enc) -> &mut Self {
+        self.bytes(field, &m.0)
+    }
+}
+
+/// One decoded protobuf field value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProtoValue<'a> {
+    Varint(u64),
+    Bytes(&'a [u8]),
+    Fixed,
+}
+
+fn varint(buf: &[u8], pos: &mut usize) -> Option<u64> {
+    let mut v = 0u64;
+    for shift in (0..64).step_by(7) {
+        let b = *buf.get(*pos)?;
+        *pos += 1;
+        v |= u64::from(b & 0x7f) << shift;
+        if b & 0x80 == 0 {
+            return Some(v);
+        }
+    }
+    None
+}
+
+/// The fields of a protobuf message, in order; `None` if malformed.
+pub fn proto_fields(msg: &[u8]) -> Option<Vec<(u64, ProtoValue<'_>)>> {
+    let mut out = Vec::new();
+    let mut pos = 0;
+    while pos < msg.len() {
+        let key = varint(msg, &mut pos)?;
+        let v = match key & 7 {
+            0 => ProtoValue::Varint(varint(msg, &mut pos)?),
+            2 => {
+                let len = usize::try_from(varint(msg, &mut pos)?).ok()?;
+                let body = msg.get(pos..pos.checked_add(len)?)?;
+                pos += len;
+                ProtoValue::Bytes(body)
+            }
+            1 | 5 => {
+                pos = pos.checked_add(if key & 7 == 1 { 8 } else { 4 })?;
+                if pos > msg.len() {
+                    return None;
+                }
+                ProtoValue::Fixed
+            }
+            _ => return None,
+        };
+        out.push((key >> 3, v));
+    }
+    Some(out)
+}
+
+/// `criu_req_type`.
+const REQ_DUMP: u64 = 1;
+const REQ_NOTIFY: u64 = 6;
+
+/// What CRIU answered (`criu_resp`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Resp {
+    pub kind: u64,
+    pub success: bool,
+    /// `notify.script` of a NOTIFY.
+    pub script: Option<String>,
+    pub errno: Option<i32>,
+    pub message: Option<String>,
+}
+
+/// Decodes a `criu_resp`: type 1, success 2, notify 5 (script 1), cr_errno 7, cr_errmsg 9.
+pub fn decode_resp(data: &[u8]) -> Result<Resp, String> {
+    let fields = proto_fields(data).ok_or("not a protobuf message")?;
+    let mut r = Resp::default();
+    let (mut has_type, mut has_success) = (false, false);
+    for (field, v) in fields {
+        match (field, v) {
+            (1, ProtoValue::Varint(t)) => (r.kind, has_type) = (t, true),
+            (2, ProtoValue::Varint(s)) => (r.success, has_success) = (s != 0, true),
+            (5, ProtoValue::Bytes(n)) => {
+                for (f, v) in proto_fields(n).ok_or("a malformed notify")? {
+                    if let (1, ProtoValue::Bytes(s)) = (f, v) {
+                        r.script = Some(String::from_utf8_lossy(s).into_owned());
+                    }
+                }
+            }
+            (7, ProtoValue::Varint(e)) => r.errno = Some(e as i32),
+            (9, ProtoValue::Bytes(m)) => {
+                r.message = Some(String::from_utf8_lossy(m).trim().to_string())
+            }
+            (1 | 2 | 7, _) | (5 | 9, ProtoValue::Varint(_) | ProtoValue::Fixed) => {
+                return Err(format!("field {field} has the wrong type"))
+            }
+            _ => {}
+        }
+    }
+    if !(has_type && has_success) {
+        return Err("no type or success".into());
+    }
+    Ok(r)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The container as runc recorded it.
+
+/// The part of runc's `state.json` a dump needs (runc's `libcontainer.State`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct RuncState {
+    pub init_process_pid: u32,
+    pub config: RuncConfig,
+    #[serde(default, deserialize_with = "null_as_empty")]
+    pub cgroup_paths: HashMap<String, String>,
+    /// Where init's stdio pointed at create (`pipe:[...]`, `/dev/null`): runc writes them
+    /// into the image as `descriptors.json`, and `runc restore` reads them back.
+    #[serde(default, deserialize_with = "null_as_empty")]
+    pub external_descriptors: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RuncConfig {
+    pub rootfs: PathBuf,
+    #[serde(default, deserialize_with = "null_as_empty")]
+    pub mounts: Vec<RuncMount>,
+    #[serde(default, deserialize_with = "null_as_empty")]
+    pub devices: Vec<RuncDevice>,
+    #[serde(default, deserialize_with = "null_as_empty")]
+    pub mask_paths: Vec<String>,
+    #[serde(default, deserialize_with = "null_as_empty")]
+    pub namespaces: Vec<RuncNamespace>,
+    #[serde(default, deserialize_with = "null_as_empty")]
+    pub labels: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RuncMount {
+    pub destination: String,
+    #[serde(default, deserialize_with = "null_as_empty")]
+    pub device: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RuncDevice {
+    #[serde(default, deserialize_with = "null_as_empty")]
+    pub path: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RuncNamespace {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default, deserialize_with = "null_as_empty")]
+    pub path: String,
+}
+
+/// Go writes a nil slice, map or string as `null`: read it as empty.
+fn null_as_empty<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
+impl RuncState {
+    /// Reads `<runc root>/<id>/state.json`.
+    pub fn read(runc_root: &Path, id: &str) -> Result<RuncState, CriuError> {
+        let path = runc_root.join(id).join("state.json");
+        let data = (|| {
+            let f = crate::sys::beneath::open_regular_nofollow(&path)?;
+            let mut data = Vec::new();
+            io::Read::read_to_end(&mut io::Read::take(f, MAX_STATE_FILE + 1), &mut data)?;
+            Ok::<_, io::Error>(data)
+        })()
+        .map_err(|source| CriuError::State {
+            path: path.clone(),
+            source,
+        })?;
+        if data.len() as u64 > MAX_STATE_FILE {
+            return Err(CriuError::BadState {
+                path,
+                what: format!("more than {MAX_STATE_FILE} bytes"),
+            });
+        }
+        Self::parse(&data).map_err(|what| CriuError::BadState { path, what })
+    }
+
+    pub fn parse(data: &[u8]) -> Result<RuncState, String> {
+        let st: RuncState = serde_json::from_slice(data).map_err(|e| e.to_string())?;
+        if !st.config.rootfs.is_absolute() {
+            return Err(format!(
+                "rootfs {} is not absolute",
+                st.config.rootfs.display()
+            ));
+        }
+        if st.init_process_pid == 0 {
+            return Err("no init pid".into());
+        }
+        Ok(st)
+    }
+
+    /// The value of label `key` (runc keeps annotations as `key=value` labels).
+    fn label(&self, key: &str) -> Option<&str> {
+        self.config.labels.iter().find_map(|l| {
+            let (k, v) = l.split_once('=')?;
+            (k == key).then_some(v)
+        })
+    }
+
+    fn namespace_path(&self, kind: &str) -> Option<&str> {
+        self.config
+            .namespaces
+            .iter()
+            .find(|n| n.kind == kind)
+            .map(|n| n.path.as_str())
+            .filter(|p| !p.is_empty())
+    }
+
+    /// The cgroup CRIU freezes (runc's `cgroupManager.Path("freezer")`: the unified
+    /// directory on cgroup v2, the freezer controller's on v1).
+    fn freezer_cgroup(&self) -> Option<&str> {
+        ["freezer", ""]
+            .iter()
+            .find_map(|k| self.cgroup_paths.get(*k))
+            .map(String::as_str)
+            .filter(|p| !p.is_empty())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The dump request, as runc builds it.
+
+/// What a dump is asked to do (the subset of `runc checkpoint`'s flags crab uses).
+#[derive(Debug, Clone, Default)]
+pub struct DumpOptions {
+    pub leave_running: bool,
+    pub tcp_established: bool,
+    pub ext_unix_sk: bool,
+    pub file_locks: bool,
+    pub shell_job: bool,
+    /// `soft`, `full`, `strict` or `ignore`; `None` is CRIU's default (soft).
+    pub manage_cgroups_mode: Option<String>,
+}
+
+/// `criu_cg_mode` of runc's `--manage-cgroups-mode`.
+fn cg_mode(mode: Option<&str>) -> Result<u64, String> {
+    Ok(match mode {
+        None | Some("") => 6,
+        Some("soft") => 3,
+        Some("full") => 4,
+        Some("strict") => 5,
+        Some("ignore") => 0,
+        Some(other) => return Err(format!("invalid manage-cgroups-mode {other:?}")),
+    })
+}
+
+/// A mount destination as the container sees it, with symlinks inside the rootfs resolved
+/// within it (runc's `securejoin.SecureJoin(rootfs, dest)` minus the rootfs); the destination
+/// cleaned lexically when it cannot be resolved (it does not exist).
+fn container_path(rootfs: &Path, dest: &str) -> String {
+    let lexical = {
+        let mut parts: Vec<&std::ffi::OsStr> = Vec::new();
+        for c in Path::new(dest).components() {
+            match c {
+                Component::Normal(n) => parts.push(n),
+                Component::ParentDir => {
+                    parts.pop();
+                }
+                _ => {}
+            }
+        }
+        let mut s = String::new();
+        for p in parts {
+            s.push('/');
+            s.push_str(&p.to_string_lossy());
+        }
+        if s.is_empty() {
+            s.push('/');
+        }
+        s
+    };
+    let resolved = (|| {
+        let root = crate::sys::beneath::open_root(rootfs).ok()?;
+        let how = OpenHow::new()
+            .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
+            .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+        let rel = lexical.trim_start_matches('/');
+        let rel = if rel.is_empty() { "." } else { rel };
+        let fd = crate::sys::file::openat2(root.as_fd(), rel, how).ok()?;
+        let full = fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).ok()?;
+        let inside = full.strip_prefix(rootfs).ok()?;
+        Some(format!("/{}", inside.to_string_lossy()))
+    })();
+    resolved.unwrap_or(lexical)
+}
+
+/// The `criu_opts` runc's `Checkpoint` sends, for `state` and `opts`; `images_fd` and `work_fd`
+/// are descriptors of the shim (CRIU opens them through `/proc/<shim>/fd`).
+/// `cgroup_v1`: the host's cgroup v1 hierarchies ([`cgroup_v1_dirs`]).
+fn dump_opts(
+    state: &RuncState,
+    opts: &DumpOptions,
+    cgroup_v1: &[String],
+    images_fd: i32,
+    work_fd: i32,
+) -> Result<Enc, String> {
+    let mut o = Enc::default();
+    o.int32(1, images_fd)
+        .int32(2, state.init_process_pid as i32)
+        .bool(3, opts.leave_running)
+        .bool(4, opts.ext_unix_sk)
+        .bool(5, opts.tcp_established)
+        .bool(7, opts.shell_job)
+        .bool(8, opts.file_locks)
+        .int32(9, 4)
+        .str(10, "dump.log")
+        .bool(12, true)
+        .str(13, &state.config.rootfs.to_string_lossy())
+        .bool(16, false)
+        .int32(17, work_fd)
+        .bool(18, false)
+        .bool(24, true)
+        .uint(34, cg_mode(opts.manage_cgroups_mode.as_deref())?)
+        .uint(38, 0)
+        .uint(45, FREEZE_TIMEOUT_S)
+        .bool(46, false)
+        .bool(48, false)
+        .bool(50, true);
+    // runc's handleCriuConfigurationFile.
+    match state.label("org.criu.config") {
+        Some("") => {}
+        Some(file) => {
+            o.str(51, file);
+        }
+        None => {
+            o.str(51, "/etc/criu/runc.conf");
+        }
+    }
+    // Network and pid namespaces the container joined: external, as runc marks them.
+    for (kind, name, key) in [
+        ("NEWNET", "net", "extRootNetNS"),
+        ("NEWPID", "pid", "extRootPidNS"),
+    ] {
+        if let Some(path) = state.namespace_path(kind) {
+            let ino = fs::metadata(path)
+                .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+                .map_err(|e| format!("the container's {name} namespace {path}: {e}"))?;
+            o.str(37, &format!("{name}[{ino}]:{key}"));
+        }
+    }
+    if let Some(cg) = state.freezer_cgroup() {
+        o.str(44, cg);
+    }
+    let mut ext_mnt = |key: &str, val: &str| {
+        let mut m = Enc::default();
+        m.str(1, key).str(2, val);
+        o.msg(23, &m);
+    };
+    let rootfs = &state.config.rootfs;
+    let cgroupns = state
+        .config
+        .namespaces
+        .iter()
+        .any(|n| n.kind == "NEWCGROUP");
+    for m in &state.config.mounts {
+        match m.device.as_str() {
+            "bind" => {
+                let dest = container_path(rootfs, &m.destination);
+                ext_mnt(&dest, &dest);
+            }
+            // On cgroup v1 without a cgroup namespace, runc bind-mounts each hierarchy of the
+            // host below the cgroup mount: external mounts, as runc's getCgroupMounts lists
+            // them. On cgroup v2 or in a cgroup namespace it is a real mount.
+            "cgroup" if !cgroupns => {
+                for dir in cgroup_v1 {
+                    let dest = container_path(rootfs, &format!("{}/{dir}", m.destination));
+                    ext_mnt(&dest, &dest);
+                }
+            }
+            _ => {}
+        }
+    }
+    // Masked files are bind mounts of /dev/null (directories are tmpfs, CRIU's business).
+    for path in &state.config.mask_paths {
+        let at = format!("/proc/{}/root/{}", state.init_process_pid, path);
+        match fs::metadata(&at) {
+            Ok(md) if !md.is_dir() => ext_mnt(path, "/dev/null"),
+            _ => {}
+        }
+    }
+    for d in &state.config.devices {
+        if !d.path.is_empty() {
+            let dest = container_path(rootfs, &d.path);
+            ext_mnt(&dest, &dest);
+        }
+    }
+    Ok(o)
+}
+
+/// The cgroup v1 hierarchies of the host as runc's `getCgroupMounts` finds them (the mount
+/// points of `cgroup` filesystems, by their last component, once each); empty on a cgroup v2
+/// host (`/sys/fs/cgroup` itself is cgroup2).
+pub fn cgroup_v1_dirs(mounts: &[crate::sys::mountinfo::Mount], unified: bool) -> Vec<String> {
+    if unified {
+        return Vec::new();
+    }
+    let mut out: Vec<String> = Vec::new();
+    for m in mounts.iter().filter(|m| m.fstype == "cgroup") {
+        if let Some(name) = m.mount_point.file_name() {
+            let name = name.to_string_lossy().into_owned();
+            if !out.contains(&name) {
+                out.push(name);
+            }
+        }
+    }
+    out
+}
+
+fn host_cgroup_v1_dirs() -> Result<Vec<String>, CriuError> {
+    let unified = nix::sys::statfs::statfs("/sys/fs/cgroup")
+        .map(|s| s.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
+        .map_err(|e| io_err("statfs /sys/fs/cgroup")(e.into()))?;
+    if unified {
+        return Ok(Vec::new());
+    }
+    let mounts = crate::sys::mountinfo::read_self().map_err(io_err("reading the mount table"))?;
+    Ok(cgroup_v1_dirs(&mounts, false))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running CRIU.
+
+/// A process held by a pidfd: signals never reach a reused pid.
+struct PidFd(OwnedFd);
+
+impl PidFd {
+    fn open(pid: u32) -> io::Result<PidFd> {
+        // SAFETY: pidfd_open takes a pid and flags, no pointers.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a new descriptor nothing else owns.
+        Ok(PidFd(unsafe { OwnedFd::from_raw_fd(fd as i32) }))
+    }
+
+    fn kill(&self) -> bool {
+        // SAFETY: pidfd_send_signal with a descriptor we own and no siginfo.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.0.as_raw_fd(),
+                libc::SIGKILL,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        rc == 0
+    }
+}
+
+/// The CRIU dumps running now, by container id, as (pid, pidfd).
+type Registry = Mutex<HashMap<String, Vec<(u32, Arc<PidFd>)>>>;
+
+/// The CRIU dumps running now: what [`kill_running`] kills.
+fn running() -> &'static Registry {
+    static RUNNING: OnceLock<Registry> = OnceLock::new();
+    RUNNING.get_or_init(Default::default)
+}
+
+/// Kills the CRIU dumps running for container `id` (a job past its deadline); returns their
+/// pids. The caller thaws the container afterwards: a CRIU killed midway leaves it frozen.
+pub fn kill_running(id: &str) -> Vec<u32> {
+    let procs = running()
+        .lock()
+        .unwrap()
+        .get(id)
+        .cloned()
+        .unwrap_or_default();
+    procs
+        .into_iter()
+        .filter(|(_, fd)| fd.kill())
+        .map(|(pid, _)| pid)
+        .collect()
+}
+
+/// A CRIU this module started: registered for [`kill_running`] while it runs, killed when
+/// dropped before it was seen to exit.
+struct Running {
+    id: String,
+    pid: u32,
+    fd: Arc<PidFd>,
+    exited: bool,
+}
+
+impl Running {
+    fn new(id: &str, pid: u32, fd: PidFd) -> Running {
+        let fd = Arc::new(fd);
+        running()
+            .lock()
+            .unwrap()
+            .entry(id.to_string())
+            .or_default()
+            .push((pid, fd.clone()));
+        Running {
+            id: id.to_string(),
+            pid,
+            fd,
+            exited: false,
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if !self.exited {
+            self.fd.kill();
+        }
+        let mut map = running().lock().unwrap();
+        if let Some(list) = map.get_mut(&self.id) {
+            list.retain(|(p, _)| *p != self.pid);
+            if list.is_empty() {
+                map.remove(&self.id);
+            }
+        }
+    }
+}
+
+fn open_dir(path: &Path) -> Result<OwnedFd, CriuError> {
+    crate::sys::file::open(
+        path,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+    )
+    .map_err(|e| io_err(format!("opening {}", path.display()))(e.into()))
+}
+
+fn make_dir(path: &Path) -> Result<(), CriuError> {
+    // Parents too, as runc's `MkdirAll` of the image path.
+    match fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(path)
+    {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => {
+            Err(io_err(format!("creating {}", path.display()))(e))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Sends `req` and reads CRIU's answers until the final one for `request`, acknowledging each
+/// notification (runc's `criuSwrk` loop). Blocking: runs on a blocking thread; CRIU's death
+/// (killed by the deadline or the guard) ends it with EOF.
+fn converse(
+    sock: &OwnedFd,
+    req: &[u8],
+    request: &'static str,
+    on_notify: &mut dyn FnMut(&str),
+) -> Result<(), CriuError> {
+    let send = |data: &[u8]| {
+        socket::send(sock.as_raw_fd(), data, MsgFlags::MSG_NOSIGNAL)
+            .map_err(|e| io_err("writing to CRIU")(e.into()))
+    };
+    send(req)?;
+    let mut buf = vec![0u8; RESP_BUF];
+    loop {
+        let n = loop {
+            match socket::recv(sock.as_raw_fd(), &mut buf, MsgFlags::empty()) {
+                Err(nix::errno::Errno::EINTR) => continue,
+                other => break other,
+            }
+        };
+        let n = n.map_err(|e| io_err("reading from CRIU")(e.into()))?;
+        if n == 0 {
+            return Err(CriuError::NoAnswer);
+        }
+        if n == buf.len() {
+            return Err(CriuError::Protocol("an answer larger than 40 KiB".into()));
+        }
+        let resp = decode_resp(&buf[..n]).map_err(CriuError::Protocol)?;
+        if !resp.success {
+            return Err(CriuError::Failed {
+                request,
+                errno: resp.errno.filter(|e| *e != 0),
+                message: resp.message.filter(|m| !m.is_empty()),
+            });
+        }
+        match resp.kind {
+            REQ_NOTIFY => {
+                on_notify(resp.script.as_deref().unwrap_or_default());
+                let mut ack = Enc::default();
+                ack.uint(1, REQ_NOTIFY).bool(3, true);
+                send(&ack.0)?;
+            }
+            REQ_DUMP if request == "dump" => return Ok(()),
+            other => {
+                return Err(CriuError::Protocol(format!(
+                    "an answer of type {other} to a {request}"
+                )))
+            }
+        }
+    }
+}
+
+/// Where CRIU keeps its kernel probe cache (`criu.kdat`): CRIU writes it only into `/run`, and
+/// only if that is a tmpfs (the cache must not survive a reboot). On a host whose `/run` is
+/// not a tmpfs every CRIU run probes the kernel again (~100 ms: it creates network
+/// namespaces, runs `iptables`, parses the vDSO). There crab gives its CRIU a private mount
+/// namespace whose `/run` is this directory on the tmpfs `/dev/shm`, so that the cache is
+/// kept; nothing else of the host's `/run` is needed by a dump (images and work directory are
+/// passed as descriptors, namespaces by inode, the container's files through `/proc`).
+pub const KDAT_DIR: &str = "/dev/shm/crab-criu-run";
+
+/// Whether `path` is on a tmpfs.
+fn on_tmpfs(path: &Path) -> io::Result<bool> {
+    let st = nix::sys::statfs::statfs(path).map_err(io::Error::from)?;
+    Ok(st.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
+}
+
+/// The directory to mount on CRIU's `/run` ([`KDAT_DIR`]), created if missing; `None` when
+/// `/run` is a tmpfs already (CRIU caches there itself) or the directory is not safe to use
+/// (not a root-owned 0700 directory of its own on a tmpfs: someone else made it), which is
+/// logged: CRIU then probes the kernel at every dump.
+pub fn kdat_dir() -> Option<PathBuf> {
+    static CHOICE: OnceLock<Option<PathBuf>> = OnceLock::new();
+    CHOICE
+        .get_or_init(|| {
+            if on_tmpfs(Path::new("/run")).unwrap_or(true) {
+                return None;
+            }
+            let dir = PathBuf::from(KDAT_DIR);
+            match check_kdat_dir(&dir) {
+                Ok(()) => {
+                    log::info!(
+                        "/run is not a tmpfs, so CRIU cannot keep its kernel probe cache there: crab's CRIU dumps see {} as /run",
+                        dir.display()
+                    );
+                    Some(dir)
+                }
+                Err(e) => {
+                    log::warn!(
+                        "/run is not a tmpfs and {} cannot hold CRIU's kernel probe cache ({e}): every dump probes the kernel again (~100 ms)",
+                        dir.display()
+                    );
+                    None
+                }
+            }
+        })
+        .clone()
+}
+
+/// `dir` is a directory (not a link) owned by root, mode 0700, on a tmpfs; created so if missing.
+fn check_kdat_dir(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    match fs::DirBuilder::new().mode(0o700).create(dir) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(e),
+        _ => {}
+    }
+    let md = fs::symlink_metadata(dir)?;
+    if !md.is_dir() || md.uid() != 0 || md.permissions().mode() & 0o7777 != 0o700 {
+        return Err(io::Error::other(format!(
+            "not a directory of root's with mode 0700 (uid {}, mode {:o})",
+            md.uid(),
+            md.permissions().mode() & 0o7777
+        )));
+    }
+    if !on_tmpfs(dir)? {
+        return Err(io::Error::other("not on a tmpfs"));
+    }
+    Ok(())
+}
+
+/// Dumps container `id` (runc root `runc_root`) into `images` (created, must be new or empty)
+/// with CRIU binary `criu`, logging to `work/dump.log`: what `runc checkpoint --image-path
+/// images --work-path work` does, `descriptors.json` included. `run_dir`: a directory CRIU
+/// sees as `/run` in a mount namespace of its own ([`kdat_dir`]), or `None` to share the
+/// shim's.
+pub async fn dump(
+    criu: &Path,
+    runc_root: &Path,
+    id: &str,
+    images: &Path,
+    work: &Path,
+    opts: &DumpOptions,
+    run_dir: Option<&Path>,
+) -> Result<(), CriuError> {
+    let state = {
+        let (root, id) = (runc_root.to_path_buf(), id.to_string());
+        tokio::task::spawn_blocking(move || RuncState::read(&root, &id))
+            .await
+            .map_err(|e| io_err("reading runc's state")(io::Error::other(e)))??
+    };
+    make_dir(images)?;
+    make_dir(work)?;
+    let fds = serde_json::to_vec(&state.external_descriptors)
+        .map_err(|e| io_err("encoding descriptors.json")(io::Error::other(e)))?;
+    write_new(&images.join("descriptors.json"), &fds)?;
+    let (images_fd, work_fd) = (open_dir(images)?, open_dir(work)?);
+    let cgroup_v1 = host_cgroup_v1_dirs()?;
+    let opts = dump_opts(
+        &state,
+        opts,
+        &cgroup_v1,
+        images_fd.as_raw_fd(),
+        work_fd.as_raw_fd(),
+    )
+    .map_err(|what| CriuError::BadState {
+        path: runc_root.join(id).join("state.json"),
+        what,
+    })?;
+    let mut req = Enc::default();
+    req.uint(1, REQ_DUMP).msg(2, &opts);
+
+    let (client, server) = socket::socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )
+    .map_err(|e| io_err("creating CRIU's socket")(e.into()))?;
+    let mut exits = ExitSubscription::new().await?;
+    let mut cmd = Command::new(criu);
+    cmd.args(["swrk", "3"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let server_fd = server.as_raw_fd();
+    let run_dir = run_dir
+        .map(|d| std::ffi::CString::new(d.as_os_str().as_encoded_bytes()))
+        .transpose()
+        .map_err(|e| io_err("CRIU's /run")(io::Error::other(e)))?;
+    // SAFETY: only async-signal-safe calls (unshare, mount, fcntl, dup2) on values prepared
+    // before the fork: CRIU's end of the socket becomes its fd 3 (without close-on-exec), as
+    // `criu swrk 3` expects, and with `run_dir`, CRIU gets a mount namespace of its own (no
+    // propagation back to the host) with `run_dir` bound on /run.
+    unsafe {
+        cmd.pre_exec(move || {
+            if let Some(dir) = &run_dir {
+                if libc::unshare(libc::CLONE_NEWNS) != 0
+                    || libc::mount(
+                        std::ptr::null(),
+                        c"/".as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_REC | libc::MS_SLAVE,
+                        std::ptr::null(),
+                    ) != 0
+                    || libc::mount(
+                        dir.as_ptr(),
+                        c"/run".as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_BIND,
+                        std::ptr::null(),
+                    ) != 0
+                {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            if server_fd == 3 {
+                let flags = libc::fcntl(3, libc::F_GETFD);
+                if flags < 0 || libc::fcntl(3, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            } else if libc::dup2(server_fd, 3) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().map_err(|source| ReaperError::Spawn {
+        program: criu.display().to_string(),
+        source,
+    })?;
+    drop(cmd);
+    // Only CRIU holds its end now: its death is EOF here.
+    drop(server);
+    let pid = child.id();
+    let fd = PidFd::open(pid).map_err(io_err("pidfd_open of CRIU"))?;
+    let mut guard = Running::new(id, pid, fd);
+    let state_dir = runc_root.join(id);
+    let talk = tokio::task::spawn_blocking(move || {
+        let _fds = (images_fd, work_fd);
+        converse(&client, &req.0, "dump", &mut |script| {
+            // runc marks a dumped container in its state directory; nothing else of the
+            // notifications concerns a container without runc-managed networks.
+            if script == "post-dump" {
+                let _ = fs::File::create(state_dir.join("checkpoint"));
+            }
+        })
+        // Dropping `client` tells CRIU the conversation is over.
+    });
+    let answered = talk
+        .await
+        .map_err(|e| io_err("talking to CRIU")(io::Error::other(e)));
+    let answered = match answered {
+        Ok(r) => r,
+        Err(e) => Err(e),
+    };
+    if answered.is_err() {
+        guard.fd.kill();
+    }
+    let code = exits.wait_for(pid as i32).await;
+    guard.exited = true;
+    drop(guard);
+    drop(child);
+    answered?;
+    match code? {
+        0 => Ok(()),
+        c => Err(CriuError::Exit(c)),
+    }
+}
+
+fn write_new(path: &Path, data: &[u8]) -> Result<(), CriuError> {
+    (|| {
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)?;
+        f.write_all(data)
+    })()
+    .map_err(io_err(format!("writing {}", path.display())))
+}
+
+/// CRIU's binary: `[runc] criu` when set, else `criu` on `PATH`.
+pub fn criu_binary(config: &crab_runtime_config::Config) -> PathBuf {
+    config
+        .runc
+        .criu
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("criu"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A runc state file as runc 1.3 writes it (the fields read here, and others around them).
+    const STATE: &str = r#"{
+        "id": "c1", "init_process_pid": 4242, "init_process_start": 123, "created": "x",
+        "config": {
+            "no_pivot_root": false, "rootfs": "/ROOTFS",
+            "mounts": [
+                {"source": "proc", "destination": "/proc", "device": "proc", "flags": 14},
+                {"source": "/host/hosts", "destination": "/etc/hosts", "device": "bind", "flags": 20480},
+                {"source": "/host/app", "destination": "/app/../app/", "device": "bind"},
+                {"source": "cgroup", "destination": "/sys/fs/cgroup", "device": "cgroup"}
+            ],
+            "devices": [{"type": 99, "major": 1, "minor": 3, "path": "/dev/null"}, {"path": ""}],
+            "mask_paths": ["/proc/kcore", "/nonexistent"],
+            "namespaces": [{"type": "NEWPID", "path": ""}, {"type": "NEWNET", "path": ""}],
+            "labels": ["bundle=/b", "io.crab/x=1"],
+            "cgroups": {"path": "/c1"}
+        },
+        "rootless": false,
+        "cgroup_paths": {"": "/sys/fs/cgroup/c1"},
+        "namespace_paths": {"NEWPID": "/proc/4242/ns/pid"},
+        "external_descriptors": ["/dev/null", "pipe:[77]", "pipe:[78]"]
+    }"#;
+
+    /// The string fields with number `field` of message `m`.
+    fn strings(m: &[u8], field: u64) -> Vec<String> {
+        proto_fields(m)
+            .unwrap()
+            .into_iter()
+            .filter_map(|(f, v)| match (f, v) {
+                (f2, ProtoValue::Bytes(b)) if f2 == field => {
+                    Some(String::from_utf8(b.to_vec()).unwrap())
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn varints(m: &[u8]) -> HashMap<u64, u64> {
+        proto_fields(m)
+            .unwrap()
+            .into_iter()
+            .filter_map(|(f, v)| match v {
+                ProtoValue::Varint(x) => Some((f, x)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn dump_request_carries_runcs_options() {
+        let st = RuncState::parse(STATE.as_bytes()).unwrap();
+        assert_eq!(st.external_descriptors.len(), 3);
+        let opts = DumpOptions {
+            leave_running: true,
+            tcp_established: true,
+            ext_unix_sk: true,
+            file_locks: true,
+            ..Default::default()
+        };
+        let v1 = vec!["cpu".to_string(), "systemd".to_string()];
+        let o = dump_opts(&st, &opts, &v1, 7, 8).unwrap().0;
+        let v = varints(&o);
+        for (field, want) in [
+            (1, 7),    // images_dir_fd
+            (2, 4242), // pid
+            (3, 1),    // leave_running
+            (4, 1),    // ext_unix_sk
+            (5, 1),    // tcp_established
+            (7, 0),    // shell_job
+            (8, 1),    // file_locks
+            (9, 4),    // log_level
+            (12, 1),   // notify_scripts
+            (17, 8),   // work_dir_fd
+            (24, 1),   // manage_cgroups
+            (34, 6),   // manage_cgroups_mode: DEFAULT
+            (45, 10),  // timeout
+            (50, 1),   // orphan_pts_master
+        ] {
+            assert_eq!(v.get(&field), Some(&want), "field {field}");
+        }
+        assert_eq!(strings(&o, 10), ["dump.log"]);
+        assert_eq!(strings(&o, 13), ["/ROOTFS"]);
+        assert_eq!(strings(&o, 44), ["/sys/fs/cgroup/c1"]);
+        assert_eq!(strings(&o, 51), ["/etc/criu/runc.conf"]);
+        assert!(strings(&o, 37).is_empty(), "no joined namespaces");
+        // ext_mnt: the bind mounts (cleaned) and the devices; /proc/kcore only if it is a file
+        // in the container (pid 4242 is not ours to look at: absent here).
+        let mnts: Vec<(String, String)> = proto_fields(&o)
+            .unwrap()
+            .into_iter()
+            .filter_map(|(f, v)| match (f, v) {
+                (23, ProtoValue::Bytes(m)) => {
+                    Some((strings(m, 1).remove(0), strings(m, 2).remove(0)))
+                }
+                _ => None,
+            })
+            .collect();
+        let pair = |k: &str| (k.to_string(), k.to_string());
+        let mut want = vec![
+            pair("/etc/hosts"),
+            pair("/app"),
+            pair("/sys/fs/cgroup/cpu"),
+            pair("/sys/fs/cgroup/systemd"),
+            pair("/dev/null"),
+        ];
+        if std::path::Path::new("/proc/4242/root/proc/kcore").is_file() {
+            want.insert(4, ("/proc/kcore".into(), "/dev/null".into()));
+        }
+        assert_eq!(mnts, want);
+        // In a cgroup namespace the cgroup mount is a real one.
+        let mut ns = st.clone();
+        ns.config.namespaces.push(RuncNamespace {
+            kind: "NEWCGROUP".into(),
+            path: String::new(),
+        });
+        let o = dump_opts(&ns, &opts, &v1, 7, 8).unwrap().0;
+        assert_eq!(
+            proto_fields(&o)
+                .unwrap()
+                .iter()
+                .filter(|(f, _)| *f == 23)
+                .count(),
+            want.len() - 2
+        );
+
+        // A CRIU config named by annotation, or none; another cgroup mode; negative fds.
+        let mut st2 = st.clone();
+        st2.config
+            .labels
+            .push("org.criu.config=/etc/my.conf".into());
+        let o = dump_opts(&st2, &DumpOptions::default(), &[], -1, 3)
+            .unwrap()
+            .0;
+        assert_eq!(strings(&o, 51), ["/etc/my.conf"]);
+        assert_eq!(varints(&o).get(&1), Some(&u64::MAX), "-1 sign-extended");
+        st2.config.labels.pop();
+        st2.config.labels.push("org.criu.config=".into());
+        assert!(strings(
+            &dump_opts(&st2, &DumpOptions::default(), &[], 1, 2)
+                .unwrap()
+                .0,
+            51
+        )
+        .is_empty());
+        let soft = DumpOptions {
+            manage_cgroups_mode: Some("soft".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            varints(&dump_opts(&st, &soft, &[], 1, 2).unwrap().0).get(&34),
+            Some(&3)
+        );
+        let bad = DumpOptions {
+            manage_cgroups_mode: Some("loose".into()),
+            ..Default::default()
+        };
+        assert!(dump_opts(&st, &bad, &[], 1, 2).is_err());
+
+        // A joined network namespace is external, by inode.
+        let mut st3 = st.clone();
+        st3.config.namespaces[1].path = "/proc/self/ns/net".into();
+        let ino = std::os::unix::fs::MetadataExt::ino(&fs::metadata("/proc/self/ns/net").unwrap());
+        let o = dump_opts(&st3, &DumpOptions::default(), &[], 1, 2)
+            .unwrap()
+            .0;
+        assert_eq!(strings(&o, 37), [format!("net[{ino}]:extRootNetNS")]);
+        st3.config.namespaces[1].path = "/nonexistent/ns".into();
+        assert!(dump_opts(&st3, &DumpOptions::default(), &[], 1, 2).is_err());
+    }
+
+    #[test]
+    fn hostile_state_files_are_refused() {
+        for bad in [
+            "",
+            "null",
+            "[]",
+            "{}",
+            r#"{"init_process_pid": 1}"#,
+            r#"{"init_process_pid": 0, "config": {"rootfs": "/r"}}"#,
+            r#"{"init_process_pid": 1, "config": {"rootfs": "relative"}}"#,
+            r#"{"init_process_pid": -1, "config": {"rootfs": "/r"}}"#,
+            r#"{"init_process_pid": 1, "config": {"rootfs": "/r", "mounts": [{"device": "bind"}]}}"#,
+            r#"{"init_process_pid": 1, "config": {"rootfs": "/r", "namespaces": "NEWNET"}}"#,
+        ] {
+            assert!(RuncState::parse(bad.as_bytes()).is_err(), "{bad}");
+        }
+        // Go's nil slices, maps and strings are null.
+        let nulls = r#"{"init_process_pid": 1, "cgroup_paths": null, "external_descriptors": null,
+            "config": {"rootfs": "/r", "mounts": [{"destination": "/d", "device": null}], "devices": null,
+            "mask_paths": null, "namespaces": [{"type": "NEWNET", "path": null}], "labels": null}}"#;
+        let st = RuncState::parse(nulls.as_bytes()).unwrap();
+        assert!(st.config.devices.is_empty() && st.config.namespaces[0].path.is_empty());
+        assert!(dump_opts(&st, &DumpOptions::default(), &[], 1, 2).is_ok());
+        let ok = r#"{"init_process_pid": 1, "config": {"rootfs": "/r"}}"#;
+        let st = RuncState::parse(ok.as_bytes()).unwrap();
+        assert!(st.external_descriptors.is_empty() && st.freezer_cgroup().is_none());
+
+        // Too large, a symlink, missing: errors naming the file.
+        let dir = tempfile::tempdir().unwrap();
+        fs::create_dir(dir.path().join("big")).unwrap();
+        fs::write(
+            dir.path().join("big/state.json"),
+            vec![b' '; MAX_STATE_FILE as usize + 1],
+        )
+        .unwrap();
+        let e = RuncState::read(dir.path(), "big").unwrap_err();
+        assert!(matches!(e, CriuError::BadState { .. }), "{e}");
+        fs::create_dir(dir.path().join("link")).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", dir.path().join("link/state.json")).unwrap();
+        assert!(RuncState::read(dir.path(), "link").is_err());
+        let e = RuncState::read(dir.path(), "missing").unwrap_err();
+        assert!(e.to_string().contains("missing/state.json"), "{e}");
+    }
+
+    #[test]
+    fn criu_answers_decode_and_hostile_ones_are_refused() {
+        let mut notify = Enc::default();
+        notify.str(1, "post-dump").int32(2, 7);
+        let mut r = Enc::default();
+        r.uint(1, REQ_NOTIFY).bool(2, true).msg(5, &notify);
+        assert_eq!(
+            decode_resp(&r.0).unwrap(),
+            Resp {
+                kind: REQ_NOTIFY,
+                success: true,
+                script: Some("post-dump".into()),
+                ..Default::default()
+            }
+        );
+        let mut r = Enc::default();
+        r.uint(1, REQ_DUMP)
+            .bool(2, false)
+            .int32(7, 1)
+            .str(9, "Dumping FAILED. ")
+            .uint(99, 5);
+        let got = decode_resp(&r.0).unwrap();
+        assert_eq!(
+            (got.success, got.errno, got.message.as_deref()),
+            (false, Some(1), Some("Dumping FAILED."))
+        );
+        // Missing required fields, wrong wire types, truncation, garbage.
+        let mut no_success = Enc::default();
+        no_success.uint(1, REQ_DUMP);
+        let mut wrong = Enc::default();
+        wrong.str(1, "dump").bool(2, true);
+        let mut bad_notify = Enc::default();
+        bad_notify
+            .uint(1, REQ_NOTIFY)
+            .bool(2, true)
+            .bytes(5, &[0xff]);
+        for bad in [&no_success.0, &wrong.0, &bad_notify.0] {
+            assert!(decode_resp(bad).is_err(), "{bad:?}");
+        }
+        let full = {
+            let mut r = Enc::default();
+            r.uint(1, REQ_DUMP).bool(2, true).str(9, "long message");
+            r.0
+        };
+        for n in 0..full.len() {
+            let _ = decode_resp(&full[..n]);
+        }
+        assert!(decode_resp(&full[..full.len() - 1]).is_err());
+        assert!(decode_resp(&[0xff; 16]).is_err());
+        assert!(decode_resp(&[0x0b]).is_err(), "wire type 3");
+        assert!(proto_fields(&[0x0d, 1, 2]).is_none(), "fixed32 cut short");
+    }
+
+    #[test]
+    fn mount_destinations_resolve_inside_the_rootfs() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        fs::create_dir_all(r.join("real/dir")).unwrap();
+        std::os::unix::fs::symlink("/real", r.join("abs")).unwrap();
+        std::os::unix::fs::symlink("../../real", r.join("real/dir/up")).unwrap();
+        std::os::unix::fs::symlink("/", r.join("escape")).unwrap();
+        assert_eq!(container_path(r, "/abs/dir"), "/real/dir");
+        assert_eq!(container_path(r, "/real/dir/up/dir"), "/real/dir");
+        // `..` and absolute links stay inside the root, as in a chroot.
+        assert_eq!(container_path(r, "/escape/real"), "/real");
+        assert_eq!(container_path(r, "/../../real//dir/."), "/real/dir");
+        // Missing: the destination cleaned lexically.
+        assert_eq!(container_path(r, "/missing/../gone/x/"), "/gone/x");
+        assert_eq!(container_path(r, "/"), "/");
+        assert_eq!(
+            container_path(Path::new("/nonexistent-root"), "a/b"),
+            "/a/b"
+        );
+    }
+
+    #[test]
+    fn cgroup_v1_hierarchies_as_runc_lists_them() {
+        let table = b"30 25 0:26 / /sys/fs/cgroup ro - tmpfs tmpfs ro\n\
+31 30 0:27 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n\
+32 30 0:28 / /sys/fs/cgroup/systemd rw - cgroup cgroup rw,name=systemd\n\
+33 30 0:29 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n\
+34 25 0:27 / /mnt/again/cpu rw - cgroup cgroup rw,cpu\n";
+        let mounts = crate::sys::mountinfo::parse(table);
+        assert_eq!(cgroup_v1_dirs(&mounts, false), ["cpu", "systemd"]);
+        assert!(cgroup_v1_dirs(&mounts, true).is_empty());
+    }
+
+    #[test]
+    fn encoding() {
+        let mut e = Enc::default();
+        e.uint(1, 300).int32(2, -2).bool(3, true).str(4, "ab");
+        assert_eq!(
+            e.0,
+            [
+                0x08, 0xac, 0x02, 0x10, 0xfe, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01,
+                0x18, 0x01, 0x22, 0x02, b'a', b'b'
+            ]
+        );
+    }
+}
