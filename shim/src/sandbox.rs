@@ -379,6 +379,7 @@ impl Sandbox {
                     freeze_ms: store::Timings::ms(reset.freeze),
                     capture_ms: store::Timings::ms(reset.apply),
                     total_ms: store::Timings::ms(reset.total),
+                    process: None,
                 };
                 store.publish(&m)?;
                 Ok(m.seq)
