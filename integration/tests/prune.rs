@@ -75,11 +75,12 @@ async fn prune_removes_only_what_containers_without_a_record_left() {
         crabctl_ok(s, &args)
     };
 
-    // A checkpoint, and a rollback to it: the container now runs from crabctl's internal image.
+    // A checkpoint, and a rollback to it by recreating the container (in place would make no
+    // image): the container now runs from crabctl's internal image.
     s.run("echo one > /app/a.txt").await;
     s.end_turn().await;
     s.wait_manifests(1).await;
-    crabctl_ok(&s, &["rollback", &s.id, "--to", "t1"]);
+    crabctl_ok(&s, &["rollback", &s.id, "--to", "t1", "--recreate"]);
     let images = h.internal_images(&s.id);
     assert_eq!(images.len(), 1, "{images:?}");
     let store = s.store();
