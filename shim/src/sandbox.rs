@@ -381,7 +381,8 @@ impl Sandbox {
                     total_ms: store::Timings::ms(reset.total),
                     process: None,
                 };
-                store.publish(&m)?;
+                // Its name is made durable after the answer (below), or by the next publish.
+                store.publish_unsynced(&m)?;
                 Ok(m.seq)
             })();
             let recorded = match recorded {
@@ -423,6 +424,12 @@ impl Sandbox {
             checkpoint: done.recorded,
             in_place: true,
             paths: done.reset.paths,
+        });
+        let co3 = co.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = co3.store().sync_published() {
+                log::warn!("cannot sync the checkpoints directory after a rollback: {e}");
+            }
         });
         // The freeze woke the idle processes: their marks are refreshed, off the request.
         let idle = done.reset.idle.clone();

@@ -1245,6 +1245,7 @@ async fn bench_in_place(b: &mut Bench, r: &mut Report) -> Res<()> {
         let (_, turn, _) = end_turn(&mut s).await?;
         let want = s.run(DELTA_CHECK).await.stdout;
         let (mut wall, mut own, mut frozen, mut apply) = (vec![], vec![], vec![], vec![]);
+        let (mut resolve, mut asked) = (vec![], vec![]);
         let (mut r_wall, mut r_own) = (vec![], vec![]);
         let mut refused = Vec::new();
         for _ in 0..b.o.rollback_reps {
@@ -1275,6 +1276,8 @@ async fn bench_in_place(b: &mut Bench, r: &mut Report) -> Res<()> {
                         wall.push(took);
                         own.push(total);
                         frozen.push(v["freeze_ms"].as_f64().unwrap_or(f64::NAN));
+                        resolve.push(v["checkpoint_ms"].as_f64().unwrap_or(f64::NAN));
+                        asked.push(v["start_ms"].as_f64().unwrap_or(f64::NAN));
                         apply.push(v["apply_ms"].as_f64().unwrap_or(f64::NAN));
                     }
                     (false, _) => refused.push(v["not_in_place"].to_string()),
@@ -1302,6 +1305,20 @@ async fn bench_in_place(b: &mut Bench, r: &mut Report) -> Res<()> {
             own.clone(),
             Some(AIM_ROLLBACK_FS_MS),
             "without crabctl's process start and connection",
+        );
+        r.row(
+            "3b rollback 1 MB delta",
+            "in place: crabctl finding the checkpoint",
+            resolve.clone(),
+            None,
+            "the store's manifests read, the task's pid asked",
+        );
+        r.row(
+            "3b rollback 1 MB delta",
+            "in place: the shim's request (Tasks.Update)",
+            asked.clone(),
+            None,
+            "through containerd: wait for durability, reset, record",
         );
         r.row(
             "3b rollback 1 MB delta",
@@ -1334,7 +1351,8 @@ async fn bench_in_place(b: &mut Bench, r: &mut Report) -> Res<()> {
         r.extra.insert(
             "rollback_1mb_delta".into(),
             json!({"turn": turn, "in_place": {"wall_ms": wall, "crabctl_ms": own,
-                   "frozen_ms": frozen, "apply_ms": apply},
+                   "frozen_ms": frozen, "apply_ms": apply, "resolve_ms": resolve,
+                   "request_ms": asked},
                    "recreated": {"wall_ms": r_wall, "crabctl_ms": r_own}}),
         );
         Ok(())

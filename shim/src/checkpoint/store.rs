@@ -575,6 +575,23 @@ impl Store {
     /// Publishes `m` atomically: `.<seq>.json.tmp`, fsync, rename (never over an existing
     /// manifest), fsync of the directory. Everything `m` names must already be in the store.
     pub fn publish(&self, m: &Manifest) -> Result<(), StoreError> {
+        self.publish_with(m, true)
+    }
+
+    /// [`Store::publish`] up to the rename: the manifest is whole and visible, but its name is
+    /// durable only once the directory is synced, by [`Store::sync_published`] or by any later
+    /// publish (a crash of the machine before that loses it, and with it nothing newer). For a
+    /// caller that answers before that second fsync (an in-place rollback).
+    pub fn publish_unsynced(&self, m: &Manifest) -> Result<(), StoreError> {
+        self.publish_with(m, false)
+    }
+
+    /// Makes the names of the manifests published so far durable (fsync of `checkpoints/`).
+    pub fn sync_published(&self) -> Result<(), StoreError> {
+        fsync_dir(&self.checkpoints_dir())
+    }
+
+    fn publish_with(&self, m: &Manifest, sync_dir: bool) -> Result<(), StoreError> {
         let invalid = |reason: String| StoreError::Invalid { seq: m.seq, reason };
         if m.format != FORMAT {
             return Err(invalid(format!(
@@ -615,13 +632,14 @@ impl Store {
         json.push(b'\n');
         let mut file = TempFile::create(tmp)?;
         file.write_all(&json)?;
-        file.persist_noreplace(&path).map_err(|e| match e {
-            PersistError::Exists => StoreError::Exists {
-                seq: m.seq,
-                root: self.root.clone(),
-            },
-            PersistError::Store(e) => e,
-        })?;
+        file.persist_noreplace(&path, sync_dir)
+            .map_err(|e| match e {
+                PersistError::Exists => StoreError::Exists {
+                    seq: m.seq,
+                    root: self.root.clone(),
+                },
+                PersistError::Store(e) => e,
+            })?;
         let mut pending = self.pending.lock().unwrap();
         for layer in &m.fs_layers {
             pending.remove(layer.hex());
@@ -1052,8 +1070,8 @@ impl TempFile {
             .map_err(|e| StoreError::io("write", &self.path, e))
     }
 
-    /// fsync, rename to `dest` unless it exists, fsync the directory.
-    fn persist_noreplace(mut self, dest: &Path) -> Result<(), PersistError> {
+    /// fsync, rename to `dest` unless it exists, fsync the directory (with `sync_dir`).
+    fn persist_noreplace(mut self, dest: &Path, sync_dir: bool) -> Result<(), PersistError> {
         self.file
             .sync_all()
             .map_err(|e| PersistError::Store(StoreError::io("fsync", &self.path, e)))?;
@@ -1063,6 +1081,9 @@ impl TempFile {
             Err(e) => return Err(PersistError::Store(StoreError::io("rename", &self.path, e))),
         }
         self.keep = true;
+        if !sync_dir {
+            return Ok(());
+        }
         let dir = dest.parent().unwrap_or(Path::new("."));
         fsync_dir(dir).map_err(PersistError::Store)
     }

@@ -187,6 +187,33 @@ fn read_layer<T>(
     Ok(out)
 }
 
+/// The state of the layers of the checkpoint rolled back to last, by their digests: a sandbox
+/// that returns to the same checkpoint again (a tree search) reads them once. Blobs are
+/// content-addressed and never rewritten.
+type Cached = (Vec<String>, std::sync::Arc<LayerState>);
+static LAST_TARGET: std::sync::Mutex<Option<Cached>> = std::sync::Mutex::new(None);
+
+/// The state the layers `own` (oldest first) give, read (digests checked) or cached.
+fn target_state(
+    store: &Store,
+    own: &[Descriptor],
+    max_entries: u64,
+) -> Result<std::sync::Arc<LayerState>, String> {
+    let key: Vec<String> = own.iter().map(|d| d.digest.clone()).collect();
+    if let Some((k, st)) = LAST_TARGET.lock().unwrap().as_ref() {
+        if *k == key {
+            return Ok(st.clone());
+        }
+    }
+    let mut layers = LayerState::default();
+    for d in own {
+        read_layer(store, d, |r| layers.apply(r, max_entries))?;
+    }
+    let st = std::sync::Arc::new(layers);
+    *LAST_TARGET.lock().unwrap() = Some((key, st.clone()));
+    Ok(st)
+}
+
 /// The checkpoint's files as its layers and the image give them.
 struct Target<'a> {
     layers: &'a LayerState,
@@ -633,11 +660,9 @@ pub fn reset(
     // The checkpoint's own layers (the image carries the others) and those after it.
     let reading = Instant::now();
     let own = &target.fs_layers[latest.image_layers..];
-    let mut layers = LayerState::default();
-    for d in own {
-        read_layer(store, d, |r| layers.apply(r, limits.max_manifest_entries))
-            .map_err(|e| refused(format!("cannot read checkpoint {}: {e}", target.seq)))?;
-    }
+    let layers = target_state(store, own, limits.max_manifest_entries)
+        .map_err(|e| refused(format!("cannot read checkpoint {}: {e}", target.seq)))?;
+    let layers = &*layers;
     let mut changed: BTreeSet<PathBuf> = BTreeSet::new();
     let mut deep: HashSet<PathBuf> = HashSet::new();
     for d in &latest.fs_layers[target.fs_layers.len()..] {
@@ -713,7 +738,7 @@ pub fn reset(
     )
     .map_err(|e| refused(format!("cannot open its root: {e}")))?;
     let mut tgt = Target {
-        layers: &layers,
+        layers,
         lowers: Lowers::new(&t.lowerdirs, t.overlay_xattrs),
     };
     let plan = Plan {
