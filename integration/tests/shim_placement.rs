@@ -154,9 +154,11 @@ async fn the_shim_joins_the_shim_cgroup_and_follows_its_containers_oom_score() {
     }
     let w = wrapper_harness(&h).await;
     let id = w.unique_id("shimcg");
-    let _g = w.guard(&[&id]);
     let name = format!("crab-test-{id}");
+    // Declared before the guard, so dropped after it: the container and its shim are gone
+    // before the cgroup is removed, also when the test fails.
     let cg = TestCgroup::new(&name);
+    let _g = w.guard(&[&id]);
     start(&w, &id, &format!("/{name}"), Some(700)).await;
     let pid = shim_pid(&id);
     let want = format!("/{name}");
@@ -228,9 +230,9 @@ async fn a_hostile_or_missing_shim_cgroup_leaves_the_shim_where_it_was() {
         .find(|h| h.join("cpuset.cpus").exists() && h.join("tasks").exists());
     if let Some(cpuset) = cpuset_v1 {
         let id = w.unique_id("shimcg-cpuset");
-        let _g = w.guard(&[&id]);
         let name = format!("crab-test-{id}");
         let cg = TestCgroup::with_cpuset(&name, false);
+        let _g = w.guard(&[&id]);
         start(&w, &id, &format!("/{name}"), None).await;
         let pid = shim_pid(&id);
         let want = format!("/{name}");
