@@ -526,6 +526,14 @@ impl<'a> Value<'a> {
     }
 }
 
+/// The varint at `buf[*pos..]`, moving `pos` past it: for the other hand-written protobuf
+/// readers of the checkpoint code (CRIU's RPC answers, the pstree of a dump).
+pub(super) fn varint_at(buf: &[u8], pos: &mut usize) -> Option<u64> {
+    let (v, n) = varint(buf.get(*pos..)?)?;
+    *pos += n;
+    Some(v)
+}
+
 /// A varint at the start of `b`: its value and length.
 fn varint(b: &[u8]) -> Option<(u64, usize)> {
     let mut v = 0u64;

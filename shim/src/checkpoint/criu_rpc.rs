@@ -141,18 +141,7 @@ pub enum ProtoValue<'a> {
     Fixed,
 }
 
-fn varint(buf: &[u8], pos: &mut usize) -> Option<u64> {
-    let mut v = 0u64;
-    for shift in (0..64).step_by(7) {
-        let b = *buf.get(*pos)?;
-        *pos += 1;
-        v |= u64::from(b & 0x7f) << shift;
-        if b & 0x80 == 0 {
-            return Some(v);
-        }
-    }
-    None
-}
+use super::criu_image::varint_at as varint;
 
 /// The fields of a protobuf message, in order; `None` if malformed.
 pub fn proto_fields(msg: &[u8]) -> Option<Vec<(u64, ProtoValue<'_>)>> {

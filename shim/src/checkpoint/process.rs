@@ -187,18 +187,7 @@ const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
 const IMG_SERVICE_MAGIC: u32 = 0x5510_5940;
 const PSTREE_MAGIC: u32 = 0x5027_3030;
 
-fn varint(buf: &[u8], pos: &mut usize) -> Option<u64> {
-    let mut v = 0u64;
-    for shift in (0..64).step_by(7) {
-        let b = *buf.get(*pos)?;
-        *pos += 1;
-        v |= u64::from(b & 0x7f) << shift;
-        if b & 0x80 == 0 {
-            return Some(v);
-        }
-    }
-    None
-}
+use super::criu_image::varint_at as varint;
 
 /// Decodes one `PstreeEntry` protobuf message: pid=1, ppid=2, pgid=3, sid=4, threads=5 (repeated,
 /// packed or not); other fields are skipped.
