@@ -388,7 +388,6 @@ async fn start_with_timeout(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::PermissionsExt;
     use tokio::io::AsyncWriteExt;
 
     #[test]
@@ -413,13 +412,20 @@ mod tests {
         assert!(is_binary("binary:///x") && !is_binary("/run/fifo") && !is_binary("file:///x"));
     }
 
+    /// A logger that is `/bin/sh` running `body` (`$1` = "out", `$2` = `dir`). Not the
+    /// script itself as the binary: a test thread that forks while this one still holds the
+    /// script open for writing gives the child that fd, and exec of the script then fails with
+    /// ETXTBSY (seen under load).
     fn script(dir: &std::path::Path, body: &str) -> LoggerUri {
         let path = dir.join("logger.sh");
-        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(&path, format!("{body}\n")).unwrap();
         LoggerUri {
-            path,
-            args: vec!["out".into(), dir.display().to_string()],
+            path: "/bin/sh".into(),
+            args: vec![
+                path.display().to_string(),
+                "out".into(),
+                dir.display().to_string(),
+            ],
         }
     }
 

@@ -422,12 +422,28 @@ impl Inspection {
         );
     }
 
-    /// Takes the base mark (at container start): an empty filesystem delta, the processes
+    /// Takes the base mark (at container start): the upperdir as it is now, the processes
     /// alive now and their memory.
+    ///
+    /// The upperdir is not empty at start: runc creates the mount points the image lacks
+    /// (a volume's `/workspace`, `/etc/resolv.conf`) in it. Those are the runtime's, not a
+    /// turn's: with an empty base, the first turn that scans (any write hint, or a shared
+    /// writable mapping) would report them `added` and take a needless fs checkpoint.
     pub fn mark_base(&mut self) {
         let started = Instant::now();
         self.settle(std::time::Duration::from_secs(1));
-        match self.observe_all(TreeManifest::default()) {
+        let upper = match &self.target.upperdir {
+            Some(_) => self.scan_upper().unwrap_or_else(|e| {
+                log::warn!(
+                    "inspector for {}: base mark without the upperdir ({e}): the first scan \
+                     compares with an empty one",
+                    self.target.container_id
+                );
+                TreeManifest::default()
+            }),
+            None => TreeManifest::default(),
+        };
+        match self.observe_all(upper) {
             Ok(mark) => self.mark = Some(mark),
             Err(e) => {
                 log::warn!(
@@ -1198,6 +1214,22 @@ mod tests {
             op: "no probes in this test",
             source: std::io::Error::from_raw_os_error(libc::ENOSYS),
         }))
+    }
+
+    #[test]
+    fn what_the_upperdir_holds_at_start_is_not_a_turn_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = target(dir.path());
+        // runc made the mount point of a volume the image lacks before the container started.
+        std::fs::create_dir(t.upperdir.as_ref().unwrap().join("workspace")).unwrap();
+        let upper = t.upperdir.clone().unwrap();
+        let mut i = Inspection::new(t, Err(no_probes()));
+        i.mark_base();
+        let since = i.fs_since_mark().unwrap();
+        assert!(since.changed.added.is_empty(), "{:?}", since.changed);
+        std::fs::write(upper.join("new"), "x").unwrap();
+        let since = i.fs_since_mark().unwrap();
+        assert_eq!(since.changed.added, vec![PathBuf::from("/new")]);
     }
 
     #[test]
