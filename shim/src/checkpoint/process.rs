@@ -635,11 +635,15 @@ async fn dump_frozen(
             })
         }
         Dumper::Criu { binary } => {
+            // The container is frozen: no process of it can open a connection meanwhile.
+            let skip_network_lock = !super::criu_rpc::netns_needs_network_lock(init_pid);
+            log::debug!("{id}: dump with the network lock: {}", !skip_network_lock);
             let opts = super::criu_rpc::DumpOptions {
                 leave_running: true,
                 tcp_established: true,
                 ext_unix_sk: true,
                 file_locks: true,
+                skip_network_lock,
                 ..Default::default()
             };
             let run_dir = super::criu_rpc::kdat_dir();

@@ -4,6 +4,7 @@
 //! - [`mountinfo`]: the one parser of `/proc/PID/mountinfo` (hostile input)
 //! - [`cgroup`]: a process's cgroup directories (v1, v2, hybrid), cgroup ids, the freezer
 //! - [`beneath`]: opening files a container controls without being led elsewhere
+//! - [`sockdiag`]: the TCP sockets of a network namespace by state (`inet_diag`)
 //! - [`file`], [`xattr`], [`bpf`]: descriptor-owning wrappers over nix's `open*`, and the calls
 //!   nix 0.29 lacks (`sync_file_range`, xattrs, a few `bpf(2)` commands); every other system
 //!   call goes through nix directly
@@ -13,4 +14,5 @@ pub mod bpf;
 pub mod cgroup;
 pub mod file;
 pub mod mountinfo;
+pub mod sockdiag;
 pub mod xattr;
