@@ -354,3 +354,66 @@ except BlockingIOError:
     );
     s.finish().await;
 }
+
+/// Established TCP connections inside the sandbox (a client and a server talking over
+/// loopback, both idle between requests) come back from a crash still connected: the dump
+/// locked the network for them (a sandbox with only listening sockets is dumped without the
+/// lock, which the other tests of this file cover).
+#[tokio::test(flavor = "multi_thread")]
+async fn established_tcp_connections_survive_a_crash() {
+    let (mut s, _guard) = Sandbox::start("rec-tcp", SandboxOptions::default()).await;
+    let out = s
+        .run(
+            r#"cat > pair.py <<'EOF'
+import os, socket, threading
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", 9100))
+srv.listen()
+cli = socket.create_connection(("127.0.0.1", 9100))
+conn, _ = srv.accept()
+def echo():
+    while True:
+        data = conn.recv(100)
+        if not data:
+            return
+        conn.sendall(b"echo:" + data)
+threading.Thread(target=echo, daemon=True).start()
+try:
+    os.unlink("/app/ask")
+except FileNotFoundError:
+    pass
+os.mkfifo("/app/ask")
+open("/app/ready", "w").close()
+while True:
+    with open("/app/ask") as f:
+        word = f.read().strip()
+    cli.sendall(word.encode())
+    with open("/app/answer.tmp", "w") as out:
+        out.write(cli.recv(100).decode())
+    os.rename("/app/answer.tmp", "/app/answer")
+EOF
+nohup python3 /app/pair.py >/dev/null 2>&1 &
+for i in $(seq 100); do [ -e /app/ready ] && break; sleep 0.05; done
+grep -c ' 01 ' /proc/net/tcp"#,
+        )
+        .await;
+    assert_eq!(out.stdout, "2\n", "two established ends: {out:?}");
+    end_turn_durably(&mut s).await;
+    let ask = |w: &str| {
+        format!(
+            r#"rm -f /app/answer; echo {w} > /app/ask
+for i in $(seq 100); do [ -e /app/answer ] && break; sleep 0.05; done; cat /app/answer"#
+        )
+    };
+    assert_eq!(s.run(&ask("before")).await.stdout, "echo:before");
+    crash(&s, Crash::Processes).await;
+    let (code, out, err) = s.crabctl(&["recover", &s.id]);
+    assert_eq!(code, 0, "recover: {out}{err}");
+    assert_eq!(
+        s.run(&ask("after")).await.stdout,
+        "echo:after",
+        "the connection after the crash and recover"
+    );
+    s.finish().await;
+}

@@ -197,6 +197,73 @@ pub fn joins_user_namespace(spec: &Spec) -> bool {
         })
 }
 
+/// The argument that makes the shim binary an OCI hook bringing up the loopback interface of
+/// the network namespace of the pid in the container state on its stdin ([`loopback_hook`]).
+pub const LOOPBACK_HOOK_ARG: &str = "loopback-hook";
+
+/// Adds a `createRuntime` hook to the bundle's `config.json` that runs `shim` (this binary)
+/// as [`LOOPBACK_HOOK_ARG`]. For a restore: runc runs `prestart` and `createRuntime` hooks
+/// when CRIU has made the namespaces and before it restores sockets, and a TCP connection
+/// over 127.0.0.1 can only be put back (CRIU connects it again in repair mode) if `lo` is up
+/// by then. `runc create` brings `lo` up itself; `runc restore` never does. The rest of the
+/// file is kept as it is (unknown fields included); written atomically.
+pub fn add_loopback_hook(bundle: &Path, shim: &Path) -> Result<()> {
+    let path = bundle.join("config.json");
+    let bad =
+        |what: String| Error::InvalidArgument(format!("bundle spec {}: {what}", path.display()));
+    let text = std::fs::read(&path).map_err(|e| bad(e.to_string()))?;
+    let mut spec: serde_json::Value =
+        serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+    let shim = shim.to_string_lossy().into_owned();
+    let hook = serde_json::json!({
+        "path": shim,
+        "args": [shim, LOOPBACK_HOOK_ARG],
+        "timeout": 10,
+    });
+    let obj = spec
+        .as_object_mut()
+        .ok_or_else(|| bad("not a JSON object".into()))?;
+    let hooks = obj
+        .entry("hooks")
+        .or_insert_with(|| serde_json::json!({}))
+        .as_object_mut()
+        .ok_or_else(|| bad("`hooks` is not an object".into()))?;
+    let list = hooks
+        .entry("createRuntime")
+        .or_insert_with(|| serde_json::json!([]))
+        .as_array_mut()
+        .ok_or_else(|| bad("`hooks.createRuntime` is not a list".into()))?;
+    if list.contains(&hook) {
+        return Ok(());
+    }
+    list.push(hook);
+    let tmp = bundle.join(".config.json.crab-tmp");
+    let out = serde_json::to_vec(&spec).expect("a JSON value serializes");
+    std::fs::write(&tmp, out)
+        .and_then(|()| std::fs::rename(&tmp, &path))
+        .map_err(|e| bad(format!("writing: {e}")))
+}
+
+/// The hook [`add_loopback_hook`] adds: reads the OCI state runc writes to a hook's stdin
+/// (at most 1 MiB) and brings up `lo` in the network namespace of its `pid`.
+pub fn loopback_hook(stdin: impl std::io::Read) -> std::result::Result<(), String> {
+    use std::io::Read;
+    let mut text = Vec::new();
+    stdin
+        .take(1 << 20)
+        .read_to_end(&mut text)
+        .map_err(|e| format!("reading the container state: {e}"))?;
+    let state: serde_json::Value =
+        serde_json::from_slice(&text).map_err(|e| format!("the container state: {e}"))?;
+    let pid = state["pid"]
+        .as_u64()
+        .and_then(|p| u32::try_from(p).ok())
+        .filter(|p| *p > 0)
+        .ok_or("the container state has no pid")?;
+    crate::checkpoint::restore::bring_up_loopback(pid)
+        .map_err(|e| format!("bringing up lo in the network namespace of pid {pid}: {e}"))
+}
+
 /// Whether runc creates the container's network namespace (one without a path in the spec).
 pub fn creates_network_namespace(spec: &Spec) -> bool {
     spec.linux()
@@ -323,6 +390,59 @@ mod tests {
 
     fn spec(json: serde_json::Value) -> Spec {
         serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn the_loopback_hook_is_added_once_and_keeps_the_rest_of_the_spec() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("config.json");
+        let original = serde_json::json!({
+            "ociVersion": "1.1.0",
+            "x-unknown": {"kept": true},
+            "hooks": {"createRuntime": [{"path": "/bin/theirs"}], "poststop": []},
+        });
+        std::fs::write(&config, original.to_string()).unwrap();
+        let shim = Path::new("/usr/bin/containerd-shim-crab-v1");
+        add_loopback_hook(dir.path(), shim).unwrap();
+        add_loopback_hook(dir.path(), shim).unwrap();
+        let got: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+        assert_eq!(got["x-unknown"], original["x-unknown"]);
+        let hooks = got["hooks"]["createRuntime"].as_array().unwrap();
+        assert_eq!(hooks.len(), 2, "{hooks:?}");
+        assert_eq!(hooks[0]["path"], "/bin/theirs");
+        assert_eq!(hooks[1]["args"][1], LOOPBACK_HOOK_ARG);
+        assert!(read_spec(dir.path()).is_ok(), "still a spec");
+        // Specs it cannot extend are refused, untouched.
+        for bad in [
+            r#"[]"#,
+            r#"{"hooks": 3}"#,
+            r#"{"hooks": {"createRuntime": {}}}"#,
+            "{",
+        ] {
+            std::fs::write(&config, bad).unwrap();
+            assert!(add_loopback_hook(dir.path(), shim).is_err(), "{bad}");
+            assert_eq!(std::fs::read_to_string(&config).unwrap(), bad);
+        }
+    }
+
+    #[test]
+    fn the_loopback_hook_refuses_states_without_a_pid() {
+        for bad in [
+            "",
+            "{",
+            r#"{"pid": 0}"#,
+            r#"{"pid": -1}"#,
+            r#"{"pid": 99999999999}"#,
+            r#"{"pid": "1"}"#,
+            r#"{}"#,
+        ] {
+            let e = loopback_hook(bad.as_bytes()).unwrap_err();
+            assert!(e.contains("state"), "{bad}: {e}");
+        }
+        // A pid that does not exist: the namespace cannot be opened, said so.
+        let e = loopback_hook(r#"{"pid": 4194304}"#.as_bytes()).unwrap_err();
+        assert!(e.contains("pid 4194304"), "{e}");
     }
 
     #[test]

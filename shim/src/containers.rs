@@ -668,6 +668,15 @@ impl Containers {
             file_locks: true,
             ..Default::default()
         };
+        if bundle::read_spec(&c.bundle).is_ok_and(|spec| bundle::creates_network_namespace(&spec)) {
+            // Connections over 127.0.0.1 need `lo` up before CRIU puts them back.
+            let added = std::env::current_exe()
+                .map_err(|e| Error::Other(format!("the shim's own path: {e}")))
+                .and_then(|exe| bundle::add_loopback_hook(&c.bundle, &exe));
+            if let Err(e) = added {
+                log::warn!("container {}: no loopback hook for the restore ({e}): TCP connections over 127.0.0.1 cannot come back", c.id);
+            }
+        }
         self.pids.lock().unwrap().begin_start();
         let bound = Duration::from_millis(r.config.checkpoint.restore_timeout_ms);
         let console = prepared.console.as_ref().map(|c| c.path.clone());
