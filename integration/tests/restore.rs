@@ -511,6 +511,10 @@ async fn fork_3_of_a_process_checkpoint_share_one_verified_image() {
         guard.add(id);
     }
     assert_eq!(ids.len(), 3, "{out}");
+    assert_eq!(
+        report["image_reused"], false,
+        "the first fork builds it: {out}"
+    );
     for id in &ids {
         let mut f = sandbox_for(&s, id);
         f.turn = 1;
@@ -606,7 +610,21 @@ async fn fork_3_of_a_process_checkpoint_share_one_verified_image() {
         .await;
     let t = end_turn_checkpointed(&f).await;
     assert!(!manifest_of(&f, &t)["process"].is_null());
-    for id in &ids {
+    // Forking the same checkpoint again takes the image built the first time, as it is.
+    let again = crabctl_ok(
+        &s,
+        &["fork", &s.id, "--at", &turn, "--count", "1", "-o", "json"],
+    );
+    let again: Value = serde_json::from_str(&again).unwrap();
+    let id = again["forks"][0]["id"].as_str().unwrap().to_string();
+    guard.add(&id);
+    assert_eq!(again["image_reused"], true, "{again:#}");
+    assert_eq!(again["image"], report["image"]);
+    let mut f = sandbox_for(&s, &id);
+    f.turn = 1;
+    let procs = f.run("ps -eo args").await.stdout;
+    assert!(procs.contains("sleep 424242"), "fork {id}: {procs}");
+    for id in ids.iter().chain([&id]) {
         h.kill_and_remove(id).await.unwrap();
         h.assert_no_leaks(id).await;
     }

@@ -21,7 +21,7 @@ use super::{
     docker,
     image::{
         self, base_of, CheckpointImage, CriuSource, OciDescriptor, Provenance, LABEL_BASE_LAYERS,
-        LABEL_SOURCE, MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_MANIFEST,
+        LABEL_IDENTITY, LABEL_SOURCE, MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_MANIFEST,
     },
     Ctl, CtlError, Result,
 };
@@ -46,6 +46,9 @@ pub struct Exported {
     /// The container record exported from (a template for containers started from the image).
     pub container: Container,
     pub elapsed_ms: f64,
+    /// The image was already in containerd, built from the same checkpoint with the same key
+    /// (an earlier rollback or fork to it): used as it is, not built again.
+    pub reused: bool,
 }
 
 impl Exported {
@@ -54,7 +57,7 @@ impl Exported {
         let s = &self.source;
         let layers = self.image.layers.len();
         format!(
-            "{}/{} checkpoint {} (turn {:?}, {}) as {}{}: {} layers ({} base, {} fs, 1 checkpoint{}), manifest {}, {:.0} ms",
+            "{}/{} checkpoint {} (turn {:?}, {}) as {}{}: {} layers ({} base, {} fs, 1 checkpoint{}), manifest {}, {:.0} ms{}",
             s.namespace,
             s.container,
             s.seq,
@@ -70,7 +73,8 @@ impl Exported {
             layers - self.image.base_layers - 1,
             if self.with_process { " with the process image" } else { ", files only" },
             self.image.manifest_digest(),
-            self.elapsed_ms
+            self.elapsed_ms,
+            if self.reused { " (already exported)" } else { "" }
         )
     }
 }
@@ -188,6 +192,16 @@ pub struct ExportOptions {
     pub output: Option<PathBuf>,
 }
 
+/// What an exported image of checkpoint `m` is built from, as one digest: the store's record
+/// of it (its layers' digests, the process image, its time) and the key that signs it. Equal
+/// identities build the same image (up to the signature's own bytes), so an internal image
+/// labelled with it need not be built again; a rotated key or a store begun again (a new
+/// container under the same id) gives another.
+pub fn checkpoint_identity(m: &Manifest, public_key: &str) -> String {
+    let record = serde_json::to_vec(m).expect("a manifest serializes");
+    image::sha256_of(&[&record[..], b"\n", public_key.as_bytes()].concat())
+}
+
 /// The blobs of an export that are files here (the store's layers, layers built from a
 /// rootfs, downloads for an archive), by digest; temporary ones are removed on drop.
 #[derive(Default)]
@@ -264,6 +278,34 @@ impl Ctl {
         let reference = reference
             .map(str::to_string)
             .unwrap_or_else(|| internal_reference(self.namespace(), container, m.seq));
+        let source_label = format!("{}/{}@{}", source.namespace, source.container, source.seq);
+        let identity =
+            checkpoint_identity(&m, &provenance::public_key_string(&signer.verifying_key()));
+        if options.output.is_none()
+            && options.base_image.is_none()
+            && reference.starts_with(INTERNAL_PREFIX)
+        {
+            if let Some(image) = self
+                .reusable_image(&reference, &source_label, &identity)
+                .await
+            {
+                log::info!(
+                    "{container}: checkpoint {} is exported already as {reference}",
+                    m.seq
+                );
+                return Ok(Exported {
+                    reference,
+                    output: None,
+                    source,
+                    kind: m.kind,
+                    with_process: m.process.is_some(),
+                    image,
+                    container: record,
+                    elapsed_ms: start.elapsed().as_secs_f64() * 1000.0,
+                    reused: true,
+                });
+            }
+        }
 
         let mut local = LocalBlobs::default();
         let layer_options = LayerOptions {
@@ -342,7 +384,6 @@ impl Ctl {
         .map_err(|e| CtlError::Failed(format!("building the checkpoint layer: {e}")))??;
         local.add_temp(&layer.digest, tmp);
 
-        let source_label = format!("{}/{}@{}", source.namespace, source.container, source.seq);
         let built = image::build(
             &base,
             &m.fs_layers,
@@ -362,6 +403,7 @@ impl Ctl {
                     &local,
                     &in_content,
                     &source_label,
+                    &identity,
                 )
                 .await
                 .inspect_err(|_| self.progress.interrupted())?,
@@ -415,7 +457,50 @@ impl Ctl {
             image: built,
             container: record,
             elapsed_ms: start.elapsed().as_secs_f64() * 1000.0,
+            reused: false,
         })
+    }
+
+    /// Image `reference` as it is in containerd, if it was built from the checkpoint
+    /// `identity` names ([`checkpoint_identity`]) and is whole: labels, manifest, config and
+    /// a diff id per layer. Anything else (missing, another checkpoint under the same name, a
+    /// key rotated since, unreadable) is `None`: the image is built again.
+    async fn reusable_image(
+        &self,
+        reference: &str,
+        source_label: &str,
+        identity: &str,
+    ) -> Option<CheckpointImage> {
+        let record = self.client.image(reference).await.ok()??;
+        if record.labels.get(LABEL_SOURCE).map(String::as_str) != Some(source_label)
+            || record.labels.get(LABEL_IDENTITY).map(String::as_str) != Some(identity)
+        {
+            return None;
+        }
+        let target = record.target?;
+        if target.media_type != MEDIA_TYPE_MANIFEST {
+            return None;
+        }
+        let manifest = self.client.read_blob(&target.digest).await.ok()?;
+        let doc: Value = serde_json::from_slice(&manifest).ok()?;
+        let config = self
+            .client
+            .read_blob(doc["config"]["digest"].as_str()?)
+            .await
+            .ok()?;
+        let layers: Vec<OciDescriptor> = serde_json::from_value(doc["layers"].clone()).ok()?;
+        let config_doc: Value = serde_json::from_slice(&config).ok()?;
+        let diff_ids: Vec<String> =
+            serde_json::from_value(config_doc["rootfs"]["diff_ids"].clone()).ok()?;
+        let base_layers: usize = record.labels.get(LABEL_BASE_LAYERS)?.parse().ok()?;
+        (!layers.is_empty() && layers.len() == diff_ids.len() && base_layers < layers.len())
+            .then_some(CheckpointImage {
+                manifest,
+                config,
+                layers,
+                diff_ids,
+                base_layers,
+            })
     }
 
     /// The record to export `container` from: containerd's, else for a Docker container that
@@ -467,6 +552,7 @@ impl Ctl {
         local: &LocalBlobs,
         in_content: &[String],
         source_label: &str,
+        identity: &str,
     ) -> Result<()> {
         for digest in in_content {
             self.client.lease_content(lease, digest).await?;
@@ -516,6 +602,7 @@ impl Ctl {
                 HashMap::from([
                     (LABEL_SOURCE.to_string(), source_label.to_string()),
                     (LABEL_BASE_LAYERS.to_string(), image.base_layers.to_string()),
+                    (LABEL_IDENTITY.to_string(), identity.to_string()),
                 ]),
             )
             .await
@@ -710,6 +797,22 @@ mod tests {
         let e = select_checkpoint("c", &only_failed, None).unwrap_err();
         assert!(matches!(e, CtlError::NoRecoveryPoint { .. }), "{e}");
         assert!(select_checkpoint("c", &[], None).is_err());
+    }
+
+    #[test]
+    fn an_identity_changes_with_the_checkpoint_record_and_the_key() {
+        let m = manifest(3, "t3", CheckpointKind::Full);
+        let id = checkpoint_identity(&m, "ed25519:aa");
+        assert_eq!(id, checkpoint_identity(&m.clone(), "ed25519:aa"));
+        assert!(id.starts_with("sha256:"), "{id}");
+        // Another key (rotated), another record of the same seq (a store begun again).
+        assert_ne!(id, checkpoint_identity(&m, "ed25519:bb"));
+        let mut later = m.clone();
+        later.created_at = "2030-01-01T00:00:00Z".into();
+        assert_ne!(id, checkpoint_identity(&later, "ed25519:aa"));
+        let mut other = m.clone();
+        other.turn_id = "t4".into();
+        assert_ne!(id, checkpoint_identity(&other, "ed25519:aa"));
     }
 
     #[test]

@@ -43,6 +43,10 @@ pub use crab_shim::checkpoint::store::MEDIA_TYPE_LAYER_ZSTD;
 pub const LABEL_BASE_LAYERS: &str = "io.crab.checkpoint.base-layers";
 /// Config label: `<namespace>/<container>@<seq>` the image was exported from.
 pub const LABEL_SOURCE: &str = "io.crab.checkpoint.source";
+/// Image label: what the image was built from, exactly (the store's checkpoint record and the
+/// signing key's public half, hashed): an internal image with the same identity is not built
+/// again (see `Ctl::export_leased`).
+pub const LABEL_IDENTITY: &str = "io.crab.checkpoint.identity";
 
 /// zstd level of the checkpoint layer (as the store's layers).
 const ZSTD_LEVEL: i32 = 3;

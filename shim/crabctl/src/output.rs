@@ -55,7 +55,8 @@ process_bytes}]}.";
 
 /// `crabctl fork --help`: the fields of `-o json`.
 pub const FORK_FIELDS: &str = "\
-JSON (-o json): {container, seq, turn_id (the checkpoint), image, forks [{id, pid,
+JSON (-o json): {container, seq, turn_id (the checkpoint), image, image_reused (it was in
+containerd already, from an earlier fork or rollback to that checkpoint), forks [{id, pid,
 container_ms (Snapshots.Prepare + Containers.Create), task_create_ms (the shim takes the
 checkpoint out of the rootfs), task_start_ms (runc restore), total_ms (the three: this
 sandbox's own time), done_at_ms (from the launch of all forks until it ran)}], checkpoint_ms
@@ -210,6 +211,9 @@ pub struct ForkReport {
     pub turn_id: String,
     /// The (internal) image they run.
     pub image: String,
+    /// That image was in containerd already (an earlier fork or rollback to the same
+    /// checkpoint) and was not built again.
+    pub image_reused: bool,
     /// The forks, in id order.
     pub forks: Vec<ForkItem>,
     pub checkpoint_ms: f64,
@@ -247,6 +251,7 @@ impl ForkReport {
             seq: s.seq,
             turn_id: s.turn_id.clone(),
             image: f.exported.reference.clone(),
+            image_reused: f.exported.reused,
             forks: f
                 .forks
                 .iter()
@@ -293,6 +298,9 @@ pub struct RollbackReport {
     pub recorded: Option<u64>,
     /// Recreated: the (internal) image the new task runs.
     pub image: Option<String>,
+    /// Recreated: that image was in containerd already (built for an earlier rollback or fork
+    /// to the same checkpoint) and was not built again.
+    pub image_reused: Option<bool>,
     pub checkpoint_ms: f64,
     pub stop_ms: f64,
     pub start_ms: f64,
@@ -313,6 +321,7 @@ impl RollbackReport {
             apply_ms: None,
             recorded: None,
             image: None,
+            image_reused: None,
             checkpoint_ms: r.phases.checkpoint_ms,
             stop_ms: r.phases.stop_ms,
             start_ms: r.phases.start_ms,
@@ -328,6 +337,7 @@ impl RollbackReport {
             }
             RollbackWay::Recreated { exported, .. } => {
                 out.image = Some(exported.reference.clone());
+                out.image_reused = Some(exported.reused);
             }
         }
         out
@@ -519,6 +529,7 @@ pub(crate) mod tests {
             seq: 2,
             turn_id: "t1".into(),
             image: "crab.local/checkpoint/default/c1:2".into(),
+            image_reused: false,
             forks: vec![ForkItem {
                 id: "c1-fork-1".into(),
                 pid: 7,
