@@ -402,8 +402,10 @@ impl Ctl {
                     &built,
                     &local,
                     &in_content,
-                    &source_label,
-                    &identity,
+                    HashMap::from([
+                        (LABEL_SOURCE.to_string(), source_label.clone()),
+                        (LABEL_IDENTITY.to_string(), identity.clone()),
+                    ]),
                 )
                 .await
                 .inspect_err(|_| self.progress.interrupted())?,
@@ -543,7 +545,7 @@ impl Ctl {
     }
 
     /// Writes `image` into containerd as `reference`: its layers from `local` files or (those
-    /// in `in_content`) already in the content store, its config and manifest.
+    /// in `in_content`) already in the content store, its config and manifest; the image record gets `labels` and the base-layers label.
     async fn upload(
         &self,
         lease: &Lease,
@@ -551,8 +553,7 @@ impl Ctl {
         image: &CheckpointImage,
         local: &LocalBlobs,
         in_content: &[String],
-        source_label: &str,
-        identity: &str,
+        mut labels: HashMap<String, String>,
     ) -> Result<()> {
         for digest in in_content {
             self.client.lease_content(lease, digest).await?;
@@ -595,16 +596,9 @@ impl Ctl {
                 image.manifest_gc_labels(),
             )
             .await?;
+        labels.insert(LABEL_BASE_LAYERS.to_string(), image.base_layers.to_string());
         self.client
-            .put_image(
-                reference,
-                &manifest_desc,
-                HashMap::from([
-                    (LABEL_SOURCE.to_string(), source_label.to_string()),
-                    (LABEL_BASE_LAYERS.to_string(), image.base_layers.to_string()),
-                    (LABEL_IDENTITY.to_string(), identity.to_string()),
-                ]),
-            )
+            .put_image(reference, &manifest_desc, labels)
             .await
     }
 
