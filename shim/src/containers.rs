@@ -670,9 +670,17 @@ impl Containers {
         };
         if bundle::read_spec(&c.bundle).is_ok_and(|spec| bundle::creates_network_namespace(&spec)) {
             // Connections over 127.0.0.1 need `lo` up before CRIU puts them back.
+            // An upgraded (replaced) shim binary is `... (deleted)`: runc could not run it,
+            // and a hook that cannot run fails the restore.
             let added = std::env::current_exe()
                 .map_err(|e| Error::Other(format!("the shim's own path: {e}")))
-                .and_then(|exe| bundle::add_loopback_hook(&c.bundle, &exe));
+                .and_then(|exe| {
+                    if exe.is_file() {
+                        bundle::add_loopback_hook(&c.bundle, &exe)
+                    } else {
+                        Err(Error::Other(format!("{} is gone", exe.display())))
+                    }
+                });
             if let Err(e) = added {
                 log::warn!("container {}: no loopback hook for the restore ({e}): TCP connections over 127.0.0.1 cannot come back", c.id);
             }
