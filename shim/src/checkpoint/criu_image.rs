@@ -139,8 +139,16 @@ pub fn facts_from(
     let mut threads = Vec::new();
     let mut namespaces = None;
     for (pid, tids) in &tasks {
-        // A task without threads listed is its own single thread.
-        let tids: &[u32] = if tids.is_empty() {
+        // A zombie is its leader's core alone (CRIU restores it from `core-<pid>.img`): CRIU
+        // collects no threads of a zombie, and the one thread id its pstree entry carries is
+        // whatever was in memory (seen: 148003136, with no such core file). A task without
+        // threads listed is its own single thread.
+        let leader_path = dir.join(format!("core-{pid}.img"));
+        let zombie = parse_core(&read(&leader_path)?)
+            .map_err(malformed(&leader_path))?
+            .task_state
+            == Some(TASK_DEAD);
+        let tids: &[u32] = if tids.is_empty() || zombie {
             std::slice::from_ref(pid)
         } else {
             tids
@@ -876,6 +884,18 @@ mod tests {
         fs::write(dir.path().join("core-9.img"), core(TASK_DEAD, None)).unwrap();
         let facts = read_facts(dir.path()).unwrap();
         assert_eq!(facts.threads[1].creds, None);
+        // CRIU lists a garbage thread id for a zombie (no core file of that name): the
+        // zombie is its leader's core alone. A live task's listed threads are all read.
+        write_image(dir.path(), &[(1, &[]), (9, &[148003136])], &root_creds(), 0);
+        fs::remove_file(dir.path().join("core-148003136.img")).unwrap();
+        fs::write(dir.path().join("core-9.img"), core(TASK_DEAD, None)).unwrap();
+        let facts = read_facts(dir.path()).unwrap();
+        let tids: Vec<(u32, u32)> = facts.threads.iter().map(|t| (t.pid, t.tid)).collect();
+        assert_eq!(tids, vec![(1, 1), (9, 9)]);
+        fs::write(dir.path().join("core-9.img"), core(1, Some(&root_creds()))).unwrap();
+        let err = read_facts(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("core-148003136.img"), "{err}");
+        write_image(dir.path(), &[(1, &[]), (9, &[])], &root_creds(), 0);
         fs::write(dir.path().join("core-9.img"), core(1, None)).unwrap();
         let err = read_facts(dir.path()).unwrap_err().to_string();
         assert!(err.contains("no credentials"), "{err}");
