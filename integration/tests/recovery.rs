@@ -417,3 +417,35 @@ for i in $(seq 100); do [ -e /app/answer ] && break; sleep 0.05; done; cat /app/
     );
     s.finish().await;
 }
+
+/// A zombie at checkpoint time (a child that exited and that its parent has not reaped, as a
+/// server killed by `pkill` is until its parent waits): the image lists it with a thread id
+/// CRIU never filled in, and recovery still restores the sandbox, zombie and parent included.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_zombie_at_checkpoint_time_does_not_stop_recovery() {
+    let (mut s, _guard) = Sandbox::start("rec-zombie", SandboxOptions::default()).await;
+    s.run(
+        r#"nohup python3 -c '
+import os, time
+if os.fork() == 0:
+    os._exit(0)
+open("/app/forked", "w").close()
+time.sleep(1000000)' >/dev/null 2>&1 &
+for i in $(seq 100); do [ -e /app/forked ] && break; sleep 0.05; done; sleep 0.2"#,
+    )
+    .await;
+    const ZOMBIES: &str = "ps -eo stat,args | grep -c '^Z'";
+    assert_eq!(s.run(ZOMBIES).await.stdout, "1\n", "one zombie before");
+    end_turn_durably(&mut s).await;
+    crash(&s, Crash::Processes).await;
+    let (code, out, err) = s.crabctl(&["recover", &s.id]);
+    assert_eq!(code, 0, "recover: {out}{err}");
+    let procs = s.run("ps -eo stat,args").await.stdout;
+    assert!(procs.contains("time.sleep(1000000)"), "{procs}");
+    assert_eq!(
+        s.run(ZOMBIES).await.stdout,
+        "1\n",
+        "the zombie is back: {procs}"
+    );
+    s.finish().await;
+}
