@@ -144,10 +144,8 @@ pub fn facts_from(
         // whatever was in memory (seen: 148003136, with no such core file). A task without
         // threads listed is its own single thread.
         let leader_path = dir.join(format!("core-{pid}.img"));
-        let zombie = parse_core(&read(&leader_path)?)
-            .map_err(malformed(&leader_path))?
-            .task_state
-            == Some(TASK_DEAD);
+        let mut leader = Some(parse_core(&read(&leader_path)?).map_err(malformed(&leader_path))?);
+        let zombie = leader.as_ref().and_then(|c| c.task_state) == Some(TASK_DEAD);
         let tids: &[u32] = if tids.is_empty() || zombie {
             std::slice::from_ref(pid)
         } else {
@@ -160,7 +158,11 @@ pub fn facts_from(
                 )));
             }
             let path = dir.join(format!("core-{tid}.img"));
-            let core = parse_core(&read(&path)?).map_err(malformed(&path))?;
+            // The leader's core was read above.
+            let core = match if tid == *pid { leader.take() } else { None } {
+                Some(core) => core,
+                None => parse_core(&read(&path)?).map_err(malformed(&path))?,
+            };
             if tid == *pid && *pid == root_pid {
                 // CRIU restores namespaces from the root task's `ids-<pid>.img`.
                 let ids_path = dir.join(format!("ids-{pid}.img"));

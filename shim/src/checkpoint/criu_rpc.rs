@@ -403,10 +403,9 @@ pub fn cgroup_yard(mounts: &[crate::sys::mountinfo::Mount], cgroups: &str) -> Op
     any.then(|| CGROUP_ROOT.to_string())
 }
 
-fn host_cgroup_yard(pid: u32) -> Option<String> {
+fn host_cgroup_yard(pid: u32, mounts: &[crate::sys::mountinfo::Mount]) -> Option<String> {
     let cgroups = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-    let mounts = crate::sys::mountinfo::read_self().ok()?;
-    cgroup_yard(&mounts, &cgroups)
+    cgroup_yard(mounts, &cgroups)
 }
 
 /// `criu_network_lock_method` SKIP.
@@ -622,15 +621,11 @@ pub fn cgroup_v1_dirs(mounts: &[crate::sys::mountinfo::Mount], unified: bool) ->
     out
 }
 
-fn host_cgroup_v1_dirs() -> Result<Vec<String>, CriuError> {
+fn host_cgroup_v1_dirs(mounts: &[crate::sys::mountinfo::Mount]) -> Result<Vec<String>, CriuError> {
     let unified = nix::sys::statfs::statfs("/sys/fs/cgroup")
         .map(|s| s.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
         .map_err(|e| io_err("statfs /sys/fs/cgroup")(e.into()))?;
-    if unified {
-        return Ok(Vec::new());
-    }
-    let mounts = crate::sys::mountinfo::read_self().map_err(io_err("reading the mount table"))?;
-    Ok(cgroup_v1_dirs(&mounts, false))
+    Ok(cgroup_v1_dirs(mounts, unified))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -902,12 +897,14 @@ pub async fn dump(
         .map_err(|e| io_err("encoding descriptors.json")(io::Error::other(e)))?;
     write_new(&images.join("descriptors.json"), &fds)?;
     let (images_fd, work_fd) = (open_dir(images)?, open_dir(work)?);
-    let cgroup_v1 = host_cgroup_v1_dirs()?;
+    // One read of the mount table for both.
+    let mounts = crate::sys::mountinfo::read_self().map_err(io_err("reading the mount table"))?;
+    let cgroup_v1 = host_cgroup_v1_dirs(&mounts)?;
     let opts = DumpOptions {
         cgroup_yard: opts
             .cgroup_yard
             .clone()
-            .or_else(|| host_cgroup_yard(state.init_process_pid)),
+            .or_else(|| host_cgroup_yard(state.init_process_pid, &mounts)),
         ..opts.clone()
     };
     let opts = dump_opts(

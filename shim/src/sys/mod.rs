@@ -4,7 +4,8 @@
 //! - [`mountinfo`]: the one parser of `/proc/PID/mountinfo` (hostile input)
 //! - [`cgroup`]: a process's cgroup directories (v1, v2, hybrid), cgroup ids, the freezer
 //! - [`beneath`]: opening files a container controls without being led elsewhere
-//! - [`sockdiag`]: the TCP sockets of a network namespace by state (`inet_diag`)
+//! - [`netns`], [`sockdiag`]: sockets in a container's network namespace; its TCP sockets by
+//!   state (`inet_diag`)
 //! - [`file`], [`xattr`], [`bpf`]: descriptor-owning wrappers over nix's `open*`, and the calls
 //!   nix 0.29 lacks (`sync_file_range`, xattrs, a few `bpf(2)` commands); every other system
 //!   call goes through nix directly
@@ -14,5 +15,6 @@ pub mod bpf;
 pub mod cgroup;
 pub mod file;
 pub mod mountinfo;
+pub mod netns;
 pub mod sockdiag;
 pub mod xattr;

@@ -5,13 +5,12 @@
 //! pieces and costs ~6 ms per file on a large host even when the namespace holds nothing,
 //! while a diag dump filtered by state answers in well under a millisecond. The netlink socket
 //! is opened by a short-lived thread that joined the namespace (a socket stays in the network
-//! namespace it was created in; a thread's namespace is its own).
+//! namespace it was created in: [`crate::sys::netns::socket_in`]).
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 
-use nix::sched::CloneFlags;
-use nix::sys::socket::{self, AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol};
+use nix::sys::socket::{self, AddressFamily, MsgFlags, NetlinkAddr, SockProtocol};
 
 /// `SOCK_DIAG_BY_FAMILY`.
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
@@ -42,6 +41,8 @@ pub enum SockDiagError {
         #[source]
         source: nix::Error,
     },
+    #[error("a NETLINK_SOCK_DIAG socket in the network namespace: {0}")]
+    Namespace(#[source] std::io::Error),
     #[error("a malformed inet_diag answer: {0}")]
     Malformed(&'static str),
     #[error("the kernel refused the inet_diag dump: errno {0}")]
@@ -56,27 +57,19 @@ fn sys(op: &'static str) -> impl FnOnce(nix::Error) -> SockDiagError {
 
 /// A `NETLINK_SOCK_DIAG` socket in the network namespace `netns` (a `/proc/<pid>/ns/net`).
 pub fn socket_in(netns: &Path) -> Result<OwnedFd, SockDiagError> {
-    let ns = crate::sys::file::open(
+    crate::sys::netns::socket_in(
         netns,
-        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC,
+        AddressFamily::Netlink,
+        socket::SockType::Datagram,
+        Some(SockProtocol::NetlinkSockDiag),
     )
-    .map_err(sys("opening the network namespace"))?;
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            // This thread only: it ends right after, the socket keeps the namespace.
-            nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET)
-                .map_err(sys("joining the network namespace"))?;
-            diag_socket()
-        })
-        .join()
-        .unwrap_or(Err(SockDiagError::Malformed(
-            "the namespace thread panicked",
-        )))
-    })
+    .map_err(SockDiagError::Namespace)
 }
 
-/// A `NETLINK_SOCK_DIAG` socket in the calling thread's network namespace.
+/// A `NETLINK_SOCK_DIAG` socket in the calling thread's network namespace (tests).
+#[cfg(test)]
 fn diag_socket() -> Result<OwnedFd, SockDiagError> {
+    use nix::sys::socket::SockFlag;
     socket::socket(
         AddressFamily::Netlink,
         socket::SockType::Datagram,
