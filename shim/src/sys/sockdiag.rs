@@ -119,7 +119,12 @@ pub fn parse(mut buf: &[u8]) -> Result<Answer, SockDiagError> {
                     .get(0..4)
                     .map(|b| i32::from_ne_bytes(b.try_into().expect("4 bytes")))
                     .ok_or(SockDiagError::Malformed("a short error message"))?;
-                return Err(SockDiagError::Refused(-errno));
+                // The kernel sends a negative errno; `i32::MIN` has no positive (found by the
+                // fuzz target: `-errno` overflowed and panicked).
+                let errno = errno
+                    .checked_neg()
+                    .ok_or(SockDiagError::Malformed("an error number out of range"))?;
+                return Err(SockDiagError::Refused(errno));
             }
             SOCK_DIAG_BY_FAMILY => {
                 if body.len() < MSG_MIN {
@@ -231,6 +236,8 @@ mod tests {
             short,
             msg(SOCK_DIAG_BY_FAMILY, &[2]),
             msg(NLMSG_ERROR, &[1]),
+            // An errno with no positive: `-errno` would overflow (a fuzz finding).
+            msg(NLMSG_ERROR, &i32::MIN.to_ne_bytes()),
             msg(99, &[]),
             vec![1, 2, 3],
         ] {
