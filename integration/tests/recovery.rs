@@ -449,3 +449,244 @@ for i in $(seq 100); do [ -e /app/forked ] && break; sleep 0.05; done; sleep 0.2
     );
     s.finish().await;
 }
+
+/// The containerd log from byte `from` on (shim stderr lands there).
+fn log_since(s: &Sandbox, from: u64) -> String {
+    let text = std::fs::read(s.h.env.containerd_log()).unwrap_or_default();
+    String::from_utf8_lossy(text.get(from as usize..).unwrap_or_default()).into_owned()
+}
+
+fn log_len(s: &Sandbox) -> u64 {
+    std::fs::metadata(s.h.env.containerd_log())
+        .map(|m| m.len())
+        .unwrap_or(0)
+}
+
+/// A Python interpreter holding `MB` MiB in which every page carries its own number (a page
+/// lost on the way reads as zeros, and its hash tells).
+const HOLDER_MB: u32 = 96;
+
+async fn start_holder(s: &mut Sandbox) -> String {
+    s.run(TURNS[0]).await;
+    s.run("nohup python3 /app/kv.py >/dev/null 2>&1 & python3 /app/cli.py 'import hashlib'")
+        .await;
+    s.run(&format!(
+        r#"python3 /app/cli.py 'b = bytearray({HOLDER_MB} << 20)' && python3 /app/cli.py 'for i in range(0, len(b), 4096): b[i:i + 8] = (i * 2654435761 % (1 << 64)).to_bytes(8, "little")'"#
+    ))
+    .await;
+    memory_hash(s).await
+}
+
+async fn memory_hash(s: &mut Sandbox) -> String {
+    let out = s
+        .run("python3 /app/cli.py 'hashlib.sha256(b).hexdigest()'")
+        .await
+        .stdout;
+    assert_eq!(out.trim().len(), 66, "a quoted sha256: {out}");
+    out
+}
+
+/// A restore of more than `[restore] lazy_pages_min_mib` of memory runs the processes before
+/// their pages are copied (CRIU's lazy-pages daemon over userfaultfd): the memory read at once
+/// after the recovery (every page touched while the rest is still arriving) is exactly the
+/// memory at the checkpoint; the next turn's process checkpoint (which waits for the last
+/// page) holds the changed memory, and a second lazy recovery brings that back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_large_process_restored_lazily_comes_back_whole_and_checkpoints_again() {
+    let (mut s, _guard) = Sandbox::start(
+        "rec-lazy",
+        SandboxOptions {
+            config: "restore.lazy_pages_min_mib = 32",
+            ..Default::default()
+        },
+    )
+    .await;
+    let before = start_holder(&mut s).await;
+    end_turn_durably(&mut s).await;
+    assert!(
+        !s.manifests().last().unwrap()["process"].is_null(),
+        "a process checkpoint: {:#?}",
+        s.manifests().last()
+    );
+    recover_lazily(&mut s, &before).await;
+    s.run("python3 /app/cli.py 'b[4096:4104] = b\"changed!\"'")
+        .await;
+    let changed = memory_hash(&mut s).await;
+    assert_ne!(changed, before);
+    end_turn_durably(&mut s).await;
+    let last = s.manifests().last().cloned().unwrap();
+    assert!(
+        !last["process"].is_null() && last["status"] != "failed",
+        "the turn after a lazy restore is checkpointed with its processes: {last:#}"
+    );
+    recover_lazily(&mut s, &changed).await;
+    s.finish().await;
+}
+
+/// Crashes the sandbox, recovers it, and checks at once (while pages are still arriving) that
+/// the holder's memory hashes to `want`, and that the restore was lazy and ended well.
+async fn recover_lazily(s: &mut Sandbox, want: &str) {
+    crash(s, Crash::Processes).await;
+    let from = log_len(s);
+    let (code, out, err) = s.crabctl(&["recover", &s.id]);
+    assert_eq!(code, 0, "recover: {out}{err}");
+    assert_eq!(
+        memory_hash(s).await,
+        want,
+        "memory right after the recovery"
+    );
+    let log = log_since(s, from);
+    assert!(
+        log.lines()
+            .any(|l| l.contains(&format!("container {} restored from", s.id))
+                && l.contains("memory arriving lazily")),
+        "restored lazily:\n{log}"
+    );
+    assert!(
+        !log.contains("did not all arrive"),
+        "the transfer ended well:\n{log}"
+    );
+}
+
+/// A sandbox holding [`HOLDER_MB`] in a process checkpoint, crashed and recovered through a
+/// CRIU wrapper whose lazy-pages daemon is SIGKILLed once its log has `kill_at` lines
+/// matching `pattern`.
+async fn recover_with_dying_daemon(name: &str, pattern: &str, kill_at: u32) -> Dying {
+    let criu = String::from_utf8(
+        std::process::Command::new("sh")
+            .args(["-c", "command -v criu"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let wrapper = dir.path().join("criu");
+    std::fs::write(
+        &wrapper,
+        format!(
+            r#"#!/bin/sh
+# CRIU, except that lazy-pages is killed once its log has {kill_at} lines with '{pattern}'.
+[ "$1" = lazy-pages ] || exec {criu} "$@"
+prev=; for a in "$@"; do [ "$prev" = --work-dir ] && work=$a; prev=$a; done
+{criu} "$@" -v4 & pid=$!
+until [ "$(grep -c '{pattern}' "$work/lazy-pages.log" 2>/dev/null)" -ge {kill_at} ]; do
+    kill -0 $pid 2>/dev/null || exit 1
+    sleep 0.002
+done
+kill -9 $pid
+exit 137
+"#,
+            criu = criu.trim(),
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let config = format!(
+        "restore.lazy_pages_min_mib = 32\nrunc.criu = \"{}\"",
+        wrapper.display()
+    );
+    let (mut s, guard) = Sandbox::start(
+        name,
+        SandboxOptions {
+            config: &config,
+            ..Default::default()
+        },
+    )
+    .await;
+    start_holder(&mut s).await;
+    end_turn_durably(&mut s).await;
+    crash(&s, Crash::Processes).await;
+    let from = log_len(&s);
+    let (code, out, err) = s.crabctl(&["recover", &s.id]);
+    Dying {
+        s,
+        _guard: guard,
+        _wrapper: dir,
+        code,
+        out: format!("{out}{err}"),
+        from,
+    }
+}
+
+struct Dying {
+    s: Sandbox,
+    _guard: crab_integration::harness::CleanupGuard,
+    _wrapper: tempfile::TempDir,
+    /// crabctl recover's exit code and output.
+    code: i32,
+    out: String,
+    /// Where the containerd log stood before the recovery.
+    from: u64,
+}
+
+/// Removes a sandbox whose recovery may have failed (its container and a stopped task stay).
+async fn remove_recovered(d: Dying) {
+    let s = d.s;
+    let _ = s.h.kill(&s.id, "", libc::SIGKILL, true).await;
+    let _ = s.h.wait(&s.id, "", Duration::from_secs(10)).await;
+    let _ = s.h.delete_task(&s.id).await;
+    let _ = s.h.delete_container(&s.id).await;
+    s.h.assert_no_leaks(&s.id).await;
+    let _ = std::fs::remove_dir_all(&s.state_dir);
+}
+
+/// The lazy-pages daemon dies after the restore, with pages still to hand over (its log shows
+/// it moving pages in the background): the kernel would let the processes read zeros where
+/// their pages should be, so the shim kills the container and says why. It never runs on with
+/// memory missing. (On a slow host the daemon may die before runc has returned: then the
+/// restore fails at once, as in the next test.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lazy_restore_whose_page_daemon_dies_kills_the_container() {
+    let d = recover_with_dying_daemon("rec-lazy-dies", "Read page from self", 40).await;
+    let (s, out) = (&d.s, &d.out);
+    if d.code == 0 {
+        let status = s.h.wait(&s.id, "", Duration::from_secs(30)).await;
+        assert_eq!(
+            status.as_ref().ok(),
+            Some(&137),
+            "the restored container is killed: {status:?}"
+        );
+        let log = log_since(s, d.from);
+        assert!(
+            log.contains("its memory did not all arrive")
+                && log.contains("criu lazy-pages failed (status 137)"),
+            "the shim says why:\n{log}"
+        );
+    } else {
+        eprintln!("the daemon died before runc returned: the restore failed");
+        assert!(
+            out.contains("the lazy restore's page daemon failed"),
+            "recover fails with the reason: {out}\n{}",
+            log_since(s, d.from)
+        );
+    }
+    remove_recovered(d).await;
+}
+
+/// The lazy-pages daemon dies as soon as the restore has handed it the first process (before
+/// the restore ended): CRIU cannot finish, and the shim abandons the restore at once rather
+/// than after `[checkpoint] restore_timeout_ms`, saying why.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lazy_restore_whose_page_daemon_dies_during_the_restore_fails_at_once() {
+    let started = std::time::Instant::now();
+    let d = recover_with_dying_daemon("rec-lazy-dies-early", "Received PID", 1).await;
+    let out = &d.out;
+    assert_ne!(d.code, 0, "the recovery fails: {out}");
+    assert!(
+        out.contains("the lazy restore's page daemon failed")
+            && out.contains("criu lazy-pages failed (status 137)"),
+        "with the reason: {out}\n{}",
+        log_since(&d.s, d.from)
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "well before the 120 s restore bound: {:?}",
+        started.elapsed()
+    );
+    remove_recovered(d).await;
+}

@@ -49,8 +49,10 @@ pub struct RuncConfig {
     pub root: PathBuf,
     /// Let systemd manage the container cgroups (`runc --systemd-cgroup`).
     pub systemd_cgroup: bool,
-    /// CRIU binary crab starts itself for process dumps (`[checkpoint] process_dump =
-    /// "criu"`); `None` finds `criu` on `PATH`. runc always finds its own on `PATH`.
+    /// CRIU binary crab starts itself: for process dumps (`[checkpoint] process_dump =
+    /// "criu"`) and as the page daemon of lazy restores (`[restore] lazy_pages_min_mib`);
+    /// `None` finds `criu` on `PATH`. runc always finds its own on `PATH`: both must be the
+    /// same CRIU.
     #[serde(deserialize_with = "some_absolute_path")]
     pub criu: Option<PathBuf>,
 }
@@ -312,6 +314,12 @@ pub struct RestoreConfig {
     /// Least recently used images go first; an image larger than this is not cached. `0`
     /// turns the cache off. Default 4096.
     pub cache_mib: u64,
+    /// Restore a process image lazily (CRIU's lazy pages over userfaultfd: the processes run
+    /// before their memory is copied, pages arrive on first touch and in the background) when
+    /// its memory pages hold at least this many MiB. `0` restores every image eagerly.
+    /// Default 128. A checkpoint of the container waits until every page has arrived; if the
+    /// page transfer fails, the container is killed rather than left with missing memory.
+    pub lazy_pages_min_mib: u64,
 }
 
 /// What to do with a checkpoint image no trusted key signed (see
@@ -334,6 +342,7 @@ impl Default for RestoreConfig {
             max_image_mib: 16_384,
             max_image_files: 100_000,
             cache_mib: 4096,
+            lazy_pages_min_mib: 128,
         }
     }
 }
@@ -811,6 +820,7 @@ mod tests {
             max_image_mib = 1024
             max_image_files = 500
             cache_mib = 0
+            lazy_pages_min_mib = 0
 
             [limits]
             max_manifest_entries = 20000
@@ -862,6 +872,7 @@ mod tests {
                     max_image_mib: 1024,
                     max_image_files: 500,
                     cache_mib: 0,
+                    lazy_pages_min_mib: 0,
                 },
                 limits: LimitsConfig {
                     max_manifest_entries: 20_000,

@@ -15,6 +15,7 @@ use crab_runtime_config::{Config, ConfigSource, ShimOptions};
 use crate::{
     bundle::{self, RootfsMount},
     checkpoint::{
+        lazy,
         restore::{self, Taken},
         Action,
     },
@@ -660,12 +661,14 @@ impl Containers {
             PreparedIo::new(&r.stdio, &c.id, &self.namespace, c.runc.io_owner).await?;
         let child = std::mem::replace(&mut prepared.child, crate::runc::ChildStdio::null());
         let work = c.bundle.join("criu-restore-work");
+        let mut daemon = self.lazy_pages_daemon(c, &r, &work).await;
         let opts = crate::runc::CheckpointOpts {
             image_path: r.image.clone(),
             work_path: Some(work.clone()),
             tcp_established: true,
             ext_unix_sk: true,
             file_locks: true,
+            lazy_pages: daemon.is_some(),
             ..Default::default()
         };
         if bundle::read_spec(&c.bundle).is_ok_and(|spec| bundle::creates_network_namespace(&spec)) {
@@ -697,8 +700,40 @@ impl Containers {
             child,
         );
         tokio::pin!(restore);
-        let restored = match tokio::time::timeout(bound, &mut restore).await {
-            Ok(result) => result.map_err(Error::from),
+        // Raced against a lazy-pages daemon that fails first: the restore would wait for it
+        // (CRIU reports the end of the restore to it) until the bound, and what it restored
+        // could not get its pages.
+        let raced = async {
+            loop {
+                let daemon_ended = async {
+                    match daemon.as_mut() {
+                        Some(d) if !d.has_exited() => d.wait_exit().await,
+                        _ => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    r = &mut restore => break Ok(r),
+                    code = daemon_ended => if code != 0 {
+                        break Err(code);
+                    },
+                }
+            }
+        };
+        let restored = match tokio::time::timeout(bound, raced).await {
+            Ok(Ok(result)) => result.map_err(Error::from),
+            Ok(Err(code)) => {
+                let why = daemon.as_ref().map(|d| d.failure(code)).unwrap_or_default();
+                let killed = kill_cgroup_members(&bundle::read_spec(&c.bundle)?, &c.id);
+                log::error!(
+                    "restore of {}: {why} before the restore ended: killed {killed} processes",
+                    c.id
+                );
+                let _ = tokio::time::timeout(Duration::from_secs(10), &mut restore).await;
+                unmount_all_under(&work);
+                Err(Error::FailedPrecondition(format!(
+                    "the lazy restore's page daemon failed: {why}"
+                )))
+            }
             Err(_) => {
                 // CRIU and what it restored so far live in the container's cgroup by now;
                 // killing them makes runc fail (and return) on its own.
@@ -722,6 +757,7 @@ impl Containers {
         let pid = match pid {
             Ok(pid) => pid,
             Err(e) => {
+                drop(daemon);
                 if let Err(d) = c.runc.delete(&c.id, true).await {
                     log::debug!("cleanup after failed restore of {}: {d}", c.id);
                 }
@@ -738,7 +774,14 @@ impl Containers {
                 )));
             }
         };
-        let _ = std::fs::remove_dir_all(&work);
+        // A lazy restore's daemon is still handing pages over: checkpoints and the inspection
+        // must know until it is done.
+        let transfer = daemon.as_ref().map(|_| lazy::Transfer::in_flight());
+        if let Some(t) = &transfer {
+            c.sandbox.restored_lazily(t.clone());
+        } else {
+            let _ = std::fs::remove_dir_all(&work);
+        }
         if bundle::read_spec(&c.bundle).is_ok_and(|spec| bundle::creates_network_namespace(&spec)) {
             if let Err(e) = restore::bring_up_loopback(pid) {
                 log::warn!(
@@ -752,10 +795,14 @@ impl Containers {
         c.init.set_io(io).await;
         self.watch_oom(c, pid);
         log::info!(
-            "container {} restored from {} in {:?} (init pid {pid})",
+            "container {} restored from {} in {:?} (init pid {pid}{})",
             c.id,
             r.image.display(),
-            started.elapsed()
+            started.elapsed(),
+            match daemon {
+                Some(_) => ", memory arriving lazily",
+                None => "",
+            }
         );
         // The restored-from image under the bundle goes once it is no longer needed: at once, or
         // after the origin has imported it (start_checkpointing).
@@ -781,10 +828,70 @@ impl Containers {
                 ),
             }
         }
-        if !image_imported && r.image.starts_with(&c.bundle) {
-            let _ = std::fs::remove_dir_all(&r.image);
+        let remove_image = (!image_imported && r.image.starts_with(&c.bundle)).then_some(r.image);
+        match (daemon, transfer) {
+            (Some(daemon), Some(transfer)) => {
+                // The daemon reads the image until every page has been handed over: the image
+                // and the daemon's work directory go after it.
+                let spec = bundle::read_spec(&c.bundle)?;
+                let (id, bound) = (c.id.clone(), r.config.checkpoint.restore_timeout_ms);
+                tokio::spawn(async move {
+                    let kill = |why: &str| {
+                        let killed = kill_cgroup_members(&spec, &id);
+                        log::error!(
+                            "container {id}: its memory did not all arrive ({why}): killed its \
+                             {killed} processes rather than let them run with pages missing"
+                        );
+                    };
+                    let work =
+                        lazy::watch(daemon, transfer, Duration::from_millis(bound), kill).await;
+                    let _ = std::fs::remove_dir_all(work);
+                    if let Some(image) = remove_image {
+                        let _ = std::fs::remove_dir_all(image);
+                    }
+                });
+            }
+            _ => {
+                if let Some(image) = remove_image {
+                    let _ = std::fs::remove_dir_all(image);
+                }
+            }
         }
         Ok(early_exit)
+    }
+
+    /// A `criu lazy-pages` daemon for the restore of `r`, listening in `work`, when
+    /// `[restore] lazy_pages_min_mib` asks for one at the image's size; `None` restores
+    /// eagerly (also when the daemon cannot start: that costs time, not correctness).
+    async fn lazy_pages_daemon(
+        &self,
+        c: &Container,
+        r: &PendingRestore,
+        work: &Path,
+    ) -> Option<lazy::Daemon> {
+        let min = r.config.restore.lazy_pages_min_mib;
+        if min == 0 {
+            return None;
+        }
+        let image = r.image.clone();
+        let bytes = tokio::task::spawn_blocking(move || lazy::page_bytes(&image))
+            .await
+            .unwrap_or(0);
+        if bytes < min.saturating_mul(1 << 20) {
+            return None;
+        }
+        let criu = crate::checkpoint::criu_rpc::criu_binary(&r.config);
+        match lazy::Daemon::start(&criu, &r.image, work).await {
+            Ok(d) => Some(d),
+            Err(e) => {
+                log::warn!(
+                    "container {}: restoring {} MiB of memory eagerly: {e}",
+                    c.id,
+                    bytes >> 20
+                );
+                None
+            }
+        }
     }
 
     async fn start_exec(&self, c: &Container, p: &Process) -> Result<u32> {
@@ -1194,6 +1301,7 @@ impl Containers {
                     file_locks: opts.file_locks,
                     shell_job: opts.terminal,
                     manage_cgroups_mode: opts.cgroups_mode,
+                    lazy_pages: false,
                 },
             )
             .await;

@@ -140,6 +140,9 @@ pub struct CheckpointOpts {
     pub shell_job: bool,
     /// `soft`, `full`, `strict` or `ignore`.
     pub manage_cgroups_mode: Option<String>,
+    /// Restore only: memory pages come from a `criu lazy-pages` daemon listening in the work
+    /// directory (`--lazy-pages`), on first touch and in the background.
+    pub lazy_pages: bool,
 }
 
 impl CheckpointOpts {
@@ -355,6 +358,9 @@ impl Runc {
             "--bundle".into(),
             bundle.into(),
         ]);
+        if opts.lazy_pages {
+            args.push("--lazy-pages".into());
+        }
         args.extend(self.create_flags());
         // A container with a terminal: CRIU recreates the pty pair, and runc hands the new
         // master to the socket, as at create.

@@ -96,6 +96,9 @@ pub struct Sandbox {
     /// The sequence number of the origin manifest this shim recorded (when it recorded it
     /// before the container started): the start of its first process epoch.
     origin_seq: Arc<std::sync::Mutex<Option<u64>>>,
+    /// The page transfer of a lazy restore (set before checkpointing starts): the inspection
+    /// and the process images must know while memory may still be missing.
+    lazy: OnceLock<crate::checkpoint::lazy::Transfer>,
 }
 
 impl Sandbox {
@@ -123,7 +126,14 @@ impl Sandbox {
             dir,
             coordinator: OnceLock::new(),
             exec_boundary,
+            lazy: OnceLock::new(),
         }
+    }
+
+    /// The container's processes were restored lazily: `transfer` says when all their memory
+    /// has arrived. Call before [`Sandbox::start_checkpointing`].
+    pub fn restored_lazily(&self, transfer: crate::checkpoint::lazy::Transfer) {
+        let _ = self.lazy.set(transfer);
     }
 
     /// Starts inspecting the container (init `pid`) and opens its checkpoint store, whose
@@ -224,6 +234,8 @@ impl Sandbox {
             limits: config.limits.clone(),
             volumes: volumes.clone(),
             dumper: crate::checkpoint::process::Dumper::from_config(config),
+            lazy: self.lazy.get().cloned(),
+            lazy_wait: Duration::from_millis(c.restore_timeout_ms),
         };
         let mut inspection = inspection.await.map_err(|e| Error::Other(e.to_string()))?;
         // A lineage that goes on (a rollback or recovery keeping the id) numbers its answers
@@ -233,6 +245,9 @@ impl Sandbox {
             .await
             .unwrap_or(0);
         inspection.continue_after(last);
+        if let Some(t) = self.lazy.get().cloned() {
+            inspection.restored_lazily(Arc::new(move || t.in_flight_now()));
+        }
         self.answers.inspection.set(inspection).await;
         let co = Coordinator::new(
             &self.id,

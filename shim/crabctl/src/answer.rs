@@ -77,6 +77,10 @@ pub struct MemoryFinding {
     pub added_pages: u64,
     pub removed_pages: u64,
     pub scanned_pages: u64,
+    /// Compared with an image taken while a lazy restore's pages were still arriving: counted
+    /// as a change.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub unproven_base: bool,
 }
 
 /// What changed in the container's processes during the turn.
@@ -240,6 +244,7 @@ mod tests {
                     added_pages: 1,
                     removed_pages: 0,
                     scanned_pages: 90,
+                    unproven_base: false,
                 }],
                 idle: vec![7],
                 forks: 1,

@@ -21,7 +21,7 @@ use std::{
     fs,
     io::{self, Write},
     os::{
-        fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
+        fd::{AsFd, AsRawFd, OwnedFd},
         unix::{fs::DirBuilderExt, process::CommandExt},
     },
     path::{Component, Path, PathBuf},
@@ -36,6 +36,7 @@ use nix::{
 use serde::Deserialize;
 
 use crate::reaper::{ExitSubscription, ReaperError};
+use crate::sys::pidfd::PidFd;
 
 /// How long CRIU may take to freeze the container's processes (CRIU's `--timeout`, seconds).
 const FREEZE_TIMEOUT_S: u64 = 10;
@@ -630,35 +631,6 @@ fn host_cgroup_v1_dirs(mounts: &[crate::sys::mountinfo::Mount]) -> Result<Vec<St
 
 // ---------------------------------------------------------------------------------------------
 // Running CRIU.
-
-/// A process held by a pidfd: signals never reach a reused pid.
-struct PidFd(OwnedFd);
-
-impl PidFd {
-    fn open(pid: u32) -> io::Result<PidFd> {
-        // SAFETY: pidfd_open takes a pid and flags, no pointers.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a new descriptor nothing else owns.
-        Ok(PidFd(unsafe { OwnedFd::from_raw_fd(fd as i32) }))
-    }
-
-    fn kill(&self) -> bool {
-        // SAFETY: pidfd_send_signal with a descriptor we own and no siginfo.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_pidfd_send_signal,
-                self.0.as_raw_fd(),
-                libc::SIGKILL,
-                std::ptr::null::<libc::siginfo_t>(),
-                0,
-            )
-        };
-        rc == 0
-    }
-}
 
 /// The CRIU dumps running now, by container id, as (pid, pidfd).
 type Registry = Mutex<HashMap<String, Vec<(u32, Arc<PidFd>)>>>;

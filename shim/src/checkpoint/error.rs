@@ -59,6 +59,10 @@ pub enum CheckpointError {
     /// A step of a job that was aborted at its deadline (it starts nothing more).
     #[error("aborted at its deadline")]
     Aborted,
+    /// The container was restored lazily and its memory had not all arrived (or never will:
+    /// the page transfer failed and the container was killed).
+    #[error("no process checkpoint: {0}")]
+    LazyRestore(String),
     /// The inspection the job needed is gone (the container is being deleted, or it was lost).
     #[error("the container is no longer inspected")]
     NotInspected,

@@ -40,6 +40,10 @@ pub struct ContainerCapture {
     pub volumes: Vec<(PathBuf, PathBuf)>,
     /// How process images are dumped (`[checkpoint] process_dump`).
     pub dumper: process::Dumper,
+    /// The page transfer of a lazy restore, while memory may still be missing (CRIU cannot
+    /// dump it): process images wait for it, at most `lazy_wait`.
+    pub lazy: Option<super::lazy::Transfer>,
+    pub lazy_wait: std::time::Duration,
 }
 
 impl ContainerCapture {
@@ -136,6 +140,27 @@ impl Capture for ContainerCapture {
         dir: PathBuf,
         chunks: PathBuf,
     ) -> Result<ProcessCaptured, CheckpointError> {
+        if let Some(transfer) = self.lazy.clone().filter(|t| t.in_flight_now()) {
+            let bound = self.lazy_wait;
+            let waited = std::time::Instant::now();
+            let state = tokio::task::spawn_blocking(move || transfer.wait(bound))
+                .await
+                .map_err(CheckpointError::task("lazy restore wait"))?;
+            use super::lazy::State;
+            match state {
+                State::Done => log::debug!(
+                    "{}: process checkpoint waited {:?} for the lazy restore's pages",
+                    self.container_id,
+                    waited.elapsed()
+                ),
+                State::InFlight => {
+                    return Err(CheckpointError::LazyRestore(format!(
+                        "the lazy restore's pages are still arriving after {bound:?}"
+                    )))
+                }
+                State::Failed(why) => return Err(CheckpointError::LazyRestore(why)),
+            }
+        }
         let cp = process::checkpoint(
             &self.runc,
             &self.dumper,

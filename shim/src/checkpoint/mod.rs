@@ -24,6 +24,7 @@ pub mod deadline;
 pub mod error;
 pub mod jobs;
 pub mod layer;
+pub mod lazy;
 pub mod pages;
 pub mod policy;
 pub mod privilege;

@@ -14,7 +14,7 @@ pub mod memory;
 pub mod procs;
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     path::{Path, PathBuf},
     sync::Arc,
     time::Instant,
@@ -190,6 +190,10 @@ pub struct MemoryFinding {
     pub added_pages: u64,
     pub removed_pages: u64,
     pub scanned_pages: u64,
+    /// The image compared with was taken while a lazy restore's pages were still arriving:
+    /// the comparison cannot prove that nothing changed, so this counts as a change.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub unproven_base: bool,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -297,6 +301,14 @@ impl Answer {
                     m.changed_pages + m.added_pages + m.removed_pages
                 ));
             }
+            for m in p.memory.iter().filter(|m| {
+                m.unproven_base && m.changed_pages + m.added_pages + m.removed_pages == 0
+            }) {
+                parts.push(format!(
+                    "pid {} memory compared with an image taken during a lazy restore",
+                    m.pid
+                ));
+            }
             for (pid, path) in &p.held_changed {
                 parts.push(format!("pid {pid} holds changed {}", path.display()));
             }
@@ -328,6 +340,10 @@ struct Mark {
     processes: Vec<ProcInfo>,
     run_counts: HashMap<u32, u64>,
     memory: HashMap<u32, MemoryImage>,
+    /// Pids whose memory image was taken while a lazy restore's pages were still arriving: a
+    /// page not there yet reads as never touched, so a comparison with such an image cannot
+    /// prove "unchanged" and counts as a change ([`MemoryFinding::unproven_base`]).
+    unproven: HashSet<u32>,
 }
 
 /// Watches one container: holds its last mark and answers turn ends.
@@ -339,7 +355,13 @@ pub struct Inspection {
     seq: u64,
     /// Why observation is impossible for this container (BPF unavailable, ...).
     blind: Option<InspectError>,
+    /// Whether a lazy restore's pages may still be missing from the processes' memory (see
+    /// [`Self::restored_lazily`]).
+    pages_in_flight: Option<PagesInFlight>,
 }
+
+/// Says whether a lazy restore's pages may still be missing from the processes' memory.
+pub type PagesInFlight = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
 
 impl Inspection {
     /// Starts watching: registers the container's cgroup with the host probes. A failure
@@ -380,7 +402,20 @@ impl Inspection {
             mark: None,
             seq: 0,
             blind,
+            pages_in_flight: None,
         }
+    }
+
+    /// The container's processes were restored lazily: until `in_flight` says otherwise, pages
+    /// may be missing from their memory (they arrive on first touch or in the background), and
+    /// memory images taken meanwhile cannot prove that nothing changed.
+    pub fn restored_lazily(&mut self, in_flight: PagesInFlight) {
+        self.pages_in_flight = Some(in_flight);
+    }
+
+    /// Whether memory images taken now may lack pages of a lazy restore.
+    fn pages_missing(&self) -> bool {
+        self.pages_in_flight.as_ref().is_some_and(|f| f())
     }
 
     /// Numbers the next answers after `seq` (the last one its store already holds).
@@ -487,6 +522,10 @@ impl Inspection {
         let processes = self.processes()?;
         let mut memory = HashMap::new();
         let mut run_counts = HashMap::new();
+        let unproven = match self.pages_missing() {
+            true => processes.iter().map(|p| p.pid).collect(),
+            false => HashSet::new(),
+        };
         for p in &processes {
             if let Some(n) = self.run_count(p.pid) {
                 run_counts.insert(p.pid, n);
@@ -506,6 +545,7 @@ impl Inspection {
             run_counts,
             memory,
             volumes,
+            unproven,
         })
     }
 
@@ -688,6 +728,7 @@ impl Inspection {
     /// freezer and the one after the thaw), so that its image is taken after the rewrite.
     pub fn refresh_after_freeze(&mut self, idle: &[(u32, u64)]) {
         let deadline = Instant::now() + REFRESH_WAIT;
+        let missing = self.pages_missing();
         let Some(mark) = self.mark.as_mut() else {
             return;
         };
@@ -711,6 +752,11 @@ impl Inspection {
                 Ok(img) => {
                     mark.memory.insert(pid, img);
                     mark.run_counts.insert(pid, n);
+                    if missing {
+                        mark.unproven.insert(pid);
+                    } else {
+                        mark.unproven.remove(&pid);
+                    }
                 }
                 Err(e) => log::debug!("refresh of pid {pid} after a freeze: {e}"),
             }
@@ -848,6 +894,9 @@ impl Inspection {
         };
         let mut run_counts = HashMap::new();
         let mut memory_images = HashMap::new();
+        // Images taken from here on may lack pages of a lazy restore still under way.
+        let missing = self.pages_missing();
+        let mut unproven = HashSet::new();
         if let (Some(now), Some(m)) = (&now_procs, prev) {
             if let Some(c) = counters {
                 procs.forks = c.forks.saturating_sub(m.counters.forks);
@@ -908,9 +957,15 @@ impl Inspection {
                 if !ran && !shares_memory {
                     if let Some(img) = prev_img {
                         memory_images.insert(p.pid, img.clone());
+                        if m.unproven.contains(&p.pid) {
+                            unproven.insert(p.pid);
+                        }
                         procs.idle.push(p.pid);
                         continue;
                     }
+                }
+                if missing {
+                    unproven.insert(p.pid);
                 }
                 match (self.capture(p.pid), prev_img) {
                     (Ok(img), Some(prev_img)) => {
@@ -922,6 +977,7 @@ impl Inspection {
                             added_pages: d.added_pages,
                             removed_pages: d.removed_pages,
                             scanned_pages: d.scanned_pages,
+                            unproven_base: m.unproven.contains(&p.pid),
                         });
                         memory_images.insert(p.pid, img);
                     }
@@ -938,6 +994,9 @@ impl Inspection {
                 if let Some(n) = self.run_count(p.pid) {
                     run_counts.insert(p.pid, n);
                 }
+                if missing {
+                    unproven.insert(p.pid);
+                }
                 match self.capture(p.pid) {
                     Ok(img) => {
                         memory_images.insert(p.pid, img);
@@ -949,10 +1008,9 @@ impl Inspection {
                 || !procs.ended.is_empty()
                 || !procs.reexeced.is_empty()
                 || !procs.held_changed.is_empty()
-                || procs
-                    .memory
-                    .iter()
-                    .any(|m| m.changed_pages + m.added_pages + m.removed_pages > 0);
+                || procs.memory.iter().any(|m| {
+                    m.unproven_base || m.changed_pages + m.added_pages + m.removed_pages > 0
+                });
         }
 
         let kind = if degraded.is_empty() {
@@ -973,6 +1031,7 @@ impl Inspection {
                     run_counts,
                     memory: memory_images,
                     volumes,
+                    unproven,
                 })
             }
             (_, manifest, _, _) => self.observe_all(manifest.unwrap_or_default()).ok(),

@@ -9,6 +9,7 @@
 //! - [`file`], [`xattr`], [`bpf`]: descriptor-owning wrappers over nix's `open*`, and the calls
 //!   nix 0.29 lacks (`sync_file_range`, xattrs, a few `bpf(2)` commands); every other system
 //!   call goes through nix directly
+//! - [`pidfd`]: killing a child by pidfd, never a reused pid
 
 pub mod beneath;
 pub mod bpf;
@@ -16,5 +17,6 @@ pub mod cgroup;
 pub mod file;
 pub mod mountinfo;
 pub mod netns;
+pub mod pidfd;
 pub mod sockdiag;
 pub mod xattr;
