@@ -1005,3 +1005,71 @@ fn exited_but_unreaped_child_is_not_listed() {
     assert!(list(&cg.0).unwrap().is_empty(), "a zombie is not alive");
     kill(c);
 }
+
+/// A memory image taken while a lazy restore's pages are still arriving proves nothing (a page
+/// not there yet reads as never touched): a process that ran since is counted as changed
+/// (`unproven_base`) even where its pages compare equal, and so is the next turn compared with
+/// an image taken meanwhile; an image taken after the transfer compares as usual.
+#[test]
+fn memory_marked_during_a_lazy_restore_counts_as_changed() {
+    use crab_shim::inspector::bpf::{remove_pinned, HostProbes};
+    use std::io::BufRead as _;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    support::require_root("loads the eBPF probes");
+    let pins = PathBuf::from(format!("/sys/fs/bpf/crab-test-{}-lazy", std::process::id()));
+    let _ = remove_pinned(&pins);
+    let probes = Arc::new(HostProbes::open_or_load_at(&pins).unwrap());
+    let cg = TestCgroup::new("lazy");
+    // `cat` echoes the same line each time: it runs, and its memory ends as it was.
+    let mut cat = Command::new("cat")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    cg.join(cat.id());
+    let mut to = cat.stdin.take().unwrap();
+    let mut from = std::io::BufReader::new(cat.stdout.take().unwrap());
+    let mut echo = || {
+        to.write_all(b"the same line\n").unwrap();
+        let mut line = String::new();
+        from.read_line(&mut line).unwrap();
+        assert_eq!(line, "the same line\n");
+    };
+    echo();
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = target(dir.path());
+    t.cgroup2_dir = cg.0.clone();
+    let mut i = Inspection::new(t, Ok(probes));
+    let in_flight = Arc::new(AtomicBool::new(true));
+    let flag = in_flight.clone();
+    i.restored_lazily(Arc::new(move || flag.load(Ordering::SeqCst)));
+    i.mark_base();
+    let pid = cat.id();
+    let mut turn = |echo: &mut dyn FnMut()| {
+        echo();
+        let a = i.turn_end();
+        let m = a
+            .procs
+            .memory
+            .iter()
+            .find(|m| m.pid == pid)
+            .unwrap_or_else(|| panic!("cat ran and was compared: {a:#?}"))
+            .clone();
+        (a, m)
+    };
+    let (a, m) = turn(&mut echo);
+    assert!(m.unproven_base && a.procs.changed, "{a:#?}");
+    assert!(a.summary().contains("lazy restore"), "{}", a.summary());
+    in_flight.store(false, Ordering::SeqCst);
+    let (a, m) = turn(&mut echo);
+    assert!(
+        m.unproven_base && a.procs.changed,
+        "compared with the image of the turn before, taken during the transfer: {a:#?}"
+    );
+    let (a, m) = turn(&mut echo);
+    assert!(!m.unproven_base, "images after the transfer: {a:#?}");
+    drop(i);
+    kill(cat);
+    drop(cg);
+    remove_pinned(&pins).unwrap();
+}

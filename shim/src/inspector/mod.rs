@@ -290,23 +290,17 @@ impl Answer {
                         .join(", ")
                 ));
             }
-            for m in p
-                .memory
-                .iter()
-                .filter(|m| m.changed_pages + m.added_pages + m.removed_pages > 0)
-            {
-                parts.push(format!(
-                    "pid {} memory {} pages changed",
-                    m.pid,
-                    m.changed_pages + m.added_pages + m.removed_pages
-                ));
-            }
             for m in p.memory.iter().filter(|m| {
-                m.unproven_base && m.changed_pages + m.added_pages + m.removed_pages == 0
+                m.unproven_base || m.changed_pages + m.added_pages + m.removed_pages > 0
             }) {
                 parts.push(format!(
-                    "pid {} memory compared with an image taken during a lazy restore",
-                    m.pid
+                    "pid {} memory {} pages changed{}",
+                    m.pid,
+                    m.changed_pages + m.added_pages + m.removed_pages,
+                    match m.unproven_base {
+                        true => " (compared with an image taken during a lazy restore: a change)",
+                        false => "",
+                    }
                 ));
             }
             for (pid, path) in &p.held_changed {
