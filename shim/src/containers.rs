@@ -835,6 +835,7 @@ impl Containers {
                 // and the daemon's work directory go after it.
                 let spec = bundle::read_spec(&c.bundle)?;
                 let (id, bound) = (c.id.clone(), r.config.checkpoint.restore_timeout_ms);
+                let restored_at = std::time::Instant::now();
                 tokio::spawn(async move {
                     let kill = |why: &str| {
                         let killed = kill_cgroup_members(&spec, &id);
@@ -844,7 +845,16 @@ impl Containers {
                         );
                     };
                     let work =
-                        lazy::watch(daemon, transfer, Duration::from_millis(bound), kill).await;
+                        lazy::watch(daemon, transfer.clone(), Duration::from_millis(bound), kill)
+                            .await;
+                    if transfer.state() == lazy::State::Done {
+                        log::info!(
+                            "container {}: every page of its lazy restore arrived {:?} after the \
+                             restore",
+                            id,
+                            restored_at.elapsed()
+                        );
+                    }
                     let _ = std::fs::remove_dir_all(work);
                     if let Some(image) = remove_image {
                         let _ = std::fs::remove_dir_all(image);

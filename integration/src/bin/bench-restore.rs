@@ -39,6 +39,14 @@
 //!    restore, sections 1 and 2). Each fork's store is looked at: one that already holds
 //!    checkpoints continues a removed fork's lineage.
 //!
+//! 5. Lazy restore: for 128 and 512 MB held by a python3 (random bytes), the process checkpoint
+//!    is exported and started through the API, eagerly (`[restore] lazy_pages_min_mib = 0`)
+//!    and lazily (`= 1`) alternately in the same run: until Tasks.Start returned (the processes
+//!    run), the shim's `restored in`, until a first exec has made the holder touch every page
+//!    (the worst case for lazy pages: each missing page is a fault the daemon serves), and, lazy
+//!    only, until the shim logged that every page had arrived. `BENCH_RESTORE_ONLY=5` runs
+//!    this section alone.
+//!
 //! Aims (the issues'; printed next to the figures, not checked): fs-only rollback p50 <= 20 ms;
 //! restore with a 50 MB process p50 <= 300 ms; forking N <= 1.2x N plain starts at once, and no
 //! slower per sandbox than a plain start plus a restore.
@@ -87,6 +95,8 @@ const T: Duration = Duration::from_secs(180);
 const CHAINS: [usize; 3] = [1, 10, 50];
 const FORKS: [usize; 3] = [1, 8, 32];
 const HELD_MB: usize = 50;
+/// Section 5's sizes, MB held.
+const LAZY_SIZES: [usize; 2] = [128, 512];
 const ROLLBACK_CHAIN: usize = 10;
 
 const AIM_ROLLBACK_FS_MS: f64 = 20.0;
@@ -1090,6 +1100,166 @@ async fn bench_proc_restore(b: &mut Bench, r: &mut Report, p: &ProcSandbox) -> R
 }
 
 // ---------------------------------------------------------------------------------------------
+// 5. Lazy restore
+
+/// A python3 holding `mb` MB of random bytes; on SIGUSR1 it reads one byte of every page and
+/// then creates /tmp/touched.
+fn lazy_holder_script(mb: usize) -> String {
+    format!(
+        r#"exec 3< <(exec -a crab-lazy-holder python3 -u -c '
+import os, signal
+signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGUSR1}})
+b = bytearray({mb} << 20)
+for i in range(0, len(b), 1 << 20):
+    b[i:i + (1 << 20)] = os.urandom(1 << 20)
+print("ready", flush=True)
+fd = os.open("/dev/null", os.O_WRONLY)
+os.dup2(fd, 1)
+os.close(fd)
+while True:
+    signal.sigwait({{signal.SIGUSR1}})
+    n = sum(b[::4096])
+    with open("/tmp/touched.tmp", "w") as f:
+        f.write(str(n))
+    os.rename("/tmp/touched.tmp", "/tmp/touched")
+' </dev/null 2>/dev/null)
+read -r line <&3
+[ "$line" = ready ] || {{ echo "holder said: $line" >&2; exit 1; }}"#
+    )
+}
+
+/// Makes the holder touch every page and waits until it has.
+/// The holder is found by its name (comm), not by `pkill -f`: while a lazy restore's pages
+/// are arriving, a process's command line (on its stack, among the last pages to arrive) reads
+/// as empty from /proc.
+const TOUCH_ALL: &str = "rm -f /tmp/touched; pkill -USR1 -x python3; \
+    for i in $(seq 6000); do [ -e /tmp/touched ] && exit 0; sleep 0.005; done; exit 1";
+
+/// The shim's `every page of its lazy restore arrived D after the restore` for `id`, in ms.
+async fn pages_arrived_ms(b: &Bench, from: u64, id: &str) -> Option<f64> {
+    let needle = format!("container {id}: every page of its lazy restore arrived ");
+    for _ in 0..100 {
+        if let Ok(text) = std::fs::read(&b.log) {
+            let text =
+                String::from_utf8_lossy(&text[(from as usize).min(text.len())..]).into_owned();
+            if let Some(l) = text.lines().find(|l| l.contains(&needle)) {
+                let rest = &l[l.find(&needle)? + needle.len()..];
+                return parse_duration_ms(rest.split_whitespace().next()?);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+async fn bench_lazy(b: &mut Bench, r: &mut Report) -> Res<()> {
+    let mut j = serde_json::Map::new();
+    let sizes: Vec<usize> = match std::env::var("BENCH_LAZY_SIZES") {
+        Ok(v) => v.split(',').filter_map(|s| s.trim().parse().ok()).collect(),
+        Err(_) => LAZY_SIZES.to_vec(),
+    };
+    for mb in sizes {
+        BENCH.progress(format!(
+            "5 lazy restore: a sandbox with a {mb} MB python3, then {} x (eager, lazy) API starts",
+            b.o.reps
+        ));
+        let config = signing_config(b);
+        let (mut s, guard) = Sandbox::start(
+            "bench-restore-lazy",
+            SandboxOptions {
+                config: &config,
+                ..Default::default()
+            },
+        )
+        .await;
+        b.sandboxes.push(s.id.clone());
+        s.run(&lazy_holder_script(mb)).await;
+        let (seq, _, m) = end_turn(&mut s).await?;
+        if m["process"].is_null() {
+            return Err(format!("{}: no process image in {m}", s.id));
+        }
+        let image = format!("localhost/crab-bench/restore-{}:lazy{mb}", b.pid);
+        export_series(b, &s, seq, &image)?;
+        // One untimed `ctr run` unpacks the image (the API path starts from its snapshots).
+        let id = b.id(&format!("lazy{mb}-unpack"));
+        b.ctr_run(DEFAULT_RUNTIME, &image, &id)?;
+        b.remove(&id).await?;
+        let h = b.harness_for(&image, DEFAULT_RUNTIME).await?;
+        let mut start: HashMap<&str, Vec<f64>> = HashMap::new();
+        let mut shim: HashMap<&str, Vec<f64>> = HashMap::new();
+        let mut touched: HashMap<&str, Vec<f64>> = HashMap::new();
+        let mut arrived = Vec::new();
+        for _ in 0..b.o.reps {
+            for (mode, min) in [("eager", 0), ("lazy", 1)] {
+                let id = b.id(&format!("lazy{mb}-{mode}"));
+                let cfg = format!("{}[restore]\nlazy_pages_min_mib = {min}\n", b.cfg_body);
+                let from = b.log_len();
+                let t0 = Instant::now();
+                let api = api_start(&h, &id, &cfg).await?;
+                let mut c = sandbox_for(&h, &id);
+                c.turn = 1000;
+                c.run(TOUCH_ALL).await;
+                touched.entry(mode).or_default().push(ms(t0.elapsed()));
+                start.entry(mode).or_default().push(api.total_ms);
+                let log = b.shim_log(from, &id).await;
+                shim.entry(mode)
+                    .or_default()
+                    .push(log.map_or(f64::NAN, |l| l.restore_ms));
+                if mode == "lazy" {
+                    arrived.push(pages_arrived_ms(b, from, &id).await.unwrap_or(f64::NAN));
+                }
+                b.remove(&id).await?;
+            }
+        }
+        let section = "5 lazy restore";
+        for mode in ["eager", "lazy"] {
+            r.row(
+                section,
+                format!("{mb} MB, {mode}: API create+start"),
+                start[mode].clone(),
+                None,
+                "",
+            );
+            r.row(
+                section,
+                format!("{mb} MB, {mode}: shim restore (runc restore)"),
+                shim[mode].clone(),
+                None,
+                "",
+            );
+            r.row(
+                section,
+                format!("{mb} MB, {mode}: start + touch every page"),
+                touched[mode].clone(),
+                None,
+                "",
+            );
+        }
+        r.row(
+            section,
+            format!("{mb} MB, lazy: every page arrived (after restore)"),
+            arrived.clone(),
+            None,
+            "",
+        );
+        let ratio =
+            |m: &HashMap<&str, Vec<f64>>| Stats::of(&m["lazy"]).p50 / Stats::of(&m["eager"]).p50;
+        j.insert(
+            format!("{mb}mb"),
+            json!({
+                "eager": {"api_start_ms": Stats::json(&start["eager"]), "shim_restore_ms": Stats::json(&shim["eager"]), "touch_all_ms": Stats::json(&touched["eager"])},
+                "lazy": {"api_start_ms": Stats::json(&start["lazy"]), "shim_restore_ms": Stats::json(&shim["lazy"]), "touch_all_ms": Stats::json(&touched["lazy"]), "all_pages_arrived_ms": Stats::json(&arrived)},
+                "lazy_over_eager_p50": {"api_start": ratio(&start), "touch_all": ratio(&touched)},
+            }),
+        );
+        b.remove(&s.id).await?;
+        drop(guard);
+    }
+    r.extra.insert("lazy_restore".into(), Value::Object(j));
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
 // 3. Rollback
 
 /// Each repetition: a turn writes /app/undo-me.txt, then `crabctl rollback --to turn` (timed),
@@ -1945,8 +2115,10 @@ async fn main() {
     let mut guards = Vec::new();
     let res = async {
         // Section 3b alone (the in-place rollback figures), for quick runs.
-        if std::env::var("BENCH_RESTORE_ONLY").as_deref() == Ok("3b") {
-            return bench_in_place(&mut b, &mut r).await;
+        match std::env::var("BENCH_RESTORE_ONLY").as_deref() {
+            Ok("3b") => return bench_in_place(&mut b, &mut r).await,
+            Ok("5") => return bench_lazy(&mut b, &mut r).await,
+            _ => {}
         }
         baseline(&mut b, &mut r).await?;
         save_partial(&b, &r, started, &load_before);
@@ -1962,6 +2134,8 @@ async fn main() {
         bench_in_place(&mut b, &mut r).await?;
         save_partial(&b, &r, started, &load_before);
         bench_fork(&mut b, &mut r, &fs, &p).await?;
+        save_partial(&b, &r, started, &load_before);
+        bench_lazy(&mut b, &mut r).await?;
         Ok::<_, String>(())
     }
     .await;
