@@ -38,6 +38,8 @@ const USAGE: &str = "usage: replay [options]
   --timeout S           command timeout in seconds (default 30, as the agent's harness)
   --max-turns N         replay at most N turns of each trajectory
   --no-oracle           skip the inspector-accuracy pass
+  --sandbox-config TOML more crab config for every sandbox (root-level dotted keys, e.g.
+                        'restore.lazy_pages_min_mib = 1': every process restore lazy)
   --no-idle-memory      skip the idle shim memory pass (N idle sandboxes under crab, then under
                         containerd's runc shim, N = the largest density)
   --project N,...       project crab's measured costs to N sandboxes (default 64,256,1000)
@@ -94,6 +96,7 @@ fn args() -> Args {
             think_scale: 0.05,
             cmd_timeout: Duration::from_secs(30),
             max_turns: None,
+            sandbox_config: String::new(),
         },
         oracle: true,
         rounds: true,
@@ -160,6 +163,7 @@ fn args() -> Args {
                 )
             }
             "--no-oracle" => a.oracle = false,
+            "--sandbox-config" => a.opts.sandbox_config = value(),
             "--no-idle-memory" => a.idle_memory = false,
             "--project" => {
                 a.project = list(value())

@@ -105,6 +105,9 @@ pub struct Options {
     pub cmd_timeout: Duration,
     /// Replay at most this many turns of each trajectory.
     pub max_turns: Option<usize>,
+    /// More crab config for every sandbox (root-level dotted keys, see
+    /// [`SandboxOptions::config`]), e.g. `restore.lazy_pages_min_mib = 1`.
+    pub sandbox_config: String,
 }
 
 /// One round: every selected trajectory under one policy, `density` sandboxes at once.
@@ -281,9 +284,10 @@ async fn replay_sandbox(
     engine_root: std::path::PathBuf,
 ) -> SandboxRecord {
     let config = format!(
-        "{}engine.root = \"{}\"\n",
+        "{}engine.root = \"{}\"\n{}\n",
         round.policy.config(),
-        engine_root.display()
+        engine_root.display(),
+        opts.sandbox_config
     );
     let (mut sb, guard) = Sandbox::start(
         &name,

@@ -712,7 +712,7 @@ async fn run_one(
     opts: Options,
 ) -> RunResult {
     let policy = crash.map(|c| c.0.sandbox_policy()).unwrap_or(Policy::None);
-    let config = policy.config();
+    let config = format!("{}{}\n", policy.config(), opts.sandbox_config);
     let sandbox_options = || SandboxOptions {
         config: &config,
         ..Default::default()
