@@ -707,7 +707,7 @@ impl Containers {
             loop {
                 let daemon_ended = async {
                     match daemon.as_mut() {
-                        Some(d) if !d.has_exited() => d.wait_exit().await,
+                        Some((d, _)) if !d.has_exited() => d.wait_exit().await,
                         _ => std::future::pending().await,
                     }
                 };
@@ -722,7 +722,10 @@ impl Containers {
         let restored = match tokio::time::timeout(bound, raced).await {
             Ok(Ok(result)) => result.map_err(Error::from),
             Ok(Err(code)) => {
-                let why = daemon.as_ref().map(|d| d.failure(code)).unwrap_or_default();
+                let why = daemon
+                    .as_ref()
+                    .map(|(d, _)| d.failure(code))
+                    .unwrap_or_default();
                 let killed = kill_cgroup_members(&bundle::read_spec(&c.bundle)?, &c.id);
                 log::error!(
                     "restore of {}: {why} before the restore ended: killed {killed} processes",
@@ -775,12 +778,47 @@ impl Containers {
             }
         };
         // A lazy restore's daemon is still handing pages over: checkpoints and the inspection
-        // must know until it is done.
-        let transfer = daemon.as_ref().map(|_| lazy::Transfer::in_flight());
-        if let Some(t) = &transfer {
-            c.sandbox.restored_lazily(t.clone());
-        } else {
-            let _ = std::fs::remove_dir_all(&work);
+        // must know until it is done, and it is watched from now on, before anything below can
+        // fail (a daemon dropped here would leave the processes running with pages missing).
+        // The image it reads goes after it, if this restore is the one to remove it.
+        let lazily = daemon.is_some();
+        let (remove_image_tx, remove_image_rx) = tokio::sync::oneshot::channel::<PathBuf>();
+        match daemon.take() {
+            Some((daemon, spec)) => {
+                let transfer = lazy::Transfer::in_flight();
+                c.sandbox.restored_lazily(transfer.clone());
+                let (id, bound) = (c.id.clone(), r.config.checkpoint.restore_timeout_ms);
+                let restored_at = std::time::Instant::now();
+                tokio::spawn(async move {
+                    let kill = |why: &str| {
+                        let killed = kill_cgroup_members(&spec, &id);
+                        log::error!(
+                            "container {id}: its memory did not all arrive ({why}): killed its \
+                             {killed} processes rather than let them run with pages missing"
+                        );
+                    };
+                    let work =
+                        lazy::watch(daemon, transfer.clone(), Duration::from_millis(bound), kill)
+                            .await;
+                    if transfer.state() == lazy::State::Done {
+                        log::info!(
+                            "container {}: every page of its lazy restore arrived {:?} after the \
+                             restore",
+                            id,
+                            restored_at.elapsed()
+                        );
+                    }
+                    let _ = std::fs::remove_dir_all(work);
+                    // Sent once Start knows whether the image is its to remove; never sent
+                    // when Start failed after the restore (the image goes with the bundle).
+                    if let Ok(image) = remove_image_rx.await {
+                        let _ = std::fs::remove_dir_all(image);
+                    }
+                });
+            }
+            None => {
+                let _ = std::fs::remove_dir_all(&work);
+            }
         }
         if bundle::read_spec(&c.bundle).is_ok_and(|spec| bundle::creates_network_namespace(&spec)) {
             if let Err(e) = restore::bring_up_loopback(pid) {
@@ -799,9 +837,9 @@ impl Containers {
             c.id,
             r.image.display(),
             started.elapsed(),
-            match daemon {
-                Some(_) => ", memory arriving lazily",
-                None => "",
+            match lazily {
+                true => ", memory arriving lazily",
+                false => "",
             }
         );
         // The restored-from image under the bundle goes once it is no longer needed: at once, or
@@ -828,42 +866,14 @@ impl Containers {
                 ),
             }
         }
-        let remove_image = (!image_imported && r.image.starts_with(&c.bundle)).then_some(r.image);
-        match (daemon, transfer) {
-            (Some(daemon), Some(transfer)) => {
-                // The daemon reads the image until every page has been handed over: the image
-                // and the daemon's work directory go after it.
-                let spec = bundle::read_spec(&c.bundle)?;
-                let (id, bound) = (c.id.clone(), r.config.checkpoint.restore_timeout_ms);
-                let restored_at = std::time::Instant::now();
-                tokio::spawn(async move {
-                    let kill = |why: &str| {
-                        let killed = kill_cgroup_members(&spec, &id);
-                        log::error!(
-                            "container {id}: its memory did not all arrive ({why}): killed its \
-                             {killed} processes rather than let them run with pages missing"
-                        );
-                    };
-                    let work =
-                        lazy::watch(daemon, transfer.clone(), Duration::from_millis(bound), kill)
-                            .await;
-                    if transfer.state() == lazy::State::Done {
-                        log::info!(
-                            "container {}: every page of its lazy restore arrived {:?} after the \
-                             restore",
-                            id,
-                            restored_at.elapsed()
-                        );
-                    }
-                    let _ = std::fs::remove_dir_all(work);
-                    if let Some(image) = remove_image {
-                        let _ = std::fs::remove_dir_all(image);
-                    }
-                });
-            }
-            _ => {
-                if let Some(image) = remove_image {
-                    let _ = std::fs::remove_dir_all(image);
+        if !image_imported && r.image.starts_with(&c.bundle) {
+            match lazily {
+                // The daemon may still read it.
+                true => {
+                    let _ = remove_image_tx.send(r.image);
+                }
+                false => {
+                    let _ = std::fs::remove_dir_all(&r.image);
                 }
             }
         }
@@ -871,18 +881,20 @@ impl Containers {
     }
 
     /// A `criu lazy-pages` daemon for the restore of `r`, listening in `work`, when
-    /// `[restore] lazy_pages_min_mib` asks for one at the image's size; `None` restores
-    /// eagerly (also when the daemon cannot start: that costs time, not correctness).
+    /// `[restore] lazy_pages_min_mib` asks for one at the image's size, with the bundle's spec
+    /// (what a failed page transfer kills the container by); `None` restores eagerly (also
+    /// when the daemon cannot start: that costs time, not correctness).
     async fn lazy_pages_daemon(
         &self,
         c: &Container,
         r: &PendingRestore,
         work: &Path,
-    ) -> Option<lazy::Daemon> {
+    ) -> Option<(lazy::Daemon, oci_spec::runtime::Spec)> {
         let min = r.config.restore.lazy_pages_min_mib;
         if min == 0 {
             return None;
         }
+        let spec = bundle::read_spec(&c.bundle).ok()?;
         let image = r.image.clone();
         let bytes = tokio::task::spawn_blocking(move || lazy::page_bytes(&image))
             .await
@@ -892,7 +904,7 @@ impl Containers {
         }
         let criu = crate::checkpoint::criu_rpc::criu_binary(&r.config);
         match lazy::Daemon::start(&criu, &r.image, work).await {
-            Ok(d) => Some(d),
+            Ok(d) => Some((d, spec)),
             Err(e) => {
                 log::warn!(
                     "container {}: restoring {} MiB of memory eagerly: {e}",
