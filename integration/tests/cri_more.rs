@@ -492,6 +492,12 @@ async fn restart_within_pod_and_remove_running() {
         // RemoveContainer of a running container kills it first.
         let pid = container_pid(&cri, h, &second).await;
         let cmdline = |pid: i32| std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        // StartContainer returns once runc has told the init to exec: under load the exec may
+        // still be under way (its command line reads empty meanwhile).
+        let t0 = Instant::now();
+        while cmdline(pid) != b"sleep\x003600\x00" && t0.elapsed() < WAIT {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         assert_eq!(cmdline(pid), b"sleep\x003600\x00", "handler {h}: pid {pid}");
         cri.remove_container(&second)
             .await

@@ -211,12 +211,22 @@ impl Daemon {
     }
 }
 
-/// The last error line of the daemon's log, for messages.
+/// The last error line of the daemon's log, for messages; only the log's last 64 KiB are read
+/// (a daemon fed a hostile image may have written a lot).
 fn log_tail(work: &Path) -> String {
-    let Ok(text) = std::fs::read(work.join(LOG)) else {
+    use std::io::{Read, Seek, SeekFrom};
+    let tail = (|| -> std::io::Result<Vec<u8>> {
+        let mut f = std::fs::File::open(work.join(LOG))?;
+        let len = f.metadata()?.len();
+        f.seek(SeekFrom::Start(len.saturating_sub(64 << 10)))?;
+        let mut buf = Vec::new();
+        f.take(64 << 10).read_to_end(&mut buf)?;
+        Ok(buf)
+    })();
+    let Ok(tail) = tail else {
         return String::new();
     };
-    let text = String::from_utf8_lossy(&text[text.len().saturating_sub(64 << 10)..]).into_owned();
+    let text = String::from_utf8_lossy(&tail);
     match text.lines().rfind(|l| l.contains("Error")) {
         Some(l) => format!(": {}", l.trim()),
         None => String::new(),
@@ -276,6 +286,22 @@ mod tests {
         t.end(State::Failed("late".into()));
         assert_eq!(t.state(), State::Done, "the first end stays");
         assert!(!Transfer::done().in_flight_now());
+    }
+
+    #[test]
+    fn the_log_tail_names_the_last_error_of_a_long_log() {
+        let d = tempfile::tempdir().unwrap();
+        assert_eq!(log_tail(d.path()), "", "no log, nothing to say");
+        let mut log = String::from("(00.1) Error (criu/uffd.c:1): an early one\n");
+        while log.len() < 200 << 10 {
+            log.push_str("(00.2) uffd: 1-12: uffd_copy: 0x7f0000/4096\n");
+        }
+        log.push_str("(00.3) Error (criu/uffd.c:2): the last one\n(00.4) done\n");
+        std::fs::write(d.path().join(LOG), log).unwrap();
+        assert_eq!(
+            log_tail(d.path()),
+            ": (00.3) Error (criu/uffd.c:2): the last one"
+        );
     }
 
     #[test]
