@@ -29,9 +29,17 @@ fn container_config(name: &str, image: &str, cmd: &[&str]) -> api::ContainerConf
     c
 }
 
-/// `tok i` as the counter wrote it.
+/// `tok i` as the counter wrote it. The counter's `>` truncates before it writes: a read in
+/// between finds the file empty (seen under load), so an empty read is tried again.
 async fn counter(cri: &Cri, id: &str) -> (String, u64) {
-    let out = cri.sh(id, "cat /tmp/count").await.unwrap();
+    let mut out = String::new();
+    for _ in 0..20 {
+        out = cri.sh(id, "cat /tmp/count").await.unwrap();
+        if !out.trim().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let mut parts = out.split_whitespace();
     let (Some(tok), Some(i)) = (parts.next(), parts.next()) else {
         panic!("/tmp/count of {id} holds {out:?}");

@@ -790,12 +790,17 @@ impl Containers {
                 let (id, bound) = (c.id.clone(), r.config.checkpoint.restore_timeout_ms);
                 let restored_at = std::time::Instant::now();
                 tokio::spawn(async move {
-                    let kill = |why: &str| {
-                        let killed = kill_cgroup_members(&spec, &id);
-                        log::error!(
+                    let kill = |why: &str| match kill_cgroup_members(&spec, &id) {
+                        // Its processes were gone already (killed, or the container deleted
+                        // during the transfer): the daemon had nothing left to serve.
+                        0 => log::info!(
+                            "container {id}: its processes ended before their lazy restore \
+                             had handed every page over ({why})"
+                        ),
+                        killed => log::error!(
                             "container {id}: its memory did not all arrive ({why}): killed its \
                              {killed} processes rather than let them run with pages missing"
-                        );
+                        ),
                     };
                     let work =
                         lazy::watch(daemon, transfer.clone(), Duration::from_millis(bound), kill)
