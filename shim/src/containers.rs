@@ -719,36 +719,37 @@ impl Containers {
                 }
             }
         };
-        let restored = match tokio::time::timeout(bound, raced).await {
-            Ok(Ok(result)) => result.map_err(Error::from),
+        // A restore that overran its bound, or whose page daemon failed, is abandoned: CRIU
+        // and what it restored so far live in the container's cgroup by now; killing them
+        // makes runc fail (and return) on its own.
+        let outcome = match tokio::time::timeout(bound, raced).await {
+            Ok(Ok(result)) => Ok(result),
             Ok(Err(code)) => {
                 let why = daemon
                     .as_ref()
                     .map(|(d, _)| d.failure(code))
                     .unwrap_or_default();
-                let killed = kill_cgroup_members(&bundle::read_spec(&c.bundle)?, &c.id);
-                log::error!(
-                    "restore of {}: {why} before the restore ended: killed {killed} processes",
-                    c.id
-                );
-                let _ = tokio::time::timeout(Duration::from_secs(10), &mut restore).await;
-                unmount_all_under(&work);
-                Err(Error::FailedPrecondition(format!(
-                    "the lazy restore's page daemon failed: {why}"
-                )))
+                Err((
+                    format!("{why} before the restore ended"),
+                    Error::FailedPrecondition(format!(
+                        "the lazy restore's page daemon failed: {why}"
+                    )),
+                ))
             }
-            Err(_) => {
-                // CRIU and what it restored so far live in the container's cgroup by now;
-                // killing them makes runc fail (and return) on its own.
+            Err(_) => Err((
+                format!("took longer than {bound:?}"),
+                Error::TimedOut(format!("the restore took longer than {bound:?} ([checkpoint] restore_timeout_ms) and was abandoned")),
+            )),
+        };
+        let restored = match outcome {
+            Ok(result) => result.map_err(Error::from),
+            Err((what, err)) => {
                 let killed = kill_cgroup_members(&bundle::read_spec(&c.bundle)?, &c.id);
-                log::error!(
-                    "restore of {} took longer than {bound:?}: killed {killed} processes",
-                    c.id
-                );
+                log::error!("restore of {}: {what}: killed {killed} processes", c.id);
                 let _ = tokio::time::timeout(Duration::from_secs(10), &mut restore).await;
                 // A killed CRIU leaves its cgroup yard mounted in the work directory.
                 unmount_all_under(&work);
-                Err(Error::TimedOut(format!("the restore took longer than {bound:?} ([checkpoint] restore_timeout_ms) and was abandoned")))
+                Err(err)
             }
         };
         let pid = restored.and_then(|()| bundle::read_pid(&pid_file));
