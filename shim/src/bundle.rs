@@ -208,35 +208,63 @@ pub const LOOPBACK_HOOK_ARG: &str = "loopback-hook";
 /// by then. `runc create` brings `lo` up itself; `runc restore` never does. The rest of the
 /// file is kept as it is (unknown fields included); written atomically.
 pub fn add_loopback_hook(bundle: &Path, shim: &Path) -> Result<()> {
-    let path = bundle.join("config.json");
-    let bad =
-        |what: String| Error::InvalidArgument(format!("bundle spec {}: {what}", path.display()));
-    let text = std::fs::read(&path).map_err(|e| bad(e.to_string()))?;
-    let mut spec: serde_json::Value =
-        serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
     let shim = shim.to_string_lossy().into_owned();
     let hook = serde_json::json!({
         "path": shim,
         "args": [shim, LOOPBACK_HOOK_ARG],
         "timeout": 10,
     });
+    edit_spec(bundle, |obj| {
+        let hooks = obj
+            .entry("hooks")
+            .or_insert_with(|| serde_json::json!({}))
+            .as_object_mut()
+            .ok_or("`hooks` is not an object")?;
+        let list = hooks
+            .entry("createRuntime")
+            .or_insert_with(|| serde_json::json!([]))
+            .as_array_mut()
+            .ok_or("`hooks.createRuntime` is not a list")?;
+        if !list.contains(&hook) {
+            list.push(hook);
+        }
+        Ok(())
+    })
+}
+
+/// Sets annotation `key` of the bundle's `config.json` to `value` (as [`edit_spec`]).
+pub fn set_annotation(bundle: &Path, key: &str, value: &str) -> Result<()> {
+    edit_spec(bundle, |obj| {
+        obj.entry("annotations")
+            .or_insert_with(|| serde_json::json!({}))
+            .as_object_mut()
+            .ok_or("`annotations` is not an object")?
+            .insert(
+                key.to_string(),
+                serde_json::Value::String(value.to_string()),
+            );
+        Ok(())
+    })
+}
+
+/// Changes the bundle's `config.json` by `edit` on its top-level object: the rest of the file
+/// is kept as it is (unknown fields included), and it is written atomically.
+fn edit_spec(
+    bundle: &Path,
+    edit: impl FnOnce(
+        &mut serde_json::Map<String, serde_json::Value>,
+    ) -> std::result::Result<(), &'static str>,
+) -> Result<()> {
+    let path = bundle.join("config.json");
+    let bad =
+        |what: String| Error::InvalidArgument(format!("bundle spec {}: {what}", path.display()));
+    let text = std::fs::read(&path).map_err(|e| bad(e.to_string()))?;
+    let mut spec: serde_json::Value =
+        serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
     let obj = spec
         .as_object_mut()
         .ok_or_else(|| bad("not a JSON object".into()))?;
-    let hooks = obj
-        .entry("hooks")
-        .or_insert_with(|| serde_json::json!({}))
-        .as_object_mut()
-        .ok_or_else(|| bad("`hooks` is not an object".into()))?;
-    let list = hooks
-        .entry("createRuntime")
-        .or_insert_with(|| serde_json::json!([]))
-        .as_array_mut()
-        .ok_or_else(|| bad("`hooks.createRuntime` is not a list".into()))?;
-    if list.contains(&hook) {
-        return Ok(());
-    }
-    list.push(hook);
+    edit(obj).map_err(|e| bad(e.into()))?;
     let tmp = bundle.join(".config.json.crab-tmp");
     let out = serde_json::to_vec(&spec).expect("a JSON value serializes");
     std::fs::write(&tmp, out)

@@ -16,8 +16,9 @@ use crate::{
     bundle::{self, RootfsMount},
     checkpoint::{
         lazy,
+        restore::Verdict,
         restore::{self, Taken},
-        Action,
+        restore_gate, Action,
     },
     error::{Error, Result},
     events::{EventSender, TaskEvent},
@@ -318,6 +319,9 @@ impl Containers {
                         limits: restore::ImageLimits::from_config(&config.restore),
                         granted: &granted,
                         cache: cache.as_ref(),
+                        // Start holds the restored processes at CRIU's post-restore gate
+                        // until the verdict ([`restore_gate`]).
+                        defer_pages: true,
                     };
                     restore::take_from_rootfs(&rootfs, &dest, &guard)
                 })
@@ -688,17 +692,61 @@ impl Containers {
                 log::warn!("container {}: no loopback hook for the restore ({e}): TCP connections over 127.0.0.1 cannot come back", c.id);
             }
         }
+        // The image's page files may still be being verified (their digests are checked while
+        // CRIU restores): CRIU's post-restore gate holds the restored processes until the
+        // verdict. Where no gate can be installed, the verdict comes first.
+        let verification = r.taken.as_ref().and_then(|t| t.verification.clone());
+        let mut early = verification.as_ref().and_then(|v| v.verdict());
+        let mut gate = None;
+        let mut verdict_task = None;
+        if let (Some(v), None) = (verification.clone(), &early) {
+            let annotations = bundle::read_spec(&c.bundle)
+                .ok()
+                .and_then(|s| s.annotations().clone());
+            match restore_gate::Gate::install(&c.bundle, annotations.as_ref())
+                .and_then(|g| Ok((g.opener()?, g)))
+            {
+                Ok((opener, g)) => {
+                    gate = Some(g);
+                    verdict_task = Some(tokio::task::spawn_blocking(move || {
+                        let d = v.wait();
+                        if let Err(e) = opener.open(d.result.is_ok()) {
+                            log::warn!("restore gate: giving the verdict: {e}");
+                        }
+                        d
+                    }));
+                }
+                Err(e) => {
+                    log::warn!(
+                        "container {}: {e}: the image's page files are verified before the \
+                         restore instead",
+                        c.id
+                    );
+                    early = tokio::task::spawn_blocking(move || v.wait()).await.ok();
+                }
+            }
+        }
+        let refused_early = early.as_ref().and_then(|d| d.result.clone().err());
         self.pids.lock().unwrap().begin_start();
         let bound = Duration::from_millis(r.config.checkpoint.restore_timeout_ms);
         let console = prepared.console.as_ref().map(|c| c.path.clone());
-        let restore = c.runc.restore(
-            &c.id,
-            &c.bundle,
-            &pid_file,
-            &opts,
-            console.as_deref(),
-            child,
-        );
+        let restore = async {
+            match refused_early {
+                Some(why) => Err(Error::FailedPrecondition(why)),
+                None => c
+                    .runc
+                    .restore(
+                        &c.id,
+                        &c.bundle,
+                        &pid_file,
+                        &opts,
+                        console.as_deref(),
+                        child,
+                    )
+                    .await
+                    .map_err(Error::from),
+            }
+        };
         tokio::pin!(restore);
         // Raced against a lazy-pages daemon that fails first: the restore would wait for it
         // (CRIU reports the end of the restore to it) until the bound, and what it restored
@@ -742,7 +790,7 @@ impl Containers {
             )),
         };
         let restored = match outcome {
-            Ok(result) => result.map_err(Error::from),
+            Ok(result) => result,
             Err((what, err)) => {
                 let killed = kill_cgroup_members(&bundle::read_spec(&c.bundle)?, &c.id);
                 log::error!("restore of {}: {what}: killed {killed} processes", c.id);
@@ -752,6 +800,72 @@ impl Containers {
                 Err(err)
             }
         };
+        // The verdict on the page files: waited for when the processes run (nothing may run
+        // that was not signed), else taken if it is there (it may say why CRIU failed).
+        let gated = verdict_task.is_some();
+        let verdict = match verdict_task {
+            Some(task) if restored.is_ok() => task.await.ok(),
+            Some(task) => {
+                task.abort();
+                verification.as_ref().and_then(|v| v.verdict())
+            }
+            None => early,
+        };
+        let reached = gate.as_ref().and_then(|g| g.reached());
+        if let Some(g) = gate.take() {
+            g.finish();
+        }
+        let restored =
+            match (restored, verdict.as_ref()) {
+                (
+                    r,
+                    Some(Verdict {
+                        result: Err(why), ..
+                    }),
+                ) => {
+                    if r.is_ok() {
+                        // CRIU let them run without the gate's word: they must not go on.
+                        let killed = kill_cgroup_members(&bundle::read_spec(&c.bundle)?, &c.id);
+                        log::error!(
+                        "restore of {}: {why}, but its processes were resumed (the restore gate \
+                         was {}): killed {killed} processes",
+                        c.id,
+                        if reached.is_some() { "ignored" } else { "not run" }
+                    );
+                    }
+                    Err(Error::FailedPrecondition(why.clone()))
+                }
+                (Ok(()), Some(d)) => {
+                    let waited = reached
+                        .and_then(|at| d.at.duration_since(at).ok())
+                        .unwrap_or_default();
+                    let how = match (gated, reached) {
+                        (false, _) => "before the restore began".to_string(),
+                        (true, Some(_)) => format!(
+                        "while CRIU restored; CRIU waited {:.1} ms for them at its post-restore \
+                         gate",
+                        waited.as_secs_f64() * 1e3
+                    ),
+                        // The processes ran before the verdict, which found nothing wrong.
+                        (true, None) => {
+                            log::warn!(
+                                "container {}: CRIU did not run the restore gate: its processes \
+                             were resumed before their page files were verified",
+                                c.id
+                            );
+                            "while CRIU restored, without the gate".to_string()
+                        }
+                    };
+                    log::info!(
+                    "checkpoint image of {}: its page files ({} bytes) verified in {:.1} ms {how}",
+                    c.id,
+                    verification.as_ref().map_or(0, |v| v.bytes()),
+                    d.took.as_secs_f64() * 1e3,
+                );
+                    Ok(())
+                }
+                (r, _) => r,
+            };
         let pid = restored.and_then(|()| bundle::read_pid(&pid_file));
         let early_exit = self
             .pids

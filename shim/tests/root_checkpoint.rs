@@ -115,6 +115,7 @@ fn restore_never_opens_a_device() {
         limits: ImageLimits::NONE,
         granted: &granted,
         cache: None,
+        defer_pages: false,
     };
     let meta = format!(
         r#"{{"format":1,"source":{{"namespace":"ns","container":"c","seq":3,"turn_id":"t3"}},

@@ -942,3 +942,105 @@ async fn repeated_checkpoints_store_only_changed_pages(d: Dumper) {
     signal(rinit, libc::SIGUSR1);
     wait_turn(&sb, 10).await;
 }
+
+/// CRIU's post-restore gate (`checkpoint::restore_gate`), through real runc and CRIU: a
+/// restore stops at it with every process restored and none of them running (a loop that
+/// appends to a file every 20 ms appends nothing while held), a refusal makes the restore fail
+/// with nothing left running, and `ok` lets the same image restore and run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_restore_gate_holds_every_process_until_the_verdict() {
+    use crab_shim::checkpoint::restore_gate::{Gate, GATE_DIR};
+    let sb = Sandbox::new(
+        "gate",
+        &[
+            "sh",
+            "-c",
+            "while true; do echo x >> /tmp/beat; sleep 0.02; done",
+        ],
+        false,
+        false,
+    )
+    .await;
+    let (id, _init, cg) = sb.run("a").await;
+    let beat = sb.rootfs("tmp/beat");
+    let len = || fs::metadata(&beat).map(|m| m.len()).unwrap_or(0);
+    wait_until("the loop to beat", Duration::from_secs(10), || {
+        (len() > 0).then_some(())
+    });
+    let image = sb.path("image");
+    let opts = CheckpointOpts {
+        image_path: image.clone(),
+        work_path: Some(sb.path("image.work")),
+        ..Default::default()
+    };
+    sb.runc.checkpoint(&id, &opts).await.unwrap();
+    assert!(
+        !cg.exists() || live(&cg).is_empty(),
+        "the dump ended the container"
+    );
+    sb.delete(&id).await;
+
+    for (n, ok) in [(1, false), (2, true)] {
+        let gate = Gate::install(&sb.bundle, None).unwrap();
+        let opener = gate.opener().unwrap();
+        let rid = format!("{}-r{n}", sb.base);
+        let work = sb.path(&format!("restore-{n}"));
+        let pid_file = sb.path(&format!("restore-{n}.pid"));
+        let mut cmd = sb.runc_cmd(&["restore", "-d", "--bundle"], &[sb.bundle.as_os_str()]);
+        cmd.arg("--image-path")
+            .arg(&image)
+            .arg("--work-path")
+            .arg(&work)
+            .arg("--pid-file")
+            .arg(&pid_file)
+            .arg(&rid)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        sb.containers.lock().unwrap().push(rid.clone());
+        let restore = tokio::spawn(async move { reaper::run(cmd, false).await.unwrap().code });
+        // CRIU reaches the gate; the restored loop does not run while it waits there.
+        wait_until("CRIU to reach the gate", Duration::from_secs(30), || {
+            gate.reached()
+        });
+        let held = len();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(len(), held, "a restored process ran before the verdict");
+        assert!(!restore.is_finished(), "runc restore waits at the gate");
+        opener.open(ok).unwrap();
+        let code = tokio::time::timeout(Duration::from_secs(30), restore)
+            .await
+            .expect("the restore ends once the verdict is given")
+            .unwrap();
+        gate.finish();
+        let restore_log = fs::read_to_string(work.join("restore.log")).unwrap_or_default();
+        if ok {
+            assert_eq!(code, 0, "{restore_log}");
+            let pid: u32 = fs::read_to_string(&pid_file)
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap();
+            let rcg = cgroup_of(pid);
+            wait_until("the restored loop to beat", Duration::from_secs(10), || {
+                (len() > held).then_some(())
+            });
+            assert!(!live(&rcg).is_empty());
+        } else {
+            assert_ne!(code, 0, "a refused verdict fails the restore");
+            assert!(
+                restore_log.contains("post-restore script"),
+                "CRIU names the gate: {restore_log}"
+            );
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert_eq!(len(), held, "nothing of the refused restore ran");
+            let _ = sb.runc.delete(&rid, true).await;
+        }
+        // The gate is gone but for the configuration runc's state names.
+        let left: Vec<String> = fs::read_dir(sb.bundle.join(GATE_DIR))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(left, ["criu.conf"]);
+    }
+}

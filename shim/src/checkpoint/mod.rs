@@ -32,6 +32,7 @@ pub mod process;
 pub mod provenance;
 pub mod restore;
 pub mod restore_cache;
+pub mod restore_gate;
 pub mod store;
 mod tar;
 pub mod volumes;

@@ -190,6 +190,9 @@ pub struct Taken {
     /// The restore cache that holds a verified copy of the CRIU image, and the image's
     /// verified file list (its key): the store imports that copy.
     pub cached: Option<(RestoreCache, BTreeMap<String, FileDigest>)>,
+    /// The digests of the CRIU image's page files, being checked while the restore goes on
+    /// (`None`: every file was checked before [`take_from_rootfs`] returned).
+    pub verification: Option<Verification>,
 }
 
 /// Kinds of file a checkpoint image may not contain in its reserved directory.
@@ -287,9 +290,26 @@ impl ImageLimits {
 /// A CRIU image copied: its logical size and each file's digest.
 struct Copied {
     bytes: u64,
+    /// The digests of the files hashed while copied.
     files: BTreeMap<String, FileDigest>,
+    /// Every file copied, with its size.
+    sizes: BTreeMap<String, u64>,
+    /// The files copied without hashing ([`deferrable`]): a [`Verification`] checks them.
+    deferred: BTreeMap<String, u64>,
     /// Of the copy's time, what hashing took.
     hashing: Duration,
+}
+
+/// Page files at least this large are verified while CRIU restores rather than before.
+pub const DEFER_MIN_BYTES: u64 = 256 << 10;
+
+/// Whether the digest of image file `name` of `len` bytes may be checked while CRIU restores
+/// (a [`Verification`]): CRIU's page data, of which only the restored processes' memory is
+/// made, and which CRIU has read in full before any restored process runs (its post-restore
+/// stage, where the gate waits). Every other file (those the least-privilege check decodes
+/// among them) is checked before the restore begins.
+pub fn deferrable(name: &str, len: u64) -> bool {
+    len >= DEFER_MIN_BYTES && name.starts_with("pages-") && name.ends_with(".img")
 }
 
 /// The plain files of CRIU image directory `from` (no subdirectories: a CRIU image is flat)
@@ -335,10 +355,16 @@ fn list_image(from: &Path, limits: ImageLimits) -> Result<Vec<(OsString, u64)>, 
     Ok(listed)
 }
 
-/// Copies the plain files of `from` into a new `to`, hashing each as it passes. The directory
-/// is listed and bounded by `limits` ([`list_image`]) before a byte is copied; a file that
-/// grows while being copied is an error, not a longer copy.
-fn copy_image(from: &Path, to: &Path, limits: ImageLimits) -> Result<Copied, RestoreError> {
+/// Copies the plain files of `from` into a new `to`, hashing each as it passes, except (with
+/// `defer`) the page files [`deferrable`] names: those are copied in the kernel and left to a
+/// [`Verification`]. The directory is listed and bounded by `limits` ([`list_image`]) before a
+/// byte is copied; a file that grows while being copied is an error, not a longer copy.
+fn copy_image(
+    from: &Path,
+    to: &Path,
+    limits: ImageLimits,
+    defer: bool,
+) -> Result<Copied, RestoreError> {
     let listed = list_image(from, limits)?;
     match fs::remove_dir_all(to) {
         Ok(()) => {}
@@ -354,6 +380,8 @@ fn copy_image(from: &Path, to: &Path, limits: ImageLimits) -> Result<Copied, Res
     let mut copied = Copied {
         bytes: 0,
         files: BTreeMap::new(),
+        sizes: BTreeMap::new(),
+        deferred: BTreeMap::new(),
         hashing: Duration::ZERO,
     };
     for (name, len) in listed {
@@ -361,8 +389,19 @@ fn copy_image(from: &Path, to: &Path, limits: ImageLimits) -> Result<Copied, Res
         let input = open_plain(&src)?;
         let dst = to.join(&name);
         let mut out = File::create(&dst).map_err(io_err(&dst))?;
-        let mut hashing = HashingReader::new(input.take(len + 1));
-        let n = io::copy(&mut hashing, &mut out).map_err(io_err(&dst))?;
+        let name = name.to_string_lossy().into_owned();
+        let n = if defer && deferrable(&name, len) {
+            // File to file: `copy_file_range` where the filesystems allow it.
+            let n = io::copy(&mut input.take(len + 1), &mut out).map_err(io_err(&dst))?;
+            copied.deferred.insert(name.clone(), n);
+            n
+        } else {
+            let mut hashing = HashingReader::new(input.take(len + 1));
+            let n = io::copy(&mut hashing, &mut out).map_err(io_err(&dst))?;
+            copied.hashing += hashing.hashing_time();
+            copied.files.insert(name.clone(), hashing.finish());
+            n
+        };
         if n != len {
             return Err(RestoreError::Io {
                 path: src,
@@ -370,10 +409,7 @@ fn copy_image(from: &Path, to: &Path, limits: ImageLimits) -> Result<Copied, Res
             });
         }
         copied.bytes += n;
-        copied.hashing += hashing.hashing_time();
-        copied
-            .files
-            .insert(name.to_string_lossy().into_owned(), hashing.finish());
+        copied.sizes.insert(name, n);
     }
     if !to.join("inventory.img").is_file() {
         return Err(RestoreError::MissingImage {
@@ -381,6 +417,136 @@ fn copy_image(from: &Path, to: &Path, limits: ImageLimits) -> Result<Copied, Res
         });
     }
     Ok(copied)
+}
+
+impl Copied {
+    /// Checks what was copied against a verified statement: every file by name and size, and
+    /// the digests of those hashed while copied (the rest is left to a [`Verification`]).
+    fn check(&self, statement: &Statement) -> Result<(), ProvenanceError> {
+        provenance::check_sizes(statement, &self.sizes)?;
+        provenance::check_digests(statement, &self.files)
+    }
+}
+
+/// What a [`Verification`] found.
+#[derive(Debug, Clone)]
+pub struct Verdict {
+    /// `Err`: why the files are not the signed ones (a [`ProvenanceError`]'s text).
+    pub result: Result<(), String>,
+    /// How long hashing took.
+    pub took: Duration,
+    /// When the verdict was reached.
+    pub at: std::time::SystemTime,
+}
+
+#[derive(Debug)]
+struct VerificationState {
+    verdict: std::sync::Mutex<Option<Verdict>>,
+    done: std::sync::Condvar,
+    bytes: u64,
+}
+
+/// The digests of a restore's page files ([`deferrable`]), checked on a thread of their own
+/// from the restore's private copy (in the bundle or the restore cache: root's, out of every
+/// container's reach, never changed after the copy) while Start runs runc and CRIU on that
+/// same copy. CRIU's post-restore gate ([`super::restore_gate`]) holds every restored process
+/// until the verdict: what runs is exactly what was signed, and the hashing, ~30 ms for 50 MB,
+/// is off the restore's critical path.
+#[derive(Debug, Clone)]
+pub struct Verification(std::sync::Arc<VerificationState>);
+
+impl Verification {
+    /// Starts checking `files` (name and size) in `dir` against `statement`, then calls
+    /// `then` with whether they are the signed ones.
+    fn start(
+        dir: PathBuf,
+        files: BTreeMap<String, u64>,
+        statement: &Statement,
+        then: impl FnOnce(bool) + Send + 'static,
+    ) -> Verification {
+        let state = std::sync::Arc::new(VerificationState {
+            verdict: std::sync::Mutex::new(None),
+            done: std::sync::Condvar::new(),
+            bytes: files.values().sum(),
+        });
+        let signed: BTreeMap<String, FileDigest> = files
+            .keys()
+            .filter_map(|n| Some((n.clone(), statement.criu.get(n)?.clone())))
+            .collect();
+        let run = {
+            let state = state.clone();
+            move || {
+                let started = Instant::now();
+                let result = Self::hash(&dir, &files, &signed);
+                then(result.is_ok());
+                *state.verdict.lock().unwrap() = Some(Verdict {
+                    result,
+                    took: started.elapsed(),
+                    at: std::time::SystemTime::now(),
+                });
+                state.done.notify_all();
+            }
+        };
+        let run = std::sync::Arc::new(std::sync::Mutex::new(Some(run)));
+        let spawned = {
+            let run = run.clone();
+            std::thread::Builder::new()
+                .name("crab-verify".into())
+                .spawn(move || {
+                    if let Some(f) = run.lock().unwrap().take() {
+                        f()
+                    }
+                })
+        };
+        if spawned.is_err() {
+            // No thread to be had: checked here, before the restore.
+            if let Some(f) = run.lock().unwrap().take() {
+                f()
+            }
+        }
+        Verification(state)
+    }
+
+    fn hash(
+        dir: &Path,
+        files: &BTreeMap<String, u64>,
+        signed: &BTreeMap<String, FileDigest>,
+    ) -> Result<(), String> {
+        let mut found = BTreeMap::new();
+        for (name, len) in files {
+            let path = dir.join(name);
+            let input = open_plain(&path).map_err(|e| e.to_string())?;
+            let mut hashing = HashingReader::new(input.take(len + 1));
+            io::copy(&mut hashing, &mut io::sink()).map_err(|e| io_err(&path)(e).to_string())?;
+            found.insert(name.clone(), hashing.finish());
+        }
+        let statement = Statement {
+            checkpoint_json: String::new(),
+            criu: signed.clone(),
+        };
+        provenance::check_digests(&statement, &found).map_err(|e| e.to_string())
+    }
+
+    /// The bytes being checked.
+    pub fn bytes(&self) -> u64 {
+        self.0.bytes
+    }
+
+    /// The verdict, if it was reached.
+    pub fn verdict(&self) -> Option<Verdict> {
+        self.0.verdict.lock().unwrap().clone()
+    }
+
+    /// Waits for the verdict.
+    pub fn wait(&self) -> Verdict {
+        let mut v = self.0.verdict.lock().unwrap();
+        loop {
+            if let Some(d) = v.as_ref() {
+                return d.clone();
+            }
+            v = self.0.done.wait(v).unwrap();
+        }
+    }
 }
 
 /// Who may restore what: the keys whose signatures are trusted, what to do with an image
@@ -396,6 +562,9 @@ pub struct RestoreGuard<'a> {
     pub granted: &'a Granted,
     /// The host's cache of verified CRIU images ([`RestoreCache`]), if the config keeps one.
     pub cache: Option<&'a RestoreCache>,
+    /// Whether the page files' digests may be checked while the restore goes on
+    /// ([`Verification`]: the caller must then hold the restored processes until the verdict).
+    pub defer_pages: bool,
 }
 
 /// Checks the CRIU image in `dir` (a private copy) against what the container's spec grants.
@@ -465,6 +634,7 @@ pub fn take_from_rootfs(
     };
     let criu = dir.join(CRIU_DIR);
     let mut cached = None;
+    let mut verification = None;
     let criu_dir = match (&meta.process, fs::symlink_metadata(&criu).is_ok()) {
         (Some(_), true) => {
             let copy_started = Instant::now();
@@ -477,10 +647,18 @@ pub fn take_from_rootfs(
             let ms = |d: Duration| d.as_secs_f64() * 1e3;
             match checked {
                 Ok((taken, copy_time, privileges)) => {
+                    let later = match &taken.verification {
+                        Some(v) => format!(
+                            "; the digests of its page files ({} bytes) are checked while CRIU \
+                             restores",
+                            v.bytes()
+                        ),
+                        None => String::new(),
+                    };
                     log::info!(
                         "checkpoint image of {} verified in {:.2} ms (description and signature \
                          {:.2}, file digests {:.2}, privileges {:.2}): {} files, {} bytes, {} in \
-                         {:.1} ms",
+                         {:.1} ms{later}",
                         guard.container,
                         ms(signature_time + taken.hashing + privileges),
                         ms(signature_time),
@@ -492,6 +670,7 @@ pub fn take_from_rootfs(
                         ms(copy_time)
                     );
                     cached = taken.cache.map(|c| (c.clone(), statement.criu.clone()));
+                    verification = taken.verification;
                 }
                 Err(e) => {
                     let _ = fs::remove_dir_all(criu_dest);
@@ -531,23 +710,28 @@ pub fn take_from_rootfs(
         meta,
         criu_dir,
         cached,
+        verification,
     }))
 }
 
 /// A CRIU image put into a restore's directory.
 struct TakenImage<'a> {
     bytes: u64,
-    /// Time spent hashing (zero when the verified copy came from the cache).
+    /// Time spent hashing before returning (zero when the verified copy came from the cache).
     hashing: Duration,
     /// How, for the log.
     how: String,
     /// The cache that holds its verified copy.
     cache: Option<&'a RestoreCache>,
+    /// The page files' digests, being checked.
+    verification: Option<Verification>,
 }
 
 /// Puts the CRIU image `criu` of a rootfs into `dest`, verified against `statement`: through
 /// the restore cache when there is one (the image's files are then only listed, by name and
 /// size, if another restore verified the same image before), else copied and hashed here.
+/// With `guard.defer_pages`, the page files' digests are checked by a [`Verification`] that
+/// goes on after this returns; a cache entry built here appears only once it passed.
 fn take_image<'a>(
     criu: &Path,
     dest: &Path,
@@ -564,9 +748,9 @@ fn take_image<'a>(
             .collect();
         provenance::check_sizes(statement, &listed)?;
         let build = |to: &Path| {
-            let copied = copy_image(criu, to, guard.limits)?;
-            provenance::check_files(statement, &copied.files)?;
-            Ok::<_, RestoreError>(copied)
+            let copied = copy_image(criu, to, guard.limits, guard.defer_pages)?;
+            copied.check(statement)?;
+            Ok::<_, RestoreError>((copied, to.to_path_buf()))
         };
         match cache.provide(&statement.criu, dest, build) {
             Ok(Some((p, built))) => {
@@ -574,11 +758,35 @@ fn take_image<'a>(
                     restore_cache::Source::Hit => "the restore cache's verified copy",
                     restore_cache::Source::Built => "verified into the restore cache",
                 };
+                let mut hashing = Duration::ZERO;
+                let mut verification = None;
+                if let Some(((copied, image), publish)) = built {
+                    hashing = copied.hashing;
+                    let publish = move |ok: bool| {
+                        if !ok {
+                            return; // dropped: nothing enters the cache
+                        }
+                        if let Err(e) = publish.commit() {
+                            log::warn!("{e}: the verified image was not cached");
+                        }
+                    };
+                    if copied.deferred.is_empty() {
+                        publish(true);
+                    } else {
+                        verification = Some(Verification::start(
+                            image,
+                            copied.deferred,
+                            statement,
+                            publish,
+                        ));
+                    }
+                }
                 return Ok(TakenImage {
                     bytes,
-                    hashing: built.map_or(Duration::ZERO, |c| c.hashing),
+                    hashing,
                     how: format!("{how} ({} files linked, {} copied)", p.linked, p.copied),
                     cache: Some(cache),
+                    verification,
                 });
             }
             Ok(None) => {}
@@ -588,13 +796,16 @@ fn take_image<'a>(
             Err(e) => return Err(e),
         }
     }
-    let copied = copy_image(criu, dest, guard.limits)?;
-    provenance::check_files(statement, &copied.files)?;
+    let copied = copy_image(criu, dest, guard.limits, guard.defer_pages)?;
+    copied.check(statement)?;
+    let verification = (!copied.deferred.is_empty())
+        .then(|| Verification::start(dest.to_path_buf(), copied.deferred, statement, |_| {}));
     Ok(TakenImage {
         bytes: copied.bytes,
         hashing: copied.hashing,
         how: "copied out".into(),
         cache: None,
+        verification,
     })
 }
 
@@ -665,7 +876,7 @@ pub fn restored_manifest(
             let (bytes_logical, bytes_stored) = match cached_import(store, &dir, taken) {
                 Some(i) => (i.bytes_logical, i.bytes_stored),
                 None => {
-                    let bytes_logical = copy_image(criu, &dir, ImageLimits::NONE)?.bytes;
+                    let bytes_logical = copy_image(criu, &dir, ImageLimits::NONE, false)?.bytes;
                     let dedup = pages::dedup(&dir, &store.chunks_dir())?;
                     let files: u64 = fs::read_dir(&dir)
                         .map_err(io_err(&dir))?
@@ -816,6 +1027,7 @@ mod tests {
         unsigned: UnsignedImages,
         limits: ImageLimits,
         cache: Option<RestoreCache>,
+        defer: bool,
     }
 
     impl Fixture {
@@ -828,6 +1040,7 @@ mod tests {
                 unsigned: UnsignedImages::Refuse,
                 limits: ImageLimits::NONE,
                 cache: None,
+                defer: false,
             }
         }
 
@@ -851,6 +1064,7 @@ mod tests {
                     limits: self.limits,
                     granted: &self.granted,
                     cache: self.cache.as_ref(),
+                    defer_pages: self.defer,
                 },
             )
         }
@@ -1264,6 +1478,109 @@ mod tests {
             pages::materialize(&dir, &store.chunks_dir()).unwrap();
             assert_eq!(fs::read(dir.join("pages-1.img")).unwrap(), b"pages");
             assert_eq!(p.bytes_logical, files.values().map(|d| d.size).sum::<u64>());
+        }
+    }
+
+    /// Page data of `n` bytes, different for each `seed`.
+    fn page_data(n: usize, seed: u8) -> Vec<u8> {
+        (0..n).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect()
+    }
+
+    #[test]
+    fn large_page_files_are_verified_while_the_restore_goes_on() {
+        let big = DEFER_MIN_BYTES as usize + 4096;
+        assert!(deferrable("pages-1.img", big as u64));
+        assert!(!deferrable("pages-1.img", DEFER_MIN_BYTES - 1));
+        assert!(!deferrable("core-1.img", big as u64) && !deferrable("pstree.img", big as u64));
+        for cached in [false, true] {
+            let cache_dir = tempfile::tempdir().unwrap();
+            let mut f = match cached {
+                true => Fixture::cached(cache_dir.path()),
+                false => Fixture::new(),
+            };
+            f.defer = true;
+            // Signed as it is: taken at once, its large page file checked on the side.
+            let good = page_data(big, 1);
+            let root = rootfs_with(
+                &meta_json(1, true),
+                Some(&creds(DEFAULT_CAPS)),
+                &[("pages-1.img", &good), ("pages-2.img", b"small")],
+            );
+            let dest = tempfile::tempdir().unwrap();
+            let t = f
+                .take(root.path(), &dest.path().join("img"))
+                .unwrap()
+                .unwrap();
+            let v = t
+                .verification
+                .clone()
+                .expect("the large page file is deferred");
+            assert_eq!(v.bytes(), big as u64);
+            assert_eq!(v.wait().result, Ok(()));
+            assert_eq!(
+                fs::read(dest.path().join("img/pages-1.img")).unwrap(),
+                good,
+                "copied whole"
+            );
+            if let Some(cache) = &f.cache {
+                // Published once it passed: a second restore takes the cached copy.
+                let key = RestoreCache::key(&t.cached.as_ref().unwrap().1);
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while !restore_cache::testing::image_dir(cache, &key).exists() {
+                    assert!(Instant::now() < deadline, "never published");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+            // Altered after signing (a rootfs each time: a taken image leaves it).
+            let altered = |len: usize| {
+                let root = rootfs_with(
+                    &meta_json(1, true),
+                    Some(&creds(DEFAULT_CAPS)),
+                    &[("pages-1.img", &page_data(big, 2))],
+                );
+                let path = root
+                    .path()
+                    .join(RESERVED_DIR)
+                    .join(CRIU_DIR)
+                    .join("pages-1.img");
+                fs::write(path, page_data(len, 3)).unwrap();
+                root
+            };
+            // At the same size (what the sizes cannot show): taken, but the verdict refuses
+            // it, naming the file; and nothing enters the cache.
+            for attempt in 0..2 {
+                let dest = tempfile::tempdir().unwrap();
+                let t = f
+                    .take(altered(big).path(), &dest.path().join("img"))
+                    .unwrap()
+                    .unwrap();
+                let why = t.verification.clone().unwrap().wait().result.unwrap_err();
+                assert!(
+                    why.contains("altered after signing") && why.contains("criu/pages-1.img"),
+                    "{why}"
+                );
+                if let Some(cache) = &f.cache {
+                    // Verified again at the second attempt (and refused again).
+                    assert_eq!(
+                        t.cached.as_ref().map(|_| ()),
+                        Some(()),
+                        "attempt {attempt}: built into the cache, not published"
+                    );
+                    let key = RestoreCache::key(&t.cached.as_ref().unwrap().1);
+                    std::thread::sleep(Duration::from_millis(50));
+                    assert!(!restore_cache::testing::image_dir(cache, &key).exists());
+                }
+            }
+            // A size that does not match is still refused before anything is taken.
+            let err = refused(&f, &altered(big + 1));
+            assert!(
+                matches!(err, RestoreError::Provenance(ProvenanceError::Altered(_))),
+                "{err}"
+            );
+            // Without deferral, the same altered image is refused at once.
+            f.defer = false;
+            let err = refused(&f, &altered(big));
+            assert!(err.to_string().contains("criu/pages-1.img"), "{err}");
         }
     }
 

@@ -219,6 +219,61 @@ fn pid_alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
 
+/// What a build made, and the entry to publish once it is verified.
+pub type Built<T> = (T, Publish);
+/// What [`RestoreCache::provide`] did: how the image was put in place, and what was built.
+pub type Provision<T> = (Provided, Option<Built<T>>);
+
+/// An entry [`RestoreCache::provide`] built, not in the cache yet: [`Publish::commit`] makes it
+/// appear (by a rename, whole), dropping it removes it. Holds the entry's lock meanwhile.
+#[derive(Debug)]
+pub struct Publish {
+    cache: RestoreCache,
+    key: String,
+    tmp: PathBuf,
+    /// The signed files' names and sizes.
+    wanted: BTreeMap<String, u64>,
+    lock: Option<File>,
+    done: bool,
+}
+
+impl Publish {
+    /// Puts the entry into the cache: call only once every file of it was verified.
+    pub fn commit(mut self) -> Result<(), CacheError> {
+        self.done = true;
+        let made = (|| -> Result<(), CacheError> {
+            let meta = EntryMeta {
+                format: ENTRY_FORMAT,
+                boot_id: boot_id(),
+                files: self.wanted.clone(),
+            };
+            let path = self.tmp.join(ENTRY_FILE);
+            fs::write(
+                &path,
+                serde_json::to_vec(&meta).expect("entry meta serializes"),
+            )
+            .map_err(io_err("writing", &path))?;
+            let entry = self.cache.entry(&self.key);
+            fs::rename(&self.tmp, &entry).map_err(io_err("publishing", &entry))
+        })();
+        if let Err(e) = made {
+            let _ = fs::remove_dir_all(&self.tmp);
+            return Err(e);
+        }
+        drop(self.lock.take());
+        self.cache.evict(&self.key);
+        Ok(())
+    }
+}
+
+impl Drop for Publish {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = fs::remove_dir_all(&self.tmp);
+        }
+    }
+}
+
 impl RestoreCache {
     pub fn new(root: &Path, max_bytes: u64) -> RestoreCache {
         RestoreCache {
@@ -371,12 +426,17 @@ impl RestoreCache {
     /// is returned as it is, and nothing enters the cache). `Ok(None)`: the cache was not used
     /// (the image is larger than the cache, or another restore held the entry for
     /// [`LOCK_WAIT`]); the caller copies and verifies on its own.
+    ///
+    /// What `build` made enters the cache only through the returned [`Publish`], once every
+    /// file is known to be the signed one (at once, or when the page files' deferred
+    /// verification passed): until then the entry's lock is held, so other restores of the same
+    /// image wait for it rather than build it again; dropped unpublished, nothing enters.
     pub fn provide<T, E: From<CacheError>>(
         &self,
         files: &BTreeMap<String, FileDigest>,
         dest: &Path,
         build: impl FnOnce(&Path) -> Result<T, E>,
-    ) -> Result<Option<(Provided, Option<T>)>, E> {
+    ) -> Result<Option<Provision<T>>, E> {
         let total = files.values().fold(0u64, |a, d| a.saturating_add(d.size));
         if total > self.max_bytes {
             return Ok(None);
@@ -413,41 +473,28 @@ impl RestoreCache {
                 return Err(e);
             }
         };
-        let made = (|| -> Result<(), CacheError> {
-            let wanted: BTreeMap<String, u64> =
-                files.iter().map(|(n, d)| (n.clone(), d.size)).collect();
-            if listing(&tmp.join("image")).as_ref() != Some(&wanted) {
-                return Err(CacheError::Bad(
-                    "the verified image does not hold exactly the signed files".into(),
-                ));
-            }
-            let meta = EntryMeta {
-                format: ENTRY_FORMAT,
-                boot_id: boot_id(),
-                files: wanted,
-            };
-            let path = tmp.join(ENTRY_FILE);
-            fs::write(
-                &path,
-                serde_json::to_vec(&meta).expect("entry meta serializes"),
+        let publish = Publish {
+            cache: self.clone(),
+            key,
+            tmp,
+            wanted: files.iter().map(|(n, d)| (n.clone(), d.size)).collect(),
+            lock: Some(lock),
+            done: false,
+        };
+        if listing(&publish.tmp.join("image")).as_ref() != Some(&publish.wanted) {
+            return Err(CacheError::Bad(
+                "the verified image does not hold exactly the signed files".into(),
             )
-            .map_err(io_err("writing", &path))?;
-            fs::rename(&tmp, &entry).map_err(io_err("publishing", &entry))
-        })();
-        if let Err(e) = made {
-            let _ = fs::remove_dir_all(&tmp);
-            return Err(e.into());
+            .into());
         }
-        let (linked, copied) = Self::link_out(&entry.join("image"), files, dest)?;
-        drop(lock);
-        self.evict(&key);
+        let (linked, copied) = Self::link_out(&publish.tmp.join("image"), files, dest)?;
         Ok(Some((
             Provided {
                 source: Source::Built,
                 linked,
                 copied,
             },
-            Some(built),
+            Some((built, publish)),
         )))
     }
 
@@ -618,6 +665,30 @@ pub mod testing {
 }
 
 #[cfg(test)]
+impl RestoreCache {
+    /// [`RestoreCache::provide`] with what it built published at once (a restore that verified
+    /// every file while copying it).
+    fn provide_now<T, E: From<CacheError>>(
+        &self,
+        files: &BTreeMap<String, FileDigest>,
+        dest: &Path,
+        build: impl FnOnce(&Path) -> Result<T, E>,
+    ) -> Result<Option<(Provided, Option<T>)>, E> {
+        let Some((p, built)) = self.provide(files, dest, build)? else {
+            return Ok(None);
+        };
+        let built = match built {
+            Some((t, publish)) => {
+                publish.commit()?;
+                Some(t)
+            }
+            None => None,
+        };
+        Ok(Some((p, built)))
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::checkpoint::provenance::HashingReader;
@@ -679,7 +750,7 @@ mod tests {
         let cache = RestoreCache::new(&t.path().join("cache"), 1 << 30);
         let builds = std::sync::atomic::AtomicUsize::new(0);
         let (p, _) = cache
-            .provide(
+            .provide_now(
                 &files,
                 &t.path().join("r1"),
                 build_from(&t.path().join("src"), &files, &builds),
@@ -691,7 +762,7 @@ mod tests {
         // restore gets the verified bytes, not these.
         fs::write(t.path().join("src/pages-1.img"), vec![0xaa; 8 * 4096]).unwrap();
         let (p, built) = cache
-            .provide(
+            .provide_now(
                 &files,
                 &t.path().join("r2"),
                 build_from(&t.path().join("src"), &files, &builds),
@@ -728,7 +799,7 @@ mod tests {
         let cache = RestoreCache::new(&t.path().join("cache"), 1 << 30);
         let builds = std::sync::atomic::AtomicUsize::new(0);
         let e = cache
-            .provide(
+            .provide_now(
                 &files,
                 &t.path().join("r1"),
                 build_from(&t.path().join("src"), &files, &builds),
@@ -741,7 +812,7 @@ mod tests {
         // Repaired, it restores (and is verified again: nothing was cached).
         fs::write(t.path().join("src/pstree.img"), b"pstree").unwrap();
         let (p, _) = cache
-            .provide(
+            .provide_now(
                 &files,
                 &t.path().join("r1"),
                 build_from(&t.path().join("src"), &files, &builds),
@@ -753,6 +824,72 @@ mod tests {
     }
 
     #[test]
+    fn a_build_enters_the_cache_only_when_published_and_others_wait_for_it() {
+        let t = tempfile::tempdir().unwrap();
+        let files = Arc::new(image(&t.path().join("src"), 8));
+        let cache = Arc::new(RestoreCache::new(&t.path().join("cache"), 1 << 30));
+        let builds = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let key = RestoreCache::key(&files);
+        // Built, linked into the restore's directory, not published (its page files are still
+        // being verified): nothing is in the cache, and the restore has its files.
+        let (p, built) = cache
+            .provide(
+                &files,
+                &t.path().join("r1"),
+                build_from(&t.path().join("src"), &files, &builds),
+            )
+            .unwrap()
+            .unwrap();
+        let ((), publish) = built.unwrap();
+        assert_eq!(p.source, Source::Built);
+        assert!(!cache.entry(&key).exists());
+        assert_eq!(&digests(&t.path().join("r1")), &*files);
+        // Dropped unpublished (the verification failed): gone, and nothing is left in tmp/.
+        drop(publish);
+        assert!(!cache.entry(&key).exists());
+        assert_eq!(fs::read_dir(cache.root.join("tmp")).unwrap().count(), 0);
+        // Built again; another restore of the same image meanwhile waits for the lock and then
+        // takes the published entry instead of building it a third time.
+        let (_, built) = cache
+            .provide(
+                &files,
+                &t.path().join("r2"),
+                build_from(&t.path().join("src"), &files, &builds),
+            )
+            .unwrap()
+            .unwrap();
+        let ((), publish) = built.unwrap();
+        let waiter = {
+            let (cache, files, builds, root) = (
+                cache.clone(),
+                files.clone(),
+                builds.clone(),
+                t.path().to_path_buf(),
+            );
+            std::thread::spawn(move || {
+                cache
+                    .provide(
+                        &files,
+                        &root.join("r3"),
+                        build_from(&root.join("src"), &files, &builds),
+                    )
+                    .unwrap()
+                    .unwrap()
+            })
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(
+            !waiter.is_finished(),
+            "the other restore waits for the entry's lock"
+        );
+        publish.commit().unwrap();
+        let (p, built) = waiter.join().unwrap();
+        assert_eq!((p.source, built.is_none()), (Source::Hit, true));
+        assert_eq!(builds.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(&digests(&t.path().join("r3")), &*files);
+    }
+
+    #[test]
     fn entries_that_do_not_hold_exactly_their_files_or_are_of_another_boot_are_rebuilt() {
         let t = tempfile::tempdir().unwrap();
         let files = image(&t.path().join("src"), 2);
@@ -760,7 +897,7 @@ mod tests {
         let builds = std::sync::atomic::AtomicUsize::new(0);
         let provide = |to: &str| {
             cache
-                .provide(
+                .provide_now(
                     &files,
                     &t.path().join(to),
                     build_from(&t.path().join("src"), &files, &builds),
@@ -791,7 +928,7 @@ mod tests {
         let d = bad.remove("pstree.img").unwrap();
         bad.insert("../pstree.img".into(), d);
         let e = cache
-            .provide(&bad, &t.path().join("x"), |to: &Path| {
+            .provide_now(&bad, &t.path().join("x"), |to: &Path| {
                 fs::create_dir_all(to).unwrap();
                 for e in fs::read_dir(t.path().join("src")).unwrap().flatten() {
                     fs::copy(e.path(), to.join(e.file_name())).unwrap();
@@ -819,7 +956,7 @@ mod tests {
                 std::thread::spawn(move || {
                     let src = root.join("src");
                     cache
-                        .provide(
+                        .provide_now(
                             &files,
                             &root.join(format!("r{i}")),
                             build_from(&src, &files, &builds),
@@ -857,7 +994,7 @@ mod tests {
             None
         );
         cache
-            .provide(
+            .provide_now(
                 &files,
                 &t.path().join("r"),
                 build_from(&t.path().join("src"), &files, &builds),
@@ -920,7 +1057,7 @@ mod tests {
                 f
             };
             cache
-                .provide(
+                .provide_now(
                     &files,
                     &t.path().join("r"),
                     build_from(&src, &files, &builds),
@@ -936,7 +1073,7 @@ mod tests {
         let src = t.path().join("big");
         let files = image(&src, 64);
         assert!(cache
-            .provide(
+            .provide_now(
                 &files,
                 &t.path().join("r"),
                 build_from(&src, &files, &builds)
