@@ -315,10 +315,15 @@ async fn fixture(name: &str) -> Fixture {
 }
 
 async fn fixture_with(name: &str, options: SandboxOptions<'_>) -> Fixture {
+    fixture_running(name, options, "nohup sleep 100000 >/dev/null 2>&1 &").await
+}
+
+/// A fixture whose process image is of `background`, started in the second turn.
+async fn fixture_running(name: &str, options: SandboxOptions<'_>, background: &str) -> Fixture {
     let (mut s, guard) = Sandbox::start(name, options).await;
     s.run("echo data > /app/file").await;
     s.end_turn().await;
-    s.run("nohup sleep 100000 >/dev/null 2>&1 &").await;
+    s.run(background).await;
     s.end_turn().await;
     s.sync().await;
     let h = s.h.clone();
@@ -1057,4 +1062,83 @@ async fn planted_files_in_the_reserved_directory() {
         "reserved dir hidden, both sleeps restored: {out}"
     );
     f.s.finish().await;
+}
+
+/// Page files large enough to be verified while CRIU restores (the shim's post-restore gate):
+/// the signed image restores, its process running again; the same image with one byte of its
+/// largest page file changed (same size: what the listed sizes cannot show) is refused, naming
+/// the file, with nothing of it left running.
+#[tokio::test(flavor = "multi_thread")]
+async fn page_files_verified_while_criu_restores_are_refused_when_altered() {
+    let f = fixture_running(
+        "bigpages",
+        SandboxOptions::default(),
+        "nohup python3 -c 'import os, time; b = bytearray(os.urandom(24 << 20)); \
+         open(\"/tmp/held\", \"w\").close(); time.sleep(10 ** 6)' >/dev/null 2>&1 & \
+         while [ ! -e /tmp/held ]; do sleep 0.05; done",
+    )
+    .await;
+    let entries = f.good.last_layer_entries();
+    let pages: Vec<(String, usize)> = entries
+        .iter()
+        .filter_map(|(h, d)| {
+            let p = h.path().unwrap().to_string_lossy().into_owned();
+            p.contains("/pages-").then_some((p, d.len()))
+        })
+        .collect();
+    let largest = pages.iter().max_by_key(|(_, n)| *n).unwrap().clone();
+    assert!(
+        largest.1 > 16 << 20,
+        "the holder's pages are in one large file: {pages:?}"
+    );
+    // One byte of the largest page file changed after signing: refused, and (the restore
+    // cache is on, this image not in it yet) nothing of it enters the cache.
+    let altered = repack(&entries, |p, d| {
+        let mut d = d.to_vec();
+        if p == largest.0 {
+            let m = d.len() / 2;
+            d[m] ^= 0x5a;
+        }
+        Some(d)
+    });
+    let out = f
+        .run_fails(
+            "bigpages-altered",
+            &f.good
+                .with_last_layer(&f.name("bigpages-altered"), Some(altered), None),
+        )
+        .await;
+    let file = largest.0.rsplit('/').next().unwrap();
+    assert!(
+        out.contains("altered after signing") && out.contains(&format!("criu/{file}")),
+        "{out}"
+    );
+    eprintln!("altered: {out}");
+    let log = f.h.env.containerd_log();
+    let from = std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
+    // Signed as exported: restores, its page files verified alongside (the cache entry is
+    // built by this restore, not taken from the refused one).
+    let config = f.config("bigpages", "");
+    let (code, out) = f.run(
+        "good",
+        &f.good,
+        &config,
+        &[],
+        "pgrep -f 'python3 -c import os' >/dev/null && echo held",
+    );
+    assert_eq!((code, out.trim()), (0, "held"), "{out}");
+    let text = std::fs::read(&log).unwrap();
+    let text = String::from_utf8_lossy(&text[(from as usize).min(text.len())..]).into_owned();
+    let id = format!("{}-good", f.s.id);
+    let line = text
+        .lines()
+        .find(|l| l.contains(&format!("checkpoint image of {id}: its page files (")))
+        .unwrap_or_else(|| panic!("no verification of the page files was logged"));
+    assert!(line.contains("verified in"), "{line}");
+    eprintln!("{line}");
+    let built = text
+        .lines()
+        .find(|l| l.contains(&format!("checkpoint image of {id} verified in ")))
+        .unwrap();
+    assert!(built.contains("verified into the restore cache"), "{built}");
 }
