@@ -321,7 +321,7 @@ impl Containers {
                         cache: cache.as_ref(),
                         // Start holds the restored processes at CRIU's post-restore gate
                         // until the verdict ([`restore_gate`]).
-                        defer_pages: true,
+                        defer_pages: config.restore.verify_during_restore,
                     };
                     restore::take_from_rootfs(&rootfs, &dest, &guard)
                 })

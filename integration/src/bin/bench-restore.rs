@@ -46,6 +46,12 @@
 //!    (the worst case for lazy pages: each missing page is a fault the daemon serves), and, lazy
 //!    only, until the shim logged that every page had arrived. `BENCH_RESTORE_ONLY=5` runs
 //!    this section alone.
+//! 6. Verification of a large image (50 and 200 MB held by a python3; `BENCH_VERIFY_SIZES`):
+//!    API starts with the restore cache off (each a first restore), the page files' digests
+//!    checked before the restore (`[restore] verify_during_restore = false`) and while CRIU
+//!    restores (`true`, the default) alternately: until Tasks.Start returned, and what
+//!    verification cost the critical path (the shim's `verified in`, plus CRIU's wait at the
+//!    post-restore gate). `BENCH_RESTORE_ONLY=6` runs this section alone.
 //!
 //! Aims (the issues'; printed next to the figures, not checked): fs-only rollback p50 <= 20 ms;
 //! restore with a 50 MB process p50 <= 300 ms; forking N <= 1.2x N plain starts at once, and no
@@ -97,6 +103,10 @@ const FORKS: [usize; 3] = [1, 8, 32];
 const HELD_MB: usize = 50;
 /// Section 5's sizes, MB held.
 const LAZY_SIZES: [usize; 2] = [128, 512];
+/// Section 6's image sizes (MB held by the process).
+const VERIFY_SIZES: [usize; 2] = [50, 200];
+/// The aim for what signature verification and checks cost a restore.
+const AIM_VERIFY_MS: f64 = 5.0;
 const ROLLBACK_CHAIN: usize = 10;
 
 const AIM_ROLLBACK_FS_MS: f64 = 20.0;
@@ -206,6 +216,11 @@ struct ShimLog {
     /// the CRIU files' digests (hashing time only: the files are read to be copied anyway) and
     /// the least-privilege check.
     verify_ms: f64,
+    /// With the page files verified while CRIU restored (`[restore] verify_during_restore`):
+    /// how long hashing them took, and how long CRIU waited for the verdict at its post-restore
+    /// gate (what of the hashing stayed on the critical path). NaN where not logged.
+    pages_ms: f64,
+    gate_wait_ms: f64,
     /// Unix times of that line and of the inspector's start after it.
     restored_at: f64,
     inspector_at: Option<f64>,
@@ -345,9 +360,30 @@ impl Bench {
                             rest.split_whitespace().next()?.parse::<f64>().ok()
                         })
                         .unwrap_or(f64::NAN);
+                    let pages = format!("checkpoint image of {id}: its page files (");
+                    let (pages_ms, gate_wait_ms) = lines
+                        .iter()
+                        .find_map(|l| {
+                            let rest = &l[l.find(&pages)? + pages.len()..];
+                            let took = rest
+                                .split_once(" verified in ")?
+                                .1
+                                .split_whitespace()
+                                .next()?
+                                .parse::<f64>()
+                                .ok()?;
+                            let waited = match rest.split_once("CRIU waited ") {
+                                Some((_, w)) => w.split_whitespace().next()?.parse().ok()?,
+                                None => 0.0,
+                            };
+                            Some((took, waited))
+                        })
+                        .unwrap_or((f64::NAN, f64::NAN));
                     found = Some(ShimLog {
                         restore_ms,
                         verify_ms,
+                        pages_ms,
+                        gate_wait_ms,
                         restored_at,
                         inspector_at,
                     });
@@ -1260,6 +1296,127 @@ async fn bench_lazy(b: &mut Bench, r: &mut Report) -> Res<()> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// 6. Verifying a large image: before the restore, or while CRIU restores
+
+/// For each size: a python3 holding that many MB, exported; then API starts of the image, the
+/// restore cache off (each start is a first restore: the image is copied and verified), with
+/// `[restore] verify_during_restore` true and false alternately: until Tasks.Start returned,
+/// the shim's verification before the restore (`verified in`), and with it on, the page files'
+/// hashing and CRIU's wait at its post-restore gate. What verification costs the critical path:
+/// `verified in` (before) against `verified in` + the gate's wait (during).
+async fn bench_verify(b: &mut Bench, r: &mut Report) -> Res<()> {
+    let mut j = serde_json::Map::new();
+    let sizes: Vec<usize> = match std::env::var("BENCH_VERIFY_SIZES") {
+        Ok(v) => v.split(',').filter_map(|s| s.trim().parse().ok()).collect(),
+        Err(_) => VERIFY_SIZES.to_vec(),
+    };
+    for mb in sizes {
+        BENCH.progress(format!(
+            "6 verification: a sandbox with a {mb} MB python3, then {} x (before, during) API starts",
+            b.o.reps
+        ));
+        let config = signing_config(b);
+        let (mut s, guard) = Sandbox::start(
+            "bench-restore-verify",
+            SandboxOptions {
+                config: &config,
+                ..Default::default()
+            },
+        )
+        .await;
+        b.sandboxes.push(s.id.clone());
+        s.run(&lazy_holder_script(mb)).await;
+        let (seq, _, m) = end_turn(&mut s).await?;
+        if m["process"].is_null() {
+            return Err(format!("{}: no process image in {m}", s.id));
+        }
+        let image = format!("localhost/crab-bench/restore-{}:verify{mb}", b.pid);
+        export_series(b, &s, seq, &image)?;
+        let id = b.id(&format!("verify{mb}-unpack"));
+        b.ctr_run(DEFAULT_RUNTIME, &image, &id)?;
+        b.remove(&id).await?;
+        let h = b.harness_for(&image, DEFAULT_RUNTIME).await?;
+        let mut start: HashMap<&str, Vec<f64>> = HashMap::new();
+        let mut critical: HashMap<&str, Vec<f64>> = HashMap::new();
+        let (mut hashing, mut waited) = (Vec::new(), Vec::new());
+        for _ in 0..b.o.reps {
+            for (mode, during) in [("before", false), ("during", true)] {
+                let id = b.id(&format!("verify{mb}-{mode}"));
+                let cfg = format!(
+                    "{}[restore]\ncache_mib = 0\nverify_during_restore = {during}\n",
+                    b.cfg_body
+                );
+                let from = b.log_len();
+                let api = api_start(&h, &id, &cfg).await?;
+                start.entry(mode).or_default().push(api.total_ms);
+                let log = b.shim_log(from, &id).await;
+                let (v, p, w) = log.map_or((f64::NAN, f64::NAN, f64::NAN), |l| {
+                    (l.verify_ms, l.pages_ms, l.gate_wait_ms)
+                });
+                critical
+                    .entry(mode)
+                    .or_default()
+                    .push(if during { v + w } else { v });
+                if during {
+                    hashing.push(p);
+                    waited.push(w);
+                }
+                b.remove(&id).await?;
+            }
+        }
+        let section = "6 verification";
+        for mode in ["before", "during"] {
+            r.row(
+                section,
+                format!("{mb} MB, {mode}: API create+start"),
+                start[mode].clone(),
+                None,
+                "",
+            );
+            r.row(
+                section,
+                format!("{mb} MB, {mode}: verification on the critical path"),
+                critical[mode].clone(),
+                Some(AIM_VERIFY_MS),
+                if mode == "during" {
+                    "checks before the restore + CRIU's wait at the gate"
+                } else {
+                    "every digest before the restore"
+                },
+            );
+        }
+        r.row(
+            section,
+            format!("{mb} MB, during: page files hashed alongside CRIU"),
+            hashing.clone(),
+            None,
+            "",
+        );
+        r.row(
+            section,
+            format!("{mb} MB, during: CRIU waited at the gate"),
+            waited.clone(),
+            None,
+            "",
+        );
+        let ratio =
+            |m: &HashMap<&str, Vec<f64>>| Stats::of(&m["during"]).p50 / Stats::of(&m["before"]).p50;
+        j.insert(
+            format!("{mb}mb"),
+            json!({
+                "before": {"api_start_ms": Stats::json(&start["before"]), "critical_ms": Stats::json(&critical["before"])},
+                "during": {"api_start_ms": Stats::json(&start["during"]), "critical_ms": Stats::json(&critical["during"]), "pages_hashed_ms": Stats::json(&hashing), "gate_wait_ms": Stats::json(&waited)},
+                "during_over_before_p50": {"api_start": ratio(&start), "critical": ratio(&critical)},
+            }),
+        );
+        b.remove(&s.id).await?;
+        drop(guard);
+    }
+    r.extra.insert("verification".into(), Value::Object(j));
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
 // 3. Rollback
 
 /// Each repetition: a turn writes /app/undo-me.txt, then `crabctl rollback --to turn` (timed),
@@ -2118,6 +2275,7 @@ async fn main() {
         match std::env::var("BENCH_RESTORE_ONLY").as_deref() {
             Ok("3b") => return bench_in_place(&mut b, &mut r).await,
             Ok("5") => return bench_lazy(&mut b, &mut r).await,
+            Ok("6") => return bench_verify(&mut b, &mut r).await,
             _ => {}
         }
         baseline(&mut b, &mut r).await?;
@@ -2136,6 +2294,8 @@ async fn main() {
         bench_fork(&mut b, &mut r, &fs, &p).await?;
         save_partial(&b, &r, started, &load_before);
         bench_lazy(&mut b, &mut r).await?;
+        save_partial(&b, &r, started, &load_before);
+        bench_verify(&mut b, &mut r).await?;
         Ok::<_, String>(())
     }
     .await;
