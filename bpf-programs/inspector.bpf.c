@@ -560,6 +560,48 @@ int crab_foreign(void *ctx)
 	return 0;
 }
 
+/* The user address of task `t`'s rseq area, 0 if none (or unknown). */
+static __always_inline __u64 task_rseq(struct task_struct *t)
+{
+	struct task_struct___rseq_ptr *r = (void *)t;
+
+	if (!bpf_core_field_exists(r->rseq))
+		return 0;
+	return (__u64)BPF_CORE_READ(r, rseq);
+}
+
+/* Notes the rseq area of `t` (a thread of run's process leaving a CPU). Two
+ * CPUs may race for a free slot: the loser's area is noted at its next
+ * switch-out. */
+static __always_inline void note_rseq(struct run *run, struct task_struct *t)
+{
+	__u64 p = task_rseq(t);
+	int i;
+
+	if (!p)
+		return;
+	for (i = 0; i < RUN_RSEQ_MAX; i++) {
+		__u64 cur = run->rseq[i];
+
+		if (cur == p)
+			return;
+		if (!cur) {
+			run->rseq[i] = p;
+			return;
+		}
+	}
+	__sync_fetch_and_or(&run->flags, RUN_RSEQ_MORE);
+}
+
+static __always_inline void forget_rseq(struct run *run)
+{
+	int i;
+
+	for (i = 0; i < RUN_RSEQ_MAX; i++)
+		run->rseq[i] = 0;
+	__sync_fetch_and_and(&run->flags, ~RUN_RSEQ_MORE);
+}
+
 /*
  * On x86-64, syscalls of 32-bit processes (int 0x80, sysenter) do not reach
  * the syscall tracepoints: such a process is marked so that each of its runs
@@ -578,6 +620,10 @@ int BPF_PROG(crab_exec, struct task_struct *task, int old_pid, struct linux_binp
 	if (!c)
 		return 0;
 	add(&c->execs);
+	/* A new image: the old areas are no rseq areas any more. */
+	run = bpf_map_lookup_elem(&runs, &tgid);
+	if (run)
+		forget_rseq(run);
 	if (bpf_core_read(ident, sizeof(ident), &bprm->buf)) {
 		add(&c->errors);
 		return 0;
@@ -626,8 +672,15 @@ int BPF_PROG(crab_exit, struct task_struct *task)
 	__u64 cg;
 
 	/* signal->live was decremented before this tracepoint: 0 = last thread */
-	if (BPF_CORE_READ(task, signal, live.counter) != 0)
+	if (BPF_CORE_READ(task, signal, live.counter) != 0) {
+		/* A thread exits: its area may be freed and reused for data. The
+		 * live threads' areas are noted again as they leave a CPU. */
+		struct run *run = bpf_map_lookup_elem(&runs, &tgid);
+
+		if (run)
+			forget_rseq(run);
 		return 0;
+	}
 	bpf_map_delete_elem(&runs, &tgid);
 	c = current_counters(&cg);
 	if (c)
@@ -662,20 +715,24 @@ int BPF_PROG(crab_sched_switch, _Bool preempt, struct task_struct *prev, struct 
 		run->cgroup_id = cg;
 		if (run->flags & RUN_COMPAT)
 			add(&c->errors);
+		note_rseq(run, prev);
 		return 0;
 	}
 	/* The final switch-outs of an exiting process come after its entry was
 	 * deleted: do not bring it back. */
 	if (prev->flags & PF_EXITING)
 		return 0;
+	__builtin_memset(&fresh, 0, sizeof(fresh));
 	fresh.switches_out = 1;
 	fresh.cgroup_id = cg;
-	fresh.flags = 0;
+	fresh.rseq[0] = task_rseq(prev);
 	if (bpf_map_update_elem(&runs, &tgid, &fresh, BPF_NOEXIST) == 0)
 		return 0;
 	run = bpf_map_lookup_elem(&runs, &tgid); /* created meanwhile on another CPU? */
-	if (run)
+	if (run) {
 		add(&run->switches_out);
+		note_rseq(run, prev);
+	}
 	else
 		add(&c->errors); /* map full: user space must not trust run counts */
 	return 0;

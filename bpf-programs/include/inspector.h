@@ -47,16 +47,26 @@ struct counters {
 	__u64 misses_base;  /* programs' recursion misses at watch time */
 };
 
+/* Threads per process whose rseq area a `run` records. */
+#define RUN_RSEQ_MAX 8
+
 /* Value of the `runs` map, key = tgid (u32). */
 struct run {
 	__u64 switches_out; /* times any thread of the process left a CPU */
 	__u64 cgroup_id;    /* watched cgroup it was last counted for */
 	__u64 flags;        /* RUN_* */
+	/* User addresses of the rseq areas (struct rseq) of threads seen leaving a
+	 * CPU: the kernel writes the current CPU there, which is no state of the
+	 * process's own. Cleared at exec and whenever a thread exits (an area
+	 * noted here belongs to a live thread of the current image); 0 = free. */
+	__u64 rseq[RUN_RSEQ_MAX];
 };
 
 /* A 32-bit executable: its syscalls bypass the syscall tracepoints, so every
  * time it runs the cgroup gets an error ("everything may have changed"). */
 #define RUN_COMPAT 1ULL
+/* More threads ran than `rseq` has room for. */
+#define RUN_RSEQ_MORE 2ULL
 
 /* `oncpu` per-CPU array slot: ONCPU_VALID | tgid of the task switched in. */
 #define ONCPU_VALID (1ULL << 32)

@@ -64,6 +64,13 @@ struct task_struct {
 	struct signal_struct *signal;
 } __crab_core;
 
+/* Linux 4.18-6.18: the thread's registered struct rseq (a user pointer). A
+ * flavor of its own so that a kernel where the field is not that pointer
+ * fails only the existence check, not the load. */
+struct task_struct___rseq_ptr {
+	void *rseq;
+} __crab_core;
+
 struct linux_binprm {
 	char buf[256]; /* first bytes of the executable finally loaded */
 } __crab_core;

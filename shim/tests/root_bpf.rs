@@ -846,3 +846,94 @@ fn unwatch_leaves_no_entries() {
     bystander_proc.kill().unwrap();
     bystander_proc.wait().unwrap();
 }
+
+/// The rseq area of each thread that leaves a CPU is noted per process (the inspector hashes
+/// those 32 bytes as zeros: the kernel writes the current CPU there), exactly glibc's area
+/// (thread pointer + `__rseq_offset`), and forgotten when the process execs.
+#[test]
+fn notes_the_rseq_areas_of_threads_that_ran() {
+    let _serial = serial();
+    let root = TestRoot::new("rseq");
+    let probes = HostProbes::open_or_load_at(&root.0).unwrap();
+    let cg = TestCgroup::new("rseq");
+    probes.watch(cg.id).unwrap();
+    // Prints the rseq area of its main thread and of a second thread, then sleeps in short
+    // steps (leaving the CPU each time) until its stdin closes.
+    let script = r#"exec /usr/bin/python3 -B -u -c '
+import ctypes, sys, threading, time
+libc = ctypes.CDLL(None)
+libc.pthread_self.restype = ctypes.c_ulong
+off = ctypes.c_long.in_dll(libc, "__rseq_offset").value
+size = ctypes.c_uint.in_dll(libc, "__rseq_size").value
+def area():
+    return libc.pthread_self() + off if size else 0
+other = []
+t = threading.Thread(target=lambda: (other.append(area()), time.sleep(30)), daemon=True)
+t.start()
+while not other:
+    time.sleep(0.01)
+print(area(), other[0], flush=True)
+while True:
+    time.sleep(0.02)
+'"#;
+    let mut child = cg.spawn(script);
+    let pid = child.id();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let want: Vec<u64> = line
+        .split_whitespace()
+        .map(|v| v.parse().unwrap())
+        .collect();
+    if want.contains(&0) {
+        eprintln!("glibc did not register rseq: nothing to check");
+        let _ = child.kill();
+        return;
+    }
+    // Both threads have left a CPU by now (the other one went to sleep right after noting its
+    // area; the main thread sleeps every 20 ms).
+    let got = wait_for(|| {
+        let (areas, complete) = probes.rseq_areas(pid).unwrap();
+        (want.iter().all(|a| areas.contains(a)) && complete).then_some(areas)
+    });
+    assert!(
+        got.is_some(),
+        "want {want:?}, got {:?}",
+        probes.rseq_areas(pid)
+    );
+    // An exec forgets them; the new image's thread is noted when it leaves a CPU.
+    let mut sleeper = cg.spawn("exec sleep 30");
+    let spid = sleeper.id();
+    let noted = wait_for(|| {
+        let (areas, _) = probes.rseq_areas(spid).unwrap();
+        (!areas.is_empty()).then_some(areas)
+    });
+    let (areas, _) = probes.rseq_areas(spid).unwrap();
+    assert!(
+        noted.is_some() && areas.len() == 1 && !want.contains(&areas[0]),
+        "after exec: {areas:?} (the shell's were {want:?})"
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+    sleeper.kill().unwrap();
+    sleeper.wait().unwrap();
+    assert_eq!(probes.counters(cg.id).unwrap().errors, 0);
+    probes.unwatch(cg.id).unwrap();
+}
+
+/// `f` until it gives something, for at most 5 s.
+fn wait_for<T>(mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

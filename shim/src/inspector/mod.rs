@@ -544,7 +544,11 @@ impl Inspection {
     }
 
     fn capture(&self, pid: u32) -> Result<MemoryImage, memory::MemError> {
-        capture_bounded(pid, self.target.limits.max_fdinfo_bytes)
+        capture_bounded(
+            pid,
+            self.target.limits.max_fdinfo_bytes,
+            volatile_of(self.probes.as_deref(), pid),
+        )
     }
 
     fn scan_volumes(&self) -> Result<Vec<TreeManifest>, InspectError> {
@@ -742,7 +746,11 @@ impl Inspection {
             }) else {
                 continue;
             };
-            match capture_bounded(pid, self.target.limits.max_fdinfo_bytes) {
+            match capture_bounded(
+                pid,
+                self.target.limits.max_fdinfo_bytes,
+                volatile_of(self.probes.as_deref(), pid),
+            ) {
                 Ok(img) => {
                     mark.memory.insert(pid, img);
                     mark.run_counts.insert(pid, n);
@@ -1198,12 +1206,28 @@ fn locate_mapping<'a>(
     }
 }
 
-/// A memory image whose fd state keeps at most `max_fdinfo_bytes` of fdinfo text.
-fn capture_bounded(pid: u32, max_fdinfo_bytes: u64) -> Result<MemoryImage, memory::MemError> {
+/// The memory of `pid` the kernel writes by itself: its threads' rseq areas, as the BPF side
+/// saw them (`struct rseq`, 32 bytes; hashed as zeros, see [`memory`]).
+fn volatile_of(probes: Option<&HostProbes>, pid: u32) -> Vec<(u64, u64)> {
+    const RSEQ_BYTES: u64 = 32;
+    probes
+        .and_then(|p| p.rseq_areas(pid).ok())
+        .map(|(areas, _)| areas.into_iter().map(|a| (a, RSEQ_BYTES)).collect())
+        .unwrap_or_default()
+}
+
+/// A memory image whose fd state keeps at most `max_fdinfo_bytes` of fdinfo text, with the
+/// ranges `volatile` hashed as zeros.
+fn capture_bounded(
+    pid: u32,
+    max_fdinfo_bytes: u64,
+    volatile: Vec<(u64, u64)>,
+) -> Result<MemoryImage, memory::MemError> {
     memory::capture_with(
         pid,
         &memory::CaptureOptions {
             max_fdinfo_bytes: Some(max_fdinfo_bytes),
+            volatile,
             ..Default::default()
         },
     )

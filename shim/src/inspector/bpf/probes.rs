@@ -231,6 +231,23 @@ impl HostProbes {
         }
     }
 
+    /// The rseq areas (`struct rseq`, where the kernel writes the CPU a thread runs on) of
+    /// the threads of process `pid` seen leaving a CPU since its last exec and its last thread
+    /// exit, by user address; and whether that is all of them (`false`: more threads ran than
+    /// the map has room for, or the process is not known). For
+    /// [`crate::inspector::memory::CaptureOptions::volatile`].
+    pub fn rseq_areas(&self, pid: u32) -> Result<(Vec<u64>, bool), BpfError> {
+        let maps = self.maps();
+        match maps.runs.get(&pid, 0) {
+            Ok(run) => Ok((
+                run.rseq.iter().copied().filter(|a| *a != 0).collect(),
+                run.flags & super::programs::RUN_RSEQ_MORE == 0,
+            )),
+            Err(MapError::KeyNotFound) => Ok((Vec::new(), false)),
+            Err(e) => Err(map_err("runs")(e)),
+        }
+    }
+
     /// Ids of all watched cgroups (of every shim on the host).
     pub fn watched(&self) -> Result<Vec<u64>, BpfError> {
         let maps = self.maps();

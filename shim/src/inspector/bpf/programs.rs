@@ -171,7 +171,13 @@ pub(super) struct RawRun {
     pub(super) switches_out: u64,
     pub(super) cgroup_id: u64,
     pub(super) flags: u64,
+    pub(super) rseq: [u64; RUN_RSEQ_MAX],
 }
+
+/// `RUN_RSEQ_MAX` of inspector.h.
+pub(super) const RUN_RSEQ_MAX: usize = 8;
+/// `RUN_RSEQ_MORE` of inspector.h.
+pub(super) const RUN_RSEQ_MORE: u64 = 2;
 
 // SAFETY: plain old data: repr(C), only u64 fields (no padding), every bit pattern valid.
 unsafe impl Pod for RawRun {}
