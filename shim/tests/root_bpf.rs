@@ -891,6 +891,7 @@ while True:
     if want.contains(&0) {
         eprintln!("glibc did not register rseq: nothing to check");
         let _ = child.kill();
+        let _ = child.wait();
         return;
     }
     // Both threads have left a CPU by now (the other one went to sleep right after noting its
