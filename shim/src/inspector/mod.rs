@@ -194,6 +194,9 @@ pub struct MemoryFinding {
     /// the comparison cannot prove that nothing changed, so this counts as a change.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub unproven_base: bool,
+    /// Changed pages by region (`[heap]`, a file, `anon@start`), most first: for the log.
+    #[serde(skip)]
+    pub regions: Vec<(String, u64)>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -294,9 +297,20 @@ impl Answer {
                 m.unproven_base || m.changed_pages + m.added_pages + m.removed_pages > 0
             }) {
                 parts.push(format!(
-                    "pid {} memory {} pages changed{}",
+                    "pid {} memory {} pages changed{}{}",
                     m.pid,
                     m.changed_pages + m.added_pages + m.removed_pages,
+                    match m.regions.is_empty() {
+                        true => String::new(),
+                        false => format!(
+                            " ({})",
+                            m.regions
+                                .iter()
+                                .map(|(r, n)| format!("{r}: {n}"))
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    },
                     match m.unproven_base {
                         true => " (compared with an image taken during a lazy restore: a change)",
                         false => "",
@@ -980,6 +994,7 @@ impl Inspection {
                             removed_pages: d.removed_pages,
                             scanned_pages: d.scanned_pages,
                             unproven_base: m.unproven.contains(&p.pid),
+                            regions: d.by_region.iter().take(3).cloned().collect(),
                         });
                         memory_images.insert(p.pid, img);
                     }
