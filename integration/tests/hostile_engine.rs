@@ -7,7 +7,9 @@
 //!   `[engine] wait_timeout_ms`: the turn is recorded `failed` naming the lock, the container
 //!   runs on, and the next turn takes a full checkpoint once the slot is free.
 //! - A job past `[engine] job_timeout_ms` is aborted: `runc checkpoint` and CRIU killed, the
-//!   container thawed, the turn recorded `failed`, the container's processes alive.
+//!   container thawed, the turn recorded `failed`, the container's processes alive. An fs
+//!   capture (a blocking copy of the turn's files) stops at the deadline too: its temporary
+//!   files go and the store stops growing at once, and the next turn is checkpointed.
 //! - A sandbox writing a huge layer every turn and another writing small ones share one slot:
 //!   the small one's checkpoints are durable within a bound (the huge one's jobs are aborted at
 //!   their deadline and queue behind it).
@@ -18,9 +20,14 @@
 //! Every test has its own engine root under `$CRAB_HOME/engine` (never the host's).
 
 use std::{
+    collections::BTreeSet,
     fs,
     os::unix::{fs::PermissionsExt, io::AsRawFd, process::CommandExt},
     path::Path,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
     time::{Duration, Instant},
 };
 
@@ -234,6 +241,156 @@ time.sleep(100000)' >/dev/null 2>&1 </dev/null & echo $! > /app/pid
     e.remove();
 }
 
+/// What the store's `blobs/` held at one moment: bytes of every file in it (temporary files
+/// included), and whether a temporary file was there.
+fn blobs_now(store: &Path) -> (u64, bool) {
+    let (mut bytes, mut tmp) = (0, false);
+    let mut dirs = vec![store.join("blobs")];
+    while let Some(d) = dirs.pop() {
+        for e in fs::read_dir(&d).into_iter().flatten().flatten() {
+            let Ok(md) = e.metadata() else { continue };
+            if md.is_dir() {
+                dirs.push(e.path());
+                continue;
+            }
+            // Disk use, not the length: what the capture really wrote.
+            bytes += std::os::unix::fs::MetadataExt::blocks(&md) * 512;
+            tmp |= e.file_name().to_string_lossy().ends_with(".tmp");
+        }
+    }
+    (bytes, tmp)
+}
+
+/// A turn writes 3 GiB of data (random blocks, neither zeros nor holes): its fs capture (a
+/// copy into a temporary tar in the store, then compression) takes longer than the 1.5 s job
+/// deadline. At the deadline the capture stops: the turn is recorded `failed` naming the
+/// deadline and the stopped capture; the temporary tar lives no longer than the deadline and a
+/// margin, and the store does not grow after the failure (sampled every 10 ms); the container
+/// runs on with its file; the next turn's checkpoint (full, after a failure) is taken.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_fs_capture_past_its_deadline_stops_writing() {
+    // Room for the next turn's full checkpoint (~400 ms on an idle 2-CPU host).
+    const DEADLINE: Duration = Duration::from_millis(1500);
+    const GIB: u64 = 3;
+    let e = Engine::new(
+        "capture_deadline",
+        &format!(
+            "engine.job_timeout_ms = {}
+",
+            DEADLINE.as_millis()
+        ),
+    );
+    let (mut s, _g) = start("hostile_capture_deadline", &e).await;
+    s.run(&format!(
+        "python3 -c 'import os
+blocks = [os.urandom(1 << 20) for _ in range(64)]
+with open(\"/app/big.bin\", \"wb\") as f:
+    for i in range({GIB} << 10):
+        f.write(blocks[i % 64])'"
+    ))
+    .await;
+    // The store's blobs, sampled every 10 ms from before the turn end on.
+    let store = s.store();
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (store, stop) = (store.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut samples = Vec::new();
+            while !stop.load(Ordering::SeqCst) {
+                let (bytes, tmp) = blobs_now(&store);
+                samples.push((Instant::now(), bytes, tmp));
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            samples
+        })
+    };
+    let ended = Instant::now();
+    s.end_turn().await;
+    let m = s.wait_manifests(1).await;
+    let failed_at = Instant::now();
+    assert_eq!(m[0]["kind"], "failed", "{m:#?}");
+    let why = m[0]["explanation"].as_str().unwrap().to_string();
+    assert!(
+        why.contains("job_timeout_ms") && why.contains("the fs capture was stopped after writing"),
+        "{why}"
+    );
+    // Watch the store for a second after the failure is recorded.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::SeqCst);
+    let samples = sampler.join().unwrap();
+    let with_tmp: Vec<Instant> = samples.iter().filter(|s| s.2).map(|s| s.0).collect();
+    let (first_tmp, last_tmp) = (
+        *with_tmp.first().expect("the capture never began"),
+        *with_tmp.last().unwrap(),
+    );
+    let tmp_lived = last_tmp.duration_since(first_tmp);
+    let peak = samples.iter().map(|s| s.1).max().unwrap();
+    let after: Vec<(u64, bool)> = samples
+        .iter()
+        .filter(|s| s.0 >= failed_at)
+        .map(|s| (s.1, s.2))
+        .collect();
+    let written: u64 = why
+        .split("stopped after writing ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no byte count in {why}"));
+    eprintln!(
+        "{GIB} GiB turn: failed {:?} after the turn end; temporary tar seen for {tmp_lived:?} \
+         (deadline {DEADLINE:?}), {written} bytes written into it, peak store blobs {} MiB, \
+         after the failure {} samples at {:?} MiB: {why}",
+        failed_at.duration_since(ended),
+        peak >> 20,
+        after.len(),
+        after.iter().map(|a| a.0 >> 20).collect::<BTreeSet<_>>(),
+    );
+    // Stopped while it copied or compressed, with something written: not before it began.
+    assert!(written > 0, "{why}");
+    assert!(
+        tmp_lived < DEADLINE + Duration::from_millis(500),
+        "the capture wrote for {tmp_lived:?}"
+    );
+    assert!(
+        after.len() >= 50,
+        "{} samples after the failure",
+        after.len()
+    );
+    assert!(
+        after
+            .iter()
+            .all(|&(bytes, tmp)| !tmp && bytes == after[0].0),
+        "the store changed after the failure: {after:?}"
+    );
+    assert!(
+        after[0].0 < 1 << 20,
+        "nothing of the layer is left: {} bytes of blobs",
+        after[0].0
+    );
+
+    // The container runs on (not frozen) with its file.
+    assert_eq!(
+        s.run("stat -c %s /app/big.bin").await.stdout.trim(),
+        (GIB << 30).to_string()
+    );
+    // The next turn's checkpoint is taken (full, after the failure).
+    s.run("rm /app/big.bin && echo after > /app/after").await;
+    s.end_turn().await;
+    let m = s.wait_manifests(2).await;
+    assert_eq!(m[1]["kind"], "full", "{:#}", m[1]);
+    eprintln!(
+        "the next turn: a full checkpoint in {} ms",
+        m[1]["timings"]["total_ms"]
+    );
+    let l = s.layer(m[1]["fs_layers"].as_array().unwrap().last().unwrap());
+    assert_eq!(
+        l.get("app/after").map(|(_, d)| d.as_slice()),
+        Some(&b"after\n"[..])
+    );
+    s.finish().await;
+    e.remove();
+}
+
 /// One slot, two sandboxes: one writes a 1 GB file every turn, the other a small one. The
 /// huge jobs are aborted at the deadline (1.5 s) and the small sandbox's checkpoints are
 /// durable within the deadline, the abort grace and a margin after each turn end.
@@ -244,7 +401,7 @@ async fn huge_layers_of_one_sandbox_do_not_hold_up_anothers_checkpoints() {
     let e = Engine::new(
         "fair",
         &format!(
-            // The huge sandbox's next turn waits for its aborted capture to end.
+            // The huge sandbox's turns come faster than its jobs.
             "engine.max_jobs = 1\nengine.job_timeout_ms = {}\ncheckpoint.action_wait_timeout_ms = 120000\n",
             DEADLINE.as_millis()
         ),
@@ -331,10 +488,9 @@ async fn huge_layers_of_one_sandbox_do_not_hold_up_anothers_checkpoints() {
         *max <= BOUND,
         "a small checkpoint took {max:?} (> {BOUND:?}): {latencies:?}"
     );
-    // An aborted capture runs on to its end in the background (it cannot be interrupted): the
-    // huge sandbox is removed once it is done (its temp files are gone).
+    // An aborted capture stops at its deadline: no temporary file of the huge sandbox is left.
     let blobs = huge.store().join("blobs");
-    let deadline = Instant::now() + Duration::from_secs(180);
+    let deadline = Instant::now() + Duration::from_secs(10);
     while fs::read_dir(&blobs)
         .unwrap()
         .flatten()

@@ -114,17 +114,24 @@ async fn neighbour_turn(b: &mut Sandbox, n: usize) {
     );
 }
 
-/// `truncate -s 1T` and a few bytes: the turn's checkpoint completes at once with a layer of a
-/// few KB that holds the holes (GNU tar extracts a sparse terabyte from it); a smaller sparse
-/// file comes back through `crabctl rollback` (containerd's differ, Go's archive/tar) with the
-/// same size and bytes.
+/// Sparse files are stored with their holes, and bounded by their apparent size (what
+/// containerd's differ writes when it unpacks a layer: it writes holes as zeros).
+/// A 256 MiB sparse file: a layer of a few KB, from which an in-place rollback (crab's own
+/// reader) brings it back with its holes. `truncate -s 1T` and a few bytes: over `[limits]
+/// max_layer_apparent_bytes` (64 GiB by default), the turn's checkpoint is recorded `failed` at
+/// once naming the key, the container keeps running and a neighbour's checkpoints carry on. A
+/// 48 GiB sparse file, under the bound: the next checkpoint (full, after the failure) holds it
+/// in a layer of a few KB, from which GNU tar extracts it with its holes. Last, the 256 MiB
+/// file through a recreating rollback (containerd's differ): the same size and bytes.
 #[tokio::test(flavor = "multi_thread")]
 async fn sparse_files_checkpoint_small_and_restore() {
     let (mut s, _g) = Sandbox::start("hostile_sparse", SandboxOptions::default()).await;
+    let (mut b, _gb) = Sandbox::start("hostile_sparse_nb", SandboxOptions::default()).await;
     let _images = InternalImages {
         h: s.h.clone(),
         of: s.id.clone(),
     };
+    neighbour_turn(&mut b, 1).await;
 
     // Turn 1: 256 MiB apparent, three data regions (one at the very end), sha256 recorded.
     let sum = s
@@ -145,33 +152,69 @@ async fn sparse_files_checkpoint_small_and_restore() {
         "256 MiB sparse stored as {:#}",
         small
     );
+    // Back to turn 1 in place, after the file is gone: the same size and bytes, and its holes
+    // (a few blocks, not 256 MiB).
+    let check = "stat -c %s s; sha256sum s | cut -d' ' -f1; stat -c %b s";
+    let want = format!("268435456\n{sum}");
+    s.run("rm s").await;
+    s.end_turn().await;
+    s.wait_manifests(2).await;
+    let r = crabctl_ok(&s, &["rollback", &s.id, "--to", "t1", "-o", "json"]);
+    let r: Value = serde_json::from_str(r.trim()).unwrap();
+    assert_eq!(r["way"], "in_place", "{r:#}");
+    s.turn = 100;
+    let after = s.run(check).await.stdout;
+    assert!(
+        after.starts_with(&want),
+        "after the in-place rollback: {after}"
+    );
+    let blocks: u64 = after.lines().last().unwrap().parse().unwrap();
+    eprintln!("in-place rollback: the 256 MiB sparse file in {blocks} blocks");
+    assert!(
+        blocks * 512 < 1 << 20,
+        "holes written as data: {blocks} blocks"
+    );
 
-    // Turn 2: a sparse terabyte.
+    // A sparse terabyte, over the default apparent-size bound.
     s.run("truncate -s 1T huge && printf tail | dd of=huge bs=1 seek=$(((1 << 40) - 4)) conv=notrunc status=none")
         .await;
     let t = Instant::now();
     s.end_turn().await;
-    let m = s.wait_manifests(2).await;
+    let m = s.wait_manifests(3).await;
     let took = t.elapsed();
-    eprintln!(
-        "1 TB sparse turn: checkpoint durable in {took:?}, manifest timings {}",
-        m[1]["timings"]
+    assert_eq!(m[2]["kind"], "failed", "{:#}", m[2]);
+    let why = m[2]["explanation"].as_str().unwrap();
+    eprintln!("1 TB sparse turn: recorded in {took:?}: {why}");
+    assert!(
+        why.contains("[limits] max_layer_apparent_bytes")
+            && why.contains("68719476736")
+            && why.contains("app/huge"),
+        "{why}"
     );
-    assert_eq!(m[1]["kind"], "fs", "{:#}", m[1]);
     assert!(
         took < Duration::from_secs(15),
         "the checkpoint of a sparse terabyte took {took:?}"
     );
-    let layers = m[1]["fs_layers"].as_array().unwrap();
-    let huge = layers.last().unwrap();
-    let stored = huge["size"].as_u64().unwrap();
-    eprintln!("1 TB sparse turn: layer of {stored} bytes");
+    assert_running(&s).await;
+    neighbour_turn(&mut b, 2).await;
+
+    // 48 GiB sparse, under the bound: a full checkpoint (after the failure) of a few KB.
+    s.run("rm huge && truncate -s 48G mid && printf tail | dd of=mid bs=1 seek=$(((48 << 30) - 4)) conv=notrunc status=none")
+        .await;
+    let t = Instant::now();
+    s.end_turn().await;
+    let m = s.wait_manifests(4).await;
+    let took = t.elapsed();
+    assert_eq!(m[3]["kind"], "full", "{:#}", m[3]);
+    let mid = m[3]["fs_layers"].as_array().unwrap().last().unwrap();
+    let stored = mid["size"].as_u64().unwrap();
+    eprintln!("48 GiB sparse turn: checkpoint durable in {took:?}, layer of {stored} bytes");
     assert!(
         stored < 64 << 10,
-        "a sparse terabyte stored as {stored} bytes"
+        "a sparse 48 GiB stored as {stored} bytes"
     );
-    // The layer holds a sparse terabyte: GNU tar extracts it with its holes.
-    let tar = plain_layer(&s, huge);
+    // The layer holds a sparse 48 GiB: GNU tar extracts it with its holes.
+    let tar = plain_layer(&s, mid);
     assert!(tar.len() < 1 << 20, "{} bytes of tar", tar.len());
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("l.tar"), &tar).unwrap();
@@ -187,9 +230,9 @@ async fn sparse_files_checkpoint_small_and_restore() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let extracted = dir.path().join("app/huge");
+    let extracted = dir.path().join("app/mid");
     let md = std::fs::metadata(&extracted).unwrap();
-    assert_eq!(md.len(), 1 << 40);
+    assert_eq!(md.len(), 48 << 30);
     assert!(
         std::os::unix::fs::MetadataExt::blocks(&md) < 2048,
         "extracted with its holes"
@@ -198,28 +241,34 @@ async fn sparse_files_checkpoint_small_and_restore() {
     std::os::unix::fs::FileExt::read_exact_at(
         &std::fs::File::open(&extracted).unwrap(),
         &mut tail,
-        (1 << 40) - 4,
+        (48 << 30) - 4,
     )
     .unwrap();
     assert_eq!(&tail, b"tail");
     drop(dir);
+    neighbour_turn(&mut b, 3).await;
 
-    // Back to turn 1 through containerd's differ: the same size and bytes, no terabyte.
-    s.run("rm huge").await;
+    // Back to turn 1 through containerd's differ (the container recreated): the same size and
+    // bytes, no 48 GiB file.
+    s.run("rm mid").await;
     s.end_turn().await;
-    s.wait_manifests(3).await;
-    crabctl_ok(&s, &["rollback", &s.id, "--to", "t1"]);
-    s.turn = 100;
+    s.wait_manifests(5).await;
+    crabctl_ok(&s, &["rollback", &s.id, "--to", "t1", "--recreate"]);
+    s.turn = 200;
     let after = s
-        .run("stat -c %s s; sha256sum s | cut -d' ' -f1; test ! -e huge && echo no-huge")
+        .run(&format!("{check}; test ! -e mid && echo no-mid"))
         .await
         .stdout;
-    assert_eq!(
-        after,
-        format!("268435456\n{sum}no-huge\n"),
-        "after rollback to t1"
+    assert!(
+        after.starts_with(&want) && after.ends_with("no-mid\n"),
+        "after the recreating rollback to t1: {after}"
+    );
+    eprintln!(
+        "recreating rollback: the 256 MiB sparse file in {} blocks (containerd's differ writes holes as zeros)",
+        after.lines().nth(2).unwrap_or("?")
     );
     s.finish().await;
+    b.finish().await;
 }
 
 /// A tree ~900 levels deep of 200-byte names (its manifest would hold ~80 MB of paths, its

@@ -271,7 +271,16 @@ fn base_layers(s: &Sandbox, turn: &str) -> usize {
 /// the files are the checkpoint's.
 #[tokio::test(flavor = "multi_thread")]
 async fn hostile_content_is_not_followed_and_does_not_block() {
-    let (mut s, _guard) = Sandbox::start("inplace-hostile", SandboxOptions::default()).await;
+    // The terabyte is checkpointed (the default apparent-size bound, 64 GiB, would fail that
+    // turn and begin a new chain, which no rollback to the checkpoint before crosses in place).
+    let (mut s, _guard) = Sandbox::start(
+        "inplace-hostile",
+        SandboxOptions {
+            config: "limits.max_layer_apparent_bytes = 2199023255552",
+            ..Default::default()
+        },
+    )
+    .await;
     let marker = format!("crab-inplace-{}", s.id);
     let host_dir = PathBuf::from("/tmp").join(&marker);
     std::fs::create_dir_all(&host_dir).unwrap();

@@ -387,6 +387,12 @@ pub struct LimitsConfig {
     /// (1 MiB ..= 16 TiB). Default 17179869184 (16 GiB).
     #[serde(deserialize_with = "max_layer_bytes")]
     pub max_layer_bytes: u64,
+    /// Apparent bytes of the regular files in one fs layer, holes of sparse files included
+    /// (1 MiB ..= 16 TiB). Default 68719476736 (64 GiB). A sparse file is stored with its holes,
+    /// but containerd's differ writes them as zeros when it unpacks the layer (a rollback,
+    /// recover or fork that recreates the container): this bounds what that writes.
+    #[serde(deserialize_with = "max_layer_apparent_bytes")]
+    pub max_layer_apparent_bytes: u64,
 }
 
 impl Default for LimitsConfig {
@@ -397,6 +403,7 @@ impl Default for LimitsConfig {
             max_walk_depth: 256,
             max_fdinfo_bytes: 1 << 20,
             max_layer_bytes: 16 << 30,
+            max_layer_apparent_bytes: 64 << 30,
         }
     }
 }
@@ -702,6 +709,10 @@ fn max_layer_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     )
 }
 
+fn max_layer_apparent_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    max_layer_bytes(d)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -841,6 +852,7 @@ mod tests {
             max_walk_depth = 64
             max_fdinfo_bytes = 8192
             max_layer_bytes = 1073741824
+            max_layer_apparent_bytes = 2147483648
             "#,
         )
         .unwrap();
@@ -894,6 +906,7 @@ mod tests {
                     max_walk_depth: 64,
                     max_fdinfo_bytes: 8192,
                     max_layer_bytes: 1 << 30,
+                    max_layer_apparent_bytes: 2 << 30,
                 },
             }
         );
@@ -1015,9 +1028,17 @@ mod tests {
                 c.max_manifest_path_bytes,
                 c.max_walk_depth,
                 c.max_fdinfo_bytes,
-                c.max_layer_bytes
+                c.max_layer_bytes,
+                c.max_layer_apparent_bytes
             ),
-            (1_000_000, 268_435_456, 256, 1_048_576, 17_179_869_184)
+            (
+                1_000_000,
+                268_435_456,
+                256,
+                1_048_576,
+                17_179_869_184,
+                68_719_476_736
+            )
         );
         for (doc, key, expected) in [
             (
@@ -1063,6 +1084,16 @@ mod tests {
             ),
             ("limits.max_layer_bytes = 1.5", "limits.max_layer_bytes", ""),
             (
+                "limits.max_layer_apparent_bytes = 1048575",
+                "limits.max_layer_apparent_bytes",
+                "from 1048576 (1 MiB)",
+            ),
+            (
+                "limits.max_layer_apparent_bytes = 17592186044417",
+                "limits.max_layer_apparent_bytes",
+                "16 TiB",
+            ),
+            (
                 "limits.max_files = 2",
                 "limits.max_files",
                 "expected one of `max_manifest_entries`",
@@ -1074,13 +1105,18 @@ mod tests {
             assert!(msg.contains(expected), "{doc}: {msg}");
         }
         let c = parse(
-            "[limits]\nmax_manifest_entries = 1\nmax_walk_depth = 4096\nmax_layer_bytes = 1048576\n",
+            "[limits]\nmax_manifest_entries = 1\nmax_walk_depth = 4096\nmax_layer_bytes = 1048576\nmax_layer_apparent_bytes = 17592186044416\n",
         )
         .unwrap()
         .limits;
         assert_eq!(
-            (c.max_manifest_entries, c.max_walk_depth, c.max_layer_bytes),
-            (1, 4096, 1 << 20)
+            (
+                c.max_manifest_entries,
+                c.max_walk_depth,
+                c.max_layer_bytes,
+                c.max_layer_apparent_bytes
+            ),
+            (1, 4096, 1 << 20, 16 << 40)
         );
     }
 

@@ -310,6 +310,7 @@ impl Ctl {
         let mut local = LocalBlobs::default();
         let layer_options = LayerOptions {
             max_bytes: config.limits.max_layer_bytes,
+            max_apparent_bytes: config.limits.max_layer_apparent_bytes,
             max_depth: config.limits.max_walk_depth,
             ..LayerOptions::default()
         };

@@ -9,6 +9,10 @@
 //!
 //! A layer's bounds ([`LayerOptions`]) and its errors ([`LayerError`]) are defined here, below
 //! the layer writer ([`super::layer`]) that drives the capture and re-exports them.
+//!
+//! A capture stops when its [`Cancel`] is set (its job passed its deadline): it checks before
+//! every entry and every chunk of file data ([`COPY_CHUNK`]), and returns
+//! [`LayerError::Cancelled`].
 
 use std::{
     collections::{BTreeSet, HashMap},
@@ -28,6 +32,7 @@ use nix::{
     unistd::{lseek, read, Whence},
 };
 
+use super::deadline::Cancel;
 use super::store::StoreError;
 use super::tar::{child_name, sparse_map, tar_name, TarEntry, TarWriter, OPAQUE_MARKER};
 use crate::inspector::fs::OverlayXattrs;
@@ -38,6 +43,9 @@ use crate::sys::{file, xattr};
 pub struct LayerOptions {
     /// Bytes of file data (holes excluded), uncompressed.
     pub max_bytes: u64,
+    /// Apparent (logical) bytes of the regular files of the layer, holes included: what
+    /// unpacking it writes (containerd's differ writes holes as zeros).
+    pub max_apparent_bytes: u64,
     /// Directory levels of an opaque subtree written whole.
     pub max_depth: u32,
     pub xattrs: OverlayXattrs,
@@ -52,6 +60,7 @@ impl Default for LayerOptions {
         let c = crab_runtime_config::LimitsConfig::default();
         LayerOptions {
             max_bytes: c.max_layer_bytes,
+            max_apparent_bytes: c.max_layer_apparent_bytes,
             max_depth: c.max_walk_depth,
             xattrs: OverlayXattrs::Trusted,
             ids: super::tar::IdShift::default(),
@@ -89,6 +98,12 @@ pub enum LayerError {
         limit: u64,
         key: &'static str,
     },
+    /// The capture was told to stop ([`Cancel`]): its job passed its deadline.
+    #[error(
+        "the fs capture was stopped after writing {written} bytes of its layer; nothing of it \
+         is stored"
+    )]
+    Cancelled { written: u64 },
 }
 
 impl LayerError {
@@ -105,6 +120,10 @@ impl LayerError {
         }
     }
 }
+
+/// File data copied between two looks at the [`Cancel`] flag: at ~200 MB/s (a slow disk under
+/// writeback) a chunk takes ~40 ms, so a cancelled capture stops within about that.
+pub(super) const COPY_CHUNK: usize = 8 << 20;
 
 /// Data extents of one sparse file kept apart; beyond this, the closest extents are merged
 /// (the zeros between them are stored) so that a file of a million tiny holes stays bounded.
@@ -125,6 +144,10 @@ pub(super) struct Capture<'a> {
     opts: LayerOptions,
     /// File data written so far (holes excluded), against `opts.max_bytes`.
     data_bytes: u64,
+    /// Apparent bytes of the regular files written so far, against `opts.max_apparent_bytes`
+    /// (carried from one tree of a layer to the next: [`Capture::apparent_bytes`]).
+    apparent_bytes: u64,
+    cancel: Cancel,
 }
 
 /// The upperdir itself, opened for a [`Capture`].
@@ -145,12 +168,13 @@ enum Below {
 
 impl<'a> Capture<'a> {
     /// Reads the upperdir `upperdir`, open as `upper` ([`open_upper`]), into `tar`, within
-    /// `opts`.
+    /// `opts`, until `cancel` is set.
     pub fn new(
         upper: OwnedFd,
         upperdir: &'a Path,
         tar: TarWriter,
         opts: LayerOptions,
+        cancel: Cancel,
     ) -> Capture<'a> {
         let mut tar = tar;
         tar.set_ids(opts.ids);
@@ -164,12 +188,35 @@ impl<'a> Capture<'a> {
             copy_file_range: true,
             opts,
             data_bytes: 0,
+            apparent_bytes: 0,
+            cancel,
         }
     }
 
     /// The tar written so far, to finish once the container is thawed.
     pub fn into_tar(self) -> TarWriter {
         self.tar
+    }
+
+    /// Apparent bytes of the files captured so far; a later tree of the same layer starts
+    /// from them (`with_apparent_bytes`), so the bound holds for the whole layer.
+    pub fn apparent_bytes(&self) -> u64 {
+        self.apparent_bytes
+    }
+
+    pub fn with_apparent_bytes(mut self, bytes: u64) -> Self {
+        self.apparent_bytes = bytes;
+        self
+    }
+
+    /// [`LayerError::Cancelled`] once the capture was told to stop.
+    fn check_cancel(&self) -> Result<(), LayerError> {
+        match self.cancel.is_cancelled() {
+            true => Err(LayerError::Cancelled {
+                written: self.tar.bytes(),
+            }),
+            false => Ok(()),
+        }
     }
 
     /// Captures the whole tree (a tracked volume's base): its root directory, an opaque
@@ -194,6 +241,7 @@ impl<'a> Capture<'a> {
     pub fn run(&mut self, paths: &BTreeSet<PathBuf>) -> Result<(), LayerError> {
         let mut covered: Option<&Path> = None;
         for rel in paths {
+            self.check_cancel()?;
             if covered.is_some_and(|c| rel.starts_with(c)) {
                 continue;
             }
@@ -422,6 +470,7 @@ impl<'a> Capture<'a> {
     fn whole_subtree(&mut self, fd: OwnedFd, rel: &Path) -> Result<(), LayerError> {
         let mut stack = vec![self.whole_level(fd, rel.to_path_buf())?];
         while let Some((dir, names, dir_rel)) = stack.last_mut() {
+            self.check_cancel()?;
             let Some(child) = names.next() else {
                 stack.pop();
                 continue;
@@ -504,8 +553,14 @@ impl<'a> Capture<'a> {
             self.links.insert(key, name.clone());
         }
         let size = fst.st_size as u64;
-        let extents = data_extents(fd.as_raw_fd(), size, MAX_SPARSE_EXTENTS)
-            .map_err(|e| LayerError::upper("seek", &path(), e))?;
+        self.charge_apparent(size, rel)?;
+        let extents = data_extents(fd.as_raw_fd(), size, MAX_SPARSE_EXTENTS, &self.cancel)
+            .map_err(|e| match self.cancel.is_cancelled() {
+                true => LayerError::Cancelled {
+                    written: self.tar.bytes(),
+                },
+                false => LayerError::upper("seek", &path(), e),
+            })?;
         let data: u64 = extents.iter().map(|e| e.1).sum();
         self.charge(data, rel)?;
         if size == 0 || (extents.len() == 1 && extents[0] == (0, size)) {
@@ -556,8 +611,29 @@ impl<'a> Capture<'a> {
         Ok(())
     }
 
+    /// Counts the apparent size of a regular file (holes included) against the layer's bound,
+    /// before anything of it is read: containerd's differ writes a sparse file's holes as zeros
+    /// when it unpacks the layer, so this is what a restore writes.
+    fn charge_apparent(&mut self, size: u64, rel: &Path) -> Result<(), LayerError> {
+        self.apparent_bytes = self.apparent_bytes.saturating_add(size);
+        if self.apparent_bytes > self.opts.max_apparent_bytes {
+            return Err(LayerError::Limit {
+                what: format!(
+                    "files of more than {} bytes in apparent size, holes included, which \
+                     unpacking the layer would write (reached at {}, {size} bytes)",
+                    self.opts.max_apparent_bytes,
+                    self.upperdir.join(rel).display()
+                ),
+                limit: self.opts.max_apparent_bytes,
+                key: "max_layer_apparent_bytes",
+            });
+        }
+        Ok(())
+    }
+
     /// Copies exactly `size` bytes of `src` into the tar: in the kernel where both files'
-    /// filesystems allow it, through a buffer otherwise.
+    /// filesystems allow it, through a buffer otherwise; [`COPY_CHUNK`] at a time at most, the
+    /// [`Cancel`] flag checked before each.
     fn copy_data(&mut self, src: &OwnedFd, size: u64, rel: &Path) -> Result<(), LayerError> {
         let shrank = || LayerError::Changed {
             path: self.upperdir.join(rel),
@@ -567,7 +643,8 @@ impl<'a> Capture<'a> {
         if self.copy_file_range && left > 0 {
             self.tar.flush()?;
             while left > 0 {
-                let chunk = left.min(1 << 30) as usize;
+                self.check_cancel()?;
+                let chunk = left.min(COPY_CHUNK as u64) as usize;
                 match copy_file_range(src, None, self.tar.file(), None, chunk) {
                     Ok(0) => return Err(shrank()),
                     Ok(n) => {
@@ -590,6 +667,7 @@ impl<'a> Capture<'a> {
             }
         }
         while left > 0 {
+            self.check_cancel()?;
             let chunk = left.min(self.buf.len() as u64) as usize;
             let n = match read(src.as_raw_fd(), &mut self.buf[..chunk]) {
                 Ok(0) => return Err(shrank()),
@@ -685,12 +763,21 @@ pub(super) fn classify_xattr(name: &[u8], overlay: OverlayXattrs) -> XattrClass<
 
 /// The data extents `(offset, length)` of a file of `size` bytes, from `SEEK_DATA`/`SEEK_HOLE`
 /// (a filesystem without them reports the whole file as data). At most `max` extents: beyond
-/// that the extents separated by the smallest holes are merged.
-pub(super) fn data_extents(fd: RawFd, size: u64, max: usize) -> io::Result<Vec<(u64, u64)>> {
+/// that the extents separated by the smallest holes are merged. A file of millions of extents
+/// takes a while: `cancel` ends the search ([`io::ErrorKind::Interrupted`]).
+pub(super) fn data_extents(
+    fd: RawFd,
+    size: u64,
+    max: usize,
+    cancel: &Cancel,
+) -> io::Result<Vec<(u64, u64)>> {
     let mut out: Vec<(u64, u64)> = Vec::new();
     let mut min_gap = 0u64;
     let mut pos = 0u64;
     while pos < size {
+        if cancel.is_cancelled() {
+            return Err(io::Error::new(io::ErrorKind::Interrupted, "cancelled"));
+        }
         let data = match lseek(fd, pos as libc::off_t, Whence::SeekData) {
             Ok(data) => data,
             // No data after `pos`: the rest is a hole.

@@ -20,26 +20,25 @@
 //!
 //! Deadlines (host engine, `[engine]`): a job that gets no slot within `wait_timeout_ms` is
 //! recorded `failed` with the slots' holders named; a job that holds its slot longer than
-//! `job_timeout_ms` is aborted ([`Capture::abort`]: `runc checkpoint` and CRIU killed, the
-//! container thawed) and recorded `failed`. An aborted fs capture cannot be interrupted on its
-//! blocking thread: it finishes in the background, its output is discarded, and the sandbox's
-//! next job waits for it (outside the engine) so that two captures never overlap.
+//! `job_timeout_ms` is aborted (its fs capture told to stop through the job's [`Cancel`],
+//! then [`Capture::abort`]: `runc checkpoint` and CRIU killed, the container thawed) and
+//! recorded `failed`. The fs capture runs on a blocking thread that cannot be killed: it looks
+//! at the flag before every entry and every chunk of file data and ends within a chunk's copy,
+//! its temporary files removed. Should it still run (a single stuck read), the sandbox's next
+//! job waits for it (outside the engine) so that two captures never overlap.
 
 use std::{
     collections::{BTreeSet, HashMap},
     future::Future,
     path::{Component, Path, PathBuf},
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc, Mutex,
-    },
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
 use tokio::sync::{watch, OwnedMutexGuard};
 
 use super::{
-    deadline::Aborted,
+    deadline::{Aborted, Cancel},
     error::{CheckpointError, GaveUp},
     pages, policy,
     store::{CheckpointKind, Descriptor, Manifest, ProcessImage, Store, Timings},
@@ -104,13 +103,15 @@ pub trait Capture: Send + Sync + 'static {
     /// Every path of the upperdir, as added: the changes of a new chain.
     fn scan_upperdir(&self) -> impl Future<Output = Result<FsDiff>> + Send;
     /// Writes the fs layer of `changes` into `store`. `capturing` is held until the capture
-    /// has really ended, also when the job is aborted before.
+    /// has really ended, also when the job is aborted before. Once `cancel` is set (the job
+    /// passed its deadline) the capture stops promptly and fails, leaving nothing in the store.
     fn fs_layer(
         &self,
         store: Arc<Store>,
         changes: FsDiff,
         volumes: Vec<VolumeChanges>,
         capturing: OwnedMutexGuard<()>,
+        cancel: Cancel,
     ) -> impl Future<Output = Result<FsLayer>> + Send;
     /// Takes a process image into `dir` (which does not exist yet), its pages into `chunks`.
     fn process_image(
@@ -233,9 +234,6 @@ pub struct Coordinator<I, C> {
     /// False while the origin manifest is being recorded in the background
     /// ([`Coordinator::record_origin`]): jobs wait for it, as their lineage begins there.
     origin_recorded: watch::Sender<bool>,
-    /// Set when the running job passed its deadline: it starts nothing more and publishes
-    /// nothing.
-    aborted: AtomicBool,
     /// Held by an fs capture while it runs (also after its job was aborted).
     capturing: Arc<tokio::sync::Mutex<()>>,
 }
@@ -259,7 +257,6 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
             state: Mutex::new(State::default()),
             idle: watch::channel(0).0,
             origin_recorded: watch::channel(true).0,
-            aborted: AtomicBool::new(false),
             capturing: Arc::new(tokio::sync::Mutex::new(())),
         })
     }
@@ -559,19 +556,20 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
         }
     }
 
-    /// [`Coordinator::job`] within `[engine] job_timeout_ms`: past it, what the job started is
-    /// killed and the container thawed ([`Capture::abort`]), and the job is given
+    /// [`Coordinator::job`] within `[engine] job_timeout_ms`: past it, the job is cancelled
+    /// (it starts nothing more, publishes nothing, and its fs capture stops), what it started
+    /// is killed and the container thawed ([`Capture::abort`]), and the job is given
     /// [`ABORT_GRACE`] to end; whatever it then returns, it fails (a job that already
     /// published keeps its checkpoint).
     async fn bounded_job(&self, work: &Work, new_chain: bool) -> Result<Manifest> {
         let limit = self.engine.job_timeout();
-        self.aborted.store(false, Ordering::SeqCst);
-        let job = self.job(work, new_chain);
+        let cancel = Cancel::new();
+        let job = self.job(work, new_chain, &cancel);
         tokio::pin!(job);
         if let Ok(result) = tokio::time::timeout(limit, &mut job).await {
             return result;
         }
-        self.aborted.store(true, Ordering::SeqCst);
+        cancel.cancel();
         let aborted = self.capture.abort().await;
         let deadline = |late| CheckpointError::Deadline {
             limit,
@@ -599,14 +597,11 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
         }
     }
 
-    fn check_aborted(&self) -> Result<()> {
-        match self.aborted.load(Ordering::SeqCst) {
+    async fn job(&self, work: &Work, new_chain: bool, cancel: &Cancel) -> Result<Manifest> {
+        let check_aborted = || match cancel.is_cancelled() {
             true => Err(CheckpointError::Aborted),
             false => Ok(()),
-        }
-    }
-
-    async fn job(&self, work: &Work, new_chain: bool) -> Result<Manifest> {
+        };
         let started = Instant::now();
         let parent = self.store.latest()?;
         let seq = self.store.next_seq()?;
@@ -631,7 +626,13 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
             let capturing = self.capturing.clone().lock_owned().await;
             let layer = self
                 .capture
-                .fs_layer(self.store.clone(), changes, volumes, capturing)
+                .fs_layer(
+                    self.store.clone(),
+                    changes,
+                    volumes,
+                    capturing,
+                    cancel.clone(),
+                )
                 .await?;
             if new_chain {
                 // The layers the container's image carries stay: the upperdir is relative to them.
@@ -643,7 +644,7 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
             timings.capture_ms = Timings::ms(layer.capture);
         }
         if work.proc {
-            self.check_aborted()?;
+            check_aborted()?;
             let dir = self.store.proc_dir(seq);
             let cp = self
                 .capture
@@ -664,7 +665,7 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
         }
         timings.total_ms = Timings::ms(started.elapsed());
         m.timings = timings;
-        self.check_aborted()?;
+        check_aborted()?;
         let publishing = Instant::now();
         self.store.publish(&m)?;
         log::info!(
@@ -875,7 +876,7 @@ mod tests {
 
     use std::{
         io::Write,
-        sync::atomic::{AtomicU64, AtomicUsize},
+        sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     };
 
     use crab_runtime_config::EngineConfig;
@@ -927,7 +928,8 @@ mod tests {
         }
     }
 
-    /// Captures into the real store; an fs capture waits for a permit of `release`.
+    /// Captures into the real store; an fs capture waits for a permit of `release` or for its
+    /// job's cancel flag (then it fails as the real capture does).
     struct FakeCapture {
         release: Semaphore,
         fs_calls: Mutex<Vec<FsDiff>>,
@@ -939,6 +941,10 @@ mod tests {
         outside: Mutex<Vec<(u32, String)>>,
         parents: HashMap<u32, u32>,
         aborts: AtomicUsize,
+        /// Whether the first abort releases the waiting capture (as killing runc would).
+        abort_releases: AtomicBool,
+        /// Fs captures that ended because they were cancelled.
+        cancelled: AtomicUsize,
     }
 
     impl FakeCapture {
@@ -953,6 +959,8 @@ mod tests {
                 outside: Mutex::default(),
                 parents: HashMap::from([(4243, 4242), (4242, 1)]),
                 aborts: AtomicUsize::new(0),
+                abort_releases: AtomicBool::new(true),
+                cancelled: AtomicUsize::new(0),
             })
         }
 
@@ -984,10 +992,23 @@ mod tests {
             changes: FsDiff,
             volumes: Vec<VolumeChanges>,
             capturing: OwnedMutexGuard<()>,
+            cancel: Cancel,
         ) -> Result<FsLayer> {
             self.fs_calls.lock().unwrap().push(changes.clone());
             self.volume_calls.lock().unwrap().push(volumes);
-            self.release.acquire().await.unwrap().forget();
+            let cancelled = async {
+                while !cancel.is_cancelled() {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            };
+            tokio::select! {
+                permit = self.release.acquire() => permit.unwrap().forget(),
+                () = cancelled => {}
+            }
+            if cancel.is_cancelled() {
+                self.cancelled.fetch_add(1, Ordering::SeqCst);
+                return Err(super::super::layer::LayerError::Cancelled { written: 0 }.into());
+            }
             if self
                 .fail_fs
                 .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
@@ -1017,9 +1038,11 @@ mod tests {
             })
         }
 
-        /// Killing the capture makes it return (the first time).
+        /// Killing the capture makes it return (the first time, if `abort_releases`).
         async fn abort(&self) -> Aborted {
-            if self.aborts.fetch_add(1, Ordering::SeqCst) == 0 {
+            if self.aborts.fetch_add(1, Ordering::SeqCst) == 0
+                && self.abort_releases.load(Ordering::SeqCst)
+            {
                 self.release.add_permits(1);
             }
             Aborted::default()
@@ -1301,15 +1324,48 @@ mod tests {
             m.explanation,
             "failed: the checkpoint held its engine slot longer than 100ms ([engine] \
              job_timeout_ms) and was aborted: no process dump was running, the container's \
-             freezer could not be reached (aborted at its deadline)"
+             freezer could not be reached (the fs capture was stopped after writing 0 bytes of \
+             its layer; nothing of it is stored)"
         );
         // Once to end the job, once more for what it may have started meanwhile.
         assert_eq!(s.capture.aborts.load(Ordering::SeqCst), 2);
+        assert_eq!(s.capture.cancelled.load(Ordering::SeqCst), 1);
         // The next job is not aborted.
         s.capture.release.add_permits(1);
         s.co.submit("t2", &answer(2, Kind::Fs, &["b"]));
         s.idle().await;
         assert_eq!(s.latest().kind, CheckpointKind::Full);
+    }
+
+    /// An fs capture that nothing the abort kills would end (the real one: a blocking thread
+    /// copying a big file) stops on the job's cancel flag: the job fails at its deadline, not
+    /// at the end of the abort grace, and the next job need not wait for the capture.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_fs_capture_past_the_deadline_is_cancelled() {
+        let s = sandbox(settings(), FakeCapture::new(0), Duration::from_millis(100));
+        s.capture.abort_releases.store(false, Ordering::SeqCst);
+        let t = Instant::now();
+        s.co.submit("t1", &answer(1, Kind::Fs, &["a"]));
+        s.idle().await;
+        let took = t.elapsed();
+        assert!(took < ABORT_GRACE, "the job ended after {took:?}");
+        let m = s.latest();
+        assert_eq!(m.kind, CheckpointKind::Failed);
+        assert!(
+            m.explanation.contains("job_timeout_ms")
+                && m.explanation.contains("the fs capture was stopped"),
+            "{}",
+            m.explanation
+        );
+        assert_eq!(s.capture.cancelled.load(Ordering::SeqCst), 1);
+        // The capture ended: the next job does not wait for it, and is not cancelled.
+        s.capture.release.add_permits(1);
+        s.co.submit("t2", &answer(2, Kind::Fs, &["b"]));
+        tokio::time::timeout(Duration::from_secs(5), s.idle())
+            .await
+            .expect("the next job waited for the cancelled capture");
+        assert_eq!(s.latest().kind, CheckpointKind::Full);
+        assert_eq!(s.capture.cancelled.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,11 +4,19 @@
 //! `runc checkpoint` is a child of the shim and CRIU a child of runc (`criu swrk`); CRIU freezes
 //! the container's cgroup while it dumps, and a CRIU killed midway leaves it frozen (frozen
 //! tasks do not even die). So the job's `runc checkpoint` and everything below it are killed,
-//! then the container's cgroup is thawed. An fs capture past the deadline cannot be
-//! interrupted (it runs on a blocking thread); the thaw lets the container go on meanwhile, and
-//! the coordinator discards what the capture produces.
+//! then the container's cgroup is thawed. An fs capture runs on a blocking thread, which
+//! cannot be killed: it is told to stop through its [`Cancel`], which it checks before every
+//! entry and every chunk of file data it copies, and ends with
+//! [`super::layer::LayerError::Cancelled`], its temporary files removed.
 
-use std::{fs, path::Path};
+use std::{
+    fs,
+    path::Path,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+};
 
 use crate::sys::cgroup::freezer::{CgroupFreezer, CgroupVersion};
 
@@ -55,6 +63,48 @@ pub fn checkpoint_tree(procs: &[ProcInfo], shim_pid: u32, container_id: &str) ->
         }
     }
     out
+}
+
+/// Tells a running capture to stop (its job passed its deadline). Clones share the flag; a
+/// capture checks it before every entry it writes and every chunk of file data it copies.
+#[derive(Debug, Clone, Default)]
+pub struct Cancel {
+    flag: Arc<AtomicBool>,
+    /// Tests: the flag sets itself at this many looks ([`Cancel::after_looks`]).
+    #[cfg(test)]
+    looks_left: Option<Arc<std::sync::atomic::AtomicU64>>,
+}
+
+impl Cancel {
+    /// A flag nothing has set yet.
+    pub fn new() -> Cancel {
+        Cancel::default()
+    }
+
+    /// A flag that sets itself when it is looked at for the `n`th time: where a capture looks
+    /// is then exact, whatever the speed of the disk.
+    #[cfg(test)]
+    pub fn after_looks(n: u64) -> Cancel {
+        Cancel {
+            looks_left: Some(Arc::new(n.into())),
+            ..Cancel::default()
+        }
+    }
+
+    pub fn cancel(&self) {
+        self.flag.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        #[cfg(test)]
+        if let Some(left) = &self.looks_left {
+            let was = left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+            if was == Ok(1) {
+                self.cancel();
+            }
+        }
+        self.flag.load(Ordering::Relaxed)
+    }
 }
 
 /// The processes of the host, read from `/proc` (those that vanish meanwhile are left out).

@@ -1,7 +1,8 @@
 //! The capture a checkpoint job does on a running container: its fs layer ([`super::layer`],
 //! the container frozen while the upperdir is read), its process image ([`super::process`],
-//! CRIU driven directly or through runc) and, past the job's deadline, the abort ([`super::deadline`]). This is the
-//! real [`Capture`] of the [`super::coordinator`].
+//! CRIU driven directly or through runc) and, past the job's deadline, the abort ([`super::deadline`]:
+//! the dump killed, the container thawed; a running fs capture stops through its
+//! [`deadline::Cancel`]). This is the real [`Capture`] of the [`super::coordinator`].
 
 use std::{path::PathBuf, sync::Arc};
 
@@ -92,6 +93,7 @@ impl Capture for ContainerCapture {
         changes: FsDiff,
         volumes: Vec<VolumeChanges>,
         capturing: OwnedMutexGuard<()>,
+        cancel: deadline::Cancel,
     ) -> Result<FsLayer, CheckpointError> {
         let upper = self.upperdir()?;
         let volumes: Vec<layer::VolumeCapture> = volumes
@@ -113,6 +115,7 @@ impl Capture for ContainerCapture {
         let ids = super::tar::IdShift::of_pid(init_pid).map_err(CheckpointError::IdMaps)?;
         let opts = layer::LayerOptions {
             max_bytes: self.limits.max_layer_bytes,
+            max_apparent_bytes: self.limits.max_layer_apparent_bytes,
             max_depth: self.limits.max_walk_depth,
             xattrs: self.overlay_xattrs,
             ids,
@@ -123,7 +126,7 @@ impl Capture for ContainerCapture {
                 .map_err(CheckpointError::Freezer)?;
             let paths = FsDiffPaths::from(&changes);
             Ok::<_, CheckpointError>(layer::write_fs_layer_with_volumes(
-                &store, &upper, &paths, &volumes, &freezer, &opts,
+                &store, &upper, &paths, &volumes, &freezer, &opts, &cancel,
             )?)
         })
         .await

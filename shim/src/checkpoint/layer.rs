@@ -19,9 +19,16 @@
 //!   (containerd's differ then writes the holes back as zeros when it unpacks the layer: the
 //!   restored file has the same size and data, but is not sparse.)
 //!
-//! What one layer may cost is bounded ([`LayerOptions`]): file data beyond `max_bytes` fails the
-//! layer before anything is copied, and an opaque subtree is walked with an explicit stack at
-//! most `max_depth` deep; only the mount's own overlay xattr prefix is overlay state.
+//! What one layer may cost is bounded ([`LayerOptions`]): file data beyond `max_bytes`, or
+//! files whose apparent size (holes included, what unpacking the layer writes) adds up beyond
+//! `max_apparent_bytes`, fail the layer before the file that crosses the bound is copied, and
+//! an opaque subtree is walked with an explicit stack at most `max_depth` deep; only the
+//! mount's own overlay xattr prefix is overlay state.
+//!
+//! A capture can be cancelled ([`Cancel`], set when its checkpoint job passes its deadline):
+//! the walk, the copy (per [`super::capture::COPY_CHUNK`]) and the compression check it and
+//! stop with [`LayerError::Cancelled`]; the temporary files are removed as on any error, so no
+//! part of the layer is ever visible in the store.
 //!
 //! The upperdir is read without following symlinks at any component ([`super::capture`]), so
 //! a container that plants symlinks cannot make the layer read host files; the tar is written by
@@ -47,6 +54,7 @@ use sha2::{Digest, Sha256};
 
 use super::capture::{self, Capture};
 pub use super::capture::{LayerError, LayerOptions};
+pub use super::deadline::Cancel;
 use super::store::{digest_string, Descriptor, Store, StoreError, MEDIA_TYPE_LAYER_ZSTD};
 use super::tar::TarWriter;
 use crate::inspector::{fs::FsDiff, FsFinding};
@@ -150,7 +158,7 @@ pub fn write_fs_layer_with(
     freezer: &dyn Freezer,
     opts: &LayerOptions,
 ) -> Result<(Descriptor, LayerStats), LayerError> {
-    write_fs_layer_with_volumes(store, upperdir, diff, &[], freezer, opts)
+    write_fs_layer_with_volumes(store, upperdir, diff, &[], freezer, opts, &Cancel::new())
 }
 
 /// A tracked volume captured into a layer with the rootfs: a host directory bind-mounted at
@@ -168,7 +176,8 @@ pub struct VolumeCapture {
 }
 
 /// [`write_fs_layer_with`], with tracked volumes captured into the same layer, all while the
-/// container is frozen once. `opts.max_bytes` bounds each tree's data on its own.
+/// container is frozen once, until `cancel` is set. `opts.max_bytes` bounds each tree's data on
+/// its own, `opts.max_apparent_bytes` the whole layer's.
 pub fn write_fs_layer_with_volumes(
     store: &Store,
     upperdir: &Path,
@@ -176,6 +185,7 @@ pub fn write_fs_layer_with_volumes(
     volumes: &[VolumeCapture],
     freezer: &dyn Freezer,
     opts: &LayerOptions,
+    cancel: &Cancel,
 ) -> Result<(Descriptor, LayerStats), LayerError> {
     let start = Instant::now();
     let paths = plan(diff)?;
@@ -204,22 +214,29 @@ pub fn write_fs_layer_with_volumes(
         tar_tmp.path().to_path_buf(),
     );
     let capture_all = |tar: TarWriter| -> Result<TarWriter, LayerError> {
-        let mut capture = Capture::new(upper, upperdir, tar, *opts);
+        let mut capture = Capture::new(upper, upperdir, tar, *opts, cancel.clone());
         capture.run(&paths)?;
+        let mut apparent = capture.apparent_bytes();
         let mut tar = capture.into_tar();
         for (fd, prefix, v) in opened {
             tar.set_prefix(&prefix);
-            let mut capture = Capture::new(fd, &v.dir, tar, *opts);
+            let mut capture =
+                Capture::new(fd, &v.dir, tar, *opts, cancel.clone()).with_apparent_bytes(apparent);
             match &v.paths {
                 Some(paths) => capture.run(paths)?,
                 None => capture.run_whole()?,
             }
+            apparent = capture.apparent_bytes();
             tar = capture.into_tar();
         }
         tar.set_prefix(Path::new(""));
         Ok(tar)
     };
 
+    if cancel.is_cancelled() {
+        // Its job passed the deadline before it began: the container is not even frozen.
+        return Err(LayerError::Cancelled { written: 0 });
+    }
     let freeze_start = Instant::now();
     let frozen = Frozen::new(freezer)?;
     let capture_start = Instant::now();
@@ -239,7 +256,7 @@ pub fn write_fs_layer_with_volumes(
 
     let entries = tar.entries();
     let bytes = tar.finish()?;
-    let desc = compress(store, tar_tmp, bytes)?;
+    let desc = compress(store, tar_tmp, bytes, cancel)?;
     let stats = LayerStats {
         entries,
         bytes,
@@ -275,7 +292,7 @@ pub fn write_tree_tar(
         BufWriter::with_capacity(1 << 20, out),
         out_path.to_path_buf(),
     );
-    let mut capture = Capture::new(upper, dir, tar, *opts);
+    let mut capture = Capture::new(upper, dir, tar, *opts, Cancel::new());
     capture.run_tree()?;
     let mut tar = capture.into_tar();
     let entries = tar.entries();
@@ -303,11 +320,13 @@ fn plan(diff: &FsDiffPaths<'_>) -> Result<BTreeSet<PathBuf>, LayerError> {
     Ok(out)
 }
 
-/// Compresses the finished temporary tar into a blob, hashing both, and stores it.
+/// Compresses the finished temporary tar into a blob, hashing both, and stores it (unless
+/// `cancel` is set meanwhile).
 fn compress(
     store: &Store,
     tar_tmp: super::store::TempFile,
     tar_len: u64,
+    cancel: &Cancel,
 ) -> Result<Descriptor, LayerError> {
     let tar_path = tar_tmp.path().to_path_buf();
     let mut tar = tar_tmp;
@@ -328,6 +347,9 @@ fn compress(
     let mut diff_hash = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
+        if cancel.is_cancelled() {
+            return Err(LayerError::Cancelled { written: tar_len });
+        }
         let n = match tar.file().read(&mut buf) {
             Ok(0) => break,
             Ok(n) => n,
@@ -339,6 +361,9 @@ fn compress(
     }
     let mut out = enc.finish().map_err(write_err)?;
     out.inner.flush().map_err(write_err)?;
+    if cancel.is_cancelled() {
+        return Err(LayerError::Cancelled { written: tar_len });
+    }
     let desc = Descriptor {
         digest: digest_string(out.hash),
         diff_id: digest_string(diff_hash),
@@ -400,7 +425,7 @@ mod tests {
         let refs: Vec<(u64, &[u8])> = chunks.iter().map(|(o, d)| (*o, d.as_slice())).collect();
         sparse(&p, 2000 << 20, &refs);
         let f = fs::File::open(&p).unwrap();
-        let all = data_extents(f.as_raw_fd(), 2000 << 20, 4096).unwrap();
+        let all = data_extents(f.as_raw_fd(), 2000 << 20, 4096, &Cancel::new()).unwrap();
         // 2000 data extents and the empty one that marks the end of the file.
         assert_eq!(all.len(), 2001);
         assert_eq!(all[2000], (2000 << 20, 0));
@@ -411,7 +436,7 @@ mod tests {
             "{:?}",
             &all[..3]
         );
-        let few = data_extents(f.as_raw_fd(), 2000 << 20, 100).unwrap();
+        let few = data_extents(f.as_raw_fd(), 2000 << 20, 100, &Cancel::new()).unwrap();
         assert!(few.len() <= 100, "{}", few.len());
         // Every data byte is still covered.
         for (off, _) in &chunks {
@@ -426,6 +451,275 @@ mod tests {
         );
         assert_eq!(sparse_map(&[(0, 4), (8, 2)]).len(), 512);
         assert!(sparse_map(&[(0, 4), (8, 2)]).starts_with(b"2\n0\n4\n8\n2\n\0"));
+    }
+
+    struct CountingFreezer(std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64);
+
+    impl CountingFreezer {
+        fn new() -> Self {
+            CountingFreezer(0.into(), 0.into())
+        }
+        fn counts(&self) -> (u64, u64) {
+            use std::sync::atomic::Ordering::SeqCst;
+            (self.0.load(SeqCst), self.1.load(SeqCst))
+        }
+    }
+
+    impl Freezer for CountingFreezer {
+        fn freeze(&self) -> io::Result<()> {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(())
+        }
+        fn thaw(&self) -> io::Result<()> {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(())
+        }
+    }
+
+    /// A file of `mib` MiB of data (no holes, not all the same bytes).
+    fn dense(p: &Path, mib: u64) {
+        let mut f = BufWriter::new(fs::File::create(p).unwrap());
+        let mut block = vec![0u8; 1 << 20];
+        for i in 0..mib {
+            for (j, b) in block.iter_mut().enumerate() {
+                *b = (i as usize * 31 + j * 7 + 1) as u8;
+            }
+            f.write_all(&block).unwrap();
+        }
+        f.into_inner().unwrap().sync_all().unwrap();
+    }
+
+    /// Every file left in the store's `blobs/` (temporary or stored).
+    fn blob_files(store: &Path) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        let mut dirs = vec![store.join("blobs")];
+        while let Some(d) = dirs.pop() {
+            for e in fs::read_dir(&d).unwrap().flatten() {
+                match e.file_type().unwrap().is_dir() {
+                    true => dirs.push(e.path()),
+                    false => out.push(e.path()),
+                }
+            }
+        }
+        out
+    }
+
+    fn big_file_layer(
+        mib: u64,
+    ) -> (
+        tempfile::TempDir,
+        PathBuf,
+        Store,
+        Vec<PathBuf>,
+        CountingFreezer,
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let upper = dir.path().join("upper");
+        fs::create_dir_all(upper.join("app")).unwrap();
+        fs::write(upper.join("app/small"), b"small").unwrap();
+        dense(&upper.join("app/big"), mib);
+        let store = Store::open(&dir.path().join("store")).unwrap();
+        let added = vec![
+            PathBuf::from("/app"),
+            PathBuf::from("/app/big"),
+            PathBuf::from("/app/small"),
+        ];
+        (dir, upper, store, added, CountingFreezer::new())
+    }
+
+    /// Cancelled in the middle of a big file's data: the capture stops within a chunk, thaws,
+    /// and leaves nothing in the store; a capture that is not cancelled writes the whole layer.
+    #[test]
+    fn a_cancelled_capture_stops_within_a_chunk_and_leaves_nothing() {
+        let (dir, upper, store, added, freezer) = big_file_layer(96);
+        let diff = FsDiffPaths {
+            added: &added,
+            modified: &[],
+            deleted: &[],
+        };
+        let opts = LayerOptions::default();
+        // Looks: one before the freeze, one per path (/app, /app/big), one at the big file's
+        // first extent, then one before each chunk of its data: the sixth is before its second
+        // chunk.
+        let cancel = Cancel::after_looks(6);
+        let e = write_fs_layer_with_volumes(&store, &upper, &diff, &[], &freezer, &opts, &cancel)
+            .unwrap_err();
+        let LayerError::Cancelled { written } = e else {
+            panic!("not cancelled: {e}");
+        };
+        assert!(
+            (capture::COPY_CHUNK as u64..2 * capture::COPY_CHUNK as u64).contains(&written),
+            "stopped after {written} bytes"
+        );
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "the fs capture was stopped after writing {written} bytes of its layer; nothing \
+                 of it is stored"
+            )
+        );
+        assert_eq!(freezer.counts(), (1, 1), "thawed once");
+        assert_eq!(blob_files(&dir.path().join("store")), Vec::<PathBuf>::new());
+
+        // Set before it starts: nothing is written, the container not even frozen.
+        let cancel = Cancel::new();
+        cancel.cancel();
+        let e = write_fs_layer_with_volumes(&store, &upper, &diff, &[], &freezer, &opts, &cancel)
+            .unwrap_err();
+        assert!(matches!(e, LayerError::Cancelled { written: 0 }), "{e}");
+        assert_eq!(freezer.counts(), (1, 1), "frozen again");
+        assert_eq!(blob_files(&dir.path().join("store")), Vec::<PathBuf>::new());
+
+        // Not cancelled: the whole layer.
+        let (desc, stats) = write_fs_layer_with_volumes(
+            &store,
+            &upper,
+            &diff,
+            &[],
+            &freezer,
+            &opts,
+            &Cancel::new(),
+        )
+        .unwrap();
+        assert!(stats.bytes > 96 << 20, "{stats:?}");
+        assert_eq!(
+            blob_files(&dir.path().join("store")),
+            vec![store.blob_path(&desc.digest)]
+        );
+    }
+
+    /// Cancelled from another thread while it copies (as the coordinator does at the job
+    /// deadline): the capture returns within a few chunks' time and no temporary file is left.
+    #[test]
+    fn a_capture_cancelled_while_it_copies_stops_promptly() {
+        let (dir, upper, store, added, freezer) = big_file_layer(512);
+        let diff = FsDiffPaths {
+            added: &added,
+            modified: &[],
+            deleted: &[],
+        };
+        let cancel = Cancel::new();
+        let blobs = dir.path().join("store/blobs");
+        let watcher = {
+            let cancel = cancel.clone();
+            std::thread::spawn(move || {
+                // Once the temporary tar holds 32 MiB: the copy is under way.
+                let started = Instant::now();
+                while started.elapsed() < Duration::from_secs(30) {
+                    let big = fs::read_dir(&blobs).unwrap().flatten().any(|e| {
+                        e.file_name().to_string_lossy().ends_with(".tmp")
+                            && e.metadata().is_ok_and(|m| m.len() >= 32 << 20)
+                    });
+                    if big {
+                        cancel.cancel();
+                        return Some(Instant::now());
+                    }
+                    std::thread::yield_now();
+                }
+                None
+            })
+        };
+        let r = write_fs_layer_with_volumes(
+            &store,
+            &upper,
+            &diff,
+            &[],
+            &freezer,
+            &LayerOptions::default(),
+            &cancel,
+        );
+        let returned = Instant::now();
+        let cancelled_at = watcher
+            .join()
+            .unwrap()
+            .expect("the copy never got under way");
+        let e = r.unwrap_err();
+        let LayerError::Cancelled { written } = e else {
+            panic!("not cancelled: {e}");
+        };
+        let stop = returned.duration_since(cancelled_at);
+        eprintln!("cancelled after {written} bytes written, returned {stop:?} after the cancel");
+        assert!(stop < Duration::from_millis(500), "{stop:?}");
+        assert_eq!(freezer.counts(), (1, 1));
+        assert_eq!(blob_files(&dir.path().join("store")), Vec::<PathBuf>::new());
+    }
+
+    /// Sparse files cost their apparent size against `max_apparent_bytes` (what unpacking the
+    /// layer writes), before any of their data is read; hard links to a file already in the
+    /// layer cost nothing; the bound is the layer's, volumes included.
+    #[test]
+    fn the_apparent_size_of_a_layer_is_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let upper = dir.path().join("upper");
+        fs::create_dir_all(upper.join("app")).unwrap();
+        sparse(&upper.join("app/a"), 40 << 20, &[(5, b"a")]);
+        fs::hard_link(upper.join("app/a"), upper.join("app/a2")).unwrap();
+        sparse(&upper.join("app/b"), 30 << 20, &[(7, b"b")]);
+        let vol = dir.path().join("vol");
+        fs::create_dir_all(&vol).unwrap();
+        sparse(&vol.join("v"), 20 << 20, &[(9, b"v")]);
+        let store = Store::open(&dir.path().join("store")).unwrap();
+        let p = |v: &[&str]| v.iter().map(PathBuf::from).collect::<Vec<_>>();
+        let all = p(&["/app", "/app/a", "/app/a2", "/app/b"]);
+        let diff = FsDiffPaths {
+            added: &all,
+            modified: &[],
+            deleted: &[],
+        };
+        let opts = |mib: u64| LayerOptions {
+            max_apparent_bytes: mib << 20,
+            ..LayerOptions::default()
+        };
+        let freezer = CountingFreezer::new();
+        let layer = |d: &FsDiffPaths<'_>, vols: &[VolumeCapture], mib: u64| {
+            write_fs_layer_with_volumes(
+                &store,
+                &upper,
+                d,
+                vols,
+                &freezer,
+                &opts(mib),
+                &Cancel::new(),
+            )
+        };
+        // 40 + 30 MiB (the link is free): over 64 MiB, a clear error naming the key.
+        let e = layer(&diff, &[], 64).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            matches!(
+                e,
+                LayerError::Limit {
+                    key: "max_layer_apparent_bytes",
+                    limit,
+                    ..
+                } if limit == 64 << 20
+            ),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("[limits] max_layer_apparent_bytes")
+                && msg.contains("67108864")
+                && msg.contains("holes included")
+                && msg.contains("app/b"),
+            "{msg}"
+        );
+        assert_eq!(blob_files(&dir.path().join("store")), Vec::<PathBuf>::new());
+        assert_eq!(freezer.counts(), (1, 1));
+        // Within 70 MiB: a layer of a few KB.
+        let (desc, stats) = layer(&diff, &[], 70).unwrap();
+        assert!(desc.size < 16 << 10 && stats.bytes < 64 << 10, "{stats:?}");
+        // A tracked volume counts with the rootfs: 70 + 20 MiB.
+        let vols = [VolumeCapture {
+            at: PathBuf::from("/data"),
+            dir: vol.clone(),
+            paths: None,
+        }];
+        let e = layer(&diff, &vols, 80).unwrap_err();
+        assert!(
+            e.to_string().contains("max_layer_apparent_bytes") && e.to_string().contains("/v"),
+            "{e}"
+        );
+        layer(&diff, &vols, 90).unwrap();
     }
 
     /// Only the mount's own prefix is overlay state; escaped `*.overlay.overlay.X` names are

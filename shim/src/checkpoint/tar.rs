@@ -197,6 +197,11 @@ impl TarWriter {
         self.entries
     }
 
+    /// Bytes of the tar so far.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
     pub fn err(&self, e: io::Error) -> StoreError {
         StoreError::io("write", &self.path, e)
     }
