@@ -222,6 +222,12 @@ pub struct MemoryImage {
     pub regions: Vec<Region>,
     pub state: ProcState,
     pub stats: CaptureStats,
+    /// `(page address, xxh3-64 of its bytes as read)` of the pages whose hash in `regions`
+    /// has volatile ranges zeroed ([`CaptureOptions::volatile`]), sorted by address: where
+    /// one image masked a page and the other did not (an rseq area learnt between the two),
+    /// [`compare`] compares the bytes as read instead.
+    #[serde(default)]
+    pub masked: Vec<(u64, u64)>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -404,6 +410,22 @@ pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemE
     if procs::identity(pid)?.map(|i| i.1) != Some(start_time) {
         return Err(MemError::Gone(pid));
     }
+    // The masked pages as read, for comparisons with an image that did not mask them.
+    let mut masked: Vec<(u64, u64)> = Vec::new();
+    for &(a, l) in &volatile {
+        let mut va = a / ps * ps;
+        while va < a.saturating_add(l) {
+            if masked.last().map(|m| m.0) != Some(va) {
+                let mut page = vec![0u8; ps as usize];
+                if matches!(mem.read_at(&mut page, va), Ok(n) if n as u64 == ps) {
+                    masked.push((va, xxh3_64(&page)));
+                }
+            }
+            va += ps;
+        }
+    }
+    masked.sort_unstable_by_key(|m| m.0);
+    masked.dedup_by_key(|m| m.0);
     stats.elapsed = t0.elapsed();
     Ok(MemoryImage {
         pid,
@@ -411,6 +433,7 @@ pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemE
         regions,
         state,
         stats,
+        masked,
     })
 }
 
@@ -1097,7 +1120,16 @@ fn same_mapping(a: &Region, b: &Region) -> bool {
 }
 
 /// Pages in `[lo, hi)` whose entries differ (a missing entry is the default content).
-fn differing_pages(a: &[(u64, u64)], b: &[(u64, u64)], lo: u64, hi: u64) -> u64 {
+/// Pages in `[lo, hi)` whose hashes differ between `a` and `b` (a page absent from a list has
+/// its kind's default content) and that `same` does not find equal after all (given the
+/// address and each side's hash, if present).
+fn differing_pages(
+    a: &[(u64, u64)],
+    b: &[(u64, u64)],
+    lo: u64,
+    hi: u64,
+    same: &dyn Fn(u64, Option<u64>, Option<u64>) -> bool,
+) -> u64 {
     let range = |v: &[(u64, u64)]| {
         let s = v.partition_point(|p| p.0 < lo);
         let e = v.partition_point(|p| p.0 < hi);
@@ -1108,13 +1140,19 @@ fn differing_pages(a: &[(u64, u64)], b: &[(u64, u64)], lo: u64, hi: u64) -> u64 
     let mut n = 0;
     while i < ie || j < je {
         if j >= je || (i < ie && a[i].0 < b[j].0) {
-            n += 1;
+            if !same(a[i].0, Some(a[i].1), None) {
+                n += 1;
+            }
             i += 1;
         } else if i >= ie || b[j].0 < a[i].0 {
-            n += 1;
+            if !same(b[j].0, None, Some(b[j].1)) {
+                n += 1;
+            }
             j += 1;
         } else {
-            if a[i].1 != b[j].1 || a[i].1 == UNREADABLE {
+            if a[i].1 == UNREADABLE
+                || (a[i].1 != b[j].1 && !same(a[i].0, Some(a[i].1), Some(b[j].1)))
+            {
                 n += 1;
             }
             i += 1;
@@ -1142,6 +1180,18 @@ pub fn compare(prev: &MemoryImage, now: &MemoryImage) -> MemDelta {
         ));
         return d;
     }
+    // A page one image masked and the other did not: equal if its bytes as read are.
+    let zh = zero_hash();
+    let raw = |m: &[(u64, u64)], va: u64| m.binary_search_by_key(&va, |e| e.0).ok().map(|k| m[k].1);
+    let same = |va: u64, x: Option<u64>, y: Option<u64>| {
+        let (xm, ym) = (raw(&prev.masked, va), raw(&now.masked, va));
+        if xm.is_some() == ym.is_some() {
+            return false;
+        }
+        let xr = xm.unwrap_or(x.unwrap_or(zh));
+        let yr = ym.unwrap_or(y.unwrap_or(zh));
+        xr == yr && xr != UNREADABLE
+    };
     let (p, n) = (&prev.regions, &now.regions);
     let (mut i, mut j) = (0, 0);
     let mut covered = 0u64;
@@ -1153,7 +1203,7 @@ pub fn compare(prev: &MemoryImage, now: &MemoryImage) -> MemDelta {
             let pages = (hi - lo) / ps;
             covered += pages;
             let changed = if same_mapping(a, b) {
-                differing_pages(&a.pages, &b.pages, lo, hi)
+                differing_pages(&a.pages, &b.pages, lo, hi, &same)
             } else {
                 pages
             };
