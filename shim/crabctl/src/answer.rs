@@ -245,6 +245,7 @@ mod tests {
                     removed_pages: 0,
                     scanned_pages: 90,
                     unproven_base: false,
+                    regions: vec![],
                 }],
                 idle: vec![7],
                 forks: 1,
