@@ -323,6 +323,31 @@ containerd_path() {
   esac
 }
 
+# What an interrupted test run (a killed `make test`, a host restarted under it) leaves for
+# the next one to trip over: empty cgroups of test containers (runc names them
+# <hierarchy>/<namespace>/<id>, test ids start with "it-") and the test suite's FIFO dirs.
+# rmdir(2) refuses a cgroup that still has a process or a child, so a live container's
+# cgroup survives this; it runs only while no containerd of this instance runs.
+remove_test_leftovers() {
+  local ns root d
+  for ns in "${CRAB_NAMESPACES[@]}" "${CRAB_NAMESPACE:-crab-test}"; do
+    for root in /sys/fs/cgroup /sys/fs/cgroup/*; do
+      [[ -d $root/$ns ]] || continue
+      for d in "$root/$ns"/it-*/; do
+        [[ -d $d ]] || continue
+        # Children first; a cgroup with processes stays.
+        if find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || [[ ! -d $d ]]; then
+          log "removed the empty cgroup ${d%/} an earlier run left"
+        fi
+      done
+    done
+  done
+  for d in "$CRAB_HOME/tmp/integration-fifo"/it-*/; do
+    [[ -d $d ]] || continue
+    rm -rf "$d" && log "removed the FIFO dir ${d%/} an earlier run left"
+  done
+}
+
 cmd_start() {
   if crab_containerd_answers; then
     log "already running (socket $CRAB_CONTAINERD_ADDRESS)"
@@ -332,6 +357,7 @@ cmd_start() {
     die "containerd (pid $(containerd_pid)) is running but does not answer on $CRAB_CONTAINERD_ADDRESS; run '$0 stop' first"
   fi
   check_containerd_binary
+  remove_test_leftovers
   mkdir -p "$CRAB_CONTAINERD_ROOT" "$CRAB_CONTAINERD_STATE" "$CRAB_SOCKET_DIR" "$CRAB_BIN_DIR"
   [[ $CRAB_SOCKET_DIR == "$CRAB_RUN_DIR" ]] ||
     log "CRAB_HOME path is too long for a unix socket; using $CRAB_CONTAINERD_ADDRESS"
