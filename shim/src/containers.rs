@@ -966,6 +966,24 @@ impl Containers {
         // after the origin has imported it (start_checkpointing).
         let mut image_imported = false;
         if r.checkpointing {
+            // The threads' rseq areas, which the image records and CRIU registered again:
+            // read back from the image that was just restored (a few small files).
+            let image = r.image.clone();
+            match tokio::task::spawn_blocking(move || {
+                crate::checkpoint::criu_image::read_facts(&image)
+            })
+            .await
+            {
+                Ok(Ok(facts)) => c.sandbox.restored_rseq(
+                    facts
+                        .threads
+                        .iter()
+                        .filter_map(|t| Some((t.tid, t.rseq?)))
+                        .collect(),
+                ),
+                Ok(Err(e)) => log::warn!("container {}: rseq areas of its image: {e}", c.id),
+                Err(e) => log::warn!("container {}: rseq areas of its image: {e}", c.id),
+            }
             let origin = match r.taken {
                 Some(t) => Origin::Checkpoint(t),
                 None => Origin::Image,

@@ -99,6 +99,8 @@ pub struct Sandbox {
     /// The page transfer of a lazy restore (set before checkpointing starts): the inspection
     /// and the process images must know while memory may still be missing.
     lazy: OnceLock<crate::checkpoint::lazy::Transfer>,
+    /// The rseq areas of the restored threads (see [`Sandbox::restored_rseq`]).
+    rseq: OnceLock<Vec<(u32, u64)>>,
 }
 
 impl Sandbox {
@@ -127,6 +129,7 @@ impl Sandbox {
             coordinator: OnceLock::new(),
             exec_boundary,
             lazy: OnceLock::new(),
+            rseq: OnceLock::new(),
         }
     }
 
@@ -134,6 +137,14 @@ impl Sandbox {
     /// has arrived. Call before [`Sandbox::start_checkpointing`].
     pub fn restored_lazily(&self, transfer: crate::checkpoint::lazy::Transfer) {
         let _ = self.lazy.set(transfer);
+    }
+
+    /// The container's processes were restored from a CRIU image whose threads registered
+    /// these rseq areas (thread id in the container, address): the inspection leaves them out
+    /// of memory images from the start ([`Inspection::restored_rseq`]). Call before
+    /// [`Sandbox::start_checkpointing`].
+    pub fn restored_rseq(&self, areas: Vec<(u32, u64)>) {
+        let _ = self.rseq.set(areas);
     }
 
     /// Starts inspecting the container (init `pid`) and opens its checkpoint store, whose
@@ -247,6 +258,9 @@ impl Sandbox {
         inspection.continue_after(last);
         if let Some(t) = self.lazy.get().cloned() {
             inspection.restored_lazily(Arc::new(move || t.in_flight_now()));
+        }
+        if let Some(areas) = self.rseq.get() {
+            inspection.restored_rseq(areas);
         }
         self.answers.inspection.set(inspection).await;
         let co = Coordinator::new(

@@ -1073,3 +1073,168 @@ fn memory_marked_during_a_lazy_restore_counts_as_changed() {
     drop(cg);
     remove_pinned(&pins).unwrap();
 }
+
+/// The CPU process `pid` last ran on (`/proc/PID/stat` field 39).
+fn last_cpu(pid: u32) -> usize {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after_comm = &stat[stat.rfind(')').unwrap() + 2..];
+    after_comm.split(' ').nth(36).unwrap().parse().unwrap()
+}
+
+fn pin(pid: u32, cpu: usize) {
+    // SAFETY: an all-zero cpu_set_t is a valid empty set, CPU_SET writes inside it, and
+    // sched_setaffinity reads exactly its size from a live local.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(pid as i32, std::mem::size_of_val(&set), &set),
+            0
+        );
+    }
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(10), "timed out: {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// A python3 that registered rseq (glibc 2.35+) sleeps in the cgroup `cg`, having left the
+/// CPU only before the inspection of `cg` began (as a restored process that went to sleep
+/// before its container was watched). It is then moved to another CPU and woken by a freeze
+/// of its cgroup (as a checkpoint does): the kernel rewrites its rseq area, nothing else.
+/// Returns the answer of the turn over that wake, or `None` when glibc registered no rseq.
+fn restored_sleeper_woken_elsewhere(
+    probes: &Arc<crab_shim::inspector::bpf::HostProbes>,
+    name: &str,
+    seed_from_image: bool,
+) -> Option<(u32, inspector::Answer)> {
+    let cg = TestCgroup::new(name);
+    let mut child = Command::new("python3")
+        .args([
+            "-B",
+            "-u",
+            "-c",
+            "import ctypes, time\n\
+             libc = ctypes.CDLL(None)\n\
+             libc.pthread_self.restype = ctypes.c_ulong\n\
+             off = ctypes.c_long.in_dll(libc, '__rseq_offset').value\n\
+             size = ctypes.c_uint.in_dll(libc, '__rseq_size').value\n\
+             print(libc.pthread_self() + off if size else 0, flush=True)\n\
+             time.sleep(1000)\n",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    // On CPU 1 from the start: its area says CPU 1 at the mark. (An area of zeros, CPU 0,
+    // reads the same as one left out, and the wake below could not show in it.)
+    pin(pid, 1);
+    cg.join(pid);
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let area: u64 = line.trim().parse().unwrap();
+    if area == 0 {
+        kill(child);
+        return None;
+    }
+    wait_until("the child sleeps, having run on CPU 1", || {
+        last_cpu(pid) == 1 && read_stat(pid).unwrap().is_some_and(|s| s.state == 'S')
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = target(dir.path());
+    t.cgroup2_dir = cg.0.clone();
+    let mut i = Inspection::new(t, Ok(probes.clone()));
+    assert!(
+        probes.rseq_areas(pid).unwrap().0.is_empty(),
+        "the child has not left a CPU while watched"
+    );
+    if seed_from_image {
+        // No pid namespace here: its pid is its pid "in the container".
+        i.restored_rseq(&[(pid, area)]);
+    }
+    i.mark_base();
+    // Its memory as read (nothing left out) at the mark; the wake is repeated until the
+    // kernel has written a different CPU into the area (it writes when the thread returns to
+    // user space after a migration, which a wake from the freezer does not always include).
+    use crab_shim::inspector::memory::{capture_with, compare, CaptureOptions};
+    let raw = || capture_with(pid, &CaptureOptions::default()).unwrap();
+    let at_mark = raw();
+    let mut rewritten = false;
+    for _ in 0..20 {
+        let other = (last_cpu(pid) + 1) % 2;
+        pin(pid, other);
+        fs::write(cg.0.join("cgroup.freeze"), "1").unwrap();
+        wait_until("frozen", || {
+            fs::read_to_string(cg.0.join("cgroup.events")).is_ok_and(|e| e.contains("frozen 1"))
+        });
+        fs::write(cg.0.join("cgroup.freeze"), "0").unwrap();
+        // Woken, it ran on the other CPU and left it (the probes noted its area then).
+        wait_until("the child ran on the other CPU and sleeps again", || {
+            last_cpu(pid) == other
+                && probes.rseq_areas(pid).unwrap().0.contains(&area)
+                && read_stat(pid).unwrap().is_some_and(|s| s.state == 'S')
+        });
+        let d = compare(&at_mark, &raw());
+        if d.changed_pages > 0 {
+            assert_eq!(
+                (d.changed_pages, d.added_pages, d.removed_pages),
+                (1, 0, 0),
+                "only the rseq area's page: {d}"
+            );
+            rewritten = true;
+            break;
+        }
+    }
+    assert!(
+        rewritten,
+        "the kernel never rewrote the rseq area of a migrated thread"
+    );
+    let a = i.turn_end();
+    drop(i);
+    kill(child);
+    Some((pid, a))
+}
+
+/// A restored process's rseq areas are known from its checkpoint image
+/// ([`Inspection::restored_rseq`]) before it has run under watch: woken later on another CPU,
+/// it is unchanged. Without the image's word, the same wake shows the area's page changed
+/// (the base image could not leave the area out; a false positive, never a miss): what made
+/// in-place rollbacks after a recreate fall back to recreating under load.
+#[test]
+fn rseq_areas_from_the_checkpoint_image_hold_before_the_thread_runs() {
+    use crab_shim::inspector::bpf::{remove_pinned, HostProbes};
+    support::require_root("loads the eBPF probes");
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        eprintln!("needs two CPUs");
+        return;
+    }
+    let pins = PathBuf::from(format!(
+        "/sys/fs/bpf/crab-test-{}-rseq-seed",
+        std::process::id()
+    ));
+    let _ = remove_pinned(&pins);
+    let probes = Arc::new(HostProbes::open_or_load_at(&pins).unwrap());
+    let Some((pid, without)) = restored_sleeper_woken_elsewhere(&probes, "rseq-unseeded", false)
+    else {
+        eprintln!("glibc did not register rseq: nothing to check");
+        remove_pinned(&pins).unwrap();
+        return;
+    };
+    let m = without.procs.memory.iter().find(|m| m.pid == pid).unwrap();
+    assert_eq!(m.changed_pages, 1, "without the image: {without:#?}");
+    let (pid, with) = restored_sleeper_woken_elsewhere(&probes, "rseq-seeded", true).unwrap();
+    let m = with.procs.memory.iter().find(|m| m.pid == pid);
+    assert!(
+        !with.procs.changed && m.is_none_or(|m| m.changed_pages == 0),
+        "with the image's rseq area: {with:#?}"
+    );
+    remove_pinned(&pins).unwrap();
+}

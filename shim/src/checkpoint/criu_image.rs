@@ -99,6 +99,10 @@ pub struct Thread {
     pub tid: u32,
     pub comm: String,
     pub creds: Option<Creds>,
+    /// The user address of the thread's registered rseq area (`thread_core.rseq_entry`, which
+    /// CRIU registers again at restore), if it had one: memory the kernel writes by itself
+    /// whenever the thread is scheduled (the inspector leaves it out of its memory images).
+    pub rseq: Option<u64>,
 }
 
 /// What a CRIU image says about the processes it restores.
@@ -185,6 +189,7 @@ pub fn facts_from(
                 tid,
                 comm: core.comm,
                 creds,
+                rseq: core.rseq,
             });
         }
     }
@@ -377,6 +382,7 @@ struct Core {
     task_state: Option<u64>,
     comm: String,
     creds: Option<Creds>,
+    rseq: Option<u64>,
 }
 
 /// `core_entry`: the task's state and comm (`tc`, field 3) and the thread's credentials and
@@ -387,6 +393,7 @@ fn parse_core(bytes: &[u8]) -> Result<Core, String> {
         task_state: None,
         comm: String::new(),
         creds: None,
+        rseq: None,
     };
     let (mut thread_seccomp, mut task_seccomp) = (None, None);
     for field in Fields::new(msg) {
@@ -409,6 +416,7 @@ fn parse_core(bytes: &[u8]) -> Result<Core, String> {
                     match f? {
                         (10, v) => core.creds = Some(parse_creds(v.bytes("creds")?)?),
                         (11, v) => thread_seccomp = Some(v.u32("seccomp_mode")?),
+                        (15, v) => core.rseq = parse_rseq(v.bytes("rseq_entry")?)?,
                         _ => {}
                     }
                 }
@@ -422,6 +430,20 @@ fn parse_core(bytes: &[u8]) -> Result<Core, String> {
         c.seccomp_mode = thread_seccomp.or(task_seccomp).unwrap_or(0);
     }
     Ok(core)
+}
+
+/// `rseq_entry`: the area's address (field 1) when one is registered (its size, field 2, is
+/// not 0).
+fn parse_rseq(msg: &[u8]) -> Result<Option<u64>, String> {
+    let (mut pointer, mut size) = (0, 0);
+    for field in Fields::new(msg) {
+        match field? {
+            (1, v) => pointer = v.varint("rseq_abi_pointer")?,
+            (2, v) => size = v.u32("rseq_abi_size")?,
+            _ => {}
+        }
+    }
+    Ok((pointer != 0 && size != 0).then_some(pointer))
 }
 
 /// `creds_entry`.
@@ -749,6 +771,11 @@ pub mod testing {
 
     /// A core file: `creds` None leaves out the credentials (as for a zombie, with `state` 2).
     pub fn core(state: u64, creds: Option<&Creds>) -> Vec<u8> {
+        core_with(state, creds, None)
+    }
+
+    /// [`core`] whose thread registered an rseq area (`rseq`: address, size).
+    pub fn core_with(state: u64, creds: Option<&Creds>, rseq: Option<(u64, u64)>) -> Vec<u8> {
         let mut tc = Vec::new();
         varint_field(&mut tc, 1, state);
         varint_field(&mut tc, 2, 0);
@@ -759,6 +786,13 @@ pub mod testing {
         if let Some(c) = creds {
             bytes_field(&mut thread, 10, &super::testing::creds(c));
             varint_field(&mut thread, 11, u64::from(c.seccomp_mode));
+        }
+        if let Some((pointer, size)) = rseq {
+            let mut r = Vec::new();
+            varint_field(&mut r, 1, pointer);
+            varint_field(&mut r, 2, size);
+            varint_field(&mut r, 3, 0x5305_3053);
+            bytes_field(&mut thread, 15, &r);
         }
         let mut m = Vec::new();
         varint_field(&mut m, 1, 1);
@@ -877,6 +911,46 @@ mod tests {
         assert_eq!(tids, vec![(1, 1), (1, 5), (7, 7)]);
         assert!(facts.threads.iter().all(|t| t.creds.as_ref() == Some(&c)));
         assert_eq!(facts.threads[0].comm, "sh");
+        assert!(facts.threads.iter().all(|t| t.rseq.is_none()));
+    }
+
+    #[test]
+    fn rseq_areas_are_read_per_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = root_creds();
+        write_image(dir.path(), &[(1, &[1, 5]), (7, &[])], &c, 0);
+        // As CRIU 4 writes it (seen: pointer 0x7f56..., size 32, signature 0x53053053); a
+        // size of 0 is no registration; a hostile entry is an error naming the field.
+        fs::write(
+            dir.path().join("core-5.img"),
+            core_with(1, Some(&c), Some((0x7f56_1234_5680, 32))),
+        )
+        .unwrap();
+        fs::write(
+            dir.path().join("core-7.img"),
+            core_with(1, Some(&c), Some((0x7f56_0000_0000, 0))),
+        )
+        .unwrap();
+        let facts = read_facts(dir.path()).unwrap();
+        let areas: Vec<(u32, Option<u64>)> =
+            facts.threads.iter().map(|t| (t.tid, t.rseq)).collect();
+        assert_eq!(
+            areas,
+            vec![(1, None), (5, Some(0x7f56_1234_5680)), (7, None)]
+        );
+        let mut thread = Vec::new();
+        bytes_field(&mut thread, 10, &creds(&c));
+        bytes_field(&mut thread, 15, &[0x08]); // field 1 with its varint cut off
+        let mut m = Vec::new();
+        varint_field(&mut m, 1, 1);
+        bytes_field(&mut m, 5, &thread);
+        fs::write(
+            dir.path().join("core-5.img"),
+            image_file(CORE_MAGIC, true, &[m]),
+        )
+        .unwrap();
+        let err = read_facts(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("core-5.img"), "{err}");
     }
 
     #[test]

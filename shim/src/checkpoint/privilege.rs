@@ -297,12 +297,14 @@ mod tests {
                     tid: 1,
                     comm: "sh".into(),
                     creds: Some(init),
+                    rseq: None,
                 },
                 Thread {
                     pid: 7,
                     tid: 7,
                     comm: "server".into(),
                     creds: Some(c),
+                    rseq: None,
                 },
             ],
         }

@@ -53,7 +53,11 @@
 //! one page per thread (seen in tests). That is no state a restore needs (the kernel rewrites it
 //! after restore too), so callers that know the areas pass them as
 //! [`CaptureOptions::volatile`] and they hash as zeros. Without ptrace the areas cannot be read
-//! from /proc; the BPF side can record `task->rseq` per thread.
+//! from /proc: the inspector learns them from the host probes (`task->rseq` of each thread
+//! that leaves a CPU while its cgroup is watched) and, for restored processes, from the
+//! checkpoint image (`thread_core.rseq_entry`), which covers a thread that went to sleep
+//! before the watch began. An image taken before an area was known keeps the page's hash as
+//! read; compared with one that left the area out, the bytes as read are compared.
 //!
 //! # Consistency
 //! Capturing a *running* process reads a moving target: the image is a best-effort snapshot and will

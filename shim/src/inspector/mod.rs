@@ -366,7 +366,13 @@ pub struct Inspection {
     /// Whether a lazy restore's pages may still be missing from the processes' memory (see
     /// [`Self::restored_lazily`]).
     pages_in_flight: Option<PagesInFlight>,
+    /// The rseq areas of restored threads, from their checkpoint image (see
+    /// [`Self::restored_rseq`]).
+    rseq_seeds: RseqSeeds,
 }
+
+/// Host pid -> (host tid, rseq area address) of its threads, as their checkpoint image said.
+type RseqSeeds = HashMap<u32, Vec<(u32, u64)>>;
 
 /// Says whether a lazy restore's pages may still be missing from the processes' memory.
 pub type PagesInFlight = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
@@ -411,7 +417,42 @@ impl Inspection {
             seq: 0,
             blind,
             pages_in_flight: None,
+            rseq_seeds: HashMap::new(),
         }
+    }
+
+    /// The container's processes were just restored from a checkpoint image whose threads
+    /// had these rseq areas (`areas`: thread id in the container's pid namespace, address).
+    /// CRIU registers them again before the threads resume, and the kernel rewrites them
+    /// whenever a thread is scheduled; the host probes learn an area only when its thread
+    /// leaves a CPU while the cgroup is watched, which a restored thread may have done before
+    /// the watch began and then not again for long (a sleeper). Known from the image, the
+    /// areas are left out of memory images from the first one on, so a sleeper woken later
+    /// (by a freeze for a checkpoint) does not count as changed.
+    ///
+    /// A seed lasts as long as its thread; a thread that exits, or a process that execs,
+    /// ends it (as in the probes).
+    pub fn restored_rseq(&mut self, areas: &[(u32, u64)]) {
+        if areas.is_empty() {
+            return;
+        }
+        let by_ns_tid: HashMap<u32, u64> = areas.iter().copied().collect();
+        let mut seeded = 0;
+        for p in self.processes().unwrap_or_default() {
+            let found: Vec<(u32, u64)> = procs::threads_by_ns_tid(p.pid)
+                .into_iter()
+                .filter_map(|(tid, ns_tid)| by_ns_tid.get(&ns_tid).map(|a| (tid, *a)))
+                .collect();
+            if !found.is_empty() {
+                seeded += found.len();
+                self.rseq_seeds.insert(p.pid, found);
+            }
+        }
+        log::debug!(
+            "inspector for {}: {seeded} of {} restored threads' rseq areas found",
+            self.target.container_id,
+            areas.len()
+        );
     }
 
     /// The container's processes were restored lazily: until `in_flight` says otherwise, pages
@@ -561,7 +602,7 @@ impl Inspection {
         capture_bounded(
             pid,
             self.target.limits.max_fdinfo_bytes,
-            volatile_of(self.probes.as_deref(), pid),
+            volatile_of(self.probes.as_deref(), &self.rseq_seeds, pid),
         )
     }
 
@@ -763,7 +804,7 @@ impl Inspection {
             match capture_bounded(
                 pid,
                 self.target.limits.max_fdinfo_bytes,
-                volatile_of(self.probes.as_deref(), pid),
+                volatile_of(self.probes.as_deref(), &self.rseq_seeds, pid),
             ) {
                 Ok(img) => {
                     mark.memory.insert(pid, img);
@@ -785,6 +826,10 @@ impl Inspection {
         let prev = self.mark.take();
         let (answer, mark) = self.observe_since(prev.as_ref(), self.seq);
         self.mark = mark;
+        // A seed ends with its process's image (an exec) or the process.
+        for p in answer.procs.reexeced.iter().chain(&answer.procs.ended) {
+            self.rseq_seeds.remove(&p.pid);
+        }
         if answer.degraded.is_empty() {
             log::info!("{}", answer.summary());
         } else {
@@ -1222,13 +1267,26 @@ fn locate_mapping<'a>(
 }
 
 /// The memory of `pid` the kernel writes by itself: its threads' rseq areas, as the BPF side
-/// saw them (`struct rseq`, 32 bytes; hashed as zeros, see [`memory`]).
-fn volatile_of(probes: Option<&HostProbes>, pid: u32) -> Vec<(u64, u64)> {
+/// saw them and as the checkpoint image it was restored from said (`seeds`, for the threads
+/// that still exist) (`struct rseq`, 32 bytes; hashed as zeros, see [`memory`]).
+fn volatile_of(probes: Option<&HostProbes>, seeds: &RseqSeeds, pid: u32) -> Vec<(u64, u64)> {
     const RSEQ_BYTES: u64 = 32;
-    probes
+    let mut areas: Vec<u64> = probes
         .and_then(|p| p.rseq_areas(pid).ok())
-        .map(|(areas, _)| areas.into_iter().map(|a| (a, RSEQ_BYTES)).collect())
-        .unwrap_or_default()
+        .map(|(areas, _)| areas)
+        .unwrap_or_default();
+    if let Some(seeded) = seeds.get(&pid) {
+        let live = procs::thread_ids(pid);
+        areas.extend(
+            seeded
+                .iter()
+                .filter(|(tid, _)| live.contains(tid))
+                .map(|(_, a)| *a),
+        );
+    }
+    areas.sort_unstable();
+    areas.dedup();
+    areas.into_iter().map(|a| (a, RSEQ_BYTES)).collect()
 }
 
 /// A memory image whose fd state keeps at most `max_fdinfo_bytes` of fdinfo text, with the

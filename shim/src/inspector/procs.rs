@@ -118,6 +118,40 @@ pub fn identity(pid: u32) -> Result<Option<(u32, u64)>, ProcfsError> {
     Ok(read_stat(pid)?.map(|s| (pid, s.start_time)))
 }
 
+/// The thread ids (host) of process `pid`; empty if it is gone.
+pub fn thread_ids(pid: u32) -> Vec<u32> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The innermost pid of an `NSpid:` line of `/proc/PID/status` text (its pid in the pid
+/// namespace it lives in), or `None`.
+pub fn parse_ns_pid(status: &str) -> Option<u32> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))?
+        .split_whitespace()
+        .last()?
+        .parse()
+        .ok()
+}
+
+/// `(host tid, tid in its pid namespace)` of each thread of process `pid`.
+pub fn threads_by_ns_tid(pid: u32) -> Vec<(u32, u32)> {
+    thread_ids(pid)
+        .into_iter()
+        .filter_map(|tid| {
+            let status = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")).ok()?;
+            Some((tid, parse_ns_pid(&status)?))
+        })
+        .collect()
+}
+
 /// Information about one process; `Ok(None)` if it does not exist (any more).
 pub fn info(pid: u32) -> Result<Option<ProcInfo>, ProcfsError> {
     let Some(stat) = read_stat(pid)? else {
@@ -478,6 +512,35 @@ mod tests {
             comm: "x".into(),
             cmdline: vec![],
         }
+    }
+
+    #[test]
+    fn ns_pids_and_threads() {
+        // The innermost of the pids (the last), in a nested namespace or none.
+        assert_eq!(
+            parse_ns_pid("Name:\tsh\nPid:\t812\nNSpid:\t812\t40\t7\nVmRSS: 1 kB\n"),
+            Some(7)
+        );
+        assert_eq!(parse_ns_pid("NSpid:\t812\n"), Some(812));
+        for hostile in [
+            "",
+            "NSpid:\n",
+            "NSpid:\tx\n",
+            "Pid:\t3\n",
+            "NSpid:\t99999999999\n",
+        ] {
+            assert_eq!(parse_ns_pid(hostile), None, "{hostile:?}");
+        }
+        // This process: its threads are listed.
+        let me = std::process::id();
+        let worker =
+            std::thread::spawn(|| std::thread::sleep(std::time::Duration::from_millis(300)));
+        let threads = threads_by_ns_tid(me);
+        assert!(threads.len() >= 2, "{threads:?}");
+        assert!(threads.iter().any(|(tid, _)| *tid == me), "{threads:?}");
+        assert!(thread_ids(me).contains(&me));
+        worker.join().unwrap();
+        assert!(thread_ids(u32::MAX).is_empty());
     }
 
     #[test]
