@@ -602,6 +602,42 @@ static __always_inline void forget_rseq(struct run *run)
 	__sync_fetch_and_and(&run->flags, ~RUN_RSEQ_MORE);
 }
 
+/* Forgets the area of thread `t` alone (it exits, or unregisters it): the
+ * other threads' areas stay noted though they may not run again for long.
+ * All of them when its area cannot be read. */
+static __always_inline void unnote_rseq(struct run *run, struct task_struct *t)
+{
+	__u64 p = task_rseq(t);
+	int i;
+
+	if (!p) {
+		forget_rseq(run);
+		return;
+	}
+	for (i = 0; i < RUN_RSEQ_MAX; i++) {
+		if (run->rseq[i] == p)
+			run->rseq[i] = 0;
+	}
+}
+
+/* rseq(2) with RSEQ_FLAG_UNREGISTER (args: rseq, len, flags, sig): the
+ * thread's area stops being one (the kernel no longer writes it, and the
+ * thread may keep data there). Registrations are noted at switch-out. */
+SEC("tracepoint")
+int crab_rseq(struct sys_enter *ctx)
+{
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	struct run *run;
+	__u64 cg;
+
+	if (!(ctx->args[2] & 1 /* RSEQ_FLAG_UNREGISTER */) || !current_counters(&cg))
+		return 0;
+	run = bpf_map_lookup_elem(&runs, &tgid);
+	if (run)
+		unnote_rseq(run, bpf_get_current_task_btf());
+	return 0;
+}
+
 /*
  * On x86-64, syscalls of 32-bit processes (int 0x80, sysenter) do not reach
  * the syscall tracepoints: such a process is marked so that each of its runs
@@ -673,12 +709,12 @@ int BPF_PROG(crab_exit, struct task_struct *task)
 
 	/* signal->live was decremented before this tracepoint: 0 = last thread */
 	if (BPF_CORE_READ(task, signal, live.counter) != 0) {
-		/* A thread exits: its area may be freed and reused for data. The
-		 * live threads' areas are noted again as they leave a CPU. */
+		/* A thread exits: its area may be freed and reused for data. Its
+		 * last switch-outs (PF_EXITING) note nothing. */
 		struct run *run = bpf_map_lookup_elem(&runs, &tgid);
 
 		if (run)
-			forget_rseq(run);
+			unnote_rseq(run, task);
 		return 0;
 	}
 	bpf_map_delete_elem(&runs, &tgid);
@@ -715,7 +751,9 @@ int BPF_PROG(crab_sched_switch, _Bool preempt, struct task_struct *prev, struct 
 		run->cgroup_id = cg;
 		if (run->flags & RUN_COMPAT)
 			add(&c->errors);
-		note_rseq(run, prev);
+		/* An exiting thread's area is no more (see crab_exit). */
+		if (!(prev->flags & PF_EXITING))
+			note_rseq(run, prev);
 		return 0;
 	}
 	/* The final switch-outs of an exiting process come after its entry was
@@ -731,7 +769,8 @@ int BPF_PROG(crab_sched_switch, _Bool preempt, struct task_struct *prev, struct 
 	run = bpf_map_lookup_elem(&runs, &tgid); /* created meanwhile on another CPU? */
 	if (run) {
 		add(&run->switches_out);
-		note_rseq(run, prev);
+		if (!(prev->flags & PF_EXITING))
+			note_rseq(run, prev);
 	}
 	else
 		add(&c->errors); /* map full: user space must not trust run counts */

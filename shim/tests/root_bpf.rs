@@ -926,6 +926,101 @@ while True:
 }
 
 /// `f` until it gives something, for at most 5 s.
+/// A thread that exits, or unregisters its rseq area, takes its own area out of the noted ones
+/// and leaves the others' (of threads that sleep on and may not run for long): its final
+/// switch-outs note nothing, so a freed area can never mask the data later stored there.
+#[test]
+fn a_thread_that_exits_or_unregisters_takes_only_its_own_area() {
+    let _serial = serial();
+    let root = TestRoot::new("rseq-exit");
+    let probes = HostProbes::open_or_load_at(&root.0).unwrap();
+    let cg = TestCgroup::new("rseq-exit");
+    probes.watch(cg.id).unwrap();
+    // Threads: `b` sleeps; `w` waits, then exits on "exit"; `u` waits, then unregisters its
+    // area on "unreg" (rseq(2), RSEQ_FLAG_UNREGISTER, glibc's x86 signature) and sleeps.
+    let script = r#"exec /usr/bin/python3 -B -u -c '
+import ctypes, sys, threading, time
+libc = ctypes.CDLL(None)
+libc.pthread_self.restype = ctypes.c_ulong
+libc.syscall.restype = ctypes.c_long
+off = ctypes.c_long.in_dll(libc, "__rseq_offset").value
+size = ctypes.c_uint.in_dll(libc, "__rseq_size").value
+def area():
+    return libc.pthread_self() + off if size else 0
+areas, go_exit, go_unreg = {}, threading.Event(), threading.Event()
+def b():
+    areas["b"] = area(); time.sleep(60)
+def w():
+    areas["w"] = area(); go_exit.wait()
+def u():
+    a = areas["u"] = area(); go_unreg.wait()
+    print("unreg", libc.syscall(334, ctypes.c_void_p(a), 32, 1, 0x53053053), flush=True)
+    time.sleep(60)
+for f in (b, w, u):
+    threading.Thread(target=f, daemon=True).start()
+while len(areas) < 3:
+    time.sleep(0.01)
+print(areas["b"], areas["w"], areas["u"], flush=True)
+for line in sys.stdin:
+    (go_exit if line.strip() == "exit" else go_unreg).set()
+'"#;
+    let mut child = Command::new("/bin/sh")
+        .arg("-c")
+        .arg(format!("read _go; {script}"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    fs::write(cg.dir.join("cgroup.procs"), child.id().to_string()).unwrap();
+    let pid = child.id();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"go\n").unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .map(|v| v.parse().unwrap())
+        .collect();
+    let finish = |mut child: Child| {
+        let _ = child.kill();
+        let _ = child.wait();
+    };
+    if v.contains(&0) {
+        eprintln!("glibc did not register rseq: nothing to check");
+        finish(child);
+        return;
+    }
+    let (b, w, u) = (v[0], v[1], v[2]);
+    let areas = || probes.rseq_areas(pid).unwrap().0;
+    assert!(
+        wait_for(|| [b, w, u].iter().all(|a| areas().contains(a)).then_some(())).is_some(),
+        "all three noted: want {v:?}, got {:?}",
+        areas()
+    );
+    stdin.write_all(b"exit\n").unwrap();
+    assert!(
+        wait_for(|| (!areas().contains(&w)).then_some(())).is_some(),
+        "the exited thread's area stays noted: {:?} (it was {w})",
+        areas()
+    );
+    let now = areas();
+    assert!(now.contains(&b) && now.contains(&u), "{now:?}");
+    stdin.write_all(b"unreg\n").unwrap();
+    line.clear();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    assert_eq!(line.trim(), "unreg 0", "rseq(2) unregistered the area");
+    assert!(
+        wait_for(|| (!areas().contains(&u)).then_some(())).is_some(),
+        "the unregistered area stays noted: {:?} (it was {u})",
+        areas()
+    );
+    assert!(areas().contains(&b), "{:?}", areas());
+    finish(child);
+    assert_eq!(probes.counters(cg.id).unwrap().errors, 0);
+    probes.unwatch(cg.id).unwrap();
+}
+
 fn wait_for<T>(mut f: impl FnMut() -> Option<T>) -> Option<T> {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {

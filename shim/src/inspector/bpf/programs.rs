@@ -39,6 +39,7 @@ pub(super) const SYSCALL_PROGRAMS: &[(&str, &[&str])] = &[
         ],
     ),
     ("crab_splice", &["sys_enter_splice"]),
+    ("crab_rseq", &["sys_enter_rseq"]),
     (
         "crab_truncate",
         &["sys_enter_truncate", "sys_enter_ftruncate"],
