@@ -232,8 +232,8 @@ impl HostProbes {
     }
 
     /// The rseq areas (`struct rseq`, where the kernel writes the CPU a thread runs on) of
-    /// the threads of process `pid` seen leaving a CPU since its last exec and its last thread
-    /// exit, by user address; and whether that is all of them (`false`: more threads ran than
+    /// the live threads of process `pid` seen leaving a CPU since its last exec (a thread that
+    /// exits or unregisters its area takes it out), by user address; and whether that is all of them (`false`: more threads ran than
     /// the map has room for, or the process is not known). For
     /// [`crate::inspector::memory::CaptureOptions::volatile`].
     pub fn rseq_areas(&self, pid: u32) -> Result<(Vec<u64>, bool), BpfError> {
