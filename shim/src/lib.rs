@@ -36,6 +36,7 @@ pub mod rollback;
 pub mod runc;
 pub mod sandbox;
 pub mod service;
+pub mod shimlog;
 pub mod stdio;
 pub mod sys;
 pub mod turns;

@@ -92,6 +92,14 @@ impl containerd_shim::Shim for Service {
         if let Ok((c, _)) = Config::load_or_default(None) {
             config.default_log_level = c.log.level.to_string().to_lowercase();
         }
+        // The daemon (no action) logs to the bundle's `log` FIFO, one write per record
+        // (crate::shimlog); the framework's logger, which tears records, is not set up.
+        if args.action.is_empty() {
+            config.no_setup_logger = true;
+            if let Err(e) = crate::shimlog::init(args.debug, &config.default_log_level) {
+                eprintln!("crab shim: no log: {e}");
+            }
+        }
         Service {
             id: args.id.clone(),
             namespace: args.namespace.clone(),
