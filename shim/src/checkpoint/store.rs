@@ -1240,7 +1240,11 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
 /// RFC 3339 in UTC with milliseconds (`2026-05-01T12:00:00.123Z`).
 pub fn rfc3339(t: SystemTime) -> String {
     let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = d.as_secs();
+    format!("{}.{:03}Z", rfc3339_seconds(d.as_secs()), d.subsec_millis())
+}
+
+/// `YYYY-MM-DDTHH:MM:SS` in UTC of `secs` since the epoch.
+pub fn rfc3339_seconds(secs: u64) -> String {
     let (days, rem) = (secs / 86_400, secs % 86_400);
     // Days to civil date (Howard Hinnant's algorithm).
     let z = days as i64 + 719_468;
@@ -1253,11 +1257,10 @@ pub fn rfc3339(t: SystemTime) -> String {
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
     format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}",
         rem / 3600,
         rem / 60 % 60,
-        rem % 60,
-        d.subsec_millis()
+        rem % 60
     )
 }
 
