@@ -1081,19 +1081,6 @@ fn last_cpu(pid: u32) -> usize {
     after_comm.split(' ').nth(36).unwrap().parse().unwrap()
 }
 
-fn pin(pid: u32, cpu: usize) {
-    // SAFETY: an all-zero cpu_set_t is a valid empty set, CPU_SET writes inside it, and
-    // sched_setaffinity reads exactly its size from a live local.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        assert_eq!(
-            libc::sched_setaffinity(pid as i32, std::mem::size_of_val(&set), &set),
-            0
-        );
-    }
-}
-
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     let t = Instant::now();
     while !f() {
@@ -1132,7 +1119,7 @@ fn restored_sleeper_woken_elsewhere(
     let pid = child.id();
     // On CPU 1 from the start: its area says CPU 1 at the mark. (An area of zeros, CPU 0,
     // reads the same as one left out, and the wake below could not show in it.)
-    pin(pid, 1);
+    support::pin(pid, 1);
     cg.join(pid);
     let mut line = String::new();
     std::io::BufRead::read_line(
@@ -1170,7 +1157,7 @@ fn restored_sleeper_woken_elsewhere(
     let mut rewritten = false;
     for _ in 0..20 {
         let other = (last_cpu(pid) + 1) % 2;
-        pin(pid, other);
+        support::pin(pid, other);
         fs::write(cg.0.join("cgroup.freeze"), "1").unwrap();
         wait_until("frozen", || {
             fs::read_to_string(cg.0.join("cgroup.events")).is_ok_and(|e| e.contains("frozen 1"))

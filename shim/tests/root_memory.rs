@@ -341,19 +341,6 @@ fn forked_child_mmap_and_munmap_are_layout_changes() {
     assert_eq!((d.added_pages, d.removed_pages), (0, 16), "{d}");
 }
 
-fn pin(pid: u32, cpu: usize) {
-    // SAFETY: an all-zero cpu_set_t is a valid empty set, CPU_SET writes inside it, and
-    // sched_setaffinity reads exactly its size from a live local.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        assert_eq!(
-            libc::sched_setaffinity(pid as i32, std::mem::size_of_val(&set), &set),
-            0
-        );
-    }
-}
-
 /// The kernel writes the current CPU into each thread's rseq area when the thread runs: a
 /// process that only ran on another CPU shows exactly that page changed unless the area is
 /// declared volatile.
@@ -372,10 +359,10 @@ fn rseq_area_is_written_by_the_kernel_on_migration() {
         eprintln!("glibc did not register rseq");
         return;
     };
-    pin(f.pid, 0);
+    support::pin(f.pid, 0);
     f.send(b'n');
     let (a, am) = (f.capture_unmasked(), f.capture());
-    pin(f.pid, 1);
+    support::pin(f.pid, 1);
     f.send(b'n');
     let (b, bm) = (f.capture_unmasked(), f.capture());
     let changed = changed_addresses(&a, &b);

@@ -115,3 +115,18 @@ pub fn lsetxattr(path: &Path, name: &str, value: &[u8]) {
         );
     }
 }
+
+/// Lets process (or thread) `pid` run on `cpu` only.
+#[allow(dead_code)]
+pub fn pin(pid: u32, cpu: usize) {
+    // SAFETY: an all-zero cpu_set_t is a valid empty set, CPU_SET writes inside it, and
+    // sched_setaffinity reads exactly its size from a live local.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(pid as i32, std::mem::size_of_val(&set), &set),
+            0
+        );
+    }
+}
