@@ -569,7 +569,7 @@ async fn fork_3_of_a_process_checkpoint_share_one_verified_image() {
         files.insert(f.file_name().into_string().unwrap(), r.finish());
     }
     assert_eq!(
-        crab_shim::checkpoint::restore_cache::RestoreCache::key(&files),
+        crab_shim::restore::cache::RestoreCache::key(&files),
         entry.file_name().to_string_lossy(),
         "the cached image changed: {files:#?}"
     );

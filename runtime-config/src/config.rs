@@ -295,9 +295,13 @@ pub struct RestoreConfig {
     pub trusted_keys: Vec<PathBuf>,
     /// Trust the signing key's own public half (this host's exports). Default `true`.
     pub trust_signing_key: bool,
-    /// A checkpoint image not signed by a trusted key: `refuse` (the default) fails the
-    /// container's Create with the reason; `start-fresh` starts it as an ordinary image (its
-    /// entrypoint, none of the checkpoint's processes), the checkpoint directory hidden.
+    /// A checkpoint not signed by a trusted key (a crab image, or containerd's checkpoint
+    /// through `ctr c restore` / the CRI): `refuse` (the default) fails the container's Create
+    /// with the reason; `start-fresh` starts it as an ordinary image (its entrypoint, none of
+    /// the checkpoint's processes), the checkpoint directory hidden; `kernel-check` restores
+    /// its processes on the kernel check alone (what CRIU restored compared with the spec
+    /// before anything runs; the image's own claims are not vouched for by anyone): for
+    /// trusted single-host use only.
     pub unsigned_images: UnsignedImages,
     /// The most bytes a checkpoint image's CRIU directory may hold, in MiB (>= 1). Default
     /// 16384 (16 GiB: the memory of a large sandbox; the image is copied into the
@@ -341,6 +345,7 @@ pub enum UnsignedImages {
     #[default]
     Refuse,
     StartFresh,
+    KernelCheck,
 }
 
 impl Default for RestoreConfig {

@@ -14,16 +14,16 @@ use crab_runtime_config::{Config, ConfigSource, ShimOptions};
 
 use crate::{
     bundle::{self, RootfsMount},
-    checkpoint::{
-        lazy,
-        restore::Verdict,
-        restore::{self, Taken},
-        restore_gate, Action,
-    },
+    checkpoint::{lazy, Action},
     error::{Error, Result},
     events::{EventSender, TaskEvent},
     oom,
     process::{ExitInfo, Process, Snapshot, Status},
+    restore::{
+        gate as restore_gate,
+        intake::{self as restore, Taken, Verdict},
+        kernel, trust,
+    },
     reaper::ExitSubscription,
     runc::{Runc, RuncError},
     sandbox::{NotInspected, Origin, OriginImport, Sandbox},
@@ -62,6 +62,8 @@ pub struct Container {
     pub id: String,
     pub bundle: PathBuf,
     runc: Runc,
+    /// The key containerd's checkpoints of it are signed with (`[restore] signing_key`).
+    signing_key: PathBuf,
     kill_all_on_exit: bool,
     rootfs_mounted: bool,
     pub init: Arc<Process>,
@@ -302,8 +304,9 @@ impl Containers {
         // A checkpoint to start from: containerd's (`ctr run --checkpoint`), or crab's in the
         // rootfs of a checkpoint image.
         // Whoever signed it, a process image may not ask for more than this spec grants.
-        let granted = crate::checkpoint::privilege::Granted::from_spec(&spec);
+        let granted = crate::restore::privilege::Granted::from_spec(&spec);
         let engine = config.engine.clone();
+        let mut start_fresh = false;
         let taken = match p.checkpoint.is_empty() {
             true => {
                 let (rootfs, dest) = (rootfs.path.clone(), p.bundle.join("crab-restore"));
@@ -311,7 +314,7 @@ impl Containers {
                 let taken = tokio::task::spawn_blocking(move || {
                     let trusted = || crate::checkpoint::provenance::trusted_keys(&config);
                     let cache =
-                        crate::checkpoint::restore_cache::RestoreCache::from_config(&config);
+                        crate::restore::cache::RestoreCache::from_config(&config);
                     let guard = restore::RestoreGuard {
                         container: &id,
                         trusted: &trusted,
@@ -342,14 +345,52 @@ impl Containers {
                     }
                 }
             }
-            // containerd's own checkpoint (`ctr run --checkpoint`, the CRI's restore): not
-            // crab's to sign, but just as able to ask for privileges.
+            // containerd's own checkpoint (`ctr c restore`, `ctr run --checkpoint`, the CRI's
+            // restore): the same trust decision as crab's images ([`trust`]), then the image's
+            // claims against the spec (the kernel check follows at Start).
             false => {
                 let dir = PathBuf::from(&p.checkpoint);
-                match tokio::task::spawn_blocking(move || restore::check_privilege(&dir, &granted))
-                    .await
-                {
-                    Ok(Ok(())) => None,
+                let config = config.clone();
+                let decided = tokio::task::spawn_blocking(move || {
+                    let trusted = || crate::checkpoint::provenance::trusted_keys(&config);
+                    let limits = restore::ImageLimits::from_config(&config.restore);
+                    let decision = trust::containerd_checkpoint(
+                        &dir,
+                        &trusted,
+                        config.restore.unsigned_images,
+                        limits,
+                    )
+                    .map_err(|e| e.to_string())?;
+                    if !matches!(decision, trust::Decision::StartFresh { .. }) {
+                        restore::check_privilege(&dir, &granted).map_err(|e| e.to_string())?;
+                    }
+                    Ok::<_, String>(decision)
+                })
+                .await;
+                match decided {
+                    Ok(Ok(decision)) => {
+                        match &decision {
+                            trust::Decision::Signed { files, bytes } => log::info!(
+                                "create {}: containerd's checkpoint is signed by a trusted key \
+                                 ({files} files, {bytes} bytes verified)",
+                                p.id
+                            ),
+                            trust::Decision::KernelCheckOnly { why } => log::warn!(
+                                "create {}: {why}: restoring it on the kernel check alone \
+                                 ([restore] unsigned_images = \"kernel-check\")",
+                                p.id
+                            ),
+                            trust::Decision::StartFresh { why } => {
+                                log::warn!(
+                                    "create {}: {why}: starting the container without its \
+                                     processes ([restore] unsigned_images = \"start-fresh\")",
+                                    p.id
+                                );
+                                start_fresh = true;
+                            }
+                        }
+                        None
+                    }
                     Ok(Err(e)) => {
                         unmount(&e);
                         count_restore(&engine, false);
@@ -372,7 +413,7 @@ impl Containers {
             let (held, root, id) = (t.meta.volumes.clone(), rootfs.path.clone(), p.id.clone());
             let restored = tokio::task::spawn_blocking(move || {
                 for (at, dir) in volumes.iter().filter(|(at, _)| held.contains(at)) {
-                    let c = crate::checkpoint::volumes::restore_volume(at, &root, dir)?;
+                    let c = crate::restore::volumes::restore_volume(at, &root, dir)?;
                     log::info!(
                         "container {id}: volume {} restored into {} ({} files, {} bytes{})",
                         at.display(),
@@ -385,7 +426,7 @@ impl Containers {
                         }
                     );
                 }
-                Ok::<_, crate::checkpoint::volumes::VolumeRestoreError>(())
+                Ok::<_, crate::restore::volumes::VolumeRestoreError>(())
             })
             .await;
             let failed = match restored {
@@ -403,6 +444,7 @@ impl Containers {
             }
         }
         let restore_image = match (&taken, p.checkpoint.is_empty()) {
+            (_, false) if start_fresh => None,
             (_, false) => Some(PathBuf::from(&p.checkpoint)),
             (Some(t), true) => t.criu_dir.clone(),
             (None, true) => None,
@@ -495,6 +537,7 @@ impl Containers {
             id: p.id.clone(),
             bundle: p.bundle.clone(),
             runc,
+            signing_key: config.signing_key_path(),
             kill_all_on_exit: bundle::must_kill_all_on_exit(&spec),
             rootfs_mounted,
             init,
@@ -692,40 +735,76 @@ impl Containers {
                 log::warn!("container {}: no loopback hook for the restore ({e}): TCP connections over 127.0.0.1 cannot come back", c.id);
             }
         }
-        // The image's page files may still be being verified (their digests are checked while
-        // CRIU restores): CRIU's post-restore gate holds the restored processes until the
-        // verdict. Where no gate can be installed, the verdict comes first.
+        // Every restore goes through CRIU's gate ([`restore_gate`]): at post-restore the
+        // restored processes wait for the verdict on the image's page files (their digests
+        // may still be being checked), at pre-resume for the kernel check ([`kernel`]), which
+        // compares what CRIU restored with this container's spec. No gate, no restore.
+        let spec = bundle::read_spec(&c.bundle)?;
         let verification = r.taken.as_ref().and_then(|t| t.verification.clone());
-        let mut early = verification.as_ref().and_then(|v| v.verdict());
-        let mut gate = None;
-        let mut verdict_task = None;
-        if let (Some(v), None) = (verification.clone(), &early) {
-            let annotations = bundle::read_spec(&c.bundle)
-                .ok()
-                .and_then(|s| s.annotations().clone());
-            match restore_gate::Gate::install(&c.bundle, annotations.as_ref())
-                .and_then(|g| Ok((g.opener()?, g)))
-            {
-                Ok((opener, g)) => {
-                    gate = Some(g);
-                    verdict_task = Some(tokio::task::spawn_blocking(move || {
-                        let d = v.wait();
-                        if let Err(e) = opener.open(d.result.is_ok()) {
-                            log::warn!("restore gate: giving the verdict: {e}");
-                        }
-                        d
-                    }));
+        let early = verification.as_ref().and_then(|v| v.verdict());
+        let gate = match restore_gate::Gate::install(&c.bundle, spec.annotations().as_ref()) {
+            Ok(g) => g,
+            Err(e) => {
+                drop(daemon);
+                if let Some(info) = c.init.record_exit(255) {
+                    c.init.announce_exit(info);
                 }
-                Err(e) => {
-                    log::warn!(
-                        "container {}: {e}: the image's page files are verified before the \
-                         restore instead",
-                        c.id
-                    );
-                    early = tokio::task::spawn_blocking(move || v.wait()).await.ok();
+                return Err(Error::FailedPrecondition(format!(
+                    "cannot restore {}: {e}: without the restore gate the restored processes \
+                     cannot be checked before they run",
+                    c.id
+                )));
+            }
+        };
+        let mut verdict_task = None;
+        match (verification.clone(), &early, gate.opener()) {
+            (Some(v), None, Ok(opener)) => {
+                verdict_task = Some(tokio::task::spawn_blocking(move || {
+                    let d = v.wait();
+                    if let Err(e) = opener.open(d.result.is_ok()) {
+                        log::warn!("restore gate: giving the verdict: {e}");
+                    }
+                    d
+                }));
+            }
+            // Nothing (left) to verify: post-restore passes at once (a verdict already found
+            // against the image never lets CRIU start, below).
+            (_, _, Ok(opener)) => {
+                if let Err(e) = opener.open(early.as_ref().is_none_or(|d| d.result.is_ok())) {
+                    log::warn!("restore gate: giving the verdict: {e}");
                 }
             }
+            (_, _, Err(e)) => {
+                drop(daemon);
+                gate.finish();
+                if let Some(info) = c.init.record_exit(255) {
+                    c.init.announce_exit(info);
+                }
+                return Err(Error::FailedPrecondition(format!(
+                    "cannot restore {}: {e}",
+                    c.id
+                )));
+            }
         }
+        let expected = kernel::Expected::from_spec(&spec);
+        let (resume, cancel_resume) = match gate.resume() {
+            Ok(pair) => pair,
+            Err(e) => {
+                drop(daemon);
+                gate.finish();
+                if let Some(info) = c.init.record_exit(255) {
+                    c.init.announce_exit(info);
+                }
+                return Err(Error::FailedPrecondition(format!(
+                    "cannot restore {}: {e}",
+                    c.id
+                )));
+            }
+        };
+        let kernel_task = tokio::task::spawn_blocking(move || {
+            resume.wait(|script, init| kernel::check_restored(&expected, script, init))
+        });
+        let mut gate = Some(gate);
         let refused_early = early.as_ref().and_then(|d| d.result.clone().err());
         self.pids.lock().unwrap().begin_start();
         let bound = Duration::from_millis(r.config.checkpoint.restore_timeout_ms);
@@ -799,6 +878,47 @@ impl Containers {
                 unmount_all_under(&work);
                 Err(err)
             }
+        };
+        // The kernel check: CRIU waited at pre-resume while it ran, or never got there (the
+        // cancel then wakes its thread).
+        cancel_resume.cancel();
+        let checked = kernel_task
+            .await
+            .unwrap_or_else(|e| restore_gate::Resumed::NotReached(e.to_string()));
+        let restored = match (restored, checked) {
+            (Ok(()), restore_gate::Resumed::Checked(Ok(passed))) => {
+                log::info!(
+                    "container {}: kernel check passed in {:.2} ms ({} processes, {} threads, \
+                     {} mounts compared with the spec) while CRIU held them at pre-resume",
+                    c.id,
+                    passed.took.as_secs_f64() * 1e3,
+                    passed.processes,
+                    passed.threads,
+                    passed.mounts
+                );
+                Ok(())
+            }
+            (r, restore_gate::Resumed::Checked(Err(why))) => {
+                // Killed at the gate already; whatever CRIU made of that, nothing goes on.
+                if r.is_ok() {
+                    kill_cgroup_members(&spec, &c.id);
+                }
+                log::error!("restore of {} refused by the kernel check: {why}", c.id);
+                Err(Error::FailedPrecondition(why))
+            }
+            (Ok(()), restore_gate::Resumed::NotReached(why)) => {
+                let killed = kill_cgroup_members(&spec, &c.id);
+                log::error!(
+                    "restore of {}: CRIU resumed the restored processes without the kernel \
+                     check ({why}): killed {killed} processes",
+                    c.id
+                );
+                Err(Error::FailedPrecondition(format!(
+                    "CRIU resumed the restored processes without the kernel check ({why}): \
+                     killed them"
+                )))
+            }
+            (Err(e), _) => Err(e),
         };
         // The verdict on the page files: waited for when the processes run (nothing may run
         // that was not signed), else taken if it is there (it may say why CRIU failed).
@@ -1467,6 +1587,25 @@ impl Containers {
             .await;
         if result.is_ok() && opts.work_path_was_default {
             let _ = std::fs::remove_dir_all(&work);
+        }
+        // Signed with this host's key, so that a restore of it (`ctr c restore`, the CRI's)
+        // passes the same trust decision as crab's own images.
+        if result.is_ok() {
+            let (key_path, dir) = (c.signing_key.clone(), path.to_path_buf());
+            let signed = tokio::task::spawn_blocking(move || {
+                let key = crate::checkpoint::provenance::signing_key(&key_path)?;
+                trust::sign_containerd_checkpoint(&dir, &key)
+            })
+            .await
+            .map_err(Error::Task)?;
+            match signed {
+                Ok(n) => log::info!("checkpoint of {id}: {n} CRIU files signed for containerd"),
+                Err(e) => {
+                    return Err(Error::FailedPrecondition(format!(
+                        "cannot sign the checkpoint of {id}: {e}"
+                    )))
+                }
+            }
         }
         result.map_err(|e| match e {
             RuncError::Failed { message, .. } => RuncError::Failed {

@@ -32,6 +32,7 @@ pub mod oom;
 pub mod placement;
 pub mod process;
 pub mod reaper;
+pub mod restore;
 pub mod rollback;
 pub mod runc;
 pub mod sandbox;

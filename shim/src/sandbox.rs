@@ -27,11 +27,11 @@ use crate::{
     checkpoint::{
         coordinator::{Inspect, Settings},
         policy,
-        restore::{self, Taken},
         store::{self, CheckpointKind, Manifest, Store},
         Action, CheckpointError, ContainerCapture, Coordinator,
     },
     engine::Admission,
+    restore::intake::{self as restore, Taken},
     error::{Error, Result},
     inspector::{
         self, bpf::HostProbes, fs::OverlayXattrs, Answer, Inspection, Kind, ProbesUnavailable,
@@ -194,7 +194,7 @@ impl Sandbox {
                     return Ok((store, Some(t)));
                 }
                 Origin::Image => restore::created_manifest(&store, "").map_err(CheckpointError::from),
-                Origin::Checkpoint(t) => restore::restored_manifest(&store, &namespace, &cid, &t).map_err(CheckpointError::from),
+                Origin::Checkpoint(t) => restore::restored_manifest(&store, &namespace, &cid, &t).map_err(|e| CheckpointError::Origin(e.into())),
             };
             match origin.and_then(|m| Ok(store.publish(&m).map(|()| m.seq)?)) {
                 Ok(seq) => *origin_seq.lock().unwrap() = Some(seq),
@@ -281,7 +281,7 @@ impl Sandbox {
             let image = t.criu_dir.clone().filter(|d| d.starts_with(bundle_dir));
             let (namespace, cid) = (self.namespace.clone(), self.id.clone());
             co.record_origin(
-                move |store| Ok(restore::restored_manifest(store, &namespace, &cid, &t)?),
+                move |store| restore::restored_manifest(store, &namespace, &cid, &t).map_err(|e| CheckpointError::Origin(e.into())),
                 move || {
                     if let Some(dir) = image {
                         let _ = std::fs::remove_dir_all(dir);

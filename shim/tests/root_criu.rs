@@ -943,13 +943,13 @@ async fn repeated_checkpoints_store_only_changed_pages(d: Dumper) {
     wait_turn(&sb, 10).await;
 }
 
-/// CRIU's post-restore gate (`checkpoint::restore_gate`), through real runc and CRIU: a
+/// CRIU's post-restore gate (`restore::gate`), through real runc and CRIU: a
 /// restore stops at it with every process restored and none of them running (a loop that
 /// appends to a file every 20 ms appends nothing while held), a refusal makes the restore fail
 /// with nothing left running, and `ok` lets the same image restore and run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_restore_gate_holds_every_process_until_the_verdict() {
-    use crab_shim::checkpoint::restore_gate::{Gate, GATE_DIR};
+    use crab_shim::restore::gate::{Gate, GATE_DIR};
     let sb = Sandbox::new(
         "gate",
         &[

@@ -6,7 +6,7 @@ use std::path::Path;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let _ = crab_shim::checkpoint::restore::CheckpointMeta::parse(
+    let _ = crab_shim::restore::intake::CheckpointMeta::parse(
         Path::new("/fuzz/checkpoint.json"),
         data,
     );

@@ -4,10 +4,7 @@
 
 use std::{fmt, time::Duration};
 
-use super::{
-    deadline::Aborted, layer::LayerError, process::ProcError, restore::RestoreError,
-    store::StoreError,
-};
+use super::{deadline::Aborted, layer::LayerError, process::ProcError, store::StoreError};
 use crate::{engine::EngineError, inspector::fs::FsError};
 
 #[derive(Debug, thiserror::Error)]
@@ -24,9 +21,10 @@ pub enum CheckpointError {
     /// The process image could not be taken (or the check before it failed).
     #[error("process checkpoint: {0}")]
     Process(#[from] ProcError),
-    /// The origin of a restored container could not be imported.
-    #[error(transparent)]
-    Restore(#[from] RestoreError),
+    /// The origin of a restored container could not be imported (a restore error, kept as
+    /// its source: restore depends on checkpoint, not the other way round).
+    #[error("{0}")]
+    Origin(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("the rootfs is not an overlay: no fs checkpoint possible")]
     NotOverlay,
     #[error("find the container's freezer: {0}")]

@@ -27,15 +27,10 @@ pub mod layer;
 pub mod lazy;
 pub mod pages;
 pub mod policy;
-pub mod privilege;
 pub mod process;
 pub mod provenance;
-pub mod restore;
-pub mod restore_cache;
-pub mod restore_gate;
 pub mod store;
 mod tar;
-pub mod volumes;
 
 /// What the root-only tests of layers captured from real overlays (`tests/root_capture.rs`)
 /// compare a layer with: the xattrs a layer records for a file.

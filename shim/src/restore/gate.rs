@@ -1,27 +1,36 @@
-//! CRIU's post-restore gate: no restored process runs before the image's page files are known
-//! to be the signed ones, although their digests are checked while CRIU restores
-//! ([`super::restore::Verification`]).
+//! CRIU's restore gate: no restored process runs before the image's page files are known to
+//! be the signed ones (their digests are checked while CRIU restores,
+//! [`super::intake::Verification`]) and before the kernel check ([`super::kernel`]) has
+//! compared what CRIU restored with the container's spec.
 //!
 //! CRIU runs its action scripts at each stage of a restore, also under runc (scripts from the
-//! configuration file runc names, besides runc's own RPC notifications). At `post-restore`
-//! CRIU has recreated every process and put every page back (the restorer has read the page
-//! files in full), and no restored process has run an instruction of its own yet; a script that
-//! fails there makes CRIU kill what it restored and fail the restore. (`pre-resume` comes later
-//! but its failure is only logged.) So for one restore the shim writes, into the bundle:
+//! configuration file runc names, besides runc's own RPC notifications). Two stages matter:
+//! - `post-restore`: every process recreated and every page put back (the restorer has read
+//!   the page files in full), credentials not yet applied; a script that fails there makes
+//!   CRIU kill what it restored and fail the restore. The page verdict is given here.
+//! - `pre-resume`: every thread has its credentials, seccomp filters, limits, namespaces,
+//!   cgroups and mounts back and sits ptrace-stopped at its `rt_sigreturn`, its own code not
+//!   yet run. A failing script is only logged there, so the shim does not rely on it: on a
+//!   refusal it SIGKILLs the stopped tree itself before it answers (CRIU then fails to detach
+//!   from the dead tasks and fails the restore), and Start fails whatever runc says.
+//!
+//! So for one restore the shim writes, into the bundle:
 //!
 //! ```text
-//! crab-restore-gate/criu.conf   the CRIU configuration runc would have used, plus `action-script`
-//! crab-restore-gate/gate.sh     the script: at post-restore, waits for a line on `verdict`
-//! crab-restore-gate/verdict     a FIFO the shim holds open for reading and writing
-//! crab-restore-gate/reached     made by the script when CRIU reached the gate (its mtime: when)
+//! crab-restore-gate/criu.conf       the CRIU configuration runc would have used, plus `action-script`
+//! crab-restore-gate/gate.sh         the script
+//! crab-restore-gate/verdict         FIFO: the page verdict, read by the script at post-restore
+//! crab-restore-gate/reached         made by the script when CRIU reached post-restore (its mtime: when)
+//! crab-restore-gate/resume          FIFO: at pre-resume the script writes `<its pid> <init pid>`
+//! crab-restore-gate/resume-verdict  FIFO: the kernel check's verdict, read by the script
 //! ```
 //!
-//! and points the spec's `org.criu.config` annotation at `criu.conf`. The shim writes `ok` or
-//! `refused` into the FIFO once the verdict is there (before or after the script opened it:
-//! the pipe keeps the line); while the shim holds the FIFO the script's open never blocks, and
-//! when the shim closes it without a verdict the script reads end-of-file and fails. After the
-//! restore `criu.conf` keeps only what runc would have used (runc records the annotation in its
-//! state, and later dumps read that file) and the rest goes.
+//! and points the spec's `org.criu.config` annotation at `criu.conf`. The shim holds every FIFO
+//! open for reading and writing, so that no open blocks and a line written before the other
+//! side opens is kept; when the shim closes them without a verdict the script reads
+//! end-of-file and fails. After the restore `criu.conf` keeps only what runc would have used
+//! (runc records the annotation in its state, and later dumps read that file) and the rest
+//! goes.
 
 use std::{
     fs::{self, File},
@@ -47,13 +56,21 @@ fn script(dir: &str) -> String {
     format!(
         "#!/bin/sh\n\
          # Written by crab for one restore and removed after it. CRIU runs this at each stage\n\
-         # of the restore; at post-restore (every process and page put back, none of them run\n\
-         # yet) it waits for the shim's verdict on the image's page files, whose digests are\n\
-         # checked meanwhile, and fails the restore unless they are the signed ones.\n\
-         [ \"$CRTOOLS_SCRIPT_ACTION\" = post-restore ] || exit 0\n\
-         : > '{dir}/reached'\n\
-         IFS= read -r verdict < '{dir}/verdict' || exit 1\n\
-         [ \"$verdict\" = ok ]\n"
+         # of the restore. At post-restore it waits for the shim's verdict on the image's page\n\
+         # files; at pre-resume (every thread restored and stopped, none of them run) it tells\n\
+         # the shim the restored init's pid and waits while the shim compares what the kernel\n\
+         # restored with the container's spec.\n\
+         case \"$CRTOOLS_SCRIPT_ACTION\" in\n\
+         post-restore)\n\
+         \t: > '{dir}/reached'\n\
+         \tIFS= read -r verdict < '{dir}/verdict' || exit 1\n\
+         \t[ \"$verdict\" = ok ] ;;\n\
+         pre-resume)\n\
+         \techo \"$$ $CRTOOLS_INIT_PID\" > '{dir}/resume'\n\
+         \tIFS= read -r verdict < '{dir}/resume-verdict' || exit 1\n\
+         \t[ \"$verdict\" = ok ] ;;\n\
+         *) exit 0 ;;\n\
+         esac\n"
     )
 }
 
@@ -61,8 +78,11 @@ fn script(dir: &str) -> String {
 #[derive(Debug)]
 pub struct Gate {
     dir: PathBuf,
-    /// The FIFO, open for reading and writing (so that neither end's open blocks).
+    /// The page-verdict FIFO, open for reading and writing (so that neither end's open blocks).
     fifo: File,
+    /// The pre-resume FIFOs: the script's line, and the kernel check's verdict.
+    resume: File,
+    resume_verdict: File,
     /// What runc would have given CRIU as its configuration without the gate.
     inherited: Vec<u8>,
 }
@@ -110,15 +130,18 @@ impl Gate {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(fail(format!("removing an old one: {e}"))),
         }
-        let made = (|| -> io::Result<File> {
+        let made = (|| -> io::Result<(File, File, File)> {
             fs::DirBuilder::new().mode(0o700).create(&dir)?;
-            let fifo_path = dir.join("verdict");
-            nix::unistd::mkfifo(&fifo_path, nix::sys::stat::Mode::from_bits_truncate(0o600))?;
-            let fifo = fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .custom_flags(libc::O_CLOEXEC)
-                .open(&fifo_path)?;
+            let fifo = |name: &str| -> io::Result<File> {
+                let path = dir.join(name);
+                nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600))?;
+                fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .custom_flags(libc::O_CLOEXEC)
+                    .open(&path)
+            };
+            let fifos = (fifo("verdict")?, fifo("resume")?, fifo("resume-verdict")?);
             let script_path = dir.join("gate.sh");
             fs::write(&script_path, script(&text))?;
             fs::set_permissions(&script_path, fs::Permissions::from_mode(0o700))?;
@@ -127,9 +150,9 @@ impl Gate {
                 format!("\n# crab: the restore gate\naction-script {text}/gate.sh\n").as_bytes(),
             );
             fs::write(dir.join("criu.conf"), conf)?;
-            Ok(fifo)
+            Ok(fifos)
         })();
-        let fifo = match made {
+        let (fifo, resume, resume_verdict) = match made {
             Ok(f) => f,
             Err(e) => {
                 let _ = fs::remove_dir_all(&dir);
@@ -144,8 +167,26 @@ impl Gate {
         Ok(Gate {
             dir,
             fifo,
+            resume,
+            resume_verdict,
             inherited,
         })
+    }
+
+    /// What waits at pre-resume for the kernel check ([`Resume::wait`]), and what wakes it
+    /// when the restore ended without reaching that stage ([`ResumeCancel::cancel`]).
+    pub fn resume(&self) -> Result<(Resume, ResumeCancel), GateError> {
+        let fail = |e: io::Error| GateError {
+            dir: self.dir.clone(),
+            reason: e.to_string(),
+        };
+        Ok((
+            Resume {
+                line: self.resume.try_clone().map_err(fail)?,
+                verdict: self.resume_verdict.try_clone().map_err(fail)?,
+            },
+            ResumeCancel(self.resume.try_clone().map_err(fail)?),
+        ))
     }
 
     /// A handle that gives the verdict ([`Opener::open`]), for whoever waits for it.
@@ -169,7 +210,7 @@ impl Gate {
         if let Err(e) = fs::write(self.dir.join("criu.conf"), &self.inherited) {
             log::warn!("restore gate {}: {e}", self.dir.display());
         }
-        for f in ["gate.sh", "verdict", "reached"] {
+        for f in ["gate.sh", "verdict", "reached", "resume", "resume-verdict"] {
             let _ = fs::remove_file(self.dir.join(f));
         }
     }
@@ -183,6 +224,64 @@ impl Opener {
     /// Lets the restore go on (`ok`) or makes it fail.
     pub fn open(mut self, ok: bool) -> io::Result<()> {
         self.0.write_all(if ok { b"ok\n" } else { b"refused\n" })
+    }
+}
+
+/// The pre-resume stage of a gate, waited for on a thread of its own.
+#[derive(Debug)]
+pub struct Resume {
+    line: File,
+    verdict: File,
+}
+
+/// What a pre-resume wait came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resumed<T> {
+    /// CRIU reached pre-resume and `check` answered (the script has the verdict).
+    Checked(Result<T, String>),
+    /// The restore ended before pre-resume (or the script's line was not one).
+    NotReached(String),
+}
+
+impl Resume {
+    /// Blocks until the script's line (or a cancel), runs `check(script_pid, init_pid)` and
+    /// gives its verdict. `check` must have stopped the restored processes for good before
+    /// it returns an error: the script's failure is only logged by CRIU.
+    pub fn wait<T>(mut self, check: impl FnOnce(u32, u32) -> Result<T, String>) -> Resumed<T> {
+        use std::io::Read;
+        let mut line = Vec::new();
+        let mut byte = [0u8; 1];
+        while line.len() < 64 {
+            match self.line.read(&mut byte) {
+                Ok(1) if byte[0] == b'\n' => break,
+                Ok(1) => line.push(byte[0]),
+                Ok(_) => return Resumed::NotReached("the gate closed".into()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Resumed::NotReached(e.to_string()),
+            }
+        }
+        let text = String::from_utf8_lossy(&line).into_owned();
+        let pids: Vec<u32> = text.split(' ').filter_map(|w| w.parse().ok()).collect();
+        let [script, init] = pids[..] else {
+            let _ = self.verdict.write_all(b"refused\n");
+            return Resumed::NotReached(format!("not a pre-resume line: {text:?}"));
+        };
+        let result = check(script, init);
+        let answer: &[u8] = if result.is_ok() { b"ok\n" } else { b"refused\n" };
+        if let Err(e) = self.verdict.write_all(answer) {
+            log::warn!("restore gate: giving the kernel check's verdict: {e}");
+        }
+        Resumed::Checked(result)
+    }
+}
+
+/// Wakes a [`Resume::wait`] that would otherwise wait for a stage CRIU will not reach.
+#[derive(Debug)]
+pub struct ResumeCancel(File);
+
+impl ResumeCancel {
+    pub fn cancel(mut self) {
+        let _ = self.0.write_all(b"cancel\n");
     }
 }
 
@@ -253,12 +352,7 @@ mod tests {
             text.contains(&format!("action-script {}/gate.sh", dir.display())),
             "{text}"
         );
-        for stage in [
-            "pre-restore",
-            "setup-namespaces",
-            "pre-resume",
-            "post-resume",
-        ] {
+        for stage in ["pre-restore", "setup-namespaces", "post-resume"] {
             assert!(run(&dir, stage).wait().unwrap().success(), "{stage}");
         }
         assert!(gate.reached().is_none());
@@ -283,6 +377,48 @@ mod tests {
             b"",
             "only what runc would have used"
         );
+    }
+
+    #[test]
+    fn at_pre_resume_the_script_names_its_init_and_waits_for_the_kernel_check() {
+        let b = bundle();
+        let gate = Gate::install(b.path(), None).unwrap();
+        let dir = b.path().join(GATE_DIR);
+        let pre_resume = |init: &str| {
+            Command::new(dir.join("gate.sh"))
+                .env("CRTOOLS_SCRIPT_ACTION", "pre-resume")
+                .env("CRTOOLS_INIT_PID", init)
+                .spawn()
+                .unwrap()
+        };
+        // Passed: the check saw the script's own pid and the init pid CRIU named.
+        let (resume, _cancel) = gate.resume().unwrap();
+        let waiter = std::thread::spawn(move || resume.wait(|script, init| Ok((script, init))));
+        let mut script = pre_resume("4242");
+        let pid = script.id();
+        assert!(script.wait().unwrap().success());
+        match waiter.join().unwrap() {
+            Resumed::Checked(Ok((s, 4242))) => assert_eq!(s, pid),
+            other => panic!("{other:?}"),
+        }
+        // Refused: the script fails (CRIU logs it; the shim has killed the tree by then).
+        let (resume, _cancel) = gate.resume().unwrap();
+        let waiter =
+            std::thread::spawn(move || resume.wait(|_, _| Err::<(), _>("too much".into())));
+        assert!(!pre_resume("7").wait().unwrap().success());
+        assert_eq!(
+            waiter.join().unwrap(),
+            Resumed::Checked(Err("too much".into()))
+        );
+        // CRIU never got there: the cancel wakes the waiter, the check never runs.
+        let (resume, cancel) = gate.resume().unwrap();
+        let waiter = std::thread::spawn(move || {
+            resume.wait(|_, _| -> Result<(), String> { panic!("no check without a line") })
+        });
+        cancel.cancel();
+        assert!(matches!(waiter.join().unwrap(), Resumed::NotReached(_)));
+        gate.finish();
+        assert!(!dir.join("resume").exists() && !dir.join("resume-verdict").exists());
     }
 
     #[test]

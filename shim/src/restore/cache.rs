@@ -15,7 +15,7 @@
 //! bundle: no container can reach it). An entry's key is the sha256 of the file list of the
 //! statement a trusted key signed (each file's name, size and sha256), and an entry appears
 //! only by a rename after every one of its files was read, hashed and found equal to that list
-//! (the restore's own verification, [`super::restore::take_from_rootfs`]): whoever finds an
+//! (the restore's own verification, [`super::intake::take_from_rootfs`]): whoever finds an
 //! entry under a key finds the bytes the signature vouches for. Nothing under `<root>` is
 //! written in place: entries are built in `tmp/` and renamed, removed by a rename into `tmp/`
 //! first, and never changed after they appear.
@@ -48,7 +48,7 @@ use std::{
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::{pages, provenance::FileDigest};
+use crate::checkpoint::{pages, provenance::FileDigest};
 
 /// The cache's directory in `store.state_dir` (a dot: no namespace is named so).
 pub const CACHE_DIR: &str = ".restore-cache";

@@ -27,7 +27,7 @@
 
 use oci_spec::runtime::{LinuxNamespaceType, Spec};
 
-use super::criu_image::{ns, Creds, ImageFacts};
+use crate::checkpoint::criu_image::{ns, Creds, ImageFacts};
 
 /// Capability numbers by name (`include/uapi/linux/capability.h`).
 const CAP_NAMES: [&str; 41] = [
@@ -158,7 +158,7 @@ impl Granted {
     }
 
     /// The most the permitted and effective sets may hold.
-    fn permitted_ceiling(&self) -> u64 {
+    pub fn permitted_ceiling(&self) -> u64 {
         if self.no_new_privs {
             self.permitted
         } else {
@@ -193,7 +193,7 @@ pub fn check(facts: &ImageFacts, granted: &Granted) -> Result<(), Excess> {
     }
     for t in &facts.threads {
         let Some(c) = &t.creds else { continue };
-        check_thread(c, granted).map_err(|what| {
+        check_creds(c, granted).map_err(|what| {
             Excess(format!(
                 "process {} (thread {}, {:?}) {what}",
                 t.pid, t.tid, t.comm
@@ -203,7 +203,9 @@ pub fn check(facts: &ImageFacts, granted: &Granted) -> Result<(), Excess> {
     Ok(())
 }
 
-fn check_thread(c: &Creds, g: &Granted) -> Result<(), String> {
+/// One thread's credentials against `g`: what exceeds it, in words ("has effective
+/// capabilities ...").
+pub fn check_creds(c: &Creds, g: &Granted) -> Result<(), String> {
     let over = |name: &str, have: u64, ceiling: u64| -> Result<(), String> {
         let extra = have & !ceiling;
         match extra {
@@ -259,8 +261,8 @@ fn check_thread(c: &Creds, g: &Granted) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::criu_image::testing::with_caps as creds;
-    use super::super::criu_image::Thread;
+    use crate::checkpoint::criu_image::testing::with_caps as creds;
+    use crate::checkpoint::criu_image::Thread;
     use super::*;
 
     /// containerd's default capability set for an unprivileged container.

@@ -1,0 +1,1176 @@
+//! The kernel check: what CRIU actually restored, compared with what the new container's OCI
+//! spec grants, before any restored process runs an instruction of its own.
+//!
+//! A checkpoint image is a request, and crab's reading of it (`checkpoint::criu_image`) is one
+//! reading of untrusted bytes; CRIU may read the same bytes otherwise (protobuf-c merges
+//! repeated embedded messages). So the decision that matters is made from the kernel: at CRIU's
+//! `pre-resume` stage every restored thread has its credentials, seccomp filters, rlimits,
+//! namespaces, cgroups and mounts back, sits ptrace-stopped at its `rt_sigreturn`, and has run
+//! nothing of its own (CRIU's own restorer code only). The gate ([`super::gate`]) holds CRIU
+//! there, the shim reads every thread of the restored tree from `/proc` ([`observe`]) and
+//! compares ([`judge`]); on an excess the shim kills the tree while it is still stopped (a
+//! SIGKILL wakes a traced task only to end it) and the restore fails naming the field.
+//!
+//! Compared, for every thread of every restored process:
+//! - uids, gids and supplementary groups (mapped through the task's own user namespace), the
+//!   five capability sets, no_new_privs and the seccomp mode: the rules of
+//!   [`super::privilege`], which says what a spec grants;
+//! - hard rlimits: within `process.rlimits`, or for a resource the spec does not list, within
+//!   the shim's own (what runc's init would inherit), unless CAP_SYS_RESOURCE is in reach;
+//! - namespaces: the restored init is in a new namespace of every type the spec creates, in
+//!   the named one for every type it joins, in the shim's own for every type it lists not;
+//!   every other task in init's (unless CAP_SYS_ADMIN is in reach: it could unshare);
+//! - user-namespace maps: exactly `linux.uidMappings` / `gidMappings` when the spec creates a
+//!   user namespace;
+//! - cgroups: every task in the container's cgroup (the one runc put CRIU in) or below it, in
+//!   every hierarchy;
+//! - the mount table (unless CAP_SYS_ADMIN is in reach outside a user namespace: such a
+//!   process could remount anything itself): no mount point the spec does not produce, read-only
+//!   where the spec says so (the root, `ro` mounts, `readonlyPaths`), masked paths masked,
+//!   procfs and sysfs only where the spec mounts them.
+//!
+//! Not compared (the README's Security section says so): the seccomp filter's programs (only
+//! that a filter is installed; a task traced by CRIU cannot be asked for them), securebits, the
+//! LSM label, the cgroup namespace, and which host directory a bind mount shows.
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    os::unix::fs::MetadataExt,
+    path::{Component, Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use oci_spec::runtime::{LinuxNamespaceType, Spec};
+
+use super::privilege::{self, Granted};
+use crate::{
+    checkpoint::criu_image::Creds,
+    sys::mountinfo::{self, Mount},
+};
+
+/// The most threads a check reads (a container's pids limit is far below).
+pub const MAX_THREADS: usize = 65_536;
+/// `/proc` files are read up to this many bytes (mountinfo of a busy container included).
+const PROC_FILE_MAX: u64 = 4 << 20;
+
+const CAP_SYS_ADMIN: u64 = 1 << 21;
+const CAP_SYS_RESOURCE: u64 = 1 << 24;
+
+/// The rlimit names `/proc/PID/limits` prints, in resource order (`RLIMIT_CPU` = 0 ..).
+const LIMIT_NAMES: [&str; 16] = [
+    "Max cpu time",
+    "Max file size",
+    "Max data size",
+    "Max stack size",
+    "Max core file size",
+    "Max resident set",
+    "Max processes",
+    "Max open files",
+    "Max locked memory",
+    "Max address space",
+    "Max file locks",
+    "Max pending signals",
+    "Max msgqueue size",
+    "Max nice priority",
+    "Max realtime priority",
+    "Max realtime timeout",
+];
+const RLIMIT_SPEC_NAMES: [&str; 16] = [
+    "RLIMIT_CPU",
+    "RLIMIT_FSIZE",
+    "RLIMIT_DATA",
+    "RLIMIT_STACK",
+    "RLIMIT_CORE",
+    "RLIMIT_RSS",
+    "RLIMIT_NPROC",
+    "RLIMIT_NOFILE",
+    "RLIMIT_MEMLOCK",
+    "RLIMIT_AS",
+    "RLIMIT_LOCKS",
+    "RLIMIT_SIGPENDING",
+    "RLIMIT_MSGQUEUE",
+    "RLIMIT_NICE",
+    "RLIMIT_RTPRIO",
+    "RLIMIT_RTTIME",
+];
+
+/// The namespace types compared, with their `/proc/PID/ns` names.
+const NS_TYPES: [(&str, LinuxNamespaceType); 7] = [
+    ("mnt", LinuxNamespaceType::Mount),
+    ("uts", LinuxNamespaceType::Uts),
+    ("ipc", LinuxNamespaceType::Ipc),
+    ("net", LinuxNamespaceType::Network),
+    ("pid", LinuxNamespaceType::Pid),
+    ("user", LinuxNamespaceType::User),
+    ("time", LinuxNamespaceType::Time),
+];
+
+/// Why the restored processes may not run: the first excess found, in words.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the restored processes have more than the container's spec grants: {0}")]
+pub struct Refusal(pub String);
+
+/// What the kernel check needs to know about the spec.
+#[derive(Debug, Clone, Default)]
+pub struct Expected {
+    pub granted: Granted,
+    /// Hard-limit ceilings the spec sets, by resource.
+    spec_rlimits: BTreeMap<usize, u64>,
+    /// Per namespace type: `None` not listed, `Some(None)` created, `Some(Some(path))` joined.
+    namespaces: BTreeMap<&'static str, Option<PathBuf>>,
+    uid_map: Vec<(u32, u32, u32)>,
+    gid_map: Vec<(u32, u32, u32)>,
+    mounts: MountRules,
+}
+
+/// What the spec makes of the mount table (as runc mounts it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MountRules {
+    pub root_readonly: bool,
+    /// Each spec mount: destination, type, read-only, recursive bind.
+    pub mounts: Vec<(PathBuf, String, bool, bool)>,
+    pub masked: Vec<PathBuf>,
+    pub readonly: Vec<PathBuf>,
+    /// Device nodes runc may bind-mount under `/dev`.
+    pub devices: Vec<PathBuf>,
+}
+
+/// `path` with `.` and repeated or trailing slashes gone (a spec path, trusted, made comparable
+/// with the kernel's mount points).
+fn clean(path: &Path) -> PathBuf {
+    let mut out = PathBuf::from("/");
+    for c in path.components() {
+        match c {
+            Component::Normal(n) => out.push(n),
+            Component::ParentDir => {
+                out.pop();
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+impl Expected {
+    pub fn from_spec(spec: &Spec) -> Expected {
+        let mut e = Expected {
+            granted: Granted::from_spec(spec),
+            ..Default::default()
+        };
+        if let Some(p) = spec.process() {
+            for r in p.rlimits().iter().flatten() {
+                let name = serde_json::to_value(r.typ())
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_string));
+                if let Some(i) = name.and_then(|n| RLIMIT_SPEC_NAMES.iter().position(|x| *x == n))
+                {
+                    e.spec_rlimits.insert(i, r.hard());
+                }
+            }
+        }
+        let mut rules = MountRules {
+            root_readonly: spec
+                .root()
+                .as_ref()
+                .and_then(|r| r.readonly())
+                .unwrap_or(false),
+            devices: ["null", "zero", "full", "random", "urandom", "tty", "console"]
+                .iter()
+                .map(|d| Path::new("/dev").join(d))
+                .collect(),
+            ..Default::default()
+        };
+        for m in spec.mounts().iter().flatten() {
+            let options = m.options().clone().unwrap_or_default();
+            let typ = m.typ().clone().unwrap_or_default();
+            rules.mounts.push((
+                clean(m.destination()),
+                typ,
+                options.iter().any(|o| o == "ro"),
+                options.iter().any(|o| o == "rbind"),
+            ));
+        }
+        if let Some(linux) = spec.linux() {
+            rules.masked = linux.masked_paths().iter().flatten().map(|p| clean(Path::new(p))).collect();
+            rules.readonly = linux
+                .readonly_paths()
+                .iter()
+                .flatten()
+                .map(|p| clean(Path::new(p)))
+                .collect();
+            rules
+                .devices
+                .extend(linux.devices().iter().flatten().map(|d| clean(d.path())));
+            for (name, typ) in NS_TYPES {
+                if let Some(n) = linux.namespaces().iter().flatten().find(|n| n.typ() == typ) {
+                    e.namespaces.insert(name, n.path().clone());
+                }
+            }
+            let map = |m: &Option<Vec<oci_spec::runtime::LinuxIdMapping>>| {
+                let mut v: Vec<_> = m
+                    .iter()
+                    .flatten()
+                    .map(|m| (m.container_id(), m.host_id(), m.size()))
+                    .collect();
+                v.sort_unstable();
+                v
+            };
+            e.uid_map = map(linux.uid_mappings());
+            e.gid_map = map(linux.gid_mappings());
+        }
+        e.mounts = rules;
+        e
+    }
+
+    fn creates_user_namespace(&self) -> bool {
+        matches!(self.namespaces.get("user"), Some(None))
+    }
+
+    /// CAP_SYS_ADMIN in reach, outside a user namespace: such a process could mount, remount
+    /// and unshare anything itself.
+    fn host_admin(&self) -> bool {
+        self.granted.permitted_ceiling() & CAP_SYS_ADMIN != 0 && !self.namespaces.contains_key("user")
+    }
+}
+
+/// What the host (the shim) contributes to the comparison: its own namespaces and limits, the
+/// container's cgroups, and which masked paths exist.
+#[derive(Debug, Clone, Default)]
+pub struct Host {
+    /// The shim's own namespaces by type: (device, inode).
+    pub namespaces: BTreeMap<&'static str, (u64, u64)>,
+    /// The namespaces the spec joins, by type: (device, inode) of the named file.
+    pub joined: BTreeMap<&'static str, (u64, u64)>,
+    /// The shim's own hard limits by resource (what runc's init inherits).
+    pub hard_limits: [u64; 16],
+    /// `/proc/PID/cgroup` of a process runc put in the container's cgroup (CRIU's script).
+    pub cgroups: String,
+    /// The spec's masked and read-only paths that exist on this host (`/proc` and `/sys` show
+    /// the same entries in a container; paths elsewhere are not known and not required).
+    pub existing: Vec<PathBuf>,
+}
+
+impl Host {
+    /// Reads the host's side; `reference` is a process in the container's cgroup.
+    pub fn read(expected: &Expected, reference: u32) -> Result<Host, String> {
+        let mut h = Host::default();
+        for (name, _) in NS_TYPES {
+            if let Ok(m) = fs::metadata(format!("/proc/self/ns/{name}")) {
+                h.namespaces.insert(name, (m.dev(), m.ino()));
+            }
+            if let Some(Some(path)) = expected.namespaces.get(name) {
+                let m = fs::metadata(path)
+                    .map_err(|e| format!("the {name} namespace {}: {e}", path.display()))?;
+                h.joined.insert(name, (m.dev(), m.ino()));
+            }
+        }
+        for (i, slot) in h.hard_limits.iter_mut().enumerate() {
+            let mut r = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit(2) of this process into a local struct.
+            let rc = unsafe { libc::getrlimit(i as libc::__rlimit_resource_t, &mut r) };
+            *slot = if rc == 0 { r.rlim_max } else { u64::MAX };
+        }
+        h.cgroups = read_proc(&format!("/proc/{reference}/cgroup"))?;
+        let m = &expected.mounts;
+        h.existing = m
+            .masked
+            .iter()
+            .chain(&m.readonly)
+            .filter(|p| p.starts_with("/proc") || p.starts_with("/sys"))
+            .filter(|p| fs::symlink_metadata(p).is_ok())
+            .cloned()
+            .collect();
+        Ok(h)
+    }
+}
+
+/// One restored thread as the kernel holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThreadState {
+    pub pid: u32,
+    pub tid: u32,
+    pub comm: String,
+    /// Ids already mapped into the task's user namespace.
+    pub creds: Creds,
+    pub seccomp_filters: Option<u32>,
+}
+
+/// One restored process as the kernel holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessState {
+    pub pid: u32,
+    pub threads: Vec<ThreadState>,
+    /// (soft, hard) by resource.
+    pub limits: Vec<(u64, u64)>,
+    /// Namespaces by type: (device, inode).
+    pub namespaces: BTreeMap<&'static str, (u64, u64)>,
+    pub cgroups: String,
+}
+
+/// Everything read from the kernel about one restored tree.
+#[derive(Debug, Clone)]
+pub struct Observed {
+    /// Init first.
+    pub processes: Vec<ProcessState>,
+    pub uid_map: Vec<(u32, u32, u32)>,
+    pub gid_map: Vec<(u32, u32, u32)>,
+    pub mounts: Vec<Mount>,
+}
+
+fn read_proc(path: &str) -> Result<String, String> {
+    use std::io::Read;
+    let mut text = String::new();
+    fs::File::open(path)
+        .and_then(|f| f.take(PROC_FILE_MAX).read_to_string(&mut text))
+        .map_err(|e| format!("{path}: {e}"))?;
+    Ok(text)
+}
+
+/// Reads the restored tree under `init` (a host pid) from `/proc`: its processes through
+/// `/proc/PID/task/TID/children`, every thread's credentials, limits, namespaces, cgroups,
+/// init's id maps and mount table. The tree is stopped (CRIU holds it at pre-resume).
+pub fn observe(init: u32) -> Result<Observed, String> {
+    let mut processes = Vec::new();
+    let mut queue = vec![init];
+    let mut threads_seen = 0usize;
+    let uid_map = parse_id_map(&read_proc(&format!("/proc/{init}/uid_map"))?)?;
+    let gid_map = parse_id_map(&read_proc(&format!("/proc/{init}/gid_map"))?)?;
+    while let Some(pid) = queue.pop() {
+        let mut threads = Vec::new();
+        let tids = fs::read_dir(format!("/proc/{pid}/task"))
+            .map_err(|e| format!("/proc/{pid}/task: {e}"))?;
+        for entry in tids {
+            let entry = entry.map_err(|e| format!("/proc/{pid}/task: {e}"))?;
+            let Some(tid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            threads_seen += 1;
+            if threads_seen > MAX_THREADS {
+                return Err(format!("more than {MAX_THREADS} threads"));
+            }
+            let status = read_proc(&format!("/proc/{pid}/task/{tid}/status"))?;
+            let (uid_map, gid_map) = match pid == init {
+                true => (uid_map.clone(), gid_map.clone()),
+                false => (
+                    parse_id_map(&read_proc(&format!("/proc/{pid}/uid_map"))?)?,
+                    parse_id_map(&read_proc(&format!("/proc/{pid}/gid_map"))?)?,
+                ),
+            };
+            let (comm, creds, filters) = parse_status(&status, &uid_map, &gid_map)
+                .map_err(|e| format!("/proc/{pid}/task/{tid}/status: {e}"))?;
+            threads.push(ThreadState {
+                pid,
+                tid,
+                comm,
+                creds,
+                seccomp_filters: filters,
+            });
+            let children = read_proc(&format!("/proc/{pid}/task/{tid}/children"))?;
+            for c in children.split_whitespace() {
+                queue.push(c.parse().map_err(|_| format!("a child pid {c:?}"))?);
+            }
+        }
+        threads.sort_by_key(|t| t.tid);
+        let mut namespaces = BTreeMap::new();
+        for (name, _) in NS_TYPES {
+            if let Ok(m) = fs::metadata(format!("/proc/{pid}/ns/{name}")) {
+                namespaces.insert(name, (m.dev(), m.ino()));
+            }
+        }
+        processes.push(ProcessState {
+            pid,
+            threads,
+            limits: parse_limits(&read_proc(&format!("/proc/{pid}/limits"))?)
+                .map_err(|e| format!("/proc/{pid}/limits: {e}"))?,
+            namespaces,
+            cgroups: read_proc(&format!("/proc/{pid}/cgroup"))?,
+        });
+    }
+    let mounts = mountinfo::parse(read_proc(&format!("/proc/{init}/mountinfo"))?.as_bytes());
+    Ok(Observed {
+        processes,
+        uid_map,
+        gid_map,
+        mounts,
+    })
+}
+
+/// `/proc/PID/uid_map` (or `gid_map`): (inside, outside as the reader sees it, count).
+pub fn parse_id_map(text: &str) -> Result<Vec<(u32, u32, u32)>, String> {
+    let mut out = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let n: Vec<u32> = line
+            .split_whitespace()
+            .map(|w| w.parse::<u32>())
+            .collect::<Result<_, _>>()
+            .map_err(|_| format!("an id map line {line:?}"))?;
+        match n[..] {
+            [inside, outside, count] => out.push((inside, outside, count)),
+            _ => return Err(format!("an id map line {line:?}")),
+        }
+    }
+    out.sort_unstable();
+    Ok(out)
+}
+
+/// A host id as the task's user namespace sees it.
+fn to_inside(map: &[(u32, u32, u32)], host: u32) -> Option<u32> {
+    map.iter().find_map(|&(inside, outside, count)| {
+        let offset = host.checked_sub(outside)?;
+        (offset < count).then(|| inside + offset)
+    })
+}
+
+/// `/proc/PID/task/TID/status`: comm, credentials (ids mapped inside), and the number of
+/// seccomp filters where the kernel tells it.
+pub fn parse_status(
+    text: &str,
+    uid_map: &[(u32, u32, u32)],
+    gid_map: &[(u32, u32, u32)],
+) -> Result<(String, Creds, Option<u32>), String> {
+    let mut fields: BTreeMap<&str, &str> = BTreeMap::new();
+    for line in text.lines() {
+        if let Some((k, v)) = line.split_once(':') {
+            // The first of each key: the kernel prints each once.
+            fields.entry(k).or_insert(v.trim());
+        }
+    }
+    let get = |k: &str| fields.get(k).copied().ok_or_else(|| format!("no {k}"));
+    let ids = |k: &str, map: &[(u32, u32, u32)]| -> Result<[u32; 4], String> {
+        let v: Vec<u32> = get(k)?
+            .split_whitespace()
+            .map(|w| w.parse::<u32>().map_err(|_| format!("{k} {w:?}")))
+            .collect::<Result<_, _>>()?;
+        let v: [u32; 4] = v.try_into().map_err(|_| format!("{k}: not four ids"))?;
+        let mut out = [0; 4];
+        for (o, host) in out.iter_mut().zip(v) {
+            *o = to_inside(map, host)
+                .ok_or_else(|| format!("{k}: host id {host} is not mapped in its namespace"))?;
+        }
+        Ok(out)
+    };
+    let cap = |k: &str| -> Result<u64, String> {
+        u64::from_str_radix(get(k)?, 16).map_err(|_| format!("{k} is not hexadecimal"))
+    };
+    let mut creds = Creds {
+        uids: ids("Uid", uid_map)?,
+        gids: ids("Gid", gid_map)?,
+        cap_inh: cap("CapInh")?,
+        cap_prm: cap("CapPrm")?,
+        cap_eff: cap("CapEff")?,
+        cap_bnd: cap("CapBnd")?,
+        cap_amb: cap("CapAmb")?,
+        no_new_privs: get("NoNewPrivs")? != "0",
+        seccomp_mode: get("Seccomp")?
+            .parse()
+            .map_err(|_| "Seccomp is not a number".to_string())?,
+        ..Default::default()
+    };
+    for g in get("Groups")?.split_whitespace() {
+        let host: u32 = g.parse().map_err(|_| format!("Groups {g:?}"))?;
+        creds.groups.push(
+            to_inside(gid_map, host)
+                .ok_or_else(|| format!("Groups: host gid {host} is not mapped"))?,
+        );
+    }
+    let filters = fields.get("Seccomp_filters").and_then(|v| v.parse().ok());
+    Ok((get("Name")?.to_string(), creds, filters))
+}
+
+/// `/proc/PID/limits`: (soft, hard) by resource, `unlimited` as `u64::MAX`.
+pub fn parse_limits(text: &str) -> Result<Vec<(u64, u64)>, String> {
+    let mut out = Vec::with_capacity(LIMIT_NAMES.len());
+    for name in LIMIT_NAMES {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with("  "))
+            .ok_or_else(|| format!("no {name:?}"))?;
+        let mut words = line[name.len()..].split_whitespace();
+        let mut value = || -> Result<u64, String> {
+            match words.next() {
+                Some("unlimited") => Ok(u64::MAX),
+                Some(w) => w.parse().map_err(|_| format!("{name}: {w:?}")),
+                None => Err(format!("{name}: a missing value")),
+            }
+        };
+        out.push((value()?, value()?));
+    }
+    Ok(out)
+}
+
+/// What a passed check saw, for the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Passed {
+    pub processes: usize,
+    pub threads: usize,
+    pub mounts: usize,
+    pub took: Duration,
+}
+
+/// Compares what the kernel holds with what the spec grants: the first excess is the refusal.
+pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
+    let started = Instant::now();
+    let refuse = |s: String| Refusal(s);
+    let init = o
+        .processes
+        .first()
+        .ok_or_else(|| refuse("no restored process".into()))?;
+    // Credentials, capabilities, no_new_privs, seccomp.
+    for t in o.processes.iter().flat_map(|p| &p.threads) {
+        privilege::check_creds(&t.creds, &e.granted).map_err(|what| {
+            refuse(format!("process {} (thread {}, {:?}) {what}", t.pid, t.tid, t.comm))
+        })?;
+        if e.granted.seccomp && t.seccomp_filters == Some(0) {
+            return Err(refuse(format!(
+                "process {} (thread {}) has no seccomp filter, the spec requires one",
+                t.pid, t.tid
+            )));
+        }
+    }
+    // Hard limits.
+    let prm = e.granted.permitted_ceiling();
+    if prm & CAP_SYS_RESOURCE == 0 {
+        for p in &o.processes {
+            for (i, &(_, hard)) in p.limits.iter().enumerate() {
+                let ceiling = e.spec_rlimits.get(&i).copied().unwrap_or(h.hard_limits[i]);
+                if hard > ceiling {
+                    return Err(refuse(format!(
+                        "process {} has a hard {} of {}, the spec grants {} (process.rlimits, or \
+                         the runtime's own limit where the spec sets none) and no \
+                         CAP_SYS_RESOURCE",
+                        p.pid,
+                        RLIMIT_SPEC_NAMES[i],
+                        show_limit(hard),
+                        show_limit(ceiling)
+                    )));
+                }
+            }
+        }
+    }
+    // Namespaces.
+    for (name, _) in NS_TYPES {
+        let Some(&have) = init.namespaces.get(name) else {
+            continue;
+        };
+        let own = h.namespaces.get(name).copied();
+        match e.namespaces.get(name) {
+            Some(None) if Some(have) == own => {
+                return Err(refuse(format!(
+                    "the restored init is in the host's {name} namespace, the spec creates a new one"
+                )))
+            }
+            Some(Some(path)) if h.joined.get(name) != Some(&have) => {
+                return Err(refuse(format!(
+                    "the restored init is not in the {name} namespace the spec joins ({})",
+                    path.display()
+                )))
+            }
+            None if own.is_some_and(|own| own != have) => {
+                return Err(refuse(format!(
+                    "the restored init is in a {name} namespace of its own, the spec creates none"
+                )))
+            }
+            _ => {}
+        }
+    }
+    if prm & CAP_SYS_ADMIN == 0 {
+        for p in &o.processes[1..] {
+            if let Some(name) = p
+                .namespaces
+                .iter()
+                .find(|(name, ns)| init.namespaces.get(*name) != Some(ns))
+                .map(|(name, _)| name)
+            {
+                return Err(refuse(format!(
+                    "process {} is in another {name} namespace than the container's init, and \
+                     the spec grants no CAP_SYS_ADMIN",
+                    p.pid
+                )));
+            }
+        }
+    }
+    // User-namespace maps.
+    if e.creates_user_namespace() {
+        if o.uid_map != e.uid_map {
+            return Err(refuse(format!(
+                "the user namespace maps uids {:?}, the spec maps {:?}",
+                o.uid_map, e.uid_map
+            )));
+        }
+        if o.gid_map != e.gid_map {
+            return Err(refuse(format!(
+                "the user namespace maps gids {:?}, the spec maps {:?}",
+                o.gid_map, e.gid_map
+            )));
+        }
+    }
+    // Cgroups.
+    let reference = cgroup_lines(&h.cgroups);
+    for p in &o.processes {
+        for (id, path) in cgroup_lines(&p.cgroups) {
+            let Some((_, want)) = reference.iter().find(|(i, _)| *i == id) else {
+                continue;
+            };
+            let within = path == *want
+                || want == "/"
+                || path.strip_prefix(want).is_some_and(|r| r.starts_with('/'));
+            if !within {
+                return Err(refuse(format!(
+                    "process {} is in cgroup {path:?} (hierarchy {id}), outside the container's \
+                     {want:?}",
+                    p.pid
+                )));
+            }
+        }
+    }
+    // The mount table.
+    if !e.host_admin() {
+        check_mounts(&o.mounts, &e.mounts, &h.existing).map_err(refuse)?;
+    }
+    Ok(Passed {
+        processes: o.processes.len(),
+        threads: o.processes.iter().map(|p| p.threads.len()).sum(),
+        mounts: o.mounts.len(),
+        took: started.elapsed(),
+    })
+}
+
+/// The whole check of a restored tree held at pre-resume: the host's side read through
+/// `script` (CRIU's action script, in the container's cgroup), the tree under `init` observed
+/// and judged. On a refusal, or when the tree cannot be read, every restored process found is
+/// SIGKILLed before this returns (they are ptrace-stopped: the signal ends them before any of
+/// their own instructions runs).
+pub fn check_restored(expected: &Expected, script: u32, init: u32) -> Result<Passed, String> {
+    let started = Instant::now();
+    let kill = |pids: &[u32]| {
+        for &pid in pids {
+            // SAFETY: kill(2) of a pid of the tree CRIU restored and holds stopped.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        }
+    };
+    let host = match Host::read(expected, script) {
+        Ok(h) => h,
+        Err(e) => {
+            kill(&[init]);
+            return Err(format!("the kernel check could not read the host's side: {e}"));
+        }
+    };
+    let observed = match observe(init) {
+        Ok(o) => o,
+        Err(e) => {
+            kill(&[init]);
+            return Err(format!("the kernel check could not read the restored processes: {e}"));
+        }
+    };
+    match judge(&observed, expected, &host) {
+        Ok(mut passed) => {
+            passed.took = started.elapsed();
+            Ok(passed)
+        }
+        Err(refusal) => {
+            let pids: Vec<u32> = observed.processes.iter().map(|p| p.pid).collect();
+            kill(&pids);
+            Err(refusal.to_string())
+        }
+    }
+}
+
+fn show_limit(v: u64) -> String {
+    match v {
+        u64::MAX => "unlimited".into(),
+        v => v.to_string(),
+    }
+}
+
+/// `/proc/PID/cgroup`: (hierarchy id and controllers, path).
+fn cgroup_lines(text: &str) -> Vec<(String, String)> {
+    text.lines()
+        .filter_map(|l| {
+            let (id, rest) = l.split_once(':')?;
+            let (controllers, path) = rest.split_once(':')?;
+            Some((format!("{id}:{controllers}"), path.to_string()))
+        })
+        .collect()
+}
+
+/// The mount table of the restored init against the spec's mounts (see the module doc).
+/// `existing`: the masked and read-only paths that exist on this host.
+pub fn check_mounts(mounts: &[Mount], rules: &MountRules, existing: &[PathBuf]) -> Result<(), String> {
+    let is_ro = |m: &Mount| m.options.split(',').any(|o| o == "ro");
+    fn spec_at<'a>(
+        rules: &'a MountRules,
+        p: &'a Path,
+    ) -> impl Iterator<Item = &'a (PathBuf, String, bool, bool)> {
+        rules.mounts.iter().filter(move |(d, ..)| d == p)
+    }
+    let spec_at = |p| spec_at(rules, p);
+    for m in mounts {
+        let p = m.mount_point.as_path();
+        let at_spec = spec_at(p).next().is_some();
+        let below_spec = rules
+            .mounts
+            .iter()
+            .any(|(d, typ, _, rbind)| (typ == "cgroup" || typ == "cgroup2" || *rbind) && p.starts_with(d) && p != d);
+        let is_device = p.parent() == Some(Path::new("/dev")) && rules.devices.iter().any(|d| d == p)
+            || rules.devices.iter().any(|d| d == p);
+        let expected = p == Path::new("/")
+            || at_spec
+            || below_spec
+            || is_device
+            || rules.masked.iter().any(|x| x == p)
+            || rules.readonly.iter().any(|x| x == p);
+        if !expected {
+            return Err(format!(
+                "a {} mount at {} that the spec does not make",
+                m.fstype,
+                p.display()
+            ));
+        }
+        // Read-only where the spec says so.
+        let ro_wanted = (p == Path::new("/") && rules.root_readonly)
+            || spec_at(p).any(|(_, _, ro, _)| *ro)
+            || rules.readonly.iter().any(|x| x == p)
+            || rules
+                .mounts
+                .iter()
+                .any(|(d, typ, ro, _)| *ro && (typ == "cgroup" || typ == "cgroup2") && p.starts_with(d));
+        if ro_wanted && !is_ro(m) {
+            return Err(format!(
+                "{} is mounted read-write ({} {}), the spec mounts it read-only",
+                p.display(),
+                m.fstype,
+                m.options
+            ));
+        }
+        // procfs and sysfs (the kernel's knobs) only where the spec puts them, or bound
+        // read-only onto its read-only and masked paths.
+        if m.fstype == "proc" || m.fstype == "sysfs" {
+            let typed = spec_at(p).any(|(_, typ, ..)| *typ == m.fstype);
+            let onto_path = rules.readonly.iter().chain(&rules.masked).any(|x| x == p);
+            if !typed && !onto_path {
+                return Err(format!(
+                    "a {} mount at {} where the spec mounts none",
+                    m.fstype,
+                    p.display()
+                ));
+            }
+        }
+    }
+    fn at<'a>(mounts: &'a [Mount], p: &'a Path) -> impl Iterator<Item = &'a Mount> {
+        mounts.iter().filter(move |m| m.mount_point == p)
+    }
+    let at = |p| at(mounts, p);
+    for p in &rules.masked {
+        if !existing.contains(p) {
+            continue;
+        }
+        let masked = at(p).next().is_some()
+            && at(p).all(|m| {
+                (m.fstype == "tmpfs" && is_ro(m))
+                    || m.root.file_name().is_some_and(|n| n == "null")
+            });
+        if !masked {
+            return Err(format!("{} is not masked, the spec masks it", p.display()));
+        }
+    }
+    for p in &rules.readonly {
+        if existing.contains(p) && at(p).next().is_none() {
+            return Err(format!(
+                "{} is not mounted read-only, the spec makes it read-only",
+                p.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STATUS: &str = "Name:\tsleep\nUmask:\t0022\nState:\tt (tracing stop)\nTgid:\t42\n\
+        Uid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\nFDSize:\t64\nGroups:\t0 10 \nNoNewPrivs:\t0\n\
+        Seccomp:\t2\nSeccomp_filters:\t1\nCapInh:\t0000000000000000\nCapPrm:\t00000000a80425fb\n\
+        CapEff:\t00000000a80425fb\nCapBnd:\t00000000a80425fb\nCapAmb:\t0000000000000000\n";
+    const IDENTITY: &[(u32, u32, u32)] = &[(0, 0, u32::MAX)];
+
+    #[test]
+    fn status_is_read_with_ids_mapped_into_the_namespace() {
+        let (comm, c, filters) = parse_status(STATUS, IDENTITY, IDENTITY).unwrap();
+        assert_eq!(comm, "sleep");
+        assert_eq!(c.uids, [0; 4]);
+        assert_eq!(c.groups, vec![0, 10]);
+        assert_eq!(c.cap_eff, 0xa804_25fb);
+        assert_eq!(c.seccomp_mode, 2);
+        assert_eq!(filters, Some(1));
+        // A user namespace mapping 0..65536 to 100000..: host 100000 is root inside.
+        let text = STATUS
+            .replace("Uid:\t0\t0\t0\t0", "Uid:\t100000\t100000\t100000\t100000")
+            .replace("Gid:\t0\t0\t0\t0", "Gid:\t101000\t101000\t101000\t101000")
+            .replace("Groups:\t0 10 ", "Groups:\t100010");
+        let map = [(0, 100_000, 65_536)];
+        let (_, c, _) = parse_status(&text, &map, &map).unwrap();
+        assert_eq!(c.uids, [0; 4]);
+        assert_eq!(c.gids, [1000; 4]);
+        assert_eq!(c.groups, vec![10]);
+        // An id outside the map is an error, not a guess.
+        assert!(parse_status(STATUS, &map, &map).unwrap_err().contains("not mapped"));
+    }
+
+    #[test]
+    fn hostile_or_truncated_status_is_an_error() {
+        for bad in [
+            STATUS.replace("CapEff:\t00000000a80425fb", "CapEff:\tzz"),
+            STATUS.replace("Uid:\t0\t0\t0\t0", "Uid:\t0\t0"),
+            STATUS.replace("NoNewPrivs:\t0\n", ""),
+            STATUS.replace("Seccomp:\t2", "Seccomp:\tx"),
+            String::new(),
+        ] {
+            assert!(parse_status(&bad, IDENTITY, IDENTITY).is_err(), "{bad:?}");
+        }
+    }
+
+    const LIMITS: &str = "Limit                     Soft Limit           Hard Limit           Units     \n\
+Max cpu time              unlimited            unlimited            seconds   \n\
+Max file size             unlimited            unlimited            bytes     \n\
+Max data size             unlimited            unlimited            bytes     \n\
+Max stack size            8388608              unlimited            bytes     \n\
+Max core file size        0                    unlimited            bytes     \n\
+Max resident set          unlimited            unlimited            bytes     \n\
+Max processes             95704                95704                processes \n\
+Max open files            1024                 1024                 files     \n\
+Max locked memory         8388608              8388608              bytes     \n\
+Max address space         unlimited            unlimited            bytes     \n\
+Max file locks            unlimited            unlimited            locks     \n\
+Max pending signals       95704                95704                signals   \n\
+Max msgqueue size         819200               819200               bytes     \n\
+Max nice priority         0                    0                    \n\
+Max realtime priority     0                    0                    \n\
+Max realtime timeout      unlimited            unlimited            us        \n";
+
+    #[test]
+    fn limits_are_read_by_resource() {
+        let l = parse_limits(LIMITS).unwrap();
+        assert_eq!(l.len(), 16);
+        assert_eq!(l[7], (1024, 1024));
+        assert_eq!(l[3], (8_388_608, u64::MAX));
+        assert_eq!(l[15], (u64::MAX, u64::MAX));
+        assert!(parse_limits(&LIMITS.replace("Max open files ", "Max open filez ")).is_err());
+        assert!(parse_limits(&LIMITS.replace("1024                 1024", "1024")).is_err());
+    }
+
+    #[test]
+    fn id_maps_parse_and_map() {
+        let m = parse_id_map("         0     100000      65536\n").unwrap();
+        assert_eq!(m, vec![(0, 100_000, 65_536)]);
+        assert_eq!(to_inside(&m, 100_005), Some(5));
+        assert_eq!(to_inside(&m, 99_999), None);
+        assert_eq!(to_inside(&m, 165_536), None);
+        assert!(parse_id_map("0 1\n").is_err());
+        assert!(parse_id_map("a b c\n").is_err());
+    }
+
+    fn mount(id: u32, at: &str, root: &str, fstype: &str, options: &str) -> Mount {
+        Mount {
+            mount_id: id,
+            parent_id: 1,
+            major: 0,
+            minor: id,
+            root: root.into(),
+            mount_point: at.into(),
+            options: options.into(),
+            optional: vec![],
+            fstype: fstype.into(),
+            source: fstype.into(),
+            super_options_raw: "rw".into(),
+        }
+    }
+
+    /// containerd's default spec, as far as mounts go.
+    fn rules() -> MountRules {
+        let m = |d: &str, t: &str, ro: bool| (PathBuf::from(d), t.to_string(), ro, false);
+        MountRules {
+            root_readonly: false,
+            mounts: vec![
+                m("/proc", "proc", false),
+                m("/dev", "tmpfs", false),
+                m("/dev/pts", "devpts", false),
+                m("/dev/shm", "tmpfs", false),
+                m("/dev/mqueue", "mqueue", false),
+                m("/sys", "sysfs", true),
+                m("/sys/fs/cgroup", "cgroup", true),
+                m("/data", "bind", false),
+            ],
+            masked: vec!["/proc/kcore".into(), "/proc/acpi".into(), "/proc/nonesuch".into()],
+            readonly: vec!["/proc/sys".into(), "/proc/sysrq-trigger".into()],
+            devices: vec!["/dev/null".into(), "/dev/console".into()],
+        }
+    }
+
+    /// What runc makes of [`rules`].
+    fn table() -> Vec<Mount> {
+        vec![
+            mount(1, "/", "/", "overlay", "rw,relatime"),
+            mount(2, "/proc", "/", "proc", "rw,nosuid,nodev,noexec,relatime"),
+            mount(3, "/dev", "/", "tmpfs", "rw,nosuid"),
+            mount(4, "/dev/pts", "/", "devpts", "rw,nosuid,noexec,relatime"),
+            mount(5, "/dev/shm", "/", "tmpfs", "rw,nosuid,nodev,noexec,relatime"),
+            mount(6, "/dev/mqueue", "/", "mqueue", "rw,nosuid,nodev,noexec,relatime"),
+            mount(7, "/sys", "/", "sysfs", "ro,nosuid,nodev,noexec,relatime"),
+            mount(8, "/sys/fs/cgroup", "/", "cgroup2", "ro,nosuid,nodev,noexec,relatime"),
+            mount(9, "/data", "/srv/data", "ext4", "rw,relatime"),
+            mount(10, "/proc/kcore", "/null", "tmpfs", "rw,nosuid"),
+            mount(11, "/proc/acpi", "/", "tmpfs", "ro,relatime"),
+            mount(12, "/proc/sys", "/sys", "proc", "ro,nosuid,nodev,noexec,relatime"),
+            mount(13, "/proc/sysrq-trigger", "/sysrq-trigger", "proc", "ro,relatime"),
+        ]
+    }
+
+    fn existing() -> Vec<PathBuf> {
+        vec!["/proc/kcore".into(), "/proc/acpi".into(), "/proc/sys".into(), "/proc/sysrq-trigger".into()]
+    }
+
+    #[test]
+    fn runcs_own_table_passes() {
+        check_mounts(&table(), &rules(), &existing()).unwrap();
+        // A masked path the host lacks needs no mask; a v1 hierarchy below the cgroup mount
+        // is runc's too.
+        let mut t = table();
+        t.push(mount(14, "/sys/fs/cgroup/cpu", "/", "cgroup", "ro,nosuid"));
+        check_mounts(&t, &rules(), &existing()).unwrap();
+    }
+
+    #[test]
+    fn every_way_out_of_the_spec_is_refused() {
+        let cases: Vec<(&str, Box<dyn Fn(&mut Vec<Mount>)>)> = vec![
+            (
+                "/proc/sys is mounted read-write",
+                Box::new(|t| t[11].options = "rw,nosuid".into()),
+            ),
+            (
+                "/sys is mounted read-write",
+                Box::new(|t| t[6].options = "rw,nosuid".into()),
+            ),
+            (
+                "a proc mount at /tmp/p",
+                Box::new(|t| t.push(mount(20, "/tmp/p", "/", "proc", "rw"))),
+            ),
+            (
+                "a proc mount at /data",
+                Box::new(|t| t[8] = mount(9, "/data", "/", "proc", "rw")),
+            ),
+            (
+                "a ext4 mount at /host",
+                Box::new(|t| t.push(mount(20, "/host", "/", "ext4", "rw"))),
+            ),
+            (
+                "/proc/kcore is not masked",
+                Box::new(|t| {
+                    t.remove(9);
+                }),
+            ),
+            (
+                "/proc/acpi is not masked",
+                Box::new(|t| t[10].options = "rw".into()),
+            ),
+            (
+                "/proc/sysrq-trigger is not mounted read-only",
+                Box::new(|t| {
+                    t.remove(12);
+                }),
+            ),
+            (
+                "a sysfs mount at /sys/fs/cgroup/x where",
+                Box::new(|t| t.push(mount(20, "/sys/fs/cgroup/x", "/", "sysfs", "ro"))),
+            ),
+            (
+                "/sys/fs/cgroup/cpu is mounted read-write",
+                Box::new(|t| t.push(mount(20, "/sys/fs/cgroup/cpu", "/", "cgroup", "rw"))),
+            ),
+        ];
+        for (want, edit) in cases {
+            let mut t = table();
+            edit(&mut t);
+            let err = check_mounts(&t, &rules(), &existing()).unwrap_err();
+            assert!(err.contains(want), "wanted {want:?}, got {err:?}");
+        }
+        // A read-only root the spec asks for.
+        let mut r = rules();
+        r.root_readonly = true;
+        let err = check_mounts(&table(), &r, &existing()).unwrap_err();
+        assert!(err.contains("/ is mounted read-write"), "{err}");
+    }
+
+    fn process(pid: u32, creds: Creds) -> ProcessState {
+        ProcessState {
+            pid,
+            threads: vec![ThreadState {
+                pid,
+                tid: pid,
+                comm: "sh".into(),
+                creds,
+                seccomp_filters: Some(1),
+            }],
+            limits: vec![(1024, 1024); 16],
+            namespaces: [("mnt", (1, 100)), ("net", (1, 101)), ("pid", (1, 102)), ("user", (1, 1))]
+                .into_iter()
+                .collect(),
+            cgroups: "0::/k8s/ctr\n".into(),
+        }
+    }
+
+    fn setup() -> (Observed, Expected, Host) {
+        let mut creds = Creds::default();
+        creds.cap_bnd = 0xa804_25fb;
+        creds.cap_prm = 0xa804_25fb;
+        creds.cap_eff = 0xa804_25fb;
+        creds.seccomp_mode = 2;
+        let o = Observed {
+            processes: vec![process(10, creds.clone()), process(11, creds)],
+            uid_map: IDENTITY.to_vec(),
+            gid_map: IDENTITY.to_vec(),
+            mounts: table(),
+        };
+        let mut e = Expected {
+            mounts: rules(),
+            ..Default::default()
+        };
+        e.granted = Granted {
+            gids: vec![0],
+            bounding: 0xa804_25fb,
+            effective: 0xa804_25fb,
+            permitted: 0xa804_25fb,
+            seccomp: true,
+            ..Default::default()
+        };
+        for n in ["mnt", "net", "pid"] {
+            e.namespaces.insert(n, None);
+        }
+        let h = Host {
+            namespaces: [("mnt", (1, 1)), ("net", (1, 2)), ("pid", (1, 3)), ("user", (1, 1))]
+                .into_iter()
+                .collect(),
+            hard_limits: [1024; 16],
+            cgroups: "0::/k8s/ctr\n".into(),
+            existing: existing(),
+            ..Default::default()
+        };
+        (o, e, h)
+    }
+
+    #[test]
+    fn a_tree_within_its_spec_passes() {
+        let (o, e, h) = setup();
+        let p = judge(&o, &e, &h).unwrap();
+        assert_eq!((p.processes, p.threads, p.mounts), (2, 2, 13));
+    }
+
+    #[test]
+    fn each_excess_is_refused_naming_it() {
+        type Edit = Box<dyn Fn(&mut Observed, &mut Expected, &mut Host)>;
+        let cases: Vec<(&str, Edit)> = vec![
+            (
+                "effective capabilities CAP_SYS_ADMIN",
+                Box::new(|o, _, _| o.processes[1].threads[0].creds.cap_eff |= CAP_SYS_ADMIN),
+            ),
+            (
+                "runs as uid 1000",
+                Box::new(|o, e, _| {
+                    e.granted.permitted &= !(1 << 7);
+                    e.granted.bounding &= !(1 << 7);
+                    for p in &mut o.processes {
+                        p.threads[0].creds.cap_prm &= !(1 << 7);
+                        p.threads[0].creds.cap_eff &= !(1 << 7);
+                        p.threads[0].creds.cap_bnd &= !(1 << 7);
+                    }
+                    o.processes[1].threads[0].creds.uids = [1000; 4];
+                }),
+            ),
+            (
+                "seccomp mode 0",
+                Box::new(|o, _, _| o.processes[0].threads[0].creds.seccomp_mode = 0),
+            ),
+            (
+                "has no seccomp filter",
+                Box::new(|o, _, _| o.processes[0].threads[0].seccomp_filters = Some(0)),
+            ),
+            (
+                "hard RLIMIT_NOFILE of 1048576",
+                Box::new(|o, _, _| o.processes[1].limits[7] = (1024, 1_048_576)),
+            ),
+            (
+                "host's net namespace",
+                Box::new(|o, _, _| {
+                    o.processes[0].namespaces.insert("net", (1, 2));
+                }),
+            ),
+            (
+                "a user namespace of its own",
+                Box::new(|o, _, _| {
+                    o.processes[0].namespaces.insert("user", (1, 7));
+                    o.processes[1].namespaces.insert("user", (1, 7));
+                }),
+            ),
+            (
+                "process 11 is in another mnt namespace",
+                Box::new(|o, _, _| {
+                    o.processes[1].namespaces.insert("mnt", (1, 555));
+                }),
+            ),
+            (
+                "outside the container's",
+                Box::new(|o, _, _| o.processes[1].cgroups = "0::/\n".into()),
+            ),
+            (
+                "outside the container's",
+                Box::new(|o, _, _| o.processes[1].cgroups = "0::/k8s/ctr2\n".into()),
+            ),
+            (
+                "/proc/sys is mounted read-write",
+                Box::new(|o, _, _| o.mounts[11].options = "rw".into()),
+            ),
+            (
+                "maps uids",
+                Box::new(|o, e, _| {
+                    e.namespaces.insert("user", None);
+                    e.uid_map = vec![(0, 100_000, 65_536)];
+                    e.gid_map = vec![(0, 100_000, 65_536)];
+                    for p in &mut o.processes {
+                        p.namespaces.insert("user", (1, 9));
+                    }
+                    o.gid_map = e.gid_map.clone();
+                    o.uid_map = vec![(0, 0, 65_536)];
+                }),
+            ),
+        ];
+        for (want, edit) in cases {
+            let (mut o, mut e, mut h) = setup();
+            edit(&mut o, &mut e, &mut h);
+            let err = judge(&o, &e, &h).unwrap_err().to_string();
+            assert!(err.contains(want), "wanted {want:?}, got {err:?}");
+        }
+    }
+
+    #[test]
+    fn what_the_spec_grants_is_not_an_excess() {
+        // A sub-cgroup of the container's, limits the spec raises, CAP_SYS_RESOURCE.
+        let (mut o, mut e, h) = setup();
+        o.processes[1].cgroups = "0::/k8s/ctr/worker\n".into();
+        o.processes[0].limits[7] = (4096, 65_536);
+        e.spec_rlimits.insert(7, 65_536);
+        judge(&o, &e, &h).unwrap();
+        o.processes[0].limits[8] = (0, u64::MAX);
+        assert!(judge(&o, &e, &h).is_err());
+        e.granted.bounding |= CAP_SYS_RESOURCE;
+        judge(&o, &e, &h).unwrap();
+        // A privileged spec (CAP_SYS_ADMIN, no user namespace) may have any mount table.
+        o.mounts[11].options = "rw".into();
+        assert!(judge(&o, &e, &h).is_err());
+        e.granted.bounding |= CAP_SYS_ADMIN;
+        judge(&o, &e, &h).unwrap();
+    }
+}
