@@ -299,9 +299,63 @@ struct NsIds {
     time: u64,
 }
 
+
+/// The fields CRIU's `.proto` files give a message the checks read (`images/*.proto` of CRIU
+/// 4.2): its name, every field number it knows, and those that are `repeated`. A message is
+/// read as CRIU's protobuf-c would read it only if it has no field outside these (which a newer
+/// CRIU could give a meaning crab does not know) and no non-repeated field twice (protobuf
+/// keeps the last scalar but *merges* repeated embedded messages: two `creds` entries are one
+/// to CRIU, with the first one's capability arrays and the second one's ids). Both are refused.
+struct Schema {
+    name: &'static str,
+    known: &'static [u32],
+    repeated: &'static [u32],
+}
+
+const INVENTORY_ENTRY: Schema = Schema {
+    name: "inventory_entry",
+    known: &[1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14],
+    repeated: &[],
+};
+const TASK_KOBJ_IDS_ENTRY: Schema = Schema {
+    name: "task_kobj_ids_entry",
+    known: &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+    repeated: &[],
+};
+const PSTREE_ENTRY: Schema = Schema {
+    name: "pstree_entry",
+    known: &[1, 2, 3, 4, 5],
+    repeated: &[5],
+};
+const CORE_ENTRY: Schema = Schema {
+    name: "core_entry",
+    known: &[1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13],
+    repeated: &[],
+};
+const TASK_CORE_ENTRY: Schema = Schema {
+    name: "task_core_entry",
+    known: &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 18, 20, 21, 22],
+    repeated: &[15],
+};
+const THREAD_CORE_ENTRY: Schema = Schema {
+    name: "thread_core_entry",
+    known: &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
+    repeated: &[],
+};
+const CREDS_ENTRY: Schema = Schema {
+    name: "creds_entry",
+    known: &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
+    repeated: &[9, 10, 11, 12, 14, 19],
+};
+const RSEQ_ENTRY: Schema = Schema {
+    name: "rseq_entry",
+    known: &[1, 2, 3, 4],
+    repeated: &[],
+};
+
 fn parse_ns_ids(msg: &[u8]) -> Result<NsIds, String> {
     let mut ids = NsIds::default();
-    for field in Fields::new(msg) {
+    for field in Fields::strict(msg, &TASK_KOBJ_IDS_ENTRY) {
         let (number, value) = field?;
         let slot = match number {
             5 => &mut ids.pid,
@@ -339,7 +393,7 @@ fn clone_mask(task: &NsIds, criu: &NsIds) -> u32 {
 fn parse_inventory(bytes: &[u8]) -> Result<NsIds, String> {
     let msg = single(bytes, INVENTORY_MAGIC, false)?;
     let (mut version, mut root_ids) = (None, None);
-    for field in Fields::new(msg) {
+    for field in Fields::strict(msg, &INVENTORY_ENTRY) {
         match field? {
             (1, v) => version = Some(v.varint("img_version")?),
             (3, v) => root_ids = Some(parse_ns_ids(v.bytes("root_ids")?)?),
@@ -363,7 +417,7 @@ fn parse_pstree(bytes: &[u8]) -> Result<Vec<(u32, Vec<u32>)>, String> {
     let mut out = Vec::with_capacity(list.len());
     for msg in list {
         let (mut pid, mut threads) = (None, Vec::new());
-        for field in Fields::new(msg) {
+        for field in Fields::strict(msg, &PSTREE_ENTRY) {
             match field? {
                 (1, v) => pid = Some(v.u32("pid")?),
                 (5, v) => v.repeated_u32("threads", &mut threads)?,
@@ -396,10 +450,10 @@ fn parse_core(bytes: &[u8]) -> Result<Core, String> {
         rseq: None,
     };
     let (mut thread_seccomp, mut task_seccomp) = (None, None);
-    for field in Fields::new(msg) {
+    for field in Fields::strict(msg, &CORE_ENTRY) {
         match field? {
             (3, v) => {
-                for f in Fields::new(v.bytes("tc")?) {
+                for f in Fields::strict(v.bytes("tc")?, &TASK_CORE_ENTRY) {
                     match f? {
                         (1, v) => core.task_state = Some(v.varint("task_state")?),
                         (6, v) => {
@@ -412,7 +466,7 @@ fn parse_core(bytes: &[u8]) -> Result<Core, String> {
                 }
             }
             (5, v) => {
-                for f in Fields::new(v.bytes("thread_core")?) {
+                for f in Fields::strict(v.bytes("thread_core")?, &THREAD_CORE_ENTRY) {
                     match f? {
                         (10, v) => core.creds = Some(parse_creds(v.bytes("creds")?)?),
                         (11, v) => thread_seccomp = Some(v.u32("seccomp_mode")?),
@@ -436,7 +490,7 @@ fn parse_core(bytes: &[u8]) -> Result<Core, String> {
 /// not 0).
 fn parse_rseq(msg: &[u8]) -> Result<Option<u64>, String> {
     let (mut pointer, mut size) = (0, 0);
-    for field in Fields::new(msg) {
+    for field in Fields::strict(msg, &RSEQ_ENTRY) {
         match field? {
             (1, v) => pointer = v.varint("rseq_abi_pointer")?,
             (2, v) => size = v.u32("rseq_abi_size")?,
@@ -452,7 +506,7 @@ fn parse_creds(msg: &[u8]) -> Result<Creds, String> {
     let mut seen = 0u32;
     let (mut inh, mut prm, mut eff, mut bnd, mut amb) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for field in Fields::new(msg) {
+    for field in Fields::strict(msg, &CREDS_ENTRY) {
         let (number, v) = field?;
         match number {
             1 => c.uids[0] = v.u32("uid")?,
@@ -582,14 +636,42 @@ fn varint(b: &[u8]) -> Option<(u64, usize)> {
 struct Fields<'a> {
     rest: &'a [u8],
     failed: bool,
+    /// With a schema: the non-repeated fields seen so far (all numbers are below 64).
+    strict: Option<(&'static Schema, u64)>,
 }
 
 impl<'a> Fields<'a> {
-    fn new(msg: &'a [u8]) -> Self {
+    /// The fields of a message read by CRIU's schema `schema`: an unknown field or a
+    /// non-repeated one seen twice is an error (see [`Schema`]).
+    fn strict(msg: &'a [u8], schema: &'static Schema) -> Self {
         Fields {
             rest: msg,
             failed: false,
+            strict: Some((schema, 0)),
         }
+    }
+
+    fn check(&mut self, number: u32) -> Result<(), String> {
+        let Some((schema, seen)) = self.strict.as_mut() else {
+            return Ok(());
+        };
+        if !schema.known.contains(&number) {
+            return Err(format!(
+                "{} has a field {number} CRIU's schema does not know",
+                schema.name
+            ));
+        }
+        if !schema.repeated.contains(&number) {
+            let bit = 1u64 << number;
+            if *seen & bit != 0 {
+                return Err(format!(
+                    "{} has its field {number} twice (CRIU would merge them)",
+                    schema.name
+                ));
+            }
+            *seen |= bit;
+        }
+        Ok(())
     }
 
     fn next_field(&mut self) -> Result<(u32, Value<'a>), String> {
@@ -640,7 +722,9 @@ impl<'a> Iterator for Fields<'a> {
         if self.failed || self.rest.is_empty() {
             return None;
         }
-        let r = self.next_field();
+        let r = self
+            .next_field()
+            .and_then(|(number, v)| self.check(number).map(|()| (number, v)));
         self.failed = r.is_err();
         Some(r)
     }
@@ -975,6 +1059,109 @@ mod tests {
         fs::write(dir.path().join("core-9.img"), core(1, None)).unwrap();
         let err = read_facts(dir.path()).unwrap_err().to_string();
         assert!(err.contains("no credentials"), "{err}");
+    }
+
+    /// The reading CRIU would make of an image is the only one crab accepts: the two-`creds`
+    /// image (root with every capability first, the spec's ids without capabilities last,
+    /// which protobuf-c merges into root with every capability) and its relatives are refused,
+    /// as are fields CRIU's schema does not know.
+    #[test]
+    fn duplicate_and_unknown_fields_are_refused_as_crius_reading_would_differ() {
+        let mut root = root_creds();
+        root.cap_bnd = u64::MAX >> 23;
+        root.cap_prm = root.cap_bnd;
+        root.cap_eff = root.cap_bnd;
+        let mut spec_ids = Creds::default();
+        spec_ids.uids = [1000; 4];
+        spec_ids.gids = [1000; 4];
+        let plain = |c: &Creds| {
+            // Without capability fields at all: protobuf-c keeps the first entry's arrays.
+            let mut m = Vec::new();
+            for (n, v) in (1..=8).zip([c.uids[0], c.gids[0], c.uids[1], c.gids[1], c.uids[2], c.gids[2], c.uids[3], c.gids[3]]) {
+                varint_field(&mut m, n, u64::from(v));
+            }
+            varint_field(&mut m, 13, 0);
+            m
+        };
+        let core_of = |tc: Vec<Vec<u8>>, threads: Vec<Vec<u8>>, extra: Option<(u32, u64)>| {
+            let mut m = Vec::new();
+            varint_field(&mut m, 1, 1);
+            for t in tc {
+                bytes_field(&mut m, 3, &t);
+            }
+            for t in threads {
+                bytes_field(&mut m, 5, &t);
+            }
+            if let Some((n, v)) = extra {
+                varint_field(&mut m, n, v);
+            }
+            image_file(CORE_MAGIC, true, &[m])
+        };
+        let tc = || {
+            let mut t = Vec::new();
+            varint_field(&mut t, 1, 1);
+            bytes_field(&mut t, 6, b"sh");
+            t
+        };
+        let thread = |creds: &[Vec<u8>]| {
+            let mut t = Vec::new();
+            varint_field(&mut t, 1, 0);
+            varint_field(&mut t, 2, 0);
+            for c in creds {
+                bytes_field(&mut t, 10, c);
+            }
+            varint_field(&mut t, 11, 2);
+            t
+        };
+        let cases: Vec<(&str, Vec<u8>)> = vec![
+            (
+                "thread_core_entry has its field 10 twice",
+                core_of(vec![tc()], vec![thread(&[testing::creds(&root), plain(&spec_ids)])], None),
+            ),
+            (
+                "core_entry has its field 5 twice",
+                core_of(
+                    vec![tc()],
+                    vec![thread(&[testing::creds(&root)]), thread(&[plain(&spec_ids)])],
+                    None,
+                ),
+            ),
+            (
+                "core_entry has its field 3 twice",
+                core_of(vec![tc(), tc()], vec![thread(&[plain(&spec_ids)])], None),
+            ),
+            (
+                "creds_entry has its field 1 twice",
+                core_of(vec![tc()], vec![thread(&[{
+                    let mut c = plain(&spec_ids);
+                    varint_field(&mut c, 1, 0);
+                    c
+                }])], None),
+            ),
+            (
+                "creds_entry has a field 40",
+                core_of(vec![tc()], vec![thread(&[{
+                    let mut c = plain(&spec_ids);
+                    varint_field(&mut c, 40, 1);
+                    c
+                }])], None),
+            ),
+            (
+                "core_entry has a field 7",
+                core_of(vec![tc()], vec![thread(&[plain(&spec_ids)])], Some((7, 1))),
+            ),
+        ];
+        for (want, bytes) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            write_image(dir.path(), &[(1, &[])], &root_creds(), 0);
+            fs::write(dir.path().join("core-1.img"), &bytes).unwrap();
+            let err = read_facts(dir.path()).unwrap_err().to_string();
+            assert!(err.contains(want), "want {want:?}: {err}");
+        }
+        // Repeated fields may repeat (capability words, groups), as CRIU writes them.
+        let dir = tempfile::tempdir().unwrap();
+        write_image(dir.path(), &[(1, &[])], &root, 0);
+        read_facts(dir.path()).unwrap();
     }
 
     #[test]
