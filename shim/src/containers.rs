@@ -19,12 +19,12 @@ use crate::{
     events::{EventSender, TaskEvent},
     oom,
     process::{ExitInfo, Process, Snapshot, Status},
+    reaper::ExitSubscription,
     restore::{
         gate as restore_gate,
         intake::{self as restore, Taken, Verdict},
         kernel, trust,
     },
-    reaper::ExitSubscription,
     runc::{Runc, RuncError},
     sandbox::{NotInspected, Origin, OriginImport, Sandbox},
     stdio::{PreparedIo, StdioSpec},
@@ -313,8 +313,7 @@ impl Containers {
                 let (config, id) = (config.clone(), p.id.clone());
                 let taken = tokio::task::spawn_blocking(move || {
                     let trusted = || crate::checkpoint::provenance::trusted_keys(&config);
-                    let cache =
-                        crate::restore::cache::RestoreCache::from_config(&config);
+                    let cache = crate::restore::cache::RestoreCache::from_config(&config);
                     let guard = restore::RestoreGuard {
                         container: &id,
                         trusted: &trusted,

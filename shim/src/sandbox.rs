@@ -31,12 +31,12 @@ use crate::{
         Action, CheckpointError, ContainerCapture, Coordinator,
     },
     engine::Admission,
-    restore::intake::{self as restore, Taken},
     error::{Error, Result},
     inspector::{
         self, bpf::HostProbes, fs::OverlayXattrs, Answer, Inspection, Kind, ProbesUnavailable,
         Target,
     },
+    restore::intake::{self as restore, Taken},
     runc::Runc,
 };
 
@@ -281,7 +281,10 @@ impl Sandbox {
             let image = t.criu_dir.clone().filter(|d| d.starts_with(bundle_dir));
             let (namespace, cid) = (self.namespace.clone(), self.id.clone());
             co.record_origin(
-                move |store| restore::restored_manifest(store, &namespace, &cid, &t).map_err(|e| CheckpointError::Origin(e.into())),
+                move |store| {
+                    restore::restored_manifest(store, &namespace, &cid, &t)
+                        .map_err(|e| CheckpointError::Origin(e.into()))
+                },
                 move || {
                     if let Some(dir) = image {
                         let _ = std::fs::remove_dir_all(dir);

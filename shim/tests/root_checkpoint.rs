@@ -13,12 +13,12 @@ use std::{
 use crab_runtime_config::UnsignedImages;
 use crab_shim::checkpoint::criu_image::ns;
 use crab_shim::checkpoint::pages::{dedup, CHUNK_SIZE};
-use crab_shim::restore::privilege::Granted;
 use crab_shim::checkpoint::provenance::{self, sign, Statement, TrustedKeys, SIGNATURE_FILE};
+use crab_shim::checkpoint::store::{CheckpointKind, Manifest, Store};
 use crab_shim::restore::intake::{
     take_from_rootfs, ImageLimits, RestoreError, RestoreGuard, META_FILE, RESERVED_DIR,
 };
-use crab_shim::checkpoint::store::{CheckpointKind, Manifest, Store};
+use crab_shim::restore::privilege::Granted;
 use ed25519_dalek::SigningKey;
 use support::{files::files_under, Tmpfs};
 

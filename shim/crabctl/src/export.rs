@@ -28,9 +28,9 @@ use super::{
 use crab_shim::checkpoint::{
     layer::{write_tree_tar, LayerOptions},
     provenance,
-    restore::{CheckpointMeta, ProcessMeta, Source, META_FORMAT},
     store::{CheckpointKind, Manifest, Store, TempFile},
 };
+use crab_shim::restore::intake::{CheckpointMeta, ProcessMeta, Source, META_FORMAT};
 
 /// What an export produced.
 #[derive(Debug, Clone)]

@@ -23,9 +23,9 @@ use sha2::{Digest, Sha256};
 use crab_shim::checkpoint::{
     pages::{self, PagesError},
     provenance::{self, FileDigest, HashingReader, Statement, SIGNATURE_FILE},
-    restore::{CheckpointMeta, CRIU_DIR, META_FILE, RESERVED_DIR},
     store::{digest_string, Descriptor},
 };
+use crab_shim::restore::intake::{CheckpointMeta, CRIU_DIR, META_FILE, RESERVED_DIR};
 
 /// The OCI marker that makes its directory opaque: lower layers' entries under it are hidden.
 const OPAQUE_WHITEOUT: &str = ".wh..wh..opq";
@@ -696,10 +696,8 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crab_shim::checkpoint::{
-        restore::{ProcessMeta, Source, META_FORMAT},
-        store::MEDIA_TYPE_LAYER_TAR,
-    };
+    use crab_shim::checkpoint::store::MEDIA_TYPE_LAYER_TAR;
+    use crab_shim::restore::intake::{ProcessMeta, Source, META_FORMAT};
 
     fn hexd(c: char) -> String {
         format!("sha256:{}", c.to_string().repeat(64))

@@ -299,7 +299,6 @@ struct NsIds {
     time: u64,
 }
 
-
 /// The fields CRIU's `.proto` files give a message the checks read (`images/*.proto` of CRIU
 /// 4.2): its name, every field number it knows, and those that are `repeated`. A message is
 /// read as CRIU's protobuf-c would read it only if it has no field outside these (which a newer
@@ -334,7 +333,9 @@ const CORE_ENTRY: Schema = Schema {
 };
 const TASK_CORE_ENTRY: Schema = Schema {
     name: "task_core_entry",
-    known: &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 18, 20, 21, 22],
+    known: &[
+        1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 18, 20, 21, 22,
+    ],
     repeated: &[15],
 };
 const THREAD_CORE_ENTRY: Schema = Schema {
@@ -344,7 +345,9 @@ const THREAD_CORE_ENTRY: Schema = Schema {
 };
 const CREDS_ENTRY: Schema = Schema {
     name: "creds_entry",
-    known: &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
+    known: &[
+        1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
+    ],
     repeated: &[9, 10, 11, 12, 14, 19],
 };
 const RSEQ_ENTRY: Schema = Schema {
@@ -1077,7 +1080,10 @@ mod tests {
         let plain = |c: &Creds| {
             // Without capability fields at all: protobuf-c keeps the first entry's arrays.
             let mut m = Vec::new();
-            for (n, v) in (1..=8).zip([c.uids[0], c.gids[0], c.uids[1], c.gids[1], c.uids[2], c.gids[2], c.uids[3], c.gids[3]]) {
+            for (n, v) in (1..=8).zip([
+                c.uids[0], c.gids[0], c.uids[1], c.gids[1], c.uids[2], c.gids[2], c.uids[3],
+                c.gids[3],
+            ]) {
                 varint_field(&mut m, n, u64::from(v));
             }
             varint_field(&mut m, 13, 0);
@@ -1116,13 +1122,20 @@ mod tests {
         let cases: Vec<(&str, Vec<u8>)> = vec![
             (
                 "thread_core_entry has its field 10 twice",
-                core_of(vec![tc()], vec![thread(&[testing::creds(&root), plain(&spec_ids)])], None),
+                core_of(
+                    vec![tc()],
+                    vec![thread(&[testing::creds(&root), plain(&spec_ids)])],
+                    None,
+                ),
             ),
             (
                 "core_entry has its field 5 twice",
                 core_of(
                     vec![tc()],
-                    vec![thread(&[testing::creds(&root)]), thread(&[plain(&spec_ids)])],
+                    vec![
+                        thread(&[testing::creds(&root)]),
+                        thread(&[plain(&spec_ids)]),
+                    ],
                     None,
                 ),
             ),
@@ -1132,19 +1145,27 @@ mod tests {
             ),
             (
                 "creds_entry has its field 1 twice",
-                core_of(vec![tc()], vec![thread(&[{
-                    let mut c = plain(&spec_ids);
-                    varint_field(&mut c, 1, 0);
-                    c
-                }])], None),
+                core_of(
+                    vec![tc()],
+                    vec![thread(&[{
+                        let mut c = plain(&spec_ids);
+                        varint_field(&mut c, 1, 0);
+                        c
+                    }])],
+                    None,
+                ),
             ),
             (
                 "creds_entry has a field 40",
-                core_of(vec![tc()], vec![thread(&[{
-                    let mut c = plain(&spec_ids);
-                    varint_field(&mut c, 40, 1);
-                    c
-                }])], None),
+                core_of(
+                    vec![tc()],
+                    vec![thread(&[{
+                        let mut c = plain(&spec_ids);
+                        varint_field(&mut c, 40, 1);
+                        c
+                    }])],
+                    None,
+                ),
             ),
             (
                 "core_entry has a field 7",

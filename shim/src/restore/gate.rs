@@ -267,7 +267,11 @@ impl Resume {
             return Resumed::NotReached(format!("not a pre-resume line: {text:?}"));
         };
         let result = check(script, init);
-        let answer: &[u8] = if result.is_ok() { b"ok\n" } else { b"refused\n" };
+        let answer: &[u8] = if result.is_ok() {
+            b"ok\n"
+        } else {
+            b"refused\n"
+        };
         if let Err(e) = self.verdict.write_all(answer) {
             log::warn!("restore gate: giving the kernel check's verdict: {e}");
         }

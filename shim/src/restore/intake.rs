@@ -940,11 +940,7 @@ pub fn restored_manifest(
 
 /// Imports `taken`'s process image into `dir` of `store` from the restore cache, if it holds
 /// the verified image; `None` (and nothing left at `dir`) otherwise.
-fn cached_import(
-    store: &Store,
-    dir: &Path,
-    taken: &Taken,
-) -> Option<super::cache::Imported> {
+fn cached_import(store: &Store, dir: &Path, taken: &Taken) -> Option<super::cache::Imported> {
     let (cache, files) = taken.cached.as_ref()?;
     let started = Instant::now();
     match cache.import(files, dir, &store.chunks_dir()) {
@@ -1007,10 +1003,10 @@ pub fn bring_up_loopback(pid: u32) -> io::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     use crate::checkpoint::criu_image::testing::with_caps as creds;
     use crate::checkpoint::criu_image::{ns, testing, Creds};
     use crate::checkpoint::provenance::{sign, Statement};
-    use super::*;
     use ed25519_dalek::SigningKey;
 
     fn meta_json(format: u32, process: bool) -> String {

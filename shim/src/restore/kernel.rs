@@ -163,8 +163,7 @@ impl Expected {
                 let name = serde_json::to_value(r.typ())
                     .ok()
                     .and_then(|v| v.as_str().map(str::to_string));
-                if let Some(i) = name.and_then(|n| RLIMIT_SPEC_NAMES.iter().position(|x| *x == n))
-                {
+                if let Some(i) = name.and_then(|n| RLIMIT_SPEC_NAMES.iter().position(|x| *x == n)) {
                     e.spec_rlimits.insert(i, r.hard());
                 }
             }
@@ -175,10 +174,12 @@ impl Expected {
                 .as_ref()
                 .and_then(|r| r.readonly())
                 .unwrap_or(false),
-            devices: ["null", "zero", "full", "random", "urandom", "tty", "console"]
-                .iter()
-                .map(|d| Path::new("/dev").join(d))
-                .collect(),
+            devices: [
+                "null", "zero", "full", "random", "urandom", "tty", "console",
+            ]
+            .iter()
+            .map(|d| Path::new("/dev").join(d))
+            .collect(),
             ..Default::default()
         };
         for m in spec.mounts().iter().flatten() {
@@ -192,7 +193,12 @@ impl Expected {
             ));
         }
         if let Some(linux) = spec.linux() {
-            rules.masked = linux.masked_paths().iter().flatten().map(|p| clean(Path::new(p))).collect();
+            rules.masked = linux
+                .masked_paths()
+                .iter()
+                .flatten()
+                .map(|p| clean(Path::new(p)))
+                .collect();
             rules.readonly = linux
                 .readonly_paths()
                 .iter()
@@ -230,7 +236,8 @@ impl Expected {
     /// CAP_SYS_ADMIN in reach, outside a user namespace: such a process could mount, remount
     /// and unshare anything itself.
     fn host_admin(&self) -> bool {
-        self.granted.permitted_ceiling() & CAP_SYS_ADMIN != 0 && !self.namespaces.contains_key("user")
+        self.granted.permitted_ceiling() & CAP_SYS_ADMIN != 0
+            && !self.namespaces.contains_key("user")
     }
 }
 
@@ -345,7 +352,11 @@ pub fn observe(init: u32) -> Result<Observed, String> {
             .map_err(|e| format!("/proc/{pid}/task: {e}"))?;
         for entry in tids {
             let entry = entry.map_err(|e| format!("/proc/{pid}/task: {e}"))?;
-            let Some(tid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            let Some(tid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
                 continue;
             };
             threads_seen += 1;
@@ -522,7 +533,10 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
     // Credentials, capabilities, no_new_privs, seccomp.
     for t in o.processes.iter().flat_map(|p| &p.threads) {
         privilege::check_creds(&t.creds, &e.granted).map_err(|what| {
-            refuse(format!("process {} (thread {}, {:?}) {what}", t.pid, t.tid, t.comm))
+            refuse(format!(
+                "process {} (thread {}, {:?}) {what}",
+                t.pid, t.tid, t.comm
+            ))
         })?;
         if e.granted.seccomp && t.seccomp_filters == Some(0) {
             return Err(refuse(format!(
@@ -558,11 +572,9 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
         };
         let own = h.namespaces.get(name).copied();
         match e.namespaces.get(name) {
-            Some(None) if Some(have) == own => {
-                return Err(refuse(format!(
-                    "the restored init is in the host's {name} namespace, the spec creates a new one"
-                )))
-            }
+            Some(None) if Some(have) == own => return Err(refuse(format!(
+                "the restored init is in the host's {name} namespace, the spec creates a new one"
+            ))),
             Some(Some(path)) if h.joined.get(name) != Some(&have) => {
                 return Err(refuse(format!(
                     "the restored init is not in the {name} namespace the spec joins ({})",
@@ -656,14 +668,18 @@ pub fn check_restored(expected: &Expected, script: u32, init: u32) -> Result<Pas
         Ok(h) => h,
         Err(e) => {
             kill(&[init]);
-            return Err(format!("the kernel check could not read the host's side: {e}"));
+            return Err(format!(
+                "the kernel check could not read the host's side: {e}"
+            ));
         }
     };
     let observed = match observe(init) {
         Ok(o) => o,
         Err(e) => {
             kill(&[init]);
-            return Err(format!("the kernel check could not read the restored processes: {e}"));
+            return Err(format!(
+                "the kernel check could not read the restored processes: {e}"
+            ));
         }
     };
     match judge(&observed, expected, &host) {
@@ -699,7 +715,11 @@ fn cgroup_lines(text: &str) -> Vec<(String, String)> {
 
 /// The mount table of the restored init against the spec's mounts (see the module doc).
 /// `existing`: the masked and read-only paths that exist on this host.
-pub fn check_mounts(mounts: &[Mount], rules: &MountRules, existing: &[PathBuf]) -> Result<(), String> {
+pub fn check_mounts(
+    mounts: &[Mount],
+    rules: &MountRules,
+    existing: &[PathBuf],
+) -> Result<(), String> {
     let is_ro = |m: &Mount| m.options.split(',').any(|o| o == "ro");
     fn spec_at<'a>(
         rules: &'a MountRules,
@@ -711,11 +731,11 @@ pub fn check_mounts(mounts: &[Mount], rules: &MountRules, existing: &[PathBuf]) 
     for m in mounts {
         let p = m.mount_point.as_path();
         let at_spec = spec_at(p).next().is_some();
-        let below_spec = rules
-            .mounts
-            .iter()
-            .any(|(d, typ, _, rbind)| (typ == "cgroup" || typ == "cgroup2" || *rbind) && p.starts_with(d) && p != d);
-        let is_device = p.parent() == Some(Path::new("/dev")) && rules.devices.iter().any(|d| d == p)
+        let below_spec = rules.mounts.iter().any(|(d, typ, _, rbind)| {
+            (typ == "cgroup" || typ == "cgroup2" || *rbind) && p.starts_with(d) && p != d
+        });
+        let is_device = p.parent() == Some(Path::new("/dev"))
+            && rules.devices.iter().any(|d| d == p)
             || rules.devices.iter().any(|d| d == p);
         let expected = p == Path::new("/")
             || at_spec
@@ -734,10 +754,9 @@ pub fn check_mounts(mounts: &[Mount], rules: &MountRules, existing: &[PathBuf]) 
         let ro_wanted = (p == Path::new("/") && rules.root_readonly)
             || spec_at(p).any(|(_, _, ro, _)| *ro)
             || rules.readonly.iter().any(|x| x == p)
-            || rules
-                .mounts
-                .iter()
-                .any(|(d, typ, ro, _)| *ro && (typ == "cgroup" || typ == "cgroup2") && p.starts_with(d));
+            || rules.mounts.iter().any(|(d, typ, ro, _)| {
+                *ro && (typ == "cgroup" || typ == "cgroup2") && p.starts_with(d)
+            });
         if ro_wanted && !is_ro(m) {
             return Err(format!(
                 "{} is mounted read-write ({} {}), the spec mounts it read-only",
@@ -770,8 +789,7 @@ pub fn check_mounts(mounts: &[Mount], rules: &MountRules, existing: &[PathBuf]) 
         }
         let masked = at(p).next().is_some()
             && at(p).all(|m| {
-                (m.fstype == "tmpfs" && is_ro(m))
-                    || m.root.file_name().is_some_and(|n| n == "null")
+                (m.fstype == "tmpfs" && is_ro(m)) || m.root.file_name().is_some_and(|n| n == "null")
             });
         if !masked {
             return Err(format!("{} is not masked, the spec masks it", p.display()));
@@ -818,7 +836,9 @@ mod tests {
         assert_eq!(c.gids, [1000; 4]);
         assert_eq!(c.groups, vec![10]);
         // An id outside the map is an error, not a guess.
-        assert!(parse_status(STATUS, &map, &map).unwrap_err().contains("not mapped"));
+        assert!(parse_status(STATUS, &map, &map)
+            .unwrap_err()
+            .contains("not mapped"));
     }
 
     #[test]
@@ -834,7 +854,8 @@ mod tests {
         }
     }
 
-    const LIMITS: &str = "Limit                     Soft Limit           Hard Limit           Units     \n\
+    const LIMITS: &str =
+        "Limit                     Soft Limit           Hard Limit           Units     \n\
 Max cpu time              unlimited            unlimited            seconds   \n\
 Max file size             unlimited            unlimited            bytes     \n\
 Max data size             unlimited            unlimited            bytes     \n\
@@ -905,7 +926,11 @@ Max realtime timeout      unlimited            unlimited            us        \n
                 m("/sys/fs/cgroup", "cgroup", true),
                 m("/data", "bind", false),
             ],
-            masked: vec!["/proc/kcore".into(), "/proc/acpi".into(), "/proc/nonesuch".into()],
+            masked: vec![
+                "/proc/kcore".into(),
+                "/proc/acpi".into(),
+                "/proc/nonesuch".into(),
+            ],
             readonly: vec!["/proc/sys".into(), "/proc/sysrq-trigger".into()],
             devices: vec!["/dev/null".into(), "/dev/console".into()],
         }
@@ -918,20 +943,55 @@ Max realtime timeout      unlimited            unlimited            us        \n
             mount(2, "/proc", "/", "proc", "rw,nosuid,nodev,noexec,relatime"),
             mount(3, "/dev", "/", "tmpfs", "rw,nosuid"),
             mount(4, "/dev/pts", "/", "devpts", "rw,nosuid,noexec,relatime"),
-            mount(5, "/dev/shm", "/", "tmpfs", "rw,nosuid,nodev,noexec,relatime"),
-            mount(6, "/dev/mqueue", "/", "mqueue", "rw,nosuid,nodev,noexec,relatime"),
+            mount(
+                5,
+                "/dev/shm",
+                "/",
+                "tmpfs",
+                "rw,nosuid,nodev,noexec,relatime",
+            ),
+            mount(
+                6,
+                "/dev/mqueue",
+                "/",
+                "mqueue",
+                "rw,nosuid,nodev,noexec,relatime",
+            ),
             mount(7, "/sys", "/", "sysfs", "ro,nosuid,nodev,noexec,relatime"),
-            mount(8, "/sys/fs/cgroup", "/", "cgroup2", "ro,nosuid,nodev,noexec,relatime"),
+            mount(
+                8,
+                "/sys/fs/cgroup",
+                "/",
+                "cgroup2",
+                "ro,nosuid,nodev,noexec,relatime",
+            ),
             mount(9, "/data", "/srv/data", "ext4", "rw,relatime"),
             mount(10, "/proc/kcore", "/null", "tmpfs", "rw,nosuid"),
             mount(11, "/proc/acpi", "/", "tmpfs", "ro,relatime"),
-            mount(12, "/proc/sys", "/sys", "proc", "ro,nosuid,nodev,noexec,relatime"),
-            mount(13, "/proc/sysrq-trigger", "/sysrq-trigger", "proc", "ro,relatime"),
+            mount(
+                12,
+                "/proc/sys",
+                "/sys",
+                "proc",
+                "ro,nosuid,nodev,noexec,relatime",
+            ),
+            mount(
+                13,
+                "/proc/sysrq-trigger",
+                "/sysrq-trigger",
+                "proc",
+                "ro,relatime",
+            ),
         ]
     }
 
     fn existing() -> Vec<PathBuf> {
-        vec!["/proc/kcore".into(), "/proc/acpi".into(), "/proc/sys".into(), "/proc/sysrq-trigger".into()]
+        vec![
+            "/proc/kcore".into(),
+            "/proc/acpi".into(),
+            "/proc/sys".into(),
+            "/proc/sysrq-trigger".into(),
+        ]
     }
 
     #[test]
@@ -1016,9 +1076,14 @@ Max realtime timeout      unlimited            unlimited            us        \n
                 seccomp_filters: Some(1),
             }],
             limits: vec![(1024, 1024); 16],
-            namespaces: [("mnt", (1, 100)), ("net", (1, 101)), ("pid", (1, 102)), ("user", (1, 1))]
-                .into_iter()
-                .collect(),
+            namespaces: [
+                ("mnt", (1, 100)),
+                ("net", (1, 101)),
+                ("pid", (1, 102)),
+                ("user", (1, 1)),
+            ]
+            .into_iter()
+            .collect(),
             cgroups: "0::/k8s/ctr\n".into(),
         }
     }
@@ -1051,9 +1116,14 @@ Max realtime timeout      unlimited            unlimited            us        \n
             e.namespaces.insert(n, None);
         }
         let h = Host {
-            namespaces: [("mnt", (1, 1)), ("net", (1, 2)), ("pid", (1, 3)), ("user", (1, 1))]
-                .into_iter()
-                .collect(),
+            namespaces: [
+                ("mnt", (1, 1)),
+                ("net", (1, 2)),
+                ("pid", (1, 3)),
+                ("user", (1, 1)),
+            ]
+            .into_iter()
+            .collect(),
             hard_limits: [1024; 16],
             cgroups: "0::/k8s/ctr\n".into(),
             existing: existing(),

@@ -261,9 +261,9 @@ pub fn check_creds(c: &Creds, g: &Granted) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     use crate::checkpoint::criu_image::testing::with_caps as creds;
     use crate::checkpoint::criu_image::Thread;
-    use super::*;
 
     /// containerd's default capability set for an unprivileged container.
     const DEFAULT_CAPS: u64 = 0xa804_25fb;

@@ -151,9 +151,8 @@ pub fn containerd_checkpoint(
             })
         }
         Ok(_) => {
-            let f = crate::sys::beneath::open_regular_nofollow(&sig_path).map_err(|e| {
-                ProvenanceError::Malformed(format!("{CONTAINERD_SIGNATURE}: {e}"))
-            })?;
+            let f = crate::sys::beneath::open_regular_nofollow(&sig_path)
+                .map_err(|e| ProvenanceError::Malformed(format!("{CONTAINERD_SIGNATURE}: {e}")))?;
             let mut bytes = Vec::new();
             f.take(provenance::SIGNATURE_MAX)
                 .read_to_end(&mut bytes)
@@ -170,9 +169,7 @@ pub fn containerd_checkpoint(
             return match unsigned {
                 UnsignedImages::Refuse => Err(e),
                 UnsignedImages::StartFresh => Ok(Decision::StartFresh { why: e.to_string() }),
-                UnsignedImages::KernelCheck => {
-                    Ok(Decision::KernelCheckOnly { why: e.to_string() })
-                }
+                UnsignedImages::KernelCheck => Ok(Decision::KernelCheckOnly { why: e.to_string() }),
             }
         }
         Err(e) => return Err(e),
@@ -227,15 +224,26 @@ mod tests {
         );
         // Altered, added, removed: refused whatever unsigned_images says.
         for (what, edit) in [
-            ("core-1.img", Box::new(|p: &Path| fs::write(p.join("core-1.img"), b"CORE").unwrap()) as Box<dyn Fn(&Path)>),
-            ("was not signed", Box::new(|p: &Path| fs::write(p.join("mm-1.img"), b"x").unwrap())),
-            ("missing", Box::new(|p: &Path| fs::remove_file(p.join("pages-1.img")).unwrap())),
+            (
+                "core-1.img",
+                Box::new(|p: &Path| fs::write(p.join("core-1.img"), b"CORE").unwrap())
+                    as Box<dyn Fn(&Path)>,
+            ),
+            (
+                "was not signed",
+                Box::new(|p: &Path| fs::write(p.join("mm-1.img"), b"x").unwrap()),
+            ),
+            (
+                "missing",
+                Box::new(|p: &Path| fs::remove_file(p.join("pages-1.img")).unwrap()),
+            ),
         ] {
             let (d, k) = (image(), key(1));
             sign_containerd_checkpoint(d.path(), &k).unwrap();
             edit(d.path());
-            let e = containerd_checkpoint(d.path(), &trusting(&k), UnsignedImages::KernelCheck, BOUNDS)
-                .unwrap_err();
+            let e =
+                containerd_checkpoint(d.path(), &trusting(&k), UnsignedImages::KernelCheck, BOUNDS)
+                    .unwrap_err();
             assert!(matches!(e, ProvenanceError::Altered(_)), "{what}: {e}");
             assert!(e.to_string().contains(what), "{what}: {e}");
         }
