@@ -898,10 +898,12 @@ impl Containers {
                 Ok(())
             }
             (r, restore_gate::Resumed::Checked(Err(why))) => {
-                // Killed at the gate already; whatever CRIU made of that, nothing goes on.
-                if r.is_ok() {
-                    kill_cgroup_members(&spec, &c.id);
-                }
+                // Killed at the gate already (the tree, then CRIU); whatever is left of the
+                // container's processes goes too.
+                let _ = r;
+                kill_cgroup_members(&spec, &c.id);
+                // A killed CRIU leaves its cgroup yard mounted in the work directory.
+                unmount_all_under(&work);
                 log::error!("restore of {} refused by the kernel check: {why}", c.id);
                 Err(Error::FailedPrecondition(why))
             }
