@@ -1142,3 +1142,254 @@ async fn page_files_verified_while_criu_restores_are_refused_when_altered() {
         .unwrap();
     assert!(built.contains("verified into the restore cache"), "{built}");
 }
+
+/// A small editor of CRIU image files, for crafting hostile images from a real dump: an image
+/// file is a magic header (the common magic and the file's own, or the file's alone) and
+/// entries, each a little-endian u32 length and a protobuf message.
+mod criu_edit {
+    const COMMON_MAGIC: u32 = 0x5456_4319;
+
+    /// (header bytes, entries).
+    pub fn entries(file: &[u8]) -> (Vec<u8>, Vec<Vec<u8>>) {
+        let first = u32::from_le_bytes(file[..4].try_into().unwrap());
+        let head = if first == COMMON_MAGIC { 8 } else { 4 };
+        let (mut out, mut pos) = (Vec::new(), head);
+        while pos < file.len() {
+            let n = u32::from_le_bytes(file[pos..pos + 4].try_into().unwrap()) as usize;
+            out.push(file[pos + 4..pos + 4 + n].to_vec());
+            pos += 4 + n;
+        }
+        (file[..head].to_vec(), out)
+    }
+
+    pub fn file(head: &[u8], entries: &[Vec<u8>]) -> Vec<u8> {
+        let mut out = head.to_vec();
+        for e in entries {
+            out.extend_from_slice(&(e.len() as u32).to_le_bytes());
+            out.extend_from_slice(e);
+        }
+        out
+    }
+
+    /// A field's value: a varint or length-delimited bytes (CRIU's images use no others in
+    /// the messages edited here).
+    #[derive(Debug, Clone, PartialEq)]
+    pub enum V {
+        Varint(u64),
+        Bytes(Vec<u8>),
+    }
+
+    fn varint(b: &[u8], pos: &mut usize) -> u64 {
+        let mut v = 0u64;
+        for i in 0..10 {
+            let byte = b[*pos];
+            *pos += 1;
+            v |= u64::from(byte & 0x7f) << (7 * i);
+            if byte & 0x80 == 0 {
+                break;
+            }
+        }
+        v
+    }
+
+    fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+        while v >= 0x80 {
+            out.push((v as u8) | 0x80);
+            v >>= 7;
+        }
+        out.push(v as u8);
+    }
+
+    pub fn fields(msg: &[u8]) -> Vec<(u32, V)> {
+        let (mut out, mut pos) = (Vec::new(), 0);
+        while pos < msg.len() {
+            let key = varint(msg, &mut pos);
+            let value = match key & 7 {
+                0 => V::Varint(varint(msg, &mut pos)),
+                2 => {
+                    let n = varint(msg, &mut pos) as usize;
+                    pos += n;
+                    V::Bytes(msg[pos - n..pos].to_vec())
+                }
+                t => panic!("wire type {t} in an edited message"),
+            };
+            out.push(((key >> 3) as u32, value));
+        }
+        out
+    }
+
+    pub fn encode(fields: &[(u32, V)]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (n, v) in fields {
+            match v {
+                V::Varint(x) => {
+                    put_varint(&mut out, u64::from(*n) << 3);
+                    put_varint(&mut out, *x);
+                }
+                V::Bytes(b) => {
+                    put_varint(&mut out, (u64::from(*n) << 3) | 2);
+                    put_varint(&mut out, b.len() as u64);
+                    out.extend_from_slice(b);
+                }
+            }
+        }
+        out
+    }
+
+    /// Applies `edit` to the embedded message in field `number` of `msg` (each occurrence).
+    pub fn edit_message(msg: &[u8], number: u32, edit: &dyn Fn(&[u8]) -> Vec<u8>) -> Vec<u8> {
+        let f: Vec<(u32, V)> = fields(msg)
+            .into_iter()
+            .map(|(n, v)| match (n, v) {
+                (n, V::Bytes(b)) if n == number => (n, V::Bytes(edit(&b))),
+                other => other,
+            })
+            .collect();
+        encode(&f)
+    }
+}
+
+/// `mountpoints-*.img` with the read-only flag of the mount at `at` cleared.
+fn mount_made_writable(data: &[u8], at: &str) -> Vec<u8> {
+    use criu_edit::V;
+    let (head, entries) = criu_edit::entries(data);
+    let mut found = false;
+    let entries: Vec<Vec<u8>> = entries
+        .into_iter()
+        .map(|e| {
+            let mut f = criu_edit::fields(&e);
+            let here = f
+                .iter()
+                .any(|(n, v)| *n == 7 && *v == V::Bytes(at.as_bytes().to_vec()));
+            if here {
+                for (n, v) in f.iter_mut() {
+                    if let (5, V::Varint(flags)) = (*n, v) {
+                        assert!(*flags & 1 != 0, "{at} is read-only in the dump");
+                        *flags &= !1;
+                        found = true;
+                    }
+                }
+            }
+            criu_edit::encode(&f)
+        })
+        .collect();
+    assert!(found, "no mount at {at} in the image");
+    criu_edit::file(&head, &entries)
+}
+
+/// `core-*.img` whose task has the hard limit of `resource` raised to `hard`.
+fn rlimit_raised(data: &[u8], resource: usize, hard: u64) -> Vec<u8> {
+    use criu_edit::V;
+    let (head, entries) = criu_edit::entries(data);
+    let core = criu_edit::edit_message(&entries[0], 3, &|tc| {
+        criu_edit::edit_message(tc, 8, &|rlimits| {
+            let mut f = criu_edit::fields(rlimits);
+            let V::Bytes(entry) = &f[resource].1 else {
+                panic!("rlimit {resource} is not a message")
+            };
+            let mut e = criu_edit::fields(entry);
+            for (n, v) in e.iter_mut() {
+                if *n == 2 {
+                    *v = V::Varint(hard);
+                }
+            }
+            f[resource].1 = V::Bytes(criu_edit::encode(&e));
+            criu_edit::encode(&f)
+        })
+    });
+    criu_edit::file(&head, &[core])
+}
+
+/// Issue 24, items 2 and 3: what CRIU restored is compared with the new container's spec by
+/// the kernel check, before any restored process runs. Two images signed by a trusted key
+/// (someone holds it, or a privileged source), each asking for something crab's reading of
+/// the image never looks at, each refused at CRIU's pre-resume stage naming what: `/proc/sys`
+/// mounted read-write (an ordinary exec could then write the host's `kernel.core_pattern`),
+/// and a hard RLIMIT_NOFILE above what the spec grants. The same images under
+/// `unsigned_images = "kernel-check"` with their signatures removed meet the same check. Nothing
+/// runs, nothing is left, and the untouched image still restores.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_kernel_check_refuses_what_the_image_claims_do_not_show() {
+    let f = fixture("kernel_check").await;
+    let entries = f.good.last_layer_entries();
+    let key = f.key();
+
+    let writable = repack_signed(
+        &entries,
+        |p, d| {
+            Some(match p.rsplit('/').next().unwrap() {
+                name if name.starts_with("mountpoints-") => mount_made_writable(d, "/proc/sys"),
+                _ => d.to_vec(),
+            })
+        },
+        Some(&key),
+    );
+    let out = f
+        .run_fails(
+            "rwprocsys",
+            &f.good
+                .with_last_layer(&f.name("rwprocsys"), Some(writable), None),
+        )
+        .await;
+    assert!(
+        out.contains("the restored processes have more than the container's spec grants")
+            && out.contains("/proc/sys is mounted read-write"),
+        "{out}"
+    );
+
+    // ctr's spec sets RLIMIT_NOFILE to 1024:1024; the image raises init's hard limit.
+    let raised = repack_signed(
+        &entries,
+        |p, d| {
+            Some(match p.rsplit('/').next().unwrap() {
+                "core-1.img" => rlimit_raised(d, 7, 65_536),
+                _ => d.to_vec(),
+            })
+        },
+        Some(&key),
+    );
+    let out = f
+        .run_fails(
+            "nofile",
+            &f.good.with_last_layer(&f.name("nofile"), Some(raised), None),
+        )
+        .await;
+    assert!(
+        out.contains("hard RLIMIT_NOFILE of 65536") && out.contains("CAP_SYS_RESOURCE"),
+        "{out}"
+    );
+
+    // Unsigned, on the kernel check alone: the same refusal.
+    let unsigned = repack(&entries, |p, d| {
+        let name = p.rsplit('/').next().unwrap();
+        match name {
+            "signature.json" => None,
+            name if name.starts_with("mountpoints-") => Some(mount_made_writable(d, "/proc/sys")),
+            _ => Some(d.to_vec()),
+        }
+    });
+    let out = f
+        .run_fails_with(
+            "rwunsigned",
+            &f.good
+                .with_last_layer(&f.name("rwunsigned"), Some(unsigned), None),
+            "unsigned_images = \"kernel-check\"\n",
+        )
+        .await;
+    assert!(out.contains("/proc/sys is mounted read-write"), "{out}");
+
+    // The image as dumped passes the same check and runs.
+    let config = f.config("kc-good", "");
+    let (code, out) = f.run(
+        "kc-good",
+        &f.good,
+        &config,
+        &[],
+        // The restored `sleep 100000` (the pattern does not match grep's own command line).
+        "grep -l '1000[0]0' /proc/[0-9]*/cmdline | wc -l",
+    );
+    assert_eq!((code, out.trim()), (0, "1"), "the signed image restores: {out}");
+    let mut s = f.s;
+    assert_eq!(s.run("cat /app/file").await.stdout, "data\n");
+    s.finish().await;
+}

@@ -781,7 +781,10 @@ pub fn check_mounts(
             || rules.mounts.iter().any(|(d, typ, ro, _)| {
                 *ro && (typ == "cgroup" || typ == "cgroup2") && p.starts_with(d)
             });
-        if ro_wanted && !is_ro(m) {
+        // A tmpfs holds nothing of the host or the kernel: writable, it exposes nothing (on
+        // cgroup v1 runc mounts one at the cgroup destination, and CRIU restores it writable
+        // whatever the spec's `ro`; the hierarchies bound below it are checked).
+        if ro_wanted && !is_ro(m) && m.fstype != "tmpfs" {
             return Err(format!(
                 "{} is mounted read-write ({} {}), the spec mounts it read-only",
                 p.display(),
@@ -1082,6 +1085,12 @@ Max realtime timeout      unlimited            unlimited            us        \n
             let err = check_mounts(&t, &rules(), &existing()).unwrap_err();
             assert!(err.contains(want), "wanted {want:?}, got {err:?}");
         }
+        // A writable tmpfs where the spec says read-only exposes nothing (runc's cgroup v1
+        // tmpfs, as CRIU restores it).
+        let mut t = table();
+        t.push(mount(14, "/sys/fs/cgroup", "/", "tmpfs", "rw,nosuid"));
+        t.push(mount(15, "/sys/fs/cgroup/cpu", "/", "cgroup", "ro,nosuid"));
+        check_mounts(&t, &rules(), &existing()).unwrap();
         // A read-only root the spec asks for.
         let mut r = rules();
         r.root_readonly = true;
