@@ -1351,7 +1351,8 @@ async fn the_kernel_check_refuses_what_the_image_claims_do_not_show() {
     let out = f
         .run_fails(
             "nofile",
-            &f.good.with_last_layer(&f.name("nofile"), Some(raised), None),
+            &f.good
+                .with_last_layer(&f.name("nofile"), Some(raised), None),
         )
         .await;
     assert!(
@@ -1388,7 +1389,11 @@ async fn the_kernel_check_refuses_what_the_image_claims_do_not_show() {
         // The restored `sleep 100000` (the pattern does not match grep's own command line).
         "grep -l '1000[0]0' /proc/[0-9]*/cmdline | wc -l",
     );
-    assert_eq!((code, out.trim()), (0, "1"), "the signed image restores: {out}");
+    assert_eq!(
+        (code, out.trim()),
+        (0, "1"),
+        "the signed image restores: {out}"
+    );
     let mut s = f.s;
     assert_eq!(s.run("cat /app/file").await.stdout, "data\n");
     s.finish().await;

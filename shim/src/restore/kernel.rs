@@ -572,9 +572,11 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
         };
         let own = h.namespaces.get(name).copied();
         match e.namespaces.get(name) {
-            Some(None) if Some(have) == own => return Err(refuse(format!(
+            Some(None) if Some(have) == own => {
+                return Err(refuse(format!(
                 "the restored init is in the host's {name} namespace, the spec creates a new one"
-            ))),
+            )))
+            }
             Some(Some(path)) if h.joined.get(name) != Some(&have) => {
                 return Err(refuse(format!(
                     "the restored init is not in the {name} namespace the spec joins ({})",
