@@ -304,6 +304,8 @@ pub struct ThreadState {
     /// Ids already mapped into the task's user namespace.
     pub creds: Creds,
     pub seccomp_filters: Option<u32>,
+    /// Dead (`Z` or `X`): it never runs again.
+    pub zombie: bool,
 }
 
 /// One restored process as the kernel holds it.
@@ -373,12 +375,18 @@ pub fn observe(init: u32) -> Result<Observed, String> {
             };
             let (comm, creds, filters) = parse_status(&status, &uid_map, &gid_map)
                 .map_err(|e| format!("/proc/{pid}/task/{tid}/status: {e}"))?;
+            let state = status
+                .lines()
+                .find_map(|l| l.strip_prefix("State:"))
+                .map(str::trim_start)
+                .unwrap_or("");
             threads.push(ThreadState {
                 pid,
                 tid,
                 comm,
                 creds,
                 seccomp_filters: filters,
+                zombie: state.starts_with('Z') || state.starts_with('X'),
             });
             let children = read_proc(&format!("/proc/{pid}/task/{tid}/children"))?;
             for c in children.split_whitespace() {
@@ -530,8 +538,14 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
         .processes
         .first()
         .ok_or_else(|| refuse("no restored process".into()))?;
-    // Credentials, capabilities, no_new_privs, seccomp.
-    for t in o.processes.iter().flat_map(|p| &p.threads) {
+    // Credentials, capabilities, no_new_privs, seccomp (a zombie runs nothing again: CRIU
+    // recreates it with its own credentials and lets it exit).
+    for t in o
+        .processes
+        .iter()
+        .flat_map(|p| &p.threads)
+        .filter(|t| !t.zombie)
+    {
         privilege::check_creds(&t.creds, &e.granted).map_err(|what| {
             refuse(format!(
                 "process {} (thread {}, {:?}) {what}",
@@ -553,10 +567,11 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
                 let ceiling = e.spec_rlimits.get(&i).copied().unwrap_or(h.hard_limits[i]);
                 if hard > ceiling {
                     return Err(refuse(format!(
-                        "process {} has a hard {} of {}, the spec grants {} (process.rlimits, or \
-                         the runtime's own limit where the spec sets none) and no \
-                         CAP_SYS_RESOURCE",
+                        "process {} ({:?}) has a hard {} of {}, the spec grants {} \
+                         (process.rlimits, or the runtime's own limit where the spec sets none) \
+                         and no CAP_SYS_RESOURCE",
                         p.pid,
+                        p.threads.first().map_or("", |t| t.comm.as_str()),
                         RLIMIT_SPEC_NAMES[i],
                         show_limit(hard),
                         show_limit(ceiling)
@@ -1109,6 +1124,7 @@ Max realtime timeout      unlimited            unlimited            us        \n
                 comm: "sh".into(),
                 creds,
                 seccomp_filters: Some(1),
+                zombie: false,
             }],
             limits: vec![(1024, 1024); 16],
             namespaces: [
@@ -1258,6 +1274,15 @@ Max realtime timeout      unlimited            unlimited            us        \n
             let err = judge(&o, &e, &h).unwrap_err().to_string();
             assert!(err.contains(want), "wanted {want:?}, got {err:?}");
         }
+    }
+
+    #[test]
+    fn a_zombie_is_not_judged_by_the_credentials_criu_left_it() {
+        let (mut o, e, h) = setup();
+        o.processes[1].threads[0].creds.cap_bnd = u64::MAX >> 23;
+        assert!(judge(&o, &e, &h).is_err());
+        o.processes[1].threads[0].zombie = true;
+        judge(&o, &e, &h).unwrap();
     }
 
     #[test]
