@@ -320,6 +320,14 @@ pub struct ProcessState {
     pub cgroups: String,
 }
 
+impl ProcessState {
+    /// Every thread dead: it never runs again, and CRIU restores nothing but its exit for it
+    /// (it keeps CRIU's credentials, limits and cgroups).
+    pub fn is_zombie(&self) -> bool {
+        !self.threads.is_empty() && self.threads.iter().all(|t| t.zombie)
+    }
+}
+
 /// Everything read from the kernel about one restored tree.
 #[derive(Debug, Clone)]
 pub struct Observed {
@@ -562,7 +570,7 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
     // Hard limits.
     let prm = e.granted.permitted_ceiling();
     if prm & CAP_SYS_RESOURCE == 0 {
-        for p in &o.processes {
+        for p in o.processes.iter().filter(|p| !p.is_zombie()) {
             for (i, &(_, hard)) in p.limits.iter().enumerate() {
                 let ceiling = e.spec_rlimits.get(&i).copied().unwrap_or(h.hard_limits[i]);
                 if hard > ceiling {
@@ -643,7 +651,7 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
     }
     // Cgroups.
     let reference = cgroup_lines(&h.cgroups);
-    for p in &o.processes {
+    for p in o.processes.iter().filter(|p| !p.is_zombie()) {
         for (id, path) in cgroup_lines(&p.cgroups) {
             let Some((_, want)) = reference.iter().find(|(i, _)| *i == id) else {
                 continue;
@@ -1282,6 +1290,10 @@ Max realtime timeout      unlimited            unlimited            us        \n
         o.processes[1].threads[0].creds.cap_bnd = u64::MAX >> 23;
         assert!(judge(&o, &e, &h).is_err());
         o.processes[1].threads[0].zombie = true;
+        judge(&o, &e, &h).unwrap();
+        // Nor by the limits or cgroups (CRIU restores none for it: it keeps CRIU's).
+        o.processes[1].limits[7] = (1024, 1 << 20);
+        o.processes[1].cgroups = "0::/\n".into();
         judge(&o, &e, &h).unwrap();
     }
 
