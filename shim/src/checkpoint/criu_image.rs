@@ -1074,9 +1074,11 @@ mod tests {
         root.cap_bnd = u64::MAX >> 23;
         root.cap_prm = root.cap_bnd;
         root.cap_eff = root.cap_bnd;
-        let mut spec_ids = Creds::default();
-        spec_ids.uids = [1000; 4];
-        spec_ids.gids = [1000; 4];
+        let spec_ids = Creds {
+            uids: [1000; 4],
+            gids: [1000; 4],
+            ..Default::default()
+        };
         let plain = |c: &Creds| {
             // Without capability fields at all: protobuf-c keeps the first entry's arrays.
             let mut m = Vec::new();

@@ -1058,7 +1058,8 @@ Max realtime timeout      unlimited            unlimited            us        \n
 
     #[test]
     fn every_way_out_of_the_spec_is_refused() {
-        let cases: Vec<(&str, Box<dyn Fn(&mut Vec<Mount>)>)> = vec![
+        type Edit = Box<dyn Fn(&mut Vec<Mount>)>;
+        let cases: Vec<(&str, Edit)> = vec![
             (
                 "/proc/sys is mounted read-write",
                 Box::new(|t| t[11].options = "rw,nosuid".into()),
@@ -1148,11 +1149,13 @@ Max realtime timeout      unlimited            unlimited            us        \n
     }
 
     fn setup() -> (Observed, Expected, Host) {
-        let mut creds = Creds::default();
-        creds.cap_bnd = 0xa804_25fb;
-        creds.cap_prm = 0xa804_25fb;
-        creds.cap_eff = 0xa804_25fb;
-        creds.seccomp_mode = 2;
+        let creds = Creds {
+            cap_bnd: 0xa804_25fb,
+            cap_prm: 0xa804_25fb,
+            cap_eff: 0xa804_25fb,
+            seccomp_mode: 2,
+            ..Default::default()
+        };
         let o = Observed {
             processes: vec![process(10, creds.clone()), process(11, creds)],
             uid_map: IDENTITY.to_vec(),
