@@ -62,12 +62,13 @@ async fn a_group_cannot_join_another_containers_shim() {
     let h = Harness::for_test().await;
     crab_harness_check(&h);
     let victim = h.unique_id("ann_victim");
-    let (g1, g2, intruder) = (
+    let (g1, g2, intruder, forger) = (
         format!("{victim}-g1"),
         format!("{victim}-g2"),
         format!("{victim}-in"),
+        format!("{victim}-pod"),
     );
-    let _g = h.guard(&[&victim, &g1, &g2, &intruder]);
+    let _g = h.guard(&[&victim, &g1, &g2, &intruder, &forger]);
     let group = format!("grp-{}", std::process::id());
     let mut inits = HashMap::new();
     for (id, annotations) in [
@@ -76,6 +77,15 @@ async fn a_group_cannot_join_another_containers_shim() {
         (
             &intruder,
             vec![("io.containerd.crab.v1.group", victim.as_str())],
+        ),
+        // Claims to be a container of the victim's "pod" (issue 24, item 7: any client may set
+        // annotations; only the CRI's containers in its namespace join a pod's shim).
+        (
+            &forger,
+            vec![
+                ("io.kubernetes.cri.sandbox-id", victim.as_str()),
+                ("io.kubernetes.cri.container-type", "container"),
+            ],
         ),
         (&g1, vec![("io.containerd.crab.v1.group", group.as_str())]),
         (&g2, vec![("io.containerd.crab.v1.group", group.as_str())]),
@@ -92,6 +102,11 @@ async fn a_group_cannot_join_another_containers_shim() {
         shim(&intruder),
         shim(&victim),
         "a group named after a container joined its shim"
+    );
+    assert_ne!(
+        shim(&forger),
+        shim(&victim),
+        "a forged sandbox id outside the CRI's namespace joined the victim's shim"
     );
     assert_eq!(shim(&g1), shim(&g2), "one explicit group, one shim");
     assert_ne!(shim(&g1), shim(&victim));
@@ -115,10 +130,10 @@ async fn a_group_cannot_join_another_containers_shim() {
     );
     h.delete_container(&bad).await.unwrap();
 
-    for id in [&intruder, &g1, &g2, &victim] {
+    for id in [&intruder, &forger, &g1, &g2, &victim] {
         h.kill_and_remove(id).await.unwrap();
     }
-    for id in [&intruder, &g1, &g2, &victim] {
+    for id in [&intruder, &forger, &g1, &g2, &victim] {
         h.assert_no_leaks(id).await;
     }
 }

@@ -405,6 +405,7 @@ fn read_small(path: &Path, max: u64) -> Result<Vec<u8>, ProvenanceError> {
         }
     })?;
     let md = f.metadata().map_err(io)?;
+    check_key_owner(path, &md)?;
     if md.len() > max {
         return Err(ProvenanceError::Key {
             path: path.to_path_buf(),
@@ -414,6 +415,42 @@ fn read_small(path: &Path, max: u64) -> Result<Vec<u8>, ProvenanceError> {
     let mut out = Vec::new();
     f.take(max).read_to_end(&mut out).map_err(io)?;
     Ok(out)
+}
+
+/// A key file decides what this host restores: it, and every directory above it, must be the
+/// host's (owned by root, or by this process's user) and writable by no one else (a directory
+/// writable by others must be sticky, as `/tmp`), or a local user could put a key of their own
+/// in its place.
+fn check_key_owner(path: &Path, md: &fs::Metadata) -> Result<(), ProvenanceError> {
+    use std::os::unix::fs::MetadataExt;
+    let me = nix::unistd::geteuid().as_raw();
+    let owned = |uid: u32| uid == 0 || uid == me;
+    let refuse = |what: &Path, m: &fs::Metadata| ProvenanceError::Key {
+        path: path.to_path_buf(),
+        reason: format!(
+            "{} is owned by uid {} with mode {:o}: key files and their directories must be \
+             owned by root and writable by no one else",
+            what.display(),
+            m.uid(),
+            m.mode() & 0o7777
+        ),
+    };
+    if !owned(md.uid()) || md.mode() & 0o022 != 0 {
+        return Err(refuse(path, md));
+    }
+    let mut dir = path.parent();
+    while let Some(d) = dir.filter(|d| !d.as_os_str().is_empty()) {
+        let m = fs::metadata(d).map_err(|source| ProvenanceError::Io {
+            path: d.to_path_buf(),
+            source,
+        })?;
+        let others_write = m.mode() & 0o022 != 0 && m.mode() & 0o1000 == 0;
+        if !owned(m.uid()) || others_write {
+            return Err(refuse(d, &m));
+        }
+        dir = d.parent();
+    }
+    Ok(())
 }
 
 /// Reads the signing key at `path`, if there is one. A key file others may read is refused:
@@ -700,5 +737,38 @@ mod tests {
             .add_file(&dir.path().join("absent.pub"))
             .unwrap_err();
         assert!(matches!(err, ProvenanceError::Io { .. }), "{err}");
+    }
+
+    /// Issue 24, item 7: a key file someone else could replace is no key.
+    #[test]
+    fn key_files_others_could_replace_are_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let k = SigningKey::from_bytes(&[3; 32]);
+        let keys = dir.path().join("keys");
+        fs::create_dir(&keys).unwrap();
+        let p = keys.join("trusted.pub");
+        fs::write(&p, format!("{}\n", public_key_string(&k.verifying_key()))).unwrap();
+        fs::set_permissions(&p, fs::Permissions::from_mode(0o644)).unwrap();
+        TrustedKeys::new().add_file(&p).unwrap();
+        // Group-writable file, others-writable directory, a file owned by another user.
+        fs::set_permissions(&p, fs::Permissions::from_mode(0o664)).unwrap();
+        let err = TrustedKeys::new().add_file(&p).unwrap_err();
+        assert!(err.to_string().contains("writable by no one else"), "{err}");
+        fs::set_permissions(&p, fs::Permissions::from_mode(0o644)).unwrap();
+        fs::set_permissions(&keys, fs::Permissions::from_mode(0o777)).unwrap();
+        let err = TrustedKeys::new().add_file(&p).unwrap_err();
+        assert!(
+            err.to_string().contains(&keys.display().to_string()),
+            "{err}"
+        );
+        // Sticky (as /tmp): others cannot replace root's file.
+        fs::set_permissions(&keys, fs::Permissions::from_mode(0o1777)).unwrap();
+        TrustedKeys::new().add_file(&p).unwrap();
+        if nix::unistd::geteuid().is_root() {
+            std::os::unix::fs::chown(&p, Some(65534), None).unwrap();
+            let err = TrustedKeys::new().add_file(&p).unwrap_err();
+            assert!(err.to_string().contains("uid 65534"), "{err}");
+        }
     }
 }

@@ -42,8 +42,15 @@ use crate::{
 };
 
 /// The spec annotation the CRI sets on every container of a pod: a pod's containers share one
-/// shim. It is containerd's to set, and wins over [`GROUP_ANNOTATION`].
+/// shim. Honoured only for containers the CRI made ([`CRI_TYPE_ANNOTATION`] present, in
+/// [`CRI_NAMESPACE`]); it then wins over [`GROUP_ANNOTATION`].
 const SANDBOX_ANNOTATION: &str = "io.kubernetes.cri.sandbox-id";
+/// What the CRI marks each of its containers with (`sandbox` or `container`).
+const CRI_TYPE_ANNOTATION: &str = "io.kubernetes.cri.container-type";
+/// The namespace containerd's CRI plugin works in. Any client may set annotations (`docker run
+/// --annotation`, `ctr run --annotation`): elsewhere a sandbox id would let a workload join a
+/// pod's shim, and with it that pod's processes' reaper and I/O.
+const CRI_NAMESPACE: &str = "k8s.io";
 /// A spec annotation that puts containers created outside the CRI in one shim. Its value lives
 /// in a name space of its own (`crab-group-<value>`), so it can never name another container's
 /// or pod's shim, whose grouping ids are container and sandbox ids.
@@ -53,12 +60,24 @@ const GROUP_ANNOTATION: &str = "io.containerd.crab.v1.group";
 fn grouping(
     spec: Option<&oci_spec::runtime::Spec>,
     id: &str,
+    namespace: &str,
 ) -> std::result::Result<String, String> {
     let Some(spec) = spec else {
         return Ok(id.to_string());
     };
     if let Some(sandbox) = bundle::annotation(spec, &[SANDBOX_ANNOTATION]) {
-        return Ok(sandbox.to_string());
+        let cri_made = namespace == CRI_NAMESPACE
+            && matches!(
+                bundle::annotation(spec, &[CRI_TYPE_ANNOTATION]),
+                Some("sandbox" | "container")
+            );
+        if cri_made {
+            return Ok(sandbox.to_string());
+        }
+        log::warn!(
+            "container {id}: {SANDBOX_ANNOTATION} ignored: only containers the CRI makes \
+             ({CRI_TYPE_ANNOTATION}, namespace {CRI_NAMESPACE}) join a pod's shim"
+        );
     }
     match bundle::annotation(spec, &[GROUP_ANNOTATION]) {
         None => Ok(id.to_string()),
@@ -108,8 +127,12 @@ impl containerd_shim::Shim for Service {
     }
 
     async fn start_shim(&mut self, opts: StartOpts) -> containerd_shim::Result<String> {
-        let grouping = grouping(bundle::read_spec(Path::new(".")).ok().as_ref(), &opts.id)
-            .map_err(containerd_shim::Error::InvalidArgument)?;
+        let grouping = grouping(
+            bundle::read_spec(Path::new(".")).ok().as_ref(),
+            &opts.id,
+            &self.namespace,
+        )
+        .map_err(containerd_shim::Error::InvalidArgument)?;
         // containerd writes the runtime options to the start command's stdin, and the
         // framework's spawn() parses whatever it finds there as *runc's* options (field 3 of
         // which is `shim_cgroup`): crab's options (`runtimeoptions.v1.Options`, whose field 3 is
@@ -489,19 +512,34 @@ mod tests {
 
     #[test]
     fn a_group_can_never_name_another_workloads_shim() {
-        assert_eq!(grouping(None, "c1").unwrap(), "c1");
-        assert_eq!(grouping(Some(&spec(&[])), "c1").unwrap(), "c1");
+        const NS: &str = "k8s.io";
+        assert_eq!(grouping(None, "c1", NS).unwrap(), "c1");
+        assert_eq!(grouping(Some(&spec(&[])), "c1", NS).unwrap(), "c1");
         // A pod's containers share the pod's shim, whatever else they say.
-        let pod = spec(&[(SANDBOX_ANNOTATION, "abc123"), (GROUP_ANNOTATION, "other")]);
-        assert_eq!(grouping(Some(&pod), "c1").unwrap(), "abc123");
+        let pod = spec(&[
+            (SANDBOX_ANNOTATION, "abc123"),
+            (CRI_TYPE_ANNOTATION, "container"),
+            (GROUP_ANNOTATION, "other"),
+        ]);
+        assert_eq!(grouping(Some(&pod), "c1", NS).unwrap(), "abc123");
+        // A sandbox id from anyone but the CRI (no container type, or another namespace:
+        // `docker run --annotation`) joins no pod's shim.
+        let forged = spec(&[(SANDBOX_ANNOTATION, "abc123")]);
+        assert_eq!(grouping(Some(&forged), "c1", NS).unwrap(), "c1");
+        assert_eq!(
+            grouping(Some(&pod), "c1", "moby").unwrap(),
+            "crab-group-other"
+        );
+        let forged = spec(&[(SANDBOX_ANNOTATION, "abc123"), (CRI_TYPE_ANNOTATION, "x")]);
+        assert_eq!(grouping(Some(&forged), "c1", NS).unwrap(), "c1");
         // An explicit group is a name of its own: naming another container's id (or a pod's)
         // does not reach that container's shim.
         assert_eq!(
-            grouping(Some(&spec(&[(GROUP_ANNOTATION, "victim")])), "c1").unwrap(),
+            grouping(Some(&spec(&[(GROUP_ANNOTATION, "victim")])), "c1", NS).unwrap(),
             "crab-group-victim"
         );
         for bad in ["", "../x", "a b", &"x".repeat(65)] {
-            let e = grouping(Some(&spec(&[(GROUP_ANNOTATION, bad)])), "c1").unwrap_err();
+            let e = grouping(Some(&spec(&[(GROUP_ANNOTATION, bad)])), "c1", NS).unwrap_err();
             assert!(e.contains(GROUP_ANNOTATION), "{e}");
         }
     }
