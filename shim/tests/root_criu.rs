@@ -943,13 +943,19 @@ async fn repeated_checkpoints_store_only_changed_pages(d: Dumper) {
     wait_turn(&sb, 10).await;
 }
 
-/// CRIU's post-restore gate (`restore::gate`), through real runc and CRIU: a
-/// restore stops at it with every process restored and none of them running (a loop that
-/// appends to a file every 20 ms appends nothing while held), a refusal makes the restore fail
-/// with nothing left running, and `ok` lets the same image restore and run.
+/// CRIU's gate (`restore::gate`), through real runc and CRIU: a restore stops at post-restore
+/// with every process restored and none of them running (a loop that appends to a file every
+/// 20 ms appends nothing while held), a refusal makes the restore fail with nothing left
+/// running; past it, the kernel check (`restore::kernel`) runs at pre-resume against the
+/// bundle's own spec and lets the same image restore and run, and against a spec that grants
+/// no capability refuses it: the stopped tree and CRIU are killed and runc fails at once
+/// (before, CRIU waited forever for the killed init), nothing of it ran.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_restore_gate_holds_every_process_until_the_verdict() {
-    use crab_shim::restore::gate::{Gate, GATE_DIR};
+    use crab_shim::restore::{
+        gate::{Gate, Resumed, GATE_DIR},
+        kernel,
+    };
     let sb = Sandbox::new(
         "gate",
         &[
@@ -980,9 +986,28 @@ async fn the_restore_gate_holds_every_process_until_the_verdict() {
     );
     sb.delete(&id).await;
 
-    for (n, ok) in [(1, false), (2, true)] {
+    let spec: oci_spec::runtime::Spec =
+        serde_json::from_slice(&fs::read(sb.bundle.join("config.json")).unwrap()).unwrap();
+    let own = kernel::Expected::from_spec(&spec);
+    let mut strict = own.clone();
+    strict.granted.bounding = 0;
+    strict.granted.permitted = 0;
+    strict.granted.effective = 0;
+    for (n, ok, expected) in [
+        (1, false, None),
+        (2, true, Some(own)),
+        (3, true, Some(strict)),
+    ] {
+        let refuse = expected.as_ref().is_some_and(|e| e.granted.bounding == 0);
         let gate = Gate::install(&sb.bundle, None).unwrap();
         let opener = gate.opener().unwrap();
+        let (resume, cancel) = gate.resume().unwrap();
+        let checked = std::thread::spawn(move || {
+            resume.wait(|script, init| match &expected {
+                Some(e) => kernel::check_restored(e, script, init),
+                None => Err("no kernel check here".into()),
+            })
+        });
         let rid = format!("{}-r{n}", sb.base);
         let work = sb.path(&format!("restore-{n}"));
         let pid_file = sb.path(&format!("restore-{n}.pid"));
@@ -1012,9 +1037,26 @@ async fn the_restore_gate_holds_every_process_until_the_verdict() {
             .await
             .expect("the restore ends once the verdict is given")
             .unwrap();
+        cancel.cancel();
+        let checked = checked.join().unwrap();
         gate.finish();
         let restore_log = fs::read_to_string(work.join("restore.log")).unwrap_or_default();
-        if ok {
+        if refuse {
+            match checked {
+                Resumed::Checked(Err(why)) => {
+                    assert!(why.contains("capabilities"), "{why}")
+                }
+                other => panic!("the strict spec: {other:?}"),
+            }
+            assert_ne!(code, 0, "a refused kernel check fails the restore");
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert_eq!(len(), held, "nothing of the refused restore ran");
+            let _ = sb.runc.delete(&rid, true).await;
+        } else if ok {
+            assert!(
+                matches!(checked, Resumed::Checked(Ok(_))),
+                "the bundle's own spec: {checked:?}"
+            );
             assert_eq!(code, 0, "{restore_log}");
             let pid: u32 = fs::read_to_string(&pid_file)
                 .unwrap()
@@ -1026,6 +1068,11 @@ async fn the_restore_gate_holds_every_process_until_the_verdict() {
                 (len() > held).then_some(())
             });
             assert!(!live(&rcg).is_empty());
+            // The next case restores the same image: this one goes first.
+            let _ = sb.runc.delete(&rid, true).await;
+            wait_until("the restored loop to end", Duration::from_secs(10), || {
+                (!rcg.exists() || live(&rcg).is_empty()).then_some(())
+            });
         } else {
             assert_ne!(code, 0, "a refused verdict fails the restore");
             assert!(

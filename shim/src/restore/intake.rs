@@ -268,26 +268,7 @@ fn read_plain(path: &Path, max: u64) -> Result<Vec<u8>, RestoreError> {
     Ok(out)
 }
 
-/// Bounds on a CRIU image directory taken from an image.
-#[derive(Debug, Clone, Copy)]
-pub struct ImageLimits {
-    pub max_bytes: u64,
-    pub max_files: u64,
-}
-
-impl ImageLimits {
-    pub const NONE: ImageLimits = ImageLimits {
-        max_bytes: u64::MAX,
-        max_files: u64::MAX,
-    };
-
-    pub fn from_config(c: &crab_runtime_config::RestoreConfig) -> ImageLimits {
-        ImageLimits {
-            max_bytes: c.max_image_mib.saturating_mul(1 << 20),
-            max_files: c.max_image_files,
-        }
-    }
-}
+pub use super::trust::ImageLimits;
 
 /// A CRIU image copied: its logical size and each file's digest.
 struct Copied {

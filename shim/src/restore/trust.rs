@@ -28,7 +28,6 @@ use std::{
 use crab_runtime_config::UnsignedImages;
 use ed25519_dalek::SigningKey;
 
-use super::intake::ImageLimits as Bounds;
 use crate::checkpoint::provenance::{
     self, FileDigest, HashingReader, ProvenanceError, Statement, TrustedKeys,
 };
@@ -40,6 +39,29 @@ pub const CONTAINERD_SIGNATURE: &str = "crab-signature.json";
 /// a checkpoint has not): the digest of these bytes. A statement signed for one kind of image
 /// never verifies as the other.
 const CONTAINERD_MARKER: &[u8] = b"crab: a containerd checkpoint, no checkpoint.json\n";
+
+/// Bounds on a CRIU image directory taken from an image.
+#[derive(Debug, Clone, Copy)]
+pub struct ImageLimits {
+    pub max_bytes: u64,
+    pub max_files: u64,
+}
+
+impl ImageLimits {
+    pub const NONE: ImageLimits = ImageLimits {
+        max_bytes: u64::MAX,
+        max_files: u64::MAX,
+    };
+
+    pub fn from_config(c: &crab_runtime_config::RestoreConfig) -> ImageLimits {
+        ImageLimits {
+            max_bytes: c.max_image_mib.saturating_mul(1 << 20),
+            max_files: c.max_image_files,
+        }
+    }
+}
+
+type Bounds = ImageLimits;
 
 /// How a process restore may go on.
 #[derive(Debug, Clone, PartialEq, Eq)]
