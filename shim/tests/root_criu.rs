@@ -1049,6 +1049,12 @@ async fn the_restore_gate_holds_every_process_until_the_verdict() {
                 other => panic!("the strict spec: {other:?}"),
             }
             assert_ne!(code, 0, "a refused kernel check fails the restore");
+            // A killed CRIU leaves its cgroup yard mounted in the work directory (the shim
+            // unmounts it the same way).
+            let mounts = crab_shim::sys::mountinfo::read_self().unwrap();
+            for p in crab_shim::sys::mountinfo::mount_points_under(&mounts, &work) {
+                nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH).unwrap();
+            }
             tokio::time::sleep(Duration::from_millis(300)).await;
             assert_eq!(len(), held, "nothing of the refused restore ran");
             let _ = sb.runc.delete(&rid, true).await;

@@ -448,7 +448,9 @@ pub fn parse_id_map(text: &str) -> Result<Vec<(u32, u32, u32)>, String> {
 fn to_inside(map: &[(u32, u32, u32)], host: u32) -> Option<u32> {
     map.iter().find_map(|&(inside, outside, count)| {
         let offset = host.checked_sub(outside)?;
-        (offset < count).then(|| inside + offset)
+        (offset < count)
+            .then(|| inside.checked_add(offset))
+            .flatten()
     })
 }
 
@@ -943,6 +945,8 @@ Max realtime timeout      unlimited            unlimited            us        \n
         assert_eq!(to_inside(&m, 100_005), Some(5));
         assert_eq!(to_inside(&m, 99_999), None);
         assert_eq!(to_inside(&m, 165_536), None);
+        // A hostile map whose inside range runs past u32: no overflow, no id.
+        assert_eq!(to_inside(&[(u32::MAX, 0, 10)], 5), None);
         assert!(parse_id_map("0 1\n").is_err());
         assert!(parse_id_map("a b c\n").is_err());
     }
