@@ -10,9 +10,9 @@ use std::path::Path;
 
 use crab_shim::checkpoint::{
     criu_image::{self, CriuImageError},
-    privilege::{self, Granted},
     process,
 };
+use crab_shim::restore::privilege::{self, Granted};
 use libfuzzer_sys::fuzz_target;
 
 const SEP: &[u8] = b"#CRABFILE#";
