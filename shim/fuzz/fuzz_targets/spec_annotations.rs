@@ -5,7 +5,8 @@
 
 use std::collections::HashMap;
 
-use crab_shim::checkpoint::{policy, privilege::Granted};
+use crab_shim::checkpoint::policy;
+use crab_shim::restore::privilege::Granted;
 use libfuzzer_sys::fuzz_target;
 use oci_spec::runtime::Spec;
 
