@@ -755,9 +755,26 @@ impl Containers {
                 )));
             }
         };
+        // The gate's two verdicts: the page files' (post-restore) and the kernel check's
+        // (pre-resume). Without their handles there is no restore.
+        let (opener, (resume, cancel_resume)) =
+            match gate.opener().and_then(|o| Ok((o, gate.resume()?))) {
+                Ok(handles) => handles,
+                Err(e) => {
+                    drop(daemon);
+                    gate.finish();
+                    if let Some(info) = c.init.record_exit(255) {
+                        c.init.announce_exit(info);
+                    }
+                    return Err(Error::FailedPrecondition(format!(
+                        "cannot restore {}: {e}",
+                        c.id
+                    )));
+                }
+            };
         let mut verdict_task = None;
-        match (verification.clone(), &early, gate.opener()) {
-            (Some(v), None, Ok(opener)) => {
+        match (verification.clone(), &early) {
+            (Some(v), None) => {
                 verdict_task = Some(tokio::task::spawn_blocking(move || {
                     let d = v.wait();
                     if let Err(e) = opener.open(d.result.is_ok()) {
@@ -768,38 +785,13 @@ impl Containers {
             }
             // Nothing (left) to verify: post-restore passes at once (a verdict already found
             // against the image never lets CRIU start, below).
-            (_, _, Ok(opener)) => {
+            _ => {
                 if let Err(e) = opener.open(early.as_ref().is_none_or(|d| d.result.is_ok())) {
                     log::warn!("restore gate: giving the verdict: {e}");
                 }
             }
-            (_, _, Err(e)) => {
-                drop(daemon);
-                gate.finish();
-                if let Some(info) = c.init.record_exit(255) {
-                    c.init.announce_exit(info);
-                }
-                return Err(Error::FailedPrecondition(format!(
-                    "cannot restore {}: {e}",
-                    c.id
-                )));
-            }
         }
         let expected = kernel::Expected::from_spec(&spec);
-        let (resume, cancel_resume) = match gate.resume() {
-            Ok(pair) => pair,
-            Err(e) => {
-                drop(daemon);
-                gate.finish();
-                if let Some(info) = c.init.record_exit(255) {
-                    c.init.announce_exit(info);
-                }
-                return Err(Error::FailedPrecondition(format!(
-                    "cannot restore {}: {e}",
-                    c.id
-                )));
-            }
-        };
         let kernel_task = tokio::task::spawn_blocking(move || {
             resume.wait(|script, init| kernel::check_restored(&expected, script, init))
         });
