@@ -1,5 +1,7 @@
-//! Compiles the inspector's eBPF programs (../bpf-programs) with clang into
-//! OUT_DIR; `inspector::bpf` embeds the object with `include_bytes!`.
+//! Compiles the eBPF programs (../bpf-programs) with clang into OUT_DIR: the
+//! inspector's (`inspector.bpf.o`, embedded by `inspector::bpf`) and the
+//! restore check's task iterator (`restored.bpf.o`, embedded by
+//! `restore::seccomp`), each with `include_bytes!`.
 //!
 //! Needs clang with the BPF target (`clang-19` or `clang` on PATH, or `$CLANG`)
 //! and the libbpf headers (`bpf/bpf_helpers.h`, Debian: libbpf-dev). No
@@ -15,13 +17,18 @@ fn main() {
     let manifest_dir =
         PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
     let src_dir = manifest_dir.join("../bpf-programs");
-    let source = src_dir.join("inspector.bpf.c");
     let include = src_dir.join("include");
-    let out = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR")).join("inspector.bpf.o");
-
-    println!("cargo:rerun-if-changed={}", source.display());
     println!("cargo:rerun-if-changed={}", include.display());
     println!("cargo:rerun-if-env-changed=CLANG");
+    for name in ["inspector", "restored"] {
+        compile(&src_dir, &include, name);
+    }
+}
+
+fn compile(src_dir: &Path, include: &Path, name: &str) {
+    let source = src_dir.join(format!("{name}.bpf.c"));
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR")).join(format!("{name}.bpf.o"));
+    println!("cargo:rerun-if-changed={}", source.display());
 
     let arch = env::var("CARGO_CFG_TARGET_ARCH").expect("CARGO_CFG_TARGET_ARCH");
     let (target_arch_define, multiarch) = match arch.as_str() {
@@ -42,7 +49,7 @@ fn main() {
         ))
         .arg("-fdebug-compilation-dir=.")
         .arg("-I")
-        .arg(&include);
+        .arg(include);
     // <linux/types.h> pulls <asm/types.h>, which Debian keeps per architecture.
     let asm_dir = Path::new("/usr/include").join(multiarch);
     if asm_dir.is_dir() {

@@ -34,6 +34,9 @@ use crate::{
 /// How long an exit waits for the process's output to be copied out before it is published.
 /// Output held open by a process left behind is not waited for beyond this.
 const OUTPUT_DRAIN_BOUND: Duration = Duration::from_millis(500);
+/// Where runc's seccomp programs are cached, in `store.state_dir` (a dot: no namespace is
+/// named so).
+const SECCOMP_CACHE_DIR: &str = ".seccomp-programs";
 
 pub struct CreateParams {
     pub id: String,
@@ -739,6 +742,29 @@ impl Containers {
         // may still be being checked), at pre-resume for the kernel check ([`kernel`]), which
         // compares what CRIU restored with this container's spec. No gate, no restore.
         let spec = bundle::read_spec(&c.bundle)?;
+        // runc's seccomp program for this spec (learnt once per profile and runc binary).
+        let cache = r.config.store.state_dir.join(SECCOMP_CACHE_DIR);
+        let seccomp_reference =
+            match crate::restore::seccomp::reference(&spec, &c.runc, &cache).await {
+                Ok(reference) => reference,
+                Err(e) => {
+                    drop(daemon);
+                    if let Some(info) = c.init.record_exit(255) {
+                        c.init.announce_exit(info);
+                    }
+                    return Err(Error::FailedPrecondition(format!(
+                        "cannot restore {}: {e}: the kernel check could not compare the restored \
+                     seccomp filters",
+                        c.id
+                    )));
+                }
+            };
+        if let crate::restore::seccomp::Reference::NotCompared(why) = &seccomp_reference {
+            log::warn!(
+                "container {}: the restored seccomp filters are not compared: {why}",
+                c.id
+            );
+        }
         let verification = r.taken.as_ref().and_then(|t| t.verification.clone());
         let early = verification.as_ref().and_then(|v| v.verdict());
         let gate = match restore_gate::Gate::install(&c.bundle, spec.annotations().as_ref()) {
@@ -791,7 +817,8 @@ impl Containers {
                 }
             }
         }
-        let expected = kernel::Expected::from_spec(&spec);
+        let mut expected = kernel::Expected::from_spec(&spec);
+        expected.seccomp = seccomp_reference;
         let kernel_task = tokio::task::spawn_blocking(move || {
             resume.wait(|script, init| kernel::check_restored(&expected, script, init))
         });

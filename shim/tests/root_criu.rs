@@ -1097,3 +1097,240 @@ async fn the_restore_gate_holds_every_process_until_the_verdict() {
         assert_eq!(left, ["criu.conf"]);
     }
 }
+
+/// One classic-BPF instruction (`struct sock_filter`) as the kernel keeps it.
+fn insn(code: u16, jt: u8, jf: u8, k: u32) -> [u8; 8] {
+    let mut b = [0u8; 8];
+    b[..2].copy_from_slice(&code.to_ne_bytes());
+    b[2] = jt;
+    b[3] = jf;
+    b[4..].copy_from_slice(&k.to_ne_bytes());
+    b
+}
+
+const BPF_RET_K: u16 = 0x06;
+const SECCOMP_RET_ALLOW: u32 = 0x7fff_0000;
+
+/// Issue 24, item 2: the task iterator reads what the kernel holds and `/proc` does not show.
+/// A process installs two filters of its own (an allow-all one, then one denying syscall 9999)
+/// and sets SECBIT_NOROOT before it execs `sleep`: the iterator reports exactly that process's
+/// thread, its securebits and filter count, and finds each program at its place in the chain
+/// (oldest first) and a third, never installed, nowhere.
+#[test]
+fn the_task_iterator_reads_each_thread_s_filters_and_securebits() {
+    use crab_shim::restore::seccomp;
+    use std::os::unix::process::CommandExt;
+    support::require_root("loads a BPF task iterator");
+    let allow_all: Vec<u8> = insn(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW).to_vec();
+    let deny_9999: Vec<u8> = [
+        insn(0x20, 0, 0, 0),                // ld [0]: the syscall number
+        insn(0x15, 0, 1, 9999),             // jeq 9999
+        insn(BPF_RET_K, 0, 0, 0x0005_0001), // SECCOMP_RET_ERRNO | EPERM
+        insn(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),
+    ]
+    .concat();
+    let never = insn(BPF_RET_K, 0, 0, 0x0005_0002).to_vec();
+    let (a, b) = (allow_all.clone(), deny_9999.clone());
+    let mut cmd = Command::new("sleep");
+    cmd.arg("60");
+    // SAFETY: only async-signal-safe prctl(2) calls between fork and exec, on memory
+    // allocated before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            let install = |prog: &[u8]| {
+                let fprog = libc::sock_fprog {
+                    len: (prog.len() / 8) as u16,
+                    filter: prog.as_ptr() as *mut libc::sock_filter,
+                };
+                libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER, &fprog)
+            };
+            if libc::prctl(libc::PR_SET_SECUREBITS, 1) != 0
+                || libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+                || install(&a) != 0
+                || install(&b) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    let pid = child.id();
+    let read = |reference: &[u8]| seccomp::read(&[pid], Some(reference)).unwrap();
+    let t = read(&allow_all);
+    assert_eq!(t.keys().copied().collect::<Vec<_>>(), [pid], "{t:?}");
+    let k = &t[&pid];
+    assert_eq!((k.tgid, k.securebits, k.seccomp_mode), (pid, 1, 2));
+    assert_eq!(k.filter_count, 2);
+    assert_eq!((k.holds_reference, k.compared), (Some(true), 1));
+    let k = &read(&deny_9999)[&pid];
+    assert_eq!((k.holds_reference, k.compared), (Some(true), 2));
+    let k = &read(&never)[&pid];
+    assert_eq!((k.holds_reference, k.compared), (Some(false), 2));
+    // This process (not listed, no filters) is never reported.
+    let own = std::process::id();
+    assert!(seccomp::read(&[own], None).unwrap()[&own].filter_count == 0);
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+/// A seccomp profile in the OCI form: everything allowed but the syscalls `denied`.
+fn profile(denied: &[&str]) -> serde_json::Value {
+    serde_json::json!({
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32",
+                          "SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"],
+        "syscalls": [{"names": denied, "action": "SCMP_ACT_ERRNO", "errnoRet": 1}],
+    })
+}
+
+/// Issue 24, item 2: the seccomp program the kernel check looks for is runc's own. A probe
+/// container learns it for a profile (cached after); a real container run by runc with that
+/// profile (no_new_privs on, so runc installs it at another moment than the probe) holds
+/// exactly that program. Dumped and restored through the gate, the tree passes the kernel check
+/// against its own profile, and is refused (killed at pre-resume, nothing run) against a spec
+/// whose profile differs by one syscall: the filter CRIU restored is not that spec's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kernel_check_requires_runc_s_seccomp_program() {
+    use crab_shim::restore::{
+        gate::{Gate, Resumed},
+        kernel,
+        seccomp::{self, Reference},
+    };
+    let sb = Sandbox::new(
+        "seccomp",
+        &[
+            "sh",
+            "-c",
+            "while true; do echo x >> /tmp/beat; sleep 0.02; done",
+        ],
+        false,
+        false,
+    )
+    .await;
+    let path = sb.bundle.join("config.json");
+    let mut spec: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+    spec["linux"]["seccomp"] = profile(&["swapon", "swapoff"]);
+    assert_eq!(spec["process"]["noNewPrivileges"], true);
+    fs::write(&path, serde_json::to_vec_pretty(&spec).unwrap()).unwrap();
+    let spec: oci_spec::runtime::Spec = serde_json::from_value(spec).unwrap();
+    let mut other = spec.clone();
+    let mut linux = other.linux().clone().unwrap();
+    linux.set_seccomp(Some(
+        serde_json::from_value(profile(&["swapon", "swapoff", "reboot"])).unwrap(),
+    ));
+    other.set_linux(Some(linux));
+
+    let cache = sb.path("seccomp-cache");
+    let t = Instant::now();
+    let Reference::Program(program) = seccomp::reference(&spec, &sb.runc, &cache).await.unwrap()
+    else {
+        panic!("a profile without a listener is compared")
+    };
+    eprintln!(
+        "runc's program: {} instructions, learnt in {:?}",
+        program.len() / 8,
+        t.elapsed()
+    );
+    // Cached on disk, under the profile's key; no probe container or bundle left.
+    let cached: Vec<_> = fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(cached.len(), 1, "{cached:?}");
+    assert_eq!(fs::read(&cached[0]).unwrap(), *program);
+    assert!(fs::read_dir("/sys/fs/cgroup").unwrap().all(|e| !e
+        .unwrap()
+        .file_name()
+        .to_string_lossy()
+        .starts_with("crab-seccomp-probe")));
+    let Reference::Program(again) = seccomp::reference(&spec, &sb.runc, &cache).await.unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(again, program);
+    let Reference::Program(other_program) =
+        seccomp::reference(&other, &sb.runc, &cache).await.unwrap()
+    else {
+        panic!()
+    };
+    assert_ne!(other_program, program);
+
+    let (id, init, _cg) = sb.run("a").await;
+    let beat = sb.rootfs("tmp/beat");
+    let len = || fs::metadata(&beat).map(|m| m.len()).unwrap_or(0);
+    wait_until("the loop to beat", Duration::from_secs(10), || {
+        (len() > 0).then_some(())
+    });
+    let k = &seccomp::read(&[init], Some(&program)).unwrap()[&init];
+    assert_eq!(
+        (k.holds_reference, k.filter_count),
+        (Some(true), 1),
+        "the running container holds the probe's program"
+    );
+    let image = sb.path("image");
+    let opts = CheckpointOpts {
+        image_path: image.clone(),
+        work_path: Some(sb.path("image.work")),
+        ..Default::default()
+    };
+    sb.runc.checkpoint(&id, &opts).await.unwrap();
+    sb.delete(&id).await;
+
+    let mut own = kernel::Expected::from_spec(&spec);
+    own.seccomp = Reference::Program(program.clone());
+    let mut narrower = kernel::Expected::from_spec(&other);
+    narrower.seccomp = Reference::Program(other_program.clone());
+    for (n, expected, pass) in [(1, narrower, false), (2, own, true)] {
+        let gate = Gate::install(&sb.bundle, None).unwrap();
+        gate.opener().unwrap().open(true).unwrap();
+        let (resume, cancel) = gate.resume().unwrap();
+        let checked = std::thread::spawn(move || {
+            resume.wait(|script, init| kernel::check_restored(&expected, script, init))
+        });
+        let rid = format!("{}-r{n}", sb.base);
+        let work = sb.path(&format!("restore-{n}"));
+        let mut cmd = sb.runc_cmd(&["restore", "-d", "--bundle"], &[sb.bundle.as_os_str()]);
+        cmd.arg("--image-path")
+            .arg(&image)
+            .arg("--work-path")
+            .arg(&work)
+            .arg(&rid)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        sb.containers.lock().unwrap().push(rid.clone());
+        let held = len();
+        let code = tokio::time::timeout(Duration::from_secs(60), reaper::run(cmd, false))
+            .await
+            .expect("the restore ends")
+            .unwrap()
+            .code;
+        cancel.cancel();
+        let checked = checked.join().unwrap();
+        gate.finish();
+        if pass {
+            assert!(matches!(checked, Resumed::Checked(Ok(_))), "{checked:?}");
+            assert_eq!(code, 0);
+            wait_until("the restored loop to beat", Duration::from_secs(10), || {
+                (len() > held).then_some(())
+            });
+        } else {
+            match checked {
+                Resumed::Checked(Err(why)) => assert!(
+                    why.contains("does not run under the seccomp filter runc installs"),
+                    "{why}"
+                ),
+                other => panic!("the narrower profile: {other:?}"),
+            }
+            assert_ne!(code, 0, "a refused kernel check fails the restore");
+            let mounts = crab_shim::sys::mountinfo::read_self().unwrap();
+            for p in crab_shim::sys::mountinfo::mount_points_under(&mounts, &work) {
+                nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH).unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert_eq!(len(), held, "nothing of the refused restore ran");
+        }
+        let _ = sb.runc.delete(&rid, true).await;
+    }
+}

@@ -20,6 +20,12 @@
 //! - namespaces: the restored init is in a new namespace of every type the spec creates, in
 //!   the named one for every type it joins, in the shim's own for every type it lists not;
 //!   every other task in init's (unless CAP_SYS_ADMIN is in reach: it could unshare);
+//! - seccomp: runc's filter program for the spec's profile among the thread's filters, byte for
+//!   byte (read with a BPF task iterator and learnt from runc itself: [`super::seccomp`]);
+//! - securebits: no `SECBIT_NO_SETUID_FIXUP` (keeping capabilities across a switch away from
+//!   uid 0) unless CAP_SETPCAP is in reach (the process could set it itself), no unknown bit;
+//! - the LSM label (where the host has AppArmor or SELinux): the spec's `apparmorProfile` or
+//!   `selinuxLabel`, or the shim's own where the spec sets none;
 //! - user-namespace maps: exactly `linux.uidMappings` / `gidMappings` when the spec creates a
 //!   user namespace;
 //! - cgroups: every task in the container's cgroup (the one runc put CRIU in) or below it, in
@@ -29,9 +35,9 @@
 //!   where the spec says so (the root, `ro` mounts, `readonlyPaths`), masked paths masked,
 //!   procfs and sysfs only where the spec mounts them.
 //!
-//! Not compared (the README's Security section says so): the seccomp filter's programs (only
-//! that a filter is installed; a task traced by CRIU cannot be asked for them), securebits, the
-//! LSM label, the cgroup namespace, and which host directory a bind mount shows.
+//! Not compared (the README's Security section says so): the filter of a profile that hands
+//! syscalls to a listener (`SCMP_ACT_NOTIFY`: only that a filter is installed), the cgroup
+//! namespace, and which host directory a bind mount shows.
 
 use std::{
     collections::BTreeMap,
@@ -44,6 +50,7 @@ use std::{
 use oci_spec::runtime::{LinuxNamespaceType, Spec};
 
 use super::privilege::{self, Granted};
+use super::seccomp::{self, Reference, ThreadSecurity};
 use crate::{
     checkpoint::criu_image::Creds,
     sys::mountinfo::{self, Mount},
@@ -54,7 +61,12 @@ pub const MAX_THREADS: usize = 65_536;
 /// `/proc` files are read up to this many bytes (mountinfo of a busy container included).
 const PROC_FILE_MAX: u64 = 4 << 20;
 
+const CAP_SETPCAP: u64 = 1 << 8;
 const CAP_SYS_ADMIN: u64 = 1 << 21;
+/// securebits (`<linux/securebits.h>`): the one that keeps capabilities across a switch away
+/// from uid 0, and every defined bit.
+const SECBIT_NO_SETUID_FIXUP: u32 = 1 << 2;
+const SECBITS_DEFINED: u32 = 0xff;
 const CAP_SYS_RESOURCE: u64 = 1 << 24;
 
 /// The rlimit names `/proc/PID/limits` prints, in resource order (`RLIMIT_CPU` = 0 ..).
@@ -122,6 +134,12 @@ pub struct Expected {
     uid_map: Vec<(u32, u32, u32)>,
     gid_map: Vec<(u32, u32, u32)>,
     mounts: MountRules,
+    /// What each thread's seccomp filters must include (set by the caller: learning it may
+    /// run runc, [`seccomp::reference`]).
+    pub seccomp: Reference,
+    /// `process.apparmorProfile` and `process.selinuxLabel`.
+    apparmor: Option<String>,
+    selinux: Option<String>,
 }
 
 /// What the spec makes of the mount table (as runc mounts it).
@@ -159,6 +177,8 @@ impl Expected {
             ..Default::default()
         };
         if let Some(p) = spec.process() {
+            e.apparmor = p.apparmor_profile().clone().filter(|s| !s.is_empty());
+            e.selinux = p.selinux_label().clone().filter(|s| !s.is_empty());
             for r in p.rlimits().iter().flatten() {
                 let name = serde_json::to_value(r.typ())
                     .ok()
@@ -256,6 +276,10 @@ pub struct Host {
     /// The spec's masked and read-only paths that exist on this host (`/proc` and `/sys` show
     /// the same entries in a container; paths elsewhere are not known and not required).
     pub existing: Vec<PathBuf>,
+    /// The shim's own LSM label (`None`: no LSM gives labels here), and which LSMs are on.
+    pub lsm_label: Option<String>,
+    pub apparmor: bool,
+    pub selinux: bool,
 }
 
 impl Host {
@@ -282,6 +306,10 @@ impl Host {
             *slot = if rc == 0 { r.rlim_max } else { u64::MAX };
         }
         h.cgroups = read_proc(&format!("/proc/{reference}/cgroup"))?;
+        h.lsm_label = lsm_label("self");
+        h.apparmor = fs::read_to_string("/sys/module/apparmor/parameters/enabled")
+            .is_ok_and(|v| v.trim() == "Y");
+        h.selinux = Path::new("/sys/fs/selinux/enforce").exists();
         let m = &expected.mounts;
         h.existing = m
             .masked
@@ -318,6 +346,8 @@ pub struct ProcessState {
     /// Namespaces by type: (device, inode).
     pub namespaces: BTreeMap<&'static str, (u64, u64)>,
     pub cgroups: String,
+    /// `/proc/PID/attr/current` (`None`: no LSM gives labels).
+    pub lsm_label: Option<String>,
 }
 
 impl ProcessState {
@@ -336,6 +366,8 @@ pub struct Observed {
     pub uid_map: Vec<(u32, u32, u32)>,
     pub gid_map: Vec<(u32, u32, u32)>,
     pub mounts: Vec<Mount>,
+    /// By tid: what the task iterator read ([`seccomp::read`]); filled by [`check_restored`].
+    pub security: BTreeMap<u32, ThreadSecurity>,
 }
 
 fn read_proc(path: &str) -> Result<String, String> {
@@ -415,6 +447,7 @@ pub fn observe(init: u32) -> Result<Observed, String> {
                 .map_err(|e| format!("/proc/{pid}/limits: {e}"))?,
             namespaces,
             cgroups: read_proc(&format!("/proc/{pid}/cgroup"))?,
+            lsm_label: lsm_label(&pid.to_string()),
         });
     }
     let mounts = mountinfo::parse(read_proc(&format!("/proc/{init}/mountinfo"))?.as_bytes());
@@ -423,7 +456,29 @@ pub fn observe(init: u32) -> Result<Observed, String> {
         uid_map,
         gid_map,
         mounts,
+        security: BTreeMap::new(),
     })
+}
+
+/// `/proc/<who>/attr/current` without its trailing NUL and newline; `None` where no LSM
+/// gives labels (the kernel answers EINVAL).
+fn lsm_label(who: &str) -> Option<String> {
+    let text = read_proc(&format!("/proc/{who}/attr/current")).ok()?;
+    Some(text.trim_end_matches(['\0', '\n']).to_string())
+}
+
+/// Whether `label` is what the spec asks for (module doc).
+fn lsm_allowed(label: &str, e: &Expected, h: &Host) -> bool {
+    let apparmor = e
+        .apparmor
+        .as_deref()
+        .is_some_and(|p| label == p || label.strip_prefix(p).is_some_and(|r| r.starts_with(" (")));
+    let selinux = e.selinux.as_deref() == Some(label);
+    // Where the spec names no label this host's LSMs apply, runc leaves the runtime's own.
+    let own = (e.apparmor.is_none() || !h.apparmor)
+        && (e.selinux.is_none() || !h.selinux)
+        && h.lsm_label.as_deref() == Some(label);
+    apparmor || selinux || own
 }
 
 /// `/proc/PID/uid_map` (or `gid_map`): (inside, outside as the reader sees it, count).
@@ -568,9 +623,58 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
                 t.pid, t.tid
             )));
         }
+        let Some(k) = o.security.get(&t.tid).filter(|k| k.tgid == t.pid) else {
+            return Err(refuse(format!(
+                "process {} (thread {}) was not seen by the kernel's task iterator",
+                t.pid, t.tid
+            )));
+        };
+        if k.holds_reference == Some(false) {
+            return Err(refuse(format!(
+                "process {} (thread {}, {:?}) does not run under the seccomp filter runc installs \
+                 for the spec's profile (none of its {} filters{} is that program)",
+                t.pid,
+                t.tid,
+                t.comm,
+                k.filter_count,
+                match k.compared < k.filter_count {
+                    true => format!(", of which the oldest {} were compared,", k.compared),
+                    false => String::new(),
+                }
+            )));
+        }
+        let forbidden = k.securebits & !SECBITS_DEFINED
+            | match prm_ceiling(e) & CAP_SETPCAP {
+                0 => k.securebits & SECBIT_NO_SETUID_FIXUP,
+                _ => 0,
+            };
+        if forbidden != 0 {
+            return Err(refuse(format!(
+                "process {} (thread {}) has securebits {:#x} ({:#x} not within the spec: \
+                 SECBIT_NO_SETUID_FIXUP needs CAP_SETPCAP)",
+                t.pid, t.tid, k.securebits, forbidden
+            )));
+        }
+    }
+    // The LSM label.
+    if h.lsm_label.is_some() {
+        for p in o.processes.iter().filter(|p| !p.is_zombie()) {
+            let label = p.lsm_label.as_deref().unwrap_or("");
+            if !lsm_allowed(label, e, h) {
+                return Err(refuse(format!(
+                    "process {} has the LSM label {label:?}, the spec gives {}",
+                    p.pid,
+                    match (&e.apparmor, &e.selinux) {
+                        (Some(a), _) if h.apparmor => format!("the AppArmor profile {a:?}"),
+                        (_, Some(s)) if h.selinux => format!("the SELinux label {s:?}"),
+                        _ => format!("none (the runtime's own is {:?})", h.lsm_label),
+                    }
+                )));
+            }
+        }
     }
     // Hard limits.
-    let prm = e.granted.permitted_ceiling();
+    let prm = prm_ceiling(e);
     if prm & CAP_SYS_RESOURCE == 0 {
         for p in o.processes.iter().filter(|p| !p.is_zombie()) {
             for (i, &(_, hard)) in p.limits.iter().enumerate() {
@@ -682,6 +786,10 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
     })
 }
 
+fn prm_ceiling(e: &Expected) -> u64 {
+    e.granted.permitted_ceiling()
+}
+
 /// The whole check of a restored tree held at pre-resume: the host's side read through
 /// `script` (CRIU's action script, in the container's cgroup), the tree under `init` observed
 /// and judged. On a refusal, or when the tree cannot be read, every restored process found is
@@ -699,15 +807,23 @@ pub fn check_restored(expected: &Expected, script: u32, init: u32) -> Result<Pas
         Ok(h) => h,
         Err(e) => {
             kill(&[init]);
+            kill_criu(script);
             return Err(format!(
                 "the kernel check could not read the host's side: {e}"
             ));
         }
     };
-    let observed = match observe(init) {
+    let observed = observe(init).and_then(|mut o| {
+        let pids: Vec<u32> = o.processes.iter().map(|p| p.pid).collect();
+        o.security = seccomp::read(&pids, expected.seccomp.program())
+            .map_err(|e| format!("seccomp filters and securebits: {e}"))?;
+        Ok(o)
+    });
+    let observed = match observed {
         Ok(o) => o,
         Err(e) => {
             kill(&[init]);
+            kill_criu(script);
             return Err(format!(
                 "the kernel check could not read the restored processes: {e}"
             ));
@@ -1149,6 +1265,19 @@ Max realtime timeout      unlimited            unlimited            us        \n
             .into_iter()
             .collect(),
             cgroups: "0::/k8s/ctr\n".into(),
+            lsm_label: None,
+        }
+    }
+
+    fn security(tgid: u32) -> ThreadSecurity {
+        ThreadSecurity {
+            tgid,
+            securebits: 0,
+            seccomp_mode: 2,
+            filter_count: 1,
+            exiting: false,
+            holds_reference: Some(true),
+            compared: 1,
         }
     }
 
@@ -1165,6 +1294,9 @@ Max realtime timeout      unlimited            unlimited            us        \n
             uid_map: IDENTITY.to_vec(),
             gid_map: IDENTITY.to_vec(),
             mounts: table(),
+            security: [(10, security(10)), (11, security(11))]
+                .into_iter()
+                .collect(),
         };
         let mut e = Expected {
             mounts: rules(),
@@ -1235,6 +1367,74 @@ Max realtime timeout      unlimited            unlimited            us        \n
                 Box::new(|o, _, _| o.processes[0].threads[0].seccomp_filters = Some(0)),
             ),
             (
+                "does not run under the seccomp filter runc installs",
+                Box::new(|o, _, _| {
+                    let k = o.security.get_mut(&11).unwrap();
+                    k.holds_reference = Some(false);
+                }),
+            ),
+            (
+                "was not seen by the kernel's task iterator",
+                Box::new(|o, _, _| {
+                    o.security.remove(&10);
+                }),
+            ),
+            (
+                "was not seen by the kernel's task iterator",
+                // A record of another process under the same tid is not this thread's.
+                Box::new(|o, _, _| o.security.get_mut(&10).unwrap().tgid = 99),
+            ),
+            (
+                "has securebits 0x4",
+                Box::new(|o, e, _| {
+                    e.granted.permitted &= !CAP_SETPCAP;
+                    e.granted.bounding &= !CAP_SETPCAP;
+                    e.granted.effective &= !CAP_SETPCAP;
+                    for p in &mut o.processes {
+                        p.threads[0].creds.cap_prm &= !CAP_SETPCAP;
+                        p.threads[0].creds.cap_eff &= !CAP_SETPCAP;
+                        p.threads[0].creds.cap_bnd &= !CAP_SETPCAP;
+                    }
+                    o.security.get_mut(&10).unwrap().securebits = SECBIT_NO_SETUID_FIXUP;
+                }),
+            ),
+            (
+                "has securebits 0x100",
+                Box::new(|o, _, _| o.security.get_mut(&10).unwrap().securebits = 0x100),
+            ),
+            (
+                "has the LSM label \"unconfined\", the spec gives the AppArmor profile",
+                Box::new(|o, e, h| {
+                    h.lsm_label = Some("unconfined".into());
+                    h.apparmor = true;
+                    e.apparmor = Some("crab-default".into());
+                    for p in &mut o.processes {
+                        p.lsm_label = Some("crab-default (enforce)".into());
+                    }
+                    o.processes[1].lsm_label = Some("unconfined".into());
+                }),
+            ),
+            (
+                "has the LSM label \"system_u:system_r:spc_t:s0\"",
+                Box::new(|o, e, h| {
+                    h.lsm_label = Some("system_u:system_r:container_runtime_t:s0".into());
+                    h.selinux = true;
+                    e.selinux = Some("system_u:system_r:container_t:s0:c1,c2".into());
+                    o.processes[0].lsm_label = Some("system_u:system_r:spc_t:s0".into());
+                }),
+            ),
+            (
+                "the spec gives none (the runtime's own",
+                Box::new(|o, _, h| {
+                    h.lsm_label = Some("unconfined".into());
+                    h.apparmor = true;
+                    for p in &mut o.processes {
+                        p.lsm_label = Some("unconfined".into());
+                    }
+                    o.processes[1].lsm_label = Some("some-other (complain)".into());
+                }),
+            ),
+            (
                 "hard RLIMIT_NOFILE of 1048576",
                 Box::new(|o, _, _| o.processes[1].limits[7] = (1024, 1_048_576)),
             ),
@@ -1289,6 +1489,45 @@ Max realtime timeout      unlimited            unlimited            us        \n
             let err = judge(&o, &e, &h).unwrap_err().to_string();
             assert!(err.contains(want), "wanted {want:?}, got {err:?}");
         }
+    }
+
+    #[test]
+    fn seccomp_securebits_and_labels_within_the_spec_pass() {
+        let (mut o, mut e, mut h) = setup();
+        // The reference among several filters; restrictive securebits (NOROOT and its lock,
+        // NO_CAP_AMBIENT_RAISE); NO_SETUID_FIXUP with CAP_SETPCAP in reach.
+        o.security.get_mut(&10).unwrap().filter_count = 3;
+        o.security.get_mut(&10).unwrap().securebits = 0b0100_0011;
+        o.security.get_mut(&11).unwrap().securebits = SECBIT_NO_SETUID_FIXUP;
+        assert_ne!(e.granted.permitted_ceiling() & CAP_SETPCAP, 0);
+        judge(&o, &e, &h).unwrap();
+        // No reference asked for (no profile, or a notifying one).
+        o.security.get_mut(&10).unwrap().holds_reference = None;
+        judge(&o, &e, &h).unwrap();
+        // AppArmor: the spec's profile in any mode; no profile: the runtime's own label.
+        h.lsm_label = Some("unconfined".into());
+        h.apparmor = true;
+        for p in &mut o.processes {
+            p.lsm_label = Some("unconfined".into());
+        }
+        judge(&o, &e, &h).unwrap();
+        e.apparmor = Some("crab-default".into());
+        assert!(judge(&o, &e, &h).is_err());
+        o.processes[0].lsm_label = Some("crab-default (enforce)".into());
+        o.processes[1].lsm_label = Some("crab-default (complain)".into());
+        judge(&o, &e, &h).unwrap();
+        // A profile named for AppArmor on a host without it: runc applies none.
+        h.apparmor = false;
+        for p in &mut o.processes {
+            p.lsm_label = Some("unconfined".into());
+        }
+        judge(&o, &e, &h).unwrap();
+        // No LSM labels on this host at all: nothing to compare.
+        h.lsm_label = None;
+        for p in &mut o.processes {
+            p.lsm_label = Some("whatever".into());
+        }
+        judge(&o, &e, &h).unwrap();
     }
 
     #[test]

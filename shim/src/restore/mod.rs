@@ -23,5 +23,6 @@ pub mod gate;
 pub mod intake;
 pub mod kernel;
 pub mod privilege;
+pub mod seccomp;
 pub mod trust;
 pub mod volumes;
