@@ -86,6 +86,9 @@ async fn containerd_checkpoints_restore_only_when_a_trusted_key_signed_them() {
         .run(&[
             "run",
             "-d",
+            // containerd's default seccomp profile: the kernel check finds runc's program for
+            // it in every restored thread.
+            "--seccomp",
             "--runtime",
             CRAB,
             "--runtime-config-path",
@@ -127,7 +130,9 @@ async fn containerd_checkpoints_restore_only_when_a_trusted_key_signed_them() {
     let log = h.log_excerpt(&ids[0]);
     assert!(
         log.contains("containerd's checkpoint is signed by a trusted key")
-            && log.contains("kernel check passed"),
+            && log.contains("kernel check passed")
+            && log.contains("runc's seccomp program found in")
+            && !log.contains("runc's seccomp program found in 0 threads"),
         "{log}"
     );
     remove(&h, &ids[0]);

@@ -817,6 +817,12 @@ impl Containers {
                 }
             }
         }
+        // The check's task iterator loads while CRIU restores (the check waits for it).
+        tokio::task::spawn_blocking(|| {
+            if let Err(e) = crate::restore::seccomp::preload() {
+                log::warn!("loading the kernel check's task iterator: {e}");
+            }
+        });
         let mut expected = kernel::Expected::from_spec(&spec);
         expected.seccomp = seccomp_reference;
         let kernel_task = tokio::task::spawn_blocking(move || {
@@ -907,12 +913,14 @@ impl Containers {
             (Ok(()), restore_gate::Resumed::Checked(Ok(passed))) => {
                 log::info!(
                     "container {}: kernel check passed in {:.2} ms ({} processes, {} threads, \
-                     {} mounts compared with the spec) while CRIU held them at pre-resume",
+                     {} mounts compared with the spec; runc's seccomp program found in {} \
+                     threads) while CRIU held them at pre-resume",
                     c.id,
                     passed.took.as_secs_f64() * 1e3,
                     passed.processes,
                     passed.threads,
-                    passed.mounts
+                    passed.mounts,
+                    passed.seccomp_matched
                 );
                 Ok(())
             }

@@ -1334,3 +1334,59 @@ async fn the_kernel_check_requires_runc_s_seccomp_program() {
         let _ = sb.runc.delete(&rid, true).await;
     }
 }
+
+/// runc emits its ENOSYS stub's architecture sections in Go map order, so one profile gives
+/// programs that differ from run to run (seen: 1 run in 6 on a three-architecture profile).
+/// Every variant runc makes is accepted as runc's program for the profile by the kernel check's
+/// rule (`decides_as`), whichever run taught the reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_program_runc_makes_for_a_profile_is_accepted_as_runc_s() {
+    use crab_shim::restore::seccomp::{self, decides_as, Reference};
+    support::require_root("runs runc");
+    support::require_program("runc");
+    start_runc_reaper();
+    let dir = tempfile::tempdir().unwrap();
+    let runc = Runc {
+        binary: "runc".into(),
+        root: dir.path().join("runc"),
+        systemd_cgroup: false,
+        log: dir.path().join("runc.log"),
+        no_pivot_root: false,
+        no_new_keyring: false,
+        io_owner: None,
+    };
+    let mut programs = Vec::new();
+    for i in 0..8 {
+        let mut p = profile(&["swapon", "swapoff", "kexec_load"]);
+        p["architectures"] =
+            serde_json::json!(["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"]);
+        // Not used without a listener, but part of the cache key: every run probes anew.
+        p["listenerMetadata"] = format!("run {i}").into();
+        let spec: oci_spec::runtime::Spec = serde_json::from_value(
+            serde_json::json!({"ociVersion": "1.0.2", "linux": {"seccomp": p}}),
+        )
+        .unwrap();
+        let Reference::Program(program) =
+            seccomp::reference(&spec, &runc, &dir.path().join("cache"))
+                .await
+                .unwrap()
+        else {
+            panic!("compared")
+        };
+        programs.push(program);
+    }
+    let distinct: BTreeSet<_> = programs.iter().collect();
+    eprintln!(
+        "{} distinct programs in {} runs of runc",
+        distinct.len(),
+        programs.len()
+    );
+    for a in &programs {
+        for b in &programs {
+            assert!(
+                decides_as(a, b),
+                "two of runc's own programs for one profile"
+            );
+        }
+    }
+}

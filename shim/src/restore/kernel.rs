@@ -592,6 +592,8 @@ pub struct Passed {
     pub processes: usize,
     pub threads: usize,
     pub mounts: usize,
+    /// Threads in which runc's seccomp program was found (0 where none was asked for).
+    pub seccomp_matched: usize,
     pub took: Duration,
 }
 
@@ -782,6 +784,11 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
         processes: o.processes.len(),
         threads: o.processes.iter().map(|p| p.threads.len()).sum(),
         mounts: o.mounts.len(),
+        seccomp_matched: o
+            .security
+            .values()
+            .filter(|k| k.holds_reference == Some(true))
+            .count(),
         took: started.elapsed(),
     })
 }

@@ -21,7 +21,9 @@
 //! (~100 ms) per profile and runc version.
 //!
 //! **The rule** (in [`super::kernel::judge`]): runc's program must be among the filters of
-//! every live restored thread, byte for byte. Filters are stacked and the kernel applies the
+//! every live restored thread: byte for byte but for runc's ENOSYS stub, whose architecture
+//! sections runc orders differently from run to run ([`decides_as`] says what a stub may
+//! hold). Filters are stacked and the kernel applies the
 //! most restrictive verdict of all of them, so any other filter only narrows what runc's
 //! allows; an image that swaps runc's filter for an allow-all one is refused. A profile that
 //! hands syscalls to a listener (`SCMP_ACT_NOTIFY`) is not compared (the probe would need the
@@ -161,6 +163,106 @@ pub struct ThreadSecurity {
     pub compared: u32,
 }
 
+/// Classic-BPF opcodes a runc stub is made of (`<linux/filter.h>`).
+const BPF_LD_W_ABS: u16 = 0x20;
+const BPF_JMP_JA: u16 = 0x05;
+const BPF_JMP_JEQ_K: u16 = 0x15;
+const BPF_JMP_JGT_K: u16 = 0x25;
+const BPF_JMP_JGE_K: u16 = 0x35;
+const BPF_JMP_JSET_K: u16 = 0x45;
+const BPF_RET_K: u16 = 0x06;
+/// `struct seccomp_data`: offsets of `nr` and `arch`.
+const DATA_NR: u32 = 0;
+const DATA_ARCH: u32 = 4;
+
+fn insn(program: &[u8], i: usize) -> (u16, u8, u8, u32) {
+    let b = &program[i * 8..i * 8 + 8];
+    (
+        u16::from_ne_bytes([b[0], b[1]]),
+        b[2],
+        b[3],
+        u32::from_ne_bytes([b[4], b[5], b[6], b[7]]),
+    )
+}
+
+/// A return value that denies: SECCOMP_RET_KILL_PROCESS, KILL_THREAD, TRAP or ERRNO (the
+/// kernel's most restrictive actions; never ALLOW, LOG, TRACE or USER_NOTIF).
+fn denies(ret: u32) -> bool {
+    matches!(
+        ret & 0xffff_0000,
+        0x8000_0000 | 0x0000_0000 | 0x0003_0000 | 0x0005_0000
+    )
+}
+
+/// `SECCOMP_RET_ERRNO | ENOSYS`: what runc's stub answers.
+const RET_ENOSYS: u32 = 0x0005_0000 | 38;
+
+/// Whether `program`'s first `len` instructions are only stub instructions (loads of the
+/// syscall number or architecture, comparisons with constants, forward jumps, denials), none
+/// jumping past `len`.
+fn stub_prefix_ok(program: &[u8], len: usize) -> bool {
+    let mut reach = 0usize;
+    for i in 0..len {
+        let (code, jt, jf, k) = insn(program, i);
+        let ok = match code {
+            BPF_LD_W_ABS => k == DATA_NR || k == DATA_ARCH,
+            BPF_JMP_JA => {
+                reach = reach.max(i + 1 + k as usize);
+                true
+            }
+            BPF_JMP_JEQ_K | BPF_JMP_JGT_K | BPF_JMP_JGE_K | BPF_JMP_JSET_K => {
+                reach = reach.max(i + 1 + jt.max(jf) as usize);
+                true
+            }
+            BPF_RET_K => denies(k),
+            _ => false,
+        };
+        if !ok {
+            return false;
+        }
+    }
+    reach <= len
+}
+
+/// Where libseccomp's program begins in runc's `program`: after runc's ENOSYS stub, a prefix
+/// of stub instructions ending in `ret ENOSYS`, followed by libseccomp's first instruction
+/// (the load of the architecture it checks first). `None`: no stub.
+fn stub_end(program: &[u8]) -> Option<usize> {
+    let n = program.len() / 8;
+    (1..n).find(|&l| {
+        insn(program, l - 1) == (BPF_RET_K, 0, 0, RET_ENOSYS)
+            && insn(program, l) == (BPF_LD_W_ABS, 0, 0, DATA_ARCH)
+            && stub_prefix_ok(program, l)
+    })
+}
+
+/// Whether `candidate` (a restored filter) is `reference` (runc's program for the spec) up to
+/// runc's ENOSYS stub.
+///
+/// runc's program is its stub (which answers ENOSYS for syscalls newer than the profile knows,
+/// per architecture) followed by libseccomp's whole compilation of the profile, and runc emits
+/// the stub's architecture sections in Go map order: two runs of runc on one profile give
+/// programs that differ in their first dozen instructions (seen: containerd's default profile,
+/// 1,251 instructions, stubs differing in 10). So the rule is byte equality, or: the same
+/// length, byte-identical from where libseccomp's program begins in the reference (found in
+/// the reference, never in the candidate), and before that only stub instructions that load the
+/// syscall number or architecture, compare them with constants, deny, or jump forward no
+/// further than libseccomp's first instruction. libseccomp's program is a whole filter (it
+/// checks the architecture first and decides every syscall itself), so every syscall is denied
+/// by the candidate's stub or decided by the spec's own compiled profile from its start.
+pub fn decides_as(candidate: &[u8], reference: &[u8]) -> bool {
+    if candidate == reference {
+        return true;
+    }
+    if candidate.len() != reference.len() || !valid_program(reference) {
+        return false;
+    }
+    let Some(l) = stub_end(reference) else {
+        return false;
+    };
+    candidate[l * 8..] == reference[l * 8..] && stub_prefix_ok(candidate, l)
+}
+
 /// Finds, for every thread `pass(0)` reports, whether `reference` is among its filters: pass
 /// `i` reports each thread's filter `i` (from the oldest). Passes go on only while some
 /// thread is unmatched and has more filters, up to [`PASSES_MAX`].
@@ -186,7 +288,7 @@ pub fn search(
                 ));
             }
             let matched = match (reference, &r.program) {
-                (Some(want), Some(have)) => want == have.as_slice(),
+                (Some(want), Some(have)) => decides_as(have, want),
                 _ => false,
             };
             let t = threads.entry(r.tid).or_insert_with(|| ThreadSecurity {
@@ -285,6 +387,17 @@ pub fn read(
     with_reader(tgids, |reader| {
         search(reference, |index| reader.pass(index))
     })
+}
+
+/// Loads the task iterator now if it is not yet (~60 ms, mostly parsing the kernel's BTF), so
+/// that the kernel check, which holds CRIU at pre-resume, does not pay for it. Called off the
+/// critical path while CRIU restores.
+pub fn preload() -> Result<(), String> {
+    let mut guard = READER.lock().unwrap_or_else(|e| e.into_inner());
+    if guard.is_none() {
+        *guard = Some(Reader::load()?);
+    }
+    Ok(())
 }
 
 /// Runs `f` with the iterator listing `tgids` only (loaded on first use, one user at a time).
@@ -708,6 +821,121 @@ mod tests {
         assert_eq!(asked, PASSES_MAX);
         assert_eq!(t[&1].holds_reference, Some(false));
         assert_eq!(t[&1].compared, PASSES_MAX);
+    }
+
+    fn hex_program(text: &str) -> Vec<u8> {
+        text.split_whitespace()
+            .map(|b| u8::from_str_radix(b, 16).unwrap())
+            .collect()
+    }
+
+    /// Two ENOSYS stubs runc 1.3 emitted for one profile (x86_64, x86, x32) in two runs: the
+    /// same sections in another order. Each ends in `ret ENOSYS` and jumps to instruction 14.
+    const STUB_A: &str = "20 00 00 00 04 00 00 00  15 00 07 00 03 00 00 40
+        15 00 01 00 3e 00 00 c0  05 00 00 00 0a 00 00 00  20 00 00 00 00 00 00 00
+        45 00 01 00 00 00 00 40  25 00 06 01 c8 01 00 00  25 00 05 00 23 02 00 40
+        05 00 00 00 05 00 00 00  20 00 00 00 00 00 00 00  25 00 02 00 c8 01 00 00
+        05 00 00 00 02 00 00 00  05 00 00 00 01 00 00 00  06 00 00 00 26 00 05 00";
+    const STUB_B: &str = "20 00 00 00 04 00 00 00  15 00 02 00 03 00 00 40
+        15 00 04 00 3e 00 00 c0  05 00 00 00 0a 00 00 00  20 00 00 00 00 00 00 00
+        25 00 07 00 c8 01 00 00  05 00 00 00 07 00 00 00  20 00 00 00 00 00 00 00
+        45 00 01 00 00 00 00 40  25 00 03 01 c8 01 00 00  25 00 02 00 23 02 00 40
+        05 00 00 00 02 00 00 00  05 00 00 00 01 00 00 00  06 00 00 00 26 00 05 00";
+
+    /// A small libseccomp-like program: kill on a foreign architecture, deny syscall 2, allow
+    /// the rest.
+    fn tail() -> Vec<u8> {
+        [
+            (BPF_LD_W_ABS, 0, 0, DATA_ARCH),
+            (BPF_JMP_JEQ_K, 1, 0, 0xc000_003e),
+            (BPF_RET_K, 0, 0, 0x8000_0000),
+            (BPF_LD_W_ABS, 0, 0, DATA_NR),
+            (BPF_JMP_JEQ_K, 0, 1, 2),
+            (BPF_RET_K, 0, 0, 0x0005_0001),
+            (BPF_RET_K, 0, 0, 0x7fff_0000),
+        ]
+        .iter()
+        .flat_map(|&(c, jt, jf, k)| {
+            let mut b = c.to_ne_bytes().to_vec();
+            b.extend([jt, jf]);
+            b.extend(k.to_ne_bytes());
+            b
+        })
+        .collect()
+    }
+
+    fn set(program: &mut [u8], i: usize, (code, jt, jf, k): (u16, u8, u8, u32)) {
+        program[i * 8..i * 8 + 2].copy_from_slice(&code.to_ne_bytes());
+        program[i * 8 + 2] = jt;
+        program[i * 8 + 3] = jf;
+        program[i * 8 + 4..i * 8 + 8].copy_from_slice(&k.to_ne_bytes());
+    }
+
+    #[test]
+    fn runc_s_stub_orders_are_the_same_program_and_forged_stubs_are_not() {
+        let a = [hex_program(STUB_A), tail()].concat();
+        let b = [hex_program(STUB_B), tail()].concat();
+        assert_ne!(a, b);
+        assert_eq!(stub_end(&a), Some(14));
+        assert!(decides_as(&a, &b) && decides_as(&b, &a) && decides_as(&a, &a));
+        // A stub that denies everything: stricter, accepted.
+        let mut deny_all = a.clone();
+        set(&mut deny_all, 0, (BPF_RET_K, 0, 0, 0x8000_0000));
+        assert!(decides_as(&deny_all, &b));
+
+        let forged: Vec<(&str, Box<dyn Fn(&mut Vec<u8>)>)> = vec![
+            // The stub allows instead of ENOSYS.
+            (
+                "allows",
+                Box::new(|p| set(p, 13, (BPF_RET_K, 0, 0, 0x7fff_0000))),
+            ),
+            (
+                "logs",
+                Box::new(|p| set(p, 13, (BPF_RET_K, 0, 0, 0x7ffc_0000))),
+            ),
+            (
+                "traces",
+                Box::new(|p| set(p, 13, (BPF_RET_K, 0, 0, 0x7ff0_0000))),
+            ),
+            // A jump past libseccomp's architecture check, into its syscall table.
+            (
+                "skips the arch check",
+                Box::new(|p| set(p, 3, (BPF_JMP_JA, 0, 0, 13))),
+            ),
+            (
+                "jt past the start",
+                Box::new(|p| set(p, 1, (BPF_JMP_JEQ_K, 15, 0, 1))),
+            ),
+            // Anything but stub instructions: an argument load, scratch memory, the X register.
+            (
+                "loads an argument",
+                Box::new(|p| set(p, 4, (BPF_LD_W_ABS, 0, 0, 16))),
+            ),
+            ("stores", Box::new(|p| set(p, 4, (0x02, 0, 0, 0)))),
+            ("uses X", Box::new(|p| set(p, 4, (0x07, 0, 0, 0)))),
+            ("returns A", Box::new(|p| set(p, 12, (0x16, 0, 0, 0)))),
+            // libseccomp's part altered: syscall 2 allowed.
+            (
+                "changes the profile",
+                Box::new(|p| set(p, 19, (BPF_RET_K, 0, 0, 0x7fff_0000))),
+            ),
+            (
+                "is longer",
+                Box::new(|p| p.extend(p[p.len() - 8..].to_vec())),
+            ),
+            ("is shorter", Box::new(|p| p.truncate(p.len() - 8))),
+        ];
+        for (what, edit) in forged {
+            let mut p = a.clone();
+            edit(&mut p);
+            assert!(!decides_as(&p, &b), "a stub that {what} was accepted");
+        }
+        // Without runc's stub in the reference, only byte equality.
+        let plain = tail();
+        let mut other = plain.clone();
+        set(&mut other, 2, (BPF_RET_K, 0, 0, 0));
+        assert_eq!(stub_end(&plain), None);
+        assert!(decides_as(&plain, &plain) && !decides_as(&other, &plain));
     }
 
     #[test]
