@@ -883,7 +883,8 @@ mod tests {
         set(&mut deny_all, 0, (BPF_RET_K, 0, 0, 0x8000_0000));
         assert!(decides_as(&deny_all, &b));
 
-        let forged: Vec<(&str, Box<dyn Fn(&mut Vec<u8>)>)> = vec![
+        type Edit = Box<dyn Fn(&mut Vec<u8>)>;
+        let forged: Vec<(&str, Edit)> = vec![
             // The stub allows instead of ENOSYS.
             (
                 "allows",
