@@ -1400,3 +1400,55 @@ async fn the_kernel_check_refuses_what_the_image_claims_do_not_show() {
     assert_eq!(s.run("cat /app/file").await.stdout, "data\n");
     s.finish().await;
 }
+
+/// Issue 24, item 2: an allow-all seccomp filter in place of runc's. The source ran under a
+/// profile that allows everything (its spec is the image maker's to choose), so every process of
+/// the image has one filter, seccomp mode 2: all the image and `/proc` show. Restored into a
+/// container whose spec has containerd's default profile (`ctr run --seccomp`), that filter is
+/// not runc's program for the default profile: the kernel check refuses it at pre-resume,
+/// naming the thread. The same image under a spec without a profile restores (nothing to
+/// compare; the processes keep their own filter).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_allow_all_seccomp_filter_does_not_pass_for_runc_s() {
+    let allow_all = |spec: &mut Value| {
+        spec["linux"]["seccomp"] = serde_json::json!({
+            "defaultAction": "SCMP_ACT_ALLOW",
+            "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+        });
+    };
+    let f = fixture_with(
+        "allow_all",
+        SandboxOptions {
+            spec_edit: Some(&allow_all),
+            ..Default::default()
+        },
+    )
+    .await;
+    let config = f.config("seccomp", "");
+    let (code, out) = f.run(
+        "seccomp",
+        &f.good.with_last_layer(&f.name("seccomp"), None, None),
+        &config,
+        &["--seccomp"],
+        "grep -l '1000[0]0' /proc/[0-9]*/cmdline | wc -l",
+    );
+    assert_ne!(code, 0, "the allow-all filter passed for runc's: {out}");
+    assert!(
+        out.contains("does not run under the seccomp filter runc installs")
+            && out.contains("\"sleep\""),
+        "{out}"
+    );
+    let (code, out) = f.run(
+        "plain",
+        &f.good.with_last_layer(&f.name("plain"), None, None),
+        &config,
+        &[],
+        "grep -c '^Seccomp_filters:.1$' /proc/$(pgrep -f 'sleep 10000[0]')/status",
+    );
+    assert_eq!(
+        (code, out.trim()),
+        (0, "1"),
+        "restored without a profile, with its own filter: {out}"
+    );
+    f.s.finish().await;
+}
