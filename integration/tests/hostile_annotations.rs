@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use crab_integration::{spec::container_spec, Harness, ProcessSpec};
+use crab_integration::{api::crab_runtime_options, spec::container_spec, Harness, ProcessSpec};
 
 const CRAB: &str = "io.containerd.crab.v1";
 
@@ -70,6 +70,10 @@ async fn a_group_cannot_join_another_containers_shim() {
     );
     let _g = h.guard(&[&victim, &g1, &g2, &intruder, &forger]);
     let group = format!("grp-{}", std::process::id());
+    // The config lists the groups containers may join (issue 24, item 7): here the test's own,
+    // and the victim's id (allowed, it still names no container's shim).
+    let config = format!("[shim]\ngroups = [\"{group}\", \"{victim}\"]\n");
+    let options = || crab_runtime_options(None, Some(&config));
     let mut inits = HashMap::new();
     for (id, annotations) in [
         (&victim, vec![]),
@@ -90,9 +94,13 @@ async fn a_group_cannot_join_another_containers_shim() {
         (&g1, vec![("io.containerd.crab.v1.group", group.as_str())]),
         (&g2, vec![("io.containerd.crab.v1.group", group.as_str())]),
     ] {
-        h.create_container_with_spec(id, &spec_with(&h, id, &annotations))
-            .await
-            .unwrap();
+        h.create_container_with_spec_and_options(
+            id,
+            &spec_with(&h, id, &annotations),
+            Some(options()),
+        )
+        .await
+        .unwrap();
         let pid = h.create_task(id, None).await.unwrap();
         h.start(id, "").await.unwrap();
         inits.insert(id.clone(), pid);
@@ -129,6 +137,33 @@ async fn a_group_cannot_join_another_containers_shim() {
         "{err}"
     );
     h.delete_container(&bad).await.unwrap();
+
+    // A well-formed group the config does not list: refused with the reason, and the group's
+    // member keeps running alone in its shim.
+    let unlisted = format!("{victim}-unlisted");
+    let _gu = h.guard(&[&unlisted]);
+    h.create_container_with_spec_and_options(
+        &unlisted,
+        &spec_with(
+            &h,
+            &unlisted,
+            &[("io.containerd.crab.v1.group", "not-listed")],
+        ),
+        Some(options()),
+    )
+    .await
+    .unwrap();
+    let err = h
+        .create_task(&unlisted, None)
+        .await
+        .expect_err("a group the config does not list must fail");
+    assert!(
+        err.to_string()
+            .contains("\"not-listed\", which the config does not allow"),
+        "{err}"
+    );
+    h.delete_container(&unlisted).await.unwrap();
+    h.assert_no_leaks(&unlisted).await;
 
     for id in [&intruder, &forger, &g1, &g2, &victim] {
         h.kill_and_remove(id).await.unwrap();

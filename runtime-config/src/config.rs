@@ -32,6 +32,37 @@ pub struct Config {
     pub engine: EngineConfig,
     pub restore: RestoreConfig,
     pub limits: LimitsConfig,
+    pub shim: ShimConfig,
+}
+
+/// How containers share shim processes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default, expecting = "the [shim] table")]
+pub struct ShimConfig {
+    /// The values of the `io.containerd.crab.v1.group` annotation a container may carry (each
+    /// 1 to 64 of `[A-Za-z0-9._-]`). Containers carrying the same value share one shim; any
+    /// client that can set annotations can choose a value, so a value not listed here fails
+    /// Create. Default none.
+    #[serde(deserialize_with = "group_names")]
+    pub groups: Vec<String>,
+}
+
+/// Whether `g` is a well-formed shim group name.
+pub fn is_group_name(g: &str) -> bool {
+    !g.is_empty()
+        && g.len() <= 64
+        && g.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+fn group_names<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    let names = Vec::<String>::deserialize(d)?;
+    if let Some(bad) = names.iter().find(|g| !is_group_name(g)) {
+        return Err(serde::de::Error::custom(format!(
+            "a group name must be 1 to 64 of [A-Za-z0-9._-], got {bad:?}"
+        )));
+    }
+    Ok(names)
 }
 
 /// How crab runs runc.
@@ -858,6 +889,9 @@ mod tests {
             max_fdinfo_bytes = 8192
             max_layer_bytes = 1073741824
             max_layer_apparent_bytes = 2147483648
+
+            [shim]
+            groups = ["agents", "rl.rollouts-1"]
             "#,
         )
         .unwrap();
@@ -913,6 +947,9 @@ mod tests {
                     max_layer_bytes: 1 << 30,
                     max_layer_apparent_bytes: 2 << 30,
                 },
+                shim: ShimConfig {
+                    groups: vec!["agents".into(), "rl.rollouts-1".into()],
+                },
             }
         );
         assert_eq!(c.signing_key_path(), Path::new("/etc/crab/keys/node.key"));
@@ -920,6 +957,22 @@ mod tests {
             Config::default().signing_key_path(),
             Path::new("/var/lib/crab/keys/checkpoint-signing.key")
         );
+    }
+
+    #[test]
+    fn a_malformed_group_name_is_named() {
+        for bad in [
+            "\"\"",
+            "\"../x\"",
+            "\"a b\"",
+            &format!("\"{}\"", "x".repeat(65)),
+        ] {
+            let e = parse(&format!("[shim]\ngroups = [{bad}]\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("group name must be 1 to 64"), "{bad}: {e}");
+        }
+        assert!(parse("[shim]\ngroup = []\n").is_err(), "an unknown key");
     }
 
     #[test]
@@ -1149,7 +1202,7 @@ mod tests {
         assert_eq!(
             msg,
             "invalid crab config /etc/crab/test.toml:4:2: key `runtime`: unknown field `runtime`, \
-             expected one of `runc`, `store`, `log`, `checkpoint`, `engine`, `restore`, `limits`"
+             expected one of `runc`, `store`, `log`, `checkpoint`, `engine`, `restore`, `limits`, `shim`"
         );
     }
 

@@ -34,9 +34,9 @@ mod error;
 pub mod runtime_options;
 
 pub use config::{
-    CheckpointConfig, CheckpointPolicy, Config, ConfigSource, EngineConfig, LimitsConfig,
-    LogConfig, ProcessDump, RestoreConfig, RuncConfig, StoreConfig, TurnBoundary, UnsignedImages,
-    CONFIG_ENV, DEFAULT_CONFIG_PATH,
+    is_group_name, CheckpointConfig, CheckpointPolicy, Config, ConfigSource, EngineConfig,
+    LimitsConfig, LogConfig, ProcessDump, RestoreConfig, RuncConfig, ShimConfig, StoreConfig,
+    TurnBoundary, UnsignedImages, CONFIG_ENV, DEFAULT_CONFIG_PATH,
 };
 pub use error::{ConfigError, Location};
 pub use runtime_options::{

@@ -81,17 +81,32 @@ fn grouping(
     }
     match bundle::annotation(spec, &[GROUP_ANNOTATION]) {
         None => Ok(id.to_string()),
-        Some(g)
-            if !g.is_empty()
-                && g.len() <= 64
-                && g.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) =>
-        {
-            Ok(format!("crab-group-{g}"))
-        }
+        Some(g) if crab_runtime_config::is_group_name(g) => Ok(format!("crab-group-{g}")),
         Some(g) => Err(format!(
             "spec annotation {GROUP_ANNOTATION} must be 1 to 64 of [A-Za-z0-9._-], got {g:?}"
         )),
+    }
+}
+
+/// The explicit group a container joins a shim by ([`GROUP_ANNOTATION`]; not for the CRI's
+/// containers, which join their pod's): Create refuses one the config does not list.
+pub(crate) fn check_group(
+    spec: &oci_spec::runtime::Spec,
+    namespace: &str,
+    allowed: &[String],
+) -> std::result::Result<(), String> {
+    let cri_made = namespace == CRI_NAMESPACE
+        && bundle::annotation(spec, &[SANDBOX_ANNOTATION]).is_some()
+        && matches!(
+            bundle::annotation(spec, &[CRI_TYPE_ANNOTATION]),
+            Some("sandbox" | "container")
+        );
+    match bundle::annotation(spec, &[GROUP_ANNOTATION]) {
+        Some(g) if !cri_made && !allowed.iter().any(|a| a == g) => Err(format!(
+            "spec annotation {GROUP_ANNOTATION} names the shim group {g:?}, which the config \
+             does not allow (containers of one group share a shim; list it in [shim] groups)"
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -542,5 +557,36 @@ mod tests {
             let e = grouping(Some(&spec(&[(GROUP_ANNOTATION, bad)])), "c1", NS).unwrap_err();
             assert!(e.contains(GROUP_ANNOTATION), "{e}");
         }
+    }
+
+    #[test]
+    fn only_the_groups_the_config_lists_may_be_joined() {
+        const NS: &str = "k8s.io";
+        let allowed = vec!["agents".to_string()];
+        check_group(&spec(&[]), NS, &[]).unwrap();
+        check_group(&spec(&[(GROUP_ANNOTATION, "agents")]), NS, &allowed).unwrap();
+        for (s, allowed) in [
+            (spec(&[(GROUP_ANNOTATION, "agents")]), &[][..]),
+            (spec(&[(GROUP_ANNOTATION, "victims")]), &allowed[..]),
+            // A forged sandbox id does not make a container the CRI's.
+            (
+                spec(&[(GROUP_ANNOTATION, "x"), (SANDBOX_ANNOTATION, "abc")]),
+                &allowed[..],
+            ),
+        ] {
+            let e = check_group(&s, NS, allowed).unwrap_err();
+            assert!(
+                e.contains("does not allow") && e.contains("[shim] groups"),
+                "{e}"
+            );
+        }
+        // The CRI's containers join their pod's shim; their group annotation is not used.
+        let pod = spec(&[
+            (SANDBOX_ANNOTATION, "abc123"),
+            (CRI_TYPE_ANNOTATION, "container"),
+            (GROUP_ANNOTATION, "other"),
+        ]);
+        check_group(&pod, NS, &[]).unwrap();
+        assert!(check_group(&pod, "moby", &[]).is_err());
     }
 }
