@@ -3,7 +3,8 @@
 //! and the `user.overlay.*` xattrs overlayfs ignores on a mount without `userxattr`. Each one
 //! must end in a bounded, explained outcome (a small layer, or a `failed` checkpoint naming the
 //! `[limits]` key) while the container keeps running, its shim stays small and a neighbouring
-//! sandbox's checkpoints keep working.
+//! sandbox's checkpoints keep working. And a container sharing a tracked volume that races
+//! the volume's refill with symlinks: nothing may be written outside the volume.
 
 use std::{
     collections::BTreeMap,
@@ -423,4 +424,170 @@ os.setxattr('/app/d', 'user.overlay.redirect', b'/nowhere')\"",
     assert_eq!(lines[1], "0", "/etc/issue is an empty file: {out}");
     assert_ne!(lines[2], "0", "the image's /usr is hidden: {out}");
     s.finish().await;
+}
+
+/// The co-tenant of [`a_co_tenant_racing_a_volume_refill_gets_nothing_written_outside`]: watches
+/// `/workspace` with inotify and swaps every new directory `d*` for a symlink to `OUTSIDE` (a
+/// host path: the shim, on the host, is the one that would follow it) with
+/// `renameat2(RENAME_EXCHANGE)`, logging the names it swapped to `/log/swapped`.
+const CO_TENANT: &str = r#"
+import ctypes, os, struct
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(0)
+assert fd >= 0 and libc.inotify_add_watch(fd, b"/workspace", 0x100) >= 0  # IN_CREATE
+log = open("/log/swapped", "a", buffering=1)
+open("/log/ready", "w").close()
+n = 0
+while True:
+    buf = os.read(fd, 1 << 16)
+    i = 0
+    while i < len(buf):
+        wd, mask, cookie, size = struct.unpack_from("iIII", buf, i)
+        name = buf[i + 16:i + 16 + size].rstrip(b"\0")
+        i += 16 + size
+        if not mask & 0x40000000 or not name.startswith(b"d"):  # IN_ISDIR
+            continue
+        link = b"/workspace/.link%d" % n
+        n += 1
+        os.symlink(b"OUTSIDE", link)
+        if libc.renameat2(-100, link, -100, b"/workspace/" + name, 2) == 0:  # RENAME_EXCHANGE
+            log.write(name.decode() + "\n")
+"#;
+
+/// Issue 24: a container that shares a sandbox's tracked volume races the refill of the
+/// volume's host directory. While `crabctl rollback --recreate` brings back a checkpoint whose
+/// volume holds 1500 directories, the co-tenant swaps each new directory for a symlink to a
+/// host directory outside every volume. Nothing may be created there: the rollback fails
+/// naming a swapped entry, or completes with the whole tree inside the volume.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_co_tenant_racing_a_volume_refill_gets_nothing_written_outside() {
+    const DIRS: usize = 1500;
+    let home = crab_integration::TestEnv::from_env().crab_home;
+    let pid = std::process::id();
+    let [dir, outside, log] = ["volume", "outside", "log"].map(|n| {
+        let d = home.join(format!("vrace-{n}-{pid}"));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    });
+    let mut dirs = RemoveDirs(vec![dir.clone(), outside.clone(), log.clone()]);
+    // Laid out as the checkpoint's directories are: a write through a swapped parent at any
+    // depth would land.
+    std::fs::create_dir_all(outside.join("sub")).unwrap();
+    let (mut a, _ga) = Sandbox::start(
+        "vrace",
+        SandboxOptions {
+            volume: Some((&dir, "/workspace")),
+            ..Default::default()
+        },
+    )
+    .await;
+    let _images = InternalImages {
+        h: a.h.clone(),
+        of: a.id.clone(),
+    };
+    dirs.0.push(a.state_dir.clone());
+    a.run(&format!(
+        "python3 -c \"import os\nfor i in range({DIRS}):\n    d = '/workspace/d%04d' % i\n    \
+         os.makedirs(d + '/sub')\n    for f in range(4): open('%s/f%d' % (d, f), 'w').write('x')\n    \
+         open(d + '/sub/g', 'w').write('y')\""
+    ))
+    .await;
+    a.end_turn().await;
+    let m = a.wait_manifests(1).await.pop().unwrap();
+    assert_eq!(m["kind"], "fs", "{m:#}");
+    assert_eq!(m["volumes"], serde_json::json!(["/workspace"]), "{m:#}");
+
+    // The co-tenant: another crab container (checkpoints off) with the same host directory.
+    let script = CO_TENANT.replace("OUTSIDE", outside.to_str().unwrap());
+    let (volume, logdir) = (dir.clone(), log.clone());
+    let edit = move |spec: &mut Value| {
+        spec["process"]["args"] = serde_json::json!(["python3", "-c", script]);
+        let mounts = spec["mounts"].as_array_mut().unwrap();
+        for (source, at) in [(&volume, "/workspace"), (&logdir, "/log")] {
+            mounts.push(serde_json::json!({
+                "destination": at, "type": "bind", "source": source, "options": ["rbind", "rw"]
+            }));
+        }
+    };
+    let (b, _gb) = Sandbox::start(
+        "vrace_cotenant",
+        SandboxOptions {
+            config: "checkpoint.enabled = false",
+            spec_edit: Some(&edit),
+            ..Default::default()
+        },
+    )
+    .await;
+    dirs.0.push(b.state_dir.clone());
+    let ready = Instant::now();
+    while !log.join("ready").exists() {
+        assert!(
+            ready.elapsed() < Duration::from_secs(30),
+            "the co-tenant did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let (code, out, err) = a.crabctl(&["rollback", &a.id, "--to", "t1", "--recreate"]);
+    // The co-tenant stops before anything is looked at.
+    b.finish().await;
+    let swapped: Vec<String> = std::fs::read_to_string(log.join("swapped"))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let mut leaked = Vec::new();
+    let mut stack = vec![outside.clone()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if std::fs::symlink_metadata(&p).unwrap().is_dir() {
+                stack.push(p.clone());
+            }
+            if p != outside.join("sub") {
+                leaked.push(p);
+            }
+        }
+    }
+    assert!(
+        leaked.is_empty(),
+        "{} entries created outside the volume after {} swaps, e.g. {:?}",
+        leaked.len(),
+        swapped.len(),
+        &leaked[..leaked.len().min(5)]
+    );
+    assert!(
+        !swapped.is_empty(),
+        "the co-tenant never raced the refill (rollback: {code} {out} {err})"
+    );
+    if code == 0 {
+        // Everything came back, inside the volume (partly below names the co-tenant gave).
+        let files = host::tree_listing(&dir)
+            .iter()
+            .filter(|l| !l.ends_with('/'))
+            .count();
+        assert_eq!(files, 5 * DIRS, "rolled back after {} swaps", swapped.len());
+        eprintln!("rolled back after {} swaps", swapped.len());
+        a.finish().await;
+    } else {
+        assert!(
+            swapped
+                .iter()
+                .any(|n| err.contains(&format!("/workspace/{n} was replaced"))),
+            "the rollback failed, but not naming a swapped entry: {err}"
+        );
+        eprintln!("the rollback failed after {} swaps: {err}", swapped.len());
+    }
+}
+
+/// Removes host directories when the test ends, however it ends.
+struct RemoveDirs(Vec<std::path::PathBuf>);
+
+impl Drop for RemoveDirs {
+    fn drop(&mut self) {
+        for d in &self.0 {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
 }

@@ -415,9 +415,10 @@ impl Containers {
             let volumes =
                 crate::sandbox::tracked_volumes(&spec, &config.checkpoint.tracked_volumes);
             let (held, root, id) = (t.meta.volumes.clone(), rootfs.path.clone(), p.id.clone());
+            let limits = crate::restore::volumes::VolumeLimits::from_config(&config.limits);
             let restored = tokio::task::spawn_blocking(move || {
                 for (at, dir) in volumes.iter().filter(|(at, _)| held.contains(at)) {
-                    let c = crate::restore::volumes::restore_volume(at, &root, dir)?;
+                    let c = crate::restore::volumes::restore_volume(at, &root, dir, limits)?;
                     log::info!(
                         "container {id}: volume {} restored into {} ({} files, {} bytes{})",
                         at.display(),

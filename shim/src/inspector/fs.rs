@@ -643,7 +643,7 @@ impl Walker<'_> {
             .limits
             .max_entries
             .saturating_sub(self.entries.len() as u64);
-        let mut names = names_bounded(&mut dir, room)
+        let mut names = file::names_bounded(&mut dir, room)
             .map_err(|e| FsError::io("readdir", &self.upperdir.join(rel), e.into()))?
             .ok_or_else(|| {
                 self.limit(
@@ -910,23 +910,6 @@ fn cstring(s: &OsStr) -> Result<CString, FsError> {
 /// its entries), never through a symlink.
 fn open_dir_at(parent: RawFd, name: &CStr) -> nix::Result<Dir> {
     Dir::from(file::openat(parent, name, DIR_FLAGS | OFlag::O_NOFOLLOW)?)
-}
-
-/// The names of a directory (without `.` and `..`), or `None` once there are more than `max`.
-fn names_bounded(dir: &mut Dir, max: u64) -> nix::Result<Option<Vec<CString>>> {
-    let mut names = Vec::new();
-    for entry in dir.iter() {
-        let entry = entry?;
-        let name = entry.file_name();
-        let b = name.to_bytes();
-        if b != b"." && b != b".." {
-            if names.len() as u64 >= max {
-                return Ok(None);
-            }
-            names.push(name.to_owned());
-        }
-    }
-    Ok(Some(names))
 }
 
 /// Overlay xattrs on directories that say nothing about the container's view beyond what is

@@ -21,6 +21,11 @@
 //!
 //! Checking the type *after* an ordinary open would be too late: a device's `open` has already
 //! run by then.
+//!
+//! Walks that read or write a whole tree another party may be changing (the refill of a tracked
+//! volume) go one component at a time, relative to the parent's descriptor, with
+//! [`open_dir_beneath`] and [`create_file_beneath`]: the same resolution, and never across a
+//! mount point either (`RESOLVE_NO_XDEV`).
 
 use std::{
     ffi::CString,
@@ -88,10 +93,49 @@ fn relative(rel: &Path) -> io::Result<CString> {
 /// component is returned as itself (`O_NOFOLLOW`), never followed; one in any other component,
 /// `..` above `root`, or an absolute symlink fails with `ELOOP` or `EXDEV`.
 pub fn resolve_beneath(root: BorrowedFd<'_>, rel: &Path) -> io::Result<OwnedFd> {
-    let c = relative(rel)?;
     let how = OpenHow::new()
         .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
         .resolve(RESOLVE);
+    openat2_beneath(root, rel, how)
+}
+
+/// A directory beneath `root` open for reading (to list it, and as the base of `*at` calls on
+/// its entries), resolved as [`resolve_beneath`] resolves and, besides, never across a mount
+/// point (`RESOLVE_NO_XDEV`): a directory replaced by another mount (a bind mount included)
+/// fails with `EXDEV`, a symlink in any component (the last one included) with `ELOOP`.
+/// `O_DIRECTORY` makes anything but a directory fail (`ENOTDIR`) at the lookup, before any
+/// driver's `open` could run. An empty `rel` reopens `root` itself (an `O_PATH` handle becomes
+/// a descriptor that can be read).
+pub fn open_dir_beneath(root: BorrowedFd<'_>, rel: &Path) -> io::Result<OwnedFd> {
+    let how = OpenHow::new()
+        .flags(OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+        .resolve(RESOLVE.union(ResolveFlag::RESOLVE_NO_XDEV));
+    openat2_beneath(root, rel, how)
+}
+
+/// A new regular file `rel` beneath `root`, open for writing, resolved as [`open_dir_beneath`]
+/// resolves: `O_CREAT | O_EXCL`, so never an existing file, and never through a symlink, even
+/// as the last component (an existing symlink there fails with `EEXIST`). `mode` is the new
+/// file's (less the umask) until the caller changes it.
+pub fn create_file_beneath(root: BorrowedFd<'_>, rel: &Path, mode: u32) -> io::Result<File> {
+    let how = OpenHow::new()
+        .flags(
+            OFlag::O_WRONLY
+                | OFlag::O_CREAT
+                | OFlag::O_EXCL
+                | OFlag::O_NOFOLLOW
+                | OFlag::O_NOCTTY
+                | OFlag::O_CLOEXEC,
+        )
+        .mode(nix::sys::stat::Mode::from_bits_retain(mode))
+        .resolve(RESOLVE.union(ResolveFlag::RESOLVE_NO_XDEV));
+    openat2_beneath(root, rel, how).map(File::from)
+}
+
+/// `openat2(2)` of `rel` (made relative) beneath `root` with `how`, retried while the kernel
+/// cannot tell.
+fn openat2_beneath(root: BorrowedFd<'_>, rel: &Path, how: OpenHow) -> io::Result<OwnedFd> {
+    let c = relative(rel)?;
     loop {
         match file::openat2(root, c.as_c_str(), how) {
             Ok(fd) => return Ok(fd),
@@ -156,6 +200,12 @@ pub fn open_regular_nofollow(path: &Path) -> io::Result<File> {
 /// rootfs). The host path is trusted; what lies beneath it is not.
 pub fn open_root(dir: &Path) -> io::Result<OwnedFd> {
     open_path(dir, libc::O_DIRECTORY)
+}
+
+/// [`open_root`] for a host directory whose path is trusted but must not itself be a symlink
+/// (`O_NOFOLLOW`): a volume's host directory, which the refill of a tracked volume empties.
+pub fn open_root_nofollow(dir: &Path) -> io::Result<OwnedFd> {
+    open_path(dir, libc::O_DIRECTORY | libc::O_NOFOLLOW)
 }
 
 /// An `O_PATH` handle on what a trusted host path refers to, magic links followed: for
@@ -282,6 +332,60 @@ mod tests {
         assert_eq!(
             std::fs::read_to_string(s.root.join("app/old")).unwrap(),
             "Container data"
+        );
+    }
+
+    #[test]
+    fn directories_open_beneath_only_as_directories_and_never_through_a_symlink() {
+        let s = scene();
+        symlink(&s.host, s.root.join("hostdir")).unwrap();
+        symlink("app", s.root.join("inside")).unwrap();
+        let root = open_root(&s.root).unwrap();
+        // The root itself (an O_PATH handle becomes a readable descriptor) and a subdirectory.
+        for rel in ["", "app", "app/sub"] {
+            let d = open_dir_beneath(root.as_fd(), Path::new(rel)).expect(rel);
+            assert_eq!(
+                fstat(d.as_fd()).unwrap().st_mode & libc::S_IFMT,
+                libc::S_IFDIR
+            );
+        }
+        // A symlink, as the last component or on the way, in or out of the root: refused.
+        for rel in ["hostdir", "inside", "inside/sub", "app/../../host"] {
+            let e = open_dir_beneath(root.as_fd(), Path::new(rel)).expect_err(rel);
+            assert!(
+                matches!(
+                    e.raw_os_error(),
+                    Some(libc::ELOOP | libc::ENOTDIR | libc::EXDEV)
+                ),
+                "{rel}: {e}"
+            );
+        }
+        let e = open_dir_beneath(root.as_fd(), Path::new("app/data")).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOTDIR), "{e}");
+    }
+
+    #[test]
+    fn new_files_beneath_are_new_and_never_made_through_a_symlink() {
+        let s = scene();
+        symlink(s.host.join("new"), s.root.join("dangling")).unwrap();
+        symlink(s.host.join("secret"), s.root.join("secret")).unwrap();
+        let root = open_root(&s.root).unwrap();
+        for rel in ["dangling", "secret", "app/data"] {
+            let e = create_file_beneath(root.as_fd(), Path::new(rel), 0o600).unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::EEXIST), "{rel}: {e}");
+        }
+        assert!(!s.host.join("new").exists());
+        assert_eq!(
+            std::fs::read_to_string(s.host.join("secret")).unwrap(),
+            "host secret"
+        );
+        let e = create_file_beneath(root.as_fd(), Path::new("hostdir/x"), 0o600);
+        assert!(e.is_err());
+        let mut f = create_file_beneath(root.as_fd(), Path::new("app/new"), 0o600).unwrap();
+        f.write_all(b"made").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(s.root.join("app/new")).unwrap(),
+            "made"
         );
     }
 

@@ -8,11 +8,13 @@
 //! commands ([`super::bpf`]).
 
 use std::{
+    ffi::CString,
     io,
     os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd},
 };
 
 use nix::{
+    dir::Dir,
     fcntl::{OFlag, OpenHow},
     sys::stat::Mode,
     NixPath,
@@ -46,6 +48,30 @@ pub fn openat2<P: ?Sized + NixPath>(
     how: OpenHow,
 ) -> nix::Result<OwnedFd> {
     nix::fcntl::openat2(dir.as_raw_fd(), name, how).map(own)
+}
+
+/// The names of a directory (without `.` and `..`), or `None` once there are more than `max`.
+pub fn names_bounded(dir: &mut Dir, max: u64) -> nix::Result<Option<Vec<CString>>> {
+    let mut names = Vec::new();
+    for entry in dir.iter() {
+        let entry = entry?;
+        let name = entry.file_name();
+        let b = name.to_bytes();
+        if b != b"." && b != b".." {
+            if names.len() as u64 >= max {
+                return Ok(None);
+            }
+            names.push(name.to_owned());
+        }
+    }
+    Ok(Some(names))
+}
+
+/// [`names_bounded`] of the open directory `dir`, read through a duplicate descriptor (closed
+/// before returning), so the caller keeps `dir` as the base of `*at` calls on the names.
+pub fn dir_names_bounded(dir: BorrowedFd<'_>, max: u64) -> io::Result<Option<Vec<CString>>> {
+    let mut stream = Dir::from(dir.try_clone_to_owned()?)?;
+    Ok(names_bounded(&mut stream, max)?)
 }
 
 /// `sync_file_range(2)` over the whole file with `flags` (`SYNC_FILE_RANGE_*`).
