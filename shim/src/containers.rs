@@ -271,7 +271,7 @@ impl Containers {
         );
         let spec = bundle::read_spec(&p.bundle)?;
         turns::check_spec_annotations(&spec)?;
-        crate::service::check_group(&spec, &self.namespace, &config.shim.groups)
+        crate::grouping::check_group(&spec, &self.namespace, &config.shim.groups)
             .map_err(Error::InvalidArgument)?;
         let exec_boundary = turns::exec_boundary(&spec, config.checkpoint.turn_boundary)?;
         let probes = turns::probe_commands(&spec)?;

@@ -24,6 +24,7 @@ pub mod containers;
 pub mod engine;
 pub mod error;
 pub mod events;
+pub mod grouping;
 pub mod idmap;
 pub mod inspector;
 pub mod logdriver;
