@@ -19,7 +19,9 @@
 //!    (runc restore + CRIU), then until its `inspector: watching cgroup` line (setting up
 //!    checkpoints; the process image is imported into the new container's store in the
 //!    background), then until Tasks.Start returned (the inspector's base mark also runs in the
-//!    background). Each restored container is checked to hold the process again.
+//!    background). Each restored container is checked to hold the process again. The shim's
+//!    kernel check at CRIU's gate (`kernel check passed in D ms`) is read from the same log.
+//!    `BENCH_RESTORE_ONLY=2` runs this section alone.
 //! 3. Rollback, end to end (`crabctl rollback C --to T`, wall time; crabctl's own figure too):
 //!    each repetition runs a turn that writes a file and then rolls back to before it; fs-only
 //!    (turn 10 of the 50-turn sandbox) and with the 50 MB process. The same checkpoint is also
@@ -221,6 +223,9 @@ struct ShimLog {
     /// gate (what of the hashing stayed on the critical path). NaN where not logged.
     pages_ms: f64,
     gate_wait_ms: f64,
+    /// Its `kernel check passed in D ms` figure: what CRIU restored read from the kernel and
+    /// compared with the spec while CRIU held the tree at pre-resume (on the critical path).
+    kernel_check_ms: f64,
     /// Unix times of that line and of the inspector's start after it.
     restored_at: f64,
     inspector_at: Option<f64>,
@@ -247,6 +252,8 @@ struct StartSeries {
     setup: Vec<f64>,
     /// The shim's verification of the image (all ways), see [`ShimLog::verify_ms`].
     verify: Vec<f64>,
+    /// The kernel check at CRIU's gate (all ways), see [`ShimLog::kernel_check_ms`].
+    kernel_check: Vec<f64>,
     /// API starts: checkpointing began until Tasks.Start returned (the inspector's base mark).
     api_tail: Vec<f64>,
     /// Snapshots removed before each cold start.
@@ -272,6 +279,7 @@ impl StartSeries {
             "api_task_start_ms": Stats::json(&self.api_col(|a| a.task_start_ms)),
             "shim_after_restore_until_checkpointing_ms": Stats::json(&self.setup),
             "shim_image_verification_ms": Stats::json(&self.verify),
+            "shim_kernel_check_ms": Stats::json(&self.kernel_check),
             "api_checkpointing_began_until_start_returned_ms": Stats::json(&self.api_tail),
             "shim_restore_log_ms": {"cold": Stats::json(&self.shim_cold), "warm": Stats::json(&self.shim_warm), "api": Stats::json(&self.shim_api)},
             "snapshots_removed_before_cold": self.removed,
@@ -360,6 +368,15 @@ impl Bench {
                             rest.split_whitespace().next()?.parse::<f64>().ok()
                         })
                         .unwrap_or(f64::NAN);
+                    let check = format!("container {id}: kernel check passed in ");
+                    let kernel_check_ms = lines[..at]
+                        .iter()
+                        .rev()
+                        .find_map(|l| {
+                            let rest = &l[l.find(&check)? + check.len()..];
+                            rest.split_whitespace().next()?.parse::<f64>().ok()
+                        })
+                        .unwrap_or(f64::NAN);
                     let pages = format!("checkpoint image of {id}: its page files (");
                     let (pages_ms, gate_wait_ms) = lines
                         .iter()
@@ -384,6 +401,7 @@ impl Bench {
                         verify_ms,
                         pages_ms,
                         gate_wait_ms,
+                        kernel_check_ms,
                         restored_at,
                         inspector_at,
                     });
@@ -845,6 +863,7 @@ async fn restore_series(
             let shim = log.map(|l| l.restore_ms);
             s.setup.extend(log.map(|l| l.setup_ms()));
             s.verify.extend(log.map(|l| l.verify_ms));
+            s.kernel_check.extend(log.map(|l| l.kernel_check_ms));
             if with_process && rep == 0 {
                 s.held_kib.push(held_kib(&h, &id).await);
             }
@@ -865,6 +884,7 @@ async fn restore_series(
             s.shim_api.push(log.map_or(f64::NAN, |l| l.restore_ms));
             s.setup.extend(log.map(|l| l.setup_ms()));
             s.verify.extend(log.map(|l| l.verify_ms));
+            s.kernel_check.extend(log.map(|l| l.kernel_check_ms));
             s.api_tail.extend(
                 log.and_then(|l| l.inspector_at)
                     .map(|t| (api.started_at - t) * 1e3),
@@ -951,6 +971,13 @@ fn restore_rows(
             s.verify.clone(),
             Some(5.0),
             "part of Create: one read of the CRIU files while copying them out",
+        );
+        r.row(
+            section,
+            format!("{label}: shim, kernel check at CRIU's gate"),
+            s.kernel_check.clone(),
+            Some(5.0),
+            "critical path: every restored thread read from /proc and the task iterator, compared with the spec",
         );
         r.row(
             section,
@@ -2276,6 +2303,11 @@ async fn main() {
             Ok("3b") => return bench_in_place(&mut b, &mut r).await,
             Ok("5") => return bench_lazy(&mut b, &mut r).await,
             Ok("6") => return bench_verify(&mut b, &mut r).await,
+            Ok("2") => {
+                let (p, g) = proc_sandbox(&mut b).await?;
+                guards.push(g);
+                return bench_proc_restore(&mut b, &mut r, &p).await;
+            }
             _ => {}
         }
         baseline(&mut b, &mut r).await?;
