@@ -1390,3 +1390,66 @@ async fn every_program_runc_makes_for_a_profile_is_accepted_as_runc_s() {
         }
     }
 }
+
+/// A shim killed while it probed runc leaves a runc init waiting on its FIFO forever, in a
+/// cgroup of its own: the next probe on the host sweeps it (runc delete --force, then the
+/// bundle), and leaves a live shim's probe alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_of_dead_shims_are_swept() {
+    use crab_shim::restore::seccomp::{probe_id, sweep_stale_probes, write_probe_bundle};
+    support::require_root("runs runc");
+    support::require_program("runc");
+    start_runc_reaper();
+    let dir = tempfile::tempdir().unwrap();
+    let runc = Runc {
+        binary: "runc".into(),
+        root: dir.path().join("unused"),
+        systemd_cgroup: false,
+        log: dir.path().join("runc.log"),
+        no_pivot_root: false,
+        no_new_keyring: false,
+        io_owner: None,
+    };
+    let profile: oci_spec::runtime::LinuxSeccomp =
+        serde_json::from_value(profile(&["swapon"])).unwrap();
+    // No pid is ever this large (pid_max is at most 2^22): its shim is dead.
+    let (dead, live) = (probe_id(999_999_999, 0), probe_id(std::process::id(), 999));
+    let mut inits = Vec::new();
+    for id in [&dead, &live] {
+        let bundle = dir.path().join(id);
+        write_probe_bundle(&bundle, id, &profile).unwrap();
+        let r = Runc {
+            root: bundle.join("runc"),
+            log: bundle.join("log.json"),
+            ..runc.clone()
+        };
+        r.create(
+            id,
+            &bundle,
+            &bundle.join("pid"),
+            None,
+            crab_shim::runc::ChildStdio::null(),
+        )
+        .await
+        .unwrap();
+        let pid: u32 = fs::read_to_string(bundle.join("pid"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        inits.push((id.clone(), pid, r));
+    }
+    assert_eq!(sweep_stale_probes(&runc, dir.path()).await, 1);
+    let (_, dead_init, _) = &inits[0];
+    wait_until(
+        "the dead shim's probe to end",
+        Duration::from_secs(10),
+        || (!Path::new(&format!("/proc/{dead_init}")).exists()).then_some(()),
+    );
+    assert!(!dir.path().join(&dead).exists());
+    assert!(!Path::new("/sys/fs/cgroup").join(&dead).exists());
+    // The live shim's probe is its own to finish.
+    let (_, live_init, r) = &inits[1];
+    assert!(Path::new(&format!("/proc/{live_init}")).exists());
+    r.delete(&live, true).await.unwrap();
+}

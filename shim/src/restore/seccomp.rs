@@ -592,58 +592,109 @@ fn own_filters() -> u32 {
         .unwrap_or(0)
 }
 
+/// The id of shim `pid`'s `n`th probe container (also its bundle's name in the cache dir).
+pub fn probe_id(pid: u32, n: u64) -> String {
+    format!("{PROBE_PREFIX}{pid}-{n}")
+}
+
+const PROBE_PREFIX: &str = "crab-seccomp-probe-";
+
+/// Writes the probe's bundle: an empty rootfs whose process never starts, runc's init
+/// installing `profile`'s filter before it waits to be started (no_new_privs off).
+pub fn write_probe_bundle(bundle: &Path, id: &str, profile: &LinuxSeccomp) -> std::io::Result<()> {
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(bundle.join("rootfs/proc"))?;
+    fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o755)
+        .open(bundle.join("rootfs/crab-seccomp-probe"))?;
+    let config = serde_json::json!({
+        "ociVersion": "1.0.2",
+        "process": {
+            "user": {"uid": 0, "gid": 0},
+            "args": ["/crab-seccomp-probe"],
+            "env": [],
+            "cwd": "/",
+            "noNewPrivileges": false,
+        },
+        "root": {"path": "rootfs"},
+        "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"}],
+        "linux": {
+            "namespaces": [{"type": "mount"}, {"type": "pid"}],
+            "cgroupsPath": format!("/{id}"),
+            "seccomp": profile,
+        },
+    });
+    fs::write(
+        bundle.join("config.json"),
+        serde_json::to_vec(&config).map_err(std::io::Error::other)?,
+    )
+}
+
+/// runc as the probe `id` in `bundle` runs it (its state inside the bundle).
+fn probe_runc(runc: &Runc, bundle: &Path) -> Runc {
+    Runc {
+        binary: runc.binary.clone(),
+        root: bundle.join("runc"),
+        systemd_cgroup: false,
+        log: bundle.join("log.json"),
+        no_pivot_root: runc.no_pivot_root,
+        no_new_keyring: true,
+        io_owner: None,
+    }
+}
+
+/// Removes the probes of shims that died while probing (their runc init waits forever on its
+/// FIFO, in a cgroup of its own): each is deleted with runc (`--force`: the init is killed, the
+/// cgroup removed), then its bundle. A probe whose shim's pid is alive (or reused) is left.
+pub async fn sweep_stale_probes(runc: &Runc, cache_dir: &Path) -> usize {
+    let Ok(entries) = fs::read_dir(cache_dir) else {
+        return 0;
+    };
+    let mut swept = 0;
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix(PROBE_PREFIX)
+            .and_then(|r| r.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let bundle = cache_dir.join(&name);
+        let r = probe_runc(runc, &bundle);
+        if let Ok(Err(e)) = tokio::time::timeout(PROBE_TIMEOUT, r.delete(&name, true)).await {
+            if !e.is_gone() {
+                log::warn!("sweeping the stale seccomp probe {name}: {e}");
+            }
+        }
+        match fs::remove_dir_all(&bundle) {
+            Ok(()) => swept += 1,
+            Err(e) => log::warn!("sweeping the stale seccomp probe {name}: {e}"),
+        }
+    }
+    swept
+}
+
 /// Learns runc's program for `profile` from a container that never starts (module doc).
 async fn probe(profile: &LinuxSeccomp, runc: &Runc, cache_dir: &Path) -> Result<Vec<u8>, String> {
-    let id = format!(
-        "crab-seccomp-probe-{}-{}",
-        std::process::id(),
-        PROBES.fetch_add(1, Ordering::Relaxed)
-    );
+    let swept = sweep_stale_probes(runc, cache_dir).await;
+    if swept > 0 {
+        log::info!("swept {swept} seccomp probes left by shims that died while probing");
+    }
+    let id = probe_id(std::process::id(), PROBES.fetch_add(1, Ordering::Relaxed));
     let bundle = cache_dir.join(&id);
-    let made = (|| -> std::io::Result<()> {
-        fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(bundle.join("rootfs/proc"))?;
-        fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o755)
-            .open(bundle.join("rootfs/crab-seccomp-probe"))?;
-        let config = serde_json::json!({
-            "ociVersion": "1.0.2",
-            "process": {
-                "user": {"uid": 0, "gid": 0},
-                "args": ["/crab-seccomp-probe"],
-                "env": [],
-                "cwd": "/",
-                "noNewPrivileges": false,
-            },
-            "root": {"path": "rootfs"},
-            "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"}],
-            "linux": {
-                "namespaces": [{"type": "mount"}, {"type": "pid"}],
-                "cgroupsPath": format!("/{id}"),
-                "seccomp": profile,
-            },
-        });
-        fs::write(
-            bundle.join("config.json"),
-            serde_json::to_vec(&config).map_err(std::io::Error::other)?,
-        )
-    })();
+    let made = write_probe_bundle(&bundle, &id, profile);
     let result = match made {
         Err(e) => Err(format!("making the probe bundle {}: {e}", bundle.display())),
         Ok(()) => {
-            let runc = Runc {
-                binary: runc.binary.clone(),
-                root: bundle.join("runc"),
-                systemd_cgroup: false,
-                log: bundle.join("log.json"),
-                no_pivot_root: runc.no_pivot_root,
-                no_new_keyring: true,
-                io_owner: None,
-            };
+            let runc = probe_runc(runc, &bundle);
             let pid_file = bundle.join("pid");
             let created = tokio::time::timeout(
                 PROBE_TIMEOUT,
