@@ -1098,15 +1098,7 @@ async fn the_restore_gate_holds_every_process_until_the_verdict() {
     }
 }
 
-/// One classic-BPF instruction (`struct sock_filter`) as the kernel keeps it.
-fn insn(code: u16, jt: u8, jf: u8, k: u32) -> [u8; 8] {
-    let mut b = [0u8; 8];
-    b[..2].copy_from_slice(&code.to_ne_bytes());
-    b[2] = jt;
-    b[3] = jf;
-    b[4..].copy_from_slice(&k.to_ne_bytes());
-    b
-}
+use crab_shim::restore::seccomp::encode_insn as insn;
 
 const BPF_RET_K: u16 = 0x06;
 const SECCOMP_RET_ALLOW: u32 = 0x7fff_0000;
@@ -1172,6 +1164,19 @@ fn the_task_iterator_reads_each_thread_s_filters_and_securebits() {
     assert!(seccomp::read(&[own], None).unwrap()[&own].filter_count == 0);
     child.kill().unwrap();
     child.wait().unwrap();
+}
+
+/// runc from PATH with its state and log in `dir` (the seccomp probe tests' own).
+fn plain_runc(dir: &Path) -> Runc {
+    Runc {
+        binary: "runc".into(),
+        root: dir.join("runc"),
+        systemd_cgroup: false,
+        log: dir.join("runc.log"),
+        no_pivot_root: false,
+        no_new_keyring: false,
+        io_owner: None,
+    }
 }
 
 /// A seccomp profile in the OCI form: everything allowed but the syscalls `denied`.
@@ -1346,15 +1351,7 @@ async fn every_program_runc_makes_for_a_profile_is_accepted_as_runc_s() {
     support::require_program("runc");
     start_runc_reaper();
     let dir = tempfile::tempdir().unwrap();
-    let runc = Runc {
-        binary: "runc".into(),
-        root: dir.path().join("runc"),
-        systemd_cgroup: false,
-        log: dir.path().join("runc.log"),
-        no_pivot_root: false,
-        no_new_keyring: false,
-        io_owner: None,
-    };
+    let runc = plain_runc(dir.path());
     let mut programs = Vec::new();
     for i in 0..8 {
         let mut p = profile(&["swapon", "swapoff", "kexec_load"]);
@@ -1401,15 +1398,7 @@ async fn probes_of_dead_shims_are_swept() {
     support::require_program("runc");
     start_runc_reaper();
     let dir = tempfile::tempdir().unwrap();
-    let runc = Runc {
-        binary: "runc".into(),
-        root: dir.path().join("unused"),
-        systemd_cgroup: false,
-        log: dir.path().join("runc.log"),
-        no_pivot_root: false,
-        no_new_keyring: false,
-        io_owner: None,
-    };
+    let runc = plain_runc(dir.path());
     let profile: oci_spec::runtime::LinuxSeccomp =
         serde_json::from_value(profile(&["swapon"])).unwrap();
     // No pid is ever this large (pid_max is at most 2^22): its shim is dead.

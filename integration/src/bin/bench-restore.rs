@@ -359,24 +359,20 @@ impl Bench {
                         .iter()
                         .find(|l| l.contains("inspector: watching cgroup"))
                         .and_then(|l| log_time(l));
-                    let verified = format!("checkpoint image of {id} verified in ");
-                    let verify_ms = lines[..at]
-                        .iter()
-                        .rev()
-                        .find_map(|l| {
-                            let rest = &l[l.find(&verified)? + verified.len()..];
-                            rest.split_whitespace().next()?.parse::<f64>().ok()
-                        })
-                        .unwrap_or(f64::NAN);
-                    let check = format!("container {id}: kernel check passed in ");
-                    let kernel_check_ms = lines[..at]
-                        .iter()
-                        .rev()
-                        .find_map(|l| {
-                            let rest = &l[l.find(&check)? + check.len()..];
-                            rest.split_whitespace().next()?.parse::<f64>().ok()
-                        })
-                        .unwrap_or(f64::NAN);
+                    // The figure after `prefix` on the last line before the restore's.
+                    let figure_before = |prefix: String| {
+                        lines[..at]
+                            .iter()
+                            .rev()
+                            .find_map(|l| {
+                                let rest = &l[l.find(&prefix)? + prefix.len()..];
+                                rest.split_whitespace().next()?.parse::<f64>().ok()
+                            })
+                            .unwrap_or(f64::NAN)
+                    };
+                    let verify_ms = figure_before(format!("checkpoint image of {id} verified in "));
+                    let kernel_check_ms =
+                        figure_before(format!("container {id}: kernel check passed in "));
                     let pages = format!("checkpoint image of {id}: its page files (");
                     let (pages_ms, gate_wait_ms) = lines
                         .iter()

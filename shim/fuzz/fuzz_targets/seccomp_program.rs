@@ -4,17 +4,8 @@
 //! only before libseccomp's part, which it leaves byte for byte; a program is always its own.
 #![no_main]
 
-use crab_shim::restore::seccomp::{decides_as, parse_records};
+use crab_shim::restore::seccomp::{decides_as, encode_insn as insn, parse_records};
 use libfuzzer_sys::fuzz_target;
-
-fn insn(code: u16, jt: u8, jf: u8, k: u32) -> [u8; 8] {
-    let mut b = [0u8; 8];
-    b[..2].copy_from_slice(&code.to_ne_bytes());
-    b[2] = jt;
-    b[3] = jf;
-    b[4..].copy_from_slice(&k.to_ne_bytes());
-    b
-}
 
 /// runc's shape: a stub (arch check, ENOSYS above syscall 456) ending in `ret ENOSYS`, then
 /// libseccomp's part from `ld arch` (instruction 6).

@@ -175,6 +175,16 @@ const BPF_RET_K: u16 = 0x06;
 const DATA_NR: u32 = 0;
 const DATA_ARCH: u32 = 4;
 
+/// One classic-BPF instruction (`struct sock_filter`) as the kernel keeps it.
+pub fn encode_insn(code: u16, jt: u8, jf: u8, k: u32) -> [u8; 8] {
+    let mut b = [0u8; 8];
+    b[..2].copy_from_slice(&code.to_ne_bytes());
+    b[2] = jt;
+    b[3] = jf;
+    b[4..].copy_from_slice(&k.to_ne_bytes());
+    b
+}
+
 fn insn(program: &[u8], i: usize) -> (u16, u8, u8, u32) {
     let b = &program[i * 8..i * 8 + 8];
     (
@@ -906,20 +916,12 @@ mod tests {
             (BPF_RET_K, 0, 0, 0x7fff_0000),
         ]
         .iter()
-        .flat_map(|&(c, jt, jf, k)| {
-            let mut b = c.to_ne_bytes().to_vec();
-            b.extend([jt, jf]);
-            b.extend(k.to_ne_bytes());
-            b
-        })
+        .flat_map(|&(c, jt, jf, k)| encode_insn(c, jt, jf, k))
         .collect()
     }
 
     fn set(program: &mut [u8], i: usize, (code, jt, jf, k): (u16, u8, u8, u32)) {
-        program[i * 8..i * 8 + 2].copy_from_slice(&code.to_ne_bytes());
-        program[i * 8 + 2] = jt;
-        program[i * 8 + 3] = jf;
-        program[i * 8 + 4..i * 8 + 8].copy_from_slice(&k.to_ne_bytes());
+        program[i * 8..i * 8 + 8].copy_from_slice(&encode_insn(code, jt, jf, k));
     }
 
     #[test]
