@@ -189,6 +189,8 @@ impl PidTable {
 
 pub struct Containers {
     namespace: String,
+    /// containerd's gRPC address ([`crate::restore::layers::from_containerd`]).
+    address: String,
     events: EventSender,
     map: Mutex<HashMap<String, Arc<Container>>>,
     pids: Mutex<PidTable>,
@@ -206,9 +208,15 @@ pub struct ProcessState {
 impl Containers {
     /// The core of a shim serving containerd namespace `namespace`: it reports to `events`
     /// and signals `shutdown` when the shim is to end.
-    pub fn new(namespace: String, events: EventSender, shutdown: Arc<ExitSignal>) -> Arc<Self> {
+    pub fn new(
+        namespace: String,
+        address: String,
+        events: EventSender,
+        shutdown: Arc<ExitSignal>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             namespace,
+            address,
             events,
             map: Mutex::new(HashMap::new()),
             pids: Mutex::new(PidTable::default()),
@@ -314,6 +322,30 @@ impl Containers {
         let mut start_fresh = false;
         let taken = match p.checkpoint.is_empty() {
             true => {
+                // Which layers the engine unpacked, asked only of a rootfs with a checkpoint.
+                let unpacked = match rootfs.path.join(restore::RESERVED_DIR).exists() {
+                    true => {
+                        let t = std::time::Instant::now();
+                        let u = crate::restore::layers::identify(
+                            &self.address,
+                            &self.namespace,
+                            &p.id,
+                            &rootfs,
+                        )
+                        .await;
+                        log::info!(
+                            "create {}: rootfs layers asked of the engine in {:.1} ms: {}",
+                            p.id,
+                            t.elapsed().as_secs_f64() * 1e3,
+                            match &u {
+                                Ok(u) => u.source.clone(),
+                                Err(e) => e.clone(),
+                            }
+                        );
+                        u
+                    }
+                    false => Err("the rootfs holds no checkpoint".into()),
+                };
                 let (rootfs, dest) = (rootfs.path.clone(), p.bundle.join("crab-restore"));
                 let (config, id) = (config.clone(), p.id.clone());
                 let taken = tokio::task::spawn_blocking(move || {
@@ -329,6 +361,7 @@ impl Containers {
                         // Start holds the restored processes at CRIU's post-restore gate
                         // until the verdict ([`restore_gate`]).
                         defer_pages: config.restore.verify_during_restore,
+                        unpacked: &unpacked,
                     };
                     restore::take_from_rootfs(&rootfs, &dest, &guard)
                 })

@@ -116,6 +116,8 @@ fn restore_never_opens_a_device() {
         granted: &granted,
         cache: None,
         defer_pages: false,
+        // Never consulted: each image is refused before its signature is read.
+        unpacked: &Err("no engine in this test".into()),
     };
     let meta = format!(
         r#"{{"format":1,"source":{{"namespace":"ns","container":"c","seq":3,"turn_id":"t3"}},
@@ -132,6 +134,7 @@ fn restore_never_opens_a_device() {
         let statement = Statement {
             checkpoint_json: provenance::sha256(meta.as_bytes()),
             criu: BTreeMap::new(),
+            layers: Some(Vec::new()),
         };
         fs::write(dir.join(SIGNATURE_FILE), sign(&key, statement)).unwrap();
         let path = dir.join(file);

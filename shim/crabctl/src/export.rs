@@ -199,7 +199,17 @@ pub struct ExportOptions {
 /// container under the same id) gives another.
 pub fn checkpoint_identity(m: &Manifest, public_key: &str) -> String {
     let record = serde_json::to_vec(m).expect("a manifest serializes");
-    image::sha256_of(&[&record[..], b"\n", public_key.as_bytes()].concat())
+    image::sha256_of(
+        &[
+            &record[..],
+            b"\n",
+            public_key.as_bytes(),
+            // What the signature covers: an image signed before it bound the layers is built
+            // again (a restore refuses it).
+            b"\nstatement: criu, checkpoint.json, layers",
+        ]
+        .concat(),
+    )
 }
 
 /// The blobs of an export that are files here (the store's layers, layers built from a
@@ -361,6 +371,13 @@ impl Ctl {
             volumes: m.volumes.clone(),
         };
         let criu_dir = m.process.as_ref().map(|p| root.join(&p.image));
+        // The signature binds the layers the image has below the checkpoint layer.
+        let below: Vec<String> = base
+            .diff_ids
+            .iter()
+            .cloned()
+            .chain(m.fs_layers.iter().map(|d| d.diff_id.clone()))
+            .collect();
         let mut tmp = store.temp_file("export")?;
         let file = tmp.file().try_clone().map_err(|e| CtlError::Io {
             what: format!("opening {}", tmp.path().display()),
@@ -374,7 +391,7 @@ impl Ctl {
                 chunks: &chunks,
             });
             let mut out = std::io::BufWriter::new(file);
-            let blob = image::write_checkpoint_layer(&meta, criu, &signer, &mut out)?;
+            let blob = image::write_checkpoint_layer(&meta, &below, criu, &signer, &mut out)?;
             out.flush().map_err(|e| CtlError::Io {
                 what: format!("writing {}", tmp_path.display()),
                 source: e,

@@ -411,18 +411,9 @@ pub fn compress_layer(mut input: impl Read, out: impl Write) -> io::Result<Layer
     })
 }
 
-/// OCI chain ids of every prefix: chain(0) = diff(0); chain(n) = sha256(chain(n-1) + " " + diff(n)).
-pub fn chain_ids(diff_ids: &[String]) -> Vec<String> {
-    let mut out: Vec<String> = Vec::with_capacity(diff_ids.len());
-    for d in diff_ids {
-        let next = match out.last() {
-            None => d.clone(),
-            Some(prev) => sha256_of(format!("{prev} {d}").as_bytes()),
-        };
-        out.push(next);
-    }
-    out
-}
+/// OCI chain ids of every prefix: chain(0) = diff(0); chain(n) = sha256(chain(n-1) + " " + diff(n))
+/// (the shim's, which checks them at a restore).
+pub use crab_shim::restore::layers::chain_ids;
 
 /// The platform a manifest list entry must have for this host (Go's GOARCH names).
 pub fn host_platform() -> (&'static str, &'static str) {
@@ -489,6 +480,7 @@ pub struct CriuSource<'a> {
 /// rebuilt from their recipes. Entries are owned by root, modes 0700/0600, mtime 0.
 pub fn write_checkpoint_layer(
     meta: &CheckpointMeta,
+    below: &[String],
     criu: Option<CriuSource<'_>>,
     signer: &SigningKey,
     out: impl Write,
@@ -520,12 +512,14 @@ pub fn write_checkpoint_layer(
         Some(criu) => append_criu_image(&mut tar, &root.join(CRIU_DIR), criu)?,
         None => BTreeMap::new(),
     };
-    // Last: the signature over the description and every CRIU file as written above.
+    // Last: the signature over the description, every CRIU file as written above and the
+    // layers the image has below this one (`below`: their diff_ids, oldest first).
     let signature = provenance::sign(
         signer,
         Statement {
             checkpoint_json: provenance::sha256(&json),
             criu: criu_files,
+            layers: Some(below.to_vec()),
         },
     );
     append(
@@ -952,14 +946,6 @@ mod tests {
         assert_eq!(again.layers, base.layers);
     }
 
-    #[test]
-    fn chain_ids_follow_the_oci_rule() {
-        let ids = chain_ids(&["sha256:a".into(), "sha256:b".into()]);
-        assert_eq!(ids[0], "sha256:a");
-        assert_eq!(ids[1], sha256_of(b"sha256:a sha256:b"));
-        assert!(chain_ids(&[]).is_empty());
-    }
-
     fn meta(process: bool) -> CheckpointMeta {
         CheckpointMeta {
             format: META_FORMAT,
@@ -1008,7 +994,7 @@ mod tests {
     #[test]
     fn fs_only_checkpoint_layer_holds_the_description() {
         let mut out = Vec::new();
-        let blob = write_checkpoint_layer(&meta(false), None, &key(), &mut out).unwrap();
+        let blob = write_checkpoint_layer(&meta(false), &[], None, &key(), &mut out).unwrap();
         assert_eq!(blob.size, out.len() as u64);
         assert_eq!(blob.digest, sha256_of(&out));
         assert_eq!(
@@ -1045,7 +1031,7 @@ mod tests {
         // Deterministic.
         let mut again = Vec::new();
         assert_eq!(
-            write_checkpoint_layer(&meta(false), None, &key(), &mut again).unwrap(),
+            write_checkpoint_layer(&meta(false), &[], None, &key(), &mut again).unwrap(),
             blob
         );
         assert_eq!(
@@ -1071,6 +1057,7 @@ mod tests {
         let mut out = Vec::new();
         write_checkpoint_layer(
             &meta(true),
+            &[],
             Some(CriuSource {
                 dir: &img,
                 chunks: &chunks,
@@ -1125,6 +1112,7 @@ mod tests {
         let mut again = Vec::new();
         write_checkpoint_layer(
             &meta(true),
+            &[],
             Some(CriuSource {
                 dir: &img,
                 chunks: &chunks,
@@ -1140,6 +1128,7 @@ mod tests {
         }
         let e = write_checkpoint_layer(
             &meta(true),
+            &[],
             Some(CriuSource {
                 dir: &img,
                 chunks: &chunks,
@@ -1154,6 +1143,7 @@ mod tests {
         std::os::unix::fs::symlink("/etc/passwd", img.join("evil.img")).unwrap();
         let e = write_checkpoint_layer(
             &meta(true),
+            &[],
             Some(CriuSource {
                 dir: &img,
                 chunks: &chunks,

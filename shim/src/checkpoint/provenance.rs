@@ -47,6 +47,8 @@ pub enum ProvenanceError {
     Untrusted(String),
     #[error("checkpoint image altered after signing: {0}")]
     Altered(String),
+    #[error("checkpoint image layers cannot be checked against its signature: {0}")]
+    Layers(String),
     #[error("checkpoint image signature is malformed: {0}")]
     Malformed(String),
     #[error("checkpoint signing key {path}: {reason}")]
@@ -76,6 +78,12 @@ pub struct Statement {
     pub checkpoint_json: String,
     /// Every file of the CRIU image by name (none without a process image).
     pub criu: BTreeMap<String, FileDigest>,
+    /// The diff_ids of the image's layers below the checkpoint layer, oldest first: the
+    /// files the signed processes run on ([`crate::restore::layers`]). Every image crabctl
+    /// signs names them; a containerd checkpoint (restored on its container's own image) does
+    /// not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<Vec<String>>,
 }
 
 impl Statement {
@@ -578,6 +586,7 @@ mod tests {
                     },
                 ),
             ]),
+            layers: Some(vec![sha256(b"base layer")]),
         }
     }
 
@@ -642,6 +651,14 @@ mod tests {
         let forged = serde_json::to_vec(&file).unwrap();
         let err = t.verify(&forged, b"{\"format\":1}").unwrap_err();
         assert!(matches!(err, ProvenanceError::Altered(_)), "{err}");
+        // Another layer named below the checkpoint layer, or none.
+        for layers in [Some(vec![sha256(b"attacker's layer")]), None] {
+            let mut file: SignatureFile = serde_json::from_slice(&sig).unwrap();
+            file.statement.layers = layers;
+            let forged = serde_json::to_vec(&file).unwrap();
+            let err = t.verify(&forged, b"{\"format\":1}").unwrap_err();
+            assert!(matches!(err, ProvenanceError::Altered(_)), "{err}");
+        }
         // A CRIU file changed, was added or is missing.
         let mut found = statement().criu;
         found.get_mut("core-1.img").unwrap().sha256 = sha256(b"abd");

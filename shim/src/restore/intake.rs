@@ -506,6 +506,7 @@ impl Verification {
         let statement = Statement {
             checkpoint_json: String::new(),
             criu: signed.clone(),
+            layers: None,
         };
         provenance::check_digests(&statement, &found).map_err(|e| e.to_string())
     }
@@ -548,6 +549,28 @@ pub struct RestoreGuard<'a> {
     /// Whether the page files' digests may be checked while the restore goes on
     /// ([`Verification`]: the caller must then hold the restored processes until the verdict).
     pub defer_pages: bool,
+    /// Which layers the engine unpacked the rootfs from ([`super::layers`]), or why that cannot
+    /// be told; checked against the signed layers of a signed image.
+    pub unpacked: &'a Result<super::layers::Unpacked, String>,
+}
+
+/// A signed image's layers against those the engine unpacked: the signature must name them
+/// ([`Statement::layers`]) and the rootfs must be them, topped by the checkpoint layer alone.
+fn check_layers(
+    statement: &Statement,
+    unpacked: &Result<super::layers::Unpacked, String>,
+) -> Result<(), ProvenanceError> {
+    let Some(signed) = &statement.layers else {
+        return Err(ProvenanceError::Layers(
+            "its signature names no image layers (signed by a crab that did not bind them): \
+             export the checkpoint again"
+                .into(),
+        ));
+    };
+    let unpacked = unpacked
+        .as_ref()
+        .map_err(|why| ProvenanceError::Layers(why.clone()))?;
+    super::layers::verify(signed, unpacked)
 }
 
 /// Checks the CRIU image in `dir` (a private copy) against what the container's spec grants.
@@ -602,8 +625,7 @@ pub fn take_from_rootfs(
             &meta_bytes,
         ),
     };
-    let signature_time = started.elapsed();
-    let statement = match verified {
+    let statement = match verified.and_then(|s| check_layers(&s, guard.unpacked).map(|()| s)) {
         Ok(s) => s,
         Err(e @ ProvenanceError::Untrusted(_)) if guard.unsigned == UnsignedImages::StartFresh => {
             log::warn!(
@@ -628,10 +650,12 @@ pub fn take_from_rootfs(
             Statement {
                 checkpoint_json: provenance::sha256(&meta_bytes),
                 criu: criu_files,
+                layers: None,
             }
         }
         Err(e) => return Err(e.into()),
     };
+    let signature_time = started.elapsed();
     let criu = dir.join(CRIU_DIR);
     let mut cached = None;
     let mut verification = None;
@@ -1024,6 +1048,9 @@ mod tests {
         limits: ImageLimits,
         cache: Option<RestoreCache>,
         defer: bool,
+        /// What the engine says it unpacked (`None`: the rootfs itself is the top layer, a
+        /// one-layer image, which is what the signed statements here name).
+        unpacked: Option<Result<super::super::layers::Unpacked, String>>,
     }
 
     impl Fixture {
@@ -1037,6 +1064,7 @@ mod tests {
                 limits: ImageLimits::NONE,
                 cache: None,
                 defer: false,
+                unpacked: None,
             }
         }
 
@@ -1050,6 +1078,13 @@ mod tests {
 
         fn take(&self, root: &Path, dest: &Path) -> Result<Option<Taken>, RestoreError> {
             let trusted = || Ok(self.trusted.clone());
+            let unpacked = self.unpacked.clone().unwrap_or_else(|| {
+                Ok(super::super::layers::Unpacked {
+                    below_top: None,
+                    top_dir: root.to_path_buf(),
+                    source: "test rootfs".into(),
+                })
+            });
             take_from_rootfs(
                 root,
                 dest,
@@ -1061,6 +1096,7 @@ mod tests {
                     granted: &self.granted,
                     cache: self.cache.as_ref(),
                     defer_pages: self.defer,
+                    unpacked: &unpacked,
                 },
             )
         }
@@ -1081,6 +1117,7 @@ mod tests {
         let statement = Statement {
             checkpoint_json: provenance::sha256(&meta),
             criu,
+            layers: Some(Vec::new()),
         };
         fs::write(dir.join(SIGNATURE_FILE), sign(key, statement)).unwrap();
     }
@@ -1147,6 +1184,77 @@ mod tests {
         assert!(out.criu_dir.is_none());
         assert_eq!(out.meta.fs_layers.len(), 1);
         assert!(!root.path().join(RESERVED_DIR).exists());
+    }
+
+    #[test]
+    fn the_signed_layers_must_be_the_unpacked_ones() {
+        use super::super::layers::{chain_ids, Unpacked};
+        let sha = |c: char| format!("sha256:{}", c.to_string().repeat(64));
+        // Signed over no layer below the checkpoint layer; the engine unpacked one.
+        let root = rootfs_with(&meta_json(1, false), None, &[]);
+        let f = Fixture {
+            unpacked: Some(Ok(Unpacked {
+                below_top: chain_ids(&[sha('a')]).pop(),
+                top_dir: root.path().to_path_buf(),
+                source: "overlayfs snapshot S".into(),
+            })),
+            ..Fixture::new()
+        };
+        let err = refused(&f, &root);
+        assert!(
+            matches!(err, RestoreError::Provenance(ProvenanceError::Altered(_))),
+            "{err}"
+        );
+        assert!(
+            err.to_string()
+                .contains("not unpacked from the signed layers"),
+            "{err}"
+        );
+        // The engine cannot tell: refused, with its reason.
+        let f = Fixture {
+            unpacked: Some(Err("containerd has no record of container c".into())),
+            ..Fixture::new()
+        };
+        let err = refused(&f, &root);
+        assert!(
+            matches!(err, RestoreError::Provenance(ProvenanceError::Layers(_))),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("no record of container c"),
+            "{err}"
+        );
+        // A file beside the reserved directory in the top layer.
+        fs::write(root.path().join("evil.so"), b"x").unwrap();
+        let err = refused(&Fixture::new(), &root);
+        assert!(err.to_string().contains("not a checkpoint layer"), "{err}");
+        fs::remove_file(root.path().join("evil.so")).unwrap();
+        // Signed by an older crab: no layers in the statement.
+        let dir = root.path().join(RESERVED_DIR);
+        let statement = Statement {
+            checkpoint_json: provenance::sha256(&fs::read(dir.join(META_FILE)).unwrap()),
+            criu: BTreeMap::new(),
+            layers: None,
+        };
+        fs::write(dir.join(SIGNATURE_FILE), sign(&key(), statement)).unwrap();
+        let err = refused(&Fixture::new(), &root);
+        assert!(
+            err.to_string().contains("export the checkpoint again"),
+            "{err}"
+        );
+        // Unsigned, restored on the kernel check alone: nothing vouched for, no layers asked.
+        let unsigned = rootfs_with(&meta_json(1, false), None, &[]);
+        fs::remove_file(unsigned.path().join(RESERVED_DIR).join(SIGNATURE_FILE)).unwrap();
+        let f = Fixture {
+            unsigned: UnsignedImages::KernelCheck,
+            unpacked: Some(Err("no engine".into())),
+            ..Fixture::new()
+        };
+        let dest = tempfile::tempdir().unwrap();
+        assert!(f
+            .take(unsigned.path(), &dest.path().join("criu"))
+            .unwrap()
+            .is_some());
     }
 
     /// A refusal leaves the rootfs as it was and nothing at the destination.

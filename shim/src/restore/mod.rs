@@ -11,6 +11,8 @@
 //!   the decision that matters;
 //! - [`gate`]: CRIU's action script that holds the restored processes at post-restore (page
 //!   files verified) and pre-resume (the kernel check) until the shim's verdict;
+//! - [`layers`]: which layers the engine unpacked a checkpoint image's rootfs from, against
+//!   the layers its signature names;
 //! - [`cache`]: verified process images kept on disk for the next restore of the same image;
 //! - [`volumes`]: the tracked volumes a checkpoint holds, refilled into their host directories.
 //!
@@ -22,6 +24,7 @@ pub mod cache;
 pub mod gate;
 pub mod intake;
 pub mod kernel;
+pub mod layers;
 pub mod privilege;
 pub mod seccomp;
 pub mod trust;

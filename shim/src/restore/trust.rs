@@ -143,6 +143,7 @@ pub fn sign_containerd_checkpoint(dir: &Path, key: &SigningKey) -> Result<usize,
     let statement = Statement {
         checkpoint_json: provenance::sha256(CONTAINERD_MARKER),
         criu,
+        layers: None,
     };
     let path = dir.join(CONTAINERD_SIGNATURE);
     let tmp = dir.join(format!(".{CONTAINERD_SIGNATURE}.tmp"));
@@ -298,6 +299,7 @@ mod tests {
             Statement {
                 checkpoint_json: provenance::sha256(b"{}"),
                 criu: files,
+                layers: None,
             },
         );
         fs::write(d.path().join(CONTAINERD_SIGNATURE), bytes).unwrap();

@@ -44,6 +44,8 @@ use crate::{
 pub struct Service {
     id: String,
     namespace: String,
+    /// containerd's gRPC address (`-address`): where a restore asks which layers it unpacked.
+    address: String,
     exit: Arc<ExitSignal>,
 }
 
@@ -68,6 +70,7 @@ impl containerd_shim::Shim for Service {
         Service {
             id: args.id.clone(),
             namespace: args.namespace.clone(),
+            address: args.address.clone(),
             exit: Arc::new(ExitSignal::default()),
         }
     }
@@ -136,7 +139,12 @@ impl containerd_shim::Shim for Service {
             .expect("subscribe to process exits");
         let (events, to_publish) = EventSender::channel();
         events::forward(publisher, self.namespace.clone(), to_publish);
-        let containers = Containers::new(self.namespace.clone(), events, self.exit.clone());
+        let containers = Containers::new(
+            self.namespace.clone(),
+            self.address.clone(),
+            events,
+            self.exit.clone(),
+        );
         containers.spawn_exit_loop(exits);
         TaskService { containers }
     }

@@ -1,0 +1,628 @@
+//! Which layers a checkpoint image's rootfs was really unpacked from, against the layers its
+//! signature names.
+//!
+//! A signed checkpoint vouches for its processes, and those processes run on the image's
+//! files: CRIU maps their executables and libraries back by path, and everything they load
+//! later comes from the same rootfs (the tracked volumes too, which the layers carry). So the
+//! signed statement names the layers below the checkpoint layer (their diff_ids, oldest
+//! first), and at Create the shim asks the engine that unpacked the rootfs which layers it
+//! unpacked. Engines check every layer against its diff_id while they unpack it (containerd's
+//! unpacker and differ, `docker load`), and name what they unpacked by chain id, the OCI rule
+//! over the diff_ids. Two facts must then hold:
+//!
+//! 1. the layers below the image's top layer are the signed ones: their chain id is the
+//!    signed diff_ids' chain id;
+//! 2. the top layer is a checkpoint layer and nothing else: its directory holds the reserved
+//!    directory alone, no whiteout, no other file, and its root is not opaque. (Its own
+//!    diff_id cannot be signed, the signature is inside it; what it may carry is the reserved
+//!    directory, which the signature covers file by file and the shim removes before start.)
+//!
+//! Where the engine keeps the answer:
+//! - containerd (`ctr run`, nerdctl, the CRI, crabctl's fork/rollback/recover): the
+//!   container's record names its snapshot; each ancestor snapshot an unpack made is named by
+//!   its chain id ([`from_containerd`]). The rootfs mounts containerd sent must be that
+//!   snapshot's.
+//! - Docker Engine with its overlay2 store: `<data-root>/image/overlay2/layerdb`, written by
+//!   dockerd, names each container's mount and its parent chain ([`from_docker_layerdb`]).
+//!
+//! Anything else (a rootfs no engine describes, a snapshotter whose top layer cannot be
+//! looked at on its own) cannot be checked, and a signed process image is then refused on it.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use sha2::{Digest, Sha256};
+
+use crate::bundle::RootfsMount;
+use crate::checkpoint::provenance::ProvenanceError;
+
+/// The reserved directory (the only entry a checkpoint layer's root may hold).
+const RESERVED: &str = ".crab-checkpoint";
+/// Bound on each call to containerd (Create must not hang on an engine that does not answer).
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound on the ancestors walked (an image has at most a few hundred layers).
+const MAX_DEPTH: usize = 512;
+
+/// What the engine unpacked: the chain below the image's top layer and where that top layer's
+/// files are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unpacked {
+    /// Chain id of the layers below the top one (`None`: the top layer is the only one).
+    pub below_top: Option<String>,
+    /// The top layer's own directory (an overlay lower directory).
+    pub top_dir: PathBuf,
+    /// Who said so, for messages: `containerd snapshot sha256:...`, `Docker layer ...`.
+    pub source: String,
+}
+
+/// The OCI chain ids of `diff_ids`, one per layer: the first is its diff_id, each next one
+/// `sha256(<previous chain id> + " " + <diff_id>)`.
+pub fn chain_ids(diff_ids: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::with_capacity(diff_ids.len());
+    for d in diff_ids {
+        let next = match out.last() {
+            None => d.clone(),
+            Some(prev) => format!(
+                "sha256:{:x}",
+                Sha256::digest(format!("{prev} {d}").as_bytes())
+            ),
+        };
+        out.push(next);
+    }
+    out
+}
+
+/// Checks `unpacked` against the signed diff_ids of the layers below the checkpoint layer.
+pub fn verify(signed: &[String], unpacked: &Unpacked) -> Result<(), ProvenanceError> {
+    let want = chain_ids(signed).pop();
+    if want != unpacked.below_top {
+        let show = |c: &Option<String>| c.clone().unwrap_or_else(|| "no layer".to_string());
+        return Err(ProvenanceError::Altered(format!(
+            "its rootfs was not unpacked from the signed layers: below its top layer the {} \
+             has {}, the signed {} layer(s) make {}",
+            unpacked.source,
+            show(&unpacked.below_top),
+            signed.len(),
+            show(&want)
+        )));
+    }
+    check_top_layer(&unpacked.top_dir).map_err(|reason| {
+        ProvenanceError::Altered(format!(
+            "its top layer ({}) is not a checkpoint layer: {reason}",
+            unpacked.source
+        ))
+    })
+}
+
+/// A checkpoint layer holds the reserved directory and nothing else: no other entry (a file,
+/// a directory, a whiteout hiding a lower file) and no opaque root.
+pub fn check_top_layer(dir: &Path) -> Result<(), String> {
+    let entries = fs::read_dir(dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+    let mut found = false;
+    for e in entries {
+        let e = e.map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+        let name = e.file_name();
+        if name != RESERVED {
+            return Err(format!("it holds {:?} beside /{RESERVED}", name));
+        }
+        let ft = e
+            .file_type()
+            .map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+        if !ft.is_dir() {
+            return Err(format!("/{RESERVED} is not a directory"));
+        }
+        found = true;
+    }
+    if !found {
+        return Err(format!("it holds no /{RESERVED}"));
+    }
+    for xattr in ["trusted.overlay.opaque", "user.overlay.opaque"] {
+        if has_xattr(dir, xattr) {
+            return Err(format!(
+                "its root is opaque ({xattr}): it hides every layer below"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn has_xattr(path: &Path, name: &str) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let (Ok(p), Ok(n)) = (
+        std::ffi::CString::new(path.as_os_str().as_bytes()),
+        std::ffi::CString::new(name),
+    ) else {
+        return true;
+    };
+    let mut buf = [0u8; 8];
+    // SAFETY: both strings are NUL-terminated; the buffer is ours and its length given.
+    let r = unsafe { libc::lgetxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    r >= 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::ERANGE)
+}
+
+/// The lower directories of an overlay mount, topmost first (`lowerdir=a:b`, or containerd
+/// 2.1's one `lowerdir+=` per layer).
+pub fn lowerdirs(m: &RootfsMount) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for o in &m.options {
+        if let Some(v) = o.strip_prefix("lowerdir=") {
+            out.extend(v.split(':').filter(|l| !l.is_empty()).map(PathBuf::from));
+        } else if let Some(v) = o.strip_prefix("lowerdir+=") {
+            out.push(PathBuf::from(v));
+        }
+    }
+    out
+}
+
+/// A snapshot name an unpack gives a layer: its chain id.
+fn is_chain_id(name: &str) -> bool {
+    name.strip_prefix("sha256:")
+        .is_some_and(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// Where the top layer is in the nearest-first list of a snapshot's ancestors: the first one
+/// named by a chain id (an engine's own layers above it, Docker's init layer, are not the
+/// image's). Returns its index and the name of its parent, if any.
+pub fn top_of(ancestors: &[String]) -> Result<(usize, Option<String>), String> {
+    let i = ancestors
+        .iter()
+        .position(|a| is_chain_id(a))
+        .ok_or_else(|| {
+            format!(
+                "none of its {} ancestor snapshot(s) is an image layer",
+                ancestors.len()
+            )
+        })?;
+    Ok((i, ancestors.get(i + 1).cloned()))
+}
+
+/// Which layers the engine unpacked the rootfs of container `id` from: containerd's record
+/// when containerd sent the rootfs mounts, else Docker's (which mounts the rootfs itself).
+pub async fn identify(
+    address: &str,
+    namespace: &str,
+    id: &str,
+    rootfs: &crate::bundle::Rootfs,
+) -> Result<Unpacked, String> {
+    match rootfs.mounted_by {
+        crate::bundle::MountedBy::Containerd => tokio::time::timeout(
+            4 * CALL_TIMEOUT,
+            from_containerd(address, namespace, id, &rootfs.mounts),
+        )
+        .await
+        .unwrap_or_else(|_| Err(format!("containerd at {address} did not answer in time"))),
+        crate::bundle::MountedBy::Caller => {
+            from_docker_layerdb(&rootfs.path, id, RootfsMount::overlay(&rootfs.mounts))
+        }
+    }
+}
+
+/// Asks containerd (at `address`, in `namespace`) which snapshot container `id` runs on, checks
+/// that `mounts` (what containerd sent with Create) are that snapshot's, and reads its chain.
+pub async fn from_containerd(
+    address: &str,
+    namespace: &str,
+    id: &str,
+    mounts: &[RootfsMount],
+) -> Result<Unpacked, String> {
+    use containerd_client::services::v1::{
+        containers_client::ContainersClient,
+        snapshots::{snapshots_client::SnapshotsClient, MountsRequest, StatSnapshotRequest},
+        GetContainerRequest,
+    };
+    use tonic::Request;
+
+    fn request<T>(namespace: &str, msg: T) -> Request<T> {
+        let mut r = Request::new(msg);
+        if let Ok(ns) = namespace.parse() {
+            r.metadata_mut().insert("containerd-namespace", ns);
+        }
+        r.set_timeout(CALL_TIMEOUT);
+        r
+    }
+    let channel = tokio::time::timeout(CALL_TIMEOUT, containerd_client::connect(address))
+        .await
+        .map_err(|_| format!("containerd at {address} did not answer"))?
+        .map_err(|e| format!("cannot reach containerd at {address}: {e}"))?;
+    let container = ContainersClient::new(channel.clone())
+        .get(request(
+            namespace,
+            GetContainerRequest { id: id.to_string() },
+        ))
+        .await
+        .map_err(|s| {
+            format!(
+                "containerd has no record of container {id}: {}",
+                s.message()
+            )
+        })?
+        .into_inner()
+        .container
+        .ok_or_else(|| format!("containerd has no record of container {id}"))?;
+    let (snapshotter, key) = (container.snapshotter, container.snapshot_key);
+    if key.is_empty() {
+        return Err(format!(
+            "containerd's record of {id} names no snapshot: its rootfs was not unpacked by containerd"
+        ));
+    }
+    let mut snapshots = SnapshotsClient::new(channel);
+    let theirs: Vec<RootfsMount> = snapshots
+        .mounts(request(
+            namespace,
+            MountsRequest {
+                snapshotter: snapshotter.clone(),
+                key: key.clone(),
+            },
+        ))
+        .await
+        .map_err(|s| format!("Snapshots.Mounts {key}: {}", s.message()))?
+        .into_inner()
+        .mounts
+        .into_iter()
+        .map(|m| RootfsMount {
+            kind: m.r#type,
+            source: m.source,
+            target: m.target,
+            options: m.options,
+        })
+        .collect();
+    let (Some(ours), Some(snap)) = (RootfsMount::overlay(mounts), RootfsMount::overlay(&theirs))
+    else {
+        return Err(format!(
+            "its rootfs is not an overlay of {snapshotter} snapshot {key}: its top layer cannot be looked at"
+        ));
+    };
+    let lowers = lowerdirs(ours);
+    if lowers != lowerdirs(snap) {
+        return Err(format!(
+            "the rootfs mounts sent with Create are not those of {snapshotter} snapshot {key}"
+        ));
+    }
+    let mut ancestors = Vec::new();
+    let mut at = key.clone();
+    while ancestors.len() < MAX_DEPTH {
+        let parent = snapshots
+            .stat(request(
+                namespace,
+                StatSnapshotRequest {
+                    snapshotter: snapshotter.clone(),
+                    key: at.clone(),
+                },
+            ))
+            .await
+            .map_err(|s| format!("Snapshots.Stat {at}: {}", s.message()))?
+            .into_inner()
+            .info
+            .map(|i| i.parent)
+            .unwrap_or_default();
+        if parent.is_empty() {
+            break;
+        }
+        // Enough once the top layer and its parent are known.
+        let done = ancestors.iter().any(|a: &String| is_chain_id(a));
+        ancestors.push(parent.clone());
+        if done {
+            break;
+        }
+        at = parent;
+    }
+    let (i, below) = top_of(&ancestors)?;
+    let top_dir = lowers.get(i).cloned().ok_or_else(|| {
+        format!(
+            "snapshot {key} has {} lower directories, fewer than its ancestors",
+            lowers.len()
+        )
+    })?;
+    Ok(Unpacked {
+        below_top: below,
+        top_dir,
+        source: format!("{snapshotter} snapshot {}", ancestors[i]),
+    })
+}
+
+/// Docker Engine's overlay2 store: the rootfs at `<data-root>/overlay2/<mount-id>/merged`, the
+/// container's layer record at `<data-root>/image/overlay2/layerdb/mounts/<id>/`.
+pub fn from_docker_layerdb(
+    rootfs: &Path,
+    id: &str,
+    overlay: Option<&RootfsMount>,
+) -> Result<Unpacked, String> {
+    let not_docker = || {
+        format!(
+            "{} is not a rootfs of Docker's overlay2 store: its layers cannot be told",
+            rootfs.display()
+        )
+    };
+    if rootfs.file_name().is_none_or(|n| n != "merged") {
+        return Err(not_docker());
+    }
+    let mount_id = rootfs
+        .parent()
+        .and_then(Path::file_name)
+        .ok_or_else(not_docker)?;
+    let store = rootfs
+        .parent()
+        .and_then(Path::parent)
+        .ok_or_else(not_docker)?;
+    if store.file_name().is_none_or(|n| n != "overlay2") {
+        return Err(not_docker());
+    }
+    let data_root = store.parent().ok_or_else(not_docker)?;
+    let layerdb = data_root.join("image/overlay2/layerdb");
+    let read = |p: PathBuf| -> Result<String, String> {
+        let md = fs::symlink_metadata(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+        if !md.is_file() || md.len() > 4096 {
+            return Err(format!("{} is not a small regular file", p.display()));
+        }
+        fs::read_to_string(&p)
+            .map(|s| s.trim().to_string())
+            .map_err(|e| format!("{}: {e}", p.display()))
+    };
+    if id.contains('/') || id.starts_with('.') {
+        return Err(format!("container id {id:?} is not a Docker one"));
+    }
+    let mount = layerdb.join("mounts").join(id);
+    if read(mount.join("mount-id"))? != mount_id.to_string_lossy() {
+        return Err(format!(
+            "Docker's layer record of {id} names another mount than {}",
+            rootfs.display()
+        ));
+    }
+    let top = read(mount.join("parent"))?;
+    if !is_chain_id(&top) {
+        return Err(format!(
+            "Docker's layer record of {id} names parent {top:?}"
+        ));
+    }
+    let layer = layerdb.join("sha256").join(&top["sha256:".len()..]);
+    let below = match fs::symlink_metadata(layer.join("parent")) {
+        Ok(_) => Some(read(layer.join("parent"))?),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(format!("{}: {e}", layer.join("parent").display())),
+    };
+    if below.as_deref().is_some_and(|b| !is_chain_id(b)) {
+        return Err(format!("Docker's layer {top} names parent {below:?}"));
+    }
+    let cache_id = read(layer.join("cache-id"))?;
+    if cache_id.is_empty() || cache_id.contains('/') || cache_id.starts_with('.') {
+        return Err(format!("Docker's layer {top} names cache id {cache_id:?}"));
+    }
+    let top_dir = store.join(&cache_id).join("diff");
+    // The mounted overlay must have that layer among its lower directories.
+    let canonical = |p: &Path| fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let want = canonical(&top_dir);
+    let in_mount = overlay
+        .map(lowerdirs)
+        .unwrap_or_default()
+        .iter()
+        .any(|l| canonical(l) == want);
+    if !in_mount {
+        return Err(format!(
+            "the overlay at {} does not have Docker's layer {top} ({}) below it",
+            rootfs.display(),
+            top_dir.display()
+        ));
+    }
+    Ok(Unpacked {
+        below_top: below,
+        top_dir,
+        source: format!("Docker layer {top}"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(c: char) -> String {
+        format!("sha256:{}", c.to_string().repeat(64))
+    }
+
+    #[test]
+    fn chain_ids_follow_the_oci_rule() {
+        let ids = chain_ids(&[id('a'), id('b')]);
+        assert_eq!(ids[0], id('a'));
+        assert_eq!(
+            ids[1],
+            format!(
+                "sha256:{:x}",
+                Sha256::digest(format!("{} {}", id('a'), id('b')).as_bytes())
+            )
+        );
+        assert!(chain_ids(&[]).is_empty());
+    }
+
+    fn checkpoint_layer() -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        fs::create_dir_all(d.path().join(RESERVED).join("criu")).unwrap();
+        fs::write(d.path().join(RESERVED).join("checkpoint.json"), b"{}").unwrap();
+        d
+    }
+
+    #[test]
+    fn the_signed_chain_and_a_bare_checkpoint_layer_pass() {
+        let top = checkpoint_layer();
+        let signed = vec![id('a'), id('b')];
+        let u = Unpacked {
+            below_top: chain_ids(&signed).pop(),
+            top_dir: top.path().to_path_buf(),
+            source: "test".into(),
+        };
+        verify(&signed, &u).unwrap();
+        // One layer only: nothing below it, nothing signed.
+        let alone = Unpacked {
+            below_top: None,
+            ..u.clone()
+        };
+        verify(&[], &alone).unwrap();
+        assert!(verify(&signed, &alone).is_err());
+    }
+
+    #[test]
+    fn other_layers_below_are_refused_by_chain() {
+        let top = checkpoint_layer();
+        let u = Unpacked {
+            below_top: chain_ids(&[id('a'), id('c')]).pop(),
+            top_dir: top.path().to_path_buf(),
+            source: "overlayfs snapshot X".into(),
+        };
+        let e = verify(&[id('a'), id('b')], &u).unwrap_err().to_string();
+        assert!(e.contains("altered after signing"), "{e}");
+        assert!(e.contains("not unpacked from the signed layers"), "{e}");
+        assert!(e.contains("overlayfs snapshot X"), "{e}");
+        // A layer added below, or one left out.
+        assert!(verify(&[id('a')], &u).is_err());
+        assert!(verify(&[id('a'), id('c'), id('d')], &u).is_err());
+    }
+
+    #[test]
+    fn a_top_layer_with_more_than_the_checkpoint_is_refused() {
+        let signed = vec![id('a')];
+        let unpacked = |dir: &Path| Unpacked {
+            below_top: Some(id('a')),
+            top_dir: dir.to_path_buf(),
+            source: "t".into(),
+        };
+        // A file beside the reserved directory (a library the restored processes would map).
+        let top = checkpoint_layer();
+        fs::create_dir_all(top.path().join("usr/lib")).unwrap();
+        let e = verify(&signed, &unpacked(top.path()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a checkpoint layer"), "{e}");
+        assert!(e.contains("\"usr\""), "{e}");
+        // A whiteout (a character device) hiding a lower file.
+        let top = checkpoint_layer();
+        nix::sys::stat::mknod(
+            &top.path().join("etc"),
+            nix::sys::stat::SFlag::S_IFCHR,
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+            0,
+        )
+        .unwrap();
+        assert!(verify(&signed, &unpacked(top.path())).is_err());
+        // No reserved directory; the reserved name as a file.
+        let empty = tempfile::tempdir().unwrap();
+        assert!(verify(&signed, &unpacked(empty.path()))
+            .unwrap_err()
+            .to_string()
+            .contains("no /.crab-checkpoint"));
+        fs::write(empty.path().join(RESERVED), b"x").unwrap();
+        assert!(verify(&signed, &unpacked(empty.path())).is_err());
+        // An opaque root hides every layer below.
+        let top = checkpoint_layer();
+        let p = std::ffi::CString::new(top.path().to_str().unwrap()).unwrap();
+        let n = std::ffi::CString::new("trusted.overlay.opaque").unwrap();
+        // SAFETY: NUL-terminated strings, a one-byte value.
+        let r = unsafe { libc::setxattr(p.as_ptr(), n.as_ptr(), b"y".as_ptr().cast(), 1, 0) };
+        if r == 0 {
+            let e = verify(&signed, &unpacked(top.path()))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("opaque"), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_top_layer_is_the_first_ancestor_an_unpack_named() {
+        assert_eq!(top_of(&[id('a'), id('b')]).unwrap(), (0, Some(id('b'))));
+        assert_eq!(top_of(&[id('a')]).unwrap(), (0, None));
+        // Docker's init layer sits between the container and the image.
+        assert_eq!(
+            top_of(&["c1-init".into(), id('a'), id('b')]).unwrap(),
+            (1, Some(id('b')))
+        );
+        assert!(top_of(&["c1-init".into()]).is_err());
+        assert!(top_of(&[]).is_err());
+        assert!(!is_chain_id("sha256:abc"));
+        assert!(!is_chain_id(&format!("sha512:{}", "a".repeat(64))));
+    }
+
+    #[test]
+    fn lower_directories_come_in_both_forms() {
+        let m = |options: &[&str]| RootfsMount {
+            kind: "overlay".into(),
+            source: "overlay".into(),
+            target: String::new(),
+            options: options.iter().map(|s| s.to_string()).collect(),
+        };
+        assert_eq!(
+            lowerdirs(&m(&["index=off", "lowerdir=/a:/b", "upperdir=/u"])),
+            vec![PathBuf::from("/a"), PathBuf::from("/b")]
+        );
+        assert_eq!(
+            lowerdirs(&m(&["lowerdir+=/a", "lowerdir+=/b", "upperdir=/u"])),
+            vec![PathBuf::from("/a"), PathBuf::from("/b")]
+        );
+        assert!(lowerdirs(&m(&["upperdir=/u"])).is_empty());
+    }
+
+    /// A Docker overlay2 store laid out as dockerd writes it.
+    fn docker_store(
+        parent_of_top: Option<&str>,
+    ) -> (tempfile::TempDir, PathBuf, RootfsMount, String) {
+        let root = tempfile::tempdir().unwrap();
+        let store = root.path().join("overlay2");
+        let rootfs = store.join("m1").join("merged");
+        fs::create_dir_all(&rootfs).unwrap();
+        let top = id('e');
+        let layerdb = root.path().join("image/overlay2/layerdb");
+        let mount = layerdb.join("mounts/c1");
+        fs::create_dir_all(&mount).unwrap();
+        fs::write(mount.join("mount-id"), "m1").unwrap();
+        fs::write(mount.join("parent"), &top).unwrap();
+        let layer = layerdb.join("sha256").join("e".repeat(64));
+        fs::create_dir_all(&layer).unwrap();
+        fs::write(layer.join("cache-id"), "k1").unwrap();
+        if let Some(p) = parent_of_top {
+            fs::write(layer.join("parent"), p).unwrap();
+        }
+        fs::create_dir_all(store.join("k1/diff")).unwrap();
+        fs::create_dir_all(store.join("l")).unwrap();
+        std::os::unix::fs::symlink("../k1/diff", store.join("l/SHORT")).unwrap();
+        let overlay = RootfsMount {
+            kind: "overlay".into(),
+            source: "overlay".into(),
+            target: String::new(),
+            options: vec![format!(
+                "lowerdir={}:{}",
+                store.join("m1-init/diff").display(),
+                store.join("l/SHORT").display()
+            )],
+        };
+        (root, rootfs, overlay, top)
+    }
+
+    #[test]
+    fn docker_s_layer_records_name_the_chain() {
+        let below = id('d');
+        let (root, rootfs, overlay, top) = docker_store(Some(&below));
+        let u = from_docker_layerdb(&rootfs, "c1", Some(&overlay)).unwrap();
+        assert_eq!(u.below_top, Some(below));
+        assert_eq!(u.top_dir, root.path().join("overlay2/k1/diff"));
+        assert!(u.source.contains(&top));
+        // Another container's id, a path-like id, a rootfs outside the store.
+        assert!(from_docker_layerdb(&rootfs, "c2", Some(&overlay)).is_err());
+        assert!(from_docker_layerdb(&rootfs, "../c1", Some(&overlay)).is_err());
+        assert!(from_docker_layerdb(root.path(), "c1", Some(&overlay)).is_err());
+        // An overlay without that layer below it.
+        let mut other = overlay.clone();
+        other.options = vec!["lowerdir=/nowhere".into()];
+        assert!(from_docker_layerdb(&rootfs, "c1", Some(&other)).is_err());
+        assert!(from_docker_layerdb(&rootfs, "c1", None).is_err());
+        // A one-layer image: nothing below its top.
+        let (_root, rootfs, overlay, _) = docker_store(None);
+        assert_eq!(
+            from_docker_layerdb(&rootfs, "c1", Some(&overlay))
+                .unwrap()
+                .below_top,
+            None
+        );
+        // A record that names no chain id.
+        let (_root, rootfs, overlay, _) = docker_store(Some("../../x"));
+        assert!(from_docker_layerdb(&rootfs, "c1", Some(&overlay)).is_err());
+    }
+}
