@@ -154,6 +154,63 @@ impl Archive {
         out
     }
 
+    /// The image with its layers edited: `edit` gets (descriptor, diff_id) of every layer,
+    /// oldest first; named `name`.
+    fn with_layers(
+        &self,
+        name: &str,
+        edit: impl FnOnce(&mut Vec<(Value, String)>, &mut Archive),
+    ) -> Archive {
+        let mut out = Archive {
+            files: self.files.clone(),
+        };
+        let mut manifest = self.manifest();
+        let mut config: Value =
+            serde_json::from_slice(self.blob(manifest["config"]["digest"].as_str().unwrap()))
+                .unwrap();
+        let mut layers: Vec<(Value, String)> = manifest["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .cloned()
+            .zip(
+                config["rootfs"]["diff_ids"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|d| d.as_str().unwrap().to_string()),
+            )
+            .collect();
+        edit(&mut layers, &mut out);
+        manifest["layers"] = Value::Array(layers.iter().map(|(d, _)| d.clone()).collect());
+        config["rootfs"]["diff_ids"] =
+            json!(layers.iter().map(|(_, d)| d.clone()).collect::<Vec<_>>());
+        let config = serde_json::to_vec(&config).unwrap();
+        let (config_size, config_digest) = (config.len(), out.put_blob(config));
+        manifest["config"]["digest"] = config_digest.into();
+        manifest["config"]["size"] = config_size.into();
+        let manifest = serde_json::to_vec(&manifest).unwrap();
+        let (manifest_size, manifest_digest) = (manifest.len(), out.put_blob(manifest));
+        let index = json!({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": manifest_digest, "size": manifest_size,
+            "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": "bad"}
+        }]});
+        out.files
+            .insert("index.json".into(), serde_json::to_vec(&index).unwrap());
+        out
+    }
+
+    /// A plain-tar layer of `tar`: (descriptor, diff_id), its blob added.
+    fn add_layer(&mut self, tar: Vec<u8>) -> (Value, String) {
+        let diff_id = sha256(&tar);
+        let size = tar.len();
+        let digest = self.put_blob(tar);
+        (
+            json!({"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": digest, "size": size}),
+            diff_id,
+        )
+    }
+
     fn write(&self, path: &Path) {
         let mut b = tar::Builder::new(Vec::new());
         let mut names: Vec<&String> = self.files.keys().collect();
@@ -267,7 +324,13 @@ fn repack_signed(
             })
             .collect();
         let i = find(".crab-checkpoint/signature.json");
-        edited[i].2 = sign(key, &json!({"checkpoint_json": sha256(meta), "criu": criu}));
+        // The layers below stay the ones the export signed.
+        let layers =
+            serde_json::from_slice::<Value>(&edited[i].2).unwrap()["statement"]["layers"].clone();
+        edited[i].2 = sign(
+            key,
+            &json!({"checkpoint_json": sha256(meta), "criu": criu, "layers": layers}),
+        );
     }
     let mut b = tar::Builder::new(Vec::new());
     for (mut h, path, data) in edited {
@@ -1451,4 +1514,105 @@ async fn an_allow_all_seccomp_filter_does_not_pass_for_runc_s() {
         "restored without a profile, with its own filter: {out}"
     );
     f.s.finish().await;
+}
+
+/// A plain tar holding `files` (with their parent directories), as an attacker's layer.
+fn files_tar(files: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    let mut dirs = std::collections::BTreeSet::new();
+    for (path, _) in files {
+        let mut at = Path::new(path).parent();
+        while let Some(d) = at.filter(|d| !d.as_os_str().is_empty()) {
+            dirs.insert(d.to_path_buf());
+            at = d.parent();
+        }
+    }
+    for d in dirs {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Directory);
+        h.set_mode(0o755);
+        h.set_size(0);
+        h.set_cksum();
+        b.append_data(&mut h, &d, std::io::empty()).unwrap();
+    }
+    for (path, data) in files {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o755);
+        h.set_cksum();
+        b.append_data(&mut h, path, &data[..]).unwrap();
+    }
+    b.into_inner().unwrap()
+}
+
+/// Issue 24, item 4: the signature binds the layers below the checkpoint layer, and the shim
+/// checks them against what containerd unpacked. Layers swapped, slipped in below or stacked
+/// on top of a signed checkpoint (its signed files untouched) are refused; so is a checkpoint
+/// layer that carries more than the reserved directory.
+#[tokio::test(flavor = "multi_thread")]
+async fn layers_swapped_under_a_signed_checkpoint_are_refused() {
+    let f = fixture("layers").await;
+    let config = f.config("layers", "");
+    // The image as signed runs, its process and its files back (the refusals below are the
+    // layers', nothing else).
+    let (code, out) = f.run("good", &f.good, &config, &[], "cat /app/file");
+    assert_eq!((code, out.trim()), (0, "data"), "{out}");
+
+    let evil = files_tar(&[("app/file", b"evil\n"), ("usr/lib/evil.so", b"\x7fELF")]);
+    let n = f.good.manifest()["layers"].as_array().unwrap().len();
+    assert!(n >= 2, "an export has layers below its checkpoint layer");
+
+    // The layer right below the checkpoint layer (the agent's files) replaced.
+    let swapped = f.good.with_layers(&f.name("swapped"), |layers, a| {
+        layers[n - 2] = a.add_layer(evil.clone());
+    });
+    let out = f.run_fails("swapped", &swapped).await;
+    assert!(
+        out.contains("altered after signing")
+            && out.contains("not unpacked from the signed layers"),
+        "{out}"
+    );
+    // A layer slipped in below the checkpoint layer; and the base image's layers left out.
+    let inserted = f.good.with_layers(&f.name("inserted"), |layers, a| {
+        layers.insert(n - 1, a.add_layer(evil.clone()));
+    });
+    let out = f.run_fails("inserted", &inserted).await;
+    assert!(out.contains("not unpacked from the signed layers"), "{out}");
+    let bare = f.good.with_layers(&f.name("bare"), |layers, _| {
+        layers.drain(..n - 2);
+    });
+    let out = f.run_fails("bare", &bare).await;
+    assert!(out.contains("not unpacked from the signed layers"), "{out}");
+
+    // A layer stacked on top of the checkpoint layer: below the top is then the checkpoint
+    // layer, never part of the signed chain.
+    let stacked = f.good.with_layers(&f.name("stacked"), |layers, a| {
+        layers.push(a.add_layer(evil.clone()));
+    });
+    let out = f.run_fails("stacked", &stacked).await;
+    assert!(out.contains("not unpacked from the signed layers"), "{out}");
+
+    // The checkpoint layer itself carrying a library beside the reserved directory (its signed
+    // files as they were: the signature still verifies).
+    let mut grown = tar::Builder::new(Vec::new());
+    for (h, data) in f.good.last_layer_entries() {
+        let mut h = h.clone();
+        let path = h.path().unwrap().to_string_lossy().into_owned();
+        grown.append_data(&mut h, &path, &data[..]).unwrap();
+    }
+    let mut h = tar::Header::new_gnu();
+    h.set_size(4);
+    h.set_mode(0o755);
+    h.set_cksum();
+    grown
+        .append_data(&mut h, "evil.so", &b"\x7fELF"[..])
+        .unwrap();
+    let grown = f
+        .good
+        .with_last_layer(&f.name("grown"), Some(grown.into_inner().unwrap()), None);
+    let out = f.run_fails("grown", &grown).await;
+    assert!(
+        out.contains("is not a checkpoint layer") && out.contains("evil.so"),
+        "{out}"
+    );
 }
