@@ -188,16 +188,54 @@ pub async fn identify(
     rootfs: &crate::bundle::Rootfs,
 ) -> Result<Unpacked, String> {
     match rootfs.mounted_by {
-        crate::bundle::MountedBy::Containerd => tokio::time::timeout(
-            4 * CALL_TIMEOUT,
-            from_containerd(address, namespace, id, &rootfs.mounts),
-        )
-        .await
-        .unwrap_or_else(|_| Err(format!("containerd at {address} did not answer in time"))),
+        crate::bundle::MountedBy::Containerd => {
+            bounded(
+                address,
+                from_containerd(address, namespace, id, &rootfs.mounts, None),
+            )
+            .await
+        }
         crate::bundle::MountedBy::Caller => {
-            from_docker_layerdb(&rootfs.path, id, RootfsMount::overlay(&rootfs.mounts))
+            let docker =
+                from_docker_layerdb(&rootfs.path, id, RootfsMount::overlay(&rootfs.mounts));
+            match (docker, docker_snapshot(&rootfs.path, id)) {
+                (Ok(u), _) => Ok(u),
+                (Err(e), None) => Err(e),
+                // Docker's containerd image store: the snapshot is the container id's, in the
+                // snapshotter the rootfs path names, and Docker mounted it itself.
+                (Err(_), Some(snapshot)) => {
+                    bounded(
+                        address,
+                        from_containerd(address, namespace, id, &rootfs.mounts, Some(snapshot)),
+                    )
+                    .await
+                }
+            }
         }
     }
+}
+
+async fn bounded(
+    address: &str,
+    f: impl std::future::Future<Output = Result<Unpacked, String>>,
+) -> Result<Unpacked, String> {
+    tokio::time::timeout(4 * CALL_TIMEOUT, f)
+        .await
+        .unwrap_or_else(|_| Err(format!("containerd at {address} did not answer in time")))
+}
+
+/// Docker Engine's containerd image store mounts container `id`'s snapshot itself at
+/// `<data-root>/rootfs/<snapshotter>/<id>`: (snapshotter, key).
+fn docker_snapshot(rootfs: &Path, id: &str) -> Option<(String, String)> {
+    let snapshotter = rootfs.parent()?;
+    (rootfs.file_name()? == id && snapshotter.parent()?.file_name()? == "rootfs" && !id.is_empty())
+        .then(|| {
+            Some((
+                snapshotter.file_name()?.to_str()?.to_string(),
+                id.to_string(),
+            ))
+        })
+        .flatten()
 }
 
 /// Asks containerd (at `address`, in `namespace`) which snapshot container `id` runs on, checks
@@ -207,6 +245,7 @@ pub async fn from_containerd(
     namespace: &str,
     id: &str,
     mounts: &[RootfsMount],
+    engine_snapshot: Option<(String, String)>,
 ) -> Result<Unpacked, String> {
     use containerd_client::services::v1::{
         containers_client::ContainersClient,
@@ -242,7 +281,10 @@ pub async fn from_containerd(
         .into_inner()
         .container
         .ok_or_else(|| format!("containerd has no record of container {id}"))?;
-    let (snapshotter, key) = (container.snapshotter, container.snapshot_key);
+    let (snapshotter, key) = match (container.snapshot_key.is_empty(), engine_snapshot) {
+        (true, Some(engine)) => engine,
+        _ => (container.snapshotter, container.snapshot_key),
+    };
     if key.is_empty() {
         return Err(format!(
             "containerd's record of {id} names no snapshot: its rootfs was not unpacked by containerd"
@@ -275,8 +317,13 @@ pub async fn from_containerd(
             "its rootfs is not an overlay of {snapshotter} snapshot {key}: its top layer cannot be looked at"
         ));
     };
-    let lowers = lowerdirs(ours);
-    if lowers != lowerdirs(snap) {
+    let canonical = |dirs: Vec<PathBuf>| -> Vec<PathBuf> {
+        dirs.into_iter()
+            .map(|d| fs::canonicalize(&d).unwrap_or(d))
+            .collect()
+    };
+    let lowers = canonical(lowerdirs(ours));
+    if lowers.is_empty() || lowers != canonical(lowerdirs(snap)) {
         return Err(format!(
             "the rootfs mounts sent with Create are not those of {snapshotter} snapshot {key}"
         ));
@@ -539,6 +586,23 @@ mod tests {
         assert!(top_of(&[]).is_err());
         assert!(!is_chain_id("sha256:abc"));
         assert!(!is_chain_id(&format!("sha512:{}", "a".repeat(64))));
+    }
+
+    #[test]
+    fn docker_s_containerd_store_names_the_snapshot_in_the_rootfs_path() {
+        assert_eq!(
+            docker_snapshot(Path::new("/var/lib/docker/rootfs/overlayfs/c1"), "c1"),
+            Some(("overlayfs".into(), "c1".into()))
+        );
+        assert_eq!(
+            docker_snapshot(Path::new("/var/lib/docker/rootfs/overlayfs/c2"), "c1"),
+            None
+        );
+        assert_eq!(
+            docker_snapshot(Path::new("/var/lib/docker/x/overlayfs/c1"), "c1"),
+            None
+        );
+        assert_eq!(docker_snapshot(Path::new("/c1"), "c1"), None);
     }
 
     #[test]
