@@ -24,7 +24,8 @@ PREFS=/etc/apt/preferences.d/crab-debian-extra
 #  2. containerd 2.x, runc 1.3 and CRIU 4.2 from sid (they need nothing else once
 #     trixie's libc is in). CRIU must be 4.2+: 4.1 reads socket options that Linux
 #     6.16+ refuses on TCP/UDP sockets, so it cannot dump any process holding one
-#     (criu issue 2718).
+#     (criu issue 2718). python3-pycriu is CRIU's own image decoder (crit), matching
+#     that CRIU: shim/tests/root_criu_vs_crit.rs reads mutated images with it and crab.
 #  3. Docker Engine from trixie (docker.io, docker-cli; the Docker tests run a private
 #     dockerd on the private containerd, hack/dockerd.sh), after step 2 so that its
 #     containerd dependency is met by the 2.x already there.
@@ -37,7 +38,7 @@ TRIXIE_PKGS=(
   libc6 libc-bin base-files libhogweed6t64 libnettle8t64 libp11-kit0 libgnutls30t64
   iptables umoci skopeo mmdebstrap docker-registry containernetworking-plugins
 )
-SID_PKGS=(containerd runc criu libcompel1)
+SID_PKGS=(containerd runc criu libcompel1 python3-pycriu)
 DOCKER_PKGS=(docker.io docker-cli)
 TRIXIE_DEV_PKGS=(libc6-dev)
 BASE_PKGS=(
