@@ -74,6 +74,7 @@ mkfifo /app/fifo
 truncate -s 100M /app/sparse && printf 'X' | dd of=/app/sparse bs=1 seek=5000000 conv=notrunc status=none
 echo 'crabtest:x:4242:' >> /etc/group
 echo in-volume > /data/v/file && echo vol-top > /data/top
+printf suid > /data/v/suid && chmod 6755 /data/v/suid
 echo base > /opt/crabtest/base"#;
 
 /// After the checkpoint: every kind of change, then more without a turn end.
@@ -94,6 +95,7 @@ mkdir -p /app/new/a/b/c/d && echo x > /app/new/a/b/c/d/e
 echo 'intruder:x:9999:' >> /etc/group
 rm -f /etc/shells /etc/issue
 echo changed > /data/v/file && rm /data/top && mkdir /data/newdir && echo n > /data/newdir/n
+rm /data/v/suid
 rm -rf /opt/crabtest"#;
 
 const UNCOMMITTED: &str = r#"set -e
@@ -161,7 +163,21 @@ until tr '\\0' ' ' < /proc/$!/cmdline | grep -q '^sleep 1000'; do sleep 0.01; do
     assert_eq!(base["kind"], "fs", "{base:#}");
     let target = format!("t{}", s.turn);
     s.sync().await;
-    let want = s.run(TREE).await.stdout;
+    // What comes back: the checkpoint's files, except that files of a tracked volume (whose host
+    // directory other containers may mount) lose their set-uid and set-gid bits, in place as
+    // when a restore refills the volume; the rootfs keeps them (/app/suid).
+    let want: String = s
+        .run(TREE)
+        .await
+        .stdout
+        .lines()
+        .map(|l| match l.starts_with("/data/v/suid ") {
+            true => l.replacen(" 0o6755 ", " 0o755 ", 1),
+            false => l.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n";
     let sleeper_before = s
         .run(&format!("cat /tmp/sleeper && {SLEEPERS}"))
         .await
@@ -177,6 +193,11 @@ until tr '\\0' ' ' < /proc/$!/cmdline | grep -q '^sleep 1000'; do sleep 0.01; do
     let init = pid_of(&r);
     assert!(r["paths"].as_u64().unwrap() > 10, "{r:#}");
     let in_place = s.run(TREE).await.stdout;
+    assert_eq!(
+        s.run("stat -c %a /data/v/suid /app/suid").await.stdout,
+        "755\n4755\n",
+        "set-uid and set-gid stripped in the volume only"
+    );
     assert!(
         in_place == want,
         "in place differs from the checkpoint:\n{}",
@@ -292,7 +313,21 @@ echo data > /app/data.txt && echo dev > /app/dev.txt && echo sub > /app/p/{marke
     s.end_turn().await;
     let target = format!("t{}", s.turn);
     s.sync().await;
-    let want = s.run(TREE).await.stdout;
+    // What comes back: the checkpoint's files, except that files of a tracked volume (whose host
+    // directory other containers may mount) lose their set-uid and set-gid bits, in place as
+    // when a restore refills the volume; the rootfs keeps them (/app/suid).
+    let want: String = s
+        .run(TREE)
+        .await
+        .stdout
+        .lines()
+        .map(|l| match l.starts_with("/data/v/suid ") {
+            true => l.replacen(" 0o6755 ", " 0o755 ", 1),
+            false => l.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n";
     s.run(&format!(
         r#"set -e
 rm -rf /app/d && ln -s {host} /app/d

@@ -354,9 +354,9 @@ struct Write {
     source: Source,
 }
 
-/// Whether the entry `st` in the view already is `want` (for entries reached by a whole-
-/// directory comparison, not named as changed).
-fn same(st: &libc::stat, want: &Want) -> bool {
+/// Whether the entry `st` in the view already is `want` with permission bits `mode` (for
+/// entries reached by a whole-directory comparison, not named as changed).
+fn same(st: &libc::stat, want: &Want, mode: u32) -> bool {
     let fmt = st.st_mode & libc::S_IFMT;
     let kind_ok = matches!(
         (fmt, want.kind),
@@ -367,7 +367,7 @@ fn same(st: &libc::stat, want: &Want) -> bool {
             | (libc::S_IFIFO, Kind::Fifo)
     );
     kind_ok
-        && st.st_mode & 0o7777 == want.meta.mode
+        && st.st_mode & 0o7777 == mode
         && (st.st_uid, st.st_gid) == (want.meta.uid, want.meta.gid)
         && st.st_size as u64 == want.size
         && (st.st_mtime, st.st_mtime_nsec) == want.meta.mtime
@@ -454,7 +454,8 @@ fn apply(view: &mut View, target: &mut Target<'_>, plan: &Plan<'_>) -> Result<(u
                 }
                 continue;
             }
-            if !named && cur.as_ref().is_some_and(|st| same(st, &want)) {
+            let mode = view.file_meta(&q, &want.meta).mode;
+            if !named && cur.as_ref().is_some_and(|st| same(st, &want, mode)) {
                 continue;
             }
             if cur.is_some() {
@@ -471,7 +472,7 @@ fn apply(view: &mut View, target: &mut Target<'_>, plan: &Plan<'_>) -> Result<(u
                         Kind::BlockDev => Special::Block(want.dev.0, want.dev.1),
                         _ => Special::Fifo,
                     };
-                    view.mknod(&q, kind, &want.meta)
+                    view.mknod(&q, kind, &view.file_meta(&q, &want.meta))
                         .map_err(|e| err(&q, "creating", &e))?
                 }
                 Kind::File | Kind::Hardlink => {
@@ -556,13 +557,15 @@ fn write_data(
             }
             Source::None => {
                 let f = view.create_file(&w.rel).map_err(|e| err(&w.rel, &e))?;
-                view::finish_file(&f, &w.meta).map_err(|e| err(&w.rel, &e))?;
+                view::finish_file(&f, &view.file_meta(&w.rel, &w.meta))
+                    .map_err(|e| err(&w.rel, &e))?;
             }
             Source::Lower(e, _) => {
                 let mut from = target.lowers.open(e, &w.rel).map_err(|e| err(&w.rel, &e))?;
                 let mut f = view.create_file(&w.rel).map_err(|e| err(&w.rel, &e))?;
                 io::copy(&mut from, &mut f).map_err(|e| err(&w.rel, &e))?;
-                view::finish_file(&f, &w.meta).map_err(|e| err(&w.rel, &e))?;
+                view::finish_file(&f, &view.file_meta(&w.rel, &w.meta))
+                    .map_err(|e| err(&w.rel, &e))?;
             }
         }
     }
@@ -605,7 +608,7 @@ fn write_data(
                 }),
             }
             .map_err(|e| err(&w.rel, &e))?;
-            view::finish_file(&f, &w.meta).map_err(|e| err(&w.rel, &e))?;
+            view::finish_file(&f, &view.file_meta(&w.rel, &w.meta)).map_err(|e| err(&w.rel, &e))?;
             at = data.at.offset + data.at.len;
         }
     }

@@ -169,6 +169,23 @@ impl View {
         (self.root.as_fd(), rel)
     }
 
+    /// `meta` as the entry `rel` (not a directory) gets it: in a tracked volume, whose host
+    /// directory other containers may mount, without set-uid and set-gid bits (as a restore
+    /// refills volumes, `restore::volumes`); elsewhere as it is.
+    pub fn file_meta(&self, rel: &Path, meta: &Meta) -> Meta {
+        let in_volume = self
+            .volumes
+            .iter()
+            .any(|(at, _)| rel != at && rel.starts_with(at));
+        match in_volume {
+            true => Meta {
+                mode: meta.mode & !(libc::S_ISUID | libc::S_ISGID),
+                ..meta.clone()
+            },
+            false => meta.clone(),
+        }
+    }
+
     /// Whether `rel` is a tracked volume's mount point.
     pub fn is_volume_root(&self, rel: &Path) -> bool {
         self.volumes.iter().any(|(at, _)| at == rel)
