@@ -516,15 +516,19 @@ impl Observation {
         }
         let mut new = Vec::new();
         let mut read = 0u64;
-        for &(a, b) in &gaps {
-            read += hash_shmem(f, a, b, &mut new, buf, &mut |bytes| budget.memory(bytes))?;
-        }
         if obj.covered.is_empty() {
             budget.stats.shared_objects += 1;
         }
-        let bytes = read * page_size();
-        budget.stats.shared_bytes += bytes;
-        budget.stats.memory_bytes += bytes;
+        // Counted chunk by chunk before it is read: a read stopped by the bound shows.
+        let mut charge = |bytes| {
+            budget.memory(bytes)?;
+            budget.stats.shared_bytes += bytes;
+            budget.stats.memory_bytes += bytes;
+            Ok(())
+        };
+        for &(a, b) in &gaps {
+            read += hash_shmem(f, a, b, &mut new, buf, &mut charge)?;
+        }
         obj.hashes = std::sync::Arc::new(merge_sorted(&obj.hashes, &new));
         for g in gaps {
             cover(&mut obj.covered, g);
@@ -1540,8 +1544,8 @@ fn capture_state(
                 };
                 let info = fdinfo_lines(&mut src, &mut fdinfo_budget);
                 fdinfo_read += src.n;
-                total.fdinfo(src.n)?;
                 total.stats.fdinfo_bytes += src.n;
+                total.fdinfo(src.n)?;
                 info
             }
             Err(_) => Vec::new(),

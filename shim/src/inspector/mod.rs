@@ -984,9 +984,6 @@ impl Inspection {
         // One observation for all the images: each shared object read once, the container's
         // bounds over them all.
         let mut obs = Observation::within(&self.target.limits);
-        if let Some(why) = prev.and_then(|m| m.over_limit.as_ref()) {
-            degraded.push(format!("the mark's memory images are incomplete: {why}"));
-        }
         if let (Some(now), Some(m)) = (&now_procs, prev) {
             if let Some(c) = counters {
                 procs.forks = c.forks.saturating_sub(m.counters.forks);
@@ -1085,7 +1082,10 @@ impl Inspection {
                         memory_images.insert(p.pid, img);
                     }
                     (Ok(img), None) => {
-                        degraded.push(format!("no memory image of pid {} at the mark", p.pid));
+                        degraded.push(match &m.over_limit {
+                            Some(why) => format!("no memory image of pid {} at the mark: {why}", p.pid),
+                            None => format!("no memory image of pid {} at the mark", p.pid),
+                        });
                         memory_images.insert(p.pid, img);
                     }
                     (Err(source), _) => memory_error(&mut degraded, p.pid, source),
