@@ -59,6 +59,11 @@ for p in filter(str.isdigit, os.listdir("/proc")):
 raise SystemExit("no sharer")
 "#;
 
+/// Waits until no python3 process is left but zombies (`sleep` as init reaps none; a zombie
+/// has left the cgroup), and fails if one is.
+const GONE: &str = "live() { ps -eo stat=,comm= | awk '$2 == \"python3\" && $1 !~ /^Z/'; }; \
+                    for i in $(seq 100); do test -z \"$(live)\" && break; sleep 0.1; done; test -z \"$(live)\"";
+
 /// Starts the sharers in the background of one turn and waits until they are all there.
 async fn start_sharers(s: &mut Sandbox, n: usize) {
     s.run(&format!(
@@ -253,7 +258,7 @@ async fn per_container_totals_make_the_turn_full_naming_the_key() {
     }
 
     // Back under: the sharers gone, the turn is exact (processes ended) and not degraded.
-    s.run("pkill -f 'sharers[.]py'; for i in $(seq 100); do pgrep -f 'sharers[.]py' >/dev/null || break; sleep 0.1; done; ! pgrep -f 'sharers[.]py' && rm -f /dev/shm/sharers-ready")
+    s.run(&format!("pkill -f 'sharers[.]py'; {GONE}; rm -f /dev/shm/sharers-ready"))
         .await;
     let answer = s.end_turn().await;
     assert!(answer["degraded"].as_array().unwrap().is_empty(), "{answer:#}");
@@ -278,8 +283,7 @@ async fn per_container_totals_make_the_turn_full_naming_the_key() {
     let fdinfo = answer["procs"]["read"]["fdinfo_bytes"].as_u64().unwrap();
     assert!(fdinfo <= 16384 + 1, "read {fdinfo} bytes of fdinfo");
     assert_running(&s).await;
-    s.run("pkill -f 'fds[-]ready'; for i in $(seq 100); do pgrep -f 'fds[-]ready' >/dev/null || break; sleep 0.1; done; ! pgrep -f 'fds[-]ready'")
-        .await;
+    s.run(&format!("pkill -f 'fds[-]ready'; {GONE}")).await;
     let answer = s.end_turn().await;
     assert!(answer["degraded"].as_array().unwrap().is_empty(), "{answer:#}");
     let (answer, _) = quiet_turn(&mut s).await;
