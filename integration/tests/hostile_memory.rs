@@ -152,7 +152,10 @@ async fn sixty_four_sharers_of_one_memfd_are_read_once_per_turn() {
             shim_rss(&s).1
         );
         assert_eq!(answer["kind"], "none", "{answer:#}");
-        assert!(answer["degraded"].as_array().unwrap().is_empty(), "{answer:#}");
+        assert!(
+            answer["degraded"].as_array().unwrap().is_empty(),
+            "{answer:#}"
+        );
         // One object, read once: 128 MiB, not 65 × (128 + 64) MiB; every other mapping of
         // it (65 whole ones and 64 windows) reused what was read.
         assert_eq!(read["shared_objects"], 1, "{answer:#}");
@@ -233,7 +236,11 @@ async fn per_container_totals_make_the_turn_full_naming_the_key() {
             0 => s.end_turn().await,
             _ => quiet_turn(&mut s).await.0,
         };
-        eprintln!("over max_memory_image_bytes: answered in {:?}: {}", t.elapsed(), answer["degraded"]);
+        eprintln!(
+            "over max_memory_image_bytes: answered in {:?}: {}",
+            t.elapsed(),
+            answer["degraded"]
+        );
         assert_eq!(answer["kind"], "full", "{answer:#}");
         let degraded = answer["degraded"].to_string();
         assert!(
@@ -258,10 +265,15 @@ async fn per_container_totals_make_the_turn_full_naming_the_key() {
     }
 
     // Back under: the sharers gone, the turn is exact (processes ended) and not degraded.
-    s.run(&format!("pkill -f 'sharers[.]py'; {GONE}; rm -f /dev/shm/sharers-ready"))
-        .await;
+    s.run(&format!(
+        "pkill -f 'sharers[.]py'; {GONE}; rm -f /dev/shm/sharers-ready"
+    ))
+    .await;
     let answer = s.end_turn().await;
-    assert!(answer["degraded"].as_array().unwrap().is_empty(), "{answer:#}");
+    assert!(
+        answer["degraded"].as_array().unwrap().is_empty(),
+        "{answer:#}"
+    );
     assert_eq!(answer["kind"], "proc", "{answer:#}");
     let (answer, _) = quiet_turn(&mut s).await;
     assert_eq!(answer["kind"], "none", "{answer:#}");
@@ -285,7 +297,10 @@ async fn per_container_totals_make_the_turn_full_naming_the_key() {
     assert_running(&s).await;
     s.run(&format!("pkill -f 'fds[-]ready'; {GONE}")).await;
     let answer = s.end_turn().await;
-    assert!(answer["degraded"].as_array().unwrap().is_empty(), "{answer:#}");
+    assert!(
+        answer["degraded"].as_array().unwrap().is_empty(),
+        "{answer:#}"
+    );
     let (answer, _) = quiet_turn(&mut s).await;
     assert_eq!(answer["kind"], "none", "{answer:#}");
     let (pid_after, rss) = shim_rss(&s);

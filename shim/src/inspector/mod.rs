@@ -1083,7 +1083,9 @@ impl Inspection {
                     }
                     (Ok(img), None) => {
                         degraded.push(match &m.over_limit {
-                            Some(why) => format!("no memory image of pid {} at the mark: {why}", p.pid),
+                            Some(why) => {
+                                format!("no memory image of pid {} at the mark: {why}", p.pid)
+                            }
                             None => format!("no memory image of pid {} at the mark", p.pid),
                         });
                         memory_images.insert(p.pid, img);
