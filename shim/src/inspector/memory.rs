@@ -377,6 +377,13 @@ pub struct ObservationStats {
     pub fdinfo_bytes: u64,
 }
 
+impl ObservationStats {
+    /// Nothing read, nothing carried over.
+    pub fn is_empty(&self) -> bool {
+        *self == ObservationStats::default()
+    }
+}
+
 struct Budget {
     memory_limit: u64,
     fdinfo_limit: u64,

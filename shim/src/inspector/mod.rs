@@ -216,6 +216,7 @@ pub struct ProcFinding {
     pub execs: u64,
     pub exits: u64,
     /// What the observation read (memory, each shared object once; fdinfo) and carried over.
+    #[serde(skip_serializing_if = "memory::ObservationStats::is_empty")]
     pub read: memory::ObservationStats,
 }
 
