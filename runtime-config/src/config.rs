@@ -398,7 +398,8 @@ impl Default for RestoreConfig {
 /// Bounds on what one container can make the shim hold in memory or write to disk, per
 /// container. Everything inside a sandbox is untrusted (its number of files, their names and
 /// sizes, its processes' fds): each bound turns an excess into a logged outcome (the turn's
-/// checkpoint is recorded `failed` with the reason, the container keeps running), never into
+/// checkpoint is recorded `failed` with the reason, or, for the two totals of what a turn end
+/// reads of all its processes, taken `full`; the container keeps running), never into
 /// unbounded memory, disk or stack in the shim.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default, expecting = "the [limits] table")]
