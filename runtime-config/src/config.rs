@@ -398,7 +398,8 @@ impl Default for RestoreConfig {
 /// Bounds on what one container can make the shim hold in memory or write to disk, per
 /// container. Everything inside a sandbox is untrusted (its number of files, their names and
 /// sizes, its processes' fds): each bound turns an excess into a logged outcome (the turn's
-/// checkpoint is recorded `failed` with the reason, the container keeps running), never into
+/// checkpoint is recorded `failed` with the reason, or, for the two totals of what a turn end
+/// reads of all its processes, taken `full`; the container keeps running), never into
 /// unbounded memory, disk or stack in the shim.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default, expecting = "the [limits] table")]
@@ -429,6 +430,19 @@ pub struct LimitsConfig {
     /// recover or fork that recreates the container): this bounds what that writes.
     #[serde(deserialize_with = "max_layer_apparent_bytes")]
     pub max_layer_apparent_bytes: u64,
+    /// Bytes of process memory one observation of the container reads and hashes, all its
+    /// processes together, each shared-memory object (memfd, SysV or tmpfs, keyed by device
+    /// and inode) once however many processes map it; an idle process's image carried over
+    /// from the mark counts with the memory it read (1 MiB ..= 16 TiB). Default 17179869184
+    /// (16 GiB). Beyond it the turn is `full`, naming this key.
+    #[serde(deserialize_with = "max_memory_image_bytes")]
+    pub max_memory_image_bytes: u64,
+    /// Bytes of `/proc/PID/fdinfo` one observation of the container reads, all its processes
+    /// together (an idle process's carried over from the mark counts with what it read)
+    /// (4096 ..= 16 GiB). Default 67108864 (64 MiB). Beyond it the turn is `full`, naming
+    /// this key.
+    #[serde(deserialize_with = "max_fdinfo_total_bytes")]
+    pub max_fdinfo_total_bytes: u64,
 }
 
 impl Default for LimitsConfig {
@@ -440,6 +454,8 @@ impl Default for LimitsConfig {
             max_fdinfo_bytes: 1 << 20,
             max_layer_bytes: 16 << 30,
             max_layer_apparent_bytes: 64 << 30,
+            max_memory_image_bytes: 16 << 30,
+            max_fdinfo_total_bytes: 64 << 20,
         }
     }
 }
@@ -749,6 +765,18 @@ fn max_layer_apparent_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::E
     max_layer_bytes(d)
 }
 
+fn max_memory_image_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    max_layer_bytes(d)
+}
+
+fn max_fdinfo_total_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    u64_in(
+        d,
+        4096..=16 << 30,
+        "bytes from 4096 to 17179869184 (16 GiB)",
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -889,6 +917,8 @@ mod tests {
             max_fdinfo_bytes = 8192
             max_layer_bytes = 1073741824
             max_layer_apparent_bytes = 2147483648
+            max_memory_image_bytes = 1073741824
+            max_fdinfo_total_bytes = 4194304
 
             [shim]
             groups = ["agents", "rl.rollouts-1"]
@@ -946,6 +976,8 @@ mod tests {
                     max_fdinfo_bytes: 8192,
                     max_layer_bytes: 1 << 30,
                     max_layer_apparent_bytes: 2 << 30,
+                    max_memory_image_bytes: 1 << 30,
+                    max_fdinfo_total_bytes: 4 << 20,
                 },
                 shim: ShimConfig {
                     groups: vec!["agents".into(), "rl.rollouts-1".into()],
@@ -1087,7 +1119,9 @@ mod tests {
                 c.max_walk_depth,
                 c.max_fdinfo_bytes,
                 c.max_layer_bytes,
-                c.max_layer_apparent_bytes
+                c.max_layer_apparent_bytes,
+                c.max_memory_image_bytes,
+                c.max_fdinfo_total_bytes
             ),
             (
                 1_000_000,
@@ -1095,7 +1129,9 @@ mod tests {
                 256,
                 1_048_576,
                 17_179_869_184,
-                68_719_476_736
+                68_719_476_736,
+                17_179_869_184,
+                67_108_864
             )
         );
         for (doc, key, expected) in [
@@ -1152,6 +1188,31 @@ mod tests {
                 "16 TiB",
             ),
             (
+                "limits.max_memory_image_bytes = 1048575",
+                "limits.max_memory_image_bytes",
+                "from 1048576 (1 MiB)",
+            ),
+            (
+                "limits.max_memory_image_bytes = 17592186044417",
+                "limits.max_memory_image_bytes",
+                "16 TiB",
+            ),
+            (
+                "limits.max_fdinfo_total_bytes = 4095",
+                "limits.max_fdinfo_total_bytes",
+                "from 4096",
+            ),
+            (
+                "limits.max_fdinfo_total_bytes = 17179869185",
+                "limits.max_fdinfo_total_bytes",
+                "16 GiB",
+            ),
+            (
+                "limits.max_fdinfo_total_bytes = -1",
+                "limits.max_fdinfo_total_bytes",
+                "",
+            ),
+            (
                 "limits.max_files = 2",
                 "limits.max_files",
                 "expected one of `max_manifest_entries`",
@@ -1163,7 +1224,7 @@ mod tests {
             assert!(msg.contains(expected), "{doc}: {msg}");
         }
         let c = parse(
-            "[limits]\nmax_manifest_entries = 1\nmax_walk_depth = 4096\nmax_layer_bytes = 1048576\nmax_layer_apparent_bytes = 17592186044416\n",
+            "[limits]\nmax_manifest_entries = 1\nmax_walk_depth = 4096\nmax_layer_bytes = 1048576\nmax_layer_apparent_bytes = 17592186044416\nmax_memory_image_bytes = 1048576\nmax_fdinfo_total_bytes = 17179869184\n",
         )
         .unwrap()
         .limits;
@@ -1172,9 +1233,11 @@ mod tests {
                 c.max_manifest_entries,
                 c.max_walk_depth,
                 c.max_layer_bytes,
-                c.max_layer_apparent_bytes
+                c.max_layer_apparent_bytes,
+                c.max_memory_image_bytes,
+                c.max_fdinfo_total_bytes
             ),
-            (1, 4096, 1 << 20, 16 << 40)
+            (1, 4096, 1 << 20, 16 << 40, 1 << 20, 16 << 30)
         );
     }
 

@@ -251,6 +251,7 @@ mod tests {
                 forks: 1,
                 execs: 1,
                 exits: 0,
+                read: Default::default(),
             },
             degraded: vec![],
             elapsed_us: 812,

@@ -20,6 +20,10 @@
 //!   from the shmem object itself (through `/proc/PID/map_files`), skipping holes, so pages another
 //!   process wrote are seen and untouched ranges are not faulted in. (A *private* mapping of a
 //!   tmpfs file is treated like any private file mapping: its unwritten pages are the file's.)
+//!   One [`Observation`] (all the images of one turn end) reads each object's pages once,
+//!   keyed by the object's device and inode (never by the name its mappers print), whatever
+//!   number of processes or ranges map it: every image that maps it shares one list of hashes
+//!   ([`SharedRef`]).
 //! - Other **shared file mappings** contribute their layout only (range, offset, file): their pages
 //!   are the file, written back to it.
 //! - `[vdso]`, `[vvar]`, `[vsyscall]` and other kernel-provided mappings are left out.
@@ -101,6 +105,15 @@ pub enum MemError {
     },
     #[error(transparent)]
     Proc(ProcfsError),
+    /// One observation of the container would read more than `[limits] key` allows.
+    #[error(
+        "{what} of the container's processes exceed the limit of {limit} bytes per observation ([limits] {key}): not compared"
+    )]
+    Limit {
+        what: &'static str,
+        limit: u64,
+        key: &'static str,
+    },
 }
 
 impl From<ProcfsError> for MemError {
@@ -167,13 +180,84 @@ pub struct Region {
     pub name: String,
     pub kind: RegionKind,
     /// `(page address, xxh3-64)` of the pages whose content differs from the kind's default,
-    /// sorted by address. Empty for `SharedFile`.
+    /// sorted by address. Empty for `SharedFile`, and for a `Shmem` region read from its
+    /// object (then [`Region::shared`] holds them; [`Region::page_hashes`] gives either).
     pub pages: Vec<(u64, u64)>,
+    /// A `Shmem` region read from the object itself: the object's hashes, shared with every
+    /// image of the same observation that maps it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared: Option<SharedRef>,
 }
 
 impl Region {
     pub fn page_count(&self) -> u64 {
         (self.end - self.start) / page_size()
+    }
+
+    /// `(page address, xxh3-64)` of the pages whose content differs from the kind's default,
+    /// sorted by address, whether they are the region's own or its shared object's.
+    pub fn page_hashes(&self) -> std::borrow::Cow<'_, [(u64, u64)]> {
+        self.page_hashes_in(self.start, self.end)
+    }
+
+    /// [`Region::page_hashes`] of the addresses `[lo, hi)` only.
+    pub fn page_hashes_in(&self, lo: u64, hi: u64) -> std::borrow::Cow<'_, [(u64, u64)]> {
+        let (lo, hi) = (lo.max(self.start), hi.min(self.end));
+        let slice = |v: &[(u64, u64)], a: u64, b: u64| {
+            (
+                v.partition_point(|p| p.0 < a),
+                v.partition_point(|p| p.0 < b),
+            )
+        };
+        let (f, t) = slice(&self.pages, lo, hi);
+        match &self.shared {
+            None => std::borrow::Cow::Borrowed(&self.pages[f..t]),
+            Some(s) if lo < hi => {
+                // File offset of address va: va - start + offset.
+                let at = |va: u64| va - self.start + self.offset;
+                let (from, to) = slice(&s.hashes, at(lo), at(hi));
+                let mut v: Vec<(u64, u64)> = s.hashes[from..to]
+                    .iter()
+                    .map(|&(off, h)| (off - self.offset + self.start, h))
+                    .collect();
+                if f < t {
+                    v.extend_from_slice(&self.pages[f..t]);
+                    v.sort_unstable_by_key(|p| p.0);
+                }
+                std::borrow::Cow::Owned(v)
+            }
+            Some(_) => std::borrow::Cow::Borrowed(&[]),
+        }
+    }
+}
+
+/// A shared-memory object: the device and inode of the object itself (`fstat` of what
+/// `/proc/PID/map_files` opens), not of any name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ShmemId {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+/// A `Shmem` region's pages, as its object holds them: `(file offset, xxh3-64)` of the data
+/// pages that are not all zeros, sorted by offset (at least over the region's range).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SharedRef {
+    pub id: ShmemId,
+    #[serde(with = "arc_pages")]
+    pub hashes: std::sync::Arc<Vec<(u64, u64)>>,
+}
+
+mod arc_pages {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::sync::Arc;
+
+    pub fn serialize<S: Serializer>(v: &Arc<Vec<(u64, u64)>>, s: S) -> Result<S::Ok, S::Error> {
+        v.as_slice().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<Vec<(u64, u64)>>, D::Error> {
+        Vec::deserialize(d).map(Arc::new)
     }
 }
 
@@ -208,8 +292,20 @@ pub struct ProcState {
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CaptureStats {
-    /// Pages read and hashed.
+    /// Pages read and hashed for this image (a shared object's pages only by the first image
+    /// of an observation that maps them).
     pub pages_read: u64,
+    /// Pages of the process's own memory the image holds an entry for (read through the
+    /// process): what carrying the image over to another observation costs.
+    #[serde(default)]
+    pub private_pages: u64,
+    /// Pages of shared-memory mappings whose hashes an earlier image of the same observation
+    /// had read already.
+    #[serde(default)]
+    pub shared_pages_reused: u64,
+    /// Bytes of `fdinfo` read for the image.
+    #[serde(default)]
+    pub fdinfo_bytes: u64,
     pub unreadable_pages: u64,
     /// Pages covered by the image's regions (untouched ones included).
     pub covered_pages: u64,
@@ -249,12 +345,361 @@ pub struct CaptureOptions {
     pub max_fdinfo_bytes: Option<u64>,
 }
 
+/// What one observation of a container (the images of all its processes at one turn end, a
+/// mark, a refresh) may read, and the shared-memory objects it has read so far.
+///
+/// Bounds are per container, not per process (`[limits] max_memory_image_bytes`,
+/// `max_fdinfo_total_bytes`): each shared-memory object's pages are read and hashed once,
+/// by the first image that maps them, and every later image of the same observation
+/// refers to the same hashes ([`SharedRef`]); an image carried over unread from an earlier
+/// observation (an idle process) counts with what it read then ([`Observation::carry`]).
+/// Past a bound every capture fails with [`MemError::Limit`] before reading more.
+pub struct Observation {
+    budget: Budget,
+    objects: std::collections::HashMap<ShmemId, Object>,
+    buf: Vec<u8>,
+}
+
+/// What an observation has read, for the turn's answer and log.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObservationStats {
+    /// Bytes of memory read and hashed: the processes' own and each shared object's once.
+    pub memory_bytes: u64,
+    /// Shared-memory objects read (their bytes are part of `memory_bytes`).
+    pub shared_objects: u64,
+    pub shared_bytes: u64,
+    /// Bytes of shared mappings whose hashes were already read by this observation.
+    pub shared_bytes_reused: u64,
+    /// Bytes of memory and of `fdinfo` of images carried over from the mark unread.
+    pub carried_memory_bytes: u64,
+    pub carried_fdinfo_bytes: u64,
+    /// Bytes of `fdinfo` read.
+    pub fdinfo_bytes: u64,
+}
+
+impl ObservationStats {
+    /// Nothing read, nothing carried over.
+    pub fn is_empty(&self) -> bool {
+        *self == ObservationStats::default()
+    }
+}
+
+struct Budget {
+    memory_limit: u64,
+    fdinfo_limit: u64,
+    /// Memory and fdinfo counted so far (read, and carried over).
+    memory: u64,
+    fdinfo: u64,
+    /// A bound was passed: every later charge fails the same way.
+    spent: Option<(&'static str, u64, &'static str)>,
+    stats: ObservationStats,
+}
+
+const MEMORY_KEY: &str = "max_memory_image_bytes";
+const FDINFO_KEY: &str = "max_fdinfo_total_bytes";
+
+impl Budget {
+    fn fail(&self) -> Result<(), MemError> {
+        match self.spent {
+            Some((what, limit, key)) => Err(MemError::Limit { what, limit, key }),
+            None => Ok(()),
+        }
+    }
+
+    /// Counts `bytes` of memory about to be read (or carried over), or fails past the bound.
+    fn memory(&mut self, bytes: u64) -> Result<(), MemError> {
+        self.fail()?;
+        self.memory = self.memory.saturating_add(bytes);
+        if self.memory > self.memory_limit {
+            self.spent = Some(("memory images", self.memory_limit, MEMORY_KEY));
+        }
+        self.fail()
+    }
+
+    /// Counts `bytes` of fdinfo read (or carried over), or fails past the bound.
+    fn fdinfo(&mut self, bytes: u64) -> Result<(), MemError> {
+        self.fail()?;
+        self.fdinfo = self.fdinfo.saturating_add(bytes);
+        if self.fdinfo > self.fdinfo_limit {
+            self.spent = Some(("fdinfo", self.fdinfo_limit, FDINFO_KEY));
+        }
+        self.fail()
+    }
+
+    /// fdinfo bytes that may still be read.
+    fn fdinfo_left(&self) -> u64 {
+        match self.spent {
+            Some(_) => 0,
+            None => self.fdinfo_limit - self.fdinfo,
+        }
+    }
+}
+
+/// The hashes of one shared-memory object read so far in an observation.
+#[derive(Default)]
+struct Object {
+    /// File offset ranges read, sorted and disjoint.
+    covered: Vec<(u64, u64)>,
+    /// `(file offset, hash)` of the non-zero data pages in `covered`, sorted.
+    hashes: std::sync::Arc<Vec<(u64, u64)>>,
+}
+
+impl Observation {
+    /// An observation bounded by `limits` (bytes of memory, bytes of fdinfo).
+    pub fn new(max_memory_bytes: u64, max_fdinfo_bytes: u64) -> Observation {
+        Observation {
+            budget: Budget {
+                memory_limit: max_memory_bytes,
+                fdinfo_limit: max_fdinfo_bytes,
+                memory: 0,
+                fdinfo: 0,
+                spent: None,
+                stats: ObservationStats::default(),
+            },
+            objects: Default::default(),
+            buf: Vec::new(),
+        }
+    }
+
+    /// An observation under a container's `[limits]`.
+    pub fn within(limits: &crab_runtime_config::LimitsConfig) -> Observation {
+        Observation::new(limits.max_memory_image_bytes, limits.max_fdinfo_total_bytes)
+    }
+
+    /// An observation of one image, bounded by nothing but the per-process caps.
+    pub fn unbounded() -> Observation {
+        Observation::new(u64::MAX, u64::MAX)
+    }
+
+    pub fn stats(&self) -> &ObservationStats {
+        &self.budget.stats
+    }
+
+    /// The bound this observation passed, if any (the error every capture now returns).
+    pub fn over_limit(&self) -> Option<MemError> {
+        self.budget.fail().err()
+    }
+
+    /// Counts an image taken by an earlier observation that this one keeps unread (a process
+    /// that did not run): its memory and fdinfo as it read them.
+    pub fn carry(&mut self, img: &MemoryImage) -> Result<(), MemError> {
+        let mem = img.stats.private_pages * page_size();
+        self.budget.memory(mem)?;
+        self.budget.fdinfo(img.stats.fdinfo_bytes)?;
+        self.budget.stats.carried_memory_bytes += mem;
+        self.budget.stats.carried_fdinfo_bytes += img.stats.fdinfo_bytes;
+        Ok(())
+    }
+
+    /// The hashes of object `id` (open as `f`) over the file offsets `[lo, hi)`: read now
+    /// where this observation has not read them yet (counted against the bound), and the
+    /// number of pages read for it.
+    fn object_pages(
+        &mut self,
+        f: &File,
+        id: ShmemId,
+        lo: u64,
+        hi: u64,
+    ) -> Result<ObjectRead, MemError> {
+        let Observation {
+            budget,
+            objects,
+            buf,
+        } = self;
+        let obj = objects.entry(id).or_default();
+        let gaps = uncovered(&obj.covered, lo, hi);
+        let missing: u64 = gaps.iter().map(|g| g.1 - g.0).sum();
+        let reused = (hi - lo) - missing;
+        budget.stats.shared_bytes_reused += reused;
+        if gaps.is_empty() {
+            return Ok(ObjectRead {
+                hashes: obj.hashes.clone(),
+                pages_read: 0,
+                reused_pages: reused / page_size(),
+            });
+        }
+        if buf.is_empty() {
+            buf.resize(SHMEM_CHUNK, 0);
+        }
+        let mut new = Vec::new();
+        let mut read = 0u64;
+        if obj.covered.is_empty() {
+            budget.stats.shared_objects += 1;
+        }
+        // Counted chunk by chunk before it is read: a read stopped by the bound shows.
+        let mut charge = |bytes| {
+            budget.memory(bytes)?;
+            budget.stats.shared_bytes += bytes;
+            budget.stats.memory_bytes += bytes;
+            Ok(())
+        };
+        for &(a, b) in &gaps {
+            read += hash_shmem(f, a, b, &mut new, buf, &mut charge)?;
+        }
+        obj.hashes = std::sync::Arc::new(merge_sorted(&obj.hashes, &new));
+        for g in gaps {
+            cover(&mut obj.covered, g);
+        }
+        Ok(ObjectRead {
+            hashes: obj.hashes.clone(),
+            pages_read: read,
+            reused_pages: reused / page_size(),
+        })
+    }
+
+    /// Points the shared regions of `img` (an image of this observation) at their objects'
+    /// final hashes: an object read further by a later image got a new list, and the older
+    /// one (a subset, equal over the region) is then freed.
+    pub fn settle(&self, img: &mut MemoryImage) {
+        for r in &mut img.regions {
+            if let Some(s) = &mut r.shared {
+                if let Some(o) = self.objects.get(&s.id) {
+                    if !std::sync::Arc::ptr_eq(&s.hashes, &o.hashes) {
+                        s.hashes = o.hashes.clone();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// What [`Observation::object_pages`] gives a region.
+struct ObjectRead {
+    hashes: std::sync::Arc<Vec<(u64, u64)>>,
+    /// Pages read for it now.
+    pages_read: u64,
+    /// Pages of its range read before, by an earlier image of the observation.
+    reused_pages: u64,
+}
+
+/// The parts of `[lo, hi)` that the sorted, disjoint ranges `covered` leave out.
+fn uncovered(covered: &[(u64, u64)], lo: u64, hi: u64) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut pos = lo;
+    for &(a, b) in covered {
+        if b <= pos {
+            continue;
+        }
+        if a >= hi {
+            break;
+        }
+        if a > pos {
+            out.push((pos, a));
+        }
+        pos = pos.max(b);
+        if pos >= hi {
+            break;
+        }
+    }
+    if pos < hi {
+        out.push((pos, hi));
+    }
+    out
+}
+
+/// Adds `[a, b)` to the sorted, disjoint ranges `covered`, merging where they touch.
+fn cover(covered: &mut Vec<(u64, u64)>, (mut a, mut b): (u64, u64)) {
+    let first = covered.partition_point(|r| r.1 < a);
+    let mut last = first;
+    while last < covered.len() && covered[last].0 <= b {
+        a = a.min(covered[last].0);
+        b = b.max(covered[last].1);
+        last += 1;
+    }
+    covered.splice(first..last, [(a, b)]);
+}
+
+/// Two lists sorted by key, with no key in both, as one sorted list.
+fn merge_sorted(a: &[(u64, u64)], b: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out = Vec::with_capacity(a.len() + b.len());
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() && j < b.len() {
+        if a[i].0 <= b[j].0 {
+            out.push(a[i]);
+            i += 1;
+        } else {
+            out.push(b[j]);
+            j += 1;
+        }
+    }
+    out.extend_from_slice(&a[i..]);
+    out.extend_from_slice(&b[j..]);
+    out
+}
+
 /// Captures the memory image of process `pid` (see the module docs for what is covered).
 pub fn capture(pid: u32) -> Result<MemoryImage, MemError> {
     capture_with(pid, &CaptureOptions::default())
 }
 
 pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemError> {
+    capture_in(pid, opts, &mut Observation::unbounded())
+}
+
+/// The image of an idle process (one that did not run since `prev` was taken) whose only
+/// possible change is in the shared memory it maps: `prev` with each shared region read
+/// again from its object through `obs` (so a sleeping sharer of an object another process
+/// already read costs nothing to read). `Ok(None)` when `prev` has a shared region not read
+/// from its object, or the mapping no longer holds that object: take a whole image instead.
+pub fn refresh_shared(
+    prev: &MemoryImage,
+    obs: &mut Observation,
+) -> Result<Option<MemoryImage>, MemError> {
+    let pid = prev.pid;
+    let alive = |pid| -> Result<(), MemError> {
+        match procs::identity(pid)? {
+            Some((_, t)) if t == prev.start_time => Ok(()),
+            _ => Err(MemError::Gone(pid)),
+        }
+    };
+    if prev
+        .regions
+        .iter()
+        .any(|r| r.kind == RegionKind::Shmem && r.shared.is_none())
+    {
+        return Ok(None);
+    }
+    alive(pid)?;
+    obs.carry(prev)?;
+    let t0 = Instant::now();
+    let mut img = prev.clone();
+    img.stats = CaptureStats {
+        private_pages: prev.stats.private_pages,
+        fdinfo_bytes: prev.stats.fdinfo_bytes,
+        pagemap_scan: prev.stats.pagemap_scan,
+        covered_pages: prev.stats.covered_pages,
+        threads_used: 1,
+        ..Default::default()
+    };
+    for r in &mut img.regions {
+        let Some(s) = &mut r.shared else {
+            continue;
+        };
+        let Ok(f) = open_shmem(&range_path(pid, r.start, r.end)) else {
+            return Ok(None);
+        };
+        if shmem_id(&f).ok() != Some(s.id) {
+            return Ok(None);
+        }
+        let read = obs.object_pages(&f, s.id, r.offset, r.offset + (r.end - r.start))?;
+        s.hashes = read.hashes;
+        img.stats.pages_read += read.pages_read;
+        img.stats.shared_pages_reused += read.reused_pages;
+    }
+    alive(pid)?;
+    img.stats.elapsed = t0.elapsed();
+    Ok(Some(img))
+}
+
+/// Captures the memory image of process `pid` as part of the observation `obs`: shared
+/// objects it has read already are not read again, and what is read counts against its
+/// bounds ([`MemError::Limit`] past one, before reading more).
+pub fn capture_in(
+    pid: u32,
+    opts: &CaptureOptions,
+    obs: &mut Observation,
+) -> Result<MemoryImage, MemError> {
+    obs.budget.fail()?;
     let t0 = Instant::now();
     let (_, start_time) = procs::identity(pid)?.ok_or(MemError::Gone(pid))?;
     let ps = page_size();
@@ -267,7 +712,6 @@ pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemE
     let mut regions: Vec<Region> = Vec::with_capacity(maps.len());
     let mut jobs: Vec<Job> = Vec::new();
     let mut stats = CaptureStats::default();
-    let mut buf = vec![0u8; SHMEM_CHUNK];
 
     for m in &maps {
         let Some(kind) = classify(pid, m) else {
@@ -283,6 +727,7 @@ pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemE
             name: String::from_utf8_lossy(&m.path).into_owned(),
             kind,
             pages: Vec::new(),
+            shared: None,
         };
         let idx = regions.len();
         match kind {
@@ -292,6 +737,8 @@ pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemE
                     if cats & PAGE_IS_PFNZERO != 0 {
                         // Mapped to the zero page: zeros, no need to read.
                         if kind == RegionKind::FilePrivate {
+                            obs.budget.memory(e - s)?;
+                            stats.private_pages += (e - s) / ps;
                             let mut va = s;
                             while va < e {
                                 region.pages.push((va, zero_hash()));
@@ -307,9 +754,15 @@ pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemE
                     push_jobs(&mut jobs, idx, s, e);
                 }
             }
-            RegionKind::Shmem => match shmem_file(pid, m) {
-                Ok(f) => {
-                    stats.pages_read += hash_shmem(&f, m, &mut region.pages, &mut buf);
+            RegionKind::Shmem => match shmem_file(pid, m).and_then(|f| Ok((shmem_id(&f)?, f))) {
+                Ok((id, f)) => {
+                    let read = obs.object_pages(&f, id, m.offset, m.offset + (m.end - m.start))?;
+                    stats.pages_read += read.pages_read;
+                    stats.shared_pages_reused += read.reused_pages;
+                    region.shared = Some(SharedRef {
+                        id,
+                        hashes: read.hashes,
+                    });
                 }
                 // A device (or anything else but a regular file) mapped shared: its `open` is
                 // not the shim's to call, and reading it through the process may touch device
@@ -339,6 +792,10 @@ pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemE
 
     // Read and hash the pages of the jobs, spread over threads by page count.
     let total: u64 = jobs.iter().map(|j| j.npages).sum();
+    // Counted before anything is read or allocated for them.
+    obs.budget.memory(total * ps)?;
+    obs.budget.stats.memory_bytes += total * ps;
+    stats.private_pages += total;
     let threads = match opts.threads {
         0 => std::thread::available_parallelism()
             .map(|n| n.get())
@@ -409,7 +866,8 @@ pub fn capture_with(pid: u32, opts: &CaptureOptions) -> Result<MemoryImage, MemE
     let fdinfo_budget = opts
         .max_fdinfo_bytes
         .unwrap_or(crab_runtime_config::LimitsConfig::default().max_fdinfo_bytes);
-    let state = capture_state(pid, fdinfo_budget)?;
+    let (state, fdinfo_read) = capture_state(pid, fdinfo_budget, &mut obs.budget)?;
+    stats.fdinfo_bytes = fdinfo_read;
     // Everything above must belong to one process: a recycled pid would mix two.
     if procs::identity(pid)?.map(|i| i.1) != Some(start_time) {
         return Err(MemError::Gone(pid));
@@ -489,12 +947,31 @@ fn classify(pid: u32, m: &MapsLine) -> Option<RegionKind> {
 /// hugetlbfs files all are): the link is resolved to an `O_PATH` handle, checked, and that
 /// handle reopened ([`crate::sys::beneath::reopen_regular`]), so no device's `open` ever runs.
 fn shmem_file(pid: u32, m: &MapsLine) -> io::Result<File> {
-    let handle = beneath::open_handle(&map_files_path(pid, m))?;
+    open_shmem(&map_files_path(pid, m))
+}
+
+/// [`shmem_file`] of the mapping `/proc/PID/map_files/<range>` names.
+fn open_shmem(map_file: &std::path::Path) -> io::Result<File> {
+    let handle = beneath::open_handle(map_file)?;
     beneath::reopen_regular(handle.as_fd(), libc::O_RDONLY)
 }
 
+/// The object an open shmem file is.
+fn shmem_id(f: &File) -> io::Result<ShmemId> {
+    use std::os::unix::fs::MetadataExt;
+    let md = f.metadata()?;
+    Ok(ShmemId {
+        dev: md.dev(),
+        ino: md.ino(),
+    })
+}
+
 fn map_files_path(pid: u32, m: &MapsLine) -> PathBuf {
-    PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end))
+    range_path(pid, m.start, m.end)
+}
+
+fn range_path(pid: u32, start: u64, end: u64) -> PathBuf {
+    PathBuf::from(format!("/proc/{pid}/map_files/{start:x}-{end:x}"))
 }
 
 /// A run of pages to read from the process.
@@ -677,13 +1154,21 @@ fn read_jobs(
 
 const SHMEM_CHUNK: usize = 1 << 20;
 
-/// Hashes the data (non-hole) pages of a shmem-backed mapping from the shmem file itself.
-/// Returns the number of pages read. Pages past the file's end read as zeros (the process
-/// would get SIGBUS there, there is no data).
-fn hash_shmem(f: &File, m: &MapsLine, pages: &mut Vec<(u64, u64)>, buf: &mut [u8]) -> u64 {
+/// Hashes the data (non-hole) pages of the file offsets `[lo, hi)` of a shmem object from the
+/// object itself, appending `(file offset, hash)` of those that are not all zeros to `pages`;
+/// `charge` is told the bytes of each chunk before it is read (and may refuse them). Returns
+/// the number of pages read. Pages past the file's end read as zeros (a process would get
+/// SIGBUS there, there is no data).
+fn hash_shmem(
+    f: &File,
+    lo: u64,
+    hi: u64,
+    pages: &mut Vec<(u64, u64)>,
+    buf: &mut [u8],
+    charge: &mut dyn FnMut(u64) -> Result<(), MemError>,
+) -> Result<u64, MemError> {
     let ps = page_size();
     let zh = zero_hash();
-    let (lo, hi) = (m.offset, m.offset + (m.end - m.start));
     let mut read = 0u64;
     let mut pos = lo;
     while pos < hi {
@@ -702,6 +1187,7 @@ fn hash_shmem(f: &File, m: &MapsLine, pages: &mut Vec<(u64, u64)>, buf: &mut [u8
         let mut off = data.max(pos);
         while off < hole {
             let len = ((hole - off) as usize).min(buf.len());
+            charge(len as u64)?;
             let chunk = &mut buf[..len];
             let mut n = 0usize;
             while n < len {
@@ -717,14 +1203,14 @@ fn hash_shmem(f: &File, m: &MapsLine, pages: &mut Vec<(u64, u64)>, buf: &mut [u8
                 let h = xxh3_64(&chunk[p * ps as usize..(p + 1) * ps as usize]);
                 read += 1;
                 if h != zh {
-                    pages.push((m.start + (off - lo) + p as u64 * ps, h));
+                    pages.push((off + p as u64 * ps, h));
                 }
             }
             off += len as u64;
         }
         pos = hole;
     }
-    read
+    Ok(read)
 }
 
 // PAGEMAP_SCAN (linux/fs.h, 6.7+).
@@ -1010,7 +1496,13 @@ fn fdinfo_lines(mut src: impl io::Read, budget: &mut u64) -> Vec<String> {
     lines
 }
 
-fn capture_state(pid: u32, mut fdinfo_budget: u64) -> Result<ProcState, MemError> {
+/// The process's kernel-side state, and the bytes of fdinfo read for it (counted against
+/// `total`, the observation's bound).
+fn capture_state(
+    pid: u32,
+    mut fdinfo_budget: u64,
+    total: &mut Budget,
+) -> Result<(ProcState, u64), MemError> {
     let mut st = ProcState::default();
     let task_dir = format!("/proc/{pid}/task");
     let mut tids: Vec<u32> = std::fs::read_dir(&task_dir)
@@ -1046,16 +1538,44 @@ fn capture_state(pid: u32, mut fdinfo_budget: u64) -> Result<ProcState, MemError
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
         .collect();
     fds.sort_unstable();
+    let mut fdinfo_read = 0u64;
     for fd in fds {
         let target = readlink_opt(&format!("{fd_dir}/{fd}"));
-        let info = std::fs::File::open(format!("/proc/{pid}/fdinfo/{fd}"))
-            .map(|f| fdinfo_lines(f, &mut fdinfo_budget))
-            .unwrap_or_default();
+        let info = match std::fs::File::open(format!("/proc/{pid}/fdinfo/{fd}")) {
+            Ok(f) => {
+                // Read at most one byte past what the observation may still read.
+                let left = total.fdinfo_left();
+                let mut src = Counted {
+                    inner: io::Read::take(f, left.saturating_add(1)),
+                    n: 0,
+                };
+                let info = fdinfo_lines(&mut src, &mut fdinfo_budget);
+                fdinfo_read += src.n;
+                total.stats.fdinfo_bytes += src.n;
+                total.fdinfo(src.n)?;
+                info
+            }
+            Err(_) => Vec::new(),
+        };
         st.fds.push(FdState { fd, target, info });
     }
     st.cwd = readlink_opt(&format!("/proc/{pid}/cwd"));
     st.root = readlink_opt(&format!("/proc/{pid}/root"));
-    Ok(st)
+    Ok((st, fdinfo_read))
+}
+
+/// A reader that counts the bytes read through it.
+struct Counted<R> {
+    inner: R,
+    n: u64,
+}
+
+impl<R: io::Read> io::Read for Counted<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.n += n as u64;
+        Ok(n)
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -1207,7 +1727,13 @@ pub fn compare(prev: &MemoryImage, now: &MemoryImage) -> MemDelta {
             let pages = (hi - lo) / ps;
             covered += pages;
             let changed = if same_mapping(a, b) {
-                differing_pages(&a.pages, &b.pages, lo, hi, &same)
+                differing_pages(
+                    &a.page_hashes_in(lo, hi),
+                    &b.page_hashes_in(lo, hi),
+                    lo,
+                    hi,
+                    &same,
+                )
             } else {
                 pages
             };
@@ -1366,5 +1892,334 @@ mod tests {
         let b = fdinfo_lines("x: 1\nit_value: (0,2)\n".as_bytes(), &mut spent);
         assert_eq!(a, b);
         assert_eq!(a.len(), 1);
+    }
+    #[test]
+    fn ranges_left_to_read_and_merged() {
+        let covered = vec![(10, 20), (30, 40)];
+        assert_eq!(
+            uncovered(&covered, 0, 50),
+            vec![(0, 10), (20, 30), (40, 50)]
+        );
+        assert_eq!(uncovered(&covered, 12, 18), vec![]);
+        assert_eq!(uncovered(&covered, 15, 35), vec![(20, 30)]);
+        assert_eq!(uncovered(&covered, 40, 45), vec![(40, 45)]);
+        assert_eq!(uncovered(&[], 5, 6), vec![(5, 6)]);
+        let mut c = covered.clone();
+        cover(&mut c, (20, 30));
+        assert_eq!(c, vec![(10, 40)]);
+        cover(&mut c, (0, 5));
+        cover(&mut c, (50, 60));
+        cover(&mut c, (45, 50));
+        assert_eq!(c, vec![(0, 5), (10, 40), (45, 60)]);
+        cover(&mut c, (3, 70));
+        assert_eq!(c, vec![(0, 70)]);
+        assert_eq!(
+            merge_sorted(&[(1, 9), (5, 9)], &[(0, 7), (3, 7), (8, 7)]),
+            vec![(0, 7), (1, 9), (3, 7), (5, 9), (8, 7)]
+        );
+    }
+
+    #[test]
+    fn a_bound_passed_is_named_and_stays_passed() {
+        let mut b = Observation::new(8192, 100).budget;
+        assert!(b.memory(8192).is_ok());
+        let e = b.memory(1).unwrap_err().to_string();
+        assert!(
+            e.contains("[limits] max_memory_image_bytes") && e.contains("8192"),
+            "{e}"
+        );
+        // Everything after fails the same way, fdinfo too.
+        assert_eq!(b.fdinfo(1).unwrap_err().to_string(), e);
+        assert_eq!(b.fdinfo_left(), 0);
+        let mut b = Observation::new(u64::MAX, 100).budget;
+        assert_eq!(b.fdinfo_left(), 100);
+        b.fdinfo(60).unwrap();
+        assert_eq!(b.fdinfo_left(), 40);
+        let e = b.fdinfo(41).unwrap_err().to_string();
+        assert!(e.contains("[limits] max_fdinfo_total_bytes"), "{e}");
+        assert!(b.memory(0).is_err());
+    }
+
+    /// Held by the tests that map memfds into this process (one of them captures it).
+    static MAPS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// A shared mapping of this process, unmapped when dropped.
+    struct Mapping(*mut u8, usize);
+
+    impl Drop for Mapping {
+        fn drop(&mut self) {
+            // SAFETY: a mapping this test made and no longer uses.
+            unsafe { libc::munmap(self.0 as *mut libc::c_void, self.1) };
+        }
+    }
+
+    /// A memfd of `pages` pages with data in every page but the holes of `holes`, mapped
+    /// shared in this process.
+    fn memfd(pages: usize, holes: &[usize]) -> (File, Mapping) {
+        use std::os::fd::FromRawFd;
+        let ps = page_size() as usize;
+        // SAFETY: plain syscalls on a new fd; the mapping is used by the caller's test only.
+        unsafe {
+            let fd = libc::memfd_create(c"crab-test".as_ptr(), libc::MFD_CLOEXEC);
+            assert!(fd >= 0);
+            let f = File::from_raw_fd(fd);
+            f.set_len((pages * ps) as u64).unwrap();
+            for p in (0..pages).filter(|p| !holes.contains(p)) {
+                f.write_at(&[(p % 200) as u8 + 1; 8], (p * ps) as u64)
+                    .unwrap();
+            }
+            let a = libc::mmap(
+                std::ptr::null_mut(),
+                pages * ps,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
+            assert_ne!(a, libc::MAP_FAILED);
+            (f, Mapping(a as *mut u8, pages * ps))
+        }
+    }
+
+    #[test]
+    fn an_object_is_read_once_per_observation_whatever_maps_it() {
+        let _l = MAPS.lock().unwrap_or_else(|e| e.into_inner());
+        let ps = page_size();
+        let (f, _m) = memfd(64, &[3]);
+        let id = shmem_id(&f).unwrap();
+        let mut obs = Observation::unbounded();
+        // The first mapper reads it: 63 data pages (page 3 is a hole: not read, not listed).
+        let a = obs.object_pages(&f, id, 0, 64 * ps).unwrap();
+        assert_eq!((a.pages_read, a.reused_pages, a.hashes.len()), (63, 0, 63));
+        // 63 more mappers of the same range read nothing and share the list.
+        for _ in 0..63 {
+            let b = obs.object_pages(&f, id, 0, 64 * ps).unwrap();
+            assert_eq!((b.pages_read, b.reused_pages), (0, 64));
+            assert!(std::sync::Arc::ptr_eq(&a.hashes, &b.hashes));
+        }
+        let st = obs.stats().clone();
+        assert_eq!(st.shared_objects, 1);
+        assert_eq!(st.shared_bytes, 63 * ps);
+        assert_eq!(st.memory_bytes, 63 * ps);
+        assert_eq!(st.shared_bytes_reused, 63 * 64 * ps);
+        // Mappings of other ranges read only what is new; the list then covers all of it.
+        let mut obs = Observation::unbounded();
+        let first = obs.object_pages(&f, id, 8 * ps, 16 * ps).unwrap();
+        assert_eq!(first.pages_read, 8);
+        let wider = obs.object_pages(&f, id, 0, 32 * ps).unwrap();
+        assert_eq!((wider.pages_read, wider.reused_pages), (23, 8));
+        assert_eq!(obs.stats().memory_bytes, 31 * ps);
+        assert_eq!(wider.hashes.len(), 31);
+        assert_eq!(
+            &wider.hashes[7..15],
+            &first.hashes[..],
+            "the same hashes where both read"
+        );
+        // settle points an earlier image at the final list.
+        let region = |hashes| Region {
+            start: 0x10000,
+            end: 0x10000 + 8 * ps,
+            perms: "rw-s".into(),
+            offset: 8 * ps,
+            dev: "00:01".into(),
+            inode: id.ino,
+            name: "/memfd:crab-test (deleted)".into(),
+            kind: RegionKind::Shmem,
+            pages: Vec::new(),
+            shared: Some(SharedRef { id, hashes }),
+        };
+        let mut img = image(vec![region(first.hashes.clone())]);
+        let before = img.regions[0].page_hashes().into_owned();
+        obs.settle(&mut img);
+        let s = img.regions[0].shared.as_ref().unwrap();
+        assert!(std::sync::Arc::ptr_eq(&s.hashes, &wider.hashes));
+        assert_eq!(img.regions[0].page_hashes().into_owned(), before);
+        assert_eq!(before.len(), 8);
+        assert_eq!(before[0].0, 0x10000);
+    }
+
+    #[test]
+    fn reading_an_object_past_the_bound_fails_naming_the_key() {
+        let _l = MAPS.lock().unwrap_or_else(|e| e.into_inner());
+        let ps = page_size();
+        let (f, _m) = memfd(512, &[]);
+        let id = shmem_id(&f).unwrap();
+        // 1 MiB of memory may be read; the object holds 2 MiB of data (4 KiB pages).
+        let mut obs = Observation::new(1 << 20, u64::MAX);
+        let e = match obs.object_pages(&f, id, 0, 512 * ps) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("read past the bound"),
+        };
+        assert!(e.contains("[limits] max_memory_image_bytes"), "{e}");
+        assert!(obs.over_limit().is_some());
+        // Nothing was kept of the object.
+        assert!(obs.objects.get(&id).is_none_or(|o| o.covered.is_empty()));
+    }
+
+    fn image(regions: Vec<Region>) -> MemoryImage {
+        MemoryImage {
+            pid: 1,
+            start_time: 1,
+            regions,
+            state: ProcState::default(),
+            stats: CaptureStats::default(),
+            masked: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn shared_regions_compare_by_their_object_pages() {
+        let ps = page_size();
+        let id = ShmemId { dev: 1, ino: 7 };
+        // Mapped at 0x40000 from file offset 4 pages: file page k is at 0x40000 + (k - 4) pages.
+        let region = |hashes: Vec<(u64, u64)>| Region {
+            start: 0x40000,
+            end: 0x40000 + 4 * ps,
+            perms: "rw-s".into(),
+            offset: 4 * ps,
+            dev: "00:01".into(),
+            inode: 7,
+            name: "/memfd:x (deleted)".into(),
+            kind: RegionKind::Shmem,
+            pages: Vec::new(),
+            shared: Some(SharedRef {
+                id,
+                hashes: std::sync::Arc::new(hashes),
+            }),
+        };
+        // Pages outside the region's range (file pages 0 and 9) do not count.
+        let a = image(vec![region(vec![
+            (0, 5),
+            (4 * ps, 1),
+            (6 * ps, 2),
+            (9 * ps, 3),
+        ])]);
+        let same = image(vec![region(vec![(4 * ps, 1), (6 * ps, 2)])]);
+        assert!(compare(&a, &same).is_empty(), "{}", compare(&a, &same));
+        let other = image(vec![region(vec![
+            (0, 6),
+            (4 * ps, 1),
+            (6 * ps, 9),
+            (9 * ps, 4),
+        ])]);
+        let d = compare(&a, &other);
+        assert_eq!(
+            (d.changed_pages, d.added_pages, d.removed_pages),
+            (1, 0, 0),
+            "{d}"
+        );
+        // A page written, a page zeroed.
+        let moved = image(vec![region(vec![(4 * ps, 1), (5 * ps, 2)])]);
+        assert_eq!(compare(&a, &moved).changed_pages, 2);
+        assert_eq!(
+            a.regions[0].page_hashes().into_owned(),
+            vec![(0x40000, 1), (0x40000 + 2 * ps, 2)]
+        );
+        // Against the same region read through the process (addresses): equal.
+        let mut through = region(Vec::new());
+        through.shared = None;
+        through.pages = vec![(0x40000, 1), (0x40000 + 2 * ps, 2)];
+        assert!(compare(&a, &image(vec![through])).is_empty());
+        // Serialized and back: the same image.
+        let json = serde_json::to_string(&a).unwrap();
+        assert_eq!(serde_json::from_str::<MemoryImage>(&json).unwrap(), a);
+    }
+
+    /// This process, with a filled memfd mapped shared twice: one observation reads the object
+    /// once for both mappings and both images; a refresh reads it again, once, and sees a
+    /// write; the bounds fail captures naming their keys.
+    #[test]
+    fn captures_of_one_observation_share_the_object() {
+        let _l = MAPS.lock().unwrap_or_else(|e| e.into_inner());
+        let ps = page_size();
+        let (f, a) = memfd(256, &[]);
+        // SAFETY: a second shared mapping of the same memfd.
+        let b = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                256 * ps as usize,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(b, libc::MAP_FAILED);
+        let _b = Mapping(b as *mut u8, 256 * ps as usize);
+        let pid = std::process::id();
+        let mut obs = Observation::unbounded();
+        let one = capture_in(pid, &CaptureOptions::default(), &mut obs).unwrap();
+        let two = capture_in(pid, &CaptureOptions::default(), &mut obs).unwrap();
+        let id = shmem_id(&f).unwrap();
+        let ours = |img: &MemoryImage| -> Vec<Region> {
+            img.regions
+                .iter()
+                .filter(|r| r.shared.as_ref().is_some_and(|s| s.id == id))
+                .cloned()
+                .collect()
+        };
+        assert_eq!(ours(&one).len(), 2, "both mappings are shared regions");
+        // Read once: the four regions (two mappings, two images) hold one list.
+        let lists: Vec<_> = ours(&one)
+            .into_iter()
+            .chain(ours(&two))
+            .map(|r| r.shared.unwrap().hashes)
+            .collect();
+        assert!(lists.iter().all(|l| std::sync::Arc::ptr_eq(l, &lists[0])));
+        assert_eq!(obs.objects[&id].covered, vec![(0, 256 * ps)]);
+        assert!(two.stats.shared_pages_reused >= 512, "{:?}", two.stats);
+        for r in ours(&one).iter().chain(&ours(&two)) {
+            assert_eq!(r.page_hashes().len(), 256);
+        }
+        // A write by anyone into the object: a refresh reads it once and sees one page.
+        // SAFETY: page 5 of the 256-page mapping made above.
+        unsafe { std::ptr::write_volatile(a.0.add(5 * ps as usize + 100), 0xee) };
+        let mut obs = Observation::unbounded();
+        let fresh = refresh_shared(&two, &mut obs)
+            .unwrap()
+            .expect("refreshable");
+        assert_eq!(obs.objects[&id].covered, vec![(0, 256 * ps)]);
+        assert_eq!(obs.stats().shared_bytes, fresh.stats.pages_read * ps);
+        assert_eq!(
+            obs.stats().carried_memory_bytes,
+            two.stats.private_pages * ps
+        );
+        let theirs = ours(&fresh);
+        let changed: u64 = ours(&two)
+            .iter()
+            .zip(&theirs)
+            .map(|(x, y)| {
+                differing_pages(
+                    &x.page_hashes(),
+                    &y.page_hashes(),
+                    x.start,
+                    x.end,
+                    &|_, _, _| false,
+                )
+            })
+            .sum();
+        assert_eq!(changed, 2, "page 5, seen through each mapping");
+        // Bounds: memory, then fdinfo (this process's ~hundreds of bytes of fdinfo).
+        let mut small = Observation::new(1 << 20, u64::MAX);
+        let e = capture_in(pid, &CaptureOptions::default(), &mut small).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                MemError::Limit {
+                    key: MEMORY_KEY,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let mut small = Observation::new(u64::MAX, 4096);
+        let nulls: Vec<File> = (0..200).map(|_| File::open("/dev/null").unwrap()).collect();
+        let e = capture_in(pid, &CaptureOptions::default(), &mut small).unwrap_err();
+        assert!(
+            e.to_string().contains("[limits] max_fdinfo_total_bytes"),
+            "{e}"
+        );
+        assert!(small.stats().fdinfo_bytes <= 4097, "{:?}", small.stats());
+        drop(nulls);
     }
 }

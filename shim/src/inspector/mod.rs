@@ -31,7 +31,7 @@ use crate::sys::beneath;
 use self::{
     bpf::{BpfError, CgroupCounters, HostProbes},
     fs::{FsDiff, FsError, TreeManifest},
-    memory::{MemError, MemoryImage, RegionKind},
+    memory::{MemError, MemoryImage, Observation, RegionKind},
     procs::{ProcInfo, ProcfsError},
 };
 
@@ -215,6 +215,9 @@ pub struct ProcFinding {
     pub forks: u64,
     pub execs: u64,
     pub exits: u64,
+    /// What the observation read (memory, each shared object once; fdinfo) and carried over.
+    #[serde(skip_serializing_if = "memory::ObservationStats::is_empty")]
+    pub read: memory::ObservationStats,
 }
 
 /// The inspector's answer for one turn, with the why.
@@ -328,6 +331,15 @@ impl Answer {
                 p.memory.len()
             ));
         }
+        let r = &p.read;
+        if r.memory_bytes + r.shared_bytes_reused > 0 {
+            why.push(format!(
+                "read {} KiB of memory ({} shared objects, {} KiB of shared mappings already read)",
+                r.memory_bytes >> 10,
+                r.shared_objects,
+                r.shared_bytes_reused >> 10
+            ));
+        }
         format!(
             "turn {} of {}: {:?} in {} us; {}",
             self.seq,
@@ -352,6 +364,8 @@ struct Mark {
     /// page not there yet reads as never touched, so a comparison with such an image cannot
     /// prove "unchanged" and counts as a change ([`MemoryFinding::unproven_base`]).
     unproven: HashSet<u32>,
+    /// The `[limits]` bound the mark's observation passed: its memory images are incomplete.
+    over_limit: Option<String>,
 }
 
 /// Watches one container: holds its last mark and answers turn ends.
@@ -575,17 +589,22 @@ impl Inspection {
             true => processes.iter().map(|p| p.pid).collect(),
             false => HashSet::new(),
         };
+        let mut obs = Observation::within(&self.target.limits);
         for p in &processes {
             if let Some(n) = self.run_count(p.pid) {
                 run_counts.insert(p.pid, n);
             }
-            match self.capture(p.pid) {
+            match self.capture(p.pid, &mut obs) {
                 Ok(img) => {
                     memory.insert(p.pid, img);
                 }
                 Err(e) => log::debug!("memory of pid {}: {e}", p.pid),
             }
         }
+        for img in memory.values_mut() {
+            obs.settle(img);
+        }
+        let over_limit = obs.over_limit().map(|e| e.to_string());
         let volumes = self.scan_volumes().unwrap_or_default();
         Ok(Mark {
             counters,
@@ -595,14 +614,16 @@ impl Inspection {
             memory,
             volumes,
             unproven,
+            over_limit,
         })
     }
 
-    fn capture(&self, pid: u32) -> Result<MemoryImage, memory::MemError> {
+    fn capture(&self, pid: u32, obs: &mut Observation) -> Result<MemoryImage, memory::MemError> {
         capture_bounded(
             pid,
             self.target.limits.max_fdinfo_bytes,
             volatile_of(self.probes.as_deref(), &self.rseq_seeds, pid),
+            obs,
         )
     }
 
@@ -785,6 +806,7 @@ impl Inspection {
         let Some(mark) = self.mark.as_mut() else {
             return;
         };
+        let mut obs = Observation::within(&self.target.limits);
         for &(pid, before) in idle {
             let count = || {
                 self.probes
@@ -805,8 +827,10 @@ impl Inspection {
                 pid,
                 self.target.limits.max_fdinfo_bytes,
                 volatile_of(self.probes.as_deref(), &self.rseq_seeds, pid),
+                &mut obs,
             ) {
-                Ok(img) => {
+                Ok(mut img) => {
+                    obs.settle(&mut img);
                     mark.memory.insert(pid, img);
                     mark.run_counts.insert(pid, n);
                     if missing {
@@ -958,6 +982,9 @@ impl Inspection {
         // Images taken from here on may lack pages of a lazy restore still under way.
         let missing = self.pages_missing();
         let mut unproven = HashSet::new();
+        // One observation for all the images: each shared object read once, the container's
+        // bounds over them all.
+        let mut obs = Observation::within(&self.target.limits);
         if let (Some(now), Some(m)) = (&now_procs, prev) {
             if let Some(c) = counters {
                 procs.forks = c.forks.saturating_sub(m.counters.forks);
@@ -1017,6 +1044,9 @@ impl Inspection {
                     .is_some_and(|img| img.regions.iter().any(|r| r.kind == RegionKind::Shmem));
                 if !ran && !shares_memory {
                     if let Some(img) = prev_img {
+                        if let Err(e) = obs.carry(img) {
+                            memory_error(&mut degraded, p.pid, e);
+                        }
                         memory_images.insert(p.pid, img.clone());
                         if m.unproven.contains(&p.pid) {
                             unproven.insert(p.pid);
@@ -1028,7 +1058,16 @@ impl Inspection {
                 if missing {
                     unproven.insert(p.pid);
                 }
-                match (self.capture(p.pid), prev_img) {
+                // One that did not run but maps shared memory: only that can have changed.
+                let img = match prev_img {
+                    Some(prev_img) if !ran => match memory::refresh_shared(prev_img, &mut obs) {
+                        Ok(Some(img)) => Ok(img),
+                        Ok(None) => self.capture(p.pid, &mut obs),
+                        Err(e) => Err(e),
+                    },
+                    _ => self.capture(p.pid, &mut obs),
+                };
+                match (img, prev_img) {
                     (Ok(img), Some(prev_img)) => {
                         let d = memory::compare(prev_img, &img);
                         procs.memory.push(MemoryFinding {
@@ -1044,12 +1083,15 @@ impl Inspection {
                         memory_images.insert(p.pid, img);
                     }
                     (Ok(img), None) => {
-                        degraded.push(format!("no memory image of pid {} at the mark", p.pid));
+                        degraded.push(match &m.over_limit {
+                            Some(why) => {
+                                format!("no memory image of pid {} at the mark: {why}", p.pid)
+                            }
+                            None => format!("no memory image of pid {} at the mark", p.pid),
+                        });
                         memory_images.insert(p.pid, img);
                     }
-                    (Err(source), _) => {
-                        degraded.push(InspectError::Memory { pid: p.pid, source }.to_string())
-                    }
+                    (Err(source), _) => memory_error(&mut degraded, p.pid, source),
                 }
             }
             for p in &delta.started {
@@ -1059,10 +1101,11 @@ impl Inspection {
                 if missing {
                     unproven.insert(p.pid);
                 }
-                match self.capture(p.pid) {
+                match self.capture(p.pid, &mut obs) {
                     Ok(img) => {
                         memory_images.insert(p.pid, img);
                     }
+                    Err(e @ MemError::Limit { .. }) => memory_error(&mut degraded, p.pid, e),
                     Err(e) => log::debug!("memory of new pid {}: {e}", p.pid),
                 }
             }
@@ -1075,6 +1118,10 @@ impl Inspection {
                 });
         }
 
+        for img in memory_images.values_mut() {
+            obs.settle(img);
+        }
+        procs.read = obs.stats().clone();
         let kind = if degraded.is_empty() {
             Kind::from_parts(fs.changed, procs.changed)
         } else {
@@ -1094,6 +1141,7 @@ impl Inspection {
                     memory: memory_images,
                     volumes,
                     unproven,
+                    over_limit: None,
                 })
             }
             (_, manifest, _, _) => self.observe_all(manifest.unwrap_or_default()).ok(),
@@ -1289,20 +1337,37 @@ fn volatile_of(probes: Option<&HostProbes>, seeds: &RseqSeeds, pid: u32) -> Vec<
     areas.into_iter().map(|a| (a, RSEQ_BYTES)).collect()
 }
 
+/// Says in `degraded` why the memory of `pid` was not compared: a bound of the container's
+/// (said once, whichever process passed it) or that process's own error.
+fn memory_error(degraded: &mut Vec<String>, pid: u32, source: MemError) {
+    match source {
+        MemError::Limit { .. } => {
+            let why = source.to_string();
+            if !degraded.contains(&why) {
+                degraded.push(why);
+            }
+        }
+        source => degraded.push(InspectError::Memory { pid, source }.to_string()),
+    }
+}
+
 /// A memory image whose fd state keeps at most `max_fdinfo_bytes` of fdinfo text, with the
-/// ranges `volatile` hashed as zeros.
+/// ranges `volatile` hashed as zeros, as part of the observation `obs` (its per-container
+/// bounds, its shared objects read once).
 fn capture_bounded(
     pid: u32,
     max_fdinfo_bytes: u64,
     volatile: Vec<(u64, u64)>,
+    obs: &mut Observation,
 ) -> Result<MemoryImage, memory::MemError> {
-    memory::capture_with(
+    memory::capture_in(
         pid,
         &memory::CaptureOptions {
             max_fdinfo_bytes: Some(max_fdinfo_bytes),
             volatile,
             ..Default::default()
         },
+        obs,
     )
 }
 
