@@ -50,9 +50,14 @@ struct counters {
 /* Threads per process whose rseq area a `run` records. */
 #define RUN_RSEQ_MAX 8
 
-/* Value of the `runs` map, key = tgid (u32). */
+/* Value of the `runs` task storage: one per process, on its thread-group
+ * leader (user space looks it up with a pidfd of the process). */
 struct run {
-	__u64 switches_out; /* times any thread of the process left a CPU */
+	/* Times any thread of the process left a CPU, plus the boot-time clock
+	 * (ns) when the entry was made: an entry made again for the same pid
+	 * (an exec from another thread makes it the leader) never repeats a
+	 * count the old one reported, since a switch-out takes more than 1 ns. */
+	__u64 switches_out;
 	__u64 cgroup_id;    /* watched cgroup it was last counted for */
 	__u64 flags;        /* RUN_* */
 	/* User addresses of the rseq areas (struct rseq) of threads seen leaving a
@@ -75,7 +80,9 @@ struct run {
  * child cgroups are still covered). */
 #define MAX_LEVELS 16
 
+/* Filled by the shims alone (one entry per watched container), never by
+ * what a container does. Per-process state lives in task storage, which has
+ * no host-wide capacity for one container to exhaust. */
 #define WATCHED_MAX 8192
-#define RUNS_MAX 65536
 
 #endif

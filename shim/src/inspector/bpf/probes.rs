@@ -224,11 +224,7 @@ impl HostProbes {
         if running_now(&maps.oncpu, pid)? {
             return Ok(None);
         }
-        match maps.runs.get(&pid, 0) {
-            Ok(run) => Ok(Some(run.switches_out)),
-            Err(MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(map_err("runs")(e)),
-        }
+        Ok(maps.runs.get(pid)?.map(|run| run.switches_out))
     }
 
     /// The rseq areas (`struct rseq`, where the kernel writes the CPU a thread runs on) of
@@ -238,13 +234,12 @@ impl HostProbes {
     /// [`crate::inspector::memory::CaptureOptions::volatile`].
     pub fn rseq_areas(&self, pid: u32) -> Result<(Vec<u64>, bool), BpfError> {
         let maps = self.maps();
-        match maps.runs.get(&pid, 0) {
-            Ok(run) => Ok((
+        match maps.runs.get(pid)? {
+            Some(run) => Ok((
                 run.rseq.iter().copied().filter(|a| *a != 0).collect(),
                 run.flags & super::programs::RUN_RSEQ_MORE == 0,
             )),
-            Err(MapError::KeyNotFound) => Ok((Vec::new(), false)),
-            Err(e) => Err(map_err("runs")(e)),
+            None => Ok((Vec::new(), false)),
         }
     }
 
@@ -289,8 +284,9 @@ impl HostProbes {
         self.maps().program_stats()
     }
 
-    /// Entries currently in the per-process and per-open maps that belong to
-    /// `cgroup_id` (diagnostics and tests: zero after [`Self::unwatch`]).
+    /// Run entries of the processes now in cgroup `cgroup_id` (or below it) that were made
+    /// for it (diagnostics and tests: zero after [`Self::unwatch`]). An entry lives with its
+    /// process (task storage): an exited process has none.
     pub fn entries_of(&self, cgroup_id: u64) -> Result<usize, BpfError> {
         let maps = self.maps();
         Ok(runs_of(&maps, cgroup_id)?.len())
@@ -330,29 +326,63 @@ pub(super) fn watched_levels(maps: &Maps) -> Result<u64, BpfError> {
     Ok(mask)
 }
 
+/// The processes of cgroup `cgroup_id` (and of the cgroups below it) whose run entry was made
+/// for that cgroup. Task storage cannot be listed: the cgroup's processes are asked one by one.
+/// A cgroup that is gone has none.
 fn runs_of(maps: &Maps, cgroup_id: u64) -> Result<Vec<u32>, BpfError> {
-    let mut keys = Vec::new();
-    for item in maps.runs.iter() {
-        match item {
-            Ok((pid, run)) if run.cgroup_id == cgroup_id => keys.push(pid),
-            Ok(_) => {}
-            // Deleted by an exiting process between key and value reads.
-            Err(e) if is_not_found(&e) => {}
-            Err(e) => return Err(map_err("runs")(e)),
+    let mut pids = Vec::new();
+    for pid in cgroup_pids(cgroup_id)? {
+        if maps
+            .runs
+            .get(pid)?
+            .is_some_and(|run| run.cgroup_id == cgroup_id)
+        {
+            pids.push(pid);
         }
     }
-    Ok(keys)
+    Ok(pids)
 }
 
 fn sweep(maps: &mut Maps, cgroup_id: u64) -> Result<(), BpfError> {
     for pid in runs_of(maps, cgroup_id)? {
-        match maps.runs.remove(&pid) {
-            Ok(()) => {}
-            Err(e) if is_not_found(&e) => {}
-            Err(e) => return Err(map_err("runs")(e)),
-        }
+        maps.runs.remove(pid)?;
     }
     Ok(())
+}
+
+/// The processes in cgroup `cgroup_id` and its descendants (`cgroup.procs`), walked
+/// iteratively; nothing if the cgroup is gone.
+fn cgroup_pids(cgroup_id: u64) -> Result<Vec<u32>, BpfError> {
+    let mount = cgroup::cgroup2_mount().map_err(io_err(
+        "finding the cgroup2 mount",
+        Path::new("/proc/self/mountinfo"),
+    ))?;
+    let root = match cgroup::cgroup_path_by_id(&mount.mount_point, cgroup_id) {
+        Ok(path) => path,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ESTALE)) => {
+            return Ok(Vec::new())
+        }
+        Err(e) => return Err(io_err("resolving a cgroup id under", &mount.mount_point)(e)),
+    };
+    let mut pids = Vec::new();
+    let mut dirs = vec![root];
+    while let Some(dir) = dirs.pop() {
+        // A cgroup removed meanwhile has no processes left.
+        let Ok(procs) = fs::read_to_string(dir.join("cgroup.procs")) else {
+            continue;
+        };
+        pids.extend(procs.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
+        dirs.extend(
+            entries
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path()),
+        );
+    }
+    Ok(pids)
 }
 
 /// Is any thread of `pid` on a CPU (or is some online CPU's slot not yet

@@ -235,7 +235,11 @@ pub(super) fn pin_into(tmp: &Path) -> Result<(), BpfError> {
         fs::create_dir_all(&path).map_err(io_err("creating", &path))?;
     }
     let btf = Btf::from_sys_fs()?;
-    let mut ebpf = EbpfLoader::new().btf(Some(&btf)).load(OBJECT)?;
+    // `runs` is task storage, which the library creates and pins but has no type for.
+    let mut ebpf = EbpfLoader::new()
+        .btf(Some(&btf))
+        .allow_unsupported_maps()
+        .load(OBJECT)?;
 
     for (name, tps) in SYSCALL_PROGRAMS {
         let prog = tracepoint(&mut ebpf, name)?;
