@@ -62,23 +62,16 @@ struct {
 	__type(value, struct run);
 } runs SEC(".maps");
 
-/* The entry of the process `t` belongs to, made if `create` and missing (a
- * fresh one reads 0 until run_init(); NULL when it cannot be made: the
- * process is going away, or the kernel's per-CPU storage lock is taken by a
- * preempted holder). */
-static __always_inline struct run *run_of(struct task_struct *t, int create)
-{
-	return bpf_task_storage_get(&runs, t->group_leader, 0,
-				    create ? BPF_LOCAL_STORAGE_GET_F_CREATE : 0);
-}
-
-/* A fresh entry starts at the clock (see struct run). Two CPUs may both see
- * it fresh: the count then jumps twice, which only says "ran". */
-static __always_inline void run_init(struct run *run)
-{
-	if (!run->switches_out)
-		__sync_fetch_and_add(&run->switches_out, bpf_ktime_get_ns());
-}
+/* Per watched cgroup: run entries held and allowed (struct quota). Bounds the
+ * kernel memory one container's processes make the programs hold, which is
+ * charged to the loading shim, not to the container. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, WATCHED_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u64);
+	__type(value, struct quota);
+} quotas SEC(".maps");
 
 /* Which process each CPU is running (ONCPU_VALID | tgid), for every task on
  * the host: a process on a CPU right now may be changing its memory even
@@ -587,6 +580,63 @@ int crab_foreign(void *ctx)
 	return 0;
 }
 
+/* The entry of the process `t` belongs to, if it has one. */
+static __always_inline struct run *run_of(struct task_struct *t)
+{
+	return bpf_task_storage_get(&runs, t->group_leader, 0, 0);
+}
+
+/*
+ * Makes the entry of process `t` of watched cgroup `cg` (counters `c`),
+ * within the cgroup's quota; returns it (or the one another CPU made
+ * meanwhile), NULL when none could be made: the quota is used up (counted in
+ * `over_quota`: the cgroup's own turns are then DEGRADED, nobody else's), or
+ * the kernel's per-CPU storage lock is held by a preempted holder (an error).
+ * A fresh entry starts at the clock (see struct run).
+ */
+static __always_inline struct run *run_make(struct task_struct *t, __u64 cg, struct counters *c)
+{
+	struct quota *q = bpf_map_lookup_elem(&quotas, &cg);
+	struct run *run;
+
+	if (q && __sync_fetch_and_add(&q->used, 1) >= q->max) {
+		__sync_fetch_and_add(&q->used, -1);
+		add(&c->over_quota);
+		return NULL;
+	}
+	run = bpf_task_storage_get(&runs, t->group_leader, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	if (!run)
+		run = run_of(t); /* made meanwhile on another CPU? */
+	if (!run) {
+		if (q)
+			__sync_fetch_and_add(&q->used, -1);
+		add(&c->errors); /* user space must not trust run counts */
+		return NULL;
+	}
+	/* Charged once: whoever sets `charged` keeps its count, others give it back. */
+	if (q && __sync_val_compare_and_swap(&run->charged, 0, cg) != 0)
+		__sync_fetch_and_add(&q->used, -1);
+	/* Two CPUs may both see it fresh: the count then jumps twice, which only
+	 * says "ran". */
+	if (!run->switches_out)
+		__sync_fetch_and_add(&run->switches_out, bpf_ktime_get_ns());
+	return run;
+}
+
+/* Gives back the quota an entry holds (the process exits, or its entry is
+ * dropped). */
+static __always_inline void run_uncharge(struct run *run)
+{
+	__u64 cg = run->charged;
+	struct quota *q;
+
+	if (!cg || __sync_val_compare_and_swap(&run->charged, cg, 0) != cg)
+		return;
+	q = bpf_map_lookup_elem(&quotas, &cg);
+	if (q)
+		__sync_fetch_and_add(&q->used, -1);
+}
+
 /* The user address of task `t`'s rseq area, 0 if none (or unknown). */
 static __always_inline __u64 task_rseq(struct task_struct *t)
 {
@@ -660,7 +710,7 @@ int crab_rseq(struct sys_enter *ctx)
 	if (!(ctx->args[2] & 1 /* RSEQ_FLAG_UNREGISTER */) || !current_counters(&cg))
 		return 0;
 	task = bpf_get_current_task_btf();
-	run = run_of(task, 0);
+	run = run_of(task);
 	if (run)
 		unnote_rseq(run, task);
 	return 0;
@@ -684,7 +734,7 @@ int BPF_PROG(crab_exec, struct task_struct *task, int old_pid, struct linux_binp
 		return 0;
 	add(&c->execs);
 	/* A new image: the old areas are no rseq areas any more. */
-	run = run_of(task, 0);
+	run = run_of(task);
 	if (run)
 		forget_rseq(run);
 	if (bpf_core_read(ident, sizeof(ident), &bprm->buf)) {
@@ -695,15 +745,11 @@ int BPF_PROG(crab_exec, struct task_struct *task, int old_pid, struct linux_binp
 	if (ident[0] != 0x7f || ident[1] != 'E' || ident[2] != 'L' || ident[3] != 'F' || ident[4] != 1)
 		return 0;
 	add(&c->errors);
-	run = run_of(task, 1);
 	if (!run)
-		run = run_of(task, 0); /* made meanwhile on another CPU? */
+		run = run_make(task, cg, c);
 	if (run) {
-		run_init(run);
 		run->cgroup_id = cg;
 		__sync_fetch_and_or(&run->flags, RUN_COMPAT);
-	} else {
-		add(&c->errors);
 	}
 	return 0;
 }
@@ -726,6 +772,7 @@ int BPF_PROG(crab_fork, struct task_struct *parent, struct task_struct *child)
 SEC("tp_btf/sched_process_exit")
 int BPF_PROG(crab_exit, struct task_struct *task)
 {
+	struct run *run;
 	struct counters *c;
 	__u64 cg;
 
@@ -733,14 +780,17 @@ int BPF_PROG(crab_exit, struct task_struct *task)
 	if (BPF_CORE_READ(task, signal, live.counter) != 0) {
 		/* A thread exits: its area may be freed and reused for data. Its
 		 * last switch-outs (PF_EXITING) note nothing. */
-		struct run *run = run_of(task, 0);
+		struct run *run = run_of(task);
 
 		if (run)
 			unnote_rseq(run, task);
 		return 0;
 	}
 	/* Freed with the leader's task anyway; gone now, so that a zombie
-	 * reports no count. */
+	 * reports no count and holds no quota. */
+	run = run_of(task);
+	if (run)
+		run_uncharge(run);
 	bpf_task_storage_delete(&runs, task->group_leader);
 	c = current_counters(&cg);
 	if (c)
@@ -770,18 +820,16 @@ int BPF_PROG(crab_sched_switch, _Bool preempt, struct task_struct *prev, struct 
 	c = current_counters(&cg);
 	if (!c)
 		return 0;
-	/* The final switch-outs of an exiting process come after its entry was
-	 * deleted: do not bring it back. */
-	run = run_of(prev, !exiting);
-	if (!run && !exiting)
-		run = run_of(prev, 0); /* made meanwhile on another CPU? */
+	run = run_of(prev);
 	if (!run) {
-		/* Cannot be made: user space must not trust run counts. */
-		if (!exiting)
-			add(&c->errors);
-		return 0;
+		/* The final switch-outs of an exiting process come after its
+		 * entry was deleted: do not bring it back. */
+		if (exiting)
+			return 0;
+		run = run_make(prev, cg, c);
+		if (!run)
+			return 0;
 	}
-	run_init(run);
 	add(&run->switches_out);
 	run->cgroup_id = cg;
 	if (run->flags & RUN_COMPAT)

@@ -42,6 +42,8 @@ struct counters {
 	__u64 exits;   /* processes (last thread) */
 	__u64 foreign_mem_writes; /* ptrace, process_vm_writev, writes to /proc files */
 	__u64 errors;
+	/* Run entries not made: the cgroup's `quotas` entry was used up. */
+	__u64 over_quota;
 	/* Owned by user space (same on every CPU), never touched by BPF: */
 	__u64 level;        /* depth of the cgroup in the cgroup2 tree */
 	__u64 misses_base;  /* programs' recursion misses at watch time */
@@ -60,6 +62,7 @@ struct run {
 	__u64 switches_out;
 	__u64 cgroup_id;    /* watched cgroup it was last counted for */
 	__u64 flags;        /* RUN_* */
+	__u64 charged;      /* watched cgroup whose quota counts it, 0 = none */
 	/* User addresses of the rseq areas (struct rseq) of threads seen leaving a
 	 * CPU: the kernel writes the current CPU there, which is no state of the
 	 * process's own. Cleared at exec and whenever a thread exits (an area
@@ -79,6 +82,15 @@ struct run {
 /* cgroup levels searched for a watched ancestor (containers that create
  * child cgroups are still covered). */
 #define MAX_LEVELS 16
+
+/* Value of the `quotas` map, key = watched cgroup id (u64): how many run
+ * entries the cgroup's processes hold, and how many they may (the container's
+ * `[limits] max_bpf_processes`). Written by user space at watch; `used` is
+ * moved by BPF alone, with atomic adds. No entry: no bound. */
+struct quota {
+	__s64 used;
+	__s64 max;
+};
 
 /* Filled by the shims alone (one entry per watched container), never by
  * what a container does. Per-process state lives in task storage, which has

@@ -386,7 +386,8 @@ impl Inspection {
             Ok(p) => match crate::sys::cgroup::cgroup_id(&target.cgroup2_dir)
                 .map_err(WatchError::CgroupId)
                 .and_then(|id| {
-                    p.watch(id).map_err(|e| WatchError::Bpf(Box::new(e)))?;
+                    p.watch_bounded(id, Some(target.limits.max_bpf_processes))
+                        .map_err(|e| WatchError::Bpf(Box::new(e)))?;
                     Ok(id)
                 }) {
                 Ok(id) => (Some(p), Some(id)),
@@ -873,6 +874,12 @@ impl Inspection {
                     c.errors - m.counters.errors
                 ));
             }
+            if c.over_quota > m.counters.over_quota {
+                degraded.push(over_quota_reason(
+                    c.over_quota - m.counters.over_quota,
+                    self.target.limits.max_bpf_processes,
+                ));
+            }
         }
 
         // Filesystem: scan only when a mutating syscall (or a shared writable mapping, whose
@@ -1145,7 +1152,8 @@ impl Inspection {
                 + now
                     .foreign_mem_writes
                     .saturating_sub(then.foreign_mem_writes)
-                + now.errors.saturating_sub(then.errors),
+                + now.errors.saturating_sub(then.errors)
+                + now.over_quota.saturating_sub(then.over_quota),
         )
     }
 
@@ -1289,6 +1297,15 @@ fn volatile_of(probes: Option<&HostProbes>, seeds: &RseqSeeds, pid: u32) -> Vec<
     areas.into_iter().map(|a| (a, RSEQ_BYTES)).collect()
 }
 
+/// Why a turn is DEGRADED when processes of the container ran without a run count because it
+/// held its quota of them: names the key, so that the operator knows what to raise.
+pub(crate) fn over_quota_reason(runs: u64, max: u64) -> String {
+    format!(
+        "processes ran {runs} times without a run count: the container holds more than \
+         [limits] max_bpf_processes ({max}) processes"
+    )
+}
+
 /// A memory image whose fd state keeps at most `max_fdinfo_bytes` of fdinfo text, with the
 /// ranges `volatile` hashed as zeros.
 fn capture_bounded(
@@ -1336,6 +1353,13 @@ pub mod testing {
 mod tests {
     use super::*;
     use std::os::fd::AsRawFd;
+
+    #[test]
+    fn over_quota_reason_names_the_key_and_its_value() {
+        let why = over_quota_reason(17, 64);
+        assert!(why.contains("[limits] max_bpf_processes (64)"), "{why}");
+        assert!(why.contains("17 times"), "{why}");
+    }
 
     /// A target over plain directories: a fake cgroup listing this test process, an upperdir.
     fn target(dir: &Path) -> Target {

@@ -236,6 +236,10 @@ pub struct CgroupCounters {
     /// Anything the BPF side could not record (map full, programs skipped by
     /// the kernel): non-zero growth means "everything changed".
     pub errors: u64,
+    /// Processes that got no run count because the cgroup held its quota of them
+    /// ([`HostProbes::watch_bounded`], `[limits] max_bpf_processes`): growth means the
+    /// cgroup's own run counts are incomplete (its turns are DEGRADED), nobody else's.
+    pub over_quota: u64,
 }
 
 impl CgroupCounters {
@@ -259,6 +263,7 @@ impl CgroupCounters {
                 .foreign_mem_writes
                 .saturating_sub(earlier.foreign_mem_writes),
             errors: self.errors.saturating_sub(earlier.errors),
+            over_quota: self.over_quota.saturating_sub(earlier.over_quota),
         }
     }
 

@@ -8,14 +8,18 @@ use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use aya::maps::{Array, Map, MapData, MapError, MapInfo, MapType, PerCpuArray, PerCpuHashMap};
+use aya::maps::{
+    Array, HashMap as BpfHashMap, Map, MapData, MapError, MapInfo, MapType, PerCpuArray,
+    PerCpuHashMap,
+};
 use log::{debug, info, warn};
 use nix::fcntl::{Flock, FlockArg};
 use nix::mount::MsFlags;
 use nix::sys::statfs::{FsType, BPF_FS_MAGIC, TRACEFS_MAGIC};
 
 use super::programs::{
-    expected_links, pin_into, program_names, version_dir_name, RawCounters, RawRun, TRACEFS_MOUNT,
+    expected_links, pin_into, program_names, version_dir_name, RawCounters, RawQuota, RawRun,
+    TRACEFS_MOUNT,
 };
 use super::{io_err, map_err, BpfError, ProgramStats};
 use crate::sys::bpf;
@@ -35,6 +39,7 @@ pub(super) struct Maps {
     pub(super) levels: Array<MapData, u64>,
     pub(super) runs: RunStorage,
     pub(super) oncpu: PerCpuArray<MapData, u64>,
+    pub(super) quotas: BpfHashMap<MapData, u64, RawQuota>,
 }
 
 impl Maps {
@@ -143,6 +148,7 @@ pub(super) fn open_pinned(dir: &Path) -> Result<Maps, BpfError> {
         levels: Array::try_from(open("levels")?).map_err(map_err("levels"))?,
         runs: RunStorage::open(&dir.join("maps").join("runs"))?,
         oncpu: PerCpuArray::try_from(open("oncpu")?).map_err(map_err("oncpu"))?,
+        quotas: BpfHashMap::try_from(open("quotas")?).map_err(map_err("quotas"))?,
     };
     for name in program_names() {
         let path = dir.join("progs").join(name);
