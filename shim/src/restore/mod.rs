@@ -12,6 +12,8 @@
 //! - [`gate`]: CRIU's action script that holds the restored processes at post-restore (page
 //!   files verified) and pre-resume (the kernel check) until the shim's verdict;
 //! - [`cache`]: verified process images kept on disk for the next restore of the same image;
+//! - [`scratch`]: each restore's own copy of its CRIU image, on disk in the store (never in the
+//!   bundle's tmpfs), removed at Delete or when Create fails;
 //! - [`volumes`]: the tracked volumes a checkpoint holds, refilled into their host directories.
 //!
 //! CRIU's image decoding (`checkpoint::criu_image`), the signature format
@@ -23,6 +25,7 @@ pub mod gate;
 pub mod intake;
 pub mod kernel;
 pub mod privilege;
+pub mod scratch;
 pub mod seccomp;
 pub mod trust;
 pub mod volumes;
