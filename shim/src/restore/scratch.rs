@@ -23,7 +23,10 @@
 use std::{
     fs::{self, DirBuilder, File, OpenOptions},
     io,
-    os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt},
+    os::unix::{
+        ffi::OsStringExt,
+        fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt},
+    },
     path::{Path, PathBuf},
     sync::atomic::{AtomicU64, Ordering},
     time::{SystemTime, UNIX_EPOCH},
@@ -150,9 +153,7 @@ pub fn remove_recorded(bundle: &Path) -> bool {
     let Ok(text) = fs::read(bundle.join(BUNDLE_RECORD)) else {
         return false;
     };
-    let dir = PathBuf::from(std::ffi::OsString::from(
-        <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&text).to_owned(),
-    ));
+    let dir = PathBuf::from(std::ffi::OsString::from_vec(text));
     if !is_restore_dir(&dir) {
         log::warn!(
             "{} names {}, which is no restore directory: left alone",
