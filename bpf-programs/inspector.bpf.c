@@ -46,12 +46,32 @@ struct {
 	__type(value, __u64);
 } levels SEC(".maps");
 
+/*
+ * Run counts, per process: task storage of its thread-group leader, so an
+ * entry lives and dies with its process and takes room from no shared table
+ * (a container with many processes once filled a host-wide hash and made
+ * every neighbour's turns degraded). Memory is charged to the memory cgroup
+ * of the shim that loaded the programs, about 150 bytes per process of a
+ * watched container (a process costs its own cgroup over 10 KiB of kernel
+ * memory: the container's pids and memory limits bound it).
+ */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, RUNS_MAX);
-	__type(key, __u32);
+	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
 	__type(value, struct run);
 } runs SEC(".maps");
+
+/* Per watched cgroup: run entries held and allowed (struct quota). Bounds the
+ * kernel memory one container's processes make the programs hold, which is
+ * charged to the loading shim, not to the container. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, WATCHED_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u64);
+	__type(value, struct quota);
+} quotas SEC(".maps");
 
 /* Which process each CPU is running (ONCPU_VALID | tgid), for every task on
  * the host: a process on a CPU right now may be changing its memory even
@@ -560,6 +580,63 @@ int crab_foreign(void *ctx)
 	return 0;
 }
 
+/* The entry of the process `t` belongs to, if it has one. */
+static __always_inline struct run *run_of(struct task_struct *t)
+{
+	return bpf_task_storage_get(&runs, t->group_leader, 0, 0);
+}
+
+/*
+ * Makes the entry of process `t` of watched cgroup `cg` (counters `c`),
+ * within the cgroup's quota; returns it (or the one another CPU made
+ * meanwhile), NULL when none could be made: the quota is used up (counted in
+ * `over_quota`: the cgroup's own turns are then DEGRADED, nobody else's), or
+ * the kernel's per-CPU storage lock is held by a preempted holder (an error).
+ * A fresh entry starts at the clock (see struct run).
+ */
+static __always_inline struct run *run_make(struct task_struct *t, __u64 cg, struct counters *c)
+{
+	struct quota *q = bpf_map_lookup_elem(&quotas, &cg);
+	struct run *run;
+
+	if (q && __sync_fetch_and_add(&q->used, 1) >= q->max) {
+		__sync_fetch_and_add(&q->used, -1);
+		add(&c->over_quota);
+		return NULL;
+	}
+	run = bpf_task_storage_get(&runs, t->group_leader, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	if (!run)
+		run = run_of(t); /* made meanwhile on another CPU? */
+	if (!run) {
+		if (q)
+			__sync_fetch_and_add(&q->used, -1);
+		add(&c->errors); /* user space must not trust run counts */
+		return NULL;
+	}
+	/* Charged once: whoever sets `charged` keeps its count, others give it back. */
+	if (q && __sync_val_compare_and_swap(&run->charged, 0, cg) != 0)
+		__sync_fetch_and_add(&q->used, -1);
+	/* Two CPUs may both see it fresh: the count then jumps twice, which only
+	 * says "ran". */
+	if (!run->switches_out)
+		__sync_fetch_and_add(&run->switches_out, bpf_ktime_get_ns());
+	return run;
+}
+
+/* Gives back the quota an entry holds (the process exits, or its entry is
+ * dropped). */
+static __always_inline void run_uncharge(struct run *run)
+{
+	__u64 cg = run->charged;
+	struct quota *q;
+
+	if (!cg || __sync_val_compare_and_swap(&run->charged, cg, 0) != cg)
+		return;
+	q = bpf_map_lookup_elem(&quotas, &cg);
+	if (q)
+		__sync_fetch_and_add(&q->used, -1);
+}
+
 /* The user address of task `t`'s rseq area, 0 if none (or unknown). */
 static __always_inline __u64 task_rseq(struct task_struct *t)
 {
@@ -626,15 +703,16 @@ static __always_inline void unnote_rseq(struct run *run, struct task_struct *t)
 SEC("tracepoint")
 int crab_rseq(struct sys_enter *ctx)
 {
-	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	struct task_struct *task;
 	struct run *run;
 	__u64 cg;
 
 	if (!(ctx->args[2] & 1 /* RSEQ_FLAG_UNREGISTER */) || !current_counters(&cg))
 		return 0;
-	run = bpf_map_lookup_elem(&runs, &tgid);
+	task = bpf_get_current_task_btf();
+	run = run_of(task);
 	if (run)
-		unnote_rseq(run, bpf_get_current_task_btf());
+		unnote_rseq(run, task);
 	return 0;
 }
 
@@ -646,8 +724,7 @@ int crab_rseq(struct sys_enter *ctx)
 SEC("tp_btf/sched_process_exec")
 int BPF_PROG(crab_exec, struct task_struct *task, int old_pid, struct linux_binprm *bprm)
 {
-	__u32 tgid = task->tgid;
-	struct run *run, fresh = {};
+	struct run *run;
 	struct counters *c;
 	unsigned char ident[5];
 	__u64 cg;
@@ -657,7 +734,7 @@ int BPF_PROG(crab_exec, struct task_struct *task, int old_pid, struct linux_binp
 		return 0;
 	add(&c->execs);
 	/* A new image: the old areas are no rseq areas any more. */
-	run = bpf_map_lookup_elem(&runs, &tgid);
+	run = run_of(task);
 	if (run)
 		forget_rseq(run);
 	if (bpf_core_read(ident, sizeof(ident), &bprm->buf)) {
@@ -668,19 +745,11 @@ int BPF_PROG(crab_exec, struct task_struct *task, int old_pid, struct linux_binp
 	if (ident[0] != 0x7f || ident[1] != 'E' || ident[2] != 'L' || ident[3] != 'F' || ident[4] != 1)
 		return 0;
 	add(&c->errors);
-	run = bpf_map_lookup_elem(&runs, &tgid);
+	if (!run)
+		run = run_make(task, cg, c);
 	if (run) {
+		run->cgroup_id = cg;
 		__sync_fetch_and_or(&run->flags, RUN_COMPAT);
-		return 0;
-	}
-	fresh.cgroup_id = cg;
-	fresh.flags = RUN_COMPAT;
-	if (bpf_map_update_elem(&runs, &tgid, &fresh, BPF_NOEXIST)) {
-		run = bpf_map_lookup_elem(&runs, &tgid);
-		if (run)
-			__sync_fetch_and_or(&run->flags, RUN_COMPAT);
-		else
-			add(&c->errors);
 	}
 	return 0;
 }
@@ -703,7 +772,7 @@ int BPF_PROG(crab_fork, struct task_struct *parent, struct task_struct *child)
 SEC("tp_btf/sched_process_exit")
 int BPF_PROG(crab_exit, struct task_struct *task)
 {
-	__u32 tgid = task->tgid;
+	struct run *run;
 	struct counters *c;
 	__u64 cg;
 
@@ -711,13 +780,18 @@ int BPF_PROG(crab_exit, struct task_struct *task)
 	if (BPF_CORE_READ(task, signal, live.counter) != 0) {
 		/* A thread exits: its area may be freed and reused for data. Its
 		 * last switch-outs (PF_EXITING) note nothing. */
-		struct run *run = bpf_map_lookup_elem(&runs, &tgid);
+		struct run *run = run_of(task);
 
 		if (run)
 			unnote_rseq(run, task);
 		return 0;
 	}
-	bpf_map_delete_elem(&runs, &tgid);
+	/* Freed with the leader's task anyway; gone now, so that a zombie
+	 * reports no count and holds no quota. */
+	run = run_of(task);
+	if (run)
+		run_uncharge(run);
+	bpf_task_storage_delete(&runs, task->group_leader);
 	c = current_counters(&cg);
 	if (c)
 		add(&c->exits);
@@ -732,47 +806,36 @@ int BPF_PROG(crab_exit, struct task_struct *task)
 SEC("tp_btf/sched_switch")
 int BPF_PROG(crab_sched_switch, _Bool preempt, struct task_struct *prev, struct task_struct *next)
 {
-	__u32 zero = 0, tgid = prev->tgid;
+	__u32 zero = 0;
 	__u64 *slot = bpf_map_lookup_elem(&oncpu, &zero);
-	struct run *run, fresh;
+	int exiting = prev->flags & PF_EXITING;
+	struct run *run;
 	struct counters *c;
 	__u64 cg;
 
 	if (slot)
 		*slot = ONCPU_VALID | (__u32)next->tgid;
-	if (!tgid)
+	if (!prev->tgid)
 		return 0; /* idle */
 	c = current_counters(&cg);
 	if (!c)
 		return 0;
-	run = bpf_map_lookup_elem(&runs, &tgid);
-	if (run) {
-		add(&run->switches_out);
-		run->cgroup_id = cg;
-		if (run->flags & RUN_COMPAT)
-			add(&c->errors);
-		/* An exiting thread's area is no more (see crab_exit). */
-		if (!(prev->flags & PF_EXITING))
-			note_rseq(run, prev);
-		return 0;
+	run = run_of(prev);
+	if (!run) {
+		/* The final switch-outs of an exiting process come after its
+		 * entry was deleted: do not bring it back. */
+		if (exiting)
+			return 0;
+		run = run_make(prev, cg, c);
+		if (!run)
+			return 0;
 	}
-	/* The final switch-outs of an exiting process come after its entry was
-	 * deleted: do not bring it back. */
-	if (prev->flags & PF_EXITING)
-		return 0;
-	__builtin_memset(&fresh, 0, sizeof(fresh));
-	fresh.switches_out = 1;
-	fresh.cgroup_id = cg;
-	fresh.rseq[0] = task_rseq(prev);
-	if (bpf_map_update_elem(&runs, &tgid, &fresh, BPF_NOEXIST) == 0)
-		return 0;
-	run = bpf_map_lookup_elem(&runs, &tgid); /* created meanwhile on another CPU? */
-	if (run) {
-		add(&run->switches_out);
-		if (!(prev->flags & PF_EXITING))
-			note_rseq(run, prev);
-	}
-	else
-		add(&c->errors); /* map full: user space must not trust run counts */
+	add(&run->switches_out);
+	run->cgroup_id = cg;
+	if (run->flags & RUN_COMPAT)
+		add(&c->errors);
+	/* An exiting thread's area is no more (see crab_exit). */
+	if (!exiting)
+		note_rseq(run, prev);
 	return 0;
 }

@@ -42,6 +42,8 @@ struct counters {
 	__u64 exits;   /* processes (last thread) */
 	__u64 foreign_mem_writes; /* ptrace, process_vm_writev, writes to /proc files */
 	__u64 errors;
+	/* Run entries not made: the cgroup's `quotas` entry was used up. */
+	__u64 over_quota;
 	/* Owned by user space (same on every CPU), never touched by BPF: */
 	__u64 level;        /* depth of the cgroup in the cgroup2 tree */
 	__u64 misses_base;  /* programs' recursion misses at watch time */
@@ -50,11 +52,17 @@ struct counters {
 /* Threads per process whose rseq area a `run` records. */
 #define RUN_RSEQ_MAX 8
 
-/* Value of the `runs` map, key = tgid (u32). */
+/* Value of the `runs` task storage: one per process, on its thread-group
+ * leader (user space looks it up with a pidfd of the process). */
 struct run {
-	__u64 switches_out; /* times any thread of the process left a CPU */
+	/* Times any thread of the process left a CPU, plus the boot-time clock
+	 * (ns) when the entry was made: an entry made again for the same pid
+	 * (an exec from another thread makes it the leader) never repeats a
+	 * count the old one reported, since a switch-out takes more than 1 ns. */
+	__u64 switches_out;
 	__u64 cgroup_id;    /* watched cgroup it was last counted for */
 	__u64 flags;        /* RUN_* */
+	__u64 charged;      /* watched cgroup whose quota counts it, 0 = none */
 	/* User addresses of the rseq areas (struct rseq) of threads seen leaving a
 	 * CPU: the kernel writes the current CPU there, which is no state of the
 	 * process's own. Cleared at exec and whenever a thread exits (an area
@@ -75,7 +83,18 @@ struct run {
  * child cgroups are still covered). */
 #define MAX_LEVELS 16
 
+/* Value of the `quotas` map, key = watched cgroup id (u64): how many run
+ * entries the cgroup's processes hold, and how many they may (the container's
+ * `[limits] max_bpf_processes`). Written by user space at watch; `used` is
+ * moved by BPF alone, with atomic adds. No entry: no bound. */
+struct quota {
+	__s64 used;
+	__s64 max;
+};
+
+/* Filled by the shims alone (one entry per watched container), never by
+ * what a container does. Per-process state lives in task storage, which has
+ * no host-wide capacity for one container to exhaust. */
 #define WATCHED_MAX 8192
-#define RUNS_MAX 65536
 
 #endif

@@ -62,6 +62,7 @@ struct task_struct {
 	struct files_struct *files;
 	struct css_set *cgroups;
 	struct signal_struct *signal;
+	struct task_struct *group_leader; /* the process's first thread */
 } __crab_core;
 
 /* Linux 4.18-6.18: the thread's registered struct rseq (a user pointer). A

@@ -443,6 +443,12 @@ pub struct LimitsConfig {
     /// this key.
     #[serde(deserialize_with = "max_fdinfo_total_bytes")]
     pub max_fdinfo_total_bytes: u64,
+    /// Processes of the container that hold a run count in the host's eBPF programs at once
+    /// (1 ..= 4194304). Default 65536. Their memory is charged to the shim that loaded the
+    /// programs, not to the container: beyond the bound a process gets no run count and the
+    /// container's own turns are DEGRADED (`full`), nobody else's.
+    #[serde(deserialize_with = "max_bpf_processes")]
+    pub max_bpf_processes: u64,
 }
 
 impl Default for LimitsConfig {
@@ -456,6 +462,7 @@ impl Default for LimitsConfig {
             max_layer_apparent_bytes: 64 << 30,
             max_memory_image_bytes: 16 << 30,
             max_fdinfo_total_bytes: 64 << 20,
+            max_bpf_processes: 65536,
         }
     }
 }
@@ -749,6 +756,10 @@ fn max_walk_depth<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
     u64_in(d, 1..=4096, "an integer from 1 to 4096").map(|n| n as u32)
 }
 
+fn max_bpf_processes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    u64_in(d, 1..=4 << 20, "an integer from 1 to 4194304")
+}
+
 fn max_fdinfo_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     u64_in(d, 4096..=1 << 30, "bytes from 4096 to 1073741824 (1 GiB)")
 }
@@ -919,6 +930,7 @@ mod tests {
             max_layer_apparent_bytes = 2147483648
             max_memory_image_bytes = 1073741824
             max_fdinfo_total_bytes = 4194304
+            max_bpf_processes = 512
 
             [shim]
             groups = ["agents", "rl.rollouts-1"]
@@ -978,6 +990,7 @@ mod tests {
                     max_layer_apparent_bytes: 2 << 30,
                     max_memory_image_bytes: 1 << 30,
                     max_fdinfo_total_bytes: 4 << 20,
+                    max_bpf_processes: 512,
                 },
                 shim: ShimConfig {
                     groups: vec!["agents".into(), "rl.rollouts-1".into()],
@@ -1134,6 +1147,7 @@ mod tests {
                 67_108_864
             )
         );
+        assert_eq!(c.max_bpf_processes, 65_536);
         for (doc, key, expected) in [
             (
                 "limits.max_manifest_entries = 0",
@@ -1170,6 +1184,16 @@ mod tests {
                 "limits.max_fdinfo_bytes = 4095",
                 "limits.max_fdinfo_bytes",
                 "from 4096",
+            ),
+            (
+                "limits.max_bpf_processes = 0",
+                "limits.max_bpf_processes",
+                "from 1 to 4194304",
+            ),
+            (
+                "limits.max_bpf_processes = 4194305",
+                "limits.max_bpf_processes",
+                "from 1 to 4194304",
             ),
             (
                 "limits.max_layer_bytes = 17592186044417",

@@ -23,7 +23,9 @@ use crate::{
     restore::{
         gate as restore_gate,
         intake::{self as restore, Taken, Verdict},
-        kernel, trust,
+        kernel,
+        scratch::RestoreDir,
+        trust,
     },
     runc::{Runc, RuncError},
     sandbox::{NotInspected, Origin, OriginImport, Sandbox},
@@ -85,6 +87,31 @@ pub struct Container {
     /// A process image to restore at Start instead of `runc start` (with what checkpointing
     /// needs once the restored init is known).
     pending_restore: Mutex<Option<PendingRestore>>,
+    /// Where its process image was copied to restore it (in the store), until Delete.
+    restore_dir: Mutex<Option<RestoreDir>>,
+}
+
+/// A fresh restore directory for container `id` ([`RestoreDir`]), named in its bundle for the
+/// cleanup after a shim died.
+fn scratch_dir(
+    config: &Config,
+    namespace: &str,
+    id: &str,
+    bundle: &Path,
+) -> std::result::Result<RestoreDir, restore::RestoreError> {
+    let io = |path: PathBuf| move |source| restore::RestoreError::Io { path, source };
+    let root = config
+        .store
+        .state_dir
+        .join(crate::restore::scratch::RESTORES_DIR);
+    let dir = RestoreDir::create(&config.store.state_dir, namespace, id).map_err(io(root))?;
+    dir.record_in(bundle)
+        .map_err(io(bundle.join(crate::restore::scratch::BUNDLE_RECORD)))?;
+    log::info!(
+        "create {id}: its process image is copied to {} to restore it",
+        dir.path().display()
+    );
+    Ok(dir)
 }
 
 /// What Start needs to restore a container's processes.
@@ -320,6 +347,9 @@ impl Containers {
         let granted = crate::restore::privilege::Granted::from_spec(&spec);
         let engine = config.engine.clone();
         let mut start_fresh = false;
+        // The restore's copy of a process image: removed when Create fails (dropped), else at
+        // Delete.
+        let mut restore_dir = None;
         let taken = match p.checkpoint.is_empty() {
             true => {
                 // Which layers the engine unpacked, asked only of a rootfs with a checkpoint.
@@ -346,9 +376,20 @@ impl Containers {
                     }
                     false => Err("the rootfs holds no checkpoint".into()),
                 };
-                let (rootfs, dest) = (rootfs.path.clone(), p.bundle.join("crab-restore"));
-                let (config, id) = (config.clone(), p.id.clone());
+                let (rootfs, bundle) = (rootfs.path.clone(), p.bundle.clone());
+                let (config, id, ns) = (config.clone(), p.id.clone(), self.namespace.clone());
                 let taken = tokio::task::spawn_blocking(move || {
+                    // A process image is copied to disk, in the store, never into the bundle
+                    // (tmpfs on most hosts): see [`RestoreDir`].
+                    let scratch =
+                        match std::fs::symlink_metadata(rootfs.join(restore::RESERVED_DIR)) {
+                            Ok(_) => Some(scratch_dir(&config, &ns, &id, &bundle)?),
+                            Err(_) => None,
+                        };
+                    let dest = match &scratch {
+                        Some(s) => s.criu(),
+                        None => bundle.join(crate::restore::scratch::CRIU_SUBDIR),
+                    };
                     let trusted = || crate::checkpoint::provenance::trusted_keys(&config);
                     let cache = crate::restore::cache::RestoreCache::from_config(&config);
                     let guard = restore::RestoreGuard {
@@ -363,11 +404,18 @@ impl Containers {
                         defer_pages: config.restore.verify_during_restore,
                         unpacked: &unpacked,
                     };
-                    restore::take_from_rootfs(&rootfs, &dest, &guard)
+                    let taken = restore::take_from_rootfs(&rootfs, &dest, &guard)?;
+                    // Without a process image nothing was copied: the directory goes now.
+                    let scratch =
+                        scratch.filter(|_| taken.as_ref().is_some_and(|t| t.criu_dir.is_some()));
+                    Ok::<_, restore::RestoreError>((taken, scratch))
                 })
                 .await;
                 match taken {
-                    Ok(Ok(t)) => t,
+                    Ok(Ok((t, dir))) => {
+                        restore_dir = dir;
+                        t
+                    }
                     Ok(Err(e)) => {
                         unmount(&e);
                         count_restore(&engine, false);
@@ -587,6 +635,7 @@ impl Containers {
             sandbox,
             probes,
             pending_restore: Mutex::new(pending_restore),
+            restore_dir: Mutex::new(restore_dir),
         });
         self.map
             .lock()
@@ -1462,7 +1511,8 @@ impl Containers {
         let force = snap.exit.is_none();
         // A container waiting to be restored does not exist for runc yet.
         let never_created = c.pending_restore.lock().unwrap().take().is_some();
-        let _ = std::fs::remove_dir_all(c.bundle.join("crab-restore"));
+        drop(c.restore_dir.lock().unwrap().take());
+        let _ = std::fs::remove_file(c.bundle.join(crate::restore::scratch::BUNDLE_RECORD));
         if !never_created {
             if let Err(e) = c.runc.delete(id, force).await {
                 if force {

@@ -1033,3 +1033,64 @@ fn wait_for<T>(mut f: impl FnMut() -> Option<T>) -> Option<T> {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// One cgroup's processes cannot take what another's need: run entries are task storage (no
+/// host-wide table), and a cgroup watched with a quota of 8 gets at most 8 of them, its excess
+/// counted in its own `over_quota`; a neighbour of 40 processes (unbounded) gets a run count
+/// for every one of them, with no error and nothing over any quota. Exits give the quota back.
+#[test]
+fn a_cgroup_over_its_quota_costs_only_itself() {
+    let _serial = serial();
+    let root = TestRoot::new("quota");
+    let probes = HostProbes::open_or_load_at(&root.0).unwrap();
+    let filler = TestCgroup::new("quota-filler");
+    let neighbour = TestCgroup::new("quota-neighbour");
+    probes.watch_bounded(filler.id, Some(8)).unwrap();
+    probes.watch(neighbour.id).unwrap();
+    assert_eq!(probes.quota(filler.id).unwrap(), Some((0, 8)));
+    assert_eq!(probes.quota(neighbour.id).unwrap(), None);
+
+    // Each sleeper runs a little (a few switch-outs) before it settles.
+    let sleepers = |cg: &TestCgroup, n: usize| -> Vec<Child> {
+        (0..n)
+            .map(|_| cg.spawn("for i in 1 2 3; do sleep 0.05; done; exec sleep 60"))
+            .collect()
+    };
+    let mut filled = sleepers(&filler, 20);
+    let mut neighbours = sleepers(&neighbour, 40);
+    std::thread::sleep(Duration::from_millis(1500));
+
+    let (used, max) = probes.quota(filler.id).unwrap().unwrap();
+    assert!(used <= max && max == 8, "filler holds {used} of {max}");
+    let with_count = filled
+        .iter()
+        .filter(|c| probes.run_count(c.id()).unwrap().is_some())
+        .count();
+    assert!(
+        with_count <= 8,
+        "{with_count} filler processes have run counts"
+    );
+    let f = probes.counters(filler.id).unwrap();
+    assert!(f.over_quota > 0, "{f:?}");
+
+    let n = probes.counters(neighbour.id).unwrap();
+    assert_eq!((n.errors, n.over_quota), (0, 0), "{n:?}");
+    for c in &neighbours {
+        assert!(
+            probes.run_count(c.id()).unwrap().is_some(),
+            "neighbour {} has no run count",
+            c.id()
+        );
+    }
+    assert_eq!(probes.entries_of(neighbour.id).unwrap(), 40);
+
+    for c in filled.iter_mut().chain(neighbours.iter_mut()) {
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(probes.quota(filler.id).unwrap(), Some((0, 8)));
+    probes.unwatch(filler.id).unwrap();
+    probes.unwatch(neighbour.id).unwrap();
+    assert_eq!(probes.quota(filler.id).unwrap(), None);
+}

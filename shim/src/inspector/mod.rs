@@ -400,7 +400,8 @@ impl Inspection {
             Ok(p) => match crate::sys::cgroup::cgroup_id(&target.cgroup2_dir)
                 .map_err(WatchError::CgroupId)
                 .and_then(|id| {
-                    p.watch(id).map_err(|e| WatchError::Bpf(Box::new(e)))?;
+                    p.watch_bounded(id, Some(target.limits.max_bpf_processes))
+                        .map_err(|e| WatchError::Bpf(Box::new(e)))?;
                     Ok(id)
                 }) {
                 Ok(id) => (Some(p), Some(id)),
@@ -897,6 +898,12 @@ impl Inspection {
                     c.errors - m.counters.errors
                 ));
             }
+            if c.over_quota > m.counters.over_quota {
+                degraded.push(over_quota_reason(
+                    c.over_quota - m.counters.over_quota,
+                    self.target.limits.max_bpf_processes,
+                ));
+            }
         }
 
         // Filesystem: scan only when a mutating syscall (or a shared writable mapping, whose
@@ -1193,7 +1200,8 @@ impl Inspection {
                 + now
                     .foreign_mem_writes
                     .saturating_sub(then.foreign_mem_writes)
-                + now.errors.saturating_sub(then.errors),
+                + now.errors.saturating_sub(then.errors)
+                + now.over_quota.saturating_sub(then.over_quota),
         )
     }
 
@@ -1351,6 +1359,15 @@ fn memory_error(degraded: &mut Vec<String>, pid: u32, source: MemError) {
     }
 }
 
+/// Why a turn is DEGRADED when processes of the container ran without a run count because it
+/// held its quota of them: names the key, so that the operator knows what to raise.
+pub(crate) fn over_quota_reason(runs: u64, max: u64) -> String {
+    format!(
+        "processes ran {runs} times without a run count: the container holds more than \
+         [limits] max_bpf_processes ({max}) processes"
+    )
+}
+
 /// A memory image whose fd state keeps at most `max_fdinfo_bytes` of fdinfo text, with the
 /// ranges `volatile` hashed as zeros, as part of the observation `obs` (its per-container
 /// bounds, its shared objects read once).
@@ -1401,6 +1418,13 @@ pub mod testing {
 mod tests {
     use super::*;
     use std::os::fd::AsRawFd;
+
+    #[test]
+    fn over_quota_reason_names_the_key_and_its_value() {
+        let why = over_quota_reason(17, 64);
+        assert!(why.contains("[limits] max_bpf_processes (64)"), "{why}");
+        assert!(why.contains("17 times"), "{why}");
+    }
 
     /// A target over plain directories: a fake cgroup listing this test process, an upperdir.
     fn target(dir: &Path) -> Target {

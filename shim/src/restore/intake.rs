@@ -9,7 +9,8 @@
 //! ```
 //!
 //! On Create the shim takes it out of the rootfs ([`take_from_rootfs`]): the CRIU image is copied
-//! into the bundle, the reserved directory is removed from the rootfs (a whiteout in the
+//! to the restore's own directory in the store (`super::scratch`: on disk, not in the bundle's
+//! tmpfs), the reserved directory is removed from the rootfs (a whiteout in the
 //! container's upperdir, so the container never sees it), and Start then runs `runc restore`
 //! instead of `runc start`, or the image's entrypoint when there is no process image.
 //! Everything read from the image is untrusted: only plain files and directories are accepted
@@ -430,7 +431,7 @@ struct VerificationState {
 }
 
 /// The digests of a restore's page files ([`deferrable`]), checked on a thread of their own
-/// from the restore's private copy (in the bundle or the restore cache: root's, out of every
+/// from the restore's private copy (in the store's restore directory or the restore cache: root's, out of every
 /// container's reach, never changed after the copy) while Start runs runc and CRIU on that
 /// same copy. CRIU's post-restore gate ([`super::gate`]) holds every restored process
 /// until the verdict: what runs is exactly what was signed, and the hashing, ~30 ms for 50 MB,

@@ -14,6 +14,8 @@
 //! - [`layers`]: which layers the engine unpacked a checkpoint image's rootfs from, against
 //!   the layers its signature names;
 //! - [`cache`]: verified process images kept on disk for the next restore of the same image;
+//! - [`scratch`]: each restore's own copy of its CRIU image, on disk in the store (never in the
+//!   bundle's tmpfs), removed at Delete or when Create fails;
 //! - [`volumes`]: the tracked volumes a checkpoint holds, refilled into their host directories.
 //!
 //! CRIU's image decoding (`checkpoint::criu_image`), the signature format
@@ -26,6 +28,7 @@ pub mod intake;
 pub mod kernel;
 pub mod layers;
 pub mod privilege;
+pub mod scratch;
 pub mod seccomp;
 pub mod trust;
 pub mod volumes;

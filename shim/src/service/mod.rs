@@ -120,6 +120,8 @@ impl containerd_shim::Shim for Service {
             }
         }
         bundle::unmount_rootfs(&bundle);
+        // Its restore copy, if it was restored (the next restore on the host would sweep it).
+        crate::restore::scratch::remove_recorded(&bundle);
         Ok(api::DeleteResponse {
             pid: bundle::read_init_pid(&bundle).unwrap_or_default(),
             exit_status: 128 + libc::SIGKILL as u32,

@@ -1,6 +1,6 @@
 //! The few `bpf(2)` commands crab issues itself (the eBPF library covers loading, attaching and
-//! map access): opening a pinned object, a program's kernel statistics, and whether a map has
-//! any key.
+//! map access): opening a pinned object, a program's kernel statistics, whether a map has
+//! any key, and the elements of task storage (keyed by a pidfd, which the library cannot do).
 
 use std::{
     ffi::CString,
@@ -12,6 +12,8 @@ use std::{
     path::Path,
 };
 
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
@@ -88,6 +90,68 @@ pub fn map_is_empty(map: BorrowedFd<'_>) -> io::Result<bool> {
     match unsafe { bpf(BPF_MAP_GET_NEXT_KEY, &attr) } {
         Ok(_) => Ok(false),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(true),
+        Err(e) => Err(e),
+    }
+}
+
+/// The `BPF_MAP_*_ELEM` prefix of `union bpf_attr`.
+#[repr(C)]
+struct ElemAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+/// The element of task storage `map` (a map whose keys are 4-byte fds and whose values are
+/// exactly `size_of::<V>()` bytes: checked by the caller when it opened the map) for the
+/// process `pidfd` holds: `None` when it has none, or has exited.
+///
+/// # Safety
+/// `map` must be a `BPF_MAP_TYPE_TASK_STORAGE` map whose value size is `size_of::<V>()`, and
+/// every bit pattern must be a valid `V` (the kernel writes the value's bytes as they are).
+pub unsafe fn task_storage_get<V: Copy>(
+    map: BorrowedFd<'_>,
+    pidfd: BorrowedFd<'_>,
+) -> io::Result<Option<V>> {
+    let key: i32 = pidfd.as_raw_fd();
+    let mut value = std::mem::MaybeUninit::<V>::zeroed();
+    let attr = ElemAttr {
+        map_fd: map.as_raw_fd() as u32,
+        _pad: 0,
+        key: &key as *const i32 as u64,
+        value: value.as_mut_ptr() as u64,
+        flags: 0,
+    };
+    // SAFETY: `attr` is the BPF_MAP_LOOKUP_ELEM prefix of `union bpf_attr`; `key` points at a
+    // 4-byte fd and `value` at `size_of::<V>()` bytes, which the caller guarantees is the map's
+    // value size; both live across the call.
+    match unsafe { bpf(BPF_MAP_LOOKUP_ELEM, &attr) } {
+        // SAFETY: the kernel wrote the whole value, and any bit pattern is a valid V (caller).
+        Ok(_) => Ok(Some(unsafe { value.assume_init() })),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ESRCH)) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Removes the element of task storage `map` for the process `pidfd` holds; whether there was
+/// one.
+pub fn task_storage_delete(map: BorrowedFd<'_>, pidfd: BorrowedFd<'_>) -> io::Result<bool> {
+    let key: i32 = pidfd.as_raw_fd();
+    let attr = ElemAttr {
+        map_fd: map.as_raw_fd() as u32,
+        _pad: 0,
+        key: &key as *const i32 as u64,
+        value: 0,
+        flags: 0,
+    };
+    // SAFETY: `attr` is the BPF_MAP_DELETE_ELEM prefix of `union bpf_attr`; `key` points at a
+    // 4-byte fd (a task storage map's key size, which the kernel checks against the map) that
+    // lives across the call.
+    match unsafe { bpf(BPF_MAP_DELETE_ELEM, &attr) } {
+        Ok(_) => Ok(true),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ESRCH)) => Ok(false),
         Err(e) => Err(e),
     }
 }

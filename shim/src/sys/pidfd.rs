@@ -1,7 +1,7 @@
 //! A process held by a pidfd (`pidfd_open`, `pidfd_send_signal`, which nix 0.29 lacks).
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 /// A process held by a pidfd: signals never reach a reused pid.
 pub struct PidFd(OwnedFd);
@@ -30,5 +30,11 @@ impl PidFd {
             )
         };
         rc == 0
+    }
+}
+
+impl AsFd for PidFd {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
     }
 }

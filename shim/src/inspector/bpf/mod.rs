@@ -27,7 +27,14 @@
 //! - memory of other processes: ptrace, process_vm_writev, writes to /proc;
 //! - scheduling: per process, how many times its threads left a CPU.
 //!
-//! Fail safe: whatever the BPF side cannot record (a full map, a program
+//! Nothing a container does can fill a map its neighbours need: `watched` holds one entry per
+//! watched cgroup (written by the shims alone), and per-process run counts are task storage
+//! (`BPF_MAP_TYPE_TASK_STORAGE` on each process's thread-group leader: made at its first
+//! switch-out, gone with it), which has no host-wide capacity. They used to be a host-wide hash
+//! of 65,536 pids, which one container of many sleeping processes could fill, making every
+//! watched container's turns `full` (DEGRADED).
+//!
+//! Fail safe: whatever the BPF side cannot record (a run entry it cannot make, a program
 //! skipped by the kernel's recursion protection, a 32-bit process running:
 //! its compat syscalls bypass the syscall tracepoints) shows up in
 //! [`CgroupCounters::errors`]; a caller seeing it move must treat the turn as
@@ -63,7 +70,7 @@ pub use self::programs::version_dir_name;
 pub use crate::sys::bpf::ProgramStats;
 
 /// Bump whenever a map layout in `bpf-programs/include/inspector.h` changes.
-pub const ABI_VERSION: u32 = 5;
+pub const ABI_VERSION: u32 = 6;
 /// Where the host-wide programs are pinned.
 pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/crab";
 /// Number of [`FsClass`] values.
@@ -229,6 +236,10 @@ pub struct CgroupCounters {
     /// Anything the BPF side could not record (map full, programs skipped by
     /// the kernel): non-zero growth means "everything changed".
     pub errors: u64,
+    /// Processes that got no run count because the cgroup held its quota of them
+    /// ([`HostProbes::watch_bounded`], `[limits] max_bpf_processes`): growth means the
+    /// cgroup's own run counts are incomplete (its turns are DEGRADED), nobody else's.
+    pub over_quota: u64,
 }
 
 impl CgroupCounters {
@@ -252,6 +263,7 @@ impl CgroupCounters {
                 .foreign_mem_writes
                 .saturating_sub(earlier.foreign_mem_writes),
             errors: self.errors.saturating_sub(earlier.errors),
+            over_quota: self.over_quota.saturating_sub(earlier.over_quota),
         }
     }
 

@@ -9,7 +9,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use aya::maps::{
-    Array, HashMap as BpfHashMap, Map, MapData, MapError, MapInfo, PerCpuArray, PerCpuHashMap,
+    Array, HashMap as BpfHashMap, Map, MapData, MapError, MapInfo, MapType, PerCpuArray,
+    PerCpuHashMap,
 };
 use log::{debug, info, warn};
 use nix::fcntl::{Flock, FlockArg};
@@ -17,10 +18,12 @@ use nix::mount::MsFlags;
 use nix::sys::statfs::{FsType, BPF_FS_MAGIC, TRACEFS_MAGIC};
 
 use super::programs::{
-    expected_links, pin_into, program_names, version_dir_name, RawCounters, RawRun, TRACEFS_MOUNT,
+    expected_links, pin_into, program_names, version_dir_name, RawCounters, RawQuota, RawRun,
+    TRACEFS_MOUNT,
 };
 use super::{io_err, map_err, BpfError, ProgramStats};
 use crate::sys::bpf;
+use crate::sys::pidfd::PidFd;
 
 pub(super) const BPFFS_MOUNT: &str = "/sys/fs/bpf";
 
@@ -34,8 +37,9 @@ pub(super) struct Maps {
     programs: Vec<OwnedFd>,
     pub(super) watched: PerCpuHashMap<MapData, u64, RawCounters>,
     pub(super) levels: Array<MapData, u64>,
-    pub(super) runs: BpfHashMap<MapData, u32, RawRun>,
+    pub(super) runs: RunStorage,
     pub(super) oncpu: PerCpuArray<MapData, u64>,
+    pub(super) quotas: BpfHashMap<MapData, u64, RawQuota>,
 }
 
 impl Maps {
@@ -60,6 +64,74 @@ impl Maps {
     }
 }
 
+/// The `runs` task storage: one [`RawRun`] per process, on its thread-group leader, found
+/// through a pidfd of the process (the eBPF library has no type for it).
+pub(super) struct RunStorage(MapData);
+
+impl RunStorage {
+    fn open(path: &Path) -> Result<RunStorage, BpfError> {
+        let data = MapData::from_pin(path).map_err(map_err("runs"))?;
+        let info = data.info().map_err(map_err("runs"))?;
+        let (kind, key, value) = (info.map_type().ok(), info.key_size(), info.value_size());
+        if kind != Some(MapType::TaskStorage)
+            || key != 4
+            || value as usize != std::mem::size_of::<RawRun>()
+        {
+            return Err(BpfError::Incomplete {
+                path: path.to_path_buf(),
+                detail: format!(
+                    "runs is {kind:?} with {key}-byte keys and {value}-byte values, not task \
+                     storage of {}-byte runs",
+                    std::mem::size_of::<RawRun>()
+                ),
+            });
+        }
+        Ok(RunStorage(data))
+    }
+
+    /// The entry of process `pid`; `None` if it has none or is gone (or `pid` is no process:
+    /// a thread id).
+    pub(super) fn get(&self, pid: u32) -> Result<Option<RawRun>, BpfError> {
+        let Some(pidfd) = open_process(pid)? else {
+            return Ok(None);
+        };
+        // SAFETY: `open` checked that the map is task storage of RawRun-sized values, and
+        // RawRun is plain old data (every bit pattern valid).
+        unsafe { bpf::task_storage_get::<RawRun>(self.0.fd().as_fd(), pidfd.as_fd()) }.map_err(
+            |source| BpfError::Syscall {
+                op: "BPF_MAP_LOOKUP_ELEM (runs)",
+                source,
+            },
+        )
+    }
+
+    /// Removes the entry of process `pid`, if any.
+    pub(super) fn remove(&self, pid: u32) -> Result<(), BpfError> {
+        let Some(pidfd) = open_process(pid)? else {
+            return Ok(());
+        };
+        bpf::task_storage_delete(self.0.fd().as_fd(), pidfd.as_fd())
+            .map(drop)
+            .map_err(|source| BpfError::Syscall {
+                op: "BPF_MAP_DELETE_ELEM (runs)",
+                source,
+            })
+    }
+}
+
+/// A pidfd of process `pid`; `None` when there is no such process (`ESRCH`) or `pid` names a
+/// thread other than a leader (`EINVAL`).
+fn open_process(pid: u32) -> Result<Option<PidFd>, BpfError> {
+    match PidFd::open(pid) {
+        Ok(fd) => Ok(Some(fd)),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ESRCH) | Some(libc::EINVAL)) => Ok(None),
+        Err(source) => Err(BpfError::Syscall {
+            op: "pidfd_open",
+            source,
+        }),
+    }
+}
+
 pub(super) fn open_pinned(dir: &Path) -> Result<Maps, BpfError> {
     check_links(dir)?;
     let open = |name: &'static str| -> Result<Map, BpfError> {
@@ -74,8 +146,9 @@ pub(super) fn open_pinned(dir: &Path) -> Result<Maps, BpfError> {
         programs: Vec::new(),
         watched: PerCpuHashMap::try_from(open("watched")?).map_err(map_err("watched"))?,
         levels: Array::try_from(open("levels")?).map_err(map_err("levels"))?,
-        runs: BpfHashMap::try_from(open("runs")?).map_err(map_err("runs"))?,
+        runs: RunStorage::open(&dir.join("maps").join("runs"))?,
         oncpu: PerCpuArray::try_from(open("oncpu")?).map_err(map_err("oncpu"))?,
+        quotas: BpfHashMap::try_from(open("quotas")?).map_err(map_err("quotas"))?,
     };
     for name in program_names() {
         let path = dir.join("progs").join(name);

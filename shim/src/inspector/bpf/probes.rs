@@ -14,7 +14,7 @@ use super::pins::{
     collect_stale_versions_locked, ensure_filesystems, fs_type, load_and_pin, open_pinned,
     pinned_map_id, DirLock, Maps,
 };
-use super::programs::{version_dir_name, RawCounters};
+use super::programs::{version_dir_name, RawCounters, RawQuota};
 use super::{
     io_err, map_err, BpfError, CgroupCounters, ProgramStats, DEFAULT_PIN_ROOT, MAX_LEVELS,
 };
@@ -101,8 +101,23 @@ impl HostProbes {
         self.maps.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Starts counting for a cgroup (zeroed, also if it was watched already).
+    /// Starts counting for a cgroup (zeroed, also if it was watched already), with no bound on
+    /// the run entries its processes hold.
     pub fn watch(&self, cgroup_id: u64) -> Result<(), BpfError> {
+        self.watch_bounded(cgroup_id, None)
+    }
+
+    /// [`Self::watch`], with at most `max_processes` processes of the cgroup holding a run
+    /// entry at once (`None`: unbounded). The programs keep an entry per process with their
+    /// task (no host-wide table to fill), but its memory is charged to the shim that loaded
+    /// them: the quota bounds what one container makes them hold. Processes beyond it get no
+    /// run count (their memory is compared at every turn) and are counted in
+    /// [`CgroupCounters::over_quota`]. Watching again keeps the count of entries held.
+    pub fn watch_bounded(
+        &self,
+        cgroup_id: u64,
+        max_processes: Option<u64>,
+    ) -> Result<(), BpfError> {
         let level = cgroup_level(cgroup_id)?;
         if level >= MAX_LEVELS {
             return Err(BpfError::TooDeep {
@@ -117,6 +132,8 @@ impl HostProbes {
             // matched from the moment the entry exists.
             let mask = watched_levels(&maps)? | (1 << level);
             maps.levels.set(0, mask, 0).map_err(map_err("levels"))?;
+            // The quota before the counters: programs never see the cgroup watched without it.
+            set_quota(&mut maps, cgroup_id, max_processes)?;
             let value = RawCounters {
                 level,
                 misses_base,
@@ -145,6 +162,7 @@ impl HostProbes {
                 maps.dir.display()
             );
             let _ = maps.watched.remove(&cgroup_id);
+            let _ = remove_quota(&mut maps, cgroup_id);
             *maps = HostProbes::open_or_load_at(&self.root)?
                 .maps
                 .into_inner()
@@ -154,6 +172,15 @@ impl HostProbes {
             path: maps.dir.clone(),
             detail: "pins keep disappearing".into(),
         })
+    }
+
+    /// Run entries the processes of a watched cgroup hold and may hold (`None`: unbounded).
+    pub fn quota(&self, cgroup_id: u64) -> Result<Option<(i64, i64)>, BpfError> {
+        match self.maps().quotas.get(&cgroup_id, 0) {
+            Ok(q) => Ok(Some((q.used, q.max))),
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(e) => Err(map_err("quotas")(e)),
+        }
     }
 
     /// Stops counting for a cgroup and removes every entry that belongs to it
@@ -169,6 +196,7 @@ impl HostProbes {
             }
             let mask = watched_levels(&maps)?;
             maps.levels.set(0, mask, 0).map_err(map_err("levels"))?;
+            remove_quota(&mut maps, cgroup_id)?;
             sweep(&mut maps, cgroup_id)?;
         }
         // A program that found the entry just before its removal may still
@@ -199,6 +227,7 @@ impl HostProbes {
             total.exits += cpu.exits;
             total.foreign_mem_writes += cpu.foreign_mem_writes;
             total.errors += cpu.errors;
+            total.over_quota += cpu.over_quota;
         }
         total.fs_mutations = total.fs_by_class.iter().sum();
         // Recursion misses are host-wide (any skipped program may have been
@@ -224,11 +253,7 @@ impl HostProbes {
         if running_now(&maps.oncpu, pid)? {
             return Ok(None);
         }
-        match maps.runs.get(&pid, 0) {
-            Ok(run) => Ok(Some(run.switches_out)),
-            Err(MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(map_err("runs")(e)),
-        }
+        Ok(maps.runs.get(pid)?.map(|run| run.switches_out))
     }
 
     /// The rseq areas (`struct rseq`, where the kernel writes the CPU a thread runs on) of
@@ -238,13 +263,12 @@ impl HostProbes {
     /// [`crate::inspector::memory::CaptureOptions::volatile`].
     pub fn rseq_areas(&self, pid: u32) -> Result<(Vec<u64>, bool), BpfError> {
         let maps = self.maps();
-        match maps.runs.get(&pid, 0) {
-            Ok(run) => Ok((
+        match maps.runs.get(pid)? {
+            Some(run) => Ok((
                 run.rseq.iter().copied().filter(|a| *a != 0).collect(),
                 run.flags & super::programs::RUN_RSEQ_MORE == 0,
             )),
-            Err(MapError::KeyNotFound) => Ok((Vec::new(), false)),
-            Err(e) => Err(map_err("runs")(e)),
+            None => Ok((Vec::new(), false)),
         }
     }
 
@@ -289,8 +313,9 @@ impl HostProbes {
         self.maps().program_stats()
     }
 
-    /// Entries currently in the per-process and per-open maps that belong to
-    /// `cgroup_id` (diagnostics and tests: zero after [`Self::unwatch`]).
+    /// Run entries of the processes now in cgroup `cgroup_id` (or below it) that were made
+    /// for it (diagnostics and tests: zero after [`Self::unwatch`]). An entry lives with its
+    /// process (task storage): an exited process has none.
     pub fn entries_of(&self, cgroup_id: u64) -> Result<usize, BpfError> {
         let maps = self.maps();
         Ok(runs_of(&maps, cgroup_id)?.len())
@@ -330,29 +355,88 @@ pub(super) fn watched_levels(maps: &Maps) -> Result<u64, BpfError> {
     Ok(mask)
 }
 
+/// The processes of cgroup `cgroup_id` (and of the cgroups below it) whose run entry was made
+/// for that cgroup. Task storage cannot be listed: the cgroup's processes are asked one by one.
+/// A cgroup that is gone has none.
 fn runs_of(maps: &Maps, cgroup_id: u64) -> Result<Vec<u32>, BpfError> {
-    let mut keys = Vec::new();
-    for item in maps.runs.iter() {
-        match item {
-            Ok((pid, run)) if run.cgroup_id == cgroup_id => keys.push(pid),
-            Ok(_) => {}
-            // Deleted by an exiting process between key and value reads.
-            Err(e) if is_not_found(&e) => {}
-            Err(e) => return Err(map_err("runs")(e)),
+    let mut pids = Vec::new();
+    for pid in cgroup_pids(cgroup_id)? {
+        if maps
+            .runs
+            .get(pid)?
+            .is_some_and(|run| run.cgroup_id == cgroup_id)
+        {
+            pids.push(pid);
         }
     }
-    Ok(keys)
+    Ok(pids)
+}
+
+/// Bounds the run entries of `cgroup_id`'s processes (`None`: no bound), keeping the count of
+/// those already held.
+fn set_quota(maps: &mut Maps, cgroup_id: u64, max: Option<u64>) -> Result<(), BpfError> {
+    let Some(max) = max else {
+        return remove_quota(maps, cgroup_id);
+    };
+    let used = match maps.quotas.get(&cgroup_id, 0) {
+        Ok(q) => q.used,
+        Err(e) if is_not_found(&e) => 0,
+        Err(e) => return Err(map_err("quotas")(e)),
+    };
+    let max = i64::try_from(max).unwrap_or(i64::MAX);
+    maps.quotas
+        .insert(cgroup_id, RawQuota { used, max }, 0)
+        .map_err(map_err("quotas"))
+}
+
+fn remove_quota(maps: &mut Maps, cgroup_id: u64) -> Result<(), BpfError> {
+    match maps.quotas.remove(&cgroup_id) {
+        Ok(()) => Ok(()),
+        Err(e) if is_not_found(&e) => Ok(()),
+        Err(e) => Err(map_err("quotas")(e)),
+    }
 }
 
 fn sweep(maps: &mut Maps, cgroup_id: u64) -> Result<(), BpfError> {
     for pid in runs_of(maps, cgroup_id)? {
-        match maps.runs.remove(&pid) {
-            Ok(()) => {}
-            Err(e) if is_not_found(&e) => {}
-            Err(e) => return Err(map_err("runs")(e)),
-        }
+        maps.runs.remove(pid)?;
     }
     Ok(())
+}
+
+/// The processes in cgroup `cgroup_id` and its descendants (`cgroup.procs`), walked
+/// iteratively; nothing if the cgroup is gone.
+fn cgroup_pids(cgroup_id: u64) -> Result<Vec<u32>, BpfError> {
+    let mount = cgroup::cgroup2_mount().map_err(io_err(
+        "finding the cgroup2 mount",
+        Path::new("/proc/self/mountinfo"),
+    ))?;
+    let root = match cgroup::cgroup_path_by_id(&mount.mount_point, cgroup_id) {
+        Ok(path) => path,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ESTALE)) => {
+            return Ok(Vec::new())
+        }
+        Err(e) => return Err(io_err("resolving a cgroup id under", &mount.mount_point)(e)),
+    };
+    let mut pids = Vec::new();
+    let mut dirs = vec![root];
+    while let Some(dir) = dirs.pop() {
+        // A cgroup removed meanwhile has no processes left.
+        let Ok(procs) = fs::read_to_string(dir.join("cgroup.procs")) else {
+            continue;
+        };
+        pids.extend(procs.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
+        dirs.extend(
+            entries
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path()),
+        );
+    }
+    Ok(pids)
 }
 
 /// Is any thread of `pid` on a CPU (or is some online CPU's slot not yet

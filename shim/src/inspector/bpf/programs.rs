@@ -144,7 +144,7 @@ pub(super) const BTF_TRACEPOINTS: &[(&str, &str)] = &[
     ("crab_sched_switch", "sched_switch"),
 ];
 
-pub(super) const MAP_NAMES: &[&str] = &["watched", "levels", "runs", "oncpu"];
+pub(super) const MAP_NAMES: &[&str] = &["watched", "levels", "runs", "oncpu", "quotas"];
 
 /// `struct counters` of inspector.h.
 #[repr(C)]
@@ -158,6 +158,7 @@ pub(super) struct RawCounters {
     pub(super) exits: u64,
     pub(super) foreign_mem_writes: u64,
     pub(super) errors: u64,
+    pub(super) over_quota: u64,
     pub(super) level: u64,
     pub(super) misses_base: u64,
 }
@@ -172,8 +173,21 @@ pub(super) struct RawRun {
     pub(super) switches_out: u64,
     pub(super) cgroup_id: u64,
     pub(super) flags: u64,
+    pub(super) charged: u64,
     pub(super) rseq: [u64; RUN_RSEQ_MAX],
 }
+
+/// `struct quota` of inspector.h.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct RawQuota {
+    pub(super) used: i64,
+    pub(super) max: i64,
+}
+
+// SAFETY: plain old data: repr(C), only 64-bit integer fields (no padding), every bit pattern
+// valid.
+unsafe impl Pod for RawQuota {}
 
 /// `RUN_RSEQ_MAX` of inspector.h.
 pub(super) const RUN_RSEQ_MAX: usize = 8;
@@ -235,7 +249,11 @@ pub(super) fn pin_into(tmp: &Path) -> Result<(), BpfError> {
         fs::create_dir_all(&path).map_err(io_err("creating", &path))?;
     }
     let btf = Btf::from_sys_fs()?;
-    let mut ebpf = EbpfLoader::new().btf(Some(&btf)).load(OBJECT)?;
+    // `runs` is task storage, which the library creates and pins but has no type for.
+    let mut ebpf = EbpfLoader::new()
+        .btf(Some(&btf))
+        .allow_unsupported_maps()
+        .load(OBJECT)?;
 
     for (name, tps) in SYSCALL_PROGRAMS {
         let prog = tracepoint(&mut ebpf, name)?;

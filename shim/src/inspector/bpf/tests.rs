@@ -38,5 +38,33 @@ fn fs_classes_match_the_c_enum() {
         };
         assert_eq!(&expect, c_name);
     }
-    assert_eq!(std::mem::size_of::<RawCounters>(), 8 * (FS_CLASSES + 9));
+    assert_eq!(std::mem::size_of::<RawCounters>(), 8 * (FS_CLASSES + 10));
+}
+
+#[test]
+fn map_values_match_the_c_layouts() {
+    use super::programs::{RawQuota, RawRun, RUN_RSEQ_MAX};
+    // struct run: switches_out, cgroup_id, flags, charged, rseq[RUN_RSEQ_MAX].
+    assert_eq!(std::mem::size_of::<RawRun>(), 8 * (4 + RUN_RSEQ_MAX));
+    assert_eq!(std::mem::size_of::<RawQuota>(), 16);
+    let header = include_str!("../../../../bpf-programs/include/inspector.h");
+    assert!(header.contains("#define RUN_RSEQ_MAX 8"));
+    assert!(header.contains("__u64 charged;"));
+}
+
+#[test]
+fn over_quota_counts_only_since_the_mark() {
+    let earlier = CgroupCounters {
+        over_quota: 5,
+        errors: 1,
+        ..Default::default()
+    };
+    let now = CgroupCounters {
+        over_quota: 12,
+        errors: 1,
+        ..Default::default()
+    };
+    let since = now.since(&earlier);
+    assert_eq!((since.over_quota, since.errors), (7, 0));
+    assert_eq!(earlier.since(&now).over_quota, 0);
 }
