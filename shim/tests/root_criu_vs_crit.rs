@@ -84,8 +84,11 @@ fn read_varint(b: &[u8], at: &mut usize) -> Option<u64> {
     None
 }
 
-/// A message's fields: (number, wire type, the field's whole encoding, its payload).
-fn fields(msg: &[u8]) -> Option<Vec<(u32, u8, Vec<u8>, Vec<u8>)>> {
+/// A field: (number, wire type, the field's whole encoding, its payload).
+type Field = (u32, u8, Vec<u8>, Vec<u8>);
+
+/// A message's fields.
+fn fields(msg: &[u8]) -> Option<Vec<Field>> {
     let mut out = Vec::new();
     let mut at = 0;
     while at < msg.len() {
@@ -520,6 +523,7 @@ fn crab_reads_credentials_as_criu_s_decoder_does() {
         );
     }
     let _ = decoder.kill();
+    let _ = decoder.wait();
     eprintln!(
         "{runs} mutated core images: crab and CRIU's decoder agreed on {compared} crab accepted, \
          crab refused {refused}; CRIU's decoder alone refused {} crab accepted",
