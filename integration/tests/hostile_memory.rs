@@ -295,9 +295,15 @@ async fn per_container_totals_make_the_turn_full_naming_the_key() {
     assert!(fdinfo <= 16384 + 1, "read {fdinfo} bytes of fdinfo");
     assert_running(&s).await;
     s.run(&format!("pkill -f 'fds[-]ready'; {GONE}")).await;
+    // The mark after the full turn was taken over the bound too: this turn may still say so
+    // (nothing else), depending on whether the mark was read before the process left.
     let answer = s.end_turn().await;
     assert!(
-        answer["degraded"].as_array().unwrap().is_empty(),
+        answer["degraded"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|d| d.to_string().contains("[limits] max_fdinfo_total_bytes")),
         "{answer:#}"
     );
     let (answer, _) = quiet_turn(&mut s).await;

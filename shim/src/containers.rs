@@ -216,8 +216,9 @@ impl PidTable {
 
 pub struct Containers {
     namespace: String,
-    /// containerd's gRPC address ([`crate::restore::layers::from_containerd`]).
-    address: String,
+    /// The engine's record of the snapshots a container runs on (containerd's API, from the
+    /// protocol edge): which layers a checkpoint image's rootfs was unpacked from.
+    snapshots: Arc<dyn crate::restore::layers::SnapshotSource>,
     events: EventSender,
     map: Mutex<HashMap<String, Arc<Container>>>,
     pids: Mutex<PidTable>,
@@ -237,13 +238,13 @@ impl Containers {
     /// and signals `shutdown` when the shim is to end.
     pub fn new(
         namespace: String,
-        address: String,
+        snapshots: Arc<dyn crate::restore::layers::SnapshotSource>,
         events: EventSender,
         shutdown: Arc<ExitSignal>,
     ) -> Arc<Self> {
         Arc::new(Self {
             namespace,
-            address,
+            snapshots,
             events,
             map: Mutex::new(HashMap::new()),
             pids: Mutex::new(PidTable::default()),
@@ -357,10 +358,12 @@ impl Containers {
                     true => {
                         let t = std::time::Instant::now();
                         let u = crate::restore::layers::identify(
-                            &self.address,
+                            self.snapshots.as_ref(),
                             &self.namespace,
                             &p.id,
-                            &rootfs,
+                            &rootfs.path,
+                            rootfs.mounted_by == bundle::MountedBy::Containerd,
+                            RootfsMount::overlay(&rootfs.mounts).map(|m| m.options.as_slice()),
                         )
                         .await;
                         log::info!(

@@ -36,15 +36,14 @@ use std::{
 
 use sha2::{Digest, Sha256};
 
-use crate::bundle::RootfsMount;
 use crate::checkpoint::provenance::ProvenanceError;
 
 /// The reserved directory (the only entry a checkpoint layer's root may hold).
 const RESERVED: &str = ".crab-checkpoint";
 /// Bound on each call to containerd (Create must not hang on an engine that does not answer).
-const CALL_TIMEOUT: Duration = Duration::from_secs(10);
-/// Bound on the ancestors walked (an image has at most a few hundred layers).
-const MAX_DEPTH: usize = 512;
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound on the ancestors an engine walks (an image has at most a few hundred layers).
+pub const MAX_DEPTH: usize = 512;
 
 /// What the engine unpacked: the chain below the image's top layer and where that top layer's
 /// files are.
@@ -143,11 +142,11 @@ fn has_xattr(path: &Path, name: &str) -> bool {
     r >= 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::ERANGE)
 }
 
-/// The lower directories of an overlay mount, topmost first (`lowerdir=a:b`, or containerd
-/// 2.1's one `lowerdir+=` per layer).
-pub fn lowerdirs(m: &RootfsMount) -> Vec<PathBuf> {
+/// The lower directories of an overlay mount (its options), topmost first (`lowerdir=a:b`,
+/// or containerd 2.1's one `lowerdir+=` per layer).
+pub fn lowerdirs(options: &[String]) -> Vec<PathBuf> {
     let mut out = Vec::new();
-    for o in &m.options {
+    for o in options {
         if let Some(v) = o.strip_prefix("lowerdir=") {
             out.extend(v.split(':').filter(|l| !l.is_empty()).map(PathBuf::from));
         } else if let Some(v) = o.strip_prefix("lowerdir+=") {
@@ -158,7 +157,7 @@ pub fn lowerdirs(m: &RootfsMount) -> Vec<PathBuf> {
 }
 
 /// A snapshot name an unpack gives a layer: its chain id.
-fn is_chain_id(name: &str) -> bool {
+pub fn is_chain_id(name: &str) -> bool {
     name.strip_prefix("sha256:")
         .is_some_and(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
 }
@@ -179,49 +178,63 @@ pub fn top_of(ancestors: &[String]) -> Result<(usize, Option<String>), String> {
     Ok((i, ancestors.get(i + 1).cloned()))
 }
 
-/// Which layers the engine unpacked the rootfs of container `id` from: containerd's record
-/// when containerd sent the rootfs mounts, else Docker's (which mounts the rootfs itself).
-pub async fn identify(
-    address: &str,
-    namespace: &str,
-    id: &str,
-    rootfs: &crate::bundle::Rootfs,
-) -> Result<Unpacked, String> {
-    match rootfs.mounted_by {
-        crate::bundle::MountedBy::Containerd => {
-            bounded(
-                address,
-                from_containerd(address, namespace, id, &rootfs.mounts, None),
-            )
-            .await
-        }
-        crate::bundle::MountedBy::Caller => {
-            let docker =
-                from_docker_layerdb(&rootfs.path, id, RootfsMount::overlay(&rootfs.mounts));
-            match (docker, docker_snapshot(&rootfs.path, id)) {
-                (Ok(u), _) => Ok(u),
-                (Err(e), None) => Err(e),
-                // Docker's containerd image store: the snapshot is the container id's, in the
-                // snapshotter the rootfs path names, and Docker mounted it itself.
-                (Err(_), Some(snapshot)) => {
-                    bounded(
-                        address,
-                        from_containerd(address, namespace, id, &rootfs.mounts, Some(snapshot)),
-                    )
-                    .await
-                }
-            }
-        }
-    }
+/// What the engine says of a container's snapshot ([`SnapshotSource`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineSnapshot {
+    pub snapshotter: String,
+    pub key: String,
+    /// The options of the snapshot's overlay mount, as the engine would mount it (`None`: not
+    /// an overlay).
+    pub overlay_options: Option<Vec<String>>,
+    /// Its ancestors, nearest first, up to the first one named by a chain id and that one's
+    /// parent.
+    pub ancestors: Vec<String>,
 }
 
-async fn bounded(
-    address: &str,
-    f: impl std::future::Future<Output = Result<Unpacked, String>>,
+/// The engine's record of the snapshots a container runs on: containerd's API, which the
+/// shim's protocol edge speaks (`service::snapshots`); fakes in tests.
+#[async_trait::async_trait]
+pub trait SnapshotSource: Send + Sync {
+    /// Container `id`'s snapshot in `namespace`: the one its record names, else `fallback`
+    /// (snapshotter, key) when the record names none.
+    async fn snapshot(
+        &self,
+        namespace: &str,
+        id: &str,
+        fallback: Option<(String, String)>,
+    ) -> Result<EngineSnapshot, String>;
+}
+
+/// Which layers the engine unpacked the rootfs of container `id` (at `rootfs`) from:
+/// containerd's record when containerd sent the rootfs mounts (`by_containerd`), else Docker's
+/// (which mounts the rootfs itself). `overlay` is the rootfs overlay's options, if it is one.
+pub async fn identify(
+    engine: &dyn SnapshotSource,
+    namespace: &str,
+    id: &str,
+    rootfs: &Path,
+    by_containerd: bool,
+    overlay: Option<&[String]>,
 ) -> Result<Unpacked, String> {
-    tokio::time::timeout(4 * CALL_TIMEOUT, f)
-        .await
-        .unwrap_or_else(|_| Err(format!("containerd at {address} did not answer in time")))
+    let ask = |fallback| async move {
+        tokio::time::timeout(4 * CALL_TIMEOUT, engine.snapshot(namespace, id, fallback))
+            .await
+            .unwrap_or_else(|_| Err("the engine did not answer in time".to_string()))
+            .and_then(|snap| from_snapshot(overlay, snap))
+    };
+    if by_containerd {
+        return ask(None).await;
+    }
+    match (
+        from_docker_layerdb(rootfs, id, overlay),
+        docker_snapshot(rootfs, id),
+    ) {
+        (Ok(u), _) => Ok(u),
+        (Err(e), None) => Err(e),
+        // Docker's containerd image store: the snapshot is the container id's, in the
+        // snapshotter the rootfs path names, and Docker mounted it itself.
+        (Err(_), Some(snapshot)) => ask(Some(snapshot)).await,
+    }
 }
 
 /// Docker Engine's containerd image store mounts container `id`'s snapshot itself at
@@ -238,81 +251,17 @@ fn docker_snapshot(rootfs: &Path, id: &str) -> Option<(String, String)> {
         .flatten()
 }
 
-/// Asks containerd (at `address`, in `namespace`) which snapshot container `id` runs on, checks
-/// that `mounts` (what containerd sent with Create) are that snapshot's, and reads its chain.
-pub async fn from_containerd(
-    address: &str,
-    namespace: &str,
-    id: &str,
-    mounts: &[RootfsMount],
-    engine_snapshot: Option<(String, String)>,
-) -> Result<Unpacked, String> {
-    use containerd_client::services::v1::{
-        containers_client::ContainersClient,
-        snapshots::{snapshots_client::SnapshotsClient, MountsRequest, StatSnapshotRequest},
-        GetContainerRequest,
-    };
-    use tonic::Request;
-
-    fn request<T>(namespace: &str, msg: T) -> Request<T> {
-        let mut r = Request::new(msg);
-        if let Ok(ns) = namespace.parse() {
-            r.metadata_mut().insert("containerd-namespace", ns);
-        }
-        r.set_timeout(CALL_TIMEOUT);
-        r
-    }
-    let channel = tokio::time::timeout(CALL_TIMEOUT, containerd_client::connect(address))
-        .await
-        .map_err(|_| format!("containerd at {address} did not answer"))?
-        .map_err(|e| format!("cannot reach containerd at {address}: {e}"))?;
-    let container = ContainersClient::new(channel.clone())
-        .get(request(
-            namespace,
-            GetContainerRequest { id: id.to_string() },
-        ))
-        .await
-        .map_err(|s| {
-            format!(
-                "containerd has no record of container {id}: {}",
-                s.message()
-            )
-        })?
-        .into_inner()
-        .container
-        .ok_or_else(|| format!("containerd has no record of container {id}"))?;
-    let (snapshotter, key) = match (container.snapshot_key.is_empty(), engine_snapshot) {
-        (true, Some(engine)) => engine,
-        _ => (container.snapshotter, container.snapshot_key),
-    };
-    if key.is_empty() {
-        return Err(format!(
-            "containerd's record of {id} names no snapshot: its rootfs was not unpacked by containerd"
-        ));
-    }
-    let mut snapshots = SnapshotsClient::new(channel);
-    let theirs: Vec<RootfsMount> = snapshots
-        .mounts(request(
-            namespace,
-            MountsRequest {
-                snapshotter: snapshotter.clone(),
-                key: key.clone(),
-            },
-        ))
-        .await
-        .map_err(|s| format!("Snapshots.Mounts {key}: {}", s.message()))?
-        .into_inner()
-        .mounts
-        .into_iter()
-        .map(|m| RootfsMount {
-            kind: m.r#type,
-            source: m.source,
-            target: m.target,
-            options: m.options,
-        })
-        .collect();
-    let (Some(ours), Some(snap)) = (RootfsMount::overlay(mounts), RootfsMount::overlay(&theirs))
-    else {
+/// The layers under a rootfs whose overlay options are `ours`, if it is the engine's
+/// snapshot `snap`: the same lower directories, the top image layer the first ancestor an
+/// unpack named.
+pub fn from_snapshot(ours: Option<&[String]>, snap: EngineSnapshot) -> Result<Unpacked, String> {
+    let EngineSnapshot {
+        snapshotter,
+        key,
+        overlay_options,
+        ancestors,
+    } = snap;
+    let (Some(ours), Some(theirs)) = (ours, overlay_options) else {
         return Err(format!(
             "its rootfs is not an overlay of {snapshotter} snapshot {key}: its top layer cannot be looked at"
         ));
@@ -323,38 +272,10 @@ pub async fn from_containerd(
             .collect()
     };
     let lowers = canonical(lowerdirs(ours));
-    if lowers.is_empty() || lowers != canonical(lowerdirs(snap)) {
+    if lowers.is_empty() || lowers != canonical(lowerdirs(&theirs)) {
         return Err(format!(
-            "the rootfs mounts sent with Create are not those of {snapshotter} snapshot {key}"
+            "the rootfs mounted is not {snapshotter} snapshot {key}"
         ));
-    }
-    let mut ancestors = Vec::new();
-    let mut at = key.clone();
-    while ancestors.len() < MAX_DEPTH {
-        let parent = snapshots
-            .stat(request(
-                namespace,
-                StatSnapshotRequest {
-                    snapshotter: snapshotter.clone(),
-                    key: at.clone(),
-                },
-            ))
-            .await
-            .map_err(|s| format!("Snapshots.Stat {at}: {}", s.message()))?
-            .into_inner()
-            .info
-            .map(|i| i.parent)
-            .unwrap_or_default();
-        if parent.is_empty() {
-            break;
-        }
-        // Enough once the top layer and its parent are known.
-        let done = ancestors.iter().any(|a: &String| is_chain_id(a));
-        ancestors.push(parent.clone());
-        if done {
-            break;
-        }
-        at = parent;
     }
     let (i, below) = top_of(&ancestors)?;
     let top_dir = lowers.get(i).cloned().ok_or_else(|| {
@@ -375,7 +296,7 @@ pub async fn from_containerd(
 pub fn from_docker_layerdb(
     rootfs: &Path,
     id: &str,
-    overlay: Option<&RootfsMount>,
+    overlay: Option<&[String]>,
 ) -> Result<Unpacked, String> {
     let not_docker = || {
         format!(
@@ -607,12 +528,8 @@ mod tests {
 
     #[test]
     fn lower_directories_come_in_both_forms() {
-        let m = |options: &[&str]| RootfsMount {
-            kind: "overlay".into(),
-            source: "overlay".into(),
-            target: String::new(),
-            options: options.iter().map(|s| s.to_string()).collect(),
-        };
+        let m =
+            |options: &[&str]| -> Vec<String> { options.iter().map(|s| s.to_string()).collect() };
         assert_eq!(
             lowerdirs(&m(&["index=off", "lowerdir=/a:/b", "upperdir=/u"])),
             vec![PathBuf::from("/a"), PathBuf::from("/b")]
@@ -627,7 +544,7 @@ mod tests {
     /// A Docker overlay2 store laid out as dockerd writes it.
     fn docker_store(
         parent_of_top: Option<&str>,
-    ) -> (tempfile::TempDir, PathBuf, RootfsMount, String) {
+    ) -> (tempfile::TempDir, PathBuf, Vec<String>, String) {
         let root = tempfile::tempdir().unwrap();
         let store = root.path().join("overlay2");
         let rootfs = store.join("m1").join("merged");
@@ -647,16 +564,11 @@ mod tests {
         fs::create_dir_all(store.join("k1/diff")).unwrap();
         fs::create_dir_all(store.join("l")).unwrap();
         std::os::unix::fs::symlink("../k1/diff", store.join("l/SHORT")).unwrap();
-        let overlay = RootfsMount {
-            kind: "overlay".into(),
-            source: "overlay".into(),
-            target: String::new(),
-            options: vec![format!(
-                "lowerdir={}:{}",
-                store.join("m1-init/diff").display(),
-                store.join("l/SHORT").display()
-            )],
-        };
+        let overlay = vec![format!(
+            "lowerdir={}:{}",
+            store.join("m1-init/diff").display(),
+            store.join("l/SHORT").display()
+        )];
         (root, rootfs, overlay, top)
     }
 
@@ -673,8 +585,7 @@ mod tests {
         assert!(from_docker_layerdb(&rootfs, "../c1", Some(&overlay)).is_err());
         assert!(from_docker_layerdb(root.path(), "c1", Some(&overlay)).is_err());
         // An overlay without that layer below it.
-        let mut other = overlay.clone();
-        other.options = vec!["lowerdir=/nowhere".into()];
+        let other = vec!["lowerdir=/nowhere".to_string()];
         assert!(from_docker_layerdb(&rootfs, "c1", Some(&other)).is_err());
         assert!(from_docker_layerdb(&rootfs, "c1", None).is_err());
         // A one-layer image: nothing below its top.
@@ -688,5 +599,104 @@ mod tests {
         // A record that names no chain id.
         let (_root, rootfs, overlay, _) = docker_store(Some("../../x"));
         assert!(from_docker_layerdb(&rootfs, "c1", Some(&overlay)).is_err());
+    }
+
+    /// An engine that answers `snap` (and records the fallback it was asked with).
+    struct Fake(
+        Result<EngineSnapshot, String>,
+        std::sync::Mutex<Vec<Option<(String, String)>>>,
+    );
+
+    #[async_trait::async_trait]
+    impl SnapshotSource for Fake {
+        async fn snapshot(
+            &self,
+            _namespace: &str,
+            _id: &str,
+            fallback: Option<(String, String)>,
+        ) -> Result<EngineSnapshot, String> {
+            self.1.lock().unwrap().push(fallback);
+            self.0.clone()
+        }
+    }
+
+    #[tokio::test]
+    async fn the_engine_s_snapshot_must_be_the_rootfs_mounted() {
+        let (top, base) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let options = vec![format!(
+            "lowerdir={}:{}",
+            top.path().display(),
+            base.path().display()
+        )];
+        let snap = EngineSnapshot {
+            snapshotter: "overlayfs".into(),
+            key: "c1".into(),
+            overlay_options: Some(options.clone()),
+            ancestors: vec![id('f'), id('b')],
+        };
+        let u = from_snapshot(Some(&options), snap.clone()).unwrap();
+        assert_eq!(u.top_dir, fs::canonicalize(top.path()).unwrap());
+        assert_eq!(u.below_top, Some(id('b')));
+        assert!(u.source.contains(&id('f')));
+        // Docker's init layer above the image: the top image layer is the second lower dir.
+        let with_init = EngineSnapshot {
+            ancestors: vec!["c1-init".into(), id('f'), id('b')],
+            ..snap.clone()
+        };
+        let u = from_snapshot(Some(&options), with_init).unwrap();
+        assert_eq!(u.top_dir, fs::canonicalize(base.path()).unwrap());
+        // Other mounts than the snapshot's, or none an overlay.
+        let other = vec![format!("lowerdir={}", base.path().display())];
+        let e = from_snapshot(Some(&other), snap.clone()).unwrap_err();
+        assert!(e.contains("not overlayfs snapshot c1"), "{e}");
+        assert!(from_snapshot(None, snap.clone()).is_err());
+        let no_overlay = EngineSnapshot {
+            overlay_options: None,
+            ..snap.clone()
+        };
+        assert!(from_snapshot(Some(&options), no_overlay).is_err());
+
+        // Through identify: containerd's own mounts ask with no fallback; Docker's containerd
+        // store with the snapshot its rootfs path names; an engine error is the reason.
+        let fake = Fake(Ok(snap.clone()), Default::default());
+        let u = identify(
+            &fake,
+            "ns",
+            "c1",
+            Path::new("/x/rootfs"),
+            true,
+            Some(&options),
+        )
+        .await
+        .unwrap();
+        assert_eq!(u.below_top, Some(id('b')));
+        let docker_root = Path::new("/var/lib/docker/rootfs/overlayfs/c1");
+        identify(&fake, "ns", "c1", docker_root, false, Some(&options))
+            .await
+            .unwrap();
+        assert_eq!(
+            *fake.1.lock().unwrap(),
+            vec![None, Some(("overlayfs".to_string(), "c1".to_string()))]
+        );
+        let refusing = Fake(
+            Err("containerd has no record of container c1".into()),
+            Default::default(),
+        );
+        let e = identify(&refusing, "ns", "c1", Path::new("/r"), true, Some(&options))
+            .await
+            .unwrap_err();
+        assert!(e.contains("no record"), "{e}");
+        // Neither Docker store nor containerd's: not asked, refused.
+        let e = identify(
+            &refusing,
+            "ns",
+            "c1",
+            Path::new("/somewhere/c1"),
+            false,
+            Some(&options),
+        )
+        .await
+        .unwrap_err();
+        assert!(e.contains("Docker's overlay2 store"), "{e}");
     }
 }

@@ -8,6 +8,7 @@ mod convert;
 pub mod events;
 pub mod info;
 pub mod metrics;
+pub mod snapshots;
 pub mod status;
 
 use std::{
@@ -143,7 +144,7 @@ impl containerd_shim::Shim for Service {
         events::forward(publisher, self.namespace.clone(), to_publish);
         let containers = Containers::new(
             self.namespace.clone(),
-            self.address.clone(),
+            Arc::new(snapshots::ContainerdSnapshots::new(self.address.clone())),
             events,
             self.exit.clone(),
         );
