@@ -112,46 +112,19 @@ impl Archive {
         tar: Option<Vec<u8>>,
         raw_blob: Option<Vec<u8>>,
     ) -> Archive {
-        let mut out = Archive {
-            files: self.files.clone(),
-        };
-        let mut manifest = self.manifest();
-        let mut config: Value =
-            serde_json::from_slice(self.blob(manifest["config"]["digest"].as_str().unwrap()))
-                .unwrap();
-        let last = manifest["layers"].as_array().unwrap().len() - 1;
-        if let Some(tar) = tar {
-            let diff_id = sha256(&tar);
-            let size = tar.len();
-            let digest = out.put_blob(tar);
-            manifest["layers"][last] = json!({"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": digest, "size": size});
-            let ids = config["rootfs"]["diff_ids"].as_array_mut().unwrap();
-            let n = ids.len();
-            ids[n - 1] = diff_id.into();
-        }
-        if let Some(raw) = raw_blob {
-            let digest = manifest["layers"][last]["digest"]
-                .as_str()
-                .unwrap()
-                .to_string();
-            out.files.insert(
-                format!("blobs/sha256/{}", digest.strip_prefix("sha256:").unwrap()),
-                raw,
-            );
-        }
-        let config = serde_json::to_vec(&config).unwrap();
-        let (config_size, config_digest) = (config.len(), out.put_blob(config));
-        manifest["config"]["digest"] = config_digest.into();
-        manifest["config"]["size"] = config_size.into();
-        let manifest = serde_json::to_vec(&manifest).unwrap();
-        let (manifest_size, manifest_digest) = (manifest.len(), out.put_blob(manifest));
-        let index = json!({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [{
-            "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": manifest_digest, "size": manifest_size,
-            "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": "bad"}
-        }]});
-        out.files
-            .insert("index.json".into(), serde_json::to_vec(&index).unwrap());
-        out
+        self.with_layers(name, |layers, a| {
+            let last = layers.len() - 1;
+            if let Some(tar) = tar {
+                layers[last] = a.add_layer(tar);
+            }
+            if let Some(raw) = raw_blob {
+                let digest = layers[last].0["digest"].as_str().unwrap().to_string();
+                a.files.insert(
+                    format!("blobs/sha256/{}", digest.strip_prefix("sha256:").unwrap()),
+                    raw,
+                );
+            }
+        })
     }
 
     /// The image with its layers edited: `edit` gets (descriptor, diff_id) of every layer,

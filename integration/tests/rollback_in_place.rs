@@ -139,6 +139,23 @@ fn diff(a: &str, b: &str) -> String {
     out.join("\n")
 }
 
+/// [`TREE`] of the checkpoint `s` is at, as a rollback brings it back: the same files, except
+/// that files of a tracked volume (whose host directory other containers may mount) lose their
+/// set-uid and set-gid bits, in place as when a restore refills the volume; the rootfs keeps
+/// them (/app/suid).
+async fn tree_to_come_back(s: &mut Sandbox) -> String {
+    s.run(TREE)
+        .await
+        .stdout
+        .lines()
+        .map(|l| match l.starts_with("/data/v/suid ") {
+            true => l.replacen(" 0o6755 ", " 0o755 ", 1),
+            false => l.to_string(),
+        })
+        .map(|l| l + "\n")
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn in_place_rollback_equals_a_recreated_one_and_keeps_the_processes() {
     let vol = tempfile::tempdir().unwrap();
@@ -163,21 +180,7 @@ until tr '\\0' ' ' < /proc/$!/cmdline | grep -q '^sleep 1000'; do sleep 0.01; do
     assert_eq!(base["kind"], "fs", "{base:#}");
     let target = format!("t{}", s.turn);
     s.sync().await;
-    // What comes back: the checkpoint's files, except that files of a tracked volume (whose host
-    // directory other containers may mount) lose their set-uid and set-gid bits, in place as
-    // when a restore refills the volume; the rootfs keeps them (/app/suid).
-    let want: String = s
-        .run(TREE)
-        .await
-        .stdout
-        .lines()
-        .map(|l| match l.starts_with("/data/v/suid ") {
-            true => l.replacen(" 0o6755 ", " 0o755 ", 1),
-            false => l.to_string(),
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
-        + "\n";
+    let want = tree_to_come_back(&mut s).await;
     let sleeper_before = s
         .run(&format!("cat /tmp/sleeper && {SLEEPERS}"))
         .await
@@ -313,21 +316,7 @@ echo data > /app/data.txt && echo dev > /app/dev.txt && echo sub > /app/p/{marke
     s.end_turn().await;
     let target = format!("t{}", s.turn);
     s.sync().await;
-    // What comes back: the checkpoint's files, except that files of a tracked volume (whose host
-    // directory other containers may mount) lose their set-uid and set-gid bits, in place as
-    // when a restore refills the volume; the rootfs keeps them (/app/suid).
-    let want: String = s
-        .run(TREE)
-        .await
-        .stdout
-        .lines()
-        .map(|l| match l.starts_with("/data/v/suid ") {
-            true => l.replacen(" 0o6755 ", " 0o755 ", 1),
-            false => l.to_string(),
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
-        + "\n";
+    let want = tree_to_come_back(&mut s).await;
     s.run(&format!(
         r#"set -e
 rm -rf /app/d && ln -s {host} /app/d
