@@ -831,6 +831,29 @@ pub async fn connect_channel(env: &TestEnv) -> Result<Channel> {
     .map_err(|e| unreachable(format!("connect: {e}")))
 }
 
+/// containerd's log from byte `from` on, once `done` holds for it or `timeout` has passed (then
+/// as it stands). A shim's log lines reach containerd's log through a pipe containerd copies on
+/// its own time: a line the shim wrote before it answered (or before an exit) may land after
+/// the caller has its answer.
+pub async fn log_once(
+    env: &TestEnv,
+    from: u64,
+    timeout: Duration,
+    done: impl Fn(&str) -> bool,
+) -> String {
+    let read = || {
+        let text = std::fs::read(env.containerd_log()).unwrap_or_default();
+        String::from_utf8_lossy(text.get(from as usize..).unwrap_or_default()).into_owned()
+    };
+    let deadline = std::time::Instant::now() + timeout;
+    let mut log = read();
+    while !done(&log) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        log = read();
+    }
+    log
+}
+
 /// Last `n` lines of containerd's log that mention `needle`, for failure messages.
 pub fn log_excerpt(env: &TestEnv, needle: &str, n: usize) -> String {
     let path = env.containerd_log();

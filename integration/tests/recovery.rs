@@ -9,6 +9,7 @@
 
 use std::time::Duration;
 
+use crab_integration::harness::log_once;
 use crab_integration::sandbox::{Sandbox, SandboxOptions};
 
 /// The agent's turns, as it would type them (`bash -c` in /app).
@@ -535,13 +536,14 @@ async fn recover_lazily(s: &mut Sandbox, want: &str) {
         want,
         "memory right after the recovery"
     );
-    let log = log_since(s, from);
-    assert!(
-        log.lines()
-            .any(|l| l.contains(&format!("container {} restored from", s.id))
-                && l.contains("memory arriving lazily")),
-        "restored lazily:\n{log}"
-    );
+    let restored = |log: &str| {
+        log.lines().any(|l| {
+            l.contains(&format!("container {} restored from", s.id))
+                && l.contains("memory arriving lazily")
+        })
+    };
+    let log = log_once(&s.h.env, from, Duration::from_secs(15), restored).await;
+    assert!(restored(&log), "restored lazily:\n{log}");
     assert!(
         !log.contains("did not all arrive"),
         "the transfer ended well:\n{log}"
@@ -651,12 +653,13 @@ async fn a_lazy_restore_whose_page_daemon_dies_kills_the_container() {
             Some(&137),
             "the restored container is killed: {status:?}"
         );
-        let log = log_since(s, d.from);
-        assert!(
+        // The shim logs why right after it killed the processes: the exit may reach us first.
+        let says_why = |log: &str| {
             log.contains("its memory did not all arrive")
-                && log.contains("criu lazy-pages failed (status 137)"),
-            "the shim says why:\n{log}"
-        );
+                && log.contains("criu lazy-pages failed (status 137)")
+        };
+        let log = log_once(&s.h.env, d.from, Duration::from_secs(15), says_why).await;
+        assert!(says_why(&log), "the shim says why:\n{log}");
     } else {
         eprintln!("the daemon died before runc returned: the restore failed");
         assert!(

@@ -522,8 +522,12 @@ async fn fork_3_of_a_process_checkpoint_share_one_verified_image() {
         assert!(procs.contains("sleep 424242"), "fork {id}: {procs}");
     }
     // How each shim got the image: one verified it into the cache, the others linked it.
-    let text = std::fs::read(&log).unwrap();
-    let text = String::from_utf8_lossy(&text[from as usize..]).into_owned();
+    let verified = |text: &str| {
+        ids.iter()
+            .all(|id| text.contains(&format!("checkpoint image of {id} verified in ")))
+    };
+    let text =
+        crab_integration::harness::log_once(&h.env, from, Duration::from_secs(15), verified).await;
     let how: Vec<&str> = ids
         .iter()
         .map(|id| {

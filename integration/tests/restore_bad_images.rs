@@ -1163,9 +1163,15 @@ async fn page_files_verified_while_criu_restores_are_refused_when_altered() {
         "pgrep -f 'python3 -c import os' >/dev/null && echo held",
     );
     assert_eq!((code, out.trim()), (0, "held"), "{out}");
-    let text = std::fs::read(&log).unwrap();
-    let text = String::from_utf8_lossy(&text[(from as usize).min(text.len())..]).into_owned();
     let id = format!("{}-good", f.s.id);
+    let needle = format!("checkpoint image of {id}: its page files (");
+    let text = crab_integration::harness::log_once(
+        &f.h.env,
+        from,
+        std::time::Duration::from_secs(15),
+        |t| t.contains(&needle),
+    )
+    .await;
     let line = text
         .lines()
         .find(|l| l.contains(&format!("checkpoint image of {id}: its page files (")))
