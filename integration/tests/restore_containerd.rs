@@ -197,3 +197,123 @@ async fn containerd_checkpoints_restore_only_when_a_trusted_key_signed_them() {
         h.assert_no_leaks(id).await;
     }
 }
+
+/// A containerd checkpoint carries its rw layer beside the CRIU files and names its image by
+/// reference only: the signature binds both (the image's chain id and what the rw layer
+/// changes), and the restore checks them, the image at Create, the rw layer at Start, before
+/// CRIU runs. Restored without its rw layer, or on another image tagged with the name it was
+/// dumped on, the processes would run on other files: refused with the reason, nothing left
+/// running; put back as it was, the same checkpoint restores.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_containerd_checkpoint_goes_back_only_on_its_image_and_rw_layer() {
+    let h = Harness::for_test().await;
+    if !h.runs_crab_only(
+        "a_containerd_checkpoint_goes_back_only_on_its_image_and_rw_layer",
+        "the stock shim binds nothing",
+    ) {
+        return;
+    }
+    let src = h.unique_id("ctrd-bind");
+    let ids: Vec<String> = ["norw", "otherimage", "ok"]
+        .iter()
+        .map(|s| format!("{src}-{s}"))
+        .collect();
+    let mut all: Vec<&str> = ids.iter().map(String::as_str).collect();
+    all.push(&src);
+    let _g = h.guard(&all);
+    let dir = tempfile::tempdir_in(h.env.crab_home.join("tmp")).unwrap();
+    let (config, state) = (dir.path().join("crab.toml"), dir.path().join("state"));
+    write_config(&config, &state, "");
+    let ctr = h.ctr();
+    // The image by a name of the test's own, which it can point elsewhere later.
+    let base = format!("localhost/crab-bind/{src}:base");
+    let tag = |from: &str| {
+        let out = ctr.run(&["images", "tag", "--force", from, &base]).unwrap();
+        assert_eq!(out.code(), 0, "tag {from}: {out:?}");
+    };
+    tag(BUSYBOX_IMAGE);
+    let run = ctr
+        .run(&[
+            "run",
+            "-d",
+            "--runtime",
+            CRAB,
+            "--runtime-config-path",
+            config.to_str().unwrap(),
+            &base,
+            &src,
+            "sh",
+            "-c",
+            COUNTER,
+        ])
+        .unwrap();
+    assert_eq!(run.code(), 0, "{run:?}");
+    while count(&h, &src) < 5 {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let reference = format!("localhost/crab-ckpt/{src}:1");
+    let out = ctr
+        .run(&[
+            "containers",
+            "checkpoint",
+            "--task",
+            "--rw",
+            &src,
+            &reference,
+        ])
+        .unwrap();
+    assert_eq!(out.code(), 0, "ctr c checkpoint: {out:?}");
+    assert!(
+        h.log_excerpt(&src).contains("its rw layer changes"),
+        "the dump bound its rw layer: {}",
+        h.log_excerpt(&src)
+    );
+    remove(&h, &src);
+    let running = |id: &str| {
+        ctr.run(&["tasks", "ls"])
+            .unwrap()
+            .stdout
+            .lines()
+            .any(|l| l.starts_with(id) && l.contains("RUNNING"))
+    };
+
+    // Without its rw layer (/tmp/n as the counter left it): refused at Start.
+    let out = ctr
+        .run(&["containers", "restore", "--live", &ids[0], &reference])
+        .unwrap();
+    let text = format!("{}{}", out.stdout, out.stderr);
+    assert_ne!(out.code(), 0, "restored without its rw layer: {text}");
+    assert!(
+        text.contains("rw layer is not the one it was dumped with"),
+        "{text}\n{}",
+        h.log_excerpt(&ids[0])
+    );
+    assert!(!running(&ids[0]));
+    remove(&h, &ids[0]);
+
+    // The name it was dumped on now names another image: refused at Create.
+    tag(crab_integration::sandbox::AGENT_IMAGE);
+    let (code, text) = restore(&h, &reference, &ids[1]);
+    assert_ne!(code, 0, "restored on another image: {text}");
+    assert!(
+        text.contains("it was dumped on image") && text.contains("would run on other files"),
+        "{text}\n{}",
+        h.log_excerpt(&ids[1])
+    );
+    assert!(!running(&ids[1]));
+    remove(&h, &ids[1]);
+
+    // Both put back: the same checkpoint restores.
+    tag(BUSYBOX_IMAGE);
+    let (code, text) = restore(&h, &reference, &ids[2]);
+    assert_eq!(code, 0, "ctr c restore: {text}\n{}", h.log_excerpt(&ids[2]));
+    assert!(count(&h, &ids[2]) >= 5);
+    assert!(h
+        .log_excerpt(&ids[2])
+        .contains("its rw layer is the one it was dumped with"));
+    remove(&h, &ids[2]);
+    let _ = ctr.run(&["images", "rm", &reference, &base]);
+    for id in all {
+        h.assert_no_leaks(id).await;
+    }
+}

@@ -71,6 +71,8 @@ pub struct Container {
     signing_key: PathBuf,
     kill_all_on_exit: bool,
     rootfs_mounted: bool,
+    /// Its rootfs as Create found it (what a containerd checkpoint of it is bound to).
+    rootfs: bundle::Rootfs,
     pub init: Arc<Process>,
     execs: Mutex<HashMap<String, Arc<Process>>>,
     /// Annotations received through `Update` (turn boundaries, later).
@@ -124,6 +126,9 @@ struct PendingRestore {
     rootfs: bundle::Rootfs,
     stdio: StdioSpec,
     checkpointing: bool,
+    /// The rw layer a containerd checkpoint was dumped with ([`restore::rw`]): checked at
+    /// Start, after the CRI has put its rootfs diff back and before CRIU runs.
+    expect_rw: Option<String>,
 }
 
 /// Counts a restore's outcome in the host engine's directory (`crabctl metrics`); a failure
@@ -348,6 +353,7 @@ impl Containers {
         let granted = crate::restore::privilege::Granted::from_spec(&spec);
         let engine = config.engine.clone();
         let mut start_fresh = false;
+        let mut expect_rw = None;
         // The restore's copy of a process image: removed when Create fails (dropped), else at
         // Delete.
         let mut restore_dir = None;
@@ -458,11 +464,37 @@ impl Containers {
                 match decided {
                     Ok(Ok(decision)) => {
                         match &decision {
-                            trust::Decision::Signed { files, bytes } => log::info!(
-                                "create {}: containerd's checkpoint is signed by a trusted key \
-                                 ({files} files, {bytes} bytes verified)",
-                                p.id
-                            ),
+                            trust::Decision::Signed {
+                                files,
+                                bytes,
+                                rootfs: bound,
+                            } => {
+                                log::info!(
+                                    "create {}: containerd's checkpoint is signed by a trusted \
+                                     key ({files} files, {bytes} bytes verified)",
+                                    p.id
+                                );
+                                match bound {
+                                    Some(b) => {
+                                        if let Err(e) = self.check_image(&p.id, &rootfs, b).await {
+                                            unmount(&e);
+                                            count_restore(&engine, false);
+                                            return Err(Error::FailedPrecondition(format!(
+                                                "cannot restore {}: {e}",
+                                                p.id
+                                            )));
+                                        }
+                                        expect_rw = Some(b.rw.clone());
+                                    }
+                                    None => log::warn!(
+                                        "create {}: its signature names no rootfs (the shim \
+                                         that dumped it could not tell its image and rw \
+                                         layer): the processes are restored on the rootfs \
+                                         containerd made",
+                                        p.id
+                                    ),
+                                }
+                            }
                             trust::Decision::KernelCheckOnly { why } => log::warn!(
                                 "create {}: {why}: restoring it on the kernel check alone \
                                  ([restore] unsigned_images = \"kernel-check\")",
@@ -579,6 +611,7 @@ impl Containers {
                     rootfs: rootfs.clone(),
                     stdio: p.stdio.clone(),
                     checkpointing,
+                    expect_rw,
                 });
                 0
             }
@@ -629,6 +662,7 @@ impl Containers {
             signing_key: config.signing_key_path(),
             kill_all_on_exit: bundle::must_kill_all_on_exit(&spec),
             rootfs_mounted,
+            rootfs: rootfs.clone(),
             init,
             execs: Mutex::new(HashMap::new()),
             annotations: Mutex::new(HashMap::new()),
@@ -793,6 +827,17 @@ impl Containers {
     /// Returns the init's exit status if it already exited (and was reaped) meanwhile.
     async fn restore_init(&self, c: &Arc<Container>, r: PendingRestore) -> Result<Option<i32>> {
         let started = std::time::Instant::now();
+        if let Some(want) = &r.expect_rw {
+            if let Err(e) = Self::check_rw(&c.id, &r.rootfs, want).await {
+                if let Some(info) = c.init.record_exit(255) {
+                    c.init.announce_exit(info);
+                }
+                return Err(Error::FailedPrecondition(format!(
+                    "cannot restore {}: {e}",
+                    c.id
+                )));
+            }
+        }
         let pid_file = bundle::init_pid_file(&c.bundle);
         let mut prepared =
             PreparedIo::new(&r.stdio, &c.id, &self.namespace, c.runc.io_owner).await?;
@@ -1662,6 +1707,121 @@ impl Containers {
         Ok(())
     }
 
+    /// Which image the engine unpacked container `id`'s rootfs from ([`restore::layers`]).
+    async fn rootfs_image(
+        &self,
+        id: &str,
+        rootfs: &bundle::Rootfs,
+    ) -> std::result::Result<crate::restore::layers::Unpacked, String> {
+        let overlay = RootfsMount::overlay(&rootfs.mounts)
+            .ok_or_else(|| "its rootfs is not an overlay: its image cannot be told".to_string())?;
+        crate::restore::layers::identify(
+            self.snapshots.as_ref(),
+            &self.namespace,
+            id,
+            &rootfs.path,
+            rootfs.mounted_by == bundle::MountedBy::Containerd,
+            Some(overlay.options.as_slice()),
+        )
+        .await
+    }
+
+    /// A containerd checkpoint's processes go back on the image they were dumped on.
+    async fn check_image(
+        &self,
+        id: &str,
+        rootfs: &bundle::Rootfs,
+        bound: &crate::checkpoint::provenance::RootfsBinding,
+    ) -> std::result::Result<(), String> {
+        let t = std::time::Instant::now();
+        let u = self
+            .rootfs_image(id, rootfs)
+            .await
+            .map_err(|e| format!("its signature binds it to image {}, and {e}", bound.image))?;
+        if u.top != bound.image {
+            return Err(format!(
+                "it was dumped on image {} and its rootfs is image {} ({}): its processes \
+                 would run on other files",
+                bound.image, u.top, u.source
+            ));
+        }
+        log::info!(
+            "create {id}: its rootfs is the image it was dumped on ({}, asked in {:.1} ms)",
+            u.source,
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        Ok(())
+    }
+
+    /// What the rootfs's rw layer changes in its image ([`restore::rw`]).
+    async fn rw_digest(
+        rootfs: &bundle::Rootfs,
+        limits: crate::restore::rw::RwLimits,
+    ) -> std::result::Result<crate::restore::rw::RwDigest, String> {
+        let options = RootfsMount::overlay(&rootfs.mounts)
+            .map(|m| m.options.clone())
+            .ok_or_else(|| "its rootfs is not an overlay".to_string())?;
+        tokio::task::spawn_blocking(move || {
+            let (upper, lowers) = crate::inspector::fs::overlay_dirs(&options)
+                .ok_or_else(|| "its rootfs overlay has no upper directory".to_string())?;
+            let xattrs = crate::inspector::fs::OverlayXattrs::of_mount(&options);
+            crate::restore::rw::digest(&upper, &lowers, xattrs, limits)
+        })
+        .await
+        .map_err(|e| e.to_string())?
+    }
+
+    /// A containerd checkpoint's processes go back on the rw layer they were dumped with (put
+    /// back by `ctr c restore --rw` before Create, by the CRI between Create and Start).
+    async fn check_rw(
+        id: &str,
+        rootfs: &bundle::Rootfs,
+        want: &str,
+    ) -> std::result::Result<(), String> {
+        let t = std::time::Instant::now();
+        let got = Self::rw_digest(rootfs, crate::restore::rw::RwLimits::default())
+            .await
+            .map_err(|e| format!("its signature binds its rw layer, and {e}"))?;
+        if got.digest != want {
+            return Err(format!(
+                "its rootfs's rw layer is not the one it was dumped with (it changes {} paths \
+                 of the image, not as the signed change does): restore it with its own rw \
+                 layer (`ctr c restore --rw`; the CRI puts the checkpoint's rootfs diff back \
+                 itself)",
+                got.changes
+            ));
+        }
+        log::info!(
+            "container {id}: its rw layer is the one it was dumped with ({} paths, {} bytes \
+             hashed in {:.1} ms)",
+            got.changes,
+            got.bytes,
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        Ok(())
+    }
+
+    /// The rootfs container `id` runs on, for the signature of a containerd checkpoint of it:
+    /// its image's chain id and what its rw layer changes (containerd pauses the container
+    /// while it checkpoints it and diffs the rw layer).
+    async fn rootfs_binding(
+        &self,
+        c: &Container,
+    ) -> std::result::Result<crate::checkpoint::provenance::RootfsBinding, String> {
+        let image = self.rootfs_image(&c.id, &c.rootfs).await?.top;
+        let rw = Self::rw_digest(&c.rootfs, crate::restore::rw::RwLimits::default()).await?;
+        log::info!(
+            "checkpoint of {}: its rw layer changes {} paths ({} bytes hashed)",
+            c.id,
+            rw.changes,
+            rw.bytes
+        );
+        Ok(crate::checkpoint::provenance::RootfsBinding {
+            image,
+            rw: rw.digest,
+        })
+    }
+
     /// containerd's own checkpoint (`ctr task checkpoint`): a CRIU image of the whole
     /// container into `path`. Refused, before anything is dumped, when a live process would
     /// be missing from the image (an exec's main process is not in init's tree).
@@ -1708,10 +1868,20 @@ impl Containers {
         // Signed with this host's key, so that a restore of it (`ctr c restore`, the CRI's)
         // passes the same trust decision as crab's own images.
         if result.is_ok() {
+            let binding = match self.rootfs_binding(&c).await {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    log::warn!(
+                        "checkpoint of {id}: its rootfs cannot be bound to the signature \
+                         ({e}): a restore of it is told so"
+                    );
+                    None
+                }
+            };
             let (key_path, dir) = (c.signing_key.clone(), path.to_path_buf());
             let signed = tokio::task::spawn_blocking(move || {
                 let key = crate::checkpoint::provenance::signing_key(&key_path)?;
-                trust::sign_containerd_checkpoint(&dir, &key)
+                trust::sign_containerd_checkpoint(&dir, &key, binding)
             })
             .await
             .map_err(Error::Task)?;

@@ -135,6 +135,7 @@ fn restore_never_opens_a_device() {
             checkpoint_json: provenance::sha256(meta.as_bytes()),
             criu: BTreeMap::new(),
             layers: Some(Vec::new()),
+            rootfs: None,
         };
         fs::write(dir.join(SIGNATURE_FILE), sign(&key, statement)).unwrap();
         let path = dir.join(file);

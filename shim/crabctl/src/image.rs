@@ -520,6 +520,7 @@ pub fn write_checkpoint_layer(
             checkpoint_json: provenance::sha256(&json),
             criu: criu_files,
             layers: Some(below.to_vec()),
+            rootfs: None,
         },
     );
     append(

@@ -84,6 +84,21 @@ pub struct Statement {
     /// not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layers: Option<Vec<String>>,
+    /// What a containerd checkpoint's processes ran on (crab's own images name their layers
+    /// instead, and carry their files in the checkpoint layer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rootfs: Option<RootfsBinding>,
+}
+
+/// The rootfs a containerd checkpoint was dumped on: its image and its rw layer, which the
+/// checkpoint carries beside the CRIU files (`crate::restore::rw`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RootfsBinding {
+    /// Chain id of the image's layers (`sha256:<hex>`).
+    pub image: String,
+    /// The digest of what the rw layer changes in the image (`sha256:<hex>`).
+    pub rw: String,
 }
 
 impl Statement {
@@ -587,6 +602,7 @@ mod tests {
                 ),
             ]),
             layers: Some(vec![sha256(b"base layer")]),
+            rootfs: None,
         }
     }
 

@@ -508,6 +508,7 @@ impl Verification {
             checkpoint_json: String::new(),
             criu: signed.clone(),
             layers: None,
+            rootfs: None,
         };
         provenance::check_digests(&statement, &found).map_err(|e| e.to_string())
     }
@@ -652,6 +653,7 @@ pub fn take_from_rootfs(
                 checkpoint_json: provenance::sha256(&meta_bytes),
                 criu: criu_files,
                 layers: None,
+                rootfs: None,
             }
         }
         Err(e) => return Err(e.into()),
@@ -1084,6 +1086,7 @@ mod tests {
                     below_top: None,
                     top_dir: root.to_path_buf(),
                     source: "test rootfs".into(),
+                    top: "sha256:test".into(),
                 })
             });
             take_from_rootfs(
@@ -1119,6 +1122,7 @@ mod tests {
             checkpoint_json: provenance::sha256(&meta),
             criu,
             layers: Some(Vec::new()),
+            rootfs: None,
         };
         fs::write(dir.join(SIGNATURE_FILE), sign(key, statement)).unwrap();
     }
@@ -1198,6 +1202,7 @@ mod tests {
                 below_top: chain_ids(&[sha('a')]).pop(),
                 top_dir: root.path().to_path_buf(),
                 source: "overlayfs snapshot S".into(),
+                top: "sha256:test".into(),
             })),
             ..Fixture::new()
         };
@@ -1236,6 +1241,7 @@ mod tests {
             checkpoint_json: provenance::sha256(&fs::read(dir.join(META_FILE)).unwrap()),
             criu: BTreeMap::new(),
             layers: None,
+            rootfs: None,
         };
         fs::write(dir.join(SIGNATURE_FILE), sign(&key(), statement)).unwrap();
         let err = refused(&Fixture::new(), &root);

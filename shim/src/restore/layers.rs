@@ -51,6 +51,8 @@ pub const MAX_DEPTH: usize = 512;
 pub struct Unpacked {
     /// Chain id of the layers below the top one (`None`: the top layer is the only one).
     pub below_top: Option<String>,
+    /// Chain id of every layer of the image, the top one included.
+    pub top: String,
     /// The top layer's own directory (an overlay lower directory).
     pub top_dir: PathBuf,
     /// Who said so, for messages: `containerd snapshot sha256:...`, `Docker layer ...`.
@@ -287,6 +289,7 @@ pub fn from_snapshot(ours: Option<&[String]>, snap: EngineSnapshot) -> Result<Un
     Ok(Unpacked {
         below_top: below,
         top_dir,
+        top: ancestors[i].clone(),
         source: format!("{snapshotter} snapshot {}", ancestors[i]),
     })
 }
@@ -378,6 +381,7 @@ pub fn from_docker_layerdb(
         below_top: below,
         top_dir,
         source: format!("Docker layer {top}"),
+        top,
     })
 }
 
@@ -418,6 +422,7 @@ mod tests {
             below_top: chain_ids(&signed).pop(),
             top_dir: top.path().to_path_buf(),
             source: "test".into(),
+            top: "sha256:test".into(),
         };
         verify(&signed, &u).unwrap();
         // One layer only: nothing below it, nothing signed.
@@ -436,6 +441,7 @@ mod tests {
             below_top: chain_ids(&[id('a'), id('c')]).pop(),
             top_dir: top.path().to_path_buf(),
             source: "overlayfs snapshot X".into(),
+            top: "sha256:test".into(),
         };
         let e = verify(&[id('a'), id('b')], &u).unwrap_err().to_string();
         assert!(e.contains("altered after signing"), "{e}");
@@ -453,6 +459,7 @@ mod tests {
             below_top: Some(id('a')),
             top_dir: dir.to_path_buf(),
             source: "t".into(),
+            top: "sha256:test".into(),
         };
         // A file beside the reserved directory (a library the restored processes would map).
         let top = checkpoint_layer();

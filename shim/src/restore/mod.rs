@@ -16,6 +16,8 @@
 //! - [`cache`]: verified process images kept on disk for the next restore of the same image;
 //! - [`scratch`]: each restore's own copy of its CRIU image, on disk in the store (never in the
 //!   bundle's tmpfs), removed at Delete or when Create fails;
+//! - [`rw`]: what a container's read-write layer changes in its image, the digest a
+//!   containerd checkpoint's signature binds its rw layer with;
 //! - [`volumes`]: the tracked volumes a checkpoint holds, refilled into their host directories.
 //!
 //! CRIU's image decoding (`checkpoint::criu_image`), the signature format
@@ -28,6 +30,7 @@ pub mod intake;
 pub mod kernel;
 pub mod layers;
 pub mod privilege;
+pub mod rw;
 pub mod scratch;
 pub mod seccomp;
 pub mod trust;

@@ -29,7 +29,7 @@ use crab_runtime_config::UnsignedImages;
 use ed25519_dalek::SigningKey;
 
 use crate::checkpoint::provenance::{
-    self, FileDigest, HashingReader, ProvenanceError, Statement, TrustedKeys,
+    self, FileDigest, HashingReader, ProvenanceError, RootfsBinding, Statement, TrustedKeys,
 };
 
 /// The signature file crab adds to a CRIU directory it dumps for containerd (CRIU reads only
@@ -66,8 +66,14 @@ type Bounds = ImageLimits;
 /// How a process restore may go on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
-    /// A trusted key signed it, and every file is the signed one.
-    Signed { files: usize, bytes: u64 },
+    /// A trusted key signed it, and every file is the signed one. `rootfs`: the image and rw
+    /// layer it was dumped on, which the restore must run it on (`None`: the dumping shim
+    /// could not tell them, [`sign_containerd_checkpoint`]).
+    Signed {
+        files: usize,
+        bytes: u64,
+        rootfs: Option<RootfsBinding>,
+    },
     /// Unsigned (or signed by a key not trusted), restored on the kernel check alone
     /// (`unsigned_images = "kernel-check"`).
     KernelCheckOnly { why: String },
@@ -131,9 +137,14 @@ pub(crate) fn digests(
     Ok(out)
 }
 
-/// Signs the CRIU directory `dir` that the shim just dumped for containerd: writes
-/// [`CONTAINERD_SIGNATURE`] into it. Returns the number of files signed.
-pub fn sign_containerd_checkpoint(dir: &Path, key: &SigningKey) -> Result<usize, ProvenanceError> {
+/// Signs the CRIU directory `dir` that the shim just dumped for containerd, with the rootfs
+/// its processes ran on (`rootfs`, when the shim could tell it: an overlay the engine
+/// describes): writes [`CONTAINERD_SIGNATURE`] into it. Returns the number of files signed.
+pub fn sign_containerd_checkpoint(
+    dir: &Path,
+    key: &SigningKey,
+    rootfs: Option<RootfsBinding>,
+) -> Result<usize, ProvenanceError> {
     let bounds = Bounds {
         max_bytes: u64::MAX,
         max_files: u64::MAX,
@@ -144,6 +155,7 @@ pub fn sign_containerd_checkpoint(dir: &Path, key: &SigningKey) -> Result<usize,
         checkpoint_json: provenance::sha256(CONTAINERD_MARKER),
         criu,
         layers: None,
+        rootfs,
     };
     let path = dir.join(CONTAINERD_SIGNATURE);
     let tmp = dir.join(format!(".{CONTAINERD_SIGNATURE}.tmp"));
@@ -202,6 +214,7 @@ pub fn containerd_checkpoint(
     Ok(Decision::Signed {
         files: found.len(),
         bytes: found.values().map(|d| d.size).sum(),
+        rootfs: statement.rootfs,
     })
 }
 
@@ -236,14 +249,26 @@ mod tests {
     #[test]
     fn a_signed_checkpoint_passes_and_any_change_is_refused() {
         let (d, k) = (image(), key(1));
-        assert_eq!(sign_containerd_checkpoint(d.path(), &k).unwrap(), 2);
+        assert_eq!(sign_containerd_checkpoint(d.path(), &k, None).unwrap(), 2);
         let ok = containerd_checkpoint(d.path(), &trusting(&k), UnsignedImages::Refuse, BOUNDS);
         assert_eq!(
             ok.unwrap(),
             Decision::Signed {
                 files: 2,
-                bytes: 8196
+                bytes: 8196,
+                rootfs: None,
             }
+        );
+        // The rootfs binding comes back as signed.
+        let bound = RootfsBinding {
+            image: format!("sha256:{}", "a".repeat(64)),
+            rw: format!("sha256:{}", "b".repeat(64)),
+        };
+        sign_containerd_checkpoint(d.path(), &k, Some(bound.clone())).unwrap();
+        let ok = containerd_checkpoint(d.path(), &trusting(&k), UnsignedImages::Refuse, BOUNDS);
+        assert!(
+            matches!(ok, Ok(Decision::Signed { rootfs: Some(ref b), .. }) if *b == bound),
+            "{ok:?}"
         );
         // Altered, added, removed: refused whatever unsigned_images says.
         for (what, edit) in [
@@ -262,7 +287,7 @@ mod tests {
             ),
         ] {
             let (d, k) = (image(), key(1));
-            sign_containerd_checkpoint(d.path(), &k).unwrap();
+            sign_containerd_checkpoint(d.path(), &k, None).unwrap();
             edit(d.path());
             let e =
                 containerd_checkpoint(d.path(), &trusting(&k), UnsignedImages::KernelCheck, BOUNDS)
@@ -287,7 +312,7 @@ mod tests {
             Ok(Decision::KernelCheckOnly { .. })
         ));
         // Signed by another key: untrusted, the same three answers.
-        sign_containerd_checkpoint(d.path(), &key(2)).unwrap();
+        sign_containerd_checkpoint(d.path(), &key(2), None).unwrap();
         let e = containerd_checkpoint(d.path(), &trusting(&k), UnsignedImages::Refuse, BOUNDS)
             .unwrap_err();
         assert!(matches!(e, ProvenanceError::Untrusted(_)), "{e}");
@@ -300,6 +325,7 @@ mod tests {
                 checkpoint_json: provenance::sha256(b"{}"),
                 criu: files,
                 layers: None,
+                rootfs: None,
             },
         );
         fs::write(d.path().join(CONTAINERD_SIGNATURE), bytes).unwrap();
@@ -311,13 +337,13 @@ mod tests {
     #[test]
     fn hostile_directories_are_refused_or_bounded() {
         let (d, k) = (image(), key(1));
-        sign_containerd_checkpoint(d.path(), &k).unwrap();
+        sign_containerd_checkpoint(d.path(), &k, None).unwrap();
         std::os::unix::fs::symlink("/etc/shadow", d.path().join("fdinfo-2.img")).unwrap();
         let e = containerd_checkpoint(d.path(), &trusting(&k), UnsignedImages::Refuse, BOUNDS)
             .unwrap_err();
         assert!(e.to_string().contains("not a regular file"), "{e}");
         let (d, k) = (image(), key(1));
-        sign_containerd_checkpoint(d.path(), &k).unwrap();
+        sign_containerd_checkpoint(d.path(), &k, None).unwrap();
         let small = Bounds {
             max_bytes: 4096,
             max_files: 100,

@@ -105,7 +105,7 @@ impl<'a> Lowers<'a> {
                 break;
             }
             out.dirs.push(i);
-            if self.overlay_attr(&full, b"opaque").as_deref() == Some(b"y".as_slice()) {
+            if self.is_opaque(&full) {
                 break;
             }
         }
@@ -118,6 +118,11 @@ impl<'a> Lowers<'a> {
             || (fmt == libc::S_IFREG
                 && st.st_size == 0
                 && self.overlay_attr(full, b"whiteout").is_some())
+    }
+
+    /// Whether the directory at host path `full` (in one of the layers) is opaque.
+    pub fn is_opaque(&self, full: &Path) -> bool {
+        self.overlay_attr(full, b"opaque").as_deref() == Some(b"y".as_slice())
     }
 
     fn overlay_attr(&self, full: &Path, name: &[u8]) -> Option<Vec<u8>> {
