@@ -4,75 +4,19 @@
 //! processes, a server still answering and an interpreter's variables.
 
 use std::{
-    net::TcpListener,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
-    time::Duration,
+    process::Command,
 };
 
 use crab_integration::{
     ctr::Ctr,
+    registry::Registry,
     sandbox::{Sandbox, SandboxOptions},
     TestEnv,
 };
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// A registry serving from a temporary directory; killed when dropped.
-struct Registry {
-    child: Child,
-    addr: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Registry {
-    fn start() -> Registry {
-        let dir = tempfile::tempdir().unwrap();
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr = format!("127.0.0.1:{port}");
-        let config = dir.path().join("config.yml");
-        std::fs::write(
-            &config,
-            format!(
-                "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {addr}\n",
-                dir.path().join("data").display()
-            ),
-        )
-        .unwrap();
-        let mut child = Command::new("docker-registry")
-            .arg("serve")
-            .arg(&config)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("docker-registry (hack/install-deps.sh installs it)");
-        for _ in 0..100 {
-            if std::net::TcpStream::connect(&addr).is_ok() {
-                return Registry {
-                    child,
-                    addr,
-                    _dir: dir,
-                };
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        panic!("docker-registry did not listen on {addr}");
-    }
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// A second private containerd (hack/containerd.sh with its own CRAB_HOME); stopped, with its

@@ -1,0 +1,65 @@
+//! A container registry on 127.0.0.1 (Debian's `docker-registry`), for tests that push and
+//! pull: another node's restore, the CRI's restore of a checkpoint archive (which pulls its
+//! base image by digest).
+
+use std::{
+    net::TcpListener,
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+/// A registry serving from a temporary directory; killed when dropped.
+pub struct Registry {
+    child: Child,
+    /// `127.0.0.1:<port>`.
+    pub addr: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Registry {
+    pub fn start() -> Registry {
+        let dir = tempfile::tempdir().unwrap();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr = format!("127.0.0.1:{port}");
+        let config = dir.path().join("config.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {addr}\n",
+                dir.path().join("data").display()
+            ),
+        )
+        .unwrap();
+        let mut child = Command::new("docker-registry")
+            .arg("serve")
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("docker-registry (hack/install-deps.sh installs it)");
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(&addr).is_ok() {
+                return Registry {
+                    child,
+                    addr,
+                    _dir: dir,
+                };
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("docker-registry did not listen on {addr}");
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
