@@ -20,8 +20,9 @@
 //!    checkpoints; the process image is imported into the new container's store in the
 //!    background), then until Tasks.Start returned (the inspector's base mark also runs in the
 //!    background). Each restored container is checked to hold the process again. The shim's
-//!    kernel check at CRIU's gate (`kernel check passed in D ms`) is read from the same log.
-//!    `BENCH_RESTORE_ONLY=2` runs this section alone.
+//!    kernel check at CRIU's gate (`kernel check passed in D ms`) is read from the same log,
+//!    and (sections 1 and 2) what Create's question to the engine cost (`rootfs layers asked
+//!    of the engine in D ms`). `BENCH_RESTORE_ONLY=2` runs this section alone.
 //! 3. Rollback, end to end (`crabctl rollback C --to T`, wall time; crabctl's own figure too):
 //!    each repetition runs a turn that writes a file and then rolls back to before it; fs-only
 //!    (turn 10 of the 50-turn sandbox) and with the 50 MB process. The same checkpoint is also
@@ -254,6 +255,9 @@ struct StartSeries {
     verify: Vec<f64>,
     /// The kernel check at CRIU's gate (all ways), see [`ShimLog::kernel_check_ms`].
     kernel_check: Vec<f64>,
+    /// Create's question to the engine: which layers it unpacked the rootfs from (all ways,
+    /// fs and process images), see [`Bench::layers_ms`].
+    layers: Vec<f64>,
     /// API starts: checkpointing began until Tasks.Start returned (the inspector's base mark).
     api_tail: Vec<f64>,
     /// Snapshots removed before each cold start.
@@ -280,6 +284,7 @@ impl StartSeries {
             "shim_after_restore_until_checkpointing_ms": Stats::json(&self.setup),
             "shim_image_verification_ms": Stats::json(&self.verify),
             "shim_kernel_check_ms": Stats::json(&self.kernel_check),
+            "shim_rootfs_layers_query_ms": Stats::json(&self.layers),
             "api_checkpointing_began_until_start_returned_ms": Stats::json(&self.api_tail),
             "shim_restore_log_ms": {"cold": Stats::json(&self.shim_cold), "warm": Stats::json(&self.shim_warm), "api": Stats::json(&self.shim_api)},
             "snapshots_removed_before_cold": self.removed,
@@ -333,6 +338,25 @@ impl Bench {
     /// containerd's log (the shim's log reaches it asynchronously: waits up to 2 s).
     async fn shim_restore_ms(&self, from: u64, id: &str) -> Option<f64> {
         self.shim_log(from, id).await.map(|l| l.restore_ms)
+    }
+
+    /// The shim's `create ID: rootfs layers asked of the engine in D ms` figure logged after
+    /// byte `from` of containerd's log (waits up to 2 s for it to arrive).
+    async fn layers_ms(&self, from: u64, id: &str) -> Option<f64> {
+        let needle = format!("create {id}: rootfs layers asked of the engine in ");
+        for _ in 0..40 {
+            if let Ok(text) = std::fs::read(&self.log) {
+                let text = String::from_utf8_lossy(&text[(from as usize).min(text.len())..]);
+                if let Some(ms) = text.lines().find_map(|l| {
+                    let rest = &l[l.find(&needle)? + needle.len()..];
+                    rest.split_whitespace().next()?.parse::<f64>().ok()
+                }) {
+                    return Some(ms);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        None
     }
 
     /// What the shim logged about restoring `id` after byte `from` of containerd's log: the
@@ -851,6 +875,7 @@ async fn restore_series(
             let id = b.id(what);
             let from = b.log_len();
             let took = b.ctr_run(DEFAULT_RUNTIME, image, &id)?;
+            s.layers.extend(b.layers_ms(from, &id).await);
             let log = if with_process {
                 b.shim_log(from, &id).await
             } else {
@@ -875,6 +900,7 @@ async fn restore_series(
         let id = b.id(what);
         let from = b.log_len();
         let api = b.api_start(&h, &id).await?;
+        s.layers.extend(b.layers_ms(from, &id).await);
         if with_process {
             let log = b.shim_log(from, &id).await;
             s.shim_api.push(log.map_or(f64::NAN, |l| l.restore_ms));
@@ -949,6 +975,13 @@ fn restore_rows(
         s.api_col(|a| a.total_ms),
         aim,
         api_note,
+    );
+    r.row(
+        section,
+        format!("{label}: shim, rootfs layers asked of the engine"),
+        s.layers.clone(),
+        None,
+        "part of Create, all three ways: containerd's Containers.Get, Snapshots.Mounts and Stat up to the image's top layer",
     );
     if s.shim_api.iter().any(|x| !x.is_nan()) || s.shim_warm.iter().any(|x| !x.is_nan()) {
         let mut all = s.shim_cold.clone();
