@@ -116,7 +116,7 @@ async fn runtime_handler_features() {
     assert_eq!(
         handler_features(&cri, "crab-v1").await,
         None,
-        "crab under its own runtime type now reports features: say so in the README"
+        "crab under its own runtime type now reports features: say so in docs/kubernetes.md"
     );
 }
 

@@ -71,7 +71,7 @@ async fn checkpoint_image_restores_in_a_new_pod() {
         .await
         .unwrap();
     // Past the inspector's baseline (taken while the container starts), so the turn sees the
-    // counter run. (Memory a process changed before that baseline is not seen: see the README.)
+    // counter run. (Memory a process changed before that baseline is not seen: see docs/status.md.)
     cri.sh_until_ok(
         &src,
         "test \"$(cut -d' ' -f2 /tmp/count)\" -ge 5",

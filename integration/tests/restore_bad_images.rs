@@ -315,7 +315,7 @@ fn repack_signed(
 }
 
 /// `signature.json` for `statement` with the signing key file at `key`, written from the format
-/// crab documents (README, Security): ed25519 over a domain line and the statement's compact
+/// crab documents (docs/security.md): ed25519 over a domain line and the statement's compact
 /// JSON with sorted keys.
 fn sign(key: &Path, statement: &Value) -> Vec<u8> {
     use ed25519_dalek::Signer;

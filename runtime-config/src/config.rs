@@ -310,7 +310,7 @@ impl Default for EngineConfig {
     }
 }
 
-/// Starting containers from checkpoint images (see the README's Security section): whose
+/// Starting containers from checkpoint images (see docs/security.md): whose
 /// images are restored, and how large one may be.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default, expecting = "the [restore] table")]

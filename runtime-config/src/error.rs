@@ -48,7 +48,7 @@ pub enum ConfigError {
     },
 
     /// The runtime options are of a type crab does not read (neither its own nor runc's).
-    #[error("runtime options of type `{type_url}` are neither crab's (runtimeoptions.v1.Options: ConfigPath or ConfigBody) nor runc's (containerd.runc.v1.Options): register crab with runtime_type io.containerd.crab.v1 or io.containerd.runc.v2 (see crab's README)")]
+    #[error("runtime options of type `{type_url}` are neither crab's (runtimeoptions.v1.Options: ConfigPath or ConfigBody) nor runc's (containerd.runc.v1.Options): register crab with runtime_type io.containerd.crab.v1 or io.containerd.runc.v2 (see crab's docs/kubernetes.md and docs/configuration.md)")]
     ForeignRuntimeOptions { type_url: String },
 
     /// runc options that crab cannot honour (the field and why).

@@ -816,7 +816,7 @@ async fn run_one(
 }
 
 /// Removes the internal images `crabctl recover` made for the sandbox (nothing collects them
-/// yet, see the README's status; a run of the recovery mode makes dozens).
+/// yet, see docs/status.md; a run of the recovery mode makes dozens).
 fn remove_recovery_images(sb: &Sandbox) -> Result<(), String> {
     let ctr = crate::ctr::Ctr::new(&sb.h.env);
     let t = Duration::from_secs(30);

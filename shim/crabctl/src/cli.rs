@@ -46,7 +46,7 @@ Every command finds the container's store through its own runtime options (as it
 unless --config says otherwise.
 
 -o json (or --json) on turns, show, checkpoints, diff, fork, engine and prune prints one JSON
-document on stdout (field names are stable, snake_case, listed in README.md); a failure then
+document on stdout (field names are stable, snake_case, listed in docs/crabctl.md); a failure then
 prints {\"error\": {\"kind\", \"exit_code\", \"message\"}} there instead (prune: its report, with
 \"failures\"), and the message on stderr as always. export and fork show their progress on stderr
 when it is a terminal (--progress: always; never with -o json unless --progress).";
@@ -113,7 +113,7 @@ pub struct PodArgs {
 /// `-o FORMAT` / `--json`: how a list or show command prints its result.
 #[derive(Debug, Args)]
 pub struct OutputArgs {
-    /// text (for people) or json (one document on stdout, stable field names: see README.md;
+    /// text (for people) or json (one document on stdout, stable field names: see docs/crabctl.md;
     /// a failure prints {"error": {...}} there instead)
     #[arg(
         long = "output",

@@ -24,7 +24,7 @@ use crate::{image::ImageError, pod::PodError};
 /// The exit status of a usage error (clap's own).
 pub const EXIT_USAGE: u8 = 2;
 
-/// The exit statuses, as `crabctl --help` and the README list them.
+/// The exit statuses, as `crabctl --help` and docs/crabctl.md list them.
 pub const EXIT_CODES_HELP: &str = "\
 Exit status:
   0  success

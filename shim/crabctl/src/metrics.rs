@@ -44,7 +44,7 @@ They are derived from what crab records (every store under the config's state_di
 namespace, and the host engine's directory), so they survive shim restarts; no series names a
 container unless --per-container. Files that cannot be read are named on stderr and counted in
 crab_metrics_unreadable_files. Without --listen the figures are printed once, for node-exporter's
-textfile collector (write to a temporary file and rename it to *.prom: see the README). With
+textfile collector (write to a temporary file and rename it to *.prom: see docs/metrics.md). With
 --listen 127.0.0.1:PORT they are served at /metrics, rescanned for each scrape.";
 
 /// `crabctl metrics`'s flags.

@@ -1,6 +1,6 @@
 //! Machine-readable output (`-o json`, alias `--json`): one JSON document per invocation on
 //! stdout, newline-terminated, serialized from the typed structs below (never formatted by
-//! hand). Their field names are stable and snake_case; README.md (crabctl section) lists them.
+//! hand). Their field names are stable and snake_case; docs/crabctl.md lists them.
 //!
 //! | command | document |
 //! |---|---|
@@ -83,7 +83,7 @@ pub enum Format {
     /// for people: tables and sentences
     #[default]
     Text,
-    /// one JSON document on stdout (field names: see README.md)
+    /// one JSON document on stdout (field names: see docs/crabctl.md)
     Json,
 }
 

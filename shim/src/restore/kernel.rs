@@ -35,7 +35,7 @@
 //!   where the spec says so (the root, `ro` mounts, `readonlyPaths`), masked paths masked,
 //!   procfs and sysfs only where the spec mounts them.
 //!
-//! Not compared (the README's Security section says so): the filter of a profile that hands
+//! Not compared (docs/security.md says so): the filter of a profile that hands
 //! syscalls to a listener (`SCMP_ACT_NOTIFY`: only that a filter is installed), the cgroup
 //! namespace, and which host directory a bind mount shows.
 
