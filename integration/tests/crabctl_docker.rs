@@ -253,10 +253,21 @@ fn short(id: &str, n: usize) -> &str {
     &id[..n]
 }
 
+/// The modes [`agent_with_two_turns`] leaves on the directories above its changes.
+const MODES: &str = "/tmp 1777\n/root 700\n/app 755\n/app/src 755\n";
+
 /// A container with files changed (added, modified in a directory of the image, deleted from
 /// the image) in turn t1 and a background counter started in turn t2.
 fn agent_with_two_turns(d: &Dockerd, name: &str) -> String {
     let id = d.run(name);
+    assert_eq!(
+        d.exec(
+            name,
+            "mkdir -p /app && stat -c '%n %a' /tmp /root /app && umask"
+        ),
+        "/tmp 1777\n/root 700\n/app 755\n0022\n",
+        "the image's directory modes and the umask the agent's files get"
+    );
     d.exec(
         name,
         "echo hello > /root/hello.txt && mkdir -p /app/src && echo v1 > /app/src/v \
@@ -287,6 +298,13 @@ fn assert_restored_at_t2(d: &Dockerd, name: &str) {
          test -e /.crab-checkpoint && echo reserved-visible; true",
     );
     assert_eq!(files, "hello\nv1\n", "files of the checkpoint");
+    // The directories above the changed files keep the image's modes: a layer without their
+    // entries had Docker's layer store make them 0755 (a /tmp no other user could write).
+    let modes = d.exec(name, "stat -c '%n %a' /tmp /root /app /app/src");
+    assert_eq!(
+        modes, MODES,
+        "directory modes after the restore (the image's, and /app/src as the agent made it)"
+    );
     let ps = d.exec(name, "ps -eo args");
     assert!(
         ps.contains("while true"),

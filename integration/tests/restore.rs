@@ -1051,3 +1051,89 @@ async fn a_terminal_survives_recovery_and_export() {
     let _ = std::fs::remove_dir_all(&copy_state);
     s.finish().await;
 }
+
+/// The sandbox's turn boundary travels with its checkpoint image (issue 26): a container
+/// started from the image with no `io.crab/turn-boundary` of its own (as `docker run IMAGE`
+/// or `ctr run IMAGE` start it) ends a turn at each exec as its source did, and checkpoints
+/// it, instead of silently never ending one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_checkpoint_image_keeps_its_sandboxs_turn_boundary() {
+    let (mut s, _g) = Sandbox::start(
+        "restore_boundary",
+        SandboxOptions {
+            annotations: &[("io.crab/turn-boundary", "exec")],
+            ..Default::default()
+        },
+    )
+    .await;
+    let h = s.h.clone();
+    s.run("echo one > /app/one").await;
+    // The next exec ends that turn (and waits for its checkpoint).
+    s.run("true").await;
+    let image_ref = format!("localhost/crab-test/{}:boundary", s.id);
+    let _images = ImageGuard::new(&h, &[&image_ref], &[]);
+    crabctl_ok(&s, &["export", &s.id, &image_ref]);
+    let id = format!("{}-run", s.id);
+    let _guard = h.guard(&[&id]);
+    let state = h.env.crab_home.join("state").join(&id);
+    let config = state.with_extension("toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[store]\nstate_dir = \"{}\"\n[restore]\ntrusted_keys = [\"{}\"]\n",
+            state.display(),
+            s.state_dir.join("keys/checkpoint-signing.pub").display()
+        ),
+    )
+    .unwrap();
+    let out = h
+        .ctr()
+        .run_with(
+            &[
+                "run",
+                "-d",
+                "--runtime",
+                CRAB,
+                "--runtime-config-path",
+                config.to_str().unwrap(),
+                &image_ref,
+                &id,
+                "sleep",
+                "infinity",
+            ],
+            None,
+            T,
+        )
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "ctr run: {out:?}\n{}",
+        h.log_excerpt(&id)
+    );
+    assert!(
+        h.log_excerpt(&id)
+            .contains("keeps its checkpoint image's io.crab/turn-boundary"),
+        "{}",
+        h.log_excerpt(&id)
+    );
+    let mut r = sandbox_for(&s, &id);
+    r.run("cat /app/one && echo two > /app/two").await;
+    r.run("true").await;
+    r.run("true").await;
+    let turns: Value =
+        serde_json::from_str(&crabctl_ok(&r, &["turns", &id, "-o", "json"])).unwrap();
+    let kinds: Vec<&str> = turns
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["kind"].as_str().unwrap_or(""))
+        .collect();
+    assert!(
+        kinds.first() == Some(&"fs"),
+        "the restored sandbox's first exec ended a turn that wrote /app/two: {turns:#}"
+    );
+    let _ = h.ctr().run(&["tasks", "kill", "-s", "SIGKILL", &id]);
+    drop(_guard);
+    let _ = std::fs::remove_file(&config);
+    let _ = std::fs::remove_dir_all(&state);
+}

@@ -987,7 +987,12 @@ async fn unsigned_and_untrusted_images_are_refused() {
         )
         .await;
     assert!(
-        out.contains("not signed by a trusted key") && out.contains("not among the 1 trusted key"),
+        out.contains("not signed by a trusted key")
+            && out.contains("not among the 1 trusted key")
+            // What to do about it: which keys this config trusts, and the two ways out.
+            && out.contains("ed25519:")
+            && out.contains("start it with the runtime (and crab config) whose signing key made it")
+            && out.contains("[restore] trusted_keys"),
         "{out}"
     );
 

@@ -564,6 +564,42 @@ impl Containers {
                 return Err(e);
             }
         }
+        // A checkpoint image's crab annotations (its source container's turn boundary,
+        // checkpoint policy, probe commands) hold unless this spec sets its own: a restored
+        // sandbox goes on checkpointing as it did.
+        let lent = taken
+            .as_ref()
+            .map(|t| &t.meta.annotations)
+            .filter(|a| !a.is_empty())
+            .map(|image| {
+                let mut spec = spec.clone();
+                let lent = turns::inherit(&mut spec, image);
+                (spec, lent)
+            })
+            .filter(|(_, lent)| !lent.is_empty());
+        let (exec_boundary, probes) = match lent {
+            Some((spec, lent)) => {
+                log::info!(
+                    "create {}: keeps its checkpoint image's {} (its spec sets none)",
+                    p.id,
+                    lent.join(", ")
+                );
+                let checked = turns::exec_boundary(&spec, config.checkpoint.turn_boundary)
+                    .and_then(|b| Ok((b, turns::probe_commands(&spec)?)))
+                    .and_then(|v| {
+                        crate::checkpoint::policy::for_container(&spec, config.checkpoint.policy)?;
+                        Ok(v)
+                    });
+                match checked {
+                    Ok(v) => v,
+                    Err(e) => {
+                        unmount(&e);
+                        return Err(e);
+                    }
+                }
+            }
+            None => (exec_boundary, probes),
+        };
         let restore_image = match (&taken, p.checkpoint.is_empty()) {
             (_, false) if start_fresh => None,
             (_, false) => Some(PathBuf::from(&p.checkpoint)),

@@ -180,7 +180,11 @@ impl Sandbox {
         pid: u32,
         origin: Origin,
     ) -> Result<OriginImport> {
-        let spec = bundle::read_spec(bundle_dir)?;
+        let mut spec = bundle::read_spec(bundle_dir)?;
+        // A checkpoint image's crab annotations hold where the spec sets none (as at Create).
+        if let Origin::Checkpoint(t) = &origin {
+            crate::turns::inherit(&mut spec, &t.meta.annotations);
+        }
         let (root, namespace, cid) = (self.dir.clone(), self.namespace.clone(), self.id.clone());
         // The origin manifest is recorded here, unless it imports a process image (a copy and
         // deduplication of up to hundreds of MB): that goes on in the background, below.

@@ -46,6 +46,42 @@ pub const SPEC_ANNOTATIONS: [&str; 3] = [
     PROBE_COMMANDS,
 ];
 
+/// Gives `spec` the crab annotations of `image` (a checkpoint image's, from its source
+/// container) that it does not set itself; returns their names. Only
+/// [`SPEC_ANNOTATIONS`] are taken, and their values are checked where they are read, as the
+/// spec's own are.
+pub fn inherit(
+    spec: &mut oci_spec::runtime::Spec,
+    image: &std::collections::BTreeMap<String, String>,
+) -> Vec<&'static str> {
+    let mut annotations = spec.annotations().clone().unwrap_or_default();
+    let mut taken = Vec::new();
+    for key in SPEC_ANNOTATIONS {
+        if annotations.contains_key(key) {
+            continue;
+        }
+        if let Some(v) = image.get(key) {
+            annotations.insert(key.to_string(), v.clone());
+            taken.push(key);
+        }
+    }
+    if !taken.is_empty() {
+        spec.set_annotations(Some(annotations));
+    }
+    taken
+}
+
+/// The crab annotations of `annotations` (a container's spec) that travel with its checkpoint
+/// images ([`inherit`]).
+pub fn travelling(
+    annotations: &HashMap<String, String>,
+) -> std::collections::BTreeMap<String, String> {
+    SPEC_ANNOTATIONS
+        .iter()
+        .filter_map(|k| annotations.get(*k).map(|v| (k.to_string(), v.clone())))
+        .collect()
+}
+
 /// Refuses a spec with an `io.crab/` annotation crab does not know.
 pub fn check_spec_annotations(spec: &oci_spec::runtime::Spec) -> Result<()> {
     let unknown = spec
@@ -256,6 +292,49 @@ mod tests {
             .contains("at most 64"));
         let huge: HashMap<String, String> = [("k".to_string(), "x".repeat(70_000))].into();
         assert!(requested_turn_end(&huge).is_err());
+    }
+
+    /// A checkpoint image's crab annotations fill what the new spec leaves out, never what it
+    /// sets, and nothing but crab's spec annotations travels.
+    #[test]
+    fn a_checkpoint_image_lends_its_annotations_to_a_spec_without_them() {
+        let image: std::collections::BTreeMap<String, String> = [
+            (super::TURN_BOUNDARY, "exec"),
+            (super::PROBE_COMMANDS, r#"[["cat", "/ok"]]"#),
+            ("io.crab/turn-end", "t9"),
+            ("org.example/other", "x"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let mut spec = spec_with(r#"[["true"]]"#);
+        let taken = super::inherit(&mut spec, &image);
+        assert_eq!(taken, [super::TURN_BOUNDARY]);
+        let a = spec.annotations().clone().unwrap();
+        assert_eq!(a[super::TURN_BOUNDARY], "exec");
+        assert_eq!(
+            a[super::PROBE_COMMANDS],
+            r#"[["true"]]"#,
+            "the spec's own stays"
+        );
+        assert!(!a.contains_key("io.crab/turn-end") && !a.contains_key("org.example/other"));
+        assert!(
+            super::exec_boundary(&spec, crab_runtime_config::TurnBoundary::Annotation).unwrap()
+        );
+        // What an export records of a container's annotations.
+        let own: std::collections::HashMap<String, String> = [
+            (super::TURN_BOUNDARY.to_string(), "exec".to_string()),
+            ("io.kubernetes.cri.sandbox-id".to_string(), "x".to_string()),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(
+            super::travelling(&own).into_iter().collect::<Vec<_>>(),
+            [(super::TURN_BOUNDARY.to_string(), "exec".to_string())]
+        );
+        // Nothing to lend: the spec is left as it was.
+        let mut plain = spec_with(r#"[["true"]]"#);
+        assert!(super::inherit(&mut plain, &Default::default()).is_empty());
     }
 
     fn spec_with(value: &str) -> oci_spec::runtime::Spec {

@@ -369,6 +369,16 @@ impl Ctl {
             }),
             created_at: m.created_at.clone(),
             volumes: m.volumes.clone(),
+            // What the source container's spec said of its turns travels with the image.
+            annotations: spec_of(&record)
+                .and_then(|spec| {
+                    serde_json::from_value::<std::collections::HashMap<String, String>>(
+                        spec.get("annotations")?.clone(),
+                    )
+                    .ok()
+                })
+                .map(|a| crab_shim::turns::travelling(&a))
+                .unwrap_or_default(),
         };
         let criu_dir = m.process.as_ref().map(|p| root.join(&p.image));
         // The signature binds the layers the image has below the checkpoint layer.

@@ -960,6 +960,7 @@ mod tests {
             process: process.then(|| ProcessMeta { pids: vec![1, 9] }),
             created_at: "2026-01-01T00:00:00.000Z".into(),
             volumes: Vec::new(),
+            annotations: Default::default(),
         }
     }
 

@@ -15,7 +15,7 @@
 //! [`LayerError::Cancelled`].
 
 use std::{
-    collections::{BTreeSet, HashMap},
+    collections::{BTreeSet, HashMap, HashSet},
     ffi::{CStr, CString, OsString},
     io,
     os::{
@@ -240,6 +240,8 @@ impl<'a> Capture<'a> {
     /// contiguous).
     pub fn run(&mut self, paths: &BTreeSet<PathBuf>) -> Result<(), LayerError> {
         let mut covered: Option<&Path> = None;
+        // Directories whose entry is in the tar already.
+        let mut written: HashSet<PathBuf> = HashSet::new();
         for rel in paths {
             self.check_cancel()?;
             if covered.is_some_and(|c| rel.starts_with(c)) {
@@ -257,7 +259,12 @@ impl<'a> Capture<'a> {
             } else {
                 let parent = rel.parent().unwrap_or(Path::new(""));
                 let name = rel.file_name().expect("a normal last component");
-                let Some(pfd) = self.parent_fd(parent)? else {
+                let ancestors = self.ancestors(parent, &mut written)?;
+                let pfd = match ancestors {
+                    true => self.parent_fd(parent)?,
+                    false => None,
+                };
+                let Some(pfd) = pfd else {
                     // The parent is gone or no longer a directory: its own change covers this
                     // path (in this diff, or in the next one if it happened after the diff).
                     log::debug!(
@@ -269,6 +276,7 @@ impl<'a> Capture<'a> {
                 };
                 self.entry(pfd, name.as_bytes(), rel, false)?
             };
+            written.insert(rel.clone());
             if !matches!(below, Below::Listed) {
                 covered = Some(rel);
             }
@@ -293,6 +301,49 @@ impl<'a> Capture<'a> {
             )))?;
         }
         self.whole_subtree(fd, Path::new(""))
+    }
+
+    /// Writes an entry for each directory above a changed path (`parent` and its ancestors,
+    /// the root left out) that has none in the tar yet: its mode, owner, times and xattrs as
+    /// the upperdir holds them (overlayfs copied them up from the image, or the container
+    /// changed them). A layer applied where one is missing would otherwise have it made with
+    /// the applier's defaults (0755 by Docker's layer store), masking the image's own (a 1777
+    /// `/tmp`), which `docker commit`'s layers never do. `false` if some directory is gone or
+    /// no longer one (the change that did it covers the path).
+    fn ancestors(
+        &mut self,
+        parent: &Path,
+        written: &mut HashSet<PathBuf>,
+    ) -> Result<bool, LayerError> {
+        let mut dir = PathBuf::new();
+        for comp in parent.components() {
+            dir.push(comp);
+            if written.contains(&dir) {
+                continue;
+            }
+            let Some(fd) = self.parent_fd(&dir)? else {
+                return Ok(false);
+            };
+            let path = self.upperdir.join(&dir);
+            let st = fstat(fd).map_err(|e| LayerError::upper("stat", &path, e.into()))?;
+            let xattrs = Xattrs::read(&xattr::Target::Fd(fd), self.opts.xattrs)
+                .map_err(|e| LayerError::upper("xattrs", &path, e))?;
+            if let Some(r) = &xattrs.redirect {
+                return Err(LayerError::Unsupported {
+                    path,
+                    reason: format!(
+                        "a directory renamed with overlay redirect_dir (redirect {:?})",
+                        String::from_utf8_lossy(r)
+                    ),
+                });
+            }
+            self.tar.append(&TarEntry {
+                xattrs: &xattrs.other,
+                ..TarEntry::from_stat(&tar_name(&dir, true), b'5', &st)
+            })?;
+            written.insert(dir.clone());
+        }
+        Ok(true)
     }
 
     /// Directory fd of upperdir-relative `parent`, opened component by component without

@@ -740,4 +740,71 @@ mod tests {
             XattrClass::Plain(n) if n == b"user.overlay.x"
         ));
     }
+
+    /// The directories above a changed path travel with it, as the upperdir holds them: a
+    /// layer that has `tmp/x` but no `tmp/` entry is applied with `tmp` made 0755 by Docker's
+    /// layer store, masking the image's 1777 `/tmp`. Each directory once, parents first; a
+    /// directory that is itself a change is not written twice.
+    #[test]
+    fn a_layer_carries_the_directories_above_each_change() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = tempfile::tempdir().unwrap();
+        let upper = dir.path().join("upper");
+        fs::create_dir_all(upper.join("tmp")).unwrap();
+        fs::set_permissions(upper.join("tmp"), fs::Permissions::from_mode(0o1777)).unwrap();
+        fs::write(upper.join("tmp/x"), b"x").unwrap();
+        fs::create_dir_all(upper.join("app/calc/deep")).unwrap();
+        fs::set_permissions(upper.join("app/calc"), fs::Permissions::from_mode(0o750)).unwrap();
+        fs::write(upper.join("app/calc/ops.py"), b"ops").unwrap();
+        fs::write(upper.join("app/calc/deep/y"), b"y").unwrap();
+        let mtime = fs::metadata(upper.join("app/calc")).unwrap().mtime();
+        let paths: BTreeSet<PathBuf> = ["tmp/x", "app/calc", "app/calc/ops.py", "app/calc/deep/y"]
+            .iter()
+            .map(PathBuf::from)
+            .collect();
+        let out = dir.path().join("layer.tar");
+        let tar = TarWriter::new(BufWriter::new(fs::File::create(&out).unwrap()), out.clone());
+        let mut capture = Capture::new(
+            capture::open_upper(&upper).unwrap(),
+            &upper,
+            tar,
+            LayerOptions::default(),
+            Cancel::new(),
+        );
+        capture.run(&paths).unwrap();
+        capture.into_tar().finish().unwrap();
+        let mut archive = tar::Archive::new(fs::File::open(&out).unwrap());
+        let entries: Vec<(String, u32, u64)> = archive
+            .entries()
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                let h = e.header();
+                (
+                    e.path().unwrap().to_string_lossy().into_owned(),
+                    h.mode().unwrap(),
+                    h.mtime().unwrap(),
+                )
+            })
+            .collect();
+        let names: Vec<&str> = entries.iter().map(|e| e.0.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "app/",
+                "app/calc/",
+                "app/calc/deep/",
+                "app/calc/deep/y",
+                "app/calc/ops.py",
+                "tmp/",
+                "tmp/x"
+            ],
+            "{entries:?}"
+        );
+        let mode = |n: &str| entries.iter().find(|e| e.0 == n).unwrap().1 & 0o7777;
+        assert_eq!(mode("tmp/"), 0o1777);
+        assert_eq!(mode("app/calc/"), 0o750);
+        let calc = entries.iter().find(|e| e.0 == "app/calc/").unwrap();
+        assert_eq!(calc.2 as i64, mtime);
+    }
 }

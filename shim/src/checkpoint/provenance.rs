@@ -294,10 +294,22 @@ impl TrustedKeys {
             ProvenanceError::Malformed(format!("key {:?} is not an ed25519 public key", file.key))
         })?;
         if !self.keys.iter().any(|(k, _)| *k == key) {
+            let trusted: Vec<String> = self
+                .keys
+                .iter()
+                .map(|(k, from)| format!("{} from {from}", public_key_string(k)))
+                .collect();
             return Err(ProvenanceError::Untrusted(format!(
-                "it was signed by {}, which is not among the {} trusted key(s)",
+                "it was signed by {}, which is not among the {} trusted key(s) of the crab \
+                 config this runtime reads ({}): start it with the runtime (and crab config) \
+                 whose signing key made it, or add that public key to [restore] trusted_keys \
+                 in this one",
                 file.key,
-                self.keys.len()
+                self.keys.len(),
+                match trusted.is_empty() {
+                    true => "none".to_string(),
+                    false => trusted.join(", "),
+                }
             )));
         }
         let signature = unhex::<64>(&file.signature)

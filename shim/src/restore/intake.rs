@@ -145,6 +145,12 @@ pub struct CheckpointMeta {
     /// back in its host directory.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<PathBuf>,
+    /// The source container's crab spec annotations ([`crate::turns::SPEC_ANNOTATIONS`]: its
+    /// turn boundary, checkpoint policy and probe commands): a container started from the image
+    /// keeps them unless its own spec sets them ([`crate::turns::inherit`]), so a restored
+    /// sandbox goes on checkpointing as it did.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
 }
 
 impl CheckpointMeta {
@@ -1419,7 +1425,11 @@ mod tests {
         );
         let err = refused(&f, &root);
         assert!(
-            err.to_string().contains("not among the 1 trusted key"),
+            err.to_string().contains("not among the 1 trusted key")
+                && err.to_string().contains(" from test")
+                && err
+                    .to_string()
+                    .contains("[restore] trusted_keys in this one"),
             "{err}"
         );
         // start-fresh: the reserved directory goes, the container starts as an ordinary image.
