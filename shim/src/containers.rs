@@ -639,6 +639,18 @@ impl Containers {
         let mut pending_restore = None;
         let pid = match restore_image {
             Some(image) => {
+                // `docker run IMAGE CMD`, a pod's `command`: with a process image they are not
+                // what runs, and the log says so (docs/docker-and-harnesses.md).
+                log::info!(
+                    "create {}: restores the checkpointed processes at Start; the spec's command \
+                     ({:?}) does not run",
+                    p.id,
+                    spec.process()
+                        .as_ref()
+                        .and_then(|p| p.args().clone())
+                        .unwrap_or_default()
+                        .join(" ")
+                );
                 // Restored at Start, as containerd's runc shim does: Create leaves it created.
                 pending_restore = Some(PendingRestore {
                     image,
