@@ -150,9 +150,19 @@ async fn prune_removes_only_what_containers_without_a_record_left() {
         "the image goes with its store, later: {out}"
     );
 
+    // An entry of the state dir's restore cache (a verified copy of a process image, kept for
+    // the next restore of it): prune clears the cache.
+    let cached = s.state_dir.join(".restore-cache/entries/feed");
+    fs::create_dir_all(&cached).unwrap();
+    fs::write(cached.join("pages-1.img"), vec![2u8; 10_000]).unwrap();
+
     // --dry-run says what would go and removes nothing.
     set_changed(&store, Duration::from_secs(3600));
     let dry = prune(&s, &["--dry-run"]);
+    assert!(
+        dry.contains("entries of the restore cache") && cached.is_dir(),
+        "{dry}"
+    );
     for line in [
         format!("would remove store {} (", store.display()),
         format!("would remove image {}", images[0]),
@@ -187,6 +197,10 @@ async fn prune_removes_only_what_containers_without_a_record_left() {
         "{out}"
     );
     assert!(out.contains("total: removed 2 store directories"), "{out}");
+    assert!(
+        out.contains("entries of the restore cache") && !cached.exists(),
+        "{out}"
+    );
     assert!(out.contains("and 1 images"), "{out}");
     assert!(!store.exists(), "{out}");
     assert!(h.internal_images(&s.id).is_empty(), "{out}");

@@ -67,8 +67,8 @@ max} (of the forks' total_ms)}.";
 pub const PRUNE_FIELDS: &str = "\
 JSON (-o json): {dry_run, namespaces, state_dirs, stores [{path, outcome
 (removed|finished|kept|failed), reason, bytes}], images [{name, outcome, reason}], existing,
-warnings, removed_stores, removed_bytes, removed_images, failures}; printed even when removals
-failed (exit 1).";
+warnings, restore_caches [{path, entries, bytes}], removed_stores, removed_bytes,
+removed_images, failures}; printed even when removals failed (exit 1).";
 
 /// `crabctl engine --help`: the fields of `-o json`.
 pub const ENGINE_FIELDS: &str = "\
@@ -359,6 +359,8 @@ pub struct PruneReport {
     /// Stores of existing containers (kept, not listed).
     pub existing: usize,
     pub warnings: Vec<String>,
+    /// Each state dir's restore cache: its entries and bytes removed (would be).
+    pub restore_caches: Vec<PruneCache>,
     /// Store directories removed (would be) and their bytes, images removed (would be).
     pub removed_stores: usize,
     pub removed_bytes: u64,
@@ -375,6 +377,13 @@ pub struct PruneStore {
     /// Why it was kept, or why its removal failed.
     pub reason: Option<String>,
     /// Disk usage (allocated bytes) of what was (would be) removed.
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PruneCache {
+    pub path: PathBuf,
+    pub entries: usize,
     pub bytes: u64,
 }
 
@@ -428,6 +437,15 @@ impl From<&Pruned> for PruneReport {
                 .collect(),
             existing: p.existing,
             warnings: p.warnings.clone(),
+            restore_caches: p
+                .restore_caches
+                .iter()
+                .map(|c| PruneCache {
+                    path: c.path.clone(),
+                    entries: c.entries,
+                    bytes: c.bytes,
+                })
+                .collect(),
             removed_stores: p.stores.iter().filter(|s| gone(&s.outcome)).count(),
             removed_bytes: p
                 .stores
@@ -517,6 +535,11 @@ pub(crate) mod tests {
             images: vec![ImageItem {
                 name: "x".into(),
                 outcome: Outcome::Removed,
+            }],
+            restore_caches: vec![crate::prune::CacheItem {
+                path: "/x/.restore-cache".into(),
+                entries: 1,
+                bytes: 1,
             }],
             ..Pruned::default()
         };
@@ -675,6 +698,11 @@ pub(crate) mod tests {
             }],
             existing: 4,
             warnings: vec!["w".into()],
+            restore_caches: vec![crate::prune::CacheItem {
+                path: "/var/lib/crab/.restore-cache".into(),
+                entries: 2,
+                bytes: 4096,
+            }],
         };
         let v = serde_json::to_value(PruneReport::from(&p)).unwrap();
         assert_eq!(
@@ -688,11 +716,13 @@ pub(crate) mod tests {
                 "removed_bytes",
                 "removed_images",
                 "removed_stores",
+                "restore_caches",
                 "state_dirs",
                 "stores",
                 "warnings"
             ]
         );
+        assert_eq!(keys(&v["restore_caches"][0]), ["bytes", "entries", "path"]);
         assert_eq!(
             keys(&v["stores"][0]),
             ["bytes", "outcome", "path", "reason"]

@@ -33,6 +33,11 @@
 //!
 //! Stores a shim set aside (`.replaced-<id>-<unique>`: an earlier container's, found where a
 //! new container with the same id began a new lineage) are removed like such leftovers.
+//!
+//! Each state dir's restore cache (`.restore-cache`: verified copies of process images, kept
+//! for the next restore of the same image, bounded by `[restore] cache_mib`) is cleared too:
+//! every entry no restore is building or checking goes (a restore that took one has its own
+//! links to the files).
 
 use std::{
     collections::{BTreeSet, HashMap, HashSet},
@@ -297,6 +302,18 @@ pub struct Pruned {
     /// Stores of existing containers (kept).
     pub existing: usize,
     pub warnings: Vec<String>,
+    /// The restore cache of each state dir: what was (would be) removed of it.
+    pub restore_caches: Vec<CacheItem>,
+}
+
+/// A state dir's restore cache ([`crab_shim::restore::cache`]) as prune cleared it: verified
+/// copies of process images, kept for the next restore of the same image, removable at any
+/// time (a restore in progress keeps its own links to the files).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheItem {
+    pub path: PathBuf,
+    pub entries: usize,
+    pub bytes: u64,
 }
 
 impl Pruned {
@@ -580,6 +597,23 @@ impl Ctl {
                 report.images.push(ImageItem { name, outcome });
             }
         }
+        for state_dir in report.state_dirs.clone() {
+            let path = state_dir.join(crab_shim::restore::cache::CACHE_DIR);
+            if fs::symlink_metadata(&path)
+                .map(|m| m.is_dir())
+                .unwrap_or(false)
+            {
+                let cache = crab_shim::restore::cache::RestoreCache::new(&path, 0);
+                let (entries, bytes) = tokio::task::spawn_blocking(move || cache.clear(dry_run))
+                    .await
+                    .unwrap_or_default();
+                report.restore_caches.push(CacheItem {
+                    path,
+                    entries,
+                    bytes,
+                });
+            }
+        }
         Ok(report)
     }
 }
@@ -634,6 +668,15 @@ impl fmt::Display for Pruned {
                 Outcome::Kept(why) => writeln!(f, "kept image {}: {why}", i.name)?,
                 Outcome::Failed(e) => writeln!(f, "FAILED to remove image {}: {e}", i.name)?,
             }
+        }
+        for c in &self.restore_caches {
+            writeln!(
+                f,
+                "{removed} {} entries of the restore cache {} ({})",
+                c.entries,
+                c.path.display(),
+                human_size(c.bytes)
+            )?;
         }
         for w in &self.warnings {
             writeln!(f, "warning: {w}")?;

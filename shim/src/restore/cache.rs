@@ -609,6 +609,36 @@ impl RestoreCache {
         made
     }
 
+    /// Removes every entry no restore is building or checking (`crabctl prune`): a restore
+    /// that took one has its own links to the files already. Returns the entries and their
+    /// bytes removed (`dry_run`: that would be).
+    pub fn clear(&self, dry_run: bool) -> (usize, u64) {
+        if !dry_run && self.dirs().is_err() {
+            return (0, 0);
+        }
+        let mut seen = HashSet::new();
+        let (mut entries, mut bytes) = (0, 0);
+        for e in fs::read_dir(self.root.join("entries"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let Ok(key) = e.file_name().into_string() else {
+                continue;
+            };
+            let size = disk_bytes(&e.path(), &mut seen);
+            if dry_run {
+                (entries, bytes) = (entries + 1, bytes + size);
+                continue;
+            }
+            if let Ok(Some(_lock)) = self.lock(&key, Duration::ZERO) {
+                self.discard(&self.entry(&key));
+                (entries, bytes) = (entries + 1, bytes + size);
+            }
+        }
+        (entries, bytes)
+    }
+
     /// Removes the least recently used entries (never `keep`, nor one in use) until the cache
     /// holds at most its bound, and what dead builders left in `tmp/`.
     pub fn evict(&self, keep: &str) {
@@ -789,6 +819,41 @@ mod tests {
         fs::write(t.path().join("r2/stats-restore"), b"new stats").unwrap();
         assert_eq!(read(&cached.join("stats-restore")), b"old stats");
         assert_eq!(read(&t.path().join("r1/stats-restore")), b"old stats");
+    }
+
+    /// `crabctl prune` clears the cache: a dry run counts, a real one removes every entry no
+    /// restore holds, and a restore that already took an entry keeps its own links.
+    #[test]
+    fn clear_removes_every_entry_not_held_and_restores_keep_their_links() {
+        let t = tempfile::tempdir().unwrap();
+        let files = image(&t.path().join("src"), 8);
+        let cache = RestoreCache::new(&t.path().join("cache"), 1 << 30);
+        let builds = std::sync::atomic::AtomicUsize::new(0);
+        cache
+            .provide_now(
+                &files,
+                &t.path().join("r1"),
+                build_from(&t.path().join("src"), &files, &builds),
+            )
+            .unwrap()
+            .unwrap();
+        let key = RestoreCache::key(&files);
+        let (n, bytes) = cache.clear(true);
+        assert_eq!(n, 1);
+        assert!(bytes >= 8 * 4096, "{bytes}");
+        assert!(cache.entry(&key).exists(), "a dry run removes nothing");
+        // An entry being built or checked (its lock held) stays.
+        let held = cache.lock(&key, Duration::ZERO).unwrap().unwrap();
+        assert_eq!(cache.clear(false), (0, 0));
+        drop(held);
+        assert_eq!(cache.clear(false).0, 1);
+        assert!(!cache.entry(&key).exists());
+        let restored = fs::read(t.path().join("r1/pages-1.img")).unwrap();
+        assert_eq!(
+            restored.len(),
+            8 * 4096,
+            "the restore's own link still reads"
+        );
     }
 
     #[test]
