@@ -414,6 +414,38 @@ fn overlay2_docker_containers_export_as_archives_and_restore_through_docker_run(
     ]);
     assert_restored_at_t2(&d, "dx-restored");
 
+    // The restored sandbox's own checkpoints export too (its chain begins with the image's
+    // layers, which are in the first container's store, not in containerd): a second crash is
+    // as recoverable as the first.
+    d.exec("dx-restored", "echo second > /root/second.txt");
+    d.turn("dx-restored", "t3");
+    let archive3 = d.dir.join("cp3.tar");
+    d.crabctl_ok(&[
+        "export",
+        "dx-restored",
+        "--turn",
+        "t3",
+        "localhost/crab/dx-cp:t3",
+        "--output",
+        &archive3.display().to_string(),
+    ]);
+    d.ok(&["load", "-i", &archive3.display().to_string()]);
+    d.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "dx-restored-twice",
+        "--runtime",
+        "crab",
+        "localhost/crab/dx-cp:t3",
+    ]);
+    assert_restored_at_t2(&d, "dx-restored-twice");
+    assert_eq!(
+        d.exec("dx-restored-twice", "cat /root/second.txt"),
+        "second\n"
+    );
+    d.ok(&["rm", "-f", "dx-restored-twice"]);
+
     // A files-only checkpoint (t1) by short id: the files, no counter.
     let archive1 = d.dir.join("cp1.tar");
     d.crabctl_ok(&[

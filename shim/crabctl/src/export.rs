@@ -229,6 +229,31 @@ impl LocalBlobs {
 }
 
 /// The spec of `record` as JSON, if it has one.
+/// The blob `digest` in any store under `state_dir` (`<state_dir>/<namespace>/<container>/`,
+/// stores set aside included), if one holds it as a regular file. Stores are the shims' (root's,
+/// outside every container), and a blob's name is its digest, which whoever takes it in checks
+/// (containerd's content store, `docker load`).
+fn in_another_store(state_dir: &Path, digest: &str) -> Option<PathBuf> {
+    let hex = digest.strip_prefix("sha256:")?;
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    for ns in std::fs::read_dir(state_dir).ok()?.flatten() {
+        if !ns.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        for store in std::fs::read_dir(ns.path()).into_iter().flatten().flatten() {
+            let blob = store.path().join("blobs/sha256").join(hex);
+            if store.file_type().is_ok_and(|t| t.is_dir())
+                && std::fs::symlink_metadata(&blob).is_ok_and(|m| m.is_file())
+            {
+                return Some(blob);
+            }
+        }
+    }
+    None
+}
+
 fn spec_of(record: &Container) -> Option<Value> {
     serde_json::from_slice(&record.spec.as_ref()?.value).ok()
 }
@@ -351,6 +376,17 @@ impl Ctl {
                 local.files.insert(layer.digest.clone(), path);
             } else if self.client.content_info(&layer.digest).await?.is_some() {
                 in_content.push(layer.digest.clone());
+            } else if let Some(path) = in_another_store(&config.store.state_dir, &layer.digest) {
+                // A layer the container got from the checkpoint image it was restored from
+                // (under Docker's overlay2 store, whose images are not in containerd): it is in
+                // the store of the container that took that checkpoint.
+                log::info!(
+                    "{container}: layer {} of checkpoint {} from {}",
+                    layer.digest,
+                    m.seq,
+                    path.display()
+                );
+                local.files.insert(layer.digest.clone(), path);
             } else {
                 return Err(CtlError::MissingLayer {
                     digest: layer.digest.clone(),
