@@ -1073,6 +1073,9 @@ impl Containers {
                 Error::TimedOut(format!("the restore took longer than {bound:?} ([checkpoint] restore_timeout_ms) and was abandoned")),
             )),
         };
+        // Abandoned (its page daemon failed, or it overran its bound): that is why it failed,
+        // whatever the kernel check then read of a tree being torn down.
+        let abandoned = outcome.is_err();
         let restored = match outcome {
             Ok(result) => result,
             Err((what, err)) => {
@@ -1108,12 +1111,22 @@ impl Containers {
             (r, restore_gate::Resumed::Checked(Err(why))) => {
                 // Killed at the gate already (the tree, then CRIU); whatever is left of the
                 // container's processes goes too.
-                let _ = r;
                 kill_cgroup_members(&spec, &c.id);
                 // A killed CRIU leaves its cgroup yard mounted in the work directory.
                 unmount_all_under(&work);
-                log::error!("restore of {} refused by the kernel check: {why}", c.id);
-                Err(Error::FailedPrecondition(why))
+                match r {
+                    Err(e) if abandoned => {
+                        log::error!(
+                            "restore of {}: {e} (the kernel check, on what was left: {why})",
+                            c.id
+                        );
+                        Err(e)
+                    }
+                    _ => {
+                        log::error!("restore of {} refused by the kernel check: {why}", c.id);
+                        Err(Error::FailedPrecondition(why))
+                    }
+                }
             }
             (Ok(()), restore_gate::Resumed::NotReached(why)) => {
                 let killed = kill_cgroup_members(&spec, &c.id);

@@ -469,15 +469,18 @@ fn full_store_gives_a_clear_error_and_no_partial_blob() {
             .blocks_available()
     };
     let empty = free();
-    // 1 MB does not fit the temporary tar; 40 KB fits the tar but not tar + blob.
-    for (size, stage) in [(1 << 20, "layer.tar-"), (40 << 10, "layer.tar.zst-")] {
-        // An unlinked temp file's space returns only once every fd of it is closed, and a
-        // process that another test forks meanwhile (without exec) holds copies of this
-        // process's fds: the 40 KB case needs the tmpfs empty again.
+    // An unlinked temp file's space returns only once every fd of it is closed, and a process
+    // that another test forks meanwhile (without exec) holds copies of this process's fds: each
+    // case needs the tmpfs empty again (seen under load: the last one found it still full).
+    let emptied = || {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while free() < empty && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
+    };
+    // 1 MB does not fit the temporary tar; 40 KB fits the tar but not tar + blob.
+    for (size, stage) in [(1 << 20, "layer.tar-"), (40 << 10, "layer.tar.zst-")] {
+        emptied();
         write(&o.m("f"), &noise(size, size as u64), 0o644);
         let (_, d) = o.diff(&base);
         let freezer = CountingFreezer::default();
@@ -497,6 +500,7 @@ fn full_store_gives_a_clear_error_and_no_partial_blob() {
         assert!(store.list().unwrap().is_empty());
     }
     // Small changes still fit.
+    emptied();
     write(&o.m("f"), b"small", 0o644);
     let (_, d) = o.diff(&base);
     let (desc, _) = write_fs_layer(
