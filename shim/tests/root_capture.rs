@@ -294,10 +294,14 @@ fn layer_holds_exactly_the_net_change() {
         .collect();
     let long_dir = format!("long/{LONG_DIR}/");
     let long_file = format!("long/{LONG_DIR}/{LONG_FILE}");
+    // Every directory above a change has its own entry (bin/, data/, etc/: their modes and
+    // owners travel with the layer, as in `docker commit`'s layers).
     let mut expect: Vec<&str> = vec![
         ".wh.gone",
         "bigid",
+        "bin/",
         "bin/tool",
+        "data/",
         "data/dir/",
         "data/dir/.wh..wh..opq",
         "data/dir/z",
@@ -307,6 +311,7 @@ fn layer_holds_exactly_the_net_change() {
         &deep_dirs[2],
         &deep,
         "emptydir/",
+        "etc/",
         "etc/.wh.b",
         "etc/a",
         "hard.txt",
@@ -701,17 +706,23 @@ fn layer_chain_applies_to_the_merged_view() {
     let mut got = names(&items);
     got.sort();
     let long_file = format!("long/{LONG_DIR}/{LONG_FILE}");
+    let long_dir = format!("long/{LONG_DIR}/");
     let mut expect = vec![
         ".wh.new.txt",
         ".wh.p",
+        "data/",
         "data/dir/",
         "data/dir/.wh..wh..opq",
         "data/dir/z",
+        "etc/",
         "etc/.wh.a",
         "etc/a2",
         "etc/b",
         "hard.txt",
+        "keep/",
         "keep/k2",
+        "long/",
+        &long_dir,
         &long_file,
     ];
     expect.sort();
