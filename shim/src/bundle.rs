@@ -288,7 +288,7 @@ pub fn loopback_hook(stdin: impl std::io::Read) -> std::result::Result<(), Strin
         .and_then(|p| u32::try_from(p).ok())
         .filter(|p| *p > 0)
         .ok_or("the container state has no pid")?;
-    crate::restore::intake::bring_up_loopback(pid)
+    crate::sys::netns::bring_up_loopback(pid)
         .map_err(|e| format!("bringing up lo in the network namespace of pid {pid}: {e}"))
 }
 

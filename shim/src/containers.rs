@@ -1283,7 +1283,7 @@ impl Containers {
             }
         }
         if bundle::read_spec(&c.bundle).is_ok_and(|spec| bundle::creates_network_namespace(&spec)) {
-            if let Err(e) = restore::bring_up_loopback(pid) {
+            if let Err(e) = crate::sys::netns::bring_up_loopback(pid) {
                 log::warn!(
                     "container {}: restored, but its loopback interface is down: {e}",
                     c.id

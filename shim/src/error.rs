@@ -6,7 +6,7 @@
 //! store's, a system call's errno), so a caller can tell a full disk from a corrupt image;
 //! the message clients see is the one the shim always sent.
 
-use crate::{checkpoint::store::StoreError, reaper::ReaperError, runc::RuncError};
+use crate::{reaper::ReaperError, runc::RuncError};
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -65,9 +65,6 @@ pub enum Error {
         #[source]
         source: std::num::ParseIntError,
     },
-    /// The container's checkpoint store could not be opened.
-    #[error("checkpoint store: {0}")]
-    Store(#[source] StoreError),
     /// Work handed to a blocking task never finished: the task panicked or was cancelled.
     #[error(transparent)]
     Task(#[from] tokio::task::JoinError),

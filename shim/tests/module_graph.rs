@@ -751,6 +751,86 @@ fn the_module_graph_has_no_cycle() {
     assert!(graph.values().map(BTreeSet::len).sum::<usize>() > 50);
 }
 
+/// ARCHITECTURE.md's layer table, top first: a module may use modules of its own layer and of
+/// the layers below, never one above. (Top-level module names; a folder module's files are in
+/// its layer.)
+const LAYERS: &[(&str, &[&str])] = &[
+    ("edge", &["service"]),
+    (
+        "task core",
+        &[
+            "containers",
+            "events",
+            "process",
+            "stdio",
+            "oom",
+            "logdriver",
+            "placement",
+            "grouping",
+            "shimlog",
+        ],
+    ),
+    ("turn path", &["sandbox", "turns", "rollback"]),
+    ("restore", &["restore"]),
+    ("checkpoints", &["checkpoint", "engine", "metrics"]),
+    ("inspection", &["inspector"]),
+    ("runtime", &["runc", "reaper", "bundle", "idmap", "error"]),
+    ("system", &["sys"]),
+];
+
+/// The index of `path`'s layer in [`LAYERS`] (`None`: a module the table does not name).
+fn layer_of(path: &[String]) -> Option<usize> {
+    let top = path.first()?;
+    LAYERS
+        .iter()
+        .position(|(_, mods)| mods.contains(&top.as_str()))
+}
+
+#[test]
+fn every_module_is_in_a_layer_and_none_uses_a_layer_above_its_own() {
+    let mods = modules(&src_dir());
+    let unplaced: BTreeSet<String> = mods
+        .iter()
+        .filter(|m| is_library_module(m) && !m.path.is_empty() && layer_of(&m.path).is_none())
+        .map(|m| show(&m.path))
+        .collect();
+    assert!(
+        unplaced.is_empty(),
+        "modules in no layer of ARCHITECTURE.md's table (add them to it and to LAYERS): \
+         {unplaced:?}"
+    );
+    let deps = dependencies(&mods);
+    let upward: Vec<String> = deps
+        .iter()
+        .flat_map(|(m, named)| {
+            named.iter().filter_map(move |(d, at)| {
+                let (from, to) = (layer_of(m)?, layer_of(d)?);
+                (to < from).then(|| {
+                    format!(
+                        "{} ({}) -> {} ({}) at {at}",
+                        show(m),
+                        LAYERS[from].0,
+                        show(d),
+                        LAYERS[to].0
+                    )
+                })
+            })
+        })
+        .collect();
+    assert!(
+        upward.is_empty(),
+        "imports against ARCHITECTURE.md's layers (move what both need down to the lower \
+         one, or pass it in):\n{}",
+        upward.join("\n")
+    );
+    // The rule sees the graph: the task core uses the layers below it.
+    let containers = &deps[&vec!["containers".to_string()]];
+    assert!(
+        containers.keys().any(|d| layer_of(d) == Some(3)),
+        "{containers:?}"
+    );
+}
+
 // ---- the scanner itself -------------------------------------------------------------------
 
 fn module(file: &str, source: &str) -> Module {

@@ -10,6 +10,7 @@
 
 pub mod bpf;
 pub mod fs;
+pub mod lower;
 pub mod memory;
 pub mod procs;
 

@@ -38,7 +38,7 @@ use sha2::{Digest, Sha256};
 
 use crate::{
     inspector::fs::OverlayXattrs,
-    rollback::lower::{LowerEntry, Lowers},
+    inspector::lower::{LowerEntry, Lowers},
 };
 
 /// Bounds on one digest.

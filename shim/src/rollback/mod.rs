@@ -26,7 +26,6 @@
 //! The caller records the new lineage (a `restored` manifest with the checkpoint's references,
 //! so the next layer stacks on the checkpoint's chain).
 
-pub mod lower;
 pub mod state;
 pub mod tar;
 pub mod view;
@@ -47,8 +46,9 @@ use crate::{
     sys::cgroup::freezer::{CgroupFreezer, Freezer},
 };
 
+use crate::inspector::lower::{LowerEntry, Lowers};
+
 use self::{
-    lower::{LowerEntry, Lowers},
     state::{DataRef, LayerState, Lookup, Named, Node},
     tar::Kind,
     view::{Meta, Special, View},

@@ -26,7 +26,6 @@ pub fn code(e: &Error) -> Code {
         | Error::Json { .. }
         | Error::Pid { .. }
         | Error::Mount { .. }
-        | Error::Store(_)
         | Error::Task(_)
         | Error::TimedOut(_)
         | Error::NoCgroup(_)

@@ -1,5 +1,6 @@
 //! The container's image as overlayfs shows it: its lower layers (top first) merged, for the
-//! paths an in-place rollback gives back their original content.
+//! paths an in-place rollback gives back their original content (`rollback`) and for what a
+//! rw layer changes in its image (`restore::rw`).
 //!
 //! overlayfs' lookup, memoised per directory: a name is looked up only in the layers where its
 //! parent is a merged directory; a whiteout or a non-directory ends the descent, as does an
