@@ -238,6 +238,41 @@ image_ref() {
   esac
 }
 
+# `ctr images export` of $2 into $1, checked: every blob read whole and hashing to its name.
+# ctr can exit 0 having written an archive cut short (about 1 export in 10 here: a 1 MiB
+# prefix), which docker load then reports as "unexpected EOF"; such an export is made again.
+export_whole() {
+  local tar=$1 ref=$2 i
+  for i in 1 2 3 4 5; do
+    crab_ctr -n crab-test images export "$tar" "$ref"
+    if python3 - "$tar" <<'PY'
+import hashlib, sys, tarfile
+index = blobs = 0
+try:
+    with tarfile.open(sys.argv[1]) as t:
+        for m in t:
+            if not m.isfile():
+                continue
+            data = t.extractfile(m).read()
+            if len(data) != m.size:
+                sys.exit(f"{m.name}: {len(data)} of {m.size} bytes")
+            index |= m.name == "index.json"
+            if m.name.startswith("blobs/sha256/"):
+                if hashlib.sha256(data).hexdigest() != m.name.rsplit("/", 1)[1]:
+                    sys.exit(f"{m.name}: another digest")
+                blobs += 1
+except (tarfile.TarError, OSError) as e:
+    sys.exit(f"not a whole tar: {e}")
+sys.exit(0 if index and blobs else "no index.json or no blob")
+PY
+    then
+      return 0
+    fi
+    log "$STORE: ctr images export $ref came back cut short (attempt $i)"
+  done
+  die "$STORE: ctr images export $ref never came back whole"
+}
+
 images_one() {
   store_vars "$1"
   answers || die "$STORE: dockerd is not running; run '$0 start $STORE'"
@@ -259,7 +294,7 @@ images_one() {
     fi
     log "$STORE: loading $ref"
     tar=$D/export-$name.tar
-    crab_ctr -n crab-test images export "$tar" "$ref"
+    export_whole "$tar" "$ref"
     docker_cli load -q -i "$tar" >/dev/null
     rm -f "$tar"
     printf '%s\n' "$digest" >"$D/loaded-$name"

@@ -163,8 +163,7 @@ impl Dockerd {
     fn load_agent(&self) {
         let tar = self.dir.join("agent.tar");
         Ctr::new(&self.env)
-            .run(&["images", "export", &tar.display().to_string(), AGENT_IMAGE])
-            .and_then(|o| o.ok())
+            .export_image(AGENT_IMAGE, &tar)
             .unwrap_or_else(|e| panic!("exporting {AGENT_IMAGE} (make images): {e}"));
         self.ok(&["load", "-i", &tar.display().to_string()]);
         std::fs::remove_file(&tar).unwrap();

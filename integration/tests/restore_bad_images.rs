@@ -63,26 +63,13 @@ impl Archive {
         Ok(Archive { files })
     }
 
-    /// `ctr images export` of `reference` to `path`, read back. Under load an export has come
-    /// back cut short (seen twice in CI-like runs, an EOF in the middle or no index): it is
-    /// retried, and the test fails if it never comes back whole.
+    /// `ctr images export` of `reference` to `path` (checked whole, see
+    /// [`crab_integration::ctr::Ctr::export_image`]), read back.
     fn export(h: &Harness, reference: &str, path: &Path) -> Archive {
-        let mut last = String::new();
-        for attempt in 1..=3 {
-            h.ctr()
-                .run(&["images", "export", path.to_str().unwrap(), reference])
-                .unwrap()
-                .ok()
-                .unwrap();
-            match Archive::try_read(path) {
-                Ok(a) => return a,
-                Err(e) => {
-                    eprintln!("ctr images export {reference} (attempt {attempt}): {e}");
-                    last = e;
-                }
-            }
-        }
-        panic!("ctr images export {reference} never came back whole: {last}");
+        h.ctr()
+            .export_image(reference, path)
+            .unwrap_or_else(|e| panic!("{e}"));
+        Archive::try_read(path).unwrap_or_else(|e| panic!("{reference}: {e}"))
     }
 
     fn blob(&self, digest: &str) -> &[u8] {
