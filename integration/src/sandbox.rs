@@ -118,12 +118,15 @@ impl Sandbox {
         self.h.exec(&self.id, &exec_id, &spec, &io).await.unwrap();
         self.h.start(&self.id, &exec_id).await.unwrap();
         let exit_status = self.h.wait(&self.id, &exec_id, T).await.unwrap();
-        let stdout = io
-            .stdout_string(T)
-            .unwrap_or_else(|e| panic!("turn {} `{script}`: {e}", self.turn));
-        let stderr = io
-            .stderr_string(T)
-            .unwrap_or_else(|e| panic!("turn {} `{script}`: {e}", self.turn));
+        // The output is waited for off the runtime's workers: a test that runs several
+        // sandboxes at once on a 2-worker runtime must not have one sandbox's wait hold up the
+        // others' (seen under load: four sandboxes stalled together until one wait timed out).
+        let (stdout, stderr) =
+            tokio::task::spawn_blocking(move || (io.stdout_string(T), io.stderr_string(T)))
+                .await
+                .unwrap();
+        let stdout = stdout.unwrap_or_else(|e| panic!("turn {} `{script}`: {e}", self.turn));
+        let stderr = stderr.unwrap_or_else(|e| panic!("turn {} `{script}`: {e}", self.turn));
         self.h.delete_process(&self.id, &exec_id).await.unwrap();
         assert_eq!(
             exit_status, 0,
