@@ -5,7 +5,7 @@
 //! started from one of its checkpoints sees against what the sandbox saw at that turn.
 //! Helpers first, then one function per behaviour; process-restore tests go at the end.
 
-use std::{collections::HashMap, time::Duration};
+use std::{collections::HashMap, path::PathBuf, time::Duration};
 
 use containerd_client::services::v1::{
     content_client::ContentClient, images_client::ImagesClient, GetImageRequest, ReadContentRequest,
@@ -171,8 +171,9 @@ fn force_gc(h: &Harness, tag: &str) {
 /// `ctr run --rm` of `image` under crab with `bash -c script`; returns its stdout. The
 /// container's crab state goes to a directory of its own, removed afterwards; it trusts the
 /// signing key of `signer`, the sandbox that exported the image.
-fn ctr_run(h: &Harness, signer: &Sandbox, image: &str, id: &str, script: &str) -> String {
-    let _g = h.guard(&[id]);
+/// A crab config for container `id` that trusts `signer`'s key, with its own state dir:
+/// (config file, state dir).
+fn trusting_config(h: &Harness, signer: &Sandbox, id: &str) -> (PathBuf, PathBuf) {
     let state = h.env.crab_home.join("state").join(id);
     let config = state.with_extension("toml");
     std::fs::create_dir_all(config.parent().unwrap()).unwrap();
@@ -188,6 +189,12 @@ fn ctr_run(h: &Harness, signer: &Sandbox, image: &str, id: &str, script: &str) -
         ),
     )
     .unwrap();
+    (config, state)
+}
+
+fn ctr_run(h: &Harness, signer: &Sandbox, image: &str, id: &str, script: &str) -> String {
+    let _g = h.guard(&[id]);
+    let (config, state) = trusting_config(h, signer, id);
     let out = h.ctr().run_with(
         &[
             "run",
@@ -1075,17 +1082,7 @@ async fn a_checkpoint_image_keeps_its_sandboxs_turn_boundary() {
     crabctl_ok(&s, &["export", &s.id, &image_ref]);
     let id = format!("{}-run", s.id);
     let _guard = h.guard(&[&id]);
-    let state = h.env.crab_home.join("state").join(&id);
-    let config = state.with_extension("toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[store]\nstate_dir = \"{}\"\n[restore]\ntrusted_keys = [\"{}\"]\n",
-            state.display(),
-            s.state_dir.join("keys/checkpoint-signing.pub").display()
-        ),
-    )
-    .unwrap();
+    let (config, state) = trusting_config(&h, &s, &id);
     let out = h
         .ctr()
         .run_with(

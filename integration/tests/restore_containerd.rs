@@ -61,6 +61,59 @@ fn restore(h: &Harness, reference: &str, id: &str) -> (i32, String) {
     (out.code(), format!("{}{}", out.stdout, out.stderr))
 }
 
+/// `ctr run -d` of `image` as `src` under crab (config file `config`, more `ctr run` flags in
+/// `flags`) running [`COUNTER`]; once it has counted to `at_least`, `ctr c checkpoint --task
+/// --rw` of it as `localhost/crab-ckpt/<src>:1`. Returns the reference and the count at the
+/// checkpoint; the container stays.
+fn counter_checkpointed(
+    h: &Harness,
+    config: &Path,
+    flags: &[&str],
+    image: &str,
+    src: &str,
+    at_least: u64,
+) -> (String, u64) {
+    let ctr = h.ctr();
+    let mut args = vec!["run", "-d"];
+    args.extend(flags);
+    let config = config.to_str().unwrap();
+    args.extend([
+        "--runtime",
+        CRAB,
+        "--runtime-config-path",
+        config,
+        image,
+        src,
+        "sh",
+        "-c",
+        COUNTER,
+    ]);
+    let run = ctr.run(&args).unwrap();
+    assert_eq!(run.code(), 0, "{run:?}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while count(h, src) < at_least {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{src} did not count to {at_least}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let reference = format!("localhost/crab-ckpt/{src}:1");
+    let out = ctr
+        .run(&[
+            "containers",
+            "checkpoint",
+            "--task",
+            "--rw",
+            src,
+            &reference,
+        ])
+        .unwrap();
+    assert_eq!(out.code(), 0, "ctr c checkpoint: {out:?}");
+    let at = count(h, src);
+    (reference, at)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn containerd_checkpoints_restore_only_when_a_trusted_key_signed_them() {
     let h = Harness::for_test().await;
@@ -82,41 +135,10 @@ async fn containerd_checkpoints_restore_only_when_a_trusted_key_signed_them() {
     let (config, state) = (dir.path().join("crab.toml"), dir.path().join("state"));
     write_config(&config, &state, "");
     let ctr = h.ctr();
-    let run = ctr
-        .run(&[
-            "run",
-            "-d",
-            // containerd's default seccomp profile: the kernel check finds runc's program for
-            // it in every restored thread.
-            "--seccomp",
-            "--runtime",
-            CRAB,
-            "--runtime-config-path",
-            config.to_str().unwrap(),
-            BUSYBOX_IMAGE,
-            &src,
-            "sh",
-            "-c",
-            COUNTER,
-        ])
-        .unwrap();
-    assert_eq!(run.code(), 0, "{run:?}");
-    while count(&h, &src) < 10 {
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    let reference = format!("localhost/crab-ckpt/{src}:1");
-    let out = ctr
-        .run(&[
-            "containers",
-            "checkpoint",
-            "--task",
-            "--rw",
-            &src,
-            &reference,
-        ])
-        .unwrap();
-    assert_eq!(out.code(), 0, "ctr c checkpoint: {out:?}");
-    let at_checkpoint = count(&h, &src);
+    // containerd's default seccomp profile: the kernel check finds runc's program for it in
+    // every restored thread.
+    let (reference, at_checkpoint) =
+        counter_checkpointed(&h, &config, &["--seccomp"], BUSYBOX_IMAGE, &src, 10);
     remove(&h, &src);
 
     // Signed by this host's key: restored, the count goes on from where it was.
@@ -232,37 +254,7 @@ async fn a_containerd_checkpoint_goes_back_only_on_its_image_and_rw_layer() {
         assert_eq!(out.code(), 0, "tag {from}: {out:?}");
     };
     tag(BUSYBOX_IMAGE);
-    let run = ctr
-        .run(&[
-            "run",
-            "-d",
-            "--runtime",
-            CRAB,
-            "--runtime-config-path",
-            config.to_str().unwrap(),
-            &base,
-            &src,
-            "sh",
-            "-c",
-            COUNTER,
-        ])
-        .unwrap();
-    assert_eq!(run.code(), 0, "{run:?}");
-    while count(&h, &src) < 5 {
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    let reference = format!("localhost/crab-ckpt/{src}:1");
-    let out = ctr
-        .run(&[
-            "containers",
-            "checkpoint",
-            "--task",
-            "--rw",
-            &src,
-            &reference,
-        ])
-        .unwrap();
-    assert_eq!(out.code(), 0, "ctr c checkpoint: {out:?}");
+    let (reference, _) = counter_checkpointed(&h, &config, &[], &base, &src, 5);
     assert!(
         h.log_excerpt(&src).contains("its rw layer changes"),
         "the dump bound its rw layer: {}",

@@ -314,10 +314,7 @@ impl Containers {
         turns::check_spec_annotations(&spec)?;
         crate::grouping::check_group(&spec, &self.namespace, &config.shim.groups)
             .map_err(Error::InvalidArgument)?;
-        let exec_boundary = turns::exec_boundary(&spec, config.checkpoint.turn_boundary)?;
-        let probes = turns::probe_commands(&spec)?;
-        // Checked again where the coordinator takes it; here so a bad value changes nothing.
-        crate::checkpoint::policy::for_container(&spec, config.checkpoint.policy)?;
+        let (exec_boundary, probes) = turn_settings(&spec, &config)?;
         let rootfs_mounted = bundle::mount_rootfs(&p.bundle, &p.rootfs).await?;
         // Docker Engine sends no mounts: it mounted the rootfs itself, at the spec's root.path.
         let rootfs = {
@@ -567,38 +564,22 @@ impl Containers {
         // A checkpoint image's crab annotations (its source container's turn boundary,
         // checkpoint policy, probe commands) hold unless this spec sets its own: a restored
         // sandbox goes on checkpointing as it did.
-        let lent = taken
-            .as_ref()
-            .map(|t| &t.meta.annotations)
-            .filter(|a| !a.is_empty())
-            .map(|image| {
+        let (exec_boundary, probes) = match &taken {
+            Some(t) if !t.meta.annotations.is_empty() => {
                 let mut spec = spec.clone();
-                let lent = turns::inherit(&mut spec, image);
-                (spec, lent)
-            })
-            .filter(|(_, lent)| !lent.is_empty());
-        let (exec_boundary, probes) = match lent {
-            Some((spec, lent)) => {
-                log::info!(
-                    "create {}: keeps its checkpoint image's {} (its spec sets none)",
-                    p.id,
-                    lent.join(", ")
-                );
-                let checked = turns::exec_boundary(&spec, config.checkpoint.turn_boundary)
-                    .and_then(|b| Ok((b, turns::probe_commands(&spec)?)))
-                    .and_then(|v| {
-                        crate::checkpoint::policy::for_container(&spec, config.checkpoint.policy)?;
-                        Ok(v)
-                    });
-                match checked {
-                    Ok(v) => v,
-                    Err(e) => {
-                        unmount(&e);
-                        return Err(e);
+                match turns::inherit(&mut spec, &t.meta.annotations) {
+                    lent if lent.is_empty() => (exec_boundary, probes),
+                    lent => {
+                        log::info!(
+                            "create {}: keeps its checkpoint image's {} (its spec sets none)",
+                            p.id,
+                            lent.join(", ")
+                        );
+                        turn_settings(&spec, &config).inspect_err(|e| unmount(e))?
                     }
                 }
             }
-            None => (exec_boundary, probes),
+            _ => (exec_boundary, probes),
         };
         let restore_image = match (&taken, p.checkpoint.is_empty()) {
             (_, false) if start_fresh => None,
@@ -1977,6 +1958,19 @@ impl Containers {
         }
         false
     }
+}
+
+/// What `spec` says of the container's turns: its turn boundary and probe commands, its
+/// checkpoint policy checked too (the coordinator reads it again; here so that a bad value
+/// fails Create and changes nothing).
+fn turn_settings(
+    spec: &oci_spec::runtime::Spec,
+    config: &Config,
+) -> Result<(bool, Vec<Vec<String>>)> {
+    let boundary = turns::exec_boundary(spec, config.checkpoint.turn_boundary)?;
+    let probes = turns::probe_commands(spec)?;
+    crate::checkpoint::policy::for_container(spec, config.checkpoint.policy)?;
+    Ok((boundary, probes))
 }
 
 /// runc's failure to signal a process, as the Task API words a process already gone.

@@ -324,23 +324,9 @@ impl<'a> Capture<'a> {
             let Some(fd) = self.parent_fd(&dir)? else {
                 return Ok(false);
             };
-            let path = self.upperdir.join(&dir);
-            let st = fstat(fd).map_err(|e| LayerError::upper("stat", &path, e.into()))?;
-            let xattrs = Xattrs::read(&xattr::Target::Fd(fd), self.opts.xattrs)
-                .map_err(|e| LayerError::upper("xattrs", &path, e))?;
-            if let Some(r) = &xattrs.redirect {
-                return Err(LayerError::Unsupported {
-                    path,
-                    reason: format!(
-                        "a directory renamed with overlay redirect_dir (redirect {:?})",
-                        String::from_utf8_lossy(r)
-                    ),
-                });
-            }
-            self.tar.append(&TarEntry {
-                xattrs: &xattrs.other,
-                ..TarEntry::from_stat(&tar_name(&dir, true), b'5', &st)
-            })?;
+            let st = fstat(fd)
+                .map_err(|e| LayerError::upper("stat", &self.upperdir.join(&dir), e.into()))?;
+            self.dir_entry(fd, &st, &dir)?;
             written.insert(dir.clone());
         }
         Ok(true)
@@ -477,15 +463,11 @@ impl<'a> Capture<'a> {
         }
     }
 
-    fn dir(
-        &mut self,
-        fd: OwnedFd,
-        st: &libc::stat,
-        rel: &Path,
-        whole: bool,
-    ) -> Result<Below, LayerError> {
+    /// Writes the entry of directory `fd` (upperdir-relative `rel`, `st` its stat) with its
+    /// xattrs; returns them. A directory overlayfs renamed (`redirect_dir`) is refused.
+    fn dir_entry(&mut self, fd: RawFd, st: &libc::stat, rel: &Path) -> Result<Xattrs, LayerError> {
         let path = self.upperdir.join(rel);
-        let xattrs = Xattrs::read(&xattr::Target::Fd(fd.as_raw_fd()), self.opts.xattrs)
+        let xattrs = Xattrs::read(&xattr::Target::Fd(fd), self.opts.xattrs)
             .map_err(|e| LayerError::upper("xattrs", &path, e))?;
         if let Some(r) = &xattrs.redirect {
             return Err(LayerError::Unsupported {
@@ -496,11 +478,21 @@ impl<'a> Capture<'a> {
                 ),
             });
         }
-        let name = tar_name(rel, true);
         self.tar.append(&TarEntry {
             xattrs: &xattrs.other,
-            ..TarEntry::from_stat(&name, b'5', st)
+            ..TarEntry::from_stat(&tar_name(rel, true), b'5', st)
         })?;
+        Ok(xattrs)
+    }
+
+    fn dir(
+        &mut self,
+        fd: OwnedFd,
+        st: &libc::stat,
+        rel: &Path,
+        whole: bool,
+    ) -> Result<Below, LayerError> {
+        let xattrs = self.dir_entry(fd.as_raw_fd(), st, rel)?;
         if !(xattrs.opaque || whole) {
             return Ok(Below::Listed);
         }
