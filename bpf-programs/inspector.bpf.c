@@ -270,6 +270,43 @@ static __always_inline __s64 fd_mode(int fd, unsigned long *magic)
 	return mode;
 }
 
+static __always_inline void count_state(struct counters *c, int class)
+{
+	add(&c->state_by_class[class]);
+}
+
+/* Whether fd of the current task is a file named "mem" (of procfs: the
+ * caller checked the magic). Unreadable counts as "mem" only if the caller
+ * also counts the other case: here it does not, so unreadable is "not mem"
+ * and the write counts as kernel state, the conservative side. */
+static __always_inline int proc_file_is_mem(int fd)
+{
+	struct task_struct *task = bpf_get_current_task_btf();
+	struct fdtable *fdt = task->files->fdt;
+	struct file *file = NULL;
+	const unsigned char *name;
+	char buf[4] = {};
+
+	if (!fdt || (unsigned int)fd >= fdt->max_fds)
+		return 0;
+	if (bpf_probe_read_kernel(&file, sizeof(file), &fdt->fd[fd]) || !file)
+		return 0;
+	name = BPF_CORE_READ(file, f_path.dentry, d_name.name);
+	if (!name || bpf_probe_read_kernel_str(buf, sizeof(buf), name) != 4)
+		return 0;
+	return buf[0] == 'm' && buf[1] == 'e' && buf[2] == 'm';
+}
+
+static __always_inline int count_state_simple(int class)
+{
+	__u64 cg;
+	struct counters *c = current_counters(&cg);
+
+	if (c)
+		count_state(c, class);
+	return 0;
+}
+
 static __always_inline int count_simple(int class)
 {
 	__u64 cg;
@@ -301,8 +338,70 @@ SIMPLE(crab_utimes, FS_UTIMES)
 SIMPLE(crab_mknod, FS_MKNOD)
 SIMPLE(crab_fallocate, FS_FALLOCATE)
 SIMPLE(crab_copy_range, FS_COPY_RANGE)
-/* io_uring and AIO can write files without a write syscall: any use counts. */
-SIMPLE(crab_async_io, FS_OTHER)
+/* io_uring and AIO can write files without a write syscall, and io_uring
+ * can reach other processes' state by operations of its own (a write to
+ * /proc/PID/mem, a send): any use counts as both. */
+SEC("tracepoint")
+int crab_async_io(void *ctx)
+{
+	__u64 cg;
+	struct counters *c = current_counters(&cg);
+
+	if (c) {
+		count_fs(c, FS_OTHER);
+		count_state(c, ST_ASYNC_IO);
+	}
+	return 0;
+}
+
+/* Kernel state outside any process's memory, or another process's, that a
+ * turn end does not compare: each use counts. */
+SEC("tracepoint")
+int crab_pidfd_getfd(void *ctx)
+{
+	return count_state_simple(ST_PIDFD_GETFD);
+}
+
+SEC("tracepoint")
+int crab_sysv_ipc(void *ctx)
+{
+	return count_state_simple(ST_SYSV_IPC);
+}
+
+SEC("tracepoint")
+int crab_uts(void *ctx)
+{
+	return count_state_simple(ST_UTS);
+}
+
+/* prlimit64(pid, resource, new, old): only setting another's limits. */
+SEC("tracepoint")
+int crab_prlimit(struct sys_enter *ctx)
+{
+	if ((int)ctx->args[0] == 0 || !ctx->args[2])
+		return 0;
+	return count_state_simple(ST_OTHER_PROCESS);
+}
+
+/* setpriority(which, who, prio), ioprio_set(which, who, prio): who == 0 is the
+ * caller (or its group, its user: counted too when not 0). */
+SEC("tracepoint")
+int crab_set_who(struct sys_enter *ctx)
+{
+	if ((int)ctx->args[1] == 0)
+		return 0;
+	return count_state_simple(ST_OTHER_PROCESS);
+}
+
+/* sched_setscheduler, sched_setparam, sched_setattr, sched_setaffinity:
+ * pid first, 0 = the caller. */
+SEC("tracepoint")
+int crab_set_pid(struct sys_enter *ctx)
+{
+	if ((int)ctx->args[0] == 0)
+		return 0;
+	return count_state_simple(ST_OTHER_PROCESS);
+}
 
 SEC("tracepoint")
 int crab_unlinkat(struct sys_enter *ctx)
@@ -328,7 +427,13 @@ static __always_inline int count_write_fd(int fd)
 	if (mode != FD_UNKNOWN && (mode & S_IFMT) != S_IFREG)
 		return 0;
 	if (mode != FD_UNKNOWN && magic == PROC_SUPER_MAGIC) {
-		add(&c->foreign_mem_writes);
+		/* /proc/PID/mem changes memory, which the turn end compares;
+		 * any other /proc file (oom_score_adj, sysctls, ...) changes
+		 * kernel state it does not. */
+		if (proc_file_is_mem(fd))
+			add(&c->foreign_mem_writes);
+		else
+			count_state(c, ST_PROCFS);
 		return 0;
 	}
 	count_fs(c, FS_WRITE);
@@ -471,6 +576,10 @@ int crab_ioctl(struct sys_enter *ctx)
 	case 0x4030583f: /* FS_IOC_ZERO_RANGE */
 		return count_simple(FS_OTHER);
 	}
+	/* UFFDIO_COPY & co. fill pages of whichever process registered the
+	 * range: ioctl type 0xAA. */
+	if ((((__u32)ctx->args[1] >> 8) & 0xff) == 0xAA)
+		return count_state_simple(ST_USERFAULTFD);
 	return 0;
 }
 
@@ -567,8 +676,46 @@ int crab_mprotect(struct sys_enter *ctx)
 	return 0;
 }
 
-/* ptrace and process_vm_writev change another process's memory without that
- * process running: its run count alone would miss it. */
+/* ptrace requests that change a tracee other than through its memory:
+ * registers, signal mask and siginfo, thread area, fs/gs base. Pokes change
+ * memory but count here too: gdb's breakpoints go with register edits. */
+static __always_inline int ptrace_writes(long request)
+{
+	switch (request) {
+	case 4:	     /* PTRACE_POKETEXT */
+	case 5:	     /* PTRACE_POKEDATA */
+	case 6:	     /* PTRACE_POKEUSR */
+	case 13:     /* PTRACE_SETREGS */
+	case 15:     /* PTRACE_SETFPREGS */
+	case 19:     /* PTRACE_SETFPXREGS */
+	case 26:     /* PTRACE_SET_THREAD_AREA */
+	case 30:     /* PTRACE_ARCH_PRCTL */
+	case 0x4203: /* PTRACE_SETSIGINFO */
+	case 0x4205: /* PTRACE_SETREGSET */
+	case 0x420b: /* PTRACE_SETSIGMASK */
+	case 0x4210: /* PTRACE_SET_SYSCALL_USER_DISPATCH_CONFIG */
+	case 0x4212: /* PTRACE_SET_SYSCALL_INFO */
+		return 1;
+	}
+	return 0;
+}
+
+SEC("tracepoint")
+int crab_ptrace(struct sys_enter *ctx)
+{
+	__u64 cg;
+	struct counters *c = current_counters(&cg);
+
+	if (!c)
+		return 0;
+	add(&c->foreign_mem_writes);
+	if (ptrace_writes((long)ctx->args[0]))
+		count_state(c, ST_PTRACE_WRITE);
+	return 0;
+}
+
+/* process_vm_writev changes another process's memory without that process
+ * running: its run count alone would miss it. */
 SEC("tracepoint")
 int crab_foreign(void *ctx)
 {
@@ -793,8 +940,49 @@ int BPF_PROG(crab_exit, struct task_struct *task)
 		run_uncharge(run);
 	bpf_task_storage_delete(&runs, task->group_leader);
 	c = current_counters(&cg);
-	if (c)
+	if (c) {
 		add(&c->exits);
+		/* The kernel wrote a core file for it (core_pattern without a
+		 * pipe), with no syscall of the process's own. */
+		if (task->exit_code & 0x80)
+			count_fs(c, FS_COREDUMP);
+	}
+	return 0;
+}
+
+#define TRACE_SIGNAL_DELIVERED 0
+#define TRACE_SIGNAL_LOSE_INFO 4
+
+/*
+ * A signal queued to a task of a watched cgroup, by anyone: counted on its
+ * process. It either wakes the process (which then runs: its memory is
+ * compared) or stays pending (blocked, or the process is stopped), which is
+ * state no memory comparison shows: the turn end compares the pending sets,
+ * and this count says whether the same set may hold new signals (a second
+ * real-time signal of one number). Ignored, merged (already pending) and
+ * refused signals changed nothing.
+ */
+SEC("tp_btf/signal_generate")
+int BPF_PROG(crab_signal, int sig, void *info, struct task_struct *task, int group, int result)
+{
+	struct counters *c;
+	struct run *run;
+	__u64 cg;
+
+	if (result != TRACE_SIGNAL_DELIVERED && result != TRACE_SIGNAL_LOSE_INFO)
+		return 0;
+	c = task_counters(task, &cg);
+	if (!c)
+		return 0;
+	run = run_of(task);
+	if (!run) {
+		if (task->flags & PF_EXITING)
+			return 0; /* it exits: nothing stays pending */
+		run = run_make(task, cg, c);
+		if (!run)
+			return 0; /* counted by run_make: the turn is degraded */
+	}
+	add(&run->signals);
 	return 0;
 }
 

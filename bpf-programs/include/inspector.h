@@ -26,8 +26,25 @@ enum fs_class {
 	FS_FALLOCATE,
 	FS_COPY_RANGE,
 	FS_MMAP_SHARED,
+	FS_COREDUMP,
 	FS_OTHER,
 	FS_CLASSES
+};
+
+/* What a task did to kernel state outside the filesystem and outside its own
+ * process that the inspector cannot compare: each makes the turn's processes
+ * count as changed (a process checkpoint holds them). Same order as
+ * StateClass in bpf/mod.rs. */
+enum state_class {
+	ST_PIDFD_GETFD,	  /* a copy of another process's file: anything may follow */
+	ST_USERFAULTFD,	  /* ioctl(UFFDIO_*): fills pages of a (maybe other) process */
+	ST_PTRACE_WRITE,  /* ptrace pokes and sets: memory, registers, sigmask */
+	ST_OTHER_PROCESS, /* prlimit, setpriority, sched_set*, ioprio_set of pid != 0 */
+	ST_SYSV_IPC,	  /* SysV message queues, semaphores, shared memory */
+	ST_UTS,		  /* sethostname, setdomainname */
+	ST_PROCFS,	  /* a write to a /proc file other than a process's mem */
+	ST_ASYNC_IO,	  /* io_uring or AIO: operations without their own syscall */
+	STATE_CLASSES
 };
 
 /* Value of the per-CPU `watched` map, key = cgroup id (u64). Written by BPF
@@ -40,7 +57,8 @@ struct counters {
 	__u64 threads; /* new threads of existing processes */
 	__u64 execs;
 	__u64 exits;   /* processes (last thread) */
-	__u64 foreign_mem_writes; /* ptrace, process_vm_writev, writes to /proc files */
+	__u64 foreign_mem_writes; /* ptrace, process_vm_writev, writes to /proc/PID/mem */
+	__u64 state_by_class[STATE_CLASSES];
 	__u64 errors;
 	/* Run entries not made: the cgroup's `quotas` entry was used up. */
 	__u64 over_quota;
@@ -63,6 +81,9 @@ struct run {
 	__u64 cgroup_id;    /* watched cgroup it was last counted for */
 	__u64 flags;        /* RUN_* */
 	__u64 charged;      /* watched cgroup whose quota counts it, 0 = none */
+	/* Signals queued to the process by anyone (another process, the kernel):
+	 * one that stays pending is state its memory does not show. */
+	__u64 signals;
 	/* User addresses of the rseq areas (struct rseq) of threads seen leaving a
 	 * CPU: the kernel writes the current CPU there, which is no state of the
 	 * process's own. Cleared at exec and whenever a thread exits (an area

@@ -34,8 +34,21 @@ struct inode {
 	struct super_block *i_sb;
 } __crab_core;
 
+struct qstr {
+	const unsigned char *name;
+} __crab_core;
+
+struct dentry {
+	struct qstr d_name;
+} __crab_core;
+
+struct path {
+	struct dentry *dentry;
+} __crab_core;
+
 struct file {
 	struct inode *f_inode;
+	struct path f_path;
 } __crab_core;
 
 struct fdtable {
@@ -63,6 +76,7 @@ struct task_struct {
 	struct css_set *cgroups;
 	struct signal_struct *signal;
 	struct task_struct *group_leader; /* the process's first thread */
+	int exit_code; /* what wait() reports; bit 0x80: a core was dumped */
 } __crab_core;
 
 /* Linux 4.18-6.18: the thread's registered struct rseq (a user pointer). A

@@ -20,7 +20,7 @@ use crab_shim::inspector::bpf::testing::{
     cgroup_level, expected_links, program_names, watch_in_pins, watched_levels,
 };
 use crab_shim::inspector::bpf::{
-    remove_pinned, version_dir_name, BpfError, CgroupCounters, FsClass, HostProbes,
+    remove_pinned, version_dir_name, BpfError, CgroupCounters, FsClass, HostProbes, StateClass,
 };
 use crab_shim::sys::cgroup::{cgroup2_dir_of, cgroup2_mount, cgroup_id, cgroup_path_by_id};
 
@@ -199,6 +199,10 @@ fn delta(probes: &HostProbes, cg: &TestCgroup, f: impl FnOnce()) -> CgroupCounte
     let before = probes.counters(cg.id).unwrap();
     f();
     probes.counters(cg.id).unwrap().since(&before)
+}
+
+fn state(c: &CgroupCounters, class: StateClass) -> u64 {
+    c.state_by_class[class.index()]
 }
 
 fn class(c: &CgroupCounters, class: FsClass) -> u64 {
@@ -1093,4 +1097,165 @@ fn a_cgroup_over_its_quota_costs_only_itself() {
     probes.unwatch(filler.id).unwrap();
     probes.unwatch(neighbour.id).unwrap();
     assert_eq!(probes.quota(filler.id).unwrap(), None);
+}
+
+/// Python with ctypes' libc, then `body` (lines).
+fn py(body: &str) -> String {
+    format!(
+        "/usr/bin/python3 -B -c 'import ctypes,os,resource,signal\nlibc=ctypes.CDLL(None,use_errno=True)\nsc=libc.syscall\nsc.restype=ctypes.c_long\n{body}\n'"
+    )
+}
+
+#[test]
+fn counts_signals_left_pending_and_kernel_state_outside_processes() {
+    let _serial = serial();
+    let root = TestRoot::new("state");
+    let probes = HostProbes::open_or_load_at(&root.0).unwrap();
+    let cg = TestCgroup::new("state");
+    probes.watch(cg.id).unwrap();
+
+    // Signals queued to a process that blocks them: counted on it, without it running.
+    let mut holder = cg.spawn(&format!(
+        "exec {}",
+        py("signal.pthread_sigmask(signal.SIG_BLOCK,[signal.SIGUSR1,signal.SIGRTMIN])\nimport time\ntime.sleep(60)")
+    ));
+    let pid = holder.id();
+    let blocked = || {
+        let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigBlk:"))
+            .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+            .is_some_and(|mask| mask & 0x200 != 0)
+    };
+    let q = wait_for(|| probes.signals_queued(pid).unwrap().filter(|_| blocked()));
+    let before = q.expect("the holder's entry and mask");
+    let runs = probes.run_count(pid).unwrap();
+    let send = |sig: Signal| kill(Pid::from_raw(pid as i32), sig).unwrap();
+    send(Signal::SIGUSR1);
+    assert_eq!(probes.signals_queued(pid).unwrap(), Some(before + 1));
+    send(Signal::SIGUSR1); // merged with the pending one: nothing new
+    assert_eq!(probes.signals_queued(pid).unwrap(), Some(before + 1));
+    let rt = libc::SIGRTMIN();
+    for _ in 0..2 {
+        // SAFETY: kill with a plain pid and signal number.
+        assert_eq!(unsafe { libc::kill(pid as i32, rt) }, 0);
+    }
+    assert_eq!(
+        probes.signals_queued(pid).unwrap(),
+        Some(before + 3),
+        "real-time signals queue one each"
+    );
+    assert_eq!(
+        probes.run_count(pid).unwrap(),
+        runs,
+        "blocked: it did not run"
+    );
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    assert!(status.contains("ShdPnd:\t0000000"), "{status}");
+
+    // Kernel state outside the processes: one class each; the same calls on oneself do not count.
+    let case = |what: &str, body: &str| {
+        let c = delta(&probes, &cg, || {
+            cg.run(&py(body));
+        });
+        eprintln!("{what}: {}", explain(&c));
+        c
+    };
+    let own = case(
+        "own process",
+        "os.setpriority(os.PRIO_PROCESS,0,1)\nresource.prlimit(0,resource.RLIMIT_NOFILE,resource.getrlimit(resource.RLIMIT_NOFILE))\n\
+         os.sched_setaffinity(0,os.sched_getaffinity(0))",
+    );
+    assert_eq!(own.state_by_class, [0; 8], "{}", explain(&own));
+    let other = case(
+        "another process",
+        &format!("os.setpriority(os.PRIO_PROCESS,{pid},2)\nresource.prlimit({pid},resource.RLIMIT_NOFILE,resource.getrlimit(resource.RLIMIT_NOFILE))\nos.sched_setaffinity({pid},os.sched_getaffinity(0))"),
+    );
+    assert_eq!(
+        state(&other, StateClass::OtherProcess),
+        3,
+        "{}",
+        explain(&other)
+    );
+    let getfd = case(
+        "pidfd_getfd",
+        &format!("p=os.pidfd_open({pid})\nfd=sc(438,p,0,0)\nassert fd>=0, ctypes.get_errno()"),
+    );
+    assert_eq!(
+        state(&getfd, StateClass::PidfdGetfd),
+        1,
+        "{}",
+        explain(&getfd)
+    );
+    let ipc = case(
+        "SysV message queue",
+        "q=libc.msgget(0,0o600|0o1000)\nassert q>=0\nassert libc.msgctl(q,0,None)==0",
+    );
+    assert_eq!(state(&ipc, StateClass::SysvIpc), 2, "{}", explain(&ipc));
+    let procfs = case(
+        "procfs",
+        "open(\"/proc/self/oom_score_adj\",\"w\").write(\"100\")",
+    );
+    assert_eq!(
+        state(&procfs, StateClass::Procfs),
+        1,
+        "{}",
+        explain(&procfs)
+    );
+    assert_eq!(procfs.foreign_mem_writes, 0);
+    let mem = case(
+        "/proc/self/mem",
+        "b=ctypes.create_string_buffer(8)\nf=open(\"/proc/self/mem\",\"r+b\",buffering=0)\nf.seek(ctypes.addressof(b))\nf.write(b\"x\")",
+    );
+    assert_eq!(mem.foreign_mem_writes, 1, "{}", explain(&mem));
+    assert_eq!(state(&mem, StateClass::Procfs), 0, "{}", explain(&mem));
+    let uring = case(
+        "io_uring",
+        "p=ctypes.create_string_buffer(120)\nfd=sc(425,4,p)\nassert fd>=0, ctypes.get_errno()",
+    );
+    assert_eq!(state(&uring, StateClass::AsyncIo), 1, "{}", explain(&uring));
+    assert!(class(&uring, FsClass::Other) >= 1);
+    let uffd = case(
+        "userfaultfd",
+        "fd=sc(323,1|0o2000000)\nassert fd>=0, ctypes.get_errno()\napi=(ctypes.c_uint64*3)(0xAA,0,0)\nassert libc.ioctl(fd,ctypes.c_ulong(0xc018aa3f),api)==0, ctypes.get_errno()",
+    );
+    assert_eq!(
+        state(&uffd, StateClass::Userfaultfd),
+        1,
+        "{}",
+        explain(&uffd)
+    );
+    let poke = case(
+        "ptrace writes",
+        "sc(101,5,1,0,0)\nsc(101,13,1,0,0)\nsc(101,2,1,0,0)",
+    );
+    assert_eq!(
+        state(&poke, StateClass::PtraceWrite),
+        2,
+        "POKEDATA and SETREGS, not PEEKDATA: {}",
+        explain(&poke)
+    );
+    assert_eq!(poke.foreign_mem_writes, 3);
+
+    // A core dump is a file the kernel writes without a syscall of the process.
+    let core = delta(&probes, &cg, || {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = cg.spawn(&format!(
+            "cd {}; ulimit -c unlimited; sleep 30 & p=$!; sleep 0.2; kill -SEGV $p; wait $p; echo status=$?",
+            tmp.path().display()
+        ))
+        .wait_with_output()
+        .unwrap();
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("status=139"),
+            "{out:?}"
+        );
+    });
+    assert_eq!(class(&core, FsClass::Coredump), 1, "{}", explain(&core));
+
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    assert_eq!(probes.counters(cg.id).unwrap().errors, 0);
+    probes.unwatch(cg.id).unwrap();
 }

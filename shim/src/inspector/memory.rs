@@ -44,11 +44,16 @@
 //!
 //! # Beyond memory
 //! A process's image is more than its pages, so the image also records cheap, stable kernel-side
-//! state: threads (tid, start time, the syscall each is blocked in with its stack and
-//! instruction pointers, signal masks, credentials), open fds (target and `fdinfo` such as file
-//! position), cwd and root. A process that only opened a file or changed its signal mask between two
-//! marks compares unequal too. Registers other than those in `/proc/PID/syscall` cannot be read
-//! without ptrace and are not compared.
+//! state ([`ProcState`]): threads (tid, start time, stopped or not, the syscall each is blocked
+//! in with its stack and instruction pointers, signal masks and pending sets, credentials), open
+//! fds (target, `fdinfo` such as file position or an eventfd's count, and what the fd holds
+//! beyond it: bytes queued in a pipe, FIFO or socket, a terminal's settings, see
+//! [`super::held`]), cwd and root. A process that only opened a file, changed its signal mask
+//! or had a signal left pending between two marks compares unequal too ([`compare_state`]; the
+//! syscall site is described but does not count: it moves whenever the process runs, which
+//! its memory tells). Registers other than those in `/proc/PID/syscall` cannot be read without
+//! ptrace and are not compared: a tracer's writes count on their own (the host probes'
+//! `ptrace-write` class).
 //!
 //! # Memory the kernel writes by itself
 //! The kernel stores the current CPU (and node, mm_cid) into each thread's registered rseq area
@@ -270,6 +275,9 @@ pub struct ThreadState {
     pub syscall: String,
     /// Signal masks, pending signals, credentials, capabilities, seccomp (from status).
     pub status: Vec<String>,
+    /// Stopped (`T`) or stopped by a tracer (`t`): a SIGSTOP leaves no other trace.
+    #[serde(default)]
+    pub stopped: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -277,7 +285,8 @@ pub struct FdState {
     pub fd: i32,
     pub target: String,
     /// `fdinfo` lines (position, flags, epoll/inotify/eventfd state), minus timerfd's
-    /// remaining time which changes by itself.
+    /// remaining time and expiry count which change by themselves; then what the fd holds
+    /// beyond them ([`super::held`]: queued bytes, terminal settings).
     pub info: Vec<String>,
 }
 
@@ -288,6 +297,25 @@ pub struct ProcState {
     pub fds: Vec<FdState>,
     pub cwd: String,
     pub root: String,
+    /// Signals queued to the process so far (the host probes' count), noted only while some
+    /// are pending: the pending sets alone do not show a second real-time signal of one
+    /// number. Set by the inspection, which has the probes.
+    #[serde(default)]
+    pub signals_while_pending: Option<u64>,
+}
+
+impl ProcState {
+    /// Whether any thread (or the process) has a signal pending.
+    pub fn pending(&self) -> bool {
+        self.threads.iter().any(|t| {
+            t.status.iter().any(|l| {
+                (l.starts_with("SigPnd:") || l.starts_with("ShdPnd:"))
+                    && l.split_whitespace()
+                        .nth(1)
+                        .is_some_and(|v| v.chars().any(|c| c != '0'))
+            })
+        })
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -375,6 +403,10 @@ pub struct ObservationStats {
     pub carried_fdinfo_bytes: u64,
     /// Bytes of `fdinfo` read.
     pub fdinfo_bytes: u64,
+    /// Bytes queued in pipes and sockets the processes hold, read and hashed
+    /// ([`super::held`]); part of the memory bound.
+    #[serde(default)]
+    pub queue_bytes: u64,
 }
 
 impl ObservationStats {
@@ -1450,7 +1482,8 @@ fn fdinfo_lines(mut src: impl io::Read, budget: &mut u64) -> Vec<String> {
     let mut keep = |line: &[u8],
                     lines: &mut Vec<String>,
                     hash: &mut Option<(xxhash_rust::xxh3::Xxh3, u64)>| {
-        if line.starts_with(b"it_value:") {
+        // A timerfd's remaining time and its expiries not yet read move with the clock alone.
+        if line.starts_with(b"it_value:") || line.starts_with(b"ticks:") {
             return;
         }
         let text = String::from_utf8_lossy(line)
@@ -1530,6 +1563,7 @@ fn capture_state(
             comm: stat.comm,
             syscall,
             status,
+            stopped: matches!(stat.state, 'T' | 't'),
         });
     }
     let fd_dir = format!("/proc/{pid}/fd");
@@ -1539,6 +1573,9 @@ fn capture_state(
         .collect();
     fds.sort_unstable();
     let mut fdinfo_read = 0u64;
+    // What the fds hold beyond fdinfo (queued bytes, terminal settings) is read through a
+    // copy of each fd; a process gone meanwhile shows as its fds missing.
+    let pidfd = crate::sys::pidfd::PidFd::open(pid).ok();
     for fd in fds {
         let target = readlink_opt(&format!("{fd_dir}/{fd}"));
         let info = match std::fs::File::open(format!("/proc/{pid}/fdinfo/{fd}")) {
@@ -1557,11 +1594,33 @@ fn capture_state(
             }
             Err(_) => Vec::new(),
         };
+        let mut info = info;
+        if let Some(h) = pidfd
+            .as_ref()
+            .and_then(|p| super::held::held(p.as_fd(), fd, &target))
+        {
+            total.memory(h.bytes_read)?;
+            total.stats.queue_bytes += h.bytes_read;
+            info.push(h.line);
+        }
         st.fds.push(FdState { fd, target, info });
     }
     st.cwd = readlink_opt(&format!("/proc/{pid}/cwd"));
     st.root = readlink_opt(&format!("/proc/{pid}/root"));
     Ok((st, fdinfo_read))
+}
+
+/// The kernel-held state of process `pid` now (threads, fds with what they hold, cwd, root),
+/// without its memory: for a process that did not run since its image was taken, to compare
+/// with that image's state ([`compare_state`]). Counts against `obs`'s bounds.
+pub fn read_state(
+    pid: u32,
+    max_fdinfo_bytes: u64,
+    obs: &mut Observation,
+) -> Result<ProcState, MemError> {
+    obs.budget.fail()?;
+    let (state, _) = capture_state(pid, max_fdinfo_bytes, &mut obs.budget)?;
+    Ok(state)
 }
 
 /// A reader that counts the bytes read through it.
@@ -1590,6 +1649,8 @@ pub struct MemDelta {
     pub scanned_pages: u64,
     /// Non-memory process state that differs (threads, fds, cwd, ...), described for logs.
     pub state_changes: Vec<String>,
+    /// Those of them that make the process count as changed: all but the syscall sites.
+    pub state_counted: Vec<String>,
     /// Changed pages per region of the newer image (`name` or "anon@start"), most first, for
     /// explanations.
     pub by_region: Vec<(String, u64)>,
@@ -1758,14 +1819,27 @@ pub fn compare(prev: &MemoryImage, now: &MemoryImage) -> MemDelta {
     }
     d.added_pages = total(now) - covered;
     d.removed_pages = total(prev) - covered;
-    d.state_changes = compare_state(&prev.state, &now.state);
+    d.state_changes = compare_state(&prev.state, &now.state, true);
+    d.state_counted = compare_state(&prev.state, &now.state, false);
     by_region.sort_by_key(|r| std::cmp::Reverse(r.1));
     d.by_region = by_region;
     d
 }
 
-fn compare_state(a: &ProcState, b: &ProcState) -> Vec<String> {
+/// What differs between two states of one process, described. `sites`: whether the syscall
+/// each thread is blocked in counts (it moves whenever the process runs, which its memory
+/// tells; only a tracer could move it otherwise, and ptrace writes count on their own).
+pub fn compare_state(a: &ProcState, b: &ProcState, sites: bool) -> Vec<String> {
     let mut out = Vec::new();
+    if a.signals_while_pending != b.signals_while_pending {
+        out.push(match (a.signals_while_pending, b.signals_while_pending) {
+            (_, None) => "its pending signals were taken".to_string(),
+            (None, Some(_)) => "signals queued and pending".to_string(),
+            (Some(x), Some(y)) => {
+                format!("{} more signals queued while pending", y.wrapping_sub(x))
+            }
+        });
+    }
     if a.cwd != b.cwd {
         out.push(format!("cwd {} -> {}", a.cwd, b.cwd));
     }
@@ -1786,7 +1860,14 @@ fn compare_state(a: &ProcState, b: &ProcState) -> Vec<String> {
         ));
     } else {
         for (x, y) in a.threads.iter().zip(&b.threads) {
-            if x.syscall != y.syscall {
+            if x.stopped != y.stopped {
+                out.push(format!(
+                    "thread {}: {}",
+                    x.tid,
+                    if y.stopped { "stopped" } else { "continued" }
+                ));
+            }
+            if sites && x.syscall != y.syscall {
                 out.push(format!(
                     "thread {}: syscall {:?} -> {:?}",
                     x.tid, x.syscall, y.syscall
@@ -1814,7 +1895,21 @@ fn compare_state(a: &ProcState, b: &ProcState) -> Vec<String> {
                 out.push(format!("fd {fd}: {} -> {}", x.target, y.target))
             }
             Some(y) if y.info != x.info => {
-                out.push(format!("fd {fd} ({}): position/flags/state", x.target))
+                let queue = |f: &FdState| {
+                    f.info
+                        .iter()
+                        .find(|l| l.starts_with("queue: ") || l.starts_with("termios "))
+                        .cloned()
+                };
+                match (queue(x), queue(y)) {
+                    (a, b) if a != b => out.push(format!(
+                        "fd {fd} ({}): {} -> {}",
+                        x.target,
+                        a.as_deref().unwrap_or("-"),
+                        b.as_deref().unwrap_or("-")
+                    )),
+                    _ => out.push(format!("fd {fd} ({}): position/flags/state", x.target)),
+                }
             }
             _ => {}
         }

@@ -10,6 +10,7 @@
 
 pub mod bpf;
 pub mod fs;
+pub mod held;
 pub mod lower;
 pub mod memory;
 pub mod procs;
@@ -198,6 +199,10 @@ pub struct MemoryFinding {
     /// Changed pages by region (`[heap]`, a file, `anon@start`), most first: for the log.
     #[serde(skip)]
     pub regions: Vec<(String, u64)>,
+    /// Kernel-held state that differs (pending signals, stopped, fds and what they hold,
+    /// credentials, cwd): a change even with the same memory.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub state: Vec<String>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -211,8 +216,13 @@ pub struct ProcFinding {
     pub held_changed: Vec<(u32, PathBuf)>,
     /// Persisting processes that ran, with their memory comparison.
     pub memory: Vec<MemoryFinding>,
-    /// Persisting processes that did not run since the mark (memory unchanged, exactly).
+    /// Persisting processes that did not run since the mark and whose kernel-held state is
+    /// the mark's (memory unchanged, exactly).
     pub idle: Vec<u32>,
+    /// Kernel state outside any compared process state that tasks of the container changed
+    /// since the mark, by class ([`bpf::StateClass`]): each makes the processes count as changed.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub kernel: BTreeMap<String, u64>,
     pub forks: u64,
     pub execs: u64,
     pub exits: u64,
@@ -296,6 +306,19 @@ impl Answer {
                         .collect::<Vec<_>>()
                         .join(", ")
                 ));
+            }
+            if !p.kernel.is_empty() {
+                parts.push(format!(
+                    "kernel state changed by {}",
+                    p.kernel
+                        .iter()
+                        .map(|(k, n)| format!("{k}: {n}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
+            }
+            for m in p.memory.iter().filter(|m| !m.state.is_empty()) {
+                parts.push(format!("pid {} {}", m.pid, m.state.join(", ")));
             }
             for m in p.memory.iter().filter(|m| {
                 m.unproven_base || m.changed_pages + m.added_pages + m.removed_pages > 0
@@ -621,12 +644,59 @@ impl Inspection {
     }
 
     fn capture(&self, pid: u32, obs: &mut Observation) -> Result<MemoryImage, memory::MemError> {
-        capture_bounded(
+        let mut img = capture_bounded(
             pid,
             self.target.limits.max_fdinfo_bytes,
             volatile_of(self.probes.as_deref(), &self.rseq_seeds, pid),
             obs,
-        )
+        )?;
+        self.note_signals(pid, &mut img.state);
+        Ok(img)
+    }
+
+    /// The kernel-held state of `pid` now, without its memory (for a process that did not run).
+    fn state_of(&self, pid: u32, obs: &mut Observation) -> Result<memory::ProcState, MemError> {
+        let mut st = memory::read_state(pid, self.target.limits.max_fdinfo_bytes, obs)?;
+        self.note_signals(pid, &mut st);
+        Ok(st)
+    }
+
+    /// Notes in `st` how many signals were queued to `pid`, while some are pending.
+    fn note_signals(&self, pid: u32, st: &mut memory::ProcState) {
+        st.signals_while_pending = st.pending().then(|| {
+            self.probes
+                .as_ref()
+                .and_then(|p| p.signals_queued(pid).ok().flatten())
+                // No count while a signal is pending: never the same twice.
+                .unwrap_or_else(|| {
+                    static UNKNOWN: std::sync::atomic::AtomicU64 =
+                        std::sync::atomic::AtomicU64::new(1 << 63);
+                    UNKNOWN.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                })
+        });
+    }
+
+    /// What the processes' kernel-held state shows changed since `o` was observed (the
+    /// container frozen by the caller): for an in-place rollback, which keeps them only when
+    /// nothing did. Empty: nothing changed.
+    pub fn processes_changed_since(&self, o: &Observed) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut obs = Observation::within(&self.target.limits);
+        for p in &o.0.processes {
+            let Some(img) = o.0.memory.get(&p.pid) else {
+                out.push(format!("pid {}: no image at the peek", p.pid));
+                continue;
+            };
+            match self.state_of(p.pid, &mut obs) {
+                Ok(st) => {
+                    for c in memory::compare_state(&img.state, &st, false) {
+                        out.push(format!("pid {}: {c}", p.pid));
+                    }
+                }
+                Err(e) => out.push(format!("pid {}: {e}", p.pid)),
+            }
+        }
+        out
     }
 
     fn scan_volumes(&self) -> Result<Vec<TreeManifest>, InspectError> {
@@ -1001,6 +1071,11 @@ impl Inspection {
             }
             let foreign_writes =
                 counters.is_none_or(|c| c.foreign_mem_writes > m.counters.foreign_mem_writes);
+            if let Some(c) = counters {
+                for (class, n) in c.since(&m.counters).state_classes() {
+                    procs.kernel.insert(class.name().to_string(), n);
+                }
+            }
             let delta = procs::delta(&m.processes, now);
             procs.started = delta.started.iter().map(ProcSummary::from).collect();
             procs.ended = delta.ended.iter().map(ProcSummary::from).collect();
@@ -1037,7 +1112,7 @@ impl Inspection {
                 // Memory: a process that was not scheduled since the mark did not change it,
                 // unless another process wrote into it (ptrace, process_vm_writev, /proc/PID/mem).
                 let runs_now = self.run_count(p.pid);
-                let ran = foreign_writes
+                let mut ran = foreign_writes
                     || match (runs_now, m.run_counts.get(&p.pid)) {
                         (Some(now), Some(then)) => now != *then,
                         _ => true,
@@ -1046,6 +1121,30 @@ impl Inspection {
                     run_counts.insert(p.pid, n);
                 }
                 let prev_img = m.memory.get(&p.pid);
+                // Idle, so its memory is the mark's; what the kernel holds for it may not be
+                // (a signal left pending, bytes queued in its FIFO or socket, a counter or a
+                // position moved through a shared file, stopped): read that again. A change
+                // makes it count as a process that ran: its whole image is taken and compared.
+                if let (false, Some(img)) = (ran, prev_img) {
+                    match self.state_of(p.pid, &mut obs) {
+                        Ok(st) => {
+                            let changes = memory::compare_state(&img.state, &st, false);
+                            if !changes.is_empty() {
+                                log::debug!(
+                                    "pid {} of {} did not run, and its kernel state changed: {}",
+                                    p.pid,
+                                    self.target.container_id,
+                                    changes.join(", ")
+                                );
+                                ran = true;
+                            }
+                        }
+                        Err(e) => {
+                            memory_error(&mut degraded, p.pid, e);
+                            ran = true;
+                        }
+                    }
+                }
                 // Shared memory (shared anonymous, SysV shm, memfd, tmpfs) can be changed by
                 // another process while this one sleeps: compare it whatever the run count says.
                 let shares_memory = prev_img
@@ -1087,6 +1186,7 @@ impl Inspection {
                             scanned_pages: d.scanned_pages,
                             unproven_base: m.unproven.contains(&p.pid),
                             regions: d.by_region.iter().take(3).cloned().collect(),
+                            state: d.state_counted.clone(),
                         });
                         memory_images.insert(p.pid, img);
                     }
@@ -1121,8 +1221,11 @@ impl Inspection {
                 || !procs.ended.is_empty()
                 || !procs.reexeced.is_empty()
                 || !procs.held_changed.is_empty()
+                || !procs.kernel.is_empty()
                 || procs.memory.iter().any(|m| {
-                    m.unproven_base || m.changed_pages + m.added_pages + m.removed_pages > 0
+                    m.unproven_base
+                        || m.changed_pages + m.added_pages + m.removed_pages > 0
+                        || !m.state.is_empty()
                 });
         }
 
@@ -1189,7 +1292,8 @@ impl Inspection {
         &self.target
     }
 
-    /// Forks, execs, exits and foreign memory writes in the container since `o` was observed;
+    /// Forks, execs, exits, foreign memory writes and kernel state changes ([`bpf::StateClass`]) in
+    /// the container since `o` was observed;
     /// `None` when the probes cannot tell (blind).
     pub fn process_events_since(&self, o: &Observed) -> Option<u64> {
         let now = self.counters()?.ok()?;
@@ -1202,7 +1306,8 @@ impl Inspection {
                     .foreign_mem_writes
                     .saturating_sub(then.foreign_mem_writes)
                 + now.errors.saturating_sub(then.errors)
-                + now.over_quota.saturating_sub(then.over_quota),
+                + now.over_quota.saturating_sub(then.over_quota)
+                + now.since(then).state_classes().map(|(_, n)| n).sum::<u64>(),
         )
     }
 

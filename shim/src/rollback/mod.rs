@@ -13,8 +13,10 @@
 //!    process change, or anything it cannot observe, refuses the rollback (nothing was changed:
 //!    the caller falls back to recreating the container);
 //! 4. the container is frozen (`sys::cgroup::freezer`); if any process was created, exec'd or
-//!    ended since the peek, the rollback is refused. The files changed since the last turn end
-//!    are scanned ([`Inspection::fs_since_mark`]);
+//!    ended since the peek, any kernel state outside the processes changed (the host probes'
+//!    state classes), or what the kernel holds for a process (pending signals, queued bytes,
+//!    stopped, fd state) differs from the peek's, the rollback is refused. The files changed
+//!    since the last turn end are scanned ([`Inspection::fs_since_mark`]);
 //! 5. every changed path is given its state at the checkpoint, through the container's own view
 //!    ([`view`]): from the checkpoint's layers, or the image's lower layers ([`lower`]) where
 //!    the layers say nothing. Directories that hide what is below them (opaque, renamed, or
@@ -718,6 +720,15 @@ pub fn reset(
             )))
         }
         None => return Err(refused("the kernel counters cannot be read")),
+    }
+    // What the kernel holds for the processes (pending signals, queued bytes, stopped, fd
+    // state) may have changed between the peek and the freeze without any event above.
+    let moved = inspection.processes_changed_since(&observed);
+    if !moved.is_empty() {
+        return Err(refused(format!(
+            "its processes' kernel state changed while the rollback began: {}",
+            moved.join("; ")
+        )));
     }
     let scanning = Instant::now();
     let since = inspection

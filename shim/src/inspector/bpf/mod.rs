@@ -70,11 +70,13 @@ pub use self::programs::version_dir_name;
 pub use crate::sys::bpf::ProgramStats;
 
 /// Bump whenever a map layout in `bpf-programs/include/inspector.h` changes.
-pub const ABI_VERSION: u32 = 6;
+pub const ABI_VERSION: u32 = 7;
 /// Where the host-wide programs are pinned.
 pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/crab";
 /// Number of [`FsClass`] values.
-pub const FS_CLASSES: usize = 18;
+pub const FS_CLASSES: usize = 19;
+/// Number of [`StateClass`] values.
+pub const STATE_CLASSES: usize = 8;
 /// Cgroup levels whose descendants the programs match (`MAX_LEVELS` in inspector.h).
 const MAX_LEVELS: u64 = 16;
 
@@ -159,6 +161,8 @@ pub enum FsClass {
     Fallocate,
     CopyRange,
     MmapShared,
+    /// The kernel wrote a core file for a process that crashed.
+    Coredump,
     Other,
 }
 
@@ -182,6 +186,7 @@ impl FsClass {
         FsClass::Fallocate,
         FsClass::CopyRange,
         FsClass::MmapShared,
+        FsClass::Coredump,
         FsClass::Other,
     ];
 
@@ -208,7 +213,62 @@ impl FsClass {
             FsClass::Fallocate => "fallocate",
             FsClass::CopyRange => "copy-range",
             FsClass::MmapShared => "mmap-shared-write",
+            FsClass::Coredump => "coredump",
             FsClass::Other => "other",
+        }
+    }
+}
+
+/// Kernel state a task changed outside the filesystem and outside its own process that a turn
+/// end cannot compare (`enum state_class` of inspector.h): any of these since the mark makes the
+/// container's processes count as changed, since a process checkpoint holds that state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum StateClass {
+    /// pidfd_getfd: a copy of another process's file, on which anything may follow.
+    PidfdGetfd,
+    /// ioctl(UFFDIO_*): pages filled into whichever process registered the range.
+    Userfaultfd,
+    /// ptrace requests that write a tracee (pokes, registers, signal mask, siginfo).
+    PtraceWrite,
+    /// prlimit, setpriority, ioprio_set, sched_set* of another process.
+    OtherProcess,
+    /// SysV message queues, semaphores, shared memory (the IPC namespace's objects).
+    SysvIpc,
+    /// sethostname, setdomainname.
+    Uts,
+    /// A write to a /proc file other than a process's `mem`.
+    Procfs,
+    /// io_uring or AIO: operations that need no syscall of their own.
+    AsyncIo,
+}
+
+impl StateClass {
+    /// In the order of `enum state_class` in inspector.h (index = value).
+    pub const ALL: [StateClass; STATE_CLASSES] = [
+        StateClass::PidfdGetfd,
+        StateClass::Userfaultfd,
+        StateClass::PtraceWrite,
+        StateClass::OtherProcess,
+        StateClass::SysvIpc,
+        StateClass::Uts,
+        StateClass::Procfs,
+        StateClass::AsyncIo,
+    ];
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            StateClass::PidfdGetfd => "pidfd-getfd",
+            StateClass::Userfaultfd => "userfaultfd",
+            StateClass::PtraceWrite => "ptrace-write",
+            StateClass::OtherProcess => "other-process",
+            StateClass::SysvIpc => "sysv-ipc",
+            StateClass::Uts => "uts",
+            StateClass::Procfs => "procfs",
+            StateClass::AsyncIo => "async-io",
         }
     }
 }
@@ -230,9 +290,11 @@ pub struct CgroupCounters {
     pub execs: u64,
     /// Processes whose last thread exited.
     pub exits: u64,
-    /// ptrace, process_vm_writev or writes to /proc files: another process's
+    /// ptrace, process_vm_writev or writes to /proc/PID/mem: another process's
     /// memory may have changed although that process did not run.
     pub foreign_mem_writes: u64,
+    /// Per [`StateClass`] (index = [`StateClass::index`]).
+    pub state_by_class: [u64; STATE_CLASSES],
     /// Anything the BPF side could not record (map full, programs skipped by
     /// the kernel): non-zero growth means "everything changed".
     pub errors: u64,
@@ -249,6 +311,10 @@ impl CgroupCounters {
         for (i, v) in fs_by_class.iter_mut().enumerate() {
             *v = self.fs_by_class[i].saturating_sub(earlier.fs_by_class[i]);
         }
+        let mut state_by_class = [0; STATE_CLASSES];
+        for (i, v) in state_by_class.iter_mut().enumerate() {
+            *v = self.state_by_class[i].saturating_sub(earlier.state_by_class[i]);
+        }
         CgroupCounters {
             fs_mutations: self.fs_mutations.saturating_sub(earlier.fs_mutations),
             fs_by_class,
@@ -262,9 +328,18 @@ impl CgroupCounters {
             foreign_mem_writes: self
                 .foreign_mem_writes
                 .saturating_sub(earlier.foreign_mem_writes),
+            state_by_class,
             errors: self.errors.saturating_sub(earlier.errors),
             over_quota: self.over_quota.saturating_sub(earlier.over_quota),
         }
+    }
+
+    /// Non-zero kernel-state classes ("pidfd-getfd: 1").
+    pub fn state_classes(&self) -> impl Iterator<Item = (StateClass, u64)> + '_ {
+        StateClass::ALL
+            .iter()
+            .map(|c| (*c, self.state_by_class[c.index()]))
+            .filter(|(_, n)| *n > 0)
     }
 
     /// Non-zero classes, for explanations ("write: 3, rename: 1").

@@ -226,6 +226,9 @@ impl HostProbes {
             total.execs += cpu.execs;
             total.exits += cpu.exits;
             total.foreign_mem_writes += cpu.foreign_mem_writes;
+            for (sum, n) in total.state_by_class.iter_mut().zip(cpu.state_by_class) {
+                *sum += n;
+            }
             total.errors += cpu.errors;
             total.over_quota += cpu.over_quota;
         }
@@ -254,6 +257,14 @@ impl HostProbes {
             return Ok(None);
         }
         Ok(maps.runs.get(pid)?.map(|run| run.switches_out))
+    }
+
+    /// How many signals were queued to process `pid` (of a watched cgroup) since its entry was
+    /// made (by its first switch-out or signal). Two equal `Some(n)` mean no signal was queued in
+    /// between; `None` (no entry) cannot say. An entry made again (the pid reused, or an exec
+    /// from another thread) starts again at 0: compare per (pid, start time).
+    pub fn signals_queued(&self, pid: u32) -> Result<Option<u64>, BpfError> {
+        Ok(self.maps().runs.get(pid)?.map(|run| run.signals))
     }
 
     /// The rseq areas (`struct rseq`, where the kernel writes the CPU a thread runs on) of

@@ -10,7 +10,7 @@ use aya::programs::links::FdLink;
 use aya::programs::{BtfTracePoint, TracePoint};
 use aya::{Btf, Ebpf, EbpfLoader, Pod};
 
-use super::{io_err, BpfError, ABI_VERSION, FS_CLASSES};
+use super::{io_err, BpfError, ABI_VERSION, FS_CLASSES, STATE_CLASSES};
 
 /// Where tracefs is mounted: the tracepoints the programs attach to are listed below it.
 pub(super) const TRACEFS_MOUNT: &str = "/sys/kernel/tracing";
@@ -118,9 +118,42 @@ pub(super) const SYSCALL_PROGRAMS: &[(&str, &[&str])] = &[
     ),
     ("crab_mmap", &["sys_enter_mmap"]),
     ("crab_mprotect", &["sys_enter_mprotect"]),
+    ("crab_ptrace", &["sys_enter_ptrace"]),
+    ("crab_foreign", &["sys_enter_process_vm_writev"]),
+    ("crab_pidfd_getfd", &["sys_enter_pidfd_getfd"]),
     (
-        "crab_foreign",
-        &["sys_enter_ptrace", "sys_enter_process_vm_writev"],
+        "crab_sysv_ipc",
+        &[
+            "sys_enter_msgget",
+            "sys_enter_msgsnd",
+            "sys_enter_msgrcv",
+            "sys_enter_msgctl",
+            "sys_enter_semget",
+            "sys_enter_semop",
+            "sys_enter_semtimedop",
+            "sys_enter_semctl",
+            "sys_enter_shmget",
+            "sys_enter_shmat",
+            "sys_enter_shmctl",
+        ],
+    ),
+    (
+        "crab_uts",
+        &["sys_enter_sethostname", "sys_enter_setdomainname"],
+    ),
+    ("crab_prlimit", &["sys_enter_prlimit64"]),
+    (
+        "crab_set_who",
+        &["sys_enter_setpriority", "sys_enter_ioprio_set"],
+    ),
+    (
+        "crab_set_pid",
+        &[
+            "sys_enter_sched_setscheduler",
+            "sys_enter_sched_setparam",
+            "sys_enter_sched_setattr",
+            "sys_enter_sched_setaffinity",
+        ],
     ),
 ];
 
@@ -142,6 +175,7 @@ pub(super) const BTF_TRACEPOINTS: &[(&str, &str)] = &[
     ("crab_fork", "sched_process_fork"),
     ("crab_exit", "sched_process_exit"),
     ("crab_sched_switch", "sched_switch"),
+    ("crab_signal", "signal_generate"),
 ];
 
 pub(super) const MAP_NAMES: &[&str] = &["watched", "levels", "runs", "oncpu", "quotas"];
@@ -157,6 +191,7 @@ pub(super) struct RawCounters {
     pub(super) execs: u64,
     pub(super) exits: u64,
     pub(super) foreign_mem_writes: u64,
+    pub(super) state_by_class: [u64; STATE_CLASSES],
     pub(super) errors: u64,
     pub(super) over_quota: u64,
     pub(super) level: u64,
@@ -174,6 +209,7 @@ pub(super) struct RawRun {
     pub(super) cgroup_id: u64,
     pub(super) flags: u64,
     pub(super) charged: u64,
+    pub(super) signals: u64,
     pub(super) rseq: [u64; RUN_RSEQ_MAX],
 }
 

@@ -38,14 +38,36 @@ fn fs_classes_match_the_c_enum() {
         };
         assert_eq!(&expect, c_name);
     }
-    assert_eq!(std::mem::size_of::<RawCounters>(), 8 * (FS_CLASSES + 10));
+    assert_eq!(
+        std::mem::size_of::<RawCounters>(),
+        8 * (FS_CLASSES + STATE_CLASSES + 10)
+    );
+}
+
+#[test]
+fn state_classes_match_the_c_enum() {
+    let header = include_str!("../../../../bpf-programs/include/inspector.h");
+    let start = header.find("enum state_class {").unwrap();
+    let body = &header[start..start + header[start..].find('}').unwrap()];
+    let names: Vec<&str> = body
+        .lines()
+        .skip(1)
+        .map(|l| l.trim().split([',', ' ', '\t']).next().unwrap_or(""))
+        .filter(|l| l.starts_with("ST_"))
+        .collect();
+    assert_eq!(names.len(), STATE_CLASSES, "{names:?}");
+    for (class, c_name) in StateClass::ALL.iter().zip(&names) {
+        let rust = format!("ST_{}", class.name().replace('-', "_").to_uppercase());
+        assert_eq!(&rust, c_name);
+    }
+    assert!(header.contains("\tSTATE_CLASSES\n"));
 }
 
 #[test]
 fn map_values_match_the_c_layouts() {
     use super::programs::{RawQuota, RawRun, RUN_RSEQ_MAX};
-    // struct run: switches_out, cgroup_id, flags, charged, rseq[RUN_RSEQ_MAX].
-    assert_eq!(std::mem::size_of::<RawRun>(), 8 * (4 + RUN_RSEQ_MAX));
+    // struct run: switches_out, cgroup_id, flags, charged, signals, rseq[RUN_RSEQ_MAX].
+    assert_eq!(std::mem::size_of::<RawRun>(), 8 * (5 + RUN_RSEQ_MAX));
     assert_eq!(std::mem::size_of::<RawQuota>(), 16);
     let header = include_str!("../../../../bpf-programs/include/inspector.h");
     assert!(header.contains("#define RUN_RSEQ_MAX 8"));
