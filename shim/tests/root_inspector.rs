@@ -1225,3 +1225,157 @@ fn rseq_areas_from_the_checkpoint_image_hold_before_the_thread_runs() {
     );
     remove_pinned(&pins).unwrap();
 }
+
+/// A process that sleeps through a turn does not run and its memory stays the same, but what
+/// the kernel holds for it can change without it: a signal it blocks left pending, bytes in the
+/// FIFO or socket it holds, a stop. Each is a process change; a turn after it with nothing new
+/// is not (but a datagram queue, whose count the kernel does not tell, stays one until read).
+#[test]
+fn what_the_kernel_holds_for_a_sleeping_process_is_compared() {
+    use crab_shim::inspector::bpf::{remove_pinned, HostProbes};
+    use nix::sys::signal::{kill as signal, Signal};
+    use nix::unistd::Pid;
+    support::require_root("loads the eBPF probes");
+    let pins = PathBuf::from(format!("/sys/fs/bpf/crab-test-{}-held", std::process::id()));
+    let _ = remove_pinned(&pins);
+    let probes = Arc::new(HostProbes::open_or_load_at(&pins).unwrap());
+    let cg = TestCgroup::new("held");
+    let dir = tempfile::tempdir().unwrap();
+    let (fifo, sock) = (dir.path().join("fifo"), dir.path().join("sock"));
+    // Watched before the holder starts: it has a run count from its first switch-out.
+    let mut t = target(dir.path());
+    t.cgroup2_dir = cg.0.clone();
+    let mut i = Inspection::new(t, Ok(probes));
+    let mut holder = spawn_in(
+        &cg,
+        &[
+            "/usr/bin/python3",
+            "-B",
+            "-c",
+            &format!(
+                "import os,signal,socket,sys,time\n\
+                 sys.stdin.readline()\n\
+                 signal.pthread_sigmask(signal.SIG_BLOCK,[signal.SIGUSR1])\n\
+                 os.mkfifo({fifo:?}); f=os.open({fifo:?},os.O_RDWR)\n\
+                 s=socket.socket(socket.AF_UNIX,socket.SOCK_DGRAM); s.bind({sock:?})\n\
+                 print('ready',flush=True)\n\
+                 time.sleep(600)\n"
+            ),
+        ],
+        Stdio::piped(),
+    );
+    let pid = holder.id();
+    // It goes on once it is in the cgroup, so that its sleep begins there.
+    holder.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    wait_until("the holder binds its socket", || sock.exists());
+    std::thread::sleep(Duration::from_millis(200));
+    i.mark_base();
+    let mut turn = |what: &str, act: &mut dyn FnMut()| {
+        act();
+        let a = i.turn_end();
+        eprintln!("{what}: {}", a.summary());
+        a
+    };
+    // Until the holder has gone to sleep for good (a busy host may schedule it late).
+    let mut quiet = turn("nothing", &mut || {});
+    for _ in 0..100 {
+        if quiet.procs.idle.contains(&pid) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        quiet = turn("nothing", &mut || {});
+    }
+    assert!(
+        !quiet.procs.changed && quiet.procs.idle.contains(&pid),
+        "{quiet:#?}"
+    );
+    let pend = turn("a blocked signal", &mut || {
+        signal(Pid::from_raw(pid as i32), Signal::SIGUSR1).unwrap()
+    });
+    assert!(pend.procs.changed, "a pending signal: {pend:#?}");
+    let m = pend.procs.memory.iter().find(|m| m.pid == pid).unwrap();
+    assert!(
+        m.changed_pages + m.added_pages + m.removed_pages == 0 && !m.state.is_empty(),
+        "its memory is the same, its state is not: {m:#?}"
+    );
+    let still = turn("nothing again", &mut || {});
+    assert!(
+        !still.procs.changed,
+        "still pending, nothing new: {still:#?}"
+    );
+    let again = turn("the same signal again", &mut || {
+        signal(Pid::from_raw(pid as i32), Signal::SIGUSR1).unwrap()
+    });
+    assert!(
+        !again.procs.changed,
+        "merged with the pending one: {again:#?}"
+    );
+    let fifo_w = turn("bytes into its FIFO", &mut || {
+        let mut w = fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&fifo)
+            .unwrap();
+        w.write_all(b"queued").unwrap();
+    });
+    assert!(fifo_w.procs.changed, "{fifo_w:#?}");
+    assert!(!turn("nothing", &mut || {}).procs.changed);
+    let swap = turn("the same number of other bytes", &mut || {
+        let mut f = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&fifo)
+            .unwrap();
+        let mut buf = [0u8; 6];
+        std::io::Read::read_exact(&mut f, &mut buf).unwrap();
+        assert_eq!(&buf, b"queued");
+        f.write_all(b"QUEUED").unwrap();
+    });
+    assert!(swap.procs.changed, "same count, other bytes: {swap:#?}");
+    let dgram = turn("a datagram to its socket", &mut || {
+        let s = std::os::unix::net::UnixDatagram::unbound().unwrap();
+        s.send_to(b"hello", &sock).unwrap();
+    });
+    assert!(dgram.procs.changed, "{dgram:#?}");
+    let unread = turn("nothing, the datagram unread", &mut || {});
+    assert!(
+        unread.procs.changed,
+        "a datagram queue cannot be proven unchanged: {unread:#?}"
+    );
+    let stop = turn("stopped", &mut || {
+        signal(Pid::from_raw(pid as i32), Signal::SIGSTOP).unwrap();
+        wait_until("stopped", || {
+            read_stat(pid).unwrap().is_some_and(|s| s.state == 'T')
+        });
+    });
+    assert!(stop.procs.changed, "{stop:#?}");
+    // What a process of the container does to another one's files through pidfd_getfd is
+    // counted by the probes, whatever it does next.
+    let getfd = turn("pidfd_getfd from the container", &mut || {
+        signal(Pid::from_raw(pid as i32), Signal::SIGCONT).unwrap();
+        let mut c = spawn_in(
+            &cg,
+            &[
+                "/usr/bin/python3",
+                "-B",
+                "-c",
+                &format!(
+                    "import ctypes,os,sys\nsys.stdin.readline()\nsc=ctypes.CDLL(None,use_errno=True).syscall\n\
+                     p=os.pidfd_open({pid})\nassert sc(438,p,0,0)>=0, ctypes.get_errno()\n"
+                ),
+            ],
+            Stdio::piped(),
+        );
+        // It goes on once it is in the cgroup.
+        c.stdin.take().unwrap().write_all(b"go\n").unwrap();
+        assert!(c.wait().unwrap().success());
+    });
+    assert!(
+        getfd.procs.kernel.contains_key("pidfd-getfd") && getfd.procs.changed,
+        "{getfd:#?}"
+    );
+    drop(i);
+    kill(holder);
+    drop(cg);
+    remove_pinned(&pins).unwrap();
+}

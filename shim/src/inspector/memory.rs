@@ -1533,9 +1533,38 @@ fn fdinfo_lines(mut src: impl io::Read, budget: &mut u64) -> Vec<String> {
 /// `total`, the observation's bound).
 fn capture_state(
     pid: u32,
-    mut fdinfo_budget: u64,
+    fdinfo_budget: u64,
     total: &mut Budget,
 ) -> Result<(ProcState, u64), MemError> {
+    read_proc_state(pid, fdinfo_budget, total, Depth::Whole)
+}
+
+/// How much of a process's kernel-held state to read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Depth {
+    /// Everything [`ProcState`] holds.
+    Whole,
+    /// What can change while the process does not run, by a route no probe counts: signals
+    /// (pending, stopped), the fd table as seen from outside (targets), and what the fds that
+    /// anyone may open by name or reach through their peer hold (queued bytes of pipes, FIFOs
+    /// and sockets; terminal settings). Not: fdinfo (a position, an eventfd's count, an epoll
+    /// set change only through the open file itself, which another process reaches only by
+    /// sharing it: it then holds it too and shows the change in its own state, or it got it by
+    /// a counted route: pidfd_getfd), the syscall sites, cwd and root.
+    Held,
+}
+
+/// Bytes of the fdinfo bound an fd costs in a [`Depth::Held`] read, which reads no fdinfo: a
+/// process of a million fds must not cost a million reads per turn end unbounded.
+const HELD_FD_COST: u64 = 64;
+
+fn read_proc_state(
+    pid: u32,
+    mut fdinfo_budget: u64,
+    total: &mut Budget,
+    depth: Depth,
+) -> Result<(ProcState, u64), MemError> {
+    let whole = depth == Depth::Whole;
     let mut st = ProcState::default();
     let task_dir = format!("/proc/{pid}/task");
     let mut tids: Vec<u32> = std::fs::read_dir(&task_dir)
@@ -1550,7 +1579,10 @@ fn capture_state(
         else {
             continue;
         };
-        let syscall = syscall_site(&read_opt(&format!("{base}/syscall")).unwrap_or_default());
+        let syscall = match whole {
+            true => syscall_site(&read_opt(&format!("{base}/syscall")).unwrap_or_default()),
+            false => String::new(),
+        };
         let status = read_opt(&format!("{base}/status"))
             .unwrap_or_default()
             .lines()
@@ -1578,8 +1610,17 @@ fn capture_state(
     let pidfd = crate::sys::pidfd::PidFd::open(pid).ok();
     for fd in fds {
         let target = readlink_opt(&format!("{fd_dir}/{fd}"));
-        let info = match std::fs::File::open(format!("/proc/{pid}/fdinfo/{fd}")) {
-            Ok(f) => {
+        if !whole {
+            total.stats.fdinfo_bytes += HELD_FD_COST;
+            total.fdinfo(HELD_FD_COST)?;
+        }
+        let fdinfo = match whole {
+            true => std::fs::File::open(format!("/proc/{pid}/fdinfo/{fd}")).ok(),
+            false => None,
+        };
+        let info = match fdinfo {
+            None => Vec::new(),
+            Some(f) => {
                 // Read at most one byte past what the observation may still read.
                 let left = total.fdinfo_left();
                 let mut src = Counted {
@@ -1592,7 +1633,6 @@ fn capture_state(
                 total.fdinfo(src.n)?;
                 info
             }
-            Err(_) => Vec::new(),
         };
         let mut info = info;
         if let Some(h) = pidfd
@@ -1605,22 +1645,84 @@ fn capture_state(
         }
         st.fds.push(FdState { fd, target, info });
     }
-    st.cwd = readlink_opt(&format!("/proc/{pid}/cwd"));
-    st.root = readlink_opt(&format!("/proc/{pid}/root"));
+    if whole {
+        st.cwd = readlink_opt(&format!("/proc/{pid}/cwd"));
+        st.root = readlink_opt(&format!("/proc/{pid}/root"));
+    }
     Ok((st, fdinfo_read))
 }
 
-/// The kernel-held state of process `pid` now (threads, fds with what they hold, cwd, root),
-/// without its memory: for a process that did not run since its image was taken, to compare
-/// with that image's state ([`compare_state`]). Counts against `obs`'s bounds.
-pub fn read_state(
-    pid: u32,
-    max_fdinfo_bytes: u64,
-    obs: &mut Observation,
-) -> Result<ProcState, MemError> {
+/// What the kernel holds for process `pid` now that can change while it does not run (see
+/// `Depth::Held`: signals, stopped, fd targets, queued bytes, terminal settings), without its
+/// memory: for a process that did not run since its image was taken, to compare with that
+/// image's state ([`compare_held`]). Counts against `obs`'s bounds.
+pub fn read_held_state(pid: u32, obs: &mut Observation) -> Result<ProcState, MemError> {
     obs.budget.fail()?;
-    let (state, _) = capture_state(pid, max_fdinfo_bytes, &mut obs.budget)?;
+    let (state, _) = read_proc_state(pid, 0, &mut obs.budget, Depth::Held)?;
     Ok(state)
+}
+
+/// The line of an fd's state that says what it holds ([`super::held`]), if any.
+fn held_line(f: &FdState) -> Option<&str> {
+    f.info
+        .iter()
+        .find(|l| l.starts_with("queue: ") || l.starts_with("termios "))
+        .map(String::as_str)
+}
+
+/// What differs between a whole state `prev` and a [`read_held_state`] `now` of one process:
+/// only what the latter reads is compared.
+pub fn compare_held(prev: &ProcState, now: &ProcState) -> Vec<String> {
+    let mut out = Vec::new();
+    if prev.signals_while_pending != now.signals_while_pending {
+        out.push("its pending signals changed".to_string());
+    }
+    let ids = |s: &ProcState| {
+        s.threads
+            .iter()
+            .map(|t| (t.tid, t.start_time))
+            .collect::<Vec<_>>()
+    };
+    if ids(prev) != ids(now) {
+        out.push(format!(
+            "threads {} -> {}",
+            prev.threads.len(),
+            now.threads.len()
+        ));
+    } else {
+        for (x, y) in prev.threads.iter().zip(&now.threads) {
+            if x.stopped != y.stopped {
+                out.push(format!(
+                    "thread {}: {}",
+                    x.tid,
+                    if y.stopped { "stopped" } else { "continued" }
+                ));
+            }
+            if x.status != y.status {
+                out.push(format!("thread {}: signal/credential state", x.tid));
+            }
+        }
+    }
+    fn targets(s: &ProcState) -> Vec<(i32, &str)> {
+        s.fds.iter().map(|f| (f.fd, f.target.as_str())).collect()
+    }
+    if targets(prev) != targets(now) {
+        out.push("its fds changed".to_string());
+        return out;
+    }
+    for (x, y) in prev.fds.iter().zip(&now.fds) {
+        let (a, b) = (held_line(x), held_line(y));
+        if a != b {
+            out.push(format!(
+                "fd {} ({}): {} -> {}",
+                x.fd,
+                x.target,
+                a.unwrap_or("-"),
+                b.unwrap_or("-")
+            ));
+        }
+    }
+    out
 }
 
 /// A reader that counts the bytes read through it.
@@ -1894,23 +1996,15 @@ pub fn compare_state(a: &ProcState, b: &ProcState, sites: bool) -> Vec<String> {
             Some(y) if y.target != x.target => {
                 out.push(format!("fd {fd}: {} -> {}", x.target, y.target))
             }
-            Some(y) if y.info != x.info => {
-                let queue = |f: &FdState| {
-                    f.info
-                        .iter()
-                        .find(|l| l.starts_with("queue: ") || l.starts_with("termios "))
-                        .cloned()
-                };
-                match (queue(x), queue(y)) {
-                    (a, b) if a != b => out.push(format!(
-                        "fd {fd} ({}): {} -> {}",
-                        x.target,
-                        a.as_deref().unwrap_or("-"),
-                        b.as_deref().unwrap_or("-")
-                    )),
-                    _ => out.push(format!("fd {fd} ({}): position/flags/state", x.target)),
-                }
-            }
+            Some(y) if y.info != x.info => match (held_line(x), held_line(y)) {
+                (a, b) if a != b => out.push(format!(
+                    "fd {fd} ({}): {} -> {}",
+                    x.target,
+                    a.unwrap_or("-"),
+                    b.unwrap_or("-")
+                )),
+                _ => out.push(format!("fd {fd} ({}): position/flags/state", x.target)),
+            },
             _ => {}
         }
     }

@@ -654,9 +654,14 @@ impl Inspection {
         Ok(img)
     }
 
-    /// The kernel-held state of `pid` now, without its memory (for a process that did not run).
-    fn state_of(&self, pid: u32, obs: &mut Observation) -> Result<memory::ProcState, MemError> {
-        let mut st = memory::read_state(pid, self.target.limits.max_fdinfo_bytes, obs)?;
+    /// What the kernel holds for `pid` now that can change while it does not run, without its
+    /// memory (see [`memory::read_held_state`]).
+    fn held_state_of(
+        &self,
+        pid: u32,
+        obs: &mut Observation,
+    ) -> Result<memory::ProcState, MemError> {
+        let mut st = memory::read_held_state(pid, obs)?;
         self.note_signals(pid, &mut st);
         Ok(st)
     }
@@ -687,9 +692,9 @@ impl Inspection {
                 out.push(format!("pid {}: no image at the peek", p.pid));
                 continue;
             };
-            match self.state_of(p.pid, &mut obs) {
+            match self.held_state_of(p.pid, &mut obs) {
                 Ok(st) => {
-                    for c in memory::compare_state(&img.state, &st, false) {
+                    for c in memory::compare_held(&img.state, &st) {
                         out.push(format!("pid {}: {c}", p.pid));
                     }
                 }
@@ -1126,9 +1131,9 @@ impl Inspection {
                 // position moved through a shared file, stopped): read that again. A change
                 // makes it count as a process that ran: its whole image is taken and compared.
                 if let (false, Some(img)) = (ran, prev_img) {
-                    match self.state_of(p.pid, &mut obs) {
+                    match self.held_state_of(p.pid, &mut obs) {
                         Ok(st) => {
-                            let changes = memory::compare_state(&img.state, &st, false);
+                            let changes = memory::compare_held(&img.state, &st);
                             if !changes.is_empty() {
                                 log::debug!(
                                     "pid {} of {} did not run, and its kernel state changed: {}",
