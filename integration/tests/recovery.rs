@@ -693,3 +693,109 @@ async fn a_lazy_restore_whose_page_daemon_dies_during_the_restore_fails_at_once(
     );
     remove_recovered(d).await;
 }
+
+/// Sets the immutable attribute on a directory (no entry can be created, renamed or removed in
+/// it, by root included) and clears it when dropped, also when the test fails.
+struct Immutable(std::path::PathBuf);
+
+impl Immutable {
+    fn set(dir: &std::path::Path) -> Immutable {
+        chattr("+i", dir);
+        Immutable(dir.to_path_buf())
+    }
+}
+
+impl Drop for Immutable {
+    fn drop(&mut self) {
+        chattr("-i", &self.0);
+    }
+}
+
+fn chattr(flag: &str, dir: &std::path::Path) {
+    let st = std::process::Command::new("chattr")
+        .arg(flag)
+        .arg(dir)
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run chattr: {e}"));
+    assert!(st.success(), "chattr {flag} {}: {st}", dir.display());
+}
+
+/// A turn end whose answer cannot be stored (the turns directory is read-only here; a full
+/// state disk does the same) still reaches the checkpoint coordinator: the inspection's mark
+/// has moved, so the turn's changes are in that answer only. Its checkpoint takes the whole
+/// container, a crash then brings the turn's files back, the caller is told the answer was not
+/// stored and that the turn was checkpointed whole, and once the directory is writable again
+/// turns are answered and checkpointed as before.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_turn_whose_answer_cannot_be_stored_is_checkpointed_whole() {
+    use crab_integration::sandbox::{json_files, TURN_END};
+    let (mut s, _guard) = Sandbox::start("rec-unstored", SandboxOptions::default()).await;
+    s.run("echo one > one.txt").await;
+    end_turn_durably(&mut s).await;
+    let turns = s.store().join("turns");
+    let stored_before = json_files(&turns).len();
+    assert!(stored_before >= 1, "t1's answer is stored");
+    let read_only = Immutable::set(&turns);
+    s.run("mkdir -p kept && echo two > kept/two.txt && echo more >> one.txt")
+        .await;
+    let annotations = std::collections::HashMap::from([(TURN_END.to_string(), "t2".to_string())]);
+    let ended = s.h.update(&s.id, None, annotations).await;
+    s.sync().await;
+    assert_eq!(
+        json_files(&turns).len(),
+        stored_before,
+        "no answer could be stored for t2"
+    );
+    let last = s.manifests().last().cloned().unwrap();
+    assert_eq!(
+        (last["turn_id"].as_str(), last["kind"].as_str()),
+        (Some("t2"), Some("full")),
+        "t2 is checkpointed whole (files and processes): {last:#}"
+    );
+    let layer = s.layer(last["fs_layers"].as_array().unwrap().last().unwrap());
+    for path in ["app/kept/two.txt", "app/one.txt"] {
+        assert!(
+            layer.contains_key(path),
+            "t2's layer takes the whole upperdir, {path} included: {:?}",
+            layer.keys().collect::<Vec<_>>()
+        );
+    }
+    let e = ended.expect_err("the turn end says its answer was not stored");
+    let e = e.to_string();
+    assert!(
+        e.contains("the answer of turn t2 (fs) could not be stored")
+            && e.contains("checkpointed whole"),
+        "the error says the turn was checkpointed whole anyway: {e}"
+    );
+    crash(&s, Crash::Processes).await;
+    let (code, out, err) = s.crabctl(&["recover", &s.id]);
+    assert_eq!(code, 0, "recover: {out}{err}");
+    const FILES: &str = "cd /app && cat one.txt kept/two.txt; cat three.txt 2>/dev/null; true";
+    assert_eq!(
+        s.run(FILES).await.stdout,
+        "one\nmore\ntwo\n",
+        "t2's files after the crash and recover"
+    );
+    // Writable again: turns are answered, stored and checkpointed by their changes.
+    drop(read_only);
+    s.run("echo three > three.txt").await;
+    let answer = s.end_turn().await;
+    s.sync().await;
+    assert_eq!(answer["turn_id"], format!("t{}", s.turn), "{answer:#}");
+    assert_eq!(answer["kind"], "fs", "{answer:#}");
+    let last = s.manifests().last().cloned().unwrap();
+    assert_eq!(
+        (last["turn_id"].as_str(), last["kind"].as_str()),
+        (answer["turn_id"].as_str(), Some("fs")),
+        "{last:#}"
+    );
+    crash(&s, Crash::Processes).await;
+    let (code, out, err) = s.crabctl(&["recover", &s.id]);
+    assert_eq!(code, 0, "recover: {out}{err}");
+    assert_eq!(
+        s.run(FILES).await.stdout,
+        "one\nmore\ntwo\nthree\n",
+        "every turn's files after a second crash and recover"
+    );
+    s.finish().await;
+}

@@ -6,9 +6,11 @@
 //! A turn end, top to bottom: [`Sandbox::end_turn`] answers it on the inspection
 //! ([`crate::inspector::Inspection::turn_end`], off the async runtime) and stores the answer
 //! (`<state_dir>/<namespace>/<container>/turns/<seq>.json`, [`store_answer`]), then gives it
-//! to the coordinator ([`Coordinator::submit`]), which turns it into a background job. Answers
-//! are written here only: a job that has to inspect again (it waited for an exec to end) does
-//! so through [`Answers`], the coordinator's view of this inspection.
+//! to the coordinator ([`Coordinator::submit`]), which turns it into a background job; an
+//! answer that could not be stored is given all the same, and its turn checkpointed whole
+//! ([`Coordinator::submit_unrecorded`]). Answers are written here only: a job that has to
+//! inspect again (it waited for an exec to end) does so through [`Answers`], the coordinator's
+//! view of this inspection.
 //!
 //! The inspection is used by one task at a time ([`InspectionCell`]); a panic while it is used
 //! loses it, and every later turn end says so rather than pretend it was never there.
@@ -316,6 +318,12 @@ impl Sandbox {
     /// Ends a turn: answers it, stores the answer, and hands it to the coordinator (whose
     /// checkpoint runs in the background). `running_execs` names the execs whose main process
     /// runs now, as (pid, exec id): a process image cannot hold them.
+    ///
+    /// An answer that cannot be stored (a full or read-only state disk) still reaches the
+    /// coordinator, which then checkpoints the turn whole ([`Coordinator::submit_unrecorded`]):
+    /// the inspection's mark has moved, so the turn's changes are in this answer only. The
+    /// turn end is then an error all the same, saying so: the caller finds no answer of the
+    /// turn among the stored ones (`crabctl turns`), and must not take an earlier one for it.
     pub async fn end_turn(
         &self,
         turn_id: &str,
@@ -326,17 +334,25 @@ impl Sandbox {
             .answer(turn_id)
             .await
             .map_err(|e| Error::FailedPrecondition(e.to_string()))?;
-        let path = stored?;
-        log::debug!(
-            "turn {turn_id} of {}: answer stored in {}",
-            self.id,
-            path.display()
-        );
-        if let Some(co) = self.coordinator.get() {
+        let co = self.coordinator.get();
+        if let Some(co) = co {
             co.note_running_execs(running_execs());
-            co.submit(turn_id, &answer);
+            match &stored {
+                Ok(_) => co.submit(turn_id, &answer),
+                Err(_) => co.submit_unrecorded(turn_id, &answer),
+            }
         }
-        Ok(answer)
+        match stored {
+            Ok(path) => {
+                log::debug!(
+                    "turn {turn_id} of {}: answer stored in {}",
+                    self.id,
+                    path.display()
+                );
+                Ok(answer)
+            }
+            Err(e) => Err(unrecorded(turn_id, &answer, co.is_some(), e)),
+        }
     }
 
     /// Resets the container's files to checkpoint `seq` in place, keeping its processes (init
@@ -616,7 +632,8 @@ pub struct InPlace {
 impl Answers {
     /// Answers a turn end and stores the answer as turn `turn_id` (while still holding the
     /// inspection, so answers are stored in their order); the answer stands even if it could
-    /// not be stored.
+    /// not be stored (the mark has moved: it must reach the coordinator all the same). A note
+    /// of an in-place rollback that could not be stored goes with the next stored answer.
     async fn answer(
         &self,
         turn_id: &str,
@@ -629,6 +646,9 @@ impl Answers {
                 epoch.lock().unwrap().answered(&turn_id, &answer);
                 let note = after_rollback.lock().unwrap().take();
                 let stored = store_answer(&dir, &turn_id, &answer, note.as_ref());
+                if let (Err(_), Some(note)) = (&stored, note) {
+                    after_rollback.lock().unwrap().get_or_insert(note);
+                }
                 (answer, stored)
             })
             .await
@@ -658,9 +678,13 @@ impl Inspect for Answers {
             }
             _ => CheckpointError::NotInspected,
         })?;
+        // Not a turn of its own: the answer joins the running job, whose checkpoint therefore
+        // holds what it found whether or not it is recorded (and a job that fails makes the
+        // next one take everything).
         if let Err(e) = stored {
             log::warn!(
-                "cannot store the answer after the execs of {} ended: {e}",
+                "cannot store the answer after the execs of {} ended (the checkpoint being taken \
+                 holds its changes all the same): {e}",
                 self.container_id
             );
         }
@@ -986,6 +1010,26 @@ pub fn tracked_volumes(
         out.push((at.clone(), source));
     }
     out
+}
+
+/// The error of a turn end whose answer `e` kept from being stored; `checkpointed`: the
+/// coordinator took the turn whole all the same.
+fn unrecorded(turn_id: &str, answer: &Answer, checkpointed: bool, e: Error) -> Error {
+    let kind = format!("{:?}", answer.kind).to_lowercase();
+    let what = match checkpointed {
+        true => format!(
+            "the answer of turn {turn_id} ({kind}) could not be stored, so the turn is \
+             checkpointed whole (files and processes) instead"
+        ),
+        false => format!("the answer of turn {turn_id} ({kind}) could not be stored"),
+    };
+    match e {
+        Error::Io { context, source } => Error::Io {
+            context: format!("{what}: {context}"),
+            source,
+        },
+        e => Error::Other(format!("{what}: {e}")),
+    }
 }
 
 /// Writes the answer atomically (temp file, fsync, rename): a reader never sees half of it.

@@ -153,6 +153,9 @@ struct Work {
     fs_unknown: bool,
     /// A turn the inspector could not observe (a degraded answer) is among them.
     degraded: bool,
+    /// A turn whose answer could not be recorded is among them
+    /// ([`Coordinator::submit_unrecorded`]): the job takes everything.
+    unrecorded: bool,
 }
 
 impl Work {
@@ -185,6 +188,19 @@ impl Work {
         self.explanation.extend(later.explanation);
         self.fs_unknown |= later.fs_unknown;
         self.degraded |= later.degraded;
+        self.unrecorded |= later.unrecorded;
+    }
+
+    /// Whether a turn among them asks the job to take everything (a new fs chain of the whole
+    /// upperdir and a process image); the request is consumed, and the work then takes both.
+    fn take_everything(&mut self) -> bool {
+        let everything =
+            std::mem::take(&mut self.fs_unknown) | std::mem::take(&mut self.unrecorded);
+        if everything {
+            self.fs = true;
+            self.proc = true;
+        }
+        everything
     }
 
     fn kind(&self) -> CheckpointKind {
@@ -273,6 +289,7 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
 
     /// The container's files no longer match its newest checkpoint's chain (an in-place
     /// rollback could not record where it went): the next checkpoint takes everything.
+    /// (A turn end whose answer could not be recorded uses [`Coordinator::submit_unrecorded`].)
     pub fn lose_chain(&self) {
         self.state.lock().unwrap().force_full = true;
     }
@@ -312,10 +329,29 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
 
     /// Takes a turn's answer: returns at once; the checkpoint (if any) runs in the background.
     pub fn submit(self: &Arc<Self>, turn_id: &str, answer: &Answer) {
+        self.take_answer(turn_id, answer, false);
+    }
+
+    /// Takes the answer of a turn end that could not be recorded in the turns directory (a
+    /// full or read-only state disk). The inspection's mark has already moved, so what the
+    /// turn changed is known from this answer only: the turn is checkpointed whole (a new fs
+    /// chain of the whole upperdir and a process image), whatever its answer says, `none`
+    /// included. Its checkpoint, named by the turn, stands in for the missing record, and
+    /// nothing it changed depends on a record that is not there.
+    pub fn submit_unrecorded(self: &Arc<Self>, turn_id: &str, answer: &Answer) {
+        log::warn!(
+            "turn {turn_id} of {}: its answer ({}) could not be recorded, it is checkpointed whole",
+            self.container_id,
+            answer.summary()
+        );
+        self.take_answer(turn_id, answer, true);
+    }
+
+    fn take_answer(self: &Arc<Self>, turn_id: &str, answer: &Answer, unrecorded: bool) {
         let answer = &*policy::apply(self.settings.policy, answer);
         let mut st = self.state.lock().unwrap();
         st.submitted_seq = st.submitted_seq.max(answer.seq);
-        if answer.kind == Kind::None && !st.force_full {
+        if answer.kind == Kind::None && !st.force_full && !unrecorded {
             log::info!(
                 "turn {turn_id} of {}: no checkpoint needed",
                 self.container_id
@@ -324,6 +360,7 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
         }
         let mut work = st.pending.take().unwrap_or_default();
         work.add(turn_id, answer);
+        work.unrecorded |= unrecorded;
         st.in_flight.push(turn_id.to_string());
         if st.running {
             log::info!(
@@ -354,16 +391,19 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
             .wait_for(|recorded| *recorded)
             .await;
         loop {
-            let force_full = std::mem::take(&mut self.state.lock().unwrap().force_full)
-                || std::mem::take(&mut work.fs_unknown);
+            let mut force_full = std::mem::take(&mut self.state.lock().unwrap().force_full);
             if force_full {
                 work.fs = true;
                 work.proc = true;
             }
+            force_full |= work.take_everything();
             let waited = match work.proc {
                 true => self.wait_for_execs(&mut work).await,
                 false => Ok(()),
             };
+            // The wait may have taken in more (the container inspected again, turn ends that
+            // arrived meanwhile): an answer among them that asks for everything gets it.
+            force_full |= work.take_everything();
             let turn_ids = work.turn_ids.clone();
             let idle = self.inspect.idle_since_mark().await;
             // An aborted job's fs capture that still runs ends first (outside the engine).
@@ -909,6 +949,8 @@ mod tests {
         /// The turn ids its answers were stored as.
         stored: Mutex<Vec<String>>,
         refreshed: AtomicUsize,
+        /// Its answers say the upperdir could not be scanned.
+        unobserved: AtomicBool,
     }
 
     impl Inspect for Arc<FakeInspect> {
@@ -924,7 +966,9 @@ mod tests {
         async fn turn_end(&self, turn_id: &str) -> Result<Answer> {
             self.stored.lock().unwrap().push(turn_id.to_string());
             let seq = self.seq.fetch_add(1, Ordering::SeqCst) + 1;
-            Ok(answer(seq, Kind::Fs, &["after-exec"]))
+            let mut a = answer(seq, Kind::Fs, &["after-exec"]);
+            a.fs.unobserved = self.unobserved.load(Ordering::SeqCst);
+            Ok(a)
         }
     }
 
@@ -1198,6 +1242,91 @@ mod tests {
         s.idle().await;
         assert_eq!(s.latest().kind, CheckpointKind::Full);
         assert_eq!(s.capture.scans.load(Ordering::SeqCst), 1);
+    }
+
+    /// A turn end whose answer could not be recorded: its checkpoint takes everything, whatever
+    /// the answer says (`none` included), also when it waits behind a running job; the turns
+    /// after it are checkpointed by their changes again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_turn_whose_answer_was_not_recorded_is_checkpointed_whole() {
+        let s = sandbox(settings(), FakeCapture::new(0), LONG);
+        s.capture.release.add_permits(3);
+        s.co.submit("t1", &answer(1, Kind::Fs, &["a"]));
+        s.idle().await;
+        s.co.submit_unrecorded("t2", &answer(2, Kind::None, &[]));
+        s.idle().await;
+        let m = s.latest();
+        assert_eq!((m.turn_id.as_str(), m.kind), ("t2", CheckpointKind::Full));
+        assert_eq!(s.capture.scans.load(Ordering::SeqCst), 1);
+        assert_eq!(m.fs_layers.len(), 1, "a new chain: {:?}", m.fs_layers);
+        assert!(m.process.is_some());
+        assert_eq!(s.capture.proc_calls.load(Ordering::SeqCst), 1);
+        // The next turn is checkpointed by its changes.
+        s.co.submit("t3", &answer(3, Kind::Fs, &["c"]));
+        s.idle().await;
+        let m = s.latest();
+        assert_eq!((m.turn_id.as_str(), m.kind), ("t3", CheckpointKind::Fs));
+        assert_eq!(s.capture.scans.load(Ordering::SeqCst), 1);
+        assert_eq!(m.fs_layers.len(), 2);
+        // Behind a running job: the unrecorded turn's own job takes everything.
+        s.co.submit("t4", &answer(4, Kind::Fs, &["d"]));
+        eventually("t4's job captures", || s.capture.fs_calls() == 4).await;
+        s.co.submit_unrecorded("t5", &answer(5, Kind::Fs, &["e"]));
+        s.capture.release.add_permits(2);
+        s.idle().await;
+        assert_eq!(
+            s.lineage()[3..],
+            [
+                ("t4".into(), CheckpointKind::Fs),
+                ("t5".into(), CheckpointKind::Full)
+            ]
+        );
+        assert_eq!(s.capture.scans.load(Ordering::SeqCst), 2);
+        assert_eq!(s.latest().fs_layers.len(), 1, "a new chain");
+        // Back to minimal: an unchanged turn takes no checkpoint.
+        s.co.submit("t6", &answer(6, Kind::None, &[]));
+        s.idle().await;
+        assert_eq!(s.lineage().len(), 5);
+    }
+
+    /// What a job takes in while it waits for running execs (its fresh answer, turn ends that
+    /// arrived meanwhile) can ask for everything too: an upperdir that could not be scanned, an
+    /// answer that could not be recorded. The job then takes the whole upperdir on a new chain,
+    /// never a layer of the paths it happens to know.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn what_the_wait_for_execs_takes_in_can_make_the_job_whole() {
+        for unrecorded_meanwhile in [false, true] {
+            let s = sandbox(settings(), FakeCapture::new(100), LONG);
+            s.co.submit("t0", &answer(1, Kind::Fs, &["a"]));
+            s.idle().await;
+            s.inspect.seq.store(2, Ordering::SeqCst);
+            s.inspect
+                .unobserved
+                .store(!unrecorded_meanwhile, Ordering::SeqCst);
+            *s.capture.outside.lock().unwrap() = vec![(4242, "make".into())];
+            s.co.note_running_execs(vec![(4242, "e1".into())]);
+            s.co.submit("t1", &answer(2, Kind::Proc, &[]));
+            tokio::time::sleep(Duration::from_millis(60)).await;
+            if unrecorded_meanwhile {
+                s.co.submit_unrecorded("t2", &answer(3, Kind::None, &[]));
+            }
+            tokio::time::sleep(Duration::from_millis(40)).await;
+            s.capture.outside.lock().unwrap().clear();
+            s.idle().await;
+            let m = s.latest();
+            let want = match unrecorded_meanwhile {
+                true => "t1,t2",
+                false => "t1",
+            };
+            assert_eq!((m.turn_id.as_str(), m.kind), (want, CheckpointKind::Full));
+            assert_eq!(
+                s.capture.scans.load(Ordering::SeqCst),
+                1,
+                "the whole upperdir (unrecorded meanwhile: {unrecorded_meanwhile})"
+            );
+            assert_eq!(m.fs_layers.len(), 1, "a new chain: {:?}", m.fs_layers);
+            assert_eq!(s.lineage().len(), 2, "{:?}", s.lineage());
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
