@@ -81,6 +81,9 @@ pub struct MemoryFinding {
     /// as a change.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub unproven_base: bool,
+    /// Kernel-held state that changed (pending signals, stopped, fds and what they hold).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub state: Vec<String>,
 }
 
 /// What changed in the container's processes during the turn.
@@ -98,6 +101,9 @@ pub struct ProcFinding {
     pub memory: Vec<MemoryFinding>,
     /// Persisting processes that did not run during the turn.
     pub idle: Vec<u32>,
+    /// Kernel state changed by routes the inspector counts instead of comparing, by class.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub kernel: std::collections::BTreeMap<String, u64>,
     pub forks: u64,
     pub execs: u64,
     pub exits: u64,
@@ -128,6 +134,10 @@ impl TurnAnswer {
                 p.ended.len(),
                 p.memory.len()
             ));
+            if !p.kernel.is_empty() {
+                let classes: Vec<&str> = p.kernel.keys().map(String::as_str).collect();
+                why.push(format!("kernel {}", classes.join(" ")));
+            }
         }
         why.join(", ")
     }
@@ -246,8 +256,12 @@ mod tests {
                     scanned_pages: 90,
                     unproven_base: false,
                     regions: vec![],
+                    state: vec![
+                        "fd 3 (pipe:[7]): queue: pipe 0 bytes -> queue: pipe 6 bytes".into(),
+                    ],
                 }],
                 idle: vec![7],
+                kernel: [("sysv-ipc".to_string(), 2)].into(),
                 forks: 1,
                 execs: 1,
                 exits: 0,
@@ -274,7 +288,8 @@ mod tests {
         assert_eq!(a.fs.added, ["/app/out"]);
         assert_eq!(a.procs.started[0].cmdline, "sleep 1000");
         assert_eq!(a.procs.held_changed, [(1, "/app/out".to_string())]);
-        assert_eq!(a.why(), "fs +1 ~1 -1, procs +1 -0 mem 1");
+        assert_eq!(a.why(), "fs +1 ~1 -1, procs +1 -0 mem 1, kernel sysv-ipc");
+        assert_eq!(a.procs.memory[0].state.len(), 1);
         // `show -o json` prints these field names: those of the stored file, none lost.
         let mut back = serde_json::to_value(&a).unwrap();
         // The shim leaves `unobserved` out when false; crabctl always prints it.
