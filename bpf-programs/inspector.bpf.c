@@ -113,6 +113,7 @@ struct sys_exit {
 #define S_IFIFO 0010000
 
 #define PROC_SUPER_MAGIC 0x9fa0
+#define TMPFS_MAGIC 0x01021994
 #define PF_EXITING 0x00000004
 #define AT_REMOVEDIR 0x200
 #define AF_UNIX 1
@@ -436,6 +437,10 @@ static __always_inline int count_write_fd(int fd)
 			count_state(c, ST_PROCFS);
 		return 0;
 	}
+	/* A tmpfs mount of the container (/dev/shm, /dev, a --tmpfs) or a
+	 * memfd: no upperdir holds it, a process checkpoint does. */
+	if (mode != FD_UNKNOWN && magic == TMPFS_MAGIC)
+		count_state(c, ST_TMPFS);
 	count_fs(c, FS_WRITE);
 	return 0;
 }
@@ -508,13 +513,17 @@ static __always_inline int open_exit(struct sys_exit *ctx, enum open_kind kind)
 	if (!(flags & OPEN_MUTATING))
 		return 0;
 	if (ret >= 0) {
-		__s64 mode = fd_mode((int)ret, NULL);
+		unsigned long magic = 0;
+		__s64 mode = fd_mode((int)ret, &magic);
 
 		if (mode >= 0) {
 			__u32 fmt = mode & S_IFMT;
 
 			if (fmt == S_IFCHR || fmt == S_IFIFO || fmt == S_IFSOCK || fmt == S_IFBLK)
 				return 0;
+			/* Created or truncated on a tmpfs: see count_write_fd. */
+			if (magic == TMPFS_MAGIC && (flags & (O_CREAT | O_TRUNC | __O_TMPFILE)))
+				count_state(c, ST_TMPFS);
 		}
 		count_fs(c, FS_OPEN_WRITE);
 		return 0;

@@ -44,6 +44,7 @@ enum state_class {
 	ST_UTS,		  /* sethostname, setdomainname */
 	ST_PROCFS,	  /* a write to a /proc file other than a process's mem */
 	ST_ASYNC_IO,	  /* io_uring or AIO: operations without their own syscall */
+	ST_TMPFS,	  /* a tmpfs or memfd file created or written: no upperdir holds it */
 	STATE_CLASSES
 };
 

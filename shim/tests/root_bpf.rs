@@ -1167,7 +1167,7 @@ fn counts_signals_left_pending_and_kernel_state_outside_processes() {
         "os.setpriority(os.PRIO_PROCESS,0,1)\nresource.prlimit(0,resource.RLIMIT_NOFILE,resource.getrlimit(resource.RLIMIT_NOFILE))\n\
          os.sched_setaffinity(0,os.sched_getaffinity(0))",
     );
-    assert_eq!(own.state_by_class, [0; 8], "{}", explain(&own));
+    assert_eq!(own.state_by_class, [0; 9], "{}", explain(&own));
     let other = case(
         "another process",
         &format!("os.setpriority(os.PRIO_PROCESS,{pid},2)\nresource.prlimit({pid},resource.RLIMIT_NOFILE,resource.getrlimit(resource.RLIMIT_NOFILE))\nos.sched_setaffinity({pid},os.sched_getaffinity(0))"),
@@ -1238,6 +1238,19 @@ fn counts_signals_left_pending_and_kernel_state_outside_processes() {
     );
     assert_eq!(poke.foreign_mem_writes, 3);
 
+    // A tmpfs file (the host's /dev/shm here, a container's /dev/shm or /dev there) and a
+    // memfd: created and written, outside any upperdir.
+    let shm = format!("/dev/shm/crab-bpf-test-{}", std::process::id());
+    let tmpfs = case(
+        "tmpfs",
+        &format!("open({shm:?},\"w\").write(\"x\")\nos.unlink({shm:?})\nm=os.memfd_create(\"m\")\nos.write(m,b\"y\")"),
+    );
+    assert_eq!(
+        state(&tmpfs, StateClass::Tmpfs),
+        3,
+        "create, write, memfd write: {}",
+        explain(&tmpfs)
+    );
     // A core dump is a file the kernel writes without a syscall of the process.
     let core = delta(&probes, &cg, || {
         let tmp = tempfile::tempdir().unwrap();

@@ -38,7 +38,7 @@ held_changed [[pid, path]], memory [{pid, cmdline, changed_pages, added_pages, r
 scanned_pages, state (kernel-held state that changed: pending signals, stopped, fds and what
 they hold)}], idle (pids), kernel {class: count} (kernel state changed by routes counted, not
 compared: pidfd-getfd, userfaultfd, ptrace-write, other-process, sysv-ipc, uts, procfs,
-async-io), forks, execs, exits}, degraded (reasons), elapsed_us}; turns prints an array of them,
+async-io, tmpfs), forks, execs, exits}, degraded (reasons), elapsed_us}; turns prints an array of them,
 oldest first.";
 
 /// `crabctl checkpoints --help`: the fields of a row in `-o json`.

@@ -76,7 +76,7 @@ pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/crab";
 /// Number of [`FsClass`] values.
 pub const FS_CLASSES: usize = 19;
 /// Number of [`StateClass`] values.
-pub const STATE_CLASSES: usize = 8;
+pub const STATE_CLASSES: usize = 9;
 /// Cgroup levels whose descendants the programs match (`MAX_LEVELS` in inspector.h).
 const MAX_LEVELS: u64 = 16;
 
@@ -240,6 +240,9 @@ pub enum StateClass {
     Procfs,
     /// io_uring or AIO: operations that need no syscall of their own.
     AsyncIo,
+    /// A file of a tmpfs mount (`/dev/shm`, `/dev`, a `--tmpfs`) or a memfd created, truncated
+    /// or written: no upperdir holds it, a process checkpoint does (CRIU keeps tmpfs mounts).
+    Tmpfs,
 }
 
 impl StateClass {
@@ -253,6 +256,7 @@ impl StateClass {
         StateClass::Uts,
         StateClass::Procfs,
         StateClass::AsyncIo,
+        StateClass::Tmpfs,
     ];
 
     pub fn index(self) -> usize {
@@ -269,6 +273,7 @@ impl StateClass {
             StateClass::Uts => "uts",
             StateClass::Procfs => "procfs",
             StateClass::AsyncIo => "async-io",
+            StateClass::Tmpfs => "tmpfs",
         }
     }
 }
