@@ -457,7 +457,29 @@ impl OracleRun {
             prev: Default::default(),
             prev_froze: false,
         };
-        // The base: crab's first mark is taken at Start, before any exec.
+        // The base: crab's first mark is taken at Start, before any exec, once the init no
+        // longer runs `runc init` (`runc start` returns when it released the init, which then
+        // execs the container's program on its own schedule). Taken earlier, the oracle would
+        // count that exec as the first turn's change (seen on a loaded host: 77 turns).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let mut args = cmdline.split(|b| *b == 0);
+            let runc_init =
+                args.next().is_some_and(|a| a.ends_with(b"runc")) && args.next() == Some(b"init");
+            // Empty while the exec replaces the image.
+            if (!cmdline.is_empty() && !runc_init) || Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        // Then until the program has settled (a dynamic loader's start-up is still memory
+        // being written): crab's base mark comes later than this anyway.
+        let dir = run.observer.lock().unwrap().cgroup().to_path_buf();
+        let settled = tokio::task::spawn_blocking(move || {
+            oracle::settle(&dir, Duration::from_millis(50), Duration::from_secs(5))
+        });
+        let _ = settled.await;
         let base = Arc::new(run.snapshot().await);
         run.prev = (base.clone(), base);
         Ok(run)
@@ -482,6 +504,14 @@ impl OracleRun {
         let froze = [self.prev_froze, answer["kind"] != "none"];
         if froze[1] {
             wait_published(sb, turn_id).await?;
+            // The freeze woke every process; crab re-marks the idle ones once they have run
+            // and gone back to sleep (bounded): so does the snapshot after the turn end, or
+            // a wake that lands late on a busy host shows as the next turn's change.
+            let dir = self.observer.lock().unwrap().cgroup().to_path_buf();
+            let settled = tokio::task::spawn_blocking(move || {
+                oracle::settle(&dir, Duration::from_millis(50), Duration::from_secs(5))
+            });
+            let _ = settled.await;
         }
         let (before, after) = (Arc::new(before), Arc::new(self.snapshot().await));
         let errors = before.errors.iter().chain(&after.errors).cloned().collect();

@@ -134,6 +134,48 @@ pub fn overlay_dirs(options: &[String]) -> Option<(PathBuf, Vec<PathBuf>)> {
 
 /// The cgroup2 directory of a host pid (`0::/path` in /proc/<pid>/cgroup, under the cgroup2
 /// mount).
+/// The CPU time (ns) every thread of every process in cgroup `dir` has used, summed, and how
+/// many times they were scheduled (`/proc/PID/task/TID/schedstat`): equal twice apart means
+/// nothing ran in between.
+pub fn cgroup_cpu(dir: &Path) -> (u64, u64) {
+    let procs = fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+    let (mut ns, mut slices) = (0u64, 0u64);
+    for pid in procs.split_whitespace() {
+        let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for t in tasks.flatten() {
+            let stat = fs::read_to_string(t.path().join("schedstat")).unwrap_or_default();
+            let f: Vec<u64> = stat
+                .split_whitespace()
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            ns += f.first().copied().unwrap_or(0);
+            slices += f.get(2).copied().unwrap_or(0);
+        }
+    }
+    (ns, slices)
+}
+
+/// Waits (bounded by `bound`) until nothing in cgroup `dir` runs for `quiet`: a process woken
+/// (by crab's freeze, or a program still starting) has gone back to sleep. Returns whether it
+/// did.
+pub fn settle(dir: &Path, quiet: std::time::Duration, bound: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + bound;
+    let mut last = cgroup_cpu(dir);
+    loop {
+        std::thread::sleep(quiet);
+        let now = cgroup_cpu(dir);
+        if now == last {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        last = now;
+    }
+}
+
 pub fn cgroup2_dir(pid: u32) -> std::io::Result<PathBuf> {
     let text = fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
     let rel = text
@@ -162,6 +204,11 @@ impl Observer {
             lower: HashMap::new(),
             digests: HashMap::new(),
         }
+    }
+
+    /// The container's cgroup2 directory.
+    pub fn cgroup(&self) -> &Path {
+        &self.target.cgroup
     }
 
     pub fn snapshot(&mut self) -> Snapshot {
