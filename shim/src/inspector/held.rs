@@ -50,17 +50,30 @@ pub fn held(pidfd: BorrowedFd<'_>, fd: i32, target: &str) -> Option<Held> {
         return None; // anon inodes: their state is in fdinfo
     }
     let copy = getfd(pidfd, fd).ok()?;
-    // SAFETY: fstat into a zeroed stat buffer on a descriptor we own.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    if unsafe { libc::fstat(copy.as_raw_fd(), &mut st) } != 0 {
-        return None;
-    }
-    match st.st_mode & libc::S_IFMT {
+    match file_type(&copy)? {
         libc::S_IFIFO => pipe(&copy),
         libc::S_IFSOCK => socket(&copy),
         libc::S_IFCHR => terminal(&copy),
         _ => None,
     }
+}
+
+/// The file type of `fd` as the kernel has it cached (`AT_STATX_DONT_SYNC`): a file of a
+/// network or FUSE filesystem is not asked for its attributes (a hostile FUSE server could
+/// hold the turn end), and a type never changes.
+fn file_type(fd: &OwnedFd) -> Option<u32> {
+    // SAFETY: statx of an fd (empty path, AT_EMPTY_PATH) into a zeroed buffer.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    let rc = unsafe {
+        libc::statx(
+            fd.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC,
+            libc::STATX_TYPE,
+            &mut stx,
+        )
+    };
+    (rc == 0 && stx.stx_mask & libc::STATX_TYPE != 0).then_some(stx.stx_mode as u32 & libc::S_IFMT)
 }
 
 fn getfd(pidfd: BorrowedFd<'_>, fd: i32) -> io::Result<OwnedFd> {
