@@ -1671,58 +1671,31 @@ fn held_line(f: &FdState) -> Option<&str> {
 }
 
 /// What differs between a whole state `prev` and a [`read_held_state`] `now` of one process:
-/// only what the latter reads is compared.
+/// [`compare_state`] of what the latter reads (`prev` seen at that depth).
 pub fn compare_held(prev: &ProcState, now: &ProcState) -> Vec<String> {
-    let mut out = Vec::new();
-    if prev.signals_while_pending != now.signals_while_pending {
-        out.push("its pending signals changed".to_string());
-    }
-    let ids = |s: &ProcState| {
-        s.threads
+    let held = ProcState {
+        threads: prev
+            .threads
             .iter()
-            .map(|t| (t.tid, t.start_time))
-            .collect::<Vec<_>>()
+            .map(|t| ThreadState {
+                syscall: String::new(),
+                ..t.clone()
+            })
+            .collect(),
+        fds: prev
+            .fds
+            .iter()
+            .map(|f| FdState {
+                fd: f.fd,
+                target: f.target.clone(),
+                info: held_line(f).map(str::to_string).into_iter().collect(),
+            })
+            .collect(),
+        cwd: String::new(),
+        root: String::new(),
+        signals_while_pending: prev.signals_while_pending,
     };
-    if ids(prev) != ids(now) {
-        out.push(format!(
-            "threads {} -> {}",
-            prev.threads.len(),
-            now.threads.len()
-        ));
-    } else {
-        for (x, y) in prev.threads.iter().zip(&now.threads) {
-            if x.stopped != y.stopped {
-                out.push(format!(
-                    "thread {}: {}",
-                    x.tid,
-                    if y.stopped { "stopped" } else { "continued" }
-                ));
-            }
-            if x.status != y.status {
-                out.push(format!("thread {}: signal/credential state", x.tid));
-            }
-        }
-    }
-    fn targets(s: &ProcState) -> Vec<(i32, &str)> {
-        s.fds.iter().map(|f| (f.fd, f.target.as_str())).collect()
-    }
-    if targets(prev) != targets(now) {
-        out.push("its fds changed".to_string());
-        return out;
-    }
-    for (x, y) in prev.fds.iter().zip(&now.fds) {
-        let (a, b) = (held_line(x), held_line(y));
-        if a != b {
-            out.push(format!(
-                "fd {} ({}): {} -> {}",
-                x.fd,
-                x.target,
-                a.unwrap_or("-"),
-                b.unwrap_or("-")
-            ));
-        }
-    }
-    out
+    compare_state(&held, now, false)
 }
 
 /// A reader that counts the bytes read through it.
