@@ -23,6 +23,9 @@
 #   make bench            the benchmarks (shim, inspector, checkpoint, restore, cri, and the
 #                         shim's parts alone: units) against the private containerd (stopped
 #                         after); figures under $(CRAB_HOME)/bench
+#   make soak             SOAK_ARGS sandboxes (default 1,000) at once under crab, a checkpoint
+#                         storm (one turn end each, faster than the engine drains), removal and a
+#                         leftover check; figures under $(CRAB_HOME)/bench/soak-*
 #   make fuzz             fuzz every parser of untrusted bytes, FUZZ_SECONDS (60) each
 #                         (hack/fuzz.sh; summary in $(CRAB_HOME)/fuzz/summary.txt);
 #                         make fuzz-smoke: 5 s each (CI)
@@ -81,7 +84,7 @@ endef
 .PHONY: help deps build lint images containerd-up containerd-down docker-up docker-down demo test test-containerd-1.7 bench clean
 
 help:
-	@sed -n '3,34s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '3,37s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
 
 deps:
 	hack/install-deps.sh
@@ -155,6 +158,14 @@ REPLAY_ARGS ?=
 .PHONY: replay
 replay: build
 	@$(call with_containerd,$(CARGO) run --release -p crab-integration --bin replay -- $(REPLAY_ARGS))
+
+# make soak: many sandboxes at once, then a storm of checkpoints (the soak binary's --help);
+# exits non-zero when a checkpoint failed or something was left behind.
+# SOAK_ARGS="--sandboxes 200 --rate 20 --parallel 32 ...".
+SOAK_ARGS ?=
+.PHONY: soak
+soak: build
+	@$(call with_containerd,$(CARGO) run --release -p crab-integration --bin soak -- $(SOAK_ARGS))
 
 # make critest: hack/critest.sh starts and stops its registry; containerd is stopped after.
 .PHONY: critest
