@@ -1,4 +1,4 @@
-//! Soak benchmark (issue 29 item 3): many sandboxes at once under crab, then a storm of
+//! Soak benchmark: many sandboxes at once under crab, then a storm of
 //! checkpoints, then everything removed and the host checked for leftovers.
 //!
 //! 1. Host limits: what could bound the number of sandboxes (open files of this process and of
@@ -1549,6 +1549,8 @@ fn report(
         soak.o.config.trim().replace('\n', "; "),
         if clean {
             "Clean: every sandbox started, every checkpoint published, nothing left behind."
+        } else if run.interrupted {
+            "INTERRUPTED: partial figures; the sandboxes were removed (leftovers below)."
         } else {
             "NOT CLEAN: see the failures below."
         }
