@@ -29,13 +29,26 @@
 //!   is tightened). Anyone who could open a slot file could `flock` it and stall every
 //!   sandbox's checkpoints until the wait deadline; a sandbox that sees the host's `/run`
 //!   as root is beyond what permissions can stop, and the deadlines bound what it can do.
-//! - Waiting: inotify on `queue/` (a ticket leaves, a marker appears) and on `slots/` (a
-//!   holder that releases its slot then closes `slots/released` after writing it, an event
-//!   that comes after the lock is gone), plus a [`FALLBACK_POLL`] for the one case without an
-//!   event: a shim that died holding a slot or a ticket. With nothing queued and a slot free,
-//!   admission is a handful of syscalls, and a released slot reaches the next job at once
-//!   (the `idle_admission_is_fast` and `a_released_slot_passes_to_the_next_job_at_once` tests
-//!   print their timings). The root belongs on a tmpfs, as `/run` normally is.
+//! - Waiting, without polling: a job among the first `max_jobs` of the order (a contender)
+//!   sleeps in poll(2) on the bells of the slots; any other job sleeps on the bell of the
+//!   ticket `max_jobs` places ahead of it. So a job that leaves the queue wakes exactly one
+//!   waiter (the one that may now contend), a released slot wakes at most `max_jobs`, and the
+//!   jobs further back use no CPU at all however long the queue. A bell (`bells/t-<ticket>`,
+//!   `bells/s-<slot>`) is a FIFO its owner holds open for writing while it owns the ticket or
+//!   the slot: poll(2) reports POLLHUP to a reader once no writer is left, when the owner closes
+//!   it or dies. No inotify: a host allows 128 inotify instances per user by default, fewer
+//!   than the shims it runs, and a waiter without one had to poll (at 1,000 sandboxes the
+//!   waiters' polling starved the running checkpoints). The order of two queued tickets never
+//!   changes (a sandbox's penalty is fixed when its ticket enters the queue) except when one is
+//!   made urgent, and then its own waiter is woken ([`Waker`]): a sleeper's ticket is always
+//!   behind the one it sleeps on, so no two waiters ever wait for each other. Whoever finds a
+//!   dead shim's ticket removes it. A contender looks again every [`FALLBACK_POLL`] and a
+//!   sleeper every [`BLOCKED_RECHECK`] at the latest, for what rings no bell (a shim that died
+//!   holding a slot before it opened the slot's bell, a shim of an older crab). With nothing
+//!   queued and a slot free, admission is a handful of syscalls, and a released slot reaches
+//!   the next job at once (the `idle_admission_is_fast` and
+//!   `a_released_slot_passes_to_the_next_job_at_once` tests print their timings). The root
+//!   belongs on a tmpfs, as `/run` normally is.
 //! - I/O budget (`io_budget_mb_s`): a token bucket shared by the host (`budget.json`), applied
 //!   at admission: a job is admitted only while the bucket is not in debt, and a job's written
 //!   bytes (given to [`Permit::finish`]: its layer plus its process image as CRIU wrote it) are
@@ -72,13 +85,17 @@ use crab_runtime_config::EngineConfig;
 use nix::{
     errno::Errno,
     poll::{PollFd, PollFlags, PollTimeout},
-    sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor},
+    sys::{
+        eventfd::{EfdFlags, EventFd},
+        stat::Mode,
+    },
 };
 use serde::{Deserialize, Serialize};
 
-/// How often a waiting job looks again without an event: only a shim that died holding a
-/// slot or a ticket leaves no event behind.
+/// How often a contender looks again without a bell (see the module docs).
 pub const FALLBACK_POLL: Duration = Duration::from_millis(100);
+/// How often a job further back looks again without a bell.
+pub const BLOCKED_RECHECK: Duration = Duration::from_secs(5);
 /// How soon a job that was entitled to a slot but lost the race for it tries again.
 const RETRY: Duration = Duration::from_millis(1);
 /// The newest waits kept for percentiles.
@@ -87,8 +104,6 @@ pub const WAIT_SAMPLES: usize = 1000;
 pub const RECENT_JOBS: usize = 100;
 /// Restores by outcome (`crabctl metrics`).
 const RESTORES: &str = "restores.json";
-/// Wakes the waiters when a slot is released (see the module docs).
-const DOORBELL: &str = "released";
 /// A sandbox's recorded slot time halves in this long.
 pub const USAGE_HALF_LIFE: Duration = Duration::from_secs(30);
 /// The most a sandbox's recent slot time delays its next job in the order.
@@ -273,6 +288,11 @@ pub struct TicketInfo {
     pub enqueued_unix_ms: u64,
     /// Urgent from the start (its sandbox already waited when the job was queued).
     pub urgent: bool,
+    /// Its sandbox's penalty ([`plan::Usage::penalty`]) when the ticket was queued: fixed, so
+    /// that the order of two queued tickets never changes. Absent in a ticket of an older crab
+    /// (its penalty is then computed when the queue is read).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub penalty_ns: Option<u64>,
 }
 
 /// Who holds a slot (`slots/<i>.json`).
@@ -574,6 +594,8 @@ pub struct Engine {
     budget: Option<f64>,
     wait_timeout: Duration,
     job_timeout: Duration,
+    /// How many times this process's waiters read the queue (tests count them).
+    looks: Arc<AtomicU64>,
 }
 
 impl Engine {
@@ -584,6 +606,7 @@ impl Engine {
             budget: c.io_budget_mb_s.map(|mb| f64::from(mb) * 1e6),
             wait_timeout: Duration::from_millis(c.wait_timeout_ms),
             job_timeout: Duration::from_millis(c.job_timeout_ms),
+            looks: Arc::default(),
         }
     }
 
@@ -607,6 +630,20 @@ impl Engine {
         self.slots_dir().join(i.to_string())
     }
 
+    fn bells_dir(&self) -> PathBuf {
+        self.root.join("bells")
+    }
+
+    /// The bell of a ticket (see the module docs).
+    fn ticket_bell(&self, ticket: &str) -> PathBuf {
+        self.bells_dir().join(format!("t-{ticket}"))
+    }
+
+    /// The bell of a slot.
+    fn slot_bell(&self, i: u32) -> PathBuf {
+        self.bells_dir().join(format!("s-{i}"))
+    }
+
     fn usage_path(&self) -> PathBuf {
         self.root.join("usage.json")
     }
@@ -620,6 +657,7 @@ impl Engine {
             self.root.clone(),
             self.queue_dir(),
             self.slots_dir(),
+            self.bells_dir(),
             self.tmp_dir(),
         ] {
             ensure_private_dir(&dir)?;
@@ -653,15 +691,28 @@ impl Engine {
     ) -> Result<Ticket> {
         self.ensure_dirs()?;
         let name = unique("");
+        let enqueued_ns = name[..20].parse().unwrap_or_else(|_| mono_ns());
+        let penalty = self
+            .usage()
+            .get(&usage_key(namespace, sandbox))
+            .map_or(Duration::ZERO, |u| {
+                u.penalty(enqueued_ns, USAGE_HALF_LIFE, MAX_PENALTY)
+            });
         let info = TicketInfo {
             sandbox: sandbox.to_string(),
             namespace: namespace.to_string(),
             job: job.to_string(),
             pid: std::process::id(),
-            enqueued_ns: name[..20].parse().unwrap_or_else(|_| mono_ns()),
+            enqueued_ns,
             enqueued_unix_ms: unix_ms(),
             urgent,
+            penalty_ns: Some(penalty.as_nanos() as u64),
         };
+        let wake = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
+            .map_err(|e| io_err("create eventfd", &self.root)(e.into()))?;
+        // Held before the ticket is queued: whoever sees the ticket may sleep on its bell.
+        let bell_path = self.ticket_bell(&name);
+        let bell = hold_bell(&bell_path).map_err(io_err("create bell", &bell_path))?;
         // Locked and complete before it enters the queue: a ticket in the queue without a lock
         // is a dead shim's.
         let tmp = self.tmp_dir().join(format!("t-{name}"));
@@ -686,6 +737,7 @@ impl Engine {
         })();
         if let Err(e) = result {
             let _ = fs::remove_file(&tmp);
+            let _ = fs::remove_file(&bell_path);
             return Err(e);
         }
         Ok(Ticket {
@@ -693,18 +745,22 @@ impl Engine {
             name,
             path,
             file: Some(file),
+            bell: Some(bell),
+            wake: Arc::new(wake),
             info,
         })
     }
 
-    /// The live tickets in the order jobs will start. Removes dead shims' tickets and markers
-    /// that outlived their ticket unless `read_only`. `own` is a ticket this process holds
-    /// (no need to probe its lock); `cache` keeps the tickets already read (never rewritten).
+    /// The tickets in the order jobs will start. With `probe` (a snapshot), only the live ones
+    /// and nothing is changed; without, every ticket listed (each waiter probes those that
+    /// matter to it: [`Engine::ticket_alive`]) and markers that outlived their ticket are
+    /// removed. `own` is a ticket this process holds; `cache` keeps the tickets already read
+    /// (a ticket is never rewritten).
     fn read_queue(
         &self,
         own: Option<&str>,
         cache: &mut HashMap<String, TicketInfo>,
-        read_only: bool,
+        probe: bool,
     ) -> Result<Vec<(plan::Queued, TicketInfo)>> {
         let dir = self.queue_dir();
         let mut tickets = Vec::new();
@@ -724,33 +780,21 @@ impl Engine {
                 None => tickets.push(name),
             }
         }
-        let usage = match tickets.len() > 1 {
-            true => self.usage(),
-            false => HashMap::new(),
-        };
-        let now = mono_ns();
+        let listed: HashSet<&str> = tickets.iter().map(String::as_str).collect();
+        cache.retain(|name, _| listed.contains(name.as_str()));
         let mut live = Vec::new();
-        for name in tickets {
-            let path = dir.join(&name);
-            if own != Some(name.as_str()) {
+        for name in &tickets {
+            let path = dir.join(name);
+            if own != Some(name.as_str()) && (probe || !cache.contains_key(name)) {
                 let mut file = match File::open(&path) {
                     Ok(f) => f,
                     Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
                     Err(e) => return Err(io_err("open ticket", &path)(e)),
                 };
-                if try_lock(&file, libc::LOCK_SH).map_err(io_err("probe ticket", &path))? {
-                    if !read_only {
-                        log::info!(
-                            "engine: removing the ticket of a dead shim: {}",
-                            path.display()
-                        );
-                        let _ = fs::remove_file(&path);
-                        let _ = fs::remove_file(dir.join(format!("{name}.urgent")));
-                        cache.remove(&name);
-                    }
+                if probe && try_lock(&file, libc::LOCK_SH).map_err(io_err("probe ticket", &path))? {
                     continue;
                 }
-                if !cache.contains_key(&name) {
+                if !cache.contains_key(name) {
                     let mut data = Vec::new();
                     file.read_to_end(&mut data)
                         .map_err(io_err("read ticket", &path))?;
@@ -759,43 +803,105 @@ impl Engine {
                             cache.insert(name.clone(), info);
                         }
                         Err(e) => {
+                            // Ours are complete before they are queued: not in the order, so
+                            // nobody else would ever probe it.
+                            if !probe && try_lock(&file, libc::LOCK_SH).unwrap_or(false) {
+                                let _ = fs::remove_file(&path);
+                            }
                             log::warn!("engine: unreadable ticket {}: {e}", path.display());
                             continue;
                         }
                     }
                 }
             }
-            let Some(info) = cache.get(&name) else {
-                continue;
-            };
-            let penalty = usage
-                .get(&usage_key(&info.namespace, &info.sandbox))
-                .map_or(Duration::ZERO, |u| {
-                    u.penalty(now, USAGE_HALF_LIFE, MAX_PENALTY)
-                });
-            let q = plan::Queued {
-                name: name.clone(),
-                enqueued_ns: info.enqueued_ns,
-                urgent: info.urgent || markers.contains(&name),
-                penalty_ns: penalty.as_nanos() as u64,
-            };
-            live.push((q, info.clone()));
+            if let Some(info) = cache.get(name) {
+                live.push((name.clone(), info.clone()));
+            }
         }
-        if !read_only {
-            let names: HashSet<&str> = live.iter().map(|(q, _)| q.name.as_str()).collect();
-            for orphan in markers.iter().filter(|m| !names.contains(m.as_str())) {
+        if !probe {
+            for orphan in markers.iter().filter(|m| !listed.contains(m.as_str())) {
                 let _ = fs::remove_file(dir.join(format!("{orphan}.urgent")));
             }
         }
-        live.sort_by(|a, b| a.0.name.cmp(&b.0.name));
-        let mut order: Vec<plan::Queued> = live.iter().map(|(q, _)| q.clone()).collect();
+        // Tickets of an older crab carry no penalty: theirs is computed now.
+        let now = mono_ns();
+        let usage = match live.iter().any(|(_, i)| i.penalty_ns.is_none()) {
+            true => self.usage(),
+            false => HashMap::new(),
+        };
+        let mut order: Vec<plan::Queued> = live
+            .iter()
+            .map(|(name, info)| plan::Queued {
+                name: name.clone(),
+                enqueued_ns: info.enqueued_ns,
+                urgent: info.urgent || markers.contains(name),
+                penalty_ns: info.penalty_ns.unwrap_or_else(|| {
+                    usage
+                        .get(&usage_key(&info.namespace, &info.sandbox))
+                        .map_or(0, |u| {
+                            u.penalty(now, USAGE_HALF_LIFE, MAX_PENALTY).as_nanos() as u64
+                        })
+                }),
+            })
+            .collect();
         plan::order(&mut order);
-        let mut by_name: HashMap<String, TicketInfo> =
-            live.into_iter().map(|(q, i)| (q.name, i)).collect();
+        let mut by_name: HashMap<String, TicketInfo> = live.into_iter().collect();
         Ok(order
             .into_iter()
             .filter_map(|q| by_name.remove(&q.name).map(|i| (q, i)))
             .collect())
+    }
+
+    /// Whether the ticket `name` still waits: `false` once it left the queue or its shim died
+    /// (its lock is free: then the ticket, its marker and its bell are removed).
+    fn ticket_alive(&self, name: &str, cache: &mut HashMap<String, TicketInfo>) -> Result<bool> {
+        let path = self.queue_dir().join(name);
+        match is_locked(&path).map_err(io_err("probe ticket", &path))? {
+            Some(true) => Ok(true),
+            None => Ok(false),
+            Some(false) => {
+                log::info!(
+                    "engine: removing the ticket of a dead shim: {}",
+                    path.display()
+                );
+                let _ = fs::remove_file(&path);
+                let _ = fs::remove_file(marker_of(&path));
+                let _ = fs::remove_file(self.ticket_bell(name));
+                cache.remove(name);
+                Ok(false)
+            }
+        }
+    }
+
+    /// Sleeps on the bell of the queued ticket `ahead` until it leaves (or its shim dies), `wake`
+    /// is rung, or `timeout`.
+    fn sleep_behind(
+        &self,
+        ahead: &str,
+        wake: &EventFd,
+        timeout: Duration,
+        cache: &mut HashMap<String, TicketInfo>,
+    ) -> Result<()> {
+        let bell_path = self.ticket_bell(ahead);
+        // Opened before the probe: if the ticket is alive after, its owner still holds the bell
+        // and closes it after this look (see `listen`).
+        let bell = listen(&bell_path).map_err(io_err("open bell", &bell_path))?;
+        if !self.ticket_alive(ahead, cache)? {
+            return Ok(());
+        }
+        match bell {
+            Some(bell) => sleep_on(&[bell], wake, timeout),
+            // A ticket of an older crab, or one being queued: no bell to sleep on.
+            None => sleep_on(&[], wake, timeout.min(FALLBACK_POLL)),
+        }
+        Ok(())
+    }
+
+    /// The bells of this config's slots, open for listening (those that exist).
+    fn slot_bells(&self) -> Vec<File> {
+        (0..self.max_jobs)
+            .filter_map(|i| listen(&self.slot_bell(i)).ok().flatten())
+            .collect()
     }
 
     /// Which of this config's slots are free.
@@ -1033,6 +1139,10 @@ pub struct Ticket {
     path: PathBuf,
     /// Holds the ticket's lock: the ticket is alive while it is open.
     file: Option<File>,
+    /// Held open for writing while the ticket waits: closing it wakes the job behind.
+    bell: Option<File>,
+    /// Rung when the ticket is made urgent ([`Waker`]).
+    wake: Arc<EventFd>,
     info: TicketInfo,
 }
 
@@ -1041,22 +1151,24 @@ impl Ticket {
         &self.name
     }
 
-    /// The marker that makes this ticket urgent (see [`mark_urgent`]).
-    pub fn marker(&self) -> PathBuf {
-        marker_of(&self.path)
+    /// What makes this ticket urgent while it waits.
+    pub fn waker(&self) -> Waker {
+        Waker {
+            marker: marker_of(&self.path),
+            wake: self.wake.clone(),
+        }
     }
 
     /// Blocks until the job may run: it holds a slot, nobody before it in the queue waits for
     /// one, and the budget is not in debt. Gives up ([`EngineError::WaitTimeout`]) once the
-    /// ticket has waited `[engine] wait_timeout_ms`.
+    /// ticket has waited `[engine] wait_timeout_ms`. Sleeps in between (see the module docs).
     pub fn wait(self) -> Result<Permit> {
         let deadline_ns = self
             .info
             .enqueued_ns
             .saturating_add(self.engine.wait_timeout.as_nanos() as u64);
         let mut cache = HashMap::from([(self.name.clone(), self.info.clone())]);
-        let mut watch: Option<Watch> = None;
-        let mut watch_failed = false;
+        let contenders = self.engine.max_jobs.max(1) as usize;
         loop {
             let Some(left) = plan::remaining(deadline_ns, mono_ns()) else {
                 return Err(EngineError::WaitTimeout {
@@ -1064,20 +1176,38 @@ impl Ticket {
                     holders: self.engine.describe_holders(),
                 });
             };
+            self.engine.looks.fetch_add(1, Ordering::Relaxed);
             let queue = self
                 .engine
                 .read_queue(Some(&self.name), &mut cache, false)?;
             let Some(rank) = queue.iter().position(|(q, _)| q.name == self.name) else {
                 return Err(EngineError::TicketLost(self.path.clone()));
             };
+            if rank >= contenders {
+                let ahead = &queue[rank - contenders].0.name;
+                self.engine.sleep_behind(
+                    ahead,
+                    &self.wake,
+                    left.min(BLOCKED_RECHECK),
+                    &mut cache,
+                )?;
+                continue;
+            }
+            // A contender. Bells opened before the probes: a slot taken, or a ticket ahead still
+            // waiting, at the probe rings its bell when it is released or leaves.
+            let mut bells = self.engine.slot_bells();
+            let mut dead = false;
+            for (q, _) in &queue[..rank] {
+                let bell = self.engine.ticket_bell(&q.name);
+                bells.extend(listen(&bell).ok().flatten());
+                dead |= !self.engine.ticket_alive(&q.name, &mut cache)?;
+            }
+            if dead {
+                continue;
+            }
             let urgent = queue[rank].0.urgent;
             let free = self.engine.free_slots()?;
-            let poll = if watch_failed {
-                RETRY * 10
-            } else {
-                FALLBACK_POLL
-            }
-            .min(left);
+            let poll = FALLBACK_POLL.min(left);
             match plan::decide(rank, free.len(), self.engine.budget_wait(), poll) {
                 plan::Decision::Start => {
                     for &i in &free {
@@ -1088,24 +1218,7 @@ impl Ticket {
                     // Another job took the slot first (or a probe held it for a moment).
                     std::thread::sleep(RETRY);
                 }
-                plan::Decision::Wait(timeout) => {
-                    if watch.is_none() && !watch_failed {
-                        match Watch::new(&self.engine) {
-                            Ok(w) => watch = Some(w),
-                            Err(e) => {
-                                log::warn!("engine: no inotify, polling instead: {e}");
-                                watch_failed = true;
-                            }
-                        }
-                        // Look again now that events are seen: nothing between the last look
-                        // and the watch is missed.
-                        continue;
-                    }
-                    match &watch {
-                        Some(w) => w.wait(timeout),
-                        None => std::thread::sleep(timeout),
-                    }
-                }
+                plan::Decision::Wait(timeout) => sleep_on(&bells, &self.wake, timeout),
             }
         }
     }
@@ -1127,12 +1240,17 @@ impl Ticket {
         if let Err(e) = self.engine.write_atomic(&holder_path, &json) {
             log::warn!("{e}");
         }
+        let bell_path = self.engine.slot_bell(slot);
+        let bell = hold_bell(&bell_path)
+            .map_err(|e| log::warn!("engine: {}: {e}", bell_path.display()))
+            .ok();
         self.leave();
         Permit {
             held: Some(Held {
                 engine: self.engine.clone(),
                 slot,
                 lock,
+                bell,
                 info: self.info.clone(),
                 urgent,
                 started_ns,
@@ -1145,8 +1263,11 @@ impl Ticket {
     fn leave(&mut self) {
         if self.file.take().is_some() {
             let _ = fs::remove_file(&self.path);
-            let _ = fs::remove_file(self.marker());
+            let _ = fs::remove_file(marker_of(&self.path));
+            let _ = fs::remove_file(self.engine.ticket_bell(&self.name));
         }
+        // After the lock: the job woken finds the ticket gone.
+        self.bell.take();
     }
 }
 
@@ -1162,87 +1283,93 @@ fn marker_of(ticket: &Path) -> PathBuf {
     PathBuf::from(m)
 }
 
-/// Makes a queued ticket urgent: it goes before every non-urgent one.
-pub fn mark_urgent(marker: &Path) -> io::Result<()> {
-    OpenOptions::new()
-        .mode(FILE_MODE)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(marker)
-        .map(drop)
+/// Makes a queued ticket urgent (it goes before every non-urgent one) and wakes its waiter,
+/// which may now have to contend for a slot. Cloned into the sandbox's [`Admission`].
+#[derive(Clone)]
+pub struct Waker {
+    marker: PathBuf,
+    wake: Arc<EventFd>,
 }
 
-/// Closing an inotify instance waits for an RCU grace period (measured here: 8-16 ms), which a
-/// job just admitted would pay: instances are kept for the life of the process instead, their
-/// watches removed (microseconds) when a wait ends.
-static INOTIFY_POOL: Mutex<Vec<Inotify>> = Mutex::new(Vec::new());
-
-/// The events a waiting job wakes up for (see the module docs).
-struct Watch {
-    inotify: Option<Inotify>,
-    watches: Vec<WatchDescriptor>,
-}
-
-impl Watch {
-    fn new(engine: &Engine) -> nix::Result<Watch> {
-        let pooled = INOTIFY_POOL.lock().unwrap().pop();
-        let inotify = match pooled {
-            Some(i) => i,
-            None => Inotify::init(InitFlags::IN_CLOEXEC | InitFlags::IN_NONBLOCK)?,
-        };
-        let mut w = Watch {
-            inotify: Some(inotify),
-            watches: Vec::new(),
-        };
-        let i = w.inotify.as_ref().expect("just set");
-        w.watches.push(i.add_watch(
-            &engine.queue_dir(),
-            AddWatchFlags::IN_DELETE | AddWatchFlags::IN_CREATE,
-        )?);
-        w.watches
-            .push(i.add_watch(&engine.slots_dir(), AddWatchFlags::IN_CLOSE_WRITE)?);
-        Ok(w)
+impl Waker {
+    pub fn urgent(&self) -> io::Result<()> {
+        OpenOptions::new()
+            .mode(FILE_MODE)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&self.marker)?;
+        self.wake.write(1).map_err(io::Error::from)?;
+        Ok(())
     }
+}
 
-    /// Until an event or `timeout`.
-    fn wait(&self, timeout: Duration) {
-        let Some(inotify) = &self.inotify else {
-            return;
-        };
-        let ms = u16::try_from(timeout.as_millis().max(1)).unwrap_or(u16::MAX);
-        let mut fds = [PollFd::new(inotify.as_fd(), PollFlags::POLLIN)];
-        match nix::poll::poll(&mut fds, PollTimeout::from(ms)) {
-            Ok(n) if n > 0 => drain(inotify),
-            Ok(_) | Err(Errno::EINTR) => {}
-            Err(e) => {
-                log::warn!("engine: poll on inotify: {e}");
-                std::thread::sleep(timeout);
+/// Creates the bell `path` if needed (a FIFO; anything else there is replaced) and opens it for
+/// writing (and reading, so that the open never blocks), which its owner holds.
+fn hold_bell(path: &Path) -> io::Result<File> {
+    use std::os::unix::fs::FileTypeExt;
+    match nix::unistd::mkfifo(path, Mode::from_bits_truncate(FILE_MODE)) {
+        Ok(()) => {}
+        Err(Errno::EEXIST) => {
+            if !fs::symlink_metadata(path)?.file_type().is_fifo() {
+                fs::remove_file(path)?;
+                nix::unistd::mkfifo(path, Mode::from_bits_truncate(FILE_MODE))?;
             }
         }
+        Err(e) => return Err(e.into()),
     }
+    let bell = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        .open(path)?;
+    if !bell.metadata()?.file_type().is_fifo() {
+        return Err(io::Error::other("not a FIFO"));
+    }
+    Ok(bell)
 }
 
-impl Drop for Watch {
-    fn drop(&mut self) {
-        let Some(inotify) = self.inotify.take() else {
-            return;
-        };
-        if self.watches.drain(..).all(|w| inotify.rm_watch(w).is_ok()) {
-            drain(&inotify);
-            INOTIFY_POOL.lock().unwrap().push(inotify);
-        } else {
-            // A watch that cannot be removed would wake the next user for nothing.
-            std::thread::spawn(move || drop(inotify));
+/// Opens the bell `path` for listening (`None`: there is none, or it is not a FIFO). poll(2)
+/// reports POLLHUP on it once its owner closes it: if it had a writer when it was opened, when
+/// no writer is left; if not, once a writer came and went.
+fn listen(path: &Path) -> io::Result<Option<File>> {
+    use std::os::unix::fs::FileTypeExt;
+    let bell = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ELOOP)) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    // Anything else would always poll readable: a busy loop.
+    Ok(bell.metadata()?.file_type().is_fifo().then_some(bell))
+}
+
+/// Sleeps until one of `bells` has no writer left, `wake` is rung, or `timeout`.
+fn sleep_on(bells: &[File], wake: &EventFd, timeout: Duration) {
+    let ms = u16::try_from(timeout.as_millis().max(1)).unwrap_or(u16::MAX);
+    // No events asked of the bells: poll(2) reports POLLHUP regardless, and bytes someone
+    // wrote into one must not wake its readers forever.
+    let mut fds: Vec<PollFd> = bells
+        .iter()
+        .map(|b| PollFd::new(b.as_fd(), PollFlags::empty()))
+        .collect();
+    fds.push(PollFd::new(wake.as_fd(), PollFlags::POLLIN));
+    match nix::poll::poll(&mut fds, PollTimeout::from(ms)) {
+        Ok(_) | Err(Errno::EINTR) => {
+            if fds
+                .last()
+                .and_then(|f| f.revents())
+                .is_some_and(|r| r.contains(PollFlags::POLLIN))
+            {
+                let _ = wake.read();
+            }
         }
-    }
-}
-
-/// Reads the pending events: the next look reads the directories anyway.
-fn drain(inotify: &Inotify) {
-    while let Ok(events) = inotify.read_events() {
-        if events.is_empty() {
-            break;
+        Err(e) => {
+            log::warn!("engine: poll: {e}");
+            std::thread::sleep(timeout.min(FALLBACK_POLL));
         }
     }
 }
@@ -1257,6 +1384,8 @@ struct Held {
     engine: Engine,
     slot: u32,
     lock: File,
+    /// The slot's bell, closed after the lock is released: wakes the contenders.
+    bell: Option<File>,
     info: TicketInfo,
     urgent: bool,
     started_ns: u64,
@@ -1312,12 +1441,7 @@ impl Permit {
         let slot = h.engine.slot(h.slot);
         let _ = fs::remove_file(slot.with_extension("json"));
         drop(h.lock);
-        // The event that wakes the waiters, after the lock is gone (closing the lock itself
-        // notifies before the kernel releases the lock).
-        let bell = h.engine.slots_dir().join(DOORBELL);
-        if let Err(e) = private_file(OpenOptions::new().create(true).append(true)).open(&bell) {
-            log::warn!("engine: {}: {e}", bell.display());
-        }
+        drop(h.bell);
         h.engine.record_or_warn(record);
     }
 }
@@ -1341,8 +1465,8 @@ pub struct Admission {
 struct AdmissionState {
     /// Actions of the sandbox waiting for its checkpoint now.
     urgent: usize,
-    /// The marker of the ticket of the job waiting now, if any.
-    queued: Option<PathBuf>,
+    /// What makes the job waiting now urgent, if one waits.
+    queued: Option<Waker>,
 }
 
 impl Admission {
@@ -1371,7 +1495,7 @@ impl Admission {
                 let ticket =
                     this.engine
                         .enqueue(&this.sandbox, &this.namespace, &job, st.urgent > 0)?;
-                st.queued = Some(ticket.marker());
+                st.queued = Some(ticket.waker());
                 ticket
             };
             let permit = ticket.wait();
@@ -1412,9 +1536,9 @@ impl Admission {
     pub fn urgent(&self) -> Urgent<'_> {
         let mut st = self.state.lock().unwrap();
         st.urgent += 1;
-        if let Some(marker) = &st.queued {
-            if let Err(e) = mark_urgent(marker) {
-                log::warn!("engine: cannot mark {} urgent: {e}", marker.display());
+        if let Some(waker) = &st.queued {
+            if let Err(e) = waker.urgent() {
+                log::warn!("engine: cannot mark {} urgent: {e}", waker.marker.display());
             }
         }
         Urgent(self)
@@ -1587,7 +1711,7 @@ mod tests {
         let first = e.enqueue("s0", "ns", "t", false).unwrap().wait().unwrap();
         let started = Arc::new(Mutex::new(Vec::new()));
         let mut threads = Vec::new();
-        let mut markers = Vec::new();
+        let mut wakers = Vec::new();
         for (name, urgent) in [
             ("a", false),
             ("b", false),
@@ -1596,7 +1720,7 @@ mod tests {
             ("e", false),
         ] {
             let ticket = e.enqueue(name, "ns", "t", urgent).unwrap();
-            markers.push(ticket.marker());
+            wakers.push(ticket.waker());
             let started = started.clone();
             threads.push(std::thread::spawn(move || {
                 let permit = ticket.wait().unwrap();
@@ -1606,7 +1730,7 @@ mod tests {
             }));
         }
         // d becomes urgent while it waits (its sandbox's next action waits for it).
-        mark_urgent(&markers[3]).unwrap();
+        wakers[3].urgent().unwrap();
         std::thread::sleep(Duration::from_millis(50));
         let snap = e.snapshot().unwrap();
         let queued: Vec<(&str, bool)> = snap
@@ -1655,7 +1779,7 @@ mod tests {
             .is_none());
     }
 
-    /// A job waiting for the only slot gets it right after the holder releases it (inotify,
+    /// A job waiting for the only slot gets it right after the holder releases it (its bell,
     /// not the fallback poll).
     #[test]
     fn a_released_slot_passes_to_the_next_job_at_once() {
@@ -1754,6 +1878,7 @@ mod tests {
             enqueued_ns: 1,
             enqueued_unix_ms: 0,
             urgent: true,
+            penalty_ns: None,
         };
         fs::write(&dead, serde_json::to_vec(&info).unwrap()).unwrap();
         assert_eq!(is_locked(&slot).unwrap(), Some(true));
@@ -2032,7 +2157,7 @@ mod tests {
             ..config(&root, 2, None)
         });
         let ticket = e.enqueue("s", "ns", "t1", false).unwrap();
-        mark_urgent(&ticket.marker()).unwrap();
+        ticket.waker().urgent().unwrap();
         let mut modes = Vec::new();
         let mut walk = vec![root.clone()];
         while let Some(d) = walk.pop() {
@@ -2051,7 +2176,7 @@ mod tests {
             "stats.json",
             "budget.json",
             "state.lock",
-            "slots/released",
+            "bells/s-0",
             "slots/0",
             "slots/1",
         ] {
@@ -2071,6 +2196,180 @@ mod tests {
         for (p, is_dir, mode) in &modes {
             let want = if *is_dir { 0o700 } else { 0o600 };
             assert_eq!(*mode, want, "{} is {mode:o}", p.display());
+        }
+    }
+
+    fn looks(e: &Engine) -> u64 {
+        e.looks.load(Ordering::Relaxed)
+    }
+
+    /// Waits until `n` tickets are queued.
+    fn queued(e: &Engine, n: usize) {
+        let t = Instant::now();
+        while fs::read_dir(e.queue_dir()).unwrap().count() < n {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "{n} tickets never queued"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The jobs queued behind a taken slot sleep: while nothing happens only the contender
+    /// looks at the queue again (at its fallback poll), and each job leaving wakes about one
+    /// waiter, so draining N jobs costs O(N) looks, not O(N^2), in FIFO order.
+    #[test]
+    fn queued_jobs_sleep_and_each_release_wakes_one() {
+        const N: usize = 100;
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path(), 1, None);
+        let holder = e.enqueue("h", "ns", "t", false).unwrap().wait().unwrap();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut threads = Vec::new();
+        for i in 0..N {
+            let ticket = e.enqueue(&format!("s{i}"), "ns", "t", false).unwrap();
+            let order = order.clone();
+            threads.push(std::thread::spawn(move || {
+                let permit = ticket.wait().unwrap();
+                order.lock().unwrap().push(i);
+                permit.finish(0);
+            }));
+        }
+        queued(&e, N);
+        // Every waiter has looked and gone to sleep.
+        std::thread::sleep(Duration::from_millis(300));
+        let before = looks(&e);
+        std::thread::sleep(Duration::from_secs(1));
+        let idle = looks(&e) - before;
+        eprintln!("{N} queued jobs looked {idle} times in 1 s with the slot taken");
+        // The contender's fallback poll: 10 a second (the old waiters looked 10 a second each).
+        assert!(idle <= 20, "{idle} looks in 1 s");
+        let before = looks(&e);
+        holder.finish(0);
+        for t in threads {
+            t.join().unwrap();
+        }
+        let drain = looks(&e) - before;
+        eprintln!("draining {N} queued jobs took {drain} looks");
+        assert!(drain <= 4 * N as u64, "{drain} looks to drain {N} jobs");
+        assert_eq!(*order.lock().unwrap(), (0..N).collect::<Vec<_>>());
+        assert!(fs::read_dir(e.queue_dir()).unwrap().next().is_none());
+        let bells: Vec<String> = fs::read_dir(e.bells_dir())
+            .unwrap()
+            .map(|b| b.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(bells, ["s-0"], "no ticket's bell is left");
+    }
+
+    /// A shim that dies with its ticket queued wakes the job that slept behind it (its bell
+    /// loses its writer), which removes the dead ticket: long before [`BLOCKED_RECHECK`].
+    #[test]
+    fn a_dead_shim_in_the_queue_wakes_the_job_behind_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path(), 1, None);
+        let holder = e.enqueue("h", "ns", "t", false).unwrap().wait().unwrap();
+        // Another shim's ticket, first in the queue: a child holds its lock and its bell.
+        let name = unique("");
+        let info = TicketInfo {
+            sandbox: "doomed".into(),
+            namespace: "ns".into(),
+            job: "t".into(),
+            pid: 0,
+            enqueued_ns: name[..20].parse().unwrap(),
+            enqueued_unix_ms: 0,
+            urgent: false,
+            penalty_ns: Some(0),
+        };
+        let tmp = e.tmp_dir().join("doomed");
+        fs::write(&tmp, serde_json::to_vec(&info).unwrap()).unwrap();
+        let bell = e.ticket_bell(&name);
+        nix::unistd::mkfifo(&bell, Mode::from_bits_truncate(0o600)).unwrap();
+        let (c_ticket, c_bell) = (
+            std::ffi::CString::new(tmp.to_str().unwrap()).unwrap(),
+            std::ffi::CString::new(bell.to_str().unwrap()).unwrap(),
+        );
+        let mut cmd = std::process::Command::new("sleep");
+        cmd.arg("100");
+        // SAFETY: open and flock are async-signal-safe; the fds (no O_CLOEXEC) pass to sleep.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fd = libc::open(c_ticket.as_ptr(), libc::O_RDONLY);
+                if fd < 0 || libc::flock(fd, libc::LOCK_EX) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                if libc::open(c_bell.as_ptr(), libc::O_RDWR | libc::O_NONBLOCK) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().unwrap();
+        let path = e.queue_dir().join(&name);
+        while is_locked(&tmp).unwrap() != Some(true) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        fs::rename(&tmp, &path).unwrap();
+        let ticket = e.enqueue("behind", "ns", "t", false).unwrap();
+        let waiter = std::thread::spawn(move || ticket.wait().unwrap());
+        queued(&e, 2);
+        std::thread::sleep(Duration::from_millis(300));
+        let before = looks(&e);
+        std::thread::sleep(Duration::from_millis(500));
+        assert_eq!(looks(&e), before, "the job behind sleeps");
+        assert!(path.exists());
+        let killed = Instant::now();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        while path.exists() {
+            assert!(
+                killed.elapsed() < BLOCKED_RECHECK / 2,
+                "the dead shim's ticket is still queued"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        eprintln!(
+            "a dead shim's ticket was removed {:?} after it died",
+            killed.elapsed()
+        );
+        assert!(!bell.exists(), "and its bell");
+        holder.finish(0);
+        assert_eq!(waiter.join().unwrap().slot(), Some(0));
+    }
+
+    /// Bells are the engine's own, but what else sits at their paths costs no busy loop: a
+    /// file that is not a FIFO is replaced by its owner and ignored by listeners, and bytes
+    /// written into a bell wake nobody.
+    #[test]
+    fn foreign_things_at_the_bells_cost_no_spin() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path(), 1, None);
+        e.ensure_dirs().unwrap();
+        fs::write(e.slot_bell(0), "not a fifo").unwrap();
+        let holder = e.enqueue("h", "ns", "t", false).unwrap().wait().unwrap();
+        use std::os::unix::fs::FileTypeExt;
+        assert!(fs::metadata(e.slot_bell(0)).unwrap().file_type().is_fifo());
+        let mut w = OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(e.slot_bell(0))
+            .unwrap();
+        w.write_all(b"ring ring").unwrap();
+        let ticket = e.enqueue("w", "ns", "t", false).unwrap();
+        // A regular file where the waiter's bell would be seen by a job behind it.
+        let behind = e.enqueue("b", "ns", "t", false).unwrap();
+        fs::remove_file(e.ticket_bell(ticket.name())).unwrap();
+        fs::write(e.ticket_bell(ticket.name()), "x").unwrap();
+        let threads = [ticket, behind].map(|t| std::thread::spawn(move || t.wait().unwrap()));
+        std::thread::sleep(Duration::from_millis(300));
+        let before = looks(&e);
+        std::thread::sleep(Duration::from_secs(1));
+        let n = looks(&e) - before;
+        // The contender at its fallback poll, the one behind at its fallback without a bell.
+        assert!(n <= 30, "{n} looks in 1 s");
+        drop(w);
+        holder.finish(0);
+        for t in threads {
+            t.join().unwrap().finish(0);
         }
     }
 }

@@ -1,5 +1,7 @@
 //! OOM notifications for a container's memory cgroup, v1 (eventfd on memory.oom_control)
-//! or v2 (inotify on memory.events). Hybrid hosts keep the memory controller on v1.
+//! or v2 (poll(2) on memory.events, which reports POLLPRI when the file changes). Hybrid hosts
+//! keep the memory controller on v1. No inotify: a host allows 128 inotify instances per user
+//! by default, and a node runs more containers (one shim each) than that.
 
 use std::{
     fs,
@@ -11,9 +13,9 @@ use std::{
     },
 };
 
-use nix::sys::{
-    eventfd::{EfdFlags, EventFd},
-    inotify::{AddWatchFlags, InitFlags, Inotify},
+use nix::{
+    poll::{poll, PollFd, PollFlags, PollTimeout},
+    sys::eventfd::{EfdFlags, EventFd},
 };
 
 use crate::error::{Error, Result};
@@ -84,14 +86,23 @@ pub fn watch(pid: i32, on_oom: impl Fn() + Send + 'static) -> Result<OomWatcher>
             })
         }
         MemoryCgroup::V2(dir) => {
-            let inotify = Inotify::init(InitFlags::IN_CLOEXEC)?;
-            inotify.add_watch(&dir.join("memory.events"), AddWatchFlags::IN_MODIFY)?;
-            let stop2 = stop.clone();
+            let events = fs::File::open(dir.join("memory.events"))
+                .map_err(Error::io("open memory.events"))?;
+            let wake = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC)?;
+            let (stop2, wake_fd) = (
+                stop.clone(),
+                wake.as_fd()
+                    .try_clone_to_owned()
+                    .map_err(Error::io("dup eventfd"))?,
+            );
             std::thread::Builder::new()
                 .name("oom-v2".into())
-                .spawn(move || v2_loop(&dir, inotify, &stop2, on_oom))
+                .spawn(move || v2_loop(events, wake_fd, &stop2, on_oom))
                 .map_err(Error::io("spawn OOM watcher"))?;
-            Ok(OomWatcher { stop, wake: None })
+            Ok(OomWatcher {
+                stop,
+                wake: Some(wake),
+            })
         }
     }
 }
@@ -104,7 +115,6 @@ fn v1_loop(
     stop: &AtomicBool,
     on_oom: impl Fn(),
 ) {
-    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     loop {
         let mut fds = [
             PollFd::new(efd.as_fd(), PollFlags::POLLIN),
@@ -129,28 +139,45 @@ fn v1_loop(
     }
 }
 
-fn oom_kills(dir: &Path) -> Option<u64> {
-    let events = fs::read_to_string(dir.join("memory.events")).ok()?;
+/// The `oom_kill` count of a memory.events text.
+fn oom_kills(events: &str) -> Option<u64> {
     events
         .lines()
         .find_map(|l| l.strip_prefix("oom_kill "))
         .and_then(|v| v.trim().parse().ok())
 }
 
-fn v2_loop(dir: &Path, inotify: Inotify, stop: &AtomicBool, on_oom: impl Fn()) {
-    let mut seen = oom_kills(dir).unwrap_or(0);
+/// Reads memory.events through `file` (which also tells the kernel this open file has seen
+/// the change that made it poll).
+fn read_events(file: &fs::File) -> Option<String> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; 4096];
+    let n = file.read_at(&mut buf, 0).ok()?;
+    buf.truncate(n);
+    String::from_utf8(buf).ok()
+}
+
+fn v2_loop(events: fs::File, wake: std::os::fd::OwnedFd, stop: &AtomicBool, on_oom: impl Fn()) {
+    let mut seen = read_events(&events)
+        .and_then(|t| oom_kills(&t))
+        .unwrap_or(0);
     loop {
-        let Ok(events) = inotify.read_events() else {
-            return;
-        };
-        if stop.load(Ordering::SeqCst)
-            || events
-                .iter()
-                .any(|e| e.mask.contains(AddWatchFlags::IN_IGNORED))
-        {
+        // POLLPRI only: kernfs files always poll readable.
+        let mut fds = [
+            PollFd::new(events.as_fd(), PollFlags::POLLPRI),
+            PollFd::new(wake.as_fd(), PollFlags::POLLIN),
+        ];
+        if poll(&mut fds, PollTimeout::NONE).is_err() || stop.load(Ordering::SeqCst) {
             return;
         }
-        match oom_kills(dir) {
+        // Counts are cumulative, so reading at most 10 times a second loses nothing, and a
+        // file that kept polling ready (memory.high events under pressure, say) costs no spin.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        // A removed cgroup's file can no longer be read: the container is gone.
+        let Some(text) = read_events(&events) else {
+            return;
+        };
+        match oom_kills(&text) {
             Some(n) if n > seen => {
                 seen = n;
                 on_oom();
@@ -158,5 +185,74 @@ fn v2_loop(dir: &Path, inotify: Inotify, stop: &AtomicBool, on_oom: impl Fn()) {
             Some(_) => {}
             None => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::{
+        os::unix::process::CommandExt,
+        sync::atomic::AtomicUsize,
+        time::{Duration, Instant},
+    };
+
+    #[test]
+    fn oom_kills_are_read_from_memory_events() {
+        let text = "low 0\nhigh 0\nmax 12\noom 2\noom_kill 3\noom_group_kill 0\n";
+        assert_eq!(oom_kills(text), Some(3));
+        assert_eq!(oom_kills("low 0\n"), None);
+        assert_eq!(oom_kills("oom_kill x\n"), None);
+    }
+
+    /// A process of a cgroup v2 with a small memory.max is OOM-killed: the watcher (no inotify)
+    /// calls back, and dropping it ends its thread. Root and a v2 memory controller only.
+    #[test]
+    fn a_v2_oom_kill_is_seen_without_inotify() {
+        let unified = Path::new("/sys/fs/cgroup");
+        if !nix::unistd::geteuid().is_root()
+            || !fs::read_to_string(unified.join("cgroup.subtree_control"))
+                .is_ok_and(|c| c.contains("memory"))
+        {
+            // A hybrid host (the memory controller on v1) takes the eventfd path instead.
+            eprintln!("skipped: needs root and a cgroup v2 root with the memory controller");
+            return;
+        }
+        let cg = unified.join(format!("crab-oom-test-{}", std::process::id()));
+        fs::create_dir(&cg).unwrap();
+        fs::write(cg.join("memory.max"), "16M").unwrap();
+        let _ = fs::write(cg.join("memory.swap.max"), "0");
+        let procs = std::ffi::CString::new(cg.join("cgroup.procs").to_str().unwrap()).unwrap();
+        let mut cmd = std::process::Command::new("sh");
+        // tail keeps what it reads until a newline that /dev/zero never sends.
+        cmd.args(["-c", "sleep 0.5; head -c 200000000 /dev/zero | tail"]);
+        // SAFETY: open and write are async-signal-safe; "0" moves the calling process.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
+                if fd < 0 || libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                libc::close(fd);
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().unwrap();
+        let kills = Arc::new(AtomicUsize::new(0));
+        let k = kills.clone();
+        let watcher = watch(child.id() as i32, move || {
+            k.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+        let t = Instant::now();
+        while kills.load(Ordering::SeqCst) == 0 && t.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = child.kill();
+        child.wait().unwrap();
+        drop(watcher);
+        let seen = kills.load(Ordering::SeqCst);
+        let _ = fs::remove_dir(&cg);
+        assert!(seen >= 1, "no OOM kill reported");
     }
 }
