@@ -874,27 +874,26 @@ impl Engine {
     }
 
     /// Sleeps on the bell of the queued ticket `ahead` until it leaves (or its shim dies), `wake`
-    /// is rung, or `timeout`.
+    /// is rung, or `timeout`. Whether the bell rang.
     fn sleep_behind(
         &self,
         ahead: &str,
         wake: &EventFd,
         timeout: Duration,
         cache: &mut HashMap<String, TicketInfo>,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let bell_path = self.ticket_bell(ahead);
         // Opened before the probe: if the ticket is alive after, its owner still holds the bell
         // and closes it after this look (see `listen`).
         let bell = listen(&bell_path).map_err(io_err("open bell", &bell_path))?;
         if !self.ticket_alive(ahead, cache)? {
-            return Ok(());
+            return Ok(false);
         }
-        match bell {
+        Ok(match bell {
             Some(bell) => sleep_on(&[bell], wake, timeout),
             // A ticket of an older crab, or one being queued: no bell to sleep on.
             None => sleep_on(&[], wake, timeout.min(FALLBACK_POLL)),
-        }
-        Ok(())
+        })
     }
 
     /// The bells of this config's slots, open for listening (those that exist).
@@ -1169,6 +1168,9 @@ impl Ticket {
             .saturating_add(self.engine.wait_timeout.as_nanos() as u64);
         let mut cache = HashMap::from([(self.name.clone(), self.info.clone())]);
         let contenders = self.engine.max_jobs.max(1) as usize;
+        // The ticket whose bell rang last: a dying shim's files are released in no set order,
+        // so its bell may ring while its lock still looks held, and then never ring again.
+        let mut rang: Option<String> = None;
         loop {
             let Some(left) = plan::remaining(deadline_ns, mono_ns()) else {
                 return Err(EngineError::WaitTimeout {
@@ -1185,12 +1187,14 @@ impl Ticket {
             };
             if rank >= contenders {
                 let ahead = &queue[rank - contenders].0.name;
-                self.engine.sleep_behind(
-                    ahead,
-                    &self.wake,
-                    left.min(BLOCKED_RECHECK),
-                    &mut cache,
-                )?;
+                let timeout = match rang.as_deref() == Some(ahead.as_str()) {
+                    true => FALLBACK_POLL,
+                    false => BLOCKED_RECHECK,
+                };
+                rang = self
+                    .engine
+                    .sleep_behind(ahead, &self.wake, left.min(timeout), &mut cache)?
+                    .then(|| ahead.clone());
                 continue;
             }
             // A contender. Bells opened before the probes: a slot taken, or a ticket ahead still
@@ -1218,7 +1222,9 @@ impl Ticket {
                     // Another job took the slot first (or a probe held it for a moment).
                     std::thread::sleep(RETRY);
                 }
-                plan::Decision::Wait(timeout) => sleep_on(&bells, &self.wake, timeout),
+                plan::Decision::Wait(timeout) => {
+                    sleep_on(&bells, &self.wake, timeout);
+                }
             }
         }
     }
@@ -1347,8 +1353,9 @@ fn listen(path: &Path) -> io::Result<Option<File>> {
     Ok(bell.metadata()?.file_type().is_fifo().then_some(bell))
 }
 
-/// Sleeps until one of `bells` has no writer left, `wake` is rung, or `timeout`.
-fn sleep_on(bells: &[File], wake: &EventFd, timeout: Duration) {
+/// Sleeps until one of `bells` has no writer left, `wake` is rung, or `timeout`. Whether a bell
+/// rang.
+fn sleep_on(bells: &[File], wake: &EventFd, timeout: Duration) -> bool {
     let ms = u16::try_from(timeout.as_millis().max(1)).unwrap_or(u16::MAX);
     // No events asked of the bells: poll(2) reports POLLHUP regardless, and bytes someone
     // wrote into one must not wake its readers forever.
@@ -1359,17 +1366,21 @@ fn sleep_on(bells: &[File], wake: &EventFd, timeout: Duration) {
     fds.push(PollFd::new(wake.as_fd(), PollFlags::POLLIN));
     match nix::poll::poll(&mut fds, PollTimeout::from(ms)) {
         Ok(_) | Err(Errno::EINTR) => {
-            if fds
-                .last()
-                .and_then(|f| f.revents())
+            let (wake_fd, bells) = fds.split_last().expect("the wake fd is there");
+            if wake_fd
+                .revents()
                 .is_some_and(|r| r.contains(PollFlags::POLLIN))
             {
                 let _ = wake.read();
             }
+            bells
+                .iter()
+                .any(|b| b.revents().is_some_and(|r| !r.is_empty()))
         }
         Err(e) => {
             log::warn!("engine: poll: {e}");
             std::thread::sleep(timeout.min(FALLBACK_POLL));
+            false
         }
     }
 }
