@@ -23,15 +23,13 @@ use crate::error::{Error, Result};
 /// Stops watching when dropped.
 pub struct OomWatcher {
     stop: Arc<AtomicBool>,
-    wake: Option<EventFd>,
+    wake: EventFd,
 }
 
 impl Drop for OomWatcher {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        if let Some(wake) = &self.wake {
-            let _ = wake.write(1);
-        }
+        let _ = self.wake.write(1);
     }
 }
 
@@ -58,7 +56,15 @@ fn memory_cgroup(pid: i32) -> Result<MemoryCgroup> {
 /// Calls `on_oom` (from a watcher thread) each time the kernel OOM-kills in the cgroup of `pid`.
 pub fn watch(pid: i32, on_oom: impl Fn() + Send + 'static) -> Result<OomWatcher> {
     let stop = Arc::new(AtomicBool::new(false));
-    match memory_cgroup(pid)? {
+    // Dropping the watcher writes to `wake`: the thread polls it too, so it can end.
+    let wake = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC)?;
+    let (stop2, wake_fd) = (
+        stop.clone(),
+        wake.as_fd()
+            .try_clone_to_owned()
+            .map_err(Error::io("dup eventfd"))?,
+    );
+    let spawned = match memory_cgroup(pid)? {
         MemoryCgroup::V1(dir) => {
             let efd = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC)?;
             let control = fs::File::open(dir.join("memory.oom_control"))
@@ -68,43 +74,20 @@ pub fn watch(pid: i32, on_oom: impl Fn() + Send + 'static) -> Result<OomWatcher>
                 format!("{} {}", efd.as_fd().as_raw_fd(), control.as_raw_fd()),
             )
             .map_err(Error::io("register OOM eventfd"))?;
-            let wake = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC)?;
-            // Dropping the watcher writes to `wake`: poll both so it can end the thread.
-            let (stop2, wake_fd) = (
-                stop.clone(),
-                wake.as_fd()
-                    .try_clone_to_owned()
-                    .map_err(Error::io("dup eventfd"))?,
-            );
             std::thread::Builder::new()
                 .name("oom-v1".into())
                 .spawn(move || v1_loop(&dir, efd, control, wake_fd, &stop2, on_oom))
-                .map_err(Error::io("spawn OOM watcher"))?;
-            Ok(OomWatcher {
-                stop,
-                wake: Some(wake),
-            })
         }
         MemoryCgroup::V2(dir) => {
             let events = fs::File::open(dir.join("memory.events"))
                 .map_err(Error::io("open memory.events"))?;
-            let wake = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC)?;
-            let (stop2, wake_fd) = (
-                stop.clone(),
-                wake.as_fd()
-                    .try_clone_to_owned()
-                    .map_err(Error::io("dup eventfd"))?,
-            );
             std::thread::Builder::new()
                 .name("oom-v2".into())
                 .spawn(move || v2_loop(events, wake_fd, &stop2, on_oom))
-                .map_err(Error::io("spawn OOM watcher"))?;
-            Ok(OomWatcher {
-                stop,
-                wake: Some(wake),
-            })
         }
-    }
+    };
+    spawned.map_err(Error::io("spawn OOM watcher"))?;
+    Ok(OomWatcher { stop, wake })
 }
 
 fn v1_loop(
