@@ -297,6 +297,7 @@ pub fn cgroup_file(pid: u32, controller: &str, file: &str) -> Option<PathBuf> {
 }
 
 /// A host directory's tree as a sorted listing, one line per entry: `path/` for a directory,
+/// `path -> target` for a symlink (never followed: a volume may hold links a co-tenant made),
 /// `path content` (trimmed) for anything else; for comparing a volume's host directory with
 /// what a checkpoint held.
 pub fn tree_listing(dir: &Path) -> Vec<String> {
@@ -304,9 +305,13 @@ pub fn tree_listing(dir: &Path) -> Vec<String> {
         for e in fs::read_dir(dir).unwrap() {
             let p = e.unwrap().path();
             let rel = p.strip_prefix(root).unwrap().display().to_string();
-            if fs::symlink_metadata(&p).unwrap().is_dir() {
+            let kind = fs::symlink_metadata(&p).unwrap().file_type();
+            if kind.is_dir() {
                 out.push(format!("{rel}/"));
                 walk(root, &p, out);
+            } else if kind.is_symlink() {
+                let target = fs::read_link(&p).unwrap();
+                out.push(format!("{rel} -> {}", target.display()));
             } else {
                 let data = fs::read(&p).unwrap();
                 out.push(format!("{rel} {}", String::from_utf8_lossy(&data).trim()));
