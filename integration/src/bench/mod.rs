@@ -51,6 +51,23 @@ impl Bench {
         }
     }
 
+    /// The test environment with the agent image, for a benchmark of what only crab does
+    /// (`what`: "checkpoints", "turns and checkpoints", ...); dies when `CRAB_RUNTIME` names
+    /// another runtime.
+    pub fn crab_env(&self, what: &str) -> crate::TestEnv {
+        let env = crate::TestEnv {
+            image: crate::sandbox::AGENT_IMAGE.into(),
+            ..crate::TestEnv::from_env()
+        };
+        if env.runtime != crate::env::DEFAULT_RUNTIME {
+            self.die(format!(
+                "{what} are crab's own: unset CRAB_RUNTIME (it is {})",
+                env.runtime
+            ));
+        }
+        env
+    }
+
     /// Removes the crab store dirs of this run's sandboxes, named `<name>-<pid>-*` under
     /// `state` (a failed run leaves some behind).
     pub fn remove_state_dirs(&self, state: &Path, pid: u32) {

@@ -40,7 +40,7 @@ use crab_integration::bench::sandbox::{
 };
 use crab_integration::bench::stats::Summary;
 use crab_integration::bench::{Bench, Host};
-use crab_integration::env::{TestEnv, DEFAULT_RUNTIME};
+use crab_integration::env::DEFAULT_RUNTIME;
 use crab_integration::{CleanupGuard, Harness};
 use serde_json::{json, Value};
 
@@ -354,16 +354,7 @@ async fn bench_dedup(base: &Harness, pid: u32, o: &Opts, guard: &mut CleanupGuar
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let o = opts();
-    let env = TestEnv {
-        image: AGENT_IMAGE.into(),
-        ..TestEnv::from_env()
-    };
-    if env.runtime != DEFAULT_RUNTIME {
-        BENCH.die(format!(
-            "checkpoints are crab's own: unset CRAB_RUNTIME (it is {})",
-            env.runtime
-        ));
-    }
+    let env = BENCH.crab_env("checkpoints");
     let base = Harness::connect_env(env)
         .await
         .unwrap_or_else(|e| BENCH.die(e));

@@ -2266,16 +2266,7 @@ fn save_partial(b: &Bench, r: &Report, started: Instant, load_before: &str) {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let o = opts();
-    let env = TestEnv {
-        image: AGENT_IMAGE.into(),
-        ..TestEnv::from_env()
-    };
-    if env.runtime != DEFAULT_RUNTIME {
-        BENCH.die(format!(
-            "checkpoint images are crab's own: unset CRAB_RUNTIME (it is {})",
-            env.runtime
-        ));
-    }
+    let env = BENCH.crab_env("checkpoint images");
     let crabctl = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/crabctl");
     if !crabctl.is_file() {
         BENCH.die(format!(

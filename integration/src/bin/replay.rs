@@ -16,7 +16,6 @@ use crab_integration::bench::{Bench, Host};
 
 const BENCH: Bench = Bench::new("replay");
 
-use crab_integration::env::{TestEnv, DEFAULT_RUNTIME};
 use crab_integration::replay::recovery::{self, RecoveryOptions, RecoveryPolicy};
 use crab_integration::replay::{
     self, density, report, trajectory, Options, Policy, Round, RoundRecord,
@@ -214,16 +213,7 @@ async fn main() {
         all.insert(0, recovery::synthetic());
     }
     let selected = trajectory::select(&all, &a.select).unwrap_or_else(|e| BENCH.die(e));
-    let env = TestEnv {
-        image: AGENT_IMAGE.into(),
-        ..TestEnv::from_env()
-    };
-    if env.runtime != DEFAULT_RUNTIME {
-        BENCH.die(format!(
-            "turns and checkpoints are crab's own: unset CRAB_RUNTIME (it is {})",
-            env.runtime
-        ));
-    }
+    let env = BENCH.crab_env("turns and checkpoints");
     let h = Harness::connect_env(env)
         .await
         .unwrap_or_else(|e| BENCH.die(e));

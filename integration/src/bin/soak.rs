@@ -48,7 +48,9 @@ use crab_integration::bench::{Bench, Host};
 use crab_integration::engine::Engine;
 use crab_integration::env::{TestEnv, DEFAULT_RUNTIME};
 use crab_integration::harness::STEP_TIMEOUT;
-use crab_integration::replay::density::{parse_smaps_rollup, EngineFigures, CRAB_SHIM};
+use crab_integration::replay::density::{
+    parse_smaps_rollup, shims_serving, EngineFigures, CRAB_SHIM,
+};
 use crab_integration::sandbox::AGENT_IMAGE;
 use crab_integration::{host, Harness};
 use serde_json::{json, Value};
@@ -690,17 +692,8 @@ impl Soak {
 
     /// Each started sandbox's shim pid, by its `-id`.
     fn find_shims(&mut self) {
-        let by_id: HashMap<String, i32> = host::shims_of(&self.base.env.address)
+        let by_id: HashMap<String, i32> = shims_serving(&self.base.env, CRAB_SHIM)
             .into_iter()
-            .filter(|(_, p)| {
-                p.argv
-                    .first()
-                    .and_then(|a| Path::new(a).file_name())
-                    .is_some_and(|n| n == CRAB_SHIM)
-                    && p.argv
-                        .windows(2)
-                        .any(|w| w[0] == "-namespace" && w[1] == self.base.env.namespace)
-            })
             .map(|(id, p)| (id, p.pid))
             .collect();
         for r in &mut self.recs {
@@ -1252,16 +1245,7 @@ fn find_prefixed(dir: &Path, prefix: &str, depth: usize, out: &mut Vec<PathBuf>)
 #[tokio::main]
 async fn main() {
     let o = opts();
-    let env = TestEnv {
-        image: AGENT_IMAGE.into(),
-        ..TestEnv::from_env()
-    };
-    if env.runtime != DEFAULT_RUNTIME {
-        BENCH.die(format!(
-            "checkpoints are crab's own: unset CRAB_RUNTIME (it is {})",
-            env.runtime
-        ));
-    }
+    let env = BENCH.crab_env("checkpoints");
     let limits = Limits::read(&env);
     BENCH.progress(format!(
         "host limits that could bound the sandboxes:\n{}",

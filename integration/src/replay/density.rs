@@ -43,8 +43,8 @@ pub fn parse_smaps_rollup(text: &str) -> Option<ProcMemory> {
     })
 }
 
-/// The shims of `binary` that serve `env`'s namespace, now: their memory, one entry each.
-pub fn shims_now(env: &TestEnv, binary: &str) -> Vec<ProcMemory> {
+/// The shims of `binary` that serve `env`'s namespace, now, with their `-id`.
+pub fn shims_serving(env: &TestEnv, binary: &str) -> Vec<(String, crate::host::Proc)> {
     crate::host::shims_of(&env.address)
         .into_iter()
         .filter(|(_, p)| {
@@ -56,6 +56,13 @@ pub fn shims_now(env: &TestEnv, binary: &str) -> Vec<ProcMemory> {
                     .windows(2)
                     .any(|w| w[0] == "-namespace" && w[1] == env.namespace)
         })
+        .collect()
+}
+
+/// The shims of `binary` that serve `env`'s namespace, now: their memory, one entry each.
+pub fn shims_now(env: &TestEnv, binary: &str) -> Vec<ProcMemory> {
+    shims_serving(env, binary)
+        .into_iter()
         .filter_map(|(_, p)| {
             std::fs::read_to_string(format!("/proc/{}/smaps_rollup", p.pid))
                 .ok()
