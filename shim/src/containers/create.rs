@@ -455,7 +455,12 @@ async fn mount_rootfs(p: &CreateParams, spec: &Spec) -> Result<(bool, bundle::Ro
         let (bundle, spec, mounts) = (p.bundle.clone(), spec.clone(), p.rootfs.clone());
         tokio::task::spawn_blocking(move || bundle::Rootfs::resolve(&bundle, &spec, &mounts))
             .await
-            .map_err(Error::Task)?
+            .map_err(|e| {
+                if rootfs_mounted {
+                    bundle::unmount_rootfs(&p.bundle);
+                }
+                Error::Task(e)
+            })?
     };
     if rootfs.mounted_by == bundle::MountedBy::Caller {
         log::info!(

@@ -94,10 +94,10 @@ impl Containers {
         let (gate, pages, kernel) = install_gate(c, &r, &spec, seccomp, &mut setup)?;
         let refused_early = pages.early.as_ref().and_then(|d| d.result.clone().err());
         self.pids.lock().unwrap().begin_start();
-        let (restored, abandoned) = run_restore(c, &r, &mut setup, refused_early).await?;
+        let (restored, abandoned) = run_restore(c, &r, &spec, &mut setup, refused_early).await;
         let checked = kernel.result().await;
         let restored = with_kernel_check(c, &spec, &setup.work, restored, checked, abandoned);
-        let restored = with_page_verdict(c, gate, pages, restored).await?;
+        let restored = with_page_verdict(c, &spec, gate, pages, restored).await;
         let pid = restored.and_then(|()| bundle::read_pid(&setup.pid_file));
         let early_exit = self
             .pids
@@ -362,9 +362,10 @@ fn give_page_verdict(
 async fn run_restore(
     c: &Container,
     r: &PendingRestore,
+    spec: &Spec,
     setup: &mut Setup,
     refused_early: Option<String>,
-) -> Result<Ran> {
+) -> Ran {
     let bound = Duration::from_millis(r.config.checkpoint.restore_timeout_ms);
     let console = setup.prepared.console.as_ref().map(|c| c.path.clone());
     let child = std::mem::replace(&mut setup.prepared.child, ChildStdio::null());
@@ -387,7 +388,7 @@ async fn run_restore(
     let restored = match outcome {
         Ok(result) => result,
         Err((what, err)) => {
-            let killed = kill_cgroup_members(&bundle::read_spec(&c.bundle)?, &c.id);
+            let killed = kill_cgroup_members(spec, &c.id);
             log::error!("restore of {}: {what}: killed {killed} processes", c.id);
             let _ = tokio::time::timeout(Duration::from_secs(10), &mut restore).await;
             // A killed CRIU leaves its cgroup yard mounted in the work directory.
@@ -395,7 +396,7 @@ async fn run_restore(
             Err(err)
         }
     };
-    Ok((restored, abandoned))
+    (restored, abandoned)
 }
 
 /// `restore` raced against a lazy-pages daemon that fails first: the restore would wait for
@@ -520,10 +521,11 @@ fn with_kernel_check(
 /// failed). The gate goes.
 async fn with_page_verdict(
     c: &Container,
+    spec: &Spec,
     gate: restore_gate::Gate,
     pages: PageVerdict,
     restored: Result<()>,
-) -> Result<Result<()>> {
+) -> Result<()> {
     let gated = pages.task.is_some();
     let verdict = match pages.task {
         Some(task) if restored.is_ok() => task.await.ok(),
@@ -535,7 +537,7 @@ async fn with_page_verdict(
     };
     let reached = gate.reached();
     gate.finish();
-    Ok(match (restored, verdict.as_ref()) {
+    match (restored, verdict.as_ref()) {
         (
             r,
             Some(Verdict {
@@ -544,7 +546,7 @@ async fn with_page_verdict(
         ) => {
             if r.is_ok() {
                 // CRIU let them run without the gate's word: they must not go on.
-                let killed = kill_cgroup_members(&bundle::read_spec(&c.bundle)?, &c.id);
+                let killed = kill_cgroup_members(spec, &c.id);
                 log::error!(
                     "restore of {}: {why}, but its processes were resumed (the restore gate \
                      was {}): killed {killed} processes",
@@ -563,7 +565,7 @@ async fn with_page_verdict(
             Ok(())
         }
         (r, _) => r,
-    })
+    }
 }
 
 /// Says how the page files were verified: before the restore, or while CRIU restored (and
