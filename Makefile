@@ -34,6 +34,11 @@
 #                         containerd's CRI for CRITEST_HANDLER (crab; "runc crab" runs both and
 #                         compares), every image built locally and pulled from a registry on
 #                         127.0.0.1 (hack/critest.sh); JUnit and summary under $(CRAB_HOME)/critest
+#   make install          the shim and crabctl into $(PREFIX)/bin (default /usr/local), the
+#                         annotated default config into $(CONFDIR) (default /etc/crab; an
+#                         existing config is kept), DESTDIR to stage; prints the containerd and
+#                         Docker snippets (hack/install.sh; edits no other config)
+#   make deb              the Debian package (cargo-deb) under target/debian/: crab_*.deb
 #   make clean            stop containerd, remove $(CRAB_HOME) and cargo's target dir
 #
 # Tests read CRAB_HOME, CRAB_CONTAINERD_ADDRESS, CRAB_NAMESPACE and CRAB_RUNTIME
@@ -84,7 +89,7 @@ endef
 .PHONY: help deps build lint images containerd-up containerd-down docker-up docker-down demo test test-containerd-1.7 bench clean
 
 help:
-	@sed -n '3,37s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
+	@sed -n '3,42s/^# \{0,1\}//p' $(firstword $(MAKEFILE_LIST))
 
 deps:
 	hack/install-deps.sh
@@ -180,6 +185,17 @@ fuzz:
 
 fuzz-smoke:
 	FUZZ_SECONDS=5 hack/fuzz.sh
+
+# make install: PREFIX, CONFDIR, DESTDIR as hack/install.sh reads them.
+PREFIX ?= /usr/local
+CONFDIR ?= /etc/crab
+.PHONY: install deb
+install: build
+	PREFIX="$(PREFIX)" CONFDIR="$(CONFDIR)" DESTDIR="$(DESTDIR)" hack/install.sh
+
+# cargo-deb comes with make deps (hack/install-deps.sh).
+deb: build
+	$(CARGO) deb -p crab-shim --no-build --no-strip
 
 clean:
 	hack/containerd.sh stop

@@ -40,7 +40,7 @@ TRIXIE_PKGS=(
 )
 SID_PKGS=(containerd runc criu libcompel1 python3-pycriu)
 DOCKER_PKGS=(docker.io docker-cli)
-TRIXIE_DEV_PKGS=(libc6-dev)
+TRIXIE_DEV_PKGS=(libc6-dev libdpkg-perl dpkg-dev)
 BASE_PKGS=(
   ca-certificates curl jq iproute2 busybox-static zstd tar pkg-config protobuf-compiler
   clang-19 llvm-19 libbpf-dev bpftool gcc binutils python3-venv
@@ -109,6 +109,13 @@ if command -v rustup >/dev/null; then
   for c in rustfmt clippy; do
     rustup component list --installed 2>/dev/null | grep -q "^$c" || rustup component add "$c"
   done
+fi
+
+# make deb (and its test, integration/tests/install.rs) packages with cargo-deb, from
+# crates.io into cargo's bin directory (~/.cargo/bin), pinned; a no-op when that version is there.
+CARGO_DEB_VERSION=3.8.0
+if ! cargo deb --version 2>/dev/null | grep -q "$CARGO_DEB_VERSION"; then
+  cargo install --locked --version "$CARGO_DEB_VERSION" cargo-deb
 fi
 
 # bpffs and tracefs may be absent at boot; the inspector needs both.

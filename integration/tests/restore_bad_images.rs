@@ -357,7 +357,7 @@ async fn fixture_running(name: &str, options: SandboxOptions<'_>, background: &s
     let path = dir.path().join("good.tar");
     let good = Archive::export(&h, &reference, &path);
     h.ctr()
-        .run(&["images", "rm", &reference])
+        .run(&["images", "rm", "--sync", &reference])
         .unwrap()
         .ok()
         .unwrap();
@@ -451,7 +451,7 @@ impl Fixture {
             (probed.code(), format!("{}{}", probed.stdout, probed.stderr))
         };
         drop(_g);
-        let _ = ctr.run(&["images", "rm", &name]);
+        let _ = ctr.run(&["images", "rm", "--sync", &name]);
         out
     }
 
@@ -490,7 +490,7 @@ impl Fixture {
                     "1",
                 ])
                 .unwrap();
-            let _ = ctr.run(&["images", "rm", &name]);
+            let _ = ctr.run(&["images", "rm", "--sync", &name]);
             assert_ne!(run.code(), 0, "{label}: the bad image started: {run:?}");
             format!("{}{}", run.stdout, run.stderr)
         };
@@ -735,7 +735,7 @@ async fn bad_checkpoint_images_fail_cleanly() {
             run.stdout,
             run.stderr
         );
-        let _ = ctr.run(&["images", "rm", &name]);
+        let _ = ctr.run(&["images", "rm", "--sync", &name]);
     }
     for what in ["dotdot", "abs", "symlink"] {
         assert!(
@@ -1069,7 +1069,7 @@ async fn planted_files_in_the_reserved_directory() {
     let path = f.dir.path().join("planted-export.tar");
     let planted = Archive::export(&f.h, &reference, &path);
     f.h.ctr()
-        .run(&["images", "rm", &reference])
+        .run(&["images", "rm", "--sync", &reference])
         .unwrap()
         .ok()
         .unwrap();

@@ -8,6 +8,18 @@ async fn main() {
     {
         std::process::exit(crab_shim::service::info::print());
     }
+    // `-v` as containerd's own shims answer it (the framework fails on it outside containerd).
+    if std::env::args_os()
+        .skip(1)
+        .any(|a| a == "-v" || a == "--version")
+    {
+        println!(
+            "containerd-shim-crab-v1:\n  Version:  {}\n  Runtime:  {}",
+            env!("CARGO_PKG_VERSION"),
+            crab_shim::RUNTIME_ID
+        );
+        std::process::exit(0);
+    }
     // runc runs the shim as an OCI hook during a restore (bundle::add_loopback_hook).
     if std::env::args_os()
         .nth(1)
