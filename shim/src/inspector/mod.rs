@@ -9,6 +9,7 @@
 //! changed" ([`Kind::Full`]), said loudly: it never skips state silently.
 
 pub mod bpf;
+mod decide;
 pub mod fs;
 pub mod held;
 pub mod lower;
@@ -32,8 +33,9 @@ use crate::sys::beneath;
 
 use self::{
     bpf::{BpfError, CgroupCounters, HostProbes},
+    decide::{MemoryStep, NextMark},
     fs::{FsDiff, FsError, TreeManifest},
-    memory::{MemError, MemoryImage, Observation, RegionKind},
+    memory::{MemError, MemoryImage, Observation},
     procs::{ProcInfo, ProcfsError},
 };
 
@@ -128,6 +130,17 @@ impl Kind {
             (false, true) => Kind::Proc,
             (true, true) => Kind::Full,
         }
+    }
+}
+
+/// The answer's kind: anything that degraded the turn makes it `full` whatever was found (what
+/// could not be observed may have changed); otherwise the smallest kind that covers the files'
+/// and the processes' change.
+fn answer_kind(degraded: &[String], fs_changed: bool, procs_changed: bool) -> Kind {
+    if degraded.is_empty() {
+        Kind::from_parts(fs_changed, procs_changed)
+    } else {
+        Kind::Full
     }
 }
 
@@ -229,6 +242,25 @@ pub struct ProcFinding {
     /// What the observation read (memory, each shared object once; fdinfo) and carried over.
     #[serde(skip_serializing_if = "memory::ObservationStats::is_empty")]
     pub read: memory::ObservationStats,
+}
+
+/// Whether the processes changed since the mark, from what the turn found of them: a process
+/// started, ended or re-exec'd, a persisting one holds a file the turn changed, kernel state
+/// outside the processes changed, or a persisting one's memory or kernel-held state differs
+/// from its image at the mark, or that image cannot prove it does not (an unproven base).
+/// Idle processes, ones that ran without change and the fork, exec and exit counts alone do
+/// not make a change.
+fn procs_changed(p: &ProcFinding) -> bool {
+    !p.started.is_empty()
+        || !p.ended.is_empty()
+        || !p.reexeced.is_empty()
+        || !p.held_changed.is_empty()
+        || !p.kernel.is_empty()
+        || p.memory.iter().any(|m| {
+            m.unproven_base
+                || m.changed_pages + m.added_pages + m.removed_pages > 0
+                || !m.state.is_empty()
+        })
 }
 
 /// The inspector's answer for one turn, with the why.
@@ -390,6 +422,32 @@ struct Mark {
     unproven: HashSet<u32>,
     /// The `[limits]` bound the mark's observation passed: its memory images are incomplete.
     over_limit: Option<String>,
+}
+
+/// What a turn end gathers for the next mark while it observes the processes, and the
+/// observation all its memory images share.
+struct TurnImages {
+    run_counts: HashMap<u32, u64>,
+    memory_images: HashMap<u32, MemoryImage>,
+    /// The pids whose image cannot prove "unchanged" ([`Mark::unproven`]).
+    unproven: HashSet<u32>,
+    /// Images taken from here on may lack pages of a lazy restore still under way.
+    missing: bool,
+    /// One observation for all the images: each shared object read once, the container's
+    /// bounds over them all.
+    obs: Observation,
+}
+
+impl TurnImages {
+    fn new(missing: bool, limits: &crab_runtime_config::LimitsConfig) -> TurnImages {
+        TurnImages {
+            run_counts: HashMap::new(),
+            memory_images: HashMap::new(),
+            unproven: HashSet::new(),
+            missing,
+            obs: Observation::within(limits),
+        }
+    }
 }
 
 /// Watches one container: holds its last mark and answers turn ends.
@@ -951,106 +1009,21 @@ impl Inspection {
     fn observe_since(&self, prev: Option<&Mark>, seq: u64) -> (Answer, Option<Mark>) {
         let started = Instant::now();
         let mut degraded = Vec::new();
-        if let Some(why) = &self.blind {
-            degraded.push(why.to_string());
-        }
-        let counters = match self.counters() {
-            Some(Ok(c)) => Some(c),
-            Some(Err(e)) => {
-                degraded.push(e.to_string());
-                None
-            }
-            None => None,
-        };
-        let mut fs = FsFinding::default();
-        let mut procs = ProcFinding::default();
-        if prev.is_none() {
-            degraded.push("no mark to compare with".into());
-        }
-        if let (Some(c), Some(m)) = (counters, prev) {
-            if c.errors > m.counters.errors {
-                degraded.push(format!(
-                    "{} kernel events lost since the mark",
-                    c.errors - m.counters.errors
-                ));
-            }
-            if c.over_quota > m.counters.over_quota {
-                degraded.push(over_quota_reason(
-                    c.over_quota - m.counters.over_quota,
-                    self.target.limits.max_bpf_processes,
-                ));
-            }
-        }
+        let counters = self.observe_counters(prev, &mut degraded);
 
         // Filesystem: scan only when a mutating syscall (or a shared writable mapping, whose
         // writes need no syscall) happened since the mark.
-        let fs_activity = match (counters, prev) {
-            (Some(c), Some(m)) => {
-                let since = c.since(&m.counters);
-                for (class, n) in since.fs_classes() {
-                    fs.syscalls.insert(class.name().to_string(), n);
-                }
-                // A shared writable mapping lets stores change a file with no syscall at all.
-                since.fs_mutations > 0 || c.shared_writable_mmaps > 0
-            }
-            _ => true,
+        let decide::FsActivity {
+            scan,
+            arm,
+            syscalls,
+        } = decide::fs_activity(counters.as_ref(), prev.map(|m| &m.counters));
+        let mut fs = FsFinding {
+            syscalls,
+            ..FsFinding::default()
         };
-        let prev_manifest = prev.map(|m| &m.manifest);
-        let manifest = if fs_activity || prev_manifest.is_none() {
-            fs.scanned = true;
-            if counters.is_none_or(|c| c.shared_writable_mmaps > 0) {
-                degraded.extend(self.arm_shared_mappings());
-            }
-            match self.scan_upper() {
-                Ok(now) => {
-                    let empty = TreeManifest::default();
-                    let d: FsDiff = fs::diff(
-                        prev_manifest.unwrap_or(&empty),
-                        &now,
-                        &self.target.lowerdirs,
-                    );
-                    fs.changed = !d.is_empty();
-                    fs.added = d.added;
-                    fs.modified = d.modified;
-                    fs.deleted = d.deleted;
-                    Some(now)
-                }
-                Err(e) => {
-                    fs.unobserved = true;
-                    degraded.push(e.to_string());
-                    None
-                }
-            }
-        } else {
-            prev_manifest.cloned()
-        };
-        let volumes = if fs_activity || prev.is_none() {
-            match self.scan_volumes() {
-                Ok(now) => {
-                    let empty = TreeManifest::default();
-                    for (i, (at, _)) in self.target.volumes.iter().enumerate() {
-                        let before = prev
-                            .as_ref()
-                            .and_then(|m| m.volumes.get(i))
-                            .unwrap_or(&empty);
-                        let d = fs::diff(before, &now[i], &[]);
-                        let inside = |p: PathBuf| at.join(p.strip_prefix("/").unwrap_or(&p));
-                        fs.changed |= !d.is_empty();
-                        fs.added.extend(d.added.into_iter().map(inside));
-                        fs.modified.extend(d.modified.into_iter().map(inside));
-                        fs.deleted.extend(d.deleted.into_iter().map(inside));
-                    }
-                    Some(now)
-                }
-                Err(e) => {
-                    fs.unobserved = true;
-                    degraded.push(e.to_string());
-                    None
-                }
-            }
-        } else {
-            prev.map(|m| m.volumes.clone())
-        };
+        let manifest = self.observe_fs(prev, scan, arm, &mut fs, &mut degraded);
+        let volumes = self.observe_volumes(prev, scan, &mut fs, &mut degraded);
 
         // Processes.
         let now_procs = match self.processes() {
@@ -1060,207 +1033,34 @@ impl Inspection {
                 None
             }
         };
-        let mut run_counts = HashMap::new();
-        let mut memory_images = HashMap::new();
         // Images taken from here on may lack pages of a lazy restore still under way.
-        let missing = self.pages_missing();
-        let mut unproven = HashSet::new();
-        // One observation for all the images: each shared object read once, the container's
-        // bounds over them all.
-        let mut obs = Observation::within(&self.target.limits);
-        if let (Some(now), Some(m)) = (&now_procs, prev) {
-            if let Some(c) = counters {
-                procs.forks = c.forks.saturating_sub(m.counters.forks);
-                procs.execs = c.execs.saturating_sub(m.counters.execs);
-                procs.exits = c.exits.saturating_sub(m.counters.exits);
+        let mut seen = TurnImages::new(self.pages_missing(), &self.target.limits);
+        let mut procs = match (&now_procs, prev) {
+            (Some(now), Some(m)) => {
+                self.observe_processes(now, m, counters.as_ref(), &fs, &mut seen, &mut degraded)
             }
-            let foreign_writes =
-                counters.is_none_or(|c| c.foreign_mem_writes > m.counters.foreign_mem_writes);
-            if let Some(c) = counters {
-                for (class, n) in c.since(&m.counters).state_classes() {
-                    procs.kernel.insert(class.name().to_string(), n);
-                }
-            }
-            let delta = procs::delta(&m.processes, now);
-            procs.started = delta.started.iter().map(ProcSummary::from).collect();
-            procs.ended = delta.ended.iter().map(ProcSummary::from).collect();
-            let before: HashMap<u32, &ProcInfo> = m.processes.iter().map(|p| (p.pid, p)).collect();
-            let changed_paths: Vec<&Path> = fs
-                .added
-                .iter()
-                .chain(&fs.modified)
-                .chain(&fs.deleted)
-                .map(PathBuf::as_path)
-                .collect();
-            for p in &delta.persisted {
-                if before
-                    .get(&p.pid)
-                    .is_some_and(|b| b.cmdline != p.cmdline || b.comm != p.comm)
-                {
-                    procs.reexeced.push(ProcSummary::from(p));
-                }
-                // CRIU restores open and mapped files by path and checks them: a file this
-                // turn changed under a persisting process needs a new process image.
-                if !changed_paths.is_empty() {
-                    match procs::held_files(p.pid) {
-                        Ok(held) => {
-                            for h in held {
-                                if h.deleted || changed_paths.iter().any(|c| *c == h.path) {
-                                    procs.held_changed.push((p.pid, h.path));
-                                }
-                            }
-                        }
-                        Err(source) => degraded
-                            .push(InspectError::HeldFiles { pid: p.pid, source }.to_string()),
-                    }
-                }
-                // Memory: a process that was not scheduled since the mark did not change it,
-                // unless another process wrote into it (ptrace, process_vm_writev, /proc/PID/mem).
-                let runs_now = self.run_count(p.pid);
-                let mut ran = foreign_writes
-                    || match (runs_now, m.run_counts.get(&p.pid)) {
-                        (Some(now), Some(then)) => now != *then,
-                        _ => true,
-                    };
-                if let Some(n) = runs_now {
-                    run_counts.insert(p.pid, n);
-                }
-                let prev_img = m.memory.get(&p.pid);
-                // Idle, so its memory is the mark's; what the kernel holds for it may not be
-                // (a signal left pending, bytes queued in its FIFO or socket, a counter or a
-                // position moved through a shared file, stopped): read that again. A change
-                // makes it count as a process that ran: its whole image is taken and compared.
-                if let (false, Some(img)) = (ran, prev_img) {
-                    match self.held_state_of(p.pid, &mut obs) {
-                        Ok(st) => {
-                            let changes = memory::compare_held(&img.state, &st);
-                            if !changes.is_empty() {
-                                log::debug!(
-                                    "pid {} of {} did not run, and its kernel state changed: {}",
-                                    p.pid,
-                                    self.target.container_id,
-                                    changes.join(", ")
-                                );
-                                ran = true;
-                            }
-                        }
-                        Err(e) => {
-                            memory_error(&mut degraded, p.pid, e);
-                            ran = true;
-                        }
-                    }
-                }
-                // Shared memory (shared anonymous, SysV shm, memfd, tmpfs) can be changed by
-                // another process while this one sleeps: compare it whatever the run count says.
-                let shares_memory = prev_img
-                    .is_some_and(|img| img.regions.iter().any(|r| r.kind == RegionKind::Shmem));
-                if !ran && !shares_memory {
-                    if let Some(img) = prev_img {
-                        if let Err(e) = obs.carry(img) {
-                            memory_error(&mut degraded, p.pid, e);
-                        }
-                        memory_images.insert(p.pid, img.clone());
-                        if m.unproven.contains(&p.pid) {
-                            unproven.insert(p.pid);
-                        }
-                        procs.idle.push(p.pid);
-                        continue;
-                    }
-                }
-                if missing {
-                    unproven.insert(p.pid);
-                }
-                // One that did not run but maps shared memory: only that can have changed.
-                let img = match prev_img {
-                    Some(prev_img) if !ran => match memory::refresh_shared(prev_img, &mut obs) {
-                        Ok(Some(img)) => Ok(img),
-                        Ok(None) => self.capture(p.pid, &mut obs),
-                        Err(e) => Err(e),
-                    },
-                    _ => self.capture(p.pid, &mut obs),
-                };
-                match (img, prev_img) {
-                    (Ok(img), Some(prev_img)) => {
-                        let d = memory::compare(prev_img, &img);
-                        procs.memory.push(MemoryFinding {
-                            pid: p.pid,
-                            cmdline: ProcSummary::from(p).cmdline,
-                            changed_pages: d.changed_pages,
-                            added_pages: d.added_pages,
-                            removed_pages: d.removed_pages,
-                            scanned_pages: d.scanned_pages,
-                            unproven_base: m.unproven.contains(&p.pid),
-                            regions: d.by_region.iter().take(3).cloned().collect(),
-                            state: d.state_counted.clone(),
-                        });
-                        memory_images.insert(p.pid, img);
-                    }
-                    (Ok(img), None) => {
-                        degraded.push(match &m.over_limit {
-                            Some(why) => {
-                                format!("no memory image of pid {} at the mark: {why}", p.pid)
-                            }
-                            None => format!("no memory image of pid {} at the mark", p.pid),
-                        });
-                        memory_images.insert(p.pid, img);
-                    }
-                    (Err(source), _) => memory_error(&mut degraded, p.pid, source),
-                }
-            }
-            for p in &delta.started {
-                if let Some(n) = self.run_count(p.pid) {
-                    run_counts.insert(p.pid, n);
-                }
-                if missing {
-                    unproven.insert(p.pid);
-                }
-                match self.capture(p.pid, &mut obs) {
-                    Ok(img) => {
-                        memory_images.insert(p.pid, img);
-                    }
-                    Err(e @ MemError::Limit { .. }) => memory_error(&mut degraded, p.pid, e),
-                    Err(e) => log::debug!("memory of new pid {}: {e}", p.pid),
-                }
-            }
-            procs.changed = !procs.started.is_empty()
-                || !procs.ended.is_empty()
-                || !procs.reexeced.is_empty()
-                || !procs.held_changed.is_empty()
-                || !procs.kernel.is_empty()
-                || procs.memory.iter().any(|m| {
-                    m.unproven_base
-                        || m.changed_pages + m.added_pages + m.removed_pages > 0
-                        || !m.state.is_empty()
-                });
-        }
-
-        for img in memory_images.values_mut() {
-            obs.settle(img);
-        }
-        procs.read = obs.stats().clone();
-        let kind = if degraded.is_empty() {
-            Kind::from_parts(fs.changed, procs.changed)
-        } else {
-            Kind::Full
+            _ => ProcFinding::default(),
         };
+
+        for img in seen.memory_images.values_mut() {
+            seen.obs.settle(img);
+        }
+        procs.read = seen.obs.stats().clone();
+        let kind = answer_kind(&degraded, fs.changed, procs.changed);
         // The present becomes the mark; if it could not be observed, the next turn takes a
         // fresh full observation.
-        let mark = match (counters, manifest, now_procs, volumes) {
-            (Some(counters), Some(manifest), Some(processes), Some(volumes))
-                if degraded.is_empty() =>
-            {
-                Some(Mark {
-                    counters,
-                    manifest,
-                    processes,
-                    run_counts,
-                    memory: memory_images,
-                    volumes,
-                    unproven,
-                    over_limit: None,
-                })
-            }
-            (_, manifest, _, _) => self.observe_all(manifest.unwrap_or_default()).ok(),
+        let mark = match decide::next_mark(counters, manifest, now_procs, volumes, &degraded) {
+            NextMark::Present(counters, manifest, processes, volumes) => Some(Mark {
+                counters,
+                manifest,
+                processes,
+                run_counts: seen.run_counts,
+                memory: seen.memory_images,
+                volumes,
+                unproven: seen.unproven,
+                over_limit: None,
+            }),
+            NextMark::Fresh(manifest) => self.observe_all(manifest.unwrap_or_default()).ok(),
         };
         let answer = Answer {
             container_id: self.target.container_id.clone(),
@@ -1272,6 +1072,301 @@ impl Inspection {
             elapsed_us: started.elapsed().as_micros() as u64,
         };
         (answer, mark)
+    }
+
+    /// The cgroup's counters now (`None`: blind, or unreadable), saying in `degraded` why the
+    /// turn cannot be observed as far as they and the mark `prev` tell
+    /// ([`decide::counter_reasons`]).
+    fn observe_counters(
+        &self,
+        prev: Option<&Mark>,
+        degraded: &mut Vec<String>,
+    ) -> Option<CgroupCounters> {
+        if let Some(why) = &self.blind {
+            degraded.push(why.to_string());
+        }
+        let counters = match self.counters() {
+            Some(Ok(c)) => Some(c),
+            Some(Err(e)) => {
+                degraded.push(e.to_string());
+                None
+            }
+            None => None,
+        };
+        degraded.extend(decide::counter_reasons(
+            counters.as_ref(),
+            prev.map(|m| &m.counters),
+            self.target.limits.max_bpf_processes,
+        ));
+        counters
+    }
+
+    /// The upperdir now and its net change since the mark `prev` (into `fs`) when `scan`
+    /// (arming shared writable mappings first when `arm`, see [`decide::fs_activity`]); the
+    /// mark's manifest when not. `None`: it could not be scanned (said in `degraded`, and `fs`
+    /// is unobserved).
+    fn observe_fs(
+        &self,
+        prev: Option<&Mark>,
+        scan: bool,
+        arm: bool,
+        fs: &mut FsFinding,
+        degraded: &mut Vec<String>,
+    ) -> Option<TreeManifest> {
+        let prev_manifest = prev.map(|m| &m.manifest);
+        if !scan {
+            return prev_manifest.cloned();
+        }
+        fs.scanned = true;
+        if arm {
+            degraded.extend(self.arm_shared_mappings());
+        }
+        match self.scan_upper() {
+            Ok(now) => {
+                let empty = TreeManifest::default();
+                let d: FsDiff = fs::diff(
+                    prev_manifest.unwrap_or(&empty),
+                    &now,
+                    &self.target.lowerdirs,
+                );
+                fs.changed = !d.is_empty();
+                fs.added = d.added;
+                fs.modified = d.modified;
+                fs.deleted = d.deleted;
+                Some(now)
+            }
+            Err(e) => {
+                fs.unobserved = true;
+                degraded.push(e.to_string());
+                None
+            }
+        }
+    }
+
+    /// The tracked volumes now and their net change since the mark `prev` (added to `fs`, as
+    /// container paths below their mount points) when `scan`; the mark's manifests when not.
+    /// `None`: one could not be scanned (said in `degraded`, and `fs` is unobserved).
+    fn observe_volumes(
+        &self,
+        prev: Option<&Mark>,
+        scan: bool,
+        fs: &mut FsFinding,
+        degraded: &mut Vec<String>,
+    ) -> Option<Vec<TreeManifest>> {
+        if !scan {
+            return prev.map(|m| m.volumes.clone());
+        }
+        match self.scan_volumes() {
+            Ok(now) => {
+                let empty = TreeManifest::default();
+                for (i, (at, _)) in self.target.volumes.iter().enumerate() {
+                    let before = prev
+                        .as_ref()
+                        .and_then(|m| m.volumes.get(i))
+                        .unwrap_or(&empty);
+                    let d = fs::diff(before, &now[i], &[]);
+                    let inside = |p: PathBuf| at.join(p.strip_prefix("/").unwrap_or(&p));
+                    fs.changed |= !d.is_empty();
+                    fs.added.extend(d.added.into_iter().map(inside));
+                    fs.modified.extend(d.modified.into_iter().map(inside));
+                    fs.deleted.extend(d.deleted.into_iter().map(inside));
+                }
+                Some(now)
+            }
+            Err(e) => {
+                fs.unobserved = true;
+                degraded.push(e.to_string());
+                None
+            }
+        }
+    }
+
+    /// What changed of the processes since the mark `m`, `now` being those alive now: started,
+    /// ended, re-exec'd, holding a file the turn changed (`fs`), memory or kernel-held state
+    /// that differs from the mark's, kernel state the counters saw change. What the next mark
+    /// needs of them (run counts, images) goes into `seen`.
+    fn observe_processes(
+        &self,
+        now: &[ProcInfo],
+        m: &Mark,
+        counters: Option<&CgroupCounters>,
+        fs: &FsFinding,
+        seen: &mut TurnImages,
+        degraded: &mut Vec<String>,
+    ) -> ProcFinding {
+        let events = decide::process_events(counters, &m.counters);
+        let delta = procs::delta(&m.processes, now);
+        let mut procs = ProcFinding {
+            started: delta.started.iter().map(ProcSummary::from).collect(),
+            ended: delta.ended.iter().map(ProcSummary::from).collect(),
+            kernel: events.kernel,
+            forks: events.forks,
+            execs: events.execs,
+            exits: events.exits,
+            ..ProcFinding::default()
+        };
+        let before: HashMap<u32, &ProcInfo> = m.processes.iter().map(|p| (p.pid, p)).collect();
+        let changed_paths: Vec<&Path> = fs
+            .added
+            .iter()
+            .chain(&fs.modified)
+            .chain(&fs.deleted)
+            .map(PathBuf::as_path)
+            .collect();
+        for p in &delta.persisted {
+            if before
+                .get(&p.pid)
+                .is_some_and(|b| b.cmdline != p.cmdline || b.comm != p.comm)
+            {
+                procs.reexeced.push(ProcSummary::from(p));
+            }
+            // CRIU restores open and mapped files by path and checks them: a file this
+            // turn changed under a persisting process needs a new process image.
+            if !changed_paths.is_empty() {
+                note_held_files(p.pid, &changed_paths, &mut procs.held_changed, degraded);
+            }
+            let ran = self.ran_or_state_changed(p.pid, m, events.foreign_writes, seen, degraded);
+            self.observe_memory(p, m, ran, &mut procs, seen, degraded);
+        }
+        self.observe_started(&delta.started, seen, degraded);
+        procs.changed = procs_changed(&procs);
+        procs
+    }
+
+    /// Whether persisting process `pid` may have changed since the mark `m`: it ran
+    /// ([`decide::ran_since_mark`]), or it did not and what the kernel holds for it changed.
+    /// Notes its run count now in `seen`.
+    fn ran_or_state_changed(
+        &self,
+        pid: u32,
+        m: &Mark,
+        foreign_writes: bool,
+        seen: &mut TurnImages,
+        degraded: &mut Vec<String>,
+    ) -> bool {
+        // Memory: a process that was not scheduled since the mark did not change it,
+        // unless another process wrote into it (ptrace, process_vm_writev, /proc/PID/mem).
+        let runs_now = self.run_count(pid);
+        let ran = decide::ran_since_mark(foreign_writes, runs_now, m.run_counts.get(&pid).copied());
+        if let Some(n) = runs_now {
+            seen.run_counts.insert(pid, n);
+        }
+        // Idle, so its memory is the mark's; what the kernel holds for it may not be
+        // (a signal left pending, bytes queued in its FIFO or socket, a counter or a
+        // position moved through a shared file, stopped): read that again. A change
+        // makes it count as a process that ran: its whole image is taken and compared.
+        let (false, Some(img)) = (ran, m.memory.get(&pid)) else {
+            return ran;
+        };
+        match self.held_state_of(pid, &mut seen.obs) {
+            Ok(st) => {
+                let changes = memory::compare_held(&img.state, &st);
+                if changes.is_empty() {
+                    return false;
+                }
+                log::debug!(
+                    "pid {} of {} did not run, and its kernel state changed: {}",
+                    pid,
+                    self.target.container_id,
+                    changes.join(", ")
+                );
+                true
+            }
+            Err(e) => {
+                memory_error(degraded, pid, e);
+                true
+            }
+        }
+    }
+
+    /// The memory of persisting process `p` against its image at the mark `m`, into `procs`,
+    /// as [`decide::memory_step`] says for one that `ran` or not: carried as idle, its shared
+    /// memory read again, or captured and compared. The image for the next mark goes into
+    /// `seen`.
+    fn observe_memory(
+        &self,
+        p: &ProcInfo,
+        m: &Mark,
+        ran: bool,
+        procs: &mut ProcFinding,
+        seen: &mut TurnImages,
+        degraded: &mut Vec<String>,
+    ) {
+        let prev_img = m.memory.get(&p.pid);
+        let step = decide::memory_step(ran, prev_img);
+        if let MemoryStep::Carry(img) = step {
+            if let Err(e) = seen.obs.carry(img) {
+                memory_error(degraded, p.pid, e);
+            }
+            seen.memory_images.insert(p.pid, img.clone());
+            if m.unproven.contains(&p.pid) {
+                seen.unproven.insert(p.pid);
+            }
+            procs.idle.push(p.pid);
+            return;
+        }
+        if seen.missing {
+            seen.unproven.insert(p.pid);
+        }
+        // One that did not run but maps shared memory: only that can have changed.
+        let img = match step {
+            MemoryStep::RefreshShared(prev_img) => {
+                match memory::refresh_shared(prev_img, &mut seen.obs) {
+                    Ok(Some(img)) => Ok(img),
+                    Ok(None) => self.capture(p.pid, &mut seen.obs),
+                    Err(e) => Err(e),
+                }
+            }
+            _ => self.capture(p.pid, &mut seen.obs),
+        };
+        match (img, prev_img) {
+            (Ok(img), Some(prev_img)) => {
+                let d = memory::compare(prev_img, &img);
+                procs.memory.push(MemoryFinding {
+                    pid: p.pid,
+                    cmdline: ProcSummary::from(p).cmdline,
+                    changed_pages: d.changed_pages,
+                    added_pages: d.added_pages,
+                    removed_pages: d.removed_pages,
+                    scanned_pages: d.scanned_pages,
+                    unproven_base: m.unproven.contains(&p.pid),
+                    regions: d.by_region.iter().take(3).cloned().collect(),
+                    state: d.state_counted.clone(),
+                });
+                seen.memory_images.insert(p.pid, img);
+            }
+            (Ok(img), None) => {
+                degraded.push(decide::no_image_reason(p.pid, m.over_limit.as_deref()));
+                seen.memory_images.insert(p.pid, img);
+            }
+            (Err(source), _) => memory_error(degraded, p.pid, source),
+        }
+    }
+
+    /// Captures the processes `started` since the mark, for the next mark (`seen`): a started
+    /// process is a change by itself, its memory is not compared. A `[limits]` bound its
+    /// capture passed degrades the turn; any other failure is only logged.
+    fn observe_started(
+        &self,
+        started: &[ProcInfo],
+        seen: &mut TurnImages,
+        degraded: &mut Vec<String>,
+    ) {
+        for p in started {
+            if let Some(n) = self.run_count(p.pid) {
+                seen.run_counts.insert(p.pid, n);
+            }
+            if seen.missing {
+                seen.unproven.insert(p.pid);
+            }
+            match self.capture(p.pid, &mut seen.obs) {
+                Ok(img) => {
+                    seen.memory_images.insert(p.pid, img);
+                }
+                Err(e @ MemError::Limit { .. }) => memory_error(degraded, p.pid, e),
+                Err(e) => log::debug!("memory of new pid {}: {e}", p.pid),
+            }
+        }
     }
 }
 
@@ -1470,13 +1565,24 @@ fn memory_error(degraded: &mut Vec<String>, pid: u32, source: MemError) {
     }
 }
 
-/// Why a turn is DEGRADED when processes of the container ran without a run count because it
-/// held its quota of them: names the key, so that the operator knows what to raise.
-pub(crate) fn over_quota_reason(runs: u64, max: u64) -> String {
-    format!(
-        "processes ran {runs} times without a run count: the container holds more than \
-         [limits] max_bpf_processes ({max}) processes"
-    )
+/// Notes in `held_changed` the files persisting process `pid` holds (open or mapped) that the
+/// turn changed (`changed_paths`) or that are deleted.
+fn note_held_files(
+    pid: u32,
+    changed_paths: &[&Path],
+    held_changed: &mut Vec<(u32, PathBuf)>,
+    degraded: &mut Vec<String>,
+) {
+    match procs::held_files(pid) {
+        Ok(held) => {
+            for h in held {
+                if h.deleted || changed_paths.iter().any(|c| *c == h.path) {
+                    held_changed.push((pid, h.path));
+                }
+            }
+        }
+        Err(source) => degraded.push(InspectError::HeldFiles { pid, source }.to_string()),
+    }
 }
 
 /// A memory image whose fd state keeps at most `max_fdinfo_bytes` of fdinfo text, with the
@@ -1531,10 +1637,71 @@ mod tests {
     use std::os::fd::AsRawFd;
 
     #[test]
-    fn over_quota_reason_names_the_key_and_its_value() {
-        let why = over_quota_reason(17, 64);
-        assert!(why.contains("[limits] max_bpf_processes (64)"), "{why}");
-        assert!(why.contains("17 times"), "{why}");
+    fn answer_kind_table() {
+        let none: &[String] = &[];
+        let lost = &["3 kernel events lost since the mark".to_string()][..];
+        #[rustfmt::skip]
+        let rows = [
+            // (degraded, fs changed, procs changed, kind)
+            (none, false, false, Kind::None),
+            (none, true, false, Kind::Fs),
+            (none, false, true, Kind::Proc),
+            (none, true, true, Kind::Full),
+            // Degraded: full whatever was found, nothing found included.
+            (lost, false, false, Kind::Full),
+            (lost, true, false, Kind::Full),
+            (lost, false, true, Kind::Full),
+            (lost, true, true, Kind::Full),
+        ];
+        for (degraded, fs, procs, kind) in rows {
+            assert_eq!(
+                answer_kind(degraded, fs, procs),
+                kind,
+                "{degraded:?} fs {fs} procs {procs}"
+            );
+        }
+    }
+
+    #[test]
+    fn procs_changed_table() {
+        let summary = |pid| ProcSummary {
+            pid,
+            cmdline: "sh".into(),
+        };
+        let memory = |f: fn(&mut MemoryFinding)| {
+            let mut m = MemoryFinding {
+                pid: 7,
+                scanned_pages: 100,
+                ..MemoryFinding::default()
+            };
+            f(&mut m);
+            ProcFinding {
+                memory: vec![m],
+                ..ProcFinding::default()
+            }
+        };
+        #[rustfmt::skip]
+        let rows: Vec<(&str, ProcFinding, bool)> = vec![
+            ("nothing", ProcFinding::default(), false),
+            ("idle processes only", ProcFinding { idle: vec![1, 2], ..Default::default() }, false),
+            ("ran without change", memory(|_| {}), false),
+            ("counts alone", ProcFinding { forks: 3, execs: 2, exits: 3, ..Default::default() }, false),
+            ("started", ProcFinding { started: vec![summary(9)], ..Default::default() }, true),
+            ("ended", ProcFinding { ended: vec![summary(9)], ..Default::default() }, true),
+            ("re-exec'd", ProcFinding { reexeced: vec![summary(9)], ..Default::default() }, true),
+            ("holds a changed file",
+             ProcFinding { held_changed: vec![(9, PathBuf::from("/a"))], ..Default::default() }, true),
+            ("kernel state",
+             ProcFinding { kernel: [("tmpfs".to_string(), 1)].into(), ..Default::default() }, true),
+            ("changed pages", memory(|m| m.changed_pages = 1), true),
+            ("added pages", memory(|m| m.added_pages = 1), true),
+            ("removed pages", memory(|m| m.removed_pages = 1), true),
+            ("kernel-held state", memory(|m| m.state = vec!["cwd".into()]), true),
+            ("same memory, unproven base", memory(|m| m.unproven_base = true), true),
+        ];
+        for (name, finding, changed) in rows {
+            assert_eq!(procs_changed(&finding), changed, "{name}");
+        }
     }
 
     /// A target over plain directories: a fake cgroup listing this test process, an upperdir.

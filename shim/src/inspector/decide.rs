@@ -1,0 +1,519 @@
+//! The decisions of a turn end that need no I/O: from the kernel's counters now and at the
+//! mark, from run counts and from the mark's memory images, what the turn must look at again,
+//! what it cannot trust, and whether the present can become the mark.
+//! [`super::Inspection::observe_since`] gathers (reads counters, scans, captures) and asks
+//! these; the decisions over the answer's own findings ([`super::Kind`], [`super::ProcFinding`])
+//! are beside those types in `mod.rs`.
+//!
+//! Where they cannot tell, they answer "changed" (scan, capture, full): a turn answered `none`
+//! that changed something loses the user's work after a crash, a needless scan or capture only
+//! costs time.
+
+use std::collections::BTreeMap;
+
+use super::{
+    bpf::CgroupCounters,
+    memory::{MemoryImage, RegionKind},
+};
+
+/// Why the counters alone say the turn cannot be observed, in the order a turn says them:
+/// there is no mark to compare with (`then` is `None`); kernel events were lost since the mark
+/// (the BPF side could not record something, so its counts are incomplete); processes ran
+/// without a run count because the container holds its quota of them (`max_bpf_processes`).
+/// Without counters now (blind, or unreadable: said where that is learnt) only the first can
+/// be said.
+pub(super) fn counter_reasons(
+    now: Option<&CgroupCounters>,
+    then: Option<&CgroupCounters>,
+    max_bpf_processes: u64,
+) -> Vec<String> {
+    let mut degraded = Vec::new();
+    if then.is_none() {
+        degraded.push("no mark to compare with".into());
+    }
+    if let (Some(c), Some(m)) = (now, then) {
+        if c.errors > m.errors {
+            degraded.push(format!(
+                "{} kernel events lost since the mark",
+                c.errors - m.errors
+            ));
+        }
+        if c.over_quota > m.over_quota {
+            degraded.push(over_quota_reason(
+                c.over_quota - m.over_quota,
+                max_bpf_processes,
+            ));
+        }
+    }
+    degraded
+}
+
+/// Why a turn is DEGRADED when processes of the container ran without a run count because it
+/// held its quota of them: names the key, so that the operator knows what to raise.
+pub(crate) fn over_quota_reason(runs: u64, max: u64) -> String {
+    format!(
+        "processes ran {runs} times without a run count: the container holds more than \
+         [limits] max_bpf_processes ({max}) processes"
+    )
+}
+
+/// What the counters say of the container's files since the mark ([`fs_activity`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct FsActivity {
+    /// The upperdir and the tracked volumes must be scanned and compared with the mark's.
+    pub scan: bool,
+    /// Shared writable mappings of files must be armed before the scan
+    /// ([`super::Inspection::arm_shared_mappings`]).
+    pub arm: bool,
+    /// Mutating syscalls since the mark, by class ([`super::FsFinding::syscalls`]).
+    pub syscalls: BTreeMap<String, u64>,
+}
+
+/// Whether the files must be scanned: only when a mutating syscall happened since the mark, or
+/// when a shared writable mapping of a file was made (stores into it change the file with no
+/// syscall at all; counted since the watch began, not since the mark: a mapping made in an
+/// earlier turn may still be written through). Without counters or without a mark nothing says
+/// the files did not change: scan. Arming is needed whenever such a mapping may exist (any was
+/// made, or no counters to tell).
+pub(super) fn fs_activity(
+    now: Option<&CgroupCounters>,
+    then: Option<&CgroupCounters>,
+) -> FsActivity {
+    let arm = now.is_none_or(|c| c.shared_writable_mmaps > 0);
+    match (now, then) {
+        (Some(c), Some(m)) => {
+            let since = c.since(m);
+            FsActivity {
+                // A shared writable mapping lets stores change a file with no syscall at all.
+                scan: since.fs_mutations > 0 || c.shared_writable_mmaps > 0,
+                arm,
+                syscalls: since
+                    .fs_classes()
+                    .map(|(class, n)| (class.name().to_string(), n))
+                    .collect(),
+            }
+        }
+        _ => FsActivity {
+            scan: true,
+            arm,
+            syscalls: BTreeMap::new(),
+        },
+    }
+}
+
+/// The process events the counters saw since the mark ([`process_events`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) struct ProcessEvents {
+    pub forks: u64,
+    pub execs: u64,
+    pub exits: u64,
+    /// Kernel state outside the compared process state changed since the mark, by class
+    /// ([`super::ProcFinding::kernel`]).
+    pub kernel: BTreeMap<String, u64>,
+    /// Another process may have written into a process's memory (ptrace, process_vm_writev,
+    /// /proc/PID/mem): then no process counts as idle.
+    pub foreign_writes: bool,
+}
+
+/// The forks, execs, exits and kernel state changes since the mark (`then`), for the answer,
+/// and whether memory may have been written from outside a process. Without counters now
+/// there are no counts to report, and foreign writes cannot be ruled out.
+pub(super) fn process_events(now: Option<&CgroupCounters>, then: &CgroupCounters) -> ProcessEvents {
+    let Some(c) = now else {
+        return ProcessEvents {
+            foreign_writes: true,
+            ..ProcessEvents::default()
+        };
+    };
+    ProcessEvents {
+        forks: c.forks.saturating_sub(then.forks),
+        execs: c.execs.saturating_sub(then.execs),
+        exits: c.exits.saturating_sub(then.exits),
+        kernel: c
+            .since(then)
+            .state_classes()
+            .map(|(class, n)| (class.name().to_string(), n))
+            .collect(),
+        foreign_writes: c.foreign_mem_writes > then.foreign_mem_writes,
+    }
+}
+
+/// Whether a process that persisted since the mark may have changed its memory: a process
+/// that was not scheduled since the mark did not change it, unless another process wrote into
+/// it (`foreign_writes`). Scheduled is told by its run count now and at the mark; either
+/// unknown (no probes, the process over the quota, a count not taken at the mark) counts as
+/// ran.
+pub(super) fn ran_since_mark(
+    foreign_writes: bool,
+    runs_now: Option<u64>,
+    runs_then: Option<u64>,
+) -> bool {
+    foreign_writes
+        || match (runs_now, runs_then) {
+            (Some(now), Some(then)) => now != then,
+            _ => true,
+        }
+}
+
+/// What a turn does for the memory of a process that persisted since the mark.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum MemoryStep<'a> {
+    /// It did not run and maps no shared memory: its memory is exactly the mark's image,
+    /// carried to the next mark as it is.
+    Carry(&'a MemoryImage),
+    /// It did not run but maps shared memory, which another process may have changed while
+    /// it slept: its shared regions are read again over the mark's image
+    /// ([`super::memory::refresh_shared`], a whole capture when that cannot).
+    RefreshShared(&'a MemoryImage),
+    /// It ran, or there is no image at the mark: its whole memory is captured.
+    Capture,
+}
+
+/// [`MemoryStep`] for a process that `ran` (after its kernel-held state was compared, see
+/// [`ran_since_mark`]), with its image at the mark `prev`: one that did not run is carried,
+/// unless it maps shared memory (a [`RegionKind::Shmem`] region).
+pub(super) fn memory_step(ran: bool, prev: Option<&MemoryImage>) -> MemoryStep<'_> {
+    match prev {
+        Some(img) if !ran => {
+            // Shared memory (shared anonymous, SysV shm, memfd, tmpfs) can be changed by
+            // another process while this one sleeps: compare it whatever the run count says.
+            if img.regions.iter().any(|r| r.kind == RegionKind::Shmem) {
+                MemoryStep::RefreshShared(img)
+            } else {
+                MemoryStep::Carry(img)
+            }
+        }
+        _ => MemoryStep::Capture,
+    }
+}
+
+/// Why the memory of `pid` could not be compared although it was captured now: the mark has no
+/// image of it, with the `[limits]` bound the mark's observation passed if that is why.
+pub(super) fn no_image_reason(pid: u32, over_limit: Option<&str>) -> String {
+    match over_limit {
+        Some(why) => format!("no memory image of pid {pid} at the mark: {why}"),
+        None => format!("no memory image of pid {pid} at the mark"),
+    }
+}
+
+/// What the next mark is made of ([`next_mark`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum NextMark<C, M, P, V> {
+    /// The present, as this turn observed it: counters, upperdir manifest, processes, volumes.
+    Present(C, M, P, V),
+    /// A fresh full observation, over the upperdir's manifest when this turn scanned it.
+    Fresh(Option<M>),
+}
+
+/// Whether the present can become the mark: only when all four parts were observed and
+/// nothing degraded the turn. Otherwise the next turn would be compared with a present that is
+/// incomplete or untrusted (a scan that failed, images over a bound): a fresh full observation
+/// is taken instead, keeping the upperdir manifest if there is one.
+pub(super) fn next_mark<C, M, P, V>(
+    counters: Option<C>,
+    manifest: Option<M>,
+    processes: Option<P>,
+    volumes: Option<V>,
+    degraded: &[String],
+) -> NextMark<C, M, P, V> {
+    match (counters, manifest, processes, volumes) {
+        (Some(c), Some(m), Some(p), Some(v)) if degraded.is_empty() => {
+            NextMark::Present(c, m, p, v)
+        }
+        (_, manifest, _, _) => NextMark::Fresh(manifest),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inspector::bpf::{FsClass, StateClass, FS_CLASSES, STATE_CLASSES};
+    use crate::inspector::memory::{CaptureStats, ProcState, Region};
+
+    #[test]
+    fn over_quota_reason_names_the_key_and_its_value() {
+        let why = over_quota_reason(17, 64);
+        assert!(why.contains("[limits] max_bpf_processes (64)"), "{why}");
+        assert!(why.contains("17 times"), "{why}");
+    }
+
+    fn counters() -> CgroupCounters {
+        CgroupCounters::default()
+    }
+
+    /// Counters now or at the mark, in a table row.
+    type Counts<'a> = Option<&'a CgroupCounters>;
+
+    #[test]
+    fn counter_reasons_table() {
+        let base = CgroupCounters {
+            errors: 5,
+            over_quota: 2,
+            ..counters()
+        };
+        let lost = CgroupCounters { errors: 8, ..base };
+        let over = CgroupCounters {
+            over_quota: 9,
+            ..base
+        };
+        let both = CgroupCounters {
+            errors: 6,
+            over_quota: 3,
+            ..base
+        };
+        let backwards = CgroupCounters {
+            errors: 1,
+            over_quota: 0,
+            ..base
+        };
+        let quota = over_quota_reason;
+        #[rustfmt::skip]
+        let rows: Vec<(&str, Counts, Counts, Vec<String>)> = vec![
+            ("no mark, no counters", None, None, vec!["no mark to compare with".into()]),
+            ("no mark, counters", Some(&lost), None, vec!["no mark to compare with".into()]),
+            ("no counters, a mark: said where they failed", None, Some(&base), vec![]),
+            ("nothing lost", Some(&base), Some(&base), vec![]),
+            ("events lost", Some(&lost), Some(&base), vec!["3 kernel events lost since the mark".into()]),
+            ("over quota", Some(&over), Some(&base), vec![quota(7, 100)]),
+            ("both, lost first", Some(&both), Some(&base),
+             vec!["1 kernel events lost since the mark".into(), quota(1, 100)]),
+            ("counters behind the mark's: no growth", Some(&backwards), Some(&base), vec![]),
+        ];
+        for (name, now, then, want) in rows {
+            assert_eq!(counter_reasons(now, then, 100), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn fs_activity_table() {
+        let mut by_class = [0; FS_CLASSES];
+        by_class[FsClass::ALL[0].index()] = 3;
+        let base = CgroupCounters {
+            fs_mutations: 10,
+            fs_by_class: by_class,
+            ..counters()
+        };
+        let mut more = by_class;
+        more[FsClass::ALL[0].index()] = 5;
+        more[FsClass::ALL[1].index()] = 1;
+        let wrote = CgroupCounters {
+            fs_mutations: 13,
+            fs_by_class: more,
+            ..base
+        };
+        let mapped = CgroupCounters {
+            shared_writable_mmaps: 1,
+            ..base
+        };
+        let backwards = CgroupCounters {
+            fs_mutations: 4,
+            ..base
+        };
+        let other = CgroupCounters {
+            forks: 3,
+            execs: 2,
+            ..base
+        };
+        type Classes = BTreeMap<String, u64>;
+        let classes = |v: &[(FsClass, u64)]| -> Classes {
+            v.iter().map(|(c, n)| (c.name().to_string(), *n)).collect()
+        };
+        let (c0, c1) = (FsClass::ALL[0], FsClass::ALL[1]);
+        #[rustfmt::skip]
+        let rows: Vec<(&str, Counts, Counts, bool, bool, Classes)> = vec![
+            ("no counters, no mark", None, None, true, true, classes(&[])),
+            ("no counters: scan and arm", None, Some(&base), true, true, classes(&[])),
+            ("no mark: scan", Some(&base), None, true, false, classes(&[])),
+            ("no mark, a mapping: scan and arm", Some(&mapped), None, true, true, classes(&[])),
+            ("nothing since the mark", Some(&base), Some(&base), false, false, classes(&[])),
+            ("mutations since the mark", Some(&wrote), Some(&base), true, false, classes(&[(c0, 2), (c1, 1)])),
+            ("a shared writable mapping", Some(&mapped), Some(&base), true, true, classes(&[])),
+            ("a mapping made before the mark still counts", Some(&mapped), Some(&mapped), true, true, classes(&[])),
+            ("only process events", Some(&other), Some(&base), false, false, classes(&[])),
+            ("a counter behind the mark's: no mutation", Some(&backwards), Some(&base), false, false, classes(&[])),
+        ];
+        for (name, now, then, scan, arm, syscalls) in rows {
+            assert_eq!(
+                fs_activity(now, then),
+                FsActivity {
+                    scan,
+                    arm,
+                    syscalls
+                },
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn process_events_table() {
+        let mut state = [0; STATE_CLASSES];
+        state[StateClass::ALL[0].index()] = 1;
+        let base = CgroupCounters {
+            forks: 10,
+            execs: 4,
+            exits: 7,
+            foreign_mem_writes: 2,
+            state_by_class: state,
+            ..counters()
+        };
+        let mut more_state = state;
+        more_state[StateClass::ALL[0].index()] = 4;
+        let busy = CgroupCounters {
+            forks: 12,
+            execs: 5,
+            exits: 9,
+            state_by_class: more_state,
+            ..base
+        };
+        let foreign = CgroupCounters {
+            foreign_mem_writes: 3,
+            ..base
+        };
+        let backwards = CgroupCounters {
+            forks: 1,
+            execs: 0,
+            exits: 0,
+            foreign_mem_writes: 0,
+            ..base
+        };
+        let kernel = |n: u64| -> BTreeMap<String, u64> {
+            [(StateClass::ALL[0].name().to_string(), n)].into()
+        };
+        let events = |forks, execs, exits, kernel, foreign_writes| ProcessEvents {
+            forks,
+            execs,
+            exits,
+            kernel,
+            foreign_writes,
+        };
+        #[rustfmt::skip]
+        let rows: Vec<(&str, Option<&CgroupCounters>, ProcessEvents)> = vec![
+            ("no counters: nothing counted, foreign writes possible", None,
+             events(0, 0, 0, BTreeMap::new(), true)),
+            ("nothing since the mark", Some(&base), events(0, 0, 0, BTreeMap::new(), false)),
+            ("forks, execs, exits, kernel state", Some(&busy), events(2, 1, 2, kernel(3), false)),
+            ("a foreign memory write", Some(&foreign), events(0, 0, 0, BTreeMap::new(), true)),
+            ("counters behind the mark's: nothing", Some(&backwards), events(0, 0, 0, BTreeMap::new(), false)),
+        ];
+        for (name, now, want) in rows {
+            assert_eq!(process_events(now, &base), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn ran_since_mark_table() {
+        #[rustfmt::skip]
+        let rows = [
+            // (foreign writes, runs now, runs at the mark, ran)
+            (false, Some(5), Some(5), false),
+            (false, Some(6), Some(5), true),
+            (false, Some(4), Some(5), true), // a count that went back (a recycled slot)
+            (true, Some(5), Some(5), true),  // written into from outside
+            (false, None, Some(5), true),    // no count now (blind, over the quota)
+            (false, Some(5), None, true),    // no count at the mark
+            (false, None, None, true),
+            (true, None, None, true),
+        ];
+        for (foreign, now, then, ran) in rows {
+            assert_eq!(
+                ran_since_mark(foreign, now, then),
+                ran,
+                "foreign {foreign}, now {now:?}, then {then:?}"
+            );
+        }
+    }
+
+    fn region(kind: RegionKind) -> Region {
+        Region {
+            start: 0x10000,
+            end: 0x11000,
+            perms: "rw-p".into(),
+            offset: 0,
+            dev: "00:00".into(),
+            inode: 0,
+            name: String::new(),
+            kind,
+            pages: Vec::new(),
+            shared: None,
+        }
+    }
+
+    fn image(kinds: &[RegionKind]) -> MemoryImage {
+        MemoryImage {
+            pid: 1,
+            start_time: 1,
+            regions: kinds.iter().map(|k| region(*k)).collect(),
+            state: ProcState::default(),
+            stats: CaptureStats::default(),
+            masked: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn memory_step_table() {
+        use RegionKind::*;
+        let private = image(&[Anon, FilePrivate, SharedFile]);
+        let shmem = image(&[Anon, Shmem]);
+        let empty = image(&[]);
+        #[rustfmt::skip]
+        let rows: Vec<(&str, bool, Option<&MemoryImage>, &str)> = vec![
+            ("idle, private memory only", false, Some(&private), "carry"),
+            ("idle, no regions", false, Some(&empty), "carry"),
+            ("idle, a Shmem region", false, Some(&shmem), "refresh"),
+            ("ran", true, Some(&private), "capture"),
+            ("ran, a Shmem region", true, Some(&shmem), "capture"),
+            ("idle, no image at the mark", false, None, "capture"),
+            ("ran, no image at the mark", true, None, "capture"),
+        ];
+        for (name, ran, prev, want) in rows {
+            let got = match memory_step(ran, prev) {
+                MemoryStep::Carry(img) => {
+                    assert!(std::ptr::eq(img, prev.unwrap()), "{name}");
+                    "carry"
+                }
+                MemoryStep::RefreshShared(img) => {
+                    assert!(std::ptr::eq(img, prev.unwrap()), "{name}");
+                    "refresh"
+                }
+                MemoryStep::Capture => "capture",
+            };
+            assert_eq!(got, want, "{name}");
+        }
+    }
+
+    #[test]
+    fn no_image_reason_says_the_bound_when_there_is_one() {
+        #[rustfmt::skip]
+        let rows = [
+            (7, None, "no memory image of pid 7 at the mark"),
+            (7, Some("over [limits] x"), "no memory image of pid 7 at the mark: over [limits] x"),
+        ];
+        for (pid, over, want) in rows {
+            assert_eq!(no_image_reason(pid, over), want);
+        }
+    }
+
+    #[test]
+    fn next_mark_table() {
+        type Next = NextMark<u8, &'static str, u16, u32>;
+        type Parts = (Option<u8>, Option<&'static str>, Option<u16>, Option<u32>);
+        let none: &[String] = &[];
+        let one = &["a reason".to_string()][..];
+        #[rustfmt::skip]
+        let rows: Vec<(&str, Parts, &[String], Next)> = vec![
+            ("all observed, nothing degraded", (Some(1), Some("m"), Some(2), Some(3)), none,
+             NextMark::Present(1, "m", 2, 3)),
+            ("all observed, degraded", (Some(1), Some("m"), Some(2), Some(3)), one,
+             NextMark::Fresh(Some("m"))),
+            ("no counters", (None, Some("m"), Some(2), Some(3)), none, NextMark::Fresh(Some("m"))),
+            ("no upperdir manifest", (Some(1), None, Some(2), Some(3)), none, NextMark::Fresh(None)),
+            ("no processes", (Some(1), Some("m"), None, Some(3)), none, NextMark::Fresh(Some("m"))),
+            ("no volumes", (Some(1), Some("m"), Some(2), None), none, NextMark::Fresh(Some("m"))),
+            ("nothing", (None, None, None, None), one, NextMark::Fresh(None)),
+        ];
+        for (name, (c, m, p, v), degraded, want) in rows {
+            assert_eq!(next_mark(c, m, p, v, degraded), want, "{name}");
+        }
+    }
+}
