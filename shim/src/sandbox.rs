@@ -522,6 +522,10 @@ impl Sandbox {
     }
 }
 
+/// How long an action may wait for the inspection before the wait is logged
+/// (`settled`).
+const SETTLE_WARN: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl From<CheckpointError> for Error {
     fn from(e: CheckpointError) -> Error {
         match e {
@@ -781,9 +785,29 @@ impl<T: Send + 'static> InspectionCell<T> {
         });
     }
 
-    /// Returns once no task uses the inspection.
+    /// Returns once no task uses the inspection. Unbounded (what holds it is bounded: a turn
+    /// end, a checkpoint job under its deadline); a wait past [`SETTLE_WARN`] is logged, so a
+    /// stalled exec start says what it waits for.
     pub async fn settled(&self) {
-        drop(self.slot.lock().await);
+        let lock = self.slot.lock();
+        tokio::pin!(lock);
+        match tokio::time::timeout(SETTLE_WARN, &mut lock).await {
+            Ok(guard) => drop(guard),
+            Err(_) => {
+                let since = std::time::Instant::now() - SETTLE_WARN;
+                log::warn!(
+                    "container {}: an action has waited {SETTLE_WARN:?} for the inspection (a turn \
+                     end, a base mark or a checkpoint job holds it)",
+                    self.container_id
+                );
+                drop(lock.await);
+                log::warn!(
+                    "container {}: the action waited {:?} for the inspection",
+                    self.container_id,
+                    since.elapsed()
+                );
+            }
+        }
     }
 
     async fn run_holding<R: Send + 'static>(
