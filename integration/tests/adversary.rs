@@ -30,7 +30,7 @@
 //! failure) fails at once, as a broken test. Two controls passed before the kernel-state mark
 //! too: the same scenario through `process_vm_writev` (counted all along), and every state at
 //! once under the `full-every-turn` policy (what CRIU brings back when the inspector is out of the way: all of
-//! it, SIGSTOP aside, see [`holder_stopped_by_sigstop`]). Three routes have scenarios of their
+//! it, SIGSTOP aside: see [`holder_stopped_by_sigstop`]). Three routes have scenarios of their
 //! own: a userfaultfd (which CRIU cannot dump at all), a core dump (written by the kernel, in
 //! turns with and without an exec) and a change a restored process makes before the shim's
 //! first mark of the restored container.
@@ -38,8 +38,8 @@
 //! with file and process work, crashing and recovering after each turn.
 //!
 //! Run: `cargo test --release -p crab-integration --test adversary` (with `hack/containerd.sh
-//! env` evaluated); the two tests marked `#[ignore]` fail today, each for the reason its
-//! attribute names (`-- --include-ignored` runs them). The tests run in parallel:
+//! env` evaluated); the test marked `#[ignore]` fails today, for the reason its attribute
+//! names (`-- --include-ignored` runs it). The tests run in parallel:
 //! each has its own sandbox; only the core dump test touches the host (`kernel.core_pattern`,
 //! see [`PlainCorePattern`]).
 
@@ -453,15 +453,18 @@ fn holder_digest(s: &Sandbox, d: &mut Digest) {
     put("state", st.first().cloned().unwrap_or_default());
     put("nice", st.get(16).cloned().unwrap_or_default());
     put("policy", st.get(38).cloned().unwrap_or_default());
+    let stopped = st.first().map(String::as_str) == Some("T");
     let fields = status(&format!("/proc/{pid}/status"));
     for k in ["SigPnd", "ShdPnd", "SigBlk", "SigIgn"] {
-        put(k, fields.get(k).cloned().unwrap_or_default());
+        let v = fields.get(k).cloned().unwrap_or_default();
+        put(k, pending_as_it_acts(k, v, stopped));
     }
     let thread = host_tid(pid, fd("tid")).map(|t| status(&format!("/proc/{pid}/task/{t}/status")));
     put(
         "thread.SigPnd",
         thread
             .and_then(|t| t.get("SigPnd").cloned())
+            .map(|v| pending_as_it_acts("SigPnd", v, stopped))
             .unwrap_or_else(|| "(no thread)".into()),
     );
     let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap_or_default();
@@ -511,6 +514,19 @@ fn holder_digest(s: &Sandbox, d: &mut Digest) {
 /// The live state of the sandbox: the holder's, the container's SysV message queues, the files
 /// under /app/work and core files in /app (by hash), and its processes (namespace pid and
 /// command line; zombies have none and are left out).
+/// A pending set (`SigPnd`, `ShdPnd`; other keys as they are) as it can still act: a stop
+/// signal (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU) pending in a process that is stopped changes
+/// nothing, since the SIGCONT that resumes it discards every pending stop signal. CRIU leaves
+/// one there when it dumps a stopped process (it stops it again as it lets go) and restores
+/// the process stopped without it.
+fn pending_as_it_acts(key: &str, hex: String, stopped: bool) -> String {
+    const STOP_SIGNALS: u64 = (1 << 18) | (1 << 19) | (1 << 20) | (1 << 21);
+    match (key, u64::from_str_radix(&hex, 16)) {
+        ("SigPnd" | "ShdPnd", Ok(set)) if stopped => format!("{:016x}", set & !STOP_SIGNALS),
+        _ => hex,
+    }
+}
+
 async fn digest(s: &Sandbox) -> Digest {
     let (_, init) = s.h.status(&s.id, "").await.unwrap();
     let mut d = Digest::new();
@@ -890,19 +906,17 @@ async fn file_offset_moved_through_pidfd_getfd() {
 
 /// Route 7a: SIGSTOP of the holder: it stops (state T) without running.
 ///
-/// Found here (the stop is answered `proc` since the kernel-state mark): on a host whose
-/// freezer is cgroup v1 (this one), no process checkpoint of a sandbox holding a stopped
-/// process can be taken. crab freezes the cgroup, then CRIU's
-/// `PTRACE_SEIZE` of the stopped task makes the kernel wake it to move it to a trap stop and
-/// waits (`ptrace_attach`, killable) for it to get there, which a frozen task never does:
-/// CRIU sits in D state until its 60 s timeout or a kill (`Unseizable non-zombie ... found`),
-/// and the turn is recorded `failed`; the next action waits `action_wait_timeout_ms` (30 s)
-/// for it and is refused. (The control test leaves SIGSTOP out for that reason; so does the
-/// random adversary.) On such a host this test ends there, after about a minute, with that
-/// finding, until the dump handles stopped tasks under that freezer. Not run on a cgroup-v2
-/// freezer here.
+/// Found here: on a host whose freezer is cgroup v1 (this one), a process checkpoint of a
+/// sandbox holding a stopped process used to hang: crab froze the cgroup, then CRIU's
+/// `PTRACE_SEIZE` of the stopped task made the kernel wake it to move it to a trap stop and
+/// wait (`ptrace_attach`, killable) for it to get there, which a frozen task never does; CRIU
+/// sat in D state until its 60 s timeout and the turn was recorded `failed`. The dump now
+/// finds the stopped task with the container frozen (a frozen stopped task reads `D`, blocked
+/// in `do_signal_stop`), thaws it and lets CRIU seize every task with ptrace
+/// (`checkpoint::process::seize_for`); CRIU restores the process stopped. (The control test
+/// and the random adversary still leave SIGSTOP out: a stopped holder would stop their later
+/// routes that need it to run.) Not run on a cgroup-v2 freezer here.
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "issue 25: a stopped process cannot be dumped under the cgroup-v1 freezer (CRIU's seize waits forever)"]
 async fn holder_stopped_by_sigstop() {
     run_route(process_route(
         "sigstop",
@@ -959,7 +973,7 @@ async fn sysv_message_queue_left_behind() {
 
 /// Control: CRIU's side, with the inspector out of the way. Under the `full-every-turn` policy
 /// every turn is checkpointed whole whatever the answer; one turn takes every route above that
-/// leaves the holder checkpointable (SIGSTOP aside: see [`holder_stopped_by_sigstop`]), and a
+/// leaves the holder running (SIGSTOP aside: see [`holder_stopped_by_sigstop`]), and a
 /// crash + recovery must
 /// bring each of those states back. A key that differs here is a state CRIU (or crab's dump and
 /// restore) does not keep, which no inspector can fix.
@@ -1520,8 +1534,8 @@ fn draw(rng: &mut Rng, m: &mut Model, turn: u64) -> (String, String) {
 }
 
 /// Randomized: after t1 (the holder), `CRAB_ADVERSARY_TURNS` turns (default 10) of one or
-/// two operations each, drawn from the routes that leave the holder checkpointable (not
-/// SIGSTOP: see [`holder_stopped_by_sigstop`]; not userfaultfd), file
+/// two operations each, drawn from the routes that leave the holder running and
+/// checkpointable (not SIGSTOP: see [`holder_stopped_by_sigstop`]; not userfaultfd), file
 /// writes and removals, and background processes started and stopped; after each turn end,
 /// the live state's digest, a crash, a recovery, and the recovered state's digest, which must
 /// be the live one. The seed is printed; `CRAB_ADVERSARY_SEED` replays it. Every mismatch is

@@ -368,6 +368,11 @@ pub struct DumpOptions {
     /// hierarchy ([`cgroup_yard`]); `None`: CRIU mounts each itself (~2-3 ms per hierarchy,
     /// with the container frozen: 25-30 ms on a cgroup v1 host).
     pub cgroup_yard: Option<String>,
+    /// CRIU seizes every task with ptrace, not through the cgroup freezer (no
+    /// `--freeze-cgroup`): the only way to dump a task in a job-control stop on a cgroup v1
+    /// freezer, where `PTRACE_SEIZE` of a stopped task in a frozen cgroup waits forever (the
+    /// kernel wakes it to move it to a trap stop, which a frozen task never reaches).
+    pub ptrace_seize: bool,
 }
 
 /// The host's cgroup mount directory.
@@ -554,7 +559,7 @@ fn dump_opts(
             o.str(37, &format!("{name}[{ino}]:{key}"));
         }
     }
-    if let Some(cg) = state.freezer_cgroup() {
+    if let Some(cg) = state.freezer_cgroup().filter(|_| !opts.ptrace_seize) {
         o.str(44, cg);
     }
     let mut ext_mnt = |key: &str, val: &str| {
@@ -1170,6 +1175,13 @@ mod tests {
         assert_eq!(strings(&o, 10), ["dump.log"]);
         assert_eq!(strings(&o, 13), ["/ROOTFS"]);
         assert_eq!(strings(&o, 44), ["/sys/fs/cgroup/c1"]);
+        // A dump that seizes with ptrace names no freezer cgroup.
+        let seize = DumpOptions {
+            ptrace_seize: true,
+            ..opts.clone()
+        };
+        let seized = dump_opts(&st, &seize, &v1, 7, 8).unwrap().0;
+        assert!(strings(&seized, 44).is_empty());
         assert_eq!(strings(&o, 51), ["/etc/criu/runc.conf"]);
         assert!(strings(&o, 37).is_empty(), "no joined namespaces");
         // ext_mnt: the bind mounts (cleaned) and the devices; /proc/kcore only if it is a file

@@ -63,6 +63,9 @@ pub enum ProcError {
         #[source]
         source: PstreeError,
     },
+    /// Processes in a job-control stop (SIGSTOP) that this dump cannot seize, and why.
+    #[error("process(es) {pids:?} of the container are stopped (SIGSTOP or a terminal stop), which this dump cannot seize: {why}")]
+    Stopped { pids: Vec<u32>, why: &'static str },
     #[error("page deduplication: {0}")]
     Pages(#[from] PagesError),
     #[error("{context}: {source}")]
@@ -554,19 +557,28 @@ pub async fn checkpoint(
     // finding the cgroup frozen, seizes the tasks and leaves it frozen when done; crab thaws
     // it as soon as CRIU has answered. The trap check then also sees the very tree CRIU dumps.
     let freezing = Instant::now();
-    let frozen = freeze(init_pid).await;
+    let mut frozen = freeze(init_pid).await;
     timings.freeze_ms = Timings::ms(freezing.elapsed());
-    let result = dump_frozen(runc, dumper, id, init_pid, cgroup_dir, dir, &mut timings).await;
-    if let Some(freezer) = frozen {
-        let thawing = Instant::now();
-        use crate::sys::cgroup::freezer::Freezer;
-        let thawed = tokio::task::spawn_blocking(move || freezer.thaw())
-            .await
-            .map_err(io::Error::other)
-            .and_then(|r| r);
-        if let Err(e) = thawed {
-            log::error!("checkpoint of {id}: cannot thaw the container after the dump: {e}");
+    let seize = match seize_for(id, dumper, cgroup_dir, &mut frozen).await {
+        Ok(seize) => seize,
+        Err(e) => {
+            thaw(id, frozen).await;
+            return Err(e);
         }
+    };
+    let result = dump_frozen(
+        runc,
+        dumper,
+        id,
+        init_pid,
+        cgroup_dir,
+        dir,
+        seize,
+        &mut timings,
+    )
+    .await;
+    let thawing = Instant::now();
+    if thaw(id, frozen).await {
         timings.thaw_ms = Timings::ms(thawing.elapsed());
     }
     let (work, dump_start) = result?;
@@ -575,6 +587,80 @@ pub async fn checkpoint(
         id, init_pid, cgroup_dir, dir, chunks, &work, dump_start, dump, started, timings,
     )
     .await
+}
+
+/// Thaws what [`freeze`] froze; whether there was anything to thaw.
+async fn thaw(id: &str, frozen: Option<crate::sys::cgroup::freezer::CgroupFreezer>) -> bool {
+    use crate::sys::cgroup::freezer::Freezer;
+    let Some(freezer) = frozen else {
+        return false;
+    };
+    let thawed = tokio::task::spawn_blocking(move || freezer.thaw())
+        .await
+        .map_err(io::Error::other)
+        .and_then(|r| r);
+    if let Err(e) = thawed {
+        log::error!("checkpoint of {id}: cannot thaw the container after the dump: {e}");
+    }
+    true
+}
+
+/// How CRIU stops the container's tasks for the dump.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Seize {
+    /// Through the cgroup freezer (runc's way; frozen by crab beforehand).
+    Freezer,
+    /// Each task with ptrace, the cgroup thawed: for a container holding a process in a
+    /// job-control stop (see [`seize_for`]).
+    Ptrace,
+}
+
+/// How the dump seizes the container's tasks. A process in a job-control stop (SIGSTOP)
+/// cannot be seized in a frozen cgroup v1: `PTRACE_SEIZE` wakes the stopped task to move it
+/// to a trap stop and waits (killable) for it to get there, which a frozen task never does,
+/// so CRIU waited in D state until its timeout. Such a container is dumped with the freezer
+/// thawed (`frozen` is thawed and emptied) and every task seized with ptrace, which CRIU
+/// handles for stopped tasks (it records the stop and restores it). The check runs with the
+/// container frozen, so no process of it can stop another meanwhile. `runc checkpoint` always
+/// hands CRIU the freezer: with it such a dump fails here at once, saying why, instead of
+/// after CRIU's timeout; so does a container paused by its user (its freezer is not ours to
+/// thaw).
+async fn seize_for(
+    id: &str,
+    dumper: &Dumper,
+    cgroup_dir: &Path,
+    frozen: &mut Option<crate::sys::cgroup::freezer::CgroupFreezer>,
+) -> Result<Seize, ProcError> {
+    use crate::sys::cgroup::freezer::CgroupVersion;
+    let dir = cgroup_dir.to_path_buf();
+    let stopped = tokio::task::spawn_blocking(move || procs::job_stopped(&dir))
+        .await
+        .map_err(|e| io_err("listing stopped processes")(io::Error::other(e)))??;
+    if stopped.is_empty() {
+        return Ok(Seize::Freezer);
+    }
+    let paused = frozen.as_ref().is_some_and(|f| f.frozen_by_someone_else());
+    let v1 = frozen
+        .as_ref()
+        .is_none_or(|f| f.version() == CgroupVersion::V1);
+    let refused = match dumper {
+        _ if paused => Some("the container is paused, and its freezer is not crab's to thaw: resume it first"),
+        Dumper::Runc if v1 => Some("`runc checkpoint` always seizes through the cgroup v1 freezer, which cannot seize a stopped task: `[checkpoint] process_dump = \"criu\"` dumps it"),
+        _ => None,
+    };
+    if let Some(why) = refused {
+        return Err(ProcError::Stopped { pids: stopped, why });
+    }
+    if !matches!(dumper, Dumper::Criu { .. }) {
+        // runc on a cgroup v2 freezer, which was not seen to hang.
+        return Ok(Seize::Freezer);
+    }
+    log::info!(
+        "checkpoint of {id}: process(es) {stopped:?} in a job-control stop: dumped with every \
+         task seized by ptrace, the freezer thawed"
+    );
+    thaw(id, frozen.take()).await;
+    Ok(Seize::Ptrace)
 }
 
 /// Freezes the container of `init_pid` (see [`checkpoint`]); `None` when its freezer cannot
@@ -600,8 +686,9 @@ async fn freeze(init_pid: u32) -> Option<crate::sys::cgroup::freezer::CgroupFree
     }
 }
 
-/// The trap check and the dump of a frozen container; returns CRIU's work directory and the
-/// dump's start (boot ticks).
+/// The trap check and the dump of a frozen container (or of one CRIU seizes with ptrace:
+/// `seize`); returns CRIU's work directory and the dump's start (boot ticks).
+#[allow(clippy::too_many_arguments)]
 async fn dump_frozen(
     runc: &Runc,
     dumper: &Dumper,
@@ -609,6 +696,7 @@ async fn dump_frozen(
     init_pid: u32,
     cgroup_dir: &Path,
     dir: &Path,
+    seize: Seize,
     timings: &mut ProcessTimings,
 ) -> Result<(PathBuf, u64), ProcError> {
     let checking = Instant::now();
@@ -644,6 +732,7 @@ async fn dump_frozen(
                 ext_unix_sk: true,
                 file_locks: true,
                 skip_network_lock,
+                ptrace_seize: seize == Seize::Ptrace,
                 ..Default::default()
             };
             let run_dir = super::criu_rpc::kdat_dir();

@@ -1595,7 +1595,10 @@ fn read_proc_state(
             comm: stat.comm,
             syscall,
             status,
-            stopped: matches!(stat.state, 'T' | 't'),
+            // A frozen cgroup (a mark taken while the container is frozen) reads `D` for a
+            // stopped task too: the wait channel tells.
+            stopped: stat.state == 't'
+                || super::procs::in_job_stop(stat.state, || read_opt(&format!("{base}/wchan"))),
         });
     }
     let fd_dir = format!("/proc/{pid}/fd");

@@ -152,6 +152,40 @@ pub fn threads_by_ns_tid(pid: u32) -> Vec<(u32, u32)> {
         .collect()
 }
 
+/// Whether a thread whose `/proc/.../stat` state is `state` sits in a job-control stop
+/// (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU): state `T`; or, in a frozen cgroup, where the kernel
+/// reports a frozen task `D` whatever it was doing, blocked in `do_signal_stop` (`wchan`, read
+/// only for `D`).
+pub fn in_job_stop(state: char, wchan: impl FnOnce() -> Option<String>) -> bool {
+    match state {
+        'T' => true,
+        'D' => wchan().is_some_and(|w| w.trim() == "do_signal_stop"),
+        _ => false,
+    }
+}
+
+/// The processes of cgroup `cgroup_dir` with a thread in a job-control stop ([`in_job_stop`]),
+/// frozen cgroup or not. Processes and threads that go meanwhile are left out.
+pub fn job_stopped(cgroup_dir: &Path) -> Result<Vec<u32>, ProcfsError> {
+    let mut out = Vec::new();
+    for p in list(cgroup_dir)? {
+        let stopped = thread_ids(p.pid).into_iter().any(|tid| {
+            let task = format!("/proc/{}/task/{tid}", p.pid);
+            let state = std::fs::read(format!("{task}/stat"))
+                .ok()
+                .and_then(|b| parse_stat(&String::from_utf8_lossy(&b)))
+                .map(|s| s.state);
+            state.is_some_and(|s| {
+                in_job_stop(s, || std::fs::read_to_string(format!("{task}/wchan")).ok())
+            })
+        });
+        if stopped {
+            out.push(p.pid);
+        }
+    }
+    Ok(out)
+}
+
 /// Information about one process; `Ok(None)` if it does not exist (any more).
 pub fn info(pid: u32) -> Result<Option<ProcInfo>, ProcfsError> {
     let Some(stat) = read_stat(pid)? else {
@@ -503,6 +537,22 @@ mod tests {
     use super::*;
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
+
+    #[test]
+    fn a_job_stop_is_told_apart_frozen_or_not() {
+        let no_wchan = || -> Option<String> { panic!("wchan read for a state that needs none") };
+        assert!(in_job_stop('T', no_wchan));
+        for state in ['R', 'S', 't', 'Z', 'X', 'I'] {
+            assert!(!in_job_stop(state, no_wchan), "{state}");
+        }
+        // Frozen: `D` whatever the task was doing; only a stop's wchan is a stop.
+        assert!(in_job_stop('D', || Some("do_signal_stop\n".into())));
+        assert!(!in_job_stop('D', || Some("hrtimer_nanosleep".into())));
+        assert!(!in_job_stop('D', || Some("__refrigerator".into())));
+        // wchan hidden (no kallsyms: "0") or unreadable: not a stop that can be proven.
+        assert!(!in_job_stop('D', || Some("0".into())));
+        assert!(!in_job_stop('D', || None));
+    }
 
     fn pi(pid: u32, start_time: u64) -> ProcInfo {
         ProcInfo {

@@ -79,6 +79,13 @@ impl CgroupFreezer {
         &self.dir
     }
 
+    /// Whether the cgroup was frozen by someone else (a user's pause) when this freezer's
+    /// outermost `freeze` found it: `thaw` then leaves it frozen.
+    pub fn frozen_by_someone_else(&self) -> bool {
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.depth > 0 && st.external
+    }
+
     pub fn version(&self) -> CgroupVersion {
         self.version
     }
