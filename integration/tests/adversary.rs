@@ -38,8 +38,7 @@
 //! with file and process work, crashing and recovering after each turn.
 //!
 //! Run: `cargo test --release -p crab-integration --test adversary` (with `hack/containerd.sh
-//! env` evaluated); the test marked `#[ignore]` fails today, for the reason its attribute
-//! names (`-- --include-ignored` runs it). The tests run in parallel:
+//! env` evaluated). The tests run in parallel:
 //! each has its own sandbox; only the core dump test touches the host (`kernel.core_pattern`,
 //! see [`PlainCorePattern`]).
 
@@ -226,6 +225,8 @@ else:
 
 /// The adversary's directory in the container.
 const DIR: &str = "/app/adv";
+/// The setup's directory on the container's `/dev/shm`, a tmpfs mount ([`tmpfs_entries_renamed_removed_and_made`]).
+const SHM: &str = "/dev/shm/crab-adv";
 
 /// t1: the scripts, the holder's data file, the holder (with `holder_args`), waiting until it
 /// has written `holder.json`. Python runs with `-B` here and in every route: a byte-code file
@@ -236,6 +237,7 @@ fn setup(holder_args: &str) -> String {
          cat > {DIR}/holder.py <<'EOF'\n{HOLDER_PY}EOF\n\
          cat > {DIR}/adv.py <<'EOF'\n{ADV_PY}EOF\n\
          echo 0123456789abcdef > {DIR}/data.txt\n\
+         mkdir -p {SHM} && echo a > {SHM}/kept-a && echo b > {SHM}/kept-b\n\
          nohup python3 -B {DIR}/holder.py {DIR} {holder_args} >/dev/null 2>&1 &\n\
          for i in $(seq 400); do [ -e {DIR}/holder.json ] && break; sleep 0.05; done\n\
          test -e {DIR}/holder.json"
@@ -575,6 +577,24 @@ async fn digest(s: &Sandbox) -> Digest {
     }
     files.sort();
     d.insert("files".into(), files.join("; "));
+    // The entries of the setup's directory on the container's /dev/shm (a tmpfs mount):
+    // name, type and mode.
+    let mut shm: Vec<String> = std::fs::read_dir(format!("/proc/{init}/root{SHM}"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| {
+            let m = e.metadata().map(|m| {
+                (
+                    m.is_dir(),
+                    std::os::unix::fs::MetadataExt::mode(&m) & 0o7777,
+                )
+            });
+            format!("{} {m:?}", e.file_name().to_string_lossy())
+        })
+        .collect();
+    shm.sort();
+    d.insert("shm".into(), shm.join("; "));
     d
 }
 
@@ -926,6 +946,21 @@ async fn holder_stopped_by_sigstop() {
     .await;
 }
 
+/// Route 9: entries of a tmpfs mount (`/dev/shm`) renamed, removed and made as a directory,
+/// nothing written: no upperdir holds them (a process checkpoint keeps tmpfs mounts), and the
+/// probes see only syscalls that name a path whose filesystem they do not resolve. The turn
+/// end compares manifests of the container's tmpfs mounts whenever a mutating file syscall was
+/// counted.
+#[tokio::test(flavor = "multi_thread")]
+async fn tmpfs_entries_renamed_removed_and_made() {
+    run_route(process_route(
+        "tmpfs",
+        format!("mv {SHM}/kept-a {SHM}/moved-a && rm {SHM}/kept-b && mkdir {SHM}/made && chmod 700 {SHM}/made"),
+        &["shm"],
+    ))
+    .await;
+}
+
 /// Route 7b: `renice -n 5` of the holder (setpriority on another process).
 #[tokio::test(flavor = "multi_thread")]
 async fn holder_reniced() {
@@ -1223,23 +1258,24 @@ async fn published(s: &Sandbox, turn: &str, answer: &Value) {
     panic!("no checkpoint of {turn}: {:#?}", s.manifests());
 }
 
-/// Lets a container just restored (recovered, or rolled back by recreating it) take its base
-/// mark, which the shim does in the background once the restored processes run.
+/// Lets a container just restored (recovered, or rolled back by recreating it) settle: its
+/// base mark is taken before its processes run (at CRIU's pre-resume), but a restore that
+/// falls back to marking after they run (a lazy one) takes it in the background.
 async fn settle() {
     tokio::time::sleep(Duration::from_secs(3)).await;
 }
 
 /// A route found here: a change made by a restored process right after the restore. The shim
-/// takes a restored container's base mark in the background once its processes run again
-/// (`mark_base_in_background`, after Start); what they do before that mark is part of no
-/// turn: the next turn end compares with a mark that already holds it. Here t1 starts a worker
+/// used to take a restored container's base mark in the background once its processes ran
+/// again (after Start), so what they did before that mark was part of no turn: the next turn
+/// end compared with a mark that already held it. The mark is now taken at CRIU's
+/// pre-resume, while CRIU holds every restored thread (`sandbox::inspection_before_resume`). Here t1 starts a worker
 /// that waits for a wall-clock deadline (polling every 10 ms) and then writes 8 random bytes
 /// (hex) into `/app/work/fired` and exits; t1 is checkpointed, the sandbox crashes before the
 /// deadline and is recovered after it, so the worker fires within 10 ms of the restore. t2
 /// (no exec) must not be `none` (a process ended, a file appeared), and a second crash +
 /// recovery must bring back that state, not the worker (which would fire again, other bytes).
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "issue 25: until a restored container's base mark is taken before its processes run"]
 async fn a_change_right_after_a_recovery_is_seen() {
     const WAIT_S: u64 = 10;
     let mut f = Findings::default();
@@ -1371,9 +1407,8 @@ async fn core_steps(s: &mut Sandbox, f: &mut Findings) -> Result<(), String> {
         Err(e) => f.check(false, || format!("rollback to t1 failed: {e}")),
     }
 
-    // t3: t2 again, then a crash and a recovery. The new container's base mark is taken in
-    // the background once it runs: a change before it is the race
-    // `a_change_right_after_a_recovery_is_seen` covers, not this route.
+    // t3: t2 again, then a crash and a recovery. (A change right after the restore is what
+    // `a_change_right_after_a_recovery_is_seen` covers, not this route.)
     settle().await;
     s.turn += 1;
     trigger_crash(s).await?;

@@ -103,6 +103,12 @@ pub struct Sandbox {
     lazy: OnceLock<crate::checkpoint::lazy::Transfer>,
     /// The rseq areas of the restored threads (see [`Sandbox::restored_rseq`]).
     rseq: OnceLock<Vec<(u32, u64)>>,
+    /// The inspection of a restored container, its base mark taken while CRIU still held the
+    /// restored processes ([`Sandbox::marked_before_resume`]); taken by checkpointing.
+    premarked: std::sync::Mutex<Option<Inspection>>,
+    /// The inspection in use was marked before the restored processes ran: Start takes no
+    /// base mark of its own.
+    marked_at_restore: std::sync::atomic::AtomicBool,
 }
 
 impl Sandbox {
@@ -132,7 +138,17 @@ impl Sandbox {
             exec_boundary,
             lazy: OnceLock::new(),
             rseq: OnceLock::new(),
+            premarked: std::sync::Mutex::new(None),
+            marked_at_restore: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// The restored container's inspection, its base mark taken before the restored processes
+    /// ran ([`inspection_before_resume`]): checkpointing uses it, and Start takes no mark of
+    /// its own. Whatever a restored process does from its first instruction on is part of the
+    /// first turn. Call before [`Sandbox::start_checkpointing`].
+    pub fn marked_before_resume(&self, inspection: Inspection) {
+        *self.premarked.lock().unwrap_or_else(|e| e.into_inner()) = Some(inspection);
     }
 
     /// The container's processes were restored lazily: `transfer` says when all their memory
@@ -233,12 +249,20 @@ impl Sandbox {
             wait_bound: Duration::from_millis(c.action_wait_timeout_ms),
         };
         let engine = Admission::new(&config.engine, &self.namespace, &self.id);
+        let premarked = self
+            .premarked
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         let inspection = {
             let (id, overlay, cgroup2_dir) =
                 (self.id.clone(), overlay.clone(), cgroup2_dir.clone());
             let (limits, volumes) = (config.limits.clone(), volumes.clone());
-            tokio::task::spawn_blocking(move || {
-                start_inspection(&id, cgroup2_dir, overlay, volumes, limits)
+            let marked = &self.marked_at_restore;
+            marked.store(premarked.is_some(), std::sync::atomic::Ordering::SeqCst);
+            tokio::task::spawn_blocking(move || match premarked {
+                Some(inspection) => inspection,
+                None => start_inspection(&id, cgroup2_dir, overlay, volumes, limits),
             })
         };
         let capture = ContainerCapture {
@@ -498,6 +522,19 @@ impl Sandbox {
     /// own program and its start-up has settled, without waiting for it: the inspection is
     /// taken before this returns, so whoever needs it next waits until the base is taken.
     pub async fn mark_base_in_background(&self, pid: u32) {
+        if self
+            .marked_at_restore
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            // Marked while CRIU held the processes; their own memory as they resume is the base.
+            self.answers
+                .inspection
+                .run_in_background("refreshing the restored memory", |i| {
+                    i.refresh_restored_memory()
+                })
+                .await;
+            return;
+        }
         self.answers
             .inspection
             .run_in_background("taking the base mark", move |i| {
@@ -971,6 +1008,35 @@ fn host_probes() -> std::result::Result<Arc<HostProbes>, ProbesUnavailable> {
             Ok(Arc::new(probes))
         })
         .clone()
+}
+
+/// The inspection of container `id`, restored from a CRIU image (its init `init`), with its
+/// base mark taken now: while CRIU holds every restored thread at pre-resume (registers,
+/// signal masks and pending signals, memory, fds and queues all as they will run, the
+/// restorer unmapped), so that nothing a restored process does after it resumes is in the
+/// base. `rseq` are the image's rseq areas (left out of memory images from the start). The
+/// probes watch the container's cgroup from here on.
+pub fn inspection_before_resume(
+    id: &str,
+    init: u32,
+    rootfs: &crate::bundle::Rootfs,
+    spec: &oci_spec::runtime::Spec,
+    config: &Config,
+    rseq: &[(u32, u64)],
+) -> Inspection {
+    let cgroup2_dir =
+        crate::sys::cgroup::cgroup2_dir_of(init).map_err(|e| ProbesUnavailable::NoCgroup2 {
+            pid: init,
+            source: Arc::new(e),
+        });
+    let volumes = tracked_volumes(spec, &config.checkpoint.tracked_volumes);
+    let overlay = Overlay::of(&rootfs.mounts);
+    let mut inspection = start_inspection(id, cgroup2_dir, overlay, volumes, config.limits.clone());
+    // CRIU and its action script are in the container's cgroup until the restore ends.
+    inspection.restored_tree(init);
+    inspection.restored_rseq(rseq);
+    inspection.mark_base_held_by_criu();
+    inspection
 }
 
 /// Starts inspecting a created container whose cgroup2 directory is `cgroup2_dir` (or why it

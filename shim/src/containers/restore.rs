@@ -18,13 +18,14 @@ use crate::{
     bundle,
     checkpoint::lazy,
     error::{Error, Result},
+    inspector::Inspection,
     restore::{
         gate as restore_gate,
         intake::{Taken, Verdict, Verification},
         kernel, seccomp,
     },
     runc::{CheckpointOpts, ChildStdio},
-    sandbox::{Origin, OriginImport},
+    sandbox::{inspection_before_resume, Origin, OriginImport},
     stdio::PreparedIo,
 };
 
@@ -59,9 +60,56 @@ struct PageVerdict {
 
 /// The kernel check's side of the restore gate (pre-resume).
 struct KernelCheck {
-    task: JoinHandle<restore_gate::Resumed<kernel::Passed>>,
+    task: JoinHandle<restore_gate::Resumed<Checked>>,
     /// Wakes the check's thread when CRIU never reaches pre-resume.
     cancel: restore_gate::ResumeCancel,
+}
+
+/// A passed kernel check, and the inspection whose base mark was taken right after it, while
+/// CRIU still held the restored processes (`None` when the container is not inspected, or
+/// its memory arrives lazily: then Start marks it once its processes run).
+type Checked = (kernel::Passed, Option<Inspection>);
+
+/// What the base mark taken at pre-resume needs ([`inspection_before_resume`]).
+struct BeforeResume {
+    id: String,
+    image: PathBuf,
+    rootfs: bundle::Rootfs,
+    spec: Spec,
+    config: crab_runtime_config::Config,
+}
+
+impl BeforeResume {
+    /// The inspection of the restored container (init `init`), marked now.
+    fn mark(self, init: u32) -> Inspection {
+        let started = std::time::Instant::now();
+        // The rseq areas the restored threads registered, which memory images leave out.
+        let rseq: Vec<(u32, u64)> = match crate::checkpoint::criu_image::read_facts(&self.image) {
+            Ok(facts) => facts
+                .threads
+                .iter()
+                .filter_map(|t| Some((t.tid, t.rseq?)))
+                .collect(),
+            Err(e) => {
+                log::warn!("container {}: rseq areas of its image: {e}", self.id);
+                Vec::new()
+            }
+        };
+        let inspection = inspection_before_resume(
+            &self.id,
+            init,
+            &self.rootfs,
+            &self.spec,
+            &self.config,
+            &rseq,
+        );
+        log::info!(
+            "container {}: base mark taken in {:.2} ms while CRIU held the restored processes",
+            self.id,
+            started.elapsed().as_secs_f64() * 1e3
+        );
+        inspection
+    }
 }
 
 /// The restore's result so far, and whether it was abandoned (its page daemon failed, or it
@@ -96,7 +144,11 @@ impl Containers {
         self.pids.lock().unwrap().begin_start();
         let (restored, abandoned) = run_restore(c, &r, &spec, &mut setup, refused_early).await;
         let checked = kernel.result().await;
-        let restored = with_kernel_check(c, &spec, &setup.work, restored, checked, abandoned);
+        let (restored, marked) =
+            match with_kernel_check(c, &spec, &setup.work, restored, checked, abandoned) {
+                Ok(marked) => (Ok(()), marked),
+                Err(e) => (Err(e), None),
+            };
         let restored = with_page_verdict(c, &spec, gate, pages, restored).await;
         let pid = restored.and_then(|()| bundle::read_pid(&setup.pid_file));
         let early_exit = self
@@ -108,6 +160,9 @@ impl Containers {
             Ok(pid) => pid,
             Err(e) => return Err(restore_failed(c, &mut setup, e).await),
         };
+        if let Some(inspection) = marked {
+            c.sandbox.marked_before_resume(inspection);
+        }
         let remove_image = watch_lazy_transfer(c, &r, &mut setup);
         let lazily = remove_image.is_some();
         if bundle::read_spec(&c.bundle).is_ok_and(|spec| bundle::creates_network_namespace(&spec)) {
@@ -316,8 +371,18 @@ fn install_gate(
     });
     let mut expected = kernel::Expected::from_spec(spec);
     expected.seccomp = seccomp;
+    let before_resume = (r.checkpointing && setup.daemon.is_none()).then(|| BeforeResume {
+        id: c.id.clone(),
+        image: r.image.clone(),
+        rootfs: r.rootfs.clone(),
+        spec: spec.clone(),
+        config: r.config.clone(),
+    });
     let kernel_task = tokio::task::spawn_blocking(move || {
-        resume.wait(|script, init| kernel::check_restored(&expected, script, init))
+        resume.wait(|script, init| {
+            let passed = kernel::check_restored(&expected, script, init)?;
+            Ok((passed, before_resume.map(|b| b.mark(init))))
+        })
     });
     let pages = PageVerdict {
         verification,
@@ -447,7 +512,7 @@ async fn race(
 impl KernelCheck {
     /// The kernel check: CRIU waited at pre-resume while it ran, or never got there (the
     /// cancel then wakes its thread).
-    async fn result(self) -> restore_gate::Resumed<kernel::Passed> {
+    async fn result(self) -> restore_gate::Resumed<Checked> {
         self.cancel.cancel();
         self.task
             .await
@@ -462,11 +527,11 @@ fn with_kernel_check(
     spec: &Spec,
     work: &Path,
     restored: Result<()>,
-    checked: restore_gate::Resumed<kernel::Passed>,
+    checked: restore_gate::Resumed<Checked>,
     abandoned: bool,
-) -> Result<()> {
+) -> Result<Option<Inspection>> {
     match (restored, checked) {
-        (Ok(()), restore_gate::Resumed::Checked(Ok(passed))) => {
+        (Ok(()), restore_gate::Resumed::Checked(Ok((passed, marked)))) => {
             log::info!(
                 "container {}: kernel check passed in {:.2} ms ({} processes, {} threads, \
                  {} mounts compared with the spec; runc's seccomp program found in {} \
@@ -478,7 +543,7 @@ fn with_kernel_check(
                 passed.mounts,
                 passed.seccomp_matched
             );
-            Ok(())
+            Ok(marked)
         }
         (r, restore_gate::Resumed::Checked(Err(why))) => {
             // Killed at the gate already (the tree, then CRIU); whatever is left of the

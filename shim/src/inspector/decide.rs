@@ -9,10 +9,11 @@
 //! that changed something loses the user's work after a crash, a needless scan or capture only
 //! costs time.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, path::PathBuf};
 
 use super::{
     bpf::CgroupCounters,
+    fs::TreeManifest,
     memory::{MemoryImage, RegionKind},
 };
 
@@ -194,6 +195,36 @@ pub(super) fn no_image_reason(pid: u32, over_limit: Option<&str>) -> String {
         Some(why) => format!("no memory image of pid {pid} at the mark: {why}"),
         None => format!("no memory image of pid {pid} at the mark"),
     }
+}
+
+/// How many entries of the container's tmpfs mounts differ between the mark's manifests
+/// (`then`) and `now`, both by mount point: added, changed or removed entries, and every entry
+/// of a mount that came or went.
+pub(super) fn tmpfs_changes(
+    then: &[(PathBuf, TreeManifest)],
+    now: &[(PathBuf, TreeManifest)],
+) -> u64 {
+    let empty = TreeManifest::default();
+    fn find<'a>(list: &'a [(PathBuf, TreeManifest)], at: &PathBuf) -> Option<&'a TreeManifest> {
+        list.iter().find(|(p, _)| p == at).map(|(_, m)| m)
+    }
+    let mut points: Vec<&PathBuf> = then.iter().chain(now).map(|(p, _)| p).collect();
+    points.sort();
+    points.dedup();
+    points
+        .into_iter()
+        .map(|at| {
+            let (before, after) = (find(then, at), find(now, at));
+            match (before, after) {
+                (Some(b), Some(a)) => {
+                    let d = super::fs::diff(b, a, &[]);
+                    (d.added.len() + d.modified.len() + d.deleted.len()) as u64
+                }
+                // A mount come or gone: all of it (at least one: its root).
+                (b, a) => b.or(a).unwrap_or(&empty).len().max(1) as u64,
+            }
+        })
+        .sum()
 }
 
 /// What the next mark is made of ([`next_mark`]).
@@ -492,6 +523,39 @@ mod tests {
         for (pid, over, want) in rows {
             assert_eq!(no_image_reason(pid, over), want);
         }
+    }
+
+    #[test]
+    fn tmpfs_changes_table() {
+        use std::fs;
+        let tmp = tempfile::tempdir().unwrap();
+        let (shm, dev) = (tmp.path().join("shm"), tmp.path().join("dev"));
+        fs::create_dir_all(&shm).unwrap();
+        fs::create_dir_all(&dev).unwrap();
+        fs::write(shm.join("a"), "a").unwrap();
+        fs::write(shm.join("b"), "b").unwrap();
+        let scan = |d: &std::path::Path| TreeManifest::scan(d).unwrap();
+        let at = |p: &str| PathBuf::from(p);
+        let then = vec![(at("/dev"), scan(&dev)), (at("/dev/shm"), scan(&shm))];
+        assert_eq!(tmpfs_changes(&then, &then.clone()), 0);
+        // A rename (one gone, one new) and a removal, nothing written.
+        fs::rename(shm.join("a"), shm.join("moved")).unwrap();
+        fs::remove_file(shm.join("b")).unwrap();
+        let now = vec![(at("/dev"), scan(&dev)), (at("/dev/shm"), scan(&shm))];
+        assert!(
+            tmpfs_changes(&then, &now) >= 3,
+            "{}",
+            tmpfs_changes(&then, &now)
+        );
+        // A mount gone, or come, counts every entry of it, at least one.
+        assert_eq!(tmpfs_changes(&then, &then[..1]), then[1].1.len() as u64);
+        assert_eq!(
+            tmpfs_changes(&[], &[(at("/run"), TreeManifest::default())]),
+            1
+        );
+        // Order does not matter: by mount point.
+        let swapped = vec![then[1].clone(), then[0].clone()];
+        assert_eq!(tmpfs_changes(&then, &swapped), 0);
     }
 
     #[test]

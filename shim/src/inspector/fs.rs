@@ -231,6 +231,29 @@ impl TreeManifest {
         let fd = file::open(c_root.as_c_str(), DIR_FLAGS)
             .map_err(|e| FsError::io("open", upperdir, e.into()))?;
         let root = Dir::from(fd).map_err(|e| FsError::io("opendir", upperdir, e.into()))?;
+        TreeManifest::scan_root(root, upperdir, limits, xattrs, false)
+    }
+
+    /// The manifest of the directory open at `dir` (`label` names it in errors), as
+    /// [`TreeManifest::scan_with`] walks, but not into directories of another filesystem:
+    /// mount points below it are left out whole (for a container's tmpfs mounts, whose
+    /// mounts inside, such as `/dev/pts` in `/dev`, are their own business).
+    pub fn scan_one_fs(
+        dir: std::os::fd::OwnedFd,
+        label: &Path,
+        limits: &ScanLimits,
+    ) -> Result<TreeManifest, FsError> {
+        let root = Dir::from(dir).map_err(|e| FsError::io("opendir", label, e.into()))?;
+        TreeManifest::scan_root(root, label, limits, OverlayXattrs::Trusted, true)
+    }
+
+    fn scan_root(
+        root: Dir,
+        upperdir: &Path,
+        limits: &ScanLimits,
+        xattrs: OverlayXattrs,
+        one_fs: bool,
+    ) -> Result<TreeManifest, FsError> {
         let st = fstat(root.as_raw_fd()).map_err(|e| FsError::io("stat", upperdir, e.into()))?;
         let dx = dir_xattrs(&xattr::Target::Fd(root.as_raw_fd()), xattrs)
             .map_err(|e| FsError::io("listxattr", upperdir, e))?;
@@ -247,6 +270,7 @@ impl TreeManifest {
             limits,
             xattrs,
             path_bytes: 0,
+            one_dev: one_fs.then_some(st.st_dev),
         };
         walker.walk(root)?;
         Ok(manifest)
@@ -583,6 +607,8 @@ struct Walker<'a> {
     limits: &'a ScanLimits,
     xattrs: OverlayXattrs,
     path_bytes: u64,
+    /// Directories on another device than this one are mount points, left out whole.
+    one_dev: Option<u64>,
 }
 
 /// One directory being walked: its stream (the base for `*at` calls) and its names left.
@@ -690,6 +716,7 @@ impl Walker<'_> {
             Err(e) => return Err(FsError::io("lstat", &self.upperdir.join(rel), e.into())),
         };
         match st.st_mode & libc::S_IFMT {
+            libc::S_IFDIR if self.one_dev.is_some_and(|dev| dev != st.st_dev) => Ok(None),
             libc::S_IFDIR => {
                 let child = match open_dir_at(dirfd, name) {
                     Ok(d) => d,

@@ -70,6 +70,12 @@ pub enum InspectError {
         #[source]
         source: FsError,
     },
+    #[error("cannot scan the container's tmpfs mount {}: {source}", at.display())]
+    ScanTmpfs {
+        at: PathBuf,
+        #[source]
+        source: FsError,
+    },
     #[error("cannot list files held by pid {pid}: {source}")]
     HeldFiles {
         pid: u32,
@@ -422,6 +428,9 @@ struct Mark {
     unproven: HashSet<u32>,
     /// The `[limits]` bound the mark's observation passed: its memory images are incomplete.
     over_limit: Option<String>,
+    /// The container's tmpfs mounts (`/dev`, `/dev/shm`, a `--tmpfs`) by mount point: no
+    /// upperdir holds them, a process checkpoint does ([`Inspection::scan_tmpfs`]).
+    tmpfs: Vec<(PathBuf, TreeManifest)>,
 }
 
 /// What a turn end gathers for the next mark while it observes the processes, and the
@@ -465,6 +474,10 @@ pub struct Inspection {
     /// The rseq areas of restored threads, from their checkpoint image (see
     /// [`Self::restored_rseq`]).
     rseq_seeds: RseqSeeds,
+    /// While set, the container's processes are only this restored init and its descendants
+    /// (at pre-resume CRIU itself, and its action script, are in the container's cgroup too:
+    /// see [`Self::mark_base_held_by_criu`]).
+    only_tree: Option<u32>,
 }
 
 /// Host pid -> (host tid, rseq area address) of its threads, as their checkpoint image said.
@@ -515,7 +528,14 @@ impl Inspection {
             blind,
             pages_in_flight: None,
             rseq_seeds: HashMap::new(),
+            only_tree: None,
         }
+    }
+
+    /// Until [`Self::mark_base_held_by_criu`] has taken the mark, the container's processes
+    /// are only the restored `init` and its descendants.
+    pub fn restored_tree(&mut self, init: u32) {
+        self.only_tree = Some(init);
     }
 
     /// The container's processes were just restored from a checkpoint image whose threads
@@ -611,8 +631,78 @@ impl Inspection {
     /// turn's: with an empty base, the first turn that scans (any write hint, or a shared
     /// writable mapping) would report them `added` and take a needless fs checkpoint.
     pub fn mark_base(&mut self) {
+        self.settle(std::time::Duration::from_secs(1));
+        self.take_base_mark();
+    }
+
+    /// [`Self::mark_base`] of a restored container whose threads CRIU holds at pre-resume
+    /// (ptrace-stopped at the exit of their `rt_sigreturn`, everything else as they will run):
+    /// nothing moves, so nothing is settled; a thread reads stopped (`t`) only because CRIU
+    /// holds it, so no thread of the mark is stopped. (A process restored stopped reads as a
+    /// change at the first turn end: a checkpoint too many, never one too few.)
+    pub fn mark_base_held_by_criu(&mut self) {
+        self.take_base_mark();
+        self.only_tree = None;
+        if let Some(mark) = &mut self.mark {
+            for image in mark.memory.values_mut() {
+                for t in &mut image.state.threads {
+                    t.stopped = false;
+                }
+            }
+        }
+    }
+
+    /// Once a restored container marked at pre-resume ([`Self::mark_base_held_by_criu`]) has
+    /// resumed and settled: its processes' memory images in the mark, and their run counts,
+    /// are taken again, so that what a process writes into its own memory as it resumes (an
+    /// interrupted sleep, restarted by its libc, writes `errno` and its stack) is the base, as
+    /// any restore of that checkpoint would write it. Everything else stays as CRIU held it:
+    /// files, tmpfs mounts, the processes alive, what the kernel holds for them, the counters
+    /// (so a file written, a process started or ended, a signal sent or bytes queued as they
+    /// resume are the first turn's). A process whose memory cannot be read again keeps its
+    /// image from pre-resume (the turn then compares with that: a change, never a miss).
+    pub fn refresh_restored_memory(&mut self) {
         let started = Instant::now();
         self.settle(std::time::Duration::from_secs(1));
+        let Some(mut mark) = self.mark.take() else {
+            return;
+        };
+        let mut obs = Observation::within(&self.target.limits);
+        let mut fresh = HashMap::new();
+        for &pid in mark.memory.keys() {
+            match self.capture(pid, &mut obs) {
+                Ok(img) => {
+                    fresh.insert(pid, img);
+                }
+                Err(e) => log::debug!("memory of restored pid {pid}: {e}"),
+            }
+            if let Some(n) = self.run_count(pid) {
+                mark.run_counts.insert(pid, n);
+            }
+        }
+        for img in fresh.values_mut() {
+            obs.settle(img);
+        }
+        if let Some(e) = obs.over_limit() {
+            mark.over_limit = Some(e.to_string());
+        }
+        let n = fresh.len();
+        for (pid, mut img) in fresh {
+            if let Some(held) = mark.memory.get_mut(&pid) {
+                img.state = std::mem::take(&mut held.state);
+                *held = img;
+            }
+        }
+        self.mark = Some(mark);
+        log::debug!(
+            "inspector for {}: memory of {n} restored processes taken again in {:?}",
+            self.target.container_id,
+            started.elapsed()
+        );
+    }
+
+    fn take_base_mark(&mut self) {
+        let started = Instant::now();
         let upper = match &self.target.upperdir {
             Some(_) => self.scan_upper().unwrap_or_else(|e| {
                 log::warn!(
@@ -659,7 +749,11 @@ impl Inspection {
     }
 
     fn processes(&self) -> Result<Vec<ProcInfo>, InspectError> {
-        procs::list(&self.target.cgroup2_dir).map_err(InspectError::Processes)
+        let all = procs::list(&self.target.cgroup2_dir).map_err(InspectError::Processes)?;
+        Ok(match self.only_tree {
+            Some(init) => procs::tree_of(init, all),
+            None => all,
+        })
     }
 
     /// A full observation, used when there is no usable mark.
@@ -689,6 +783,11 @@ impl Inspection {
         }
         let over_limit = obs.over_limit().map(|e| e.to_string());
         let volumes = self.scan_volumes().unwrap_or_default();
+        // Unscanned, the next comparison finds every entry new: a change, never a miss.
+        let tmpfs = self.scan_tmpfs(&processes).unwrap_or_else(|e| {
+            log::warn!("inspector for {}: {e}", self.target.container_id);
+            Vec::new()
+        });
         Ok(Mark {
             counters,
             manifest,
@@ -698,7 +797,76 @@ impl Inspection {
             volumes,
             unproven,
             over_limit,
+            tmpfs,
         })
+    }
+
+    /// Manifests of the container's tmpfs mounts (as the first of `processes` sees them), by
+    /// mount point. Files created, written or truncated there are counted by the probes (the
+    /// `tmpfs` class); entries only renamed, linked, removed, made as directories or nodes, or
+    /// changed in their metadata go through syscalls that name a path the probes do not
+    /// resolve: a turn with such a syscall compares these manifests. Each mount is opened
+    /// beneath the process's root (no symlink followed, nothing above the root) and walked
+    /// without entering the mounts below it; a mount point that is no directory (a file bind
+    /// mount) or that is gone is left out.
+    fn scan_tmpfs(
+        &self,
+        processes: &[ProcInfo],
+    ) -> Result<Vec<(PathBuf, TreeManifest)>, InspectError> {
+        use std::os::fd::AsFd;
+        let Some(p) = processes.first() else {
+            return Ok(Vec::new());
+        };
+        let mounts =
+            match crate::sys::mountinfo::read(Path::new(&format!("/proc/{}/mountinfo", p.pid))) {
+                Ok(m) => m,
+                // Gone meanwhile: the process comparison says so.
+                Err(_) => return Ok(Vec::new()),
+            };
+        let mut points: Vec<PathBuf> = mounts
+            .into_iter()
+            .filter(|m| m.fstype == "tmpfs" && m.mount_point != Path::new("/"))
+            .map(|m| m.mount_point)
+            .collect();
+        points.sort();
+        points.dedup();
+        if points.is_empty() {
+            return Ok(Vec::new());
+        }
+        let root_path = format!("/proc/{}/root", p.pid);
+        let flags = nix::fcntl::OFlag::O_PATH
+            | nix::fcntl::OFlag::O_DIRECTORY
+            | nix::fcntl::OFlag::O_CLOEXEC;
+        let root = match crate::sys::file::open(root_path.as_str(), flags) {
+            Ok(fd) => fd,
+            Err(_) => return Ok(Vec::new()),
+        };
+        let limits: fs::ScanLimits = (&self.target.limits).into();
+        let mut out = Vec::with_capacity(points.len());
+        for at in points {
+            let rel = at.strip_prefix("/").unwrap_or(&at);
+            let dir = crate::sys::beneath::resolve_beneath(root.as_fd(), rel)
+                .and_then(|p| crate::sys::beneath::open_dir_beneath(p.as_fd(), Path::new("")));
+            let dir = match dir {
+                Ok(d) => d,
+                Err(e) => {
+                    log::debug!(
+                        "inspector for {}: tmpfs mount {} left out: {e}",
+                        self.target.container_id,
+                        at.display()
+                    );
+                    continue;
+                }
+            };
+            let manifest = TreeManifest::scan_one_fs(dir, &at, &limits).map_err(|source| {
+                InspectError::ScanTmpfs {
+                    at: at.clone(),
+                    source,
+                }
+            })?;
+            out.push((at, manifest));
+        }
+        Ok(out)
     }
 
     fn capture(&self, pid: u32, obs: &mut Observation) -> Result<MemoryImage, memory::MemError> {
@@ -1041,6 +1209,7 @@ impl Inspection {
             }
             _ => ProcFinding::default(),
         };
+        let tmpfs = self.observe_tmpfs(prev, scan, now_procs.as_deref(), &mut procs, &mut degraded);
 
         for img in seen.memory_images.values_mut() {
             seen.obs.settle(img);
@@ -1059,6 +1228,8 @@ impl Inspection {
                 volumes,
                 unproven: seen.unproven,
                 over_limit: None,
+                // Observed whenever `degraded` is empty (which `Present` requires).
+                tmpfs: tmpfs.unwrap_or_default(),
             }),
             NextMark::Fresh(manifest) => self.observe_all(manifest.unwrap_or_default()).ok(),
         };
@@ -1179,6 +1350,38 @@ impl Inspection {
                 None
             }
         }
+    }
+
+    /// The container's tmpfs mounts compared with the mark's when the turn made a mutating
+    /// file syscall (`scan`; else the mark's are carried): any entry added, changed or removed
+    /// there, or a tmpfs mount come or gone, makes the processes count as changed (class
+    /// `tmpfs-entries`: a process checkpoint keeps tmpfs mounts). `None` when they could not
+    /// be scanned (said in `degraded`).
+    fn observe_tmpfs(
+        &self,
+        prev: Option<&Mark>,
+        scan: bool,
+        now: Option<&[ProcInfo]>,
+        procs: &mut ProcFinding,
+        degraded: &mut Vec<String>,
+    ) -> Option<Vec<(PathBuf, TreeManifest)>> {
+        let m = prev?;
+        if !scan {
+            return Some(m.tmpfs.clone());
+        }
+        let now_tmpfs = match self.scan_tmpfs(now.unwrap_or_default()) {
+            Ok(t) => t,
+            Err(e) => {
+                degraded.push(e.to_string());
+                return None;
+            }
+        };
+        let changed = decide::tmpfs_changes(&m.tmpfs, &now_tmpfs);
+        if changed > 0 {
+            *procs.kernel.entry("tmpfs-entries".into()).or_default() += changed;
+            procs.changed = procs_changed(procs);
+        }
+        Some(now_tmpfs)
     }
 
     /// What changed of the processes since the mark `m`, `now` being those alive now: started,

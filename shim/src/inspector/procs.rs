@@ -8,7 +8,7 @@
 //! mount namespace root, so they are the paths as seen inside the container (`/app/x`, not the
 //! overlay upperdir).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsStr;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -184,6 +184,29 @@ pub fn job_stopped(cgroup_dir: &Path) -> Result<Vec<u32>, ProcfsError> {
         }
     }
     Ok(out)
+}
+
+/// The processes of `all` that are `init` or descend from it through parents in `all`.
+pub fn tree_of(init: u32, all: Vec<ProcInfo>) -> Vec<ProcInfo> {
+    let parent: HashMap<u32, u32> = all.iter().map(|p| (p.pid, p.ppid)).collect();
+    let in_tree = |mut pid: u32| {
+        // A chain longer than the list has a loop (pids reused meanwhile): not the tree.
+        for _ in 0..=all.len() {
+            if pid == init {
+                return true;
+            }
+            match parent.get(&pid) {
+                Some(&ppid) => pid = ppid,
+                None => return false,
+            }
+        }
+        false
+    };
+    let keep: Vec<bool> = all.iter().map(|p| in_tree(p.pid)).collect();
+    all.into_iter()
+        .zip(keep)
+        .filter_map(|(p, k)| k.then_some(p))
+        .collect()
 }
 
 /// Information about one process; `Ok(None)` if it does not exist (any more).
@@ -552,6 +575,24 @@ mod tests {
         // wchan hidden (no kallsyms: "0") or unreadable: not a stop that can be proven.
         assert!(!in_job_stop('D', || Some("0".into())));
         assert!(!in_job_stop('D', || None));
+    }
+
+    #[test]
+    fn a_tree_is_the_init_and_its_descendants_only() {
+        let p = |pid, ppid| ProcInfo { ppid, ..pi(pid, 1) };
+        // 5 is CRIU (its parent outside the list), 6 its script; 10 the init, 11 and 12 below.
+        let all = vec![
+            p(5, 1),
+            p(6, 5),
+            p(10, 5),
+            p(11, 10),
+            p(12, 11),
+            p(20, 21),
+            p(21, 20),
+        ];
+        let pids: Vec<u32> = tree_of(10, all).iter().map(|p| p.pid).collect();
+        assert_eq!(pids, [10, 11, 12]);
+        assert!(tree_of(99, vec![p(1, 0)]).is_empty());
     }
 
     fn pi(pid: u32, start_time: u64) -> ProcInfo {
