@@ -13,8 +13,13 @@ async fn leak_checks_see_a_live_container() {
     h.start_detached(&id, &ProcessSpec::new(&["sleep", "1000"]))
         .await
         .unwrap();
+    // Until it runs `sleep`: Start returns once runc has let its init go, which may still be
+    // exec'ing (seen on a loaded host), and a process mid-exec has no command line for a moment.
     eventually(Duration::from_secs(10), || {
-        (!host::container_processes(&id).is_empty()).then_some(())
+        host::container_processes(&id)
+            .iter()
+            .any(|p| p.argv.first().is_some_and(|a| a == "sleep"))
+            .then_some(())
     })
     .expect("container process not visible");
     let l = h.leaks_now(&id).await;
