@@ -287,9 +287,30 @@ impl Containers {
             Ok::<_, String>(decision)
         })
         .await;
+        // containerd's extracted copy is not restored: it goes (containerd never removes it).
+        let unused = |why: &str| {
+            let image = PathBuf::from(&p.checkpoint);
+            if super::restore::containerd_extracted(&image) {
+                log::info!(
+                    "create {}: removing containerd's extracted copy of its checkpoint, {} ({why})",
+                    p.id,
+                    image.display()
+                );
+                let _ = std::fs::remove_dir_all(&image);
+            }
+        };
         match decided {
-            Ok(Ok(decision)) => self.follow_decision(p, prep, &decision).await,
+            Ok(Ok(decision)) => {
+                let followed = self.follow_decision(p, prep, &decision).await;
+                match &followed {
+                    Ok(found) if found.start_fresh => unused("the container starts fresh"),
+                    Err(_) => unused("refused"),
+                    Ok(_) => {}
+                }
+                followed
+            }
             Ok(Err(e)) => {
+                unused("refused");
                 count_restore(&prep.config.engine, false);
                 Err(Error::FailedPrecondition(format!(
                     "cannot restore {}: {e}",

@@ -191,7 +191,16 @@ impl Containers {
         // after the origin has imported it (start_checkpointing).
         let taken = r.taken.take();
         let image_imported = r.checkpointing && checkpoint_restored(c, &r, taken, pid).await;
-        if !image_imported && r.image.starts_with(&c.bundle) {
+        let containerds_copy = containerd_extracted(&r.image);
+        if containerds_copy {
+            log::info!(
+                "container {}: removing containerd's extracted copy of its checkpoint, {} \
+                 (containerd never removes it)",
+                c.id,
+                r.image.display()
+            );
+        }
+        if !image_imported && (r.image.starts_with(&c.bundle) || containerds_copy) {
             match remove_image {
                 // The daemon may still read it.
                 Some(tx) => {
@@ -269,6 +278,29 @@ impl Containers {
             }
         }
     }
+}
+
+/// Whether `image` is the directory containerd extracted a checkpoint into for this Create
+/// (`ctr c restore`, `ctr run --checkpoint`: its task service's `os.MkdirTemp(
+/// $XDG_RUNTIME_DIR, "ctrd-checkpoint")`, the temp directory when that is unset), which it
+/// hands to the runtime and never removes: at thousands of restores, process memory images
+/// piling up in /tmp. Not the CRI's `RestoreFromPath` (`<container root>/ctrd-checkpoint`,
+/// kept by the CRI), nor any directory a user named.
+pub(super) fn containerd_extracted(image: &Path) -> bool {
+    let named = image
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("ctrd-checkpoint"))
+        .is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()));
+    let parent = image.parent();
+    let temp_dirs = [
+        Some(PathBuf::from("/tmp")),
+        Some(std::env::temp_dir()),
+        std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from),
+    ];
+    named
+        && parent.is_some_and(|p| temp_dirs.iter().flatten().any(|t| t == p))
+        && std::fs::symlink_metadata(image).is_ok_and(|m| m.is_dir())
 }
 
 /// The init never ran: it is recorded as stopped (its waiters learn so), `e` being why.
@@ -852,6 +884,37 @@ fn unmount_all_under(dir: &Path) {
     for p in crate::sys::mountinfo::mount_points_under(&mounts, dir) {
         if let Err(e) = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH) {
             log::warn!("cannot unmount {}: {e}", p.display());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_containerds_own_extracted_copy_is_removed() {
+        let dir = PathBuf::from(format!("/tmp/ctrd-checkpoint{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(containerd_extracted(&dir));
+        std::fs::remove_dir(&dir).unwrap();
+        // Gone, or a file of that name: nothing to remove.
+        assert!(!containerd_extracted(&dir));
+        std::fs::write(&dir, "x").unwrap();
+        assert!(!containerd_extracted(&dir));
+        std::fs::remove_file(&dir).unwrap();
+        // The CRI's RestoreFromPath, a user's directory, other names.
+        let tmp = tempfile::tempdir().unwrap();
+        for p in [
+            tmp.path().join("ctrd-checkpoint"),
+            tmp.path().join("ctrd-checkpoint123"),
+            PathBuf::from("/tmp/ctrd-checkpoint"),
+            PathBuf::from("/tmp/ctrd-checkpointabc"),
+            PathBuf::from("/tmp/my-checkpoint123"),
+        ] {
+            std::fs::create_dir_all(&p).unwrap();
+            assert!(!containerd_extracted(&p), "{}", p.display());
+            std::fs::remove_dir(&p).unwrap();
         }
     }
 }
