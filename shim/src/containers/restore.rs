@@ -192,7 +192,7 @@ impl Containers {
         let taken = r.taken.take();
         let image_imported = r.checkpointing && checkpoint_restored(c, &r, taken, pid).await;
         let containerds_copy = containerd_extracted(&r.image);
-        if containerds_copy {
+        if containerds_copy && !image_imported {
             log::info!(
                 "container {}: removing containerd's extracted copy of its checkpoint, {} \
                  (containerd never removes it)",

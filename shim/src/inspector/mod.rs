@@ -76,6 +76,8 @@ pub enum InspectError {
         #[source]
         source: FsError,
     },
+    #[error("the container has {0} tmpfs mounts, more than the {MAX_TMPFS_MOUNTS} the inspector compares")]
+    TooManyTmpfs(usize),
     #[error("cannot list files held by pid {pid}: {source}")]
     HeldFiles {
         pid: u32,
@@ -480,6 +482,9 @@ pub struct Inspection {
     only_tree: Option<u32>,
 }
 
+/// At most this many tmpfs mounts of a container are compared ([`Inspection::scan_tmpfs`]).
+const MAX_TMPFS_MOUNTS: usize = 64;
+
 /// Host pid -> (host tid, rseq area address) of its threads, as their checkpoint image said.
 type RseqSeeds = HashMap<u32, Vec<(u32, u64)>>;
 
@@ -832,6 +837,11 @@ impl Inspection {
         points.dedup();
         if points.is_empty() {
             return Ok(Vec::new());
+        }
+        // A container allowed to mount could make any number: past the bound the turn is
+        // unobserved (degraded, answered full), never a long walk.
+        if points.len() > MAX_TMPFS_MOUNTS {
+            return Err(InspectError::TooManyTmpfs(points.len()));
         }
         let root_path = format!("/proc/{}/root", p.pid);
         let flags = nix::fcntl::OFlag::O_PATH
