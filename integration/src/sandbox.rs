@@ -48,6 +48,17 @@ pub struct Sandbox {
 impl Sandbox {
     /// Starts `sleep infinity` in the agent image under crab. Panics (with the reason) on failure.
     pub async fn start(name: &str, o: SandboxOptions<'_>) -> (Sandbox, CleanupGuard) {
+        Sandbox::try_start(name, o)
+            .await
+            .unwrap_or_else(|e| panic!("sandbox {name}: {e}"))
+    }
+
+    /// [`Sandbox::start`], or why the container or its task could not be created or started
+    /// (what was made is removed by the guard).
+    pub async fn try_start(
+        name: &str,
+        o: SandboxOptions<'_>,
+    ) -> Result<(Sandbox, CleanupGuard), String> {
         let env = TestEnv {
             image: o.image.unwrap_or(AGENT_IMAGE).into(),
             ..TestEnv::from_env()
@@ -92,10 +103,14 @@ impl Sandbox {
             Some(crab_runtime_options(None, Some(&config))),
         )
         .await
-        .unwrap();
-        h.create_task(&id, None).await.unwrap();
-        h.start(&id, "").await.unwrap();
-        (
+        .map_err(|e| format!("creating the container: {e}"))?;
+        h.create_task(&id, None)
+            .await
+            .map_err(|e| format!("creating the task: {e}"))?;
+        h.start(&id, "")
+            .await
+            .map_err(|e| format!("starting the task: {e}"))?;
+        Ok((
             Sandbox {
                 h,
                 id,
@@ -103,7 +118,7 @@ impl Sandbox {
                 turn: 0,
             },
             guard,
-        )
+        ))
     }
 
     /// Runs one agent command to completion (it must succeed).

@@ -26,6 +26,7 @@ use crab_runtime_config::Config;
 
 use crate::{
     bundle,
+    checkpoint::lineage::LineageRecord,
     checkpoint::{
         coordinator::{Inspect, Settings},
         policy,
@@ -109,6 +110,8 @@ pub struct Sandbox {
     /// The inspection in use was marked before the restored processes ran: Start takes no
     /// base mark of its own.
     marked_at_restore: std::sync::atomic::AtomicBool,
+    /// The lineage its store records ([`crate::checkpoint::lineage`]).
+    lineage: OnceLock<LineageRecord>,
 }
 
 impl Sandbox {
@@ -140,7 +143,14 @@ impl Sandbox {
             rseq: OnceLock::new(),
             premarked: std::sync::Mutex::new(None),
             marked_at_restore: std::sync::atomic::AtomicBool::new(false),
+            lineage: OnceLock::new(),
         }
+    }
+
+    /// The lineage the container's store records when checkpointing starts (a later
+    /// container of the same lineage resumes from its checkpoints).
+    pub fn set_lineage(&self, record: LineageRecord) {
+        let _ = self.lineage.set(record);
     }
 
     /// The restored container's inspection, its base mark taken before the restored processes
@@ -207,10 +217,16 @@ impl Sandbox {
         // The origin manifest is recorded here, unless it imports a process image (a copy and
         // deduplication of up to hundreds of MB): that goes on in the background, below.
         let origin_seq = self.origin_seq.clone();
+        let lineage = self.lineage.get().cloned();
         let (store, background) = tokio::task::spawn_blocking(move || -> Result<(Store, Option<Taken>)> {
             // Only a container restored from this store's own checkpoint carries on its lineage.
             let continues = |s: &Store| matches!(&origin, Origin::Checkpoint(t) if restore::own_source(s, &namespace, &cid, t).is_some());
             let (store, _) = Store::open_for_container(&root, continues).map_err(|e| Error::Other(format!("checkpoint store: {e}")))?;
+            if let Some(record) = &lineage {
+                if let Err(e) = crate::checkpoint::lineage::record(&store, record) {
+                    log::error!("container {cid}: cannot record its lineage {}: {e}", record.lineage);
+                }
+            }
             let origin = match origin {
                 Origin::Checkpoint(t) if restore::imports_process_image(&store, &namespace, &cid, &t) => {
                     return Ok((store, Some(t)));

@@ -38,13 +38,122 @@ const CRI_CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
 const MAX_UPDATE_ANNOTATIONS: usize = 64;
 const MAX_UPDATE_BYTES: usize = 64 << 10;
 
-/// The crab annotations a container's spec may carry; any other `io.crab/` key is a typo that
-/// must not silently change nothing.
+/// Container spec annotation naming the container's lineage ([`lineage`]): the name its
+/// checkpoints are found by when a later container of the same lineage resumes ([`RESUME`]).
+pub const LINEAGE: &str = "io.crab/lineage";
+/// Container spec annotation: `newest` starts the container from the newest durable checkpoint
+/// of its lineage on this node instead of fresh (`containers::resume`).
+pub const RESUME: &str = "io.crab/resume";
+/// At most this long, a lineage name (the annotation's value, before a pod's namespace is put
+/// in front of it).
+const MAX_LINEAGE: usize = 253;
+
+/// The CRI's annotations of a container's spec naming its pod and itself.
+const CRI_SANDBOX_NAMESPACE: &str = "io.kubernetes.cri.sandbox-namespace";
+const CRI_SANDBOX_NAME: &str = "io.kubernetes.cri.sandbox-name";
+const CRI_CONTAINER_NAME: &str = "io.kubernetes.cri.container-name";
+
+/// The crab annotations that travel with a container's checkpoint images ([`inherit`]).
 pub const SPEC_ANNOTATIONS: [&str; 3] = [
     TURN_BOUNDARY,
     crate::checkpoint::policy::POLICY_ANNOTATION,
     PROBE_COMMANDS,
 ];
+
+/// Every crab annotation a container's spec may carry; any other `io.crab/` key is a typo that
+/// must not silently change nothing. The lineage and the resume request belong to the
+/// container, never to an image: they do not travel.
+pub const KNOWN_SPEC_ANNOTATIONS: [&str; 5] = [
+    TURN_BOUNDARY,
+    crate::checkpoint::policy::POLICY_ANNOTATION,
+    PROBE_COMMANDS,
+    LINEAGE,
+    RESUME,
+];
+
+/// What a container asks of its lineage at Create ([`RESUME`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resume {
+    /// Start as the image says (no annotation).
+    Fresh,
+    /// Start from the newest durable checkpoint of the lineage, if there is one.
+    Newest,
+}
+
+/// The container's [`RESUME`] request; any value but `newest` is an error.
+pub fn resume(spec: &oci_spec::runtime::Spec) -> Result<Resume> {
+    match crate::bundle::annotation(spec, &[RESUME]) {
+        None => Ok(Resume::Fresh),
+        Some("newest") => Ok(Resume::Newest),
+        Some(v) => Err(Error::InvalidArgument(format!(
+            "annotation {RESUME}: {:?} is not a resume request (the one there is: newest)",
+            truncated(v)
+        ))),
+    }
+}
+
+fn truncated(v: &str) -> String {
+    v.chars().take(64).collect()
+}
+
+/// Checks a lineage name (or one of the CRI's names it is made of): 1 to [`MAX_LINEAGE`]
+/// bytes of letters, digits and `._-:/@`, no empty, `.` or `..` part between slashes.
+fn check_lineage_name(what: &str, v: &str) -> Result<()> {
+    let bad = |why: &str| {
+        Err(Error::InvalidArgument(format!(
+            "{what} {:?}: {why}",
+            truncated(v)
+        )))
+    };
+    if v.is_empty() || v.len() > MAX_LINEAGE {
+        return bad(&format!("a lineage name has 1 to {MAX_LINEAGE} bytes"));
+    }
+    if let Some(c) = v
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || "._-:/@".contains(*c)))
+    {
+        return bad(&format!(
+            "{c:?} may not be in a lineage name (letters, digits and ._-:/@)"
+        ));
+    }
+    if v.split('/').any(|part| matches!(part, "" | "." | "..")) {
+        return bad("a lineage name has no empty, `.` or `..` part");
+    }
+    Ok(())
+}
+
+/// The lineage of container `id` of containerd namespace `namespace`: the name a later
+/// container resumes it by ([`RESUME`]). It is
+/// - [`LINEAGE`] if the spec sets it; for a CRI container, put after its pod's Kubernetes
+///   namespace (`<namespace>/<value>`): a pod can never name another namespace's lineage;
+/// - else, for a CRI container, `<kubernetes namespace>/<pod name>/<container name>`, the
+///   same for every attempt of the container in its pod and for a StatefulSet's pod
+///   rescheduled under its name;
+/// - else `<containerd namespace>/<container id>` (Docker's restarts keep the id).
+pub fn lineage(spec: &oci_spec::runtime::Spec, namespace: &str, id: &str) -> Result<String> {
+    let get = |k: &str| crate::bundle::annotation(spec, &[k]);
+    let pod_namespace = get(CRI_SANDBOX_NAMESPACE);
+    if let Some(ns) = pod_namespace {
+        check_lineage_name(CRI_SANDBOX_NAMESPACE, ns)?;
+    }
+    if let Some(v) = get(LINEAGE) {
+        check_lineage_name(LINEAGE, v)?;
+        return Ok(match pod_namespace {
+            Some(ns) => format!("{ns}/{v}"),
+            None => v.to_string(),
+        });
+    }
+    if let (Some(ns), Some(pod), Some(name)) = (
+        pod_namespace,
+        get(CRI_SANDBOX_NAME),
+        get(CRI_CONTAINER_NAME),
+    ) {
+        check_lineage_name(CRI_SANDBOX_NAME, pod)?;
+        check_lineage_name(CRI_CONTAINER_NAME, name)?;
+        return Ok(format!("{ns}/{pod}/{name}"));
+    }
+    Ok(format!("{namespace}/{id}"))
+}
 
 /// Gives `spec` the crab annotations of `image` (a checkpoint image's, from its source
 /// container) that it does not set itself; returns their names. Only
@@ -89,11 +198,13 @@ pub fn check_spec_annotations(spec: &oci_spec::runtime::Spec) -> Result<()> {
         .iter()
         .flatten()
         .map(|(k, _)| k)
-        .find(|k| k.starts_with(ANNOTATION_PREFIX) && !SPEC_ANNOTATIONS.contains(&k.as_str()));
+        .find(|k| {
+            k.starts_with(ANNOTATION_PREFIX) && !KNOWN_SPEC_ANNOTATIONS.contains(&k.as_str())
+        });
     match unknown {
         Some(key) => Err(Error::InvalidArgument(format!(
             "unknown crab annotation `{key}` in the container's spec (known: {})",
-            SPEC_ANNOTATIONS.join(", ")
+            KNOWN_SPEC_ANNOTATIONS.join(", ")
         ))),
         None => Ok(()),
     }
@@ -393,5 +504,93 @@ mod tests {
                 "{value}: {e}"
             );
         }
+    }
+
+    fn annotated(annotations: &[(&str, &str)]) -> oci_spec::runtime::Spec {
+        let map: serde_json::Map<String, serde_json::Value> = annotations
+            .iter()
+            .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
+            .collect();
+        serde_json::from_value(serde_json::json!({"ociVersion": "1.0.2", "annotations": map}))
+            .unwrap()
+    }
+
+    #[test]
+    fn a_containers_lineage_is_its_annotation_its_pod_and_name_or_its_id() {
+        use super::*;
+        let cri = [
+            (CRI_SANDBOX_NAMESPACE, "team-a"),
+            (CRI_SANDBOX_NAME, "agent-0"),
+            (CRI_CONTAINER_NAME, "sandbox"),
+        ];
+        assert_eq!(
+            lineage(&annotated(&cri), "k8s.io", "abc123").unwrap(),
+            "team-a/agent-0/sandbox"
+        );
+        // A pod's own lineage name stays inside its Kubernetes namespace.
+        let mut named = cri.to_vec();
+        named.push((LINEAGE, "team-b/agent-0/sandbox"));
+        assert_eq!(
+            lineage(&annotated(&named), "k8s.io", "abc123").unwrap(),
+            "team-a/team-b/agent-0/sandbox"
+        );
+        assert_eq!(
+            lineage(&annotated(&[(LINEAGE, "run-7")]), "default", "c1").unwrap(),
+            "run-7"
+        );
+        assert_eq!(lineage(&annotated(&[]), "moby", "c1").unwrap(), "moby/c1");
+        // Only part of the CRI's names: not a CRI container's lineage.
+        assert_eq!(
+            lineage(&annotated(&cri[..2]), "k8s.io", "c1").unwrap(),
+            "k8s.io/c1"
+        );
+    }
+
+    #[test]
+    fn hostile_lineage_names_and_resume_requests_are_refused() {
+        use super::*;
+        let long = "a".repeat(MAX_LINEAGE + 1);
+        for bad in [
+            "",
+            "../other",
+            "a//b",
+            "a/./b",
+            "/abs",
+            "trailing/",
+            "sp ace",
+            "new\nline",
+            "nul\0",
+            "caf\u{e9}",
+            long.as_str(),
+        ] {
+            let e = lineage(&annotated(&[(LINEAGE, bad)]), "default", "c1");
+            assert!(e.is_err(), "{bad:?} accepted");
+        }
+        // A hostile CRI name is refused too (the kubelet validates them; a CRI client may not).
+        let e = lineage(
+            &annotated(&[
+                (CRI_SANDBOX_NAMESPACE, "../x"),
+                (CRI_SANDBOX_NAME, "p"),
+                (CRI_CONTAINER_NAME, "c"),
+            ]),
+            "k8s.io",
+            "c1",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains(CRI_SANDBOX_NAMESPACE), "{e}");
+        lineage(&annotated(&[(LINEAGE, &"a".repeat(MAX_LINEAGE))]), "d", "c").unwrap();
+        assert_eq!(resume(&annotated(&[])).unwrap(), Resume::Fresh);
+        assert_eq!(
+            resume(&annotated(&[(RESUME, "newest")])).unwrap(),
+            Resume::Newest
+        );
+        for bad in ["", "Newest", "latest", "newest "] {
+            let e = resume(&annotated(&[(RESUME, bad)]))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(RESUME) && e.contains("newest"), "{e}");
+        }
+        check_spec_annotations(&annotated(&[(LINEAGE, "x"), (RESUME, "newest")])).unwrap();
     }
 }

@@ -25,6 +25,7 @@ pub mod error;
 pub mod jobs;
 pub mod layer;
 pub mod lazy;
+pub mod lineage;
 pub mod pages;
 pub mod policy;
 pub mod process;

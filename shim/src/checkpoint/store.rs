@@ -658,6 +658,28 @@ impl Store {
         )
     }
 
+    /// Puts the blob of `d`, found at `src` (another store's), into this store: a hard link
+    /// (blobs are content-addressed and never rewritten), a copy across filesystems. The
+    /// caller has checked its digest; it is kept from retention until a manifest names it.
+    pub fn link_blob(&self, src: &Path, d: &Descriptor) -> Result<(), StoreError> {
+        let dest = self.blob_path(&d.digest);
+        if dest.is_file() {
+            return Ok(());
+        }
+        self.pending.lock().unwrap().insert(d.hex().to_string());
+        match fs::hard_link(src, &dest) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(_) => {
+                let mut from = File::open(src).map_err(|e| StoreError::io("open", src, e))?;
+                let mut tmp = self.temp_file("link")?;
+                io::copy(&mut from, tmp.file()).map_err(|e| StoreError::io("copy", src, e))?;
+                tmp.persist(&dest)?;
+            }
+        }
+        fsync_dir(&self.blobs_dir())
+    }
+
     /// Hashes the layer blob at `tmp_file` (zstd-compressed or plain tar), computing its
     /// diff_id, and moves it into `blobs/` (durably). `tmp_file` is consumed.
     pub fn put_blob(&self, tmp_file: &Path) -> Result<Descriptor, StoreError> {
@@ -1068,6 +1090,16 @@ impl TempFile {
         self.file
             .write_all(data)
             .map_err(|e| StoreError::io("write", &self.path, e))
+    }
+
+    /// fsync, rename to `dest` (replacing what is there), fsync the directory.
+    pub fn persist(mut self, dest: &Path) -> Result<(), StoreError> {
+        self.file
+            .sync_all()
+            .map_err(|e| StoreError::io("fsync", &self.path, e))?;
+        fs::rename(&self.path, dest).map_err(|e| StoreError::io("rename", &self.path, e))?;
+        self.keep = true;
+        fsync_dir(dest.parent().unwrap_or(Path::new(".")))
     }
 
     /// fsync, rename to `dest` unless it exists, fsync the directory (with `sync_dir`).

@@ -14,7 +14,7 @@ use crate::{
 
 impl Containers {
     /// Which image the engine unpacked container `id`'s rootfs from ([`crate::restore::layers`]).
-    async fn rootfs_image(
+    pub(super) async fn rootfs_image(
         &self,
         id: &str,
         rootfs: &bundle::Rootfs,

@@ -40,6 +40,9 @@ struct Prepared {
     /// Create mounted the rootfs (and unmounts it when it fails).
     rootfs_mounted: bool,
     rootfs: bundle::Rootfs,
+    /// The container's lineage ([`turns::lineage`]) and what it asks of it at Create.
+    lineage: String,
+    resume: turns::Resume,
 }
 
 /// The checkpoint a container starts from, as Create found it (all empty: none).
@@ -94,6 +97,8 @@ impl Containers {
         crate::grouping::check_group(&spec, &self.namespace, &config.shim.groups)
             .map_err(Error::InvalidArgument)?;
         let (exec_boundary, probes) = turn_settings(&spec, &config)?;
+        let resume = turns::resume(&spec)?;
+        let lineage = turns::lineage(&spec, &self.namespace, &p.id)?;
         let (rootfs_mounted, rootfs) = mount_rootfs(p, &spec).await?;
         Ok(Prepared {
             config,
@@ -103,6 +108,8 @@ impl Containers {
             probes,
             rootfs_mounted,
             rootfs,
+            lineage,
+            resume,
         })
     }
 
@@ -118,10 +125,41 @@ impl Containers {
         // rootfs of a checkpoint image.
         // Whoever signed it, a process image may not ask for more than this spec grants.
         let granted = Granted::from_spec(&prep.spec);
-        let found = match p.checkpoint.is_empty() {
-            true => self.take_from_rootfs(p, &prep, granted).await?,
-            false => self.trust_containerd_checkpoint(p, &prep, granted).await?,
+        // A container that resumes its lineage records the image it runs on (a later resume
+        // onto another image is refused).
+        let image = match prep.resume {
+            turns::Resume::Newest => self.rootfs_image(&p.id, &prep.rootfs).await.map(|u| u.top),
+            turns::Resume::Fresh => Err("not asked".to_string()),
         };
+        let mut found = match p.checkpoint.is_empty() {
+            true => self.take_from_rootfs(p, &prep, granted.clone()).await?,
+            false => {
+                self.trust_containerd_checkpoint(p, &prep, granted.clone())
+                    .await?
+            }
+        };
+        // Nothing to start from in the image or from containerd: the lineage's newest
+        // checkpoint, if the container asks for it.
+        if prep.resume == turns::Resume::Newest && found.taken.is_none() && p.checkpoint.is_empty()
+        {
+            let resumed = super::resume::resume(super::resume::ResumeRequest {
+                id: &p.id,
+                namespace: &self.namespace,
+                bundle: &p.bundle,
+                config: &prep.config,
+                spec: &prep.spec,
+                rootfs: &prep.rootfs,
+                lineage: &prep.lineage,
+                image: &image,
+                granted,
+            })
+            .await
+            .inspect_err(|_| count_restore(&prep.config.engine, false))?;
+            if let Some(r) = resumed {
+                found.taken = Some(r.taken);
+                found.restore_dir = r.restore_dir;
+            }
+        }
         if let Some(t) = found.taken.as_ref().filter(|t| !t.meta.volumes.is_empty()) {
             refill_volumes(p, &prep, t).await?;
         }
@@ -144,6 +182,10 @@ impl Containers {
                 (true, None) => NotInspected::Starting,
             },
         );
+        sandbox.set_lineage(crate::checkpoint::lineage::LineageRecord::new(
+            &prep.lineage,
+            image.ok(),
+        ));
         let mut pending_restore = None;
         let pid = match restore_image {
             Some(image) => {
@@ -667,7 +709,7 @@ fn turn_settings(spec: &Spec, config: &Config) -> Result<(bool, Vec<Vec<String>>
 
 /// A fresh restore directory for container `id` ([`RestoreDir`]), named in its bundle for the
 /// cleanup after a shim died.
-fn scratch_dir(
+pub(super) fn scratch_dir(
     config: &Config,
     namespace: &str,
     id: &str,

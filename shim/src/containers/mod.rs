@@ -14,6 +14,7 @@ mod exec;
 mod exit;
 mod kill;
 mod restore;
+mod resume;
 mod start;
 mod update;
 

@@ -202,6 +202,17 @@ pub struct Taken {
     /// The digests of the CRIU image's page files, being checked while the restore goes on
     /// (`None`: every file was checked before [`take_from_rootfs`] returned).
     pub verification: Option<Verification>,
+    /// Not from an image: resumed from a checkpoint of the container's lineage on this node,
+    /// its files put into the rootfs by the shim (`containers::resume`).
+    pub resumed: Option<Resumed>,
+}
+
+/// Where a resumed checkpoint's layers are: the new store links them ([`restored_manifest`]),
+/// since no image carries them.
+#[derive(Debug, Clone)]
+pub struct Resumed {
+    /// Each fs layer's blob file (in the store that took it, or another store of the node).
+    pub blobs: Vec<(Descriptor, PathBuf)>,
 }
 
 /// Kinds of file a checkpoint image may not contain in its reserved directory.
@@ -581,6 +592,33 @@ fn check_layers(
     super::layers::verify(signed, unpacked)
 }
 
+/// Copies a process image of a checkpoint store (`from`: plain files, and page files as
+/// recipes of the store's `chunks`) into a new directory `to` for CRIU: plain files copied
+/// within `limits`, page files rebuilt from their chunks (each chunk's digest checked), the
+/// recipes left out. Returns the bytes of the image. On an error nothing is left at `to`.
+pub fn copy_stored_image(
+    from: &Path,
+    chunks: &Path,
+    to: &Path,
+    limits: ImageLimits,
+) -> Result<u64, RestoreError> {
+    let copied = (|| {
+        let copied = copy_image(from, to, limits, false)?;
+        let pages = pages::materialize(to, chunks)?;
+        for entry in fs::read_dir(to).map_err(io_err(to))? {
+            let entry = entry.map_err(io_err(to))?;
+            if pages::is_recipe(&entry.file_name().to_string_lossy()) {
+                fs::remove_file(entry.path()).map_err(io_err(&entry.path()))?;
+            }
+        }
+        Ok::<_, RestoreError>(copied.bytes + pages)
+    })();
+    if copied.is_err() {
+        let _ = fs::remove_dir_all(to);
+    }
+    copied
+}
+
 /// Checks the CRIU image in `dir` (a private copy) against what the container's spec grants.
 pub fn check_privilege(dir: &Path, granted: &Granted) -> Result<(), RestoreError> {
     let facts = criu_image::read_facts(dir)?;
@@ -744,6 +782,7 @@ pub fn take_from_rootfs(
         criu_dir,
         cached,
         verification,
+        resumed: None,
     }))
 }
 
@@ -895,7 +934,17 @@ pub fn restored_manifest(
     let mut m = Manifest::child_of(None, seq, &src.turn_id, CheckpointKind::Restored);
     m.parent = own.as_ref().map(|o| o.seq);
     m.fs_layers = taken.meta.fs_layers.clone();
-    m.image_layers = m.fs_layers.len();
+    m.image_layers = match (&taken.resumed, &own) {
+        // Resumed: no image carries the layers (they were put into the rootfs): the store
+        // holds them, its own or linked from where they were found.
+        (Some(r), _) => {
+            for (d, path) in &r.blobs {
+                store.link_blob(path, d)?;
+            }
+            0
+        }
+        (None, _) => m.fs_layers.len(),
+    };
     m.process = match (
         &taken.criu_dir,
         own.as_ref().and_then(|o| o.process.clone()),

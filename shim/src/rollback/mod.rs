@@ -160,9 +160,17 @@ fn read_layer<T>(
     d: &Descriptor,
     f: impl FnOnce(&mut dyn Read) -> Result<T, tar::TarError>,
 ) -> Result<T, String> {
-    let path = store.blob_path(&d.digest);
+    read_layer_at(&store.blob_path(&d.digest), d, f)
+}
+
+/// [`read_layer`] of the blob at `path`.
+fn read_layer_at<T>(
+    path: &Path,
+    d: &Descriptor,
+    f: impl FnOnce(&mut dyn Read) -> Result<T, tar::TarError>,
+) -> Result<T, String> {
     let what = |e: &dyn std::fmt::Display| format!("layer {} ({}): {e}", d.digest, path.display());
-    let file = File::open(&path).map_err(|e| what(&e))?;
+    let file = File::open(path).map_err(|e| what(&e))?;
     let mut raw = Hashing {
         inner: BufReader::new(file),
         hash: Sha256::new(),
@@ -197,7 +205,7 @@ static LAST_TARGET: std::sync::Mutex<Option<Cached>> = std::sync::Mutex::new(Non
 
 /// The state the layers `own` (oldest first) give, read (digests checked) or cached.
 fn target_state(
-    store: &Store,
+    blob: &dyn Fn(&Descriptor) -> PathBuf,
     own: &[Descriptor],
     max_entries: u64,
 ) -> Result<std::sync::Arc<LayerState>, String> {
@@ -209,7 +217,7 @@ fn target_state(
     }
     let mut layers = LayerState::default();
     for d in own {
-        read_layer(store, d, |r| layers.apply(r, max_entries))?;
+        read_layer_at(&blob(d), d, |r| layers.apply(r, max_entries))?;
     }
     let st = std::sync::Arc::new(layers);
     *LAST_TARGET.lock().unwrap() = Some((key, st.clone()));
@@ -377,7 +385,8 @@ fn same(st: &libc::stat, want: &Want, mode: u32) -> bool {
 
 /// What [`apply`] is given.
 struct Plan<'a> {
-    store: &'a Store,
+    /// Where each layer's blob is.
+    blob: &'a dyn Fn(&Descriptor) -> PathBuf,
     /// The checkpoint's own layers, as indexed by [`DataRef::layer`].
     layers: &'a [Descriptor],
     /// Container paths (relative) that may differ from the checkpoint.
@@ -579,7 +588,7 @@ fn write_data(
         }
         ws.sort_by_key(|(d, _, _)| d.at.offset);
         let d = &plan.layers[i];
-        let path = plan.store.blob_path(&d.digest);
+        let path = (plan.blob)(d);
         let file = File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         let mut r: Box<dyn Read> = match d.media_type == MEDIA_TYPE_LAYER_TAR {
             true => Box::new(BufReader::new(file)),
@@ -618,6 +627,97 @@ fn write_data(
         write_data(view, target, plan, again)?;
     }
     Ok(total)
+}
+
+/// What [`onto_rootfs`] did.
+#[derive(Debug, Clone, Default)]
+pub struct Applied {
+    /// Paths given their checkpoint state.
+    pub paths: u64,
+    /// Bytes of file data written.
+    pub bytes: u64,
+    /// Reading the layers (digests checked) and the upperdir.
+    pub read: Duration,
+    pub apply: Duration,
+}
+
+/// The rootfs a resume gives a checkpoint's files ([`onto_rootfs`]).
+pub struct Rootfs<'a> {
+    /// Where it is mounted on the host.
+    pub path: &'a Path,
+    /// Its overlay's upperdir and lowerdirs (top first), and which xattrs are overlay state.
+    pub upperdir: &'a Path,
+    pub lowerdirs: &'a [PathBuf],
+    pub overlay_xattrs: crate::inspector::fs::OverlayXattrs,
+}
+
+/// Gives a container's rootfs, before anything runs in it, the files of a checkpoint whose
+/// fs layers are `layers` (oldest first, each read from the blob file `blob` names, its digest
+/// checked over the whole blob): the same machinery as an in-place rollback, with every path
+/// the layers name as changed, and every path the rootfs's upperdir already holds (a
+/// container restarted on its own rootfs, as Docker's restart policies do, comes back without
+/// what its interrupted turn wrote). The rootfs must be an overlay of the checkpoint's image
+/// (the caller checks). Writes go through the mounted rootfs (overlayfs makes the whiteouts
+/// and copies up), resolved beneath it, never following a symlink.
+pub fn onto_rootfs(
+    rootfs: &Rootfs<'_>,
+    layers: &[Descriptor],
+    blob: &dyn Fn(&Descriptor) -> PathBuf,
+    limits: &crab_runtime_config::LimitsConfig,
+) -> Result<Applied, String> {
+    let reading = Instant::now();
+    let mut state = LayerState::default();
+    let mut changed: BTreeSet<PathBuf> = BTreeSet::new();
+    let mut deep: HashSet<PathBuf> = HashSet::new();
+    for d in layers {
+        let path = blob(d);
+        read_layer_at(&path, d, |r| state.apply(r, limits.max_manifest_entries))?;
+        let named = read_layer_at(&path, d, |r| Named::read(r, limits.max_manifest_entries))?;
+        changed.extend(named.paths);
+        deep.extend(named.opaque);
+    }
+    let upper = crate::inspector::fs::TreeManifest::scan_with(
+        rootfs.upperdir,
+        &crate::inspector::fs::ScanLimits::from(limits),
+        rootfs.overlay_xattrs,
+    )
+    .map_err(|e| format!("reading its upperdir: {e}"))?;
+    for (rel, meta) in upper.iter() {
+        if rel.as_os_str().is_empty() {
+            continue;
+        }
+        changed.insert(rel.to_path_buf());
+        if meta.opaque || meta.redirect.is_some() {
+            deep.insert(rel.to_path_buf());
+        }
+    }
+    let read = reading.elapsed();
+    let mut view = View::open_dir(
+        rootfs.path,
+        limits.max_walk_depth,
+        limits.max_manifest_entries,
+    )
+    .map_err(|e| format!("opening {}: {e}", rootfs.path.display()))?;
+    let mut target = Target {
+        layers: &state,
+        lowers: Lowers::new(rootfs.lowerdirs, rootfs.overlay_xattrs),
+    };
+    let plan = Plan {
+        blob,
+        layers,
+        changed,
+        deep,
+        untouched: Vec::new(),
+        max_bytes: limits.max_layer_bytes,
+    };
+    let applying = Instant::now();
+    let (paths, bytes) = apply(&mut view, &mut target, &plan)?;
+    Ok(Applied {
+        paths,
+        bytes,
+        read,
+        apply: applying.elapsed(),
+    })
 }
 
 /// Thaws on drop unless thawed explicitly.
@@ -665,7 +765,8 @@ pub fn reset(
     // The checkpoint's own layers (the image carries the others) and those after it.
     let reading = Instant::now();
     let own = &target.fs_layers[latest.image_layers..];
-    let layers = target_state(store, own, limits.max_manifest_entries)
+    let blob = |d: &Descriptor| store.blob_path(&d.digest);
+    let layers = target_state(&blob, own, limits.max_manifest_entries)
         .map_err(|e| refused(format!("cannot read checkpoint {}: {e}", target.seq)))?;
     let layers = &*layers;
     let mut changed: BTreeSet<PathBuf> = BTreeSet::new();
@@ -756,7 +857,7 @@ pub fn reset(
         lowers: Lowers::new(&t.lowerdirs, t.overlay_xattrs),
     };
     let plan = Plan {
-        store,
+        blob: &blob,
         layers: own,
         changed,
         deep,

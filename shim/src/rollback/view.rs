@@ -159,6 +159,24 @@ impl View {
         Ok(out)
     }
 
+    /// The view of a container's rootfs at `root` on the host, before anything runs in it
+    /// (a resume at Create), without tracked volumes: their content goes into the rootfs,
+    /// whence Create refills their host directories.
+    pub fn open_dir(root: &Path, max_depth: u32, max_entries: u64) -> io::Result<View> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(root)?;
+        Ok(View {
+            root: OwnedFd::from(dir),
+            volumes: Vec::new(),
+            max_depth: max_depth as usize,
+            max_entries,
+            removed: 0,
+        })
+    }
+
     /// The tree `rel` belongs to and its path in it.
     fn base<'a>(&'a self, rel: &'a Path) -> (BorrowedFd<'a>, &'a Path) {
         for (at, fd) in &self.volumes {

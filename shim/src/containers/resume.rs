@@ -1,0 +1,280 @@
+//! Resume at Create: a container created with `io.crab/resume: newest`
+//! ([`crate::turns::RESUME`]) starts from the newest durable checkpoint of its lineage on
+//! this node ([`crate::checkpoint::lineage::newest`]) instead of fresh: the kubelet's next
+//! attempt of a crashed container, Docker's restart of one (same id, new task), a container
+//! created again after a node reboot.
+//!
+//! 1. the checkpoint is found among the stores of the container's containerd namespace (its
+//!    own, set-aside ones, those of removed containers); none: a fresh start, logged;
+//! 2. it must fit: taken on the same image (the chain id its store recorded against the one
+//!    the engine unpacked this rootfs from, when both are known), every layer on this node's
+//!    disk, the rootfs an overlay, no user namespace (the layers hold the container's ids);
+//!    otherwise Create fails with the reason, never a silent fresh start;
+//! 3. its fs layers are put into the rootfs ([`crate::rollback::onto_rootfs`]: the in-place
+//!    rollback's machinery, every blob's digest checked; what the rootfs's upperdir already
+//!    held, such as the files an interrupted turn wrote before Docker restarted the
+//!    container, is returned to the checkpoint's state too);
+//! 4. its process image, if it has one, is copied out of the store into the restore's own
+//!    directory (pages rebuilt from their chunks) and checked against what the spec grants,
+//!    as every process image is; Start then restores it through CRIU's gate and the kernel
+//!    check, exactly as for a checkpoint image.
+//!
+//! The store is the node's own (root's, written by crab alone), which `crabctl export` signs
+//! as it is: no signature is checked here. What comes from elsewhere (an image, a registry)
+//! goes through [`crate::restore::intake`]'s signature check.
+
+use std::{
+    path::{Path, PathBuf},
+    time::Instant,
+};
+
+use crab_runtime_config::Config;
+use oci_spec::runtime::Spec;
+
+use crate::{
+    bundle::{self, RootfsMount},
+    checkpoint::{
+        lineage::{self, Candidate},
+        store::Descriptor,
+    },
+    error::{Error, Result},
+    restore::{
+        intake::{self as restore, CheckpointMeta, ProcessMeta, Resumed, Source, Taken},
+        privilege::Granted,
+        scratch::RestoreDir,
+    },
+};
+
+/// What a resume found and prepared.
+pub(super) struct Resumption {
+    pub taken: Taken,
+    /// The restore's copy of the process image (removed at Delete, or when Create fails).
+    pub restore_dir: Option<RestoreDir>,
+}
+
+/// What [`resume`] is given of the container being created.
+pub(super) struct ResumeRequest<'a> {
+    pub id: &'a str,
+    pub namespace: &'a str,
+    pub bundle: &'a Path,
+    pub config: &'a Config,
+    pub spec: &'a Spec,
+    pub rootfs: &'a bundle::Rootfs,
+    pub lineage: &'a str,
+    /// The chain id of the image the engine unpacked this rootfs from, or why it is unknown.
+    pub image: &'a std::result::Result<String, String>,
+    pub granted: Granted,
+}
+
+fn refused(r: &ResumeRequest<'_>, c: &Candidate, why: impl std::fmt::Display) -> Error {
+    Error::FailedPrecondition(format!(
+        "cannot resume {} from checkpoint {} of its lineage {} (store of {}): {why}",
+        r.id, c.manifest.seq, r.lineage, c.container
+    ))
+}
+
+/// Finds the newest durable checkpoint of the container's lineage and prepares the rootfs and
+/// the process image from it; `None`: the lineage has no checkpoint on this node.
+pub(super) async fn resume(r: ResumeRequest<'_>) -> Result<Option<Resumption>> {
+    let ns_dir = r.config.store.state_dir.join(r.namespace);
+    let lineage_name = r.lineage.to_string();
+    let found = tokio::task::spawn_blocking(move || lineage::newest(&ns_dir, &lineage_name))
+        .await
+        .map_err(Error::Task)?;
+    let Some(c) = found else {
+        log::info!(
+            "create {}: lineage {} has no checkpoint on this node: it starts fresh",
+            r.id,
+            r.lineage
+        );
+        return Ok(None);
+    };
+    log::info!(
+        "create {}: resumes lineage {} from checkpoint {} (turn {:?}, {:?}) of {}",
+        r.id,
+        r.lineage,
+        c.manifest.seq,
+        c.manifest.turn_id,
+        c.manifest.kind,
+        c.container
+    );
+    match (&c.record.image, r.image) {
+        (Some(was), Ok(now)) if was != now => {
+            return Err(refused(
+                &r,
+                &c,
+                format!(
+                    "it was taken on image {was}, and this container's image is {now} (a \
+                     checkpoint's processes and files belong to its image: run the lineage on \
+                     that image, or give the container a new lineage with io.crab/lineage)"
+                ),
+            ))
+        }
+        (Some(was), Err(why)) => log::warn!(
+            "create {}: the checkpoint was taken on image {was}; this rootfs's image cannot be \
+             told ({why}): resumed without that check",
+            r.id
+        ),
+        _ => {}
+    }
+    if bundle::joins_user_namespace(r.spec) || has_uid_mappings(r.spec) {
+        return Err(refused(
+            &r,
+            &c,
+            "the container has a user namespace: resuming one is not supported (its layers \
+             hold the container's ids, its rootfs the host's)",
+        ));
+    }
+    let Some(overlay) = RootfsMount::overlay(&r.rootfs.mounts) else {
+        return Err(refused(
+            &r,
+            &c,
+            "its rootfs is not an overlay: the checkpoint's files cannot be put into it",
+        ));
+    };
+    let Some((upperdir, lowerdirs)) = crate::inspector::fs::overlay_dirs(&overlay.options) else {
+        return Err(refused(&r, &c, "its rootfs overlay has no upperdir"));
+    };
+    let xattrs = crate::inspector::fs::OverlayXattrs::of_mount(&overlay.options);
+    let scratch = match &c.manifest.process {
+        Some(_) => Some(
+            super::create::scratch_dir(r.config, r.namespace, r.id, r.bundle)
+                .map_err(|e| refused(&r, &c, e))?,
+        ),
+        None => None,
+    };
+    let (rootfs_path, limits) = (r.rootfs.path.clone(), r.config.limits.clone());
+    let image_limits = restore::ImageLimits::from_config(&r.config.restore);
+    let (cand, granted) = (c.clone(), r.granted.clone());
+    let ns_dir = r.config.store.state_dir.join(r.namespace);
+    let criu_dest = scratch.as_ref().map(RestoreDir::criu);
+    let prepared = tokio::task::spawn_blocking(move || {
+        let blobs = locate_blobs(&cand, &ns_dir)?;
+        let started = Instant::now();
+        let rootfs = crate::rollback::Rootfs {
+            path: &rootfs_path,
+            upperdir: &upperdir,
+            lowerdirs: &lowerdirs,
+            overlay_xattrs: xattrs,
+        };
+        let find = |d: &Descriptor| {
+            blobs
+                .iter()
+                .find(|(b, _)| b.digest == d.digest)
+                .map(|(_, p)| p.clone())
+                .unwrap_or_default()
+        };
+        let applied =
+            crate::rollback::onto_rootfs(&rootfs, &cand.manifest.fs_layers, &find, &limits)
+                .map_err(|e| format!("putting its files into the rootfs: {e}"))?;
+        let files_ms = started.elapsed().as_secs_f64() * 1e3;
+        let copied = match (&cand.manifest.process, &criu_dest) {
+            (Some(p), Some(dest)) => {
+                let from = cand.store.join(&p.image);
+                let chunks = cand.store.join("chunks");
+                let bytes = restore::copy_stored_image(&from, &chunks, dest, image_limits)
+                    .map_err(|e| format!("copying its process image: {e}"))?;
+                restore::check_privilege(dest, &granted).map_err(|e| e.to_string())?;
+                Some(bytes)
+            }
+            _ => None,
+        };
+        Ok::<_, String>((blobs, applied, files_ms, copied, started.elapsed()))
+    })
+    .await
+    .map_err(Error::Task)?;
+    let (blobs, applied, files_ms, copied, took) = prepared.map_err(|e| refused(&r, &c, e))?;
+    log::info!(
+        "create {}: {} paths ({} bytes) of {} layers put into the rootfs in {files_ms:.1} ms{}; \
+         {:.1} ms in all",
+        r.id,
+        applied.paths,
+        applied.bytes,
+        c.manifest.fs_layers.len(),
+        match copied {
+            Some(b) => format!(", its process image ({b} bytes) copied and checked"),
+            None => ", no process image".to_string(),
+        },
+        took.as_secs_f64() * 1e3
+    );
+    let m = &c.manifest;
+    let meta = CheckpointMeta {
+        format: restore::META_FORMAT,
+        source: Source {
+            namespace: r.namespace.to_string(),
+            container: c.container.clone(),
+            seq: m.seq,
+            turn_id: m.turn_id.clone(),
+        },
+        fs_layers: m.fs_layers.clone(),
+        process: m.process.as_ref().map(|p| ProcessMeta {
+            pids: p.pids.clone(),
+        }),
+        created_at: m.created_at.clone(),
+        volumes: m.volumes.clone(),
+        annotations: Default::default(),
+    };
+    Ok(Some(Resumption {
+        taken: Taken {
+            meta,
+            criu_dir: criu_dest_of(&scratch),
+            cached: None,
+            verification: None,
+            resumed: Some(Resumed { blobs }),
+        },
+        restore_dir: scratch,
+    }))
+}
+
+fn criu_dest_of(scratch: &Option<RestoreDir>) -> Option<PathBuf> {
+    scratch.as_ref().map(RestoreDir::criu)
+}
+
+/// Whether the spec maps ids (a user namespace of its own).
+fn has_uid_mappings(spec: &Spec) -> bool {
+    spec.linux()
+        .as_ref()
+        .and_then(|l| l.uid_mappings().as_ref())
+        .is_some_and(|m| !m.is_empty())
+}
+
+/// Where each fs layer of the candidate's checkpoint is on this node: in its store, else in
+/// another store of the namespace (a layer the container got from a checkpoint it was itself
+/// restored from).
+fn locate_blobs(
+    c: &Candidate,
+    ns_dir: &Path,
+) -> std::result::Result<Vec<(Descriptor, PathBuf)>, String> {
+    let mut out = Vec::with_capacity(c.manifest.fs_layers.len());
+    let mut others: Option<Vec<PathBuf>> = None;
+    for d in &c.manifest.fs_layers {
+        d.check()
+            .map_err(|e| format!("its manifest is damaged: {e}"))?;
+        let name = d.hex().to_string();
+        let own = c.store.join("blobs/sha256").join(&name);
+        if own.is_file() {
+            out.push((d.clone(), own));
+            continue;
+        }
+        let stores = others.get_or_insert_with(|| {
+            std::fs::read_dir(ns_dir)
+                .map(|it| it.flatten().map(|e| e.path()).collect())
+                .unwrap_or_default()
+        });
+        match stores
+            .iter()
+            .map(|s| s.join("blobs/sha256").join(&name))
+            .find(|p| p.is_file())
+        {
+            Some(p) => out.push((d.clone(), p)),
+            None => {
+                return Err(format!(
+                    "its layer {} is on no checkpoint store of this node (a layer of the \
+                     checkpoint image its lineage was started from, kept in the image store)",
+                    d.digest
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
