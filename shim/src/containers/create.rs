@@ -709,7 +709,7 @@ fn turn_settings(spec: &Spec, config: &Config) -> Result<(bool, Vec<Vec<String>>
 
 /// A fresh restore directory for container `id` ([`RestoreDir`]), named in its bundle for the
 /// cleanup after a shim died.
-pub(super) fn scratch_dir(
+fn scratch_dir(
     config: &Config,
     namespace: &str,
     id: &str,

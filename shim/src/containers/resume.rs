@@ -137,10 +137,13 @@ pub(super) async fn resume(r: ResumeRequest<'_>) -> Result<Option<Resumption>> {
     };
     let xattrs = crate::inspector::fs::OverlayXattrs::of_mount(&overlay.options);
     let scratch = match &c.manifest.process {
-        Some(_) => Some(
-            super::create::scratch_dir(r.config, r.namespace, r.id, r.bundle)
-                .map_err(|e| refused(&r, &c, e))?,
-        ),
+        Some(_) => {
+            // On disk in the store, named in the bundle (the cleanup after a shim died).
+            let dir = RestoreDir::create(&r.config.store.state_dir, r.namespace, r.id)
+                .and_then(|d| d.record_in(r.bundle).map(|()| d))
+                .map_err(|e| refused(&r, &c, format!("making its restore directory: {e}")))?;
+            Some(dir)
+        }
         None => None,
     };
     let (rootfs_path, limits) = (r.rootfs.path.clone(), r.config.limits.clone());
