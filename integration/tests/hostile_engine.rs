@@ -536,6 +536,8 @@ fn crabctl_ok(s: &Sandbox, args: &[&str]) -> String {
 /// The turn column of `crabctl checkpoints`.
 fn listed_turns(out: &str) -> Vec<String> {
     out.lines()
+        // The lineage line, then the header.
+        .skip_while(|l| l.starts_with("lineage "))
         .skip(1)
         .map(|l| {
             let cols: Vec<&str> = l.split_whitespace().collect();

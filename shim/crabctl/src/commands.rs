@@ -347,10 +347,20 @@ fn manifests(
 async fn checkpoints(g: &Global, container: &str, format: Format) -> Result<()> {
     let root = sandbox_dir(g, container).await?;
     let manifests = manifests(container, &root)?;
+    let lineage = crab_shim::checkpoint::lineage::read(&root).map(|r| r.lineage);
     if format == Format::Json {
-        let rows: Vec<CheckpointRow> = manifests.iter().map(CheckpointRow::from).collect();
+        let rows: Vec<CheckpointRow> = manifests
+            .iter()
+            .map(|m| CheckpointRow {
+                lineage: lineage.clone(),
+                ..CheckpointRow::from(m)
+            })
+            .collect();
         print_json(&rows);
         return Ok(());
+    }
+    if let Some(l) = &lineage {
+        println!("lineage {l}");
     }
     println!(
         "{:>5} {:>6}  {:<20} {:<6} {:>6} {:>12} {:>9} {:>9}  CREATED",

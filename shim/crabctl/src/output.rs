@@ -174,6 +174,8 @@ pub struct CheckpointRow {
     pub explanation: String,
     /// Tracked volumes its layers hold whole.
     pub volumes: Vec<PathBuf>,
+    /// The lineage its store records (`null`: recorded by none, a store older than lineages).
+    pub lineage: Option<String>,
 }
 
 impl From<&Manifest> for CheckpointRow {
@@ -200,6 +202,7 @@ impl From<&Manifest> for CheckpointRow {
             created_at: m.created_at.clone(),
             explanation: m.explanation.clone(),
             volumes: m.volumes.clone(),
+            lineage: None,
         }
     }
 }
