@@ -144,4 +144,15 @@ async fn a_crashed_container_comes_back_as_of_its_last_turn_in_the_same_pod() {
     bash(&cri, &second, "echo v4 >> /app/proj/a.txt").await;
     end_turn_durably(&cri, &second, "t9").await;
     assert_eq!(cri.checkpoint_kind(&second, "t9").as_deref(), Some("fs"));
+    // crabctl lists the lineage: both attempts' stores, the newest checkpoint in the second's.
+    let (code, out, err) = cri.crabctl(&["lineages", &lineage, "-o", "json"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(rows.as_array().unwrap().len(), 1, "{rows:#}");
+    let row = &rows[0];
+    assert_eq!(row["newest"]["container"], second.as_str(), "{row:#}");
+    assert_eq!(row["newest"]["turn_id"], "t9", "{row:#}");
+    assert_eq!(row["stores"].as_array().unwrap().len(), 2, "{row:#}");
+    let (code, out, err) = cri.crabctl(&["lineages"]);
+    assert!(code == 0 && out.contains(&lineage), "{out}{err}");
 }

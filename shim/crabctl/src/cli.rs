@@ -277,6 +277,16 @@ pub enum Command {
         #[command(flatten)]
         target: TargetArgs,
     },
+    /// The lineages with checkpoints on this node (in the namespace): each one's stores and
+    /// its newest recovery point, the one a container of it created with io.crab/resume:
+    /// newest starts from
+    Lineages {
+        /// only this lineage
+        #[arg(value_name = "LINEAGE")]
+        lineage: Option<String>,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
     /// The host engine that schedules every shim's checkpoint jobs ([engine] root of the
     /// config): who holds its slots, the queue (urgent first), cumulative stats
     #[command(after_long_help = output::ENGINE_FIELDS)]
@@ -400,6 +410,10 @@ pub enum Request {
     Recover {
         target: Target,
     },
+    Lineages {
+        lineage: Option<String>,
+        format: Format,
+    },
     Engine {
         format: Format,
     },
@@ -427,6 +441,7 @@ impl Request {
             | Request::Rollback { target, .. }
             | Request::Recover { target } => Some(target),
             Request::Engine { .. }
+            | Request::Lineages { .. }
             | Request::Prune { .. }
             | Request::Metrics(_)
             | Request::Completions { .. } => None,
@@ -443,6 +458,7 @@ impl Request {
             | Request::Fork { format, .. }
             | Request::Rollback { format, .. }
             | Request::Engine { format }
+            | Request::Lineages { format, .. }
             | Request::Prune { format, .. } => *format,
             Request::TurnEnd { .. }
             | Request::Export { .. }
@@ -558,6 +574,10 @@ where
             target: target.into_target(),
         },
         Command::Engine { out } => Request::Engine {
+            format: out.format(),
+        },
+        Command::Lineages { lineage, out } => Request::Lineages {
+            lineage,
             format: out.format(),
         },
         Command::Prune { dry_run, out } => Request::Prune {

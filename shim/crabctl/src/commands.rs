@@ -77,6 +77,7 @@ pub async fn run(g: &Global, request: Request) -> Result<()> {
             rollback(g, container, None, RollbackHow::Recreate, Format::Text).await
         }
         Request::Engine { format } => engine(g, format),
+        Request::Lineages { lineage, format } => lineages(g, lineage.as_deref(), format).await,
         Request::Prune { dry_run, format } => prune(g, dry_run, format).await,
         Request::Metrics(args) => crate::metrics::run(g.config.as_deref(), &args).await,
         Request::Completions { .. } => unreachable!("handled above"),
@@ -246,6 +247,15 @@ async fn rollback(
                 );
             }
         }
+    }
+    Ok(())
+}
+
+async fn lineages(g: &Global, lineage: Option<&str>, format: Format) -> Result<()> {
+    let rows = ctl(g).await?.lineages(lineage).await?;
+    match format {
+        Format::Json => print_json(&rows),
+        Format::Text => crate::lineages::print_text(&rows),
     }
     Ok(())
 }

@@ -39,6 +39,7 @@ pub mod error;
 pub mod export;
 pub mod image;
 pub mod lifecycle;
+pub mod lineages;
 pub mod metrics;
 pub mod output;
 pub mod pod;

@@ -124,21 +124,38 @@ pub fn container_of(dir_name: &str) -> Option<String> {
     (!dir_name.starts_with('.')).then(|| dir_name.to_string())
 }
 
-/// The newest durable checkpoint of `lineage` among the stores under `namespace_dir`
-/// (`<state_dir>/<namespace>`), by creation time (then by store, then sequence number, so
-/// the choice is stable); `skip` is a store not to look at (the new container's own when it
-/// must not resume from itself). Stores that cannot be read are skipped with a warning.
-pub fn newest(namespace_dir: &Path, lineage: &str) -> Option<Candidate> {
+/// One store of a lineage, as [`stores`] finds it.
+#[derive(Debug, Clone)]
+pub struct LineageStore {
+    /// The store's root.
+    pub store: PathBuf,
+    /// The container id it belongs to (a set-aside store's original id).
+    pub container: String,
+    /// Set aside (`.replaced-*`): the container id now names another store.
+    pub set_aside: bool,
+    pub record: LineageRecord,
+    /// Its durable checkpoints, and the newest of them.
+    pub durable: usize,
+    pub newest: Option<Manifest>,
+}
+
+/// The stores under `namespace_dir` (`<state_dir>/<namespace>`) that record a lineage (only
+/// `lineage`'s, when given), set-aside ones included, in directory order. Stores that cannot
+/// be read are skipped with a warning.
+pub fn stores(namespace_dir: &Path, lineage: Option<&str>) -> Vec<LineageStore> {
     let entries = match fs::read_dir(namespace_dir) {
         Ok(it) => it,
         Err(e) => {
             if e.kind() != std::io::ErrorKind::NotFound {
-                log::warn!("{}: {e}: no lineage can resume", namespace_dir.display());
+                log::warn!(
+                    "{}: {e}: no lineage is found there",
+                    namespace_dir.display()
+                );
             }
-            return None;
+            return Vec::new();
         }
     };
-    let mut best: Option<Candidate> = None;
+    let mut out = Vec::new();
     for entry in entries.flatten().take(MAX_STORES) {
         let Ok(kind) = entry.file_type() else {
             continue;
@@ -148,34 +165,58 @@ pub fn newest(namespace_dir: &Path, lineage: &str) -> Option<Candidate> {
             continue;
         };
         let root = entry.path();
-        let Some(record) = read(&root).filter(|r| r.lineage == lineage) else {
+        let Some(record) = read(&root).filter(|r| lineage.is_none_or(|l| r.lineage == l)) else {
             continue;
         };
         let manifests = match durable_manifests(&root) {
             Ok(m) => m,
             Err(e) => {
                 log::warn!(
-                    "lineage {lineage}: the store {} cannot be read ({e}): skipped",
+                    "lineage {}: the store {} cannot be read ({e}): skipped",
+                    record.lineage,
                     root.display()
                 );
                 continue;
             }
         };
-        let Some(m) = manifests.into_iter().next_back() else {
-            continue;
-        };
-        let key = |c: &Candidate| {
-            (
-                c.manifest.created_at.clone(),
-                c.store.clone(),
-                c.manifest.seq,
-            )
-        };
-        let c = Candidate {
+        out.push(LineageStore {
             store: root,
             container,
+            set_aside: name.starts_with(SET_ASIDE_PREFIX),
             record,
-            manifest: m,
+            durable: manifests.len(),
+            newest: manifests.into_iter().next_back(),
+        });
+    }
+    out
+}
+
+/// The newest durable checkpoint of `lineage` among the stores under `namespace_dir`
+/// (`<state_dir>/<namespace>`), by creation time (then by store, then sequence number, so
+/// the choice is stable).
+pub fn newest(namespace_dir: &Path, lineage: &str) -> Option<Candidate> {
+    newest_of(stores(namespace_dir, Some(lineage)))
+}
+
+/// The newest durable checkpoint among `stores` ([`newest`]).
+pub fn newest_of(stores: Vec<LineageStore>) -> Option<Candidate> {
+    let key = |c: &Candidate| {
+        (
+            c.manifest.created_at.clone(),
+            c.store.clone(),
+            c.manifest.seq,
+        )
+    };
+    let mut best: Option<Candidate> = None;
+    for s in stores {
+        let Some(manifest) = s.newest else {
+            continue;
+        };
+        let c = Candidate {
+            store: s.store,
+            container: s.container,
+            record: s.record,
+            manifest,
         };
         if best.as_ref().is_none_or(|b| key(&c) > key(b)) {
             best = Some(c);
