@@ -46,7 +46,8 @@ pub const CHECKPOINT_FIELDS: &str = "\
 JSON (-o json): an array, oldest first, of {seq, parent, turn_id, kind
 (fs|proc|full|failed|created|restored), recovery_point, layers, image_layers, layer_bytes,
 process_bytes, process_logical_bytes (null without a process image), pids, freeze_ms,
-capture_ms, total_ms, created_at (RFC 3339 UTC), explanation, volumes}.";
+capture_ms, total_ms, created_at (RFC 3339 UTC), explanation, volumes, lineage (the
+lineage its store records; null for a store older than lineages)}.";
 
 /// `crabctl diff --help`: the fields of `-o json`.
 pub const DIFF_FIELDS: &str = "\
@@ -649,6 +650,7 @@ pub(crate) mod tests {
                 "kind",
                 "layer_bytes",
                 "layers",
+                "lineage",
                 "parent",
                 "pids",
                 "process_bytes",
