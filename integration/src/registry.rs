@@ -25,6 +25,31 @@ impl Registry {
             .unwrap()
             .port();
         let addr = format!("127.0.0.1:{port}");
+        Registry::serve(dir, addr)
+    }
+
+    /// Kills the registry (SIGKILL: a crash, mid-push or not); [`Registry::restart`] brings it
+    /// back with the same storage and address.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// The registry again, on its storage and address (after [`Registry::kill`]).
+    pub fn restart(mut self) -> Registry {
+        self.kill();
+        let dir = std::mem::replace(&mut self._dir, tempfile::tempdir().unwrap());
+        let addr = self.addr.clone();
+        drop(self);
+        Registry::serve(dir, addr)
+    }
+
+    /// Where the registry keeps its blobs and manifests.
+    pub fn data_dir(&self) -> std::path::PathBuf {
+        self._dir.path().join("data")
+    }
+
+    fn serve(dir: tempfile::TempDir, addr: String) -> Registry {
         let config = dir.path().join("config.yml");
         std::fs::write(
             &config,

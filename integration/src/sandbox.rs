@@ -36,6 +36,8 @@ pub struct SandboxOptions<'a> {
     pub spec_edit: Option<&'a (dyn Fn(&mut Value) + Sync)>,
     /// The image (default [`AGENT_IMAGE`]; [`Sandbox::run`] needs bash and /app).
     pub image: Option<&'a str>,
+    /// Another containerd (another node, [`crate::node::Node`]); default the test's.
+    pub env: Option<&'a TestEnv>,
 }
 
 pub struct Sandbox {
@@ -61,7 +63,7 @@ impl Sandbox {
     ) -> Result<(Sandbox, CleanupGuard), String> {
         let env = TestEnv {
             image: o.image.unwrap_or(AGENT_IMAGE).into(),
-            ..TestEnv::from_env()
+            ..o.env.cloned().unwrap_or_else(TestEnv::from_env)
         };
         assert_eq!(
             env.runtime, "io.containerd.crab.v1",

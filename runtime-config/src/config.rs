@@ -33,6 +33,82 @@ pub struct Config {
     pub restore: RestoreConfig,
     pub limits: LimitsConfig,
     pub shim: ShimConfig,
+    pub replication: ReplicationConfig,
+}
+
+/// Off-node replication: every durable checkpoint pushed, in the background, to an OCI
+/// registry, tagged per lineage, so a container of the lineage created on another node (with
+/// `io.crab/resume: newest`) comes back from it. Off unless `registry` is set.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default, expecting = "the [replication] table")]
+pub struct ReplicationConfig {
+    /// `HOST[:PORT]/REPOSITORY` (e.g. `registry.example:5000/crab/checkpoints`). Default none:
+    /// no replication.
+    #[serde(deserialize_with = "some_registry")]
+    pub registry: Option<String>,
+    /// Speak plain HTTP to the registry (a registry on a private network). Default `false`.
+    pub insecure: bool,
+    /// A Docker-style credentials file (`config.json` / `auth.json` with `auths`); default none
+    /// (anonymous).
+    #[serde(deserialize_with = "some_absolute_path")]
+    pub auth_file: Option<PathBuf>,
+    /// The most bytes one replicated checkpoint may send (its layers and process image);
+    /// a larger one is not replicated and the reason recorded. Default 4096 (MiB).
+    #[serde(deserialize_with = "positive_u64")]
+    pub max_mib: u64,
+    /// The longest wait between two attempts of a push that failed, in milliseconds (the
+    /// waits double from 250 ms up to this). Default 10000.
+    #[serde(deserialize_with = "positive_u64")]
+    pub retry_max_ms: u64,
+}
+
+impl Default for ReplicationConfig {
+    fn default() -> Self {
+        ReplicationConfig {
+            registry: None,
+            insecure: false,
+            auth_file: None,
+            max_mib: 4096,
+            retry_max_ms: 10_000,
+        }
+    }
+}
+
+/// `HOST[:PORT]/REPOSITORY`: a host, then a repository path of lowercase letters, digits and
+/// `._-/` (the OCI distribution rule), no tag, no digest.
+pub fn check_registry(v: &str) -> Result<(), String> {
+    let Some((host, repo)) = v.split_once('/') else {
+        return Err(format!(
+            "{v:?} names no repository (HOST[:PORT]/REPOSITORY)"
+        ));
+    };
+    let host_ok = !host.is_empty()
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b".-:[]".contains(&b));
+    if !host_ok {
+        return Err(format!("{v:?}: {host:?} is no registry host"));
+    }
+    let repo_ok = !repo.is_empty()
+        && repo.len() <= 255
+        && repo.split('/').all(|part| {
+            !part.is_empty()
+                && part
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b))
+        });
+    if !repo_ok {
+        return Err(format!(
+            "{v:?}: {repo:?} is no repository (lowercase letters, digits, ._- and /, no tag)"
+        ));
+    }
+    Ok(())
+}
+
+fn some_registry<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    let v = String::deserialize(d)?;
+    check_registry(&v).map_err(serde::de::Error::custom)?;
+    Ok(Some(v))
 }
 
 /// How containers share shim processes.
@@ -968,6 +1044,13 @@ mod tests {
 
             [shim]
             groups = ["agents", "rl.rollouts-1"]
+
+            [replication]
+            registry = "registry.example:5000/crab/checkpoints"
+            insecure = true
+            auth_file = "/etc/crab/auth.json"
+            max_mib = 512
+            retry_max_ms = 2000
             "#,
         )
         .unwrap();
@@ -1029,8 +1112,29 @@ mod tests {
                 shim: ShimConfig {
                     groups: vec!["agents".into(), "rl.rollouts-1".into()],
                 },
+                replication: ReplicationConfig {
+                    registry: Some("registry.example:5000/crab/checkpoints".into()),
+                    insecure: true,
+                    auth_file: Some("/etc/crab/auth.json".into()),
+                    max_mib: 512,
+                    retry_max_ms: 2000,
+                },
             }
         );
+        for bad in [
+            "localhost:5000",
+            "localhost:5000/Crab",
+            "localhost:5000/a//b",
+            "localhost:5000/a:tag",
+            "/repo",
+            "host name/repo",
+        ] {
+            let e = Config::from_toml_str(
+                &format!("[replication]\nregistry = {bad:?}\n"),
+                Path::new("t.toml"),
+            );
+            assert!(e.is_err(), "{bad} accepted");
+        }
         assert_eq!(c.signing_key_path(), Path::new("/etc/crab/keys/node.key"));
         assert_eq!(
             Config::default().signing_key_path(),
@@ -1341,7 +1445,7 @@ mod tests {
         assert_eq!(
             msg,
             "invalid crab config /etc/crab/test.toml:4:2: key `runtime`: unknown field `runtime`, \
-             expected one of `runc`, `store`, `log`, `checkpoint`, `engine`, `restore`, `limits`, `shim`"
+             expected one of `runc`, `store`, `log`, `checkpoint`, `engine`, `restore`, `limits`, `shim`, `replication`"
         );
     }
 

@@ -33,6 +33,7 @@ pub mod oom;
 pub mod placement;
 pub mod process;
 pub mod reaper;
+pub mod replication;
 pub mod restore;
 pub mod rollback;
 pub mod runc;

@@ -338,8 +338,38 @@ impl Sandbox {
                 },
             );
         }
+        self.replicate(config, &co);
         let _ = self.coordinator.set(co);
         Ok(import)
+    }
+
+    /// With `[replication]`, pushes each newest durable checkpoint of the sandbox to the
+    /// registry in the background ([`crate::replication::Replicator`]).
+    fn replicate(&self, config: &Config, co: &SandboxCoordinator) {
+        let registry = match crate::replication::Registry::from_config(&config.replication) {
+            Ok(Some(r)) => r,
+            Ok(None) => return,
+            Err(e) => {
+                log::error!("container {}: not replicated: {e}", self.id);
+                return;
+            }
+        };
+        let Some(record) = self.lineage.get().cloned() else {
+            return;
+        };
+        crate::replication::Replicator::spawn(
+            crate::replication::ReplicatorParams {
+                registry: Arc::new(registry),
+                store_root: self.dir.clone(),
+                namespace: self.namespace.clone(),
+                container: self.id.clone(),
+                record,
+                signing_key: config.signing_key_path(),
+                max_bytes: config.replication.max_mib << 20,
+                retry_max: Duration::from_millis(config.replication.retry_max_ms),
+            },
+            co.durable_changes(),
+        );
     }
 
     /// Whether each exec that finishes while no other runs ends a turn (and turns are answered).

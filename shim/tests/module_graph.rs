@@ -771,7 +771,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         ],
     ),
     ("turn path", &["sandbox", "turns", "rollback"]),
-    ("restore", &["restore"]),
+    ("restore", &["restore", "replication"]),
     ("checkpoints", &["checkpoint", "engine", "metrics"]),
     ("inspection", &["inspector"]),
     ("runtime", &["runc", "reaper", "bundle", "idmap", "error"]),

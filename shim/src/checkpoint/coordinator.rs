@@ -281,6 +281,12 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
         &self.store
     }
 
+    /// Bumped each time every submitted turn's checkpoint is durable (the replicator wakes
+    /// on it); closed when the coordinator goes.
+    pub fn durable_changes(&self) -> watch::Receiver<u64> {
+        self.idle.subscribe()
+    }
+
     /// Whether no job runs or waits (every submitted turn's checkpoint is durable).
     pub fn is_idle(&self) -> bool {
         let st = self.state.lock().unwrap();

@@ -225,6 +225,11 @@ pub fn newest_of(stores: Vec<LineageStore>) -> Option<Candidate> {
     best
 }
 
+/// The newest durable checkpoint of the store at `root`, if it can be read.
+pub fn newest_durable(root: &Path) -> Option<Manifest> {
+    durable_manifests(root).ok()?.pop()
+}
+
 /// The durable checkpoints of the store at `root`, oldest first, read without opening it as
 /// a `Store` (which would create directories and sweep: this is someone else's store).
 fn durable_manifests(root: &Path) -> Result<Vec<Manifest>, StoreError> {

@@ -127,9 +127,11 @@ impl Containers {
         let granted = Granted::from_spec(&prep.spec);
         // A container that resumes its lineage records the image it runs on (a later resume
         // onto another image is refused).
-        let image = match prep.resume {
-            turns::Resume::Newest => self.rootfs_image(&p.id, &prep.rootfs).await.map(|u| u.top),
-            turns::Resume::Fresh => Err("not asked".to_string()),
+        let image = match (prep.resume, &prep.config.replication.registry) {
+            (turns::Resume::Newest, _) | (_, Some(_)) => {
+                self.rootfs_image(&p.id, &prep.rootfs).await.map(|u| u.top)
+            }
+            (turns::Resume::Fresh, None) => Err("not asked".to_string()),
         };
         let mut found = match p.checkpoint.is_empty() {
             true => self.take_from_rootfs(p, &prep, granted.clone()).await?,

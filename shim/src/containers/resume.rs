@@ -81,11 +81,19 @@ pub(super) async fn resume(r: ResumeRequest<'_>) -> Result<Option<Resumption>> {
     let found = tokio::task::spawn_blocking(move || lineage::newest(&ns_dir, &lineage_name))
         .await
         .map_err(Error::Task)?;
+    let found = match found {
+        Some(c) => Some(c),
+        None => pulled(&r).await?,
+    };
     let Some(c) = found else {
         log::info!(
-            "create {}: lineage {} has no checkpoint on this node: it starts fresh",
+            "create {}: lineage {} has no checkpoint on this node{}: it starts fresh",
             r.id,
-            r.lineage
+            r.lineage,
+            match &r.config.replication.registry {
+                Some(reg) => format!(" nor in {reg}"),
+                None => String::new(),
+            }
         );
         return Ok(None);
     };
@@ -227,6 +235,52 @@ pub(super) async fn resume(r: ResumeRequest<'_>) -> Result<Option<Resumption>> {
         },
         restore_dir: scratch,
     }))
+}
+
+/// With `[replication]`, the lineage's newest checkpoint in the registry, pulled into a
+/// store of this node (verified: [`crate::replication::pull_newest`]); a registry that cannot
+/// be asked fails Create (a silent fresh start could lose the trajectory).
+async fn pulled(r: &ResumeRequest<'_>) -> Result<Option<Candidate>> {
+    let registry = match crate::replication::Registry::from_config(&r.config.replication) {
+        Ok(Some(reg)) => reg,
+        Ok(None) => return Ok(None),
+        Err(e) => return Err(Error::FailedPrecondition(format!("[replication]: {e}"))),
+    };
+    let trusted = crate::checkpoint::provenance::trusted_keys(r.config)
+        .map_err(|e| Error::FailedPrecondition(format!("the trusted keys: {e}")))?;
+    let ns_dir = r.config.store.state_dir.join(r.namespace);
+    let started = Instant::now();
+    let root = crate::replication::pull_newest(
+        &registry,
+        r.lineage,
+        &ns_dir,
+        r.image.as_ref().ok().map(String::as_str),
+        &trusted,
+        r.config.replication.max_mib << 20,
+    )
+    .await
+    .map_err(|e| {
+        Error::FailedPrecondition(format!(
+            "cannot resume {} from lineage {}'s newest checkpoint in {}: {e}",
+            r.id, r.lineage, registry.name
+        ))
+    })?;
+    let Some(root) = root else {
+        return Ok(None);
+    };
+    log::info!(
+        "create {}: lineage {}'s newest checkpoint pulled from {} into {} in {:.0} ms",
+        r.id,
+        r.lineage,
+        registry.name,
+        root.display(),
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    let stores = lineage::stores(&ns_dir, Some(r.lineage))
+        .into_iter()
+        .filter(|s| s.store == root)
+        .collect();
+    Ok(lineage::newest_of(stores))
 }
 
 fn criu_dest_of(scratch: &Option<RestoreDir>) -> Option<PathBuf> {

@@ -1,0 +1,312 @@
+//! Sandboxes that survive their node: with `[replication]`, every durable checkpoint is pushed
+//! to a registry (Debian's `docker-registry` on 127.0.0.1) in the background, and a container
+//! of the lineage created on another node with `io.crab/resume: newest` comes back from it.
+//! Two private containerds stand for two nodes (separate state, separate crab stores); node A
+//! is destroyed (its container's processes, its shim and its containerd SIGKILLed, its crab
+//! store deleted) before node B resumes. On the way: the registry killed and restarted while
+//! turns go on (turns stay durable, replication catches up), and tampered checkpoints in the
+//! registry refused with the reason.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crab_integration::{
+    ctr::Ctr,
+    node::Node,
+    registry::Registry,
+    sandbox::{Sandbox, SandboxOptions},
+    TestEnv,
+};
+
+const KV: &str = r#"cat > /app/kv.py <<'EOF'
+import socket
+g = {}
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 9000))
+s.listen()
+while True:
+    c, _ = s.accept()
+    src = c.recv(65536).decode()
+    try:
+        try:
+            out = repr(eval(src, g))
+        except SyntaxError:
+            exec(src, g)
+            out = "ok"
+    except Exception as e:
+        out = "error: %r" % (e,)
+    c.sendall(out.encode())
+    c.close()
+EOF
+cat > /app/cli.py <<'EOF'
+import socket, sys, time
+for _ in range(100):
+    try:
+        c = socket.create_connection(("127.0.0.1", 9000))
+        break
+    except OSError:
+        time.sleep(0.05)
+c.sendall(sys.argv[1].encode())
+print(c.recv(65536).decode())
+EOF
+mkdir -p /app/proj && echo v1 > /app/proj/a.txt && cd /app/proj && git init -q && git -c user.email=a@b -c user.name=a add a.txt && git -c user.email=a@b -c user.name=a commit -qm one"#;
+
+const STATE: &str =
+    "cat /app/proj/a.txt; git -C /app/proj log --format=%s; python3 /app/cli.py 'x'";
+
+/// The agent image's archive as `make images` built it (imported into each node).
+fn agent_tar() -> PathBuf {
+    let images = TestEnv::from_env().crab_home.join("images");
+    let mut tars: Vec<PathBuf> = std::fs::read_dir(&images)
+        .unwrap_or_else(|e| panic!("{}: {e} (make images builds it)", images.display()))
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("agent-") && n.ends_with(".tar"))
+        })
+        .collect();
+    tars.sort();
+    tars.pop().expect("the agent image's archive (make images)")
+}
+
+fn node(name: &str) -> Node {
+    let home = TestEnv::from_env()
+        .crab_home
+        .join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(home.join("state"));
+    let n = Node::start(&home);
+    Ctr::new(&n.env)
+        .run(&["images", "import", agent_tar().to_str().unwrap()])
+        .unwrap()
+        .ok()
+        .unwrap();
+    n
+}
+
+fn config(state: &Path, registry: &str, trusted: Option<&Path>) -> String {
+    let mut c = format!(
+        "replication.registry = \"{registry}/crab/checkpoints\"\nreplication.insecure = true\n\
+         replication.retry_max_ms = 1000\n"
+    );
+    if let Some(t) = trusted {
+        c.push_str(&format!("restore.trusted_keys = [\"{}\"]\n", t.display()));
+    }
+    let _ = state;
+    c
+}
+
+fn status(store: &Path) -> serde_json::Value {
+    std::fs::read(store.join("replication.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or(serde_json::Value::Null)
+}
+
+/// Waits until the replicator of `s` pushed its newest durable checkpoint.
+async fn replicated(s: &Sandbox, within: Duration) -> serde_json::Value {
+    let start = Instant::now();
+    loop {
+        let newest = s
+            .lineage()
+            .into_iter()
+            .filter(|m| m["kind"] != "failed")
+            .map(|m| m["seq"].as_u64().unwrap())
+            .max();
+        let st = status(&s.store());
+        if newest.is_some() && st["pushed_seq"].as_u64() == newest {
+            return st;
+        }
+        assert!(
+            start.elapsed() < within,
+            "not replicated after {within:?}: newest {newest:?}, status {st:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn turn(s: &mut Sandbox, script: &str) -> Duration {
+    s.run(script).await;
+    let t = Instant::now();
+    s.end_turn().await;
+    s.sync().await;
+    t.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sandbox_comes_back_on_another_node_after_its_node_is_lost() {
+    let mut registry = Registry::start();
+    let node_a = node("node-a");
+    let node_b = node("node-b");
+    let state_a = node_a.env.crab_home.join("state");
+    let state_b = node_b.env.crab_home.join("state");
+    let lineage = format!("test/replicated-{}", std::process::id());
+    let annotations = [
+        ("io.crab/lineage", lineage.as_str()),
+        ("io.crab/resume", "newest"),
+    ];
+    let config_a = config(&state_a, &registry.addr, None);
+    let (mut a, guard_a) = Sandbox::start(
+        "repl-a",
+        SandboxOptions {
+            annotations: &annotations,
+            state_dir: Some(state_a.clone()),
+            config: &config_a,
+            env: Some(&node_a.env),
+            ..SandboxOptions::default()
+        },
+    )
+    .await;
+    turn(&mut a, KV).await;
+    turn(
+        &mut a,
+        "(nohup python3 /app/kv.py >/dev/null 2>&1 &) ; python3 /app/cli.py 'x = 41'",
+    )
+    .await;
+    let first = replicated(&a, Duration::from_secs(30)).await;
+    assert!(first["bytes_sent"].as_u64().unwrap() > 0, "{first:#}");
+
+    // The registry goes down: turns go on, durable on the node, not slowed by it.
+    registry.kill();
+    let mut down = Vec::new();
+    for i in 0..3 {
+        down.push(
+            turn(
+                &mut a,
+                &format!(
+                    "python3 /app/cli.py 'x += 1' >/dev/null && echo d{i} >> /app/proj/a.txt && \
+                     git -C /app/proj -c user.email=a@b -c user.name=a commit -qam d{i}"
+                ),
+            )
+            .await,
+        );
+    }
+    eprintln!("turn end to durable with the registry down: {down:?}");
+    let newest = a.lineage().last().unwrap()["seq"].as_u64().unwrap();
+    let st = status(&a.store());
+    assert!(
+        st["pushed_seq"].as_u64() < Some(newest) && st["last_error"].is_string(),
+        "the pushes failed while it was down: {st:#}"
+    );
+    // Back: replication catches up, dropping the superseded checkpoints.
+    let registry = registry.restart();
+    let caught_up = replicated(&a, Duration::from_secs(60)).await;
+    assert!(caught_up["last_error"].is_null(), "{caught_up:#}");
+    assert!(
+        caught_up["bytes_skipped"].as_u64().unwrap() > 0,
+        "blobs already there are not sent again: {caught_up:#}"
+    );
+    let want = a.run(STATE).await.stdout;
+    assert!(want.contains("44") && want.contains("d2"), "{want}");
+    // Node A's key, which node B trusts (a cluster would share it through a Secret).
+    let key_a = node_b.env.crab_home.join("node-a.pub");
+    std::fs::copy(state_a.join("keys/checkpoint-signing.pub"), &key_a).unwrap();
+
+    // Node A is lost: its container's processes, shims and containerd killed, its store gone.
+    a.h.kill(&a.id, "", libc::SIGKILL, true).await.unwrap();
+    let a_id = a.id.clone();
+    drop(a);
+    drop(guard_a);
+    for pattern in [
+        format!("containerd-shim-crab-v1 .*-id {a_id}"),
+        format!("containerd .*{}", node_a.env.crab_home.display()),
+    ] {
+        let _ = std::process::Command::new("pkill")
+            .args(["-KILL", "-f", &pattern])
+            .status();
+    }
+    std::fs::remove_dir_all(&state_a).unwrap();
+
+    // Node B: the same lineage resumes from the registry.
+    let untrusting = config(&state_b, &registry.addr, None);
+    let refused = Sandbox::try_start(
+        "repl-untrusted",
+        SandboxOptions {
+            annotations: &annotations,
+            state_dir: Some(state_b.clone()),
+            config: &untrusting,
+            env: Some(&node_b.env),
+            ..SandboxOptions::default()
+        },
+    )
+    .await;
+    let e = refused
+        .err()
+        .expect("a checkpoint signed by an untrusted key was resumed");
+    assert!(e.contains("cannot resume") && e.contains("trusted"), "{e}");
+    let config_b = config(&state_b, &registry.addr, Some(&key_a));
+    let (mut b, guard_b) = Sandbox::start(
+        "repl-b",
+        SandboxOptions {
+            annotations: &annotations,
+            state_dir: Some(state_b.clone()),
+            config: &config_b,
+            env: Some(&node_b.env),
+            ..SandboxOptions::default()
+        },
+    )
+    .await;
+    assert_eq!(b.run(STATE).await.stdout, want, "as of node A's last turn");
+    // It goes on, and replicates from node B.
+    turn(&mut b, "echo b >> /app/proj/a.txt").await;
+    replicated(&b, Duration::from_secs(30)).await;
+
+    // Tampering: a blob of the newest checkpoint altered in the registry's storage.
+    let blobs = registry.data_dir().join("docker/registry/v2/blobs/sha256");
+    let mut altered = 0;
+    for entry in walk(&blobs) {
+        if entry.file_name().is_some_and(|n| n == "data") {
+            let data = std::fs::read(&entry).unwrap();
+            if data.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+                let mut bad = data.clone();
+                let mid = bad.len() / 2;
+                bad[mid] ^= 0xff;
+                std::fs::write(&entry, bad).unwrap();
+                altered += 1;
+            }
+        }
+    }
+    assert!(altered > 0, "no layer blob in {}", blobs.display());
+    let node_c_state = node_b.env.crab_home.join("state-c");
+    let config_c = config(&node_c_state, &registry.addr, Some(&key_a));
+    let refused = Sandbox::try_start(
+        "repl-tampered",
+        SandboxOptions {
+            annotations: &annotations,
+            state_dir: Some(node_c_state.clone()),
+            config: &config_c,
+            env: Some(&node_b.env),
+            ..SandboxOptions::default()
+        },
+    )
+    .await;
+    let e = refused.err().expect("a tampered checkpoint was resumed");
+    assert!(e.contains("cannot resume"), "{e}");
+    b.finish().await;
+    drop(guard_b);
+    let _ = std::fs::remove_dir_all(&node_c_state);
+    let homes = [node_a.env.crab_home.clone(), node_b.env.crab_home.clone()];
+    drop(node_b);
+    drop(node_a);
+    for home in homes {
+        let _ = std::fs::remove_dir_all(home);
+    }
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                stack.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,626 @@
+//! Off-node replication (`[replication]`): every durable checkpoint of a sandbox is pushed, in
+//! the background, to an OCI registry as a signed artifact ([`artifact`]) tagged per lineage,
+//! and a container of the lineage created on a node that has no checkpoint of it (with
+//! `io.crab/resume: newest`) pulls the newest one ([`pull_newest`]) and resumes from it.
+//!
+//! The push never delays a turn and never holds an engine slot: a [`Replicator`] per sandbox
+//! wakes when the sandbox's checkpoints are durable, builds the newest one's artifact and
+//! pushes it, blobs the registry already has skipped. Its queue is one checkpoint deep: a
+//! newer checkpoint supersedes one not yet pushed (the oldest superseded are dropped first,
+//! by construction). A registry that is down or refuses costs nothing locally: attempts are
+//! retried with doubling waits (250 ms up to `retry_max_ms`), and what happened is written to
+//! `<store>/replication.json` ([`Status`], which `crabctl replication` reads).
+//!
+//! The registry protocol is oci-client's (a maintained OCI distribution client); nothing here
+//! speaks HTTP itself.
+
+pub mod artifact;
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, Instant, SystemTime},
+};
+
+use crab_runtime_config::ReplicationConfig;
+use oci_client::{
+    client::{ClientConfig, ClientProtocol},
+    errors::{OciDistributionError, OciErrorCode},
+    manifest::{OciDescriptor, OciImageManifest, OciManifest, OCI_IMAGE_MEDIA_TYPE},
+    secrets::RegistryAuth,
+    Client, Reference,
+};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::checkpoint::{
+    lineage::{self, LineageRecord},
+    provenance::TrustedKeys,
+    store::{digest_string, rfc3339, Manifest, ProcessImage, Store},
+};
+
+use self::artifact::{Artifact, MEDIA_TYPE_CONFIG, MEDIA_TYPE_CRIU_FILE};
+
+/// What a replicator records of its pushes (`<store>/replication.json`).
+pub const STATUS_FILE: &str = "replication.json";
+/// Each registry call is bounded: a registry that does not answer is an error, retried.
+const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+const FIRST_RETRY: Duration = Duration::from_millis(250);
+
+/// A registry and a repository in it, with the credentials to use.
+pub struct Registry {
+    client: Client,
+    registry: String,
+    repository: String,
+    auth: RegistryAuth,
+    /// `HOST[:PORT]/REPOSITORY`, for messages.
+    pub name: String,
+}
+
+impl Registry {
+    /// The registry `[replication]` names, if replication is on.
+    pub fn from_config(c: &ReplicationConfig) -> Result<Option<Registry>, String> {
+        let Some(name) = &c.registry else {
+            return Ok(None);
+        };
+        let (registry, repository) = name
+            .split_once('/')
+            .ok_or_else(|| format!("{name}: no repository"))?;
+        let auth = match &c.auth_file {
+            Some(path) => auth_from_file(path, registry)?,
+            None => RegistryAuth::Anonymous,
+        };
+        let client = Client::new(ClientConfig {
+            protocol: match c.insecure {
+                true => ClientProtocol::Http,
+                false => ClientProtocol::Https,
+            },
+            ..ClientConfig::default()
+        });
+        Ok(Some(Registry {
+            client,
+            registry: registry.to_string(),
+            repository: repository.to_string(),
+            auth,
+            name: name.clone(),
+        }))
+    }
+
+    fn reference(&self, tag: &str) -> Reference {
+        Reference::with_tag(
+            self.registry.clone(),
+            self.repository.clone(),
+            tag.to_string(),
+        )
+    }
+
+    async fn authed(&self, tag: &str) -> Reference {
+        let r = self.reference(tag);
+        self.client
+            .store_auth_if_needed(r.resolve_registry(), &self.auth)
+            .await;
+        r
+    }
+
+    /// Pushes `a` under each of `tags` (the first one's reference for the blobs); blobs the
+    /// repository has are skipped. Returns (bytes sent, bytes skipped).
+    pub async fn push(&self, a: &Artifact, tags: &[String]) -> Result<(u64, u64), String> {
+        let r = self.authed(&tags[0]).await;
+        let (mut sent, mut skipped) = (0u64, 0u64);
+        let config_digest = sha256(&a.config);
+        let config = artifact::Blob {
+            digest: config_digest.clone(),
+            size: a.config.len() as u64,
+            media_type: MEDIA_TYPE_CONFIG.to_string(),
+            file: None,
+            data: artifact::BlobData::Bytes(a.config.clone()),
+        };
+        for blob in std::iter::once(&config).chain(&a.layers) {
+            let digest = blob.digest.as_str();
+            if call(self.client.blob_exists(&r, digest)).await? {
+                skipped += blob.size;
+                continue;
+            }
+            let data = blob.data.clone();
+            let bytes = tokio::task::spawn_blocking(move || data.read())
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| format!("reading {digest}: {e}"))?;
+            call(self.client.push_blob(&r, bytes, digest)).await?;
+            sent += blob.size;
+        }
+        let manifest = OciImageManifest {
+            schema_version: 2,
+            media_type: Some(OCI_IMAGE_MEDIA_TYPE.to_string()),
+            config: OciDescriptor {
+                media_type: MEDIA_TYPE_CONFIG.to_string(),
+                digest: config_digest,
+                size: a.config.len() as i64,
+                ..OciDescriptor::default()
+            },
+            layers: a
+                .layers
+                .iter()
+                .map(|l| OciDescriptor {
+                    media_type: l.media_type.clone(),
+                    digest: l.digest.clone(),
+                    size: l.size as i64,
+                    annotations: l.file.as_ref().map(|f| {
+                        BTreeMap::from([(artifact::ANNOTATION_FILE.to_string(), f.clone())])
+                    }),
+                    ..OciDescriptor::default()
+                })
+                .collect(),
+            artifact_type: Some(MEDIA_TYPE_CONFIG.to_string()),
+            ..OciImageManifest::default()
+        };
+        let manifest = OciManifest::Image(manifest);
+        for tag in tags {
+            let r = self.reference(tag);
+            call(self.client.push_manifest(&r, &manifest)).await?;
+        }
+        Ok((sent, skipped))
+    }
+}
+
+async fn call<T>(
+    f: impl std::future::Future<Output = Result<T, OciDistributionError>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(CALL_TIMEOUT, f).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(_) => Err(format!(
+            "the registry did not answer in {} s",
+            CALL_TIMEOUT.as_secs()
+        )),
+    }
+}
+
+fn sha256(data: &[u8]) -> String {
+    let mut h = Sha256::new();
+    h.update(data);
+    digest_string(h)
+}
+
+/// The credentials for `registry` in a Docker-style credentials file (`{"auths": {"HOST":
+/// {"auth": base64("user:password")}}}`, or `username` and `password`); anonymous when the
+/// file names none for it.
+pub fn auth_from_file(path: &Path, registry: &str) -> Result<RegistryAuth, String> {
+    use base64::Engine;
+    #[derive(Deserialize)]
+    struct Entry {
+        auth: Option<String>,
+        username: Option<String>,
+        password: Option<String>,
+    }
+    #[derive(Deserialize)]
+    struct File {
+        #[serde(default)]
+        auths: BTreeMap<String, Entry>,
+    }
+    let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let file: File =
+        serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+    let entry = file.auths.iter().find(|(k, _)| {
+        let k = k
+            .trim_start_matches("https://")
+            .trim_start_matches("http://");
+        k == registry || k.split('/').next() == Some(registry)
+    });
+    let Some((_, e)) = entry else {
+        return Ok(RegistryAuth::Anonymous);
+    };
+    if let (Some(u), Some(p)) = (&e.username, &e.password) {
+        return Ok(RegistryAuth::Basic(u.clone(), p.clone()));
+    }
+    let Some(auth) = &e.auth else {
+        return Ok(RegistryAuth::Anonymous);
+    };
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(auth.trim())
+        .map_err(|e| format!("{}: the auth of {registry}: {e}", path.display()))?;
+    let text = String::from_utf8(decoded)
+        .map_err(|_| format!("{}: the auth of {registry} is not text", path.display()))?;
+    let (u, p) = text.split_once(':').ok_or_else(|| {
+        format!(
+            "{}: the auth of {registry} is not user:password",
+            path.display()
+        )
+    })?;
+    Ok(RegistryAuth::Basic(u.to_string(), p.to_string()))
+}
+
+/// What a sandbox's replicator has done (`<store>/replication.json`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Status {
+    pub registry: String,
+    pub lineage: String,
+    /// The newest checkpoint pushed, when, and how long after the replicator saw it durable.
+    pub pushed_seq: Option<u64>,
+    pub pushed_at: Option<String>,
+    pub lag_ms: Option<f64>,
+    /// The newest durable checkpoint seen (pushed or not).
+    pub newest_seq: Option<u64>,
+    pub pushes: u64,
+    pub failures: u64,
+    /// Checkpoints superseded before they were pushed.
+    pub superseded: u64,
+    pub bytes_sent: u64,
+    pub bytes_skipped: u64,
+    pub last_error: Option<String>,
+    /// Every lag measured, in milliseconds (the newest 1000), for the figures.
+    #[serde(default)]
+    pub lags_ms: Vec<f64>,
+}
+
+impl Status {
+    fn write(&self, root: &Path) {
+        let path = root.join(STATUS_FILE);
+        let tmp = root.join(format!(".{STATUS_FILE}.tmp"));
+        let r = serde_json::to_vec_pretty(self)
+            .map_err(std::io::Error::other)
+            .and_then(|b| std::fs::write(&tmp, b))
+            .and_then(|()| std::fs::rename(&tmp, &path));
+        if let Err(e) = r {
+            log::warn!("{}: {e}", path.display());
+        }
+    }
+
+    /// A store's replication status, if it has one.
+    pub fn read(root: &Path) -> Option<Status> {
+        let bytes = std::fs::read(root.join(STATUS_FILE)).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+}
+
+/// What a [`Replicator`] is given.
+pub struct ReplicatorParams {
+    pub registry: Arc<Registry>,
+    pub store_root: PathBuf,
+    pub namespace: String,
+    pub container: String,
+    pub record: LineageRecord,
+    pub signing_key: PathBuf,
+    pub max_bytes: u64,
+    pub retry_max: Duration,
+}
+
+/// Pushes a sandbox's newest durable checkpoint whenever there is a newer one.
+pub struct Replicator;
+
+impl Replicator {
+    /// Runs until `durable` closes (the sandbox's checkpointing ended), then pushes what is
+    /// newest once more.
+    pub fn spawn(p: ReplicatorParams, mut durable: tokio::sync::watch::Receiver<u64>) {
+        tokio::spawn(async move {
+            let mut status = Status {
+                registry: p.registry.name.clone(),
+                lineage: p.record.lineage.clone(),
+                ..Status::read(&p.store_root).unwrap_or_default()
+            };
+            status.registry = p.registry.name.clone();
+            let mut seen: Option<(u64, Instant)> = None;
+            let mut wait = FIRST_RETRY;
+            let mut open = true;
+            let mut skip: Option<u64> = None;
+            loop {
+                let newest = {
+                    let root = p.store_root.clone();
+                    tokio::task::spawn_blocking(move || lineage::newest_durable(&root))
+                        .await
+                        .ok()
+                        .flatten()
+                };
+                let pending = newest.filter(|m| status.pushed_seq.is_none_or(|s| m.seq > s));
+                let Some(m) = pending else {
+                    if !open {
+                        return;
+                    }
+                    // Woken by the next durable checkpoint, or after a while (an origin
+                    // recorded in the background bumps nothing).
+                    if let Ok(Err(_)) =
+                        tokio::time::timeout(Duration::from_secs(5), durable.changed()).await
+                    {
+                        open = false;
+                    }
+                    continue;
+                };
+                if seen.is_some_and(|(s, _)| s != m.seq) && status.newest_seq != Some(m.seq) {
+                    status.superseded += 1;
+                }
+                if seen.is_none_or(|(s, _)| s != m.seq) {
+                    seen = Some((m.seq, Instant::now()));
+                }
+                status.newest_seq = Some(m.seq);
+                if skip == Some(m.seq) {
+                    // Not replicable (see the status): the next checkpoint may be.
+                    match tokio::time::timeout(Duration::from_secs(5), durable.changed()).await {
+                        Ok(Err(_)) if !open => return,
+                        Ok(Err(_)) => open = false,
+                        _ => {}
+                    }
+                    continue;
+                }
+                match push_one(&p, &m).await {
+                    Ok((sent, skipped)) => {
+                        let lag = seen.map_or(0.0, |(_, t)| t.elapsed().as_secs_f64() * 1e3);
+                        status.pushed_seq = Some(m.seq);
+                        status.pushed_at = Some(rfc3339(SystemTime::now()));
+                        status.lag_ms = Some(lag);
+                        status.lags_ms.push(lag);
+                        if status.lags_ms.len() > 1000 {
+                            status.lags_ms.remove(0);
+                        }
+                        status.pushes += 1;
+                        status.bytes_sent += sent;
+                        status.bytes_skipped += skipped;
+                        status.last_error = None;
+                        wait = FIRST_RETRY;
+                        log::info!(
+                            "{}: checkpoint {} of lineage {} replicated to {} in {lag:.0} ms \
+                             ({sent} bytes sent, {skipped} already there)",
+                            p.container,
+                            m.seq,
+                            p.record.lineage,
+                            p.registry.name
+                        );
+                        status.write(&p.store_root);
+                    }
+                    Err(PushError::Permanent(e)) => {
+                        status.failures += 1;
+                        status.last_error = Some(format!("checkpoint {}: {e}", m.seq));
+                        status.write(&p.store_root);
+                        log::warn!(
+                            "{}: checkpoint {} cannot be replicated: {e}",
+                            p.container,
+                            m.seq
+                        );
+                        skip = Some(m.seq);
+                    }
+                    Err(PushError::Transient(e)) => {
+                        status.failures += 1;
+                        status.last_error = Some(e.clone());
+                        status.write(&p.store_root);
+                        log::warn!(
+                            "{}: checkpoint {} not replicated to {} (retried in {} ms): {e}",
+                            p.container,
+                            m.seq,
+                            p.registry.name,
+                            wait.as_millis()
+                        );
+                        // A newer checkpoint meanwhile is pushed instead (this one is
+                        // superseded); the sandbox going away ends the retries.
+                        match tokio::time::timeout(wait, durable.changed()).await {
+                            Ok(Err(_)) if !open => return,
+                            Ok(Err(_)) => open = false,
+                            _ => {}
+                        }
+                        wait = (wait * 2).min(p.retry_max);
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// Why a push did not happen: the checkpoint cannot be replicated at all, or the registry
+/// failed (retried).
+enum PushError {
+    Permanent(String),
+    Transient(String),
+}
+
+async fn push_one(p: &ReplicatorParams, m: &Manifest) -> Result<(u64, u64), PushError> {
+    let (root, ns, c, record, key, max) = (
+        p.store_root.clone(),
+        p.namespace.clone(),
+        p.container.clone(),
+        p.record.clone(),
+        p.signing_key.clone(),
+        p.max_bytes,
+    );
+    let m2 = m.clone();
+    let art = tokio::task::spawn_blocking(move || {
+        let signer = crate::checkpoint::provenance::signing_key(&key).map_err(|e| e.to_string())?;
+        artifact::build(&root, &ns, &c, &record, &m2, &signer, max)
+    })
+    .await
+    .map_err(|e| PushError::Transient(e.to_string()))?
+    .map_err(PushError::Permanent)?;
+    let tags = [
+        artifact::seq_tag(&p.record.lineage, &p.container, m.seq),
+        artifact::newest_tag(&p.record.lineage),
+    ];
+    p.registry
+        .push(&art, &tags)
+        .await
+        .map_err(PushError::Transient)
+}
+
+fn not_found(e: &OciDistributionError) -> bool {
+    match e {
+        OciDistributionError::ImageManifestNotFoundError(_) => true,
+        OciDistributionError::RegistryError { envelope, .. } => envelope.errors.iter().any(|x| {
+            matches!(
+                x.code,
+                OciErrorCode::ManifestUnknown | OciErrorCode::NameUnknown | OciErrorCode::NotFound
+            )
+        }),
+        _ => false,
+    }
+}
+
+/// Pulls the newest replicated checkpoint of `lineage` from `registry` into a new store under
+/// `namespace_dir` (`replica-<hash>-<unique>`, which [`lineage::newest`] then finds, and
+/// `crabctl prune` removes once unused): its config verified first ([`artifact::verify`]:
+/// signed by a trusted key, this lineage, taken on `image`), then every blob checked
+/// against the signed digests as it is stored. `None`: the registry has none.
+pub async fn pull_newest(
+    registry: &Registry,
+    lineage_name: &str,
+    namespace_dir: &Path,
+    image: Option<&str>,
+    trusted: &TrustedKeys,
+    max_bytes: u64,
+) -> Result<Option<PathBuf>, String> {
+    let tag = artifact::newest_tag(lineage_name);
+    let r = registry.authed(&tag).await;
+    let manifest = match tokio::time::timeout(
+        CALL_TIMEOUT,
+        registry.client.pull_image_manifest(&r, &registry.auth),
+    )
+    .await
+    {
+        Err(_) => return Err(format!("{} did not answer", registry.name)),
+        Ok(Err(e)) if not_found(&e) => return Ok(None),
+        Ok(Err(e)) => return Err(format!("{}: {e}", registry.name)),
+        Ok(Ok((m, _))) => m,
+    };
+    if manifest.config.media_type != MEDIA_TYPE_CONFIG {
+        return Err(format!(
+            "{}:{tag} is not a crab checkpoint (config {})",
+            registry.name, manifest.config.media_type
+        ));
+    }
+    if manifest.config.size < 0 || manifest.config.size as u64 > artifact::CONFIG_MAX {
+        return Err(format!("{}:{tag}: its config is too large", registry.name));
+    }
+    let config = pull_bytes(registry, &r, &manifest.config, artifact::CONFIG_MAX).await?;
+    let v = artifact::verify(&config, lineage_name, image, trusted)
+        .map_err(|e| format!("{}:{tag}: {e}", registry.name))?;
+    let n = v.meta.fs_layers.len();
+    if manifest.layers.len() != n + v.criu.len() {
+        return Err(format!(
+            "{}:{tag}: {} blobs where its signature names {}",
+            registry.name,
+            manifest.layers.len(),
+            n + v.criu.len()
+        ));
+    }
+    let total: u64 = v.meta.fs_layers.iter().map(|d| d.size).sum::<u64>()
+        + v.criu.values().map(|f| f.size).sum::<u64>();
+    if total > max_bytes {
+        return Err(format!(
+            "{}:{tag}: {total} bytes, more than [replication] max_mib",
+            registry.name
+        ));
+    }
+    let unique = format!(
+        "replica-{}-{}",
+        &sha256(lineage_name.as_bytes())[7..19],
+        SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos()
+    );
+    let root = namespace_dir.join(&unique);
+    let pulled = pull_into(registry, &r, &manifest, &v, &root).await;
+    if pulled.is_err() {
+        let _ = std::fs::remove_dir_all(&root);
+    }
+    pulled.map(|()| Some(root))
+}
+
+async fn pull_bytes(
+    registry: &Registry,
+    r: &Reference,
+    d: &OciDescriptor,
+    max: u64,
+) -> Result<Vec<u8>, String> {
+    if d.size < 0 || d.size as u64 > max {
+        return Err(format!(
+            "blob {} of {} bytes is too large",
+            d.digest, d.size
+        ));
+    }
+    let mut out: Vec<u8> = Vec::with_capacity(d.size as usize);
+    call(registry.client.pull_blob(r, d, &mut out)).await?;
+    if out.len() as i64 != d.size || sha256(&out) != d.digest {
+        return Err(format!(
+            "blob {}: its content is not what it is named by",
+            d.digest
+        ));
+    }
+    Ok(out)
+}
+
+async fn pull_into(
+    registry: &Registry,
+    r: &Reference,
+    manifest: &OciImageManifest,
+    v: &artifact::Verified,
+    root: &Path,
+) -> Result<(), String> {
+    let store = Store::open(root).map_err(|e| e.to_string())?;
+    let n = v.meta.fs_layers.len();
+    for (want, d) in v.meta.fs_layers.iter().zip(&manifest.layers[..n]) {
+        if d.digest != want.digest || d.size as u64 != want.size {
+            return Err(format!(
+                "layer {}: not the one its signature names",
+                d.digest
+            ));
+        }
+        let data = pull_bytes(registry, r, d, want.size).await?;
+        let mut tmp = store.temp_file("pull").map_err(|e| e.to_string())?;
+        std::io::Write::write_all(tmp.file(), &data).map_err(|e| e.to_string())?;
+        let got = store.put_blob(tmp.path()).map_err(|e| e.to_string())?;
+        if got.digest != want.digest || got.diff_id != want.diff_id {
+            return Err(format!(
+                "layer {}: its content has diff_id {}, its signature names {}",
+                want.digest, got.diff_id, want.diff_id
+            ));
+        }
+    }
+    let process = match &v.meta.process {
+        None => None,
+        Some(p) => {
+            let dir = store.proc_dir(1);
+            std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+            let mut bytes = 0u64;
+            for d in &manifest.layers[n..] {
+                let name = d
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(artifact::ANNOTATION_FILE))
+                    .ok_or_else(|| format!("blob {} names no CRIU file", d.digest))?;
+                artifact::check_file_name(name)?;
+                let want = v
+                    .criu
+                    .get(name)
+                    .ok_or_else(|| format!("{name} is not among the signed CRIU files"))?;
+                if d.media_type != MEDIA_TYPE_CRIU_FILE || d.digest != want.sha256 {
+                    return Err(format!("{name}: not the file its signature names"));
+                }
+                let data = pull_bytes(registry, r, d, want.size).await?;
+                let path = dir.join(name);
+                if path.exists() {
+                    return Err(format!("{name} twice"));
+                }
+                std::fs::write(&path, &data).map_err(|e| format!("{}: {e}", path.display()))?;
+                bytes += data.len() as u64;
+            }
+            Some(ProcessImage {
+                image: crate::checkpoint::store::proc_image_name(1),
+                bytes_stored: bytes,
+                bytes_logical: bytes,
+                pids: p.pids.clone(),
+            })
+        }
+    };
+    let mut m = Manifest::child_of(None, 1, &v.meta.source.turn_id, v.config.kind);
+    m.fs_layers = v.meta.fs_layers.clone();
+    m.process = process;
+    m.created_at = v.meta.created_at.clone();
+    m.volumes = v.meta.volumes.clone();
+    m.explanation = format!(
+        "replicated from {}/{} checkpoint {} through {}",
+        v.meta.source.namespace, v.meta.source.container, v.meta.source.seq, registry.name
+    );
+    store.publish(&m).map_err(|e| e.to_string())?;
+    lineage::record(
+        &store,
+        &LineageRecord::new(&v.config.lineage, Some(v.config.image.clone())),
+    )
+    .map_err(|e| e.to_string())?;
+    Ok(())
+}
