@@ -198,6 +198,21 @@ async fn a_sandbox_comes_back_on_another_node_after_its_node_is_lost() {
         caught_up["bytes_skipped"].as_u64().unwrap() > 0,
         "blobs already there are not sent again: {caught_up:#}"
     );
+    // What operators see.
+    let (code, out, err) = a.crabctl(&["replication", &lineage, "-o", "json"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let store = &rows[0]["stores"][0];
+    assert_eq!(
+        store["replication"]["pushed_seq"], store["newest_seq"],
+        "{rows:#}"
+    );
+    assert!(
+        store["replication"]["failures"].as_u64().unwrap() > 0,
+        "{rows:#}"
+    );
+    let (code, out, err) = a.crabctl(&["replication"]);
+    assert!(code == 0 && out.contains(&lineage), "{out}{err}");
     let want = a.run(STATE).await.stdout;
     assert!(want.contains("44") && want.contains("d2"), "{want}");
     // Node A's key, which node B trusts (a cluster would share it through a Secret).

@@ -287,6 +287,15 @@ pub enum Command {
         #[command(flatten)]
         out: OutputArgs,
     },
+    /// Off-node replication ([replication] registry) per lineage: each store's newest
+    /// checkpoint, the newest replicated, the lag, bytes sent and skipped, the last error
+    Replication {
+        /// only this lineage
+        #[arg(value_name = "LINEAGE")]
+        lineage: Option<String>,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
     /// The host engine that schedules every shim's checkpoint jobs ([engine] root of the
     /// config): who holds its slots, the queue (urgent first), cumulative stats
     #[command(after_long_help = output::ENGINE_FIELDS)]
@@ -414,6 +423,10 @@ pub enum Request {
         lineage: Option<String>,
         format: Format,
     },
+    Replication {
+        lineage: Option<String>,
+        format: Format,
+    },
     Engine {
         format: Format,
     },
@@ -442,6 +455,7 @@ impl Request {
             | Request::Recover { target } => Some(target),
             Request::Engine { .. }
             | Request::Lineages { .. }
+            | Request::Replication { .. }
             | Request::Prune { .. }
             | Request::Metrics(_)
             | Request::Completions { .. } => None,
@@ -459,6 +473,7 @@ impl Request {
             | Request::Rollback { format, .. }
             | Request::Engine { format }
             | Request::Lineages { format, .. }
+            | Request::Replication { format, .. }
             | Request::Prune { format, .. } => *format,
             Request::TurnEnd { .. }
             | Request::Export { .. }
@@ -577,6 +592,10 @@ where
             format: out.format(),
         },
         Command::Lineages { lineage, out } => Request::Lineages {
+            lineage,
+            format: out.format(),
+        },
+        Command::Replication { lineage, out } => Request::Replication {
             lineage,
             format: out.format(),
         },

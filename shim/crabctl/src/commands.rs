@@ -78,6 +78,14 @@ pub async fn run(g: &Global, request: Request) -> Result<()> {
         }
         Request::Engine { format } => engine(g, format),
         Request::Lineages { lineage, format } => lineages(g, lineage.as_deref(), format).await,
+        Request::Replication { lineage, format } => {
+            let rows = ctl(g).await?.lineages(lineage.as_deref()).await?;
+            match format {
+                Format::Json => print_json(&rows),
+                Format::Text => crate::lineages::print_replication(&rows),
+            }
+            Ok(())
+        }
         Request::Prune { dry_run, format } => prune(g, dry_run, format).await,
         Request::Metrics(args) => crate::metrics::run(g.config.as_deref(), &args).await,
         Request::Completions { .. } => unreachable!("handled above"),

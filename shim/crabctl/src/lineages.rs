@@ -40,6 +40,10 @@ pub struct StoreRow {
     pub set_aside: bool,
     /// Its durable checkpoints (recovery points).
     pub checkpoints: usize,
+    /// The newest of them.
+    pub newest_seq: Option<u64>,
+    /// What its replicator did (`null`: never replicated).
+    pub replication: Option<crab_shim::replication::Status>,
 }
 
 /// The rows of `stores`, grouped by lineage (sorted by name).
@@ -60,6 +64,8 @@ pub fn rows(stores: Vec<LineageStore>) -> Vec<LineageRow> {
                     path: s.store.clone(),
                     set_aside: s.set_aside,
                     checkpoints: s.durable,
+                    newest_seq: s.newest.as_ref().map(|m| m.seq),
+                    replication: crab_shim::replication::Status::read(&s.store),
                 })
                 .collect();
             let newest = lineage::newest_of(mine).map(|c| NewestRow {
@@ -138,6 +144,37 @@ pub fn print_text(rows: &[LineageRow]) {
                 s.path.display()
             );
         }
+    }
+}
+
+/// `replication` for people: per lineage, each store's replication.
+pub fn print_replication(rows: &[LineageRow]) {
+    let mut any = false;
+    println!(
+        "{:<40} {:<20} {:>6} {:>10} {:>9} {:>12} {:>12}  LAST ERROR",
+        "LINEAGE", "CONTAINER", "NEWEST", "REPLICATED", "LAG", "SENT", "SKIPPED"
+    );
+    for r in rows {
+        for s in &r.stores {
+            let Some(st) = &s.replication else {
+                continue;
+            };
+            any = true;
+            println!(
+                "{:<40} {:<20} {:>6} {:>10} {:>7.0}ms {:>12} {:>12}  {}",
+                r.lineage,
+                short(&s.container),
+                s.newest_seq.map_or("-".into(), |n| n.to_string()),
+                st.pushed_seq.map_or("-".into(), |n| n.to_string()),
+                st.lag_ms.unwrap_or(0.0),
+                st.bytes_sent,
+                st.bytes_skipped,
+                st.last_error.as_deref().unwrap_or("-")
+            );
+        }
+    }
+    if !any {
+        println!("(no store here was replicated: [replication] registry is not set, or no checkpoint yet)");
     }
 }
 
