@@ -166,10 +166,38 @@ async fn a_sandbox_comes_back_on_another_node_after_its_node_is_lost() {
     )
     .await;
     let first = replicated(&a, Duration::from_secs(30)).await;
+    eprintln!(
+        "replicated, registry up: lags {} ms, {} bytes sent, {} skipped",
+        first["lags_ms"], first["bytes_sent"], first["bytes_skipped"]
+    );
     assert!(first["bytes_sent"].as_u64().unwrap() > 0, "{first:#}");
 
-    // The registry goes down: turns go on, durable on the node, not slowed by it.
+    // The registry is killed in the middle of a push (96 MiB of fresh memory to send: its
+    // push takes a while), then stays down: turns go on, durable on the node, not slowed by
+    // it.
+    turn(
+        &mut a,
+        "python3 /app/cli.py 'import os; big = os.urandom(96 << 20)'",
+    )
+    .await;
+    let big = a.lineage().last().unwrap()["seq"].as_u64().unwrap();
+    tokio::time::sleep(Duration::from_millis(150)).await;
     registry.kill();
+    // Building and sending 96 MiB takes far longer than 150 ms: the push of `big` was cut
+    // short (it is recorded as failed once the replicator notices).
+    let start = Instant::now();
+    let cut = loop {
+        let st = status(&a.store());
+        if st["newest_seq"].as_u64() >= Some(big) || start.elapsed() > Duration::from_secs(20) {
+            break st;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    eprintln!("registry killed 150 ms after checkpoint {big} was durable: {cut:#}");
+    assert!(
+        cut["pushed_seq"].as_u64() < Some(big) && cut["last_error"].is_string(),
+        "the push of checkpoint {big} was cut short: {cut:#}"
+    );
     let mut down = Vec::new();
     for i in 0..3 {
         down.push(
@@ -194,6 +222,19 @@ async fn a_sandbox_comes_back_on_another_node_after_its_node_is_lost() {
     let registry = registry.restart();
     let caught_up = replicated(&a, Duration::from_secs(60)).await;
     assert!(caught_up["last_error"].is_null(), "{caught_up:#}");
+    // The cut push and the turns while down: all but the newest were superseded.
+    let superseded = caught_up["superseded"].as_u64().unwrap();
+    assert!((1..=3).contains(&superseded), "{caught_up:#}");
+    eprintln!(
+        "caught up after the restart: lags {} ms, {} pushes, {} failed attempts, {} superseded, \
+         {} bytes sent, {} skipped",
+        caught_up["lags_ms"],
+        caught_up["pushes"],
+        caught_up["failures"],
+        caught_up["superseded"],
+        caught_up["bytes_sent"],
+        caught_up["bytes_skipped"]
+    );
     assert!(
         caught_up["bytes_skipped"].as_u64().unwrap() > 0,
         "blobs already there are not sent again: {caught_up:#}"
@@ -213,6 +254,20 @@ async fn a_sandbox_comes_back_on_another_node_after_its_node_is_lost() {
     );
     let (code, out, err) = a.crabctl(&["replication"]);
     assert!(code == 0 && out.contains(&lineage), "{out}{err}");
+    let metrics_config = node_a.env.crab_home.join("metrics.toml");
+    std::fs::write(
+        &metrics_config,
+        format!("[store]\nstate_dir = \"{}\"\n", state_a.display()),
+    )
+    .unwrap();
+    let (code, out, err) = a.crabctl(&["--config", metrics_config.to_str().unwrap(), "metrics"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let pushed = out
+        .lines()
+        .find_map(|l| l.strip_prefix("crab_replication_pushes_total{outcome=\"ok\"} "))
+        .and_then(|v| v.trim().parse::<f64>().ok());
+    assert!(pushed.is_some_and(|n| n >= 3.0), "{out}");
+    assert!(out.contains("crab_replication_lag_seconds_count"), "{out}");
     let want = a.run(STATE).await.stdout;
     assert!(want.contains("44") && want.contains("d2"), "{want}");
     // Node A's key, which node B trusts (a cluster would share it through a Secret).

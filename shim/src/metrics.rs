@@ -53,6 +53,11 @@ pub const WAIT_BOUNDS: &[f64] = &[
     0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0,
 ];
 
+/// Replication lag buckets (seconds): a checkpoint durable to pushed.
+pub const REPLICATION_BOUNDS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+
 /// No duration a file claims counts for more than this (a day): a hostile or corrupt figure
 /// cannot push a sum to infinity.
 const MAX_SECONDS: f64 = 86_400.0;

@@ -24,7 +24,7 @@ use clap::Args;
 use crab_runtime_config::Config;
 use crab_shim::metrics::{
     self as figures, Histogram, PerKind, Restores, ScanCache, Tally, CHECKPOINT_BOUNDS,
-    DECISION_BOUNDS, WAIT_BOUNDS,
+    DECISION_BOUNDS, REPLICATION_BOUNDS, WAIT_BOUNDS,
 };
 use prometheus_client::{
     collector::Collector,
@@ -90,7 +90,35 @@ pub struct Snapshot {
     pub warnings: Vec<String>,
     pub files_read: u64,
     pub engine: EngineFigures,
+    pub replication: ReplicationFigures,
     pub scan_seconds: f64,
+}
+
+/// What the stores' replicators recorded (`replication.json`), summed over the stores.
+#[derive(Debug, Clone, Default)]
+pub struct ReplicationFigures {
+    pub pushes: u64,
+    pub failures: u64,
+    pub superseded: u64,
+    pub bytes_sent: u64,
+    pub bytes_skipped: u64,
+    /// Stores whose newest durable checkpoint seen is not pushed yet.
+    pub behind: u64,
+    pub lag: Histogram,
+}
+
+impl ReplicationFigures {
+    fn add(&mut self, s: &crab_shim::replication::Status) {
+        self.pushes += s.pushes;
+        self.failures += s.failures;
+        self.superseded += s.superseded;
+        self.bytes_sent += s.bytes_sent;
+        self.bytes_skipped += s.bytes_skipped;
+        if s.newest_seq.is_some() && s.newest_seq != s.pushed_seq {
+            self.behind += 1;
+        }
+        self.lag.merge(&s.lag);
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -117,6 +145,9 @@ pub fn scan(
     let (stores, pruned) = stores(state_dir, &mut snap.warnings, &mut snap.unreadable);
     snap.tally.merge(&pruned);
     for (namespace, id, root) in stores {
+        if let Some(r) = crab_shim::replication::Status::read(&root) {
+            snap.replication.add(&r);
+        }
         let f = figures::scan_store(&root, cache);
         snap.stores += 1;
         snap.unreadable += f.unreadable;
@@ -578,6 +609,49 @@ impl Collector for Figures {
             MetricType::Histogram,
             vec![(Labels::new(), ConstHistogram(&en.wait, WAIT_BOUNDS))],
         )?;
+        let r = &snap.replication;
+        family(
+            &mut e,
+            "crab_replication_pushes",
+            "Checkpoints pushed to the [replication] registry, by outcome (ok; failed: an attempt that failed, retried or not replicable; superseded: a newer checkpoint came before it was pushed)",
+            None,
+            MetricType::Counter,
+            vec![
+                (vec![("outcome", "ok".to_string())], counter(r.pushes)),
+                (vec![("outcome", "failed".to_string())], counter(r.failures)),
+                (vec![("outcome", "superseded".to_string())], counter(r.superseded)),
+            ],
+        )?;
+        family(
+            &mut e,
+            "crab_replication",
+            "Bytes of replicated checkpoints: sent, or deduplicated (the registry had the blob)",
+            Some(Unit::Bytes),
+            MetricType::Counter,
+            vec![
+                (vec![("part", "sent".to_string())], counter(r.bytes_sent)),
+                (
+                    vec![("part", "deduplicated".to_string())],
+                    counter(r.bytes_skipped),
+                ),
+            ],
+        )?;
+        family(
+            &mut e,
+            "crab_replication_queue_depth",
+            "Sandboxes whose newest durable checkpoint is not in the registry yet",
+            None,
+            MetricType::Gauge,
+            vec![(Labels::new(), ConstGauge::new(r.behind as i64))],
+        )?;
+        family(
+            &mut e,
+            "crab_replication_lag",
+            "From a checkpoint durable to it pushed to the registry",
+            Some(Unit::Seconds),
+            MetricType::Histogram,
+            vec![(Labels::new(), ConstHistogram(&r.lag, REPLICATION_BOUNDS))],
+        )?;
         family(
             &mut e,
             "crab_metrics_stores",
@@ -928,6 +1002,50 @@ mod tests {
 
     /// A store prune removes goes on counting (its figures folded into the namespace
     /// directory's pruned file first), exactly once whatever point a prune stops at.
+    #[test]
+    fn replication_figures_are_summed_over_the_stores() {
+        let state = tempfile::tempdir().unwrap();
+        let s = state.path();
+        let status = |pushes: u64, newest: u64, pushed: u64, lag_s: f64| {
+            let mut st = crab_shim::replication::Status {
+                pushes,
+                failures: 1,
+                superseded: 2,
+                bytes_sent: 1000,
+                bytes_skipped: 10,
+                newest_seq: Some(newest),
+                pushed_seq: Some(pushed),
+                ..Default::default()
+            };
+            st.lag.observe(REPLICATION_BOUNDS, lag_s);
+            serde_json::to_vec(&st).unwrap()
+        };
+        write(&s.join("default/a/replication.json"), status(3, 5, 5, 0.04));
+        write(&s.join("default/b/replication.json"), status(4, 7, 6, 3.0));
+        // A damaged status counts for nothing (and fails nothing).
+        write(&s.join("default/c/replication.json"), "{");
+        let engine = tempfile::tempdir().unwrap();
+        let snap = scan(
+            s,
+            &engine_config(&engine.path().join("none-yet")),
+            false,
+            &mut ScanCache::default(),
+        );
+        let r = &snap.replication;
+        assert_eq!((r.pushes, r.failures, r.superseded), (7, 2, 4));
+        assert_eq!((r.bytes_sent, r.bytes_skipped, r.behind), (2000, 20, 1));
+        let v = samples(&render(&snap));
+        assert_eq!(v["crab_replication_pushes_total{outcome=\"ok\"}"], 7.0);
+        assert_eq!(
+            v["crab_replication_bytes_total{part=\"deduplicated\"}"],
+            20.0
+        );
+        assert_eq!(v["crab_replication_queue_depth"], 1.0);
+        assert_eq!(v["crab_replication_lag_seconds_count"], 2.0);
+        assert_eq!(v["crab_replication_lag_seconds_bucket{le=\"0.05\"}"], 1.0);
+        assert_eq!(v["crab_replication_lag_seconds_bucket{le=\"5.0\"}"], 2.0);
+    }
+
     #[test]
     fn pruned_stores_go_on_counting() {
         let state = tempfile::tempdir().unwrap();

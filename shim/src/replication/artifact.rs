@@ -460,6 +460,16 @@ mod tests {
         let bytes = serde_json::to_vec(&c).unwrap();
         let e = verify(&bytes, "ns/p/c", None, &trusted).unwrap_err();
         assert!(matches!(e, ReplicaError::Mismatch(_)), "{e}");
+        // Unsigned: no signature, or one over nothing.
+        for sig in ["", "{}"] {
+            let mut c: ReplicaConfig = serde_json::from_slice(&a.config).unwrap();
+            c.signature = sig.into();
+            let bytes = serde_json::to_vec(&c).unwrap();
+            assert!(
+                verify(&bytes, "ns/p/c", image, &trusted).is_err(),
+                "{sig:?}"
+            );
+        }
         // Garbage and oversized configs.
         assert!(verify(b"{", "ns/p/c", image, &trusted).is_err());
         let big = vec![b' '; CONFIG_MAX as usize + 1];

@@ -251,6 +251,10 @@ pub struct Status {
     /// Every lag measured, in milliseconds (the newest 1000), for the figures.
     #[serde(default)]
     pub lags_ms: Vec<f64>,
+    /// Every lag measured, in seconds, over [`crate::metrics::REPLICATION_BOUNDS`] (for
+    /// `crabctl metrics`: it only grows).
+    #[serde(default)]
+    pub lag: crate::metrics::Histogram,
 }
 
 impl Status {
@@ -325,7 +329,8 @@ impl Replicator {
                     }
                     continue;
                 };
-                if seen.is_some_and(|(s, _)| s != m.seq) && status.newest_seq != Some(m.seq) {
+                // The one seen before, if not pushed, is superseded by this newer one.
+                if seen.is_some_and(|(s, _)| s != m.seq && status.pushed_seq != Some(s)) {
                     status.superseded += 1;
                 }
                 if seen.is_none_or(|(s, _)| s != m.seq) {
@@ -348,6 +353,9 @@ impl Replicator {
                         status.pushed_at = Some(rfc3339(SystemTime::now()));
                         status.lag_ms = Some(lag);
                         status.lags_ms.push(lag);
+                        status
+                            .lag
+                            .observe(crate::metrics::REPLICATION_BOUNDS, lag / 1e3);
                         if status.lags_ms.len() > 1000 {
                             status.lags_ms.remove(0);
                         }
