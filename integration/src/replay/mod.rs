@@ -157,6 +157,8 @@ pub struct SandboxRecord {
     /// Bytes in the sandbox's store by top-level entry (checkpoints, blobs, proc, chunks,
     /// turns), files counted once per inode.
     pub store_bytes: BTreeMap<String, u64>,
+    /// With `[replication]`: the sandbox's replicator status (`replication.json`) at its end.
+    pub replication: Option<Value>,
     pub errors: Vec<String>,
 }
 
@@ -226,6 +228,7 @@ pub async fn run_round(round: Round, trajectories: &[Trajectory], opts: &Options
                     drain_ms: f64::NAN,
                     manifests: Vec::new(),
                     store_bytes: BTreeMap::new(),
+                    replication: None,
                     errors: vec![format!("the sandbox's replay panicked: {e}")],
                 });
                 eprintln!(
@@ -306,6 +309,7 @@ async fn replay_sandbox(
         drain_ms: f64::NAN,
         manifests: Vec::new(),
         store_bytes: BTreeMap::new(),
+        replication: None,
         errors: Vec::new(),
     };
     if let Err(e) = replay_turns(&mut sb, round, &t, &opts, &mut rec).await {
@@ -326,6 +330,9 @@ async fn replay_sandbox(
             .filter(|m| matches!(m["kind"].as_str(), Some("fs" | "proc" | "full" | "failed")))
             .collect();
         rec.store_bytes = store_bytes(&sb.store());
+        if opts.sandbox_config.contains("replication.registry") {
+            rec.replication = replication_status(&sb.store()).await;
+        }
     }
     if let Err(e) = sb.h.kill_and_remove(&sb.id).await {
         rec.errors.push(format!("removing the sandbox: {e}"));
@@ -667,6 +674,36 @@ async fn wait_published(sb: &Sandbox, turn_id: &str) -> Result<(), String> {
 }
 
 /// Bytes under `store`, by top-level entry, each inode once.
+/// With `[replication]`: once the replicator pushed the store's newest durable checkpoint
+/// (waited for up to 60 s), its status; `None` without replication.
+async fn replication_status(store: &Path) -> Option<Value> {
+    let read = || -> Option<Value> {
+        serde_json::from_slice(&std::fs::read(store.join("replication.json")).ok()?).ok()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = read();
+        let newest = std::fs::read_dir(store.join("checkpoints"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                e.file_name()
+                    .to_str()?
+                    .strip_suffix(".json")?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .max();
+        match &st {
+            Some(v) if v["pushed_seq"].as_u64() == newest => return st,
+            None if Instant::now() > deadline => return None,
+            _ if Instant::now() > deadline => return st,
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
 fn store_bytes(store: &Path) -> BTreeMap<String, u64> {
     use std::os::unix::fs::MetadataExt;
     fn walk(p: &Path, seen: &mut HashSet<(u64, u64)>) -> u64 {

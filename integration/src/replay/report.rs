@@ -474,6 +474,7 @@ mod tests {
                 drain_ms: 3.0,
                 manifests,
                 store_bytes: BTreeMap::from([("blobs".into(), 1000), ("checkpoints".into(), 24)]),
+                replication: None,
                 errors: Vec::new(),
             }],
             shims: None,
