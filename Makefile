@@ -151,7 +151,7 @@ test-containerd-1.7: deps build
 	@$(test_containerd_17)
 
 # BENCHES picks some: make bench BENCHES="bench-restore".
-BENCHES ?= bench-shim bench-inspector bench-checkpoint bench-restore bench-cri bench-units
+BENCHES ?= bench-shim bench-inspector bench-checkpoint bench-restore bench-cri bench-units bench-replication
 bench: build
 	@$(call with_containerd,for b in $(BENCHES); do $(CARGO) run --release -p crab-integration --bin $$b -- $(BENCH_ARGS) || exit 1; done)
 
