@@ -106,6 +106,33 @@ impl Registry {
     /// Pushes `a` under each of `tags` (the first one's reference for the blobs); blobs the
     /// repository has are skipped. Returns (bytes sent, bytes skipped).
     pub async fn push(&self, a: &Artifact, tags: &[String]) -> Result<(u64, u64), String> {
+        self.push_known(a, tags, &mut std::collections::HashSet::new())
+            .await
+    }
+
+    /// [`Registry::push`], skipping the blobs in `known` (pushed or found by an earlier push
+    /// of the same replicator: a chain's older layers are not asked about again) and adding
+    /// the ones it pushes or finds. A push that fails empties `known` (the registry may have
+    /// lost what it had: the next one asks again).
+    pub async fn push_known(
+        &self,
+        a: &Artifact,
+        tags: &[String],
+        known: &mut std::collections::HashSet<String>,
+    ) -> Result<(u64, u64), String> {
+        let pushed = self.push_inner(a, tags, known).await;
+        if pushed.is_err() {
+            known.clear();
+        }
+        pushed
+    }
+
+    async fn push_inner(
+        &self,
+        a: &Artifact,
+        tags: &[String],
+        known: &mut std::collections::HashSet<String>,
+    ) -> Result<(u64, u64), String> {
         let r = self.authed(&tags[0]).await;
         let (mut sent, mut skipped) = (0u64, 0u64);
         let config_digest = sha256(&a.config);
@@ -118,7 +145,8 @@ impl Registry {
         };
         for blob in std::iter::once(&config).chain(&a.layers) {
             let digest = blob.digest.as_str();
-            if call(self.client.blob_exists(&r, digest)).await? {
+            if known.contains(digest) || call(self.client.blob_exists(&r, digest)).await? {
+                known.insert(digest.to_string());
                 skipped += blob.size;
                 continue;
             }
@@ -128,6 +156,7 @@ impl Registry {
                 .map_err(|e| e.to_string())?
                 .map_err(|e| format!("reading {digest}: {e}"))?;
             call(self.client.push_blob(&r, bytes, digest)).await?;
+            known.insert(digest.to_string());
             sent += blob.size;
         }
         let manifest = OciImageManifest {
@@ -307,6 +336,7 @@ impl Replicator {
             let mut wait = FIRST_RETRY;
             let mut open = true;
             let mut skip: Option<u64> = None;
+            let mut known = std::collections::HashSet::new();
             loop {
                 let newest = {
                     let root = p.store_root.clone();
@@ -346,7 +376,7 @@ impl Replicator {
                     }
                     continue;
                 }
-                match push_one(&p, &m).await {
+                match push_one(&p, &m, &mut known).await {
                     Ok((sent, skipped)) => {
                         let lag = seen.map_or(0.0, |(_, t)| t.elapsed().as_secs_f64() * 1e3);
                         status.pushed_seq = Some(m.seq);
@@ -418,7 +448,11 @@ enum PushError {
     Transient(String),
 }
 
-async fn push_one(p: &ReplicatorParams, m: &Manifest) -> Result<(u64, u64), PushError> {
+async fn push_one(
+    p: &ReplicatorParams,
+    m: &Manifest,
+    known: &mut std::collections::HashSet<String>,
+) -> Result<(u64, u64), PushError> {
     let (root, ns, c, record, key, max) = (
         p.store_root.clone(),
         p.namespace.clone(),
@@ -429,6 +463,8 @@ async fn push_one(p: &ReplicatorParams, m: &Manifest) -> Result<(u64, u64), Push
     );
     let m2 = m.clone();
     let art = tokio::task::spawn_blocking(move || {
+        // Building (pages rebuilt and hashed) yields to the sandboxes and their checkpoints.
+        let _lower = LowerPriority::new();
         let signer = crate::checkpoint::provenance::signing_key(&key).map_err(|e| e.to_string())?;
         artifact::build(&root, &ns, &c, &record, &m2, &signer, max)
     })
@@ -440,9 +476,43 @@ async fn push_one(p: &ReplicatorParams, m: &Manifest) -> Result<(u64, u64), Push
         artifact::newest_tag(&p.record.lineage),
     ];
     p.registry
-        .push(&art, &tags)
+        .push_known(&art, &tags, known)
         .await
         .map_err(PushError::Transient)
+}
+
+/// The calling thread at a lower CPU priority (nice +10) while this lives; its own priority
+/// back when dropped (a blocking-pool thread runs other work after).
+struct LowerPriority(Option<libc::c_int>);
+
+impl LowerPriority {
+    fn new() -> LowerPriority {
+        // SAFETY: gettid/getpriority/setpriority take and return plain integers; errno is
+        // cleared first as getpriority's -1 is also a valid priority.
+        unsafe {
+            let tid = libc::gettid() as libc::id_t;
+            *libc::__errno_location() = 0;
+            let was = libc::getpriority(libc::PRIO_PROCESS, tid);
+            if *libc::__errno_location() != 0 {
+                return LowerPriority(None);
+            }
+            match libc::setpriority(libc::PRIO_PROCESS, tid, (was + 10).min(19)) {
+                0 => LowerPriority(Some(was)),
+                _ => LowerPriority(None),
+            }
+        }
+    }
+}
+
+impl Drop for LowerPriority {
+    fn drop(&mut self) {
+        if let Some(was) = self.0 {
+            // SAFETY: as above. Raising it back needs CAP_SYS_NICE, which the shim (root) has.
+            unsafe {
+                libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, was);
+            }
+        }
+    }
 }
 
 fn not_found(e: &OciDistributionError) -> bool {
