@@ -18,6 +18,42 @@ use crate::{
 };
 
 pub const AGENT_IMAGE: &str = "localhost/crab/agent:latest";
+
+/// A shell command (for [`Sandbox::run`]) that writes `/app/kv.py`, an interpreter on
+/// 127.0.0.1:9000 whose variables live in its memory only (`python3 /app/cli.py 'x = 41'`,
+/// then `'x'`), and `/app/cli.py`, its client (retrying until the server listens).
+pub const KV_SCRIPTS: &str = r#"cat > /app/kv.py <<'EOF'
+import socket
+g = {}
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 9000))
+s.listen()
+while True:
+    c, _ = s.accept()
+    src = c.recv(65536).decode()
+    try:
+        try:
+            out = repr(eval(src, g))
+        except SyntaxError:
+            exec(src, g)
+            out = "ok"
+    except Exception as e:
+        out = "error: %r" % (e,)
+    c.sendall(out.encode())
+    c.close()
+EOF
+cat > /app/cli.py <<'EOF'
+import socket, sys, time
+for _ in range(100):
+    try:
+        c = socket.create_connection(("127.0.0.1", 9000))
+        break
+    except OSError:
+        time.sleep(0.05)
+c.sendall(sys.argv[1].encode())
+print(c.recv(65536).decode())
+EOF"#;
 pub const TURN_END: &str = "io.crab/turn-end";
 const T: Duration = Duration::from_secs(60);
 

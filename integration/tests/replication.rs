@@ -14,43 +14,11 @@ use crab_integration::{
     ctr::Ctr,
     node::Node,
     registry::Registry,
-    sandbox::{Sandbox, SandboxOptions},
+    sandbox::{Sandbox, SandboxOptions, KV_SCRIPTS},
     TestEnv,
 };
 
-const KV: &str = r#"cat > /app/kv.py <<'EOF'
-import socket
-g = {}
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", 9000))
-s.listen()
-while True:
-    c, _ = s.accept()
-    src = c.recv(65536).decode()
-    try:
-        try:
-            out = repr(eval(src, g))
-        except SyntaxError:
-            exec(src, g)
-            out = "ok"
-    except Exception as e:
-        out = "error: %r" % (e,)
-    c.sendall(out.encode())
-    c.close()
-EOF
-cat > /app/cli.py <<'EOF'
-import socket, sys, time
-for _ in range(100):
-    try:
-        c = socket.create_connection(("127.0.0.1", 9000))
-        break
-    except OSError:
-        time.sleep(0.05)
-c.sendall(sys.argv[1].encode())
-print(c.recv(65536).decode())
-EOF
-mkdir -p /app/proj && echo v1 > /app/proj/a.txt && cd /app/proj && git init -q && git -c user.email=a@b -c user.name=a add a.txt && git -c user.email=a@b -c user.name=a commit -qm one"#;
+const PROJECT: &str = "mkdir -p /app/proj && echo v1 > /app/proj/a.txt && cd /app/proj && git init -q && git -c user.email=a@b -c user.name=a add a.txt && git -c user.email=a@b -c user.name=a commit -qm one";
 
 const STATE: &str =
     "cat /app/proj/a.txt; git -C /app/proj log --format=%s; python3 /app/cli.py 'x'";
@@ -159,7 +127,8 @@ async fn a_sandbox_comes_back_on_another_node_after_its_node_is_lost() {
         },
     )
     .await;
-    turn(&mut a, KV).await;
+    a.run(KV_SCRIPTS).await;
+    turn(&mut a, PROJECT).await;
     turn(
         &mut a,
         "(nohup python3 /app/kv.py >/dev/null 2>&1 &) ; python3 /app/cli.py 'x = 41'",

@@ -7,44 +7,13 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crab_integration::sandbox::{Sandbox, SandboxOptions};
+use crab_integration::sandbox::{Sandbox, SandboxOptions, KV_SCRIPTS};
 
-/// The agent's turns: files, a git commit, a server holding state in memory.
+/// The agent's turns (after [`KV_SCRIPTS`]): files, a git commit, a server holding state in
+/// memory.
 const TURNS: &[&str] = &[
     r#"mkdir -p proj && echo v1 > proj/a.txt && echo scratch > junk.txt && chmod 1777 proj
-cd proj && git init -q && git -c user.email=a@b -c user.name=a add a.txt && git -c user.email=a@b -c user.name=a commit -qm one
-cat > /app/kv.py <<'EOF'
-import socket
-g = {}
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", 9000))
-s.listen()
-while True:
-    c, _ = s.accept()
-    src = c.recv(65536).decode()
-    try:
-        try:
-            out = repr(eval(src, g))
-        except SyntaxError:
-            exec(src, g)
-            out = "ok"
-    except Exception as e:
-        out = "error: %r" % (e,)
-    c.sendall(out.encode())
-    c.close()
-EOF
-cat > /app/cli.py <<'EOF'
-import socket, sys, time
-for _ in range(100):
-    try:
-        c = socket.create_connection(("127.0.0.1", 9000))
-        break
-    except OSError:
-        time.sleep(0.05)
-c.sendall(sys.argv[1].encode())
-print(c.recv(65536).decode())
-EOF"#,
+cd proj && git init -q && git -c user.email=a@b -c user.name=a add a.txt && git -c user.email=a@b -c user.name=a commit -qm one"#,
     "nohup python3 /app/kv.py >/dev/null 2>&1 & python3 /app/cli.py 'x = 41'",
     "rm junk.txt && echo v2 >> proj/a.txt && python3 /app/cli.py 'x += 1'",
 ];
@@ -128,6 +97,8 @@ async fn a_new_container_of_the_lineage_comes_back_as_of_its_last_turn_end() {
             .is_some_and(|i| i.starts_with("sha256:")),
         "the image it runs on is recorded: {record}"
     );
+    // The interpreter's scripts are written in the first turn.
+    a.run(KV_SCRIPTS).await;
     for t in TURNS {
         a.run(t).await;
         end_turn_durably(&mut a).await;

@@ -30,7 +30,7 @@ use crab_shim::checkpoint::{
     provenance,
     store::{CheckpointKind, Manifest, Store, TempFile},
 };
-use crab_shim::restore::intake::{CheckpointMeta, ProcessMeta, Source, META_FORMAT};
+use crab_shim::restore::intake::{CheckpointMeta, Source};
 
 /// What an export produced.
 #[derive(Debug, Clone)]
@@ -397,14 +397,6 @@ impl Ctl {
         }
 
         let meta = CheckpointMeta {
-            format: META_FORMAT,
-            source: source.clone(),
-            fs_layers: m.fs_layers.clone(),
-            process: m.process.as_ref().map(|p| ProcessMeta {
-                pids: p.pids.clone(),
-            }),
-            created_at: m.created_at.clone(),
-            volumes: m.volumes.clone(),
             // What the source container's spec said of its turns travels with the image.
             annotations: spec_of(&record)
                 .and_then(|spec| {
@@ -415,6 +407,7 @@ impl Ctl {
                 })
                 .map(|a| crab_shim::turns::travelling(&a))
                 .unwrap_or_default(),
+            ..CheckpointMeta::of_manifest(&source.namespace, &source.container, &m)
         };
         let criu_dir = m.process.as_ref().map(|p| root.join(&p.image));
         // The signature binds the layers the image has below the checkpoint layer.

@@ -225,14 +225,21 @@ pub fn newest_of(stores: Vec<LineageStore>) -> Option<Candidate> {
     best
 }
 
-/// The newest durable checkpoint of the store at `root`, if it can be read.
+/// The newest durable checkpoint of the store at `root`, if it can be read: manifests are
+/// read from the newest back to the first durable one (a replicator asks at every turn end).
 pub fn newest_durable(root: &Path) -> Option<Manifest> {
-    durable_manifests(root).ok()?.pop()
+    for (_, path) in manifest_paths(root).ok()?.into_iter().rev() {
+        let bytes = fs::read(&path).ok()?;
+        let m = super::store::parse_manifest(&path, &bytes).ok()?;
+        if m.kind.is_durable_state() {
+            return Some(m);
+        }
+    }
+    None
 }
 
-/// The durable checkpoints of the store at `root`, oldest first, read without opening it as
-/// a `Store` (which would create directories and sweep: this is someone else's store).
-fn durable_manifests(root: &Path) -> Result<Vec<Manifest>, StoreError> {
+/// The published manifests of the store at `root`, by sequence number.
+fn manifest_paths(root: &Path) -> Result<Vec<(u64, PathBuf)>, StoreError> {
     let dir = root.join("checkpoints");
     let mut seqs: Vec<(u64, PathBuf)> = Vec::new();
     for entry in fs::read_dir(&dir).map_err(|e| StoreError::io("read", &dir, e))? {
@@ -248,8 +255,14 @@ fn durable_manifests(root: &Path) -> Result<Vec<Manifest>, StoreError> {
         }
     }
     seqs.sort();
+    Ok(seqs)
+}
+
+/// The durable checkpoints of the store at `root`, oldest first, read without opening it as
+/// a `Store` (which would create directories and sweep: this is someone else's store).
+fn durable_manifests(root: &Path) -> Result<Vec<Manifest>, StoreError> {
     let mut out = Vec::new();
-    for (_, path) in seqs {
+    for (_, path) in manifest_paths(root)? {
         let bytes = fs::read(&path).map_err(|e| StoreError::io("read", &path, e))?;
         let m = super::store::parse_manifest(&path, &bytes)?;
         if m.kind.is_durable_state() {

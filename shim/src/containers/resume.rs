@@ -39,7 +39,7 @@ use crate::{
     },
     error::{Error, Result},
     restore::{
-        intake::{self as restore, CheckpointMeta, ProcessMeta, Resumed, Source, Taken},
+        intake::{self as restore, CheckpointMeta, Resumed, Taken},
         privilege::Granted,
         scratch::RestoreDir,
     },
@@ -208,27 +208,11 @@ pub(super) async fn resume(r: ResumeRequest<'_>) -> Result<Option<Resumption>> {
         },
         took.as_secs_f64() * 1e3
     );
-    let m = &c.manifest;
-    let meta = CheckpointMeta {
-        format: restore::META_FORMAT,
-        source: Source {
-            namespace: r.namespace.to_string(),
-            container: c.container.clone(),
-            seq: m.seq,
-            turn_id: m.turn_id.clone(),
-        },
-        fs_layers: m.fs_layers.clone(),
-        process: m.process.as_ref().map(|p| ProcessMeta {
-            pids: p.pids.clone(),
-        }),
-        created_at: m.created_at.clone(),
-        volumes: m.volumes.clone(),
-        annotations: Default::default(),
-    };
+    let meta = CheckpointMeta::of_manifest(r.namespace, &c.container, &c.manifest);
     Ok(Some(Resumption {
         taken: Taken {
             meta,
-            criu_dir: criu_dest_of(&scratch),
+            criu_dir: scratch.as_ref().map(RestoreDir::criu),
             cached: None,
             verification: None,
             resumed: Some(Resumed { blobs }),
@@ -281,10 +265,6 @@ async fn pulled(r: &ResumeRequest<'_>) -> Result<Option<Candidate>> {
         .filter(|s| s.store == root)
         .collect();
     Ok(lineage::newest_of(stores))
-}
-
-fn criu_dest_of(scratch: &Option<RestoreDir>) -> Option<PathBuf> {
-    scratch.as_ref().map(RestoreDir::criu)
 }
 
 /// Whether the spec maps ids (a user namespace of its own).

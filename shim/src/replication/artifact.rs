@@ -35,7 +35,7 @@ use crate::checkpoint::{
     provenance::{self, FileDigest, ProvenanceError, Statement, TrustedKeys},
     store::{digest_string, CheckpointKind, Descriptor, Manifest, MEDIA_TYPE_LAYER_ZSTD},
 };
-use crate::restore::intake::{CheckpointMeta, ProcessMeta, Source, META_FORMAT};
+use crate::restore::intake::CheckpointMeta;
 
 pub const MEDIA_TYPE_CONFIG: &str = "application/vnd.crab.checkpoint.config.v1+json";
 pub const MEDIA_TYPE_CRIU_FILE: &str = "application/vnd.crab.criu.file.v1";
@@ -204,22 +204,7 @@ pub fn build(
             });
         }
     }
-    let meta = CheckpointMeta {
-        format: META_FORMAT,
-        source: Source {
-            namespace: namespace.to_string(),
-            container: container.to_string(),
-            seq: m.seq,
-            turn_id: m.turn_id.clone(),
-        },
-        fs_layers: m.fs_layers.clone(),
-        process: m.process.as_ref().map(|p| ProcessMeta {
-            pids: p.pids.clone(),
-        }),
-        created_at: m.created_at.clone(),
-        volumes: m.volumes.clone(),
-        annotations: Default::default(),
-    };
+    let meta = CheckpointMeta::of_manifest(namespace, container, m);
     let checkpoint_json =
         serde_json::to_string_pretty(&meta).map_err(|e| format!("checkpoint.json: {e}"))?;
     let signature = provenance::sign(

@@ -103,16 +103,10 @@ impl Registry {
         r
     }
 
-    /// Pushes `a` under each of `tags` (the first one's reference for the blobs); blobs the
-    /// repository has are skipped. Returns (bytes sent, bytes skipped).
-    pub async fn push(&self, a: &Artifact, tags: &[String]) -> Result<(u64, u64), String> {
-        self.push_known(a, tags, &mut std::collections::HashSet::new())
-            .await
-    }
-
-    /// [`Registry::push`], skipping the blobs in `known` (pushed or found by an earlier push
-    /// of the same replicator: a chain's older layers are not asked about again) and adding
-    /// the ones it pushes or finds. A push that fails empties `known` (the registry may have
+    /// Pushes `a` under each of `tags` (the first one's reference for the blobs), skipping the
+    /// blobs the repository has and those in `known` (pushed or found by an earlier push of the
+    /// same replicator: a chain's older layers are not asked about again), adding the ones it
+    /// pushes or finds. Returns (bytes sent, bytes skipped). A push that fails empties `known` (the registry may have
     /// lost what it had: the next one asks again).
     pub async fn push_known(
         &self,

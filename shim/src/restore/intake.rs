@@ -154,6 +154,27 @@ pub struct CheckpointMeta {
 }
 
 impl CheckpointMeta {
+    /// The description of checkpoint `m` of container `container`'s store in `namespace`
+    /// (no annotations: a caller that carries the source's adds them).
+    pub fn of_manifest(namespace: &str, container: &str, m: &Manifest) -> CheckpointMeta {
+        CheckpointMeta {
+            format: META_FORMAT,
+            source: Source {
+                namespace: namespace.to_string(),
+                container: container.to_string(),
+                seq: m.seq,
+                turn_id: m.turn_id.clone(),
+            },
+            fs_layers: m.fs_layers.clone(),
+            process: m.process.as_ref().map(|p| ProcessMeta {
+                pids: p.pids.clone(),
+            }),
+            created_at: m.created_at.clone(),
+            volumes: m.volumes.clone(),
+            annotations: Default::default(),
+        }
+    }
+
     /// Parses and checks the format first, so a newer image gets the clear "upgrade" error and
     /// not a field error.
     pub fn parse(path: &Path, bytes: &[u8]) -> Result<CheckpointMeta, RestoreError> {
@@ -934,16 +955,16 @@ pub fn restored_manifest(
     let mut m = Manifest::child_of(None, seq, &src.turn_id, CheckpointKind::Restored);
     m.parent = own.as_ref().map(|o| o.seq);
     m.fs_layers = taken.meta.fs_layers.clone();
-    m.image_layers = match (&taken.resumed, &own) {
+    m.image_layers = match &taken.resumed {
         // Resumed: no image carries the layers (they were put into the rootfs): the store
         // holds them, its own or linked from where they were found.
-        (Some(r), _) => {
+        Some(r) => {
             for (d, path) in &r.blobs {
                 store.link_blob(path, d)?;
             }
             0
         }
-        (None, _) => m.fs_layers.len(),
+        None => m.fs_layers.len(),
     };
     m.process = match (
         &taken.criu_dir,
