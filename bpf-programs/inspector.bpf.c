@@ -83,6 +83,33 @@ struct {
 	__type(value, __u64);
 } oncpu SEC(".maps");
 
+/*
+ * Container rootfs superblocks: key = the overlay's s_dev (the kernel's
+ * encoding, major << 20 | minor), value = the watched cgroup id of the
+ * container running on it. Filled by the shims alone. A task outside every
+ * watched cgroup that changes files there (dockerd's `docker cp`, a host tool
+ * chrooted or nsentered into the rootfs, a writer through the rootfs's host
+ * path) counts for that container as FS_OUTSIDE: the next turn end then
+ * scans the upperdir, which shows what changed.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, WATCHED_MAX);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u64);
+	__type(value, __u64);
+} rootfs SEC(".maps");
+
+/* 1 once any shim registered a rootfs (never cleared: no race between shims
+ * registering and removing). Until then a task outside every watched cgroup
+ * pays one array lookup more, and nothing else. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} rootfs_any SEC(".maps");
+
 /* Layout of syscall tracepoint records (stable tracepoint ABI). */
 struct sys_enter {
 	__u64 common;
@@ -236,6 +263,75 @@ static __always_inline void count_fs(struct counters *c, int class)
 	add(&c->fs_by_class[class]);
 }
 
+static __always_inline int rootfs_registered(void)
+{
+	__u32 zero = 0;
+	__u64 *any = bpf_map_lookup_elem(&rootfs_any, &zero);
+
+	return any && *any;
+}
+
+/* Counters of the watched container whose rootfs is superblock `sb`. */
+static __always_inline struct counters *rootfs_counters(struct super_block *sb, __u64 *matched)
+{
+	__u64 dev, *cg;
+
+	if (!sb)
+		return NULL;
+	dev = BPF_CORE_READ(sb, s_dev);
+	cg = bpf_map_lookup_elem(&rootfs, &dev);
+	return cg ? lookup_watched(*cg, matched) : NULL;
+}
+
+/*
+ * For a task outside every watched cgroup making a path-based change: the
+ * container whose rootfs is the task's root (a chroot into it, its mount
+ * namespace entered: how `docker cp` writes) or its working directory, for
+ * absolute and relative paths alike. Counts a change that lands elsewhere
+ * too (a scan more, never a miss); a host path into the rootfs from outside
+ * both (`/var/lib/docker/.../merged/x`) is seen only when it writes through
+ * an fd (outside_fd_counters).
+ */
+static __always_inline struct counters *outside_counters(__u64 *matched)
+{
+	struct task_struct *task;
+	struct counters *c;
+
+	if (!rootfs_registered())
+		return NULL;
+	task = bpf_get_current_task_btf();
+	c = rootfs_counters(BPF_CORE_READ(task, fs, root.dentry, d_sb), matched);
+	if (c)
+		return c;
+	return rootfs_counters(BPF_CORE_READ(task, fs, pwd.dentry, d_sb), matched);
+}
+
+/* The superblock of the file behind fd of the current task, NULL if none. */
+static __always_inline struct super_block *fd_sb(int fd)
+{
+	struct task_struct *task = bpf_get_current_task_btf();
+	struct fdtable *fdt;
+	struct file *file = NULL;
+
+	if (fd < 0)
+		return NULL;
+	fdt = task->files->fdt;
+	if (!fdt || (unsigned int)fd >= fdt->max_fds)
+		return NULL;
+	if (bpf_probe_read_kernel(&file, sizeof(file), &fdt->fd[fd]) || !file)
+		return NULL;
+	return BPF_CORE_READ(file, f_inode, i_sb);
+}
+
+/* For a task outside every watched cgroup writing through fd: the container
+ * whose rootfs holds the file, whatever path opened it. */
+static __always_inline struct counters *outside_fd_counters(int fd, __u64 *matched)
+{
+	if (!rootfs_registered())
+		return NULL;
+	return rootfs_counters(fd_sb(fd), matched);
+}
+
 /*
  * Inode mode behind an fd of the current task (task->files->fdt->fd[fd]).
  * The BTF-typed current task makes the walk down to the fd array plain,
@@ -315,6 +411,8 @@ static __always_inline int count_simple(int class)
 
 	if (c)
 		count_fs(c, class);
+	else if ((c = outside_counters(&cg)))
+		count_fs(c, FS_OUTSIDE);
 	return 0;
 }
 
@@ -420,8 +518,12 @@ static __always_inline int count_write_fd(int fd)
 	unsigned long magic = 0;
 	__s64 mode;
 
-	if (!c)
+	if (!c) {
+		c = outside_fd_counters(fd, &cg);
+		if (c)
+			count_fs(c, FS_OUTSIDE);
 		return 0;
+	}
 	mode = fd_mode(fd, &magic);
 	if (mode == FD_NONE)
 		return 0;
@@ -479,6 +581,50 @@ static __always_inline int open_failed_cleanly(__s64 err)
 
 enum open_kind { OPEN, OPENAT, OPENAT2, CREAT };
 
+static __always_inline __u64 open_flags(struct pt_regs___crab *regs, enum open_kind kind)
+{
+	__u64 flags;
+
+	switch (kind) {
+	case OPEN:
+		return SYSCALL_ARG1(regs);
+	case OPENAT:
+		return SYSCALL_ARG2(regs);
+	case OPENAT2: /* struct open_how starts with __u64 flags */
+		if (bpf_probe_read_user(&flags, sizeof(flags), (void *)SYSCALL_ARG2(regs)))
+			return OPEN_MUTATING;
+		return flags;
+	default:
+		return O_CREAT | O_WRONLY | O_TRUNC;
+	}
+}
+
+/* An open by a task outside every watched cgroup: a mutating open of a file
+ * on a container's rootfs counts for it; a failed create, for the rootfs the
+ * task works in (outside_counters). */
+static __always_inline int outside_open_exit(struct sys_exit *ctx, enum open_kind kind)
+{
+	struct pt_regs___crab *regs;
+	struct counters *c;
+	__u64 flags, cg;
+
+	if (!rootfs_registered())
+		return 0;
+	regs = (struct pt_regs___crab *)bpf_task_pt_regs(bpf_get_current_task_btf());
+	flags = open_flags(regs, kind);
+	if (!(flags & OPEN_MUTATING))
+		return 0;
+	if (ctx->ret >= 0)
+		c = rootfs_counters(fd_sb((int)ctx->ret), &cg);
+	else if ((flags & (O_CREAT | O_TRUNC | __O_TMPFILE)) && !open_failed_cleanly(ctx->ret))
+		c = outside_counters(&cg);
+	else
+		c = NULL;
+	if (c)
+		count_fs(c, FS_OUTSIDE);
+	return 0;
+}
+
 /*
  * open family, decided at sys_exit, when the result is known: only modes
  * that can change something (write, create, truncate, tmpfile), and not when
@@ -494,22 +640,9 @@ static __always_inline int open_exit(struct sys_exit *ctx, enum open_kind kind)
 
 	c = current_counters(&cg);
 	if (!c)
-		return 0;
+		return outside_open_exit(ctx, kind);
 	regs = (struct pt_regs___crab *)bpf_task_pt_regs(bpf_get_current_task_btf());
-	switch (kind) {
-	case OPEN:
-		flags = SYSCALL_ARG1(regs);
-		break;
-	case OPENAT:
-		flags = SYSCALL_ARG2(regs);
-		break;
-	case OPENAT2: /* struct open_how starts with __u64 flags */
-		if (bpf_probe_read_user(&flags, sizeof(flags), (void *)SYSCALL_ARG2(regs)))
-			flags = OPEN_MUTATING;
-		break;
-	default:
-		flags = O_CREAT | O_WRONLY | O_TRUNC;
-	}
+	flags = open_flags(regs, kind);
 	if (!(flags & OPEN_MUTATING))
 		return 0;
 	if (ret >= 0) {

@@ -28,6 +28,9 @@ enum fs_class {
 	FS_MMAP_SHARED,
 	FS_COREDUMP,
 	FS_OTHER,
+	/* A task outside every watched cgroup changed files of a container's
+	 * rootfs (docker cp, a host tool chrooted or nsentered into it). */
+	FS_OUTSIDE,
 	FS_CLASSES
 };
 

@@ -27,6 +27,7 @@ struct css_set {
 
 struct super_block {
 	unsigned long s_magic;
+	__u32 s_dev; /* dev_t: major << 20 | minor, what stat(2) shows as st_dev */
 } __crab_core;
 
 struct inode {
@@ -40,6 +41,7 @@ struct qstr {
 
 struct dentry {
 	struct qstr d_name;
+	struct super_block *d_sb;
 } __crab_core;
 
 struct path {
@@ -60,6 +62,11 @@ struct files_struct {
 	struct fdtable *fdt;
 } __crab_core;
 
+struct fs_struct {
+	struct path root; /* chroot(2), pivot_root(2), a mount namespace entered */
+	struct path pwd;
+} __crab_core;
+
 typedef struct {
 	int counter;
 } atomic_t;
@@ -73,6 +80,7 @@ struct task_struct {
 	int pid;  /* thread id */
 	int tgid; /* process id */
 	struct files_struct *files;
+	struct fs_struct *fs;
 	struct css_set *cgroups;
 	struct signal_struct *signal;
 	struct task_struct *group_leader; /* the process's first thread */

@@ -2,47 +2,16 @@
 //! `--annotation io.crab/resume=newest`, killed in the middle of a turn, is restarted by
 //! dockerd (same container id, a new task) and comes back as of its last turn end: the files
 //! the interrupted turn wrote are gone, the processes of the last turn end run again with
-//! their memory, and the sandbox goes on checkpointing in the same store. Both Docker storage
-//! modes; the real dockerd, containerd, runc and CRIU.
+//! their memory, and the sandbox goes on checkpointing in the same store. What `docker cp` puts
+//! into a sandbox (dockerd writes it, from outside the container) is in the next turn's
+//! checkpoint and so survives the crash. Both Docker storage modes; the real dockerd,
+//! containerd, runc and CRIU.
 
 use std::time::Duration;
 
 use crab_integration::docker::{DockerSandbox, DockerSandboxOptions, Store};
 use crab_integration::host;
-
-const KV: &str = r#"cat > /app/kv.py <<'EOF'
-import socket
-g = {}
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", 9000))
-s.listen()
-while True:
-    c, _ = s.accept()
-    src = c.recv(65536).decode()
-    try:
-        try:
-            out = repr(eval(src, g))
-        except SyntaxError:
-            exec(src, g)
-            out = "ok"
-    except Exception as e:
-        out = "error: %r" % (e,)
-    c.sendall(out.encode())
-    c.close()
-EOF
-cat > /app/cli.py <<'EOF'
-import socket, sys, time
-for _ in range(100):
-    try:
-        c = socket.create_connection(("127.0.0.1", 9000))
-        break
-    except OSError:
-        time.sleep(0.05)
-c.sendall(sys.argv[1].encode())
-print(c.recv(65536).decode())
-EOF
-mkdir -p /app/proj && echo v1 > /app/proj/a.txt"#;
+use crab_integration::sandbox::KV_SCRIPTS;
 
 /// `(restart count, pid)` of the container, once it runs.
 fn running(s: &DockerSandbox) -> Option<(u64, u32)> {
@@ -72,7 +41,8 @@ fn restart_policy_heals(store: Store) {
             ..DockerSandboxOptions::default()
         },
     );
-    s.run(KV);
+    s.run(KV_SCRIPTS);
+    s.run("mkdir -p /app/proj && echo v1 > /app/proj/a.txt");
     s.end_turn();
     s.wait_manifests(1);
     s.run("(nohup python3 /app/kv.py >/dev/null 2>&1 &) ; python3 /app/cli.py 'x = 41'");
@@ -137,4 +107,100 @@ fn overlay2_restart_policy_comes_back_as_of_the_last_turn_end() {
 #[test]
 fn containerd_store_restart_policy_comes_back_as_of_the_last_turn_end() {
     restart_policy_heals(Store::Containerd);
+}
+
+/// `docker cp` into a running sandbox: dockerd writes the files from outside the container
+/// (chrooted into its rootfs), which the probes count for the container, so the next turn,
+/// read-only as it is, answers `fs` and checkpoints them; after a crash they come back with
+/// their modes. Without that they were lost at the first crash.
+fn docker_cp_reaches_the_next_checkpoint(store: Store) {
+    use std::os::unix::fs::PermissionsExt as _;
+    let (mut s, _guard) = DockerSandbox::start(
+        store,
+        &format!("dcp-{}", store.name()),
+        DockerSandboxOptions {
+            annotations: &[
+                ("io.crab/resume", "newest"),
+                ("io.crab/turn-boundary", "exec"),
+            ],
+            run_args: &["--restart", "on-failure"],
+            ..DockerSandboxOptions::default()
+        },
+    );
+    s.run("echo one > /app/one");
+    s.wait_manifests(1);
+    // A repository upload: a file, an empty file, an empty directory, a private file.
+    let upload = tempfile::tempdir().unwrap();
+    let repo = upload.path().join("repo");
+    std::fs::create_dir_all(repo.join("src/empty-dir")).unwrap();
+    std::fs::write(repo.join("src/patch.diff"), "--- a\n+++ b\n").unwrap();
+    std::fs::write(repo.join("EMPTY"), "").unwrap();
+    std::fs::write(repo.join("secret.key"), "k").unwrap();
+    std::fs::set_permissions(
+        repo.join("secret.key"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    let out =
+        s.d.docker(&["cp", repo.to_str().unwrap(), &format!("{}:/app/repo", s.id)])
+            .unwrap();
+    assert!(
+        out.status.success(),
+        "docker cp: {}{}",
+        out.stdout,
+        out.stderr
+    );
+    // A read-only turn: what dockerd wrote is this turn's change.
+    s.run("cat /app/one >/dev/null");
+    let answers = host::eventually(Duration::from_secs(20), || {
+        let a = s.answers();
+        (a.len() >= 2).then_some(a)
+    })
+    .expect("two turn answers");
+    let a = &answers[1];
+    assert_eq!(a["kind"], "fs", "{} {a:#}", store.name());
+    assert!(
+        a["fs"]["syscalls"]["outside"].as_u64().unwrap_or(0) > 0,
+        "counted as a change from outside: {a:#}"
+    );
+    let added = a["fs"]["added"].to_string();
+    for p in [
+        "app/repo/src/patch.diff",
+        "app/repo/EMPTY",
+        "app/repo/src/empty-dir",
+    ] {
+        assert!(added.contains(p), "{p} in the answer: {a:#}");
+    }
+    s.wait_manifests(2);
+    // The crash: dockerd restarts it, resumed from the newest checkpoint.
+    let (_, pid) = running(&s).expect("it runs");
+    // SAFETY: plain kill(2) of the container's init.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+    host::eventually(Duration::from_secs(60), || {
+        running(&s).filter(|(n, p)| *n >= 1 && *p != pid)
+    })
+    .unwrap_or_else(|| panic!("dockerd did not restart it ({})", store.name()));
+    let state = s
+        .run(
+            "cat /app/repo/src/patch.diff; stat -c '%n %a %s' /app/repo/EMPTY \
+             /app/repo/secret.key; test -d /app/repo/src/empty-dir && echo dir",
+        )
+        .stdout;
+    assert_eq!(
+        state,
+        "--- a\n+++ b\n/app/repo/EMPTY 644 0\n/app/repo/secret.key 600 1\ndir\n",
+        "the upload came back ({})",
+        store.name()
+    );
+    s.finish();
+}
+
+#[test]
+fn overlay2_docker_cp_reaches_the_next_checkpoint() {
+    docker_cp_reaches_the_next_checkpoint(Store::Overlay2);
+}
+
+#[test]
+fn containerd_store_docker_cp_reaches_the_next_checkpoint() {
+    docker_cp_reaches_the_next_checkpoint(Store::Containerd);
 }

@@ -246,7 +246,7 @@ impl Sandbox {
         .map_err(|e| Error::Other(e.to_string()))??;
         // What the inspection and the jobs both need, found once.
         let volumes = tracked_volumes(&spec, &config.checkpoint.tracked_volumes);
-        let overlay = Overlay::of(&rootfs.mounts);
+        let overlay = Overlay::of(rootfs);
         record_rootfs(&self.dir, rootfs, &overlay);
         let cgroup2_dir =
             tokio::task::spawn_blocking(move || crate::sys::cgroup::cgroup2_dir_of(pid))
@@ -1018,11 +1018,14 @@ struct Overlay {
     upperdir: Option<PathBuf>,
     lowerdirs: Vec<PathBuf>,
     xattrs: OverlayXattrs,
+    /// `st_dev` of the overlay mounted at the rootfs path: changes made there by tasks
+    /// outside the container count for it ([`inspector::Target::rootfs_dev`]).
+    dev: Option<u64>,
 }
 
 impl Overlay {
-    fn of(rootfs: &[crate::bundle::RootfsMount]) -> Overlay {
-        let Some(m) = crate::bundle::RootfsMount::overlay(rootfs) else {
+    fn of(rootfs: &crate::bundle::Rootfs) -> Overlay {
+        let Some(m) = crate::bundle::RootfsMount::overlay(&rootfs.mounts) else {
             return Overlay::default();
         };
         let (upperdir, lowerdirs) = inspector::fs::overlay_dirs(&m.options)
@@ -1032,6 +1035,40 @@ impl Overlay {
             upperdir,
             lowerdirs,
             xattrs: OverlayXattrs::of_mount(&m.options),
+            dev: overlay_dev(&rootfs.path),
+        }
+    }
+}
+
+/// `st_dev` of the filesystem at `path` if it is an overlay (a container's own superblock; the
+/// host's root filesystem never is), else `None`, logged.
+fn overlay_dev(path: &Path) -> Option<u64> {
+    const OVERLAYFS_SUPER_MAGIC: nix::sys::statfs::FsType = nix::sys::statfs::FsType(0x794c_7630);
+    let kind = match nix::sys::statfs::statfs(path) {
+        Ok(s) => s.filesystem_type(),
+        Err(e) => {
+            log::warn!(
+                "cannot statfs the rootfs {}: changes made there from outside the container \
+                 are not seen: {e}",
+                path.display()
+            );
+            return None;
+        }
+    };
+    if kind != OVERLAYFS_SUPER_MAGIC {
+        log::warn!(
+            "the rootfs {} is not an overlay mount ({:#x}): changes made there from outside the \
+             container are not seen",
+            path.display(),
+            kind.0
+        );
+        return None;
+    }
+    match nix::sys::stat::stat(path) {
+        Ok(st) => Some(st.st_dev),
+        Err(e) => {
+            log::warn!("cannot stat the rootfs {}: {e}", path.display());
+            None
         }
     }
 }
@@ -1076,7 +1113,7 @@ pub fn inspection_before_resume(
             source: Arc::new(e),
         });
     let volumes = tracked_volumes(spec, &config.checkpoint.tracked_volumes);
-    let overlay = Overlay::of(&rootfs.mounts);
+    let overlay = Overlay::of(rootfs);
     let mut inspection = start_inspection(id, cgroup2_dir, overlay, volumes, config.limits.clone());
     // CRIU and its action script are in the container's cgroup until the restore ends.
     inspection.restored_tree(init);
@@ -1105,6 +1142,7 @@ fn start_inspection(
         lowerdirs: overlay.lowerdirs,
         volumes,
         overlay_xattrs: overlay.xattrs,
+        rootfs_dev: overlay.dev,
         limits,
     };
     Inspection::new(target, probes)

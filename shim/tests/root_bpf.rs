@@ -1272,3 +1272,169 @@ fn counts_signals_left_pending_and_kernel_state_outside_processes() {
     assert_eq!(probes.counters(cg.id).unwrap().errors, 0);
     probes.unwatch(cg.id).unwrap();
 }
+
+/// An overlay mounted for a test, unmounted (lazily) when dropped.
+struct TestOverlay {
+    _dir: tempfile::TempDir,
+    merged: PathBuf,
+}
+
+impl TestOverlay {
+    fn new() -> TestOverlay {
+        let dir = tempfile::tempdir().unwrap();
+        for d in ["lower", "upper", "work", "merged"] {
+            fs::create_dir(dir.path().join(d)).unwrap();
+        }
+        fs::write(dir.path().join("lower/image-file"), "from the image").unwrap();
+        let merged = dir.path().join("merged");
+        let options = format!(
+            "lowerdir={0}/lower,upperdir={0}/upper,workdir={0}/work",
+            dir.path().display()
+        );
+        nix::mount::mount(
+            Some("overlay"),
+            &merged,
+            Some("overlay"),
+            nix::mount::MsFlags::empty(),
+            Some(options.as_str()),
+        )
+        .unwrap_or_else(|e| panic!("mounting an overlay at {}: {e}", merged.display()));
+        TestOverlay { _dir: dir, merged }
+    }
+
+    fn dev(&self) -> u64 {
+        nix::sys::stat::stat(&self.merged).unwrap().st_dev
+    }
+}
+
+impl Drop for TestOverlay {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.merged, nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+/// Runs `changes` in a child process outside every cgroup the test watches, after
+/// `chroot(root)` (if given) and `chdir(cwd)`; the child never execs.
+fn outside_child(root: Option<&Path>, cwd: &Path, changes: fn()) {
+    use std::os::unix::process::CommandExt as _;
+    let (root, cwd) = (root.map(Path::to_path_buf), cwd.to_path_buf());
+    let mut cmd = Command::new("/nonexistent-never-run");
+    // SAFETY: the closure runs in the forked child and makes only syscalls (chroot, chdir,
+    // the changes' mkdir/chmod/unlink/open/write) before _exit: no allocation, no locks.
+    unsafe {
+        cmd.pre_exec(move || {
+            if let Some(root) = &root {
+                nix::unistd::chroot(root.as_path())?;
+            }
+            nix::unistd::chdir(cwd.as_path())?;
+            changes();
+            libc::_exit(0)
+        });
+    }
+    let status = cmd.status().unwrap();
+    assert!(status.success(), "{status:?}");
+}
+
+/// Changes of a container's rootfs made by tasks outside every watched cgroup count for that
+/// container (class `outside`): a task chrooted into it (how `docker cp` writes), one working
+/// in it, one writing through its host path. The same changes elsewhere do not, and unwatching
+/// forgets the rootfs.
+#[test]
+fn changes_from_outside_the_container_count_for_its_rootfs() {
+    let _serial = serial();
+    let root = TestRoot::new("outside");
+    let probes = HostProbes::open_or_load_at(&root.0).unwrap();
+    let cg = TestCgroup::new("outside");
+    let bystander = TestCgroup::new("outside-bystander");
+    let overlay = TestOverlay::new();
+    let elsewhere = tempfile::tempdir().unwrap();
+    probes.watch(cg.id).unwrap();
+    probes.watch(bystander.id).unwrap();
+    probes.watch_rootfs(cg.id, overlay.dev()).unwrap();
+    assert_eq!(
+        probes
+            .rootfs_registrations()
+            .unwrap()
+            .iter()
+            .filter(|(_, c)| *c == cg.id)
+            .count(),
+        1
+    );
+    let outside = |c: &CgroupCounters| class(c, FsClass::Outside);
+
+    // A task chrooted into the rootfs: mkdir, chmod, unlink by absolute paths (no fd).
+    fn path_changes() {
+        // SAFETY: NUL-terminated literals; plain syscalls.
+        unsafe {
+            libc::mkdir(c"/uploaded".as_ptr(), 0o755);
+            libc::chmod(c"/uploaded".as_ptr(), 0o700);
+            libc::unlink(c"/image-file".as_ptr());
+        }
+    }
+    let chrooted = delta(&probes, &cg, || {
+        outside_child(Some(&overlay.merged), Path::new("/"), path_changes)
+    });
+    assert_eq!(outside(&chrooted), 3, "{}", explain(&chrooted));
+    assert_eq!(chrooted.fs_mutations, 3, "{}", explain(&chrooted));
+    assert!(fs::metadata(overlay.merged.join("uploaded"))
+        .unwrap()
+        .is_dir());
+
+    // A task working in it, by relative paths.
+    fn relative_changes() {
+        // SAFETY: a NUL-terminated literal; a plain syscall.
+        unsafe {
+            libc::mkdir(c"relative".as_ptr(), 0o755);
+        }
+    }
+    let in_cwd = delta(&probes, &cg, || {
+        outside_child(None, &overlay.merged, relative_changes)
+    });
+    assert_eq!(outside(&in_cwd), 1, "{}", explain(&in_cwd));
+
+    // A writer through the host path (this test process): the open and the write, by fd.
+    let by_host_path = delta(&probes, &cg, || {
+        fs::write(overlay.merged.join("copied-in"), "x").unwrap()
+    });
+    assert_eq!(outside(&by_host_path), 2, "{}", explain(&by_host_path));
+
+    // The same changes anywhere else, and reads of the rootfs, are nobody's.
+    let bystander_before = probes.counters(bystander.id).unwrap();
+    let not_ours = delta(&probes, &cg, || {
+        outside_child(Some(elsewhere.path()), Path::new("/"), path_changes);
+        outside_child(None, elsewhere.path(), relative_changes);
+        fs::write(elsewhere.path().join("copied-in"), "x").unwrap();
+        fs::read_to_string(overlay.merged.join("copied-in")).unwrap();
+        fs::read_dir(&overlay.merged).unwrap().for_each(drop);
+    });
+    assert_eq!(not_ours.fs_mutations, 0, "{}", explain(&not_ours));
+    let bystander_delta = probes
+        .counters(bystander.id)
+        .unwrap()
+        .since(&bystander_before);
+    assert_eq!(
+        outside(&bystander_delta),
+        0,
+        "{}",
+        explain(&bystander_delta)
+    );
+
+    // The container's own changes keep their classes: `outside` is only for others.
+    let own = delta(&probes, &cg, || {
+        cg.run(&format!("mkdir {}/own", overlay.merged.display()));
+    });
+    assert_eq!(class(&own, FsClass::Mkdir), 1, "{}", explain(&own));
+    assert_eq!(outside(&own), 0, "{}", explain(&own));
+
+    probes.unwatch(cg.id).unwrap();
+    assert!(
+        probes
+            .rootfs_registrations()
+            .unwrap()
+            .iter()
+            .all(|(_, c)| *c != cg.id),
+        "the rootfs stays registered after unwatch"
+    );
+    fs::write(overlay.merged.join("after-unwatch"), "x").unwrap();
+    probes.unwatch(bystander.id).unwrap();
+}

@@ -766,6 +766,7 @@ fn target(dir: &Path) -> Target {
         lowerdirs: Vec::new(),
         volumes: Vec::new(),
         overlay_xattrs: OverlayXattrs::Trusted,
+        rootfs_dev: None,
         limits: Default::default(),
     }
 }

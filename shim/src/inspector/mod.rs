@@ -165,6 +165,11 @@ pub struct Target {
     pub volumes: Vec<(PathBuf, PathBuf)>,
     /// Which xattr prefix is overlay state on the rootfs mount (`userxattr` or not).
     pub overlay_xattrs: fs::OverlayXattrs,
+    /// `st_dev` of the container's overlay rootfs as mounted: the probes count the changes
+    /// that tasks outside the container make there (`docker cp`, a host tool chrooted or
+    /// nsentered into it) as the container's ([`bpf::FsClass::Outside`]). `None`: not an
+    /// overlay, such changes are not seen.
+    pub rootfs_dev: Option<u64>,
     /// What one observation may cost the shim (`[limits]`).
     pub limits: crab_runtime_config::LimitsConfig,
 }
@@ -502,6 +507,13 @@ impl Inspection {
                 .and_then(|id| {
                     p.watch_bounded(id, Some(target.limits.max_bpf_processes))
                         .map_err(|e| WatchError::Bpf(Box::new(e)))?;
+                    if let Some(dev) = target.rootfs_dev {
+                        // Not seeing outside changes could miss one: blind (every turn full).
+                        if let Err(e) = p.watch_rootfs(id, dev) {
+                            let _ = p.unwatch(id);
+                            return Err(WatchError::Bpf(Box::new(e)));
+                        }
+                    }
                     Ok(id)
                 }) {
                 Ok(id) => (Some(p), Some(id)),
@@ -1935,6 +1947,7 @@ mod tests {
             lowerdirs: Vec::new(),
             volumes: Vec::new(),
             overlay_xattrs: fs::OverlayXattrs::Trusted,
+            rootfs_dev: None,
             limits: Default::default(),
         }
     }

@@ -70,11 +70,11 @@ pub use self::programs::version_dir_name;
 pub use crate::sys::bpf::ProgramStats;
 
 /// Bump whenever a map layout in `bpf-programs/include/inspector.h` changes.
-pub const ABI_VERSION: u32 = 7;
+pub const ABI_VERSION: u32 = 8;
 /// Where the host-wide programs are pinned.
 pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/crab";
 /// Number of [`FsClass`] values.
-pub const FS_CLASSES: usize = 19;
+pub const FS_CLASSES: usize = 20;
 /// Number of [`StateClass`] values.
 pub const STATE_CLASSES: usize = 9;
 /// Cgroup levels whose descendants the programs match (`MAX_LEVELS` in inspector.h).
@@ -164,6 +164,10 @@ pub enum FsClass {
     /// The kernel wrote a core file for a process that crashed.
     Coredump,
     Other,
+    /// A task outside every watched cgroup changed files of the container's rootfs: `docker
+    /// cp`, a host tool chrooted or nsentered into it, a write through its host path
+    /// ([`HostProbes::watch_rootfs`]).
+    Outside,
 }
 
 impl FsClass {
@@ -188,6 +192,7 @@ impl FsClass {
         FsClass::MmapShared,
         FsClass::Coredump,
         FsClass::Other,
+        FsClass::Outside,
     ];
 
     pub fn index(self) -> usize {
@@ -215,6 +220,7 @@ impl FsClass {
             FsClass::MmapShared => "mmap-shared-write",
             FsClass::Coredump => "coredump",
             FsClass::Other => "other",
+            FsClass::Outside => "outside",
         }
     }
 }

@@ -40,6 +40,9 @@ pub(super) struct Maps {
     pub(super) runs: RunStorage,
     pub(super) oncpu: PerCpuArray<MapData, u64>,
     pub(super) quotas: BpfHashMap<MapData, u64, RawQuota>,
+    /// Rootfs superblock (`st_dev` in the kernel's encoding) -> watched cgroup id.
+    pub(super) rootfs: BpfHashMap<MapData, u64, u64>,
+    pub(super) rootfs_any: Array<MapData, u64>,
 }
 
 impl Maps {
@@ -149,6 +152,8 @@ pub(super) fn open_pinned(dir: &Path) -> Result<Maps, BpfError> {
         runs: RunStorage::open(&dir.join("maps").join("runs"))?,
         oncpu: PerCpuArray::try_from(open("oncpu")?).map_err(map_err("oncpu"))?,
         quotas: BpfHashMap::try_from(open("quotas")?).map_err(map_err("quotas"))?,
+        rootfs: BpfHashMap::try_from(open("rootfs")?).map_err(map_err("rootfs"))?,
+        rootfs_any: Array::try_from(open("rootfs_any")?).map_err(map_err("rootfs_any"))?,
     };
     for name in program_names() {
         let path = dir.join("progs").join(name);

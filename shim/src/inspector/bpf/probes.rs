@@ -174,6 +174,34 @@ impl HostProbes {
         })
     }
 
+    /// Counts, for watched cgroup `cgroup_id`, the file changes that tasks outside every
+    /// watched cgroup make on the filesystem whose `st_dev` is `dev` (the container's overlay
+    /// rootfs, mounted: [`FsClass::Outside`](super::FsClass::Outside)): `docker cp` into the
+    /// container, a host tool chrooted or nsentered into it, a write through the rootfs's host
+    /// path. Only for a filesystem of the container's own (an overlay mount): registering the
+    /// host's root filesystem would count every host process. Undone by [`Self::unwatch`].
+    pub fn watch_rootfs(&self, cgroup_id: u64, dev: u64) -> Result<(), BpfError> {
+        let key = kernel_dev(dev);
+        let mut maps = self.maps();
+        maps.rootfs
+            .insert(key, cgroup_id, 0)
+            .map_err(map_err("rootfs"))?;
+        maps.rootfs_any
+            .set(0, 1, 0)
+            .map_err(map_err("rootfs_any"))?;
+        info!("inspector: cgroup {cgroup_id} counts outside changes of its rootfs (dev {key:#x})");
+        Ok(())
+    }
+
+    /// The rootfs registrations: kernel dev -> cgroup id (tests, diagnostics).
+    pub fn rootfs_registrations(&self) -> Result<Vec<(u64, u64)>, BpfError> {
+        self.maps()
+            .rootfs
+            .iter()
+            .map(|kv| kv.map_err(map_err("rootfs")))
+            .collect()
+    }
+
     /// Run entries the processes of a watched cgroup hold and may hold (`None`: unbounded).
     pub fn quota(&self, cgroup_id: u64) -> Result<Option<(i64, i64)>, BpfError> {
         match self.maps().quotas.get(&cgroup_id, 0) {
@@ -197,6 +225,7 @@ impl HostProbes {
             let mask = watched_levels(&maps)?;
             maps.levels.set(0, mask, 0).map_err(map_err("levels"))?;
             remove_quota(&mut maps, cgroup_id)?;
+            remove_rootfs(&mut maps, cgroup_id)?;
             sweep(&mut maps, cgroup_id)?;
         }
         // A program that found the entry just before its removal may still
@@ -406,6 +435,33 @@ fn remove_quota(maps: &mut Maps, cgroup_id: u64) -> Result<(), BpfError> {
         Err(e) if is_not_found(&e) => Ok(()),
         Err(e) => Err(map_err("quotas")(e)),
     }
+}
+
+/// Removes the rootfs registrations of `cgroup_id` ([`HostProbes::watch_rootfs`]).
+fn remove_rootfs(maps: &mut Maps, cgroup_id: u64) -> Result<(), BpfError> {
+    let keys: Vec<u64> = maps
+        .rootfs
+        .iter()
+        .filter_map(|kv| kv.ok())
+        .filter(|(_, cg)| *cg == cgroup_id)
+        .map(|(dev, _)| dev)
+        .collect();
+    for dev in keys {
+        match maps.rootfs.remove(&dev) {
+            Ok(()) => {}
+            Err(e) if is_not_found(&e) => {}
+            Err(e) => return Err(map_err("rootfs")(e)),
+        }
+    }
+    Ok(())
+}
+
+/// `st_dev` as user space sees it (glibc's encoding: major in bits 8-19 and 32-63, minor in
+/// bits 0-7 and 20-31) in the kernel's internal `dev_t` (major << 20 | minor), which BPF reads
+/// from `super_block::s_dev`.
+pub(super) fn kernel_dev(dev: u64) -> u64 {
+    let (major, minor) = (libc::major(dev) as u64, libc::minor(dev) as u64);
+    (major << 20) | (minor & 0xf_ffff)
 }
 
 fn sweep(maps: &mut Maps, cgroup_id: u64) -> Result<(), BpfError> {

@@ -178,7 +178,15 @@ pub(super) const BTF_TRACEPOINTS: &[(&str, &str)] = &[
     ("crab_signal", "signal_generate"),
 ];
 
-pub(super) const MAP_NAMES: &[&str] = &["watched", "levels", "runs", "oncpu", "quotas"];
+pub(super) const MAP_NAMES: &[&str] = &[
+    "watched",
+    "levels",
+    "runs",
+    "oncpu",
+    "quotas",
+    "rootfs",
+    "rootfs_any",
+];
 
 /// `struct counters` of inspector.h.
 #[repr(C)]

@@ -1,7 +1,7 @@
 //! Pure tests of the eBPF side (the root-only tests that load the programs are in
 //! `tests/root_bpf.rs`).
 
-use super::probes::parse_cpu_list;
+use super::probes::{kernel_dev, parse_cpu_list};
 use super::programs::RawCounters;
 use super::*;
 
@@ -89,4 +89,15 @@ fn over_quota_counts_only_since_the_mark() {
     let since = now.since(&earlier);
     assert_eq!((since.over_quota, since.errors), (7, 0));
     assert_eq!(earlier.since(&now).over_quota, 0);
+}
+
+/// `st_dev` as stat(2) gives it, in the kernel's `s_dev` encoding the programs compare with:
+/// overlays get anonymous devices (major 0) whose minors pass 255 on a busy host.
+#[test]
+fn rootfs_devices_in_the_kernel_encoding() {
+    assert_eq!(kernel_dev(libc::makedev(0, 42)), 42);
+    assert_eq!(kernel_dev(libc::makedev(0, 300)), 300);
+    assert_eq!(kernel_dev(libc::makedev(0, 0x12345)), 0x12345);
+    assert_eq!(kernel_dev(libc::makedev(8, 1)), (8 << 20) | 1);
+    assert_eq!(kernel_dev(libc::makedev(259, 70_000)), (259 << 20) | 70_000);
 }
