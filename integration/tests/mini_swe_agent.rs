@@ -17,7 +17,7 @@ use std::{
 
 use crab_integration::{
     ctr::run_command,
-    docker::{answer_why, Docker, Store, DEFAULT_STATE_DIR},
+    docker::{answer_why, Docker, Runtime, Store, DEFAULT_STATE_DIR},
     host,
     sandbox::{json_files, AGENT_IMAGE},
 };
@@ -89,6 +89,217 @@ fn episode(d: &Docker, venv: &Path, mode: &str, args: &[&str], report: &Path) ->
     })
 }
 
+/// crab's answers in `store`, turn by turn, against the episode's oracle `expect` (an idle
+/// process whose memory the kernel touched may add `proc` when the explanation says so, as in
+/// the ctr tests), and every turn that changed something covered by a published checkpoint,
+/// none failed. Returns the problems found.
+fn answers_against_the_oracle(store: &Path, expect: &Value, commands: &[String]) -> Vec<String> {
+    let mut problems = Vec::new();
+    let expect: Vec<String> = expect
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k.as_str().unwrap().to_string())
+        .collect();
+    let answers = host::eventually(Duration::from_secs(10), || {
+        let a = json_files(&store.join("turns"));
+        (a.len() >= expect.len()).then_some(a)
+    })
+    .unwrap_or_else(|| json_files(&store.join("turns")));
+    if answers.len() != expect.len() {
+        problems.push(format!(
+            "{} turn answers for {} actions: {:?}",
+            answers.len(),
+            expect.len(),
+            answers
+                .iter()
+                .map(|a| format!("{} {}", a["turn_id"], a["kind"]))
+                .collect::<Vec<_>>()
+        ));
+    }
+    for (i, (a, want)) in answers.iter().zip(&expect).enumerate() {
+        let got = a["kind"].as_str().unwrap_or("");
+        let why = answer_why(a);
+        let memory_fp = why.contains("memory changed")
+            && matches!((want.as_str(), got), ("fs", "full") | ("none", "proc"));
+        if got != want && !memory_fp {
+            problems.push(format!(
+                "step {} `{}`: crab answered {got}, the oracle says {want}: {why}",
+                i + 1,
+                commands
+                    .get(i)
+                    .map(String::as_str)
+                    .unwrap_or("")
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+            ));
+        }
+    }
+    let changed = expect.iter().filter(|k| *k != "none").count();
+    let covered = || {
+        json_files(&store.join("checkpoints"))
+            .into_iter()
+            .filter(|m| !matches!(m["kind"].as_str(), Some("created" | "restored")))
+            .collect::<Vec<_>>()
+    };
+    let _ = host::eventually(Duration::from_secs(30), || {
+        (covered().len() >= changed).then_some(())
+    });
+    let failed: Vec<String> = covered()
+        .iter()
+        .filter(|m| m["kind"] == "failed")
+        .map(|m| format!("{}: {}", m["turn_id"], m["explanation"]))
+        .collect();
+    if !failed.is_empty() {
+        problems.push(format!(
+            "failed checkpoints:\n    {}",
+            failed.join("\n    ")
+        ));
+    }
+    problems
+}
+
+/// The `run_args` of the crash-proof recipe in docs/docker-and-harnesses.md (the python block
+/// after "The crash-proof recipe").
+fn documented_heal_run_args() -> Vec<String> {
+    let doc = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/docker-and-harnesses.md"),
+    )
+    .unwrap();
+    let after = &doc[doc
+        .find("The crash-proof")
+        .expect("the recipe is documented")..];
+    let block = &after[after.find("run_args=[").unwrap() + "run_args=[".len()..];
+    let list = &block[..block.find(']').unwrap()];
+    list.split(',')
+        .map(|a| a.trim().trim_matches('"').to_string())
+        .filter(|a| !a.is_empty())
+        .collect()
+}
+
+/// What episode.py runs the sandbox with in `heal` mode (`--runtime crab`).
+fn episode_heal_run_args(d: &Docker, venv: &Path) -> Vec<String> {
+    let mut cmd = Command::new(venv.join("bin/python"));
+    cmd.env(
+        "MSWEA_GLOBAL_CONFIG_DIR",
+        d.env.crab_home.join("harness/mini-swe-agent-config"),
+    )
+    .env("MSWEA_SILENT_STARTUP", "1");
+    cmd.arg("-c")
+        .arg(
+            "import json, sys; sys.path.insert(0, sys.argv[1]); import episode; \
+             print(json.dumps(episode.heal_run_args('crab')))",
+        )
+        .arg(episode_script().parent().unwrap());
+    let out = run_command(cmd, "episode.heal_run_args", None, Duration::from_secs(60))
+        .and_then(|o| o.ok())
+        .unwrap();
+    let last = out.stdout.trim().lines().last().unwrap_or("");
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {}", out.stdout))
+}
+
+/// The crash-proof recipe, as the README gives it (`--restart on-failure --runtime crab
+/// --annotation io.crab/resume=newest`, plus the exec turn boundary), through one
+/// mini-swe-agent episode with two crashes: each kills the sandbox's init from the host in the
+/// middle of a turn, dockerd restarts it and crab resumes it as of the last turn end; the
+/// agent's later steps find its files, git history, sqlite rows, directory modes, processes and
+/// a server's in-memory counter, the interrupted turns rolled back, and crab goes on answering
+/// and checkpointing every turn in the same store.
+fn heals_through_two_crashes(store: Store) {
+    let d = Docker::for_test(store);
+    let venv = venv(&d.env.crab_home);
+    assert_eq!(
+        episode_heal_run_args(&d, &venv),
+        documented_heal_run_args(),
+        "episode.py's heal_run_args(\"crab\") must be the recipe docs/docker-and-harnesses.md gives"
+    );
+    let work = tempfile::tempdir().unwrap();
+    let mut guard = d.guard(&[]);
+    let report = episode(
+        &d,
+        &venv,
+        "heal",
+        &["--keep", "--runtime", "crab"],
+        &work.path().join("heal.json"),
+    );
+    let id = report["container_id"].as_str().unwrap().to_string();
+    guard.add(&id);
+    let crab_store = d.state_dir(Runtime::Named).join(&d.env.namespace).join(&id);
+    guard.add_dir(crab_store.clone());
+    let mut problems = Vec::new();
+    if report["exit_status"] != "Submitted" || report["failures"] != serde_json::json!([]) {
+        problems.push(format!(
+            "the episode: exit {}, failures {:#}",
+            report["exit_status"], report["failures"]
+        ));
+    }
+    let restarts: Vec<u64> = report["crashes"]
+        .as_array()
+        .map(|c| {
+            c.iter()
+                .filter_map(|c| c["restart_count"].as_u64())
+                .collect()
+        })
+        .unwrap_or_default();
+    if restarts != [1, 2] {
+        problems.push(format!("restarts {restarts:?}: {:#}", report["crashes"]));
+    }
+    let commands: Vec<String> = report["commands"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap_or("").to_string())
+        .collect();
+    problems.extend(answers_against_the_oracle(
+        &crab_store,
+        &report["expect"],
+        &commands,
+    ));
+    // One lineage in one store: each resume recorded, and checkpoints taken after each.
+    let lineage: Vec<String> = json_files(&crab_store.join("checkpoints"))
+        .iter()
+        .map(|m| m["kind"].as_str().unwrap_or("").to_string())
+        .collect();
+    let restored: Vec<usize> = lineage
+        .iter()
+        .enumerate()
+        .filter(|(_, k)| *k == "restored")
+        .map(|(i, _)| i)
+        .collect();
+    let checkpoint = |k: &String| !matches!(k.as_str(), "created" | "restored" | "failed");
+    if restored.len() != 2
+        || !restored.iter().all(|&r| {
+            lineage[r + 1..]
+                .iter()
+                .take_while(|k| *k != "restored")
+                .any(checkpoint)
+        })
+    {
+        problems.push(format!(
+            "two resumes, each followed by checkpoints: {lineage:?}"
+        ));
+    }
+    d.docker(&["rm", "-f", &id]).unwrap();
+    d.assert_no_leaks(&id, None);
+    assert!(
+        problems.is_empty(),
+        "mini-swe-agent through two crashes on crab ({}):\n  {}",
+        d.store.name(),
+        problems.join("\n  ")
+    );
+}
+
+#[test]
+fn mini_swe_agent_heals_through_two_crashes_overlay2() {
+    heals_through_two_crashes(Store::Overlay2);
+}
+
+#[test]
+fn mini_swe_agent_heals_through_two_crashes_containerd_store() {
+    heals_through_two_crashes(Store::Containerd);
+}
+
 #[test]
 fn mini_swe_agent_episode_with_a_crash_and_a_restore() {
     let d = Docker::for_test(Store::Containerd);
@@ -112,66 +323,17 @@ fn mini_swe_agent_episode_with_a_crash_and_a_restore() {
         "phase 1 steps failed"
     );
 
-    // crab's answers, turn by turn, against the episode's oracle (an idle process whose memory
-    // the kernel touched may add `proc` when the explanation says so, as in the ctr tests).
-    let expect: Vec<String> = first["expect"]
+    let commands: Vec<String> = first["steps"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|k| k.as_str().unwrap().to_string())
+        .map(|s| s["command"].as_str().unwrap_or("").to_string())
         .collect();
-    let answers = host::eventually(Duration::from_secs(10), || {
-        let a = json_files(&store.join("turns"));
-        (a.len() >= expect.len()).then_some(a)
-    })
-    .unwrap_or_else(|| json_files(&store.join("turns")));
-    if answers.len() != expect.len() {
-        problems.push(format!(
-            "{} turn answers for {} actions",
-            answers.len(),
-            expect.len()
-        ));
-    }
-    for (i, (a, want)) in answers.iter().zip(&expect).enumerate() {
-        let got = a["kind"].as_str().unwrap_or("");
-        let why = answer_why(a);
-        let memory_fp = why.contains("memory changed")
-            && matches!((want.as_str(), got), ("fs", "full") | ("none", "proc"));
-        if got != want && !memory_fp {
-            problems.push(format!(
-                "step {} `{}`: crab answered {got}, the oracle says {want}: {why}",
-                i + 1,
-                first["steps"][i]["command"]
-                    .as_str()
-                    .unwrap_or("")
-                    .lines()
-                    .next()
-                    .unwrap_or("")
-            ));
-        }
-    }
-    // Every turn that changed something is covered by a published checkpoint (none failed).
-    let changed = expect.iter().filter(|k| *k != "none").count();
-    let covered = || {
-        json_files(&store.join("checkpoints"))
-            .into_iter()
-            .filter(|m| !matches!(m["kind"].as_str(), Some("created" | "restored")))
-            .collect::<Vec<_>>()
-    };
-    let _ = host::eventually(Duration::from_secs(30), || {
-        (covered().len() >= changed).then_some(())
-    });
-    let failed: Vec<String> = covered()
-        .iter()
-        .filter(|m| m["kind"] == "failed")
-        .map(|m| format!("{}: {}", m["turn_id"], m["explanation"]))
-        .collect();
-    if !failed.is_empty() {
-        problems.push(format!(
-            "failed checkpoints:\n    {}",
-            failed.join("\n    ")
-        ));
-    }
+    problems.extend(answers_against_the_oracle(
+        &store,
+        &first["expect"],
+        &commands,
+    ));
 
     // The crash: the sandbox is killed (and, being --rm, removed by docker).
     d.docker(&["kill", &id]).unwrap().ok().unwrap();

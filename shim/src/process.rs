@@ -158,6 +158,11 @@ impl Process {
         self.exited.send_replace(Some(info));
     }
 
+    /// Whether its exit event was published ([`Self::announce_exit`]).
+    pub fn exit_announced(&self) -> bool {
+        self.exited.borrow().is_some()
+    }
+
     pub async fn wait(&self) -> ExitInfo {
         let mut rx = self.exited.subscribe();
         loop {

@@ -16,14 +16,22 @@ each with the turn answer crab must give for it (none/fs/proc/full).
   python episode.py demo --crabctl PATH
       both phases, with the sandbox killed in between and brought back from crab's newest
       checkpoint (`crabctl export` + `docker run`); prints what happened
+  python episode.py heal --report heal.json
+      one episode through two crashes, with the crash-proof recipe (`--restart on-failure
+      --annotation io.crab/resume=newest`): each crash kills the sandbox's init from the host
+      in the middle of a turn, dockerd restarts it, crab resumes it as of its last turn end,
+      and the agent carries on (files, git, sqlite, directory modes, processes, memory)
 
 The docker CLI is --docker (default /usr/bin/docker) and talks to DOCKER_HOST.
 """
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 from minisweagent.agents.default import DefaultAgent
 from minisweagent.environments.docker import DockerEnvironment
@@ -119,6 +127,72 @@ PHASE2 = [
     (SUBMIT.format("phase2"), None, "phase2"),
 ]
 
+# A server holding a counter in memory (nothing on disk), and its client.
+COUNTER = r"""cat > /app/counter.py <<'EOF'
+import http.server
+n = 0
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        global n
+        n += 1
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(str(n).encode())
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", 8124), H).serve_forever()
+EOF
+cat > /app/ask.py <<'EOF'
+import urllib.request
+print("counter", urllib.request.urlopen("http://127.0.0.1:8124/").read().decode())
+EOF
+nohup python3 /app/counter.py >/dev/null 2>&1 &
+sleep 1"""
+
+GIT = "git -c user.email=agent@example.com -c user.name=agent"
+SQL = "python3 -c \"import sqlite3; c = sqlite3.connect('/app/db.sqlite'); {}; c.commit()\""
+COUNT_ROWS = SQL.format("print('rows', c.execute('select count(*) from t').fetchone()[0])")
+VERIFY = (
+    "cat /app/proj/calc.py && " + f"echo commits $({GIT} -C /app/proj rev-list --count HEAD) && "
+    + COUNT_ROWS + " && stat -c '%n %a' /tmp /app/private && "
+    "test ! -e /app/interrupted.txt && echo interrupted-turn-rolled-back && "
+    "pgrep -f 'sleep 5000' >/dev/null && echo sleeper-alive"
+)
+CRASH = "#crash"
+
+# The crash-proof episode: (command, the turn answer crab must give, what its output must
+# contain). CRASH is no action of the agent's: the harness kills the sandbox from the host.
+HEAL = [
+    ("cat /etc/os-release | head -n1", "none", "PRETTY_NAME"),
+    (
+        "mkdir -p /app/proj && cd /app/proj && printf 'def add(a, b):\\n    return a - b\\n' > calc.py && "
+        f"git init -q && {GIT} add . && {GIT} commit -qm init && echo ok",
+        "fs",
+        "ok",
+    ),
+    (f"cd /app/proj && sed -i 's/a - b/a + b/' calc.py && {GIT} commit -qam fix && cat calc.py", "fs", "a + b"),
+    (SQL.format("c.execute('create table t(x)'); c.execute('insert into t values (1)')"), "fs", ""),
+    ("mkdir -m 700 /app/private && echo s > /app/private/s && echo t > /tmp/scratch.txt && echo ok", "fs", "ok"),
+    (COUNTER + "; nohup sleep 5000 >/dev/null 2>&1 & sleep 0.2", "full", ""),
+    ("python3 /app/ask.py", "proc", "counter 1"),
+    ("python3 /app/ask.py", "proc", "counter 2"),
+    (CRASH, None, "crashed and restarted"),
+    (VERIFY, "none", "interrupted-turn-rolled-back"),
+    ("python3 /app/ask.py", "proc", "counter 3"),
+    (f"echo 'after crash 1' >> /app/notes.txt && cd /app/proj && echo '# checked' >> calc.py && {GIT} commit -qam check && echo ok", "fs", "ok"),
+    (SQL.format("c.execute('insert into t values (2)')"), "fs", ""),
+    (CRASH, None, "crashed and restarted"),
+    (VERIFY + " && cat /app/notes.txt", "none", "after crash 1"),
+    ("python3 /app/ask.py", "proc", "counter 4"),
+    (SUBMIT.format("healed"), "none", "healed"),
+]
+
+# What the verifications must print, in order (checked beyond `want`).
+HEAL_VERIFY = [
+    ["a + b", "commits 2", "rows 1", "/tmp 1777", "/app/private 700", "sleeper-alive"],
+    ["commits 3", "rows 2", "/tmp 1777", "/app/private 700", "sleeper-alive", "after crash 1"],
+]
+
 CONFIG = {
     "system_template": "You are a scripted agent on crab.",
     "instance_template": "{{task}}",
@@ -158,6 +232,64 @@ class RecordingDockerEnvironment(DockerEnvironment):
 
 def run_args(runtime):
     return ["--rm", "--runtime", runtime, "--annotation", "io.crab/turn-boundary=exec"]
+
+
+# The crash-proof recipe (README, "Surviving crashes and node loss"): dockerd restarts a
+# crashed sandbox and crab resumes it as of its last turn end.
+def heal_run_args(runtime):
+    return ["--runtime", runtime, "--restart", "on-failure",
+            "--annotation", "io.crab/turn-boundary=exec", "--annotation", "io.crab/resume=newest"]
+
+
+def docker_state(docker, cid):
+    out = subprocess.run(
+        [docker, "inspect", "-f", "{{.RestartCount}} {{.State.Running}} {{.State.Restarting}} {{.State.Pid}}", cid],
+        capture_output=True, text=True,
+    ).stdout.split()
+    if len(out) != 4:
+        return None
+    return int(out[0]), out[1] == "true" and out[2] == "false" and int(out[3]) > 0, int(out[3])
+
+
+class CrashingDockerEnvironment(RecordingDockerEnvironment):
+    """Executes CRASH by killing the sandbox in the middle of a turn: a `docker exec` writes
+    /app/interrupted.txt and sleeps, and the container's init is killed from the host (as an
+    OOM kill or a crashed runtime would; `docker kill` would count as a stop by hand, which
+    restart policies leave alone). Then waits for dockerd's restart."""
+
+    def __init__(self, *, docker, **kwargs):
+        self.docker = docker
+        self.crashes = []
+        super().__init__(**kwargs)
+
+    def execute(self, action, cwd="", *, timeout=None):
+        if action["command"] != CRASH:
+            return super().execute(action, cwd, timeout=timeout)
+        before = docker_state(self.docker, self.container_id)
+        interrupted = subprocess.Popen(
+            [self.docker, "exec", self.container_id, "bash", "-c", "echo half > /app/interrupted.txt; sleep 300"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        # Watched from the host (an exec would be a turn of its own).
+        written = f"/proc/{before[2]}/root/app/interrupted.txt"
+        deadline = time.time() + 10
+        while time.time() < deadline and not os.path.exists(written):
+            time.sleep(0.05)
+        os.kill(before[2], signal.SIGKILL)
+        interrupted.wait(timeout=60)
+        deadline = time.time() + 120
+        state = None
+        while time.time() < deadline:
+            state = docker_state(self.docker, self.container_id)
+            if state and state[0] > before[0] and state[1] and state[2] != before[2]:
+                break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError(f"dockerd did not restart the sandbox: {state}")
+        self.crashes.append({"killed_pid": before[2], "restart_count": state[0], "new_pid": state[2]})
+        out = {"output": f"crashed and restarted ({state[0]})", "returncode": 0, "exception_info": ""}
+        self.results.append({"command": CRASH, **out})
+        return out
 
 
 def episode(env, steps, task):
@@ -204,6 +336,31 @@ def phase2(args):
         env.container_id = None
 
 
+def heal(args):
+    env = CrashingDockerEnvironment(
+        image=args.image, cwd="/app", executable=args.docker, run_args=heal_run_args(args.runtime),
+        timeout=120, docker=args.docker,
+    )
+    try:
+        report = episode(env, HEAL, "heal: work through two crashes")
+        verify = [r["output"] for (c, _, _), r in zip(HEAL, env.results) if c.startswith(VERIFY)]
+        for i, (out, wants) in enumerate(zip(verify, HEAL_VERIFY)):
+            for want in wants:
+                if want not in out:
+                    report["failures"].append({"verify": i + 1, "want": want, "output": out})
+        if len(verify) != len(HEAL_VERIFY):
+            report["failures"].append({"error": f"{len(verify)} verifications ran"})
+        report["crashes"] = env.crashes
+        # The turns crab answers: every step but the crashes.
+        report["expect"] = [kind for c, kind, _ in HEAL if c != CRASH]
+        report["commands"] = [c for c, _, _ in HEAL if c != CRASH]
+        return report
+    finally:
+        if not args.keep and env.container_id:
+            subprocess.run([args.docker, "rm", "-f", env.container_id], capture_output=True)
+            env.container_id = None
+
+
 def demo(args):
     first = phase1(args)
     print(json.dumps({k: first[k] for k in ("container_id", "exit_status", "failures")}, indent=2))
@@ -224,7 +381,7 @@ def demo(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["run", "resume", "demo"])
+    p.add_argument("mode", choices=["run", "resume", "demo", "heal"])
     p.add_argument("--image", default="localhost/crab/agent:latest")
     p.add_argument("--runtime", default="io.containerd.crab.v1")
     p.add_argument("--docker", default="/usr/bin/docker")
@@ -232,8 +389,9 @@ def main():
     p.add_argument("--namespace", default="moby", help="Docker's containerd namespace (demo)")
     p.add_argument("--checkpoint-image", default="localhost/crab/mini-swe-agent-restored:latest")
     p.add_argument("--report", help="write the report (JSON) here")
+    p.add_argument("--keep", action="store_true", help="heal: leave the sandbox (the caller removes it)")
     args = p.parse_args()
-    report = {"run": phase1, "resume": phase2, "demo": demo}[args.mode](args)
+    report = {"run": phase1, "resume": phase2, "demo": demo, "heal": heal}[args.mode](args)
     if args.report:
         with open(args.report, "w") as f:
             json.dump(report, f, indent=2)

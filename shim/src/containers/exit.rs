@@ -46,9 +46,14 @@ impl Containers {
                     log::debug!("kill --all after init exit of {}: {e}", c.id);
                 }
             }
-            if c.running_execs() > 0 {
-                *c.init_exit_pending.lock().unwrap() = Some(info);
-                return;
+            {
+                // Checked and set under the lock that an exec takes after announcing its exit:
+                // either it sees this pending exit, or this sees its exit announced.
+                let mut pending = c.init_exit_pending.lock().unwrap();
+                if c.unannounced_execs() > 0 {
+                    *pending = Some(info);
+                    return;
+                }
             }
             self.publish_exit(&c, &p, info).await;
         } else {
@@ -57,16 +62,31 @@ impl Containers {
             // for the checkpoint).
             if !p.probe && c.sandbox.ends_turns_at_exec_exit() && c.running_execs() == 0 {
                 let turn_id = format!("exec-{}", p.exec_id);
-                if let Err(e) = c.sandbox.end_turn(&turn_id, || c.running_exec_pids()).await {
+                if init_is_exiting(&c.init) {
+                    // Killed with its container (init died: the kernel kills the rest of the
+                    // pid namespace before init's own exit): the turn was interrupted, and a
+                    // recovery goes back to the last turn end, not to this half.
+                    log::info!(
+                        "exec {} of {} ended with its container's init: turn {turn_id} was \
+                         interrupted, not ended",
+                        p.exec_id,
+                        c.id
+                    );
+                } else if let Err(e) = c.sandbox.end_turn(&turn_id, || c.running_exec_pids()).await
+                {
                     log::error!("turn end after exec {} of {}: {e}", p.exec_id, c.id);
                 }
             }
             self.publish_exit(&c, &p, info).await;
-            if c.running_execs() == 0 {
-                let pending = c.init_exit_pending.lock().unwrap().take();
-                if let Some(init_info) = pending {
-                    self.publish_exit(&c, &c.init, init_info).await;
+            let pending = {
+                let mut pending = c.init_exit_pending.lock().unwrap();
+                match c.unannounced_execs() {
+                    0 => pending.take(),
+                    _ => None,
                 }
+            };
+            if let Some(init_info) = pending {
+                self.publish_exit(&c, &c.init, init_info).await;
             }
         }
     }
@@ -87,5 +107,54 @@ impl Containers {
             })
             .await;
         p.announce_exit(info);
+    }
+}
+
+/// Whether the container's init has exited or is exiting: its exit recorded, or the kernel's
+/// `PF_EXITING` on it (while init exits, the kernel kills the rest of its pid namespace and
+/// waits for them: their exits come first), a zombie, or gone.
+fn init_is_exiting(init: &Process) -> bool {
+    if init.status() == crate::process::Status::Stopped {
+        return true;
+    }
+    let pid = init.pid();
+    if pid == 0 {
+        return false;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat_says_exiting(&stat),
+        Err(_) => true,
+    }
+}
+
+/// `PF_EXITING` in a task's flags, or a dead state, in the text of `/proc/PID/stat` (fields
+/// after the comm, which only the last ')' ends: state is field 3, flags field 9).
+fn stat_says_exiting(stat: &str) -> bool {
+    const PF_EXITING: u64 = 0x4;
+    let Some(close) = stat.rfind(')') else {
+        return false;
+    };
+    let rest: Vec<&str> = stat[close + 1..].split_ascii_whitespace().collect();
+    let dead = matches!(rest.first(), Some(&("Z" | "X" | "x")));
+    let flags = rest.get(6).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+    dead || flags & PF_EXITING != 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stat_says_exiting;
+
+    #[test]
+    fn an_exiting_or_dead_init_reads_so_in_its_stat() {
+        // A sleeping init, its flags PF_FORKNOEXEC | PF_RANDOMIZE (a comm with ") S" inside).
+        let alive = "306 (sle) S ep) S 280 306 306 0 -1 4194560 130 0 0 0 0 0 0 0 20 0 1 0 99 0";
+        assert!(!stat_says_exiting(alive));
+        // In do_exit (PF_EXITING), still sleeping while the kernel empties its pid namespace.
+        let exiting = "306 (sleep) S 280 306 306 0 -1 4194564 130 0 0 0 0 0 0 0 20 0 1 0 99 0";
+        assert!(stat_says_exiting(exiting));
+        assert!(stat_says_exiting(
+            "306 (sleep) Z 280 306 306 0 -1 4194560 0"
+        ));
+        assert!(!stat_says_exiting("garbage"));
     }
 }

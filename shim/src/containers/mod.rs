@@ -141,6 +141,17 @@ impl Container {
             .count()
     }
 
+    /// Execs (probes aside) whose exit event is not published yet: running, or exited with
+    /// their exit still on its way (a turn ending at it first). Init's exit waits for them.
+    fn unannounced_execs(&self) -> usize {
+        self.execs
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|p| !p.probe && p.status() != Status::Created && !p.exit_announced())
+            .count()
+    }
+
     /// The running execs' main processes, as (pid, exec id): the coordinator names them when
     /// a process checkpoint has to wait for them (they are outside init's tree).
     fn running_exec_pids(&self) -> Vec<(u32, String)> {
