@@ -515,6 +515,83 @@ fn overlay2_docker_containers_export_as_archives_and_restore_through_docker_run(
     let (code, _, err) = d.crabctl(&["recover", "dx-agent", "--config", &config]);
     assert_eq!(code, REFUSED, "{err}");
     assert!(err.contains("docker run"), "{err}");
+
+    // `docker run --rm`, crashed: Docker deletes the container, its record and its layers.
+    // crab's store keeps what an export needs (the image's layers in rootfs.json, the
+    // container's command, env and cwd in spec.json): no --base-image, and the image runs the
+    // container's own command (`sleep infinity`), not its base image's (`bash`, which exits).
+    let rm_id = d
+        .ok(&[
+            "run",
+            "-d",
+            "--rm",
+            "--name",
+            "dx-rm",
+            "--runtime",
+            "crab",
+            "-w",
+            "/app",
+            "-e",
+            "AGENT_TOKEN=t-1",
+            AGENT_IMAGE,
+            "sleep",
+            "infinity",
+        ])
+        .trim()
+        .to_string();
+    d.exec("dx-rm", "echo kept > /app/kept.txt");
+    d.turn("dx-rm", "t1");
+    d.ok(&["kill", "dx-rm"]);
+    let removed = (0..100).any(|_| {
+        std::thread::sleep(Duration::from_millis(100));
+        d.docker(&["inspect", &rm_id]).0 != 0
+    });
+    assert!(removed, "--rm removed the container");
+    let archive_rm = d.dir.join("rm.tar").display().to_string();
+    let out = d.crabctl_ok(&[
+        "export",
+        &rm_id,
+        "localhost/crab/dx-rm:t1",
+        "--config",
+        &config,
+        "-o",
+        &archive_rm,
+    ]);
+    assert!(out.contains("(turn \"t1\", fs)"), "{out}");
+    d.ok(&["load", "-i", &archive_rm]);
+    let config_rm: serde_json::Value = serde_json::from_str(&d.ok(&[
+        "inspect",
+        "-f",
+        "{{json .Config}}",
+        "localhost/crab/dx-rm:t1",
+    ]))
+    .unwrap();
+    assert_eq!(
+        config_rm["Cmd"],
+        serde_json::json!(["sleep", "infinity"]),
+        "{config_rm}"
+    );
+    assert_eq!(config_rm["WorkingDir"], "/app", "{config_rm}");
+    assert!(
+        config_rm["Env"].to_string().contains("AGENT_TOKEN=t-1"),
+        "{config_rm}"
+    );
+    d.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "dx-rm-back",
+        "--runtime",
+        "crab",
+        "localhost/crab/dx-rm:t1",
+    ]);
+    assert_eq!(
+        d.exec(
+            "dx-rm-back",
+            "cat /app/kept.txt; tr '\\0' ' ' < /proc/1/cmdline; echo; stat -c '%n %a' /tmp"
+        ),
+        "kept\nsleep infinity \n/tmp 1777\n"
+    );
 }
 
 #[test]

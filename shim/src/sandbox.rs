@@ -248,6 +248,7 @@ impl Sandbox {
         let volumes = tracked_volumes(&spec, &config.checkpoint.tracked_volumes);
         let overlay = Overlay::of(rootfs);
         record_rootfs(&self.dir, rootfs, &overlay);
+        record_spec(&self.dir, &spec);
         let cgroup2_dir =
             tokio::task::spawn_blocking(move || crate::sys::cgroup::cgroup2_dir_of(pid))
                 .await
@@ -989,6 +990,45 @@ pub struct RootfsRecord {
     /// In overlay order: the first is the topmost.
     #[serde(default)]
     pub lowerdirs: Vec<PathBuf>,
+}
+
+/// `spec.json` in a container's checkpoint directory: what an image of its checkpoints needs of
+/// its OCI spec (the process's args, env and cwd, the hostname, the `io.crab/*` annotations
+/// that travel with a checkpoint), in the spec's own shape, for `crabctl export` of a container
+/// whose record is gone (`docker run --rm` after a crash, `ctr rm`): the image then runs the
+/// container's command, not its base image's. Written 0600: the env may hold secrets.
+pub const SPEC_RECORD: &str = "spec.json";
+
+/// Writes [`SPEC_RECORD`] into `dir` (whole or not at all); a failure is logged: only an export
+/// of a container without a record needs it, and that falls back to the base image's config.
+fn record_spec(dir: &Path, spec: &oci_spec::runtime::Spec) {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let process = spec.process().as_ref();
+    let record = serde_json::json!({
+        "process": {
+            "args": process.and_then(|p| p.args().clone()).unwrap_or_default(),
+            "env": process.and_then(|p| p.env().clone()).unwrap_or_default(),
+            "cwd": process.map(|p| p.cwd().clone()),
+        },
+        "hostname": spec.hostname(),
+        "annotations": crate::turns::travelling(&spec.annotations().clone().unwrap_or_default()),
+    });
+    let write = || -> std::io::Result<()> {
+        let tmp = dir.join(format!(".{SPEC_RECORD}.tmp"));
+        let _ = std::fs::remove_file(&tmp);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(&serde_json::to_vec_pretty(&record).map_err(std::io::Error::other)?)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, dir.join(SPEC_RECORD))
+    };
+    if let Err(e) = write() {
+        log::warn!("cannot record the spec in {}: {e}", dir.display());
+    }
 }
 
 /// Writes [`ROOTFS_RECORD`] into `dir` (whole or not at all); a failure is logged: only an

@@ -325,7 +325,7 @@ pub fn exited_record(id: &str, doc: &Value) -> Container {
 }
 
 /// The type of a runtime spec in a container record.
-const SPEC_TYPE_URL: &str = "types.containerd.io/opencontainers/runtime-spec/1/Spec";
+pub const SPEC_TYPE_URL: &str = "types.containerd.io/opencontainers/runtime-spec/1/Spec";
 
 /// Asks dockerd at `DOCKER_HOST` (`docker_host`) which container `name` is (a name or an id
 /// prefix, as `docker inspect` takes it).

@@ -228,7 +228,6 @@ impl LocalBlobs {
     }
 }
 
-/// The spec of `record` as JSON, if it has one.
 /// The blob `digest` in any store under `state_dir` (`<state_dir>/<namespace>/<container>/`,
 /// stores set aside included), if one holds it as a regular file. Stores are the shims' (root's,
 /// outside every container), and a blob's name is its digest, which whoever takes it in checks
@@ -254,6 +253,7 @@ fn in_another_store(state_dir: &Path, digest: &str) -> Option<PathBuf> {
     None
 }
 
+/// The spec of `record` as JSON, if it has one.
 fn spec_of(record: &Container) -> Option<Value> {
     serde_json::from_slice(&record.spec.as_ref()?.value).ok()
 }
@@ -590,12 +590,26 @@ impl Ctl {
         // the one `--config` (or the default config) names. The base then comes from
         // `--base-image`, or from the layers `rootfs.json` names if they are still there; the
         // process from the base image's config.
-        let stand_in = Container {
+        let mut stand_in = Container {
             id: container.to_string(),
             ..Default::default()
         };
-        if self.store_root(&stand_in).is_ok() {
+        if let Ok(root) = self.store_root(&stand_in) {
             log::info!("{container} has no record: exporting from its store");
+            // Its command, env, cwd and travelling annotations, as the shim recorded them.
+            match crate::rootfs::read_spec_record(&root) {
+                Ok(Some(spec)) => {
+                    stand_in.spec = Some(prost_types::Any {
+                        type_url: docker::SPEC_TYPE_URL.to_string(),
+                        value: spec,
+                    })
+                }
+                Ok(None) => log::warn!(
+                    "{container}: its store has no spec record (written since crab 0.1 at \
+                     Start): the image runs its base image's command"
+                ),
+                Err(e) => log::warn!("{container}: its spec record is unusable: {e}"),
+            }
             return Ok(stand_in);
         }
         self.container(container).await

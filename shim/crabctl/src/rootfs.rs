@@ -49,12 +49,32 @@ pub fn parse_rootfs_file(bytes: &[u8], what: &str) -> Result<Overlay, String> {
             f.format
         ));
     }
+    let (mut upperdir, mut lowerdirs, mut found_in) = (f.upperdir, f.lowerdirs, what.to_string());
+    // A container Docker removed (`docker run --rm` after a crash, `docker rm`) takes its own
+    // layers along: its upper directory (which an export does not need: the store's layers hold
+    // its changes) and, directly below it, its init layer (the mount points and empty
+    // /etc/hosts, /etc/resolv.conf, /etc/hostname that Docker makes again for any container of
+    // the image). Only then, and only those two, may be gone.
+    let gone = |p: &Path| std::fs::symlink_metadata(p).is_err() || !p.exists();
+    if f.mounted_by == crab_shim::bundle::MountedBy::Caller && upperdir.as_deref().is_some_and(gone)
+    {
+        upperdir = None;
+        if lowerdirs.len() > 1 && gone(&lowerdirs[0]) {
+            let init = lowerdirs.remove(0);
+            log::info!(
+                "{what}: the container's layers are gone with it ({} among them): its image's \
+                 layers are the base",
+                init.display()
+            );
+            found_in = format!("{what} (the container removed, its image's layers)");
+        }
+    }
     checked(Overlay {
-        upperdir: f.upperdir,
-        lowerdirs: f.lowerdirs,
+        upperdir,
+        lowerdirs,
         // dockerd's overlay2 and containerd's snapshotter mount with trusted.overlay.*.
         xattrs: OverlayXattrs::Trusted,
-        found_in: what.to_string(),
+        found_in,
     })
 }
 
@@ -156,6 +176,48 @@ pub fn from_mounts(mounts: &[mountinfo::Mount], root_path: &Path) -> Result<Over
         xattrs,
         found_in,
     })
+}
+
+/// The largest `spec.json` read (the args and env of one process: far below).
+const MAX_SPEC_FILE: u64 = 1 << 20;
+
+/// The spec record of the store `store_dir` ([`crab_shim::sandbox::SPEC_RECORD`]), as the
+/// bytes of a JSON object: `None` when there is none (a store older than the record). Read like
+/// untrusted input: a regular file (not through a symlink), at most 1 MiB, a JSON object.
+pub fn read_spec_record(store_dir: &Path) -> Result<Option<Vec<u8>>, String> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let path = store_dir.join(crab_shim::sandbox::SPEC_RECORD);
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(&path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    };
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    if !meta.is_file() {
+        return Err(format!("{} is not a regular file", path.display()));
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_SPEC_FILE + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    if bytes.len() as u64 > MAX_SPEC_FILE {
+        return Err(format!(
+            "{} is larger than {MAX_SPEC_FILE} bytes",
+            path.display()
+        ));
+    }
+    match serde_json::from_slice::<serde_json::Value>(&bytes) {
+        Ok(v) if v.is_object() => Ok(Some(bytes)),
+        Ok(_) => Err(format!("{} is not a JSON object", path.display())),
+        Err(e) => Err(format!("{}: {e}", path.display())),
+    }
 }
 
 /// The rootfs overlay of a container whose store directory is `store_dir` and whose spec's
@@ -274,6 +336,86 @@ mod tests {
             .contains("l/NONE"));
     }
 
+    /// Docker removed the container (`--rm` after a crash): its upper directory and its init
+    /// layer directly below are gone, and only those may be; the image's layers are the base.
+    #[test]
+    fn a_removed_docker_container_leaves_its_image_layers() {
+        let (_d, o2) = tree();
+        let record = |upper: &str, lowers: &[&str]| {
+            serde_json::json!({
+                "format": 1, "mounted_by": "caller", "root_path": o2.join("gone/merged"),
+                "upperdir": o2.join(upper),
+                "lowerdirs": lowers.iter().map(|l| o2.join(l)).collect::<Vec<_>>(),
+            })
+            .to_string()
+        };
+        let o = parse_rootfs_file(
+            record("gone/diff", &["l/GONE-INIT", "l/BASE"]).as_bytes(),
+            "f",
+        )
+        .unwrap();
+        assert_eq!(o.upperdir, None);
+        assert_eq!(o.lowerdirs, [o2.join("base/diff")]);
+        assert!(o.found_in.contains("removed"), "{}", o.found_in);
+        // The container is still there: a missing layer is an error.
+        let e = parse_rootfs_file(
+            record("id1/diff", &["l/GONE-INIT", "l/BASE"]).as_bytes(),
+            "f",
+        )
+        .unwrap_err();
+        assert!(e.contains("GONE-INIT"), "{e}");
+        // An image layer gone too, or the only layer: an error, never a thinner base.
+        for lowers in [
+            &["l/GONE-INIT", "l/GONE-BASE"][..],
+            &["l/INIT", "l/GONE-BASE"],
+            &["l/GONE"],
+        ] {
+            assert!(
+                parse_rootfs_file(record("gone/diff", lowers).as_bytes(), "f").is_err(),
+                "{lowers:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_spec_record_is_read_like_untrusted_input() {
+        let dir = tempfile::tempdir().unwrap();
+        let at = dir.path().join(crab_shim::sandbox::SPEC_RECORD);
+        assert_eq!(read_spec_record(dir.path()), Ok(None), "none yet");
+        let good = br#"{"process":{"args":["sleep","infinity"],"cwd":"/app"}}"#;
+        fs::write(&at, good).unwrap();
+        assert_eq!(read_spec_record(dir.path()), Ok(Some(good.to_vec())));
+        for (bytes, says) in [
+            (&b"[1,2]"[..], "not a JSON object"),
+            (&b"{\"process\":"[..], "EOF"),
+            (&b"\xff\xfe"[..], "expected value"),
+        ] {
+            fs::write(&at, bytes).unwrap();
+            let e = read_spec_record(dir.path()).unwrap_err();
+            assert!(e.contains(says), "{e}");
+        }
+        fs::write(&at, vec![b' '; (MAX_SPEC_FILE + 1) as usize]).unwrap();
+        assert!(read_spec_record(dir.path())
+            .unwrap_err()
+            .contains("larger than"));
+        // A symlink to a file elsewhere, a FIFO, a directory: refused, nothing read or blocked.
+        fs::remove_file(&at).unwrap();
+        let elsewhere = dir.path().join("elsewhere.json");
+        fs::write(&elsewhere, good).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &at).unwrap();
+        assert!(read_spec_record(dir.path()).is_err());
+        fs::remove_file(&at).unwrap();
+        let fifo = std::ffi::CString::new(at.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path; a plain syscall.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        assert!(read_spec_record(dir.path())
+            .unwrap_err()
+            .contains("not a regular file"));
+        fs::remove_file(&at).unwrap();
+        fs::create_dir(&at).unwrap();
+        assert!(read_spec_record(dir.path()).is_err());
+    }
+
     #[test]
     fn the_rootfs_file_is_checked_like_untrusted_input() {
         let (d, o2) = tree();
@@ -304,7 +446,14 @@ mod tests {
         let file = o2.join("id1/file");
         fs::write(&file, b"").unwrap();
         assert!(with("upperdir", serde_json::json!(file)).contains("not a directory"));
-        assert!(with("upperdir", serde_json::json!("/nonexistent/x")).contains("/nonexistent/x"));
+        let mut containerd_gone = good.clone();
+        containerd_gone["mounted_by"] = "containerd".into();
+        containerd_gone["upperdir"] = "/nonexistent/x".into();
+        assert!(
+            parse_rootfs_file(containerd_gone.to_string().as_bytes(), "f")
+                .unwrap_err()
+                .contains("/nonexistent/x")
+        );
         let many: Vec<PathBuf> = (0..=MAX_LOWERS).map(|_| o2.join("base/diff")).collect();
         assert!(with("lowerdirs", serde_json::json!(many)).contains("lower layers"));
         for junk in [&b""[..], b"{", b"[]", b"{\"format\":1}", &[0xff; 64]] {
