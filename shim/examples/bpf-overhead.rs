@@ -7,7 +7,9 @@
 //! close` ITERS times on a tmpfs file, then 10 × ITERS `getppid()` (a syscall
 //! no program is attached to). Scenarios, interleaved in REPS rounds (median
 //! and minimum reported): programs not loaded; loaded but the worker's cgroup
-//! not watched; watched; watched among 16 and among 256 watched cgroups.
+//! not watched; the same with another container's rootfs registered (the
+//! `outside` check every write of an unwatched task then makes); watched;
+//! watched among 16 and among 256 watched cgroups.
 //! Then one more run per case with `kernel.bpf_stats_enabled=1` for the
 //! kernel's own per-program cost (restored afterwards). The programs are
 //! pinned in a private root and removed at the end. Inspector programs of
@@ -56,9 +58,10 @@ fn main() {
 
     // Scenarios interleaved within each round, so that drift in the host's
     // load hits all of them alike; medians over rounds.
-    const SCENARIOS: [&str; 5] = [
+    const SCENARIOS: [&str; 6] = [
         "not loaded",
         "loaded, unwatched",
+        "unwatched, rootfs reg.",
         "watched (1 cgroup)",
         "watched, 16 watched",
         "watched, 256 watched",
@@ -75,19 +78,27 @@ fn main() {
         load_times.push(started.elapsed());
         samples[1].push(run_worker(&bench_cg, iters));
 
+        // Another container's rootfs registered: every write of an unwatched task now also
+        // asks whether its file is on a registered rootfs (a device no file here is on).
+        probes.watch(extra[0].id).unwrap();
+        probes
+            .watch_rootfs(extra[0].id, libc::makedev(0, 0xffff0))
+            .unwrap();
+        samples[2].push(run_worker(&bench_cg, iters));
+
         probes.watch(bench_cg.id).unwrap();
         let before = probes.counters(bench_cg.id).unwrap();
-        samples[2].push(run_worker(&bench_cg, iters));
+        samples[3].push(run_worker(&bench_cg, iters));
         counted = Some(probes.counters(bench_cg.id).unwrap().since(&before));
 
         for cg in &extra[..15] {
             probes.watch(cg.id).unwrap();
         }
-        samples[3].push(run_worker(&bench_cg, iters));
+        samples[4].push(run_worker(&bench_cg, iters));
         for cg in &extra[15..] {
             probes.watch(cg.id).unwrap();
         }
-        samples[4].push(run_worker(&bench_cg, iters));
+        samples[5].push(run_worker(&bench_cg, iters));
 
         let started = Instant::now();
         for cg in extra.iter().chain([&bench_cg]) {
