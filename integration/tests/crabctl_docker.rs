@@ -502,16 +502,28 @@ fn overlay2_docker_containers_export_as_archives_and_restore_through_docker_run(
         "the newest recovery point: {out}"
     );
     d.ok(&["load", "-i", &archive3]);
+    // The docs' recipe for a hostname in step: the source's, given to the restore.
+    let source_hostname = d
+        .ok(&["inspect", "-f", "{{.Config.Hostname}}", "dx-agent"])
+        .trim()
+        .to_string();
     d.ok(&[
         "run",
         "-d",
         "--name",
         "dx-after-kill",
+        "--hostname",
+        &source_hostname,
         "--runtime",
         "crab",
         "localhost/crab/dx-cp:after-kill",
     ]);
     assert_restored_at_t2(&d, "dx-after-kill");
+    assert_eq!(
+        d.exec("dx-after-kill", "hostname; cat /etc/hostname"),
+        format!("{source_hostname}\n{source_hostname}\n"),
+        "the restored kernel hostname and Docker's /etc/hostname agree"
+    );
     let (code, _, err) = d.crabctl(&["recover", "dx-agent", "--config", &config]);
     assert_eq!(code, REFUSED, "{err}");
     assert!(err.contains("docker run"), "{err}");
