@@ -429,6 +429,19 @@ fn overlay2_docker_containers_export_as_archives_and_restore_through_docker_run(
         &archive3.display().to_string(),
     ]);
     d.ok(&["load", "-i", &archive3.display().to_string()]);
+    // Generations do not stack: the second image is the first plus t3's layer (not the first's
+    // layers again as its base, its checkpoint layer among them).
+    let layers = |image: &str| -> usize {
+        d.ok(&["image", "inspect", "-f", "{{len .RootFS.Layers}}", image])
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(
+        layers("localhost/crab/dx-cp:t3"),
+        layers("localhost/crab/dx-cp:t2") + 1,
+        "one layer more per generation"
+    );
     d.ok(&[
         "run",
         "-d",

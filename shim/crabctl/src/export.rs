@@ -253,6 +253,24 @@ fn in_another_store(state_dir: &Path, digest: &str) -> Option<PathBuf> {
     None
 }
 
+/// The lower layers (top first) of a rootfs that are its base image's: for a container started
+/// from a checkpoint image (a lower at the top, or below Docker's init layer, holds the reserved
+/// directory: that image's checkpoint layer), that layer, the `image_layers` fs layers below it
+/// (the chain the container's store begins with, exported from there) and the init layer above
+/// are left out, so that each generation of exports adds only its own layers; else all of them.
+fn below_checkpoint_layers(lowerdirs: &[PathBuf], image_layers: usize) -> &[PathBuf] {
+    let reserved = |l: &PathBuf| {
+        std::fs::symlink_metadata(l.join(crab_shim::restore::intake::RESERVED_DIR))
+            .is_ok_and(|m| m.is_dir())
+    };
+    match lowerdirs.iter().take(2).position(reserved) {
+        Some(top) if lowerdirs.len() > top + 1 + image_layers => {
+            &lowerdirs[top + 1 + image_layers..]
+        }
+        _ => lowerdirs,
+    }
+}
+
 /// The spec of `record` as JSON, if it has one.
 fn spec_of(record: &Container) -> Option<Value> {
     serde_json::from_slice(&record.spec.as_ref()?.value).ok()
@@ -355,7 +373,7 @@ impl Ctl {
                 &root,
                 &store,
                 options.base_image.as_deref(),
-                layer_options,
+                (layer_options, m.image_layers),
                 &mut local,
             )
             .await?;
@@ -682,7 +700,7 @@ impl Ctl {
         store_dir: &Path,
         store: &Store,
         base_image: Option<&str>,
-        layer_options: LayerOptions,
+        (layer_options, image_layers): (LayerOptions, usize),
         local: &mut LocalBlobs,
     ) -> Result<image::Base> {
         if let Some(name) = base_image {
@@ -701,9 +719,20 @@ impl Ctl {
                 record.id
             ))
         })?;
-        let mut layers = Vec::with_capacity(overlay.lowerdirs.len());
+        let lowers = below_checkpoint_layers(&overlay.lowerdirs, image_layers);
+        if lowers.len() < overlay.lowerdirs.len() {
+            log::info!(
+                "{}: started from a checkpoint image: its checkpoint layer and the {image_layers} \
+                 fs layers of its chain (this store's chain begins with them) are left out of the \
+                 base ({} of {} lower layers kept)",
+                record.id,
+                lowers.len(),
+                overlay.lowerdirs.len()
+            );
+        }
+        let mut layers = Vec::with_capacity(lowers.len());
         // Image layers go bottom first; overlay lowers are listed top first.
-        for lower in overlay.lowerdirs.iter().rev() {
+        for lower in lowers.iter().rev() {
             let tar = store.temp_file("base.tar")?;
             let mut blob = store.temp_file("base.tar.zst")?;
             let io_err = |path: &Path| {
@@ -878,6 +907,53 @@ mod tests {
         let mut other = m.clone();
         other.turn_id = "t4".into();
         assert_ne!(id, checkpoint_identity(&other, "ed25519:aa"));
+    }
+
+    #[test]
+    fn a_checkpoint_image_s_own_layers_are_not_a_base() {
+        let dir = tempfile::tempdir().unwrap();
+        let layer = |name: &str, reserved: bool| {
+            let p = dir.path().join(name);
+            std::fs::create_dir_all(&p).unwrap();
+            if reserved {
+                std::fs::create_dir(p.join(crab_shim::restore::intake::RESERVED_DIR)).unwrap();
+            }
+            p
+        };
+        let (init, ckpt, fs2, fs1, base) = (
+            layer("init", false),
+            layer("ckpt", true),
+            layer("fs2", false),
+            layer("fs1", false),
+            layer("base", false),
+        );
+        // Docker's init layer on top, the checkpoint layer below it, two fs layers, the base.
+        let lowers = vec![
+            init.clone(),
+            ckpt.clone(),
+            fs2.clone(),
+            fs1.clone(),
+            base.clone(),
+        ];
+        assert_eq!(below_checkpoint_layers(&lowers, 2), [base.clone()]);
+        // Without an init layer.
+        let lowers = vec![ckpt.clone(), fs1.clone(), base.clone()];
+        assert_eq!(below_checkpoint_layers(&lowers, 1), [base.clone()]);
+        // An ordinary container: all its lowers.
+        let lowers = vec![init.clone(), fs1.clone(), base.clone()];
+        assert_eq!(below_checkpoint_layers(&lowers, 0), &lowers[..]);
+        // Fewer lowers than the chain says: nothing left out (never an empty base).
+        let lowers = vec![ckpt.clone(), fs1.clone()];
+        assert_eq!(below_checkpoint_layers(&lowers, 1), &lowers[..]);
+        // The reserved directory deeper down is not a checkpoint layer of this rootfs; a file of
+        // that name is not the directory.
+        let lowers = vec![init.clone(), fs1.clone(), ckpt.clone(), base.clone()];
+        assert_eq!(below_checkpoint_layers(&lowers, 0), &lowers[..]);
+        let file = dir.path().join("file-layer");
+        std::fs::create_dir(&file).unwrap();
+        std::fs::write(file.join(crab_shim::restore::intake::RESERVED_DIR), "x").unwrap();
+        let lowers = vec![file, base.clone()];
+        assert_eq!(below_checkpoint_layers(&lowers, 0), &lowers[..]);
     }
 
     #[test]
