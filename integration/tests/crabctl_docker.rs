@@ -541,10 +541,15 @@ fn overlay2_docker_containers_export_as_archives_and_restore_through_docker_run(
     assert_eq!(code, REFUSED, "{err}");
     assert!(err.contains("docker run"), "{err}");
 
-    // `docker run --rm`, crashed: Docker deletes the container, its record and its layers.
-    // crab's store keeps what an export needs (the image's layers in rootfs.json, the
-    // container's command, env and cwd in spec.json): no --base-image, and the image runs the
-    // container's own command (`sleep infinity`), not its base image's (`bash`, which exits).
+    removed_container_recovers(&d, true);
+}
+
+/// `docker run --rm`, crashed: Docker deletes the container, its record and its layers.
+/// crab's store keeps what an export needs (the image's layers in rootfs.json, the container's
+/// command, env and cwd in spec.json): no --base-image, and the image runs the container's own
+/// command (`sleep infinity`), not its base image's (`bash`, which exits). `archive`: export an
+/// archive and `docker load` it (overlay2), else into Docker's images (the containerd store).
+fn removed_container_recovers(d: &Dockerd, archive: bool) {
     let rm_id = d
         .ok(&[
             "run",
@@ -572,18 +577,23 @@ fn overlay2_docker_containers_export_as_archives_and_restore_through_docker_run(
         d.docker(&["inspect", &rm_id]).0 != 0
     });
     assert!(removed, "--rm removed the container");
+    let config = d.dir.join("crab.toml").display().to_string();
     let archive_rm = d.dir.join("rm.tar").display().to_string();
-    let out = d.crabctl_ok(&[
+    let mut args = vec![
         "export",
         &rm_id,
         "localhost/crab/dx-rm:t1",
         "--config",
         &config,
-        "-o",
-        &archive_rm,
-    ]);
+    ];
+    if archive {
+        args.extend(["-o", &archive_rm]);
+    }
+    let out = d.crabctl_ok(&args);
     assert!(out.contains("(turn \"t1\", fs)"), "{out}");
-    d.ok(&["load", "-i", &archive_rm]);
+    if archive {
+        d.ok(&["load", "-i", &archive_rm]);
+    }
     let config_rm: serde_json::Value = serde_json::from_str(&d.ok(&[
         "inspect",
         "-f",
@@ -648,6 +658,7 @@ fn containerd_store_docker_containers_export_into_dockers_images() {
     let (code, _, err) = d.crabctl(&["export", "dx-agent", "x:1", "--base-image", "no/such:1"]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("no/such:1"), "{err}");
+    removed_container_recovers(&d, false);
 }
 
 #[test]

@@ -935,10 +935,16 @@ mod tests {
             fs1.clone(),
             base.clone(),
         ];
-        assert_eq!(below_checkpoint_layers(&lowers, 2), [base.clone()]);
+        assert_eq!(
+            below_checkpoint_layers(&lowers, 2),
+            std::slice::from_ref(&base)
+        );
         // Without an init layer.
         let lowers = vec![ckpt.clone(), fs1.clone(), base.clone()];
-        assert_eq!(below_checkpoint_layers(&lowers, 1), [base.clone()]);
+        assert_eq!(
+            below_checkpoint_layers(&lowers, 1),
+            std::slice::from_ref(&base)
+        );
         // An ordinary container: all its lowers.
         let lowers = vec![init.clone(), fs1.clone(), base.clone()];
         assert_eq!(below_checkpoint_layers(&lowers, 0), &lowers[..]);
