@@ -10,7 +10,7 @@ use std::{
 use crab_integration::{
     env::TestEnv,
     host,
-    sandbox::{Sandbox, SandboxOptions, AGENT_IMAGE},
+    sandbox::{json_files, Sandbox, SandboxOptions, AGENT_IMAGE},
     Harness, ProcessSpec, StdioOptions, TaskStatus,
 };
 use serde_json::Value;
@@ -201,6 +201,102 @@ async fn exec_boundaries_end_turns_without_a_harness() {
         l.keys().collect::<Vec<_>>()
     );
     s.finish().await;
+}
+
+/// A file written into the sandbox from the host, through its rootfs (here by path through
+/// `/proc/PID/root`, as a copy tool or `nsenter` reaches it), is the next turn's change: that
+/// turn only reads, yet answers `fs` (class `outside`) and checkpoints the file.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_write_from_the_host_is_the_next_turn_s_change() {
+    let (mut s, _g) = Sandbox::start(
+        "ckpt_host_write",
+        SandboxOptions {
+            annotations: &[("io.crab/turn-boundary", "exec")],
+            ..Default::default()
+        },
+    )
+    .await;
+    s.run("echo one > /app/one").await;
+    s.wait_manifests(1).await;
+    let (_, init) = s.h.status(&s.id, "").await.unwrap();
+    std::fs::write(format!("/proc/{init}/root/app/from-host.txt"), "hi").unwrap();
+    s.run("cat /app/one").await;
+    let answers = json_files(&s.store().join("turns"));
+    let a = answers.last().unwrap();
+    assert_eq!(a["kind"], "fs", "{a:#}");
+    assert!(
+        a["fs"]["syscalls"]["outside"].as_u64().unwrap_or(0) >= 2,
+        "the open and the write, from outside: {a:#}"
+    );
+    assert!(
+        a["fs"]["added"].to_string().contains("/app/from-host.txt"),
+        "{a:#}"
+    );
+    let m = s.wait_manifests(2).await;
+    let l = s.layer(m[1]["fs_layers"].as_array().unwrap().last().unwrap());
+    assert!(
+        l.contains_key("app/from-host.txt"),
+        "{:?}",
+        l.keys().collect::<Vec<_>>()
+    );
+    s.finish().await;
+}
+
+/// An exec killed with its container (init SIGKILLed from the host: the kernel kills the rest
+/// of the pid namespace first) is an interrupted turn: its exit is published, before init's
+/// (containerd's clients delete the task at init's exit: an exec exit sent after it is never
+/// seen, and `docker exec` once hung on that forever), and the half-done turn has no answer
+/// and no checkpoint.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_exec_killed_with_its_container_is_an_interrupted_turn() {
+    let (mut s, _g) = Sandbox::start(
+        "ckpt_exec_killed",
+        SandboxOptions {
+            annotations: &[("io.crab/turn-boundary", "exec")],
+            ..Default::default()
+        },
+    )
+    .await;
+    s.run("echo one > /app/one").await;
+    s.wait_manifests(1).await;
+    let mut exits = s.h.task_exits().await.unwrap();
+    let io = s.h.stdio(&s.id, "killed", StdioOptions::default()).unwrap();
+    let spec = ProcessSpec::new(&["bash", "-c", "echo half > /app/half; sleep 300"]).cwd("/app");
+    s.h.exec(&s.id, "killed", &spec, &io).await.unwrap();
+    s.h.start(&s.id, "killed").await.unwrap();
+    let (_, init) = s.h.status(&s.id, "").await.unwrap();
+    let half = format!("/proc/{init}/root/app/half");
+    host::eventually(Duration::from_secs(10), || {
+        std::path::Path::new(&half).exists().then_some(())
+    })
+    .expect("the exec wrote its half");
+    // SAFETY: plain kill(2) of the container's init.
+    assert_eq!(unsafe { libc::kill(init as i32, libc::SIGKILL) }, 0);
+    let exec_exit = exits
+        .next_for(&s.id, "killed", Duration::from_secs(20))
+        .await
+        .expect("the exec's exit is published");
+    assert_eq!(exec_exit.exit_status, 137);
+    let init_exit = exits
+        .next_for(&s.id, "", Duration::from_secs(20))
+        .await
+        .expect("init's exit is published after the exec's");
+    assert_eq!(init_exit.exit_status, 137);
+    let answers = json_files(&s.store().join("turns"));
+    assert_eq!(
+        answers.len(),
+        1,
+        "only the completed turn has an answer: {answers:#?}"
+    );
+    let kinds: Vec<String> = s
+        .manifests()
+        .iter()
+        .map(|m| m["kind"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(kinds, ["fs"], "nothing of the half turn: {kinds:?}");
+    let _ = s.h.delete_process(&s.id, "killed").await;
+    let _ = s.h.delete_task(&s.id).await;
+    let _ = s.h.delete_container(&s.id).await;
 }
 
 /// A bad turn-boundary annotation fails the container's creation clearly.
