@@ -55,7 +55,7 @@ pub fn parse_rootfs_file(bytes: &[u8], what: &str) -> Result<Overlay, String> {
     // its changes) and, directly below it, its init layer (the mount points and empty
     // /etc/hosts, /etc/resolv.conf, /etc/hostname that Docker makes again for any container of
     // the image). Only then, and only those two, may be gone.
-    let gone = |p: &Path| std::fs::symlink_metadata(p).is_err() || !p.exists();
+    let gone = |p: &Path| !p.exists();
     if f.mounted_by == crab_shim::bundle::MountedBy::Caller && upperdir.as_deref().is_some_and(gone)
     {
         upperdir = None;
@@ -185,34 +185,12 @@ const MAX_SPEC_FILE: u64 = 1 << 20;
 /// bytes of a JSON object: `None` when there is none (a store older than the record). Read like
 /// untrusted input: a regular file (not through a symlink), at most 1 MiB, a JSON object.
 pub fn read_spec_record(store_dir: &Path) -> Result<Option<Vec<u8>>, String> {
-    use std::io::Read as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
     let path = store_dir.join(crab_shim::sandbox::SPEC_RECORD);
-    let file = match std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(&path)
-    {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+    let bytes = match crab_shim::sys::file::read_regular_bounded(&path, MAX_SPEC_FILE) {
+        Ok(Some(bytes)) => bytes,
+        Ok(None) => return Ok(None),
         Err(e) => return Err(format!("{}: {e}", path.display())),
     };
-    let meta = file
-        .metadata()
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    if !meta.is_file() {
-        return Err(format!("{} is not a regular file", path.display()));
-    }
-    let mut bytes = Vec::new();
-    file.take(MAX_SPEC_FILE + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    if bytes.len() as u64 > MAX_SPEC_FILE {
-        return Err(format!(
-            "{} is larger than {MAX_SPEC_FILE} bytes",
-            path.display()
-        ));
-    }
     match serde_json::from_slice::<serde_json::Value>(&bytes) {
         Ok(v) if v.is_object() => Ok(Some(bytes)),
         Ok(_) => Err(format!("{} is not a JSON object", path.display())),

@@ -12,8 +12,6 @@
 
 use std::{
     fs,
-    io::Read,
-    os::unix::fs::OpenOptionsExt,
     path::{Path, PathBuf},
 };
 
@@ -68,23 +66,15 @@ pub fn record(store: &Store, record: &LineageRecord) -> Result<(), StoreError> {
 /// The lineage record of the store at `root`, if it has a readable one.
 pub fn read(root: &Path) -> Option<LineageRecord> {
     let path = root.join(RECORD);
-    let file = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(&path)
-        .ok()?;
-    if !file.metadata().ok()?.is_file() {
-        return None;
-    }
-    let mut bytes = Vec::new();
-    file.take(RECORD_MAX + 1).read_to_end(&mut bytes).ok()?;
-    if bytes.len() as u64 > RECORD_MAX {
-        log::warn!(
-            "{}: larger than {RECORD_MAX} bytes: ignored",
-            path.display()
-        );
-        return None;
-    }
+    let bytes = match crate::sys::file::read_regular_bounded(&path, RECORD_MAX) {
+        Ok(Some(bytes)) => bytes,
+        Ok(None) => return None,
+        Err(e @ crate::sys::file::BoundedReadError::TooLarge(_)) => {
+            log::warn!("{}: {e}: ignored", path.display());
+            return None;
+        }
+        Err(_) => return None,
+    };
     match serde_json::from_slice::<LineageRecord>(&bytes) {
         Ok(r) if r.format <= FORMAT => Some(r),
         Ok(r) => {

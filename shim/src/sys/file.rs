@@ -83,3 +83,57 @@ pub fn sync_file_range(fd: BorrowedFd<'_>, flags: libc::c_uint) -> io::Result<()
     }
     Ok(())
 }
+
+/// Why [`read_regular_bounded`] read nothing.
+#[derive(Debug)]
+pub enum BoundedReadError {
+    /// Not a regular file (a directory, a FIFO, a device), or a symlink (not followed).
+    NotRegular,
+    /// Larger than the bound.
+    TooLarge(u64),
+    Io(io::Error),
+}
+
+impl std::fmt::Display for BoundedReadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BoundedReadError::NotRegular => f.write_str("not a regular file"),
+            BoundedReadError::TooLarge(max) => write!(f, "larger than {max} bytes"),
+            BoundedReadError::Io(e) => e.fmt(f),
+        }
+    }
+}
+
+/// The contents of the regular file at `path`, read as untrusted input: its last component not
+/// followed if it is a symlink (`ELOOP`, reported as not regular), never blocking on a FIFO,
+/// at most `max` bytes. `Ok(None)`: there is no such file.
+pub fn read_regular_bounded(
+    path: &std::path::Path,
+    max: u64,
+) -> Result<Option<Vec<u8>>, BoundedReadError> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(BoundedReadError::NotRegular)
+        }
+        Err(e) => return Err(BoundedReadError::Io(e)),
+    };
+    if !file.metadata().map_err(BoundedReadError::Io)?.is_file() {
+        return Err(BoundedReadError::NotRegular);
+    }
+    let mut bytes = Vec::new();
+    file.take(max + 1)
+        .read_to_end(&mut bytes)
+        .map_err(BoundedReadError::Io)?;
+    if bytes.len() as u64 > max {
+        return Err(BoundedReadError::TooLarge(max));
+    }
+    Ok(Some(bytes))
+}
