@@ -32,17 +32,34 @@ fn episode_script() -> PathBuf {
 }
 
 /// The venv with mini-swe-agent, made once per pinned version (a marker written last says it
-/// is complete; an interrupted install is redone).
+/// is complete; an interrupted install is redone). The tests of this binary run in parallel
+/// and each asks for it: an exclusive `flock` on a lock file beside it makes the first one
+/// build it while the others wait, then find it complete (on a fresh machine, two builders
+/// racing in one directory failed both).
 fn venv(crab_home: &Path) -> PathBuf {
-    let dir = crab_home
-        .join("harness")
-        .join(format!("venv-{}", MINI_SWE_AGENT.replace("==", "-")));
+    let harness = crab_home.join("harness");
+    std::fs::create_dir_all(&harness).unwrap();
+    let dir = harness.join(format!("venv-{}", MINI_SWE_AGENT.replace("==", "-")));
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(harness.join("venv.lock"))
+        .unwrap();
+    // Released when `lock` is closed, at return or at a panic's unwind.
+    // SAFETY: flock on a valid fd we own.
+    let rc = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) };
+    assert_eq!(
+        rc,
+        0,
+        "flock venv.lock: {}",
+        std::io::Error::last_os_error()
+    );
     let marker = dir.join(".crab-complete");
     if std::fs::read_to_string(&marker).is_ok_and(|m| m.trim() == MINI_SWE_AGENT) {
         return dir;
     }
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(dir.parent().unwrap()).unwrap();
     let mut cmd = Command::new(PYTHON);
     cmd.args(["-m", "venv"]).arg(&dir);
     run_command(cmd, "python3 -m venv", None, Duration::from_secs(120))
@@ -54,6 +71,7 @@ fn venv(crab_home: &Path) -> PathBuf {
         .and_then(|o| o.ok())
         .unwrap_or_else(|e| panic!("cannot install {MINI_SWE_AGENT} from PyPI: {e}"));
     std::fs::write(&marker, MINI_SWE_AGENT).unwrap();
+    drop(lock);
     dir
 }
 
