@@ -43,6 +43,11 @@ impl Dockerd {
     /// Starts dockerd with the overlay2 graph driver, or (`containerd_store`) containerd's
     /// image store; its runtime `crab` is io.containerd.crab.v1 with a config of its own.
     fn start(name: &str, containerd_store: bool) -> Dockerd {
+        Dockerd::start_with(name, containerd_store, "")
+    }
+
+    /// [`Dockerd::start`] with `extra` appended to its crab config.
+    fn start_with(name: &str, containerd_store: bool, extra: &str) -> Dockerd {
         let env = TestEnv::from_env();
         let dir = env.crab_home.join("docker-crabctl").join(name);
         cleanup_dir(&dir);
@@ -51,7 +56,7 @@ impl Dockerd {
         std::fs::write(
             &config,
             format!(
-                "[store]\nstate_dir = \"{}\"\n",
+                "[store]\nstate_dir = \"{}\"\n{extra}",
                 dir.join("crab-state").display()
             ),
         )
@@ -696,4 +701,143 @@ fn ambiguous_id_prefixes_list_their_candidates() {
     let (code, err) = crabctl(&["checkpoints", "dx-agent"]);
     assert_eq!(code, NOT_FOUND, "{err}");
     assert!(!err.contains("Docker"), "{err}");
+}
+
+/// `[limits] max_image_layers` of the long-episode tests: fewer than their chains of fs layers.
+const LAYER_BOUND: usize = 8;
+
+/// What the long episode leaves, as the tests compare it: every path under /app and /etc/skel
+/// with its type, mode, owner and mtime (and size, link count and target of what is not a
+/// directory), every file's content, and what is gone from the image. (A directory's own
+/// timestamp is not state to crab's inspector: `touch` of a directory alone is no change; a
+/// directory's mtime travels with the layer of the turn that changed something below it.)
+const EPISODE_STATE: &str =
+    "{ find /app /etc/skel -xdev ! -type d -printf '%p %y %m %u:%g %s %n %l %T@\\n'; \
+     find /app /etc/skel -xdev -type d -printf '%p %y %m %u:%g %T@\\n'; } | sort; \
+     find /app /etc/skel -xdev -type f -exec md5sum {} + | sort -k2; \
+     test -e /etc/issue.net && echo issue-there; test -e /etc/skel/.bashrc && echo skel-there; \
+     ps -eo args | grep -c '^sleep 4242' ; true";
+
+/// A turn of the long episode: `script`, then the turn's end (each one changes files: an fs
+/// checkpoint, a layer of the chain).
+fn episode_turn(d: &Dockerd, name: &str, turn: &str, script: &str) {
+    d.exec(name, script);
+    d.turn(name, turn);
+}
+
+/// Layers of image `image` in dockerd.
+fn image_layers(d: &Dockerd, image: &str) -> usize {
+    d.ok(&["image", "inspect", "-f", "{{len .RootFS.Layers}}", image])
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Exports `name`'s newest checkpoint as `reference` (through an archive when `archive`),
+/// checks the image keeps within [`LAYER_BOUND`] layers, runs it as `restored` and checks that
+/// the restored sandbox is what `name` was at its last turn end.
+fn export_squashed_and_restore(
+    d: &Dockerd,
+    name: &str,
+    reference: &str,
+    restored: &str,
+    archive: bool,
+) {
+    let want = d.exec(name, EPISODE_STATE);
+    let mut args = vec!["export", name, reference];
+    let path = d.dir.join(format!("{restored}.tar")).display().to_string();
+    if archive {
+        args.extend(["--output", path.as_str()]);
+    }
+    let out = d.crabctl_ok(&args);
+    if archive {
+        d.ok(&["load", "-i", &path]);
+    }
+    let layers = image_layers(d, reference);
+    d.ok(&[
+        "run",
+        "-d",
+        "--name",
+        restored,
+        "--runtime",
+        "crab",
+        reference,
+    ]);
+    assert_eq!(
+        d.exec(restored, EPISODE_STATE),
+        want,
+        "{restored} (from {reference}, {layers} layers) against {name} at its last turn"
+    );
+    assert!(
+        layers <= LAYER_BOUND,
+        "{reference}: {layers} layers, more than [limits] max_image_layers ({LAYER_BOUND}): {out}"
+    );
+}
+
+/// A sandbox with more fs checkpoints than an image may have layers exports within the bound
+/// (runs of its chain squashed into one layer each), and what comes back is exact: deletions of
+/// the image's files and directories (a directory deleted and made again hides the image's
+/// content), renames, hard links, symlinks, a FIFO, a sparse file, modes, owners and mtimes, a
+/// process. The restored sandbox's own checkpoints export the same way (its chain begins with
+/// the squashed layers): a second generation.
+fn long_episode(d: &Dockerd, archive: bool) {
+    d.load_agent();
+    d.run("sq-agent");
+    let turns = [
+        "mkdir -p /app/w && echo one > /app/w/f1 && echo keep > /app/keep && ln /app/keep /app/keep-link \
+         && mkdir -m 700 /app/secret && echo s > /app/secret/s && chown 1000:1000 /app/secret/s",
+        "rm /etc/issue.net && echo two > /app/w/f2",
+        "rm -rf /etc/skel && mkdir /etc/skel && echo new > /etc/skel/only",
+        "truncate -s 20M /app/sparse && printf x | dd of=/app/sparse bs=1 seek=10485760 conv=notrunc status=none",
+        "mv /app/w/f1 /app/w/f1-renamed",
+        "ln -s /app/keep /app/sym && mkfifo -m 600 /app/fifo",
+        "echo changed >> /app/keep",
+        "rm /app/w/f2 && chmod 640 /app/keep",
+        "echo 9 > /app/n9 && touch -d '2001-02-03 04:05:06' /app/w/f1-renamed",
+        "echo 10 > /app/n10 && mkdir -p /app/deep/a/b/c && echo deep > /app/deep/a/b/c/f",
+        "echo 11 > /app/n11 && rm -rf /app/deep/a/b",
+        "echo 12 > /app/n12 && (setsid sleep 4242 >/dev/null 2>&1 </dev/null &)",
+    ];
+    for (i, script) in turns.iter().enumerate() {
+        episode_turn(d, "sq-agent", &format!("t{}", i + 1), script);
+    }
+    let state = d.exec("sq-agent", EPISODE_STATE);
+    assert!(
+        !state.contains("issue-there") && !state.contains("skel-there") && state.ends_with("1\n"),
+        "the episode's own state: {state}"
+    );
+    export_squashed_and_restore(d, "sq-agent", "localhost/crab/sq:g1", "sq-g1", archive);
+    for (i, script) in [
+        "echo g2 > /app/g2 && rm /app/n9",
+        "rm /app/keep-link && echo g2b >> /app/w/f1-renamed",
+        "mkdir -p /etc/skel/sub && echo x > /etc/skel/sub/x",
+    ]
+    .iter()
+    .enumerate()
+    {
+        episode_turn(d, "sq-g1", &format!("g{}", i + 1), script);
+    }
+    export_squashed_and_restore(d, "sq-g1", "localhost/crab/sq:g2", "sq-g2", archive);
+}
+
+#[test]
+fn overlay2_long_episodes_export_within_the_layer_bound() {
+    let _one = ONE_DOCKERD.lock().unwrap_or_else(|e| e.into_inner());
+    let d = Dockerd::start_with(
+        "overlay2-long",
+        false,
+        &format!("[limits]\nmax_image_layers = {LAYER_BOUND}\n"),
+    );
+    long_episode(&d, true);
+}
+
+#[test]
+fn containerd_store_long_episodes_export_within_the_layer_bound() {
+    let _one = ONE_DOCKERD.lock().unwrap_or_else(|e| e.into_inner());
+    let d = Dockerd::start_with(
+        "containerd-store-long",
+        true,
+        &format!("[limits]\nmax_image_layers = {LAYER_BOUND}\n"),
+    );
+    long_episode(&d, false);
 }

@@ -559,6 +559,12 @@ pub struct LimitsConfig {
     /// container's own turns are DEGRADED (`full`), nobody else's.
     #[serde(deserialize_with = "max_bpf_processes")]
     pub max_bpf_processes: u64,
+    /// Layers of an image `crabctl export` writes: the base image's, the checkpoint's fs
+    /// layers and the checkpoint layer (3 ..= 1000). Default 100 (Docker refuses images of more
+    /// than 125). Every fs or full checkpoint adds a layer to the chain; beyond the bound runs
+    /// of them are squashed into one layer each.
+    #[serde(deserialize_with = "max_image_layers")]
+    pub max_image_layers: u64,
 }
 
 impl Default for LimitsConfig {
@@ -573,6 +579,7 @@ impl Default for LimitsConfig {
             max_memory_image_bytes: 16 << 30,
             max_fdinfo_total_bytes: 64 << 20,
             max_bpf_processes: 65536,
+            max_image_layers: 100,
         }
     }
 }
@@ -866,6 +873,10 @@ fn max_walk_depth<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
     u64_in(d, 1..=4096, "an integer from 1 to 4096").map(|n| n as u32)
 }
 
+fn max_image_layers<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    u64_in(d, 3..=1000, "an integer from 3 to 1000")
+}
+
 fn max_bpf_processes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     u64_in(d, 1..=4 << 20, "an integer from 1 to 4194304")
 }
@@ -1041,6 +1052,7 @@ mod tests {
             max_memory_image_bytes = 1073741824
             max_fdinfo_total_bytes = 4194304
             max_bpf_processes = 512
+            max_image_layers = 40
 
             [shim]
             groups = ["agents", "rl.rollouts-1"]
@@ -1108,6 +1120,7 @@ mod tests {
                     max_memory_image_bytes: 1 << 30,
                     max_fdinfo_total_bytes: 4 << 20,
                     max_bpf_processes: 512,
+                    max_image_layers: 40,
                 },
                 shim: ShimConfig {
                     groups: vec!["agents".into(), "rl.rollouts-1".into()],
@@ -1304,6 +1317,7 @@ mod tests {
             )
         );
         assert_eq!(c.max_bpf_processes, 65_536);
+        assert_eq!(c.max_image_layers, 100);
         for (doc, key, expected) in [
             (
                 "limits.max_manifest_entries = 0",
@@ -1340,6 +1354,16 @@ mod tests {
                 "limits.max_fdinfo_bytes = 4095",
                 "limits.max_fdinfo_bytes",
                 "from 4096",
+            ),
+            (
+                "limits.max_image_layers = 2",
+                "limits.max_image_layers",
+                "from 3 to 1000",
+            ),
+            (
+                "limits.max_image_layers = 1001",
+                "limits.max_image_layers",
+                "from 3 to 1000",
             ),
             (
                 "limits.max_bpf_processes = 0",

@@ -27,8 +27,8 @@ use super::{
 };
 use crab_shim::checkpoint::{
     layer::{write_tree_tar, LayerOptions},
-    provenance,
-    store::{CheckpointKind, Manifest, Store, TempFile},
+    provenance, squash,
+    store::{CheckpointKind, Descriptor, Manifest, Store, TempFile},
 };
 use crab_shim::restore::intake::{CheckpointMeta, Source};
 
@@ -228,6 +228,10 @@ impl LocalBlobs {
     }
 }
 
+/// Where a store keeps the squashed layers it exported into archives (by digest hex), for
+/// the exports of containers started from those images; removed with the store.
+pub const EXPORTED_DIR: &str = "exported/sha256";
+
 /// The blob `digest` in any store under `state_dir` (`<state_dir>/<namespace>/<container>/`,
 /// stores set aside included), if one holds it as a regular file. Stores are the shims' (root's,
 /// outside every container), and a blob's name is its digest, which whoever takes it in checks
@@ -242,11 +246,14 @@ fn in_another_store(state_dir: &Path, digest: &str) -> Option<PathBuf> {
             continue;
         }
         for store in std::fs::read_dir(ns.path()).into_iter().flatten().flatten() {
-            let blob = store.path().join("blobs/sha256").join(hex);
-            if store.file_type().is_ok_and(|t| t.is_dir())
-                && std::fs::symlink_metadata(&blob).is_ok_and(|m| m.is_file())
-            {
-                return Some(blob);
+            if !store.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            for dir in ["blobs/sha256", EXPORTED_DIR] {
+                let blob = store.path().join(dir).join(hex);
+                if std::fs::symlink_metadata(&blob).is_ok_and(|m| m.is_file()) {
+                    return Some(blob);
+                }
             }
         }
     }
@@ -414,6 +421,20 @@ impl Ctl {
             }
         }
 
+        // The layers the image carries for the chain: runs of it squashed when the image would
+        // be deeper than [limits] max_image_layers.
+        let fs_layers = self
+            .image_fs_layers(
+                container,
+                &root,
+                &m,
+                (base.layers.len(), &config.limits),
+                options.output.is_some(),
+                &mut local,
+            )
+            .await?;
+        in_content.retain(|d| !local.files.contains_key(d));
+
         let meta = CheckpointMeta {
             // What the source container's spec said of its turns travels with the image.
             annotations: spec_of(&record)
@@ -425,6 +446,7 @@ impl Ctl {
                 })
                 .map(|a| crab_shim::turns::travelling(&a))
                 .unwrap_or_default(),
+            fs_layers: fs_layers.clone(),
             ..CheckpointMeta::of_manifest(&source.namespace, &source.container, &m)
         };
         let criu_dir = m.process.as_ref().map(|p| root.join(&p.image));
@@ -433,7 +455,7 @@ impl Ctl {
             .diff_ids
             .iter()
             .cloned()
-            .chain(m.fs_layers.iter().map(|d| d.diff_id.clone()))
+            .chain(fs_layers.iter().map(|d| d.diff_id.clone()))
             .collect();
         let mut tmp = store.temp_file("export")?;
         let file = tmp.file().try_clone().map_err(|e| CtlError::Io {
@@ -461,7 +483,7 @@ impl Ctl {
 
         let built = image::build(
             &base,
-            &m.fs_layers,
+            &fs_layers,
             &layer,
             &Provenance {
                 source: &source_label,
@@ -536,6 +558,114 @@ impl Ctl {
             elapsed_ms: start.elapsed().as_secs_f64() * 1000.0,
             reused: false,
         })
+    }
+
+    /// The fs layers an image of checkpoint `m` carries over `base_layers` base layers: its
+    /// chain, or, when base, chain and checkpoint layer would be more than `[limits]
+    /// max_image_layers`, runs of the chain squashed into one layer each ([`squash::plan`]).
+    /// A squashed layer's blob goes into `local`; for an archive (`keep`) it is also kept in
+    /// the store's `exported/` directory, where the export of a container started from the
+    /// archive's image finds it (under Docker's overlay2 store no content store holds it).
+    async fn image_fs_layers(
+        &self,
+        container: &str,
+        root: &Path,
+        m: &Manifest,
+        (base_layers, limits): (usize, &crab_runtime_config::LimitsConfig),
+        keep: bool,
+        local: &mut LocalBlobs,
+    ) -> Result<Vec<Descriptor>> {
+        let max = usize::try_from(limits.max_image_layers).unwrap_or(usize::MAX);
+        let room = max.saturating_sub(base_layers + 1);
+        let runs = squash::plan(m.fs_layers.len(), room);
+        if runs.iter().all(|r| r.len() == 1) {
+            return Ok(m.fs_layers.clone());
+        }
+        if room == 0 {
+            log::warn!(
+                "{container}: the base alone has {base_layers} layers, [limits] max_image_layers \
+                 is {max}: the checkpoint's fs layers become one"
+            );
+        }
+        let start = Instant::now();
+        let mut out = Vec::with_capacity(runs.len());
+        for run in &runs {
+            if run.len() == 1 {
+                out.push(m.fs_layers[run.start].clone());
+                continue;
+            }
+            let mut files = Vec::with_capacity(run.len());
+            for d in &m.fs_layers[run.clone()] {
+                let path = match local.files.get(&d.digest) {
+                    Some(p) => p.clone(),
+                    None => {
+                        let mut download =
+                            crab_shim::checkpoint::store::temp_file_in(root, "download")?;
+                        self.client
+                            .read_blob_into(&d.digest, download.file())
+                            .await?;
+                        let p = download.path().to_path_buf();
+                        local.add_temp(&d.digest, download);
+                        p
+                    }
+                };
+                files.push((path, d.clone()));
+            }
+            let (root2, max_entries) = (root.to_path_buf(), limits.max_manifest_entries);
+            let what = format!(
+                "squashing fs layers {}..{} of checkpoint {}",
+                run.start + 1,
+                run.end,
+                m.seq
+            );
+            let (blob, written) = tokio::task::spawn_blocking(move || {
+                let fail = |e: &dyn std::fmt::Display| CtlError::Failed(format!("{what}: {e}"));
+                let mut tar = crab_shim::checkpoint::store::temp_file_in(&root2, "squash.tar")?;
+                let file = tar.file().try_clone().map_err(|e| fail(&e))?;
+                squash::squash(&root2, &files, file, tar.path(), max_entries)
+                    .map_err(|e| fail(&e))?;
+                tar.file().rewind().map_err(|e| fail(&e))?;
+                let mut blob =
+                    crab_shim::checkpoint::store::temp_file_in(&root2, "squash.tar.zst")?;
+                let mut w = std::io::BufWriter::new(blob.file().try_clone().map_err(|e| fail(&e))?);
+                let written = image::compress_layer(std::io::BufReader::new(tar.file()), &mut w)
+                    .and_then(|b| w.flush().map(|()| b))
+                    .map_err(|e| fail(&e))?;
+                Ok::<_, CtlError>((blob, written))
+            })
+            .await
+            .map_err(|e| CtlError::Failed(format!("squashing fs layers: {e}")))??;
+            let d = Descriptor {
+                digest: written.digest.clone(),
+                diff_id: written.diff_id.clone(),
+                size: written.size,
+                media_type: MEDIA_TYPE_LAYER_ZSTD.to_string(),
+            };
+            if keep {
+                let dir = root.join(EXPORTED_DIR);
+                let dest = dir.join(d.hex());
+                std::fs::create_dir_all(&dir).map_err(|e| CtlError::Io {
+                    what: format!("creating {}", dir.display()),
+                    source: e,
+                })?;
+                if !dest.is_file() {
+                    blob.persist(&dest)?;
+                }
+                local.files.insert(d.digest.clone(), dest);
+            } else {
+                local.add_temp(&d.digest, blob);
+            }
+            out.push(d);
+        }
+        log::info!(
+            "{container}: checkpoint {}'s {} fs layers squashed into {} ([limits] max_image_layers \
+             {max}, {base_layers} base layers) in {:.0} ms",
+            m.seq,
+            m.fs_layers.len(),
+            out.len(),
+            start.elapsed().as_secs_f64() * 1000.0
+        );
+        Ok(out)
     }
 
     /// Image `reference` as it is in containerd, if it was built from the checkpoint

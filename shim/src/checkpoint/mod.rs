@@ -30,6 +30,7 @@ pub mod pages;
 pub mod policy;
 pub mod process;
 pub mod provenance;
+pub mod squash;
 pub mod store;
 mod tar;
 

@@ -649,13 +649,7 @@ impl Store {
 
     /// A new temporary file in the store (same filesystem as the blobs), removed when dropped.
     pub fn temp_file(&self, what: &str) -> Result<TempFile, StoreError> {
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        TempFile::create(
-            self.root
-                .join("blobs")
-                .join(format!(".{what}-{}-{n}.tmp", std::process::id())),
-        )
+        temp_file_in(&self.root, what)
     }
 
     /// Puts the blob of `d`, found at `src` (another store's), into this store: a hard link
@@ -1228,6 +1222,16 @@ pub fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest, StoreError>
 }
 
 /// `sha256:<hex>` and length of everything `r` yields.
+/// [`Store::temp_file`] of the store at `root` (for work that holds no [`Store`]).
+pub fn temp_file_in(root: &Path, what: &str) -> Result<TempFile, StoreError> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    TempFile::create(
+        root.join("blobs")
+            .join(format!(".{what}-{}-{n}.tmp", std::process::id())),
+    )
+}
+
 pub(crate) fn sha256_reader(mut r: impl Read) -> io::Result<(String, u64)> {
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];

@@ -164,7 +164,7 @@ fn read_layer<T>(
 }
 
 /// [`read_layer`] of the blob at `path`.
-fn read_layer_at<T>(
+pub(crate) fn read_layer_at<T>(
     path: &Path,
     d: &Descriptor,
     f: impl FnOnce(&mut dyn Read) -> Result<T, tar::TarError>,

@@ -15,7 +15,7 @@ use std::{
 use super::tar::{self, DataAt, Header, Item, Kind, TarError};
 
 /// A file's data: in layer `layer` (index into the layers read) at `at`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DataRef {
     pub layer: usize,
     pub at: DataAt,
@@ -153,6 +153,20 @@ impl LayerState {
         for k in below {
             self.nodes.remove(&k);
         }
+    }
+
+    /// Every path the layers name and what they leave there, in path order (a directory
+    /// right before what is below it).
+    pub fn nodes(&self) -> impl Iterator<Item = (&Path, &Node)> {
+        self.nodes.iter().map(|(k, n)| (k.as_path(), n))
+    }
+
+    /// The directories whose older content (the image's, below the layers) is hidden: opaque
+    /// ones and those made over a deleted path or a non-directory; in path order.
+    pub fn hidden_dirs(&self) -> Vec<&Path> {
+        let mut out: Vec<&Path> = self.hiding.iter().map(PathBuf::as_path).collect();
+        out.sort();
+        out
     }
 
     /// What the layers say of `p`.

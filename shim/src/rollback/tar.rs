@@ -73,7 +73,7 @@ pub enum Item {
 }
 
 /// Where an entry's data is in the uncompressed tar: `len` bytes from `offset`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DataAt {
     pub offset: u64,
     pub len: u64,
