@@ -27,9 +27,10 @@ use super::{
 };
 use crab_shim::checkpoint::{
     layer::{write_tree_tar, LayerOptions},
-    provenance, squash,
+    provenance,
     store::{CheckpointKind, Descriptor, Manifest, Store, TempFile},
 };
+use crab_shim::rollback::squash;
 use crab_shim::restore::intake::{CheckpointMeta, Source};
 
 /// What an export produced.

@@ -8,11 +8,11 @@
 
 use std::io::Write;
 
-use crab_shim::checkpoint::{
+use crab_shim::checkpoint::store::{digest_string, Descriptor, MEDIA_TYPE_LAYER_TAR};
+use crab_shim::rollback::{
     squash,
-    store::{digest_string, Descriptor, MEDIA_TYPE_LAYER_TAR},
+    state::{LayerState, Lookup, Node},
 };
-use crab_shim::rollback::state::{LayerState, Lookup, Node};
 use libfuzzer_sys::fuzz_target;
 use sha2::{Digest, Sha256};
 

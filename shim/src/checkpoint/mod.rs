@@ -30,9 +30,8 @@ pub mod pages;
 pub mod policy;
 pub mod process;
 pub mod provenance;
-pub mod squash;
 pub mod store;
-mod tar;
+pub(crate) mod tar;
 
 /// What the root-only tests of layers captured from real overlays (`tests/root_capture.rs`)
 /// compare a layer with: the xattrs a layer records for a file.

@@ -15,10 +15,10 @@ use super::store::StoreError;
 
 const WHITEOUT_PREFIX: &[u8] = b".wh.";
 /// The entry that makes a directory opaque (hides every lower layer's content of it).
-pub(super) const OPAQUE_MARKER: &[u8] = b".wh..wh..opq";
+pub(crate) const OPAQUE_MARKER: &[u8] = b".wh..wh..opq";
 
 /// One tar entry; the fields a kind does not use stay zero/empty.
-pub(super) struct TarEntry<'a> {
+pub(crate) struct TarEntry<'a> {
     pub name: &'a [u8],
     pub kind: u8,
     pub mode: u32,
@@ -147,7 +147,7 @@ impl IdShift {
 
 /// Writes a tar into a temporary file of the store, counting its bytes and entries. Its errors
 /// are the store's (a full disk there is the store's disk).
-pub(super) struct TarWriter {
+pub(crate) struct TarWriter {
     out: BufWriter<File>,
     path: PathBuf,
     bytes: u64,
@@ -284,7 +284,7 @@ impl TarWriter {
 
 /// The blocks preceding an entry's data: a pax extended header where the ustar header cannot
 /// say everything (long names, big numbers, sub-second mtimes, xattrs), then the ustar header.
-pub(super) fn encode_header(e: &TarEntry) -> Vec<u8> {
+pub(crate) fn encode_header(e: &TarEntry) -> Vec<u8> {
     let mut pax = Vec::new();
     let mut block = [0u8; 512];
     // A sparse file's header carries a placeholder name (as GNU tar's): readers that know the
@@ -453,7 +453,7 @@ fn pax_time(secs: i64, nsec: i64) -> String {
 }
 
 /// Tar name of an upperdir-relative path (`./` for the root, a trailing `/` for directories).
-pub(super) fn tar_name(rel: &Path, dir: bool) -> Vec<u8> {
+pub(crate) fn tar_name(rel: &Path, dir: bool) -> Vec<u8> {
     let mut name = rel.as_os_str().as_bytes().to_vec();
     if name.is_empty() {
         return b"./".to_vec();
@@ -465,7 +465,7 @@ pub(super) fn tar_name(rel: &Path, dir: bool) -> Vec<u8> {
 }
 
 /// `<rel>/<child>` as a tar name.
-pub(super) fn child_name(rel: &Path, child: &[u8]) -> Vec<u8> {
+pub(crate) fn child_name(rel: &Path, child: &[u8]) -> Vec<u8> {
     let mut name = rel.as_os_str().as_bytes().to_vec();
     if !name.is_empty() {
         name.push(b'/');
@@ -484,7 +484,7 @@ fn whiteout_name(rel: &Path) -> Vec<u8> {
 
 /// The sparse map that starts a GNU sparse 1.0 entry's data: the number of extents, then each
 /// extent's offset and length, as decimal lines, padded with NULs to a whole block.
-pub(super) fn sparse_map(extents: &[(u64, u64)]) -> Vec<u8> {
+pub(crate) fn sparse_map(extents: &[(u64, u64)]) -> Vec<u8> {
     let mut map = format!("{}\n", extents.len()).into_bytes();
     for (off, len) in extents {
         map.extend_from_slice(format!("{off}\n{len}\n").as_bytes());

@@ -28,6 +28,7 @@
 //! The caller records the new lineage (a `restored` manifest with the checkpoint's references,
 //! so the next layer stacks on the checkpoint's chain).
 
+pub mod squash;
 pub mod state;
 pub mod tar;
 pub mod view;

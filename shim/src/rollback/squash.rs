@@ -19,13 +19,13 @@ use std::{
 };
 
 use super::{
-    store::{temp_file_in, Descriptor, TempFile},
-    tar::{child_name, sparse_map, tar_name, TarEntry, TarWriter, OPAQUE_MARKER},
-};
-use crate::rollback::{
     read_layer_at,
     state::{DataRef, LayerState, Lookup, Node},
     tar::{Header, Kind},
+};
+use crate::checkpoint::{
+    store::{temp_file_in, Descriptor, TempFile},
+    tar::{child_name, sparse_map, tar_name, TarEntry, TarWriter, OPAQUE_MARKER},
 };
 
 /// Which runs of a chain of `n` fs layers (oldest first) become one layer each so that they
