@@ -30,8 +30,8 @@ use crab_shim::checkpoint::{
     provenance,
     store::{CheckpointKind, Descriptor, Manifest, Store, TempFile},
 };
-use crab_shim::rollback::squash;
 use crab_shim::restore::intake::{CheckpointMeta, Source};
+use crab_shim::rollback::squash;
 
 /// What an export produced.
 #[derive(Debug, Clone)]
