@@ -841,3 +841,90 @@ fn containerd_store_long_episodes_export_within_the_layer_bound() {
     );
     long_episode(&d, false);
 }
+
+/// Whether the rootfs of Docker container `name` (containerd image store) is mounted in the
+/// compact form: lower directories relative to containerd's snapshots directory (what
+/// containerd does when absolute ones do not fit in a page, from about 60 layers).
+fn compact_rootfs_mount(d: &Dockerd, name: &str) -> bool {
+    let id = d.ok(&["inspect", "-f", "{{.Id}}", name]);
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let line = mountinfo
+        .lines()
+        .find(|l| l.split(' ').nth(4).is_some_and(|p| p.ends_with(id.trim())))
+        .unwrap_or_else(|| panic!("no mount of {name}'s rootfs"));
+    line.split(',')
+        .find_map(|o| o.strip_prefix("lowerdir="))
+        .is_some_and(|l| !l.starts_with('/'))
+}
+
+/// A checkpoint image deep enough that containerd mounts it in the compact form (relative
+/// lower directories) restores under Docker's containerd image store, and the restored
+/// sandbox's checkpoints export and restore again. The shim once resolved those directories
+/// against Docker's data root: the restore was refused ("the rootfs mounted is not overlayfs
+/// snapshot ...") and a record of the rootfs named layers that do not exist.
+#[test]
+fn containerd_store_deep_images_restore_and_export_again() {
+    const TURNS: usize = 70;
+    let _one = ONE_DOCKERD.lock().unwrap_or_else(|e| e.into_inner());
+    let d = Dockerd::start("containerd-store-deep", true);
+    d.load_agent();
+    d.run("deep");
+    for i in 1..=TURNS {
+        episode_turn(&d, "deep", &format!("t{i}"), &format!("echo {i} > /n{i}"));
+    }
+    // Exported whole (no squashing): a config of its own with a higher bound.
+    let config = d.dir.join("deep.toml");
+    let base = std::fs::read_to_string(d.dir.join("crab.toml")).unwrap();
+    std::fs::write(
+        &config,
+        format!("{base}[limits]\nmax_image_layers = 1000\n"),
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    d.crabctl_ok(&[
+        "export",
+        "deep",
+        "localhost/crab/deep:g1",
+        "--config",
+        &config,
+    ]);
+    assert!(image_layers(&d, "localhost/crab/deep:g1") > TURNS);
+    d.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "deep-g1",
+        "--runtime",
+        "crab",
+        "localhost/crab/deep:g1",
+    ]);
+    assert!(
+        compact_rootfs_mount(&d, "deep-g1"),
+        "the test needs containerd's compact mount form: more layers"
+    );
+    assert_eq!(d.exec("deep-g1", "cat /n1 /n70"), "1\n70\n");
+    episode_turn(&d, "deep-g1", "g1", "echo g1 > /g1 && rm /n1");
+    d.crabctl_ok(&[
+        "export",
+        "deep-g1",
+        "localhost/crab/deep:g2",
+        "--config",
+        &config,
+    ]);
+    d.ok(&[
+        "run",
+        "-d",
+        "--name",
+        "deep-g2",
+        "--runtime",
+        "crab",
+        "localhost/crab/deep:g2",
+    ]);
+    assert_eq!(
+        d.exec(
+            "deep-g2",
+            "cat /n2 /n70 /g1; test -e /n1 && echo n1-there; true"
+        ),
+        "2\n70\ng1\n"
+    );
+}

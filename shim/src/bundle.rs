@@ -114,7 +114,20 @@ pub fn caller_overlay(table: &[crate::sys::mountinfo::Mount], root: &Path) -> Op
         );
         return None;
     }
-    let home = root.parent().and_then(Path::parent);
+    // Relative paths are relative to the directory the mounter worked from: with an absolute
+    // upper directory (containerd's overlay snapshotter, also under Docker's containerd image
+    // store, whose mount point is elsewhere) the one holding every snapshot, two above it
+    // (`<snapshots>/<n>/fs`); else (Docker's overlay2, everything relative) the driver's home,
+    // two above the mount point.
+    let upper_option = top
+        .super_options()
+        .into_iter()
+        .find_map(|o| o.strip_prefix("upperdir=").map(PathBuf::from));
+    let home = match upper_option.as_deref() {
+        Some(u) if u.is_absolute() => u.parent().and_then(Path::parent).map(Path::to_path_buf),
+        _ => root.parent().and_then(Path::parent).map(Path::to_path_buf),
+    };
+    let home = home.as_deref();
     let absolute = |v: &str| -> Option<String> {
         let p = Path::new(v);
         match (p.is_absolute(), home) {
@@ -572,6 +585,34 @@ mod tests {
             l.home.join("l/B").display()
         )));
         assert!(m.options.contains(&"rw".to_string()));
+    }
+
+    #[test]
+    fn relative_lower_paths_under_an_absolute_upper_resolve_against_the_snapshots() {
+        // containerd's overlay snapshotter (Docker's containerd image store mounts its snapshot
+        // at <data-root>/rootfs/overlayfs/<id>) names deep images' layers relative to the
+        // directory of its snapshots, the upper directory absolute.
+        let dir = tempfile::tempdir().unwrap();
+        let base = std::fs::canonicalize(dir.path()).unwrap();
+        let snaps = base.join("io.containerd.snapshotter.v1.overlayfs/snapshots");
+        for d in ["3/fs", "1/fs", "9/fs", "9/work"] {
+            std::fs::create_dir_all(snaps.join(d)).unwrap();
+        }
+        let root = base.join("docker/rootfs/overlayfs/c1");
+        std::fs::create_dir_all(&root).unwrap();
+        let table = parse(&overlay_line(
+            41,
+            &root,
+            &format!(
+                "lowerdir=3/fs:1/fs,upperdir={}/9/fs,workdir={}/9/work",
+                snaps.display(),
+                snaps.display()
+            ),
+        ));
+        let m = caller_overlay(&table, &root).expect("resolved");
+        let (upper, lowers) = crate::inspector::fs::overlay_dirs(&m.options).unwrap();
+        assert_eq!(upper, snaps.join("9/fs"));
+        assert_eq!(lowers, vec![snaps.join("3/fs"), snaps.join("1/fs")]);
     }
 
     #[test]
