@@ -463,6 +463,75 @@ fn overlay2_docker_containers_export_as_archives_and_restore_through_docker_run(
     );
     d.ok(&["rm", "-f", "dx-restored-twice"]);
 
+    // Publishing a restored sandbox's files: `--files-only` is a plain image without the
+    // checkpoint layer (`docker commit` would carry the processes' memory under a whiteout), and
+    // it starts its command afresh.
+    let files = d.dir.join("files.tar");
+    let out = d.crabctl_ok(&[
+        "export",
+        "dx-restored",
+        "localhost/crab/dx-files:t3",
+        "--files-only",
+        "-o",
+        &files.display().to_string(),
+    ]);
+    assert!(out.contains("no checkpoint layer"), "{out}");
+    d.ok(&["load", "-i", &files.display().to_string()]);
+    assert_eq!(
+        layers("localhost/crab/dx-files:t3"),
+        layers("localhost/crab/dx-cp:t3") - 1,
+        "the checkpoint image less its checkpoint layer"
+    );
+    // No layer holds the reserved directory, or a whiteout of it.
+    let holds_checkpoint = |image: &str| -> bool {
+        let data = d.ok(&[
+            "image",
+            "inspect",
+            "-f",
+            "{{json .GraphDriver.Data}}",
+            image,
+        ]);
+        let data: serde_json::Value = serde_json::from_str(&data).unwrap();
+        let mut dirs: Vec<String> = data["LowerDir"]
+            .as_str()
+            .unwrap_or_default()
+            .split(':')
+            .map(str::to_string)
+            .collect();
+        dirs.extend(data["UpperDir"].as_str().map(str::to_string));
+        dirs.iter()
+            .filter(|d| !d.is_empty())
+            .any(|d| std::fs::symlink_metadata(Path::new(d).join(".crab-checkpoint")).is_ok())
+    };
+    assert!(
+        holds_checkpoint("localhost/crab/dx-cp:t3"),
+        "the check can see one"
+    );
+    assert!(!holds_checkpoint("localhost/crab/dx-files:t3"));
+    for runtime in ["runc", "crab"] {
+        let name = format!("dx-files-{runtime}");
+        d.ok(&[
+            "run",
+            "-d",
+            "--name",
+            &name,
+            "--runtime",
+            runtime,
+            "localhost/crab/dx-files:t3",
+        ]);
+        assert_eq!(
+            d.exec(
+                &name,
+                "cat /root/hello.txt /root/second.txt; stat -c '%a' /tmp; \
+                 test -e /.crab-checkpoint && echo reserved; \
+                 ps -eo args | grep -q '[w]hile true' && echo counter; true"
+            ),
+            "hello\nsecond\n1777\n",
+            "{runtime}: the files, a fresh start"
+        );
+        d.ok(&["rm", "-f", &name]);
+    }
+
     // A files-only checkpoint (t1) by short id: the files, no counter.
     let archive1 = d.dir.join("cp1.tar");
     d.crabctl_ok(&[

@@ -234,6 +234,12 @@ pub enum Command {
         /// load -i FILE`, `ctr images import FILE`) instead of into containerd
         #[arg(long, short = 'o', value_name = "FILE")]
         output: Option<PathBuf>,
+        /// only the checkpoint's files: a plain image (base and fs layers, the container's
+        /// command) without the checkpoint layer, so nothing of the processes' memory; it starts
+        /// the command afresh. For publishing a sandbox's files (`docker commit` of a restored
+        /// sandbox carries the memory under a whiteout)
+        #[arg(long)]
+        files_only: bool,
         /// show the layers and bytes written on stderr even when it is no terminal
         #[arg(long)]
         progress: bool,
@@ -401,6 +407,7 @@ pub enum Request {
         reference: String,
         base_image: Option<String>,
         output: Option<PathBuf>,
+        files_only: bool,
         progress: bool,
     },
     Fork {
@@ -549,6 +556,7 @@ where
             turn,
             base_image,
             output,
+            files_only,
             progress,
         } => {
             let (target, [reference]) = split_target("export", "CONTAINER REF", args, pod)?;
@@ -558,6 +566,7 @@ where
                 reference,
                 base_image,
                 output,
+                files_only,
                 progress,
             }
         }
@@ -783,6 +792,7 @@ mod tests {
                     reference: s("localhost/x:1"),
                     base_image: None,
                     output: None,
+                    files_only: false,
                     progress: false,
                 },
             ),
@@ -794,6 +804,7 @@ mod tests {
                     reference: s("localhost/x:1"),
                     base_image: None,
                     output: None,
+                    files_only: false,
                     progress: false,
                 },
             ),
@@ -805,6 +816,7 @@ mod tests {
                     reference: s("localhost/x:1"),
                     base_image: None,
                     output: None,
+                    files_only: false,
                     progress: false,
                 },
             ),
@@ -854,6 +866,7 @@ mod tests {
                     reference: s("c1/x:1"),
                     base_image: Some(s("busybox:1")),
                     output: Some("/tmp/x.tar".into()),
+                    files_only: false,
                     progress: false,
                 },
             ),
@@ -865,6 +878,7 @@ mod tests {
                     reference: s("localhost/x"),
                     base_image: None,
                     output: Some("x.tar".into()),
+                    files_only: false,
                     progress: false,
                 },
             ),
@@ -962,6 +976,7 @@ mod tests {
                     reference: s("localhost/x:1"),
                     base_image: None,
                     output: None,
+                    files_only: false,
                     progress: false,
                 },
             ),
@@ -1081,7 +1096,20 @@ mod tests {
                     reference: s("x:1"),
                     base_image: None,
                     output: Some("x.tar".into()),
+                    files_only: false,
                     progress: true,
+                },
+            ),
+            (
+                "export c1 x:1 --files-only",
+                Request::Export {
+                    target: id("c1"),
+                    turn: None,
+                    reference: s("x:1"),
+                    base_image: None,
+                    output: None,
+                    files_only: true,
+                    progress: false,
                 },
             ),
         ];

@@ -40,6 +40,7 @@ pub async fn run(g: &Global, request: Request) -> Result<()> {
             reference,
             base_image,
             output,
+            files_only,
             progress,
             ..
         } => {
@@ -47,6 +48,7 @@ pub async fn run(g: &Global, request: Request) -> Result<()> {
                 turn,
                 base_image,
                 output,
+                files_only,
             };
             let progress = Progress::for_stderr(progress, false);
             export(g, container, &reference, &options, progress).await

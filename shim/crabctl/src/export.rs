@@ -50,6 +50,8 @@ pub struct Exported {
     /// The image was already in containerd, built from the same checkpoint with the same key
     /// (an earlier rollback or fork to it): used as it is, not built again.
     pub reused: bool,
+    /// A plain image of the files, without a checkpoint layer ([`ExportOptions::files_only`]).
+    pub files_only: bool,
 }
 
 impl Exported {
@@ -57,8 +59,19 @@ impl Exported {
     pub fn summary(&self) -> String {
         let s = &self.source;
         let layers = self.image.layers.len();
+        let top = match self.files_only {
+            true => ", no checkpoint layer: a plain image of the files".to_string(),
+            false => format!(
+                ", 1 checkpoint{}",
+                if self.with_process {
+                    " with the process image"
+                } else {
+                    ", files only"
+                }
+            ),
+        };
         format!(
-            "{}/{} checkpoint {} (turn {:?}, {}) as {}{}: {} layers ({} base, {} fs, 1 checkpoint{}), manifest {}, {:.0} ms{}",
+            "{}/{} checkpoint {} (turn {:?}, {}) as {}{}: {} layers ({} base, {} fs{}), manifest {}, {:.0} ms{}",
             s.namespace,
             s.container,
             s.seq,
@@ -71,8 +84,8 @@ impl Exported {
             },
             layers,
             self.image.base_layers,
-            layers - self.image.base_layers - 1,
-            if self.with_process { " with the process image" } else { ", files only" },
+            layers - self.image.base_layers - usize::from(!self.files_only),
+            top,
             self.image.manifest_digest(),
             self.elapsed_ms,
             if self.reused { " (already exported)" } else { "" }
@@ -191,6 +204,9 @@ pub struct ExportOptions {
     pub base_image: Option<String>,
     /// Write an image archive here (`docker load`-able) instead of the image into containerd.
     pub output: Option<PathBuf>,
+    /// Only the checkpoint's files: no checkpoint layer (nothing of the processes), the image a
+    /// plain one that starts the container's command.
+    pub files_only: bool,
 }
 
 /// What an exported image of checkpoint `m` is built from, as one digest: the store's record
@@ -344,6 +360,7 @@ impl Ctl {
             checkpoint_identity(&m, &provenance::public_key_string(&signer.verifying_key()));
         if options.output.is_none()
             && options.base_image.is_none()
+            && !options.files_only
             && reference.starts_with(INTERNAL_PREFIX)
         {
             if let Some(image) = self
@@ -364,6 +381,7 @@ impl Ctl {
                     container: record,
                     elapsed_ms: start.elapsed().as_secs_f64() * 1000.0,
                     reused: true,
+                    files_only: false,
                 });
             }
         }
@@ -450,48 +468,59 @@ impl Ctl {
             fs_layers: fs_layers.clone(),
             ..CheckpointMeta::of_manifest(&source.namespace, &source.container, &m)
         };
-        let criu_dir = m.process.as_ref().map(|p| root.join(&p.image));
-        // The signature binds the layers the image has below the checkpoint layer.
-        let below: Vec<String> = base
-            .diff_ids
-            .iter()
-            .cloned()
-            .chain(fs_layers.iter().map(|d| d.diff_id.clone()))
-            .collect();
-        let mut tmp = store.temp_file("export")?;
-        let file = tmp.file().try_clone().map_err(|e| CtlError::Io {
-            what: format!("opening {}", tmp.path().display()),
-            source: e,
-        })?;
-        let chunks = store.chunks_dir();
-        let tmp_path = tmp.path().to_path_buf();
-        let layer = tokio::task::spawn_blocking(move || {
-            let criu = criu_dir.as_deref().map(|dir| CriuSource {
-                dir,
-                chunks: &chunks,
-            });
-            let mut out = std::io::BufWriter::new(file);
-            let blob = image::write_checkpoint_layer(&meta, &below, criu, &signer, &mut out)?;
-            out.flush().map_err(|e| CtlError::Io {
-                what: format!("writing {}", tmp_path.display()),
+        let built = if options.files_only {
+            image::build_files(
+                &base,
+                &fs_layers,
+                &Provenance {
+                    source: &source_label,
+                    turn_id: &m.turn_id,
+                    created: &m.created_at,
+                },
+            )
+        } else {
+            let criu_dir = m.process.as_ref().map(|p| root.join(&p.image));
+            // The signature binds the layers the image has below the checkpoint layer.
+            let below: Vec<String> = base
+                .diff_ids
+                .iter()
+                .cloned()
+                .chain(fs_layers.iter().map(|d| d.diff_id.clone()))
+                .collect();
+            let mut tmp = store.temp_file("export")?;
+            let file = tmp.file().try_clone().map_err(|e| CtlError::Io {
+                what: format!("opening {}", tmp.path().display()),
                 source: e,
             })?;
-            Ok::<_, CtlError>(blob)
-        })
-        .await
-        .map_err(|e| CtlError::Failed(format!("building the checkpoint layer: {e}")))??;
-        local.add_temp(&layer.digest, tmp);
-
-        let built = image::build(
-            &base,
-            &fs_layers,
-            &layer,
-            &Provenance {
-                source: &source_label,
-                turn_id: &m.turn_id,
-                created: &m.created_at,
-            },
-        );
+            let chunks = store.chunks_dir();
+            let tmp_path = tmp.path().to_path_buf();
+            let layer = tokio::task::spawn_blocking(move || {
+                let criu = criu_dir.as_deref().map(|dir| CriuSource {
+                    dir,
+                    chunks: &chunks,
+                });
+                let mut out = std::io::BufWriter::new(file);
+                let blob = image::write_checkpoint_layer(&meta, &below, criu, &signer, &mut out)?;
+                out.flush().map_err(|e| CtlError::Io {
+                    what: format!("writing {}", tmp_path.display()),
+                    source: e,
+                })?;
+                Ok::<_, CtlError>(blob)
+            })
+            .await
+            .map_err(|e| CtlError::Failed(format!("building the checkpoint layer: {e}")))??;
+            local.add_temp(&layer.digest, tmp);
+            image::build(
+                &base,
+                &fs_layers,
+                &layer,
+                &Provenance {
+                    source: &source_label,
+                    turn_id: &m.turn_id,
+                    created: &m.created_at,
+                },
+            )
+        };
         match &options.output {
             None => self
                 .upload(
@@ -500,10 +529,15 @@ impl Ctl {
                     &built,
                     &local,
                     &in_content,
-                    HashMap::from([
-                        (LABEL_SOURCE.to_string(), source_label.clone()),
-                        (LABEL_IDENTITY.to_string(), identity.clone()),
-                    ]),
+                    // A plain image of the files is no checkpoint image to reuse.
+                    match options.files_only {
+                        true => HashMap::new(),
+                        false => HashMap::from([
+                            (LABEL_SOURCE.to_string(), source_label.clone()),
+                            (LABEL_IDENTITY.to_string(), identity.clone()),
+                            (LABEL_BASE_LAYERS.to_string(), built.base_layers.to_string()),
+                        ]),
+                    },
                 )
                 .await
                 .inspect_err(|_| self.progress.interrupted())?,
@@ -558,6 +592,7 @@ impl Ctl {
             container: record,
             elapsed_ms: start.elapsed().as_secs_f64() * 1000.0,
             reused: false,
+            files_only: options.files_only,
         })
     }
 
@@ -765,7 +800,8 @@ impl Ctl {
     }
 
     /// Writes `image` into containerd as `reference`: its layers from `local` files or (those
-    /// in `in_content`) already in the content store, its config and manifest; the image record gets `labels` and the base-layers label.
+    /// in `in_content`) already in the content store, its config and manifest; the image
+    /// record gets `labels`.
     async fn upload(
         &self,
         lease: &Lease,
@@ -773,7 +809,7 @@ impl Ctl {
         image: &CheckpointImage,
         local: &LocalBlobs,
         in_content: &[String],
-        mut labels: HashMap<String, String>,
+        labels: HashMap<String, String>,
     ) -> Result<()> {
         for digest in in_content {
             self.client.lease_content(lease, digest).await?;
@@ -816,7 +852,6 @@ impl Ctl {
                 image.manifest_gc_labels(),
             )
             .await?;
-        labels.insert(LABEL_BASE_LAYERS.to_string(), image.base_layers.to_string());
         self.client
             .put_image(reference, &manifest_desc, labels)
             .await

@@ -318,6 +318,55 @@ pub fn build(
     }
 }
 
+/// A plain image of a checkpoint's files: base layers + the fs layers, the base config with
+/// extended `rootfs.diff_ids` and history, without the checkpoint layer or crab's labels (so
+/// nothing takes it for a checkpoint image: a container started from it starts its command,
+/// and as a base it is whole).
+pub fn build_files(
+    base: &Base,
+    fs_layers: &[Descriptor],
+    from: &Provenance<'_>,
+) -> CheckpointImage {
+    let mut layers = base.layers.clone();
+    layers.extend(fs_layers.iter().map(OciDescriptor::from));
+    let mut diff_ids = base.diff_ids.clone();
+    diff_ids.extend(fs_layers.iter().map(|d| d.diff_id.clone()));
+    let mut config = base.config.clone();
+    if !config.is_object() {
+        config = json!({});
+    }
+    config["created"] = json!(from.created);
+    config["rootfs"] = json!({"type": "layers", "diff_ids": diff_ids});
+    let mut history = config["history"].as_array().cloned().unwrap_or_default();
+    let n = fs_layers.len();
+    for i in 0..n {
+        history.push(json!({
+            "created": from.created,
+            "created_by": format!(
+                "crab: fs layer {} of {n} of checkpoint {} (turn {:?}), files only",
+                i + 1,
+                from.source,
+                from.turn_id
+            ),
+        }));
+    }
+    config["history"] = Value::Array(history);
+    let config = serde_json::to_vec(&config).expect("a JSON value serializes");
+    let manifest = json!({
+        "schemaVersion": 2,
+        "mediaType": MEDIA_TYPE_MANIFEST,
+        "config": OciDescriptor::new(MEDIA_TYPE_CONFIG, &sha256_of(&config), config.len() as u64),
+        "layers": layers,
+    });
+    CheckpointImage {
+        manifest: serde_json::to_vec(&manifest).expect("a JSON value serializes"),
+        config,
+        layers,
+        diff_ids,
+        base_layers: base.layers.len(),
+    }
+}
+
 /// Sets the image config's process to the container's (its runtime spec `spec`), so that an
 /// image run without a command (`docker run IMG`, `ctr run IMG ID`) starts what the container
 /// ran, even when the base image had no `Cmd`: `Cmd` is the spec's `process.args` (after the
@@ -806,6 +855,37 @@ mod tests {
             ),
             img
         );
+    }
+
+    #[test]
+    fn a_files_only_image_is_a_plain_image_whole_as_a_base() {
+        let (manifest, config) = agent_image();
+        let base = base_of(&manifest, &config).unwrap();
+        let img = build_files(&base, &[layer('1'), layer('2')], &provenance());
+        let m: Value = serde_json::from_slice(&img.manifest).unwrap();
+        let c: Value = serde_json::from_slice(&img.config).unwrap();
+        let layers = m["layers"].as_array().unwrap();
+        // The base and the fs layers, no checkpoint layer.
+        assert_eq!(layers.len(), 3);
+        assert_eq!(layers[2]["digest"], hexd('2'));
+        assert_eq!(c["rootfs"]["diff_ids"].as_array().unwrap().len(), 3);
+        for key in ["Env", "Entrypoint", "Cmd", "WorkingDir", "User"] {
+            assert_eq!(c["config"][key], config["config"][key], "{key}");
+        }
+        // No crab label: nothing takes it for a checkpoint image, and as a base it is whole.
+        assert!(
+            c["config"]["Labels"].get(LABEL_BASE_LAYERS).is_none(),
+            "{c}"
+        );
+        assert!(c["config"]["Labels"].get(LABEL_SOURCE).is_none(), "{c}");
+        let again = base_of(&m, &c).unwrap();
+        assert_eq!(again.layers.len(), 3);
+        let history = c["history"].as_array().unwrap();
+        assert_eq!(history.len(), 2 + 2);
+        assert!(history[3]["created_by"]
+            .as_str()
+            .unwrap()
+            .contains("files only"));
     }
 
     #[test]
