@@ -262,60 +262,7 @@ pub fn build(
     checkpoint_layer: &LayerBlob,
     from: &Provenance<'_>,
 ) -> CheckpointImage {
-    let mut layers = base.layers.clone();
-    layers.extend(fs_layers.iter().map(OciDescriptor::from));
-    layers.push(OciDescriptor::new(
-        MEDIA_TYPE_LAYER_ZSTD,
-        &checkpoint_layer.digest,
-        checkpoint_layer.size,
-    ));
-    let mut diff_ids = base.diff_ids.clone();
-    diff_ids.extend(fs_layers.iter().map(|d| d.diff_id.clone()));
-    diff_ids.push(checkpoint_layer.diff_id.clone());
-
-    let mut config = base.config.clone();
-    if !config.is_object() {
-        config = json!({});
-    }
-    config["created"] = json!(from.created);
-    config["rootfs"] = json!({"type": "layers", "diff_ids": diff_ids});
-    let mut history = config["history"].as_array().cloned().unwrap_or_default();
-    let n = fs_layers.len();
-    for i in 0..n {
-        history.push(json!({
-            "created": from.created,
-            "created_by": format!("crab: fs layer {} of {n} of checkpoint {}", i + 1, from.source),
-        }));
-    }
-    history.push(json!({
-        "created": from.created,
-        "created_by": format!("crab: checkpoint {} (turn {:?})", from.source, from.turn_id),
-        "comment": format!("{RESERVED_DIR}/ holds the checkpoint; crab hides it on start"),
-    }));
-    config["history"] = Value::Array(history);
-    if !config["config"].is_object() {
-        config["config"] = json!({});
-    }
-    if !config["config"]["Labels"].is_object() {
-        config["config"]["Labels"] = json!({});
-    }
-    let labels = &mut config["config"]["Labels"];
-    labels[LABEL_BASE_LAYERS] = json!(base.layers.len().to_string());
-    labels[LABEL_SOURCE] = json!(from.source);
-    let config = serde_json::to_vec(&config).expect("a JSON value serializes");
-    let manifest = json!({
-        "schemaVersion": 2,
-        "mediaType": MEDIA_TYPE_MANIFEST,
-        "config": OciDescriptor::new(MEDIA_TYPE_CONFIG, &sha256_of(&config), config.len() as u64),
-        "layers": layers,
-    });
-    CheckpointImage {
-        manifest: serde_json::to_vec(&manifest).expect("a JSON value serializes"),
-        config,
-        layers,
-        diff_ids,
-        base_layers: base.layers.len(),
-    }
+    assemble(base, fs_layers, Some(checkpoint_layer), from)
 }
 
 /// A plain image of a checkpoint's files: base layers + the fs layers, the base config with
@@ -327,10 +274,25 @@ pub fn build_files(
     fs_layers: &[Descriptor],
     from: &Provenance<'_>,
 ) -> CheckpointImage {
+    assemble(base, fs_layers, None, from)
+}
+
+/// [`build`] with the checkpoint layer, [`build_files`] without.
+fn assemble(
+    base: &Base,
+    fs_layers: &[Descriptor],
+    checkpoint_layer: Option<&LayerBlob>,
+    from: &Provenance<'_>,
+) -> CheckpointImage {
     let mut layers = base.layers.clone();
     layers.extend(fs_layers.iter().map(OciDescriptor::from));
     let mut diff_ids = base.diff_ids.clone();
     diff_ids.extend(fs_layers.iter().map(|d| d.diff_id.clone()));
+    if let Some(c) = checkpoint_layer {
+        layers.push(OciDescriptor::new(MEDIA_TYPE_LAYER_ZSTD, &c.digest, c.size));
+        diff_ids.push(c.diff_id.clone());
+    }
+
     let mut config = base.config.clone();
     if !config.is_object() {
         config = json!({});
@@ -340,17 +302,38 @@ pub fn build_files(
     let mut history = config["history"].as_array().cloned().unwrap_or_default();
     let n = fs_layers.len();
     for i in 0..n {
+        let what = format!(
+            "crab: fs layer {} of {n} of checkpoint {}",
+            i + 1,
+            from.source
+        );
         history.push(json!({
             "created": from.created,
-            "created_by": format!(
-                "crab: fs layer {} of {n} of checkpoint {} (turn {:?}), files only",
-                i + 1,
-                from.source,
-                from.turn_id
-            ),
+            "created_by": match checkpoint_layer {
+                Some(_) => what,
+                None => format!("{what} (turn {:?}), files only", from.turn_id),
+            },
+        }));
+    }
+    if checkpoint_layer.is_some() {
+        history.push(json!({
+            "created": from.created,
+            "created_by": format!("crab: checkpoint {} (turn {:?})", from.source, from.turn_id),
+            "comment": format!("{RESERVED_DIR}/ holds the checkpoint; crab hides it on start"),
         }));
     }
     config["history"] = Value::Array(history);
+    if checkpoint_layer.is_some() {
+        if !config["config"].is_object() {
+            config["config"] = json!({});
+        }
+        if !config["config"]["Labels"].is_object() {
+            config["config"]["Labels"] = json!({});
+        }
+        let labels = &mut config["config"]["Labels"];
+        labels[LABEL_BASE_LAYERS] = json!(base.layers.len().to_string());
+        labels[LABEL_SOURCE] = json!(from.source);
+    }
     let config = serde_json::to_vec(&config).expect("a JSON value serializes");
     let manifest = json!({
         "schemaVersion": 2,
