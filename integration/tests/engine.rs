@@ -43,7 +43,14 @@ async fn jobs_of_two_sandboxes_run_one_at_a_time() {
             "{m:#}"
         );
     }
-    let (_, snap) = e.crabctl(&a, true);
+    // A job's stats are recorded when its slot is released, after its manifest is published
+    // (without an I/O budget nothing waits for them): seen soon after, not at once (on a busy
+    // host the second one was not there yet).
+    let snap = crab_integration::host::eventually(Duration::from_secs(10), || {
+        let (_, snap) = e.crabctl(&a, true);
+        (snap["stats"]["jobs"] == 2).then_some(snap)
+    })
+    .unwrap_or_else(|| e.crabctl(&a, true).1);
     let stats = &snap["stats"];
     assert_eq!(stats["jobs"], 2, "{snap:#}");
     let (ra, rb) = (Engine::record(stats, &a.id), Engine::record(stats, &b.id));
@@ -141,7 +148,12 @@ async fn an_urgent_job_overtakes_a_queued_one() {
     let mb = b.wait_manifests(1).await;
     assert_eq!(mb[0]["kind"], "fs");
     assert_eq!(c.manifests()[0]["kind"], "fs");
-    let (_, snap) = e.crabctl(&a, true);
+    // Stats come with the slot's release, after the manifest (see above).
+    let snap = crab_integration::host::eventually(Duration::from_secs(10), || {
+        let (_, snap) = e.crabctl(&a, true);
+        (snap["stats"]["jobs"] == 3).then_some(snap)
+    })
+    .unwrap_or_else(|| e.crabctl(&a, true).1);
     let stats = &snap["stats"];
     assert_eq!(
         (stats["jobs"].as_u64(), stats["urgent_jobs"].as_u64()),

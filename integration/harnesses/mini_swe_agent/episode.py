@@ -149,7 +149,11 @@ EOF
 nohup python3 /app/counter.py >/dev/null 2>&1 &
 sleep 1"""
 
-GIT = "git -c user.email=agent@example.com -c user.name=agent"
+# No automatic maintenance: git 2.47 (Debian trixie) detaches `git maintenance run --auto`
+# after a commit, a process that may still be alive when a busy host ends the turn (crab then
+# rightly answers `full`, and the next turn, in which it exits, too): the oracle counts only the
+# agent's own processes.
+GIT = "git -c user.email=agent@example.com -c user.name=agent -c maintenance.auto=false"
 SQL = "python3 -c \"import sqlite3; c = sqlite3.connect('/app/db.sqlite'); {}; c.commit()\""
 COUNT_ROWS = SQL.format("print('rows', c.execute('select count(*) from t').fetchone()[0])")
 VERIFY = (
