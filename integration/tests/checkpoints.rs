@@ -11,7 +11,7 @@ use crab_integration::{
     env::TestEnv,
     host,
     sandbox::{json_files, Sandbox, SandboxOptions, AGENT_IMAGE},
-    Harness, ProcessSpec, StdioOptions, TaskStatus,
+    CleanupGuard, Harness, ProcessSpec, StdioOptions, TaskStatus,
 };
 use serde_json::Value;
 
@@ -176,17 +176,22 @@ async fn process_turns_store_a_process_image() {
     s.finish().await;
 }
 
-/// Zero-integration mode: each exec that finishes while no other runs ends a turn.
-#[tokio::test(flavor = "multi_thread")]
-async fn exec_boundaries_end_turns_without_a_harness() {
-    let (mut s, _g) = Sandbox::start(
-        "ckpt_exec",
+/// A sandbox whose execs end its turns (`io.crab/turn-boundary: exec`).
+async fn exec_boundary_sandbox(name: &str) -> (Sandbox, CleanupGuard) {
+    Sandbox::start(
+        name,
         SandboxOptions {
             annotations: &[("io.crab/turn-boundary", "exec")],
             ..Default::default()
         },
     )
-    .await;
+    .await
+}
+
+/// Zero-integration mode: each exec that finishes while no other runs ends a turn.
+#[tokio::test(flavor = "multi_thread")]
+async fn exec_boundaries_end_turns_without_a_harness() {
+    let (mut s, _g) = exec_boundary_sandbox("ckpt_exec").await;
     s.run("echo one > /app/one").await;
     s.run("cat /app/one").await;
     s.run("echo two > /app/two").await;
@@ -208,14 +213,7 @@ async fn exec_boundaries_end_turns_without_a_harness() {
 /// turn only reads, yet answers `fs` (class `outside`) and checkpoints the file.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_write_from_the_host_is_the_next_turn_s_change() {
-    let (mut s, _g) = Sandbox::start(
-        "ckpt_host_write",
-        SandboxOptions {
-            annotations: &[("io.crab/turn-boundary", "exec")],
-            ..Default::default()
-        },
-    )
-    .await;
+    let (mut s, _g) = exec_boundary_sandbox("ckpt_host_write").await;
     s.run("echo one > /app/one").await;
     s.wait_manifests(1).await;
     let (_, init) = s.h.status(&s.id, "").await.unwrap();
@@ -249,14 +247,7 @@ async fn a_write_from_the_host_is_the_next_turn_s_change() {
 /// and no checkpoint.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_exec_killed_with_its_container_is_an_interrupted_turn() {
-    let (mut s, _g) = Sandbox::start(
-        "ckpt_exec_killed",
-        SandboxOptions {
-            annotations: &[("io.crab/turn-boundary", "exec")],
-            ..Default::default()
-        },
-    )
-    .await;
+    let (mut s, _g) = exec_boundary_sandbox("ckpt_exec_killed").await;
     s.run("echo one > /app/one").await;
     s.wait_manifests(1).await;
     let mut exits = s.h.task_exits().await.unwrap();

@@ -53,20 +53,10 @@ for line in sys.stdin:
     print(json.dumps(out), flush=True)
 "#;
 
-/// xorshift64*: reproducible mutations from a seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
+/// Reproducible mutations from a seed.
+#[path = "support/rng.rs"]
+mod rng;
+use rng::Rng;
 
 fn varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {

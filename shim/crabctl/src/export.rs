@@ -647,7 +647,11 @@ impl Ctl {
                 };
                 files.push((path, d.clone()));
             }
-            let (root2, max_entries) = (root.to_path_buf(), limits.max_manifest_entries);
+            // Bounded like a layer the shim writes: entries, and the apparent bytes of a layer.
+            let (root2, bounds) = (
+                root.to_path_buf(),
+                (limits.max_manifest_entries, limits.max_layer_apparent_bytes),
+            );
             let what = format!(
                 "squashing fs layers {}..{} of checkpoint {}",
                 run.start + 1,
@@ -658,8 +662,7 @@ impl Ctl {
                 let fail = |e: &dyn std::fmt::Display| CtlError::Failed(format!("{what}: {e}"));
                 let mut tar = crab_shim::checkpoint::store::temp_file_in(&root2, "squash.tar")?;
                 let file = tar.file().try_clone().map_err(|e| fail(&e))?;
-                squash::squash(&root2, &files, file, tar.path(), max_entries)
-                    .map_err(|e| fail(&e))?;
+                squash::squash(&root2, &files, file, tar.path(), bounds).map_err(|e| fail(&e))?;
                 tar.file().rewind().map_err(|e| fail(&e))?;
                 let mut blob =
                     crab_shim::checkpoint::store::temp_file_in(&root2, "squash.tar.zst")?;

@@ -76,7 +76,7 @@ fuzz_target!(|data: &[u8]| {
         &files,
         std::fs::File::create(&out).unwrap(),
         &out,
-        10_000,
+        (10_000, 1 << 20),
     );
     if result.is_err() {
         return;

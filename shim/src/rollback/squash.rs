@@ -51,15 +51,20 @@ pub struct Squashed {
     pub bytes: u64,
 }
 
-/// Copies what is read into a file as well (the uncompressed layer, for its data later).
+/// Copies what is read into a file as well (the uncompressed layer, for its data later),
+/// counting it against what is `left` of the bound.
 struct Tee<'a, R> {
     inner: R,
     copy: &'a mut BufWriter<File>,
+    left: &'a mut u64,
 }
 
 impl<R: Read> Read for Tee<'_, R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
+        *self.left = self.left.checked_sub(n as u64).ok_or_else(|| {
+            io::Error::other("the layers uncompress to more than the bound of their bytes")
+        })?;
         self.copy.write_all(&buf[..n])?;
         Ok(n)
     }
@@ -99,16 +104,18 @@ fn entry<'a>(h: &'a Header, kind: Kind, name: &'a [u8], link: &'a [u8]) -> TarEn
 /// Writes `layers` (oldest first: each a blob file and its descriptor) squashed into one
 /// uncompressed tar, `out` (at `out_path`, for errors): the layer that, applied over any lower
 /// layers, gives what applying them in order gives. Entries come in path order (a directory
-/// right before its content), hard links last. Reads at most `max_entries` entries in all;
-/// the uncompressed layers are kept in temporary files of the store at `store` while it runs.
+/// right before its content), hard links last. Reads at most `max_entries` entries and
+/// `max_bytes` uncompressed bytes in all; the uncompressed layers are kept in temporary files
+/// of the store at `store` while it runs.
 pub fn squash(
     store: &Path,
     layers: &[(PathBuf, Descriptor)],
     out: File,
     out_path: &Path,
-    max_entries: u64,
+    (max_entries, max_bytes): (u64, u64),
 ) -> Result<Squashed, String> {
     let mut state = LayerState::default();
+    let mut left = max_bytes;
     let mut plain: Vec<TempFile> = Vec::with_capacity(layers.len());
     for (path, d) in layers {
         let mut tmp = temp_file_in(store, "squash").map_err(|e| e.to_string())?;
@@ -122,6 +129,7 @@ pub fn squash(
                 Tee {
                     inner: r,
                     copy: &mut copy,
+                    left: &mut left,
                 },
                 max_entries,
             )

@@ -248,7 +248,7 @@ fn check_squash(
         chain,
         File::create(&out_path).unwrap(),
         &out_path,
-        100_000,
+        (100_000, 1 << 30),
     )
     .unwrap();
     let (digest, size) = sha256_reader(File::open(&out_path).unwrap()).unwrap();
@@ -415,28 +415,35 @@ fn one_layer_squashes_to_its_own_meaning_and_damage_is_an_error() {
         &[bad],
         File::create(&out).unwrap(),
         &out,
-        1000,
+        (1000, 1 << 30),
     )
     .unwrap_err();
     assert!(e.contains("damaged") || e.contains("digest"), "{e}");
-    // More entries than allowed.
-    let e = squash(store.root(), &[one], File::create(&out).unwrap(), &out, 2).unwrap_err();
+    // More entries than allowed, more bytes than allowed.
+    let e = squash(
+        store.root(),
+        std::slice::from_ref(&one),
+        File::create(&out).unwrap(),
+        &out,
+        (2, 1 << 30),
+    )
+    .unwrap_err();
     assert!(e.contains("more than 2 entries"), "{e}");
+    let e = squash(
+        store.root(),
+        &[one],
+        File::create(&out).unwrap(),
+        &out,
+        (1000, 4096),
+    )
+    .unwrap_err();
+    assert!(e.contains("more than the bound"), "{e}");
 }
 
-/// xorshift64*: a deterministic generator for the random chains.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
+/// The random chains' generator (xorshift64*, shared with the root tests).
+#[path = "../../../tests/support/rng.rs"]
+mod rng;
+use rng::Rng;
 
 const NAMES: [&str; 12] = [
     "a", "a/b", "a/b/c", "a/b/d", "a/e", "f", "g", "g/h", "g/h/i", "g/j", "k", "k/l",
