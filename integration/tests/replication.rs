@@ -208,6 +208,30 @@ async fn a_sandbox_comes_back_on_another_node_after_its_node_is_lost() {
         caught_up["bytes_skipped"].as_u64().unwrap() > 0,
         "blobs already there are not sent again: {caught_up:#}"
     );
+    // A turn that changes a few of the server's pages (it holds 96 MiB) sends the segments
+    // holding them, not its whole pages file again.
+    let pages = a
+        .lineage()
+        .last()
+        .and_then(|m| m["process"]["bytes_logical"].as_u64())
+        .unwrap_or(0);
+    let before = caught_up["bytes_sent"].as_u64().unwrap();
+    turn(&mut a, "python3 /app/cli.py 'y = 1'").await;
+    let after = replicated(&a, Duration::from_secs(30)).await;
+    let sent = after["bytes_sent"].as_u64().unwrap() - before;
+    let kind = a.lineage().last().unwrap()["kind"].clone();
+    eprintln!(
+        "a turn changing a few pages ({kind}): {sent} bytes sent of a process image of \
+         {pages} bytes"
+    );
+    assert!(
+        pages > 96 << 20,
+        "the server's image holds its 96 MiB: {pages}"
+    );
+    assert!(
+        sent < 16 << 20,
+        "{sent} bytes sent for a few changed pages of a {pages}-byte image: {after:#}"
+    );
     // What operators see.
     let (code, out, err) = a.crabctl(&["replication", &lineage, "-o", "json"]);
     assert_eq!(code, 0, "{out}{err}");

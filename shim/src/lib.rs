@@ -43,3 +43,8 @@ pub mod shimlog;
 pub mod stdio;
 pub mod sys;
 pub mod turns;
+
+/// The unit tests' reproducible generator (xorshift64*), shared with the root tests.
+#[cfg(test)]
+#[path = "../tests/support/rng.rs"]
+pub(crate) mod test_rng;

@@ -5,14 +5,16 @@
 //! config     application/vnd.crab.checkpoint.config.v1+json: ReplicaConfig (the lineage, the
 //!            image the checkpoint was taken on, checkpoint.json as written, its signature)
 //! layers     the checkpoint's fs layers, as the store keeps them (tar+zstd), oldest first;
-//!            then each file of its CRIU image (pages rebuilt from their chunks), one blob
-//!            each, named by the annotation io.crab.criu.file
+//!            then each file of its CRIU image (pages rebuilt from their chunks), cut into
+//!            segments of whole pages ([`segments`]), one blob each, named by the
+//!            annotations io.crab.criu.file and io.crab.criu.offset
 //! ```
 //!
 //! The signature ([`provenance`]) covers checkpoint.json (which names every fs layer's digest
 //! and diff_id), every CRIU file's digest and size, and the layers the processes run on:
 //! the image's chain id, then the fs layers' diff_ids. Blobs are content-addressed: a layer or
-//! a CRIU file (an idle process's pages) already in the registry is not sent again.
+//! a CRIU file segment already in the registry is not sent again, so an idle process costs
+//! nothing and a process that changed a few pages costs the segments holding them.
 //!
 //! What comes back from a registry is hostile until verified: [`verify`] checks the config
 //! against the trusted keys and the node's own image before anything is written, and every
@@ -67,8 +69,9 @@ pub struct Blob {
     pub digest: String,
     pub size: u64,
     pub media_type: String,
-    /// The CRIU file it is (none for an fs layer).
+    /// The CRIU file it is a segment of (none for an fs layer), and the segment's offset.
     pub file: Option<String>,
+    pub offset: u64,
     pub data: BlobData,
 }
 
@@ -77,6 +80,8 @@ pub enum BlobData {
     /// A file on disk (a store's layer blob).
     Path(PathBuf),
     Bytes(Vec<u8>),
+    /// A part of a file held in memory (a CRIU file's segment).
+    Slice(std::sync::Arc<Vec<u8>>, std::ops::Range<usize>),
 }
 
 impl BlobData {
@@ -84,6 +89,7 @@ impl BlobData {
         match self {
             BlobData::Path(p) => fs::read(p),
             BlobData::Bytes(b) => Ok(b.clone()),
+            BlobData::Slice(b, r) => Ok(b[r.clone()].to_vec()),
         }
     }
 }
@@ -156,6 +162,7 @@ pub fn build(
             size: d.size,
             media_type: MEDIA_TYPE_LAYER_ZSTD.to_string(),
             file: None,
+            offset: 0,
             data: BlobData::Path(path),
         });
     }
@@ -195,13 +202,18 @@ pub fn build(
                     size: data.len() as u64,
                 },
             );
-            layers.push(Blob {
-                digest,
-                size: data.len() as u64,
-                media_type: MEDIA_TYPE_CRIU_FILE.to_string(),
-                file: Some(name),
-                data: BlobData::Bytes(data),
-            });
+            let data = std::sync::Arc::new(data);
+            for r in segments(&data) {
+                let part = &data[r.clone()];
+                layers.push(Blob {
+                    digest: sha256(part),
+                    size: part.len() as u64,
+                    media_type: MEDIA_TYPE_CRIU_FILE.to_string(),
+                    file: Some(name.clone()),
+                    offset: r.start as u64,
+                    data: BlobData::Slice(data.clone(), r),
+                });
+            }
         }
     }
     let meta = CheckpointMeta::of_manifest(namespace, container, m);
@@ -231,6 +243,182 @@ pub fn build(
         layers,
         bytes,
     })
+}
+
+/// The annotation giving a CRIU file segment's offset in its file.
+pub const ANNOTATION_OFFSET: &str = "io.crab.criu.offset";
+/// Segments are cut at page boundaries.
+pub const SEGMENT_PAGE: usize = 4096;
+/// A segment holds at least this many pages (but the last of a file) and at most
+/// [`SEGMENT_MAX_PAGES`]; it ends after a page whose content hash is 0 modulo
+/// [`SEGMENT_AVG_PAGES`].
+pub const SEGMENT_MIN_PAGES: usize = 32;
+pub const SEGMENT_MAX_PAGES: usize = 512;
+pub const SEGMENT_AVG_PAGES: u64 = 128;
+
+/// Where a CRIU file is cut into the blobs it is pushed as: content-defined at page
+/// granularity, so that a changed page costs its segment and a mapping added or removed
+/// shifts no boundary after the next one (fixed offsets would resend everything behind it).
+/// Segments are 128 KiB to 2 MiB (512 KiB on average); a file under 128 KiB is one segment.
+/// Deterministic: the same bytes are always cut the same way (and so keep their digests).
+pub fn segments(data: &[u8]) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut pages = 0;
+    let mut at = 0;
+    while at < data.len() {
+        let end = (at + SEGMENT_PAGE).min(data.len());
+        pages += 1;
+        let cut = pages >= SEGMENT_MAX_PAGES
+            || (pages >= SEGMENT_MIN_PAGES
+                && page_hash(&data[at..end]).is_multiple_of(SEGMENT_AVG_PAGES));
+        at = end;
+        if cut {
+            out.push(start..at);
+            start = at;
+            pages = 0;
+        }
+    }
+    if start < data.len() || out.is_empty() {
+        out.push(start..data.len());
+    }
+    out
+}
+
+/// A fast 64-bit hash of a page (FNV-1a over its 8-byte words, mixed at the end): a boundary
+/// choice, not a digest (the blobs are named by their sha256).
+fn page_hash(page: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut words = page.chunks_exact(8);
+    for w in &mut words {
+        h = (h ^ u64::from_le_bytes(w.try_into().unwrap_or([0; 8]))).wrapping_mul(0x100_0000_01b3);
+    }
+    for &b in words.remainder() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+    }
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^ (h >> 33)
+}
+
+/// One blob of a replicated checkpoint's CRIU files, as a manifest lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentRef {
+    pub media_type: String,
+    pub digest: String,
+    pub size: i64,
+    /// Its annotations: the file it belongs to, and its offset in it.
+    pub file: Option<String>,
+    pub offset: Option<String>,
+}
+
+/// One CRIU file to rebuild from its segments: the segments' indexes in the list given to
+/// [`plan_files`], in file order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FilePlan {
+    pub name: String,
+    pub want: FileDigest,
+    pub segments: Vec<usize>,
+}
+
+/// Checks the CRIU blobs a registry's manifest lists against the signed files, before any is
+/// pulled: every blob is a CRIU file segment of a signed file, each file's segments come one
+/// after another from offset 0 without gap or overlap and add up to its signed size, none
+/// but a file's last is under [`SEGMENT_MIN_PAGES`] pages or any over [`SEGMENT_MAX_PAGES`]
+/// (so a hostile manifest cannot make a file of a million one-byte blobs), and every signed
+/// file is there. A manifest of an older crab (one blob per file, no offset) reads as one
+/// segment at offset 0, and is held to the same sizes only if it has more than one.
+pub fn plan_files(
+    blobs: &[SegmentRef],
+    criu: &BTreeMap<String, FileDigest>,
+) -> Result<Vec<FilePlan>, String> {
+    let mut plans: Vec<FilePlan> = Vec::new();
+    let mut at = 0u64;
+    for (i, b) in blobs.iter().enumerate() {
+        let name = b
+            .file
+            .as_deref()
+            .ok_or_else(|| format!("blob {} names no CRIU file", b.digest))?;
+        check_file_name(name)?;
+        if b.media_type != MEDIA_TYPE_CRIU_FILE {
+            return Err(format!("{name}: a blob of media type {:?}", b.media_type));
+        }
+        let offset = match &b.offset {
+            None => 0,
+            Some(o) => o
+                .parse::<u64>()
+                .map_err(|_| format!("{name}: offset {o:?} is not a number"))?,
+        };
+        let size = u64::try_from(b.size).map_err(|_| format!("{name}: a negative size"))?;
+        let new_file = plans.last().is_none_or(|p| p.name != name);
+        if new_file {
+            if let Some(p) = plans.last() {
+                if at != p.want.size {
+                    return Err(format!(
+                        "{}: {at} bytes where its signature says {}",
+                        p.name, p.want.size
+                    ));
+                }
+            }
+            if plans.iter().any(|p| p.name == name) {
+                return Err(format!("{name}: its segments are not one after another"));
+            }
+            let want = criu
+                .get(name)
+                .ok_or_else(|| format!("{name} is not among the signed CRIU files"))?;
+            plans.push(FilePlan {
+                name: name.to_string(),
+                want: want.clone(),
+                segments: Vec::new(),
+            });
+            at = 0;
+        }
+        let plan = plans.last_mut().expect("pushed above");
+        if offset != at {
+            return Err(format!(
+                "{name}: a segment at offset {offset} where {at} comes next"
+            ));
+        }
+        if size > (SEGMENT_MAX_PAGES * SEGMENT_PAGE) as u64
+            && !(offset == 0 && size == plan.want.size && b.offset.is_none())
+        {
+            return Err(format!(
+                "{name}: a segment of {size} bytes (at most {})",
+                SEGMENT_MAX_PAGES * SEGMENT_PAGE
+            ));
+        }
+        if size == 0 && (plan.want.size != 0 || !plan.segments.is_empty()) {
+            return Err(format!("{name}: an empty segment"));
+        }
+        if at + size > plan.want.size {
+            return Err(format!(
+                "{name}: its segments pass its signed size {}",
+                plan.want.size
+            ));
+        }
+        // Every segment but the last is at least the minimum.
+        if at + size < plan.want.size && size < (SEGMENT_MIN_PAGES * SEGMENT_PAGE) as u64 {
+            return Err(format!("{name}: a segment of {size} bytes before its end"));
+        }
+        plan.segments.push(i);
+        at += size;
+    }
+    if let Some(p) = plans.last() {
+        if at != p.want.size {
+            return Err(format!(
+                "{}: {at} bytes where its signature says {}",
+                p.name, p.want.size
+            ));
+        }
+    }
+    if plans.len() != criu.len() {
+        let missing: Vec<&String> = criu
+            .keys()
+            .filter(|k| !plans.iter().any(|p| &p.name == *k))
+            .collect();
+        return Err(format!("signed CRIU files missing: {missing:?}"));
+    }
+    Ok(plans)
 }
 
 /// A replicated checkpoint whose config verified: what its blobs must be.
@@ -471,6 +659,299 @@ mod tests {
         let blind = LineageRecord::new("ns/p/c", None);
         let e = build(&root, "k8s.io", "c1", &blind, &m, &key, 1 << 20).unwrap_err();
         assert!(e.contains("image"), "{e}");
+    }
+
+    use crate::test_rng as rng;
+
+    fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
+        let mut r = rng::Rng(seed);
+        let mut v = Vec::with_capacity(n + 8);
+        while v.len() < n {
+            v.extend_from_slice(&r.next().to_le_bytes());
+        }
+        v.truncate(n);
+        v
+    }
+
+    fn digests(data: &[u8]) -> Vec<String> {
+        segments(data)
+            .into_iter()
+            .map(|r| sha256(&data[r]))
+            .collect()
+    }
+
+    #[test]
+    fn segments_cover_a_file_in_whole_pages_within_their_bounds() {
+        let page = SEGMENT_PAGE;
+        for (seed, n) in [
+            (1, 0),
+            (2, 1),
+            (3, page),
+            (4, 3 * page + 7),
+            (5, 40 << 20),
+            (6, 5 << 20),
+        ] {
+            let data = random_bytes(seed, n);
+            let segs = segments(&data);
+            assert_eq!(segs.first().map(|r| r.start), Some(0), "n={n}");
+            assert_eq!(segs.last().map(|r| r.end), Some(n), "n={n}");
+            for w in segs.windows(2) {
+                assert_eq!(w[0].end, w[1].start, "n={n}");
+            }
+            for (i, r) in segs.iter().enumerate() {
+                assert!(r.len() <= SEGMENT_MAX_PAGES * page, "n={n}: {r:?}");
+                if i + 1 < segs.len() {
+                    assert_eq!(r.len() % page, 0, "n={n}: {r:?}");
+                    assert!(r.len() >= SEGMENT_MIN_PAGES * page, "n={n}: {r:?}");
+                }
+            }
+            assert_eq!(segments(&data), segs, "deterministic");
+        }
+        // 40 MiB of random pages: about 512 KiB a segment on average.
+        let n = segments(&random_bytes(5, 40 << 20)).len();
+        assert!((40..=160).contains(&n), "{n} segments for 40 MiB");
+        // Pages all alike (zeroes) are cut at the minimum or the maximum, never per page.
+        let zeros = segments(&vec![0u8; 8 << 20]);
+        assert!(
+            zeros.len() <= (8 << 20) / (SEGMENT_MIN_PAGES * page),
+            "{}",
+            zeros.len()
+        );
+    }
+
+    #[test]
+    fn a_changed_page_costs_its_segment_and_an_inserted_mapping_shifts_nothing_behind_it() {
+        let data = random_bytes(9, 32 << 20);
+        let before = digests(&data);
+        let old: std::collections::HashSet<&String> = before.iter().collect();
+        let new_of = |d: &[String]| d.iter().filter(|x| !old.contains(x)).count();
+        // One page changed: one segment differs (two when it moves a boundary).
+        let mut changed = data.clone();
+        changed[(13 << 20) + 100] ^= 1;
+        let after = digests(&changed);
+        assert!(new_of(&after) <= 2, "{} new segments", new_of(&after));
+        // 64 pages inserted in the middle (a mapping added): the segments after the next
+        // boundary are the same as before.
+        let mut shifted = data[..16 << 20].to_vec();
+        shifted.extend(random_bytes(10, 64 * SEGMENT_PAGE));
+        shifted.extend_from_slice(&data[16 << 20..]);
+        let after = digests(&shifted);
+        assert!(
+            new_of(&after) <= 3,
+            "{} new segments of {}",
+            new_of(&after),
+            after.len()
+        );
+        // Fixed 1 MiB pieces would have resent half the file.
+        let fixed = |d: &[u8]| -> Vec<String> { d.chunks(1 << 20).map(sha256).collect() };
+        let old_fixed: std::collections::HashSet<String> = fixed(&data).into_iter().collect();
+        let resent = fixed(&shifted)
+            .iter()
+            .filter(|x| !old_fixed.contains(*x))
+            .count();
+        assert!(resent >= 16, "{resent}");
+    }
+
+    /// A store whose checkpoint has a process image of `pages` bytes (and a small core file).
+    fn process_store(pages: usize) -> (tempfile::TempDir, LineageRecord, Manifest, Artifact) {
+        use crate::checkpoint::store::{proc_image_name, ProcessImage, Store};
+        let t = tempfile::tempdir().unwrap();
+        let store = Store::open(&t.path().join("s")).unwrap();
+        let dir = store.proc_dir(1);
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("pages-1.img"), random_bytes(11, pages)).unwrap();
+        fs::write(dir.join("core-1.img"), b"core").unwrap();
+        let mut m = Manifest::child_of(None, 1, "t1", CheckpointKind::Proc);
+        m.process = Some(ProcessImage {
+            image: proc_image_name(1),
+            bytes_stored: pages as u64 + 4,
+            bytes_logical: pages as u64 + 4,
+            pids: vec![1],
+        });
+        store.publish(&m).unwrap();
+        let record = LineageRecord::new("ns/p/c", Some(format!("sha256:{}", "a".repeat(64))));
+        let key = SigningKey::from_bytes(&[7; 32]);
+        let a = build(store.root(), "k8s.io", "c1", &record, &m, &key, 64 << 20).unwrap();
+        (t, record, m, a)
+    }
+
+    fn refs(a: &Artifact) -> Vec<SegmentRef> {
+        a.layers
+            .iter()
+            .filter(|b| b.file.is_some())
+            .map(|b| SegmentRef {
+                media_type: b.media_type.clone(),
+                digest: b.digest.clone(),
+                size: b.size as i64,
+                file: b.file.clone(),
+                offset: Some(b.offset.to_string()),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_process_image_is_pushed_in_segments_that_rebuild_its_signed_files() {
+        let (_t, record, _m, a) = process_store(6 << 20);
+        let mut trusted = TrustedKeys::new();
+        trusted.add(SigningKey::from_bytes(&[7; 32]).verifying_key(), "test");
+        let v = verify(&a.config, "ns/p/c", record.image.as_deref(), &trusted).unwrap();
+        let refs = refs(&a);
+        assert!(refs.len() >= 4, "{} blobs", refs.len());
+        let plans = plan_files(&refs, &v.criu).unwrap();
+        assert_eq!(plans.len(), 2);
+        let crius: Vec<&Blob> = a.layers.iter().filter(|b| b.file.is_some()).collect();
+        for plan in plans {
+            let mut whole = Sha256::new();
+            for i in plan.segments {
+                let data = crius[i].data.read().unwrap();
+                assert_eq!(sha256(&data), crius[i].digest);
+                whole.update(&data);
+            }
+            assert_eq!(digest_string(whole), plan.want.sha256, "{}", plan.name);
+        }
+    }
+
+    #[test]
+    fn hostile_segment_lists_are_refused_before_anything_is_pulled() {
+        let (_t, record, _m, a) = process_store(3 << 20);
+        let mut trusted = TrustedKeys::new();
+        trusted.add(SigningKey::from_bytes(&[7; 32]).verifying_key(), "test");
+        let v = verify(&a.config, "ns/p/c", record.image.as_deref(), &trusted).unwrap();
+        let good = refs(&a);
+        plan_files(&good, &v.criu).unwrap();
+        let pages: Vec<usize> = (0..good.len())
+            .filter(|&i| good[i].file.as_deref() == Some("pages-1.img"))
+            .collect();
+        assert!(pages.len() >= 2, "{good:?}");
+        type Edit = Box<dyn Fn(&mut Vec<SegmentRef>)>;
+        let (p0, p1) = (pages[0], pages[1]);
+        let cases: Vec<(&str, Edit)> = vec![
+            (
+                "a segment dropped",
+                Box::new(move |r| {
+                    r.remove(p1);
+                }),
+            ),
+            ("two segments swapped", Box::new(move |r| r.swap(p0, p1))),
+            (
+                "a segment twice",
+                Box::new(move |r| {
+                    let d = r[p0].clone();
+                    r.insert(p0, d);
+                }),
+            ),
+            (
+                "an offset moved",
+                Box::new(move |r| r[p1].offset = Some("1".into())),
+            ),
+            (
+                "an offset not a number",
+                Box::new(move |r| r[p0].offset = Some("-0".into())),
+            ),
+            ("a negative size", Box::new(move |r| r[p0].size = -1)),
+            ("a size too large", Box::new(move |r| r[p0].size += 4096)),
+            ("no file named", Box::new(move |r| r[p0].file = None)),
+            (
+                "an unsigned file",
+                Box::new(move |r| r[p0].file = Some("pages-2.img".into())),
+            ),
+            (
+                "a file climbing out",
+                Box::new(move |r| r[p0].file = Some("../x".into())),
+            ),
+            (
+                "another media type",
+                Box::new(move |r| r[p0].media_type = MEDIA_TYPE_LAYER_ZSTD.into()),
+            ),
+            (
+                "a file missing",
+                Box::new(|r| r.retain(|x| x.file.as_deref() != Some("core-1.img"))),
+            ),
+            (
+                "files interleaved",
+                Box::new(move |r| {
+                    let d = r.remove(p1);
+                    r.push(d.clone());
+                }),
+            ),
+            ("nothing", Box::new(|r| r.clear())),
+            (
+                "a file as a thousand page-sized blobs",
+                Box::new(move |r| {
+                    let first = r[p0].clone();
+                    let total: i64 = r
+                        .iter()
+                        .filter(|x| x.file == first.file)
+                        .map(|x| x.size)
+                        .sum();
+                    let pages: Vec<SegmentRef> = (0..total / 4096)
+                        .map(|k| SegmentRef {
+                            size: 4096,
+                            offset: Some((k * 4096).to_string()),
+                            ..first.clone()
+                        })
+                        .collect();
+                    r.retain(|x| x.file != first.file);
+                    r.extend(pages);
+                }),
+            ),
+            (
+                "a file twice",
+                Box::new(move |r| {
+                    let again: Vec<SegmentRef> = r
+                        .iter()
+                        .filter(|x| x.file.as_deref() == Some("core-1.img"))
+                        .cloned()
+                        .collect();
+                    r.extend(again);
+                }),
+            ),
+            (
+                "one segment over the maximum",
+                Box::new(move |r| {
+                    let total: i64 = r
+                        .iter()
+                        .filter(|x| x.file.as_deref() == Some("pages-1.img"))
+                        .map(|x| x.size)
+                        .sum();
+                    let first = SegmentRef {
+                        size: total,
+                        ..r[p0].clone()
+                    };
+                    r.retain(|x| x.file.as_deref() != Some("pages-1.img"));
+                    r.push(first);
+                }),
+            ),
+        ];
+        for (what, edit) in cases {
+            let mut r = good.clone();
+            edit(&mut r);
+            assert!(plan_files(&r, &v.criu).is_err(), "{what} was accepted");
+        }
+        // An older crab's manifest: one blob per file, no offsets.
+        let mut whole = v
+            .criu
+            .iter()
+            .map(|(name, f)| SegmentRef {
+                media_type: MEDIA_TYPE_CRIU_FILE.into(),
+                digest: f.sha256.clone(),
+                size: f.size as i64,
+                file: Some(name.clone()),
+                offset: None,
+            })
+            .collect::<Vec<_>>();
+        plan_files(&whole, &v.criu).unwrap();
+        whole[0].offset = Some("0".into());
+        whole.rotate_left(0);
+        let big = whole
+            .iter()
+            .position(|x| x.file.as_deref() == Some("pages-1.img"))
+            .unwrap();
+        whole[big].offset = Some("0".into());
+        assert!(
+            plan_files(&whole, &v.criu).is_err(),
+            "a whole file over the maximum with an offset"
+        );
     }
 
     #[test]

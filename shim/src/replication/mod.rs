@@ -40,7 +40,7 @@ use crate::checkpoint::{
     store::{digest_string, rfc3339, Manifest, ProcessImage, Store},
 };
 
-use self::artifact::{Artifact, MEDIA_TYPE_CONFIG, MEDIA_TYPE_CRIU_FILE};
+use self::artifact::{Artifact, MEDIA_TYPE_CONFIG};
 
 /// What a replicator records of its pushes (`<store>/replication.json`).
 pub const STATUS_FILE: &str = "replication.json";
@@ -135,6 +135,7 @@ impl Registry {
             size: a.config.len() as u64,
             media_type: MEDIA_TYPE_CONFIG.to_string(),
             file: None,
+            offset: 0,
             data: artifact::BlobData::Bytes(a.config.clone()),
         };
         for blob in std::iter::once(&config).chain(&a.layers) {
@@ -170,7 +171,13 @@ impl Registry {
                     digest: l.digest.clone(),
                     size: l.size as i64,
                     annotations: l.file.as_ref().map(|f| {
-                        BTreeMap::from([(artifact::ANNOTATION_FILE.to_string(), f.clone())])
+                        BTreeMap::from([
+                            (artifact::ANNOTATION_FILE.to_string(), f.clone()),
+                            (
+                                artifact::ANNOTATION_OFFSET.to_string(),
+                                l.offset.to_string(),
+                            ),
+                        ])
                     }),
                     ..OciDescriptor::default()
                 })
@@ -561,14 +568,15 @@ pub async fn pull_newest(
     let v = artifact::verify(&config, lineage_name, image, trusted)
         .map_err(|e| format!("{}:{tag}: {e}", registry.name))?;
     let n = v.meta.fs_layers.len();
-    if manifest.layers.len() != n + v.criu.len() {
+    if manifest.layers.len() < n {
         return Err(format!(
-            "{}:{tag}: {} blobs where its signature names {}",
+            "{}:{tag}: {} blobs where its signature names {n} layers",
             registry.name,
             manifest.layers.len(),
-            n + v.criu.len()
         ));
     }
+    let plans = artifact::plan_files(&segment_refs(&manifest.layers[n..]), &v.criu)
+        .map_err(|e| format!("{}:{tag}: {e}", registry.name))?;
     let total: u64 = v.meta.fs_layers.iter().map(|d| d.size).sum::<u64>()
         + v.criu.values().map(|f| f.size).sum::<u64>();
     if total > max_bytes {
@@ -586,11 +594,28 @@ pub async fn pull_newest(
             .as_nanos()
     );
     let root = namespace_dir.join(&unique);
-    let pulled = pull_into(registry, &r, &manifest, &v, &root).await;
+    let pulled = pull_into(registry, &r, &manifest, &v, &plans, &root).await;
     if pulled.is_err() {
         let _ = std::fs::remove_dir_all(&root);
     }
     pulled.map(|()| Some(root))
+}
+
+/// The CRIU blobs of a manifest, as [`artifact::plan_files`] checks them.
+fn segment_refs(layers: &[OciDescriptor]) -> Vec<artifact::SegmentRef> {
+    layers
+        .iter()
+        .map(|d| {
+            let a = |k: &str| d.annotations.as_ref().and_then(|a| a.get(k)).cloned();
+            artifact::SegmentRef {
+                media_type: d.media_type.clone(),
+                digest: d.digest.clone(),
+                size: d.size,
+                file: a(artifact::ANNOTATION_FILE),
+                offset: a(artifact::ANNOTATION_OFFSET),
+            }
+        })
+        .collect()
 }
 
 async fn pull_bytes(
@@ -621,6 +646,7 @@ async fn pull_into(
     r: &Reference,
     manifest: &OciImageManifest,
     v: &artifact::Verified,
+    plans: &[artifact::FilePlan],
     root: &Path,
 ) -> Result<(), String> {
     let store = Store::open(root).map_err(|e| e.to_string())?;
@@ -649,27 +675,29 @@ async fn pull_into(
             let dir = store.proc_dir(1);
             std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
             let mut bytes = 0u64;
-            for d in &manifest.layers[n..] {
-                let name = d
-                    .annotations
-                    .as_ref()
-                    .and_then(|a| a.get(artifact::ANNOTATION_FILE))
-                    .ok_or_else(|| format!("blob {} names no CRIU file", d.digest))?;
-                artifact::check_file_name(name)?;
-                let want = v
-                    .criu
-                    .get(name)
-                    .ok_or_else(|| format!("{name} is not among the signed CRIU files"))?;
-                if d.media_type != MEDIA_TYPE_CRIU_FILE || d.digest != want.sha256 {
-                    return Err(format!("{name}: not the file its signature names"));
+            let segments = &manifest.layers[n..];
+            for plan in plans {
+                let path = dir.join(&plan.name);
+                let mut file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(&path)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                let mut whole = Sha256::new();
+                for &i in &plan.segments {
+                    let d = &segments[i];
+                    let data = pull_bytes(registry, r, d, plan.want.size).await?;
+                    whole.update(&data);
+                    std::io::Write::write_all(&mut file, &data)
+                        .map_err(|e| format!("{}: {e}", path.display()))?;
+                    bytes += data.len() as u64;
                 }
-                let data = pull_bytes(registry, r, d, want.size).await?;
-                let path = dir.join(name);
-                if path.exists() {
-                    return Err(format!("{name} twice"));
+                if digest_string(whole) != plan.want.sha256 {
+                    return Err(format!(
+                        "{}: its segments are not the file its signature names",
+                        plan.name
+                    ));
                 }
-                std::fs::write(&path, &data).map_err(|e| format!("{}: {e}", path.display()))?;
-                bytes += data.len() as u64;
             }
             Some(ProcessImage {
                 image: crate::checkpoint::store::proc_image_name(1),

@@ -441,9 +441,7 @@ fn one_layer_squashes_to_its_own_meaning_and_damage_is_an_error() {
 }
 
 /// The random chains' generator (xorshift64*, shared with the root tests).
-#[path = "../../../tests/support/rng.rs"]
-mod rng;
-use rng::Rng;
+use crate::test_rng::Rng;
 
 const NAMES: [&str; 12] = [
     "a", "a/b", "a/b/c", "a/b/d", "a/e", "f", "g", "g/h", "g/h/i", "g/j", "k", "k/l",
