@@ -140,6 +140,18 @@ async fn a_sandbox_comes_back_on_another_node_after_its_node_is_lost() {
         first["lags_ms"], first["bytes_sent"], first["bytes_skipped"]
     );
     assert!(first["bytes_sent"].as_u64().unwrap() > 0, "{first:#}");
+    // The recovery point's age: from the turn end (before the checkpoint was durable) to the
+    // push.
+    let (turn_lag, lag) = (
+        first["turn_lag_ms"]
+            .as_f64()
+            .expect("the turn end is known"),
+        first["lag_ms"].as_f64().unwrap(),
+    );
+    assert!(
+        turn_lag + 5.0 >= lag && turn_lag < 30_000.0,
+        "turn end to pushed {turn_lag} ms, durable to pushed {lag} ms"
+    );
 
     // The registry is killed in the middle of a push (96 MiB of fresh memory to send: its
     // push takes a while), then stays down: turns go on, durable on the node, not slowed by

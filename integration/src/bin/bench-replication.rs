@@ -1,12 +1,17 @@
 //! Off-node replication under load (issue 27): real agent trajectories replayed by N sandboxes
 //! at once (default 16) under crab's policy twice, with `[replication]` off and on (a registry
 //! on 127.0.0.1, Debian's `docker-registry`); prints the replication lag (a checkpoint durable
-//! to pushed) p50/p95, the bytes pushed per turn against the bytes the checkpoints themselves
-//! added to the stores (deduplication), and the delay exposed to the agent with replication on
-//! against off (from the mean `Tasks.Exec`+`Start` time of its actions: the next action waits
-//! for the last turn's checkpoint, never for a push). Asserts nothing.
+//! to pushed, and a turn end to pushed: the age of the recovery point a node's loss leaves)
+//! p50/p95, the bytes pushed per turn against the bytes the checkpoints themselves added to
+//! the stores (deduplication), and the delay exposed to the agent with replication on against
+//! off (from the mean `Tasks.Exec`+`Start` time of its actions: the next action waits for the
+//! last turn's checkpoint, never for a push). One off/on pair is noisier than the effect on a
+//! small host, so the rounds run in `--pairs` interleaved pairs (off-on, on-off, ...: a drift
+//! of the host over the run weighs on both sides alike) and the exposed delay is reported per
+//! pair and over all of them. Each "on" round pushes to a repository of its own (nothing
+//! deduplicated against an earlier round). Asserts nothing.
 //!
-//! `make bench BENCHES=bench-replication` (BENCH_ARGS="--density 16 --max-turns 20"), or with
+//! `make bench BENCHES=bench-replication` (BENCH_ARGS="--density 16 --max-turns 20 --pairs 3"), or with
 //! the private containerd up: `cargo run --release -p crab-integration --bin bench-replication`.
 //! Output: `$CRAB_HOME/bench/replication-<unix time>.{json,md}` (and `replication-latest.*`).
 
@@ -18,9 +23,10 @@ use crab_integration::replay::{run_round, trajectory, Options, Policy, Round, Ro
 use serde_json::json;
 
 const BENCH: Bench = Bench::new("bench-replication");
-const USAGE: &str = "usage: bench-replication [--density N] [--max-turns N]
+const USAGE: &str = "usage: bench-replication [--density N] [--max-turns N] [--pairs N]
   --density N    sandboxes at once, each replaying a real trajectory (default 16)
   --max-turns N  turns of each trajectory (default 20)
+  --pairs N      interleaved off/on pairs of rounds (default 3)
 trajectories: $CRAB_TRAJECTORIES, else ../shared/trajectories next to the repo";
 
 fn percentile(v: &mut [f64], p: f64) -> f64 {
@@ -51,13 +57,61 @@ fn errors(r: &RoundRecord) -> usize {
     r.sandboxes.iter().map(|s| s.errors.len()).sum()
 }
 
+/// The delay replication exposed to the agent in one pair: the change of the mean action
+/// start, over every action of the "on" round, as a share of the "off" round's replay time.
+fn exposed_share(off: &RoundRecord, on: &RoundRecord) -> f64 {
+    let replay_off: f64 = off.sandboxes.iter().map(|s| s.replay_s).sum();
+    (mean_exec_ms(on) - mean_exec_ms(off)) * turns(on) as f64 / 1e3 / replay_off.max(1e-9)
+}
+
+/// What the "on" rounds' replicators recorded, summed.
+#[derive(Default)]
+struct Pushed {
+    lags: Vec<f64>,
+    turn_lags: Vec<f64>,
+    sent: u64,
+    skipped: u64,
+    pushes: u64,
+    failures: u64,
+    unreplicated: usize,
+}
+
+impl Pushed {
+    fn add(&mut self, on: &RoundRecord) {
+        let floats = |v: &serde_json::Value| -> Vec<f64> {
+            v.as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|v| v.as_f64())
+                .collect()
+        };
+        for s in &on.sandboxes {
+            match &s.replication {
+                Some(st) => {
+                    self.lags.extend(floats(&st["lags_ms"]));
+                    self.turn_lags.extend(floats(&st["turn_lags_ms"]));
+                    self.sent += st["bytes_sent"].as_u64().unwrap_or(0);
+                    self.skipped += st["bytes_skipped"].as_u64().unwrap_or(0);
+                    self.pushes += st["pushes"].as_u64().unwrap_or(0);
+                    self.failures += st["failures"].as_u64().unwrap_or(0);
+                }
+                None => self.unreplicated += 1,
+            }
+        }
+    }
+}
+
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
-    let (mut density, mut max_turns) = (16usize, 20usize);
+    let (mut density, mut max_turns, mut pairs) = (16usize, 20usize, 3usize);
     parse_counts(
         BENCH.name,
         USAGE,
-        &mut [("--density", &mut density), ("--max-turns", &mut max_turns)],
+        &mut [
+            ("--density", &mut density),
+            ("--max-turns", &mut max_turns),
+            ("--pairs", &mut pairs),
+        ],
     );
     let path = std::env::var_os("CRAB_TRAJECTORIES")
         .filter(|v| !v.is_empty())
@@ -86,91 +140,124 @@ async fn main() {
         max_turns: Some(max_turns),
         sandbox_config: config,
     };
-    BENCH.progress(format!("replication off: {density} sandboxes"));
-    let off = run_round(round, &selected, &opts(String::new())).await;
-    BENCH.progress(format!(
-        "replication on ({}): {density} sandboxes",
-        registry.addr
-    ));
-    let on = run_round(
-        round,
-        &selected,
-        &opts(format!(
-            "replication.registry = \"{}/crab/bench\"\nreplication.insecure = true\n",
-            registry.addr
-        )),
-    )
-    .await;
-    let mut lags: Vec<f64> = Vec::new();
-    let (mut sent, mut skipped, mut pushes, mut failures, mut unreplicated) = (0u64, 0, 0, 0, 0);
-    for s in &on.sandboxes {
-        match &s.replication {
-            Some(st) => {
-                lags.extend(
-                    st["lags_ms"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .filter_map(|v| v.as_f64()),
-                );
-                sent += st["bytes_sent"].as_u64().unwrap_or(0);
-                skipped += st["bytes_skipped"].as_u64().unwrap_or(0);
-                pushes += st["pushes"].as_u64().unwrap_or(0);
-                failures += st["failures"].as_u64().unwrap_or(0);
+    let mut rounds: Vec<(RoundRecord, RoundRecord)> = Vec::new();
+    let mut pushed = Pushed::default();
+    for pair in 0..pairs {
+        let mut off = None;
+        let mut on = None;
+        // off-on, then on-off, ...
+        for replicate in [pair % 2 == 1, pair % 2 == 0] {
+            match replicate {
+                false => {
+                    BENCH.progress(format!(
+                        "pair {}/{pairs}: replication off, {density} sandboxes",
+                        pair + 1
+                    ));
+                    off = Some(run_round(round, &selected, &opts(String::new())).await);
+                }
+                true => {
+                    BENCH.progress(format!(
+                        "pair {}/{pairs}: replication on ({}), {density} sandboxes",
+                        pair + 1,
+                        registry.addr
+                    ));
+                    let config = format!(
+                        "replication.registry = \"{}/crab/bench-{pair}\"\n\
+                         replication.insecure = true\n",
+                        registry.addr
+                    );
+                    on = Some(run_round(round, &selected, &opts(config)).await);
+                }
             }
-            None => unreplicated += 1,
         }
+        let (off, on) = (off.expect("ran"), on.expect("ran"));
+        pushed.add(&on);
+        BENCH.progress(format!(
+            "pair {}: exposed delay on vs off {:+.2}%",
+            pair + 1,
+            exposed_share(&off, &on) * 100.0
+        ));
+        rounds.push((off, on));
     }
-    let own: u64 = on
-        .sandboxes
+    let own: u64 = rounds
         .iter()
+        .flat_map(|(_, on)| &on.sandboxes)
         .map(|s| s.store_bytes.values().sum::<u64>())
         .sum();
-    let turns_on = turns(&on).max(1);
+    let turns_on = rounds.iter().map(|(_, on)| turns(on)).sum::<usize>().max(1);
+    let mut lags = pushed.lags.clone();
+    let mut turn_lags = pushed.turn_lags.clone();
     let (p50, p95) = (percentile(&mut lags, 0.5), percentile(&mut lags, 0.95));
-    let (exec_off, exec_on) = (mean_exec_ms(&off), mean_exec_ms(&on));
-    let replay_off: f64 = off.sandboxes.iter().map(|s| s.replay_s).sum();
-    let exposed_share = (exec_on - exec_off) * turns_on as f64 / 1e3 / replay_off.max(1e-9);
+    let (t50, t95) = (
+        percentile(&mut turn_lags, 0.5),
+        percentile(&mut turn_lags, 0.95),
+    );
+    let shares: Vec<f64> = rounds
+        .iter()
+        .map(|(off, on)| exposed_share(off, on))
+        .collect();
+    let mut sorted = shares.clone();
+    let median = percentile(&mut sorted, 0.5);
+    let mean_share = shares.iter().sum::<f64>() / shares.len().max(1) as f64;
+    let mean_of = |f: fn(&(RoundRecord, RoundRecord)) -> f64| {
+        rounds.iter().map(f).sum::<f64>() / rounds.len().max(1) as f64
+    };
+    let exec_off = mean_of(|(off, _)| mean_exec_ms(off));
+    let exec_on = mean_of(|(_, on)| mean_exec_ms(on));
+    let per_pair = shares
+        .iter()
+        .map(|s| format!("{:+.2}%", s * 100.0))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let errors_off: usize = rounds.iter().map(|(off, _)| errors(off)).sum();
+    let errors_on: usize = rounds.iter().map(|(_, on)| errors(on)).sum();
     let md = format!(
         "# bench-replication\n\n\
          {} CPUs, kernel {}, load {}; {density} sandboxes at once, {} trajectories, at most \
-         {max_turns} turns each, crab's policy; registry on 127.0.0.1\n\n\
+         {max_turns} turns each, crab's policy; registry on 127.0.0.1; {pairs} interleaved \
+         off/on pairs of rounds\n\n\
          | figure | value |\n|---|---|\n\
-         | replication lag p50 / p95 (durable to pushed) | {p50:.0} / {p95:.0} ms ({} pushes) |\n\
+         | replication lag p50 / p95, turn end to pushed | {t50:.0} / {t95:.0} ms ({} pushes) |\n\
+         | replication lag p50 / p95, durable to pushed | {p50:.0} / {p95:.0} ms |\n\
          | bytes pushed per turn | {:.0} |\n\
          | bytes the checkpoints added to the stores per turn | {:.0} |\n\
-         | bytes not sent again (already in the registry) | {skipped} |\n\
-         | failed push attempts | {failures} |\n\
-         | sandboxes never replicated | {unreplicated} |\n\
+         | bytes not sent again (already in the registry) | {} |\n\
+         | failed push attempts | {} |\n\
+         | sandboxes never replicated | {} |\n\
          | mean action start, replication off / on | {exec_off:.1} / {exec_on:.1} ms |\n\
-         | exposed delay on vs off, share of the replay time | {:+.2}% |\n\
-         | errors (off / on) | {} / {} |\n",
+         | exposed delay on vs off, share of the replay time: per pair | {per_pair} |\n\
+         | exposed delay on vs off: median / mean of the pairs | {:+.2}% / {:+.2}% |\n\
+         | errors (off / on) | {errors_off} / {errors_on} |\n",
         host.cpus,
         host.kernel,
         host.loadavg,
         selected.len(),
-        lags.len().max(pushes as usize),
-        sent as f64 / turns_on as f64,
+        pushed.pushes,
+        pushed.sent as f64 / turns_on as f64,
         own as f64 / turns_on as f64,
-        exposed_share * 100.0,
-        errors(&off),
-        errors(&on),
+        pushed.skipped,
+        pushed.failures,
+        pushed.unreplicated,
+        median * 100.0,
+        mean_share * 100.0,
     );
     let json = json!({
         "host": host.json(),
         "density": density,
         "max_turns": max_turns,
+        "pairs": pairs,
         "lag_ms": {"p50": p50, "p95": p95, "all": lags},
-        "bytes_sent": sent,
-        "bytes_skipped": skipped,
+        "turn_lag_ms": {"p50": t50, "p95": t95, "all": turn_lags},
+        "bytes_sent": pushed.sent,
+        "bytes_skipped": pushed.skipped,
         "store_bytes": own,
         "turns": turns_on,
-        "pushes": pushes,
-        "failures": failures,
-        "unreplicated": unreplicated,
+        "pushes": pushed.pushes,
+        "failures": pushed.failures,
+        "unreplicated": pushed.unreplicated,
         "exec_start_ms": {"off": exec_off, "on": exec_on},
-        "exposed_share": exposed_share,
-        "errors": {"off": errors(&off), "on": errors(&on)},
+        "exposed_share": {"per_pair": shares, "median": median, "mean": mean_share},
+        "errors": {"off": errors_off, "on": errors_on},
     });
     drop(registry);
     BENCH.finish(

@@ -147,7 +147,9 @@ pub fn print_text(rows: &[LineageRow]) {
     }
 }
 
-/// `replication` for people: per lineage, each store's replication.
+/// `replication` for people: per lineage, each store's replication (LAG: its newest push,
+/// from the end of the oldest turn it covered, or from the checkpoint durable for one that did
+/// not record its turn end).
 pub fn print_replication(rows: &[LineageRow]) {
     let mut any = false;
     println!(
@@ -166,7 +168,7 @@ pub fn print_replication(rows: &[LineageRow]) {
                 short(&s.container),
                 s.newest_seq.map_or("-".into(), |n| n.to_string()),
                 st.pushed_seq.map_or("-".into(), |n| n.to_string()),
-                st.lag_ms.unwrap_or(0.0),
+                st.turn_lag_ms.or(st.lag_ms).unwrap_or(0.0),
                 st.bytes_sent,
                 st.bytes_skipped,
                 st.last_error.as_deref().unwrap_or("-")

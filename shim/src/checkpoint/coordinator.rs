@@ -32,7 +32,7 @@ use std::{
     future::Future,
     path::{Component, Path, PathBuf},
     sync::{Arc, Mutex},
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use tokio::sync::{watch, OwnedMutexGuard};
@@ -156,6 +156,8 @@ struct Work {
     /// A turn whose answer could not be recorded is among them
     /// ([`Coordinator::submit_unrecorded`]): the job takes everything.
     unrecorded: bool,
+    /// When the first of its turns ended.
+    turn_ended: Option<SystemTime>,
 }
 
 impl Work {
@@ -189,6 +191,19 @@ impl Work {
         self.fs_unknown |= later.fs_unknown;
         self.degraded |= later.degraded;
         self.unrecorded |= later.unrecorded;
+        self.turn_ended = match (self.turn_ended, later.turn_ended) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+
+    /// [`Manifest::turn_ended_ms`] of its checkpoint.
+    fn turn_ended_ms(&self) -> Option<u64> {
+        self.turn_ended.map(|t| {
+            t.duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_millis() as u64
+        })
     }
 
     /// Whether a turn among them asks the job to take everything (a new fs chain of the whole
@@ -365,6 +380,7 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
             return;
         }
         let mut work = st.pending.take().unwrap_or_default();
+        work.turn_ended.get_or_insert_with(SystemTime::now);
         work.add(turn_id, answer);
         work.unrecorded |= unrecorded;
         st.in_flight.push(turn_id.to_string());
@@ -654,6 +670,7 @@ impl<I: Inspect, C: Capture> Coordinator<I, C> {
         let mut m = Manifest::child_of(parent.as_ref(), seq, &work.turn_ids.join(","), work.kind());
         m.explanation = work.explanation.join("\n");
         m.degraded = work.degraded;
+        m.turn_ended_ms = work.turn_ended_ms();
         let mut timings = Timings::default();
         if work.fs {
             // After a failure nothing is known about what the missing layers held: one layer of
@@ -1176,10 +1193,19 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn turn_ends_during_a_job_are_coalesced_into_the_next() {
+        let now_ms = || {
+            SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis() as u64
+        };
         let s = sandbox(settings(), FakeCapture::new(0), LONG);
         s.co.submit("t1", &answer(1, Kind::Fs, &["a"]));
         eventually("the first job captures", || s.capture.fs_calls() == 1).await;
+        let t2_before = now_ms();
         s.co.submit("t2", &answer(2, Kind::Fs, &["b"]));
+        let t2_after = now_ms();
+        tokio::time::sleep(Duration::from_millis(20)).await;
         s.co.submit("t3", &answer(3, Kind::Proc, &[]));
         s.capture.release.add_permits(2);
         s.idle().await;
@@ -1201,6 +1227,12 @@ mod tests {
             "the second layer is on top of the first"
         );
         assert_eq!(m.explanation.lines().count(), 2, "{}", m.explanation);
+        // Its recovery point is as old as the first turn it covers.
+        let ended = m.turn_ended_ms.expect("the turn end is recorded");
+        assert!(
+            (t2_before..=t2_after).contains(&ended),
+            "{ended} not t2's end"
+        );
         // Each job refreshed the mark of the processes its freeze woke.
         assert_eq!(s.inspect.refreshed.load(Ordering::SeqCst), 2);
     }

@@ -228,6 +228,28 @@ pub fn newest_durable(root: &Path) -> Option<Manifest> {
     None
 }
 
+/// The earliest [`Manifest::turn_ended_ms`] of the durable checkpoints of the store at `root`
+/// after checkpoint `after` (all of them when `None`): the oldest turn end a push of the
+/// newest one makes safe off the node.
+pub fn oldest_turn_end_after(root: &Path, after: Option<u64>) -> Option<u64> {
+    let mut oldest: Option<u64> = None;
+    for (seq, path) in manifest_paths(root).ok()?.into_iter().rev() {
+        if after.is_some_and(|a| seq <= a) {
+            break;
+        }
+        let Ok(bytes) = fs::read(&path) else { continue };
+        let Ok(m) = super::store::parse_manifest(&path, &bytes) else {
+            continue;
+        };
+        if m.kind.is_durable_state() {
+            if let Some(t) = m.turn_ended_ms {
+                oldest = Some(oldest.map_or(t, |o| o.min(t)));
+            }
+        }
+    }
+    oldest
+}
+
 /// The published manifests of the store at `root`, by sequence number.
 fn manifest_paths(root: &Path) -> Result<Vec<(u64, PathBuf)>, StoreError> {
     let dir = root.join("checkpoints");
@@ -277,6 +299,30 @@ mod tests {
             m.created_at = at.to_string();
             store.publish(&m).unwrap();
         }
+    }
+
+    #[test]
+    fn the_oldest_turn_end_a_push_covers() {
+        use CheckpointKind::*;
+        let t = tempfile::tempdir().unwrap();
+        let store = Store::open(t.path()).unwrap();
+        for (kind, ended) in [
+            (Fs, Some(100)),
+            (Full, Some(200)),
+            (Failed, Some(150)),
+            (Proc, None),
+            (Fs, Some(400)),
+        ] {
+            let mut m = Manifest::child_of(None, store.next_seq().unwrap(), "t", kind);
+            m.turn_ended_ms = ended;
+            store.publish(&m).unwrap();
+        }
+        let root = t.path();
+        assert_eq!(oldest_turn_end_after(root, None), Some(100));
+        // After checkpoint 1: 2 (200) and 5 (400); the failed one is not a recovery point.
+        assert_eq!(oldest_turn_end_after(root, Some(1)), Some(200));
+        assert_eq!(oldest_turn_end_after(root, Some(2)), Some(400));
+        assert_eq!(oldest_turn_end_after(root, Some(5)), None);
     }
 
     #[test]

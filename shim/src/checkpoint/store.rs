@@ -301,6 +301,10 @@ pub struct Manifest {
     /// to its `parent`, its processes kept): what was done.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_place: Option<InPlaceRollback>,
+    /// When the first turn it covers ended, in milliseconds since the Unix epoch: how old its
+    /// recovery point is by the time it is durable, or replicated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn_ended_ms: Option<u64>,
 }
 
 /// What an in-place rollback did (`crate::rollback`).
@@ -338,6 +342,7 @@ impl Manifest {
             attempted: None,
             degraded: false,
             in_place: None,
+            turn_ended_ms: None,
         }
     }
 }

@@ -206,6 +206,13 @@ async fn call<T>(
     }
 }
 
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis() as u64
+}
+
 fn sha256(data: &[u8]) -> String {
     let mut h = Sha256::new();
     h.update(data);
@@ -281,7 +288,16 @@ pub struct Status {
     /// Every lag measured, in milliseconds (the newest 1000), for the figures.
     #[serde(default)]
     pub lags_ms: Vec<f64>,
-    /// Every lag measured, in seconds, over [`crate::metrics::REPLICATION_BOUNDS`] (for
+    /// From the end of the oldest turn the newest push covered (the first turn after the push
+    /// before it) to that push: how old a node's loss could make the recovery point. Absent
+    /// when no checkpoint pushed recorded its turn end (one taken by an older crab).
+    #[serde(default)]
+    pub turn_lag_ms: Option<f64>,
+    /// Every such lag, in milliseconds (the newest 1000).
+    #[serde(default)]
+    pub turn_lags_ms: Vec<f64>,
+    /// Every lag measured, in seconds, from the turn end when it is known (else from the
+    /// checkpoint durable), over [`crate::metrics::REPLICATION_BOUNDS`] (for
     /// `crabctl metrics`: it only grows).
     #[serde(default)]
     pub lag: crate::metrics::Histogram,
@@ -380,15 +396,30 @@ impl Replicator {
                 match push_one(&p, &m, &mut known).await {
                     Ok((sent, skipped)) => {
                         let lag = seen.map_or(0.0, |(_, t)| t.elapsed().as_secs_f64() * 1e3);
+                        let turn_lag = {
+                            let (root, after) = (p.store_root.clone(), status.pushed_seq);
+                            tokio::task::spawn_blocking(move || {
+                                lineage::oldest_turn_end_after(&root, after)
+                            })
+                            .await
+                            .ok()
+                            .flatten()
+                            .map(|t| unix_ms().saturating_sub(t) as f64)
+                        };
                         status.pushed_seq = Some(m.seq);
                         status.pushed_at = Some(rfc3339(SystemTime::now()));
                         status.lag_ms = Some(lag);
                         status.lags_ms.push(lag);
-                        status
-                            .lag
-                            .observe(crate::metrics::REPLICATION_BOUNDS, lag / 1e3);
-                        if status.lags_ms.len() > 1000 {
-                            status.lags_ms.remove(0);
+                        status.turn_lag_ms = turn_lag;
+                        status.turn_lags_ms.extend(turn_lag);
+                        status.lag.observe(
+                            crate::metrics::REPLICATION_BOUNDS,
+                            turn_lag.unwrap_or(lag) / 1e3,
+                        );
+                        for v in [&mut status.lags_ms, &mut status.turn_lags_ms] {
+                            if v.len() > 1000 {
+                                v.remove(0);
+                            }
                         }
                         status.pushes += 1;
                         status.bytes_sent += sent;
