@@ -385,3 +385,69 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+/// A checkpoint taken right before its container is removed (a pod drained or deleted) still
+/// leaves the node: the shim's Shutdown waits (bounded) for its replicator's last push.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_last_checkpoint_is_pushed_before_the_shim_ends() {
+    let registry = Registry::start();
+    let lineage = format!("test/drained-{}", std::process::id());
+    let annotations = [("io.crab/lineage", lineage.as_str())];
+    let config = config(Path::new("/unused"), &registry.addr, None);
+    let (mut s, guard) = Sandbox::start(
+        "repl-drain",
+        SandboxOptions {
+            annotations: &annotations,
+            config: &config,
+            ..SandboxOptions::default()
+        },
+    )
+    .await;
+    s.run(KV_SCRIPTS).await;
+    turn(
+        &mut s,
+        "(nohup python3 /app/kv.py >/dev/null 2>&1 &) ; python3 /app/cli.py 'x = 1'",
+    )
+    .await;
+    replicated(&s, Duration::from_secs(30)).await;
+    // 64 MiB of fresh memory: its push takes longer than the removal.
+    turn(
+        &mut s,
+        "python3 /app/cli.py 'import os; big = os.urandom(64 << 20)'",
+    )
+    .await;
+    let newest = s.lineage().last().unwrap()["seq"].as_u64().unwrap();
+    let store = s.store();
+    let removing = Instant::now();
+    s.h.kill_and_remove(&s.id).await.unwrap();
+    let removed = removing.elapsed();
+    let shim = format!("containerd-shim-crab-v1 .*-id {}", s.id);
+    let gone = loop {
+        let alive = std::process::Command::new("pgrep")
+            .args(["-f", &shim])
+            .output()
+            .unwrap()
+            .status
+            .success();
+        if !alive {
+            break removing.elapsed();
+        }
+        assert!(
+            removing.elapsed() < Duration::from_secs(60),
+            "the shim did not end"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let st = status(&store);
+    eprintln!(
+        "removed in {removed:?}, shim gone after {gone:?}: pushed {} of {newest}",
+        st["pushed_seq"]
+    );
+    assert_eq!(
+        st["pushed_seq"].as_u64(),
+        Some(newest),
+        "the checkpoint taken before the removal was pushed: {st:#}"
+    );
+    let _ = std::fs::remove_dir_all(&s.state_dir);
+    drop(guard);
+}

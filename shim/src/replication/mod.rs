@@ -338,11 +338,50 @@ pub struct ReplicatorParams {
 /// Pushes a sandbox's newest durable checkpoint whenever there is a newer one.
 pub struct Replicator;
 
+/// How long a shim that is ending waits for its replicators' last pushes ([`drain`]).
+pub const SHUTDOWN_DRAIN: Duration = Duration::from_secs(10);
+
+/// Replicators still running in this shim.
+static RUNNING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Counts a replicator as running while it lives.
+struct Running;
+
+impl Running {
+    fn new() -> Running {
+        RUNNING.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Running
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        RUNNING.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Waits at most `within` for every replicator of this shim to end (each ends after its
+/// sandbox's last checkpoint is pushed, or its last attempt failed): a checkpoint taken right
+/// before its container was removed (a pod drained or deleted) still leaves the node. Returns
+/// how many are still running.
+pub async fn drain(within: Duration) -> usize {
+    let deadline = Instant::now() + within;
+    loop {
+        let n = RUNNING.load(std::sync::atomic::Ordering::SeqCst);
+        if n == 0 || Instant::now() >= deadline {
+            return n;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 impl Replicator {
     /// Runs until `durable` closes (the sandbox's checkpointing ended), then pushes what is
     /// newest once more.
     pub fn spawn(p: ReplicatorParams, mut durable: tokio::sync::watch::Receiver<u64>) {
+        let running = Running::new();
         tokio::spawn(async move {
+            let _running = running;
             let mut status = Status {
                 registry: p.registry.name.clone(),
                 lineage: p.record.lineage.clone(),
