@@ -35,4 +35,8 @@ async fn main() {
     }
     containerd_shim::asynchronous::run::<crab_shim::service::Service>(crab_shim::RUNTIME_ID, None)
         .await;
+    // The shim has answered containerd's Shutdown and closed its socket: the last checkpoints
+    // of its sandboxes (a container removed right after a turn end) still leave the node
+    // before the process does, for a bounded time.
+    crab_shim::replication::drain_at_exit().await;
 }

@@ -338,7 +338,7 @@ pub struct ReplicatorParams {
 /// Pushes a sandbox's newest durable checkpoint whenever there is a newer one.
 pub struct Replicator;
 
-/// How long a shim that is ending waits for its replicators' last pushes ([`drain`]).
+/// How long a shim that has ended waits for its replicators' last pushes ([`drain_at_exit`]).
 pub const SHUTDOWN_DRAIN: Duration = Duration::from_secs(10);
 
 /// Replicators still running in this shim.
@@ -360,10 +360,28 @@ impl Drop for Running {
     }
 }
 
-/// Waits at most `within` for every replicator of this shim to end (each ends after its
-/// sandbox's last checkpoint is pushed, or its last attempt failed): a checkpoint taken right
-/// before its container was removed (a pod drained or deleted) still leaves the node. Returns
-/// how many are still running.
+/// Run by the shim's process after the shim has ended (containerd's Shutdown answered, its
+/// socket closed: containerd waits for nothing, a new shim of the same id can start): waits at
+/// most [`SHUTDOWN_DRAIN`] for its replicators' last pushes, so a checkpoint taken right
+/// before its container was removed (a pod drained or deleted) still leaves the node.
+/// (Waiting inside Shutdown does not work: containerd gives it about 3 s, then leaks the shim.)
+pub async fn drain_at_exit() {
+    if RUNNING.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        return;
+    }
+    log::info!("waiting for the last pushes of the replicators");
+    let left = drain(SHUTDOWN_DRAIN).await;
+    if left > 0 {
+        log::warn!(
+            "ending with {left} replicator(s) still pushing after {SHUTDOWN_DRAIN:?}: their \
+             newest checkpoints stay on this node only"
+        );
+    }
+}
+
+/// Waits at most `within` for every replicator of this process to end (each ends after its
+/// sandbox's last checkpoint is pushed, or its last attempt failed). Returns how many are
+/// still running.
 pub async fn drain(within: Duration) -> usize {
     let deadline = Instant::now() + within;
     loop {
@@ -688,6 +706,53 @@ fn segment_refs(layers: &[OciDescriptor]) -> Vec<artifact::SegmentRef> {
         .collect()
 }
 
+/// An in-memory sink that refuses to grow past its bound.
+struct Bounded {
+    data: Vec<u8>,
+    max: usize,
+}
+
+impl Bounded {
+    fn new(max: usize) -> Bounded {
+        Bounded {
+            data: Vec::with_capacity(max.min(64 << 20)),
+            max,
+        }
+    }
+}
+
+impl tokio::io::AsyncWrite for Bounded {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        if this.data.len() + buf.len() > this.max {
+            return std::task::Poll::Ready(Err(std::io::Error::other(format!(
+                "the registry sent more than the {} bytes it announced",
+                this.max
+            ))));
+        }
+        this.data.extend_from_slice(buf);
+        std::task::Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
 async fn pull_bytes(
     registry: &Registry,
     r: &Reference,
@@ -700,8 +765,11 @@ async fn pull_bytes(
             d.digest, d.size
         ));
     }
-    let mut out: Vec<u8> = Vec::with_capacity(d.size as usize);
+    // A registry that sends more than the descriptor says is cut off at that size (the
+    // client would otherwise take whatever it sends).
+    let mut out = Bounded::new(d.size as usize);
     call(registry.client.pull_blob(r, d, &mut out)).await?;
+    let out = out.data;
     if out.len() as i64 != d.size || sha256(&out) != d.digest {
         return Err(format!(
             "blob {}: its content is not what it is named by",
@@ -793,4 +861,22 @@ async fn pull_into(
     )
     .map_err(|e| e.to_string())?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    #[tokio::test]
+    async fn a_blob_sink_takes_its_bound_and_no_more() {
+        let mut b = Bounded::new(10);
+        b.write_all(b"0123456789").await.unwrap();
+        assert_eq!(b.data, b"0123456789");
+        let e = b.write_all(b"x").await.unwrap_err();
+        assert!(e.to_string().contains("more than the 10 bytes"), "{e}");
+        assert_eq!(b.data.len(), 10, "nothing past the bound is kept");
+        // A huge announced size reserves a bounded amount up front.
+        assert!(Bounded::new(usize::MAX / 2).data.capacity() <= 64 << 20);
+    }
 }

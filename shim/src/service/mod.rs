@@ -452,17 +452,6 @@ impl containerd_shim::Task for TaskService {
     }
 
     async fn shutdown(&self, _: &TtrpcContext, req: api::ShutdownRequest) -> TtrpcResult<Empty> {
-        if !req.now && self.containers.is_empty() {
-            // The last checkpoints of its sandboxes leave the node before the shim does.
-            let left = crate::replication::drain(crate::replication::SHUTDOWN_DRAIN).await;
-            if left > 0 {
-                log::warn!(
-                    "ending with {left} replicator(s) still pushing after {:?}: their newest \
-                     checkpoints stay on this node only",
-                    crate::replication::SHUTDOWN_DRAIN
-                );
-            }
-        }
         self.containers.shutdown(req.now);
         Ok(Empty::new())
     }
