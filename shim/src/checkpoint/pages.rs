@@ -45,7 +45,7 @@ use sha2::{Digest, Sha256};
 /// The unit of deduplication: one page.
 pub const CHUNK_SIZE: usize = 4096;
 const RECIPE_MAGIC: &[u8; 8] = b"CRABPGS1";
-const RECIPE_SUFFIX: &str = ".recipe";
+pub const RECIPE_SUFFIX: &str = ".recipe";
 const RECIPE_HEADER: usize = 24;
 const INDEX_MAGIC: &[u8; 8] = b"CRABIDX1";
 const INDEX_HEADER: usize = 24;

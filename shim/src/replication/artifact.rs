@@ -82,6 +82,8 @@ pub enum BlobData {
     Bytes(Vec<u8>),
     /// A part of a file held in memory (a CRIU file's segment).
     Slice(std::sync::Arc<Vec<u8>>, std::ops::Range<usize>),
+    /// A part of a CRIU file read (rebuilt) only if it is to be sent.
+    Lazy(std::sync::Arc<LazyFile>, std::ops::Range<usize>),
 }
 
 impl BlobData {
@@ -90,8 +92,62 @@ impl BlobData {
             BlobData::Path(p) => fs::read(p),
             BlobData::Bytes(b) => Ok(b.clone()),
             BlobData::Slice(b, r) => Ok(b[r.clone()].to_vec()),
+            BlobData::Lazy(f, r) => {
+                let data = f.get().map_err(std::io::Error::other)?;
+                data.get(r.clone()).map(<[u8]>::to_vec).ok_or_else(|| {
+                    std::io::Error::other(format!("{}: shorter than before", f.name))
+                })
+            }
         }
     }
+}
+
+/// A CRIU file of a store's process image, read (pages rebuilt from their chunks) the first
+/// time a segment of it is to be sent, then kept until the artifact is dropped.
+#[derive(Debug)]
+pub struct LazyFile {
+    dir: PathBuf,
+    chunks: PathBuf,
+    name: String,
+    data: std::sync::OnceLock<Result<std::sync::Arc<Vec<u8>>, String>>,
+}
+
+impl LazyFile {
+    fn get(&self) -> Result<std::sync::Arc<Vec<u8>>, String> {
+        self.data
+            .get_or_init(|| {
+                let recipe = format!("{}{}", self.name, pages::RECIPE_SUFFIX);
+                let data = match self.dir.join(&recipe).is_file() {
+                    true => {
+                        let mut r = pages::materialized_readers(&self.dir, &self.chunks)
+                            .map_err(|e| e.to_string())?
+                            .into_iter()
+                            .find(|r| r.name() == self.name)
+                            .ok_or_else(|| format!("{}: no recipe", self.name))?;
+                        let mut data = Vec::with_capacity(r.len() as usize);
+                        r.read_to_end(&mut data)
+                            .map_err(|e| format!("rebuilding {}: {e}", self.name))?;
+                        data
+                    }
+                    false => fs::read(self.dir.join(&self.name))
+                        .map_err(|e| format!("{}: {e}", self.name))?,
+                };
+                Ok(std::sync::Arc::new(data))
+            })
+            .clone()
+    }
+}
+
+/// The CRIU part of a built artifact, by its digests: a replicator keeps the last one, and a
+/// later checkpoint with the same process image (an fs-only turn keeps it) reuses it instead
+/// of rebuilding and hashing the image again; a segment is read only if it is to be sent.
+#[derive(Debug, Clone)]
+pub struct CriuDigests {
+    /// The process image's directory (a published image never changes).
+    pub dir: PathBuf,
+    pub files: BTreeMap<String, FileDigest>,
+    /// (file, its range, the segment's digest), in push order.
+    pub segments: Vec<(String, std::ops::Range<usize>, String)>,
 }
 
 /// A checkpoint ready to push.
@@ -128,6 +184,25 @@ pub fn build(
     signer: &SigningKey,
     max_bytes: u64,
 ) -> Result<Artifact, String> {
+    build_reusing(
+        root, namespace, container, record, m, signer, max_bytes, None,
+    )
+    .map(|(a, _)| a)
+}
+
+/// [`build`], reusing `earlier` (the CRIU part of an artifact built before) when `m` has the
+/// same process image; returns the CRIU part of this one too.
+#[allow(clippy::too_many_arguments)]
+pub fn build_reusing(
+    root: &Path,
+    namespace: &str,
+    container: &str,
+    record: &LineageRecord,
+    m: &Manifest,
+    signer: &SigningKey,
+    max_bytes: u64,
+    earlier: Option<&CriuDigests>,
+) -> Result<(Artifact, Option<CriuDigests>), String> {
     let image = record.image.clone().ok_or(
         "the image it runs on could not be told at Create: a resume elsewhere could not check it",
     )?;
@@ -167,9 +242,49 @@ pub fn build(
         });
     }
     let mut criu: BTreeMap<String, FileDigest> = BTreeMap::new();
-    if let Some(p) = &m.process {
+    let mut digests: Option<CriuDigests> = None;
+    let reused = m
+        .process
+        .as_ref()
+        .and_then(|p| earlier.filter(|e| e.dir == root.join(&p.image)));
+    if let Some(e) = reused {
+        room(e.files.values().map(|f| f.size).sum())?;
+        let lazy: BTreeMap<&String, std::sync::Arc<LazyFile>> = e
+            .files
+            .keys()
+            .map(|name| {
+                let f = LazyFile {
+                    dir: e.dir.clone(),
+                    chunks: root.join("chunks"),
+                    name: name.clone(),
+                    data: std::sync::OnceLock::new(),
+                };
+                (name, std::sync::Arc::new(f))
+            })
+            .collect();
+        for (name, range, digest) in &e.segments {
+            let file = lazy
+                .get(name)
+                .ok_or_else(|| format!("{name}: not among the image's files"))?;
+            layers.push(Blob {
+                digest: digest.clone(),
+                size: range.len() as u64,
+                media_type: MEDIA_TYPE_CRIU_FILE.to_string(),
+                file: Some(name.clone()),
+                offset: range.start as u64,
+                data: BlobData::Lazy(file.clone(), range.clone()),
+            });
+        }
+        criu = e.files.clone();
+        digests = Some(e.clone());
+    } else if let Some(p) = &m.process {
         let dir = root.join(&p.image);
         let chunks = root.join("chunks");
+        let mut made = CriuDigests {
+            dir: dir.clone(),
+            files: BTreeMap::new(),
+            segments: Vec::new(),
+        };
         let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
         for r in pages::materialized_readers(&dir, &chunks).map_err(|e| e.to_string())? {
             room(r.len())?;
@@ -205,8 +320,11 @@ pub fn build(
             let data = std::sync::Arc::new(data);
             for r in segments(&data) {
                 let part = &data[r.clone()];
+                let digest = sha256(part);
+                made.segments
+                    .push((name.clone(), r.clone(), digest.clone()));
                 layers.push(Blob {
-                    digest: sha256(part),
+                    digest,
                     size: part.len() as u64,
                     media_type: MEDIA_TYPE_CRIU_FILE.to_string(),
                     file: Some(name.clone()),
@@ -215,6 +333,8 @@ pub fn build(
                 });
             }
         }
+        made.files = criu.clone();
+        digests = Some(made);
     }
     let meta = CheckpointMeta::of_manifest(namespace, container, m);
     let checkpoint_json =
@@ -238,11 +358,14 @@ pub fn build(
     };
     let config = serde_json::to_vec(&config).map_err(|e| e.to_string())?;
     room(config.len() as u64)?;
-    Ok(Artifact {
-        config,
-        layers,
-        bytes,
-    })
+    Ok((
+        Artifact {
+            config,
+            layers,
+            bytes,
+        },
+        digests,
+    ))
 }
 
 /// The annotation giving a CRIU file segment's offset in its file.
@@ -809,6 +932,104 @@ mod tests {
             }
             assert_eq!(digest_string(whole), plan.want.sha256, "{}", plan.name);
         }
+    }
+
+    #[test]
+    fn an_fs_only_checkpoint_reuses_the_process_image_it_shares_without_reading_it() {
+        use crate::checkpoint::store::Store;
+        let (t, record, m, first) = process_store(3 << 20);
+        let root = t.path().join("s");
+        // The store keeps its pages deduplicated (a recipe and chunks), as crab writes them.
+        let dir = root.join(&m.process.as_ref().unwrap().image);
+        pages::dedup(&dir, &root.join("chunks")).unwrap();
+        assert!(!dir.join("pages-1.img").exists());
+        let key = SigningKey::from_bytes(&[7; 32]);
+        let (again, digests) =
+            build_reusing(&root, "k8s.io", "c1", &record, &m, &key, 64 << 20, None).unwrap();
+        let digests = digests.expect("a process image");
+        let names = |a: &Artifact| -> Vec<(String, u64)> {
+            a.layers
+                .iter()
+                .map(|b| (b.digest.clone(), b.offset))
+                .collect()
+        };
+        assert_eq!(
+            names(&again),
+            names(&first),
+            "rebuilt from its chunks alike"
+        );
+        // The next checkpoint: a new fs layer, the same process image.
+        let store = Store::open(&root).unwrap();
+        let mut tmp = store.temp_file("l").unwrap();
+        std::io::Write::write_all(tmp.file(), b"a layer").unwrap();
+        let d = store.put_blob(tmp.path()).unwrap();
+        let mut next = Manifest::child_of(Some(&m), 2, "t2", CheckpointKind::Fs);
+        next.fs_layers.push(d);
+        store.publish(&next).unwrap();
+        let (reused, kept) = build_reusing(
+            &root,
+            "k8s.io",
+            "c1",
+            &record,
+            &next,
+            &key,
+            64 << 20,
+            Some(&digests),
+        )
+        .unwrap();
+        let crius = |a: &Artifact| -> Vec<Blob> {
+            a.layers
+                .iter()
+                .filter(|b| b.file.is_some())
+                .cloned()
+                .collect()
+        };
+        assert_eq!(crius(&reused).len(), crius(&first).len());
+        for (r, f) in crius(&reused).iter().zip(crius(&first)) {
+            assert!(matches!(r.data, BlobData::Lazy(..)), "not read up front");
+            assert_eq!((&r.digest, r.offset, r.size), (&f.digest, f.offset, f.size));
+            assert_eq!(
+                r.data.read().unwrap(),
+                f.data.read().unwrap(),
+                "read when sent"
+            );
+        }
+        assert_eq!(kept.unwrap().segments, digests.segments);
+        let mut trusted = TrustedKeys::new();
+        trusted.add(key.verifying_key(), "test");
+        let v = verify(&reused.config, "ns/p/c", record.image.as_deref(), &trusted).unwrap();
+        assert_eq!(v.criu, digests.files, "signed as the image's files");
+        assert_eq!(v.meta.fs_layers.len(), 1, "the new layer");
+        // Another process image is built anew.
+        let other = CriuDigests {
+            dir: root.join("proc/000009"),
+            ..digests.clone()
+        };
+        let (_, made) = build_reusing(
+            &root,
+            "k8s.io",
+            "c1",
+            &record,
+            &next,
+            &key,
+            64 << 20,
+            Some(&other),
+        )
+        .unwrap();
+        assert_eq!(made.unwrap().dir, digests.dir);
+        // The bound still counts the image's files.
+        let e = build_reusing(
+            &root,
+            "k8s.io",
+            "c1",
+            &record,
+            &next,
+            &key,
+            1 << 20,
+            Some(&digests),
+        )
+        .unwrap_err();
+        assert!(e.contains("max_mib"), "{e}");
     }
 
     #[test]

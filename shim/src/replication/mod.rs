@@ -411,6 +411,8 @@ impl Replicator {
             let mut open = true;
             let mut skip: Option<u64> = None;
             let mut known = std::collections::HashSet::new();
+            // The CRIU part of the last artifact built (an fs-only turn keeps the image).
+            let mut criu = None;
             loop {
                 let newest = {
                     let root = p.store_root.clone();
@@ -450,7 +452,7 @@ impl Replicator {
                     }
                     continue;
                 }
-                match push_one(&p, &m, &mut known).await {
+                match push_one(&p, &m, &mut known, &mut criu).await {
                     Ok((sent, skipped)) => {
                         let lag = seen.map_or(0.0, |(_, t)| t.elapsed().as_secs_f64() * 1e3);
                         let turn_lag = {
@@ -541,6 +543,7 @@ async fn push_one(
     p: &ReplicatorParams,
     m: &Manifest,
     known: &mut std::collections::HashSet<String>,
+    criu: &mut Option<artifact::CriuDigests>,
 ) -> Result<(u64, u64), PushError> {
     let (root, ns, c, record, key, max) = (
         p.store_root.clone(),
@@ -551,15 +554,17 @@ async fn push_one(
         p.max_bytes,
     );
     let m2 = m.clone();
-    let art = tokio::task::spawn_blocking(move || {
+    let earlier = criu.take();
+    let (art, digests) = tokio::task::spawn_blocking(move || {
         // Building (pages rebuilt and hashed) yields to the sandboxes and their checkpoints.
         let _lower = LowerPriority::new();
         let signer = crate::checkpoint::provenance::signing_key(&key).map_err(|e| e.to_string())?;
-        artifact::build(&root, &ns, &c, &record, &m2, &signer, max)
+        artifact::build_reusing(&root, &ns, &c, &record, &m2, &signer, max, earlier.as_ref())
     })
     .await
     .map_err(|e| PushError::Transient(e.to_string()))?
     .map_err(PushError::Permanent)?;
+    *criu = digests;
     let tags = [
         artifact::seq_tag(&p.record.lineage, &p.container, m.seq),
         artifact::newest_tag(&p.record.lineage),
