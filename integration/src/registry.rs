@@ -82,6 +82,28 @@ impl Registry {
     }
 }
 
+impl Registry {
+    /// The CPU time the registry has used so far (user + system), in seconds.
+    pub fn cpu_seconds(&self) -> f64 {
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap_or_default();
+        // After the command's closing parenthesis: state is field 3, utime 14, stime 15.
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .map(|(_, rest)| rest.split_whitespace().collect())
+            .unwrap_or_default();
+        let ticks = |i: usize| {
+            fields
+                .get(i)
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        // SAFETY: sysconf reads a constant of the system.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        (ticks(11) + ticks(12)) / hz
+    }
+}
+
 impl Drop for Registry {
     fn drop(&mut self) {
         let _ = self.child.kill();

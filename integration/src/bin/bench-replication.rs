@@ -142,6 +142,9 @@ async fn main() {
     };
     let mut rounds: Vec<(RoundRecord, RoundRecord)> = Vec::new();
     let mut pushed = Pushed::default();
+    // Per "on" round: the registry's CPU seconds and the round's wall seconds (the registry
+    // shares this host's CPUs with the sandboxes; off the node it would not).
+    let mut registry_cpu: Vec<(f64, f64)> = Vec::new();
     for pair in 0..pairs {
         let mut off = None;
         let mut on = None;
@@ -166,7 +169,9 @@ async fn main() {
                          replication.insecure = true\n",
                         registry.addr
                     );
+                    let (cpu, wall) = (registry.cpu_seconds(), std::time::Instant::now());
                     on = Some(run_round(round, &selected, &opts(config)).await);
+                    registry_cpu.push((registry.cpu_seconds() - cpu, wall.elapsed().as_secs_f64()));
                 }
             }
         }
@@ -209,6 +214,10 @@ async fn main() {
         .map(|s| format!("{:+.2}%", s * 100.0))
         .collect::<Vec<_>>()
         .join(", ");
+    let (reg_cpu, reg_wall) = registry_cpu
+        .iter()
+        .fold((0.0, 0.0), |(c, w), (dc, dw)| (c + dc, w + dw));
+    let reg_share = reg_cpu / (reg_wall * host.cpus as f64).max(1e-9);
     let errors_off: usize = rounds.iter().map(|(off, _)| errors(off)).sum();
     let errors_on: usize = rounds.iter().map(|(_, on)| errors(on)).sum();
     let md = format!(
@@ -227,6 +236,7 @@ async fn main() {
          | mean action start, replication off / on | {exec_off:.1} / {exec_on:.1} ms |\n\
          | exposed delay on vs off, share of the replay time: per pair | {per_pair} |\n\
          | exposed delay on vs off: median / mean of the pairs | {:+.2}% / {:+.2}% |\n\
+         | the registry's CPU during the \"on\" rounds (on this host) | {reg_cpu:.1} s, {:.1}% of the host's CPUs |\n\
          | errors (off / on) | {errors_off} / {errors_on} |\n",
         host.cpus,
         host.kernel,
@@ -240,6 +250,7 @@ async fn main() {
         pushed.unreplicated,
         median * 100.0,
         mean_share * 100.0,
+        reg_share * 100.0,
     );
     let json = json!({
         "host": host.json(),
@@ -257,6 +268,8 @@ async fn main() {
         "unreplicated": pushed.unreplicated,
         "exec_start_ms": {"off": exec_off, "on": exec_on},
         "exposed_share": {"per_pair": shares, "median": median, "mean": mean_share},
+        "registry_cpu_s": reg_cpu,
+        "registry_cpu_share": reg_share,
         "errors": {"off": errors_off, "on": errors_on},
     });
     drop(registry);
