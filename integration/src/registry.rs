@@ -18,6 +18,13 @@ pub struct Registry {
 
 impl Registry {
     pub fn start() -> Registry {
+        Registry::start_idle(false)
+    }
+
+    /// With `idle`, the registry runs under SCHED_IDLE (`chrt --idle 0`): it gets a CPU only
+    /// when nothing else wants one, which stands in for a registry on another host in a
+    /// benchmark on one host.
+    pub fn start_idle(idle: bool) -> Registry {
         let dir = tempfile::tempdir().unwrap();
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()
@@ -59,7 +66,15 @@ impl Registry {
             ),
         )
         .unwrap();
-        let mut child = Command::new("docker-registry")
+        let mut command = match idle {
+            true => {
+                let mut c = Command::new("chrt");
+                c.args(["--idle", "0", "docker-registry"]);
+                c
+            }
+            false => Command::new("docker-registry"),
+        };
+        let mut child = command
             .arg("serve")
             .arg(&config)
             .stdout(Stdio::null())

@@ -11,6 +11,10 @@
 //! pair and over all of them. Each "on" round pushes to a repository of its own (nothing
 //! deduplicated against an earlier round). Asserts nothing.
 //!
+//! `CRAB_BENCH_REGISTRY=idle` runs the registry at SCHED_IDLE: on one host it competes with the
+//! sandboxes for the CPUs, which a registry on another host would not; the difference between
+//! the two runs is its share of the exposed delay.
+//!
 //! `make bench BENCHES=bench-replication` (BENCH_ARGS="--density 16 --max-turns 20 --pairs 3"), or with
 //! the private containerd up: `cargo run --release -p crab-integration --bin bench-replication`.
 //! Output: `$CRAB_HOME/bench/replication-<unix time>.{json,md}` (and `replication-latest.*`).
@@ -128,7 +132,8 @@ async fn main() {
     let selected = trajectory::select(&all, &selection).unwrap_or_else(|e| BENCH.die(e));
     let env = BENCH.crab_env("replication");
     let host = Host::now();
-    let registry = Registry::start();
+    let idle = std::env::var("CRAB_BENCH_REGISTRY").is_ok_and(|v| v == "idle");
+    let registry = Registry::start_idle(idle);
     let round = Round {
         policy: Policy::Crab,
         density,
@@ -224,7 +229,7 @@ async fn main() {
         "# bench-replication\n\n\
          {} CPUs, kernel {}, load {}; {density} sandboxes at once, {} trajectories, at most \
          {max_turns} turns each, crab's policy; registry on 127.0.0.1; {pairs} interleaved \
-         off/on pairs of rounds\n\n\
+         off/on pairs of rounds{}\n\n\
          | figure | value |\n|---|---|\n\
          | replication lag p50 / p95, turn end to pushed | {t50:.0} / {t95:.0} ms ({} pushes) |\n\
          | replication lag p50 / p95, durable to pushed | {p50:.0} / {p95:.0} ms |\n\
@@ -242,6 +247,10 @@ async fn main() {
         host.kernel,
         host.loadavg,
         selected.len(),
+        match idle {
+            true => " (the registry at SCHED_IDLE, standing in for one on another host)",
+            false => "",
+        },
         pushed.pushes,
         pushed.sent as f64 / turns_on as f64,
         own as f64 / turns_on as f64,
@@ -268,6 +277,7 @@ async fn main() {
         "unreplicated": pushed.unreplicated,
         "exec_start_ms": {"off": exec_off, "on": exec_on},
         "exposed_share": {"per_pair": shares, "median": median, "mean": mean_share},
+        "registry_idle": idle,
         "registry_cpu_s": reg_cpu,
         "registry_cpu_share": reg_share,
         "errors": {"off": errors_off, "on": errors_on},
