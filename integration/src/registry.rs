@@ -13,6 +13,7 @@ pub struct Registry {
     child: Child,
     /// `127.0.0.1:<port>`.
     pub addr: String,
+    idle: bool,
     _dir: tempfile::TempDir,
 }
 
@@ -32,7 +33,7 @@ impl Registry {
             .unwrap()
             .port();
         let addr = format!("127.0.0.1:{port}");
-        Registry::serve(dir, addr)
+        Registry::serve(dir, addr, idle)
     }
 
     /// Kills the registry (SIGKILL: a crash, mid-push or not); [`Registry::restart`] brings it
@@ -46,9 +47,9 @@ impl Registry {
     pub fn restart(mut self) -> Registry {
         self.kill();
         let dir = std::mem::replace(&mut self._dir, tempfile::tempdir().unwrap());
-        let addr = self.addr.clone();
+        let (addr, idle) = (self.addr.clone(), self.idle);
         drop(self);
-        Registry::serve(dir, addr)
+        Registry::serve(dir, addr, idle)
     }
 
     /// Where the registry keeps its blobs and manifests.
@@ -56,7 +57,7 @@ impl Registry {
         self._dir.path().join("data")
     }
 
-    fn serve(dir: tempfile::TempDir, addr: String) -> Registry {
+    fn serve(dir: tempfile::TempDir, addr: String, idle: bool) -> Registry {
         let config = dir.path().join("config.yml");
         std::fs::write(
             &config,
@@ -86,6 +87,7 @@ impl Registry {
                 return Registry {
                     child,
                     addr,
+                    idle,
                     _dir: dir,
                 };
             }
