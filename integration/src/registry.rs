@@ -19,14 +19,19 @@ pub struct Registry {
 
 impl Registry {
     pub fn start() -> Registry {
-        Registry::start_idle(false)
+        Registry::start_apart(false)
     }
 
-    /// With `idle`, the registry runs under SCHED_IDLE (`chrt --idle 0`): it gets a CPU only
-    /// when nothing else wants one, which stands in for a registry on another host in a
-    /// benchmark on one host.
-    pub fn start_idle(idle: bool) -> Registry {
-        let dir = tempfile::tempdir().unwrap();
+    /// With `apart`, the registry stands in for one on another host, in a benchmark on one
+    /// host: it runs under SCHED_IDLE (`chrt --idle 0`: a CPU only when nothing else wants
+    /// one) and keeps its storage in /dev/shm (its writes are not flushed by the `syncfs` that
+    /// makes a checkpoint durable on the host's disk).
+    pub fn start_apart(apart: bool) -> Registry {
+        let dir = match apart {
+            true => tempfile::tempdir_in("/dev/shm").unwrap(),
+            false => tempfile::tempdir().unwrap(),
+        };
+        let idle = apart;
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()

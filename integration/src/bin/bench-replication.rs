@@ -11,9 +11,10 @@
 //! pair and over all of them. Each "on" round pushes to a repository of its own (nothing
 //! deduplicated against an earlier round). Asserts nothing.
 //!
-//! `CRAB_BENCH_REGISTRY=idle` runs the registry at SCHED_IDLE: on one host it competes with the
-//! sandboxes for the CPUs, which a registry on another host would not; the difference between
-//! the two runs is its share of the exposed delay.
+//! `CRAB_BENCH_REGISTRY=apart` runs the registry as if on another host: at SCHED_IDLE and with
+//! its storage in /dev/shm. On one host it otherwise competes with the sandboxes for the CPUs
+//! and for the disk (each checkpoint's `syncfs` also flushes what the registry wrote); the
+//! difference between the two runs is its share of the exposed delay.
 //!
 //! `make bench BENCHES=bench-replication` (BENCH_ARGS="--density 16 --max-turns 20 --pairs 3"), or with
 //! the private containerd up: `cargo run --release -p crab-integration --bin bench-replication`.
@@ -132,8 +133,8 @@ async fn main() {
     let selected = trajectory::select(&all, &selection).unwrap_or_else(|e| BENCH.die(e));
     let env = BENCH.crab_env("replication");
     let host = Host::now();
-    let idle = std::env::var("CRAB_BENCH_REGISTRY").is_ok_and(|v| v == "idle");
-    let registry = Registry::start_idle(idle);
+    let idle = std::env::var("CRAB_BENCH_REGISTRY").is_ok_and(|v| v == "apart");
+    let registry = Registry::start_apart(idle);
     let round = Round {
         policy: Policy::Crab,
         density,
@@ -248,7 +249,10 @@ async fn main() {
         host.loadavg,
         selected.len(),
         match idle {
-            true => " (the registry at SCHED_IDLE, standing in for one on another host)",
+            true => {
+                " (the registry apart: at SCHED_IDLE, its storage in /dev/shm, standing in for \
+                 one on another host)"
+            }
             false => "",
         },
         pushed.pushes,
