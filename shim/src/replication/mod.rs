@@ -398,7 +398,7 @@ impl Replicator {
     /// newest once more.
     pub fn spawn(p: ReplicatorParams, mut durable: tokio::sync::watch::Receiver<u64>) {
         let running = Running::new();
-        tokio::spawn(async move {
+        runtime().spawn(async move {
             let _running = running;
             let mut status = Status {
                 registry: p.registry.name.clone(),
@@ -573,6 +573,40 @@ async fn push_one(
         .push_known(&art, &tags, known)
         .await
         .map_err(PushError::Transient)
+}
+
+/// The runtime replicators run on: one thread of its own at nice +10 (its blocking pool's
+/// threads inherit it), so that building, hashing and sending checkpoints never compete at
+/// equal weight with what the agent waits for (the task service, runc, the checkpoints); under
+/// contention it gets about a tenth of a CPU's share, and all of an idle one. Measured on a
+/// 2-CPU host at 16 sandboxes: replicators on the shim's own runtime exposed about +3% of delay
+/// to the agent with the registry out of the way (`bench-replication`).
+fn runtime() -> &'static tokio::runtime::Handle {
+    static HANDLE: std::sync::OnceLock<tokio::runtime::Handle> = std::sync::OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name("crab-replication".into())
+            .spawn(move || {
+                // Kept for the thread's life (and inherited by the threads it starts).
+                std::mem::forget(LowerPriority::new());
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build();
+                match rt {
+                    Ok(rt) => {
+                        let _ = tx.send(Some(rt.handle().clone()));
+                        rt.block_on(std::future::pending::<()>());
+                    }
+                    Err(e) => {
+                        log::warn!("replication runtime: {e}; replicating on the shim's own");
+                        let _ = tx.send(None);
+                    }
+                }
+            });
+        let handle = spawned.ok().and_then(|_| rx.recv().ok().flatten());
+        handle.unwrap_or_else(tokio::runtime::Handle::current)
+    })
 }
 
 /// The calling thread at a lower CPU priority (nice +10) while this lives; its own priority
