@@ -161,3 +161,17 @@ put("procfs", "stat", "42 (a) b (c)) S 1 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20
 put("procfs", "maps", "55d0c0000000-55d0c0021000 r-xp 00000000 fd:01 1234   /usr/bin/sh\n"
     "7ffd1000-7ffd2000 rw-p 00000000 00:00 0                  [stack]\n"
     "7f00-8f00 rw-s 00001000 00:05 99 /x (deleted)\n")
+
+# replica_segments: byte 0 picks 1-3 signed files, a u32 size each, then 10-byte blob records
+# (file index, media parity, i32 size, u32 offset; 0xffffffff = no offset annotation).
+def seg(file, size, offset, media=0):
+    return bytes([file, media]) + struct.pack("<iI", size, offset)
+
+MIN = 32 * 4096
+put("replica_segments", "one-file-one-segment",
+    bytes([0]) + struct.pack("<I", 1000) + seg(0, 1000, 0))
+put("replica_segments", "two-files-segmented",
+    bytes([1]) + struct.pack("<II", 100, MIN + 10)
+    + seg(0, 100, 0) + seg(1, MIN, 0) + seg(1, 10, MIN))
+put("replica_segments", "older-crab-whole-file",
+    bytes([0]) + struct.pack("<I", 5 << 20) + seg(0, 5 << 20, 0xffffffff))
