@@ -339,7 +339,7 @@ pub struct ReplicatorParams {
 pub struct Replicator;
 
 /// How long a shim that has ended waits for its replicators' last pushes ([`drain_at_exit`]).
-pub const SHUTDOWN_DRAIN: Duration = Duration::from_secs(10);
+pub const SHUTDOWN_DRAIN: Duration = Duration::from_secs(30);
 
 /// Replicators still running in this shim.
 static RUNNING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
