@@ -174,26 +174,11 @@ pub fn signed_layers(image: &str, fs_layers: &[Descriptor]) -> Vec<String> {
 }
 
 /// Builds the artifact of checkpoint `m` of the store at `root` (container `container` of
-/// `namespace`), signed with `signer`; at most `max_bytes` in all.
-pub fn build(
-    root: &Path,
-    namespace: &str,
-    container: &str,
-    record: &LineageRecord,
-    m: &Manifest,
-    signer: &SigningKey,
-    max_bytes: u64,
-) -> Result<Artifact, String> {
-    build_reusing(
-        root, namespace, container, record, m, signer, max_bytes, None,
-    )
-    .map(|(a, _)| a)
-}
-
-/// [`build`], reusing `earlier` (the CRIU part of an artifact built before) when `m` has the
-/// same process image; returns the CRIU part of this one too.
+/// `namespace`), signed with `signer`; at most `max_bytes` in all. Reuses `earlier` (the CRIU
+/// part of an artifact built before) when `m` has the same process image, and returns the
+/// CRIU part of this one too.
 #[allow(clippy::too_many_arguments)]
-pub fn build_reusing(
+pub fn build(
     root: &Path,
     namespace: &str,
     container: &str,
@@ -720,7 +705,18 @@ mod tests {
         store.publish(&m).unwrap();
         let record = LineageRecord::new("ns/p/c", Some(format!("sha256:{}", "a".repeat(64))));
         let key = SigningKey::from_bytes(&[7; 32]);
-        let a = build(store.root(), "k8s.io", "c1", &record, &m, &key, 1 << 20).unwrap();
+        let a = build(
+            store.root(),
+            "k8s.io",
+            "c1",
+            &record,
+            &m,
+            &key,
+            1 << 20,
+            None,
+        )
+        .unwrap()
+        .0;
         let mut trusted = TrustedKeys::new();
         trusted.add(key.verifying_key(), "test");
         (t, record, m, a, trusted)
@@ -777,10 +773,10 @@ mod tests {
         let (t, record, m, _, _) = signed_store();
         let key = SigningKey::from_bytes(&[7; 32]);
         let root = t.path().join("s");
-        let e = build(&root, "k8s.io", "c1", &record, &m, &key, 10).unwrap_err();
+        let e = build(&root, "k8s.io", "c1", &record, &m, &key, 10, None).unwrap_err();
         assert!(e.contains("max_mib"), "{e}");
         let blind = LineageRecord::new("ns/p/c", None);
-        let e = build(&root, "k8s.io", "c1", &blind, &m, &key, 1 << 20).unwrap_err();
+        let e = build(&root, "k8s.io", "c1", &blind, &m, &key, 1 << 20, None).unwrap_err();
         assert!(e.contains("image"), "{e}");
     }
 
@@ -894,7 +890,18 @@ mod tests {
         store.publish(&m).unwrap();
         let record = LineageRecord::new("ns/p/c", Some(format!("sha256:{}", "a".repeat(64))));
         let key = SigningKey::from_bytes(&[7; 32]);
-        let a = build(store.root(), "k8s.io", "c1", &record, &m, &key, 64 << 20).unwrap();
+        let a = build(
+            store.root(),
+            "k8s.io",
+            "c1",
+            &record,
+            &m,
+            &key,
+            64 << 20,
+            None,
+        )
+        .unwrap()
+        .0;
         (t, record, m, a)
     }
 
@@ -945,7 +952,7 @@ mod tests {
         assert!(!dir.join("pages-1.img").exists());
         let key = SigningKey::from_bytes(&[7; 32]);
         let (again, digests) =
-            build_reusing(&root, "k8s.io", "c1", &record, &m, &key, 64 << 20, None).unwrap();
+            build(&root, "k8s.io", "c1", &record, &m, &key, 64 << 20, None).unwrap();
         let digests = digests.expect("a process image");
         let names = |a: &Artifact| -> Vec<(String, u64)> {
             a.layers
@@ -966,7 +973,7 @@ mod tests {
         let mut next = Manifest::child_of(Some(&m), 2, "t2", CheckpointKind::Fs);
         next.fs_layers.push(d);
         store.publish(&next).unwrap();
-        let (reused, kept) = build_reusing(
+        let (reused, kept) = build(
             &root,
             "k8s.io",
             "c1",
@@ -1005,7 +1012,7 @@ mod tests {
             dir: root.join("proc/000009"),
             ..digests.clone()
         };
-        let (_, made) = build_reusing(
+        let (_, made) = build(
             &root,
             "k8s.io",
             "c1",
@@ -1018,7 +1025,7 @@ mod tests {
         .unwrap();
         assert_eq!(made.unwrap().dir, digests.dir);
         // The bound still counts the image's files.
-        let e = build_reusing(
+        let e = build(
             &root,
             "k8s.io",
             "c1",

@@ -559,7 +559,7 @@ async fn push_one(
         // Building (pages rebuilt and hashed) yields to the sandboxes and their checkpoints.
         let _lower = LowerPriority::new();
         let signer = crate::checkpoint::provenance::signing_key(&key).map_err(|e| e.to_string())?;
-        artifact::build_reusing(&root, &ns, &c, &record, &m2, &signer, max, earlier.as_ref())
+        artifact::build(&root, &ns, &c, &record, &m2, &signer, max, earlier.as_ref())
     })
     .await
     .map_err(|e| PushError::Transient(e.to_string()))?
