@@ -1128,6 +1128,144 @@ int BPF_PROG(crab_signal, int sig, void *info, struct task_struct *task, int gro
 	return 0;
 }
 
+#define EINTR 4
+#define EAGAIN 11
+#define ETIMEDOUT 110
+#define ERESTARTSYS 512
+#define ERESTARTNOINTR 513
+#define ERESTARTNOHAND 514
+#define ERESTART_RESTARTBLOCK 516
+
+/* A wait that ended without an event: timed out, or interrupted (a signal,
+ * which is counted on its own, or the freezer). */
+static __always_inline int no_event(long ret)
+{
+	switch (-ret) {
+	case 0:
+	case EINTR:
+	case EAGAIN:
+	case ETIMEDOUT:
+	case ERESTARTSYS:
+	case ERESTARTNOINTR:
+	case ERESTARTNOHAND:
+	case ERESTART_RESTARTBLOCK:
+		return 1;
+	}
+	return 0;
+}
+
+/*
+ * Whether syscall `nr`, having returned `ret`, is one after which nobody
+ * outside the process can tell that it made it, and which told the process
+ * nothing from outside itself but the time: a wait that ended with no event,
+ * a clock, its own memory (private anonymous only: a file mapping reads the
+ * file), its own signal set-up, its own ids. Everything else (any read,
+ * write, stat, open, close, fork, a wait that returned an event, an fd
+ * created) is an interaction. A list of the quiet ones, so that a syscall
+ * not thought of counts. x86-64 numbers; elsewhere every syscall counts.
+ */
+static __always_inline int quiet_syscall(struct pt_regs___crab *regs, long nr, long ret)
+{
+#if defined(__TARGET_ARCH_x86)
+	switch (nr) {
+	case 7:	  /* poll */
+	case 23:  /* select */
+	case 232: /* epoll_wait */
+	case 270: /* pselect6 */
+	case 271: /* ppoll */
+	case 281: /* epoll_pwait */
+	case 441: /* epoll_pwait2 */
+	case 128: /* rt_sigtimedwait: a signal it takes was counted */
+	case 34:  /* pause */
+		return no_event(ret);
+	case 61:  /* wait4 (WNOHANG, no child changed) */
+	case 247: /* waitid */
+		return ret == 0;
+	case 35:  /* nanosleep */
+	case 230: /* clock_nanosleep */
+	case 228: /* clock_gettime */
+	case 229: /* clock_getres */
+	case 96:  /* gettimeofday */
+	case 201: /* time */
+	case 202: /* futex: no shared mapping (checked in user space), so only
+		   * its own threads */
+	case 449: /* futex_waitv */
+	case 273: /* set_robust_list */
+	case 274: /* get_robust_list */
+	case 24:  /* sched_yield */
+	case 39:  /* getpid */
+	case 186: /* gettid */
+	case 102: /* getuid */
+	case 104: /* getgid */
+	case 107: /* geteuid */
+	case 108: /* getegid */
+	case 13:  /* rt_sigaction */
+	case 14:  /* rt_sigprocmask */
+	case 15:  /* rt_sigreturn */
+	case 127: /* rt_sigpending */
+	case 131: /* sigaltstack */
+	case 219: /* restart_syscall */
+	case 12:  /* brk */
+	case 10:  /* mprotect (shared writable mappings are counted apart) */
+	case 11:  /* munmap */
+	case 25:  /* mremap */
+	case 324: /* membarrier */
+	case 309: /* getcpu */
+	case 318: /* getrandom */
+	case 98:  /* getrusage */
+	case 100: /* times */
+	case 99:  /* sysinfo */
+	case 334: /* rseq */
+	case 158: /* arch_prctl */
+	case 204: /* sched_getaffinity */
+	case 233: /* epoll_ctl: its own interest list */
+		return 1;
+	case 9: { /* mmap: private anonymous only */
+		__u64 flags = SYSCALL_ARG3(regs);
+
+		return (flags & MAP_ANONYMOUS) && (flags & MAP_TYPE) == 0x02 /* MAP_PRIVATE */;
+	}
+	}
+#endif
+	return 0;
+}
+
+/*
+ * Every syscall's return on the host, attached only while some shim keeps
+ * self-contained changes ([checkpoint] self_contained_changes = "keep"):
+ * counts the interactions of processes of watched cgroups (struct run). A
+ * quiet syscall costs every task a switch on its number; others a cgroup
+ * lookup. Syscalls made under ptrace are not counted: CRIU's parasite makes
+ * them in the process while it dumps it, and a tracer in the container is
+ * counted by crab_ptrace (which every turn end then sees).
+ */
+SEC("tp_btf/sys_exit")
+int BPF_PROG(crab_quiet, struct pt_regs *regs, long ret)
+{
+	struct pt_regs___crab *r = (struct pt_regs___crab *)regs;
+	struct task_struct *task;
+	struct counters *c;
+	struct run *run;
+	__u64 cg;
+
+	if (quiet_syscall(r, SYSCALL_NR(r), ret))
+		return 0;
+	c = current_counters(&cg);
+	if (!c)
+		return 0;
+	task = bpf_get_current_task_btf();
+	if (task->ptrace)
+		return 0;
+	run = run_of(task);
+	if (!run) {
+		run = run_make(task, cg, c);
+		if (!run)
+			return 0; /* counted by run_make: the turn is degraded */
+	}
+	add(&run->interactions);
+	return 0;
+}
+
 /*
  * Runs at every context switch on the host, before the switch: current ==
  * prev. Records which process each CPU runs next, and counts the switch-out

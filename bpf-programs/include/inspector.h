@@ -88,6 +88,14 @@ struct run {
 	/* Signals queued to the process by anyone (another process, the kernel):
 	 * one that stays pending is state its memory does not show. */
 	__u64 signals;
+	/* Syscalls of the process that returned while no tracer was attached
+	 * (CRIU's parasite runs under ptrace), other than the few after which
+	 * nobody outside the process can tell that it made them (quiet_syscall
+	 * in inspector.bpf.c: waits that ended with no event, clocks, its own
+	 * memory and signal set-up). Counted only while the `crab_quiet`
+	 * program is attached (a shim whose config keeps self-contained
+	 * changes attaches it): until then it stays 0. */
+	__u64 interactions;
 	/* User addresses of the rseq areas (struct rseq) of threads seen leaving a
 	 * CPU: the kernel writes the current CPU there, which is no state of the
 	 * process's own. Cleared at exec and whenever a thread exits (an area

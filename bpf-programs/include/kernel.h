@@ -85,6 +85,7 @@ struct task_struct {
 	struct signal_struct *signal;
 	struct task_struct *group_leader; /* the process's first thread */
 	int exit_code; /* what wait() reports; bit 0x80: a core was dumped */
+	unsigned int ptrace; /* PT_* flags: non-zero while a tracer is attached */
 } __crab_core;
 
 /* Linux 4.18-6.18: the thread's registered struct rseq (a user pointer). A
@@ -115,15 +116,22 @@ struct vm_area_struct {
 struct pt_regs___crab {
 	unsigned long si;
 	unsigned long dx;
+	unsigned long r10;
+	unsigned long orig_ax;
 } __crab_core;
 #define SYSCALL_ARG1(regs) ((regs)->si)
 #define SYSCALL_ARG2(regs) ((regs)->dx)
+#define SYSCALL_ARG3(regs) ((regs)->r10)
+#define SYSCALL_NR(regs) ((long)(regs)->orig_ax)
 #elif defined(__TARGET_ARCH_arm64)
 struct pt_regs___crab {
 	__u64 regs[31];
+	__s32 syscallno;
 } __crab_core;
 #define SYSCALL_ARG1(regs) ((regs)->regs[1])
 #define SYSCALL_ARG2(regs) ((regs)->regs[2])
+#define SYSCALL_ARG3(regs) ((regs)->regs[3])
+#define SYSCALL_NR(regs) ((long)(regs)->syscallno)
 #else
 #error "inspector: unsupported architecture"
 #endif

@@ -1438,3 +1438,108 @@ fn changes_from_outside_the_container_count_for_its_rootfs() {
     fs::write(overlay.merged.join("after-unwatch"), "x").unwrap();
     probes.unwatch(bystander.id).unwrap();
 }
+
+/// Interactions (syscalls other than the quiet ones, and signals) counted per process once the
+/// quiet program is attached: a process that only waits with timeouts, reads clocks and
+/// allocates counts none however long it runs; a stat, a wait that returned an event, a file
+/// mapped, a signal each count.
+#[test]
+fn counts_the_interactions_of_processes_once_asked() {
+    let _serial = serial();
+    let root = TestRoot::new("quiet");
+    let probes = HostProbes::open_or_load_at(&root.0).unwrap();
+    let cg = TestCgroup::new("quiet");
+    probes.watch(cg.id).unwrap();
+    assert!(!probes.interactions_tracked(), "attached only when asked");
+    assert!(!expected_links().unwrap().contains("btf:sys_exit"));
+
+    let fifo = std::env::temp_dir().join(format!("crab-quiet-{}", std::process::id()));
+    let _ = fs::remove_file(&fifo);
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    // Waits on a FIFO (nobody writes: each poll times out), allocates, reads the clock; after
+    // an event it reads what came.
+    let mut quiet = cg.spawn(&format!(
+        "exec {}",
+        py(&format!(
+            "import select,time\nfd=os.open(\"{}\",os.O_RDONLY|os.O_NONBLOCK)\np=select.poll()\np.register(fd,select.POLLIN)\nkeep=[]\nwhile True:\n  if p.poll(50):\n    os.read(fd,100)\n  keep.append(time.monotonic())\n  keep=keep[-1000:]",
+            fifo.display()
+        ))
+    ));
+    let pid = quiet.id();
+    // Opened for writing (and kept open) only now: until then poll times out.
+    let settle = || std::thread::sleep(Duration::from_millis(400));
+    settle();
+    let before_attach = wait_for(|| probes.interactions(pid).unwrap()).expect("an entry");
+    settle();
+    assert_eq!(
+        probes.interactions(pid).unwrap(),
+        Some(before_attach),
+        "not attached: nothing counted"
+    );
+    probes.track_interactions().unwrap();
+    assert!(probes.interactions_tracked());
+    probes.track_interactions().unwrap(); // a second ask changes nothing
+    settle();
+    let runs_before = probes.run_count(pid).unwrap();
+    let quiet_before = probes.interactions(pid).unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+    let quiet_after = probes.interactions(pid).unwrap();
+    let runs_after = probes.run_count(pid).unwrap();
+    assert_ne!(runs_before, runs_after, "it ran");
+    assert_eq!(
+        quiet_before, quiet_after,
+        "timed-out polls, clocks and allocation are no interaction"
+    );
+
+    // An event on what it waits for: the poll that returns it and the read count.
+    let mut w = fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+    w.write_all(b"x").unwrap();
+    let moved = wait_for(|| {
+        probes
+            .interactions(pid)
+            .unwrap()
+            .filter(|n| Some(*n) > quiet_after)
+    });
+    assert!(moved.is_some(), "data that reached it counts");
+    settle();
+    let after_event = probes.interactions(pid).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        probes.interactions(pid).unwrap(),
+        after_event,
+        "quiet again (the writer stays open)"
+    );
+    drop(w);
+
+    // Others, each alone in a process of its own, from its second iteration on.
+    let counted = |what: &str, body: &str| {
+        let mut child = cg.spawn(&format!("exec {}", py(body)));
+        let pid = child.id();
+        std::thread::sleep(Duration::from_millis(300));
+        let a = wait_for(|| probes.interactions(pid).unwrap());
+        std::thread::sleep(Duration::from_millis(500));
+        let b = probes.interactions(pid).unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        eprintln!("{what}: {a:?} -> {b:?}");
+        b > a
+    };
+    assert!(counted(
+        "stat",
+        "import time\nwhile True:\n  os.stat(\"/\")\n  time.sleep(0.05)"
+    ));
+    assert!(counted(
+        "private file mapping",
+        "import time,mmap\nf=open(\"/etc/hostname\",\"rb\")\nwhile True:\n  m=mmap.mmap(f.fileno(),0,prot=mmap.PROT_READ)\n  m.close()\n  time.sleep(0.05)"
+    ));
+    assert!(!counted(
+        "anonymous mapping",
+        "import time,mmap\nwhile True:\n  m=mmap.mmap(-1,1<<20,flags=mmap.MAP_PRIVATE|mmap.MAP_ANONYMOUS)\n  m[0]=1\n  m.close()\n  time.sleep(0.05)"
+    ));
+
+    quiet.kill().unwrap();
+    quiet.wait().unwrap();
+    let _ = fs::remove_file(&fifo);
+    assert_eq!(probes.counters(cg.id).unwrap().errors, 0);
+    probes.unwatch(cg.id).unwrap();
+}

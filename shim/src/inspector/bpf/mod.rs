@@ -70,7 +70,7 @@ pub use self::programs::version_dir_name;
 pub use crate::sys::bpf::ProgramStats;
 
 /// Bump whenever a map layout in `bpf-programs/include/inspector.h` changes.
-pub const ABI_VERSION: u32 = 8;
+pub const ABI_VERSION: u32 = 9;
 /// Where the host-wide programs are pinned.
 pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/crab";
 /// Number of [`FsClass`] values.

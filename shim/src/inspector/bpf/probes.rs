@@ -95,6 +95,50 @@ impl HostProbes {
         self.maps().dir.clone()
     }
 
+    /// Attaches the program that counts the interactions of watched processes
+    /// ([`Self::interactions`]) unless some shim already did: from then on it runs at every
+    /// syscall's return on the host (a switch on the syscall number for all, a cgroup lookup for
+    /// those that are not quiet) until the version's pins are removed. Serialized with loads on
+    /// the root lock.
+    pub fn track_interactions(&self) -> Result<(), BpfError> {
+        if self.interactions_tracked() {
+            return Ok(());
+        }
+        let dir = self.pin_dir();
+        let _lock = DirLock::exclusive(&self.root)?;
+        if self.interactions_tracked() {
+            return Ok(());
+        }
+        super::programs::attach_quiet(&dir)?;
+        info!(
+            "inspector: counting the interactions of watched processes ({})",
+            dir.display()
+        );
+        Ok(())
+    }
+
+    /// Whether the interactions program is attached (its link is pinned): only then do
+    /// [`Self::interactions`] counts move.
+    pub fn interactions_tracked(&self) -> bool {
+        self.pin_dir()
+            .join("links")
+            .join(super::programs::quiet_link_name())
+            .exists()
+    }
+
+    /// What reached process `pid` (of a watched cgroup) from outside itself or went out of it,
+    /// as the kernel saw it, since its entry was made: its syscalls other than the quiet ones
+    /// (`quiet_syscall` in inspector.bpf.c) while the interactions program is attached, plus
+    /// the signals queued to it. Two equal `Some(n)` mean nothing of the kind happened in
+    /// between, provided the program was attached throughout; `None` (no entry) cannot say.
+    pub fn interactions(&self, pid: u32) -> Result<Option<u64>, BpfError> {
+        Ok(self
+            .maps()
+            .runs
+            .get(pid)?
+            .map(|run| run.interactions.wrapping_add(run.signals)))
+    }
+
     pub(super) fn maps(&self) -> std::sync::MutexGuard<'_, Maps> {
         // A panic while holding the lock leaves the maps themselves intact
         // (they live in the kernel): keep going.

@@ -178,6 +178,17 @@ pub(super) const BTF_TRACEPOINTS: &[(&str, &str)] = &[
     ("crab_signal", "signal_generate"),
 ];
 
+/// The program that counts the interactions of watched processes (`struct run`), on every
+/// syscall's return on the host: loaded and pinned with the others, attached only once a shim
+/// asks for it ([`super::HostProbes::track_interactions`]), since it costs every syscall on the
+/// host something.
+pub(super) const QUIET_PROGRAM: (&str, &str) = ("crab_quiet", "sys_exit");
+
+/// File name of the quiet program's link pin.
+pub(super) fn quiet_link_name() -> String {
+    format!("btf:{}", QUIET_PROGRAM.1)
+}
+
 pub(super) const MAP_NAMES: &[&str] = &[
     "watched",
     "levels",
@@ -218,6 +229,7 @@ pub(super) struct RawRun {
     pub(super) flags: u64,
     pub(super) charged: u64,
     pub(super) signals: u64,
+    pub(super) interactions: u64,
     pub(super) rseq: [u64; RUN_RSEQ_MAX],
 }
 
@@ -257,6 +269,7 @@ pub(super) fn program_names() -> impl Iterator<Item = &'static str> {
         .iter()
         .map(|(p, _)| *p)
         .chain(BTF_TRACEPOINTS.iter().map(|(p, _)| *p))
+        .chain(std::iter::once(QUIET_PROGRAM.0))
 }
 
 fn tracefs_events() -> PathBuf {
@@ -319,11 +332,7 @@ pub(super) fn pin_into(tmp: &Path) -> Result<(), BpfError> {
         pin_program(prog.pin(tmp.join("progs").join(name)), tmp, name)?;
     }
     for (name, tp) in BTF_TRACEPOINTS {
-        let prog: &mut BtfTracePoint = ebpf
-            .program_mut(name)
-            .ok_or(BpfError::MissingProgram(name))?
-            .try_into()
-            .map_err(|source| BpfError::Program { name, source })?;
+        let prog = btf_tracepoint(&mut ebpf, name)?;
         prog.load(tp, &btf)
             .map_err(|source| BpfError::Program { name, source })?;
         let id = prog
@@ -338,6 +347,15 @@ pub(super) fn pin_into(tmp: &Path) -> Result<(), BpfError> {
         )?;
         pin_program(prog.pin(tmp.join("progs").join(name)), tmp, name)?;
     }
+    // Loaded (so that a kernel that refuses it refuses the whole load, not a shim later) and
+    // pinned, not attached.
+    {
+        let (name, tp) = QUIET_PROGRAM;
+        let prog = btf_tracepoint(&mut ebpf, name)?;
+        prog.load(tp, &btf)
+            .map_err(|source| BpfError::Program { name, source })?;
+        pin_program(prog.pin(tmp.join("progs").join(name)), tmp, name)?;
+    }
     for name in MAP_NAMES {
         let path = tmp.join("maps").join(name);
         let map = ebpf.map(name).ok_or_else(|| BpfError::Incomplete {
@@ -348,6 +366,31 @@ pub(super) fn pin_into(tmp: &Path) -> Result<(), BpfError> {
             .map_err(|source| BpfError::Pin { path, source })?;
     }
     Ok(())
+}
+
+/// Attaches the pinned quiet program of version directory `dir` and pins its link (the caller
+/// holds the root lock and saw no link pinned).
+pub(super) fn attach_quiet(dir: &Path) -> Result<(), BpfError> {
+    let name = QUIET_PROGRAM.0;
+    let mut prog = BtfTracePoint::from_pin(dir.join("progs").join(name))
+        .map_err(|source| BpfError::Program { name, source })?;
+    let id = prog
+        .attach()
+        .map_err(|source| BpfError::Program { name, source })?;
+    let link = prog
+        .take_link(id)
+        .map_err(|source| BpfError::Program { name, source })?;
+    pin_link(FdLink::from(link), &dir.join("links").join(quiet_link_name()))
+}
+
+fn btf_tracepoint<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut BtfTracePoint, BpfError> {
+    ebpf.program_mut(name)
+        .ok_or(BpfError::MissingProgram(name))?
+        .try_into()
+        .map_err(|source| BpfError::Program { name, source })
 }
 
 fn tracepoint<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut TracePoint, BpfError> {

@@ -66,12 +66,19 @@ fn state_classes_match_the_c_enum() {
 #[test]
 fn map_values_match_the_c_layouts() {
     use super::programs::{RawQuota, RawRun, RUN_RSEQ_MAX};
-    // struct run: switches_out, cgroup_id, flags, charged, signals, rseq[RUN_RSEQ_MAX].
-    assert_eq!(std::mem::size_of::<RawRun>(), 8 * (5 + RUN_RSEQ_MAX));
+    // struct run: switches_out, cgroup_id, flags, charged, signals, interactions,
+    // rseq[RUN_RSEQ_MAX].
+    assert_eq!(std::mem::size_of::<RawRun>(), 8 * (6 + RUN_RSEQ_MAX));
     assert_eq!(std::mem::size_of::<RawQuota>(), 16);
     let header = include_str!("../../../../bpf-programs/include/inspector.h");
     assert!(header.contains("#define RUN_RSEQ_MAX 8"));
     assert!(header.contains("__u64 charged;"));
+    let run = &header[header.find("struct run {").unwrap()..];
+    let order: Vec<usize> = ["switches_out;", "signals;", "interactions;", "rseq[RUN_RSEQ_MAX];"]
+        .iter()
+        .map(|f| run.find(f).unwrap())
+        .collect();
+    assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}");
 }
 
 #[test]
