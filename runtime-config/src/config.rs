@@ -252,6 +252,44 @@ pub struct CheckpointConfig {
     pub policy: CheckpointPolicy,
     /// How process images are dumped (see [`ProcessDump`]). Default `criu`.
     pub process_dump: ProcessDump,
+    /// What a turn end does with a process whose memory changed by its own doing alone (see
+    /// [`SelfContainedChanges`]). Default `checkpoint`. A container's spec annotation
+    /// `io.crab/self-contained-changes` overrides it.
+    pub self_contained_changes: SelfContainedChanges,
+}
+
+/// What a turn end does with a process whose memory changed only by its own doing: nothing
+/// reached it from outside (no syscall but waits that timed out, clocks, its own memory and
+/// signal set-up; no signal; nobody wrote into it), it had no effect outside itself, and it
+/// shares no writable memory. An idle server's timer wake-ups are such changes: its image at
+/// the last checkpoint, left to run, is indistinguishable from it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SelfContainedChanges {
+    /// Such a change is a change like any other: a process checkpoint.
+    #[default]
+    Checkpoint,
+    /// Keep the process's last image: the change alone makes no process checkpoint. Attaches
+    /// a BPF program to every syscall's return on the host (see the README's performance
+    /// notes for its cost).
+    Keep,
+}
+
+impl SelfContainedChanges {
+    pub const ALL: [SelfContainedChanges; 2] =
+        [SelfContainedChanges::Checkpoint, SelfContainedChanges::Keep];
+
+    /// The name in the config file (and the `io.crab/self-contained-changes` annotation).
+    pub fn name(self) -> &'static str {
+        match self {
+            SelfContainedChanges::Checkpoint => "checkpoint",
+            SelfContainedChanges::Keep => "keep",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<SelfContainedChanges> {
+        Self::ALL.into_iter().find(|v| v.name() == name)
+    }
 }
 
 /// How a process image is dumped. Both write the same image (`runc restore` restores either).
@@ -337,6 +375,7 @@ impl Default for CheckpointConfig {
             turn_boundary: TurnBoundary::Annotation,
             policy: CheckpointPolicy::Minimal,
             process_dump: ProcessDump::Criu,
+            self_contained_changes: SelfContainedChanges::Checkpoint,
         }
     }
 }

@@ -35,8 +35,9 @@ pub mod runtime_options;
 
 pub use config::{
     is_group_name, CheckpointConfig, CheckpointPolicy, Config, ConfigSource, EngineConfig,
-    LimitsConfig, LogConfig, ProcessDump, ReplicationConfig, RestoreConfig, RuncConfig, ShimConfig,
-    StoreConfig, TurnBoundary, UnsignedImages, CONFIG_ENV, DEFAULT_CONFIG_PATH,
+    LimitsConfig, LogConfig, ProcessDump, ReplicationConfig, RestoreConfig, RuncConfig,
+    SelfContainedChanges, ShimConfig, StoreConfig, TurnBoundary, UnsignedImages, CONFIG_ENV,
+    DEFAULT_CONFIG_PATH,
 };
 pub use error::{ConfigError, Location};
 pub use runtime_options::{

@@ -277,9 +277,10 @@ impl Sandbox {
             let (limits, volumes) = (config.limits.clone(), volumes.clone());
             let marked = &self.marked_at_restore;
             marked.store(premarked.is_some(), std::sync::atomic::Ordering::SeqCst);
+            let keep = policy::keeps_self_contained(&spec, c.self_contained_changes)?;
             tokio::task::spawn_blocking(move || match premarked {
                 Some(inspection) => inspection,
-                None => start_inspection(&id, cgroup2_dir, overlay, volumes, limits),
+                None => start_inspection(&id, cgroup2_dir, overlay, volumes, limits, keep),
             })
         };
         let capture = ContainerCapture {
@@ -1154,7 +1155,20 @@ pub fn inspection_before_resume(
         });
     let volumes = tracked_volumes(spec, &config.checkpoint.tracked_volumes);
     let overlay = Overlay::of(rootfs);
-    let mut inspection = start_inspection(id, cgroup2_dir, overlay, volumes, config.limits.clone());
+    // Checked at Create; an annotation the checkpoint image brought is read the same way.
+    let keep = policy::keeps_self_contained(spec, config.checkpoint.self_contained_changes)
+        .unwrap_or_else(|e| {
+            log::warn!("container {id}: {e}: self-contained changes are checkpointed");
+            false
+        });
+    let mut inspection = start_inspection(
+        id,
+        cgroup2_dir,
+        overlay,
+        volumes,
+        config.limits.clone(),
+        keep,
+    );
     // CRIU and its action script are in the container's cgroup until the restore ends.
     inspection.restored_tree(init);
     inspection.restored_rseq(rseq);
@@ -1163,13 +1177,15 @@ pub fn inspection_before_resume(
 }
 
 /// Starts inspecting a created container whose cgroup2 directory is `cgroup2_dir` (or why it
-/// has none).
+/// has none); `keep_self_contained`: its turn ends keep the image of a process whose memory
+/// changed by its own doing alone.
 fn start_inspection(
     container_id: &str,
     cgroup2_dir: std::result::Result<PathBuf, ProbesUnavailable>,
     overlay: Overlay,
     volumes: Vec<(PathBuf, PathBuf)>,
     limits: crab_runtime_config::LimitsConfig,
+    keep_self_contained: bool,
 ) -> Inspection {
     let probes = match &cgroup2_dir {
         Ok(_) => host_probes(),
@@ -1184,6 +1200,7 @@ fn start_inspection(
         overlay_xattrs: overlay.xattrs,
         rootfs_dev: overlay.dev,
         limits,
+        keep_self_contained,
     };
     Inspection::new(target, probes)
 }

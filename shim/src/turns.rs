@@ -54,18 +54,20 @@ const CRI_SANDBOX_NAME: &str = "io.kubernetes.cri.sandbox-name";
 const CRI_CONTAINER_NAME: &str = "io.kubernetes.cri.container-name";
 
 /// The crab annotations that travel with a container's checkpoint images ([`inherit`]).
-pub const SPEC_ANNOTATIONS: [&str; 3] = [
+pub const SPEC_ANNOTATIONS: [&str; 4] = [
     TURN_BOUNDARY,
     crate::checkpoint::policy::POLICY_ANNOTATION,
+    crate::checkpoint::policy::SELF_CONTAINED_ANNOTATION,
     PROBE_COMMANDS,
 ];
 
 /// Every crab annotation a container's spec may carry; any other `io.crab/` key is a typo that
 /// must not silently change nothing. The lineage and the resume request belong to the
 /// container, never to an image: they do not travel.
-pub const KNOWN_SPEC_ANNOTATIONS: [&str; 5] = [
+pub const KNOWN_SPEC_ANNOTATIONS: [&str; 6] = [
     TURN_BOUNDARY,
     crate::checkpoint::policy::POLICY_ANNOTATION,
+    crate::checkpoint::policy::SELF_CONTAINED_ANNOTATION,
     PROBE_COMMANDS,
     LINEAGE,
     RESUME,

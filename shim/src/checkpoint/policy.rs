@@ -13,7 +13,7 @@ use std::borrow::Cow;
 
 use oci_spec::runtime::Spec;
 
-pub use crab_runtime_config::CheckpointPolicy;
+pub use crab_runtime_config::{CheckpointPolicy, SelfContainedChanges};
 
 use crate::{
     error::{Error, Result},
@@ -71,6 +71,27 @@ fn parse_annotation(value: Option<&str>, configured: CheckpointPolicy) -> Result
             known.join(", ")
         ))
     })
+}
+
+/// Container spec annotation choosing what a turn end does with self-contained changes;
+/// overrides `[checkpoint] self_contained_changes`.
+pub const SELF_CONTAINED_ANNOTATION: &str = "io.crab/self-contained-changes";
+
+/// Whether the turn ends of a container keep the image of a process whose memory changed by
+/// its own doing alone: its spec annotation [`SELF_CONTAINED_ANNOTATION`] if set, else the
+/// configured value. An unknown value is an error (the container is not created).
+pub fn keeps_self_contained(spec: &Spec, configured: SelfContainedChanges) -> Result<bool> {
+    let value = match crate::bundle::annotation(spec, &[SELF_CONTAINED_ANNOTATION]) {
+        None => configured,
+        Some(name) => SelfContainedChanges::from_name(name).ok_or_else(|| {
+            let known: Vec<&str> = SelfContainedChanges::ALL.iter().map(|p| p.name()).collect();
+            Error::InvalidArgument(format!(
+                "spec annotation {SELF_CONTAINED_ANNOTATION} must be one of {}, got {name:?}",
+                known.join(", ")
+            ))
+        })?,
+    };
+    Ok(value == SelfContainedChanges::Keep)
 }
 
 #[cfg(test)]
@@ -180,5 +201,39 @@ mod tests {
             for_container(&spec, CheckpointPolicy::Minimal).unwrap(),
             CheckpointPolicy::FsEveryTurn
         );
+    }
+
+    #[test]
+    fn self_contained_changes_from_the_annotation_or_the_config() {
+        let mut spec = Spec::default();
+        assert!(!keeps_self_contained(&spec, SelfContainedChanges::Checkpoint).unwrap());
+        assert!(keeps_self_contained(&spec, SelfContainedChanges::Keep).unwrap());
+        for (value, keeps) in [("keep", true), ("checkpoint", false)] {
+            spec.set_annotations(Some(HashMap::from([(
+                SELF_CONTAINED_ANNOTATION.to_string(),
+                value.to_string(),
+            )])));
+            assert_eq!(
+                keeps_self_contained(&spec, SelfContainedChanges::Checkpoint).unwrap(),
+                keeps
+            );
+            assert_eq!(
+                keeps_self_contained(&spec, SelfContainedChanges::Keep).unwrap(),
+                keeps
+            );
+        }
+        for hostile in ["Keep", "keep ", "", "yes", "keep\0", "none"] {
+            spec.set_annotations(Some(HashMap::from([(
+                SELF_CONTAINED_ANNOTATION.to_string(),
+                hostile.to_string(),
+            )])));
+            let e = keeps_self_contained(&spec, SelfContainedChanges::Keep)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(SELF_CONTAINED_ANNOTATION) && e.contains("checkpoint, keep"),
+                "{e}"
+            );
+        }
     }
 }

@@ -700,12 +700,16 @@ fn container(
 }
 
 /// What `spec` says of the container's turns: its turn boundary and probe commands, its
-/// checkpoint policy checked too (the coordinator reads it again; here so that a bad value
-/// fails Create and changes nothing).
+/// checkpoint policy and self-contained changes checked too (the coordinator reads them again;
+/// here so that a bad value fails Create and changes nothing).
 fn turn_settings(spec: &Spec, config: &Config) -> Result<(bool, Vec<Vec<String>>)> {
     let boundary = turns::exec_boundary(spec, config.checkpoint.turn_boundary)?;
     let probes = turns::probe_commands(spec)?;
     crate::checkpoint::policy::for_container(spec, config.checkpoint.policy)?;
+    crate::checkpoint::policy::keeps_self_contained(
+        spec,
+        config.checkpoint.self_contained_changes,
+    )?;
     Ok((boundary, probes))
 }
 

@@ -255,6 +255,57 @@ pub(super) fn next_mark<C, M, P, V>(
     }
 }
 
+/// What a turn end knows of one persisting process whose memory it compared, for
+/// [`self_contained`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct OwnDoing<'a> {
+    /// The policy keeps self-contained changes, and the interactions program was attached
+    /// before the mark's image was taken and still is.
+    pub kept: bool,
+    /// Another task wrote into some process of the container since the mark (ptrace,
+    /// process_vm_writev, `/proc/PID/mem`).
+    pub foreign_writes: bool,
+    /// The process's interactions read just before its image at the mark was taken, and just
+    /// after the image now was.
+    pub before: Option<u64>,
+    pub after: Option<u64>,
+    pub prev: &'a MemoryImage,
+    pub now: &'a MemoryImage,
+    /// What differs of the kernel-held state (signals, fds, threads, credentials, cwd).
+    pub state_changes: usize,
+    /// The mark's image cannot prove "unchanged" (a lazy restore was under way).
+    pub unproven: bool,
+}
+
+/// Whether a process's memory change since the mark was its own doing alone, so that its image
+/// at the last checkpoint, left to run, is indistinguishable from it to anyone outside it: no
+/// syscall but the quiet ones and no signal reached it (its interactions did not move between
+/// the two images), nobody wrote into it, it maps no memory that another task could write
+/// (shared anonymous, memfd, SysV or tmpfs shared memory, or a file mapped shared and writable:
+/// a read-only shared file mapping changes only through a file change, which the held-files
+/// check sees), its kernel-held state is the mark's, and every thread of it was asleep when its
+/// image was taken (one preempted in a syscall may have taken in data that its count does not
+/// show yet). Anything it cannot tell is "not self-contained".
+pub(super) fn self_contained(o: &OwnDoing<'_>) -> bool {
+    let shares = |img: &MemoryImage| {
+        img.regions.iter().any(|r| match r.kind {
+            RegionKind::Shmem => true,
+            RegionKind::SharedFile => r.perms.contains('w'),
+            RegionKind::Anon | RegionKind::FilePrivate => false,
+        })
+    };
+    o.kept
+        && !o.foreign_writes
+        && !o.unproven
+        && o.state_changes == 0
+        && o.before.is_some()
+        && o.before == o.after
+        && !o.now.state.threads.is_empty()
+        && o.now.state.threads.iter().all(|t| t.sleeping)
+        && !shares(o.prev)
+        && !shares(o.now)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -478,6 +529,7 @@ mod tests {
             state: ProcState::default(),
             stats: CaptureStats::default(),
             masked: Vec::new(),
+            interactions: None,
         }
     }
 
@@ -578,6 +630,77 @@ mod tests {
         ];
         for (name, (c, m, p, v), degraded, want) in rows {
             assert_eq!(next_mark(c, m, p, v, degraded), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn self_contained_table() {
+        use super::super::memory::ThreadState;
+        let asleep = |n: usize| {
+            let mut img = image(&[RegionKind::Anon, RegionKind::FilePrivate]);
+            img.state.threads = (0..n)
+                .map(|i| ThreadState {
+                    tid: i as u32 + 1,
+                    sleeping: true,
+                    ..ThreadState::default()
+                })
+                .collect();
+            img
+        };
+        let base = asleep(2);
+        let with = |f: fn(&mut MemoryImage)| {
+            let mut img = asleep(2);
+            f(&mut img);
+            img
+        };
+        let ro_shared = with(|i| {
+            let mut r = i.regions[1].clone();
+            r.kind = RegionKind::SharedFile;
+            r.perms = "r--s".into();
+            i.regions.push(r);
+        });
+        let rw_shared = with(|i| {
+            let mut r = i.regions[1].clone();
+            r.kind = RegionKind::SharedFile;
+            r.perms = "rw-s".into();
+            i.regions.push(r);
+        });
+        let shmem = with(|i| i.regions.push(region(RegionKind::Shmem)));
+        let one_runnable = with(|i| i.state.threads[1].sleeping = false);
+        let no_threads = with(|i| i.state.threads.clear());
+        let ok = OwnDoing {
+            kept: true,
+            foreign_writes: false,
+            before: Some(40),
+            after: Some(40),
+            prev: &base,
+            now: &base,
+            state_changes: 0,
+            unproven: false,
+        };
+        #[rustfmt::skip]
+        let rows: Vec<(&str, OwnDoing<'_>, bool)> = vec![
+            ("quiet, private memory, asleep", ok, true),
+            ("a read-only shared file mapping (a file change is seen apart)",
+             OwnDoing { now: &ro_shared, prev: &ro_shared, ..ok }, true),
+            ("policy off", OwnDoing { kept: false, ..ok }, false),
+            ("someone wrote into a process", OwnDoing { foreign_writes: true, ..ok }, false),
+            ("an interaction", OwnDoing { after: Some(41), ..ok }, false),
+            ("count went back (entry made again)", OwnDoing { after: Some(2), ..ok }, false),
+            ("no count at the mark", OwnDoing { before: None, ..ok }, false),
+            ("no count now", OwnDoing { after: None, ..ok }, false),
+            ("no counts at all", OwnDoing { before: None, after: None, ..ok }, false),
+            ("kernel-held state changed", OwnDoing { state_changes: 1, ..ok }, false),
+            ("unproven base", OwnDoing { unproven: true, ..ok }, false),
+            ("shared writable file mapping now", OwnDoing { now: &rw_shared, ..ok }, false),
+            ("shared writable file mapping at the mark", OwnDoing { prev: &rw_shared, ..ok }, false),
+            ("shared memory now", OwnDoing { now: &shmem, ..ok }, false),
+            ("shared memory at the mark", OwnDoing { prev: &shmem, ..ok }, false),
+            ("a thread not asleep", OwnDoing { now: &one_runnable, ..ok }, false),
+            ("no thread read", OwnDoing { now: &no_threads, ..ok }, false),
+        ];
+        for (name, o, want) in rows {
+            assert_eq!(self_contained(&o), want, "{name}");
         }
     }
 }

@@ -278,6 +278,11 @@ pub struct ThreadState {
     /// Stopped (`T`) or stopped by a tracer (`t`): a SIGSTOP leaves no other trace.
     #[serde(default)]
     pub stopped: bool,
+    /// In interruptible sleep (`S`) when read: neither on a CPU nor waiting for one, nor
+    /// stopped. Not compared: it says how far the image's counts can be trusted
+    /// ([`super::decide::self_contained`]).
+    #[serde(default)]
+    pub sleeping: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -356,6 +361,10 @@ pub struct MemoryImage {
     /// [`compare`] compares the bytes as read instead.
     #[serde(default)]
     pub masked: Vec<(u64, u64)>,
+    /// The process's interactions ([`super::bpf::HostProbes::interactions`]) read just before
+    /// the image was taken, when the inspection counts them; `None`: unknown.
+    #[serde(default)]
+    pub interactions: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -928,6 +937,7 @@ pub fn capture_in(
         state,
         stats,
         masked,
+        interactions: None,
     })
 }
 
@@ -1599,6 +1609,7 @@ fn read_proc_state(
             // stopped task too: the wait channel tells.
             stopped: stat.state == 't'
                 || super::procs::in_job_stop(stat.state, || read_opt(&format!("{base}/wchan"))),
+            sleeping: stat.state == 'S',
         });
     }
     let fd_dir = format!("/proc/{pid}/fd");
@@ -2229,6 +2240,7 @@ mod tests {
             state: ProcState::default(),
             stats: CaptureStats::default(),
             masked: Vec::new(),
+            interactions: None,
         }
     }
 

@@ -172,6 +172,9 @@ pub struct Target {
     pub rootfs_dev: Option<u64>,
     /// What one observation may cost the shim (`[limits]`).
     pub limits: crab_runtime_config::LimitsConfig,
+    /// Keep the image of a process whose memory changed by its own doing alone
+    /// (`[checkpoint] self_contained_changes = "keep"`, [`decide::self_contained`]).
+    pub keep_self_contained: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -229,6 +232,10 @@ pub struct MemoryFinding {
     /// credentials, cwd): a change even with the same memory.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub state: Vec<String>,
+    /// The change was the process's own doing alone and the policy keeps its last image
+    /// ([`decide::self_contained`]): no change for the turn's answer.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub self_contained: bool,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -261,8 +268,8 @@ pub struct ProcFinding {
 /// started, ended or re-exec'd, a persisting one holds a file the turn changed, kernel state
 /// outside the processes changed, or a persisting one's memory or kernel-held state differs
 /// from its image at the mark, or that image cannot prove it does not (an unproven base).
-/// Idle processes, ones that ran without change and the fork, exec and exit counts alone do
-/// not make a change.
+/// Idle processes, ones that ran without change or whose change was self-contained (kept by
+/// the policy) and the fork, exec and exit counts alone do not make a change.
 fn procs_changed(p: &ProcFinding) -> bool {
     !p.started.is_empty()
         || !p.ended.is_empty()
@@ -270,9 +277,10 @@ fn procs_changed(p: &ProcFinding) -> bool {
         || !p.held_changed.is_empty()
         || !p.kernel.is_empty()
         || p.memory.iter().any(|m| {
-            m.unproven_base
-                || m.changed_pages + m.added_pages + m.removed_pages > 0
-                || !m.state.is_empty()
+            !m.self_contained
+                && (m.unproven_base
+                    || m.changed_pages + m.added_pages + m.removed_pages > 0
+                    || !m.state.is_empty())
         })
 }
 
@@ -366,7 +374,8 @@ impl Answer {
                 parts.push(format!("pid {} {}", m.pid, m.state.join(", ")));
             }
             for m in p.memory.iter().filter(|m| {
-                m.unproven_base || m.changed_pages + m.added_pages + m.removed_pages > 0
+                !m.self_contained
+                    && (m.unproven_base || m.changed_pages + m.added_pages + m.removed_pages > 0)
             }) {
                 parts.push(format!(
                     "pid {} memory {} pages changed{}{}",
@@ -394,10 +403,15 @@ impl Answer {
             }
             why.push(format!("proc: {}", parts.join("; ")));
         } else {
+            let own = p.memory.iter().filter(|m| m.self_contained).count();
             why.push(format!(
-                "proc: unchanged ({} idle, {} ran without change)",
+                "proc: unchanged ({} idle, {} ran without change{})",
                 p.idle.len(),
-                p.memory.len()
+                p.memory.len() - own,
+                match own {
+                    0 => String::new(),
+                    n => format!(", {n} changed by their own doing alone: images kept"),
+                }
             ));
         }
         let r = &p.read;
@@ -485,6 +499,9 @@ pub struct Inspection {
     /// (at pre-resume CRIU itself, and its action script, are in the container's cgroup too:
     /// see [`Self::mark_base_held_by_criu`]).
     only_tree: Option<u32>,
+    /// The host probes count the interactions of the container's processes since before its
+    /// first mark (asked for when the policy keeps self-contained changes).
+    counts_interactions: bool,
 }
 
 /// At most this many tmpfs mounts of a container are compared ([`Inspection::scan_tmpfs`]).
@@ -536,6 +553,21 @@ impl Inspection {
                 target.container_id
             );
         }
+        // Before any mark: an image's count then covers everything since it was taken.
+        let counts_interactions = target.keep_self_contained
+            && probes
+                .as_ref()
+                .is_some_and(|p| match p.track_interactions() {
+                    Ok(()) => true,
+                    Err(e) => {
+                        log::warn!(
+                            "inspector for {}: cannot count interactions, self-contained changes \
+                         are checkpointed: {e}",
+                            target.container_id
+                        );
+                        false
+                    }
+                });
         Inspection {
             target,
             probes,
@@ -546,6 +578,7 @@ impl Inspection {
             pages_in_flight: None,
             rseq_seeds: HashMap::new(),
             only_tree: None,
+            counts_interactions,
         }
     }
 
@@ -891,7 +924,29 @@ impl Inspection {
         Ok(out)
     }
 
+    /// Process `pid`'s interactions now, when the inspection counts them.
+    fn interactions(&self, pid: u32) -> Option<u64> {
+        if !self.counts_interactions {
+            return None;
+        }
+        self.probes
+            .as_ref()
+            .and_then(|p| p.interactions(pid).ok().flatten())
+    }
+
+    /// Whether a change found now may be kept as self-contained: the policy says so and the
+    /// interactions program is still attached (its pins were not removed since the mark).
+    fn keeps_self_contained(&self) -> bool {
+        self.counts_interactions
+            && self
+                .probes
+                .as_ref()
+                .is_some_and(|p| p.interactions_tracked())
+    }
+
     fn capture(&self, pid: u32, obs: &mut Observation) -> Result<MemoryImage, memory::MemError> {
+        // Read before: whatever reached the process from here on is not in this count.
+        let interactions = self.interactions(pid);
         let mut img = capture_bounded(
             pid,
             self.target.limits.max_fdinfo_bytes,
@@ -899,6 +954,7 @@ impl Inspection {
             obs,
         )?;
         self.note_signals(pid, &mut img.state);
+        img.interactions = interactions;
         Ok(img)
     }
 
@@ -1148,6 +1204,11 @@ impl Inspection {
             }) else {
                 continue;
             };
+            let interactions = self
+                .probes
+                .as_ref()
+                .filter(|_| self.counts_interactions)
+                .and_then(|p| p.interactions(pid).ok().flatten());
             match capture_bounded(
                 pid,
                 self.target.limits.max_fdinfo_bytes,
@@ -1156,6 +1217,7 @@ impl Inspection {
             ) {
                 Ok(mut img) => {
                     obs.settle(&mut img);
+                    img.interactions = interactions;
                     mark.memory.insert(pid, img);
                     mark.run_counts.insert(pid, n);
                     if missing {
@@ -1451,7 +1513,11 @@ impl Inspection {
                 note_held_files(p.pid, &changed_paths, &mut procs.held_changed, degraded);
             }
             let ran = self.ran_or_state_changed(p.pid, m, events.foreign_writes, seen, degraded);
-            self.observe_memory(p, m, ran, &mut procs, seen, degraded);
+            let how = Ran {
+                ran,
+                foreign_writes: events.foreign_writes,
+            };
+            self.observe_memory(p, m, how, &mut procs, seen, degraded);
         }
         self.observe_started(&delta.started, seen, degraded);
         procs.changed = procs_changed(&procs);
@@ -1512,11 +1578,12 @@ impl Inspection {
         &self,
         p: &ProcInfo,
         m: &Mark,
-        ran: bool,
+        how: Ran,
         procs: &mut ProcFinding,
         seen: &mut TurnImages,
         degraded: &mut Vec<String>,
     ) {
+        let ran = how.ran;
         let prev_img = m.memory.get(&p.pid);
         let step = decide::memory_step(ran, prev_img);
         if let MemoryStep::Carry(img) = step {
@@ -1544,9 +1611,33 @@ impl Inspection {
             }
             _ => self.capture(p.pid, &mut seen.obs),
         };
+        // Read after the image: whatever reached it before is in this count.
+        let interactions_after = self.interactions(p.pid);
         match (img, prev_img) {
             (Ok(img), Some(prev_img)) => {
                 let d = memory::compare(prev_img, &img);
+                let unproven_base = m.unproven.contains(&p.pid);
+                let changed = d.changed_pages + d.added_pages + d.removed_pages > 0;
+                let self_contained = changed
+                    && decide::self_contained(&decide::OwnDoing {
+                        kept: self.keeps_self_contained(),
+                        foreign_writes: how.foreign_writes,
+                        before: prev_img.interactions,
+                        after: interactions_after,
+                        prev: prev_img,
+                        now: &img,
+                        state_changes: d.state_counted.len(),
+                        unproven: unproven_base,
+                    });
+                if self_contained {
+                    log::info!(
+                        "pid {} of {} changed {} pages by its own doing alone: its last image \
+                         is kept",
+                        p.pid,
+                        self.target.container_id,
+                        d.changed_pages + d.added_pages + d.removed_pages
+                    );
+                }
                 procs.memory.push(MemoryFinding {
                     pid: p.pid,
                     cmdline: ProcSummary::from(p).cmdline,
@@ -1554,9 +1645,10 @@ impl Inspection {
                     added_pages: d.added_pages,
                     removed_pages: d.removed_pages,
                     scanned_pages: d.scanned_pages,
-                    unproven_base: m.unproven.contains(&p.pid),
+                    unproven_base,
                     regions: d.by_region.iter().take(3).cloned().collect(),
                     state: d.state_counted.clone(),
+                    self_contained,
                 });
                 seen.memory_images.insert(p.pid, img);
             }
@@ -1593,6 +1685,15 @@ impl Inspection {
             }
         }
     }
+}
+
+/// What a turn end learnt of a persisting process before its memory is looked at.
+#[derive(Debug, Clone, Copy)]
+struct Ran {
+    /// It may have changed since the mark ([`Inspection::ran_or_state_changed`]).
+    ran: bool,
+    /// Another task wrote into some process of the container since the mark.
+    foreign_writes: bool,
 }
 
 /// An observation of the present ([`Inspection::peek`]) that can become the mark after the
@@ -1923,6 +2024,8 @@ mod tests {
             ("removed pages", memory(|m| m.removed_pages = 1), true),
             ("kernel-held state", memory(|m| m.state = vec!["cwd".into()]), true),
             ("same memory, unproven base", memory(|m| m.unproven_base = true), true),
+            ("changed pages, self-contained",
+             memory(|m| { m.changed_pages = 3; m.self_contained = true }), false),
         ];
         for (name, finding, changed) in rows {
             assert_eq!(procs_changed(&finding), changed, "{name}");
@@ -1949,6 +2052,7 @@ mod tests {
             overlay_xattrs: fs::OverlayXattrs::Trusted,
             rootfs_dev: None,
             limits: Default::default(),
+            keep_self_contained: false,
         }
     }
 

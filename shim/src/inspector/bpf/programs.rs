@@ -380,7 +380,10 @@ pub(super) fn attach_quiet(dir: &Path) -> Result<(), BpfError> {
     let link = prog
         .take_link(id)
         .map_err(|source| BpfError::Program { name, source })?;
-    pin_link(FdLink::from(link), &dir.join("links").join(quiet_link_name()))
+    pin_link(
+        FdLink::from(link),
+        &dir.join("links").join(quiet_link_name()),
+    )
 }
 
 fn btf_tracepoint<'a>(

@@ -74,10 +74,15 @@ fn map_values_match_the_c_layouts() {
     assert!(header.contains("#define RUN_RSEQ_MAX 8"));
     assert!(header.contains("__u64 charged;"));
     let run = &header[header.find("struct run {").unwrap()..];
-    let order: Vec<usize> = ["switches_out;", "signals;", "interactions;", "rseq[RUN_RSEQ_MAX];"]
-        .iter()
-        .map(|f| run.find(f).unwrap())
-        .collect();
+    let order: Vec<usize> = [
+        "switches_out;",
+        "signals;",
+        "interactions;",
+        "rseq[RUN_RSEQ_MAX];",
+    ]
+    .iter()
+    .map(|f| run.find(f).unwrap())
+    .collect();
     assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}");
 }
 

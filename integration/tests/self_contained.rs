@@ -1,0 +1,243 @@
+//! Issue 29, item 5: idle servers stop costing a process checkpoint per turn. With
+//! `io.crab/self-contained-changes: keep`, a process whose memory changed only by its own doing
+//! (an HTTP server's poll timeouts, a sleeper's wake-ups, a poller of a FIFO nobody wrote) keeps
+//! its last image: read-only turns are `none`. What reached a process (a request, bytes in its
+//! FIFO, a signal) is still a process change, and a crash after the kept turns recovers a
+//! sandbox whose servers answer as they would have. With the default (`checkpoint`) the same
+//! read-only turns are process turns whenever a server's memory moved.
+//!
+//! Real containerd, runc, CRIU and eBPF.
+
+use crab_integration::sandbox::{Sandbox, SandboxOptions};
+use serde_json::Value;
+
+/// A counter behind HTTP (socketserver's `serve_forever`: a poll that times out every 0.5 s),
+/// a poller of a FIFO it holds open itself (one 0.5 s timeout after another; what comes is
+/// kept), a sleeper that counts SIGUSR1. Each says its state when asked.
+const SERVERS: &str = r#"mkfifo /tmp/feed
+cat > /app/servers.py <<'EOF'
+import http.server, os, select, signal, sys, threading, time
+
+def http_counter():
+    n = 0
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            nonlocal n
+            n += 1
+            body = str(n).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", 8000), H).serve_forever()
+
+def fifo_poller():
+    fd = os.open("/tmp/feed", os.O_RDWR | os.O_NONBLOCK)
+    got = []
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    while True:
+        if p.poll(500):
+            got.append(os.read(fd, 100))
+            with open("/tmp/feed-seen", "w") as f:
+                f.write(repr(b"".join(got)))
+
+def sig_counter():
+    n = [0]
+    def h(*_):
+        n[0] += 1
+        with open("/tmp/sig-seen", "w") as f:
+            f.write(str(n[0]))
+    signal.signal(signal.SIGUSR1, h)
+    while True:
+        time.sleep(0.5)
+
+{"http": http_counter, "fifo": fifo_poller, "sig": sig_counter}[sys.argv[1]]()
+EOF
+for role in http fifo sig; do nohup python3 /app/servers.py $role >/dev/null 2>&1 & done
+python3 - <<'EOF'
+import time, urllib.request
+for _ in range(100):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8000/").read()
+        break
+    except OSError:
+        time.sleep(0.05)
+EOF"#;
+
+const GET: &str =
+    "python3 -c 'import urllib.request; print(urllib.request.urlopen(\"http://127.0.0.1:8000/\").read().decode())'";
+
+/// A turn that only reads, long enough for every server to wake up a few times.
+const READ_ONLY: &str = "cat /app/servers.py >/dev/null && ls -la /app && sleep 1.2";
+
+/// Pids of the memory findings the policy kept.
+fn kept(answer: &Value) -> Vec<u64> {
+    answer["procs"]["memory"]
+        .as_array()
+        .map(|m| {
+            m.iter()
+                .filter(|f| f["self_contained"] == true)
+                .filter_map(|f| f["pid"].as_u64())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Command lines of the processes whose memory changed and counted (not kept).
+fn changed(answer: &Value) -> Vec<String> {
+    answer["procs"]["memory"]
+        .as_array()
+        .map(|m| {
+            m.iter()
+                .filter(|f| f["self_contained"] != true)
+                .filter(|f| {
+                    ["changed_pages", "added_pages", "removed_pages"]
+                        .iter()
+                        .any(|k| f[*k].as_u64() > Some(0))
+                })
+                .filter_map(|f| f["cmdline"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn changed_role(answer: &Value, role: &str) -> bool {
+    changed(answer)
+        .iter()
+        .any(|c| c.ends_with(&format!("servers.py {role}")))
+}
+
+/// Starts the servers, makes the HTTP counter count one request; returns the answers of
+/// `read_only` read-only turns after that.
+async fn servers_then_read_only(s: &mut Sandbox, read_only: usize) -> Vec<Value> {
+    s.run(SERVERS).await;
+    let first = s.end_turn().await;
+    assert_ne!(first["kind"], "none", "servers started: {first:#}");
+    s.sync().await;
+    assert_eq!(s.run(GET).await.stdout.trim(), "2");
+    let second = s.end_turn().await;
+    assert!(
+        matches!(second["kind"].as_str(), Some("proc" | "full")),
+        "a request reached the server: {second:#}"
+    );
+    s.sync().await;
+    let mut answers = Vec::new();
+    for _ in 0..read_only {
+        s.run(READ_ONLY).await;
+        answers.push(s.end_turn().await);
+        s.sync().await;
+    }
+    answers
+}
+
+/// Kept: read-only turns are `none` while the servers' memory moves by itself (at least once
+/// in the run, or the test proves nothing); a request, bytes in the FIFO and a signal are each
+/// a process turn again; a crash after kept turns recovers servers that answer as they would
+/// have (the HTTP count goes on from the checkpointed one).
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_servers_keep_their_images_and_lose_nothing() {
+    let opts = SandboxOptions {
+        annotations: &[("io.crab/self-contained-changes", "keep")],
+        ..SandboxOptions::default()
+    };
+    let (mut s, _guard) = Sandbox::start("self-contained", opts).await;
+    let answers = servers_then_read_only(&mut s, 4).await;
+    let mut kept_turns = 0;
+    for (i, a) in answers.iter().enumerate() {
+        eprintln!(
+            "read-only turn {}: {} (kept {:?}, changed {:?})",
+            i + 1,
+            a["kind"],
+            kept(a),
+            changed(a)
+        );
+        assert_eq!(a["kind"], "none", "{a:#}");
+        assert!(a["degraded"].as_array().unwrap().is_empty(), "{a:#}");
+        kept_turns += usize::from(!kept(a).is_empty());
+    }
+    assert!(
+        kept_turns > 0,
+        "no server's memory moved by itself in 4 turns: the test proved nothing"
+    );
+
+    // A crash after the kept turns: the recovered servers are the checkpointed ones, left to
+    // run, which nobody can tell from the ones that ran on.
+    s.h.kill(&s.id, "", libc::SIGKILL, true).await.unwrap();
+    s.h.wait(&s.id, "", std::time::Duration::from_secs(30))
+        .await
+        .unwrap();
+    let (code, out, err) = s.crabctl(&["recover", &s.id]);
+    assert_eq!(code, 0, "recover: {out}{err}");
+    assert_eq!(
+        s.run(GET).await.stdout.trim(),
+        "3",
+        "the count goes on from the request the checkpoint saw"
+    );
+    let after_get = s.end_turn().await;
+    assert!(
+        matches!(after_get["kind"].as_str(), Some("proc" | "full")),
+        "a request reached the recovered server: {after_get:#}"
+    );
+    s.sync().await;
+
+    // Bytes in the poller's FIFO: it reads them (a poll that returned an event, a read).
+    s.run("printf hello > /tmp/feed && for i in $(seq 50); do test -e /tmp/feed-seen && break; sleep 0.1; done && cat /tmp/feed-seen")
+        .await;
+    let a = s.end_turn().await;
+    assert!(
+        matches!(a["kind"].as_str(), Some("proc" | "full")),
+        "data reached the FIFO poller: {a:#}"
+    );
+    assert!(changed_role(&a, "fifo"), "{a:#}");
+    s.sync().await;
+
+    // A signal: the sleeper's handler counts it.
+    s.run(
+        "pkill -USR1 -f '[s]ervers.py sig' && for i in $(seq 50); do test -e /tmp/sig-seen && break; sleep 0.1; done && cat /tmp/sig-seen",
+    )
+    .await;
+    let a = s.end_turn().await;
+    assert!(
+        matches!(a["kind"].as_str(), Some("proc" | "full")),
+        "a signal reached the sleeper: {a:#}"
+    );
+    assert!(changed_role(&a, "sig"), "{a:#}");
+    s.sync().await;
+
+    // Quiet again afterwards.
+    s.run(READ_ONLY).await;
+    let a = s.end_turn().await;
+    assert_eq!(a["kind"], "none", "{a:#}");
+    s.finish().await;
+}
+
+/// The default checkpoints such changes: the same read-only turns are process turns whenever
+/// a server's memory moved (and `none` only when none did), and nothing is ever kept.
+#[tokio::test(flavor = "multi_thread")]
+async fn by_default_an_idle_servers_own_changes_are_checkpointed() {
+    let (mut s, _guard) = Sandbox::start("self-contained-off", SandboxOptions::default()).await;
+    let answers = servers_then_read_only(&mut s, 4).await;
+    let mut proc_turns = 0;
+    for (i, a) in answers.iter().enumerate() {
+        eprintln!(
+            "read-only turn {}: {} (changed {:?})",
+            i + 1,
+            a["kind"],
+            changed(a)
+        );
+        assert!(kept(a).is_empty(), "{a:#}");
+        match a["kind"].as_str() {
+            Some("proc") => {
+                assert!(!changed(a).is_empty(), "{a:#}");
+                proc_turns += 1;
+            }
+            Some("none") => assert!(changed(a).is_empty(), "{a:#}"),
+            other => panic!("read-only turn {}: {other:?}: {a:#}", i + 1),
+        }
+    }
+    eprintln!("{proc_turns} of 4 read-only turns took a process checkpoint");
+    s.finish().await;
+}
