@@ -1062,6 +1062,7 @@ mod tests {
             turn_boundary = "exec"
             policy = "full-every-turn"
             process_dump = "runc"
+            self_contained_changes = "keep"
 
             [engine]
             max_jobs = 4
@@ -1130,6 +1131,7 @@ mod tests {
                     turn_boundary: TurnBoundary::Exec,
                     policy: CheckpointPolicy::FullEveryTurn,
                     process_dump: ProcessDump::Runc,
+                    self_contained_changes: SelfContainedChanges::Keep,
                 },
                 engine: EngineConfig {
                     max_jobs: 4,

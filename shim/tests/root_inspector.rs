@@ -768,6 +768,7 @@ fn target(dir: &Path) -> Target {
         overlay_xattrs: OverlayXattrs::Trusted,
         rootfs_dev: None,
         limits: Default::default(),
+        keep_self_contained: false,
     }
 }
 

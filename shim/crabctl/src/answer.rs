@@ -84,6 +84,10 @@ pub struct MemoryFinding {
     /// Kernel-held state that changed (pending signals, stopped, fds and what they hold).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub state: Vec<String>,
+    /// The change was the process's own doing alone and the container keeps its last image
+    /// (`[checkpoint] self_contained_changes = "keep"`): not a change of the turn.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub self_contained: bool,
 }
 
 /// What changed in the container's processes during the turn.
@@ -127,6 +131,10 @@ impl TurnAnswer {
             ));
         }
         let p = &self.procs;
+        let kept = p.memory.iter().filter(|m| m.self_contained).count();
+        if kept > 0 {
+            why.push(format!("kept {kept} self-contained"));
+        }
         if p.changed {
             why.push(format!(
                 "procs +{} -{} mem {}",
@@ -259,6 +267,7 @@ mod tests {
                     state: vec![
                         "fd 3 (pipe:[7]): queue: pipe 0 bytes -> queue: pipe 6 bytes".into(),
                     ],
+                    self_contained: false,
                 }],
                 idle: vec![7],
                 kernel: [("sysv-ipc".to_string(), 2)].into(),

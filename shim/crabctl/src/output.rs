@@ -36,7 +36,7 @@ kind (none|fs|proc|full), fs {changed, scanned, unobserved, syscalls {class: cou
 modified, deleted (paths)}, procs {changed, started, ended, reexeced [{pid, cmdline}],
 held_changed [[pid, path]], memory [{pid, cmdline, changed_pages, added_pages, removed_pages,
 scanned_pages, state (kernel-held state that changed: pending signals, stopped, fds and what
-they hold)}], idle (pids), kernel {class: count} (kernel state changed by routes counted, not
+they hold), self_contained (true: its own doing alone, its last image kept)}], idle (pids), kernel {class: count} (kernel state changed by routes counted, not
 compared: pidfd-getfd, userfaultfd, ptrace-write, other-process, sysv-ipc, uts, procfs,
 async-io, tmpfs), forks, execs, exits}, degraded (reasons), elapsed_us}; turns prints an array of them,
 oldest first.";
