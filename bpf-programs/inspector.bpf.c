@@ -909,6 +909,10 @@ static __always_inline struct run *run_make(struct task_struct *t, __u64 cg, str
 	 * says "ran". */
 	if (!run->switches_out)
 		__sync_fetch_and_add(&run->switches_out, bpf_ktime_get_ns());
+	/* Likewise: an entry made again (an exec from another thread) never
+	 * repeats an interactions count the old one reported. */
+	if (!run->interactions)
+		__sync_fetch_and_add(&run->interactions, bpf_ktime_get_ns());
 	return run;
 }
 

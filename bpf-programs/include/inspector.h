@@ -94,7 +94,8 @@ struct run {
 	 * in inspector.bpf.c: waits that ended with no event, clocks, its own
 	 * memory and signal set-up). Counted only while the `crab_quiet`
 	 * program is attached (a shim whose config keeps self-contained
-	 * changes attaches it): until then it stays 0. */
+	 * changes attaches it): until then it does not move. Starts at the
+	 * clock, as switches_out does. */
 	__u64 interactions;
 	/* User addresses of the rseq areas (struct rseq) of threads seen leaving a
 	 * CPU: the kernel writes the current CPU there, which is no state of the

@@ -9,7 +9,10 @@
 //! and minimum reported): programs not loaded; loaded but the worker's cgroup
 //! not watched; the same with another container's rootfs registered (the
 //! `outside` check every write of an unwatched task then makes); watched;
-//! watched among 16 and among 256 watched cgroups.
+//! watched among 16 and among 256 watched cgroups; then with the interactions program
+//! attached (`[checkpoint] self_contained_changes = "keep"`: it runs at every syscall's return
+//! on the host), watched and not. A third loop times 10 × ITERS `getpid()` through syscall(2),
+//! a quiet syscall for that program (its first check returns).
 //! Then one more run per case with `kernel.bpf_stats_enabled=1` for the
 //! kernel's own per-program cost (restored afterwards). The programs are
 //! pinned in a private root and removed at the end. Inspector programs of
@@ -58,13 +61,15 @@ fn main() {
 
     // Scenarios interleaved within each round, so that drift in the host's
     // load hits all of them alike; medians over rounds.
-    const SCENARIOS: [&str; 6] = [
+    const SCENARIOS: [&str; 8] = [
         "not loaded",
         "loaded, unwatched",
         "unwatched, rootfs reg.",
         "watched (1 cgroup)",
         "watched, 16 watched",
         "watched, 256 watched",
+        "+quiet, watched",
+        "+quiet, unwatched",
     ];
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); SCENARIOS.len()];
     let mut counted = None;
@@ -99,6 +104,12 @@ fn main() {
             probes.watch(cg.id).unwrap();
         }
         samples[5].push(run_worker(&bench_cg, iters));
+        // The interactions program: what a host that keeps self-contained changes pays.
+        probes.track_interactions().unwrap();
+        samples[6].push(run_worker(&bench_cg, iters));
+        probes.unwatch(bench_cg.id).unwrap();
+        samples[7].push(run_worker(&bench_cg, iters));
+        probes.watch(bench_cg.id).unwrap();
 
         let started = Instant::now();
         for cg in extra.iter().chain([&bench_cg]) {
@@ -134,19 +145,25 @@ fn main() {
     let (base, base_min) = (&results[0].1, &results[0].2);
     println!();
     println!(
-        "{:<22} {:>24} {:>24} {:>20}",
-        "scenario", "open+write+close median", "open+write+close min", "getppid median"
+        "{:<22} {:>24} {:>24} {:>20} {:>20}",
+        "scenario",
+        "open+write+close median",
+        "open+write+close min",
+        "getppid median",
+        "getpid median"
     );
     for (name, s, m) in &results {
         println!(
-            "{:<22} {:>13.0} ns {:>+7.1}% {:>13.0} ns {:>+7.1}% {:>9.1} ns {:>+7.1}%",
+            "{:<22} {:>13.0} ns {:>+7.1}% {:>13.0} ns {:>+7.1}% {:>9.1} ns {:>+7.1}% {:>9.1} ns {:>+7.1}%",
             name,
             s.open_write_close,
             pct(s.open_write_close, base.open_write_close),
             m.open_write_close,
             pct(m.open_write_close, base_min.open_write_close),
             s.getppid,
-            pct(s.getppid, base.getppid)
+            pct(s.getppid, base.getppid),
+            s.getpid,
+            pct(s.getpid, base.getpid)
         );
     }
     println!();
@@ -168,6 +185,9 @@ fn program_costs(root: &Path, cg: &Cgroup, others: &[Cgroup], iters: u64) {
     const STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
     let previous = fs::read_to_string(STATS).unwrap_or_else(|_| "0".into());
     let probes = HostProbes::open_or_load_at(root).expect("loading BPF programs");
+    probes
+        .track_interactions()
+        .expect("attaching the interactions program");
     fs::write(STATS, "1").expect("enabling BPF stats");
     let mut per_scenario = Vec::new();
     for step in 0..3 {
@@ -234,6 +254,7 @@ fn pct(value: f64, base: f64) -> f64 {
 struct Sample {
     open_write_close: f64,
     getppid: f64,
+    getpid: f64,
 }
 
 impl Sample {
@@ -241,6 +262,7 @@ impl Sample {
         Sample {
             open_write_close: median(samples.iter().map(|s| s.open_write_close).collect()),
             getppid: median(samples.iter().map(|s| s.getppid).collect()),
+            getpid: median(samples.iter().map(|s| s.getpid).collect()),
         }
     }
 
@@ -249,6 +271,7 @@ impl Sample {
         Sample {
             open_write_close: min(|s| s.open_write_close),
             getppid: min(|s| s.getppid),
+            getpid: min(|s| s.getpid),
         }
     }
 }
@@ -267,6 +290,7 @@ fn run_worker(cg: &Cgroup, iters: u64) -> Sample {
     Sample {
         open_write_close: fields.next().unwrap(),
         getppid: fields.next().unwrap(),
+        getpid: fields.next().unwrap(),
     }
 }
 
@@ -318,9 +342,15 @@ fn worker(cgroup_dir: &Path, iters: u64) {
         unsafe { libc::getppid() };
     }
     let ppid = started.elapsed().as_nanos() as f64 / (iters * 10) as f64;
+    let started = Instant::now();
+    for _ in 0..iters * 10 {
+        // SAFETY: getpid through syscall(2) (glibc caches nothing then): no preconditions.
+        unsafe { libc::syscall(libc::SYS_getpid) };
+    }
+    let pid = started.elapsed().as_nanos() as f64 / (iters * 10) as f64;
     let _ = fs::remove_file(path.trim_end_matches('\0'));
     let mut stdout = io::stdout().lock();
-    writeln!(stdout, "{owc} {ppid}").unwrap();
+    writeln!(stdout, "{owc} {ppid} {pid}").unwrap();
 }
 
 /// crab_* programs not from this benchmark.

@@ -145,6 +145,7 @@ async fn main() {
         cmd_timeout: std::time::Duration::from_secs(30),
         max_turns: Some(max_turns),
         sandbox_config: config,
+        prelude: None,
     };
     let mut rounds: Vec<(RoundRecord, RoundRecord)> = Vec::new();
     let mut pushed = Pushed::default();

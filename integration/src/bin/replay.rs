@@ -39,6 +39,9 @@ const USAGE: &str = "usage: replay [options]
   --no-oracle           skip the inspector-accuracy pass
   --sandbox-config TOML more crab config for every sandbox (root-level dotted keys, e.g.
                         'restore.lazy_pages_min_mib = 1': every process restore lazy)
+  --prelude CMD         run CMD in every sandbox before its trajectory (the first turn covers
+                        it), e.g. 'nohup python3 -m http.server 8000 >/dev/null 2>&1 &': an
+                        idle server beside the agent's commands
   --no-idle-memory      skip the idle shim memory pass (N idle sandboxes under crab, then under
                         containerd's runc shim, N = the largest density)
   --project N,...       project crab's measured costs to N sandboxes (default 64,256,1000)
@@ -96,6 +99,7 @@ fn args() -> Args {
             cmd_timeout: Duration::from_secs(30),
             max_turns: None,
             sandbox_config: String::new(),
+            prelude: None,
         },
         oracle: true,
         rounds: true,
@@ -163,6 +167,7 @@ fn args() -> Args {
             }
             "--no-oracle" => a.oracle = false,
             "--sandbox-config" => a.opts.sandbox_config = value(),
+            "--prelude" => a.opts.prelude = Some(value()),
             "--no-idle-memory" => a.idle_memory = false,
             "--project" => {
                 a.project = list(value())

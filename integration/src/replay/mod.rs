@@ -108,6 +108,9 @@ pub struct Options {
     /// More crab config for every sandbox (root-level dotted keys, see
     /// [`SandboxOptions::config`]), e.g. `restore.lazy_pages_min_mib = 1`.
     pub sandbox_config: String,
+    /// A command run in every sandbox before its trajectory (no turn end of its own: the
+    /// first turn covers it), e.g. a background server an agent would have started.
+    pub prelude: Option<String>,
 }
 
 /// One round: every selected trajectory under one policy, `density` sandboxes at once.
@@ -358,6 +361,18 @@ async fn replay_turns(
         true => Some(OracleRun::start(sb).await?),
         false => None,
     };
+    if let Some(cmd) = &opts.prelude {
+        let x = exec(sb, "prelude", cmd, opts.cmd_timeout)
+            .await
+            .map_err(|e| format!("prelude (`{}`): {e}", first_line(cmd)))?;
+        if x.status != Some(0) {
+            return Err(format!(
+                "prelude (`{}`) exited with {:?}",
+                first_line(cmd),
+                x.status
+            ));
+        }
+    }
     let started = Instant::now();
     let mut ready_at = Instant::now();
     let turns = t.turns.iter().take(opts.max_turns.unwrap_or(usize::MAX));
