@@ -1237,35 +1237,27 @@ static __always_inline int quiet_syscall(struct pt_regs___crab *regs, long nr, l
 /*
  * Every syscall's return on the host, attached only while some shim keeps
  * self-contained changes ([checkpoint] self_contained_changes = "keep"):
- * counts the interactions of processes of watched cgroups (struct run). A
- * quiet syscall costs every task a switch on its number; others a cgroup
- * lookup. Syscalls made under ptrace are not counted: CRIU's parasite makes
- * them in the process while it dumps it, and a tracer in the container is
- * counted by crab_ptrace (which every turn end then sees).
+ * counts the interactions of processes that hold a run entry (those of
+ * watched cgroups, struct run). A task without one (every task outside the
+ * watched containers) costs one look at its task storage, which is empty.
+ *
+ * A process of a watched cgroup without an entry yet is not counted: user
+ * space then reads no count for it (None), which never proves "nothing
+ * happened"; an entry, once made, counts every interaction from then on, and
+ * one made again starts at the clock (run_make), so no count is ever seen
+ * twice across entries. Syscalls made under ptrace are not counted: CRIU's
+ * parasite makes them in the process while it dumps it, and a tracer in the
+ * container is counted by crab_ptrace (which every turn end then sees).
  */
 SEC("tp_btf/sys_exit")
 int BPF_PROG(crab_quiet, struct pt_regs *regs, long ret)
 {
 	struct pt_regs___crab *r = (struct pt_regs___crab *)regs;
-	struct task_struct *task;
-	struct counters *c;
-	struct run *run;
-	__u64 cg;
+	struct task_struct *task = bpf_get_current_task_btf();
+	struct run *run = run_of(task);
 
-	if (quiet_syscall(r, SYSCALL_NR(r), ret))
+	if (!run || quiet_syscall(r, SYSCALL_NR(r), ret) || task->ptrace)
 		return 0;
-	c = current_counters(&cg);
-	if (!c)
-		return 0;
-	task = bpf_get_current_task_btf();
-	if (task->ptrace)
-		return 0;
-	run = run_of(task);
-	if (!run) {
-		run = run_make(task, cg, c);
-		if (!run)
-			return 0; /* counted by run_make: the turn is degraded */
-	}
 	add(&run->interactions);
 	return 0;
 }

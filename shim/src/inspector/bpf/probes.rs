@@ -97,8 +97,8 @@ impl HostProbes {
 
     /// Attaches the program that counts the interactions of watched processes
     /// ([`Self::interactions`]) unless some shim already did: from then on it runs at every
-    /// syscall's return on the host (a switch on the syscall number for all, a cgroup lookup for
-    /// those that are not quiet) until the version's pins are removed. Serialized with loads on
+    /// syscall's return on the host (a look at the task's storage, empty for every task outside
+    /// the watched containers) until the version's pins are removed. Serialized with loads on
     /// the root lock.
     pub fn track_interactions(&self) -> Result<(), BpfError> {
         if self.interactions_tracked() {
