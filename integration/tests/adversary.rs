@@ -1577,6 +1577,21 @@ fn draw(rng: &mut Rng, m: &mut Model, turn: u64) -> (String, String) {
 /// reported with the seed and the turn.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_random_adversary_never_loses_state_across_a_crash() {
+    random_adversary("adv-random", &[]).await;
+}
+
+/// The same with `io.crab/self-contained-changes: keep` (issue 29 item 5): a change kept as the
+/// holder's own doing must never be one the adversary made.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_random_adversary_never_loses_state_with_self_contained_changes_kept() {
+    random_adversary(
+        "adv-random-keep",
+        &[("io.crab/self-contained-changes", "keep")],
+    )
+    .await;
+}
+
+async fn random_adversary(name: &str, annotations: &[(&str, &str)]) {
     let seed = std::env::var("CRAB_ADVERSARY_SEED")
         .ok()
         .map(|s| s.parse::<u64>().expect("CRAB_ADVERSARY_SEED is a number"))
@@ -1594,7 +1609,11 @@ async fn a_random_adversary_never_loses_state_across_a_crash() {
     let started = Instant::now();
     let mut rng = Rng(seed);
     let mut model = Model::default();
-    let (mut s, _guard) = Sandbox::start("adv-random", SandboxOptions::default()).await;
+    let opts = SandboxOptions {
+        annotations,
+        ..SandboxOptions::default()
+    };
+    let (mut s, _guard) = Sandbox::start(name, opts).await;
     s.run(&setup("")).await;
     end_turn(&mut s).await;
     s.sync().await;
