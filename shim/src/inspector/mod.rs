@@ -1614,8 +1614,23 @@ impl Inspection {
         // Read after the image: whatever reached it before is in this count.
         let interactions_after = self.interactions(p.pid);
         match (img, prev_img) {
-            (Ok(img), Some(prev_img)) => {
-                let d = memory::compare(prev_img, &img);
+            (Ok(mut img), Some(prev_img)) => {
+                let mut d = memory::compare(prev_img, &img);
+                let mut interactions_after = interactions_after;
+                // A thread of it was not asleep when its image was read (woken and waiting
+                // for a CPU on a busy host): its count cannot vouch for that image. Once it is
+                // asleep again (bounded), its image and count are read again.
+                if self.keeps_self_contained()
+                    && d.changed_pages + d.added_pages + d.removed_pages > 0
+                    && !img.state.threads.iter().all(|t| t.sleeping)
+                    && all_asleep_within(p.pid, ASLEEP_WAIT)
+                {
+                    if let Ok(again) = self.capture(p.pid, &mut seen.obs) {
+                        interactions_after = self.interactions(p.pid);
+                        d = memory::compare(prev_img, &again);
+                        img = again;
+                    }
+                }
                 let unproven_base = m.unproven.contains(&p.pid);
                 let changed = d.changed_pages + d.added_pages + d.removed_pages > 0;
                 let self_contained = changed
@@ -1810,6 +1825,34 @@ impl Inspection {
 /// How long [`Inspection::refresh_after_freeze`] waits, in all, for thawed processes to run.
 const REFRESH_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 
+/// How long a turn end waits for a process whose change may be self-contained to be asleep again
+/// ([`all_asleep_within`]).
+const ASLEEP_WAIT: std::time::Duration = std::time::Duration::from_millis(25);
+
+/// Whether every thread of process `pid` is in interruptible sleep (`S`) within `bound`, looked
+/// at every millisecond. `false` when one is not by then or the process cannot be read.
+fn all_asleep_within(pid: u32, bound: std::time::Duration) -> bool {
+    let deadline = Instant::now() + bound;
+    let task_dir = format!("/proc/{pid}/task");
+    loop {
+        let asleep = std::fs::read_dir(&task_dir).is_ok_and(|entries| {
+            entries.flatten().all(|e| {
+                std::fs::read_to_string(e.path().join("stat"))
+                    .ok()
+                    .and_then(|t| procs::parse_stat(&t))
+                    .is_some_and(|st| st.state == 'S')
+            })
+        });
+        if asleep {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
 /// Where the file of a shared writable mapping lives, as far as arming is concerned.
 #[derive(Debug)]
 enum Mapped<'a> {
@@ -1986,6 +2029,28 @@ mod tests {
                 "{degraded:?} fs {fs} procs {procs}"
             );
         }
+    }
+
+    #[test]
+    fn a_sleeping_process_is_asleep_and_a_busy_one_is_not() {
+        let mut sleeper = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let mut busy = std::process::Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .spawn()
+            .unwrap();
+        let asleep = all_asleep_within(sleeper.id(), std::time::Duration::from_secs(5));
+        let busy_asleep = all_asleep_within(busy.id(), std::time::Duration::from_millis(50));
+        let gone = all_asleep_within(u32::MAX - 1, std::time::Duration::from_millis(5));
+        for c in [&mut sleeper, &mut busy] {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+        assert!(asleep, "sleep(1) never read as asleep");
+        assert!(!busy_asleep, "a busy loop read as asleep");
+        assert!(!gone, "no such process");
     }
 
     #[test]
