@@ -466,6 +466,9 @@ struct TurnImages {
     /// One observation for all the images: each shared object read once, the container's
     /// bounds over them all.
     obs: Observation,
+    /// What is left of the turn end's wait for processes caught awake ([`ASLEEP_WAIT`], for
+    /// all of them together: a container of busy processes does not hold its turn end longer).
+    asleep_budget: std::time::Duration,
 }
 
 impl TurnImages {
@@ -476,6 +479,7 @@ impl TurnImages {
             unproven: HashSet::new(),
             missing,
             obs: Observation::within(limits),
+            asleep_budget: ASLEEP_WAIT,
         }
     }
 }
@@ -926,12 +930,7 @@ impl Inspection {
 
     /// Process `pid`'s interactions now, when the inspection counts them.
     fn interactions(&self, pid: u32) -> Option<u64> {
-        if !self.counts_interactions {
-            return None;
-        }
-        self.probes
-            .as_ref()
-            .and_then(|p| p.interactions(pid).ok().flatten())
+        interactions_of(self.probes.as_deref(), self.counts_interactions, pid)
     }
 
     /// Whether a change found now may be kept as self-contained: the policy says so and the
@@ -1204,11 +1203,8 @@ impl Inspection {
             }) else {
                 continue;
             };
-            let interactions = self
-                .probes
-                .as_ref()
-                .filter(|_| self.counts_interactions)
-                .and_then(|p| p.interactions(pid).ok().flatten());
+            let interactions =
+                interactions_of(self.probes.as_deref(), self.counts_interactions, pid);
             match capture_bounded(
                 pid,
                 self.target.limits.max_fdinfo_bytes,
@@ -1500,6 +1496,7 @@ impl Inspection {
             .chain(&fs.deleted)
             .map(PathBuf::as_path)
             .collect();
+        let keep = self.keeps_self_contained();
         for p in &delta.persisted {
             if before
                 .get(&p.pid)
@@ -1516,6 +1513,7 @@ impl Inspection {
             let how = Ran {
                 ran,
                 foreign_writes: events.foreign_writes,
+                keep,
             };
             self.observe_memory(p, m, how, &mut procs, seen, degraded);
         }
@@ -1620,10 +1618,10 @@ impl Inspection {
                 // A thread of it was not asleep when its image was read (woken and waiting
                 // for a CPU on a busy host): its count cannot vouch for that image. Once it is
                 // asleep again (bounded), its image and count are read again.
-                if self.keeps_self_contained()
+                if how.keep
                     && d.changed_pages + d.added_pages + d.removed_pages > 0
                     && !img.state.threads.iter().all(|t| t.sleeping)
-                    && all_asleep_within(p.pid, ASLEEP_WAIT)
+                    && all_asleep_within(p.pid, &mut seen.asleep_budget)
                 {
                     if let Ok(again) = self.capture(p.pid, &mut seen.obs) {
                         interactions_after = self.interactions(p.pid);
@@ -1635,7 +1633,7 @@ impl Inspection {
                 let changed = d.changed_pages + d.added_pages + d.removed_pages > 0;
                 let self_contained = changed
                     && decide::self_contained(&decide::OwnDoing {
-                        kept: self.keeps_self_contained(),
+                        kept: how.keep,
                         foreign_writes: how.foreign_writes,
                         before: prev_img.interactions,
                         after: interactions_after,
@@ -1709,6 +1707,8 @@ struct Ran {
     ran: bool,
     /// Another task wrote into some process of the container since the mark.
     foreign_writes: bool,
+    /// A self-contained change is kept ([`Inspection::keeps_self_contained`], once per turn).
+    keep: bool,
 }
 
 /// An observation of the present ([`Inspection::peek`]) that can become the mark after the
@@ -1825,14 +1825,28 @@ impl Inspection {
 /// How long [`Inspection::refresh_after_freeze`] waits, in all, for thawed processes to run.
 const REFRESH_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 
-/// How long a turn end waits for a process whose change may be self-contained to be asleep again
-/// ([`all_asleep_within`]).
+/// Process `pid`'s interactions now, when `counted` (the inspection asked for them).
+fn interactions_of(probes: Option<&HostProbes>, counted: bool, pid: u32) -> Option<u64> {
+    probes
+        .filter(|_| counted)
+        .and_then(|p| p.interactions(pid).ok().flatten())
+}
+
+/// How long a turn end waits, for all processes together, for those whose change may be
+/// self-contained to be asleep again ([`all_asleep_within`]).
 const ASLEEP_WAIT: std::time::Duration = std::time::Duration::from_millis(25);
 
-/// Whether every thread of process `pid` is in interruptible sleep (`S`) within `bound`, looked
-/// at every millisecond. `false` when one is not by then or the process cannot be read.
-fn all_asleep_within(pid: u32, bound: std::time::Duration) -> bool {
-    let deadline = Instant::now() + bound;
+/// Whether every thread of process `pid` is in interruptible sleep (`S`) within what is left of
+/// `budget` (which the wait uses up), looked at every millisecond. `false` when one is not by
+/// then or the process cannot be read.
+fn all_asleep_within(pid: u32, budget: &mut std::time::Duration) -> bool {
+    let started = Instant::now();
+    let asleep = asleep_by(pid, started + *budget);
+    *budget = budget.saturating_sub(started.elapsed());
+    asleep
+}
+
+fn asleep_by(pid: u32, deadline: Instant) -> bool {
     let task_dir = format!("/proc/{pid}/task");
     loop {
         let asleep = std::fs::read_dir(&task_dir).is_ok_and(|entries| {
@@ -2041,9 +2055,15 @@ mod tests {
             .args(["-c", "while :; do :; done"])
             .spawn()
             .unwrap();
-        let asleep = all_asleep_within(sleeper.id(), std::time::Duration::from_secs(5));
-        let busy_asleep = all_asleep_within(busy.id(), std::time::Duration::from_millis(50));
-        let gone = all_asleep_within(u32::MAX - 1, std::time::Duration::from_millis(5));
+        let ms = std::time::Duration::from_millis;
+        let asleep = all_asleep_within(sleeper.id(), &mut ms(5000));
+        let mut budget = ms(50);
+        let busy_asleep = all_asleep_within(busy.id(), &mut budget);
+        let gone = all_asleep_within(u32::MAX - 1, &mut ms(5));
+        // The budget is used up: a second busy process waits no more.
+        let t = Instant::now();
+        assert!(!all_asleep_within(busy.id(), &mut budget));
+        assert!(t.elapsed() < ms(20), "{:?}", t.elapsed());
         for c in [&mut sleeper, &mut busy] {
             c.kill().unwrap();
             c.wait().unwrap();

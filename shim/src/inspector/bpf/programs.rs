@@ -335,16 +335,7 @@ pub(super) fn pin_into(tmp: &Path) -> Result<(), BpfError> {
         let prog = btf_tracepoint(&mut ebpf, name)?;
         prog.load(tp, &btf)
             .map_err(|source| BpfError::Program { name, source })?;
-        let id = prog
-            .attach()
-            .map_err(|source| BpfError::Program { name, source })?;
-        let link = prog
-            .take_link(id)
-            .map_err(|source| BpfError::Program { name, source })?;
-        pin_link(
-            FdLink::from(link),
-            &tmp.join("links").join(format!("btf:{tp}")),
-        )?;
+        attach_and_pin(prog, name, &tmp.join("links").join(format!("btf:{tp}")))?;
         pin_program(prog.pin(tmp.join("progs").join(name)), tmp, name)?;
     }
     // Loaded (so that a kernel that refuses it refuses the whole load, not a shim later) and
@@ -374,16 +365,22 @@ pub(super) fn attach_quiet(dir: &Path) -> Result<(), BpfError> {
     let name = QUIET_PROGRAM.0;
     let mut prog = BtfTracePoint::from_pin(dir.join("progs").join(name))
         .map_err(|source| BpfError::Program { name, source })?;
+    attach_and_pin(&mut prog, name, &dir.join("links").join(quiet_link_name()))
+}
+
+/// Attaches the loaded BTF tracepoint program `prog` (named `name`) and pins its link at `link`.
+fn attach_and_pin(
+    prog: &mut BtfTracePoint,
+    name: &'static str,
+    link: &Path,
+) -> Result<(), BpfError> {
     let id = prog
         .attach()
         .map_err(|source| BpfError::Program { name, source })?;
-    let link = prog
+    let taken = prog
         .take_link(id)
         .map_err(|source| BpfError::Program { name, source })?;
-    pin_link(
-        FdLink::from(link),
-        &dir.join("links").join(quiet_link_name()),
-    )
+    pin_link(FdLink::from(taken), link)
 }
 
 fn btf_tracepoint<'a>(
