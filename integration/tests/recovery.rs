@@ -550,18 +550,121 @@ async fn recover_lazily(s: &mut Sandbox, want: &str) {
     );
 }
 
-/// A sandbox holding [`HOLDER_MB`] in a process checkpoint, crashed and recovered through a
-/// CRIU wrapper whose lazy-pages daemon is SIGKILLed once its log has `kill_at` lines
-/// matching `pattern`.
-async fn recover_with_dying_daemon(name: &str, pattern: &str, kill_at: u32) -> Dying {
-    let criu = String::from_utf8(
+/// A lazy restore puts the command line and environment of every process back before the
+/// processes run (the rest of the memory arrives later): tools that read them from outside
+/// (`pgrep -f`, `pkill -f`, `ps`, `/proc/PID/cmdline`) see a restored process at once. The
+/// lazy-pages daemon is held stopped (a CRIU wrapper SIGSTOPs it once the restore has handed it
+/// a process, before any page moved in the background), so nothing but what the restore put
+/// back eagerly is there while the tools look; then it goes on and the memory is whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lazy_restore_shows_command_lines_before_the_memory_arrives() {
+    let dir = tempfile::tempdir().unwrap();
+    let wrapper = dir.path().join("criu");
+    let (paused, resume, moved) = (
+        dir.path().join("paused"),
+        dir.path().join("resume"),
+        dir.path().join("moved-before-resume"),
+    );
+    std::fs::write(
+        &wrapper,
+        format!(
+            r#"#!/bin/sh
+# CRIU, except that lazy-pages is stopped once the restore handed it a process, until
+# {resume} exists.
+[ "$1" = lazy-pages ] || exec {criu} "$@"
+prev=; for a in "$@"; do [ "$prev" = --work-dir ] && work=$a; prev=$a; done
+{criu} "$@" -v4 & pid=$!
+until grep -q 'Received PID' "$work/lazy-pages.log" 2>/dev/null; do
+    kill -0 $pid 2>/dev/null || {{ wait $pid; exit $?; }}
+    sleep 0.001
+done
+kill -STOP $pid
+touch {paused}
+until [ -e {resume} ]; do sleep 0.01; done
+grep -c 'UFFD transferred pages' "$work/lazy-pages.log" > {moved}
+kill -CONT $pid
+wait $pid
+"#,
+            criu = criu_path(),
+            resume = resume.display(),
+            paused = paused.display(),
+            moved = moved.display(),
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let config = format!(
+        "restore.lazy_pages_min_mib = 32\nrunc.criu = \"{}\"",
+        wrapper.display()
+    );
+    let (mut s, _guard) = Sandbox::start(
+        "rec-lazy-cmdline",
+        SandboxOptions {
+            config: &config,
+            ..Default::default()
+        },
+    )
+    .await;
+    let before = start_holder(&mut s).await;
+    end_turn_durably(&mut s).await;
+    crash(&s, Crash::Processes).await;
+    let (code, out, err) = s.crabctl(&["recover", &s.id]);
+    assert_eq!(code, 0, "recover: {out}{err}");
+    assert!(paused.exists(), "the lazy-pages daemon was held");
+    // `[k]v.py`: the pattern does not match the shell running it.
+    let seen = s
+        .run(
+            "pgrep -f '[k]v.py' | wc -l; pkill -0 -f '[k]v.py' && echo signalled; \
+             tr '\\0' ' ' < /proc/$(pgrep -f '[k]v.py' | head -1)/cmdline; echo; \
+             tr '\\0' '\\n' < /proc/$(pgrep -f '[k]v.py' | head -1)/environ | grep -c '^PATH='",
+        )
+        .await
+        .stdout;
+    std::fs::write(&resume, b"").unwrap();
+    let lines: Vec<&str> = seen.lines().collect();
+    assert_eq!(
+        lines,
+        ["1", "signalled", "python3 /app/kv.py ", "1"],
+        "pgrep -f, pkill -f, cmdline and environ of the restored server while its memory \
+         is still held back: {seen}"
+    );
+    assert_eq!(
+        memory_hash(&mut s).await,
+        before,
+        "the memory after it arrived"
+    );
+    let moved = std::fs::read_to_string(&moved).unwrap_or_default();
+    assert_eq!(
+        moved.trim(),
+        "0",
+        "no process had all its pages before the tools looked"
+    );
+    s.finish().await;
+}
+
+/// The `criu` the tests run (the wrappers call it).
+fn criu_path() -> String {
+    String::from_utf8(
         std::process::Command::new("sh")
             .args(["-c", "command -v criu"])
             .output()
             .unwrap()
             .stdout,
     )
-    .unwrap();
+    .unwrap()
+    .trim()
+    .to_string()
+}
+
+/// A sandbox holding [`HOLDER_MB`] in a process checkpoint, crashed and recovered through a
+/// CRIU wrapper whose lazy-pages daemon is SIGKILLed once its log has `kill_at` lines
+/// matching `pattern`.
+async fn recover_with_dying_daemon(name: &str, pattern: &str, kill_at: u32) -> Dying {
+    let criu = criu_path();
     let dir = tempfile::tempdir().unwrap();
     let wrapper = dir.path().join("criu");
     std::fs::write(
@@ -579,7 +682,7 @@ done
 kill -9 $pid
 exit 137
 "#,
-            criu = criu.trim(),
+            criu = criu,
         ),
     )
     .unwrap();

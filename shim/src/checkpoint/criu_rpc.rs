@@ -142,7 +142,7 @@ pub enum ProtoValue<'a> {
     Fixed,
 }
 
-use super::criu_image::varint_at as varint;
+use super::criu_proto::varint_at as varint;
 
 /// The fields of a protobuf message, in order; `None` if malformed.
 pub fn proto_fields(msg: &[u8]) -> Option<Vec<(u64, ProtoValue<'_>)>> {

@@ -19,6 +19,7 @@ pub mod action;
 mod capture;
 pub mod coordinator;
 pub mod criu_image;
+pub mod criu_proto;
 pub mod criu_rpc;
 pub mod deadline;
 pub mod error;

@@ -190,7 +190,7 @@ const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
 const IMG_SERVICE_MAGIC: u32 = 0x5510_5940;
 const PSTREE_MAGIC: u32 = 0x5027_3030;
 
-use super::criu_image::varint_at as varint;
+use super::criu_proto::varint_at as varint;
 
 /// Decodes one `PstreeEntry` protobuf message: pid=1, ppid=2, pgid=3, sid=4, threads=5 (repeated,
 /// packed or not); other fields are skipped.

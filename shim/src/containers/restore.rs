@@ -20,7 +20,7 @@ use crate::{
     error::{Error, Result},
     inspector::Inspection,
     restore::{
-        gate as restore_gate,
+        eager, gate as restore_gate,
         intake::{Taken, Verdict, Verification},
         kernel, seccomp,
     },
@@ -265,19 +265,68 @@ impl Containers {
         if bytes < min.saturating_mul(1 << 20) {
             return None;
         }
+        let eager = |why: String| {
+            log::warn!(
+                "container {}: restoring {} MiB of memory eagerly: {why}",
+                c.id,
+                bytes >> 20
+            );
+        };
+        if !crate::sys::uffd::noncoop_available() {
+            let why = crate::sys::uffd::probe(crate::sys::uffd::NONCOOP).err();
+            eager(format!(
+                "this kernel's userfaultfd cannot serve it ({why:?})"
+            ));
+            return None;
+        }
+        if !may_rewrite(&r.image, &r.config.store.state_dir) {
+            eager(format!(
+                "{} is not a copy of the image the restore owns (its command lines could not \
+                 be restored first)",
+                r.image.display()
+            ));
+            return None;
+        }
+        let image = r.image.clone();
+        match tokio::task::spawn_blocking(move || eager::bring_command_lines_eagerly(&image)).await
+        {
+            Ok(Ok(done)) => log::info!(
+                "container {}: lazy restore of {} MiB; the command lines and environments of \
+                 {} processes ({} pages) restored first",
+                c.id,
+                bytes >> 20,
+                done.processes,
+                done.pages
+            ),
+            Ok(Err(e)) => {
+                eager(e.to_string());
+                return None;
+            }
+            Err(e) => {
+                eager(e.to_string());
+                return None;
+            }
+        }
         let criu = crate::checkpoint::criu_rpc::criu_binary(&r.config);
         match lazy::Daemon::start(&criu, &r.image, work).await {
             Ok(d) => Some((d, spec)),
             Err(e) => {
-                log::warn!(
-                    "container {}: restoring {} MiB of memory eagerly: {e}",
-                    c.id,
-                    bytes >> 20
-                );
+                eager(e);
                 None
             }
         }
     }
+}
+
+/// Whether the restore may rewrite files of its image directory `image` (the pagemaps a lazy
+/// restore brings command lines back by, [`eager`]): only a copy nobody else reads, the
+/// restore's own in the store (`restore::scratch`, where files are hard links to the restore
+/// cache, replaced by a rename and never written through) or the copy containerd extracted for
+/// this restore (`ctr run --checkpoint`, the CRI's `<container root>/ctrd-checkpoint`).
+fn may_rewrite(image: &Path, state_dir: &Path) -> bool {
+    image.starts_with(state_dir.join(crate::restore::scratch::RESTORES_DIR))
+        || containerd_extracted(image)
+        || image.file_name().is_some_and(|n| n == "ctrd-checkpoint")
 }
 
 /// Whether `image` is the directory containerd extracted a checkpoint into for this Create

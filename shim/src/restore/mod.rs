@@ -25,6 +25,7 @@
 //! which shares them; restore depends on checkpoint, never the other way round.
 
 pub mod cache;
+pub mod eager;
 pub mod gate;
 pub mod intake;
 pub mod kernel;

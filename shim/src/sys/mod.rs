@@ -10,6 +10,7 @@
 //!   nix 0.29 lacks (`sync_file_range`, xattrs, a few `bpf(2)` commands); every other system
 //!   call goes through nix directly
 //! - [`pidfd`]: killing a child by pidfd, never a reused pid
+//! - [`uffd`]: whether userfaultfd serves CRIU's lazy restore here
 
 pub mod beneath;
 pub mod bpf;
@@ -19,4 +20,5 @@ pub mod mountinfo;
 pub mod netns;
 pub mod pidfd;
 pub mod sockdiag;
+pub mod uffd;
 pub mod xattr;
