@@ -640,7 +640,11 @@ wait $pid
         "pgrep -f, pkill -f, cmdline and environ of the restored server while its memory \
          is still held back: {seen}"
     );
-    assert_eq!(memory_hash(&mut s).await, before, "the memory after it arrived");
+    assert_eq!(
+        memory_hash(&mut s).await,
+        before,
+        "the memory after it arrived"
+    );
     // The server's pages had not all arrived while the tools looked (the daemon logs each
     // process's total when it is done with it, `<pid>-<uffd>: UFFD transferred pages`).
     let moved = std::fs::read_to_string(&moved).unwrap();

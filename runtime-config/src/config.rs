@@ -500,14 +500,15 @@ pub struct RestoreConfig {
     pub cache_mib: u64,
     /// Restore a process image lazily (CRIU's lazy pages over userfaultfd: the processes run
     /// before their memory is copied, pages arrive on first touch and in the background) when
-    /// its memory pages hold at least this many MiB; `0` (the default) restores every image
-    /// eagerly. 128 is where lazy restores begin to win on this project's hosts. A checkpoint
-    /// of the container waits until every page has arrived; if the page transfer fails, the
-    /// container is killed rather than left with missing memory. Off by default because,
-    /// until the last page has arrived (about a second for 512 MiB), reads of the processes'
-    /// memory from outside them see nothing where a page is still missing: `/proc/PID/cmdline`
-    /// and `environ` read as empty (so `ps` shows `[python3]` and `pgrep -f` finds nothing),
-    /// and debuggers and `process_vm_readv` fail there.
+    /// its memory pages hold at least this many MiB; `0` restores every image eagerly. The
+    /// default, 64, is where lazy restores stop costing more than they save on this project's
+    /// hosts (`bench-restore` section 5). The pages of each process's command line and
+    /// environment are restored before it runs, so `ps`, `pgrep -f` and `pkill -f` see it at
+    /// once. A checkpoint of the container waits until every page has arrived; if the page
+    /// transfer fails, the container is killed rather than left with missing memory. Until
+    /// the last page has arrived (about 0.2-1 s for 512 MiB), other reads of the processes'
+    /// memory from outside them (debuggers, `process_vm_readv`) fail where a page is still
+    /// missing. A restore is eager anyway where the kernel's userfaultfd cannot serve CRIU.
     pub lazy_pages_min_mib: u64,
     /// Check the digests of a signed image's large page files while CRIU restores, from the
     /// restore's private copy, with every restored process held at CRIU's post-restore stage
@@ -538,7 +539,7 @@ impl Default for RestoreConfig {
             max_image_mib: 16_384,
             max_image_files: 100_000,
             cache_mib: 4096,
-            lazy_pages_min_mib: 0,
+            lazy_pages_min_mib: 64,
             verify_during_restore: true,
         }
     }
