@@ -175,3 +175,23 @@ put("replica_segments", "two-files-segmented",
     + seg(0, 100, 0) + seg(1, MIN, 0) + seg(1, 10, MIN))
 put("replica_segments", "older-crab-whole-file",
     bytes([0]) + struct.pack("<I", 5 << 20) + seg(0, 5 << 20, 0xffffffff))
+
+# lazy_pagemap: restore/eager.rs, an mm-<pid>.img, SEP, its pagemap-<pid>.img
+def mm(arg, env):
+    return image(0x57492820, True, [b"".join(vfield(n, v) for n, v in
+                 [(1, 0x400000), (8, arg[0]), (9, arg[1]), (10, env[0]), (11, env[1])])])
+
+
+def pmentry(vaddr, nr, flags):
+    return vfield(1, vaddr) + vfield(2, 0) + vfield(4, flags) + vfield(5, nr)
+
+
+def pagemap(entries):
+    return image(0x56084025, True, [vfield(1, 1)] + [pmentry(*e) for e in entries])
+
+
+put("lazy_pagemap", "stack-split", SEP.join([
+    mm((0x7ffd0006010, 0x7ffd0006ff0), (0x7ffd0006ff0, 0x7ffd0007100)),
+    pagemap([(0x1000000, 100, 6), (0x7ffd0000000, 8, 6)])]))
+put("lazy_pagemap", "nothing-lazy", SEP.join([
+    mm((0x2000, 0x2100), (0x2100, 0x2200)), pagemap([(0x1000, 4, 4), (0x8000, 2, 1)])]))

@@ -81,7 +81,7 @@ pub struct Eager {
 }
 
 /// A page-aligned address range, `[start, end)`.
-type Range = (u64, u64);
+pub type Range = (u64, u64);
 
 /// The pages of the command line and environment, by `mm_entry` (`mm-<pid>.img`): at most
 /// two page-aligned ranges. A range whose end is below its start is no range (ignored).
@@ -110,12 +110,37 @@ fn command_line_pages(mm: &[u8], page: u64) -> Result<Vec<Range>, String> {
     Ok(out)
 }
 
+/// [`command_line_pages`] of an `mm-<pid>.img` file.
+pub fn mm_command_line_pages(mm_file: &[u8], page: u64) -> Result<Vec<Range>, String> {
+    command_line_pages(single(mm_file, MM_MAGIC, true)?, page)
+}
+
 /// One pagemap entry, as CRIU reads it (`init_compat_pagemap_entry`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Entry {
-    vaddr: u64,
-    nr_pages: u64,
-    flags: u64,
+pub struct Entry {
+    pub vaddr: u64,
+    pub nr_pages: u64,
+    pub flags: u64,
+}
+
+/// The entries of a `pagemap-<pid>.img` file (after its head), as CRIU reads them.
+pub fn pagemap_entries(pagemap: &[u8]) -> Result<Vec<Entry>, String> {
+    let all = entries(pagemap, PAGEMAP_MAGIC, true)?;
+    let (head, rest) = all.split_first().ok_or("a pagemap without its head")?;
+    for field in Fields::strict(head, &PAGEMAP_HEAD) {
+        field?;
+    }
+    rest.iter().map(|m| parse_entry(m)).collect()
+}
+
+/// Whether pagemap entry flags say the pages are in this image's pages file.
+pub fn present(flags: u64) -> bool {
+    flags & PE_PRESENT != 0 && flags & PE_PARENT == 0
+}
+
+/// Whether pagemap entry flags leave the pages to a lazy restore's daemon.
+pub fn lazy(flags: u64) -> bool {
+    flags & PE_LAZY != 0
 }
 
 fn parse_entry(msg: &[u8]) -> Result<Entry, String> {
@@ -283,8 +308,7 @@ pub fn bring_command_lines_eagerly(dir: &Path) -> Result<Eager, EagerError> {
             move |reason| CriuImageError::Malformed { path, reason }
         };
         let mm = read_bounded(&mm_path)?;
-        let mm_msg = single(&mm, MM_MAGIC, true).map_err(malformed(&mm_path))?;
-        let eager = command_line_pages(mm_msg, page).map_err(malformed(&mm_path))?;
+        let eager = mm_command_line_pages(&mm, page).map_err(malformed(&mm_path))?;
         let pm_path = dir.join(format!("pagemap-{id}.img"));
         if !pm_path.exists() {
             continue;
