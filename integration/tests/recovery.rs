@@ -75,10 +75,12 @@ pip install -q --no-index --no-deps --break-system-packages /tmp/whl/crabdemo-1.
 /// What a sandbox's state is compared by: file contents under /app and of the installed
 /// package (paths and hashes, not times), the command lines of live processes (not pids: a
 /// restore keeps them, a fresh start would not, and both are harmless), the web server's
-/// answer and the interpreter's variables.
+/// answer and the interpreter's variables. The pipeline's own processes are left out, also
+/// while one is between fork and exec (its command line then reads empty: `ps` shows `[sort]`,
+/// as a run beside a compiler found).
 const STATE: &str = r#"cd /app && find . -type f -not -name '*.pyc' | sort | xargs sha256sum
 python3 -c 'import crabdemo; print("crabdemo", crabdemo.ANSWER)'
-ps -eo args --no-headers | grep -v -e '^ps ' -e '^bash -c' -e '^grep ' -e '^sort' | sort
+ps -eo args --no-headers | grep -v -e '^ps ' -e '^bash -c' -e '^grep ' -e '^sort' -e '^\[bash\]$' -e '^\[grep\]$' -e '^\[sort\]$' | sort
 python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:8000/index.html").read().decode().strip())'
 python3 /app/cli.py 'x' && python3 /app/cli.py 'names'"#;
 
