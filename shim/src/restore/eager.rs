@@ -236,7 +236,7 @@ fn split(e: Entry, eager: &[Range], page: u64) -> Vec<Entry> {
 
 /// `pagemap` (a `pagemap-<pid>.img`) with the pages in `eager` no longer lazy: the new file
 /// and how many pages changed, or `None` when nothing changes.
-fn rewrite_pagemap(
+pub fn rewrite_pagemap(
     pagemap: &[u8],
     eager: &[Range],
     page: u64,
