@@ -197,7 +197,7 @@ fn split(e: Entry, eager: &[Range], page: u64) -> Vec<Entry> {
         || e.flags & PE_PRESENT == 0
         || e.flags & PE_PARENT != 0
         || e.nr_pages == 0
-        || e.vaddr % page != 0
+        || !e.vaddr.is_multiple_of(page)
     {
         return vec![e];
     }
