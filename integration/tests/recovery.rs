@@ -575,7 +575,7 @@ async fn a_lazy_restore_shows_command_lines_before_the_memory_arrives() {
         format!(
             r#"#!/bin/sh
 # CRIU, except that lazy-pages is stopped at its first background copy (a copy that no
-# page fault asked for: the restore has ended) until {resume} exists.
+# page fault asked for: the restore has ended) until {resume} exists (at most 60 s).
 [ "$1" = lazy-pages ] || exec {criu} "$@"
 prev=; for a in "$@"; do [ "$prev" = --work-dir ] && work=$a; prev=$a; done
 {criu} "$@" -v4 & pid=$!
@@ -585,7 +585,7 @@ until awk '/#PF/ {{ pf = 1; next }} /uffd_copy/ {{ if (!pf) {{ f = 1; exit }}; p
 done
 kill -STOP $pid
 touch {paused}
-until [ -e {resume} ]; do sleep 0.01; done
+for i in $(seq 6000); do [ -e {resume} ] && break; sleep 0.01; done
 grep 'UFFD transferred pages' "$work/lazy-pages.log" > {moved}
 kill -CONT $pid
 wait $pid
@@ -597,15 +597,7 @@ wait $pid
         ),
     )
     .unwrap();
-    std::fs::set_permissions(
-        &wrapper,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
-    let config = format!(
-        "restore.lazy_pages_min_mib = 32\nrunc.criu = \"{}\"",
-        wrapper.display()
-    );
+    let config = lazy_config_with_criu(&wrapper);
     let (mut s, _guard) = Sandbox::start(
         "rec-lazy-cmdline",
         SandboxOptions {
@@ -658,6 +650,15 @@ wait $pid
     s.finish().await;
 }
 
+/// Makes `wrapper` executable; the sandbox config that restores lazily (from 32 MiB) through it.
+fn lazy_config_with_criu(wrapper: &std::path::Path) -> String {
+    std::fs::set_permissions(wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    format!(
+        "restore.lazy_pages_min_mib = 32\nrunc.criu = \"{}\"",
+        wrapper.display()
+    )
+}
+
 /// The `criu` the tests run (the wrappers call it).
 fn criu_path() -> String {
     String::from_utf8(
@@ -698,15 +699,7 @@ exit 137
         ),
     )
     .unwrap();
-    std::fs::set_permissions(
-        &wrapper,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
-    let config = format!(
-        "restore.lazy_pages_min_mib = 32\nrunc.criu = \"{}\"",
-        wrapper.display()
-    );
+    let config = lazy_config_with_criu(&wrapper);
     let (mut s, guard) = Sandbox::start(
         name,
         SandboxOptions {

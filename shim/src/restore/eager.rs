@@ -324,15 +324,19 @@ pub fn bring_command_lines_eagerly(dir: &Path) -> Result<Eager, EagerError> {
         };
         let tmp = dir.join(format!(".pagemap-{id}.img.eager"));
         let _ = fs::remove_file(&tmp);
-        let mut f = fs::OpenOptions::new()
+        let written = fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(0o600)
             .open(&tmp)
-            .map_err(io(&tmp))?;
-        f.write_all(&new).map_err(io(&tmp))?;
-        drop(f);
-        fs::rename(&tmp, &pm_path).map_err(io(&pm_path))?;
+            .and_then(|mut f| f.write_all(&new))
+            .map_err(io(&tmp))
+            .and_then(|()| fs::rename(&tmp, &pm_path).map_err(io(&pm_path)));
+        if let Err(e) = written {
+            // A full disk must not leave what it could not finish (the caller restores eagerly).
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
+        }
         done.processes += 1;
         done.pages += pages;
     }
