@@ -88,6 +88,9 @@ pub struct MemoryFinding {
     /// (`[checkpoint] self_contained_changes = "keep"`): not a change of the turn.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub self_contained: bool,
+    /// Why a change the keeping policy could have kept was not (`interacted`, `running`, ...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub not_kept: Option<String>,
 }
 
 /// What changed in the container's processes during the turn.
@@ -134,6 +137,14 @@ impl TurnAnswer {
         let kept = p.memory.iter().filter(|m| m.self_contained).count();
         if kept > 0 {
             why.push(format!("kept {kept} self-contained"));
+        }
+        let not_kept: Vec<&str> = p
+            .memory
+            .iter()
+            .filter_map(|m| m.not_kept.as_deref())
+            .collect();
+        if !not_kept.is_empty() {
+            why.push(format!("not kept: {}", not_kept.join(" ")));
         }
         if p.changed {
             why.push(format!(
@@ -268,6 +279,7 @@ mod tests {
                         "fd 3 (pipe:[7]): queue: pipe 0 bytes -> queue: pipe 6 bytes".into(),
                     ],
                     self_contained: false,
+                    not_kept: Some(crab_shim::inspector::NotOwn::Interacted),
                 }],
                 idle: vec![7],
                 kernel: [("sysv-ipc".to_string(), 2)].into(),
@@ -297,7 +309,11 @@ mod tests {
         assert_eq!(a.fs.added, ["/app/out"]);
         assert_eq!(a.procs.started[0].cmdline, "sleep 1000");
         assert_eq!(a.procs.held_changed, [(1, "/app/out".to_string())]);
-        assert_eq!(a.why(), "fs +1 ~1 -1, procs +1 -0 mem 1, kernel sysv-ipc");
+        assert_eq!(
+            a.why(),
+            "fs +1 ~1 -1, not kept: interacted, procs +1 -0 mem 1, kernel sysv-ipc"
+        );
+        assert_eq!(a.procs.memory[0].not_kept.as_deref(), Some("interacted"));
         assert_eq!(a.procs.memory[0].state.len(), 1);
         // `show -o json` prints these field names: those of the stored file, none lost.
         let mut back = serde_json::to_value(&a).unwrap();

@@ -725,9 +725,7 @@ mod tests {
             added_pages: 3,
             removed_pages: 1,
             scanned_pages: 100,
-            unproven_base: false,
-            state: vec![],
-            self_contained: false,
+            ..MemoryFinding::default()
         }];
         t4.answer.procs.idle = vec![1];
         (vec![created, c2, c3, c4], vec![t4, t2, t1, t3])

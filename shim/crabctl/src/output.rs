@@ -36,10 +36,12 @@ kind (none|fs|proc|full), fs {changed, scanned, unobserved, syscalls {class: cou
 modified, deleted (paths)}, procs {changed, started, ended, reexeced [{pid, cmdline}],
 held_changed [[pid, path]], memory [{pid, cmdline, changed_pages, added_pages, removed_pages,
 scanned_pages, state (kernel-held state that changed: pending signals, stopped, fds and what
-they hold), self_contained (true: its own doing alone, its last image kept)}], idle (pids), kernel {class: count} (kernel state changed by routes counted, not
-compared: pidfd-getfd, userfaultfd, ptrace-write, other-process, sysv-ipc, uts, procfs,
-async-io, tmpfs), forks, execs, exits}, degraded (reasons), elapsed_us}; turns prints an array of them,
-oldest first.";
+they hold), self_contained (true: its own doing alone, its last image kept), not_kept (why a
+change the keeping policy could have kept was not: interacted, running, shared_memory,
+state_changed, no_count, foreign_write, unproven_base, no_threads, policy)}], idle (pids),
+kernel {class: count} (kernel state changed by routes counted, not compared: pidfd-getfd,
+userfaultfd, ptrace-write, other-process, sysv-ipc, uts, procfs, async-io, tmpfs), forks, execs,
+exits}, degraded (reasons), elapsed_us}; turns prints an array of them, oldest first.";
 
 /// `crabctl checkpoints --help`: the fields of a row in `-o json`.
 pub const CHECKPOINT_FIELDS: &str = "\

@@ -256,7 +256,7 @@ pub(super) fn next_mark<C, M, P, V>(
 }
 
 /// What a turn end knows of one persisting process whose memory it compared, for
-/// [`self_contained`].
+/// [`not_own`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct OwnDoing<'a> {
     /// The policy keeps self-contained changes, and the interactions program was attached
@@ -277,6 +277,36 @@ pub(super) struct OwnDoing<'a> {
     pub unproven: bool,
 }
 
+/// Why a change the policy could keep was not kept ([`not_own`]): the first condition
+/// that failed, for the turn's answer (`not_kept`) and the log. The names are part of the
+/// answer's format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NotOwn {
+    /// The policy does not keep self-contained changes, or the interactions program is not
+    /// attached since the mark.
+    Policy,
+    /// Some task wrote into a process of the container (ptrace, `process_vm_writev`,
+    /// `/proc/PID/mem`).
+    ForeignWrite,
+    /// The mark's image was taken while a lazy restore's pages were arriving.
+    UnprovenBase,
+    /// Kernel-held state (signals, fds, threads, credentials, cwd) differs.
+    StateChanged,
+    /// No interactions count at the mark or now (no entry in the counting program yet).
+    NoCount,
+    /// A syscall that is not a quiet one, or a signal, reached it since the mark.
+    Interacted,
+    /// Its threads could not be read.
+    NoThreads,
+    /// A thread of it was not asleep when its image was read (and did not fall asleep within
+    /// the turn end's bound): it may have taken in data its count does not show yet.
+    Running,
+    /// It maps memory another task could write (shared anonymous, memfd, SysV or tmpfs shared
+    /// memory, a file mapped shared and writable), at the mark or now.
+    SharedMemory,
+}
+
 /// Whether a process's memory change since the mark was its own doing alone, so that its image
 /// at the last checkpoint, left to run, is indistinguishable from it to anyone outside it: no
 /// syscall but the quiet ones and no signal reached it (its interactions did not move between
@@ -286,7 +316,9 @@ pub(super) struct OwnDoing<'a> {
 /// check sees), its kernel-held state is the mark's, and every thread of it was asleep when its
 /// image was taken (one preempted in a syscall may have taken in data that its count does not
 /// show yet). Anything it cannot tell is "not self-contained".
-pub(super) fn self_contained(o: &OwnDoing<'_>) -> bool {
+///
+/// Returns the first reason why it is not ([`NotOwn`]); `None` when it is self-contained.
+pub(super) fn not_own(o: &OwnDoing<'_>) -> Option<NotOwn> {
     let shares = |img: &MemoryImage| {
         img.regions.iter().any(|r| match r.kind {
             RegionKind::Shmem => true,
@@ -294,16 +326,28 @@ pub(super) fn self_contained(o: &OwnDoing<'_>) -> bool {
             RegionKind::Anon | RegionKind::FilePrivate => false,
         })
     };
-    o.kept
-        && !o.foreign_writes
-        && !o.unproven
-        && o.state_changes == 0
-        && o.before.is_some()
-        && o.before == o.after
-        && !o.now.state.threads.is_empty()
-        && o.now.state.threads.iter().all(|t| t.sleeping)
-        && !shares(o.prev)
-        && !shares(o.now)
+    let why = if !o.kept {
+        NotOwn::Policy
+    } else if o.foreign_writes {
+        NotOwn::ForeignWrite
+    } else if o.unproven {
+        NotOwn::UnprovenBase
+    } else if o.state_changes != 0 {
+        NotOwn::StateChanged
+    } else if o.before.is_none() || o.after.is_none() {
+        NotOwn::NoCount
+    } else if o.before != o.after {
+        NotOwn::Interacted
+    } else if o.now.state.threads.is_empty() {
+        NotOwn::NoThreads
+    } else if !o.now.state.threads.iter().all(|t| t.sleeping) {
+        NotOwn::Running
+    } else if shares(o.prev) || shares(o.now) {
+        NotOwn::SharedMemory
+    } else {
+        return None;
+    };
+    Some(why)
 }
 
 #[cfg(test)]
@@ -679,28 +723,35 @@ mod tests {
             unproven: false,
         };
         #[rustfmt::skip]
-        let rows: Vec<(&str, OwnDoing<'_>, bool)> = vec![
-            ("quiet, private memory, asleep", ok, true),
+        let rows: Vec<(&str, OwnDoing<'_>, Option<NotOwn>)> = vec![
+            ("quiet, private memory, asleep", ok, None),
             ("a read-only shared file mapping (a file change is seen apart)",
-             OwnDoing { now: &ro_shared, prev: &ro_shared, ..ok }, true),
-            ("policy off", OwnDoing { kept: false, ..ok }, false),
-            ("someone wrote into a process", OwnDoing { foreign_writes: true, ..ok }, false),
-            ("an interaction", OwnDoing { after: Some(41), ..ok }, false),
-            ("count went back (entry made again)", OwnDoing { after: Some(2), ..ok }, false),
-            ("no count at the mark", OwnDoing { before: None, ..ok }, false),
-            ("no count now", OwnDoing { after: None, ..ok }, false),
-            ("no counts at all", OwnDoing { before: None, after: None, ..ok }, false),
-            ("kernel-held state changed", OwnDoing { state_changes: 1, ..ok }, false),
-            ("unproven base", OwnDoing { unproven: true, ..ok }, false),
-            ("shared writable file mapping now", OwnDoing { now: &rw_shared, ..ok }, false),
-            ("shared writable file mapping at the mark", OwnDoing { prev: &rw_shared, ..ok }, false),
-            ("shared memory now", OwnDoing { now: &shmem, ..ok }, false),
-            ("shared memory at the mark", OwnDoing { prev: &shmem, ..ok }, false),
-            ("a thread not asleep", OwnDoing { now: &one_runnable, ..ok }, false),
-            ("no thread read", OwnDoing { now: &no_threads, ..ok }, false),
+             OwnDoing { now: &ro_shared, prev: &ro_shared, ..ok }, None),
+            ("policy off", OwnDoing { kept: false, ..ok }, Some(NotOwn::Policy)),
+            ("someone wrote into a process", OwnDoing { foreign_writes: true, ..ok },
+             Some(NotOwn::ForeignWrite)),
+            ("an interaction", OwnDoing { after: Some(41), ..ok }, Some(NotOwn::Interacted)),
+            ("count went back (entry made again)", OwnDoing { after: Some(2), ..ok },
+             Some(NotOwn::Interacted)),
+            ("no count at the mark", OwnDoing { before: None, ..ok }, Some(NotOwn::NoCount)),
+            ("no count now", OwnDoing { after: None, ..ok }, Some(NotOwn::NoCount)),
+            ("no counts at all", OwnDoing { before: None, after: None, ..ok },
+             Some(NotOwn::NoCount)),
+            ("kernel-held state changed", OwnDoing { state_changes: 1, ..ok },
+             Some(NotOwn::StateChanged)),
+            ("unproven base", OwnDoing { unproven: true, ..ok }, Some(NotOwn::UnprovenBase)),
+            ("shared writable file mapping now", OwnDoing { now: &rw_shared, ..ok },
+             Some(NotOwn::SharedMemory)),
+            ("shared writable file mapping at the mark", OwnDoing { prev: &rw_shared, ..ok },
+             Some(NotOwn::SharedMemory)),
+            ("shared memory now", OwnDoing { now: &shmem, ..ok }, Some(NotOwn::SharedMemory)),
+            ("shared memory at the mark", OwnDoing { prev: &shmem, ..ok },
+             Some(NotOwn::SharedMemory)),
+            ("a thread not asleep", OwnDoing { now: &one_runnable, ..ok }, Some(NotOwn::Running)),
+            ("no thread read", OwnDoing { now: &no_threads, ..ok }, Some(NotOwn::NoThreads)),
         ];
         for (name, o, want) in rows {
-            assert_eq!(self_contained(&o), want, "{name}");
+            assert_eq!(not_own(&o), want, "{name}");
         }
     }
 }

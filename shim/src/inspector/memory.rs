@@ -280,7 +280,7 @@ pub struct ThreadState {
     pub stopped: bool,
     /// In interruptible sleep (`S`) when read: neither on a CPU nor waiting for one, nor
     /// stopped. Not compared: it says how far the image's counts can be trusted
-    /// ([`super::decide::self_contained`]).
+    /// ([`super::decide::not_own`]).
     #[serde(default)]
     pub sleeping: bool,
 }

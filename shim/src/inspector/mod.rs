@@ -10,6 +10,7 @@
 
 pub mod bpf;
 mod decide;
+pub use decide::NotOwn;
 pub mod fs;
 pub mod held;
 pub mod lower;
@@ -173,7 +174,7 @@ pub struct Target {
     /// What one observation may cost the shim (`[limits]`).
     pub limits: crab_runtime_config::LimitsConfig,
     /// Keep the image of a process whose memory changed by its own doing alone
-    /// (`[checkpoint] self_contained_changes = "keep"`, [`decide::self_contained`]).
+    /// (`[checkpoint] self_contained_changes = "keep"`, [`decide::not_own`]).
     pub keep_self_contained: bool,
 }
 
@@ -233,9 +234,13 @@ pub struct MemoryFinding {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub state: Vec<String>,
     /// The change was the process's own doing alone and the policy keeps its last image
-    /// ([`decide::self_contained`]): no change for the turn's answer.
+    /// ([`decide::not_own`]): no change for the turn's answer.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub self_contained: bool,
+    /// The policy keeps self-contained changes, but not this one: the first reason
+    /// ([`decide::NotOwn`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub not_kept: Option<decide::NotOwn>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -1631,8 +1636,8 @@ impl Inspection {
                 }
                 let unproven_base = m.unproven.contains(&p.pid);
                 let changed = d.changed_pages + d.added_pages + d.removed_pages > 0;
-                let self_contained = changed
-                    && decide::self_contained(&decide::OwnDoing {
+                let not_own = changed.then(|| {
+                    decide::not_own(&decide::OwnDoing {
                         kept: how.keep,
                         foreign_writes: how.foreign_writes,
                         before: prev_img.interactions,
@@ -1641,7 +1646,19 @@ impl Inspection {
                         now: &img,
                         state_changes: d.state_counted.len(),
                         unproven: unproven_base,
-                    });
+                    })
+                });
+                let self_contained = not_own == Some(None);
+                // Why a change the policy could have kept was not: in the answer and the log.
+                let not_kept = not_own.flatten().filter(|_| how.keep);
+                if let Some(why) = not_kept {
+                    log::info!(
+                        "pid {} of {} changed {} pages, not kept: {why:?}",
+                        p.pid,
+                        self.target.container_id,
+                        d.changed_pages + d.added_pages + d.removed_pages
+                    );
+                }
                 if self_contained {
                     log::info!(
                         "pid {} of {} changed {} pages by its own doing alone: its last image \
@@ -1662,6 +1679,7 @@ impl Inspection {
                     regions: d.by_region.iter().take(3).cloned().collect(),
                     state: d.state_counted.clone(),
                     self_contained,
+                    not_kept,
                 });
                 seen.memory_images.insert(p.pid, img);
             }
@@ -1834,7 +1852,7 @@ fn interactions_of(probes: Option<&HostProbes>, counted: bool, pid: u32) -> Opti
 
 /// How long a turn end waits, for all processes together, for those whose change may be
 /// self-contained to be asleep again ([`all_asleep_within`]).
-const ASLEEP_WAIT: std::time::Duration = std::time::Duration::from_millis(25);
+const ASLEEP_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Whether every thread of process `pid` is in interruptible sleep (`S`) within what is left of
 /// `budget` (which the wait uses up), looked at every millisecond. `false` when one is not by
