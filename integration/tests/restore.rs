@@ -643,6 +643,222 @@ async fn fork_3_of_a_process_checkpoint_share_one_verified_image() {
     s.finish().await;
 }
 
+/// The host's KSM settings a test changes, put back when it ends (also on failure). Leaving
+/// `run` at 0 unmerges first (`2`), so that nothing stays merged that the host did not merge.
+struct KsmSettings(Vec<(&'static str, String)>);
+
+impl KsmSettings {
+    const KEYS: [&'static str; 3] = ["run", "pages_to_scan", "sleep_millisecs"];
+
+    fn set(values: [&str; 3]) -> Option<KsmSettings> {
+        let dir = std::path::Path::new(crab_shim::sys::ksm::KSM_SYSFS);
+        let saved = Self::KEYS
+            .iter()
+            .map(|k| {
+                let v = std::fs::read_to_string(dir.join(k)).ok()?;
+                Some((*k, v.trim().to_string()))
+            })
+            .collect::<Option<Vec<_>>>()?;
+        let guard = KsmSettings(saved);
+        // pages_to_scan and sleep_millisecs first: run=1 then starts at that pace.
+        for (k, v) in Self::KEYS.iter().zip(values).rev() {
+            std::fs::write(dir.join(k), v).unwrap();
+        }
+        Some(guard)
+    }
+}
+
+impl Drop for KsmSettings {
+    fn drop(&mut self) {
+        let dir = std::path::Path::new(crab_shim::sys::ksm::KSM_SYSFS);
+        if self.0.iter().any(|(k, v)| *k == "run" && v != "1") {
+            let _ = std::fs::write(dir.join("run"), "2");
+        }
+        for (k, v) in &self.0 {
+            let _ = std::fs::write(dir.join(k), v);
+        }
+    }
+}
+
+/// The host pid of the child of `init` (a host pid) whose command line contains `needle`.
+fn child_of(init: u32, needle: &str) -> Option<u32> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .find(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            ppid == Some(init) && String::from_utf8_lossy(&cmdline).contains(needle)
+        })
+}
+
+/// A process's proportional set size (`/proc/PID/smaps_rollup`), in KiB.
+fn pss_kib(pid: u32) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("Pss:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no Pss in {text}"))
+}
+
+/// 40 MB of random bytes; SIGUSR1 writes their digest to /tmp/held-sha, SIGUSR2 changes the
+/// first page and writes it again.
+const KSM_HOLDER: &str = r#"cat > /app/ksm-holder.py <<'EOF'
+import hashlib, os, signal, time
+data = bytearray(os.urandom(40 << 20))
+def say(*_):
+    with open("/tmp/held-sha.new", "w") as f:
+        f.write(hashlib.sha256(data).hexdigest())
+    os.rename("/tmp/held-sha.new", "/tmp/held-sha")
+def change(*_):
+    data[0:4096] = b"x" * 4096
+    say()
+signal.signal(signal.SIGUSR1, say)
+signal.signal(signal.SIGUSR2, change)
+say()
+while True:
+    time.sleep(3600)
+EOF
+(nohup python3 /app/ksm-holder.py >/dev/null 2>&1 &) && for i in $(seq 100); do test -e /tmp/held-sha && break; sleep 0.1; done"#;
+
+/// Signals the holder (`USR1`: say, `USR2`: change and say) and prints what it said.
+fn ask_holder(signal: &str) -> String {
+    format!(
+        "rm -f /tmp/held-sha && pkill -{signal} -f '[k]sm-holder' && for i in $(seq 100); do \
+         test -e /tmp/held-sha && break; sleep 0.1; done && cat /tmp/held-sha"
+    )
+}
+
+/// `crabctl fork --merge-memory` of a process checkpoint: the forks' processes are marked for
+/// the kernel's same-page merging (a fork without the flag is not), and while the host's ksmd
+/// runs their memory, restored by copying, becomes one copy again: the summed PSS of three
+/// forks' 40 MB holders falls to under twice one unmerged fork's. Merged pages stay private
+/// to each fork in what it sees: each holds the checkpoint's bytes, and a write in one fork
+/// changes that fork's memory alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn forks_with_merge_memory_share_their_identical_pages() {
+    assert!(
+        crab_shim::sys::ksm::merge_any_supported() && crab_shim::sys::ksm::ksmd_running().is_some(),
+        "this kernel has no KSM or no PR_SET_MEMORY_MERGE (Linux 6.4): the test needs both"
+    );
+    let (mut s, _g) = Sandbox::start("restore_ksm", SandboxOptions::default()).await;
+    let h = s.h.clone();
+    let _images = ImageGuard::new(&h, &[], &[&s.id]);
+    s.run(KSM_HOLDER).await;
+    let original = s.run("cat /tmp/held-sha").await.stdout;
+    assert_eq!(original.len(), 64, "{original:?}");
+    let turn = end_turn_checkpointed(&s).await;
+    assert!(!manifest_of(&s, &turn)["process"].is_null());
+
+    let fork = |merge: bool, count: &str| {
+        let mut args = vec!["fork", &s.id, "--at", &turn, "--count", count, "-o", "json"];
+        if merge {
+            args.push("--merge-memory");
+        }
+        let out = crabctl_ok(&s, &args);
+        let report: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(report["merge_memory"], merge, "{out}");
+        report["forks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| {
+                (
+                    f["id"].as_str().unwrap().to_string(),
+                    f["pid"].as_u64().unwrap() as u32,
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let merged = fork(true, "3");
+    let plain = fork(false, "1");
+    let mut guard = h.guard(&[]);
+    for (id, _) in merged.iter().chain(&plain) {
+        guard.add(id);
+    }
+    let holder = |init: u32| {
+        child_of(init, "ksm-holder.py").unwrap_or_else(|| panic!("no holder under {init}"))
+    };
+    let merged_pids: Vec<u32> = merged.iter().map(|(_, init)| holder(*init)).collect();
+    let plain_pid = holder(plain[0].1);
+    for pid in &merged_pids {
+        let st = crab_shim::sys::ksm::stat(*pid).unwrap();
+        assert!(
+            st.merge_any,
+            "a --merge-memory fork's process is marked: {st:?}"
+        );
+    }
+    let st = crab_shim::sys::ksm::stat(plain_pid).unwrap();
+    assert!(!st.merge_any, "a plain fork's process is not: {st:?}");
+
+    // ksmd at a test's pace: 5,000 pages every 20 ms.
+    let ksm = KsmSettings::set(["1", "5000", "20"]).expect("the host's KSM settings");
+    let one = pss_kib(plain_pid);
+    assert!(
+        one > 40 << 10,
+        "a restored holder holds its 40 MB: {one} KiB"
+    );
+    let mut summed = 0;
+    for _ in 0..600 {
+        summed = merged_pids.iter().map(|p| pss_kib(*p)).sum::<u64>();
+        if summed <= 2 * one {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let merging: Vec<u64> = merged_pids
+        .iter()
+        .map(|p| crab_shim::sys::ksm::stat(*p).unwrap().merging_pages)
+        .collect();
+    eprintln!(
+        "three merged forks: summed PSS {summed} KiB against {one} KiB for one unmerged; \
+         merged pages {merging:?}"
+    );
+    assert!(
+        summed <= 2 * one,
+        "summed PSS of three merged forks {summed} KiB, one unmerged fork {one} KiB"
+    );
+    assert!(merging.iter().all(|m| *m > 0), "{merging:?}");
+    assert_eq!(
+        crab_shim::sys::ksm::stat(plain_pid).unwrap().merging_pages,
+        0,
+        "the plain fork merged nothing"
+    );
+
+    // What the forks see: the checkpoint's bytes; a write in one changes only its own.
+    let mut forks: Vec<Sandbox> = merged.iter().map(|(id, _)| sandbox_for(&s, id)).collect();
+    for f in forks.iter_mut() {
+        assert_eq!(
+            f.run(&ask_holder("USR1")).await.stdout,
+            original,
+            "{}",
+            f.id
+        );
+    }
+    let changed = forks[0].run(&ask_holder("USR2")).await.stdout;
+    assert_eq!(changed.len(), 64, "{changed:?}");
+    assert_ne!(changed, original, "the write changed fork {}", forks[0].id);
+    for f in forks.iter_mut().skip(1) {
+        assert_eq!(
+            f.run(&ask_holder("USR1")).await.stdout,
+            original,
+            "{}",
+            f.id
+        );
+    }
+    drop(ksm);
+    for (id, _) in merged.iter().chain(&plain) {
+        h.kill_and_remove(id).await.unwrap();
+        h.assert_no_leaks(id).await;
+    }
+    drop(guard);
+    s.finish().await;
+}
+
 // ---------------------------------------------------------------- rollback
 
 /// `crabctl rollback` across fs turns, backwards then forwards then to the middle: the same

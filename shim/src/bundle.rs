@@ -710,6 +710,7 @@ mod tests {
             no_pivot_root: true,
             no_new_keyring: false,
             io_owner: Some((65536, 65536)),
+            merge_memory: true,
         };
         save_runc(dir.path(), &runc).unwrap();
         assert_eq!(load_runc(dir.path()).unwrap(), Some(runc));

@@ -6,6 +6,7 @@
 
 use std::{
     ffi::OsString,
+    os::unix::process::CommandExt,
     path::{Path, PathBuf},
     process::{Command, Stdio},
 };
@@ -69,6 +70,11 @@ pub struct Runc {
     /// that it can reopen its own `/dev/stdout`); `None`: the shim's own (root).
     #[serde(default)]
     pub io_owner: Option<(u32, u32)>,
+    /// Every runc this container runs is marked for the kernel's same-page merging before it
+    /// execs ([`crate::sys::ksm::set_merge_any`]): so are CRIU and the container's processes,
+    /// which inherit the mark (annotation [`crate::turns::MERGE_MEMORY`]).
+    #[serde(default)]
+    pub merge_memory: bool,
 }
 
 impl Runc {
@@ -88,6 +94,7 @@ impl Runc {
             no_pivot_root: runc_options.is_some_and(|o| o.no_pivot_root),
             no_new_keyring: runc_options.is_some_and(|o| o.no_new_keyring),
             io_owner: runc_options.and_then(|o| o.io_owner()),
+            merge_memory: false,
         })
     }
 
@@ -185,6 +192,17 @@ impl Runc {
             .arg("json");
         if self.systemd_cgroup {
             cmd.arg("--systemd-cgroup");
+        }
+        if self.merge_memory {
+            // SAFETY: set_merge_any is one prctl, async-signal-safe; a kernel that refuses it
+            // leaves the processes unmarked (merging saves memory, it changes nothing they
+            // see), so its error is not runc's failure.
+            unsafe {
+                cmd.pre_exec(|| {
+                    let _ = crate::sys::ksm::set_merge_any();
+                    Ok(())
+                });
+            }
         }
         cmd
     }

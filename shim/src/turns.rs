@@ -48,6 +48,25 @@ pub const RESUME: &str = "io.crab/resume";
 /// in front of it).
 const MAX_LINEAGE: usize = 253;
 
+/// Container spec annotation: `true` marks every process of the container for the kernel's
+/// same-page merging ([`crate::sys::ksm`]), so that forks restored from one image share their
+/// identical pages while the host's `ksmd` runs (`crabctl fork --merge-memory` sets it). It
+/// belongs to the container: it does not travel with its checkpoints.
+pub const MERGE_MEMORY: &str = "io.crab/merge-memory";
+
+/// The container's [`MERGE_MEMORY`] request: `true` or `false` (or absent: `false`); any other
+/// value is an error.
+pub fn merge_memory(spec: &oci_spec::runtime::Spec) -> Result<bool> {
+    match crate::bundle::annotation(spec, &[MERGE_MEMORY]) {
+        None | Some("false") => Ok(false),
+        Some("true") => Ok(true),
+        Some(v) => Err(Error::InvalidArgument(format!(
+            "annotation {MERGE_MEMORY}: {:?} is neither true nor false",
+            truncated(v)
+        ))),
+    }
+}
+
 /// The CRI's annotations of a container's spec naming its pod and itself.
 const CRI_SANDBOX_NAMESPACE: &str = "io.kubernetes.cri.sandbox-namespace";
 const CRI_SANDBOX_NAME: &str = "io.kubernetes.cri.sandbox-name";
@@ -62,15 +81,16 @@ pub const SPEC_ANNOTATIONS: [&str; 4] = [
 ];
 
 /// Every crab annotation a container's spec may carry; any other `io.crab/` key is a typo that
-/// must not silently change nothing. The lineage and the resume request belong to the
-/// container, never to an image: they do not travel.
-pub const KNOWN_SPEC_ANNOTATIONS: [&str; 6] = [
+/// must not silently change nothing. The lineage, the resume request and memory merging belong
+/// to the container, never to an image: they do not travel.
+pub const KNOWN_SPEC_ANNOTATIONS: [&str; 7] = [
     TURN_BOUNDARY,
     crate::checkpoint::policy::POLICY_ANNOTATION,
     crate::checkpoint::policy::SELF_CONTAINED_ANNOTATION,
     PROBE_COMMANDS,
     LINEAGE,
     RESUME,
+    MERGE_MEMORY,
 ];
 
 /// What a container asks of its lineage at Create ([`RESUME`]).
@@ -594,5 +614,23 @@ mod tests {
             assert!(e.contains(RESUME) && e.contains("newest"), "{e}");
         }
         check_spec_annotations(&annotated(&[(LINEAGE, "x"), (RESUME, "newest")])).unwrap();
+    }
+
+    #[test]
+    fn merge_memory_is_true_false_or_an_error_and_does_not_travel() {
+        use super::*;
+        assert!(!merge_memory(&annotated(&[])).unwrap());
+        assert!(!merge_memory(&annotated(&[(MERGE_MEMORY, "false")])).unwrap());
+        assert!(merge_memory(&annotated(&[(MERGE_MEMORY, "true")])).unwrap());
+        let long = "t".repeat(100_000);
+        for bad in ["", "TRUE", "yes", "1", "true ", "nul\0", long.as_str()] {
+            let e = merge_memory(&annotated(&[(MERGE_MEMORY, bad)]))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(MERGE_MEMORY) && e.len() < 400, "{e}");
+        }
+        check_spec_annotations(&annotated(&[(MERGE_MEMORY, "true")])).unwrap();
+        let travels = travelling(&[(MERGE_MEMORY.to_string(), "true".to_string())].into());
+        assert!(travels.is_empty(), "{travels:?}");
     }
 }

@@ -267,6 +267,7 @@ impl Sandbox {
             no_pivot_root: false,
             no_new_keyring: false,
             io_owner: None,
+            merge_memory: false,
         };
         let sb = Sandbox {
             tmp,
@@ -1176,6 +1177,7 @@ fn plain_runc(dir: &Path) -> Runc {
         no_pivot_root: false,
         no_new_keyring: false,
         io_owner: None,
+        merge_memory: false,
     }
 }
 

@@ -256,6 +256,11 @@ pub enum Command {
         /// how many forks
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
         count: u32,
+        /// mark the forks' processes for the kernel's same-page merging (annotation
+        /// io.crab/merge-memory): while the host's ksmd runs, the pages the forks hold alike
+        /// are kept once
+        #[arg(long)]
+        merge_memory: bool,
         /// show the forks started on stderr even when it is no terminal (or with -o json)
         #[arg(long)]
         progress: bool,
@@ -414,6 +419,7 @@ pub enum Request {
         target: Target,
         at: String,
         count: usize,
+        merge_memory: bool,
         format: Format,
         progress: bool,
     },
@@ -574,12 +580,14 @@ where
             target,
             at,
             count,
+            merge_memory,
             progress,
             out,
         } => Request::Fork {
             target: target.into_target(),
             at,
             count: count as usize,
+            merge_memory,
             format: out.format(),
             progress,
         },
@@ -826,16 +834,18 @@ mod tests {
                     target: id("c1"),
                     at: s("t1"),
                     count: 4,
+                    merge_memory: false,
                     format: Format::Text,
                     progress: false,
                 },
             ),
             (
-                "fork c1 --count 4 --at t1",
+                "fork c1 --count 4 --at t1 --merge-memory",
                 Request::Fork {
                     target: id("c1"),
                     at: s("t1"),
                     count: 4,
+                    merge_memory: true,
                     format: Format::Text,
                     progress: false,
                 },
@@ -986,6 +996,7 @@ mod tests {
                     target: agent(),
                     at: s("t1"),
                     count: 2,
+                    merge_memory: false,
                     format: Format::Text,
                     progress: false,
                 },
@@ -1084,6 +1095,7 @@ mod tests {
                     target: id("c1"),
                     at: s("2"),
                     count: 3,
+                    merge_memory: false,
                     format: json,
                     progress: true,
                 },

@@ -56,12 +56,13 @@ pub async fn run(g: &Global, request: Request) -> Result<()> {
         Request::Fork {
             at,
             count,
+            merge_memory,
             format,
             progress,
             ..
         } => {
             let progress = Progress::for_stderr(progress, format == Format::Json);
-            fork(g, container, &at, count, format, progress).await
+            fork(g, container, &at, count, merge_memory, format, progress).await
         }
         Request::Rollback {
             to,
@@ -178,13 +179,14 @@ async fn fork(
     container: &str,
     at: &str,
     count: usize,
+    merge_memory: bool,
     format: Format,
     progress: Progress,
 ) -> Result<()> {
     let forked = ctl(g)
         .await?
         .with_progress(progress)
-        .fork(container, at, count)
+        .fork(container, at, count, merge_memory)
         .await?;
     match format {
         Format::Json => print_json(&ForkReport::of(container, &forked)),
@@ -205,6 +207,9 @@ async fn fork(
         s.turn_id,
         forked.phases
     );
+    if let Some(note) = forked.merge_note() {
+        eprintln!("crabctl: {note}");
+    }
     Ok(())
 }
 

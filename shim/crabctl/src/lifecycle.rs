@@ -87,9 +87,32 @@ pub struct Forked {
     /// In id order.
     pub forks: Vec<Fork>,
     pub phases: Phases,
+    /// The forks' processes are marked for same-page merging (`--merge-memory`).
+    pub merge_memory: bool,
+    /// Whether the host's ksmd runs (`None`: no KSM in this kernel), read when they started.
+    pub ksmd_running: Option<bool>,
 }
 
 impl Forked {
+    /// What a user who asked for merged memory should know: nothing merges while ksmd does
+    /// not run.
+    pub fn merge_note(&self) -> Option<String> {
+        if !self.merge_memory {
+            return None;
+        }
+        match self.ksmd_running {
+            Some(true) => None,
+            Some(false) => Some(format!(
+                "the forks' memory is mergeable, but the host's ksmd does not run: nothing is                  merged until it does (echo 1 > {}/run)",
+                crab_shim::sys::ksm::KSM_SYSFS
+            )),
+            None => Some(
+                "the forks' memory is marked mergeable, but this kernel has no KSM: nothing is                  merged"
+                    .to_string(),
+            ),
+        }
+    }
+
     /// The forks' own times (`total_ms`): (min, p50, max), nearest rank.
     pub fn per_sandbox_ms(&self) -> (f64, f64, f64) {
         let mut t: Vec<f64> = self.forks.iter().map(|f| f.times.total_ms).collect();
@@ -258,6 +281,41 @@ pub fn clone_record(template: &Container, id: &str, image: &str) -> Result<Conta
     Ok(c)
 }
 
+/// `record` with annotation `key` set to `value` in its runtime spec.
+pub fn annotated(mut record: Container, key: &str, value: &str) -> Result<Container> {
+    let spec = record
+        .spec
+        .as_mut()
+        .ok_or_else(|| CtlError::Refused(format!("container {} has no runtime spec", record.id)))?;
+    let mut v: Value = serde_json::from_slice(&spec.value).map_err(|e| {
+        CtlError::Refused(format!(
+            "container {}'s runtime spec is not JSON: {e}",
+            record.id
+        ))
+    })?;
+    let Some(obj) = v.as_object_mut() else {
+        return Err(CtlError::Refused(format!(
+            "container {}'s runtime spec is not a JSON object",
+            record.id
+        )));
+    };
+    let annotations = obj
+        .entry("annotations")
+        .or_insert_with(|| Value::Object(Default::default()));
+    if annotations.is_null() {
+        *annotations = Value::Object(Default::default());
+    }
+    let Some(map) = annotations.as_object_mut() else {
+        return Err(CtlError::Refused(format!(
+            "container {}'s runtime spec has annotations that are not an object",
+            record.id
+        )));
+    };
+    map.insert(key.to_string(), Value::String(value.to_string()));
+    spec.value = serde_json::to_vec(&v).expect("a JSON value serializes");
+    Ok(record)
+}
+
 /// `count` fork ids after the highest existing `<container>-fork-<i>`.
 pub fn fork_ids(existing: &[String], container: &str, count: usize) -> Vec<String> {
     let prefix = format!("{container}-fork-");
@@ -357,7 +415,13 @@ impl Ctl {
 
     /// Starts `count` new containers `<container>-fork-<i>` from checkpoint `at`, concurrently.
     /// If one fails, the others are removed again.
-    pub async fn fork(&self, container: &str, at: &str, count: usize) -> Result<Forked> {
+    pub async fn fork(
+        &self,
+        container: &str,
+        at: &str,
+        count: usize,
+        merge_memory: bool,
+    ) -> Result<Forked> {
         if count == 0 {
             return Err(CtlError::Refused(
                 "a fork needs a count of at least 1".into(),
@@ -401,7 +465,10 @@ impl Ctl {
             let records = fork_ids(&existing, container, count)
                 .iter()
                 .map(|id| {
-                    let record = clone_record(&exported.container, id, &exported.reference)?;
+                    let mut record = clone_record(&exported.container, id, &exported.reference)?;
+                    if merge_memory {
+                        record = annotated(record, crab_shim::turns::MERGE_MEMORY, "true")?;
+                    }
                     own_volumes(record, &tracked, &stores.join(id).join("volumes"))
                 })
                 .collect::<Result<Vec<_>>>()?;
@@ -452,6 +519,8 @@ impl Ctl {
                 exported,
                 forks,
                 phases,
+                merge_memory,
+                ksmd_running: crab_shim::sys::ksm::ksmd_running(),
             })
         }
         .await;
@@ -685,6 +754,43 @@ mod tests {
             clone_spec(&no_cgroup, "c1", "c2").unwrap()["hostname"],
             "box"
         );
+    }
+
+    #[test]
+    fn an_annotation_is_added_to_whatever_spec_the_record_holds() {
+        let record = |spec: &[u8]| Container {
+            id: "c1-fork-1".into(),
+            spec: Some(prost_types::Any {
+                type_url: "types.containerd.io/opencontainers/runtime-spec/1/Spec".into(),
+                value: spec.to_vec(),
+            }),
+            ..Default::default()
+        };
+        let annotations = |c: &Container| -> Value {
+            serde_json::from_slice::<Value>(&c.spec.as_ref().unwrap().value).unwrap()["annotations"]
+                .clone()
+        };
+        let key = crab_shim::turns::MERGE_MEMORY;
+        for (spec, want) in [
+            (&br#"{"hostname":"h"}"#[..], json!({key: "true"})),
+            (br#"{"annotations":null}"#, json!({key: "true"})),
+            (
+                br#"{"annotations":{"a":"b","io.crab/merge-memory":"false"}}"#,
+                json!({"a": "b", key: "true"}),
+            ),
+        ] {
+            let c = annotated(record(spec), key, "true").unwrap();
+            assert_eq!(annotations(&c), want, "{}", String::from_utf8_lossy(spec));
+        }
+        for hostile in [&b"[]"[..], b"{\"annotations\":[1]}", b"{", b""] {
+            let e = annotated(record(hostile), key, "true").unwrap_err();
+            assert!(e.to_string().contains("c1-fork-1"), "{e}");
+        }
+        let no_spec = Container {
+            id: "c2".into(),
+            ..Default::default()
+        };
+        assert!(annotated(no_spec, key, "true").is_err());
     }
 
     #[test]

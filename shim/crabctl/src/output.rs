@@ -67,7 +67,8 @@ container_ms (Snapshots.Prepare + Containers.Create), task_create_ms (the shim t
 checkpoint out of the rootfs), task_start_ms (runc restore), total_ms (the three: this
 sandbox's own time), done_at_ms (from the launch of all forks until it ran)}], checkpoint_ms
 (export and unpack), start_ms (all forks, concurrently), total_ms, per_sandbox_ms {min, p50,
-max} (of the forks' total_ms)}.";
+max} (of the forks' total_ms), merge_memory (--merge-memory), ksmd_running (the host's ksmd
+merges pages; null: no KSM in this kernel)}.";
 
 /// `crabctl prune --help`: the fields of `-o json`.
 pub const PRUNE_FIELDS: &str = "\
@@ -230,6 +231,10 @@ pub struct ForkReport {
     pub total_ms: f64,
     /// Of the forks' own times (`total_ms`).
     pub per_sandbox_ms: Spread,
+    /// The forks' processes are marked for same-page merging (`--merge-memory`).
+    pub merge_memory: bool,
+    /// The host's ksmd runs (null: no KSM in this kernel).
+    pub ksmd_running: Option<bool>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -281,6 +286,8 @@ impl ForkReport {
                 let (min, p50, max) = f.per_sandbox_ms();
                 Spread { min, p50, max }
             },
+            merge_memory: f.merge_memory,
+            ksmd_running: f.ksmd_running,
         }
     }
 }
@@ -579,6 +586,8 @@ pub(crate) mod tests {
                 p50: 123.0,
                 max: 123.0,
             },
+            merge_memory: true,
+            ksmd_running: Some(false),
         };
         let v = serde_json::to_value(&fork).unwrap();
         assert_eq!(v["forks"][0]["id"], "c1-fork-1");

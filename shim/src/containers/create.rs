@@ -94,6 +94,8 @@ impl Containers {
         );
         let spec = bundle::read_spec(&p.bundle)?;
         turns::check_spec_annotations(&spec)?;
+        let mut runc = runc;
+        runc.merge_memory = merge_memory(&p.id, &spec)?;
         crate::grouping::check_group(&spec, &self.namespace, &config.shim.groups)
             .map_err(Error::InvalidArgument)?;
         let (exec_boundary, probes) = turn_settings(&spec, &config)?;
@@ -604,6 +606,30 @@ fn inherit_annotations(id: &str, prep: &mut Prepared, t: &Taken) -> Result<()> {
     );
     (prep.exec_boundary, prep.probes) = turn_settings(&spec, &prep.config)?;
     Ok(())
+}
+
+/// Whether the container's processes are marked for same-page merging ([`turns::MERGE_MEMORY`]):
+/// asked and the kernel can (Linux 6.4); a kernel that cannot is a warning, not a failure
+/// (merging saves memory, it changes nothing the processes see).
+fn merge_memory(id: &str, spec: &oci_spec::runtime::Spec) -> Result<bool> {
+    if !turns::merge_memory(spec)? {
+        return Ok(false);
+    }
+    if !crate::sys::ksm::merge_any_supported() {
+        log::warn!(
+            "create {id}: {} asks for same-page merging, which this kernel cannot do for a              whole process (PR_SET_MEMORY_MERGE, Linux 6.4): its memory is not merged",
+            turns::MERGE_MEMORY
+        );
+        return Ok(false);
+    }
+    match crate::sys::ksm::ksmd_running() {
+        Some(true) => log::info!("create {id}: its processes' memory is mergeable (ksmd runs)"),
+        _ => log::info!(
+            "create {id}: its processes' memory is mergeable, but the host's ksmd does not run              ({}/run): nothing is merged until it does",
+            crate::sys::ksm::KSM_SYSFS
+        ),
+    }
+    Ok(true)
 }
 
 /// The process image Start is to restore, if any: containerd's checkpoint (unless its trust

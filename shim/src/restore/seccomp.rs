@@ -654,6 +654,7 @@ fn probe_runc(runc: &Runc, bundle: &Path) -> Runc {
         no_pivot_root: runc.no_pivot_root,
         no_new_keyring: true,
         io_owner: None,
+        merge_memory: false,
     }
 }
 

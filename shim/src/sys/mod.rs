@@ -11,11 +11,13 @@
 //!   call goes through nix directly
 //! - [`pidfd`]: killing a child by pidfd, never a reused pid
 //! - [`uffd`]: whether userfaultfd serves CRIU's lazy restore here
+//! - [`ksm`]: marking a container's processes for the kernel's same-page merging
 
 pub mod beneath;
 pub mod bpf;
 pub mod cgroup;
 pub mod file;
+pub mod ksm;
 pub mod mountinfo;
 pub mod netns;
 pub mod pidfd;
