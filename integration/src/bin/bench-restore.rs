@@ -42,6 +42,13 @@
 //!    restore, sections 1 and 2). Each fork's store is looked at: one that already holds
 //!    checkpoints continues a removed fork's lineage.
 //!
+//!    4b, forks that merge their memory: for N = 8 and 32, `crabctl fork --merge-memory` of
+//!    the process checkpoint, then the host's ksmd run at 5,000 pages every 20 ms (the host's
+//!    own settings are put back afterwards): the forks' summed PSS right after the start and
+//!    once merged, against one restored sandbox's (a single fork alone), how long merging took
+//!    and ksmd's CPU time (issue 29's aim: at most 2x one). `BENCH_RESTORE_ONLY=4b` runs this
+//!    section alone.
+//!
 //! 5. Lazy restore: for 50, 128 and 512 MB held by a python3 (random bytes; `BENCH_LAZY_SIZES`
 //!    picks others), the process checkpoint is exported and started through the API, eagerly
 //!    (`[restore] lazy_pages_min_mib = 0`), lazily (`= 1`) and with the default configuration
@@ -2117,6 +2124,239 @@ async fn bench_fork(b: &mut Bench, r: &mut Report, fs: &FsSandbox, p: &ProcSandb
 }
 
 // ---------------------------------------------------------------------------------------------
+// 4b. Forks that merge their memory
+
+/// The fork counts of section 4b.
+const MERGE_FORKS: [usize; 2] = [8, 32];
+/// ksmd's pace in section 4b: pages per wake-up, milliseconds between wake-ups.
+const MERGE_KSM_PACE: (u64, u64) = (5000, 20);
+/// Issue 29's aim: the summed PSS of N idle forks at most this many times one restored
+/// sandbox's.
+const AIM_MERGED_PSS_RATIO: f64 = 2.0;
+
+/// Host pids of `init` and its descendants.
+fn process_tree(init: u32) -> Vec<u32> {
+    let mut parent_of = HashMap::new();
+    for pid in std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+    {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        if let Some(ppid) = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok())
+        {
+            parent_of.insert(pid, ppid);
+        }
+    }
+    let mut tree = vec![init];
+    let mut grew = true;
+    while grew {
+        grew = false;
+        for (pid, ppid) in &parent_of {
+            if tree.contains(ppid) && !tree.contains(pid) {
+                tree.push(*pid);
+                grew = true;
+            }
+        }
+    }
+    tree
+}
+
+/// The summed PSS (`smaps_rollup`) of the processes under the inits `inits`, in KiB.
+fn trees_pss_kib(inits: &[u32]) -> u64 {
+    inits
+        .iter()
+        .flat_map(|i| process_tree(*i))
+        .filter_map(|pid| {
+            let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+            text.lines()
+                .find_map(|l| l.strip_prefix("Pss:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .sum()
+}
+
+/// ksmd's CPU time so far (utime + stime, clock ticks as seconds at 100 Hz), `None` without
+/// a ksmd thread.
+fn ksmd_cpu_s() -> Option<f64> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
+        if comm.trim() != "ksmd" {
+            return None;
+        }
+        let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+        let f: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let ticks = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+        Some(ticks / 100.0)
+    })
+}
+
+/// The host's KSM settings this section changes, put back when it ends (`run` back to 0
+/// unmerges first).
+struct KsmPace(Vec<(&'static str, String)>);
+
+impl KsmPace {
+    fn set(pages: u64, sleep_ms: u64) -> Res<KsmPace> {
+        let dir = Path::new(crab_shim::sys::ksm::KSM_SYSFS);
+        let mut saved = Vec::new();
+        for k in ["run", "pages_to_scan", "sleep_millisecs"] {
+            let v = std::fs::read_to_string(dir.join(k))
+                .map_err(|e| format!("{}/{k}: {e} (no KSM here)", dir.display()))?;
+            saved.push((k, v.trim().to_string()));
+        }
+        let pace = KsmPace(saved);
+        for (k, v) in [
+            ("pages_to_scan", pages.to_string()),
+            ("sleep_millisecs", sleep_ms.to_string()),
+            ("run", "1".to_string()),
+        ] {
+            std::fs::write(dir.join(k), v).map_err(|e| format!("{}/{k}: {e}", dir.display()))?;
+        }
+        Ok(pace)
+    }
+}
+
+impl Drop for KsmPace {
+    fn drop(&mut self) {
+        let dir = Path::new(crab_shim::sys::ksm::KSM_SYSFS);
+        if self.0.iter().any(|(k, v)| *k == "run" && v != "1") {
+            let _ = std::fs::write(dir.join("run"), "2");
+        }
+        for (k, v) in &self.0 {
+            let _ = std::fs::write(dir.join(k), v);
+        }
+    }
+}
+
+/// `crabctl fork` of the process checkpoint, `extra` flags added; the forks' (id, init pid).
+fn fork_ids_pids(
+    b: &mut Bench,
+    p: &ProcSandbox,
+    n: usize,
+    extra: &[&str],
+) -> Res<Vec<(String, u32)>> {
+    let count = n.to_string();
+    let mut args = vec![
+        "fork",
+        p.s.id.as_str(),
+        "--at",
+        p.proc_turn.1.as_str(),
+        "--count",
+        count.as_str(),
+        "-o",
+        "json",
+    ];
+    args.extend(extra);
+    let (_, out, err) = b.crabctl(&args)?;
+    let report: Value = serde_json::from_str(&out)
+        .map_err(|e| format!("crabctl fork -o json printed no JSON ({e}): {out}{err}"))?;
+    let forks: Vec<(String, u32)> = report["forks"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|f| Some((f["id"].as_str()?.to_string(), f["pid"].as_u64()? as u32)))
+                .collect()
+        })
+        .unwrap_or_default();
+    for (id, _) in &forks {
+        b.guard.add(id);
+        b.forks.push(id.clone());
+    }
+    if forks.len() != n {
+        return Err(format!("crabctl fork --count {n}: {out}{err}"));
+    }
+    Ok(forks)
+}
+
+/// 4b: N forks of the process checkpoint with `--merge-memory` while the host's ksmd runs at
+/// [`MERGE_KSM_PACE`]: their summed PSS right after the start (every page copied by CRIU) and
+/// once ksmd has merged them (polled every 250 ms until it is within the aim or has not
+/// fallen for 5 s, at most 180 s), against one restored sandbox's (a single fork, not merged,
+/// alone on the host), with how long merging took and ksmd's CPU time for it.
+async fn bench_merge(b: &mut Bench, r: &mut Report, p: &ProcSandbox) -> Res<()> {
+    BENCH.progress(format!(
+        "4b fork --merge-memory: N = {MERGE_FORKS:?}, ksmd at {} pages / {} ms",
+        MERGE_KSM_PACE.0, MERGE_KSM_PACE.1
+    ));
+    // Untimed warm-up (export and unpack), then one restored sandbox alone.
+    let warm = fork_ids_pids(b, p, 1, &[])?;
+    let ids: Vec<String> = warm.iter().map(|f| f.0.clone()).collect();
+    remove_all(b, &ids).await?;
+    let single = fork_ids_pids(b, p, 1, &[])?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let one_kib = trees_pss_kib(&[single[0].1]);
+    let ids: Vec<String> = single.iter().map(|f| f.0.clone()).collect();
+    remove_all(b, &ids).await?;
+    let mut j = serde_json::Map::new();
+    j.insert("one_sandbox_pss_kib".into(), json!(one_kib));
+    j.insert(
+        "ksm_pace".into(),
+        json!({"pages_to_scan": MERGE_KSM_PACE.0, "sleep_millisecs": MERGE_KSM_PACE.1}),
+    );
+    for n in MERGE_FORKS {
+        // The same fork without the flag first: what marking costs the start.
+        let t0 = Instant::now();
+        let unmarked = fork_ids_pids(b, p, n, &[])?;
+        let unmarked_ms = ms(t0.elapsed());
+        let ids: Vec<String> = unmarked.iter().map(|f| f.0.clone()).collect();
+        remove_all(b, &ids).await?;
+        let t0 = Instant::now();
+        let forks = fork_ids_pids(b, p, n, &["--merge-memory"])?;
+        let fork_ms = ms(t0.elapsed());
+        let inits: Vec<u32> = forks.iter().map(|f| f.1).collect();
+        let before = trees_pss_kib(&inits);
+        let cpu0 = ksmd_cpu_s();
+        let pace = KsmPace::set(MERGE_KSM_PACE.0, MERGE_KSM_PACE.1)?;
+        let started = Instant::now();
+        let (mut best, mut best_at) = (before, Instant::now());
+        let mut now_kib = before;
+        while started.elapsed() < Duration::from_secs(180) {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            now_kib = trees_pss_kib(&inits);
+            if now_kib < best {
+                (best, best_at) = (now_kib, Instant::now());
+            }
+            if (now_kib as f64) <= AIM_MERGED_PSS_RATIO * one_kib as f64
+                || best_at.elapsed() > Duration::from_secs(5)
+            {
+                break;
+            }
+        }
+        let merge_s = started.elapsed().as_secs_f64();
+        let cpu = ksmd_cpu_s().zip(cpu0).map(|(a, b)| a - b);
+        drop(pace);
+        let ratio = now_kib as f64 / one_kib as f64;
+        r.notes.push(format!(
+            "4b fork --merge-memory N={n}: summed PSS {:.0} MiB right after the start ({:.1}x one \
+             restored sandbox's {:.1} MiB), {:.0} MiB after ksmd merged for {merge_s:.1} s \
+             ({ratio:.2}x; aim <= {AIM_MERGED_PSS_RATIO}x: {}), ksmd CPU {}; fork wall {fork_ms:.0} ms \
+             ({unmarked_ms:.0} ms without --merge-memory just before)",
+            before as f64 / 1024.0,
+            before as f64 / one_kib as f64,
+            one_kib as f64 / 1024.0,
+            now_kib as f64 / 1024.0,
+            if ratio <= AIM_MERGED_PSS_RATIO { "met" } else { "missed" },
+            cpu.map_or("unknown".to_string(), |c| format!("{c:.1} s")),
+        ));
+        j.insert(
+            n.to_string(),
+            json!({"fork_wall_ms": fork_ms, "fork_wall_ms_unmarked": unmarked_ms,
+                   "summed_pss_kib_at_start": before,
+                   "summed_pss_kib_merged": now_kib, "merged_over_one": ratio,
+                   "aim_merged_over_one": AIM_MERGED_PSS_RATIO, "merge_s": merge_s,
+                   "ksmd_cpu_s": cpu}),
+        );
+        let ids: Vec<String> = forks.iter().map(|f| f.0.clone()).collect();
+        remove_all(b, &ids).await?;
+    }
+    r.extra.insert("fork_merge_memory".into(), Value::Object(j));
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
 // Report
 
 /// Which code was measured: the checkout's commit (others may have uncommitted edits in it)
@@ -2367,6 +2607,11 @@ async fn main() {
                 guards.push(g);
                 return bench_proc_restore(&mut b, &mut r, &p).await;
             }
+            Ok("4b") => {
+                let (p, g) = proc_sandbox(&mut b).await?;
+                guards.push(g);
+                return bench_merge(&mut b, &mut r, &p).await;
+            }
             _ => {}
         }
         baseline(&mut b, &mut r).await?;
@@ -2383,6 +2628,8 @@ async fn main() {
         bench_in_place(&mut b, &mut r).await?;
         save_partial(&b, &r, started, &load_before);
         bench_fork(&mut b, &mut r, &fs, &p).await?;
+        save_partial(&b, &r, started, &load_before);
+        bench_merge(&mut b, &mut r, &p).await?;
         save_partial(&b, &r, started, &load_before);
         bench_lazy(&mut b, &mut r).await?;
         save_partial(&b, &r, started, &load_before);
