@@ -25,6 +25,7 @@ pub mod env;
 pub mod events;
 pub mod harness;
 pub mod host;
+pub mod ksm;
 pub mod node;
 pub mod registry;
 pub mod replay;

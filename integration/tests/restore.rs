@@ -643,43 +643,6 @@ async fn fork_3_of_a_process_checkpoint_share_one_verified_image() {
     s.finish().await;
 }
 
-/// The host's KSM settings a test changes, put back when it ends (also on failure). Leaving
-/// `run` at 0 unmerges first (`2`), so that nothing stays merged that the host did not merge.
-struct KsmSettings(Vec<(&'static str, String)>);
-
-impl KsmSettings {
-    const KEYS: [&'static str; 3] = ["run", "pages_to_scan", "sleep_millisecs"];
-
-    fn set(values: [&str; 3]) -> Option<KsmSettings> {
-        let dir = std::path::Path::new(crab_shim::sys::ksm::KSM_SYSFS);
-        let saved = Self::KEYS
-            .iter()
-            .map(|k| {
-                let v = std::fs::read_to_string(dir.join(k)).ok()?;
-                Some((*k, v.trim().to_string()))
-            })
-            .collect::<Option<Vec<_>>>()?;
-        let guard = KsmSettings(saved);
-        // pages_to_scan and sleep_millisecs first: run=1 then starts at that pace.
-        for (k, v) in Self::KEYS.iter().zip(values).rev() {
-            std::fs::write(dir.join(k), v).unwrap();
-        }
-        Some(guard)
-    }
-}
-
-impl Drop for KsmSettings {
-    fn drop(&mut self) {
-        let dir = std::path::Path::new(crab_shim::sys::ksm::KSM_SYSFS);
-        if self.0.iter().any(|(k, v)| *k == "run" && v != "1") {
-            let _ = std::fs::write(dir.join("run"), "2");
-        }
-        for (k, v) in &self.0 {
-            let _ = std::fs::write(dir.join(k), v);
-        }
-    }
-}
-
 /// The host pid of the child of `init` (a host pid) whose command line contains `needle`.
 fn child_of(init: u32, needle: &str) -> Option<u32> {
     std::fs::read_dir("/proc")
@@ -796,7 +759,7 @@ async fn forks_with_merge_memory_share_their_identical_pages() {
     assert!(!st.merge_any, "a plain fork's process is not: {st:?}");
 
     // ksmd at a test's pace: 5,000 pages every 20 ms.
-    let ksm = KsmSettings::set(["1", "5000", "20"]).expect("the host's KSM settings");
+    let ksm = crab_integration::ksm::KsmPace::set(5000, 20).expect("the host's KSM settings");
     let one = pss_kib(plain_pid);
     assert!(
         one > 40 << 10,

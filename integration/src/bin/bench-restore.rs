@@ -2194,43 +2194,6 @@ fn ksmd_cpu_s() -> Option<f64> {
     })
 }
 
-/// The host's KSM settings this section changes, put back when it ends (`run` back to 0
-/// unmerges first).
-struct KsmPace(Vec<(&'static str, String)>);
-
-impl KsmPace {
-    fn set(pages: u64, sleep_ms: u64) -> Res<KsmPace> {
-        let dir = Path::new(crab_shim::sys::ksm::KSM_SYSFS);
-        let mut saved = Vec::new();
-        for k in ["run", "pages_to_scan", "sleep_millisecs"] {
-            let v = std::fs::read_to_string(dir.join(k))
-                .map_err(|e| format!("{}/{k}: {e} (no KSM here)", dir.display()))?;
-            saved.push((k, v.trim().to_string()));
-        }
-        let pace = KsmPace(saved);
-        for (k, v) in [
-            ("pages_to_scan", pages.to_string()),
-            ("sleep_millisecs", sleep_ms.to_string()),
-            ("run", "1".to_string()),
-        ] {
-            std::fs::write(dir.join(k), v).map_err(|e| format!("{}/{k}: {e}", dir.display()))?;
-        }
-        Ok(pace)
-    }
-}
-
-impl Drop for KsmPace {
-    fn drop(&mut self) {
-        let dir = Path::new(crab_shim::sys::ksm::KSM_SYSFS);
-        if self.0.iter().any(|(k, v)| *k == "run" && v != "1") {
-            let _ = std::fs::write(dir.join("run"), "2");
-        }
-        for (k, v) in &self.0 {
-            let _ = std::fs::write(dir.join(k), v);
-        }
-    }
-}
-
 /// `crabctl fork` of the process checkpoint, `extra` flags added; the forks' (id, init pid).
 fn fork_ids_pids(
     b: &mut Bench,
@@ -2309,7 +2272,7 @@ async fn bench_merge(b: &mut Bench, r: &mut Report, p: &ProcSandbox) -> Res<()> 
         let inits: Vec<u32> = forks.iter().map(|f| f.1).collect();
         let before = trees_pss_kib(&inits);
         let cpu0 = ksmd_cpu_s();
-        let pace = KsmPace::set(MERGE_KSM_PACE.0, MERGE_KSM_PACE.1)?;
+        let pace = crab_integration::ksm::KsmPace::set(MERGE_KSM_PACE.0, MERGE_KSM_PACE.1)?;
         let started = Instant::now();
         let (mut best, mut best_at) = (before, Instant::now());
         let mut now_kib = before;
