@@ -1100,9 +1100,46 @@ int BPF_PROG(crab_exit, struct task_struct *task)
 #define TRACE_SIGNAL_LOSE_INFO 4
 
 /*
- * A signal queued to a task of a watched cgroup, by anyone: counted on its
- * process. It either wakes the process (which then runs: its memory is
- * compared) or stays pending (blocked, or the process is stopped), which is
+ * Whether a tracer outside every watched cgroup traces `task`: CRIU while it
+ * dumps the container (the container is frozen meanwhile, so nothing of it
+ * acts on the task). What the task does or gets then is the dump's own work
+ * (its parasite's syscalls, the SIGTRAP of each of its breakpoints). A tracer
+ * inside a container is not that: a process it traces is counted like any
+ * other, and its ptrace calls are counted for the whole container by
+ * crab_ptrace.
+ */
+static __always_inline int traced_from_outside(struct task_struct *task)
+{
+	struct task_struct *tracer;
+	__u64 cg;
+
+	if (!BPF_CORE_READ(task, ptrace))
+		return 0;
+	tracer = BPF_CORE_READ(task, parent); /* the tracer while traced */
+	return tracer && !task_counters(tracer, &cg);
+}
+
+/*
+ * Whether `task` raises the signal at itself (a fault, a breakpoint) while
+ * traced from outside (traced_from_outside): CRIU's parasite, about 14
+ * SIGTRAPs per process and dump. A signal from another task (current is the
+ * sender) is still counted. Not counting them matters for a process that was
+ * not idle between the turn end and the dump (an idle one gets its mark
+ * refreshed after the freeze): else its next turn would read CRIU's own work
+ * as a signal it received.
+ */
+static __always_inline int dump_signal(struct task_struct *task)
+{
+	if (BPF_CORE_READ(task, tgid) != (__u32)(bpf_get_current_pid_tgid() >> 32))
+		return 0; /* another task sends it: counted */
+	return traced_from_outside(task);
+}
+
+/*
+ * A signal queued to a task of a watched cgroup, by anyone but CRIU's
+ * parasite (dump_signal): counted on its process. It either wakes the
+ * process (which then runs: its memory is compared) or stays pending
+ * (blocked, or the process is stopped), which is
  * state no memory comparison shows: the turn end compares the pending sets,
  * and this count says whether the same set may hold new signals (a second
  * real-time signal of one number). Ignored, merged (already pending) and
@@ -1119,6 +1156,8 @@ int BPF_PROG(crab_signal, int sig, void *info, struct task_struct *task, int gro
 		return 0;
 	c = task_counters(task, &cg);
 	if (!c)
+		return 0;
+	if (dump_signal(task))
 		return 0;
 	run = run_of(task);
 	if (!run) {
@@ -1170,6 +1209,11 @@ static __always_inline int no_event(long ret)
  */
 static __always_inline int quiet_syscall(struct pt_regs___crab *regs, long nr, long ret)
 {
+	/* No syscall ran: a tracer skipped it (CRIU sets -1 while it restores
+	 * a task's registers, and the exit can come after the detach) or the
+	 * process asked for a number that does not exist (ENOSYS). */
+	if (nr < 0)
+		return 1;
 #if defined(__TARGET_ARCH_x86)
 	switch (nr) {
 	case 7:	  /* poll */
@@ -1245,9 +1289,10 @@ static __always_inline int quiet_syscall(struct pt_regs___crab *regs, long nr, l
  * space then reads no count for it (None), which never proves "nothing
  * happened"; an entry, once made, counts every interaction from then on, and
  * one made again starts at the clock (run_make), so no count is ever seen
- * twice across entries. Syscalls made under ptrace are not counted: CRIU's
- * parasite makes them in the process while it dumps it, and a tracer in the
- * container is counted by crab_ptrace (which every turn end then sees).
+ * twice across entries. Syscalls made while traced from outside are not
+ * counted (traced_from_outside: CRIU's parasite makes them in the process
+ * while it dumps it); those of a process traced by a tracer inside a container
+ * are, even in a turn after the one that attached the tracer.
  */
 SEC("tp_btf/sys_exit")
 int BPF_PROG(crab_quiet, struct pt_regs *regs, long ret)
@@ -1256,7 +1301,7 @@ int BPF_PROG(crab_quiet, struct pt_regs *regs, long ret)
 	struct task_struct *task = bpf_get_current_task_btf();
 	struct run *run = run_of(task);
 
-	if (!run || quiet_syscall(r, SYSCALL_NR(r), ret) || task->ptrace)
+	if (!run || quiet_syscall(r, SYSCALL_NR(r), ret) || traced_from_outside(task))
 		return 0;
 	add(&run->interactions);
 	return 0;

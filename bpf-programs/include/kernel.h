@@ -86,6 +86,7 @@ struct task_struct {
 	struct task_struct *group_leader; /* the process's first thread */
 	int exit_code; /* what wait() reports; bit 0x80: a core was dumped */
 	unsigned int ptrace; /* PT_* flags: non-zero while a tracer is attached */
+	struct task_struct *parent; /* the tracer while traced, else real_parent */
 } __crab_core;
 
 /* Linux 4.18-6.18: the thread's registered struct rseq (a user pointer). A
