@@ -483,7 +483,10 @@ async fn a_process_traced_from_inside_the_container_is_still_counted() {
             .any(|(cmd, why)| cmd.ends_with("servers.py fifo") && why == "interacted"),
         "bytes reached the traced poller, its change was kept: {a:#}"
     );
-    assert!(changed_role(&a, "fifo"), "the poller's change counts: {a:#}");
+    assert!(
+        changed_role(&a, "fifo"),
+        "the poller's change counts: {a:#}"
+    );
     assert_ne!(a["kind"], "none", "{a:#}");
     s.finish().await;
 }

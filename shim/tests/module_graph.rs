@@ -454,7 +454,7 @@ fn modules(src: &Path) -> Vec<Module> {
         }
     }
     files.sort();
-    files
+    let mods = files
         .into_iter()
         .map(|p| {
             let file = p.strip_prefix(src).unwrap().to_string_lossy().into_owned();
@@ -473,6 +473,21 @@ fn modules(src: &Path) -> Vec<Module> {
                 tokens,
             }
         })
+        .collect::<Vec<_>>();
+    // A file module its parent declares under `#[cfg(test)]` (`mod tests;`) is test code, as an
+    // inline test module is: not part of the library's graph.
+    let test_only: BTreeSet<Vec<String>> = mods
+        .iter()
+        .flat_map(|m| {
+            let library = declared_children(&without_test_items(&m.tokens));
+            m.children
+                .difference(&library)
+                .map(|c| [m.path.clone(), vec![c.clone()]].concat())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    mods.into_iter()
+        .filter(|m| !test_only.contains(&m.path))
         .collect()
 }
 
