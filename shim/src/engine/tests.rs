@@ -1,4 +1,3 @@
-
 use super::plan::{Bucket, Decision, Queued};
 use super::*;
 use std::{os::unix::process::CommandExt, sync::atomic::AtomicUsize, time::Instant};

@@ -1,4 +1,3 @@
-
 //! The coordinator's decisions, with a fake inspection and a fake capture over a real
 //! store and host engine in a temporary directory (no root, no runc).
 

@@ -1,4 +1,3 @@
-
 use super::*;
 
 /// A runc state file as runc 1.3 writes it (the fields read here, and others around them).

@@ -1,4 +1,3 @@
-
 use super::test_support::{files_under, noise};
 use super::*;
 

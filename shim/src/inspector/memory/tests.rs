@@ -1,4 +1,3 @@
-
 //! Pure tests; those of real processes (forked children, python3 interpreters captured
 //! twice around an action) are the root-only `tests/root_memory.rs`.
 use super::*;

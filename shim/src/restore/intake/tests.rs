@@ -1,4 +1,3 @@
-
 use super::*;
 use crate::checkpoint::criu_image::testing::with_caps as creds;
 use crate::checkpoint::criu_image::{ns, testing, Creds};

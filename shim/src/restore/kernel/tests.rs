@@ -1,4 +1,3 @@
-
 use super::*;
 
 const STATUS: &str = "Name:\tsleep\nUmask:\t0022\nState:\tt (tracing stop)\nTgid:\t42\n\
