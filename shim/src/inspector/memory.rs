@@ -749,12 +749,68 @@ pub fn capture_in(
         File::open(format!("/proc/{pid}/pagemap")).map_err(io_err(pid, "open pagemap"))?;
     let mem = File::open(format!("/proc/{pid}/mem")).map_err(io_err(pid, "open mem"))?;
     let mut scanner = PresenceScanner::new(pid, &pagemap);
+    let mut stats = CaptureStats::default();
+    let (mut regions, jobs) = map_regions(pid, &maps, &mut scanner, obs, &mut stats)?;
+    stats.pagemap_scan = scanner.ioctl_ok;
 
+    // Read and hash the pages of the jobs, spread over threads by page count.
+    let total: u64 = jobs.iter().map(|j| j.npages).sum();
+    // Counted before anything is read or allocated for them.
+    obs.budget.memory(total * ps)?;
+    obs.budget.stats.memory_bytes += total * ps;
+    stats.private_pages += total;
+    let threads = match opts.threads {
+        0 => std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+        n => n,
+    }
+    .clamp(1, 16);
+    let threads = if total < 2048 { 1 } else { threads };
+    stats.threads_used = threads;
+    let mut volatile = opts.volatile.clone();
+    volatile.sort_unstable();
+    let (out, unreadable) = hash_jobs(pid, &mem, &jobs, total, threads, &volatile)?;
+    stats.unreadable_pages += unreadable;
+    stats.pages_read += total;
+    place_hashes(&jobs, &out, &mut regions, ps);
+
+    let fdinfo_budget = opts
+        .max_fdinfo_bytes
+        .unwrap_or(crab_runtime_config::LimitsConfig::default().max_fdinfo_bytes);
+    let (state, fdinfo_read) = capture_state(pid, fdinfo_budget, &mut obs.budget)?;
+    stats.fdinfo_bytes = fdinfo_read;
+    // Everything above must belong to one process: a recycled pid would mix two.
+    if procs::identity(pid)?.map(|i| i.1) != Some(start_time) {
+        return Err(MemError::Gone(pid));
+    }
+    let masked = masked_pages(&mem, &volatile, ps);
+    stats.elapsed = t0.elapsed();
+    Ok(MemoryImage {
+        pid,
+        start_time,
+        regions,
+        state,
+        stats,
+        masked,
+        interactions: None,
+    })
+}
+
+/// The regions of process `pid`'s `maps` that an image holds, with the page ranges to read
+/// through the process (jobs). Shared memory objects are read here, through `obs` (once per
+/// observation); zero pages of private file mappings are hashed without reading.
+fn map_regions(
+    pid: u32,
+    maps: &[MapsLine],
+    scanner: &mut PresenceScanner<'_>,
+    obs: &mut Observation,
+    stats: &mut CaptureStats,
+) -> Result<(Vec<Region>, Vec<Job>), MemError> {
+    let ps = page_size();
     let mut regions: Vec<Region> = Vec::with_capacity(maps.len());
     let mut jobs: Vec<Job> = Vec::new();
-    let mut stats = CaptureStats::default();
-
-    for m in &maps {
+    for m in maps {
         let Some(kind) = classify(pid, m) else {
             continue;
         };
@@ -829,27 +885,23 @@ pub fn capture_in(
         stats.covered_pages += region.page_count();
         regions.push(region);
     }
-    stats.pagemap_scan = scanner.ioctl_ok;
+    Ok((regions, jobs))
+}
 
-    // Read and hash the pages of the jobs, spread over threads by page count.
-    let total: u64 = jobs.iter().map(|j| j.npages).sum();
-    // Counted before anything is read or allocated for them.
-    obs.budget.memory(total * ps)?;
-    obs.budget.stats.memory_bytes += total * ps;
-    stats.private_pages += total;
-    let threads = match opts.threads {
-        0 => std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1),
-        n => n,
-    }
-    .clamp(1, 16);
-    let threads = if total < 2048 { 1 } else { threads };
-    stats.threads_used = threads;
+/// The hashes of the `total` pages of `jobs`, in their order, read through `mem` by `threads`
+/// threads that share the jobs by page count; with the number of pages that could not be read.
+fn hash_jobs(
+    pid: u32,
+    mem: &File,
+    jobs: &[Job],
+    total: u64,
+    threads: usize,
+    volatile: &[(u64, u64)],
+) -> Result<(Vec<u64>, u64), MemError> {
     let mut out = vec![0u64; total as usize];
     let mut shares: Vec<(&[Job], &mut [u64])> = Vec::new();
     {
-        let mut rest_jobs: &[Job] = &jobs;
+        let mut rest_jobs: &[Job] = jobs;
         let mut rest_out: &mut [u64] = &mut out;
         let mut done = 0u64;
         for t in 0..threads {
@@ -867,29 +919,29 @@ pub fn capture_in(
             done += pages;
         }
     }
-    let mut volatile = opts.volatile.clone();
-    volatile.sort_unstable();
     let results: Vec<Result<u64, MemError>> = std::thread::scope(|s| {
         let handles: Vec<_> = shares
             .into_iter()
-            .map(|(j, o)| {
-                let (mem, volatile) = (&mem, &volatile[..]);
-                s.spawn(move || read_jobs(pid, mem, j, o, volatile))
-            })
+            .map(|(j, o)| s.spawn(move || read_jobs(pid, mem, j, o, volatile)))
             .collect();
         handles
             .into_iter()
             .map(|h| h.join().expect("reader thread panicked"))
             .collect()
     });
+    let mut unreadable = 0;
     for r in results {
-        stats.unreadable_pages += r?;
+        unreadable += r?;
     }
-    stats.pages_read += total;
+    Ok((out, unreadable))
+}
 
+/// Puts the hashes read for `jobs` (`out`, in their order) into their regions, sorted by
+/// address; a zero page of an anonymous region is left out (the same as untouched).
+fn place_hashes(jobs: &[Job], out: &[u64], regions: &mut [Region], ps: u64) {
     let zh = zero_hash();
     let mut k = 0usize;
-    for job in &jobs {
+    for job in jobs {
         let region = &mut regions[job.region];
         for i in 0..job.npages {
             let h = out[k];
@@ -900,22 +952,16 @@ pub fn capture_in(
             region.pages.push((job.va + i * ps, h));
         }
     }
-    for r in &mut regions {
+    for r in regions {
         r.pages.sort_unstable_by_key(|p| p.0);
     }
+}
 
-    let fdinfo_budget = opts
-        .max_fdinfo_bytes
-        .unwrap_or(crab_runtime_config::LimitsConfig::default().max_fdinfo_bytes);
-    let (state, fdinfo_read) = capture_state(pid, fdinfo_budget, &mut obs.budget)?;
-    stats.fdinfo_bytes = fdinfo_read;
-    // Everything above must belong to one process: a recycled pid would mix two.
-    if procs::identity(pid)?.map(|i| i.1) != Some(start_time) {
-        return Err(MemError::Gone(pid));
-    }
-    // The masked pages as read, for comparisons with an image that did not mask them.
+/// The pages under the `volatile` ranges as read (unmasked), for comparisons with an image
+/// that did not mask them: (page address, hash), sorted, one per page.
+fn masked_pages(mem: &File, volatile: &[(u64, u64)], ps: u64) -> Vec<(u64, u64)> {
     let mut masked: Vec<(u64, u64)> = Vec::new();
-    for &(a, l) in &volatile {
+    for &(a, l) in volatile {
         let mut va = a / ps * ps;
         while va < a.saturating_add(l) {
             if masked.last().map(|m| m.0) != Some(va) {
@@ -929,16 +975,7 @@ pub fn capture_in(
     }
     masked.sort_unstable_by_key(|m| m.0);
     masked.dedup_by_key(|m| m.0);
-    stats.elapsed = t0.elapsed();
-    Ok(MemoryImage {
-        pid,
-        start_time,
-        regions,
-        state,
-        stats,
-        masked,
-        interactions: None,
-    })
+    masked
 }
 
 /// Which kind of region a maps line is, or `None` to leave it out.

@@ -197,130 +197,29 @@ pub fn build(
             m.image_layers
         ));
     }
-    let mut layers = Vec::new();
-    let mut bytes = 0u64;
-    let mut room = |n: u64| -> Result<(), String> {
-        bytes += n;
-        match bytes > max_bytes {
-            true => Err(format!(
-                "more than [replication] max_mib ({} MiB) to send",
-                max_bytes >> 20
-            )),
-            false => Ok(()),
-        }
+    let mut room = Room {
+        bytes: 0,
+        max: max_bytes,
     };
-    for d in &m.fs_layers {
-        let path = root
-            .join("blobs/sha256")
-            .join(d.digest.strip_prefix("sha256:").unwrap_or(&d.digest));
-        if !path.is_file() {
-            return Err(format!("its layer {} is not in its store", d.digest));
-        }
-        room(d.size)?;
-        layers.push(Blob {
-            digest: d.digest.clone(),
-            size: d.size,
-            media_type: MEDIA_TYPE_LAYER_ZSTD.to_string(),
-            file: None,
-            offset: 0,
-            data: BlobData::Path(path),
-        });
-    }
-    let mut criu: BTreeMap<String, FileDigest> = BTreeMap::new();
-    let mut digests: Option<CriuDigests> = None;
+    let mut layers = fs_blobs(root, m, &mut room)?;
     let reused = m
         .process
         .as_ref()
         .and_then(|p| earlier.filter(|e| e.dir == root.join(&p.image)));
-    if let Some(e) = reused {
-        room(e.files.values().map(|f| f.size).sum())?;
-        let lazy: BTreeMap<&String, std::sync::Arc<LazyFile>> = e
-            .files
-            .keys()
-            .map(|name| {
-                let f = LazyFile {
-                    dir: e.dir.clone(),
-                    chunks: root.join("chunks"),
-                    name: name.clone(),
-                    data: std::sync::OnceLock::new(),
-                };
-                (name, std::sync::Arc::new(f))
-            })
-            .collect();
-        for (name, range, digest) in &e.segments {
-            let file = lazy
-                .get(name)
-                .ok_or_else(|| format!("{name}: not among the image's files"))?;
-            layers.push(Blob {
-                digest: digest.clone(),
-                size: range.len() as u64,
-                media_type: MEDIA_TYPE_CRIU_FILE.to_string(),
-                file: Some(name.clone()),
-                offset: range.start as u64,
-                data: BlobData::Lazy(file.clone(), range.clone()),
-            });
-        }
-        criu = e.files.clone();
-        digests = Some(e.clone());
-    } else if let Some(p) = &m.process {
-        let dir = root.join(&p.image);
-        let chunks = root.join("chunks");
-        let mut made = CriuDigests {
-            dir: dir.clone(),
-            files: BTreeMap::new(),
-            segments: Vec::new(),
-        };
-        let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
-        for r in pages::materialized_readers(&dir, &chunks).map_err(|e| e.to_string())? {
-            room(r.len())?;
-            let name = r.name().to_string();
-            let mut data = Vec::with_capacity(r.len() as usize);
-            let mut r = r;
-            r.read_to_end(&mut data)
-                .map_err(|e| format!("rebuilding {name}: {e}"))?;
-            files.insert(name, data);
-        }
-        for entry in fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))? {
-            let entry = entry.map_err(|e| format!("{}: {e}", dir.display()))?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with('.') || pages::is_recipe(&name) || files.contains_key(&name) {
-                continue;
-            }
-            if !entry.file_type().map(|t| t.is_file()).unwrap_or(false) {
-                return Err(format!("{}: not a plain file", entry.path().display()));
-            }
-            let data = fs::read(entry.path()).map_err(|e| format!("{name}: {e}"))?;
-            room(data.len() as u64)?;
-            files.insert(name, data);
-        }
-        for (name, data) in files {
-            let digest = sha256(&data);
-            criu.insert(
-                name.clone(),
-                FileDigest {
-                    sha256: digest.clone(),
-                    size: data.len() as u64,
-                },
-            );
-            let data = std::sync::Arc::new(data);
-            for r in segments(&data) {
-                let part = &data[r.clone()];
-                let digest = sha256(part);
-                made.segments
-                    .push((name.clone(), r.clone(), digest.clone()));
-                layers.push(Blob {
-                    digest,
-                    size: part.len() as u64,
-                    media_type: MEDIA_TYPE_CRIU_FILE.to_string(),
-                    file: Some(name.clone()),
-                    offset: r.start as u64,
-                    data: BlobData::Slice(data.clone(), r),
-                });
-            }
-        }
-        made.files = criu.clone();
-        digests = Some(made);
-    }
+    let digests = match (reused, &m.process) {
+        (Some(e), _) => Some(reused_criu_blobs(root, e, &mut room, &mut layers)?),
+        (None, Some(p)) => Some(criu_blobs(
+            &root.join(&p.image),
+            root,
+            &mut room,
+            &mut layers,
+        )?),
+        (None, None) => None,
+    };
+    let criu = digests
+        .as_ref()
+        .map(|d| d.files.clone())
+        .unwrap_or_default();
     let meta = CheckpointMeta::of_manifest(namespace, container, m);
     let checkpoint_json =
         serde_json::to_string_pretty(&meta).map_err(|e| format!("checkpoint.json: {e}"))?;
@@ -342,15 +241,168 @@ pub fn build(
         signature: String::from_utf8(signature).map_err(|e| e.to_string())?,
     };
     let config = serde_json::to_vec(&config).map_err(|e| e.to_string())?;
-    room(config.len() as u64)?;
+    room.take(config.len() as u64)?;
     Ok((
         Artifact {
             config,
             layers,
-            bytes,
+            bytes: room.bytes,
         },
         digests,
     ))
+}
+
+/// The bytes an artifact holds so far, against [replication] max_mib.
+struct Room {
+    bytes: u64,
+    max: u64,
+}
+
+impl Room {
+    fn take(&mut self, n: u64) -> Result<(), String> {
+        self.bytes += n;
+        match self.bytes > self.max {
+            true => Err(format!(
+                "more than [replication] max_mib ({} MiB) to send",
+                self.max >> 20
+            )),
+            false => Ok(()),
+        }
+    }
+}
+
+/// The blobs of the checkpoint's fs layers, from the store's blobs.
+fn fs_blobs(root: &Path, m: &Manifest, room: &mut Room) -> Result<Vec<Blob>, String> {
+    let mut layers = Vec::new();
+    for d in &m.fs_layers {
+        let path = root
+            .join("blobs/sha256")
+            .join(d.digest.strip_prefix("sha256:").unwrap_or(&d.digest));
+        if !path.is_file() {
+            return Err(format!("its layer {} is not in its store", d.digest));
+        }
+        room.take(d.size)?;
+        layers.push(Blob {
+            digest: d.digest.clone(),
+            size: d.size,
+            media_type: MEDIA_TYPE_LAYER_ZSTD.to_string(),
+            file: None,
+            offset: 0,
+            data: BlobData::Path(path),
+        });
+    }
+    Ok(layers)
+}
+
+/// The segments of a process image digested by an earlier artifact (`e`), read again only
+/// when sent.
+fn reused_criu_blobs(
+    root: &Path,
+    e: &CriuDigests,
+    room: &mut Room,
+    layers: &mut Vec<Blob>,
+) -> Result<CriuDigests, String> {
+    room.take(e.files.values().map(|f| f.size).sum())?;
+    let lazy: BTreeMap<&String, std::sync::Arc<LazyFile>> = e
+        .files
+        .keys()
+        .map(|name| {
+            let f = LazyFile {
+                dir: e.dir.clone(),
+                chunks: root.join("chunks"),
+                name: name.clone(),
+                data: std::sync::OnceLock::new(),
+            };
+            (name, std::sync::Arc::new(f))
+        })
+        .collect();
+    for (name, range, digest) in &e.segments {
+        let file = lazy
+            .get(name)
+            .ok_or_else(|| format!("{name}: not among the image's files"))?;
+        layers.push(Blob {
+            digest: digest.clone(),
+            size: range.len() as u64,
+            media_type: MEDIA_TYPE_CRIU_FILE.to_string(),
+            file: Some(name.clone()),
+            offset: range.start as u64,
+            data: BlobData::Lazy(file.clone(), range.clone()),
+        });
+    }
+    Ok(e.clone())
+}
+
+/// The segments of the process image in `dir` (pages rebuilt from the store's chunks), with
+/// their digests for the next artifact.
+fn criu_blobs(
+    dir: &Path,
+    root: &Path,
+    room: &mut Room,
+    layers: &mut Vec<Blob>,
+) -> Result<CriuDigests, String> {
+    let mut made = CriuDigests {
+        dir: dir.to_path_buf(),
+        files: BTreeMap::new(),
+        segments: Vec::new(),
+    };
+    for (name, data) in image_files(dir, &root.join("chunks"), room)? {
+        made.files.insert(
+            name.clone(),
+            FileDigest {
+                sha256: sha256(&data),
+                size: data.len() as u64,
+            },
+        );
+        let data = std::sync::Arc::new(data);
+        for r in segments(&data) {
+            let part = &data[r.clone()];
+            let digest = sha256(part);
+            made.segments
+                .push((name.clone(), r.clone(), digest.clone()));
+            layers.push(Blob {
+                digest,
+                size: part.len() as u64,
+                media_type: MEDIA_TYPE_CRIU_FILE.to_string(),
+                file: Some(name.clone()),
+                offset: r.start as u64,
+                data: BlobData::Slice(data.clone(), r),
+            });
+        }
+    }
+    Ok(made)
+}
+
+/// Every file of the process image in `dir` by name: page files rebuilt from `chunks`, the
+/// rest as stored (plain files only).
+fn image_files(
+    dir: &Path,
+    chunks: &Path,
+    room: &mut Room,
+) -> Result<BTreeMap<String, Vec<u8>>, String> {
+    let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    for r in pages::materialized_readers(dir, chunks).map_err(|e| e.to_string())? {
+        room.take(r.len())?;
+        let name = r.name().to_string();
+        let mut data = Vec::with_capacity(r.len() as usize);
+        let mut r = r;
+        r.read_to_end(&mut data)
+            .map_err(|e| format!("rebuilding {name}: {e}"))?;
+        files.insert(name, data);
+    }
+    for entry in fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))? {
+        let entry = entry.map_err(|e| format!("{}: {e}", dir.display()))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') || pages::is_recipe(&name) || files.contains_key(&name) {
+            continue;
+        }
+        if !entry.file_type().map(|t| t.is_file()).unwrap_or(false) {
+            return Err(format!("{}: not a plain file", entry.path().display()));
+        }
+        let data = fs::read(entry.path()).map_err(|e| format!("{name}: {e}"))?;
+        room.take(data.len() as u64)?;
+        files.insert(name, data);
+    }
+    Ok(files)
 }
 
 /// The annotation giving a CRIU file segment's offset in its file.

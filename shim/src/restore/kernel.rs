@@ -605,8 +605,33 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
         .processes
         .first()
         .ok_or_else(|| refuse("no restored process".into()))?;
-    // Credentials, capabilities, no_new_privs, seccomp (a zombie runs nothing again: CRIU
-    // recreates it with its own credentials and lets it exit).
+    check_threads(o, e)?;
+    check_labels(o, e, h)?;
+    check_limits(o, e, h)?;
+    check_namespaces(o, init, e, h)?;
+    check_user_maps(o, e)?;
+    check_cgroups(o, h)?;
+    // The mount table.
+    if !e.host_admin() {
+        check_mounts(&o.mounts, &e.mounts, &h.existing).map_err(refuse)?;
+    }
+    Ok(Passed {
+        processes: o.processes.len(),
+        threads: o.processes.iter().map(|p| p.threads.len()).sum(),
+        mounts: o.mounts.len(),
+        seccomp_matched: o
+            .security
+            .values()
+            .filter(|k| k.holds_reference == Some(true))
+            .count(),
+        took: started.elapsed(),
+    })
+}
+
+/// Credentials, capabilities, no_new_privs, seccomp and securebits of every thread (a zombie runs
+/// nothing again: CRIU recreates it with its own credentials and lets it exit).
+fn check_threads(o: &Observed, e: &Expected) -> Result<(), Refusal> {
+    let refuse = |s: String| Refusal(s);
     for t in o
         .processes
         .iter()
@@ -658,7 +683,12 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
             )));
         }
     }
-    // The LSM label.
+    Ok(())
+}
+
+/// The LSM label of every live process.
+fn check_labels(o: &Observed, e: &Expected, h: &Host) -> Result<(), Refusal> {
+    let refuse = |s: String| Refusal(s);
     if h.lsm_label.is_some() {
         for p in o.processes.iter().filter(|p| !p.is_zombie()) {
             let label = p.lsm_label.as_deref().unwrap_or("");
@@ -675,7 +705,12 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
             }
         }
     }
-    // Hard limits.
+    Ok(())
+}
+
+/// Hard limits, without CAP_SYS_RESOURCE.
+fn check_limits(o: &Observed, e: &Expected, h: &Host) -> Result<(), Refusal> {
+    let refuse = |s: String| Refusal(s);
     let prm = prm_ceiling(e);
     if prm & CAP_SYS_RESOURCE == 0 {
         for p in o.processes.iter().filter(|p| !p.is_zombie()) {
@@ -696,7 +731,17 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
             }
         }
     }
-    // Namespaces.
+    Ok(())
+}
+
+/// The namespaces of the init and, without CAP_SYS_ADMIN, of every other process.
+fn check_namespaces(
+    o: &Observed,
+    init: &ProcessState,
+    e: &Expected,
+    h: &Host,
+) -> Result<(), Refusal> {
+    let refuse = |s: String| Refusal(s);
     for (name, _) in NS_TYPES {
         let Some(&have) = init.namespaces.get(name) else {
             continue;
@@ -726,7 +771,7 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
             _ => {}
         }
     }
-    if prm & CAP_SYS_ADMIN == 0 {
+    if prm_ceiling(e) & CAP_SYS_ADMIN == 0 {
         for p in &o.processes[1..] {
             if let Some(name) = p
                 .namespaces
@@ -742,7 +787,12 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
             }
         }
     }
-    // User-namespace maps.
+    Ok(())
+}
+
+/// The maps of a user namespace the spec creates.
+fn check_user_maps(o: &Observed, e: &Expected) -> Result<(), Refusal> {
+    let refuse = |s: String| Refusal(s);
     if e.creates_user_namespace() {
         if o.uid_map != e.uid_map {
             return Err(refuse(format!(
@@ -757,7 +807,12 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
             )));
         }
     }
-    // Cgroups.
+    Ok(())
+}
+
+/// Every live process within the container's cgroups.
+fn check_cgroups(o: &Observed, h: &Host) -> Result<(), Refusal> {
+    let refuse = |s: String| Refusal(s);
     let reference = cgroup_lines(&h.cgroups);
     for p in o.processes.iter().filter(|p| !p.is_zombie()) {
         for (id, path) in cgroup_lines(&p.cgroups) {
@@ -776,21 +831,7 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
             }
         }
     }
-    // The mount table.
-    if !e.host_admin() {
-        check_mounts(&o.mounts, &e.mounts, &h.existing).map_err(refuse)?;
-    }
-    Ok(Passed {
-        processes: o.processes.len(),
-        threads: o.processes.iter().map(|p| p.threads.len()).sum(),
-        mounts: o.mounts.len(),
-        seccomp_matched: o
-            .security
-            .values()
-            .filter(|k| k.holds_reference == Some(true))
-            .count(),
-        took: started.elapsed(),
-    })
+    Ok(())
 }
 
 fn prm_ceiling(e: &Expected) -> u64 {

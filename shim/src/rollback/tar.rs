@@ -171,160 +171,195 @@ pub fn read(
             return Err(bad(format!("more than {max_entries} entries")));
         }
         let ext = std::mem::take(&mut pax);
-        let get = |key: &[u8]| ext.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v);
-        let ustar = &block[257..262] == b"ustar";
-        let mut name = match (get(b"GNU.sparse.name"), get(b"path"), long_name.take()) {
-            (Some(n), _, _) | (None, Some(n), _) => n.clone(),
-            (None, None, Some(n)) => n,
-            (None, None, None) => {
-                let base = trim_nul(&block[..100]);
-                let prefix = if ustar {
-                    trim_nul(&block[345..500])
-                } else {
-                    b""
-                };
-                match prefix.is_empty() {
-                    true => base.to_vec(),
-                    false => [prefix, b"/", base].concat(),
-                }
+        let (long_name, long_link) = (long_name.take(), long_link.take());
+        let (mut header, stored) = entry_header(&block, &ext, long_name, long_link).map_err(bad)?;
+        let data = match header.kind {
+            Kind::File => file_data(&mut r, &mut header, &ext, stored).map_err(|e| match e {
+                TarError::Bad { why, .. } => bad(why),
+                e => e,
+            })?,
+            _ => {
+                // Only regular files carry data here.
+                r.skip(stored)?;
+                None
             }
         };
-        let link = match (get(b"linkpath"), long_link.take()) {
-            (Some(l), _) => l.clone(),
-            (None, Some(l)) => l,
-            (None, None) => trim_nul(&block[157..257]).to_vec(),
-        };
-        if name.len() > MAX_NAME || link.len() > MAX_NAME {
-            return Err(bad("a name or link target too long".into()));
-        }
-        let num = |key: &[u8], field: &[u8]| -> Result<u64, String> {
-            match get(key) {
-                Some(v) => std::str::from_utf8(v)
-                    .ok()
-                    .and_then(|s| s.parse::<u64>().ok())
-                    .ok_or_else(|| format!("pax {}: {v:?}", String::from_utf8_lossy(key))),
-                None => number(field),
-            }
-        };
-        let id = |key: &[u8], field: &[u8]| -> Result<u32, String> {
-            u32::try_from(num(key, field)?)
-                .map_err(|_| format!("{} too large", String::from_utf8_lossy(key)))
-        };
-        let stored = num(b"size", &block[124..136]).map_err(bad)?;
-        let mtime = match get(b"mtime") {
-            Some(v) => parse_time(v).map_err(bad)?,
-            None => (number(&block[136..148]).map_err(bad)? as i64, 0),
-        };
-        let kind = match typeflag {
-            b'0' | b'\0' | b'7' => Kind::File,
-            b'1' => Kind::Hardlink,
-            b'2' => Kind::Symlink,
-            b'3' => Kind::CharDev,
-            b'4' => Kind::BlockDev,
-            b'5' => Kind::Dir,
-            b'6' => Kind::Fifo,
-            other => return Err(bad(format!("entry type {:?}", other as char))),
-        };
-        // A directory's name may end in a slash; a file's must not.
-        if kind != Kind::Dir && name.ends_with(b"/") && name != b"./" {
-            return Err(bad(format!(
-                "{:?} ends in a slash",
-                String::from_utf8_lossy(&name)
-            )));
-        }
-        while name.len() > 1 && name.ends_with(b"/") {
-            name.pop();
-        }
-        let path = normalize(&name).map_err(bad)?;
-        let xattrs: Vec<(Vec<u8>, Vec<u8>)> = ext
-            .iter()
-            .filter_map(|(k, v)| Some((k.strip_prefix(b"SCHILY.xattr.")?.to_vec(), v.clone())))
-            .collect();
-        let mut header = Header {
-            path,
-            kind,
-            mode: (number(&block[100..108]).map_err(bad)? & 0o7777) as u32,
-            uid: id(b"uid", &block[108..116]).map_err(bad)?,
-            gid: id(b"gid", &block[116..124]).map_err(bad)?,
-            mtime,
-            link: PathBuf::from(OsStr::from_bytes(&link)),
-            dev: (
-                id(b"SCHILY.devmajor", &block[329..337]).map_err(bad)?,
-                id(b"SCHILY.devminor", &block[337..345]).map_err(bad)?,
-            ),
-            xattrs,
-            size: 0,
-            sparse: None,
-        };
-        if kind == Kind::Hardlink {
-            header.link = normalize(&link).map_err(bad)?;
-        }
-        let data_start = r.at;
-        let mut data = None;
-        if kind == Kind::File {
-            match get(b"GNU.sparse.major").map(Vec::as_slice) {
-                None => {
-                    header.size = stored;
-                    data = Some(DataAt {
-                        offset: data_start,
-                        len: stored,
-                    });
-                    r.skip(stored)?;
-                }
-                Some(b"1") => {
-                    let real = get(b"GNU.sparse.realsize")
-                        .and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok())
-                        .ok_or_else(|| bad("a sparse file without its real size".into()))?;
-                    let (map, map_len) = read_sparse_map(&mut r, stored).map_err(|e| match e {
-                        TarError::Bad { why, .. } => bad(why),
-                        e => e,
-                    })?;
-                    let data_len: u64 = map.iter().map(|(_, l)| l).sum();
-                    let mut end = 0u64;
-                    for &(o, l) in &map {
-                        if o < end || o.checked_add(l).is_none_or(|e| e > real) {
-                            return Err(bad("a sparse map out of order or beyond the size".into()));
-                        }
-                        end = o + l;
-                    }
-                    if map_len + data_len != stored {
-                        return Err(bad(
-                            "a sparse entry whose data does not match its map".into()
-                        ));
-                    }
-                    header.size = real;
-                    header.sparse = Some(map);
-                    data = Some(DataAt {
-                        offset: r.at,
-                        len: data_len,
-                    });
-                    r.skip(data_len)?;
-                }
-                Some(v) => {
-                    return Err(bad(format!(
-                        "sparse format {:?}",
-                        String::from_utf8_lossy(v)
-                    )))
-                }
-            }
-        } else {
-            // Only regular files carry data here.
-            r.skip(stored)?;
-        }
         r.skip(pad(stored))?;
-        let item = match header.path.file_name().map(|n| n.as_bytes()) {
-            Some(b".wh..wh..opq") => Item::Opaque(parent(&header.path)),
-            Some(n) if n.starts_with(b".wh.") => {
-                let hidden = OsStr::from_bytes(&n[4..]);
-                if hidden.is_empty() || hidden == "." || hidden == ".." {
-                    return Err(bad("a whiteout without a name".into()));
-                }
-                Item::Whiteout(parent(&header.path).join(hidden))
-            }
-            _ => Item::Entry(header),
-        };
-        visit(item, data)?;
+        visit(item_of(header).map_err(bad)?, data)?;
     }
+}
+
+/// The value of the last pax record `key` of an entry's extended header.
+fn pax_get<'a>(ext: &'a [(Vec<u8>, Vec<u8>)], key: &[u8]) -> Option<&'a Vec<u8>> {
+    ext.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v)
+}
+
+/// The header of an entry from its ustar `block` and what preceded it (pax records `ext`, GNU
+/// long name and link), with the size of its data as stored in the layer.
+fn entry_header(
+    block: &[u8; 512],
+    ext: &[(Vec<u8>, Vec<u8>)],
+    long_name: Option<Vec<u8>>,
+    long_link: Option<Vec<u8>>,
+) -> Result<(Header, u64), String> {
+    let get = |key: &[u8]| pax_get(ext, key);
+    let ustar = &block[257..262] == b"ustar";
+    let mut name = match (get(b"GNU.sparse.name"), get(b"path"), long_name) {
+        (Some(n), _, _) | (None, Some(n), _) => n.clone(),
+        (None, None, Some(n)) => n,
+        (None, None, None) => {
+            let base = trim_nul(&block[..100]);
+            let prefix = if ustar {
+                trim_nul(&block[345..500])
+            } else {
+                b""
+            };
+            match prefix.is_empty() {
+                true => base.to_vec(),
+                false => [prefix, b"/", base].concat(),
+            }
+        }
+    };
+    let link = match (get(b"linkpath"), long_link) {
+        (Some(l), _) => l.clone(),
+        (None, Some(l)) => l,
+        (None, None) => trim_nul(&block[157..257]).to_vec(),
+    };
+    if name.len() > MAX_NAME || link.len() > MAX_NAME {
+        return Err("a name or link target too long".into());
+    }
+    let num = |key: &[u8], field: &[u8]| -> Result<u64, String> {
+        match get(key) {
+            Some(v) => std::str::from_utf8(v)
+                .ok()
+                .and_then(|s| s.parse::<u64>().ok())
+                .ok_or_else(|| format!("pax {}: {v:?}", String::from_utf8_lossy(key))),
+            None => number(field),
+        }
+    };
+    let id = |key: &[u8], field: &[u8]| -> Result<u32, String> {
+        u32::try_from(num(key, field)?)
+            .map_err(|_| format!("{} too large", String::from_utf8_lossy(key)))
+    };
+    let stored = num(b"size", &block[124..136])?;
+    let mtime = match get(b"mtime") {
+        Some(v) => parse_time(v)?,
+        None => (number(&block[136..148])? as i64, 0),
+    };
+    let kind = match block[156] {
+        b'0' | b'\0' | b'7' => Kind::File,
+        b'1' => Kind::Hardlink,
+        b'2' => Kind::Symlink,
+        b'3' => Kind::CharDev,
+        b'4' => Kind::BlockDev,
+        b'5' => Kind::Dir,
+        b'6' => Kind::Fifo,
+        other => return Err(format!("entry type {:?}", other as char)),
+    };
+    // A directory's name may end in a slash; a file's must not.
+    if kind != Kind::Dir && name.ends_with(b"/") && name != b"./" {
+        return Err(format!(
+            "{:?} ends in a slash",
+            String::from_utf8_lossy(&name)
+        ));
+    }
+    while name.len() > 1 && name.ends_with(b"/") {
+        name.pop();
+    }
+    let xattrs: Vec<(Vec<u8>, Vec<u8>)> = ext
+        .iter()
+        .filter_map(|(k, v)| Some((k.strip_prefix(b"SCHILY.xattr.")?.to_vec(), v.clone())))
+        .collect();
+    let mut header = Header {
+        path: normalize(&name)?,
+        kind,
+        mode: (number(&block[100..108])? & 0o7777) as u32,
+        uid: id(b"uid", &block[108..116])?,
+        gid: id(b"gid", &block[116..124])?,
+        mtime,
+        link: PathBuf::from(OsStr::from_bytes(&link)),
+        dev: (
+            id(b"SCHILY.devmajor", &block[329..337])?,
+            id(b"SCHILY.devminor", &block[337..345])?,
+        ),
+        xattrs,
+        size: 0,
+        sparse: None,
+    };
+    if kind == Kind::Hardlink {
+        header.link = normalize(&link)?;
+    }
+    Ok((header, stored))
+}
+
+/// Where a regular file's data is (after its sparse map, for a GNU sparse 1.0 entry), its size
+/// and map set in `header`; `r` is left after the data (before the padding).
+fn file_data<R: Read>(
+    r: &mut Counted<R>,
+    header: &mut Header,
+    ext: &[(Vec<u8>, Vec<u8>)],
+    stored: u64,
+) -> Result<Option<DataAt>, TarError> {
+    // The caller puts the entry's offset in.
+    let bad = |why: &str| TarError::Bad {
+        offset: 0,
+        why: why.into(),
+    };
+    match pax_get(ext, b"GNU.sparse.major").map(Vec::as_slice) {
+        None => {
+            header.size = stored;
+            let data = DataAt {
+                offset: r.at,
+                len: stored,
+            };
+            r.skip(stored)?;
+            Ok(Some(data))
+        }
+        Some(b"1") => {
+            let real = pax_get(ext, b"GNU.sparse.realsize")
+                .and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok())
+                .ok_or_else(|| bad("a sparse file without its real size"))?;
+            let (map, map_len) = read_sparse_map(r, stored)?;
+            let data_len: u64 = map.iter().map(|(_, l)| l).sum();
+            let mut end = 0u64;
+            for &(o, l) in &map {
+                if o < end || o.checked_add(l).is_none_or(|e| e > real) {
+                    return Err(bad("a sparse map out of order or beyond the size"));
+                }
+                end = o + l;
+            }
+            if map_len + data_len != stored {
+                return Err(bad("a sparse entry whose data does not match its map"));
+            }
+            header.size = real;
+            header.sparse = Some(map);
+            let data = DataAt {
+                offset: r.at,
+                len: data_len,
+            };
+            r.skip(data_len)?;
+            Ok(Some(data))
+        }
+        Some(v) => Err(bad(&format!(
+            "sparse format {:?}",
+            String::from_utf8_lossy(v)
+        ))),
+    }
+}
+
+/// What an entry is in a layer: an opaque-directory marker, a whiteout, or itself.
+fn item_of(header: Header) -> Result<Item, String> {
+    Ok(match header.path.file_name().map(|n| n.as_bytes()) {
+        Some(b".wh..wh..opq") => Item::Opaque(parent(&header.path)),
+        Some(n) if n.starts_with(b".wh.") => {
+            let hidden = OsStr::from_bytes(&n[4..]);
+            if hidden.is_empty() || hidden == "." || hidden == ".." {
+                return Err("a whiteout without a name".into());
+            }
+            Item::Whiteout(parent(&header.path).join(hidden))
+        }
+        _ => Item::Entry(header),
+    })
 }
 
 fn parent(p: &Path) -> PathBuf {

@@ -357,10 +357,11 @@ fn a_tree_within_its_spec_passes() {
     assert_eq!((p.processes, p.threads, p.mounts), (2, 2, 13));
 }
 
-#[test]
-fn each_excess_is_refused_naming_it() {
-    type Edit = Box<dyn Fn(&mut Observed, &mut Expected, &mut Host)>;
-    let cases: Vec<(&str, Edit)> = vec![
+type Edit = Box<dyn Fn(&mut Observed, &mut Expected, &mut Host)>;
+
+/// Edits of a tree that passes, each making one excess, with what the refusal must name.
+fn excesses() -> Vec<(&'static str, Edit)> {
+    vec![
         (
             "effective capabilities CAP_SYS_ADMIN",
             Box::new(|o, _, _| o.processes[1].threads[0].creds.cap_eff |= CAP_SYS_ADMIN),
@@ -502,8 +503,12 @@ fn each_excess_is_refused_naming_it() {
                 o.uid_map = vec![(0, 0, 65_536)];
             }),
         ),
-    ];
-    for (want, edit) in cases {
+    ]
+}
+
+#[test]
+fn each_excess_is_refused_naming_it() {
+    for (want, edit) in excesses() {
         let (mut o, mut e, mut h) = setup();
         edit(&mut o, &mut e, &mut h);
         let err = judge(&o, &e, &h).unwrap_err().to_string();
