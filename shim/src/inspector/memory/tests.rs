@@ -1,6 +1,7 @@
 //! Pure tests; those of real processes (forked children, python3 interpreters captured
 //! twice around an action) are the root-only `tests/root_memory.rs`.
 use super::*;
+use std::os::fd::AsRawFd;
 
 #[test]
 fn fdinfo_is_kept_within_the_budget_then_hashed() {
