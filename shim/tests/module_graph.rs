@@ -998,7 +998,6 @@ const MAX_FN_LINES: usize = 150;
 /// only get shorter, and leaves the list once under the bound (a ratchet, not a waiver).
 const LONG_FILES: &[(&str, usize)] = &[
     ("inspector/mod.rs", 2036),
-    ("engine.rs", 1569),
     ("sandbox.rs", 1322),
     ("checkpoint/store.rs", 1314),
 ];
