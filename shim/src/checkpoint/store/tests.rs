@@ -1,5 +1,7 @@
 use super::test_support::{files_under, noise};
 use super::*;
+use sha2::{Digest, Sha256};
+use std::{io::Write, time::Duration};
 
 /// Puts a small plain-tar blob (bytes unique per `seed`) and returns its descriptor.
 fn blob(store: &Store, seed: u64) -> Descriptor {
