@@ -996,7 +996,7 @@ const MAX_FILE_LINES: usize = 1200;
 const MAX_FN_LINES: usize = 150;
 /// The files still over [`MAX_FILE_LINES`], with their length when they were listed: each may
 /// only get shorter, and leaves the list once under the bound (a ratchet, not a waiver).
-const LONG_FILES: &[(&str, usize)] = &[("inspector/mod.rs", 2036), ("sandbox.rs", 1322)];
+const LONG_FILES: &[(&str, usize)] = &[("inspector/mod.rs", 2036)];
 
 /// Each function with a body in `tokens`: its name, the line of its `fn` and its length in
 /// lines.
