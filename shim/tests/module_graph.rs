@@ -441,7 +441,8 @@ struct Module {
     tokens: Vec<(Tok, usize)>,
 }
 
-fn modules(src: &Path) -> Vec<Module> {
+/// Every `.rs` file under `src`, sorted.
+fn rs_files(src: &Path) -> Vec<PathBuf> {
     let mut files = Vec::new();
     let mut dirs = vec![src.to_path_buf()];
     while let Some(d) = dirs.pop() {
@@ -455,7 +456,11 @@ fn modules(src: &Path) -> Vec<Module> {
         }
     }
     files.sort();
-    let mods = files
+    files
+}
+
+fn modules(src: &Path) -> Vec<Module> {
+    let mods = rs_files(src)
         .into_iter()
         .map(|p| {
             let file = p.strip_prefix(src).unwrap().to_string_lossy().into_owned();
@@ -1039,19 +1044,7 @@ fn functions(tokens: &[(Tok, usize)]) -> Vec<(String, usize, usize)> {
 #[test]
 fn files_and_functions_stay_short() {
     let src = src_dir();
-    let mut files = Vec::new();
-    let mut dirs = vec![src.clone()];
-    while let Some(d) = dirs.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                dirs.push(p);
-            } else if p.extension().is_some_and(|x| x == "rs") {
-                files.push(p);
-            }
-        }
-    }
-    files.sort();
+    let files = rs_files(&src);
     let (mut long_files, mut long_fns) = (Vec::new(), Vec::new());
     for p in &files {
         let file = p.strip_prefix(&src).unwrap().to_string_lossy().into_owned();
