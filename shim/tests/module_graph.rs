@@ -1000,8 +1000,9 @@ const MAX_FILE_LINES: usize = 1200;
 /// No function (tests included) longer than this, from its `fn` to its closing brace.
 const MAX_FN_LINES: usize = 150;
 /// The files still over [`MAX_FILE_LINES`], with their length when they were listed: each may
-/// only get shorter, and leaves the list once under the bound (a ratchet, not a waiver).
-const LONG_FILES: &[(&str, usize)] = &[("inspector/mod.rs", 2036)];
+/// only get shorter, and leaves the list once under the bound (a ratchet, not a waiver). Empty
+/// since the inspector's split: a file that grows past the bound is split, not listed.
+const LONG_FILES: &[(&str, usize)] = &[];
 
 /// Each function with a body in `tokens`: its name, the line of its `fn` and its length in
 /// lines.

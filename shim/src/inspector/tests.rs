@@ -1,5 +1,15 @@
 use super::*;
-use std::os::fd::AsRawFd;
+use std::{
+    os::fd::{AsFd, AsRawFd},
+    path::Path,
+};
+
+use super::{
+    bpf::BpfError,
+    observe::all_asleep_within,
+    scan::{locate_mapping, Mapped},
+};
+use crate::sys::beneath;
 
 #[test]
 fn answer_kind_table() {
