@@ -151,7 +151,9 @@ impl Forbidden {
 }
 
 /// Samples the shim's open fds while a turn end runs: any that is a forbidden file is recorded
-/// (an open that blocks, or one held, shows up here).
+/// (an open that blocks, or one held, shows up here). [`FdSampler::start`] returns once the
+/// first sample is taken, so a turn end starts with the sampler running: on a busy host a
+/// thread just spawned may otherwise not run before a short turn end is over.
 struct FdSampler {
     stop: Arc<AtomicBool>,
     hits: Arc<Mutex<Vec<String>>>,
@@ -163,10 +165,10 @@ impl FdSampler {
         let stop = Arc::new(AtomicBool::new(false));
         let hits = Arc::new(Mutex::new(Vec::new()));
         let (s, h) = (stop.clone(), hits.clone());
+        let (running_tx, running) = std::sync::mpsc::channel::<()>();
         let thread = std::thread::spawn(move || {
             let mut samples = 0u64;
             while !s.load(Ordering::Relaxed) {
-                samples += 1;
                 let Ok(fds) = std::fs::read_dir(format!("/proc/{shim}/fd")) else {
                     break;
                 };
@@ -180,9 +182,15 @@ impl FdSampler {
                         h.lock().unwrap().push(target.display().to_string());
                     }
                 }
+                samples += 1;
+                if samples == 1 {
+                    let _ = running_tx.send(());
+                }
             }
             samples
         });
+        // The first sample is taken (or the shim's fds could not be read: `finish` counts 0).
+        let _ = running.recv();
         FdSampler {
             stop,
             hits,

@@ -389,6 +389,36 @@ impl Runc {
         self.run("restore", args, Some(stdio)).await.map(drop)
     }
 
+    /// Clears what a `runc restore` of container `id` that did not end normally left in its
+    /// state directory: runc bind-mounts the rootfs at `<root>/<id>/criu-root` for CRIU and
+    /// unmounts it when it returns, so a runc or CRIU killed mid-restore (or a CRIU that stacked
+    /// a mount of its own there) leaves it mounted. Every mount there is detached first (a
+    /// `runc delete` that removes the state directory through it would remove the container's
+    /// files), then the directory, and the state directory when runc never wrote a state into
+    /// it (nothing is removed that is not empty). Returns the mounts detached. Run before a
+    /// restore (a leftover `criu-root` fails runc's `mkdir`) and after a failed one.
+    pub fn clear_restore_leftovers(&self, id: &str) -> usize {
+        let state = self.root.join(id);
+        let criu_root = state.join("criu-root");
+        let mounts = crate::sys::mountinfo::read_self().unwrap_or_default();
+        let mut detached = 0;
+        for p in crate::sys::mountinfo::mount_points_under(&mounts, &criu_root) {
+            match nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH) {
+                Ok(()) => detached += 1,
+                Err(e) => log::warn!("cannot unmount runc's leftover {}: {e}", p.display()),
+            }
+        }
+        match std::fs::remove_dir(&criu_root) {
+            Ok(()) => {
+                // Only runc's own directory for the container: empty unless it holds a state.
+                let _ = std::fs::remove_dir(&state);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => log::warn!("cannot remove runc's leftover {}: {e}", criu_root.display()),
+        }
+        detached
+    }
+
     pub async fn state(&self, id: &str) -> Result<State> {
         let out = self.run("state", vec![id.into()], None).await?;
         serde_json::from_slice(&out).map_err(|source| RuncError::Output {

@@ -1444,3 +1444,61 @@ async fn probes_of_dead_shims_are_swept() {
     assert!(Path::new(&format!("/proc/{live_init}")).exists());
     r.delete(&live, true).await.unwrap();
 }
+
+/// A `runc restore` killed mid-way leaves the rootfs bind-mounted at runc's
+/// `<root>/<id>/criu-root` (here stacked twice, as a CRIU killed after its own mount there
+/// leaves it): the leftovers are detached and removed, the files of the rootfs behind them stay,
+/// and a state directory that holds a state is kept.
+#[test]
+fn a_killed_restores_criu_root_is_detached_without_touching_the_rootfs() {
+    support::require_root("bind mounts");
+    let dir = tempfile::tempdir().unwrap();
+    let runc = plain_runc(dir.path());
+    let rootfs = dir.path().join("rootfs");
+    fs::create_dir_all(rootfs.join("etc")).unwrap();
+    fs::write(rootfs.join("etc/hostname"), "agent\n").unwrap();
+    let bind = |id: &str| {
+        let criu_root = runc.root.join(id).join("criu-root");
+        fs::create_dir_all(&criu_root).unwrap();
+        for _ in 0..2 {
+            nix::mount::mount(
+                Some(&rootfs),
+                &criu_root,
+                None::<&str>,
+                nix::mount::MsFlags::MS_BIND | nix::mount::MsFlags::MS_REC,
+                None::<&str>,
+            )
+            .unwrap();
+        }
+        criu_root
+    };
+    let mounted = |p: &Path| {
+        fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .lines()
+            .any(|l| l.split(' ').nth(4) == Some(p.to_str().unwrap()))
+    };
+
+    // runc never wrote a state: everything goes.
+    let criu_root = bind("never-started");
+    assert!(mounted(&criu_root));
+    assert_eq!(runc.clear_restore_leftovers("never-started"), 2);
+    assert!(!mounted(&criu_root));
+    assert!(!runc.root.join("never-started").exists());
+    assert_eq!(
+        fs::read_to_string(rootfs.join("etc/hostname")).unwrap(),
+        "agent\n"
+    );
+
+    // A state runc wrote stays for `runc delete`.
+    let criu_root = bind("known");
+    fs::write(runc.root.join("known/state.json"), "{}").unwrap();
+    assert_eq!(runc.clear_restore_leftovers("known"), 2);
+    assert!(!mounted(&criu_root) && !criu_root.exists());
+    assert!(runc.root.join("known/state.json").exists());
+
+    // Nothing left over: nothing to do.
+    assert_eq!(runc.clear_restore_leftovers("known"), 0);
+    assert_eq!(runc.clear_restore_leftovers("absent"), 0);
+    assert!(rootfs.join("etc/hostname").exists());
+}

@@ -516,6 +516,15 @@ async fn run_restore(
     let console = setup.prepared.console.as_ref().map(|c| c.path.clone());
     let child = std::mem::replace(&mut setup.prepared.child, ChildStdio::null());
     let (pid_file, opts) = (&setup.pid_file, &setup.opts);
+    // A restore of this id that a crash interrupted left runc's criu-root behind: runc's own
+    // `mkdir` of it would fail this one.
+    let stale = c.runc.clear_restore_leftovers(&c.id);
+    if stale > 0 {
+        log::warn!(
+            "restore of {}: detached {stale} mounts an interrupted restore left at runc's criu-root",
+            c.id
+        );
+    }
     let restore = async {
         match refused_early {
             Some(why) => Err(Error::FailedPrecondition(why)),
@@ -754,6 +763,16 @@ fn log_page_verdict(
 /// never ran; the error says what CRIU logged.
 async fn restore_failed(c: &Container, setup: &mut Setup, e: Error) -> Error {
     drop(setup.daemon.take());
+    // Before `runc delete`, which removes runc's state directory: through a rootfs still
+    // mounted there it would remove the container's files.
+    let detached = c.runc.clear_restore_leftovers(&c.id);
+    if detached > 0 {
+        log::warn!(
+            "cleanup after failed restore of {}: detached {detached} mounts runc left at its \
+             criu-root",
+            c.id
+        );
+    }
     if let Err(d) = c.runc.delete(&c.id, true).await {
         log::debug!("cleanup after failed restore of {}: {d}", c.id);
     }
