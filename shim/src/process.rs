@@ -128,7 +128,22 @@ impl Process {
     /// its exit event find all of it.
     pub async fn drain_output(&self, bound: Duration) {
         if let Some(io) = self.io.lock().await.as_mut() {
-            io.drain(bound).await;
+            if let Some(holders) = io.drain(bound).await {
+                let held: Vec<String> = holders
+                    .iter()
+                    .map(|(pid, comm)| format!("pid {pid} ({comm})"))
+                    .collect();
+                log::warn!(
+                    "process {}: its output is still open {bound:?} after its exit, held by {}; \
+                     it closes when they do or when the process is deleted",
+                    self.display_id(),
+                    if held.is_empty() {
+                        "no other process found".to_string()
+                    } else {
+                        held.join(", ")
+                    }
+                );
+            }
         }
     }
 

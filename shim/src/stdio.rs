@@ -431,6 +431,9 @@ impl PreparedIo {
             Some(Box::new(writer))
         } else {
             for (r, w) in outputs {
+                if let Ok(st) = nix::sys::stat::fstat(r.as_raw_fd()) {
+                    io.pipes.push(st.st_ino);
+                }
                 let reader = FdIo::new(r).map_err(Error::io("stdio pipe"))?;
                 io.outputs.push(spawn_copy(reader, w, "output"));
             }
@@ -467,6 +470,9 @@ pub struct ProcessIo {
     stdin_holder: Mutex<Option<OwnedFd>>,
     input: Option<JoinHandle<()>>,
     outputs: Vec<JoinHandle<()>>,
+    /// The inodes of the output pipes (their read ends are the shim's): who else holds them
+    /// when the output outlives the process ([`Self::drain`]).
+    pipes: Vec<u64>,
 }
 
 impl ProcessIo {
@@ -493,13 +499,55 @@ impl ProcessIo {
         self.stdin_holder.lock().unwrap().take();
     }
 
-    /// Waits (bounded) until the process's output has been copied out.
-    pub async fn drain(&mut self, bound: Duration) {
+    /// Waits (bounded) until the process's output has been copied out. When it is not by
+    /// then, returns the processes that still hold a write end of its output pipes (a
+    /// background process that inherited them, typically): its output stays open until they
+    /// close them or the process is deleted.
+    pub async fn drain(&mut self, bound: Duration) -> Option<Vec<(u32, String)>> {
         let all = futures_join(&mut self.outputs);
-        if tokio::time::timeout(bound, all).await.is_err() {
-            log::debug!("output still open {bound:?} after exit (held by another process)");
+        if tokio::time::timeout(bound, all).await.is_ok() {
+            return None;
+        }
+        let pipes = self.pipes.clone();
+        let me = std::process::id();
+        let holders = tokio::task::spawn_blocking(move || pipe_holders(&pipes, me))
+            .await
+            .unwrap_or_default();
+        Some(holders)
+    }
+}
+
+/// The processes with a descriptor on one of the pipes `inodes` (the shim, `me`, only when it
+/// holds more than its read end of each: a write end it failed to close), with their command
+/// names. Read from `/proc/*/fd` links alone (nothing is opened); processes that vanish or
+/// cannot be read are left out.
+fn pipe_holders(inodes: &[u64], me: u32) -> Vec<(u32, String)> {
+    let names: Vec<String> = inodes.iter().map(|i| format!("pipe:[{i}]")).collect();
+    let mut holders = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let held = std::fs::read_dir(entry.path().join("fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|fd| {
+                std::fs::read_link(fd.path())
+                    .is_ok_and(|l| names.iter().any(|n| l.as_os_str() == n.as_str()))
+            })
+            .count();
+        let own_read_ends = if pid == me { names.len() } else { 0 };
+        if held > own_read_ends {
+            let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+            holders.push((pid, comm.trim_end().to_string()));
         }
     }
+    holders
 }
 
 async fn futures_join(handles: &mut Vec<JoinHandle<()>>) {
@@ -537,6 +585,36 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn the_holders_of_an_output_pipe_are_found() {
+        let (r, w) = nix::unistd::pipe2(OFlag::O_CLOEXEC).unwrap();
+        let ino = nix::sys::stat::fstat(r.as_raw_fd()).unwrap().st_ino;
+        let me = std::process::id();
+        // A background process that inherited the write end (as `cmd &` in an exec does).
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .stdout(std::process::Stdio::from(w.try_clone().unwrap()))
+            .spawn()
+            .unwrap();
+        // The shim still holding its write end too: a leak of its own, reported as such.
+        let holders = pipe_holders(&[ino], me);
+        assert!(
+            holders.contains(&(child.id(), "sleep".into())),
+            "{holders:?}"
+        );
+        assert!(holders.iter().any(|(p, _)| *p == me), "{holders:?}");
+        // Only its read end: the shim is not a holder.
+        drop(w);
+        assert_eq!(
+            pipe_holders(&[ino], me),
+            [(child.id(), "sleep".to_string())]
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(pipe_holders(&[ino], me).is_empty());
+        drop(r);
+    }
 
     #[test]
     fn targets() {
