@@ -173,3 +173,49 @@ async fn grpc_init_with_tty() {
     h.delete_container(&id).await.unwrap();
     h.assert_no_leaks(&id).await;
 }
+
+/// An exec that leaves a background process holding its stdout: the exit is published after the
+/// shim's bounded drain, the shim names the holder in its log (pid and command), and the output
+/// ends when the holder lets go (here: when it is killed).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_exec_whose_output_is_held_names_the_holder() {
+    let h = Harness::for_test().await;
+    let id = h.unique_id("exec_held_out");
+    let _g = h.guard(&[&id]);
+    h.start_detached(&id, &ProcessSpec::new(&["sleep", "1000"]))
+        .await
+        .unwrap();
+    let from = std::fs::metadata(h.env.containerd_log()).map_or(0, |m| m.len());
+    let mut io = h.stdio(&id, "e1", StdioOptions::default()).unwrap();
+    // The background sleep inherits the exec's stdout and stderr.
+    h.exec(
+        &id,
+        "e1",
+        &ProcessSpec::sh("echo started; sleep 777 & exit 0"),
+        &io,
+    )
+    .await
+    .unwrap();
+    h.start(&id, "e1").await.unwrap();
+    assert_eq!(h.wait(&id, "e1", T).await.unwrap(), 0);
+    let names_holder = |log: &str| {
+        log.lines()
+            .any(|l| l.contains("process e1") && l.contains("still open") && l.contains("(sleep)"))
+    };
+    let log = crab_integration::harness::log_once(&h.env, from, T, names_holder).await;
+    assert!(names_holder(&log), "the shim names the holder:\n{log}");
+    // The holder goes: the output ends.
+    let holder = log
+        .lines()
+        .find(|l| names_holder(l))
+        .and_then(|l| l.split("pid ").nth(1))
+        .and_then(|r| r.split(' ').next())
+        .and_then(|p| p.parse::<i32>().ok())
+        .expect("a pid in the warning");
+    // SAFETY: kill(2) of the pid the shim named (the exec's background sleep).
+    unsafe { libc::kill(holder, libc::SIGKILL) };
+    assert_eq!(io.stdout_string(T).unwrap(), "started\n");
+    assert_eq!(h.delete_process(&id, "e1").await.unwrap(), 0);
+    assert_eq!(h.kill_and_remove(&id).await.unwrap(), 137);
+    h.assert_no_leaks(&id).await;
+}
