@@ -178,8 +178,16 @@ impl Sandbox {
             tokio::task::spawn_blocking(move || (io.stdout_string(T), io.stderr_string(T)))
                 .await
                 .unwrap();
-        let stdout = stdout.unwrap_or_else(|e| panic!("turn {} `{script}`: {e}", self.turn));
-        let stderr = stderr.unwrap_or_else(|e| panic!("turn {} `{script}`: {e}", self.turn));
+        // An output that never ends: the shim's log names who holds it (after its drain).
+        let held = |e| {
+            panic!(
+                "turn {} `{script}`: {e}\n{}",
+                self.turn,
+                crate::harness::log_excerpt(&self.h.env, &self.id, 20)
+            )
+        };
+        let stdout = stdout.unwrap_or_else(held);
+        let stderr = stderr.unwrap_or_else(held);
         self.h.delete_process(&self.id, &exec_id).await.unwrap();
         assert_eq!(
             exit_status, 0,
