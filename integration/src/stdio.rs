@@ -166,16 +166,53 @@ impl Drop for Stdio {
     }
 }
 
+/// Reads the FIFO at `path` to EOF on a thread. Its read end is opened here, before the shim
+/// is told the path (as containerd's clients do): a reader that opened only once its thread ran
+/// could, on a busy host, open after the shim had written and closed, and then wait forever for
+/// a writer. Opened non-blocking (no writer needed), then read after `poll`: Linux reports
+/// `POLLHUP` on a FIFO only once a writer came and went since the read end opened, so a read of
+/// 0 bytes before the shim opened it is never taken for the end.
 fn spawn_reader(path: PathBuf) -> Mutex<Receiver<std::io::Result<Vec<u8>>>> {
     let (tx, rx) = mpsc::channel();
+    let opened = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(&path);
     thread::spawn(move || {
-        let r = File::open(&path).and_then(|mut f| {
-            let mut buf = Vec::new();
-            f.read_to_end(&mut buf).map(|_| buf)
-        });
-        let _ = tx.send(r);
+        let _ = tx.send(opened.and_then(read_fifo_to_end));
     });
     Mutex::new(rx)
+}
+
+fn read_fifo_to_end(mut f: File) -> std::io::Result<Vec<u8>> {
+    use std::os::fd::AsRawFd;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    loop {
+        let mut pfd = libc::pollfd {
+            fd: f.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd we own, for the fd `f` holds open.
+        if unsafe { libc::poll(&mut pfd, 1, -1) } < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        // Readable, or every writer gone after one came: drain what is there.
+        loop {
+            match f.read(&mut chunk) {
+                Ok(0) => return Ok(buf),
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
 }
 
 fn mkfifo(path: &Path) -> Result<()> {
