@@ -518,32 +518,29 @@ impl ProcessIo {
 }
 
 /// The processes with a descriptor on one of the pipes `inodes` (the shim, `me`, only when it
-/// holds more than its read end of each: a write end it failed to close), with their command
-/// names. Read from `/proc/*/fd` links alone (nothing is opened); processes that vanish or
-/// cannot be read are left out.
+/// holds more than one descriptor on one of them: its read end and a write end it failed to
+/// close), with their command names. Read from `/proc/*/fd` links alone (nothing is opened);
+/// processes that vanish or cannot be read are left out.
 fn pipe_holders(inodes: &[u64], me: u32) -> Vec<(u32, String)> {
     let names: Vec<String> = inodes.iter().map(|i| format!("pipe:[{i}]")).collect();
     let mut holders = Vec::new();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let held = std::fs::read_dir(entry.path().join("fd"))
+    for pid in crate::sys::procfs::pids() {
+        let dir = std::path::PathBuf::from(format!("/proc/{pid}"));
+        let mut held = vec![0usize; names.len()];
+        for fd in std::fs::read_dir(dir.join("fd"))
             .into_iter()
             .flatten()
             .flatten()
-            .filter(|fd| {
-                std::fs::read_link(fd.path())
-                    .is_ok_and(|l| names.iter().any(|n| l.as_os_str() == n.as_str()))
-            })
-            .count();
-        let own_read_ends = if pid == me { names.len() } else { 0 };
-        if held > own_read_ends {
-            let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+        {
+            if let Ok(l) = std::fs::read_link(fd.path()) {
+                if let Some(i) = names.iter().position(|n| l.as_os_str() == n.as_str()) {
+                    held[i] += 1;
+                }
+            }
+        }
+        let own = usize::from(pid == me);
+        if held.iter().any(|&n| n > own) {
+            let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
             holders.push((pid, comm.trim_end().to_string()));
         }
     }

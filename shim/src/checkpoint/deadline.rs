@@ -110,14 +110,11 @@ impl Cancel {
 /// The processes of the host, read from `/proc` (those that vanish meanwhile are left out).
 fn read_procs() -> Vec<ProcInfo> {
     let mut procs = Vec::new();
-    for entry in fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
-            continue;
-        };
+    for pid in crate::sys::procfs::pids() {
         let Ok(Some(stat)) = crate::inspector::procs::read_stat(pid) else {
             continue;
         };
-        let cmdline = fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         let args = cmdline
             .split(|b| *b == 0)
             .filter(|a| !a.is_empty())

@@ -547,7 +547,7 @@ async fn run_restore(
             log::error!("restore of {}: {what}: killed {killed} processes", c.id);
             let _ = tokio::time::timeout(Duration::from_secs(10), &mut restore).await;
             // A killed CRIU leaves its cgroup yard mounted in the work directory.
-            unmount_all_under(&setup.work);
+            crate::sys::mountinfo::detach_all_under(&setup.work);
             Err(err)
         }
     };
@@ -640,7 +640,7 @@ fn with_kernel_check(
             // container's processes goes too.
             kill_cgroup_members(spec, &c.id);
             // A killed CRIU leaves its cgroup yard mounted in the work directory.
-            unmount_all_under(work);
+            crate::sys::mountinfo::detach_all_under(work);
             match r {
                 Err(e) if abandoned => {
                     log::error!(
@@ -923,37 +923,20 @@ fn kill_cgroup_members(spec: &Spec, id: &str) -> usize {
         None => format!("/{id}"),
     };
     let mut killed = 0;
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        let cgroups = std::fs::read_to_string(entry.path().join("cgroup")).unwrap_or_default();
+    for pid in crate::sys::procfs::pids() {
+        let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
         if cgroups.lines().any(|l| {
             l.splitn(3, ':')
                 .nth(2)
                 .is_some_and(|p| p == suffix || p.ends_with(&suffix))
         }) {
             // SAFETY: plain kill(2) of a pid in the container's cgroup.
-            if unsafe { libc::kill(pid, libc::SIGKILL) } == 0 {
+            if unsafe { libc::kill(pid as i32, libc::SIGKILL) } == 0 {
                 killed += 1;
             }
         }
     }
     killed
-}
-
-/// Detaches every mount at or below `dir` (deepest first).
-fn unmount_all_under(dir: &Path) {
-    let mounts = crate::sys::mountinfo::read_self().unwrap_or_default();
-    for p in crate::sys::mountinfo::mount_points_under(&mounts, dir) {
-        if let Err(e) = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH) {
-            log::warn!("cannot unmount {}: {e}", p.display());
-        }
-    }
 }
 
 #[cfg(test)]

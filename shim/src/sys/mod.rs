@@ -12,6 +12,7 @@
 //! - [`pidfd`]: killing a child by pidfd, never a reused pid
 //! - [`uffd`]: whether userfaultfd serves CRIU's lazy restore here
 //! - [`ksm`]: marking a container's processes for the kernel's same-page merging
+//! - [`procfs`]: the pids of the host
 
 pub mod beneath;
 pub mod bpf;
@@ -21,6 +22,7 @@ pub mod ksm;
 pub mod mountinfo;
 pub mod netns;
 pub mod pidfd;
+pub mod procfs;
 pub mod sockdiag;
 pub mod uffd;
 pub mod xattr;

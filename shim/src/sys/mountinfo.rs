@@ -173,6 +173,21 @@ pub fn unescape(field: &[u8]) -> Vec<u8> {
     out
 }
 
+/// Detaches every mount at or below `dir` in this process's mount namespace, deepest first
+/// (stacked mounts each once); returns how many were detached. A mount that cannot be detached
+/// is logged and left.
+pub fn detach_all_under(dir: &Path) -> usize {
+    let mounts = read_self().unwrap_or_default();
+    let mut detached = 0;
+    for p in mount_points_under(&mounts, dir) {
+        match nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH) {
+            Ok(()) => detached += 1,
+            Err(e) => log::warn!("cannot unmount {}: {e}", p.display()),
+        }
+    }
+    detached
+}
+
 /// Mount points at or below `dir` (by path components), deepest first: the order to unmount
 /// them in.
 pub fn mount_points_under(mounts: &[Mount], dir: &Path) -> Vec<PathBuf> {
