@@ -21,6 +21,8 @@ pub struct TestEnv {
     /// The crab config of the CRI handlers `crab` and `crab-v1` (`CRAB_CRI_CONFIG`, default
     /// `$CRAB_HOME/containerd/cri-crab.toml`, as hack/containerd.sh writes it).
     pub cri_config: PathBuf,
+    /// `CRAB_CONTAINERD=1.7`: the tests talk to the containerd 1.7 instance.
+    pub containerd_17: bool,
 }
 
 impl TestEnv {
@@ -42,13 +44,14 @@ impl TestEnv {
             cri_config: var("CRAB_CRI_CONFIG")
                 .map(PathBuf::from)
                 .unwrap_or_else(|| crab_home.join("containerd").join("cri-crab.toml")),
+            containerd_17: var("CRAB_CONTAINERD").as_deref() == Some("1.7"),
             crab_home,
         }
     }
 
     /// containerd's state dir (`--state`): task bundles, shim sockets, rootfs mounts.
     pub fn containerd_state(&self) -> PathBuf {
-        self.crab_home.join("run").join("state")
+        self.containerd_home().join("run").join("state")
     }
 
     /// The bundle containerd made for task `id` (config.json, rootfs, the shim's
@@ -61,11 +64,25 @@ impl TestEnv {
     }
 
     pub fn containerd_root(&self) -> PathBuf {
-        self.crab_home.join("containerd").join("root")
+        self.containerd_home().join("containerd").join("root")
     }
 
+    /// The log of the containerd under test (hack/lib.sh's `CRAB_CONTAINERD_LOG`): with
+    /// `CRAB_CONTAINERD=1.7` the 1.7 instance's, not 2.x's.
     pub fn containerd_log(&self) -> PathBuf {
-        self.crab_home.join("containerd").join("containerd.log")
+        self.containerd_home()
+            .join("containerd")
+            .join("containerd.log")
+    }
+
+    /// Where the containerd under test keeps its `containerd/` and `run/` (hack/lib.sh's
+    /// `CRAB_CONTAINERD_HOME`): `CRAB_HOME`, or `CRAB_HOME/containerd-1.7-run` for 1.7.
+    pub fn containerd_home(&self) -> PathBuf {
+        if self.containerd_17 {
+            self.crab_home.join("containerd-1.7-run")
+        } else {
+            self.crab_home.clone()
+        }
     }
 
     /// Where this harness puts the FIFOs it hands to containerd.
