@@ -425,6 +425,117 @@ impl Runc {
     }
 }
 
+/// What the task core asks of an OCI runtime for one container: runc's verbs as the core
+/// uses them. [`Runc`] is the one the shim runs; the core's unit tests put a fake in its place
+/// (`containers::fake`), so the order of the calls and what each failure leads to are
+/// checked without root.
+#[async_trait::async_trait]
+pub trait OciRuntime: Send + Sync {
+    /// `runc create`: container `id` from `bundle`, its init's pid written to `pid_file`.
+    async fn create(
+        &self,
+        id: &str,
+        bundle: &Path,
+        pid_file: &Path,
+        console_socket: Option<&Path>,
+        stdio: ChildStdio,
+    ) -> Result<()>;
+    async fn start(&self, id: &str) -> Result<()>;
+    /// `runc exec --detach` of the process `process_file` describes.
+    async fn exec(
+        &self,
+        id: &str,
+        process_file: &Path,
+        pid_file: &Path,
+        console_socket: Option<&Path>,
+        stdio: ChildStdio,
+    ) -> Result<()>;
+    /// A process already gone is [`RuncError::is_gone`].
+    async fn kill(&self, id: &str, signal: u32, all: bool) -> Result<()>;
+    /// A container runc does not know is deleted already (not an error).
+    async fn delete(&self, id: &str, force: bool) -> Result<()>;
+    async fn pause(&self, id: &str) -> Result<()>;
+    async fn resume(&self, id: &str) -> Result<()>;
+    async fn ps(&self, id: &str) -> Result<Vec<i32>>;
+    async fn update(&self, id: &str, resources_file: &Path) -> Result<()>;
+    async fn checkpoint(&self, id: &str, opts: &CheckpointOpts) -> Result<()>;
+    /// `runc restore --detach` of `opts.image_path` into container `id`.
+    async fn restore(
+        &self,
+        id: &str,
+        bundle: &Path,
+        pid_file: &Path,
+        opts: &CheckpointOpts,
+        console_socket: Option<&Path>,
+        stdio: ChildStdio,
+    ) -> Result<()>;
+    /// What a restore of `id` that did not end normally left behind, cleared; the mounts
+    /// detached ([`Runc::clear_restore_leftovers`]).
+    fn clear_restore_leftovers(&self, id: &str) -> usize;
+}
+
+#[async_trait::async_trait]
+impl OciRuntime for Runc {
+    async fn create(
+        &self,
+        id: &str,
+        bundle: &Path,
+        pid_file: &Path,
+        console_socket: Option<&Path>,
+        stdio: ChildStdio,
+    ) -> Result<()> {
+        Runc::create(self, id, bundle, pid_file, console_socket, stdio).await
+    }
+    async fn start(&self, id: &str) -> Result<()> {
+        Runc::start(self, id).await
+    }
+    async fn exec(
+        &self,
+        id: &str,
+        process_file: &Path,
+        pid_file: &Path,
+        console_socket: Option<&Path>,
+        stdio: ChildStdio,
+    ) -> Result<()> {
+        Runc::exec(self, id, process_file, pid_file, console_socket, stdio).await
+    }
+    async fn kill(&self, id: &str, signal: u32, all: bool) -> Result<()> {
+        Runc::kill(self, id, signal, all).await
+    }
+    async fn delete(&self, id: &str, force: bool) -> Result<()> {
+        Runc::delete(self, id, force).await
+    }
+    async fn pause(&self, id: &str) -> Result<()> {
+        Runc::pause(self, id).await
+    }
+    async fn resume(&self, id: &str) -> Result<()> {
+        Runc::resume(self, id).await
+    }
+    async fn ps(&self, id: &str) -> Result<Vec<i32>> {
+        Runc::ps(self, id).await
+    }
+    async fn update(&self, id: &str, resources_file: &Path) -> Result<()> {
+        Runc::update(self, id, resources_file).await
+    }
+    async fn checkpoint(&self, id: &str, opts: &CheckpointOpts) -> Result<()> {
+        Runc::checkpoint(self, id, opts).await
+    }
+    async fn restore(
+        &self,
+        id: &str,
+        bundle: &Path,
+        pid_file: &Path,
+        opts: &CheckpointOpts,
+        console_socket: Option<&Path>,
+        stdio: ChildStdio,
+    ) -> Result<()> {
+        Runc::restore(self, id, bundle, pid_file, opts, console_socket, stdio).await
+    }
+    fn clear_restore_leftovers(&self, id: &str) -> usize {
+        Runc::clear_restore_leftovers(self, id)
+    }
+}
+
 fn is_gone(message: &str) -> bool {
     [
         "not running",

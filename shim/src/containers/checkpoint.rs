@@ -152,7 +152,7 @@ impl Containers {
             None => c.bundle.join("criu-work"),
         };
         let result = c
-            .runc
+            .runtime
             .checkpoint(
                 id,
                 &crate::runc::CheckpointOpts {

@@ -23,7 +23,7 @@ use crate::{
         scratch::RestoreDir,
         trust,
     },
-    runc::Runc,
+    runc::{OciRuntime, Runc},
     sandbox::{NotInspected, Origin, Sandbox},
     stdio::PreparedIo,
     turns,
@@ -34,6 +34,8 @@ use crate::{
 struct Prepared {
     config: Config,
     runc: Runc,
+    /// What runs the container's verbs: that runc.
+    runtime: Arc<dyn OciRuntime>,
     spec: Spec,
     exec_boundary: bool,
     probes: Vec<Vec<String>>,
@@ -102,8 +104,10 @@ impl Containers {
         let resume = turns::resume(&spec)?;
         let lineage = turns::lineage(&spec, &self.namespace, &p.id)?;
         let (rootfs_mounted, rootfs) = mount_rootfs(p, &spec).await?;
+        let runtime = (self.runtimes)(&runc);
         Ok(Prepared {
             config,
+            runtime,
             runc,
             spec,
             exec_boundary,
@@ -435,11 +439,11 @@ impl Containers {
         taken: Option<Taken>,
         checkpointing: bool,
     ) -> Result<u32> {
-        let (runc, engine) = (&prep.runc, &prep.config.engine);
-        let (pid, io) = match self.create_init(p, runc).await {
+        let (runtime, engine) = (&prep.runtime, &prep.config.engine);
+        let (pid, io) = match self.create_init(p, prep).await {
             Ok(v) => v,
             Err(e) => {
-                if let Err(d) = runc.delete(&p.id, true).await {
+                if let Err(d) = runtime.delete(&p.id, true).await {
                     log::warn!("cleanup after failed create of {}: {d}", p.id);
                 }
                 if taken.is_some() {
@@ -458,10 +462,17 @@ impl Containers {
                 None => Origin::Image,
             };
             let started = sandbox
-                .start_checkpointing(&p.bundle, &prep.rootfs, &prep.config, runc, pid, origin)
+                .start_checkpointing(
+                    &p.bundle,
+                    &prep.rootfs,
+                    &prep.config,
+                    &prep.runc,
+                    pid,
+                    origin,
+                )
                 .await;
             if let Err(e) = started {
-                let _ = runc.delete(&p.id, true).await;
+                let _ = runtime.delete(&p.id, true).await;
                 return Err(e);
             }
         }
@@ -473,14 +484,16 @@ impl Containers {
     async fn create_init(
         &self,
         p: &CreateParams,
-        runc: &Runc,
+        prep: &Prepared,
     ) -> Result<(u32, crate::stdio::ProcessIo)> {
+        let runc = &prep.runc;
         bundle::save_runc(&p.bundle, runc)?;
         let mut prepared = PreparedIo::new(&p.stdio, &p.id, &self.namespace, runc.io_owner).await?;
         let pid_file = bundle::init_pid_file(&p.bundle);
         let child = std::mem::replace(&mut prepared.child, crate::runc::ChildStdio::null());
         let console = prepared.console.as_ref().map(|c| c.path.clone());
-        runc.create(&p.id, &p.bundle, &pid_file, console.as_deref(), child)
+        prep.runtime
+            .create(&p.id, &p.bundle, &pid_file, console.as_deref(), child)
             .await?;
         let io = prepared.start().await?;
         Ok((bundle::read_pid(&pid_file)?, io))
@@ -710,6 +723,7 @@ fn container(
         signing_key: prep.config.signing_key_path(),
         kill_all_on_exit: bundle::must_kill_all_on_exit(&prep.spec),
         runc: prep.runc,
+        runtime: prep.runtime,
         rootfs_mounted: prep.rootfs_mounted,
         rootfs: prep.rootfs,
         init,

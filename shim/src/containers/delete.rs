@@ -43,12 +43,12 @@ impl Containers {
         drop(c.restore_dir.lock().unwrap().take());
         let _ = std::fs::remove_file(c.bundle.join(crate::restore::scratch::BUNDLE_RECORD));
         if !never_created {
-            if let Err(e) = c.runc.delete(id, force).await {
+            if let Err(e) = c.runtime.delete(id, force).await {
                 if force {
                     return Err(e.into());
                 }
                 log::info!("delete {id}: {e}; retrying with --force");
-                c.runc.delete(id, true).await?;
+                c.runtime.delete(id, true).await?;
             }
         }
         let exit = snap.exit.unwrap_or(ExitInfo {

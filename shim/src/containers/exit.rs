@@ -42,7 +42,7 @@ impl Containers {
         );
         if p.exec_id.is_empty() {
             if c.kill_all_on_exit {
-                if let Err(e) = c.runc.kill(&c.id, libc::SIGKILL as u32, true).await {
+                if let Err(e) = c.runtime.kill(&c.id, libc::SIGKILL as u32, true).await {
                     log::debug!("kill --all after init exit of {}: {e}", c.id);
                 }
             }

@@ -28,7 +28,7 @@ impl Containers {
             if snap.exit.is_some() && !all {
                 return Err(Error::NotFound("process already finished".into()));
             }
-            return c.runc.kill(id, signal, all).await.map_err(gone_or);
+            return c.runtime.kill(id, signal, all).await.map_err(gone_or);
         }
         match snap.status {
             Status::Created => Err(Error::FailedPrecondition(format!(

@@ -8,10 +8,14 @@
 //! resume, pids, stdin, pty, resources) and [`checkpoint`] (containerd's own checkpoint).
 
 mod checkpoint;
+#[cfg(test)]
+mod core_tests;
 mod create;
 mod delete;
 mod exec;
 mod exit;
+#[cfg(test)]
+mod fake;
 mod kill;
 mod restore;
 mod resume;
@@ -35,7 +39,7 @@ use crate::{
     process::{ExitInfo, Process, Snapshot, Status},
     reaper::ExitSubscription,
     restore::{intake::Taken, scratch::RestoreDir},
-    runc::Runc,
+    runc::{OciRuntime, Runc},
     sandbox::Sandbox,
     stdio::StdioSpec,
 };
@@ -66,7 +70,10 @@ pub struct TaskCheckpointOptions {
 pub struct Container {
     pub id: String,
     pub bundle: PathBuf,
+    /// How runc is run for it (persisted in the bundle; what CRIU's runs are given too).
     runc: Runc,
+    /// What the task verbs run: that runc (a fake in the core's unit tests).
+    runtime: Arc<dyn OciRuntime>,
     /// The key containerd's checkpoints of it are signed with (`[restore] signing_key`).
     signing_key: PathBuf,
     kill_all_on_exit: bool,
@@ -218,7 +225,13 @@ pub struct Containers {
     map: Mutex<HashMap<String, Arc<Container>>>,
     pids: Mutex<PidTable>,
     shutdown: Arc<ExitSignal>,
+    /// The OCI runtime of a container, from how runc is to be run for it.
+    runtimes: RuntimeFactory,
 }
+
+/// Makes a container's [`OciRuntime`] from its [`Runc`] settings: runc itself in the shim, a
+/// fake in the core's unit tests.
+pub type RuntimeFactory = Arc<dyn Fn(&Runc) -> Arc<dyn OciRuntime> + Send + Sync>;
 
 pub struct ProcessState {
     pub container_id: String,
@@ -237,6 +250,18 @@ impl Containers {
         events: EventSender,
         shutdown: Arc<ExitSignal>,
     ) -> Arc<Self> {
+        let runc: RuntimeFactory = Arc::new(|r: &Runc| Arc::new(r.clone()) as Arc<dyn OciRuntime>);
+        Self::with_runtimes(namespace, snapshots, events, shutdown, runc)
+    }
+
+    /// [`Self::new`] with containers run by the runtimes `runtimes` makes.
+    pub fn with_runtimes(
+        namespace: String,
+        snapshots: Arc<dyn crate::restore::layers::SnapshotSource>,
+        events: EventSender,
+        shutdown: Arc<ExitSignal>,
+        runtimes: RuntimeFactory,
+    ) -> Arc<Self> {
         Arc::new(Self {
             namespace,
             snapshots,
@@ -244,6 +269,7 @@ impl Containers {
             map: Mutex::new(HashMap::new()),
             pids: Mutex::new(PidTable::default()),
             shutdown,
+            runtimes,
         })
     }
 

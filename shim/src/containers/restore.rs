@@ -518,7 +518,7 @@ async fn run_restore(
     let (pid_file, opts) = (&setup.pid_file, &setup.opts);
     // A restore of this id that a crash interrupted left runc's criu-root behind: runc's own
     // `mkdir` of it would fail this one.
-    let stale = c.runc.clear_restore_leftovers(&c.id);
+    let stale = c.runtime.clear_restore_leftovers(&c.id);
     if stale > 0 {
         log::warn!(
             "restore of {}: detached {stale} mounts an interrupted restore left at runc's criu-root",
@@ -529,7 +529,7 @@ async fn run_restore(
         match refused_early {
             Some(why) => Err(Error::FailedPrecondition(why)),
             None => c
-                .runc
+                .runtime
                 .restore(&c.id, &c.bundle, pid_file, opts, console.as_deref(), child)
                 .await
                 .map_err(Error::from),
@@ -765,7 +765,7 @@ async fn restore_failed(c: &Container, setup: &mut Setup, e: Error) -> Error {
     drop(setup.daemon.take());
     // Before `runc delete`, which removes runc's state directory: through a rootfs still
     // mounted there it would remove the container's files.
-    let detached = c.runc.clear_restore_leftovers(&c.id);
+    let detached = c.runtime.clear_restore_leftovers(&c.id);
     if detached > 0 {
         log::warn!(
             "cleanup after failed restore of {}: detached {detached} mounts runc left at its \
@@ -773,7 +773,7 @@ async fn restore_failed(c: &Container, setup: &mut Setup, e: Error) -> Error {
             c.id
         );
     }
-    if let Err(d) = c.runc.delete(&c.id, true).await {
+    if let Err(d) = c.runtime.delete(&c.id, true).await {
         log::debug!("cleanup after failed restore of {}: {d}", c.id);
     }
     let log = setup.work.join("restore.log");

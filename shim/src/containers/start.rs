@@ -52,7 +52,7 @@ impl Containers {
                 restored?
             }
             None => {
-                c.runc.start(id).await?;
+                c.runtime.start(id).await?;
                 None
             }
         };
@@ -130,7 +130,7 @@ impl Containers {
         let child = std::mem::replace(&mut prepared.child, crate::runc::ChildStdio::null());
         let console = prepared.console.as_ref().map(|c| c.path.clone());
         let result = c
-            .runc
+            .runtime
             .exec(&c.id, &spec_file, &pid_file, console.as_deref(), child)
             .await;
         let _ = std::fs::remove_file(&spec_file);

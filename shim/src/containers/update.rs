@@ -17,7 +17,7 @@ impl Containers {
         let c = self.get(id)?;
         let _guard = c.lifecycle.lock().await;
         c.init.transition(&[Status::Running], Status::Running)?;
-        c.runc.pause(id).await?;
+        c.runtime.pause(id).await?;
         c.init.transition(&[Status::Running], Status::Paused)?;
         self.events
             .publish(TaskEvent::Paused {
@@ -31,7 +31,7 @@ impl Containers {
         let c = self.get(id)?;
         let _guard = c.lifecycle.lock().await;
         c.init.transition(&[Status::Paused], Status::Paused)?;
-        c.runc.resume(id).await?;
+        c.runtime.resume(id).await?;
         c.init.transition(&[Status::Paused], Status::Running)?;
         self.events
             .publish(TaskEvent::Resumed {
@@ -44,7 +44,7 @@ impl Containers {
     /// Pids of the container, each with its exec id when it is an exec's main process.
     pub async fn pids(&self, id: &str) -> Result<Vec<(u32, Option<String>)>> {
         let c = self.get(id)?;
-        let pids = c.runc.ps(id).await?;
+        let pids = c.runtime.ps(id).await?;
         let execs: HashMap<u32, String> = c
             .execs
             .lock()
@@ -102,7 +102,7 @@ impl Containers {
             let file = c.bundle.join("update-resources.json");
             std::fs::write(&file, &json)
                 .map_err(Error::io(format!("cannot write {}", file.display())))?;
-            let result = c.runc.update(id, &file).await;
+            let result = c.runtime.update(id, &file).await;
             let _ = std::fs::remove_file(&file);
             result?;
         }
