@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use containerd_client::events::TaskExit;
 use containerd_client::services::v1::container::Runtime;
@@ -1046,28 +1046,7 @@ pub fn chain_id(diff_ids: &[String]) -> Option<String> {
 
 /// Now + `secs` as RFC 3339 UTC, for containerd's `gc.expire` lease label.
 fn rfc3339_in(secs: u64) -> String {
-    let t = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-        + secs;
-    let (days, rem) = (t / 86400, t % 86400);
-    // Civil-from-days (Howard Hinnant), valid for any date after 1970.
-    let z = days as i64 + 719_468;
-    let era = z / 146_097;
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    crab_shim::checkpoint::store::rfc3339(SystemTime::now() + Duration::from_secs(secs))
 }
 
 /// Path of this harness's FIFO dir for `id` (removed by the guard).
@@ -1122,8 +1101,9 @@ mod tests {
 
     #[test]
     fn rfc3339_has_the_right_shape() {
+        // containerd parses gc.expire with Go's time.RFC3339, which takes the fraction.
         let s = rfc3339_in(0);
-        assert_eq!(s.len(), 20, "{s}");
+        assert_eq!(s.len(), 24, "{s}");
         assert!(s.ends_with('Z') && s.as_bytes()[10] == b'T');
     }
 }

@@ -70,12 +70,7 @@ pub fn line(time: &str, level: log::Level, msg: &std::fmt::Arguments<'_>) -> Str
 
 /// `2026-12-03T06:41:33.931792054Z`, as logrus and containerd write times.
 pub fn rfc3339_utc(t: std::time::SystemTime) -> String {
-    let d = t.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    format!(
-        "{}.{:09}Z",
-        crate::checkpoint::store::rfc3339_seconds(d.as_secs()),
-        d.subsec_nanos()
-    )
+    crate::checkpoint::store::rfc3339_nanos(t)
 }
 
 impl log::Log for FifoLog {

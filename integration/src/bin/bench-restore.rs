@@ -695,29 +695,9 @@ async fn api_start(h: &Harness, id: &str, cfg_body: &str) -> Res<ApiStart> {
 
 /// The unix time of a containerd log line (`time="2026-11-29T13:18:09.343991922Z"`, UTC).
 fn log_time(line: &str) -> Option<f64> {
-    let t = line
-        .split("time=\"")
-        .nth(1)?
-        .split('"')
-        .next()?
-        .strip_suffix('Z')?;
-    let (date, time) = t.split_once('T')?;
-    let mut d = date.split('-').map(|x| x.parse::<i64>().ok());
-    let (y, m, dd) = (d.next()??, d.next()??, d.next()??);
-    let mut h = time.split(':');
-    let (hh, mm) = (
-        h.next()?.parse::<f64>().ok()?,
-        h.next()?.parse::<f64>().ok()?,
-    );
-    let ss = h.next()?.parse::<f64>().ok()?;
-    // Days from civil (Howard Hinnant).
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + dd - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    Some(days as f64 * 86_400.0 + hh * 3600.0 + mm * 60.0 + ss)
+    let t = line.split("time=\"").nth(1)?.split('"').next()?;
+    let at = time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()?;
+    Some(at.unix_timestamp_nanos() as f64 / 1e9)
 }
 
 fn unix_now() -> f64 {
@@ -2742,5 +2722,17 @@ fn cleanup_files(b: &Bench) {
     let _ = std::fs::remove_file(&b.cfg_path);
     for s in &b.sandboxes {
         let _ = std::fs::remove_dir_all(b.base.env.crab_home.join("state").join(s));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn log_times_are_read_in_utc_to_the_nanosecond() {
+        let line = r#"time="2026-12-03T06:39:53.931792054Z" level=info msg="container restored""#;
+        let t = super::log_time(line).unwrap();
+        assert!((t - 1_796_279_993.931_792).abs() < 1e-5, "{t}");
+        assert_eq!(super::log_time("no time here"), None);
+        assert_eq!(super::log_time(r#"time="yesterday""#), None);
     }
 }

@@ -266,27 +266,30 @@ pub(super) fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> 
 
 /// RFC 3339 in UTC with milliseconds (`2026-05-01T12:00:00.123Z`).
 pub fn rfc3339(t: SystemTime) -> String {
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    format!("{}.{:03}Z", rfc3339_seconds(d.as_secs()), d.subsec_millis())
+    utc(
+        t,
+        time::macros::format_description!(
+            "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
+        ),
+    )
 }
 
-/// `YYYY-MM-DDTHH:MM:SS` in UTC of `secs` since the epoch.
-pub fn rfc3339_seconds(secs: u64) -> String {
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Days to civil date (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}",
-        rem / 3600,
-        rem / 60 % 60,
-        rem % 60
+/// RFC 3339 in UTC with nanoseconds (`2026-12-03T06:41:33.931792054Z`), as logrus and
+/// containerd write times.
+pub fn rfc3339_nanos(t: SystemTime) -> String {
+    utc(
+        t,
+        time::macros::format_description!(
+            "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:9]Z"
+        ),
     )
+}
+
+/// `t` (clamped to the epoch .. year 9999) in UTC as `format` says.
+fn utc(t: SystemTime, format: &[time::format_description::BorrowedFormatItem<'_>]) -> String {
+    let max = UNIX_EPOCH + std::time::Duration::from_secs(253_402_300_799);
+    let t = t.clamp(UNIX_EPOCH, max);
+    time::OffsetDateTime::from(t)
+        .format(format)
+        .unwrap_or_else(|e| format!("<time {t:?}: {e}>"))
 }

@@ -479,4 +479,17 @@ fn rfc3339_dates() {
         rfc3339(UNIX_EPOCH + Duration::from_secs(1_777_777_777)),
         "2026-05-03T03:09:37.000Z"
     );
+    assert_eq!(
+        rfc3339_nanos(UNIX_EPOCH + Duration::new(1_796_279_993, 931_792_054)),
+        "2026-12-03T06:39:53.931792054Z"
+    );
+    // Before the epoch and past year 9999: clamped, never a panic.
+    assert_eq!(
+        rfc3339(UNIX_EPOCH - Duration::from_secs(5)),
+        "1970-01-01T00:00:00.000Z"
+    );
+    assert_eq!(
+        rfc3339(UNIX_EPOCH + Duration::from_secs(400_000_000_000)),
+        "9999-12-31T23:59:59.000Z"
+    );
 }
