@@ -4,17 +4,17 @@
 //! dockerd runs its containers in containerd namespace [`NAMESPACE`] (`moby`); the container
 //! records carry no image and no snapshot, and the container's name lives only in dockerd. A
 //! name is resolved with one `GET /containers/{name}/json` over dockerd's unix socket
-//! (`DOCKER_HOST`, default [`DEFAULT_HOST`]): a minimal HTTP/1.1 client, since the answer is
-//! one small JSON document. The response is hostile input: its size is bounded
-//! ([`MAX_RESPONSE`]), every length in it is checked against what arrived, and anything that is
-//! not a well-formed answer is an error, never a guess.
+//! (`DOCKER_HOST`, default [`DEFAULT_HOST`]), spoken by hyper's HTTP/1.1 client. The response
+//! is hostile input: hyper parses it (framing, lengths, chunks), its body is bounded
+//! ([`MAX_RESPONSE`]), the whole exchange has a deadline ([`TIMEOUT`]), and anything that is not
+//! a well-formed answer is an error, never a guess.
 
 use std::{
-    io::{Read, Write},
-    os::unix::net::UnixStream,
     path::{Path, PathBuf},
     time::Duration,
 };
+
+use http_body_util::BodyExt as _;
 
 use containerd_client::services::v1::Container;
 use serde_json::Value;
@@ -25,11 +25,10 @@ pub const NAMESPACE: &str = "moby";
 pub const LABEL_BUNDLE: &str = "com.docker/engine.bundle.path";
 /// Where Docker's clients find dockerd without `DOCKER_HOST`.
 pub const DEFAULT_HOST: &str = "unix:///var/run/docker.sock";
-/// Bound on a response from dockerd (headers and body): an inspect document is a few KiB.
+/// Bound on the body of a response from dockerd: an inspect document is a few KiB. (hyper
+/// bounds the headers: 100 of them, ~400 KiB.)
 pub const MAX_RESPONSE: usize = 4 << 20;
-/// Bound on the response headers.
-const MAX_HEADERS: usize = 64 << 10;
-/// How long dockerd may take to connect, accept the request and answer.
+/// How long dockerd may take to connect, accept the request and answer it whole.
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Whether dockerd owns `record` (it is in namespace `moby` or carries dockerd's label).
@@ -98,135 +97,67 @@ pub struct Response {
     pub body: Vec<u8>,
 }
 
-/// Parses a whole HTTP/1.1 response (the connection closed after it): the status line, the
-/// headers, and the body by `Transfer-Encoding: chunked`, else `Content-Length`, else up to
-/// the end. Every length is checked against the bytes there are.
-pub fn parse_response(raw: &[u8]) -> Result<Response, String> {
-    let head_end = raw
-        .windows(4)
-        .take(MAX_HEADERS)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| {
-            if raw.len() > MAX_HEADERS {
-                format!("no end of the headers in the first {MAX_HEADERS} bytes")
-            } else {
-                "the response ends within its headers".to_string()
-            }
-        })?;
-    let head = std::str::from_utf8(&raw[..head_end])
-        .map_err(|_| "the response headers are not text".to_string())?;
-    let rest = &raw[head_end + 4..];
-    let mut lines = head.split("\r\n");
-    let status_line = lines.next().unwrap_or_default();
-    let mut parts = status_line.splitn(3, ' ');
-    let (version, code) = (parts.next().unwrap_or_default(), parts.next());
-    if !version.starts_with("HTTP/1.") {
-        return Err(format!("not an HTTP/1 response: {:.80}", status_line));
+/// Sends `GET path` to dockerd at `socket` and reads the whole response (a body of at most
+/// [`MAX_RESPONSE`] bytes, all within [`TIMEOUT`]).
+pub async fn get(socket: &Path, path: &str) -> Result<Response, String> {
+    get_within(socket, path, TIMEOUT).await
+}
+
+async fn get_within(socket: &Path, path: &str, timeout: Duration) -> Result<Response, String> {
+    let at = socket.display();
+    match tokio::time::timeout(timeout, exchange(socket, path)).await {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e)) => Err(format!("dockerd at {at}: {e}")),
+        Err(_) => Err(format!("dockerd at {at} did not answer within {timeout:?}")),
     }
-    let status = code
-        .filter(|c| c.len() == 3 && c.bytes().all(|b| b.is_ascii_digit()))
-        .and_then(|c| c.parse::<u16>().ok())
-        .ok_or_else(|| format!("bad status line: {:.80}", status_line))?;
-    let (mut length, mut chunked) = (None, false);
-    for line in lines {
-        let (name, value) = line
-            .split_once(':')
-            .ok_or_else(|| format!("bad header line: {line:.80}"))?;
-        let value = value.trim();
-        if name.eq_ignore_ascii_case("content-length") {
-            let n = value
-                .parse::<usize>()
-                .map_err(|_| format!("bad Content-Length: {value:.40}"))?;
-            if length.is_some_and(|l| l != n) {
-                return Err("conflicting Content-Length headers".into());
-            }
-            length = Some(n);
-        } else if name.eq_ignore_ascii_case("transfer-encoding") {
-            if !value.eq_ignore_ascii_case("chunked") {
-                return Err(format!("unsupported Transfer-Encoding: {value:.40}"));
-            }
-            chunked = true;
-        }
-    }
-    let body = if chunked {
-        dechunk(rest)?
-    } else if let Some(n) = length {
-        if rest.len() < n {
-            return Err(format!(
-                "the body ends after {} of its {n} bytes",
-                rest.len()
-            ));
-        }
-        rest[..n].to_vec()
-    } else {
-        rest.to_vec()
+}
+
+/// One request on a connection of its own (dockerd's API over its unix socket).
+async fn exchange(socket: &Path, path: &str) -> Result<Response, String> {
+    let stream = tokio::net::UnixStream::connect(socket)
+        .await
+        .map_err(|e| format!("cannot connect to dockerd: {e}"))?;
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| format!("cannot speak HTTP: {e}"))?;
+    let request = hyper::Request::get(path)
+        .header(hyper::header::HOST, "docker")
+        .header(hyper::header::USER_AGENT, "crabctl")
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .map_err(|e| format!("bad request {path:.80}: {e}"))?;
+    let answered = async {
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| format!("no answer: {e}"))?;
+        let status = response.status().as_u16();
+        let body = http_body_util::Limited::new(response.into_body(), MAX_RESPONSE)
+            .collect()
+            .await
+            .map_err(
+                |e| match e.downcast_ref::<http_body_util::LengthLimitError>() {
+                    Some(_) => format!("answered with more than {MAX_RESPONSE} bytes"),
+                    None => format!("the answer's body: {e}"),
+                },
+            )?
+            .to_bytes();
+        Ok(Response {
+            status,
+            body: body.to_vec(),
+        })
     };
-    Ok(Response { status, body })
-}
-
-/// Decodes a chunked body: `<hex size>[;ext]\r\n<data>\r\n` ... `0\r\n[trailers]\r\n`.
-fn dechunk(mut rest: &[u8]) -> Result<Vec<u8>, String> {
-    let mut body = Vec::new();
-    loop {
-        let line_end = rest
-            .windows(2)
-            .take(1024)
-            .position(|w| w == b"\r\n")
-            .ok_or("a chunk size line is cut off or too long")?;
-        let line = std::str::from_utf8(&rest[..line_end]).map_err(|_| "bad chunk size line")?;
-        let size_text = line.split(';').next().unwrap_or_default().trim();
-        if size_text.is_empty() || size_text.len() > 8 {
-            return Err(format!("bad chunk size: {size_text:.20}"));
-        }
-        let size = usize::from_str_radix(size_text, 16)
-            .map_err(|_| format!("bad chunk size: {size_text:.20}"))?;
-        rest = &rest[line_end + 2..];
-        if size == 0 {
-            // Trailers (ignored) up to the final empty line; a missing end is tolerated as the
-            // connection closed after the last chunk.
-            return Ok(body);
-        }
-        if rest.len() < size + 2 {
-            return Err(format!(
-                "a chunk of {size} bytes is cut off after {}",
-                rest.len()
-            ));
-        }
-        if &rest[size..size + 2] != b"\r\n" {
-            return Err("a chunk does not end where its size says".into());
-        }
-        body.extend_from_slice(&rest[..size]);
-        rest = &rest[size + 2..];
+    // The connection is driven here, beside the request (not in a task of its own): whatever
+    // way this returns, the socket is closed with it.
+    tokio::pin!(answered, connection);
+    tokio::select! {
+        r = &mut answered => r,
+        c = &mut connection => match c {
+            Err(e) => Err(format!("the connection: {e}")),
+            // Closed after a whole answer: what was read is the answer.
+            Ok(()) => answered.await,
+        },
     }
-}
-
-/// Sends `GET path` to dockerd at `socket` and reads the whole response (at most
-/// [`MAX_RESPONSE`] bytes, within [`TIMEOUT`] per read and write).
-pub fn get(socket: &Path, path: &str) -> Result<Response, String> {
-    let mut stream = UnixStream::connect(socket)
-        .map_err(|e| format!("cannot connect to dockerd at {}: {e}", socket.display()))?;
-    stream
-        .set_read_timeout(Some(TIMEOUT))
-        .and_then(|()| stream.set_write_timeout(Some(TIMEOUT)))
-        .map_err(|e| format!("{}: {e}", socket.display()))?;
-    let request = format!(
-        "GET {path} HTTP/1.1\r\nHost: docker\r\nUser-Agent: crabctl\r\nConnection: close\r\n\r\n"
-    );
-    stream
-        .write_all(request.as_bytes())
-        .map_err(|e| format!("sending to dockerd at {}: {e}", socket.display()))?;
-    let mut raw = Vec::new();
-    stream
-        .take(MAX_RESPONSE as u64 + 1)
-        .read_to_end(&mut raw)
-        .map_err(|e| format!("reading from dockerd at {}: {e}", socket.display()))?;
-    if raw.len() > MAX_RESPONSE {
-        return Err(format!(
-            "dockerd at {} answered with more than {MAX_RESPONSE} bytes",
-            socket.display()
-        ));
-    }
-    parse_response(&raw).map_err(|e| format!("dockerd at {}: {e}", socket.display()))
 }
 
 /// What dockerd said about a container name.
@@ -329,132 +260,181 @@ pub const SPEC_TYPE_URL: &str = "types.containerd.io/opencontainers/runtime-spec
 
 /// Asks dockerd at `DOCKER_HOST` (`docker_host`) which container `name` is (a name or an id
 /// prefix, as `docker inspect` takes it).
-pub fn lookup(docker_host: Option<&str>, name: &str) -> Result<Lookup, String> {
+pub async fn lookup(docker_host: Option<&str>, name: &str) -> Result<Lookup, String> {
     if !is_docker_name(name) {
         return Ok(Lookup::NotFound);
     }
     let socket = socket_path(docker_host)?;
-    parse_inspect(&get(&socket, &format!("/containers/{name}/json"))?)
+    parse_inspect(&get(&socket, &format!("/containers/{name}/json")).await?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn ok(raw: &[u8]) -> Response {
-        parse_response(raw).unwrap_or_else(|e| panic!("{e}: {:?}", String::from_utf8_lossy(raw)))
-    }
-
-    fn err(raw: &[u8]) -> String {
-        match parse_response(raw) {
-            Ok(r) => panic!("parsed: {r:?}"),
-            Err(e) => e,
-        }
-    }
+    use std::io::{Read as _, Write as _};
 
     const ID: &str = "3f4e2b0c9d1a8e7f6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e0f9a8b7c6d5e4f3a";
 
-    #[test]
-    fn parses_length_chunked_and_close_delimited_bodies() {
-        let r = ok(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 4\r\n\r\n{}\r\nextra");
-        assert_eq!((r.status, r.body.as_slice()), (200, &b"{}\r\n"[..]));
-        let r = ok(b"HTTP/1.1 200 OK\r\ntransfer-encoding: Chunked\r\n\r\n3\r\n{\"a\r\n5;x=y\r\n\":1}\n\r\n0\r\n\r\n");
-        assert_eq!(r.body, b"{\"a\":1}\n");
-        let r = ok(b"HTTP/1.0 404 Not Found\r\n\r\n{\"message\":\"No such container: x\"}");
-        assert_eq!(r.status, 404);
-        assert_eq!(parse_inspect(&r).unwrap(), Lookup::NotFound);
-        // The final chunk without its closing line (the peer closed): still the whole body.
-        assert_eq!(
-            ok(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n").body,
-            b"x"
-        );
+    /// What the fake dockerd does with one connection.
+    enum Answer {
+        /// Writes these bytes and closes.
+        Raw(Vec<u8>),
+        /// A 200 whose body never ends.
+        Endless,
+        /// Reads the request and says nothing for 2 s.
+        Silent,
     }
 
-    #[test]
-    fn hostile_responses_are_errors_not_guesses() {
-        for (raw, needle) in [
-            (&b""[..], "ends within its headers"),
-            (
-                b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n",
-                "ends within its headers",
-            ),
-            (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP/1 response"),
-            (b"HTTP/1.1 2000 OK\r\n\r\n", "bad status line"),
-            (b"HTTP/1.1 OK\r\n\r\n", "bad status line"),
-            (b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n", "bad header line"),
-            (
-                b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
-                "bad Content-Length",
-            ),
-            (
-                b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999999999999999\r\n\r\n",
-                "bad Content-Length",
-            ),
-            (
-                b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
-                "conflicting",
-            ),
-            (
-                b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc",
-                "ends after 3 of its 10 bytes",
-            ),
-            (
-                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
-                "unsupported Transfer-Encoding",
-            ),
-            (
-                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
-                "bad chunk size",
-            ),
-            (
-                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffff\r\n",
-                "bad chunk size",
-            ),
-            (
-                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nfffffff\r\nabc",
-                "cut off after 3",
-            ),
-            (
-                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabc\r\n0\r\n\r\n",
-                "does not end where",
-            ),
-            (
-                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab",
-                "cut off",
-            ),
-            (
-                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
-                "cut off or too long",
-            ),
-            (b"HTTP/1.1 200 \xff\r\n\r\n", "not text"),
-        ] {
-            let e = err(raw);
+    /// A dockerd at `<dir>/d.sock` answering its connections in turn; the thread returns the
+    /// request heads it read.
+    fn fake_dockerd(
+        dir: &Path,
+        answers: Vec<Answer>,
+    ) -> (String, std::thread::JoinHandle<Vec<String>>) {
+        let sock = dir.join("d.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let server = std::thread::spawn(move || {
+            let mut requests = Vec::new();
+            for answer in answers {
+                let (mut c, _) = listener.accept().unwrap();
+                let mut req = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match c.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => req.extend_from_slice(&buf[..n]),
+                    }
+                }
+                requests.push(String::from_utf8_lossy(&req).into_owned());
+                match answer {
+                    Answer::Raw(bytes) => {
+                        let _ = c.write_all(&bytes);
+                    }
+                    Answer::Endless => {
+                        let _ = c.write_all(b"HTTP/1.1 200 OK\r\n\r\n");
+                        let chunk = vec![b'x'; 1 << 16];
+                        while c.write_all(&chunk).is_ok() {}
+                    }
+                    Answer::Silent => std::thread::sleep(Duration::from_secs(2)),
+                }
+            }
+            requests
+        });
+        (format!("unix://{}", sock.display()), server)
+    }
+
+    fn inspect_answer(id: &str, name: &str) -> Vec<u8> {
+        let body = format!(r#"{{"Id":"{id}","Name":"/{name}"}}"#);
+        format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes()
+    }
+
+    #[tokio::test]
+    async fn length_chunked_and_close_delimited_answers_are_read_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let body = format!(r#"{{"Id":"{ID}","Name":"/agent"}}"#);
+        let (a, b) = body.split_at(10);
+        let chunked = format!(
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: Chunked\r\n\r\n{:x}\r\n{a}\r\n{:x};x=y\r\n{b}\r\n0\r\n\r\n",
+            a.len(),
+            b.len()
+        );
+        let (host, server) = fake_dockerd(
+            dir.path(),
+            vec![
+                Answer::Raw(inspect_answer(ID, "agent")),
+                Answer::Raw(chunked.into_bytes()),
+                Answer::Raw(
+                    b"HTTP/1.0 404 Not Found\r\n\r\n{\"message\":\"No such container: x\"}"
+                        .to_vec(),
+                ),
+            ],
+        );
+        for _ in 0..2 {
+            let found = lookup(Some(&host), "agent").await.unwrap();
             assert!(
-                e.contains(needle),
-                "{:?}: {e}",
-                String::from_utf8_lossy(raw)
+                matches!(&found, Lookup::Found { id, name, .. } if id == ID && name == "agent"),
+                "{found:?}"
             );
         }
-        // Headers that never end: bounded, named.
-        let mut huge = b"HTTP/1.1 200 OK\r\n".to_vec();
-        huge.extend(std::iter::repeat_n(b'a', MAX_HEADERS * 2));
+        assert_eq!(lookup(Some(&host), "x").await.unwrap(), Lookup::NotFound);
+        let requests = server.join().unwrap();
         assert!(
-            err(&huge).contains("no end of the headers"),
+            requests[0].starts_with("GET /containers/agent/json HTTP/1.1\r\n"),
             "{}",
-            err(&huge)
+            requests[0]
         );
-        // A chunk size line that never ends.
-        let mut long = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
-        long.extend(std::iter::repeat_n(b'0', 10_000));
-        assert!(err(&long).contains("too long"));
-        // Garbage of every length never panics.
-        let seed = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n4\r\nabcd\r\n0\r\n\r\n";
-        for cut in 0..seed.len() {
-            let _ = parse_response(&seed[..cut]);
-            let mut flipped = seed.to_vec();
-            flipped[cut] ^= 0x5a;
-            let _ = parse_response(&flipped);
+        let head = requests[0].to_ascii_lowercase();
+        assert!(head.contains("host: docker\r\n") && head.contains("user-agent: crabctl"));
+    }
+
+    /// Every malformed, cut-off or oversized answer is an error naming dockerd, never a guess
+    /// and never a hang.
+    #[tokio::test]
+    async fn hostile_answers_are_errors_not_guesses() {
+        let raw = |b: &[u8]| Answer::Raw(b.to_vec());
+        let mut huge_head = b"HTTP/1.1 200 OK\r\n".to_vec();
+        huge_head.extend(std::iter::repeat_n(b'a', 1 << 20));
+        let mut long_chunk_line = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+        long_chunk_line.extend(std::iter::repeat_n(b'0', 10_000));
+        let answers = vec![
+            raw(b""),
+            raw(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n"),
+            raw(b"SSH-2.0-OpenSSH\r\n\r\n"),
+            raw(b"HTTP/1.1 2000 OK\r\n\r\n"),
+            raw(b"HTTP/1.1 OK\r\n\r\n"),
+            raw(b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n"),
+            raw(b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n"),
+            raw(b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999999999999999\r\n\r\n"),
+            raw(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab"),
+            raw(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"),
+            raw(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n\x1f\x8b"),
+            raw(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"),
+            raw(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffffff\r\n"),
+            raw(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nfffffff\r\nabc"),
+            raw(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabc\r\n0\r\n\r\n"),
+            raw(b"HTTP/1.1 200 \xff\r\n\r\n"),
+            Answer::Raw(huge_head),
+            Answer::Raw(long_chunk_line),
+            Answer::Endless,
+        ];
+        let n = answers.len();
+        let dir = tempfile::tempdir().unwrap();
+        let (host, server) = fake_dockerd(dir.path(), answers);
+        for i in 0..n {
+            let e = lookup(Some(&host), "n")
+                .await
+                .expect_err(&format!("answer {i} is refused"));
+            assert!(e.contains("dockerd"), "answer {i}: {e}");
+            assert!(e.len() < 600, "answer {i}: an error stays short: {e}");
+            if i == n - 1 {
+                assert!(e.contains("more than"), "the endless body: {e}");
+            }
         }
+        assert_eq!(server.join().unwrap().len(), n);
+    }
+
+    /// A dockerd that takes the request and never answers is given up on at the deadline.
+    #[tokio::test]
+    async fn a_silent_dockerd_is_given_up_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let (host, server) = fake_dockerd(dir.path(), vec![Answer::Silent]);
+        let socket = socket_path(Some(&host)).unwrap();
+        let e = get_within(&socket, "/containers/n/json", Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert!(e.contains("did not answer within"), "{e}");
+        server.join().unwrap();
+        let e = lookup(
+            Some(&format!("unix://{}", dir.path().join("none").display())),
+            "n",
+        )
+        .await
+        .unwrap_err();
+        assert!(e.contains("cannot connect to dockerd"), "{e}");
     }
 
     #[test]
@@ -525,8 +505,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn docker_host_and_names() {
+    #[tokio::test]
+    async fn docker_host_and_names() {
         assert_eq!(
             socket_path(None).unwrap(),
             PathBuf::from("/var/run/docker.sock")
@@ -557,57 +537,9 @@ mod tests {
         }
         assert!(!is_docker_name(&"a".repeat(256)));
         // Not a name: nothing is asked (no socket needed).
-        assert_eq!(lookup(Some("tcp://x"), "a/b").unwrap(), Lookup::NotFound);
-    }
-
-    #[test]
-    fn a_dockerd_that_answers_too_much_or_nothing_is_an_error() {
-        use std::os::unix::net::UnixListener;
-        let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("d.sock");
-        let listener = UnixListener::bind(&sock).unwrap();
-        let server = std::thread::spawn(move || {
-            // 1: endless body; 2: a proper answer; 3: closes without answering.
-            let (mut c, _) = listener.accept().unwrap();
-            let mut req = [0u8; 1024];
-            let n = c.read(&mut req).unwrap();
-            let req = String::from_utf8_lossy(&req[..n]).into_owned();
-            let _ = c.write_all(b"HTTP/1.1 200 OK\r\n\r\n");
-            let chunk = vec![b'x'; 1 << 16];
-            while c.write_all(&chunk).is_ok() {}
-            let (mut c, _) = listener.accept().unwrap();
-            let _ = c.read(&mut [0u8; 1024]).unwrap();
-            let body = format!(r#"{{"Id":"{ID}","Name":"/n"}}"#);
-            write!(
-                c,
-                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
-            )
-            .unwrap();
-            drop(c);
-            let (mut c, _) = listener.accept().unwrap();
-            let _ = c.read(&mut [0u8; 1024]).unwrap();
-            drop(c);
-            req
-        });
-        let host = format!("unix://{}", sock.display());
-        let e = lookup(Some(&host), "n").unwrap_err();
-        assert!(e.contains("more than"), "{e}");
-        assert!(
-            matches!(lookup(Some(&host), "n").unwrap(), Lookup::Found { id, name, .. } if id == ID && name == "n")
+        assert_eq!(
+            lookup(Some("tcp://x"), "a/b").await.unwrap(),
+            Lookup::NotFound
         );
-        let e = lookup(Some(&host), "n").unwrap_err();
-        assert!(e.contains("ends within its headers"), "{e}");
-        let req = server.join().unwrap();
-        assert!(
-            req.starts_with("GET /containers/n/json HTTP/1.1\r\n"),
-            "{req}"
-        );
-        let e = lookup(
-            Some(&format!("unix://{}", dir.path().join("none").display())),
-            "n",
-        )
-        .unwrap_err();
-        assert!(e.contains("cannot connect to dockerd"), "{e}");
     }
 }

@@ -759,10 +759,7 @@ impl Ctl {
         }
         if self.namespace() == docker::NAMESPACE {
             let (id, host) = (container.to_string(), self.docker_host.clone());
-            let looked_up =
-                tokio::task::spawn_blocking(move || docker::lookup(host.as_deref(), &id))
-                    .await
-                    .map_err(|e| CtlError::Failed(format!("asking dockerd: {e}")))?;
+            let looked_up = docker::lookup(host.as_deref(), &id).await;
             match looked_up {
                 Ok(docker::Lookup::Found { id, doc, .. }) if id == container => {
                     log::info!("{id} has exited: its process and rootfs as dockerd describes them");

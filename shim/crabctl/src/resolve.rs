@@ -88,9 +88,7 @@ impl Ctl {
             return Ok(as_given());
         }
         let (name, host) = (arg.to_string(), self.docker_host.clone());
-        let looked_up = tokio::task::spawn_blocking(move || docker::lookup(host.as_deref(), &name))
-            .await
-            .map_err(|e| CtlError::Failed(format!("asking dockerd: {e}")))?;
+        let looked_up = docker::lookup(host.as_deref(), &name).await;
         match looked_up {
             Ok(Lookup::Found { id, name, .. }) => Ok(ResolvedId {
                 note: Some(format!("Docker container {name} is {id}")),
