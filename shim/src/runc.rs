@@ -242,180 +242,6 @@ impl Runc {
         })
     }
 
-    pub async fn create(
-        &self,
-        id: &str,
-        bundle: &Path,
-        pid_file: &Path,
-        console_socket: Option<&Path>,
-        stdio: ChildStdio,
-    ) -> Result<()> {
-        let mut args: Vec<OsString> = vec![
-            "--bundle".into(),
-            bundle.into(),
-            "--pid-file".into(),
-            pid_file.into(),
-        ];
-        args.extend(self.create_flags());
-        if let Some(s) = console_socket {
-            args.extend(["--console-socket".into(), s.into()]);
-        }
-        args.push(id.into());
-        self.run("create", args, Some(stdio)).await.map(drop)
-    }
-
-    pub async fn start(&self, id: &str) -> Result<()> {
-        self.run("start", vec![id.into()], None).await.map(drop)
-    }
-
-    pub async fn exec(
-        &self,
-        id: &str,
-        process_file: &Path,
-        pid_file: &Path,
-        console_socket: Option<&Path>,
-        stdio: ChildStdio,
-    ) -> Result<()> {
-        let mut args: Vec<OsString> = vec![
-            "--process".into(),
-            process_file.into(),
-            "--pid-file".into(),
-            pid_file.into(),
-            "--detach".into(),
-        ];
-        if let Some(s) = console_socket {
-            args.extend(["--console-socket".into(), s.into()]);
-        }
-        args.push(id.into());
-        self.run("exec", args, Some(stdio)).await.map(drop)
-    }
-
-    /// `runc kill`; a process already gone is [`RuncError::is_gone`].
-    pub async fn kill(&self, id: &str, signal: u32, all: bool) -> Result<()> {
-        let mut args: Vec<OsString> = Vec::new();
-        if all {
-            args.push("--all".into());
-        }
-        args.extend([id.into(), signal.to_string().into()]);
-        self.run("kill", args, None).await.map(drop)
-    }
-
-    pub async fn delete(&self, id: &str, force: bool) -> Result<()> {
-        let mut args: Vec<OsString> = Vec::new();
-        if force {
-            args.push("--force".into());
-        }
-        args.push(id.into());
-        match self.run("delete", args, None).await {
-            Err(RuncError::Failed { message, .. }) if message.contains("does not exist") => Ok(()),
-            other => other.map(drop),
-        }
-    }
-
-    pub async fn pause(&self, id: &str) -> Result<()> {
-        self.run("pause", vec![id.into()], None).await.map(drop)
-    }
-
-    pub async fn resume(&self, id: &str) -> Result<()> {
-        self.run("resume", vec![id.into()], None).await.map(drop)
-    }
-
-    pub async fn ps(&self, id: &str) -> Result<Vec<i32>> {
-        let out = self
-            .run(
-                "ps",
-                vec!["--format".into(), "json".into(), id.into()],
-                None,
-            )
-            .await?;
-        serde_json::from_slice::<Option<Vec<i32>>>(&out)
-            .map(Option::unwrap_or_default)
-            .map_err(|source| RuncError::Output {
-                command: "ps",
-                source,
-            })
-    }
-
-    pub async fn update(&self, id: &str, resources_file: &Path) -> Result<()> {
-        self.run(
-            "update",
-            vec!["--resources".into(), resources_file.into(), id.into()],
-            None,
-        )
-        .await
-        .map(drop)
-    }
-
-    /// `runc checkpoint`: dumps the container's init and its descendants with CRIU.
-    pub async fn checkpoint(&self, id: &str, opts: &CheckpointOpts) -> Result<()> {
-        let mut args = opts.criu_args();
-        if opts.leave_running {
-            args.push("--leave-running".into());
-        }
-        args.push(id.into());
-        self.run("checkpoint", args, None).await.map(drop)
-    }
-
-    /// `runc restore --detach`: creates container `id` from `bundle` with its processes restored
-    /// by CRIU from `opts.image_path` (go-runc's argument list); `stdio` becomes the restored
-    /// init's standard streams where the image recorded pipes or a terminal there.
-    pub async fn restore(
-        &self,
-        id: &str,
-        bundle: &Path,
-        pid_file: &Path,
-        opts: &CheckpointOpts,
-        console_socket: Option<&Path>,
-        stdio: ChildStdio,
-    ) -> Result<()> {
-        let mut args = opts.criu_args();
-        args.extend([
-            "--detach".into(),
-            "--pid-file".into(),
-            pid_file.into(),
-            "--bundle".into(),
-            bundle.into(),
-        ]);
-        if opts.lazy_pages {
-            args.push("--lazy-pages".into());
-        }
-        args.extend(self.create_flags());
-        // A container with a terminal: CRIU recreates the pty pair, and runc hands the new
-        // master to the socket, as at create.
-        if let Some(s) = console_socket {
-            args.extend(["--console-socket".into(), s.into()]);
-        }
-        args.push(id.into());
-        self.run("restore", args, Some(stdio)).await.map(drop)
-    }
-
-    /// Clears what a `runc restore` of container `id` that did not end normally left in its
-    /// state directory: runc bind-mounts the rootfs at `<root>/<id>/criu-root` for CRIU and
-    /// unmounts it when it returns, so a runc or CRIU killed mid-restore (or a CRIU that stacked
-    /// a mount of its own there) leaves it mounted. Every mount there is detached first (a
-    /// `runc delete` that removes the state directory through it would remove the container's
-    /// files), then the directory, and the state directory when runc never wrote a state into
-    /// it (nothing is removed that is not empty). Returns the mounts detached. Run before a
-    /// restore (a leftover `criu-root` fails runc's `mkdir`) and after a failed one.
-    pub fn clear_restore_leftovers(&self, id: &str) -> usize {
-        let state = self.root.join(id);
-        let criu_root = state.join("criu-root");
-        // One stat on every restore; the mount table is read only when there is a leftover.
-        if std::fs::symlink_metadata(&criu_root).is_err() {
-            return 0;
-        }
-        let detached = crate::sys::mountinfo::detach_all_under(&criu_root);
-        match std::fs::remove_dir(&criu_root) {
-            Ok(()) => {
-                // Only runc's own directory for the container: empty unless it holds a state.
-                let _ = std::fs::remove_dir(&state);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => log::warn!("cannot remove runc's leftover {}: {e}", criu_root.display()),
-        }
-        detached
-    }
-
     pub async fn state(&self, id: &str) -> Result<State> {
         let out = self.run("state", vec![id.into()], None).await?;
         serde_json::from_slice(&out).map_err(|source| RuncError::Output {
@@ -426,7 +252,7 @@ impl Runc {
 }
 
 /// What the task core asks of an OCI runtime for one container: runc's verbs as the core
-/// uses them. [`Runc`] is the one the shim runs; the core's unit tests put a fake in its place
+/// uses them (their argument lists are go-runc's). [`Runc`] is the one the shim runs; the core's unit tests put a fake in its place
 /// (`containers::fake`), so the order of the calls and what each failure leads to are
 /// checked without root.
 #[async_trait::async_trait]
@@ -469,8 +295,8 @@ pub trait OciRuntime: Send + Sync {
         console_socket: Option<&Path>,
         stdio: ChildStdio,
     ) -> Result<()>;
-    /// What a restore of `id` that did not end normally left behind, cleared; the mounts
-    /// detached ([`Runc::clear_restore_leftovers`]).
+    /// What a restore of `id` that did not end normally left behind, cleared; returns the
+    /// mounts detached (runc's `criu-root`: see the implementation for [`Runc`]).
     fn clear_restore_leftovers(&self, id: &str) -> usize;
 }
 
@@ -484,11 +310,24 @@ impl OciRuntime for Runc {
         console_socket: Option<&Path>,
         stdio: ChildStdio,
     ) -> Result<()> {
-        Runc::create(self, id, bundle, pid_file, console_socket, stdio).await
+        let mut args: Vec<OsString> = vec![
+            "--bundle".into(),
+            bundle.into(),
+            "--pid-file".into(),
+            pid_file.into(),
+        ];
+        args.extend(self.create_flags());
+        if let Some(s) = console_socket {
+            args.extend(["--console-socket".into(), s.into()]);
+        }
+        args.push(id.into());
+        self.run("create", args, Some(stdio)).await.map(drop)
     }
+
     async fn start(&self, id: &str) -> Result<()> {
-        Runc::start(self, id).await
+        self.run("start", vec![id.into()], None).await.map(drop)
     }
+
     async fn exec(
         &self,
         id: &str,
@@ -497,29 +336,89 @@ impl OciRuntime for Runc {
         console_socket: Option<&Path>,
         stdio: ChildStdio,
     ) -> Result<()> {
-        Runc::exec(self, id, process_file, pid_file, console_socket, stdio).await
+        let mut args: Vec<OsString> = vec![
+            "--process".into(),
+            process_file.into(),
+            "--pid-file".into(),
+            pid_file.into(),
+            "--detach".into(),
+        ];
+        if let Some(s) = console_socket {
+            args.extend(["--console-socket".into(), s.into()]);
+        }
+        args.push(id.into());
+        self.run("exec", args, Some(stdio)).await.map(drop)
     }
+
+    /// `runc kill`; a process already gone is [`RuncError::is_gone`].
     async fn kill(&self, id: &str, signal: u32, all: bool) -> Result<()> {
-        Runc::kill(self, id, signal, all).await
+        let mut args: Vec<OsString> = Vec::new();
+        if all {
+            args.push("--all".into());
+        }
+        args.extend([id.into(), signal.to_string().into()]);
+        self.run("kill", args, None).await.map(drop)
     }
+
     async fn delete(&self, id: &str, force: bool) -> Result<()> {
-        Runc::delete(self, id, force).await
+        let mut args: Vec<OsString> = Vec::new();
+        if force {
+            args.push("--force".into());
+        }
+        args.push(id.into());
+        match self.run("delete", args, None).await {
+            Err(RuncError::Failed { message, .. }) if message.contains("does not exist") => Ok(()),
+            other => other.map(drop),
+        }
     }
+
     async fn pause(&self, id: &str) -> Result<()> {
-        Runc::pause(self, id).await
+        self.run("pause", vec![id.into()], None).await.map(drop)
     }
+
     async fn resume(&self, id: &str) -> Result<()> {
-        Runc::resume(self, id).await
+        self.run("resume", vec![id.into()], None).await.map(drop)
     }
+
     async fn ps(&self, id: &str) -> Result<Vec<i32>> {
-        Runc::ps(self, id).await
+        let out = self
+            .run(
+                "ps",
+                vec!["--format".into(), "json".into(), id.into()],
+                None,
+            )
+            .await?;
+        serde_json::from_slice::<Option<Vec<i32>>>(&out)
+            .map(Option::unwrap_or_default)
+            .map_err(|source| RuncError::Output {
+                command: "ps",
+                source,
+            })
     }
+
     async fn update(&self, id: &str, resources_file: &Path) -> Result<()> {
-        Runc::update(self, id, resources_file).await
+        self.run(
+            "update",
+            vec!["--resources".into(), resources_file.into(), id.into()],
+            None,
+        )
+        .await
+        .map(drop)
     }
+
+    /// `runc checkpoint`: dumps the container's init and its descendants with CRIU.
     async fn checkpoint(&self, id: &str, opts: &CheckpointOpts) -> Result<()> {
-        Runc::checkpoint(self, id, opts).await
+        let mut args = opts.criu_args();
+        if opts.leave_running {
+            args.push("--leave-running".into());
+        }
+        args.push(id.into());
+        self.run("checkpoint", args, None).await.map(drop)
     }
+
+    /// `runc restore --detach`: creates container `id` from `bundle` with its processes restored
+    /// by CRIU from `opts.image_path` (go-runc's argument list); `stdio` becomes the restored
+    /// init's standard streams where the image recorded pipes or a terminal there.
     async fn restore(
         &self,
         id: &str,
@@ -529,10 +428,52 @@ impl OciRuntime for Runc {
         console_socket: Option<&Path>,
         stdio: ChildStdio,
     ) -> Result<()> {
-        Runc::restore(self, id, bundle, pid_file, opts, console_socket, stdio).await
+        let mut args = opts.criu_args();
+        args.extend([
+            "--detach".into(),
+            "--pid-file".into(),
+            pid_file.into(),
+            "--bundle".into(),
+            bundle.into(),
+        ]);
+        if opts.lazy_pages {
+            args.push("--lazy-pages".into());
+        }
+        args.extend(self.create_flags());
+        // A container with a terminal: CRIU recreates the pty pair, and runc hands the new
+        // master to the socket, as at create.
+        if let Some(s) = console_socket {
+            args.extend(["--console-socket".into(), s.into()]);
+        }
+        args.push(id.into());
+        self.run("restore", args, Some(stdio)).await.map(drop)
     }
+
+    /// Clears what a `runc restore` of container `id` that did not end normally left in its
+    /// state directory: runc bind-mounts the rootfs at `<root>/<id>/criu-root` for CRIU and
+    /// unmounts it when it returns, so a runc or CRIU killed mid-restore (or a CRIU that stacked
+    /// a mount of its own there) leaves it mounted. Every mount there is detached first (a
+    /// `runc delete` that removes the state directory through it would remove the container's
+    /// files), then the directory, and the state directory when runc never wrote a state into
+    /// it (nothing is removed that is not empty). Returns the mounts detached. Run before a
+    /// restore (a leftover `criu-root` fails runc's `mkdir`) and after a failed one.
     fn clear_restore_leftovers(&self, id: &str) -> usize {
-        Runc::clear_restore_leftovers(self, id)
+        let state = self.root.join(id);
+        let criu_root = state.join("criu-root");
+        // One stat on every restore; the mount table is read only when there is a leftover.
+        if std::fs::symlink_metadata(&criu_root).is_err() {
+            return 0;
+        }
+        let detached = crate::sys::mountinfo::detach_all_under(&criu_root);
+        match std::fs::remove_dir(&criu_root) {
+            Ok(()) => {
+                // Only runc's own directory for the container: empty unless it holds a state.
+                let _ = std::fs::remove_dir(&state);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => log::warn!("cannot remove runc's leftover {}: {e}", criu_root.display()),
+        }
+        detached
     }
 }
 

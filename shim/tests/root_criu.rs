@@ -21,7 +21,7 @@ use crab_shim::checkpoint::process::{
     check_dumpable, checkpoint, read_pstree, work_dir, Dumper, ProcError,
 };
 use crab_shim::inspector::procs::{self, ProcInfo};
-use crab_shim::runc::{CheckpointOpts, Runc};
+use crab_shim::runc::{CheckpointOpts, OciRuntime as _, Runc};
 use crab_shim::{reaper, sys::cgroup::Cgroups};
 
 /// Unit tests have no shim reaper: this thread stands in for it, for runc and CRIU only. It

@@ -19,7 +19,7 @@ use std::{
 
 use crate::{
     inspector::procs::{self, ProcInfo},
-    runc::{CheckpointOpts, Runc},
+    runc::{CheckpointOpts, OciRuntime as _, Runc},
 };
 
 use super::{

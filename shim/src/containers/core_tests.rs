@@ -123,6 +123,20 @@ impl Core {
         }
     }
 
+    /// Create's parameters for `id` from a containerd checkpoint (`ctr run --checkpoint`): an
+    /// unsigned image of one task with `creds`, restored on the kernel check alone.
+    fn params_of_containerd_checkpoint(&self, id: &str, creds: &Creds) -> CreateParams {
+        let mut p = self.params_with(
+            id,
+            serde_json::json!({}),
+            "[restore]\nunsigned_images = \"kernel-check\"\n",
+        );
+        let image = self.dir.path().join("checkpoint").join(id);
+        write_image(&image, &[(1, &[])], creds, HOST_NAMESPACES);
+        p.checkpoint = image.display().to_string();
+        p
+    }
+
     async fn create(&self, id: &str) -> u32 {
         let p = self.params(id, serde_json::json!({}));
         self.containers.create(p).await.unwrap()
@@ -185,7 +199,7 @@ impl Core {
     }
 }
 
-fn crab_options_url() -> String {
+pub(super) fn crab_options_url() -> String {
     format!(
         "type.googleapis.com/{}",
         crab_runtime_config::RUNTIME_OPTIONS_TYPE_URL
@@ -193,7 +207,7 @@ fn crab_options_url() -> String {
 }
 
 /// `runtimeoptions.v1.Options` with `ConfigBody` (field 3) set to `body`.
-fn options_with_body(body: &str) -> Vec<u8> {
+pub(super) fn options_with_body(body: &str) -> Vec<u8> {
     let mut v = vec![0x1a];
     let mut len = body.len();
     while len >= 0x80 {
@@ -596,15 +610,7 @@ async fn delete_refuses_what_runs_and_retries_runc_with_force() {
 #[tokio::test]
 async fn a_container_waiting_for_its_restore_is_deleted_without_runc() {
     let core = Core::new();
-    // An unsigned containerd checkpoint restored on the kernel check alone.
-    let mut p = core.params_with(
-        "c1",
-        serde_json::json!({}),
-        "[restore]\nunsigned_images = \"kernel-check\"\n",
-    );
-    let image = core.dir.path().join("checkpoint");
-    write_image(&image, &[(1, &[])], &Creds::default(), HOST_NAMESPACES);
-    p.checkpoint = image.display().to_string();
+    let p = core.params_of_containerd_checkpoint("c1", &Creds::default());
     let pid = core.containers.create(p).await.unwrap();
     assert_eq!(pid, 0, "no init yet: it is restored at Start");
     assert!(core.calls().is_empty(), "{:?}", core.calls());
@@ -623,14 +629,7 @@ async fn a_container_waiting_for_its_restore_is_deleted_without_runc() {
 #[tokio::test]
 async fn a_process_image_asking_more_than_the_spec_grants_never_reaches_runc() {
     let core = Core::new();
-    let mut p = core.params_with(
-        "c1",
-        serde_json::json!({}),
-        "[restore]\nunsigned_images = \"kernel-check\"\n",
-    );
-    let image = core.dir.path().join("checkpoint");
-    write_image(&image, &[(1, &[])], &with_caps(1 << 21), HOST_NAMESPACES);
-    p.checkpoint = image.display().to_string();
+    let p = core.params_of_containerd_checkpoint("c1", &with_caps(1 << 21));
     let e = core.containers.create(p).await.unwrap_err();
     assert!(matches!(e, Error::FailedPrecondition(_)), "{e}");
     assert!(e.to_string().contains("cannot restore c1"), "{e}");

@@ -359,6 +359,7 @@ impl Containers {
 
 #[cfg(test)]
 mod tests {
+    use super::core_tests::{crab_options_url, options_with_body};
     use super::*;
 
     fn owner(c: &str, e: &str) -> (String, String) {
@@ -422,25 +423,9 @@ mod tests {
         assert!(t.early_exits.is_empty(), "cleared with the last start");
     }
 
-    /// `runtimeoptions.v1.Options` with `ConfigBody` (field 3) set to `body`.
-    fn options_with_body(body: &str) -> Vec<u8> {
-        let mut v = vec![0x1a];
-        let mut len = body.len();
-        while len >= 0x80 {
-            v.push((len as u8 & 0x7f) | 0x80);
-            len >>= 7;
-        }
-        v.push(len as u8);
-        v.extend_from_slice(body.as_bytes());
-        v
-    }
-
     #[test]
     fn crab_runtime_options_carry_the_config() {
-        let url = format!(
-            "type.googleapis.com/{}",
-            crab_runtime_config::RUNTIME_OPTIONS_TYPE_URL
-        );
+        let url = crab_options_url();
         let body = "[runc]\nsystemd_cgroup = true\n";
         let (config, source, _) =
             Containers::load_config(&Some((url.clone(), options_with_body(body)))).unwrap();

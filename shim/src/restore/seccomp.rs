@@ -50,7 +50,7 @@ use aya::{
 use oci_spec::runtime::{LinuxSeccomp, LinuxSeccompAction, Spec};
 use sha2::{Digest, Sha256};
 
-use crate::runc::{ChildStdio, Runc};
+use crate::runc::{ChildStdio, OciRuntime as _, Runc};
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/restored.bpf.o"));
 

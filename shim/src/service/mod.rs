@@ -38,7 +38,7 @@ use crate::{
     error::{Error, Result},
     events::EventSender,
     reaper::ExitSubscription,
-    runc::Runc,
+    runc::{OciRuntime as _, Runc},
     stdio::StdioSpec,
 };
 
