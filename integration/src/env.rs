@@ -75,6 +75,17 @@ impl TestEnv {
             .join("containerd.log")
     }
 
+    /// The containerd log's length now: where the lines of what a test does next begin.
+    pub fn containerd_log_len(&self) -> u64 {
+        std::fs::metadata(self.containerd_log()).map_or(0, |m| m.len())
+    }
+
+    /// The containerd log from byte `from` on (the shims' log lines land there too).
+    pub fn containerd_log_since(&self, from: u64) -> String {
+        let text = std::fs::read(self.containerd_log()).unwrap_or_default();
+        String::from_utf8_lossy(text.get(from as usize..).unwrap_or_default()).into_owned()
+    }
+
     /// Where the containerd under test keeps its `containerd/` and `run/` (hack/lib.sh's
     /// `CRAB_CONTAINERD_HOME`): `CRAB_HOME`, or `CRAB_HOME/containerd-1.7-run` for 1.7.
     pub fn containerd_home(&self) -> PathBuf {

@@ -841,15 +841,11 @@ pub async fn log_once(
     timeout: Duration,
     done: impl Fn(&str) -> bool,
 ) -> String {
-    let read = || {
-        let text = std::fs::read(env.containerd_log()).unwrap_or_default();
-        String::from_utf8_lossy(text.get(from as usize..).unwrap_or_default()).into_owned()
-    };
     let deadline = std::time::Instant::now() + timeout;
-    let mut log = read();
+    let mut log = env.containerd_log_since(from);
     while !done(&log) && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        log = read();
+        log = env.containerd_log_since(from);
     }
     log
 }

@@ -185,7 +185,7 @@ async fn an_exec_whose_output_is_held_names_the_holder() {
     h.start_detached(&id, &ProcessSpec::new(&["sleep", "1000"]))
         .await
         .unwrap();
-    let from = std::fs::metadata(h.env.containerd_log()).map_or(0, |m| m.len());
+    let from = h.env.containerd_log_len();
     let mut io = h.stdio(&id, "e1", StdioOptions::default()).unwrap();
     // The background sleep inherits the exec's stdout and stderr.
     h.exec(

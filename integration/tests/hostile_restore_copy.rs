@@ -35,8 +35,7 @@ impl Drop for Images {
 /// The restore directory the shim logged for container `id` (containerd's log, from byte
 /// `from` on), if any.
 fn logged_restore_dir(h: &Harness, from: u64, id: &str) -> Option<PathBuf> {
-    let text = std::fs::read(h.env.containerd_log()).unwrap();
-    let text = String::from_utf8_lossy(&text[from as usize..]).into_owned();
+    let text = h.env.containerd_log_since(from);
     let needle = format!("create {id}: its process image is copied to ");
     let line = text.lines().find(|l| l.contains(&needle))?;
     let rest = &line[line.find(&needle).unwrap() + needle.len()..];
@@ -44,7 +43,7 @@ fn logged_restore_dir(h: &Harness, from: u64, id: &str) -> Option<PathBuf> {
 }
 
 fn log_len(h: &Harness) -> u64 {
-    std::fs::metadata(h.env.containerd_log()).map_or(0, |m| m.len())
+    h.env.containerd_log_len()
 }
 
 /// The entries of `dir` (none if it does not exist).

@@ -455,14 +455,11 @@ for i in $(seq 100); do [ -e /app/forked ] && break; sleep 0.05; done; sleep 0.2
 
 /// The containerd log from byte `from` on (shim stderr lands there).
 fn log_since(s: &Sandbox, from: u64) -> String {
-    let text = std::fs::read(s.h.env.containerd_log()).unwrap_or_default();
-    String::from_utf8_lossy(text.get(from as usize..).unwrap_or_default()).into_owned()
+    s.h.env.containerd_log_since(from)
 }
 
 fn log_len(s: &Sandbox) -> u64 {
-    std::fs::metadata(s.h.env.containerd_log())
-        .map(|m| m.len())
-        .unwrap_or(0)
+    s.h.env.containerd_log_len()
 }
 
 /// A Python interpreter holding `MB` MiB in which every page carries its own number (a page

@@ -500,8 +500,7 @@ async fn fork_3_of_a_process_checkpoint_share_one_verified_image() {
         "a process turn: {:#}",
         manifest_of(&s, &turn)
     );
-    let log = h.env.containerd_log();
-    let from = std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
+    let from = h.env.containerd_log_len();
     let out = crabctl_ok(
         &s,
         &["fork", &s.id, "--at", &turn, "--count", "3", "-o", "json"],

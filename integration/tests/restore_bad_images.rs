@@ -1142,8 +1142,7 @@ async fn page_files_verified_while_criu_restores_are_refused_when_altered() {
         "{out}"
     );
     eprintln!("altered: {out}");
-    let log = f.h.env.containerd_log();
-    let from = std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
+    let from = f.h.env.containerd_log_len();
     // Signed as exported: restores, its page files verified alongside (the cache entry is
     // built by this restore, not taken from the refused one).
     let config = f.config("bigpages", "");
