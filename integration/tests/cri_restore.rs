@@ -441,6 +441,135 @@ async fn a_privileged_checkpoint_is_refused_in_an_unprivileged_pod() {
     );
 }
 
+/// Many pods from one checkpoint image (RL rollouts) ask for same-page merging with the pod
+/// annotation `io.crab/merge-memory: "true"`, which the handler passes to the container's spec
+/// (`pod_annotations = ["io.crab/*"]`): the restored processes of such a pod are marked for
+/// the kernel's KSM (`ksm_merge_any`), those of a pod without it are not, and a value that is
+/// neither `true` nor `false` fails the pod's start with the annotation's name.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_annotated_merge_memory_restores_with_mergeable_memory() {
+    assert!(
+        crab_shim::sys::ksm::merge_any_supported(),
+        "this kernel has no PR_SET_MEMORY_MERGE (Linux 6.4): the test needs it"
+    );
+    let cri = Cri::for_test().await;
+    let mut guard = PodGuard::new();
+    let src_pod = cri.pod_config("ksm-src");
+    let src_pod_id = cri.run_pod(&mut guard, "crab", &src_pod).await.unwrap();
+    let src = cri
+        .run_container(
+            &src_pod_id,
+            &src_pod,
+            container_config(
+                "agent",
+                crab_integration::cri::BUSYBOX,
+                &["sh", "-c", COUNTER],
+            ),
+        )
+        .await
+        .unwrap();
+    cri.sh_until_ok(
+        &src,
+        "test \"$(cut -d' ' -f2 /tmp/count)\" -ge 5",
+        Duration::from_secs(20),
+    )
+    .await
+    .unwrap();
+    let src_init = cri.container_pid(&src).await.unwrap();
+    assert!(
+        !crab_shim::sys::ksm::stat(src_init).unwrap().merge_any,
+        "a pod without the annotation is not marked"
+    );
+    cri.end_turn(&src, "t1").await.unwrap();
+    cri.sh(&src, "true").await.unwrap();
+    assert!(
+        matches!(
+            cri.checkpoint_kind(&src, "t1").as_deref(),
+            Some("proc" | "full")
+        ),
+        "{}",
+        cri.crabctl(&["checkpoints", &src]).1
+    );
+    let image = format!("localhost/crab/cri-restore-ksm:{}", std::process::id());
+    let (code, out, err) = cri.crabctl(&["export", &src, "--turn", "t1", &image]);
+    assert_eq!(code, 0, "crabctl export: {out}{err}");
+    let _image_cleanup = ImageCleanup {
+        env: cri.env.clone(),
+        image: image.clone(),
+    };
+    cri.stop_pod(&src_pod_id).await.unwrap();
+    cri.remove_pod(&src_pod_id).await.unwrap();
+
+    let pod_with = |name: &str, value: Option<&str>| {
+        let mut pod = cri.pod_config(name);
+        if let Some(v) = value {
+            pod.annotations
+                .insert("io.crab/merge-memory".to_string(), v.to_string());
+        }
+        pod
+    };
+    // Marked: the restored counter and every process it starts.
+    let merged_pod = pod_with("ksm-merged", Some("true"));
+    let merged_pod_id = cri.run_pod(&mut guard, "crab", &merged_pod).await.unwrap();
+    let merged = cri
+        .run_container(
+            &merged_pod_id,
+            &merged_pod,
+            container_config("agent", &image, &["sh", "-c", FRESH]),
+        )
+        .await
+        .unwrap();
+    let init = cri
+        .sh(&merged, "cat /proc/1/cmdline | tr '\\0' ' '")
+        .await
+        .unwrap();
+    assert!(
+        init.contains("while :"),
+        "PID 1 is the restored counter: {init:?}"
+    );
+    let pid = cri.container_pid(&merged).await.unwrap();
+    let st = crab_shim::sys::ksm::stat(pid).unwrap();
+    assert!(
+        st.merge_any,
+        "the restored init of an annotated pod is marked: {st:?}"
+    );
+    let (tok, _) = counter(&cri, &merged).await;
+    assert_eq!(tok.len(), 16, "the restored counter writes its token");
+
+    // Not marked: the same image in a pod without the annotation.
+    let plain_pod = pod_with("ksm-plain", None);
+    let plain_pod_id = cri.run_pod(&mut guard, "crab", &plain_pod).await.unwrap();
+    let plain = cri
+        .run_container(
+            &plain_pod_id,
+            &plain_pod,
+            container_config("agent", &image, &["sh", "-c", FRESH]),
+        )
+        .await
+        .unwrap();
+    let pid = cri.container_pid(&plain).await.unwrap();
+    let st = crab_shim::sys::ksm::stat(pid).unwrap();
+    assert!(
+        !st.merge_any,
+        "a restored init without the annotation is not: {st:?}"
+    );
+
+    // Refused: a value that is neither true nor false. The pod's own sandbox container carries
+    // the annotation too, so RunPodSandbox fails, with the annotation's name and the code.
+    let bad_pod = pod_with("ksm-bad", Some("yes"));
+    let err = cri
+        .run_pod(&mut guard, "crab", &bad_pod)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("InvalidArgument")
+            && err.contains("io.crab/merge-memory")
+            && err.contains("neither true nor false"),
+        "{err}"
+    );
+}
+
 /// Removes the exported image from the CRI's namespace, also when the test fails.
 struct ImageCleanup {
     env: TestEnv,
