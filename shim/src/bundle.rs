@@ -285,24 +285,41 @@ fn edit_spec(
         .map_err(|e| bad(format!("writing: {e}")))
 }
 
+/// Why the loopback hook ([`loopback_hook`]) failed (runc then fails the restore).
+#[derive(Debug, thiserror::Error)]
+pub enum LoopbackHookError {
+    #[error("reading the container state: {0}")]
+    Read(#[source] std::io::Error),
+    #[error("the container state: {0}")]
+    State(#[source] serde_json::Error),
+    #[error("the container state has no pid")]
+    NoPid,
+    #[error("bringing up lo in the network namespace of pid {pid}: {source}")]
+    Up {
+        pid: u32,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
 /// The hook [`add_loopback_hook`] adds: reads the OCI state runc writes to a hook's stdin
 /// (at most 1 MiB) and brings up `lo` in the network namespace of its `pid`.
-pub fn loopback_hook(stdin: impl std::io::Read) -> std::result::Result<(), String> {
+pub fn loopback_hook(stdin: impl std::io::Read) -> std::result::Result<(), LoopbackHookError> {
     use std::io::Read;
     let mut text = Vec::new();
     stdin
         .take(1 << 20)
         .read_to_end(&mut text)
-        .map_err(|e| format!("reading the container state: {e}"))?;
+        .map_err(LoopbackHookError::Read)?;
     let state: serde_json::Value =
-        serde_json::from_slice(&text).map_err(|e| format!("the container state: {e}"))?;
+        serde_json::from_slice(&text).map_err(LoopbackHookError::State)?;
     let pid = state["pid"]
         .as_u64()
         .and_then(|p| u32::try_from(p).ok())
         .filter(|p| *p > 0)
-        .ok_or("the container state has no pid")?;
+        .ok_or(LoopbackHookError::NoPid)?;
     crate::sys::netns::bring_up_loopback(pid)
-        .map_err(|e| format!("bringing up lo in the network namespace of pid {pid}: {e}"))
+        .map_err(|source| LoopbackHookError::Up { pid, source })
 }
 
 /// Whether runc creates the container's network namespace (one without a path in the spec).
@@ -479,11 +496,19 @@ mod tests {
             r#"{}"#,
         ] {
             let e = loopback_hook(bad.as_bytes()).unwrap_err();
-            assert!(e.contains("state"), "{bad}: {e}");
+            assert!(
+                matches!(e, LoopbackHookError::State(_) | LoopbackHookError::NoPid),
+                "{bad}: {e}"
+            );
+            assert!(e.to_string().contains("state"), "{bad}: {e}");
         }
         // A pid that does not exist: the namespace cannot be opened, said so.
         let e = loopback_hook(r#"{"pid": 4194304}"#.as_bytes()).unwrap_err();
-        assert!(e.contains("pid 4194304"), "{e}");
+        assert!(
+            matches!(e, LoopbackHookError::Up { pid: 4194304, .. }),
+            "{e}"
+        );
+        assert!(e.to_string().contains("pid 4194304"), "{e}");
     }
 
     #[test]

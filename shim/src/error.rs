@@ -78,9 +78,77 @@ pub enum Error {
     /// A logging binary (`binary://` stdout) exited or misbehaved before it was ready.
     #[error("{0}")]
     Logger(String),
+    /// Container `id` cannot be restored from its checkpoint (its trust decision, the image's
+    /// claims against the spec, its rootfs binding, CRIU's restore gate): the restore
+    /// subsystem's typed error is the source.
+    #[error("cannot restore {id}: {source}")]
+    Restore {
+        id: String,
+        #[source]
+        source: Source,
+    },
+    /// Container `id` cannot start from crab's checkpoint (`from`: "its image" when taking it
+    /// out of the rootfs failed, "its checkpoint" when its tracked volumes did).
+    #[error("cannot start {id} from {from}: {source}")]
+    StartFrom {
+        id: String,
+        from: &'static str,
+        #[source]
+        source: Source,
+    },
+    /// Container `id` cannot resume its lineage from checkpoint `from` (which one, or the
+    /// registry's newest).
+    #[error("cannot resume {id} from {from}: {source}")]
+    Resume {
+        id: String,
+        from: String,
+        #[source]
+        source: Source,
+    },
+    /// The restore of container `id` ran and failed (`source`: why, runc's error or a refusal
+    /// of the restored processes); `criu` is what CRIU logged as errors, `log` its log.
+    #[error("cannot restore {id} from its checkpoint: {source}{criu} (log: {})", log.display())]
+    Restored {
+        id: String,
+        source: Box<Error>,
+        criu: String,
+        log: std::path::PathBuf,
+    },
+    /// Restored processes were refused before they ran, or lost (the kernel check, the page
+    /// files' verdict, a lazy restore's page daemon): the restore's typed reason.
+    #[error(transparent)]
+    Refused(Source),
+    /// Container `id` cannot be checkpointed as asked (a process would be missing from the
+    /// image).
+    #[error("cannot checkpoint {id}: {source}")]
+    Checkpoint {
+        id: String,
+        #[source]
+        source: Source,
+    },
+    /// containerd's checkpoint of container `id` was dumped and cannot be signed.
+    #[error("cannot sign the checkpoint of {id}: {source}")]
+    Sign {
+        id: String,
+        #[source]
+        source: Source,
+    },
+    /// What a restore needs cannot be used (`what`: `[replication]`, the trusted keys).
+    #[error("{what}: {source}")]
+    Unusable {
+        what: &'static str,
+        #[source]
+        source: Source,
+    },
     #[error("{0}")]
     Other(String),
 }
+
+/// A subsystem's own typed error kept whole as the source of a core [`Error`]. The
+/// subsystems that make these (restore, replication, checkpoint signing) sit above this
+/// layer, so the type is named where the error is made and got back by downcasting
+/// (`source.downcast_ref::<RestoreError>()`); the variant holding it is its kind.
+pub type Source = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 impl Error {
     pub fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {

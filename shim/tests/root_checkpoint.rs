@@ -117,7 +117,7 @@ fn restore_never_opens_a_device() {
         cache: None,
         defer_pages: false,
         // Never consulted: each image is refused before its signature is read.
-        unpacked: &Err("no engine in this test".into()),
+        unpacked: &Err(crab_shim::restore::layers::LayersError::NotAsked),
     };
     let meta = format!(
         r#"{{"format":1,"source":{{"namespace":"ns","container":"c","seq":3,"turn_id":"t3"}},

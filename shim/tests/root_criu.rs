@@ -1006,7 +1006,7 @@ async fn the_restore_gate_holds_every_process_until_the_verdict() {
         let checked = std::thread::spawn(move || {
             resume.wait(|script, init| match &expected {
                 Some(e) => kernel::check_restored(e, script, init),
-                None => Err("no kernel check here".into()),
+                None => Err(kernel::Refusal("no kernel check here".into()).into()),
             })
         });
         let rid = format!("{}-r{n}", sb.base);
@@ -1044,8 +1044,8 @@ async fn the_restore_gate_holds_every_process_until_the_verdict() {
         let restore_log = fs::read_to_string(work.join("restore.log")).unwrap_or_default();
         if refuse {
             match checked {
-                Resumed::Checked(Err(why)) => {
-                    assert!(why.contains("capabilities"), "{why}")
+                Resumed::Checked(Err(why @ kernel::CheckError::Refused(_))) => {
+                    assert!(why.to_string().contains("capabilities"), "{why}")
                 }
                 other => panic!("the strict spec: {other:?}"),
             }
@@ -1324,8 +1324,9 @@ async fn the_kernel_check_requires_runc_s_seccomp_program() {
             });
         } else {
             match checked {
-                Resumed::Checked(Err(why)) => assert!(
-                    why.contains("does not run under the seccomp filter runc installs"),
+                Resumed::Checked(Err(why @ kernel::CheckError::Refused(_))) => assert!(
+                    why.to_string()
+                        .contains("does not run under the seccomp filter runc installs"),
                     "{why}"
                 ),
                 other => panic!("the narrower profile: {other:?}"),

@@ -8,9 +8,52 @@ use crate::{
     bundle::{self, RootfsMount},
     error::{Error, Result},
     process::Status,
-    restore::trust,
+    restore::{
+        layers::{LayersError, Unpacked},
+        rw::{RwDigest, RwError, RwLimits},
+        trust,
+    },
     runc::RuncError,
 };
+
+/// Why a containerd checkpoint's processes may not go back on this rootfs: the image or rw
+/// layer its signature binds it to is not the rootfs's, or cannot be told.
+#[derive(Debug, thiserror::Error)]
+pub enum BindingError {
+    #[error("its signature binds it to image {signed}, and {source}")]
+    ImageUnknown {
+        signed: String,
+        #[source]
+        source: LayersError,
+    },
+    #[error(
+        "it was dumped on image {signed} and its rootfs is image {found} ({told_by}): its \
+         processes would run on other files"
+    )]
+    OtherImage {
+        signed: String,
+        found: String,
+        /// Who said which image the rootfs is ([`Unpacked::source`]).
+        told_by: String,
+    },
+    #[error("its signature binds its rw layer, and {0}")]
+    RwUnknown(#[source] RwError),
+    #[error(
+        "its rootfs's rw layer is not the one it was dumped with (it changes {changes} paths \
+         of the image, not as the signed change does): restore it with its own rw layer (`ctr \
+         c restore --rw`; the CRI puts the checkpoint's rootfs diff back itself)"
+    )]
+    OtherRw { changes: u64 },
+}
+
+/// Why the rootfs of a container being checkpointed cannot be bound to the signature.
+#[derive(Debug, thiserror::Error)]
+enum Unbound {
+    #[error(transparent)]
+    Image(#[from] LayersError),
+    #[error(transparent)]
+    Rw(#[from] RwError),
+}
 
 impl Containers {
     /// Which image the engine unpacked container `id`'s rootfs from ([`crate::restore::layers`]).
@@ -18,9 +61,8 @@ impl Containers {
         &self,
         id: &str,
         rootfs: &bundle::Rootfs,
-    ) -> std::result::Result<crate::restore::layers::Unpacked, String> {
-        let overlay = RootfsMount::overlay(&rootfs.mounts)
-            .ok_or_else(|| "its rootfs is not an overlay: its image cannot be told".to_string())?;
+    ) -> std::result::Result<Unpacked, LayersError> {
+        let overlay = RootfsMount::overlay(&rootfs.mounts).ok_or(LayersError::NotOverlay)?;
         crate::restore::layers::identify(
             self.snapshots.as_ref(),
             &self.namespace,
@@ -38,18 +80,21 @@ impl Containers {
         id: &str,
         rootfs: &bundle::Rootfs,
         bound: &crate::checkpoint::provenance::RootfsBinding,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), BindingError> {
         let t = std::time::Instant::now();
-        let u = self
-            .rootfs_image(id, rootfs)
-            .await
-            .map_err(|e| format!("its signature binds it to image {}, and {e}", bound.image))?;
+        let u =
+            self.rootfs_image(id, rootfs)
+                .await
+                .map_err(|source| BindingError::ImageUnknown {
+                    signed: bound.image.clone(),
+                    source,
+                })?;
         if u.top != bound.image {
-            return Err(format!(
-                "it was dumped on image {} and its rootfs is image {} ({}): its processes \
-                 would run on other files",
-                bound.image, u.top, u.source
-            ));
+            return Err(BindingError::OtherImage {
+                signed: bound.image.clone(),
+                found: u.top,
+                told_by: u.source,
+            });
         }
         log::info!(
             "create {id}: its rootfs is the image it was dumped on ({}, asked in {:.1} ms)",
@@ -62,19 +107,18 @@ impl Containers {
     /// What the rootfs's rw layer changes in its image ([`crate::restore::rw`]).
     async fn rw_digest(
         rootfs: &bundle::Rootfs,
-        limits: crate::restore::rw::RwLimits,
-    ) -> std::result::Result<crate::restore::rw::RwDigest, String> {
+        limits: RwLimits,
+    ) -> std::result::Result<RwDigest, RwError> {
         let options = RootfsMount::overlay(&rootfs.mounts)
             .map(|m| m.options.clone())
-            .ok_or_else(|| "its rootfs is not an overlay".to_string())?;
+            .ok_or(RwError::NotOverlay)?;
         tokio::task::spawn_blocking(move || {
-            let (upper, lowers) = crate::inspector::fs::overlay_dirs(&options)
-                .ok_or_else(|| "its rootfs overlay has no upper directory".to_string())?;
+            let (upper, lowers) =
+                crate::inspector::fs::overlay_dirs(&options).ok_or(RwError::NoUpperDir)?;
             let xattrs = crate::inspector::fs::OverlayXattrs::of_mount(&options);
             crate::restore::rw::digest(&upper, &lowers, xattrs, limits)
         })
-        .await
-        .map_err(|e| e.to_string())?
+        .await?
     }
 
     /// A containerd checkpoint's processes go back on the rw layer they were dumped with (put
@@ -83,19 +127,15 @@ impl Containers {
         id: &str,
         rootfs: &bundle::Rootfs,
         want: &str,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), BindingError> {
         let t = std::time::Instant::now();
-        let got = Self::rw_digest(rootfs, crate::restore::rw::RwLimits::default())
+        let got = Self::rw_digest(rootfs, RwLimits::default())
             .await
-            .map_err(|e| format!("its signature binds its rw layer, and {e}"))?;
+            .map_err(BindingError::RwUnknown)?;
         if got.digest != want {
-            return Err(format!(
-                "its rootfs's rw layer is not the one it was dumped with (it changes {} paths \
-                 of the image, not as the signed change does): restore it with its own rw \
-                 layer (`ctr c restore --rw`; the CRI puts the checkpoint's rootfs diff back \
-                 itself)",
-                got.changes
-            ));
+            return Err(BindingError::OtherRw {
+                changes: got.changes,
+            });
         }
         log::info!(
             "container {id}: its rw layer is the one it was dumped with ({} paths, {} bytes \
@@ -113,9 +153,9 @@ impl Containers {
     async fn rootfs_binding(
         &self,
         c: &Container,
-    ) -> std::result::Result<crate::checkpoint::provenance::RootfsBinding, String> {
+    ) -> std::result::Result<crate::checkpoint::provenance::RootfsBinding, Unbound> {
         let image = self.rootfs_image(&c.id, &c.rootfs).await?.top;
-        let rw = Self::rw_digest(&c.rootfs, crate::restore::rw::RwLimits::default()).await?;
+        let rw = Self::rw_digest(&c.rootfs, RwLimits::default()).await?;
         log::info!(
             "checkpoint of {}: its rw layer changes {} paths ({} bytes hashed)",
             c.id,
@@ -145,8 +185,12 @@ impl Containers {
         let cgroup = crate::sys::cgroup::Cgroups::of(init_pid)?
             .unified
             .ok_or_else(|| Error::NoCgroup(format!("no cgroup2 directory for container {id}")))?;
-        crate::checkpoint::process::check_dumpable(init_pid, &cgroup)
-            .map_err(|e| Error::FailedPrecondition(format!("cannot checkpoint {id}: {e}")))?;
+        crate::checkpoint::process::check_dumpable(init_pid, &cgroup).map_err(|e| {
+            Error::Checkpoint {
+                id: id.to_string(),
+                source: e.into(),
+            }
+        })?;
         let work = match opts.work_path {
             Some(w) => w,
             None => c.bundle.join("criu-work"),
@@ -194,9 +238,10 @@ impl Containers {
             match signed {
                 Ok(n) => log::info!("checkpoint of {id}: {n} CRIU files signed for containerd"),
                 Err(e) => {
-                    return Err(Error::FailedPrecondition(format!(
-                        "cannot sign the checkpoint of {id}: {e}"
-                    )))
+                    return Err(Error::Sign {
+                        id: id.to_string(),
+                        source: e.into(),
+                    })
                 }
             }
         }
@@ -208,5 +253,61 @@ impl Containers {
             .into(),
             e => e.into(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The refusals of a containerd checkpoint on another rootfs read as they always did
+    /// (the e2e tests and the CRI's users look for these words).
+    #[test]
+    fn binding_refusals_keep_their_words() {
+        let e = BindingError::OtherImage {
+            signed: "sha256:a".into(),
+            found: "sha256:b".into(),
+            told_by: "overlayfs snapshot sha256:b".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "it was dumped on image sha256:a and its rootfs is image sha256:b (overlayfs \
+             snapshot sha256:b): its processes would run on other files"
+        );
+        assert_eq!(
+            BindingError::OtherRw { changes: 3 }.to_string(),
+            "its rootfs's rw layer is not the one it was dumped with (it changes 3 paths of the \
+             image, not as the signed change does): restore it with its own rw layer (`ctr c \
+             restore --rw`; the CRI puts the checkpoint's rootfs diff back itself)"
+        );
+        let e = BindingError::RwUnknown(RwError::NotOverlay);
+        assert_eq!(
+            e.to_string(),
+            "its signature binds its rw layer, and its rootfs is not an overlay"
+        );
+        let e = Error::Restore {
+            id: "c1".into(),
+            source: BindingError::ImageUnknown {
+                signed: "sha256:a".into(),
+                source: LayersError::NotOverlay,
+            }
+            .into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "cannot restore c1: its signature binds it to image sha256:a, and its rootfs is not \
+             an overlay: its image cannot be told"
+        );
+        let kept = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<BindingError>());
+        assert!(
+            matches!(
+                kept,
+                Some(BindingError::ImageUnknown {
+                    source: LayersError::NotOverlay,
+                    ..
+                })
+            ),
+            "{kept:?}"
+        );
     }
 }

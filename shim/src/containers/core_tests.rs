@@ -20,7 +20,10 @@ use crate::{
     error::Error,
     events::{EventSender, TaskEvent},
     process::Status,
-    restore::layers::{EngineSnapshot, SnapshotSource},
+    restore::{
+        intake::RestoreError,
+        layers::{EngineSnapshot, SnapshotError, SnapshotSource},
+    },
     stdio::StdioSpec,
 };
 
@@ -37,8 +40,8 @@ impl SnapshotSource for NoEngine {
         _namespace: &str,
         _id: &str,
         _fallback: Option<(String, String)>,
-    ) -> Result<EngineSnapshot, String> {
-        Err("no engine in unit tests".into())
+    ) -> Result<EngineSnapshot, SnapshotError> {
+        Err(SnapshotError::NoAnswer("no engine in unit tests".into()))
     }
 }
 
@@ -631,8 +634,25 @@ async fn a_process_image_asking_more_than_the_spec_grants_never_reaches_runc() {
     let core = Core::new();
     let p = core.params_of_containerd_checkpoint("c1", &with_caps(1 << 21));
     let e = core.containers.create(p).await.unwrap_err();
-    assert!(matches!(e, Error::FailedPrecondition(_)), "{e}");
-    assert!(e.to_string().contains("cannot restore c1"), "{e}");
+    // The restore's own error, kept whole under the core's kind (the edge's code).
+    let Error::Restore { id, source } = &e else {
+        panic!("not a restore error: {e:?}");
+    };
+    assert_eq!(id, "c1");
+    assert!(
+        matches!(
+            source.downcast_ref::<RestoreError>(),
+            Some(RestoreError::Privilege(_))
+        ),
+        "{source:?}"
+    );
+    assert!(
+        e.to_string().starts_with(
+            "cannot restore c1: checkpoint image asks for more privilege than the container's \
+             spec grants: "
+        ),
+        "{e}"
+    );
     assert!(core.calls().is_empty(), "{:?}", core.calls());
     assert!(core.containers.is_empty());
 }

@@ -18,7 +18,7 @@ use crate::{
     process::Process,
     restore::{
         intake::{self as restore, Taken},
-        layers::Unpacked,
+        layers::{LayersError, Unpacked},
         privilege::Granted,
         scratch::RestoreDir,
         trust,
@@ -137,7 +137,7 @@ impl Containers {
             (turns::Resume::Newest, _) | (_, Some(_)) => {
                 self.rootfs_image(&p.id, &prep.rootfs).await.map(|u| u.top)
             }
-            (turns::Resume::Fresh, None) => Err("not asked".to_string()),
+            (turns::Resume::Fresh, None) => Err(LayersError::NotAsked),
         };
         let mut found = match p.checkpoint.is_empty() {
             true => self.take_from_rootfs(p, &prep, granted.clone()).await?,
@@ -270,10 +270,11 @@ impl Containers {
             }),
             Ok(Err(e)) => {
                 count_restore(&prep.config.engine, false);
-                Err(Error::FailedPrecondition(format!(
-                    "cannot start {} from its image: {e}",
-                    p.id
-                )))
+                Err(Error::StartFrom {
+                    id: p.id.clone(),
+                    from: "its image",
+                    source: e.into(),
+                })
             }
             Err(e) => Err(Error::Task(e)),
         }
@@ -284,9 +285,9 @@ impl Containers {
         &self,
         p: &CreateParams,
         rootfs: &bundle::Rootfs,
-    ) -> std::result::Result<Unpacked, String> {
+    ) -> std::result::Result<Unpacked, LayersError> {
         if !rootfs.path.join(restore::RESERVED_DIR).exists() {
-            return Err("the rootfs holds no checkpoint".into());
+            return Err(LayersError::NoCheckpoint);
         }
         let t = std::time::Instant::now();
         let u = crate::restore::layers::identify(
@@ -304,7 +305,7 @@ impl Containers {
             t.elapsed().as_secs_f64() * 1e3,
             match &u {
                 Ok(u) => u.source.clone(),
-                Err(e) => e.clone(),
+                Err(e) => e.to_string(),
             }
         );
         u
@@ -329,12 +330,11 @@ impl Containers {
                 &trusted,
                 config.restore.unsigned_images,
                 limits,
-            )
-            .map_err(|e| e.to_string())?;
+            )?;
             if !matches!(decision, trust::Decision::StartFresh { .. }) {
-                restore::check_privilege(&dir, &granted).map_err(|e| e.to_string())?;
+                restore::check_privilege(&dir, &granted)?;
             }
-            Ok::<_, String>(decision)
+            Ok::<_, restore::RestoreError>(decision)
         })
         .await;
         // containerd's extracted copy is not restored: it goes (containerd never removes it).
@@ -362,10 +362,10 @@ impl Containers {
             Ok(Err(e)) => {
                 unused("refused");
                 count_restore(&prep.config.engine, false);
-                Err(Error::FailedPrecondition(format!(
-                    "cannot restore {}: {e}",
-                    p.id
-                )))
+                Err(Error::Restore {
+                    id: p.id.clone(),
+                    source: e.into(),
+                })
             }
             Err(e) => Err(Error::Task(e)),
         }
@@ -396,10 +396,10 @@ impl Containers {
                     Some(b) => {
                         if let Err(e) = self.check_image(&p.id, &prep.rootfs, b).await {
                             count_restore(&prep.config.engine, false);
-                            return Err(Error::FailedPrecondition(format!(
-                                "cannot restore {}: {e}",
-                                p.id
-                            )));
+                            return Err(Error::Restore {
+                                id: p.id.clone(),
+                                source: e.into(),
+                            });
                         }
                         found.expect_rw = Some(b.rw.clone());
                     }
@@ -586,10 +586,11 @@ async fn refill_volumes(p: &CreateParams, prep: &Prepared, t: &Taken) -> Result<
     .await;
     let failed = match restored {
         Ok(Ok(())) => None,
-        Ok(Err(e)) => Some(Error::FailedPrecondition(format!(
-            "cannot start {} from its checkpoint: {e}",
-            p.id
-        ))),
+        Ok(Err(e)) => Some(Error::StartFrom {
+            id: p.id.clone(),
+            from: "its checkpoint",
+            source: e.into(),
+        }),
         Err(e) => Some(Error::Task(e)),
     };
     match failed {

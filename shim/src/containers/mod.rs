@@ -22,6 +22,12 @@ mod resume;
 mod start;
 mod update;
 
+/// The task core's own reasons a checkpoint is not restored, kept as the source of the
+/// core's [`Error`] (its `Restore`, `Resume` and `Refused` kinds).
+pub use checkpoint::BindingError;
+pub use restore::{NotRun, Unguarded};
+pub use resume::ResumeError;
+
 use std::{
     collections::HashMap,
     path::PathBuf,

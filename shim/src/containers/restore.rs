@@ -33,6 +33,31 @@ use crate::{
 /// named so).
 const SECCOMP_CACHE_DIR: &str = ".seccomp-programs";
 
+/// Why Start cannot hold restored processes for their checks before they run (and so
+/// restores nothing).
+#[derive(Debug, thiserror::Error)]
+pub enum Unguarded {
+    #[error("{0}: the kernel check could not compare the restored seccomp filters")]
+    Seccomp(#[source] seccomp::ReferenceError),
+    #[error(
+        "{0}: without the restore gate the restored processes cannot be checked before they run"
+    )]
+    NoGate(#[source] restore_gate::GateError),
+}
+
+/// Why restored processes were stopped before they could run on, beside the kernel check's
+/// refusal ([`kernel::CheckError`]) and the page files' verdict (an
+/// [`crate::restore::intake::RestoreError`]), which keep their own types.
+#[derive(Debug, thiserror::Error)]
+pub enum NotRun {
+    #[error("CRIU resumed the restored processes without the kernel check ({0}): killed them")]
+    Unchecked(#[source] restore_gate::NotReached),
+    /// A lazy restore's page daemon failed (its status and log, as `lazy::Daemon::failure`
+    /// words them).
+    #[error("the lazy restore's page daemon failed: {0}")]
+    PageDaemon(String),
+}
+
 /// A `criu lazy-pages` daemon, with the bundle's spec (what a failed page transfer kills the
 /// container by).
 type LazyDaemon = (lazy::Daemon, Spec);
@@ -60,7 +85,7 @@ struct PageVerdict {
 
 /// The kernel check's side of the restore gate (pre-resume).
 struct KernelCheck {
-    task: JoinHandle<restore_gate::Resumed<Checked>>,
+    task: JoinHandle<restore_gate::Resumed<Checked, kernel::CheckError>>,
     /// Wakes the check's thread when CRIU never reaches pre-resume.
     cancel: restore_gate::ResumeCancel,
 }
@@ -128,7 +153,10 @@ impl Containers {
         let started = std::time::Instant::now();
         if let Some(want) = &r.expect_rw {
             if let Err(e) = Self::check_rw(&c.id, &r.rootfs, want).await {
-                let e = Error::FailedPrecondition(format!("cannot restore {}: {e}", c.id));
+                let e = Error::Restore {
+                    id: c.id.clone(),
+                    source: e.into(),
+                };
                 return Err(never_ran(c, e));
             }
         }
@@ -364,18 +392,15 @@ fn never_ran(c: &Container, e: Error) -> Error {
 fn add_loopback_hook(c: &Container) {
     // An upgraded (replaced) shim binary is `... (deleted)`: runc could not run it,
     // and a hook that cannot run fails the restore.
-    let added = std::env::current_exe()
-        .map_err(|e| Error::Other(format!("the shim's own path: {e}")))
-        .and_then(|exe| {
-            if exe.is_file() {
-                bundle::add_loopback_hook(&c.bundle, &exe)
-            } else {
-                Err(Error::Other(format!("{} is gone", exe.display())))
-            }
-        });
-    if let Err(e) = added {
-        log::warn!("container {}: no loopback hook for the restore ({e}): TCP connections over 127.0.0.1 cannot come back", c.id);
-    }
+    let why = match std::env::current_exe() {
+        Err(e) => format!("the shim's own path: {e}"),
+        Ok(exe) if !exe.is_file() => format!("{} is gone", exe.display()),
+        Ok(exe) => match bundle::add_loopback_hook(&c.bundle, &exe) {
+            Ok(()) => return,
+            Err(e) => e.to_string(),
+        },
+    };
+    log::warn!("container {}: no loopback hook for the restore ({why}): TCP connections over 127.0.0.1 cannot come back", c.id);
 }
 
 /// runc's seccomp program for this spec (learnt once per profile and runc binary), which the
@@ -391,11 +416,10 @@ async fn seccomp_reference(
         Ok(reference) => reference,
         Err(e) => {
             drop(setup.daemon.take());
-            let e = Error::FailedPrecondition(format!(
-                "cannot restore {}: {e}: the kernel check could not compare the restored \
-                 seccomp filters",
-                c.id
-            ));
+            let e = Error::Restore {
+                id: c.id.clone(),
+                source: Unguarded::Seccomp(e).into(),
+            };
             return Err(never_ran(c, e));
         }
     };
@@ -424,11 +448,10 @@ fn install_gate(
         Ok(g) => g,
         Err(e) => {
             drop(setup.daemon.take());
-            let e = Error::FailedPrecondition(format!(
-                "cannot restore {}: {e}: without the restore gate the restored processes \
-                 cannot be checked before they run",
-                c.id
-            ));
+            let e = Error::Restore {
+                id: c.id.clone(),
+                source: Unguarded::NoGate(e).into(),
+            };
             return Err(never_ran(c, e));
         }
     };
@@ -439,7 +462,10 @@ fn install_gate(
         Err(e) => {
             drop(setup.daemon.take());
             gate.finish();
-            let e = Error::FailedPrecondition(format!("cannot restore {}: {e}", c.id));
+            let e = Error::Restore {
+                id: c.id.clone(),
+                source: e.into(),
+            };
             return Err(never_ran(c, e));
         }
     };
@@ -510,7 +536,7 @@ async fn run_restore(
     r: &PendingRestore,
     spec: &Spec,
     setup: &mut Setup,
-    refused_early: Option<String>,
+    refused_early: Option<std::sync::Arc<crate::restore::intake::RestoreError>>,
 ) -> Ran {
     let bound = Duration::from_millis(r.config.checkpoint.restore_timeout_ms);
     let console = setup.prepared.console.as_ref().map(|c| c.path.clone());
@@ -527,7 +553,7 @@ async fn run_restore(
     }
     let restore = async {
         match refused_early {
-            Some(why) => Err(Error::FailedPrecondition(why)),
+            Some(why) => Err(Error::Refused(Box::new(why))),
             None => c
                 .runtime
                 .restore(&c.id, &c.bundle, pid_file, opts, console.as_deref(), child)
@@ -589,7 +615,7 @@ async fn race(
                 .unwrap_or_default();
             Err((
                 format!("{why} before the restore ended"),
-                Error::FailedPrecondition(format!("the lazy restore's page daemon failed: {why}")),
+                Error::Refused(NotRun::PageDaemon(why).into()),
             ))
         }
         Err(_) => Err((
@@ -602,11 +628,11 @@ async fn race(
 impl KernelCheck {
     /// The kernel check: CRIU waited at pre-resume while it ran, or never got there (the
     /// cancel then wakes its thread).
-    async fn result(self) -> restore_gate::Resumed<Checked> {
+    async fn result(self) -> restore_gate::Resumed<Checked, kernel::CheckError> {
         self.cancel.cancel();
         self.task
             .await
-            .unwrap_or_else(|e| restore_gate::Resumed::NotReached(e.to_string()))
+            .unwrap_or_else(|e| restore_gate::Resumed::NotReached(e.into()))
     }
 }
 
@@ -617,7 +643,7 @@ fn with_kernel_check(
     spec: &Spec,
     work: &Path,
     restored: Result<()>,
-    checked: restore_gate::Resumed<Checked>,
+    checked: restore_gate::Resumed<Checked, kernel::CheckError>,
     abandoned: bool,
 ) -> Result<Option<Inspection>> {
     match (restored, checked) {
@@ -651,7 +677,7 @@ fn with_kernel_check(
                 }
                 _ => {
                     log::error!("restore of {} refused by the kernel check: {why}", c.id);
-                    Err(Error::FailedPrecondition(why))
+                    Err(Error::Refused(why.into()))
                 }
             }
         }
@@ -662,10 +688,7 @@ fn with_kernel_check(
                  check ({why}): killed {killed} processes",
                 c.id
             );
-            Err(Error::FailedPrecondition(format!(
-                "CRIU resumed the restored processes without the kernel check ({why}): \
-                 killed them"
-            )))
+            Err(Error::Refused(NotRun::Unchecked(why).into()))
         }
         (Err(e), _) => Err(e),
     }
@@ -713,7 +736,7 @@ async fn with_page_verdict(
                     }
                 );
             }
-            Err(Error::FailedPrecondition(why.clone()))
+            Err(Error::Refused(Box::new(why.clone())))
         }
         (Ok(()), Some(d)) => {
             log_page_verdict(c, d, gated, reached, pages.verification.as_ref());
@@ -780,11 +803,12 @@ async fn restore_failed(c: &Container, setup: &mut Setup, e: Error) -> Error {
     let criu = crate::checkpoint::process::criu_errors(&log)
         .map(|l| format!("; CRIU: {}", l.join(" | ")))
         .unwrap_or_default();
-    let e = Error::FailedPrecondition(format!(
-        "cannot restore {} from its checkpoint: {e}{criu} (log: {})",
-        c.id,
-        log.display()
-    ));
+    let e = Error::Restored {
+        id: c.id.clone(),
+        source: Box::new(e),
+        criu,
+        log,
+    };
     never_ran(c, e)
 }
 
@@ -942,6 +966,28 @@ fn kill_cgroup_members(spec: &Spec, id: &str) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What stops restored processes reads as it always did (e2e tests look for it), under
+    /// the core's `Refused` kind, with nothing added.
+    #[test]
+    fn refused_restored_processes_keep_their_words() {
+        let e =
+            Error::Refused(NotRun::PageDaemon("criu lazy-pages failed (status 1)".into()).into());
+        assert_eq!(
+            e.to_string(),
+            "the lazy restore's page daemon failed: criu lazy-pages failed (status 1)"
+        );
+        assert!(
+            matches!(&e, Error::Refused(s) if matches!(s.downcast_ref(), Some(NotRun::PageDaemon(_)))),
+            "{e:?}"
+        );
+        let e = Error::Refused(NotRun::Unchecked(restore_gate::NotReached::Closed).into());
+        assert_eq!(
+            e.to_string(),
+            "CRIU resumed the restored processes without the kernel check (the gate closed): \
+             killed them"
+        );
+    }
 
     #[test]
     fn only_containerds_own_extracted_copy_is_removed() {

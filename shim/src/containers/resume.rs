@@ -35,15 +35,53 @@ use crate::{
     bundle::{self, RootfsMount},
     checkpoint::{
         lineage::{self, Candidate},
-        store::Descriptor,
+        store::{Descriptor, DescriptorError},
     },
     error::{Error, Result},
     restore::{
-        intake::{self as restore, CheckpointMeta, Resumed, Taken},
+        intake::{self as restore, CheckpointMeta, RestoreError, Resumed, Taken},
+        layers::LayersError,
         privilege::Granted,
         scratch::RestoreDir,
     },
 };
+
+/// Why a container cannot resume from the checkpoint of its lineage that was found.
+#[derive(Debug, thiserror::Error)]
+pub enum ResumeError {
+    #[error(
+        "it was taken on image {was}, and this container's image is {now} (a checkpoint's \
+         processes and files belong to its image: run the lineage on that image, or give the \
+         container a new lineage with io.crab/lineage)"
+    )]
+    OtherImage { was: String, now: String },
+    #[error(
+        "the container has a user namespace: resuming one is not supported (its layers hold \
+         the container's ids, its rootfs the host's)"
+    )]
+    UserNamespace,
+    #[error("its rootfs is not an overlay: the checkpoint's files cannot be put into it")]
+    NotOverlay,
+    #[error("its rootfs overlay has no upperdir")]
+    NoUpperdir,
+    #[error("making its restore directory: {0}")]
+    RestoreDir(#[source] std::io::Error),
+    #[error("its manifest is damaged: {0}")]
+    Damaged(#[source] DescriptorError),
+    #[error(
+        "its layer {0} is on no checkpoint store of this node (a layer of the checkpoint image \
+         its lineage was started from, kept in the image store)"
+    )]
+    LayerMissing(String),
+    /// The in-place rollback's machinery could not put its files into the rootfs.
+    #[error("putting its files into the rootfs: {0}")]
+    Files(#[source] crate::error::Source),
+    #[error("copying its process image: {0}")]
+    Copy(#[source] RestoreError),
+    /// Its process image asks for more than the spec grants, or cannot be read.
+    #[error(transparent)]
+    Privilege(RestoreError),
+}
 
 /// What a resume found and prepared.
 pub(super) struct Resumption {
@@ -62,15 +100,19 @@ pub(super) struct ResumeRequest<'a> {
     pub rootfs: &'a bundle::Rootfs,
     pub lineage: &'a str,
     /// The chain id of the image the engine unpacked this rootfs from, or why it is unknown.
-    pub image: &'a std::result::Result<String, String>,
+    pub image: &'a std::result::Result<String, LayersError>,
     pub granted: Granted,
 }
 
-fn refused(r: &ResumeRequest<'_>, c: &Candidate, why: impl std::fmt::Display) -> Error {
-    Error::FailedPrecondition(format!(
-        "cannot resume {} from checkpoint {} of its lineage {} (store of {}): {why}",
-        r.id, c.manifest.seq, r.lineage, c.container
-    ))
+fn refused(r: &ResumeRequest<'_>, c: &Candidate, why: ResumeError) -> Error {
+    Error::Resume {
+        id: r.id.to_string(),
+        from: format!(
+            "checkpoint {} of its lineage {} (store of {})",
+            c.manifest.seq, r.lineage, c.container
+        ),
+        source: why.into(),
+    }
 }
 
 /// Finds the newest durable checkpoint of the container's lineage and prepares the rootfs and
@@ -111,11 +153,10 @@ pub(super) async fn resume(r: ResumeRequest<'_>) -> Result<Option<Resumption>> {
             return Err(refused(
                 &r,
                 &c,
-                format!(
-                    "it was taken on image {was}, and this container's image is {now} (a \
-                     checkpoint's processes and files belong to its image: run the lineage on \
-                     that image, or give the container a new lineage with io.crab/lineage)"
-                ),
+                ResumeError::OtherImage {
+                    was: was.clone(),
+                    now: now.clone(),
+                },
             ))
         }
         (Some(was), Err(why)) => log::warn!(
@@ -126,22 +167,13 @@ pub(super) async fn resume(r: ResumeRequest<'_>) -> Result<Option<Resumption>> {
         _ => {}
     }
     if bundle::joins_user_namespace(r.spec) || has_uid_mappings(r.spec) {
-        return Err(refused(
-            &r,
-            &c,
-            "the container has a user namespace: resuming one is not supported (its layers \
-             hold the container's ids, its rootfs the host's)",
-        ));
+        return Err(refused(&r, &c, ResumeError::UserNamespace));
     }
     let Some(overlay) = RootfsMount::overlay(&r.rootfs.mounts) else {
-        return Err(refused(
-            &r,
-            &c,
-            "its rootfs is not an overlay: the checkpoint's files cannot be put into it",
-        ));
+        return Err(refused(&r, &c, ResumeError::NotOverlay));
     };
     let Some((upperdir, lowerdirs)) = crate::inspector::fs::overlay_dirs(&overlay.options) else {
-        return Err(refused(&r, &c, "its rootfs overlay has no upperdir"));
+        return Err(refused(&r, &c, ResumeError::NoUpperdir));
     };
     let xattrs = crate::inspector::fs::OverlayXattrs::of_mount(&overlay.options);
     let scratch = match &c.manifest.process {
@@ -149,7 +181,7 @@ pub(super) async fn resume(r: ResumeRequest<'_>) -> Result<Option<Resumption>> {
             // On disk in the store, named in the bundle (the cleanup after a shim died).
             let dir = RestoreDir::create(&r.config.store.state_dir, r.namespace, r.id)
                 .and_then(|d| d.record_in(r.bundle).map(|()| d))
-                .map_err(|e| refused(&r, &c, format!("making its restore directory: {e}")))?;
+                .map_err(|e| refused(&r, &c, ResumeError::RestoreDir(e)))?;
             Some(dir)
         }
         None => None,
@@ -177,20 +209,20 @@ pub(super) async fn resume(r: ResumeRequest<'_>) -> Result<Option<Resumption>> {
         };
         let applied =
             crate::rollback::onto_rootfs(&rootfs, &cand.manifest.fs_layers, &find, &limits)
-                .map_err(|e| format!("putting its files into the rootfs: {e}"))?;
+                .map_err(|e| ResumeError::Files(e.into()))?;
         let files_ms = started.elapsed().as_secs_f64() * 1e3;
         let copied = match (&cand.manifest.process, &criu_dest) {
             (Some(p), Some(dest)) => {
                 let from = cand.store.join(&p.image);
                 let chunks = cand.store.join("chunks");
                 let bytes = restore::copy_stored_image(&from, &chunks, dest, image_limits)
-                    .map_err(|e| format!("copying its process image: {e}"))?;
-                restore::check_privilege(dest, &granted).map_err(|e| e.to_string())?;
+                    .map_err(ResumeError::Copy)?;
+                restore::check_privilege(dest, &granted).map_err(ResumeError::Privilege)?;
                 Some(bytes)
             }
             _ => None,
         };
-        Ok::<_, String>((blobs, applied, files_ms, copied, started.elapsed()))
+        Ok::<_, ResumeError>((blobs, applied, files_ms, copied, started.elapsed()))
     })
     .await
     .map_err(Error::Task)?;
@@ -228,10 +260,18 @@ async fn pulled(r: &ResumeRequest<'_>) -> Result<Option<Candidate>> {
     let registry = match crate::replication::Registry::from_config(&r.config.replication) {
         Ok(Some(reg)) => reg,
         Ok(None) => return Ok(None),
-        Err(e) => return Err(Error::FailedPrecondition(format!("[replication]: {e}"))),
+        Err(e) => {
+            return Err(Error::Unusable {
+                what: "[replication]",
+                source: e.into(),
+            })
+        }
     };
-    let trusted = crate::checkpoint::provenance::trusted_keys(r.config)
-        .map_err(|e| Error::FailedPrecondition(format!("the trusted keys: {e}")))?;
+    let trusted =
+        crate::checkpoint::provenance::trusted_keys(r.config).map_err(|e| Error::Unusable {
+            what: "the trusted keys",
+            source: e.into(),
+        })?;
     let ns_dir = r.config.store.state_dir.join(r.namespace);
     let started = Instant::now();
     let root = crate::replication::pull_newest(
@@ -243,11 +283,13 @@ async fn pulled(r: &ResumeRequest<'_>) -> Result<Option<Candidate>> {
         r.config.replication.max_mib << 20,
     )
     .await
-    .map_err(|e| {
-        Error::FailedPrecondition(format!(
-            "cannot resume {} from lineage {}'s newest checkpoint in {}: {e}",
-            r.id, r.lineage, registry.name
-        ))
+    .map_err(|e| Error::Resume {
+        id: r.id.to_string(),
+        from: format!(
+            "lineage {}'s newest checkpoint in {}",
+            r.lineage, registry.name
+        ),
+        source: e.into(),
     })?;
     let Some(root) = root else {
         return Ok(None);
@@ -281,12 +323,11 @@ fn has_uid_mappings(spec: &Spec) -> bool {
 fn locate_blobs(
     c: &Candidate,
     ns_dir: &Path,
-) -> std::result::Result<Vec<(Descriptor, PathBuf)>, String> {
+) -> std::result::Result<Vec<(Descriptor, PathBuf)>, ResumeError> {
     let mut out = Vec::with_capacity(c.manifest.fs_layers.len());
     let mut others: Option<Vec<PathBuf>> = None;
     for d in &c.manifest.fs_layers {
-        d.check()
-            .map_err(|e| format!("its manifest is damaged: {e}"))?;
+        d.check().map_err(ResumeError::Damaged)?;
         let name = d.hex().to_string();
         let own = c.store.join("blobs/sha256").join(&name);
         if own.is_file() {
@@ -304,14 +345,44 @@ fn locate_blobs(
             .find(|p| p.is_file())
         {
             Some(p) => out.push((d.clone(), p)),
-            None => {
-                return Err(format!(
-                    "its layer {} is on no checkpoint store of this node (a layer of the \
-                     checkpoint image its lineage was started from, kept in the image store)",
-                    d.digest
-                ))
-            }
+            None => return Err(ResumeError::LayerMissing(d.digest.clone())),
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A refused resume names the container, the checkpoint and the lineage, and keeps why.
+    #[test]
+    fn a_refused_resume_says_which_checkpoint_and_why() {
+        let e = Error::Resume {
+            id: "c1".into(),
+            from: "checkpoint 3 of its lineage l1 (store of c0)".into(),
+            source: ResumeError::OtherImage {
+                was: "sha256:a".into(),
+                now: "sha256:b".into(),
+            }
+            .into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "cannot resume c1 from checkpoint 3 of its lineage l1 (store of c0): it was taken on \
+             image sha256:a, and this container's image is sha256:b (a checkpoint's processes \
+             and files belong to its image: run the lineage on that image, or give the \
+             container a new lineage with io.crab/lineage)"
+        );
+        let kept = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<ResumeError>());
+        assert!(
+            matches!(kept, Some(ResumeError::OtherImage { .. })),
+            "{kept:?}"
+        );
+        assert_eq!(
+            ResumeError::LayerMissing("sha256:c".into()).to_string(),
+            "its layer sha256:c is on no checkpoint store of this node (a layer of the \
+             checkpoint image its lineage was started from, kept in the image store)"
+        );
+    }
 }

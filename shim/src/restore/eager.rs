@@ -69,6 +69,32 @@ pub enum EagerError {
         #[source]
         source: std::io::Error,
     },
+    #[error("CRIU image: {} is malformed: {source}", path.display())]
+    Malformed {
+        path: PathBuf,
+        #[source]
+        source: PagemapError,
+    },
+}
+
+/// What is wrong with an `mm-<pid>.img` or `pagemap-<pid>.img` file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PagemapError {
+    /// CRIU's image framing or a message's encoding, in the decoder's words.
+    #[error("{0}")]
+    Decode(String),
+    #[error("mm_entry without its command line and environment")]
+    NoCommandLine,
+    #[error("a pagemap without its head")]
+    NoHead,
+    #[error("pagemap_entry without vaddr")]
+    NoVaddr,
+}
+
+impl From<String> for PagemapError {
+    fn from(reason: String) -> Self {
+        PagemapError::Decode(reason)
+    }
 }
 
 /// What [`bring_command_lines_eagerly`] did.
@@ -85,7 +111,7 @@ pub type Range = (u64, u64);
 
 /// The pages of the command line and environment, by `mm_entry` (`mm-<pid>.img`): at most
 /// two page-aligned ranges. A range whose end is below its start is no range (ignored).
-fn command_line_pages(mm: &[u8], page: u64) -> Result<Vec<Range>, String> {
+fn command_line_pages(mm: &[u8], page: u64) -> Result<Vec<Range>, PagemapError> {
     let mut fields = [None::<u64>; 4];
     for field in Fields::strict(mm, &MM_ENTRY) {
         let (number, value) = field?;
@@ -94,7 +120,7 @@ fn command_line_pages(mm: &[u8], page: u64) -> Result<Vec<Range>, String> {
         }
     }
     let [Some(arg_start), Some(arg_end), Some(env_start), Some(env_end)] = fields else {
-        return Err("mm_entry without its command line and environment".into());
+        return Err(PagemapError::NoCommandLine);
     };
     let mut out = Vec::new();
     for (start, end) in [(arg_start, arg_end), (env_start, env_end)] {
@@ -111,7 +137,7 @@ fn command_line_pages(mm: &[u8], page: u64) -> Result<Vec<Range>, String> {
 }
 
 /// [`command_line_pages`] of an `mm-<pid>.img` file.
-pub fn mm_command_line_pages(mm_file: &[u8], page: u64) -> Result<Vec<Range>, String> {
+pub fn mm_command_line_pages(mm_file: &[u8], page: u64) -> Result<Vec<Range>, PagemapError> {
     command_line_pages(single(mm_file, MM_MAGIC, true)?, page)
 }
 
@@ -124,9 +150,9 @@ pub struct Entry {
 }
 
 /// The entries of a `pagemap-<pid>.img` file (after its head), as CRIU reads them.
-pub fn pagemap_entries(pagemap: &[u8]) -> Result<Vec<Entry>, String> {
+pub fn pagemap_entries(pagemap: &[u8]) -> Result<Vec<Entry>, PagemapError> {
     let all = entries(pagemap, PAGEMAP_MAGIC, true)?;
-    let (head, rest) = all.split_first().ok_or("a pagemap without its head")?;
+    let (head, rest) = all.split_first().ok_or(PagemapError::NoHead)?;
     for field in Fields::strict(head, &PAGEMAP_HEAD) {
         field?;
     }
@@ -143,7 +169,7 @@ pub fn lazy(flags: u64) -> bool {
     flags & PE_LAZY != 0
 }
 
-fn parse_entry(msg: &[u8]) -> Result<Entry, String> {
+fn parse_entry(msg: &[u8]) -> Result<Entry, PagemapError> {
     let (mut vaddr, mut compat, mut in_parent, mut flags, mut nr) = (None, 0, false, None, None);
     for field in Fields::strict(msg, &PAGEMAP_ENTRY) {
         match field? {
@@ -161,7 +187,7 @@ fn parse_entry(msg: &[u8]) -> Result<Entry, String> {
         (false, None) => PE_PRESENT,
     };
     Ok(Entry {
-        vaddr: vaddr.ok_or("pagemap_entry without vaddr")?,
+        vaddr: vaddr.ok_or(PagemapError::NoVaddr)?,
         nr_pages: nr.unwrap_or(compat),
         flags,
     })
@@ -243,9 +269,9 @@ pub fn rewrite_pagemap(
     pagemap: &[u8],
     eager: &[Range],
     page: u64,
-) -> Result<Option<(Vec<u8>, u64)>, String> {
+) -> Result<Option<(Vec<u8>, u64)>, PagemapError> {
     let all = entries(pagemap, PAGEMAP_MAGIC, true)?;
-    let (head, rest) = all.split_first().ok_or("a pagemap without its head")?;
+    let (head, rest) = all.split_first().ok_or(PagemapError::NoHead)?;
     for field in Fields::strict(head, &PAGEMAP_HEAD) {
         field?;
     }
@@ -308,7 +334,7 @@ pub fn bring_command_lines_eagerly(dir: &Path) -> Result<Eager, EagerError> {
         let mm_path = entry.path();
         let malformed = |path: &Path| {
             let path = path.to_path_buf();
-            move |reason| CriuImageError::Malformed { path, reason }
+            move |source| EagerError::Malformed { path, source }
         };
         let mm = read_bounded(&mm_path)?;
         let eager = mm_command_line_pages(&mm, page).map_err(malformed(&mm_path))?;
@@ -484,7 +510,10 @@ mod tests {
         assert!(command_line_pages(&twice, P).is_err());
         let mut short = Vec::new();
         varint_field(&mut short, 8, 1);
-        assert!(command_line_pages(&short, P).is_err());
+        assert_eq!(
+            command_line_pages(&short, P),
+            Err(PagemapError::NoCommandLine)
+        );
         let pm = pagemap(&[entry(0x1000, 4, LP)]);
         assert!(rewrite_pagemap(&pm[..pm.len() - 1], &[(0x1000, 0x2000)], P).is_err());
         assert!(rewrite_pagemap(&pm[4..], &[(0x1000, 0x2000)], P).is_err());
@@ -493,9 +522,15 @@ mod tests {
         let mut head = Vec::new();
         varint_field(&mut head, 1, 7);
         let bad = image_file(PAGEMAP_MAGIC, true, &[head, no_vaddr]);
-        assert!(rewrite_pagemap(&bad, &[(0, 0x2000)], P).is_err());
+        assert_eq!(
+            rewrite_pagemap(&bad, &[(0, 0x2000)], P),
+            Err(PagemapError::NoVaddr)
+        );
         let headless = image_file(PAGEMAP_MAGIC, true, &[]);
-        assert!(rewrite_pagemap(&headless, &[(0, 0x2000)], P).is_err());
+        assert_eq!(
+            rewrite_pagemap(&headless, &[(0, 0x2000)], P),
+            Err(PagemapError::NoHead)
+        );
     }
 
     #[test]

@@ -89,10 +89,48 @@ pub struct Gate {
 
 /// Why a gate could not be installed (the caller then waits for the verdict first).
 #[derive(Debug, thiserror::Error)]
-#[error("restore gate in {dir}: {reason}")]
+#[error("restore gate in {}: {reason}", dir.display())]
 pub struct GateError {
     dir: PathBuf,
-    reason: String,
+    #[source]
+    reason: GateFailure,
+}
+
+/// What went wrong with a gate ([`GateError`]).
+#[derive(Debug, thiserror::Error)]
+pub enum GateFailure {
+    #[error("the bundle's path cannot be written into a CRIU configuration")]
+    Path,
+    /// The CRIU configuration runc would have used could not be read.
+    #[error("{}: {source}", path.display())]
+    Config {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("removing an old one: {0}")]
+    Old(#[source] io::Error),
+    /// Its directory, FIFOs, script or configuration could not be made, or its FIFOs opened
+    /// again.
+    #[error(transparent)]
+    Io(#[from] io::Error),
+    /// The bundle's spec could not name its configuration.
+    #[error(transparent)]
+    Spec(Box<crate::error::Error>),
+}
+
+/// Why CRIU's restore did not reach pre-resume ([`Resumed::NotReached`]).
+#[derive(Debug, thiserror::Error)]
+pub enum NotReached {
+    #[error("the gate closed")]
+    Closed,
+    #[error(transparent)]
+    Read(#[from] io::Error),
+    #[error("not a pre-resume line: {0:?}")]
+    Line(String),
+    /// The thread that waited for it never finished.
+    #[error(transparent)]
+    Task(#[from] tokio::task::JoinError),
 }
 
 impl Gate {
@@ -103,7 +141,7 @@ impl Gate {
         annotations: Option<&std::collections::HashMap<String, String>>,
     ) -> Result<Gate, GateError> {
         let dir = bundle.join(GATE_DIR);
-        let fail = |reason: String| GateError {
+        let fail = |reason: GateFailure| GateError {
             dir: dir.clone(),
             reason,
         };
@@ -115,20 +153,27 @@ impl Gate {
                 !t.chars()
                     .any(|c| c.is_whitespace() || c.is_control() || "'\"#\\".contains(c))
             })
-            .ok_or_else(|| {
-                fail("the bundle's path cannot be written into a CRIU configuration".into())
-            })?
+            .ok_or_else(|| fail(GateFailure::Path))?
             .to_string();
         let inherited = match annotations.and_then(|a| a.get(CRIU_CONFIG_ANNOTATION)) {
             Some(v) if v.is_empty() => Vec::new(),
-            Some(v) => read_config(Path::new(v)).map_err(|e| fail(format!("{v}: {e}")))?,
-            None => read_config(Path::new(RUNC_DEFAULT_CONFIG))
-                .map_err(|e| fail(format!("{RUNC_DEFAULT_CONFIG}: {e}")))?,
+            Some(v) => read_config(Path::new(v)).map_err(|source| {
+                fail(GateFailure::Config {
+                    path: v.into(),
+                    source,
+                })
+            })?,
+            None => read_config(Path::new(RUNC_DEFAULT_CONFIG)).map_err(|source| {
+                fail(GateFailure::Config {
+                    path: RUNC_DEFAULT_CONFIG.into(),
+                    source,
+                })
+            })?,
         };
         match fs::remove_dir_all(&dir) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(fail(format!("removing an old one: {e}"))),
+            Err(e) => return Err(fail(GateFailure::Old(e))),
         }
         let made = (|| -> io::Result<(File, File, File)> {
             fs::DirBuilder::new().mode(0o700).create(&dir)?;
@@ -156,13 +201,13 @@ impl Gate {
             Ok(f) => f,
             Err(e) => {
                 let _ = fs::remove_dir_all(&dir);
-                return Err(fail(e.to_string()));
+                return Err(fail(e.into()));
             }
         };
         let conf = format!("{text}/criu.conf");
         if let Err(e) = bundle::set_annotation(bundle, CRIU_CONFIG_ANNOTATION, &conf) {
             let _ = fs::remove_dir_all(&dir);
-            return Err(fail(e.to_string()));
+            return Err(fail(GateFailure::Spec(Box::new(e))));
         }
         Ok(Gate {
             dir,
@@ -178,7 +223,7 @@ impl Gate {
     pub fn resume(&self) -> Result<(Resume, ResumeCancel), GateError> {
         let fail = |e: io::Error| GateError {
             dir: self.dir.clone(),
-            reason: e.to_string(),
+            reason: e.into(),
         };
         Ok((
             Resume {
@@ -193,7 +238,7 @@ impl Gate {
     pub fn opener(&self) -> Result<Opener, GateError> {
         self.fifo.try_clone().map(Opener).map_err(|e| GateError {
             dir: self.dir.clone(),
-            reason: e.to_string(),
+            reason: e.into(),
         })
     }
 
@@ -235,19 +280,19 @@ pub struct Resume {
 }
 
 /// What a pre-resume wait came to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Resumed<T> {
+#[derive(Debug)]
+pub enum Resumed<T, E> {
     /// CRIU reached pre-resume and `check` answered (the script has the verdict).
-    Checked(Result<T, String>),
+    Checked(Result<T, E>),
     /// The restore ended before pre-resume (or the script's line was not one).
-    NotReached(String),
+    NotReached(NotReached),
 }
 
 impl Resume {
     /// Blocks until the script's line (or a cancel), runs `check(script_pid, init_pid)` and
     /// gives its verdict. `check` must have stopped the restored processes for good before
     /// it returns an error: the script's failure is only logged by CRIU.
-    pub fn wait<T>(mut self, check: impl FnOnce(u32, u32) -> Result<T, String>) -> Resumed<T> {
+    pub fn wait<T, E>(mut self, check: impl FnOnce(u32, u32) -> Result<T, E>) -> Resumed<T, E> {
         use std::io::Read;
         let mut line = Vec::new();
         let mut byte = [0u8; 1];
@@ -255,16 +300,16 @@ impl Resume {
             match self.line.read(&mut byte) {
                 Ok(1) if byte[0] == b'\n' => break,
                 Ok(1) => line.push(byte[0]),
-                Ok(_) => return Resumed::NotReached("the gate closed".into()),
+                Ok(_) => return Resumed::NotReached(NotReached::Closed),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Resumed::NotReached(e.to_string()),
+                Err(e) => return Resumed::NotReached(e.into()),
             }
         }
         let text = String::from_utf8_lossy(&line).into_owned();
         let pids: Vec<u32> = text.split(' ').filter_map(|w| w.parse().ok()).collect();
         let [script, init] = pids[..] else {
             let _ = self.verdict.write_all(b"refused\n");
-            return Resumed::NotReached(format!("not a pre-resume line: {text:?}"));
+            return Resumed::NotReached(NotReached::Line(text));
         };
         let result = check(script, init);
         let answer: &[u8] = if result.is_ok() {
@@ -311,6 +356,7 @@ fn read_config(path: &Path) -> io::Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::restore::kernel::Refusal;
     use std::{collections::HashMap, process::Command};
 
     fn bundle() -> tempfile::TempDir {
@@ -397,7 +443,9 @@ mod tests {
         };
         // Passed: the check saw the script's own pid and the init pid CRIU named.
         let (resume, _cancel) = gate.resume().unwrap();
-        let waiter = std::thread::spawn(move || resume.wait(|script, init| Ok((script, init))));
+        let waiter = std::thread::spawn(move || {
+            resume.wait(|script, init| Ok::<_, Refusal>((script, init)))
+        });
         let mut script = pre_resume("4242");
         let pid = script.id();
         assert!(script.wait().unwrap().success());
@@ -407,17 +455,18 @@ mod tests {
         }
         // Refused: the script fails (CRIU logs it; the shim has killed the tree by then).
         let (resume, _cancel) = gate.resume().unwrap();
-        let waiter =
-            std::thread::spawn(move || resume.wait(|_, _| Err::<(), _>("too much".into())));
+        let waiter = std::thread::spawn(move || {
+            resume.wait(|_, _| Err::<(), _>(Refusal("too much".into())))
+        });
         assert!(!pre_resume("7").wait().unwrap().success());
-        assert_eq!(
-            waiter.join().unwrap(),
-            Resumed::Checked(Err("too much".into()))
-        );
+        match waiter.join().unwrap() {
+            Resumed::Checked(Err(Refusal(why))) => assert_eq!(why, "too much"),
+            other => panic!("{other:?}"),
+        }
         // CRIU never got there: the cancel wakes the waiter, the check never runs.
         let (resume, cancel) = gate.resume().unwrap();
         let waiter = std::thread::spawn(move || {
-            resume.wait(|_, _| -> Result<(), String> { panic!("no check without a line") })
+            resume.wait(|_, _| -> Result<(), Refusal> { panic!("no check without a line") })
         });
         cancel.cancel();
         assert!(matches!(waiter.join().unwrap(), Resumed::NotReached(_)));

@@ -453,8 +453,9 @@ impl Copied {
 /// What a [`Verification`] found.
 #[derive(Debug, Clone)]
 pub struct Verdict {
-    /// `Err`: why the files are not the signed ones (a [`ProvenanceError`]'s text).
-    pub result: Result<(), String>,
+    /// `Err`: why the files are not the signed ones (shared: the verdict is handed to
+    /// whoever asks).
+    pub result: Result<(), std::sync::Arc<RestoreError>>,
     /// How long hashing took.
     pub took: Duration,
     /// When the verdict was reached.
@@ -499,7 +500,7 @@ impl Verification {
             let state = state.clone();
             move || {
                 let started = Instant::now();
-                let result = Self::hash(&dir, &files, &signed);
+                let result = Self::hash(&dir, &files, &signed).map_err(std::sync::Arc::new);
                 then(result.is_ok());
                 *state.verdict.lock().unwrap() = Some(Verdict {
                     result,
@@ -533,13 +534,13 @@ impl Verification {
         dir: &Path,
         files: &BTreeMap<String, u64>,
         signed: &BTreeMap<String, FileDigest>,
-    ) -> Result<(), String> {
+    ) -> Result<(), RestoreError> {
         let mut found = BTreeMap::new();
         for (name, len) in files {
             let path = dir.join(name);
-            let input = open_plain(&path).map_err(|e| e.to_string())?;
+            let input = open_plain(&path)?;
             let mut hashing = HashingReader::new(input.take(len + 1));
-            io::copy(&mut hashing, &mut io::sink()).map_err(|e| io_err(&path)(e).to_string())?;
+            io::copy(&mut hashing, &mut io::sink()).map_err(io_err(&path))?;
             found.insert(name.clone(), hashing.finish());
         }
         let statement = Statement {
@@ -548,7 +549,7 @@ impl Verification {
             layers: None,
             rootfs: None,
         };
-        provenance::check_digests(&statement, &found).map_err(|e| e.to_string())
+        Ok(provenance::check_digests(&statement, &found)?)
     }
 
     /// The bytes being checked.
@@ -591,14 +592,14 @@ pub struct RestoreGuard<'a> {
     pub defer_pages: bool,
     /// Which layers the engine unpacked the rootfs from ([`super::layers`]), or why that cannot
     /// be told; checked against the signed layers of a signed image.
-    pub unpacked: &'a Result<super::layers::Unpacked, String>,
+    pub unpacked: &'a Result<super::layers::Unpacked, super::layers::LayersError>,
 }
 
 /// A signed image's layers against those the engine unpacked: the signature must name them
 /// ([`Statement::layers`]) and the rootfs must be them, topped by the checkpoint layer alone.
 fn check_layers(
     statement: &Statement,
-    unpacked: &Result<super::layers::Unpacked, String>,
+    unpacked: &Result<super::layers::Unpacked, super::layers::LayersError>,
 ) -> Result<(), ProvenanceError> {
     let Some(signed) = &statement.layers else {
         return Err(ProvenanceError::Layers(
@@ -609,7 +610,7 @@ fn check_layers(
     };
     let unpacked = unpacked
         .as_ref()
-        .map_err(|why| ProvenanceError::Layers(why.clone()))?;
+        .map_err(|why| ProvenanceError::Layers(why.to_string()))?;
     super::layers::verify(signed, unpacked)
 }
 

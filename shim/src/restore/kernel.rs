@@ -123,6 +123,85 @@ const NS_TYPES: [(&str, LinuxNamespaceType); 7] = [
 #[error("the restored processes have more than the container's spec grants: {0}")]
 pub struct Refusal(pub String);
 
+/// Why the kernel check ([`check_restored`]) let nothing run: what it could not read, or the
+/// refusal. Either way the restored tree was killed.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    #[error("the kernel check could not read the host's side: {0}")]
+    Host(#[source] ReadError),
+    #[error("the kernel check could not read the restored processes: {0}")]
+    Restored(#[source] ReadError),
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+}
+
+/// What the kernel check could not read.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// A `/proc` file or directory.
+    #[error("{path}: {source}")]
+    Proc {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The namespace file the spec names for a namespace it joins.
+    #[error("the {name} namespace {}: {source}", path.display())]
+    Namespace {
+        name: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("more than {MAX_THREADS} threads")]
+    TooManyThreads,
+    #[error("a child pid {0:?}")]
+    ChildPid(String),
+    /// A `/proc` file whose text is not as the kernel writes it.
+    #[error("{path}: {source}")]
+    Malformed {
+        path: String,
+        #[source]
+        source: ProcTextError,
+    },
+    #[error(transparent)]
+    IdMap(#[from] ProcTextError),
+    #[error("seccomp filters and securebits: {0}")]
+    Seccomp(#[source] seccomp::IteratorError),
+}
+
+/// What is wrong with the text of a `/proc` file ([`parse_status`], [`parse_limits`],
+/// [`parse_id_map`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProcTextError {
+    #[error("an id map line {0:?}")]
+    IdMapLine(String),
+    /// A field of `status` missing.
+    #[error("no {0}")]
+    NoField(&'static str),
+    #[error("{field} {word:?}")]
+    Id { field: &'static str, word: String },
+    #[error("{0}: not four ids")]
+    NotFourIds(&'static str),
+    #[error("{field}: host id {host} is not mapped in its namespace")]
+    Unmapped { field: &'static str, host: u32 },
+    #[error("{0} is not hexadecimal")]
+    NotHex(&'static str),
+    #[error("Seccomp is not a number")]
+    SeccompMode,
+    #[error("Groups {0:?}")]
+    Group(String),
+    #[error("Groups: host gid {0} is not mapped")]
+    GroupUnmapped(u32),
+    /// A resource's line missing from `limits`.
+    #[error("no {0:?}")]
+    NoLimit(&'static str),
+    #[error("{name}: {word:?}")]
+    Limit { name: &'static str, word: String },
+    #[error("{0}: a missing value")]
+    LimitMissing(&'static str),
+}
+
 /// What the kernel check needs to know about the spec.
 #[derive(Debug, Clone, Default)]
 pub struct Expected {
@@ -284,15 +363,18 @@ pub struct Host {
 
 impl Host {
     /// Reads the host's side; `reference` is a process in the container's cgroup.
-    pub fn read(expected: &Expected, reference: u32) -> Result<Host, String> {
+    pub fn read(expected: &Expected, reference: u32) -> Result<Host, ReadError> {
         let mut h = Host::default();
         for (name, _) in NS_TYPES {
             if let Ok(m) = fs::metadata(format!("/proc/self/ns/{name}")) {
                 h.namespaces.insert(name, (m.dev(), m.ino()));
             }
             if let Some(Some(path)) = expected.namespaces.get(name) {
-                let m = fs::metadata(path)
-                    .map_err(|e| format!("the {name} namespace {}: {e}", path.display()))?;
+                let m = fs::metadata(path).map_err(|source| ReadError::Namespace {
+                    name,
+                    path: path.clone(),
+                    source,
+                })?;
                 h.joined.insert(name, (m.dev(), m.ino()));
             }
         }
@@ -370,19 +452,30 @@ pub struct Observed {
     pub security: BTreeMap<u32, ThreadSecurity>,
 }
 
-fn read_proc(path: &str) -> Result<String, String> {
+fn read_proc(path: &str) -> Result<String, ReadError> {
     use std::io::Read;
     let mut text = String::new();
     fs::File::open(path)
         .and_then(|f| f.take(PROC_FILE_MAX).read_to_string(&mut text))
-        .map_err(|e| format!("{path}: {e}"))?;
+        .map_err(proc_err(path))?;
     Ok(text)
+}
+
+fn proc_err(path: &str) -> impl FnOnce(std::io::Error) -> ReadError + '_ {
+    move |source| ReadError::Proc {
+        path: path.to_string(),
+        source,
+    }
+}
+
+fn malformed(path: String) -> impl FnOnce(ProcTextError) -> ReadError {
+    move |source| ReadError::Malformed { path, source }
 }
 
 /// Reads the restored tree under `init` (a host pid) from `/proc`: its processes through
 /// `/proc/PID/task/TID/children`, every thread's credentials, limits, namespaces, cgroups,
 /// init's id maps and mount table. The tree is stopped (CRIU holds it at pre-resume).
-pub fn observe(init: u32) -> Result<Observed, String> {
+pub fn observe(init: u32) -> Result<Observed, ReadError> {
     let mut processes = Vec::new();
     let mut queue = vec![init];
     let mut threads_seen = 0usize;
@@ -390,10 +483,10 @@ pub fn observe(init: u32) -> Result<Observed, String> {
     let gid_map = parse_id_map(&read_proc(&format!("/proc/{init}/gid_map"))?)?;
     while let Some(pid) = queue.pop() {
         let mut threads = Vec::new();
-        let tids = fs::read_dir(format!("/proc/{pid}/task"))
-            .map_err(|e| format!("/proc/{pid}/task: {e}"))?;
+        let task_dir = format!("/proc/{pid}/task");
+        let tids = fs::read_dir(&task_dir).map_err(proc_err(&task_dir))?;
         for entry in tids {
-            let entry = entry.map_err(|e| format!("/proc/{pid}/task: {e}"))?;
+            let entry = entry.map_err(proc_err(&task_dir))?;
             let Some(tid) = entry
                 .file_name()
                 .to_str()
@@ -403,7 +496,7 @@ pub fn observe(init: u32) -> Result<Observed, String> {
             };
             threads_seen += 1;
             if threads_seen > MAX_THREADS {
-                return Err(format!("more than {MAX_THREADS} threads"));
+                return Err(ReadError::TooManyThreads);
             }
             let status = read_proc(&format!("/proc/{pid}/task/{tid}/status"))?;
             let (uid_map, gid_map) = match pid == init {
@@ -414,7 +507,7 @@ pub fn observe(init: u32) -> Result<Observed, String> {
                 ),
             };
             let (comm, creds, filters) = parse_status(&status, &uid_map, &gid_map)
-                .map_err(|e| format!("/proc/{pid}/task/{tid}/status: {e}"))?;
+                .map_err(malformed(format!("/proc/{pid}/task/{tid}/status")))?;
             let state = status
                 .lines()
                 .find_map(|l| l.strip_prefix("State:"))
@@ -430,7 +523,7 @@ pub fn observe(init: u32) -> Result<Observed, String> {
             });
             let children = read_proc(&format!("/proc/{pid}/task/{tid}/children"))?;
             for c in children.split_whitespace() {
-                queue.push(c.parse().map_err(|_| format!("a child pid {c:?}"))?);
+                queue.push(c.parse().map_err(|_| ReadError::ChildPid(c.to_string()))?);
             }
         }
         threads.sort_by_key(|t| t.tid);
@@ -444,7 +537,7 @@ pub fn observe(init: u32) -> Result<Observed, String> {
             pid,
             threads,
             limits: parse_limits(&read_proc(&format!("/proc/{pid}/limits"))?)
-                .map_err(|e| format!("/proc/{pid}/limits: {e}"))?,
+                .map_err(malformed(format!("/proc/{pid}/limits")))?,
             namespaces,
             cgroups: read_proc(&format!("/proc/{pid}/cgroup"))?,
             lsm_label: lsm_label(&pid.to_string()),
@@ -482,17 +575,18 @@ fn lsm_allowed(label: &str, e: &Expected, h: &Host) -> bool {
 }
 
 /// `/proc/PID/uid_map` (or `gid_map`): (inside, outside as the reader sees it, count).
-pub fn parse_id_map(text: &str) -> Result<Vec<(u32, u32, u32)>, String> {
+pub fn parse_id_map(text: &str) -> Result<Vec<(u32, u32, u32)>, ProcTextError> {
     let mut out = Vec::new();
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let bad = || ProcTextError::IdMapLine(line.to_string());
         let n: Vec<u32> = line
             .split_whitespace()
             .map(|w| w.parse::<u32>())
             .collect::<Result<_, _>>()
-            .map_err(|_| format!("an id map line {line:?}"))?;
+            .map_err(|_| bad())?;
         match n[..] {
             [inside, outside, count] => out.push((inside, outside, count)),
-            _ => return Err(format!("an id map line {line:?}")),
+            _ => return Err(bad()),
         }
     }
     out.sort_unstable();
@@ -515,7 +609,7 @@ pub fn parse_status(
     text: &str,
     uid_map: &[(u32, u32, u32)],
     gid_map: &[(u32, u32, u32)],
-) -> Result<(String, Creds, Option<u32>), String> {
+) -> Result<(String, Creds, Option<u32>), ProcTextError> {
     let mut fields: BTreeMap<&str, &str> = BTreeMap::new();
     for line in text.lines() {
         if let Some((k, v)) = line.split_once(':') {
@@ -523,22 +617,26 @@ pub fn parse_status(
             fields.entry(k).or_insert(v.trim());
         }
     }
-    let get = |k: &str| fields.get(k).copied().ok_or_else(|| format!("no {k}"));
-    let ids = |k: &str, map: &[(u32, u32, u32)]| -> Result<[u32; 4], String> {
+    let get = |k: &'static str| fields.get(k).copied().ok_or(ProcTextError::NoField(k));
+    let ids = |k: &'static str, map: &[(u32, u32, u32)]| -> Result<[u32; 4], ProcTextError> {
         let v: Vec<u32> = get(k)?
             .split_whitespace()
-            .map(|w| w.parse::<u32>().map_err(|_| format!("{k} {w:?}")))
+            .map(|w| {
+                w.parse::<u32>().map_err(|_| ProcTextError::Id {
+                    field: k,
+                    word: w.to_string(),
+                })
+            })
             .collect::<Result<_, _>>()?;
-        let v: [u32; 4] = v.try_into().map_err(|_| format!("{k}: not four ids"))?;
+        let v: [u32; 4] = v.try_into().map_err(|_| ProcTextError::NotFourIds(k))?;
         let mut out = [0; 4];
         for (o, host) in out.iter_mut().zip(v) {
-            *o = to_inside(map, host)
-                .ok_or_else(|| format!("{k}: host id {host} is not mapped in its namespace"))?;
+            *o = to_inside(map, host).ok_or(ProcTextError::Unmapped { field: k, host })?;
         }
         Ok(out)
     };
-    let cap = |k: &str| -> Result<u64, String> {
-        u64::from_str_radix(get(k)?, 16).map_err(|_| format!("{k} is not hexadecimal"))
+    let cap = |k: &'static str| -> Result<u64, ProcTextError> {
+        u64::from_str_radix(get(k)?, 16).map_err(|_| ProcTextError::NotHex(k))
     };
     let mut creds = Creds {
         uids: ids("Uid", uid_map)?,
@@ -551,34 +649,36 @@ pub fn parse_status(
         no_new_privs: get("NoNewPrivs")? != "0",
         seccomp_mode: get("Seccomp")?
             .parse()
-            .map_err(|_| "Seccomp is not a number".to_string())?,
+            .map_err(|_| ProcTextError::SeccompMode)?,
         ..Default::default()
     };
     for g in get("Groups")?.split_whitespace() {
-        let host: u32 = g.parse().map_err(|_| format!("Groups {g:?}"))?;
-        creds.groups.push(
-            to_inside(gid_map, host)
-                .ok_or_else(|| format!("Groups: host gid {host} is not mapped"))?,
-        );
+        let host: u32 = g.parse().map_err(|_| ProcTextError::Group(g.to_string()))?;
+        creds
+            .groups
+            .push(to_inside(gid_map, host).ok_or(ProcTextError::GroupUnmapped(host))?);
     }
     let filters = fields.get("Seccomp_filters").and_then(|v| v.parse().ok());
     Ok((get("Name")?.to_string(), creds, filters))
 }
 
 /// `/proc/PID/limits`: (soft, hard) by resource, `unlimited` as `u64::MAX`.
-pub fn parse_limits(text: &str) -> Result<Vec<(u64, u64)>, String> {
+pub fn parse_limits(text: &str) -> Result<Vec<(u64, u64)>, ProcTextError> {
     let mut out = Vec::with_capacity(LIMIT_NAMES.len());
     for name in LIMIT_NAMES {
         let line = text
             .lines()
             .find(|l| l.starts_with(name) && l[name.len()..].starts_with("  "))
-            .ok_or_else(|| format!("no {name:?}"))?;
+            .ok_or(ProcTextError::NoLimit(name))?;
         let mut words = line[name.len()..].split_whitespace();
-        let mut value = || -> Result<u64, String> {
+        let mut value = || -> Result<u64, ProcTextError> {
             match words.next() {
                 Some("unlimited") => Ok(u64::MAX),
-                Some(w) => w.parse().map_err(|_| format!("{name}: {w:?}")),
-                None => Err(format!("{name}: a missing value")),
+                Some(w) => w.parse().map_err(|_| ProcTextError::Limit {
+                    name,
+                    word: w.to_string(),
+                }),
+                None => Err(ProcTextError::LimitMissing(name)),
             }
         };
         out.push((value()?, value()?));
@@ -613,7 +713,7 @@ pub fn judge(o: &Observed, e: &Expected, h: &Host) -> Result<Passed, Refusal> {
     check_cgroups(o, h)?;
     // The mount table.
     if !e.host_admin() {
-        check_mounts(&o.mounts, &e.mounts, &h.existing).map_err(refuse)?;
+        check_mounts(&o.mounts, &e.mounts, &h.existing)?;
     }
     Ok(Passed {
         processes: o.processes.len(),
@@ -843,7 +943,7 @@ fn prm_ceiling(e: &Expected) -> u64 {
 /// and judged. On a refusal, or when the tree cannot be read, every restored process found is
 /// SIGKILLed before this returns (they are ptrace-stopped: the signal ends them before any of
 /// their own instructions runs).
-pub fn check_restored(expected: &Expected, script: u32, init: u32) -> Result<Passed, String> {
+pub fn check_restored(expected: &Expected, script: u32, init: u32) -> Result<Passed, CheckError> {
     let started = Instant::now();
     let kill = |pids: &[u32]| {
         for &pid in pids {
@@ -856,15 +956,13 @@ pub fn check_restored(expected: &Expected, script: u32, init: u32) -> Result<Pas
         Err(e) => {
             kill(&[init]);
             kill_criu(script);
-            return Err(format!(
-                "the kernel check could not read the host's side: {e}"
-            ));
+            return Err(CheckError::Host(e));
         }
     };
     let observed = observe(init).and_then(|mut o| {
         let pids: Vec<u32> = o.processes.iter().map(|p| p.pid).collect();
-        o.security = seccomp::read(&pids, expected.seccomp.program())
-            .map_err(|e| format!("seccomp filters and securebits: {e}"))?;
+        o.security =
+            seccomp::read(&pids, expected.seccomp.program()).map_err(ReadError::Seccomp)?;
         Ok(o)
     });
     let observed = match observed {
@@ -872,9 +970,7 @@ pub fn check_restored(expected: &Expected, script: u32, init: u32) -> Result<Pas
         Err(e) => {
             kill(&[init]);
             kill_criu(script);
-            return Err(format!(
-                "the kernel check could not read the restored processes: {e}"
-            ));
+            return Err(CheckError::Restored(e));
         }
     };
     match judge(&observed, expected, &host) {
@@ -886,7 +982,7 @@ pub fn check_restored(expected: &Expected, script: u32, init: u32) -> Result<Pas
             let pids: Vec<u32> = observed.processes.iter().map(|p| p.pid).collect();
             kill(&pids);
             kill_criu(script);
-            Err(refusal.to_string())
+            Err(refusal.into())
         }
     }
 }
@@ -934,7 +1030,7 @@ pub fn check_mounts(
     mounts: &[Mount],
     rules: &MountRules,
     existing: &[PathBuf],
-) -> Result<(), String> {
+) -> Result<(), Refusal> {
     let is_ro = |m: &Mount| m.options.split(',').any(|o| o == "ro");
     fn spec_at<'a>(
         rules: &'a MountRules,
@@ -959,11 +1055,11 @@ pub fn check_mounts(
             || rules.masked.iter().any(|x| x == p)
             || rules.readonly.iter().any(|x| x == p);
         if !expected {
-            return Err(format!(
+            return Err(Refusal(format!(
                 "a {} mount at {} that the spec does not make",
                 m.fstype,
                 p.display()
-            ));
+            )));
         }
         // Read-only where the spec says so.
         let ro_wanted = (p == Path::new("/") && rules.root_readonly)
@@ -976,12 +1072,12 @@ pub fn check_mounts(
         // cgroup v1 runc mounts one at the cgroup destination, and CRIU restores it writable
         // whatever the spec's `ro`; the hierarchies bound below it are checked).
         if ro_wanted && !is_ro(m) && m.fstype != "tmpfs" {
-            return Err(format!(
+            return Err(Refusal(format!(
                 "{} is mounted read-write ({} {}), the spec mounts it read-only",
                 p.display(),
                 m.fstype,
                 m.options
-            ));
+            )));
         }
         // procfs and sysfs (the kernel's knobs) only where the spec puts them, or bound
         // read-only onto its read-only and masked paths.
@@ -989,11 +1085,11 @@ pub fn check_mounts(
             let typed = spec_at(p).any(|(_, typ, ..)| *typ == m.fstype);
             let onto_path = rules.readonly.iter().chain(&rules.masked).any(|x| x == p);
             if !typed && !onto_path {
-                return Err(format!(
+                return Err(Refusal(format!(
                     "a {} mount at {} where the spec mounts none",
                     m.fstype,
                     p.display()
-                ));
+                )));
             }
         }
     }
@@ -1010,15 +1106,18 @@ pub fn check_mounts(
                 (m.fstype == "tmpfs" && is_ro(m)) || m.root.file_name().is_some_and(|n| n == "null")
             });
         if !masked {
-            return Err(format!("{} is not masked, the spec masks it", p.display()));
+            return Err(Refusal(format!(
+                "{} is not masked, the spec masks it",
+                p.display()
+            )));
         }
     }
     for p in &rules.readonly {
         if existing.contains(p) && at(p).next().is_none() {
-            return Err(format!(
+            return Err(Refusal(format!(
                 "{} is not mounted read-only, the spec makes it read-only",
                 p.display()
-            ));
+            )));
         }
     }
     Ok(())

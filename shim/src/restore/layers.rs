@@ -38,6 +38,113 @@ use sha2::{Digest, Sha256};
 
 use crate::checkpoint::provenance::ProvenanceError;
 
+/// Why the layers a rootfs was unpacked from cannot be told.
+#[derive(Debug, thiserror::Error)]
+pub enum LayersError {
+    /// The engine was asked and could not say.
+    #[error(transparent)]
+    Engine(#[from] SnapshotError),
+    #[error("the engine did not answer in time")]
+    EngineTimedOut,
+    #[error("its rootfs is not an overlay: its image cannot be told")]
+    NotOverlay,
+    #[error("the rootfs holds no checkpoint")]
+    NoCheckpoint,
+    /// Nobody asked (the container neither resumes a lineage nor replicates).
+    #[error("not asked")]
+    NotAsked,
+    #[error(
+        "its rootfs is not an overlay of {snapshotter} snapshot {key}: its top layer cannot be looked at"
+    )]
+    NotOverlayOf { snapshotter: String, key: String },
+    #[error("the rootfs mounted is not {snapshotter} snapshot {key}")]
+    OtherSnapshot { snapshotter: String, key: String },
+    #[error("none of its {0} ancestor snapshot(s) is an image layer")]
+    NoImageLayer(usize),
+    #[error("snapshot {key} has {lowers} lower directories, fewer than its ancestors")]
+    FewerLowers { key: String, lowers: usize },
+    #[error("{} is not a rootfs of Docker's overlay2 store: its layers cannot be told", .0.display())]
+    NotDocker(PathBuf),
+    /// A file of Docker's layer records could not be read.
+    #[error("{}: {source}", path.display())]
+    Record {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{} is not a small regular file", .0.display())]
+    NotSmallFile(PathBuf),
+    #[error("container id {0:?} is not a Docker one")]
+    NotDockerId(String),
+    #[error("Docker's layer record of {id} names another mount than {}", rootfs.display())]
+    OtherMount { id: String, rootfs: PathBuf },
+    #[error("Docker's layer record of {id} names parent {parent:?}")]
+    MountParent { id: String, parent: String },
+    #[error("Docker's layer {top} names parent {parent:?}")]
+    LayerParent { top: String, parent: Option<String> },
+    #[error("Docker's layer {top} names cache id {cache_id:?}")]
+    CacheId { top: String, cache_id: String },
+    #[error(
+        "the overlay at {} does not have Docker's layer {top} ({}) below it",
+        rootfs.display(),
+        top_dir.display()
+    )]
+    NotBelow {
+        rootfs: PathBuf,
+        top: String,
+        top_dir: PathBuf,
+    },
+}
+
+/// Why a rootfs's top layer is not a checkpoint layer ([`check_top_layer`]).
+#[derive(Debug, thiserror::Error)]
+pub enum TopLayerError {
+    #[error("cannot list {}: {source}", dir.display())]
+    List {
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("it holds {0:?} beside /{RESERVED}")]
+    Beside(std::ffi::OsString),
+    #[error("/{RESERVED} is not a directory")]
+    NotDir,
+    #[error("it holds no /{RESERVED}")]
+    Missing,
+    #[error("its root is opaque ({0}): it hides every layer below")]
+    Opaque(&'static str),
+}
+
+/// Why the engine could not say which snapshot a container runs on ([`SnapshotSource`]).
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("containerd at {0} did not answer")]
+    NoAnswer(String),
+    #[error("cannot reach containerd at {address}: {source}")]
+    Unreachable {
+        address: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// containerd answered the container's lookup with an error (its message).
+    #[error("containerd has no record of container {id}: {message}")]
+    Lookup { id: String, message: String },
+    #[error("containerd has no record of container {0}")]
+    NoRecord(String),
+    #[error(
+        "containerd's record of {0} names no snapshot: its rootfs was not unpacked by containerd"
+    )]
+    NoSnapshot(String),
+    /// A snapshots call (`Snapshots.Mounts`, `Snapshots.Stat`) of snapshot `key` failed
+    /// (containerd's message).
+    #[error("{call} {key}: {message}")]
+    Call {
+        call: &'static str,
+        key: String,
+        message: String,
+    },
+}
+
 /// The reserved directory (the only entry a checkpoint layer's root may hold).
 const RESERVED: &str = ".crab-checkpoint";
 /// Bound on each call to containerd (Create must not hang on an engine that does not answer).
@@ -100,31 +207,30 @@ pub fn verify(signed: &[String], unpacked: &Unpacked) -> Result<(), ProvenanceEr
 
 /// A checkpoint layer holds the reserved directory and nothing else: no other entry (a file,
 /// a directory, a whiteout hiding a lower file) and no opaque root.
-pub fn check_top_layer(dir: &Path) -> Result<(), String> {
-    let entries = fs::read_dir(dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+pub fn check_top_layer(dir: &Path) -> Result<(), TopLayerError> {
+    let list = |source| TopLayerError::List {
+        dir: dir.to_path_buf(),
+        source,
+    };
+    let entries = fs::read_dir(dir).map_err(list)?;
     let mut found = false;
     for e in entries {
-        let e = e.map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+        let e = e.map_err(list)?;
         let name = e.file_name();
         if name != RESERVED {
-            return Err(format!("it holds {:?} beside /{RESERVED}", name));
+            return Err(TopLayerError::Beside(name));
         }
-        let ft = e
-            .file_type()
-            .map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
-        if !ft.is_dir() {
-            return Err(format!("/{RESERVED} is not a directory"));
+        if !e.file_type().map_err(list)?.is_dir() {
+            return Err(TopLayerError::NotDir);
         }
         found = true;
     }
     if !found {
-        return Err(format!("it holds no /{RESERVED}"));
+        return Err(TopLayerError::Missing);
     }
     for xattr in ["trusted.overlay.opaque", "user.overlay.opaque"] {
         if has_xattr(dir, xattr) {
-            return Err(format!(
-                "its root is opaque ({xattr}): it hides every layer below"
-            ));
+            return Err(TopLayerError::Opaque(xattr));
         }
     }
     Ok(())
@@ -167,16 +273,11 @@ pub fn is_chain_id(name: &str) -> bool {
 /// Where the top layer is in the nearest-first list of a snapshot's ancestors: the first one
 /// named by a chain id (an engine's own layers above it, Docker's init layer, are not the
 /// image's). Returns its index and the name of its parent, if any.
-pub fn top_of(ancestors: &[String]) -> Result<(usize, Option<String>), String> {
+pub fn top_of(ancestors: &[String]) -> Result<(usize, Option<String>), LayersError> {
     let i = ancestors
         .iter()
         .position(|a| is_chain_id(a))
-        .ok_or_else(|| {
-            format!(
-                "none of its {} ancestor snapshot(s) is an image layer",
-                ancestors.len()
-            )
-        })?;
+        .ok_or(LayersError::NoImageLayer(ancestors.len()))?;
     Ok((i, ancestors.get(i + 1).cloned()))
 }
 
@@ -204,7 +305,7 @@ pub trait SnapshotSource: Send + Sync {
         namespace: &str,
         id: &str,
         fallback: Option<(String, String)>,
-    ) -> Result<EngineSnapshot, String>;
+    ) -> Result<EngineSnapshot, SnapshotError>;
 }
 
 /// Which layers the engine unpacked the rootfs of container `id` (at `rootfs`) from:
@@ -217,11 +318,12 @@ pub async fn identify(
     rootfs: &Path,
     by_containerd: bool,
     overlay: Option<&[String]>,
-) -> Result<Unpacked, String> {
+) -> Result<Unpacked, LayersError> {
     let ask = |fallback| async move {
         tokio::time::timeout(4 * CALL_TIMEOUT, engine.snapshot(namespace, id, fallback))
             .await
-            .unwrap_or_else(|_| Err("the engine did not answer in time".to_string()))
+            .map_err(|_| LayersError::EngineTimedOut)?
+            .map_err(LayersError::from)
             .and_then(|snap| from_snapshot(overlay, snap))
     };
     if by_containerd {
@@ -256,7 +358,10 @@ fn docker_snapshot(rootfs: &Path, id: &str) -> Option<(String, String)> {
 /// The layers under a rootfs whose overlay options are `ours`, if it is the engine's
 /// snapshot `snap`: the same lower directories, the top image layer the first ancestor an
 /// unpack named.
-pub fn from_snapshot(ours: Option<&[String]>, snap: EngineSnapshot) -> Result<Unpacked, String> {
+pub fn from_snapshot(
+    ours: Option<&[String]>,
+    snap: EngineSnapshot,
+) -> Result<Unpacked, LayersError> {
     let EngineSnapshot {
         snapshotter,
         key,
@@ -264,9 +369,7 @@ pub fn from_snapshot(ours: Option<&[String]>, snap: EngineSnapshot) -> Result<Un
         ancestors,
     } = snap;
     let (Some(ours), Some(theirs)) = (ours, overlay_options) else {
-        return Err(format!(
-            "its rootfs is not an overlay of {snapshotter} snapshot {key}: its top layer cannot be looked at"
-        ));
+        return Err(LayersError::NotOverlayOf { snapshotter, key });
     };
     let canonical = |dirs: Vec<PathBuf>| -> Vec<PathBuf> {
         dirs.into_iter()
@@ -275,17 +378,16 @@ pub fn from_snapshot(ours: Option<&[String]>, snap: EngineSnapshot) -> Result<Un
     };
     let lowers = canonical(lowerdirs(ours));
     if lowers.is_empty() || lowers != canonical(lowerdirs(&theirs)) {
-        return Err(format!(
-            "the rootfs mounted is not {snapshotter} snapshot {key}"
-        ));
+        return Err(LayersError::OtherSnapshot { snapshotter, key });
     }
     let (i, below) = top_of(&ancestors)?;
-    let top_dir = lowers.get(i).cloned().ok_or_else(|| {
-        format!(
-            "snapshot {key} has {} lower directories, fewer than its ancestors",
-            lowers.len()
-        )
-    })?;
+    let top_dir = lowers
+        .get(i)
+        .cloned()
+        .ok_or_else(|| LayersError::FewerLowers {
+            key,
+            lowers: lowers.len(),
+        })?;
     Ok(Unpacked {
         below_top: below,
         top_dir,
@@ -300,13 +402,8 @@ pub fn from_docker_layerdb(
     rootfs: &Path,
     id: &str,
     overlay: Option<&[String]>,
-) -> Result<Unpacked, String> {
-    let not_docker = || {
-        format!(
-            "{} is not a rootfs of Docker's overlay2 store: its layers cannot be told",
-            rootfs.display()
-        )
-    };
+) -> Result<Unpacked, LayersError> {
+    let not_docker = || LayersError::NotDocker(rootfs.to_path_buf());
     if rootfs.file_name().is_none_or(|n| n != "merged") {
         return Err(not_docker());
     }
@@ -323,43 +420,48 @@ pub fn from_docker_layerdb(
     }
     let data_root = store.parent().ok_or_else(not_docker)?;
     let layerdb = data_root.join("image/overlay2/layerdb");
-    let read = |p: PathBuf| -> Result<String, String> {
-        let md = fs::symlink_metadata(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+    let record = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| LayersError::Record { path, source }
+    };
+    let read = |p: PathBuf| -> Result<String, LayersError> {
+        let md = fs::symlink_metadata(&p).map_err(record(&p))?;
         if !md.is_file() || md.len() > 4096 {
-            return Err(format!("{} is not a small regular file", p.display()));
+            return Err(LayersError::NotSmallFile(p));
         }
         fs::read_to_string(&p)
             .map(|s| s.trim().to_string())
-            .map_err(|e| format!("{}: {e}", p.display()))
+            .map_err(record(&p))
     };
     if id.contains('/') || id.starts_with('.') {
-        return Err(format!("container id {id:?} is not a Docker one"));
+        return Err(LayersError::NotDockerId(id.to_string()));
     }
     let mount = layerdb.join("mounts").join(id);
     if read(mount.join("mount-id"))? != mount_id.to_string_lossy() {
-        return Err(format!(
-            "Docker's layer record of {id} names another mount than {}",
-            rootfs.display()
-        ));
+        return Err(LayersError::OtherMount {
+            id: id.to_string(),
+            rootfs: rootfs.to_path_buf(),
+        });
     }
     let top = read(mount.join("parent"))?;
     if !is_chain_id(&top) {
-        return Err(format!(
-            "Docker's layer record of {id} names parent {top:?}"
-        ));
+        return Err(LayersError::MountParent {
+            id: id.to_string(),
+            parent: top,
+        });
     }
     let layer = layerdb.join("sha256").join(&top["sha256:".len()..]);
     let below = match fs::symlink_metadata(layer.join("parent")) {
         Ok(_) => Some(read(layer.join("parent"))?),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(format!("{}: {e}", layer.join("parent").display())),
+        Err(e) => return Err(record(&layer.join("parent"))(e)),
     };
     if below.as_deref().is_some_and(|b| !is_chain_id(b)) {
-        return Err(format!("Docker's layer {top} names parent {below:?}"));
+        return Err(LayersError::LayerParent { top, parent: below });
     }
     let cache_id = read(layer.join("cache-id"))?;
     if cache_id.is_empty() || cache_id.contains('/') || cache_id.starts_with('.') {
-        return Err(format!("Docker's layer {top} names cache id {cache_id:?}"));
+        return Err(LayersError::CacheId { top, cache_id });
     }
     let top_dir = store.join(&cache_id).join("diff");
     // The mounted overlay must have that layer among its lower directories.
@@ -371,11 +473,11 @@ pub fn from_docker_layerdb(
         .iter()
         .any(|l| canonical(l) == want);
     if !in_mount {
-        return Err(format!(
-            "the overlay at {} does not have Docker's layer {top} ({}) below it",
-            rootfs.display(),
-            top_dir.display()
-        ));
+        return Err(LayersError::NotBelow {
+            rootfs: rootfs.to_path_buf(),
+            top,
+            top_dir,
+        });
     }
     Ok(Unpacked {
         below_top: below,
@@ -613,9 +715,10 @@ mod tests {
         assert!(from_docker_layerdb(&rootfs, "c1", Some(&overlay)).is_err());
     }
 
-    /// An engine that answers `snap` (and records the fallback it was asked with).
+    /// An engine that answers `snap`, or has no record of the container (`None`), and
+    /// records the fallback it was asked with.
     struct Fake(
-        Result<EngineSnapshot, String>,
+        Option<EngineSnapshot>,
         std::sync::Mutex<Vec<Option<(String, String)>>>,
     );
 
@@ -626,9 +729,11 @@ mod tests {
             _namespace: &str,
             _id: &str,
             fallback: Option<(String, String)>,
-        ) -> Result<EngineSnapshot, String> {
+        ) -> Result<EngineSnapshot, SnapshotError> {
             self.1.lock().unwrap().push(fallback);
-            self.0.clone()
+            self.0
+                .clone()
+                .ok_or_else(|| SnapshotError::NoRecord("c1".into()))
         }
     }
 
@@ -660,7 +765,11 @@ mod tests {
         // Other mounts than the snapshot's, or none an overlay.
         let other = vec![format!("lowerdir={}", base.path().display())];
         let e = from_snapshot(Some(&other), snap.clone()).unwrap_err();
-        assert!(e.contains("not overlayfs snapshot c1"), "{e}");
+        assert!(
+            matches!(&e, LayersError::OtherSnapshot { key, .. } if key == "c1"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("not overlayfs snapshot c1"), "{e}");
         assert!(from_snapshot(None, snap.clone()).is_err());
         let no_overlay = EngineSnapshot {
             overlay_options: None,
@@ -670,7 +779,7 @@ mod tests {
 
         // Through identify: containerd's own mounts ask with no fallback; Docker's containerd
         // store with the snapshot its rootfs path names; an engine error is the reason.
-        let fake = Fake(Ok(snap.clone()), Default::default());
+        let fake = Fake(Some(snap.clone()), Default::default());
         let u = identify(
             &fake,
             "ns",
@@ -690,14 +799,15 @@ mod tests {
             *fake.1.lock().unwrap(),
             vec![None, Some(("overlayfs".to_string(), "c1".to_string()))]
         );
-        let refusing = Fake(
-            Err("containerd has no record of container c1".into()),
-            Default::default(),
-        );
+        let refusing = Fake(None, Default::default());
         let e = identify(&refusing, "ns", "c1", Path::new("/r"), true, Some(&options))
             .await
             .unwrap_err();
-        assert!(e.contains("no record"), "{e}");
+        assert!(
+            matches!(e, LayersError::Engine(SnapshotError::NoRecord(_))),
+            "{e}"
+        );
+        assert_eq!(e.to_string(), "containerd has no record of container c1");
         // Neither Docker store nor containerd's: not asked, refused.
         let e = identify(
             &refusing,
@@ -709,6 +819,7 @@ mod tests {
         )
         .await
         .unwrap_err();
-        assert!(e.contains("Docker's overlay2 store"), "{e}");
+        assert!(matches!(e, LayersError::NotDocker(_)), "{e}");
+        assert!(e.to_string().contains("Docker's overlay2 store"), "{e}");
     }
 }

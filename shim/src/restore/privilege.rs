@@ -203,17 +203,41 @@ pub fn check(facts: &ImageFacts, granted: &Granted) -> Result<(), Excess> {
     Ok(())
 }
 
-/// One thread's credentials against `g`: what exceeds it, in words ("has effective
-/// capabilities ...").
-pub fn check_creds(c: &Creds, g: &Granted) -> Result<(), String> {
-    let over = |name: &str, have: u64, ceiling: u64| -> Result<(), String> {
+/// What one thread's credentials hold beyond what the spec grants ([`check_creds`]); its
+/// text follows the thread ("process 7 (thread 7, \"sh\") has effective capabilities ...").
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CredsExcess {
+    /// Capabilities of set `set` (bounding, permitted, ...) beyond its ceiling.
+    #[error("has {set} capabilities {} the spec does not grant", cap_names(*.extra).join(", "))]
+    Capabilities { set: &'static str, extra: u64 },
+    #[error("runs as uid {uid}, the spec grants uid {granted} and no CAP_SETUID")]
+    Uid { uid: u32, granted: u32 },
+    #[error("runs with gid {gid}, the spec grants gids {granted:?} and no CAP_SETGID")]
+    Gid { gid: u32, granted: Vec<u32> },
+    #[error("runs without no_new_privs, which the spec sets")]
+    NoNewPrivs,
+    #[error(
+        "runs with seccomp mode {mode} ({}), the spec requires a filter",
+        seccomp_mode_name(.mode)
+    )]
+    SeccompMode { mode: u32 },
+}
+
+fn seccomp_mode_name(mode: &u32) -> &'static str {
+    match mode {
+        0 => "none",
+        1 => "strict",
+        _ => "unknown",
+    }
+}
+
+/// One thread's credentials against `g`: the first excess.
+pub fn check_creds(c: &Creds, g: &Granted) -> Result<(), CredsExcess> {
+    let over = |set: &'static str, have: u64, ceiling: u64| -> Result<(), CredsExcess> {
         let extra = have & !ceiling;
         match extra {
             0 => Ok(()),
-            _ => Err(format!(
-                "has {name} capabilities {} the spec does not grant",
-                cap_names(extra).join(", ")
-            )),
+            _ => Err(CredsExcess::Capabilities { set, extra }),
         }
     };
     let prm = g.permitted_ceiling();
@@ -228,33 +252,27 @@ pub fn check_creds(c: &Creds, g: &Granted) -> Result<(), String> {
     )?;
     if prm & CAP_SETUID == 0 {
         if let Some(uid) = c.uids.iter().find(|u| **u != g.uid) {
-            return Err(format!(
-                "runs as uid {uid}, the spec grants uid {} and no CAP_SETUID",
-                g.uid
-            ));
+            return Err(CredsExcess::Uid {
+                uid: *uid,
+                granted: g.uid,
+            });
         }
     }
     if prm & CAP_SETGID == 0 {
         if let Some(gid) = c.gids.iter().chain(&c.groups).find(|x| !g.gids.contains(x)) {
-            return Err(format!(
-                "runs with gid {gid}, the spec grants gids {:?} and no CAP_SETGID",
-                g.gids
-            ));
+            return Err(CredsExcess::Gid {
+                gid: *gid,
+                granted: g.gids.clone(),
+            });
         }
     }
     if g.no_new_privs && !c.no_new_privs {
-        return Err("runs without no_new_privs, which the spec sets".into());
+        return Err(CredsExcess::NoNewPrivs);
     }
     if g.seccomp && c.seccomp_mode != 2 {
-        return Err(format!(
-            "runs with seccomp mode {} ({}), the spec requires a filter",
-            c.seccomp_mode,
-            match c.seccomp_mode {
-                0 => "none",
-                1 => "strict",
-                _ => "unknown",
-            }
-        ));
+        return Err(CredsExcess::SeccompMode {
+            mode: c.seccomp_mode,
+        });
     }
     Ok(())
 }

@@ -59,6 +59,43 @@ impl Default for RwLimits {
     }
 }
 
+/// Why a rw layer's digest could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum RwError {
+    #[error("its rootfs is not an overlay")]
+    NotOverlay,
+    #[error("its rootfs overlay has no upper directory")]
+    NoUpperDir,
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: xattrs: {source}", path.display())]
+    Xattrs {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the rw layer has more than {0} entries")]
+    TooManyEntries(u64),
+    #[error("the rw layer's files hold more than {0} bytes")]
+    TooManyBytes(u64),
+    #[error("{} changed while it was read", .0.display())]
+    Changed(PathBuf),
+    /// The digest's blocking task never finished.
+    #[error(transparent)]
+    Task(#[from] tokio::task::JoinError),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RwError + '_ {
+    move |source| RwError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
 /// A rw layer's digest and what went into it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RwDigest {
@@ -77,7 +114,7 @@ pub fn digest(
     lowers: &[PathBuf],
     xattrs: OverlayXattrs,
     limits: RwLimits,
-) -> Result<RwDigest, String> {
+) -> Result<RwDigest, RwError> {
     let layers: Vec<PathBuf> = std::iter::once(upper.to_path_buf())
         .chain(lowers.iter().cloned())
         .collect();
@@ -93,10 +130,10 @@ pub fn digest(
     let mut dirs = vec![PathBuf::new()];
     while let Some(rel) = dirs.pop() {
         let here = upper.join(&rel);
-        let listing = std::fs::read_dir(&here).map_err(|e| format!("{}: {e}", here.display()))?;
+        let listing = std::fs::read_dir(&here).map_err(io_err(&here))?;
         let mut names: Vec<PathBuf> = Vec::new();
         for entry in listing {
-            let entry = entry.map_err(|e| format!("{}: {e}", here.display()))?;
+            let entry = entry.map_err(io_err(&here))?;
             names.push(rel.join(entry.file_name()));
         }
         // An opaque directory hides every image name below it: each is a change.
@@ -137,13 +174,10 @@ struct Walk {
 }
 
 impl Walk {
-    fn count_entry(&mut self) -> Result<(), String> {
+    fn count_entry(&mut self) -> Result<(), RwError> {
         self.entries += 1;
         match self.entries > self.limits.max_entries {
-            true => Err(format!(
-                "the rw layer has more than {} entries",
-                self.limits.max_entries
-            )),
+            true => Err(RwError::TooManyEntries(self.limits.max_entries)),
             false => Ok(()),
         }
     }
@@ -154,7 +188,7 @@ impl Walk {
         merged: &mut Lowers,
         image: &mut Lowers,
         rel: &Path,
-    ) -> Result<(), String> {
+    ) -> Result<(), RwError> {
         let m = merged.lookup(rel);
         let i = image.lookup(rel);
         // Found below the upper directory: the image's own entry (an upper directory that is
@@ -183,15 +217,16 @@ impl Walk {
         view: &Lowers,
         e: Option<LowerEntry>,
         rel: &Path,
-    ) -> Result<String, String> {
+    ) -> Result<String, RwError> {
         let Some(e) = e else {
             return Ok("-".into());
         };
         let host = view.host_path(&e, rel);
         let st = &e.st;
-        let xattrs = view
-            .xattrs(&e, rel)
-            .map_err(|err| format!("{}: xattrs: {err}", host.display()))?;
+        let xattrs = view.xattrs(&e, rel).map_err(|source| RwError::Xattrs {
+            path: host.clone(),
+            source,
+        })?;
         let mut x = Sha256::new();
         for (name, value) in &xattrs {
             x.update(format!("{}:{}:", name.len(), value.len()).as_bytes());
@@ -212,21 +247,15 @@ impl Walk {
                 let size = st.st_size as u64;
                 self.bytes += size;
                 if self.bytes > self.limits.max_bytes {
-                    return Err(format!(
-                        "the rw layer's files hold more than {} bytes",
-                        self.limits.max_bytes
-                    ));
+                    return Err(RwError::TooManyBytes(self.limits.max_bytes));
                 }
-                let f = crate::sys::beneath::open_regular_nofollow(&host)
-                    .map_err(|err| format!("{}: {err}", host.display()))?;
+                let f = crate::sys::beneath::open_regular_nofollow(&host).map_err(io_err(&host))?;
                 let mut h = Sha256::new();
                 let mut buf = vec![0u8; 1 << 16];
                 let mut r = f.take(size + 1);
                 let mut read = 0u64;
                 loop {
-                    let n = r
-                        .read(&mut buf)
-                        .map_err(|err| format!("{}: {err}", host.display()))?;
+                    let n = r.read(&mut buf).map_err(io_err(&host))?;
                     if n == 0 {
                         break;
                     }
@@ -234,13 +263,12 @@ impl Walk {
                     h.update(&buf[..n]);
                 }
                 if read != size {
-                    return Err(format!("{} changed while it was read", host.display()));
+                    return Err(RwError::Changed(host));
                 }
                 format!("f {owner} {size} {:x}", h.finalize())
             }
             libc::S_IFLNK => {
-                let target = std::fs::read_link(&host)
-                    .map_err(|err| format!("{}: {err}", host.display()))?;
+                let target = std::fs::read_link(&host).map_err(io_err(&host))?;
                 format!("l {owner} {}", hex(target.as_os_str().as_bytes()))
             }
             _ => format!("o{:o} {owner} {}", fmt, st.st_rdev),
@@ -486,7 +514,8 @@ mod tests {
             few,
         )
         .unwrap_err();
-        assert!(e.contains("more than 3 entries"), "{e}");
+        assert!(matches!(e, RwError::TooManyEntries(3)), "{e}");
+        assert_eq!(e.to_string(), "the rw layer has more than 3 entries");
         let small = RwLimits {
             max_bytes: 250,
             ..limits()
@@ -498,6 +527,7 @@ mod tests {
             small,
         )
         .unwrap_err();
-        assert!(e.contains("more than 250 bytes"), "{e}");
+        assert!(matches!(e, RwError::TooManyBytes(250)), "{e}");
+        assert!(e.to_string().contains("more than 250 bytes"), "{e}");
     }
 }

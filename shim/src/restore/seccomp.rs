@@ -78,6 +78,112 @@ const PASS_BYTES_MAX: u64 = 256 << 20;
 /// How long the reference probe's runc may take per step.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// What is wrong with the task iterator's output ([`parse_records`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    #[error("a truncated record ({0} bytes)")]
+    Truncated(usize),
+    #[error("a record without the magic ({0:#x})")]
+    NoMagic(u32),
+    #[error("a record with length {0}")]
+    Length(i32),
+    #[error("a record of thread {tid} cut short ({have} of {want} program bytes)")]
+    CutShort { tid: u32, have: usize, want: usize },
+}
+
+/// Why the task iterator could not read the restored threads ([`read`]).
+#[derive(Debug, thiserror::Error)]
+pub enum IteratorError {
+    #[error("the kernel's BTF: {0}")]
+    Btf(#[source] aya::BtfError),
+    #[error("loading the task iterator: {0}")]
+    Load(#[source] Box<aya::EbpfError>),
+    #[error("no program {PROGRAM}")]
+    NoProgram,
+    /// The iterator program could not be loaded, attached or linked.
+    #[error("{what}{PROGRAM}: {source}")]
+    Program {
+        /// "loading " for the load, empty otherwise.
+        what: &'static str,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    #[error("{PROGRAM}: creating the iterator: {0}")]
+    Link(#[source] aya::programs::links::LinkError),
+    #[error("no map {0}")]
+    NoMap(&'static str),
+    #[error("{name}: {source}")]
+    Map {
+        name: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("reading the task iterator: {0}")]
+    Read(#[source] std::io::Error),
+    #[error(transparent)]
+    Records(#[from] RecordError),
+    #[error("more than {TGIDS_MAX} processes")]
+    TooManyProcesses,
+    #[error("thread {tid} reported filter {index} in pass {pass}")]
+    OtherIndex { tid: u32, index: u32, pass: u32 },
+    #[error("thread {0} changed between passes")]
+    Changed(u32),
+}
+
+impl IteratorError {
+    fn program(source: aya::programs::ProgramError) -> IteratorError {
+        IteratorError::Program { what: "", source }
+    }
+
+    fn map(name: &'static str) -> impl FnOnce(aya::maps::MapError) -> IteratorError {
+        move |source| IteratorError::Map { name, source }
+    }
+}
+
+/// Why runc's seccomp program for a spec is not known ([`reference`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ReferenceError {
+    #[error("{} is not on PATH", .0.display())]
+    NotOnPath(PathBuf),
+    #[error("{}: {source}", path.display())]
+    Runc {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the seccomp profile: {0}")]
+    Profile(#[source] serde_json::Error),
+    #[error("learning runc's seccomp program for the spec: {0}")]
+    Probe(#[source] ProbeError),
+}
+
+/// Why the probe container did not give runc's program ([`probe`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("making the probe bundle {}: {source}", bundle.display())]
+    Bundle {
+        bundle: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("runc create took over {PROBE_TIMEOUT:?}")]
+    CreateTimedOut,
+    #[error("runc create: {0}")]
+    Create(#[source] crate::runc::RuncError),
+    #[error("runc wrote no init pid")]
+    NoPid,
+    #[error("reading the probe: {0}")]
+    Task(#[source] tokio::task::JoinError),
+    #[error(transparent)]
+    Iterator(#[from] IteratorError),
+    #[error("the probe's init {0} is not in the iterator")]
+    NotIterated(u32),
+    #[error("runc's init has {0} filters, none installed by runc")]
+    NoFilter(u32),
+    #[error("runc's filter is unreadable ({0})")]
+    Unreadable(i32),
+}
+
 /// `struct restored_params`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -107,29 +213,28 @@ pub struct Record {
 
 /// Splits an iterator's output into records. The bytes are the kernel's (written by crab's own
 /// program), but are read as if they were not: every length is checked.
-pub fn parse_records(mut bytes: &[u8]) -> Result<Vec<Record>, String> {
+pub fn parse_records(mut bytes: &[u8]) -> Result<Vec<Record>, RecordError> {
     let mut out = Vec::new();
     while !bytes.is_empty() {
         if bytes.len() < RECORD_LEN {
-            return Err(format!("a truncated record ({} bytes)", bytes.len()));
+            return Err(RecordError::Truncated(bytes.len()));
         }
         let word = |i: usize| u32::from_ne_bytes(bytes[i * 4..i * 4 + 4].try_into().unwrap());
         if word(0) != MAGIC {
-            return Err(format!("a record without the magic ({:#x})", word(0)));
+            return Err(RecordError::NoMagic(word(0)));
         }
         let len = word(6) as i32;
         let program_bytes = match len {
             n if n > 0 && n as usize <= INSNS_MAX => n as usize * 8,
             NO_FILTER | NO_PROGRAM | PROGRAM_TOO_LONG | CHAIN_TOO_LONG => 0,
-            n => return Err(format!("a record with length {n}")),
+            n => return Err(RecordError::Length(n)),
         };
         if bytes.len() < RECORD_LEN + program_bytes {
-            return Err(format!(
-                "a record of thread {} cut short ({} of {} program bytes)",
-                word(1),
-                bytes.len() - RECORD_LEN,
-                program_bytes
-            ));
+            return Err(RecordError::CutShort {
+                tid: word(1),
+                have: bytes.len() - RECORD_LEN,
+                want: program_bytes,
+            });
         }
         out.push(Record {
             tid: word(1),
@@ -278,8 +383,8 @@ pub fn decides_as(candidate: &[u8], reference: &[u8]) -> bool {
 /// thread is unmatched and has more filters, up to [`PASSES_MAX`].
 pub fn search(
     reference: Option<&[u8]>,
-    mut pass: impl FnMut(u32) -> Result<Vec<Record>, String>,
-) -> Result<BTreeMap<u32, ThreadSecurity>, String> {
+    mut pass: impl FnMut(u32) -> Result<Vec<Record>, IteratorError>,
+) -> Result<BTreeMap<u32, ThreadSecurity>, IteratorError> {
     let mut threads: BTreeMap<u32, ThreadSecurity> = BTreeMap::new();
     for index in 0..PASSES_MAX {
         let pending = |threads: &BTreeMap<u32, ThreadSecurity>| {
@@ -292,10 +397,11 @@ pub fn search(
         }
         for r in pass(index)? {
             if r.index != index {
-                return Err(format!(
-                    "thread {} reported filter {} in pass {index}",
-                    r.tid, r.index
-                ));
+                return Err(IteratorError::OtherIndex {
+                    tid: r.tid,
+                    index: r.index,
+                    pass: index,
+                });
             }
             let matched = match (reference, &r.program) {
                 (Some(want), Some(have)) => decides_as(have, want),
@@ -311,7 +417,7 @@ pub fn search(
                 compared: 0,
             });
             if index > 0 && (t.tgid != r.tgid || t.filter_count != r.filter_count) {
-                return Err(format!("thread {} changed between passes", r.tid));
+                return Err(IteratorError::Changed(r.tid));
             }
             if r.index < r.filter_count {
                 t.compared = r.index + 1;
@@ -332,58 +438,59 @@ struct Reader {
 static READER: Mutex<Option<Reader>> = Mutex::new(None);
 
 impl Reader {
-    fn load() -> Result<Reader, String> {
-        let btf = Btf::from_sys_fs().map_err(|e| format!("the kernel's BTF: {e}"))?;
+    fn load() -> Result<Reader, IteratorError> {
+        let btf = Btf::from_sys_fs().map_err(IteratorError::Btf)?;
         let mut ebpf = EbpfLoader::new()
             .btf(Some(&btf))
             .load(OBJECT)
-            .map_err(|e| format!("loading the task iterator: {e}"))?;
+            .map_err(|e| IteratorError::Load(Box::new(e)))?;
         let prog: &mut Iter = ebpf
             .program_mut(PROGRAM)
-            .ok_or_else(|| format!("no program {PROGRAM}"))?
+            .ok_or(IteratorError::NoProgram)?
             .try_into()
-            .map_err(|e| format!("{PROGRAM}: {e}"))?;
+            .map_err(IteratorError::program)?;
         prog.load("task", &btf)
-            .map_err(|e| format!("loading {PROGRAM}: {e}"))?;
+            .map_err(|source| IteratorError::Program {
+                what: "loading ",
+                source,
+            })?;
         Ok(Reader { ebpf })
     }
 
-    fn tgids(&mut self) -> Result<BpfHashMap<&mut aya::maps::MapData, u32, u32>, String> {
+    fn tgids(&mut self) -> Result<BpfHashMap<&mut aya::maps::MapData, u32, u32>, IteratorError> {
         let map = self
             .ebpf
             .map_mut(MAP_TGIDS)
-            .ok_or_else(|| format!("no map {MAP_TGIDS}"))?;
-        BpfHashMap::try_from(map).map_err(|e| format!("{MAP_TGIDS}: {e}"))
+            .ok_or(IteratorError::NoMap(MAP_TGIDS))?;
+        BpfHashMap::try_from(map).map_err(IteratorError::map(MAP_TGIDS))
     }
 
-    fn pass(&mut self, index: u32) -> Result<Vec<Record>, String> {
+    fn pass(&mut self, index: u32) -> Result<Vec<Record>, IteratorError> {
         {
             let map = self
                 .ebpf
                 .map_mut(MAP_PARAMS)
-                .ok_or_else(|| format!("no map {MAP_PARAMS}"))?;
+                .ok_or(IteratorError::NoMap(MAP_PARAMS))?;
             let mut params: Array<_, Params> =
-                Array::try_from(map).map_err(|e| format!("{MAP_PARAMS}: {e}"))?;
+                Array::try_from(map).map_err(IteratorError::map(MAP_PARAMS))?;
             params
                 .set(0, Params { index, pad: 0 }, 0)
-                .map_err(|e| format!("{MAP_PARAMS}: {e}"))?;
+                .map_err(IteratorError::map(MAP_PARAMS))?;
         }
         let prog: &mut Iter = self
             .ebpf
             .program_mut(PROGRAM)
-            .ok_or_else(|| format!("no program {PROGRAM}"))?
+            .ok_or(IteratorError::NoProgram)?
             .try_into()
-            .map_err(|e| format!("{PROGRAM}: {e}"))?;
-        let id = prog.attach().map_err(|e| format!("{PROGRAM}: {e}"))?;
-        let link = prog.take_link(id).map_err(|e| format!("{PROGRAM}: {e}"))?;
-        let file = link
-            .into_file()
-            .map_err(|e| format!("{PROGRAM}: creating the iterator: {e}"))?;
+            .map_err(IteratorError::program)?;
+        let id = prog.attach().map_err(IteratorError::program)?;
+        let link = prog.take_link(id).map_err(IteratorError::program)?;
+        let file = link.into_file().map_err(IteratorError::Link)?;
         let mut bytes = Vec::new();
         file.take(PASS_BYTES_MAX)
             .read_to_end(&mut bytes)
-            .map_err(|e| format!("reading the task iterator: {e}"))?;
-        parse_records(&bytes)
+            .map_err(IteratorError::Read)?;
+        Ok(parse_records(&bytes)?)
     }
 }
 
@@ -393,7 +500,7 @@ impl Reader {
 pub fn read(
     tgids: &[u32],
     reference: Option<&[u8]>,
-) -> Result<BTreeMap<u32, ThreadSecurity>, String> {
+) -> Result<BTreeMap<u32, ThreadSecurity>, IteratorError> {
     with_reader(tgids, |reader| {
         search(reference, |index| reader.pass(index))
     })
@@ -402,7 +509,7 @@ pub fn read(
 /// Loads the task iterator now if it is not yet (~60 ms, mostly parsing the kernel's BTF), so
 /// that the kernel check, which holds CRIU at pre-resume, does not pay for it. Called off the
 /// critical path while CRIU restores.
-pub fn preload() -> Result<(), String> {
+pub fn preload() -> Result<(), IteratorError> {
     let mut guard = READER.lock().unwrap_or_else(|e| e.into_inner());
     if guard.is_none() {
         *guard = Some(Reader::load()?);
@@ -413,10 +520,10 @@ pub fn preload() -> Result<(), String> {
 /// Runs `f` with the iterator listing `tgids` only (loaded on first use, one user at a time).
 fn with_reader<T>(
     tgids: &[u32],
-    f: impl FnOnce(&mut Reader) -> Result<T, String>,
-) -> Result<T, String> {
+    f: impl FnOnce(&mut Reader) -> Result<T, IteratorError>,
+) -> Result<T, IteratorError> {
     if tgids.len() > TGIDS_MAX {
-        return Err(format!("more than {TGIDS_MAX} processes"));
+        return Err(IteratorError::TooManyProcesses);
     }
     let mut guard = READER.lock().unwrap_or_else(|e| e.into_inner());
     if guard.is_none() {
@@ -427,9 +534,9 @@ fn with_reader<T>(
         let mut map = reader.tgids()?;
         for &tgid in tgids {
             map.insert(tgid, 0, 0)
-                .map_err(|e| format!("{MAP_TGIDS}: {e}"))?;
+                .map_err(IteratorError::map(MAP_TGIDS))?;
         }
-        Ok::<_, String>(())
+        Ok::<_, IteratorError>(())
     })();
     let result = listed.and_then(|()| f(reader));
     // Always emptied, whatever failed: the next read lists its own processes only.
@@ -468,7 +575,11 @@ static PROBES: AtomicU64 = AtomicU64::new(0);
 
 /// The seccomp program runc installs for `spec` (see the module doc): from this shim's memory,
 /// else from `cache_dir`, else learnt by a probe container run with `runc`'s binary.
-pub async fn reference(spec: &Spec, runc: &Runc, cache_dir: &Path) -> Result<Reference, String> {
+pub async fn reference(
+    spec: &Spec,
+    runc: &Runc,
+    cache_dir: &Path,
+) -> Result<Reference, ReferenceError> {
     let Some(profile) = spec.linux().as_ref().and_then(|l| l.seccomp().clone()) else {
         return Ok(Reference::NoProfile);
     };
@@ -491,7 +602,9 @@ pub async fn reference(spec: &Spec, runc: &Runc, cache_dir: &Path) -> Result<Ref
         Some(p) => p,
         None => {
             let started = std::time::Instant::now();
-            let p = probe(&profile, runc, cache_dir).await?;
+            let p = probe(&profile, runc, cache_dir)
+                .await
+                .map_err(ReferenceError::Probe)?;
             log::info!(
                 "learnt runc's seccomp program for profile {} ({} instructions) in {:?}",
                 &key[..12],
@@ -523,11 +636,14 @@ fn notifies(profile: &LinuxSeccomp) -> bool {
 }
 
 /// The profile (as JSON) and the runc binary's identity: a new runc may compile otherwise.
-fn cache_key(profile: &LinuxSeccomp, runc: &Path) -> Result<String, String> {
+fn cache_key(profile: &LinuxSeccomp, runc: &Path) -> Result<String, ReferenceError> {
     let runc = resolve(runc)?;
-    let meta = fs::metadata(&runc).map_err(|e| format!("{}: {e}", runc.display()))?;
+    let meta = fs::metadata(&runc).map_err(|source| ReferenceError::Runc {
+        path: runc.clone(),
+        source,
+    })?;
     let mut h = Sha256::new();
-    h.update(serde_json::to_vec(profile).map_err(|e| format!("the seccomp profile: {e}"))?);
+    h.update(serde_json::to_vec(profile).map_err(ReferenceError::Profile)?);
     h.update(runc.as_os_str().as_encoded_bytes());
     for n in [
         meta.dev(),
@@ -543,7 +659,7 @@ fn cache_key(profile: &LinuxSeccomp, runc: &Path) -> Result<String, String> {
 }
 
 /// A bare binary name found on PATH, as runc would be run.
-fn resolve(binary: &Path) -> Result<PathBuf, String> {
+fn resolve(binary: &Path) -> Result<PathBuf, ReferenceError> {
     if binary.components().count() > 1 {
         return Ok(binary.to_path_buf());
     }
@@ -552,7 +668,7 @@ fn resolve(binary: &Path) -> Result<PathBuf, String> {
         .flat_map(std::env::split_paths)
         .map(|d| d.join(binary))
         .find(|p| p.is_file())
-        .ok_or_else(|| format!("{} is not on PATH", binary.display()))
+        .ok_or_else(|| ReferenceError::NotOnPath(binary.to_path_buf()))
 }
 
 fn valid_program(bytes: &[u8]) -> bool {
@@ -694,7 +810,11 @@ pub async fn sweep_stale_probes(runc: &Runc, cache_dir: &Path) -> usize {
 }
 
 /// Learns runc's program for `profile` from a container that never starts (module doc).
-async fn probe(profile: &LinuxSeccomp, runc: &Runc, cache_dir: &Path) -> Result<Vec<u8>, String> {
+async fn probe(
+    profile: &LinuxSeccomp,
+    runc: &Runc,
+    cache_dir: &Path,
+) -> Result<Vec<u8>, ProbeError> {
     let swept = sweep_stale_probes(runc, cache_dir).await;
     if swept > 0 {
         log::info!("swept {swept} seccomp probes left by shims that died while probing");
@@ -703,7 +823,10 @@ async fn probe(profile: &LinuxSeccomp, runc: &Runc, cache_dir: &Path) -> Result<
     let bundle = cache_dir.join(&id);
     let made = write_probe_bundle(&bundle, &id, profile);
     let result = match made {
-        Err(e) => Err(format!("making the probe bundle {}: {e}", bundle.display())),
+        Err(source) => Err(ProbeError::Bundle {
+            bundle: bundle.clone(),
+            source,
+        }),
         Ok(()) => {
             let runc = probe_runc(runc, &bundle);
             let pid_file = bundle.join("pid");
@@ -713,50 +836,45 @@ async fn probe(profile: &LinuxSeccomp, runc: &Runc, cache_dir: &Path) -> Result<
             )
             .await;
             let learnt = match created {
-                Err(_) => Err(format!("runc create took over {PROBE_TIMEOUT:?}")),
-                Ok(Err(e)) => Err(format!("runc create: {e}")),
+                Err(_) => Err(ProbeError::CreateTimedOut),
+                Ok(Err(e)) => Err(ProbeError::Create(e)),
                 Ok(Ok(())) => {
                     let pid = fs::read_to_string(&pid_file)
                         .ok()
                         .and_then(|s| s.trim().parse::<u32>().ok())
-                        .ok_or_else(|| "runc wrote no init pid".to_string());
+                        .ok_or(ProbeError::NoPid);
                     match pid {
                         Err(e) => Err(e),
                         Ok(pid) => tokio::task::spawn_blocking(move || init_program(pid))
                             .await
-                            .map_err(|e| format!("reading the probe: {e}"))
+                            .map_err(ProbeError::Task)
                             .and_then(|r| r),
                     }
                 }
             };
-            if let Err(e) = tokio::time::timeout(PROBE_TIMEOUT, runc.delete(&id, true))
-                .await
-                .map_err(|_| "timed out".to_string())
-                .and_then(|r| r.map_err(|e| e.to_string()))
-            {
-                log::warn!("deleting the seccomp probe container {id}: {e}");
+            match tokio::time::timeout(PROBE_TIMEOUT, runc.delete(&id, true)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => log::warn!("deleting the seccomp probe container {id}: {e}"),
+                Err(_) => log::warn!("deleting the seccomp probe container {id}: timed out"),
             }
             learnt
         }
     };
     let _ = fs::remove_dir_all(&bundle);
-    result.map_err(|e| format!("learning runc's seccomp program for the spec: {e}"))
+    result
 }
 
 /// The first filter runc's init `pid` installed itself (above the ones it inherited).
-fn init_program(pid: u32) -> Result<Vec<u8>, String> {
+fn init_program(pid: u32) -> Result<Vec<u8>, ProbeError> {
     let records = with_reader(&[pid], |reader| reader.pass(own_filters()))?;
     let r = records
         .into_iter()
         .find(|r| r.tid == pid)
-        .ok_or_else(|| format!("the probe's init {pid} is not in the iterator"))?;
+        .ok_or(ProbeError::NotIterated(pid))?;
     match (r.len, r.program) {
         (n, Some(p)) if n > 0 => Ok(p),
-        (NO_FILTER, _) => Err(format!(
-            "runc's init has {} filters, none installed by runc",
-            r.filter_count
-        )),
-        (n, _) => Err(format!("runc's filter is unreadable ({n})")),
+        (NO_FILTER, _) => Err(ProbeError::NoFilter(r.filter_count)),
+        (n, _) => Err(ProbeError::Unreadable(n)),
     }
 }
 
@@ -814,13 +932,22 @@ mod tests {
         }
         let mut bad = encode(&a);
         bad[24..28].copy_from_slice(&(INSNS_MAX as u32 + 1).to_ne_bytes());
-        assert!(parse_records(&bad).unwrap_err().contains("length"));
+        assert_eq!(
+            parse_records(&bad).unwrap_err(),
+            RecordError::Length(INSNS_MAX as i32 + 1)
+        );
         let mut bad = encode(&a);
         bad[24..28].copy_from_slice(&(-9i32).to_ne_bytes());
-        assert!(parse_records(&bad).unwrap_err().contains("length"));
+        assert_eq!(
+            parse_records(&bad).unwrap_err().to_string(),
+            "a record with length -9"
+        );
         let mut bad = encode(&a);
         bad[0] ^= 1;
-        assert!(parse_records(&bad).unwrap_err().contains("magic"));
+        assert!(parse_records(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("magic"));
     }
 
     #[test]
@@ -867,7 +994,14 @@ mod tests {
         let t = search(None, |i| Ok(vec![record(1, i, 3, Some(&runc))])).unwrap();
         assert_eq!(t[&1].holds_reference, None);
         // A record for another index than asked: an error.
-        assert!(search(Some(&runc), |_| Ok(vec![record(1, 5, 9, None)])).is_err());
+        assert!(matches!(
+            search(Some(&runc), |_| Ok(vec![record(1, 5, 9, None)])),
+            Err(IteratorError::OtherIndex {
+                tid: 1,
+                index: 5,
+                pass: 0
+            })
+        ));
     }
 
     #[test]

@@ -10,7 +10,7 @@ use containerd_client::services::v1::{
 use tonic::Request;
 
 use crate::restore::layers::{
-    is_chain_id, EngineSnapshot, SnapshotSource, CALL_TIMEOUT, MAX_DEPTH,
+    is_chain_id, EngineSnapshot, SnapshotError, SnapshotSource, CALL_TIMEOUT, MAX_DEPTH,
 };
 
 /// containerd at `address`.
@@ -40,35 +40,34 @@ impl SnapshotSource for ContainerdSnapshots {
         namespace: &str,
         id: &str,
         fallback: Option<(String, String)>,
-    ) -> Result<EngineSnapshot, String> {
+    ) -> Result<EngineSnapshot, SnapshotError> {
         let address = &self.address;
         let channel = tokio::time::timeout(CALL_TIMEOUT, containerd_client::connect(address))
             .await
-            .map_err(|_| format!("containerd at {address} did not answer"))?
-            .map_err(|e| format!("cannot reach containerd at {address}: {e}"))?;
+            .map_err(|_| SnapshotError::NoAnswer(address.clone()))?
+            .map_err(|e| SnapshotError::Unreachable {
+                address: address.clone(),
+                source: e.into(),
+            })?;
         let container = ContainersClient::new(channel.clone())
             .get(request(
                 namespace,
                 GetContainerRequest { id: id.to_string() },
             ))
             .await
-            .map_err(|s| {
-                format!(
-                    "containerd has no record of container {id}: {}",
-                    s.message()
-                )
+            .map_err(|s| SnapshotError::Lookup {
+                id: id.to_string(),
+                message: s.message().to_string(),
             })?
             .into_inner()
             .container
-            .ok_or_else(|| format!("containerd has no record of container {id}"))?;
+            .ok_or_else(|| SnapshotError::NoRecord(id.to_string()))?;
         let (snapshotter, key) = match (container.snapshot_key.is_empty(), fallback) {
             (true, Some(engine)) => engine,
             _ => (container.snapshotter, container.snapshot_key),
         };
         if key.is_empty() {
-            return Err(format!(
-                "containerd's record of {id} names no snapshot: its rootfs was not unpacked by containerd"
-            ));
+            return Err(SnapshotError::NoSnapshot(id.to_string()));
         }
         let mut snapshots = SnapshotsClient::new(channel);
         let overlay_options = snapshots
@@ -80,7 +79,11 @@ impl SnapshotSource for ContainerdSnapshots {
                 },
             ))
             .await
-            .map_err(|s| format!("Snapshots.Mounts {key}: {}", s.message()))?
+            .map_err(|s| SnapshotError::Call {
+                call: "Snapshots.Mounts",
+                key: key.clone(),
+                message: s.message().to_string(),
+            })?
             .into_inner()
             .mounts
             .into_iter()
@@ -98,7 +101,11 @@ impl SnapshotSource for ContainerdSnapshots {
                     },
                 ))
                 .await
-                .map_err(|s| format!("Snapshots.Stat {at}: {}", s.message()))?
+                .map_err(|s| SnapshotError::Call {
+                    call: "Snapshots.Stat",
+                    key: at.clone(),
+                    message: s.message().to_string(),
+                })?
                 .into_inner()
                 .info
                 .map(|i| i.parent)

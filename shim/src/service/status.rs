@@ -12,7 +12,18 @@ pub fn code(e: &Error) -> Code {
     match e {
         Error::NotFound(_) => Code::NOT_FOUND,
         Error::AlreadyExists(_) => Code::ALREADY_EXISTS,
-        Error::FailedPrecondition(_) => Code::FAILED_PRECONDITION,
+        // A checkpoint that cannot be restored or taken, restored processes refused before
+        // they ran, what a restore needs unusable: what the image, the spec or the host holds
+        // does not allow the request.
+        Error::FailedPrecondition(_)
+        | Error::Restore { .. }
+        | Error::StartFrom { .. }
+        | Error::Resume { .. }
+        | Error::Restored { .. }
+        | Error::Refused(_)
+        | Error::Checkpoint { .. }
+        | Error::Sign { .. }
+        | Error::Unusable { .. } => Code::FAILED_PRECONDITION,
         Error::InvalidArgument(_) | Error::Config(_) => Code::INVALID_ARGUMENT,
         Error::Unimplemented(_) => Code::UNIMPLEMENTED,
         // containerd's runc shim passes a runc failure on as an untyped error, which errdefs
@@ -92,6 +103,90 @@ mod tests {
             msg.starts_with("cannot execute /nonexistent/runc: "),
             "{msg}"
         );
+    }
+
+    /// A restore refused in the restore subsystem reaches containerd with the code and the
+    /// message it had when the core flattened it into a string, and its type stays under it.
+    #[test]
+    fn a_refused_restore_keeps_its_kind_its_code_and_its_message() {
+        use crate::restore::{
+            intake::RestoreError,
+            kernel::{CheckError, Refusal},
+            privilege::Excess,
+        };
+        let excess = "process 7 (thread 7, \"sh\") has effective capabilities CAP_SYS_ADMIN \
+                      the spec does not grant";
+        let e = Error::Restore {
+            id: "c1".into(),
+            source: RestoreError::Privilege(Excess(excess.into())).into(),
+        };
+        let kept = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<RestoreError>());
+        assert!(matches!(kept, Some(RestoreError::Privilege(_))), "{kept:?}");
+        assert_eq!(
+            status(e),
+            (
+                Code::FAILED_PRECONDITION,
+                format!(
+                    "cannot restore c1: checkpoint image asks for more privilege than the \
+                     container's spec grants: {excess}"
+                )
+            )
+        );
+        // The kernel check's refusal at CRIU's gate, in the restore that ran.
+        let refused = Error::Refused(CheckError::from(Refusal("process 9 has more".into())).into());
+        let e = Error::Restored {
+            id: "c1".into(),
+            source: Box::new(refused),
+            criu: "; CRIU: Error (criu/cr-restore.c:1): x".into(),
+            log: "/b/criu-restore-work/restore.log".into(),
+        };
+        let Error::Restored { source, .. } = &e else {
+            unreachable!()
+        };
+        assert!(
+            matches!(&**source, Error::Refused(s) if s.downcast_ref::<CheckError>().is_some()),
+            "{source:?}"
+        );
+        assert_eq!(
+            status(e),
+            (
+                Code::FAILED_PRECONDITION,
+                "cannot restore c1 from its checkpoint: the restored processes have more than the \
+                 container's spec grants: process 9 has more; CRIU: Error (criu/cr-restore.c:1): \
+                 x (log: /b/criu-restore-work/restore.log)"
+                    .into()
+            )
+        );
+        // Each kind of a checkpoint not restored, or not taken, is FAILED_PRECONDITION.
+        let why = || -> crate::error::Source { "why".into() };
+        for e in [
+            Error::StartFrom {
+                id: "c1".into(),
+                from: "its image",
+                source: why(),
+            },
+            Error::Resume {
+                id: "c1".into(),
+                from: "checkpoint 3 of its lineage l (store of c0)".into(),
+                source: why(),
+            },
+            Error::Checkpoint {
+                id: "c1".into(),
+                source: why(),
+            },
+            Error::Sign {
+                id: "c1".into(),
+                source: why(),
+            },
+            Error::Unusable {
+                what: "[replication]",
+                source: why(),
+            },
+        ] {
+            let (code, msg) = status(e);
+            assert_eq!(code, Code::FAILED_PRECONDITION, "{msg}");
+            assert!(msg.ends_with(": why"), "{msg}");
+        }
     }
 
     #[test]

@@ -2,6 +2,7 @@ use super::*;
 use crate::checkpoint::criu_image::testing::with_caps as creds;
 use crate::checkpoint::criu_image::{ns, testing, Creds};
 use crate::checkpoint::provenance::{sign, Statement};
+use crate::restore::layers::{LayersError, SnapshotError};
 use ed25519_dalek::SigningKey;
 
 fn meta_json(format: u32, process: bool) -> String {
@@ -40,7 +41,7 @@ struct Fixture {
     defer: bool,
     /// What the engine says it unpacked (`None`: the rootfs itself is the top layer, a
     /// one-layer image, which is what the signed statements here name).
-    unpacked: Option<Result<super::super::layers::Unpacked, String>>,
+    unpacked: Option<Result<super::super::layers::Unpacked, LayersError>>,
 }
 
 impl Fixture {
@@ -68,14 +69,13 @@ impl Fixture {
 
     fn take(&self, root: &Path, dest: &Path) -> Result<Option<Taken>, RestoreError> {
         let trusted = || Ok(self.trusted.clone());
-        let unpacked = self.unpacked.clone().unwrap_or_else(|| {
-            Ok(super::super::layers::Unpacked {
-                below_top: None,
-                top_dir: root.to_path_buf(),
-                source: "test rootfs".into(),
-                top: "sha256:test".into(),
-            })
+        let one_layer = Ok(super::super::layers::Unpacked {
+            below_top: None,
+            top_dir: root.to_path_buf(),
+            source: "test rootfs".into(),
+            top: "sha256:test".into(),
         });
+        let unpacked = self.unpacked.as_ref().unwrap_or(&one_layer);
         take_from_rootfs(
             root,
             dest,
@@ -87,7 +87,7 @@ impl Fixture {
                 granted: &self.granted,
                 cache: self.cache.as_ref(),
                 defer_pages: self.defer,
-                unpacked: &unpacked,
+                unpacked,
             },
         )
     }
@@ -205,7 +205,9 @@ fn the_signed_layers_must_be_the_unpacked_ones() {
     );
     // The engine cannot tell: refused, with its reason.
     let f = Fixture {
-        unpacked: Some(Err("containerd has no record of container c".into())),
+        unpacked: Some(Err(LayersError::Engine(SnapshotError::NoRecord(
+            "c".into(),
+        )))),
         ..Fixture::new()
     };
     let err = refused(&f, &root);
@@ -241,7 +243,7 @@ fn the_signed_layers_must_be_the_unpacked_ones() {
     fs::remove_file(unsigned.path().join(RESERVED_DIR).join(SIGNATURE_FILE)).unwrap();
     let f = Fixture {
         unsigned: UnsignedImages::KernelCheck,
-        unpacked: Some(Err("no engine".into())),
+        unpacked: Some(Err(LayersError::EngineTimedOut)),
         ..Fixture::new()
     };
     let dest = tempfile::tempdir().unwrap();
@@ -613,7 +615,7 @@ fn large_page_files_are_verified_while_the_restore_goes_on() {
             .clone()
             .expect("the large page file is deferred");
         assert_eq!(v.bytes(), big as u64);
-        assert_eq!(v.wait().result, Ok(()));
+        assert!(v.wait().result.is_ok());
         assert_eq!(
             fs::read(dest.path().join("img/pages-1.img")).unwrap(),
             good,
@@ -652,6 +654,11 @@ fn large_page_files_are_verified_while_the_restore_goes_on() {
                 .unwrap()
                 .unwrap();
             let why = t.verification.clone().unwrap().wait().result.unwrap_err();
+            assert!(
+                matches!(*why, RestoreError::Provenance(ProvenanceError::Altered(_))),
+                "{why}"
+            );
+            let why = why.to_string();
             assert!(
                 why.contains("altered after signing") && why.contains("criu/pages-1.img"),
                 "{why}"

@@ -26,9 +26,18 @@ fn status_is_read_with_ids_mapped_into_the_namespace() {
     assert_eq!(c.gids, [1000; 4]);
     assert_eq!(c.groups, vec![10]);
     // An id outside the map is an error, not a guess.
-    assert!(parse_status(STATUS, &map, &map)
-        .unwrap_err()
-        .contains("not mapped"));
+    let e = parse_status(STATUS, &map, &map).unwrap_err();
+    assert_eq!(
+        e,
+        ProcTextError::Unmapped {
+            field: "Uid",
+            host: 0
+        }
+    );
+    assert_eq!(
+        e.to_string(),
+        "Uid: host id 0 is not mapped in its namespace"
+    );
 }
 
 #[test]
@@ -248,7 +257,7 @@ fn every_way_out_of_the_spec_is_refused() {
     for (want, edit) in cases {
         let mut t = table();
         edit(&mut t);
-        let err = check_mounts(&t, &rules(), &existing()).unwrap_err();
+        let err = check_mounts(&t, &rules(), &existing()).unwrap_err().0;
         assert!(err.contains(want), "wanted {want:?}, got {err:?}");
     }
     // A writable tmpfs where the spec says read-only exposes nothing (runc's cgroup v1
@@ -260,7 +269,7 @@ fn every_way_out_of_the_spec_is_refused() {
     // A read-only root the spec asks for.
     let mut r = rules();
     r.root_readonly = true;
-    let err = check_mounts(&table(), &r, &existing()).unwrap_err();
+    let err = check_mounts(&table(), &r, &existing()).unwrap_err().0;
     assert!(err.contains("/ is mounted read-write"), "{err}");
 }
 
