@@ -182,15 +182,16 @@ impl Containers {
         c.init
             .transition(&[Status::Running, Status::Paused], c.init.status())?;
         let init_pid = c.init.pid();
-        let cgroup = crate::sys::cgroup::Cgroups::of(init_pid)?
-            .unified
+        let cgroup = self
+            .host
+            .cgroup2_of(init_pid)?
             .ok_or_else(|| Error::NoCgroup(format!("no cgroup2 directory for container {id}")))?;
-        crate::checkpoint::process::check_dumpable(init_pid, &cgroup).map_err(|e| {
-            Error::Checkpoint {
+        self.host
+            .check_dumpable(init_pid, &cgroup)
+            .map_err(|e| Error::Checkpoint {
                 id: id.to_string(),
                 source: e.into(),
-            }
-        })?;
+            })?;
         let work = match opts.work_path {
             Some(w) => w,
             None => c.bundle.join("criu-work"),

@@ -10,10 +10,12 @@ use std::{
 
 use containerd_shim::ExitSignal;
 
-use super::{fake::FakeRuntime, fake::FIRST_PID, Containers, CreateParams};
+use super::{
+    fake::{FakeHost, FakeRuntime, FIRST_PID, HOST_NAMESPACES},
+    Containers, CreateParams, TaskCheckpointOptions,
+};
 use crate::{
     checkpoint::criu_image::{
-        ns,
         testing::{with_caps, write_image},
         Creds,
     },
@@ -26,10 +28,6 @@ use crate::{
     },
     stdio::StdioSpec,
 };
-
-/// The namespaces a test image's tasks share with CRIU (the host's): all but the pid and
-/// mount namespaces, which the test spec makes.
-const HOST_NAMESPACES: u32 = ns::NET | ns::IPC | ns::UTS | ns::USER | ns::TIME;
 
 struct NoEngine;
 
@@ -50,6 +48,7 @@ impl SnapshotSource for NoEngine {
 struct Core {
     containers: Arc<Containers>,
     runtime: Arc<FakeRuntime>,
+    host: Arc<FakeHost>,
     events: Arc<Mutex<Vec<TaskEvent>>>,
     dir: tempfile::TempDir,
 }
@@ -68,16 +67,19 @@ impl Core {
             }
         });
         let runtime = FakeRuntime::new();
-        let containers = Containers::with_runtimes(
+        let host = FakeHost::new();
+        let containers = Containers::with_seams(
             "unit".into(),
             Arc::new(NoEngine),
             sender,
             Arc::new(ExitSignal::default()),
             runtime.factory(),
+            host.clone(),
         );
         Core {
             containers,
             runtime,
+            host,
             events,
             dir: tempfile::tempdir().unwrap(),
         }
@@ -682,4 +684,189 @@ async fn verbs_on_an_unknown_container_are_not_found() {
         Err(Error::NotFound(_))
     ));
     assert_eq!(core.calls(), ["create c1"]);
+}
+
+/// containerd's checkpoint (`ctr task checkpoint`) with the options `ctr` sends by default:
+/// the image at `path`, the container left running, CRIU's work directory the bundle's.
+fn checkpoint_options(work: Option<&Path>) -> TaskCheckpointOptions {
+    TaskCheckpointOptions {
+        work_path: work.map(Path::to_path_buf),
+        work_path_was_default: work.is_none(),
+        ..TaskCheckpointOptions::default()
+    }
+}
+
+impl Core {
+    /// Where containerd's checkpoint of `id` is dumped (a fresh directory per call).
+    fn checkpoint_dir(&self, id: &str) -> std::path::PathBuf {
+        self.dir.path().join("containerd-checkpoints").join(id)
+    }
+
+    fn bundle(&self, id: &str) -> std::path::PathBuf {
+        self.dir.path().join("bundles").join(id)
+    }
+}
+
+/// A container that has not started has no process to dump: refused, runc never asked.
+#[tokio::test]
+async fn a_containerd_checkpoint_of_a_created_container_never_reaches_runc() {
+    let core = Core::new();
+    core.create("c1").await;
+    let e = core
+        .containers
+        .checkpoint_task("c1", &core.checkpoint_dir("c1"), checkpoint_options(None))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::FailedPrecondition(_)), "{e:?}");
+    assert_eq!(core.calls(), ["create c1"]);
+}
+
+/// A checkpoint of a running container: runc dumps it and leaves it running, the default work
+/// directory goes, and the image is signed with this host's key, so that a Create from it is
+/// restored on its signature (no `unsigned_images` setting needed) while a changed copy of it
+/// is refused before runc is asked anything.
+#[tokio::test]
+async fn a_containerd_checkpoint_is_signed_and_restores_on_its_signature() {
+    let core = Core::new();
+    core.running("c1").await;
+    let image = core.checkpoint_dir("c1");
+    core.containers
+        .checkpoint_task("c1", &image, checkpoint_options(None))
+        .await
+        .unwrap();
+    assert_eq!(
+        core.calls().last().unwrap(),
+        &format!("checkpoint c1 {} --leave-running", image.display())
+    );
+    assert_eq!(
+        core.containers.get("c1").unwrap().init.status(),
+        Status::Running
+    );
+    assert!(
+        !core.bundle("c1").join("criu-work").exists(),
+        "the default work directory is removed after a good dump"
+    );
+    assert!(image
+        .join(crate::restore::trust::CONTAINERD_SIGNATURE)
+        .is_file());
+
+    // Restored on the signature: the image waits for Start, runc not asked.
+    let mut p = core.params("c2", serde_json::json!({}));
+    p.checkpoint = image.display().to_string();
+    let calls = core.calls().len();
+    assert_eq!(core.containers.create(p).await.unwrap(), 0);
+    assert_eq!(core.calls().len(), calls, "{:?}", core.calls());
+
+    // One byte of a signed file changed: refused, nothing registered.
+    let core_img = std::fs::read_dir(&image)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("core-")
+        })
+        .unwrap();
+    let mut bytes = std::fs::read(&core_img).unwrap();
+    *bytes.last_mut().unwrap() ^= 1;
+    std::fs::write(&core_img, bytes).unwrap();
+    let mut p = core.params("c3", serde_json::json!({}));
+    p.checkpoint = image.display().to_string();
+    let e = core.containers.create(p).await.unwrap_err();
+    assert!(e.to_string().starts_with("cannot restore c3: "), "{e}");
+    assert_eq!(core.calls().len(), calls, "{:?}", core.calls());
+    assert!(core.containers.get("c3").is_err());
+}
+
+/// `ctr task checkpoint --exit`: runc is not told to leave it running; a work directory the
+/// client named is the client's and stays.
+#[tokio::test]
+async fn a_containerd_checkpoint_with_exit_and_a_named_work_directory() {
+    let core = Core::new();
+    core.running("c1").await;
+    let work = core.dir.path().join("work-c1");
+    let image = core.checkpoint_dir("c1");
+    let opts = TaskCheckpointOptions {
+        exit: true,
+        ..checkpoint_options(Some(&work))
+    };
+    core.containers
+        .checkpoint_task("c1", &image, opts)
+        .await
+        .unwrap();
+    assert_eq!(
+        core.calls().last().unwrap(),
+        &format!("checkpoint c1 {}", image.display())
+    );
+    assert!(
+        work.join("dump.log").is_file(),
+        "the named work directory stays"
+    );
+}
+
+/// A live process of the container outside init's tree (an exec's main process) would be
+/// missing from the image: refused with which one, runc never asked, nothing written.
+#[tokio::test]
+async fn a_containerd_checkpoint_that_would_miss_a_process_is_refused_before_runc() {
+    let core = Core::new();
+    core.running("c1").await;
+    core.host.leave_out(&[4242]);
+    let image = core.checkpoint_dir("c1");
+    let e = core
+        .containers
+        .checkpoint_task("c1", &image, checkpoint_options(None))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Checkpoint { .. }), "{e:?}");
+    let text = e.to_string();
+    assert!(
+        text.starts_with("cannot checkpoint c1: 1 live process(es)") && text.contains("4242"),
+        "{text}"
+    );
+    assert!(!core.calls().iter().any(|c| c.starts_with("checkpoint")));
+    assert!(!image.exists());
+
+    // On a host whose inits have no cgroup2 directory the processes cannot be counted: refused.
+    core.host.leave_out(&[]);
+    core.host.without_cgroup2();
+    let e = core
+        .containers
+        .checkpoint_task("c1", &image, checkpoint_options(None))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::NoCgroup(_)), "{e:?}");
+    assert!(!core.calls().iter().any(|c| c.starts_with("checkpoint")));
+}
+
+/// runc's failure names CRIU's log, whose work directory is kept for it; nothing is signed,
+/// and the container runs on.
+#[tokio::test]
+async fn a_failed_containerd_checkpoint_names_criu_s_log_and_keeps_it() {
+    let core = Core::new();
+    core.running("c1").await;
+    core.runtime
+        .fail("checkpoint", "criu failed: type NOTIFY errno 0");
+    let image = core.checkpoint_dir("c1");
+    let e = core
+        .containers
+        .checkpoint_task("c1", &image, checkpoint_options(None))
+        .await
+        .unwrap_err();
+    let log = core.bundle("c1").join("criu-work").join("dump.log");
+    assert!(
+        e.to_string().contains("criu failed")
+            && e.to_string()
+                .contains(&format!("(CRIU log: {})", log.display())),
+        "{e}"
+    );
+    assert!(log.is_file(), "the log it names is there");
+    assert!(!image
+        .join(crate::restore::trust::CONTAINERD_SIGNATURE)
+        .exists());
+    assert_eq!(
+        core.containers.get("c1").unwrap().init.status(),
+        Status::Running
+    );
 }

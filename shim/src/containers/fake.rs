@@ -5,16 +5,26 @@
 
 use std::{
     collections::HashMap,
-    path::Path,
+    path::{Path, PathBuf},
     sync::{
         atomic::{AtomicU32, Ordering},
         Arc, Mutex,
     },
 };
 
-use crate::runc::{CheckpointOpts, ChildStdio, OciRuntime, Result, Runc, RuncError};
+use crate::{
+    checkpoint::{
+        criu_image::{ns, testing::write_image, Creds},
+        process::ProcError,
+    },
+    runc::{CheckpointOpts, ChildStdio, OciRuntime, Result, Runc, RuncError},
+};
 
-use super::RuntimeFactory;
+use super::{Host, RuntimeFactory};
+
+/// The namespaces a test image's tasks share with CRIU (the host's): all but the pid and
+/// mount namespaces, which the test spec makes.
+pub(super) const HOST_NAMESPACES: u32 = ns::NET | ns::IPC | ns::UTS | ns::USER | ns::TIME;
 
 /// The first pid the fake hands out.
 pub(super) const FIRST_PID: u32 = 1 << 30;
@@ -161,7 +171,13 @@ impl OciRuntime for FakeRuntime {
         self.record("update", format!("update {id} {resources}"))
     }
 
+    /// As runc: CRIU's log in the work directory whatever happens, then (unless told to fail)
+    /// an image of one task, a shell with no privilege, in the image directory.
     async fn checkpoint(&self, id: &str, opts: &CheckpointOpts) -> Result<()> {
+        if let Some(work) = &opts.work_path {
+            std::fs::create_dir_all(work).unwrap();
+            std::fs::write(work.join("dump.log"), "dumping\n").unwrap();
+        }
         self.record(
             "checkpoint",
             format!(
@@ -169,7 +185,14 @@ impl OciRuntime for FakeRuntime {
                 opts.image_path.display(),
                 flag(opts.leave_running, "--leave-running")
             ),
-        )
+        )?;
+        write_image(
+            &opts.image_path,
+            &[(1, &[])],
+            &Creds::default(),
+            HOST_NAMESPACES,
+        );
+        Ok(())
     }
 
     async fn restore(
@@ -191,5 +214,49 @@ impl OciRuntime for FakeRuntime {
     fn clear_restore_leftovers(&self, id: &str) -> usize {
         let _ = self.record("clear", format!("clear {id}"));
         0
+    }
+}
+
+/// A host whose containers all sit in one cgroup2 directory (or none) and whose dumps hold
+/// every live process unless told which ones a dump would leave out.
+pub(super) struct FakeHost {
+    cgroup: Mutex<Option<PathBuf>>,
+    outside: Mutex<Vec<u32>>,
+}
+
+impl FakeHost {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self {
+            cgroup: Mutex::new(Some(PathBuf::from("/sys/fs/cgroup/unit"))),
+            outside: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Containers' inits have no cgroup2 directory (a cgroup v1 host).
+    pub fn without_cgroup2(&self) {
+        *self.cgroup.lock().unwrap() = None;
+    }
+
+    /// Live processes `pids` of every container do not descend from its init.
+    pub fn leave_out(&self, pids: &[u32]) {
+        *self.outside.lock().unwrap() = pids.to_vec();
+    }
+}
+
+impl Host for FakeHost {
+    fn cgroup2_of(&self, _pid: u32) -> crate::error::Result<Option<PathBuf>> {
+        Ok(self.cgroup.lock().unwrap().clone())
+    }
+
+    fn check_dumpable(&self, init: u32, _cgroup: &Path) -> std::result::Result<(), ProcError> {
+        let pids = self.outside.lock().unwrap().clone();
+        if pids.is_empty() {
+            return Ok(());
+        }
+        Err(ProcError::Undumpable {
+            init,
+            cmdlines: vec!["sleep 1000".into(); pids.len()],
+            pids,
+        })
     }
 }

@@ -16,6 +16,7 @@ mod exec;
 mod exit;
 #[cfg(test)]
 mod fake;
+mod host;
 mod kill;
 mod restore;
 mod resume;
@@ -25,6 +26,7 @@ mod update;
 /// The task core's own reasons a checkpoint is not restored, kept as the source of the
 /// core's [`Error`] (its `Restore`, `Resume` and `Refused` kinds).
 pub use checkpoint::BindingError;
+pub use host::{Host, SystemHost};
 pub use restore::{NotRun, Unguarded};
 pub use resume::ResumeError;
 
@@ -233,6 +235,8 @@ pub struct Containers {
     shutdown: Arc<ExitSignal>,
     /// The OCI runtime of a container, from how runc is to be run for it.
     runtimes: RuntimeFactory,
+    /// What the core asks of the host itself (cgroups, the processes a dump would hold).
+    host: Arc<dyn Host>,
 }
 
 /// Makes a container's [`OciRuntime`] from its [`Runc`] settings: runc itself in the shim, a
@@ -257,16 +261,24 @@ impl Containers {
         shutdown: Arc<ExitSignal>,
     ) -> Arc<Self> {
         let runc: RuntimeFactory = Arc::new(|r: &Runc| Arc::new(r.clone()) as Arc<dyn OciRuntime>);
-        Self::with_runtimes(namespace, snapshots, events, shutdown, runc)
+        Self::with_seams(
+            namespace,
+            snapshots,
+            events,
+            shutdown,
+            runc,
+            Arc::new(SystemHost),
+        )
     }
 
-    /// [`Self::new`] with containers run by the runtimes `runtimes` makes.
-    pub fn with_runtimes(
+    /// [`Self::new`] with containers run by the runtimes `runtimes` makes, on `host`.
+    pub fn with_seams(
         namespace: String,
         snapshots: Arc<dyn crate::restore::layers::SnapshotSource>,
         events: EventSender,
         shutdown: Arc<ExitSignal>,
         runtimes: RuntimeFactory,
+        host: Arc<dyn Host>,
     ) -> Arc<Self> {
         Arc::new(Self {
             namespace,
@@ -276,6 +288,7 @@ impl Containers {
             pids: Mutex::new(PidTable::default()),
             shutdown,
             runtimes,
+            host,
         })
     }
 
