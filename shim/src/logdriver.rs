@@ -25,7 +25,7 @@
 
 use std::{
     io,
-    os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd},
+    os::fd::{AsFd, AsRawFd, OwnedFd},
     os::unix::process::CommandExt,
     path::PathBuf,
     pin::Pin,
@@ -47,6 +47,7 @@ use tokio::{
 use crate::{
     error::{Error, Result},
     reaper::ExitSubscription,
+    sys::pidfd::PidFd,
 };
 
 /// How long a logger may take to say it is ready.
@@ -172,7 +173,7 @@ struct Logger {
     path: PathBuf,
     pid: i32,
     /// Refers to the logger itself even after it was reaped and its pid reused.
-    pidfd: Option<OwnedFd>,
+    pidfd: Option<PidFd>,
 }
 
 impl Drop for Logger {
@@ -201,37 +202,10 @@ impl Drop for Logger {
                     "logging binary {} (pid {pid}) still running {EXIT_GRACE:?} after its pipes closed: killing it",
                     path.display()
                 );
-                let _ = pidfd_send_signal(&pidfd, libc::SIGKILL);
+                let _ = pidfd.kill();
             }
         });
     }
-}
-
-fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
-}
-
-fn pidfd_send_signal(pidfd: &OwnedFd, signal: i32) -> io::Result<()> {
-    // SAFETY: a valid pidfd, a signal number, no siginfo, no flags.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            pidfd.as_raw_fd(),
-            signal,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        )
-    };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 fn pipe() -> Result<(OwnedFd, OwnedFd)> {
@@ -300,7 +274,7 @@ async fn start_with_timeout(
     // The reaper waits for it; the Child (which never waits on drop) is not needed.
     drop(child);
     drop((cmd, out_r, err_r, ready_w));
-    let pidfd = pidfd_open(pid)
+    let pidfd = PidFd::open(pid as u32)
         .map_err(|e| {
             log::warn!("no pidfd for logging binary {shown} (pid {pid}): it will not be killed if it lingers: {e}")
         })
@@ -312,7 +286,7 @@ async fn start_with_timeout(
     });
     let kill = |logger: &Logger| match &logger.pidfd {
         Some(fd) => {
-            let _ = pidfd_send_signal(fd, libc::SIGKILL);
+            let _ = fd.kill();
         }
         None => {
             let _ = nix::sys::signal::kill(

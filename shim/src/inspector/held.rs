@@ -49,7 +49,7 @@ pub fn held(pidfd: BorrowedFd<'_>, fd: i32, target: &str) -> Option<Held> {
     if !maybe {
         return None; // anon inodes: their state is in fdinfo
     }
-    let copy = getfd(pidfd, fd).ok()?;
+    let copy = crate::sys::pidfd::get_fd(pidfd, fd).ok()?;
     match file_type(&copy)? {
         libc::S_IFIFO => pipe(&copy),
         libc::S_IFSOCK => socket(&copy),
@@ -74,16 +74,6 @@ fn file_type(fd: &OwnedFd) -> Option<u32> {
         )
     };
     (rc == 0 && stx.stx_mask & libc::STATX_TYPE != 0).then_some(stx.stx_mode as u32 & libc::S_IFMT)
-}
-
-fn getfd(pidfd: BorrowedFd<'_>, fd: i32) -> io::Result<OwnedFd> {
-    // SAFETY: pidfd_getfd takes two descriptors and flags, no pointers.
-    let rc = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a new descriptor nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(rc as i32) })
 }
 
 /// A line that never equals another one: what a queue holds cannot be read exactly.
