@@ -88,9 +88,10 @@ pub type Range = (u64, u64);
 fn command_line_pages(mm: &[u8], page: u64) -> Result<Vec<Range>, String> {
     let mut fields = [None::<u64>; 4];
     for field in Fields::strict(mm, &MM_ENTRY) {
-        let (number, value) = field?;
+        let (number, value) = field.map_err(|e| e.to_string())?;
         if (8..=11).contains(&number) {
-            fields[number as usize - 8] = Some(value.varint("an mm address")?);
+            fields[number as usize - 8] =
+                Some(value.varint("an mm address").map_err(|e| e.to_string())?);
         }
     }
     let [Some(arg_start), Some(arg_end), Some(env_start), Some(env_end)] = fields else {
@@ -112,7 +113,10 @@ fn command_line_pages(mm: &[u8], page: u64) -> Result<Vec<Range>, String> {
 
 /// [`command_line_pages`] of an `mm-<pid>.img` file.
 pub fn mm_command_line_pages(mm_file: &[u8], page: u64) -> Result<Vec<Range>, String> {
-    command_line_pages(single(mm_file, MM_MAGIC, true)?, page)
+    command_line_pages(
+        single(mm_file, MM_MAGIC, true).map_err(|e| e.to_string())?,
+        page,
+    )
 }
 
 /// One pagemap entry, as CRIU reads it (`init_compat_pagemap_entry`).
@@ -125,10 +129,10 @@ pub struct Entry {
 
 /// The entries of a `pagemap-<pid>.img` file (after its head), as CRIU reads them.
 pub fn pagemap_entries(pagemap: &[u8]) -> Result<Vec<Entry>, String> {
-    let all = entries(pagemap, PAGEMAP_MAGIC, true)?;
+    let all = entries(pagemap, PAGEMAP_MAGIC, true).map_err(|e| e.to_string())?;
     let (head, rest) = all.split_first().ok_or("a pagemap without its head")?;
     for field in Fields::strict(head, &PAGEMAP_HEAD) {
-        field?;
+        field.map_err(|e| e.to_string())?;
     }
     rest.iter().map(|m| parse_entry(m)).collect()
 }
@@ -146,12 +150,12 @@ pub fn lazy(flags: u64) -> bool {
 fn parse_entry(msg: &[u8]) -> Result<Entry, String> {
     let (mut vaddr, mut compat, mut in_parent, mut flags, mut nr) = (None, 0, false, None, None);
     for field in Fields::strict(msg, &PAGEMAP_ENTRY) {
-        match field? {
-            (1, v) => vaddr = Some(v.varint("vaddr")?),
-            (2, v) => compat = u64::from(v.u32("compat_nr_pages")?),
-            (3, v) => in_parent = v.varint("in_parent")? != 0,
-            (4, v) => flags = Some(u64::from(v.u32("flags")?)),
-            (5, v) => nr = Some(v.varint("nr_pages")?),
+        match field.map_err(|e| e.to_string())? {
+            (1, v) => vaddr = Some(v.varint("vaddr").map_err(|e| e.to_string())?),
+            (2, v) => compat = u64::from(v.u32("compat_nr_pages").map_err(|e| e.to_string())?),
+            (3, v) => in_parent = v.varint("in_parent").map_err(|e| e.to_string())? != 0,
+            (4, v) => flags = Some(u64::from(v.u32("flags").map_err(|e| e.to_string())?)),
+            (5, v) => nr = Some(v.varint("nr_pages").map_err(|e| e.to_string())?),
             _ => {}
         }
     }
@@ -244,10 +248,10 @@ pub fn rewrite_pagemap(
     eager: &[Range],
     page: u64,
 ) -> Result<Option<(Vec<u8>, u64)>, String> {
-    let all = entries(pagemap, PAGEMAP_MAGIC, true)?;
+    let all = entries(pagemap, PAGEMAP_MAGIC, true).map_err(|e| e.to_string())?;
     let (head, rest) = all.split_first().ok_or("a pagemap without its head")?;
     for field in Fields::strict(head, &PAGEMAP_HEAD) {
-        field?;
+        field.map_err(|e| e.to_string())?;
     }
     let mut out = Vec::with_capacity(pagemap.len() + 64);
     out.extend_from_slice(&IMG_COMMON_MAGIC.to_le_bytes());
