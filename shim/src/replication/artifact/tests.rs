@@ -511,7 +511,38 @@ fn hostile_segment_lists_are_refused_before_anything_is_pulled() {
         })
         .collect::<Vec<_>>();
     plan_files(&whole, &v.criu).unwrap();
-    // Each refusal says what is wrong, and of which file.
+    whole[0].offset = Some("0".into());
+    whole.rotate_left(0);
+    let big = whole
+        .iter()
+        .position(|x| x.file.as_deref() == Some("pages-1.img"))
+        .unwrap();
+    whole[big].offset = Some("0".into());
+    assert!(
+        plan_files(&whole, &v.criu).is_err(),
+        "a whole file over the maximum with an offset"
+    );
+}
+
+/// Each refusal of a segment list says what is wrong, and of which file.
+#[test]
+fn segment_refusals_say_what_and_of_which_file() {
+    let (_t, record, _m, a) = process_store(3 << 20);
+    let mut trusted = TrustedKeys::new();
+    trusted.add(SigningKey::from_bytes(&[7; 32]).verifying_key(), "test");
+    let v = verify(&a.config, "ns/p/c", record.image.as_deref(), &trusted).unwrap();
+    let whole = v
+        .criu
+        .iter()
+        .map(|(name, f)| SegmentRef {
+            media_type: MEDIA_TYPE_CRIU_FILE.into(),
+            digest: f.sha256.clone(),
+            size: f.size as i64,
+            file: Some(name.clone()),
+            offset: None,
+        })
+        .collect::<Vec<_>>();
+    plan_files(&whole, &v.criu).unwrap();
     let mut unnamed = whole.clone();
     unnamed[0].file = None;
     assert!(matches!(
@@ -536,17 +567,6 @@ fn hostile_segment_lists_are_refused_before_anything_is_pulled() {
     assert_eq!(
         plan_files(&missing, &v.criu),
         Err(SegmentError::Missing(vec![gone]))
-    );
-    whole[0].offset = Some("0".into());
-    whole.rotate_left(0);
-    let big = whole
-        .iter()
-        .position(|x| x.file.as_deref() == Some("pages-1.img"))
-        .unwrap();
-    whole[big].offset = Some("0".into());
-    assert!(
-        plan_files(&whole, &v.criu).is_err(),
-        "a whole file over the maximum with an offset"
     );
 }
 
