@@ -19,12 +19,25 @@ const CRI_NAMESPACE: &str = "k8s.io";
 /// or pod's shim, whose grouping ids are container and sandbox ids.
 const GROUP_ANNOTATION: &str = "io.containerd.crab.v1.group";
 
+/// Why a container's group annotation is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GroupError {
+    #[error("spec annotation {a} must be 1 to 64 of [A-Za-z0-9._-], got {0:?}", a = GROUP_ANNOTATION)]
+    BadName(String),
+    #[error(
+        "spec annotation {a} names the shim group {0:?}, which the config does not allow \
+         (containers of one group share a shim; list it in [shim] groups)",
+        a = GROUP_ANNOTATION
+    )]
+    NotAllowed(String),
+}
+
 /// The id of the shim a container joins: its pod's, its explicit group's, else its own.
 pub fn grouping(
     spec: Option<&oci_spec::runtime::Spec>,
     id: &str,
     namespace: &str,
-) -> std::result::Result<String, String> {
+) -> Result<String, GroupError> {
     let Some(spec) = spec else {
         return Ok(id.to_string());
     };
@@ -45,9 +58,7 @@ pub fn grouping(
     match bundle::annotation(spec, &[GROUP_ANNOTATION]) {
         None => Ok(id.to_string()),
         Some(g) if crab_runtime_config::is_group_name(g) => Ok(format!("crab-group-{g}")),
-        Some(g) => Err(format!(
-            "spec annotation {GROUP_ANNOTATION} must be 1 to 64 of [A-Za-z0-9._-], got {g:?}"
-        )),
+        Some(g) => Err(GroupError::BadName(g.to_string())),
     }
 }
 
@@ -57,7 +68,7 @@ pub fn check_group(
     spec: &oci_spec::runtime::Spec,
     namespace: &str,
     allowed: &[String],
-) -> std::result::Result<(), String> {
+) -> Result<(), GroupError> {
     let cri_made = namespace == CRI_NAMESPACE
         && bundle::annotation(spec, &[SANDBOX_ANNOTATION]).is_some()
         && matches!(
@@ -65,10 +76,9 @@ pub fn check_group(
             Some("sandbox" | "container")
         );
     match bundle::annotation(spec, &[GROUP_ANNOTATION]) {
-        Some(g) if !cri_made && !allowed.iter().any(|a| a == g) => Err(format!(
-            "spec annotation {GROUP_ANNOTATION} names the shim group {g:?}, which the config \
-             does not allow (containers of one group share a shim; list it in [shim] groups)"
-        )),
+        Some(g) if !cri_made && !allowed.iter().any(|a| a == g) => {
+            Err(GroupError::NotAllowed(g.to_string()))
+        }
         _ => Ok(()),
     }
 }
@@ -113,7 +123,8 @@ mod tests {
         );
         for bad in ["", "../x", "a b", &"x".repeat(65)] {
             let e = grouping(Some(&spec(&[(GROUP_ANNOTATION, bad)])), "c1", NS).unwrap_err();
-            assert!(e.contains(GROUP_ANNOTATION), "{e}");
+            assert_eq!(e, GroupError::BadName(bad.to_string()));
+            assert!(e.to_string().contains(GROUP_ANNOTATION), "{e}");
         }
     }
 
@@ -133,6 +144,8 @@ mod tests {
             ),
         ] {
             let e = check_group(&s, NS, allowed).unwrap_err();
+            assert!(matches!(e, GroupError::NotAllowed(_)), "{e}");
+            let e = e.to_string();
             assert!(
                 e.contains("does not allow") && e.contains("[shim] groups"),
                 "{e}"

@@ -400,21 +400,55 @@ impl From<&store::Manifest> for ManifestFigures {
     }
 }
 
+/// Why a file of figures does not count: a manifest or answer that is not one, or a record
+/// of removed figures that cannot be read ([`Retired::load`], [`Pruned::load`]).
+#[derive(Debug, thiserror::Error)]
+pub enum FiguresError {
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    #[error(
+        "manifest format {format}, newer than this crab reads ({reads}): upgrade crabctl",
+        reads = store::FORMAT
+    )]
+    NewerFormat { format: u32 },
+    #[error("{}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{}: {source}", path.display())]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// Its figures do not add up (`what`: how).
+    #[error("{}: inconsistent ({what})", path.display())]
+    Inconsistent { path: PathBuf, what: &'static str },
+}
+
 /// Parses a manifest's figures; `Err` says why the file does not count.
-pub fn manifest_figures(data: &[u8]) -> Result<ManifestFigures, String> {
-    let m: ManifestFigures = serde_json::from_slice(data).map_err(|e| e.to_string())?;
+pub fn manifest_figures(data: &[u8]) -> Result<ManifestFigures, FiguresError> {
+    let m: ManifestFigures = serde_json::from_slice(data)?;
     if m.format > store::FORMAT {
-        return Err(format!(
-            "manifest format {}, newer than this crab reads ({}): upgrade crabctl",
-            m.format,
-            store::FORMAT
-        ));
+        return Err(FiguresError::NewerFormat { format: m.format });
     }
     Ok(m)
 }
 
-pub fn answer_figures(data: &[u8]) -> Result<AnswerFigures, String> {
-    serde_json::from_slice(data).map_err(|e| e.to_string())
+pub fn answer_figures(data: &[u8]) -> Result<AnswerFigures, FiguresError> {
+    Ok(serde_json::from_slice(data)?)
+}
+
+/// Reads the JSON file `path` of a store or namespace directory; none is the default.
+fn load_json<T: Default + serde::de::DeserializeOwned>(path: PathBuf) -> Result<T, FiguresError> {
+    let data = match fs::read(&path) {
+        Ok(d) => d,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(T::default()),
+        Err(source) => return Err(FiguresError::Read { path, source }),
+    };
+    serde_json::from_slice(&data).map_err(|source| FiguresError::Parse { path, source })
 }
 
 /// Sequence numbers as sorted, disjoint, inclusive ranges.
@@ -464,20 +498,14 @@ pub struct Retired {
 
 impl Retired {
     /// Reads `<root>/retired.json`; none is an empty one.
-    pub fn load(root: &Path) -> Result<Retired, String> {
+    pub fn load(root: &Path) -> Result<Retired, FiguresError> {
         let path = root.join(RETIRED_FILE);
-        let data = match fs::read(&path) {
-            Ok(d) => d,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Retired::default()),
-            Err(e) => return Err(format!("{}: {e}", path.display())),
-        };
-        let r: Retired =
-            serde_json::from_slice(&data).map_err(|e| format!("{}: {e}", path.display()))?;
+        let r: Retired = load_json(path.clone())?;
         if !r.tally.is_consistent() || !r.manifests.is_canonical() || !r.turns.is_canonical() {
-            return Err(format!(
-                "{}: inconsistent (histograms that do not add up, or unsorted ranges)",
-                path.display()
-            ));
+            return Err(FiguresError::Inconsistent {
+                path,
+                what: "histograms that do not add up, or unsorted ranges",
+            });
         }
         Ok(r)
     }
@@ -675,7 +703,7 @@ pub fn scan_store(root: &Path, cache: &mut ScanCache) -> StoreFigures {
                     true => manifest_figures(data).map(Figures::Manifest),
                     false => answer_figures(data).map(Figures::Answer),
                 };
-                parsed.unwrap_or_else(Figures::Unreadable)
+                parsed.unwrap_or_else(|e| Figures::Unreadable(e.to_string()))
             });
             out.files_read += u64::from(read);
             match figures {
@@ -761,20 +789,14 @@ pub struct Pruned {
 }
 
 impl Pruned {
-    pub fn load(ns_dir: &Path) -> Result<Pruned, String> {
+    pub fn load(ns_dir: &Path) -> Result<Pruned, FiguresError> {
         let path = ns_dir.join(PRUNED_FILE);
-        let data = match fs::read(&path) {
-            Ok(d) => d,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Pruned::default()),
-            Err(e) => return Err(format!("{}: {e}", path.display())),
-        };
-        let p: Pruned =
-            serde_json::from_slice(&data).map_err(|e| format!("{}: {e}", path.display()))?;
+        let p: Pruned = load_json(path.clone())?;
         if !p.tally.is_consistent() {
-            return Err(format!(
-                "{}: inconsistent (histograms that do not add up)",
-                path.display()
-            ));
+            return Err(FiguresError::Inconsistent {
+                path,
+                what: "histograms that do not add up",
+            });
         }
         Ok(p)
     }
@@ -1082,6 +1104,25 @@ mod tests {
         assert!(e.contains("move it away"), "{e}");
         fs::write(root.join(RETIRED_FILE), br#"{"manifests": [[5, 4]]}"#).unwrap();
         assert_eq!(scan_store(root, &mut ScanCache::default()).unreadable, 1);
+        let e = Retired::load(root).unwrap_err();
+        assert!(
+            matches!(&e, FiguresError::Inconsistent { path, .. } if *path == root.join(RETIRED_FILE)),
+            "{e}"
+        );
+        fs::write(root.join(RETIRED_FILE), b"{").unwrap();
+        assert!(matches!(
+            Retired::load(root),
+            Err(FiguresError::Parse { .. })
+        ));
+        assert_eq!(
+            manifest_figures(br#"{"format": 9, "kind": "fs"}"#)
+                .unwrap_err()
+                .to_string(),
+            format!(
+                "manifest format 9, newer than this crab reads ({}): upgrade crabctl",
+                store::FORMAT
+            )
+        );
     }
 
     #[test]

@@ -456,7 +456,7 @@ impl Sandbox {
             }
             let reset =
                 crate::rollback::reset(i, store, &target, &latest, pid).map_err(|e| match e {
-                    crate::rollback::ResetError::Refused(why) => refused(why),
+                    crate::rollback::ResetError::Refused(why) => refused(why.to_string()),
                     e @ crate::rollback::ResetError::Failed(_) => {
                         // The files match neither the checkpoint nor the chain: the next checkpoint
                         // takes them whole.

@@ -14,9 +14,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use super::criu_proto::{entries, single, Fields, Schema};
+pub use super::criu_proto::MAX_TASKS;
+use super::criu_proto::{parse_pstree, single, DecodeError, Fields, Schema};
+
 const INVENTORY_MAGIC: u32 = 0x5831_3116;
-const PSTREE_MAGIC: u32 = 0x5027_3030;
 const CORE_MAGIC: u32 = 0x5505_3847;
 const IDS_MAGIC: u32 = 0x5443_2030;
 /// `inventory.img_version` of images with [`IMG_COMMON_MAGIC`] heads (CRIU's
@@ -27,8 +28,6 @@ const TASK_DEAD: u64 = 2;
 
 /// The files read here are small (a core file is a few KB); anything larger is not CRIU's.
 pub const MAX_DESCRIPTOR_FILE: u64 = 8 << 20;
-/// More tasks than this in one image is not a sandbox's process tree.
-pub const MAX_TASKS: usize = 65_536;
 
 /// Namespace flags as in `clone(2)`.
 pub mod ns {
@@ -68,8 +67,55 @@ pub enum CriuImageError {
         #[source]
         source: io::Error,
     },
+    /// What a file of the image says is not what CRIU writes, or not what a sandbox runs.
+    #[error("CRIU image: {path} is malformed: {source}")]
+    Invalid {
+        path: PathBuf,
+        #[source]
+        source: FactsError,
+    },
+    #[error("CRIU image: {path} is malformed: not a regular file")]
+    NotRegular { path: PathBuf },
+    #[error(
+        "CRIU image: {path} is malformed: {len} bytes, more than the {max} a CRIU descriptor \
+         file may have",
+        max = MAX_DESCRIPTOR_FILE
+    )]
+    TooLarge { path: PathBuf, len: u64 },
+    #[error("CRIU image: {path} is malformed: grew while being read")]
+    Grew { path: PathBuf },
+    /// A file the caller found wrong in a way of its own (a reader of other files of the
+    /// image; a file missing from the set a test or fuzz target gives).
     #[error("CRIU image: {path} is malformed: {reason}")]
     Malformed { path: PathBuf, reason: String },
+}
+
+/// What is wrong with the content of one file of a CRIU image: its encoding
+/// ([`DecodeError`]), or facts no sandbox's image has.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FactsError {
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+    #[error("image layout version {0}, not {v}", v = IMAGES_V1_1)]
+    Version(u64),
+    #[error("no image layout version")]
+    NoVersion,
+    #[error("no root_ids: the namespaces cannot be told")]
+    NoRootIds,
+    #[error("no tasks")]
+    NoTasks,
+    #[error("more than {max} threads", max = MAX_TASKS)]
+    TooManyThreads,
+    #[error("thread {0} records no credentials")]
+    NoCredentials(u32),
+    #[error("the root task {0} is not among its threads")]
+    RootNotAThread(u32),
+    #[error("more than 65536 supplementary groups")]
+    TooManyGroups,
+    #[error("credentials without all of uid, gid, euid, egid, suid, sgid, fsuid, fsgid")]
+    PartialCredentials,
+    #[error("{0} names capabilities beyond bit 63")]
+    WideCapSet(&'static str),
 }
 
 /// One thread's credentials and security state, as CRIU would restore them.
@@ -133,15 +179,16 @@ pub fn facts_from(
 
     let pstree_path = dir.join("pstree.img");
     let pstree = read(&pstree_path)?;
-    let tasks = parse_pstree(&pstree).map_err(malformed(&pstree_path))?;
+    let tasks = parse_pstree(&pstree).map_err(|e| malformed(&pstree_path)(e.into()))?;
     let root_pid = tasks
         .first()
-        .map(|t| t.0)
-        .ok_or_else(|| malformed(&pstree_path)("no tasks".into()))?;
+        .map(|t| t.pid)
+        .ok_or_else(|| malformed(&pstree_path)(FactsError::NoTasks))?;
 
     let mut threads = Vec::new();
     let mut namespaces = None;
-    for (pid, tids) in &tasks {
+    for task in &tasks {
+        let (pid, tids) = (&task.pid, &task.threads);
         // A zombie is its leader's core alone (CRIU restores it from `core-<pid>.img`): CRIU
         // collects no threads of a zombie, and the one thread id its pstree entry carries is
         // whatever was in memory (seen: 148003136, with no such core file). A task without
@@ -156,9 +203,7 @@ pub fn facts_from(
         };
         for &tid in tids {
             if threads.len() >= MAX_TASKS {
-                return Err(malformed(&pstree_path)(format!(
-                    "more than {MAX_TASKS} threads"
-                )));
+                return Err(malformed(&pstree_path)(FactsError::TooManyThreads));
             }
             let path = dir.join(format!("core-{tid}.img"));
             // The leader's core was read above.
@@ -170,6 +215,7 @@ pub fn facts_from(
                 // CRIU restores namespaces from the root task's `ids-<pid>.img`.
                 let ids_path = dir.join(format!("ids-{pid}.img"));
                 let ids = single(&read(&ids_path)?, IDS_MAGIC, true)
+                    .map_err(FactsError::from)
                     .and_then(parse_ns_ids)
                     .map_err(malformed(&ids_path))?;
                 namespaces = Some(clone_mask(&ids, &root_ids));
@@ -177,11 +223,7 @@ pub fn facts_from(
             let creds = match (core.creds, core.task_state) {
                 (Some(c), _) => Some(c),
                 (None, Some(TASK_DEAD)) => None,
-                (None, _) => {
-                    return Err(malformed(&path)(format!(
-                        "thread {tid} records no credentials"
-                    )))
-                }
+                (None, _) => return Err(malformed(&path)(FactsError::NoCredentials(tid))),
             };
             threads.push(Thread {
                 pid: *pid,
@@ -194,17 +236,16 @@ pub fn facts_from(
     }
     Ok(ImageFacts {
         root_pid,
-        namespaces: namespaces.ok_or_else(|| {
-            malformed(&pstree_path)(format!("the root task {root_pid} is not among its threads"))
-        })?,
+        namespaces: namespaces
+            .ok_or_else(|| malformed(&pstree_path)(FactsError::RootNotAThread(root_pid)))?,
         threads,
     })
 }
 
-fn malformed(path: &Path) -> impl Fn(String) -> CriuImageError + '_ {
-    move |reason| CriuImageError::Malformed {
+fn malformed(path: &Path) -> impl Fn(FactsError) -> CriuImageError + '_ {
+    move |source| CriuImageError::Invalid {
         path: path.to_path_buf(),
-        reason,
+        source,
     }
 }
 
@@ -215,26 +256,27 @@ pub(crate) fn read_bounded(path: &Path) -> Result<Vec<u8>, CriuImageError> {
         path: path.to_path_buf(),
         source,
     };
+    let path_buf = || path.to_path_buf();
     let f = crate::sys::beneath::open_regular_nofollow(path).map_err(|e| {
         if crate::sys::beneath::is_refused(&e) {
-            malformed(path)("not a regular file".into())
+            CriuImageError::NotRegular { path: path_buf() }
         } else {
             io(e)
         }
     })?;
     let md = f.metadata().map_err(io)?;
     if md.len() > MAX_DESCRIPTOR_FILE {
-        return Err(malformed(path)(format!(
-            "{} bytes, more than the {MAX_DESCRIPTOR_FILE} a CRIU descriptor file may have",
-            md.len()
-        )));
+        return Err(CriuImageError::TooLarge {
+            path: path_buf(),
+            len: md.len(),
+        });
     }
     let mut out = Vec::with_capacity(md.len() as usize);
     f.take(MAX_DESCRIPTOR_FILE + 1)
         .read_to_end(&mut out)
         .map_err(io)?;
     if out.len() as u64 > MAX_DESCRIPTOR_FILE {
-        return Err(malformed(path)("grew while being read".into()));
+        return Err(CriuImageError::Grew { path: path_buf() });
     }
     Ok(out)
 }
@@ -260,11 +302,6 @@ const TASK_KOBJ_IDS_ENTRY: Schema = Schema {
     name: "task_kobj_ids_entry",
     known: &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
     repeated: &[],
-};
-const PSTREE_ENTRY: Schema = Schema {
-    name: "pstree_entry",
-    known: &[1, 2, 3, 4, 5],
-    repeated: &[5],
 };
 const CORE_ENTRY: Schema = Schema {
     name: "core_entry",
@@ -296,7 +333,7 @@ const RSEQ_ENTRY: Schema = Schema {
     repeated: &[],
 };
 
-fn parse_ns_ids(msg: &[u8]) -> Result<NsIds, String> {
+fn parse_ns_ids(msg: &[u8]) -> Result<NsIds, FactsError> {
     let mut ids = NsIds::default();
     for field in Fields::strict(msg, &TASK_KOBJ_IDS_ENTRY) {
         let (number, value) = field?;
@@ -333,7 +370,7 @@ fn clone_mask(task: &NsIds, criu: &NsIds) -> u32 {
 }
 
 /// `inventory_entry`: checks the layout version, returns `root_ids` (field 3).
-fn parse_inventory(bytes: &[u8]) -> Result<NsIds, String> {
+fn parse_inventory(bytes: &[u8]) -> Result<NsIds, FactsError> {
     let msg = single(bytes, INVENTORY_MAGIC, false)?;
     let (mut version, mut root_ids) = (None, None);
     for field in Fields::strict(msg, &INVENTORY_ENTRY) {
@@ -345,34 +382,10 @@ fn parse_inventory(bytes: &[u8]) -> Result<NsIds, String> {
     }
     match version {
         Some(IMAGES_V1_1) => {}
-        Some(v) => return Err(format!("image layout version {v}, not {IMAGES_V1_1}")),
-        None => return Err("no image layout version".into()),
+        Some(v) => return Err(FactsError::Version(v)),
+        None => return Err(FactsError::NoVersion),
     }
-    root_ids.ok_or_else(|| "no root_ids: the namespaces cannot be told".into())
-}
-
-/// `pstree_entry`s: each task's pid (field 1) and threads (field 5), root first.
-fn parse_pstree(bytes: &[u8]) -> Result<Vec<(u32, Vec<u32>)>, String> {
-    let list = entries(bytes, PSTREE_MAGIC, true)?;
-    if list.len() > MAX_TASKS {
-        return Err(format!("{} tasks, more than {MAX_TASKS}", list.len()));
-    }
-    let mut out = Vec::with_capacity(list.len());
-    for msg in list {
-        let (mut pid, mut threads) = (None, Vec::new());
-        for field in Fields::strict(msg, &PSTREE_ENTRY) {
-            match field? {
-                (1, v) => pid = Some(v.u32("pid")?),
-                (5, v) => v.repeated_u32("threads", &mut threads)?,
-                _ => {}
-            }
-        }
-        if threads.len() > MAX_TASKS {
-            return Err(format!("a task with {} threads", threads.len()));
-        }
-        out.push((pid.ok_or("a task without a pid")?, threads));
-    }
-    Ok(out)
+    root_ids.ok_or(FactsError::NoRootIds)
 }
 
 struct Core {
@@ -384,7 +397,7 @@ struct Core {
 
 /// `core_entry`: the task's state and comm (`tc`, field 3) and the thread's credentials and
 /// seccomp mode (`thread_core`, field 5).
-fn parse_core(bytes: &[u8]) -> Result<Core, String> {
+fn parse_core(bytes: &[u8]) -> Result<Core, FactsError> {
     let msg = single(bytes, CORE_MAGIC, true)?;
     let mut core = Core {
         task_state: None,
@@ -431,7 +444,7 @@ fn parse_core(bytes: &[u8]) -> Result<Core, String> {
 
 /// `rseq_entry`: the area's address (field 1) when one is registered (its size, field 2, is
 /// not 0).
-fn parse_rseq(msg: &[u8]) -> Result<Option<u64>, String> {
+fn parse_rseq(msg: &[u8]) -> Result<Option<u64>, FactsError> {
     let (mut pointer, mut size) = (0, 0);
     for field in Fields::strict(msg, &RSEQ_ENTRY) {
         match field? {
@@ -444,7 +457,7 @@ fn parse_rseq(msg: &[u8]) -> Result<Option<u64>, String> {
 }
 
 /// `creds_entry`.
-fn parse_creds(msg: &[u8]) -> Result<Creds, String> {
+fn parse_creds(msg: &[u8]) -> Result<Creds, FactsError> {
     let mut c = Creds::default();
     let mut seen = 0u32;
     let (mut inh, mut prm, mut eff, mut bnd, mut amb) =
@@ -473,13 +486,11 @@ fn parse_creds(msg: &[u8]) -> Result<Creds, String> {
             seen |= 1 << number;
         }
         if c.groups.len() > 65_536 {
-            return Err("more than 65536 supplementary groups".into());
+            return Err(FactsError::TooManyGroups);
         }
     }
     if seen != 0b1_1111_1110 {
-        return Err(
-            "credentials without all of uid, gid, euid, egid, suid, sgid, fsuid, fsgid".into(),
-        );
+        return Err(FactsError::PartialCredentials);
     }
     c.cap_inh = cap_set("cap_inh", &inh)?;
     c.cap_prm = cap_set("cap_prm", &prm)?;
@@ -491,14 +502,14 @@ fn parse_creds(msg: &[u8]) -> Result<Creds, String> {
 
 /// A capability set stored as 32-bit words, lowest first (CRIU's `CR_CAP_SIZE` is 2). A set
 /// that does not fit 64 bits names capabilities no kernel has: refused, not truncated.
-fn cap_set(what: &str, words: &[u32]) -> Result<u64, String> {
+fn cap_set(what: &'static str, words: &[u32]) -> Result<u64, FactsError> {
     let mut set = 0u64;
     for (i, w) in words.iter().enumerate() {
         match i {
             0 => set |= u64::from(*w),
             1 => set |= u64::from(*w) << 32,
             _ if *w == 0 => {}
-            _ => return Err(format!("{what} names capabilities beyond bit 63")),
+            _ => return Err(FactsError::WideCapSet(what)),
         }
     }
     Ok(set)
@@ -509,7 +520,7 @@ fn cap_set(what: &str, words: &[u32]) -> Result<u64, String> {
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod testing {
     use super::*;
-    use crate::checkpoint::criu_proto::IMG_COMMON_MAGIC;
+    use crate::checkpoint::criu_proto::{IMG_COMMON_MAGIC, PSTREE_MAGIC};
     use std::fs;
 
     /// Root's credentials with `caps` in the permitted, effective and bounding sets.
@@ -740,6 +751,7 @@ pub mod testing {
 mod tests {
     use super::testing::*;
     use super::*;
+    use crate::checkpoint::criu_proto::PSTREE_MAGIC;
     use std::fs;
 
     fn root_creds() -> Creds {
@@ -1006,19 +1018,58 @@ mod tests {
         }
     }
 
+    /// What is wrong stays typed up to the caller, with the file it is in: a file cut short
+    /// says where its last entry would have ended.
+    #[test]
+    fn errors_keep_their_kind_and_file() {
+        let dir = tempfile::tempdir().unwrap();
+        write_image(dir.path(), &[(1, &[])], &root_creds(), 0);
+        let core = fs::read(dir.path().join("core-1.img")).unwrap();
+        fs::write(dir.path().join("core-1.img"), &core[..core.len() - 1]).unwrap();
+        match read_facts(dir.path()).unwrap_err() {
+            CriuImageError::Invalid {
+                path,
+                source: FactsError::Decode(DecodeError::EntryPastEnd { offset, len, left }),
+            } => {
+                assert_eq!(path, dir.path().join("core-1.img"));
+                assert_eq!((offset, left + 1), (8, len));
+            }
+            other => panic!("{other}"),
+        }
+        write_image(dir.path(), &[(1, &[])], &root_creds(), 0);
+        fs::write(
+            dir.path().join("pstree.img"),
+            image_file(PSTREE_MAGIC, true, &[]),
+        )
+        .unwrap();
+        let err = read_facts(dir.path()).unwrap_err();
+        assert!(
+            matches!(&err, CriuImageError::Invalid { source: FactsError::NoTasks, path } if path.ends_with("pstree.img")),
+            "{err}"
+        );
+        fs::write(dir.path().join("pstree.img"), vec![0; 9 << 20]).unwrap();
+        let err = read_facts(dir.path()).unwrap_err();
+        assert!(
+            matches!(err, CriuImageError::TooLarge { len, .. } if len == 9 << 20),
+            "{err}"
+        );
+    }
+
     #[test]
     fn missing_credential_fields_and_wide_cap_sets_are_refused() {
         let mut partial = Vec::new();
         varint_field(&mut partial, 1, 0);
         varint_field(&mut partial, 2, 0);
         let err = parse_creds(&partial).unwrap_err();
-        assert!(err.contains("without all of"), "{err}");
+        assert_eq!(err, FactsError::PartialCredentials);
+        assert!(err.to_string().contains("without all of"), "{err}");
         let mut wide = creds(&root_creds());
         varint_field(&mut wide, 9, 0);
         varint_field(&mut wide, 9, 0);
         varint_field(&mut wide, 9, 1);
         let err = parse_creds(&wide).unwrap_err();
-        assert!(err.contains("beyond bit 63"), "{err}");
+        assert_eq!(err, FactsError::WideCapSet("cap_inh"));
+        assert!(err.to_string().contains("beyond bit 63"), "{err}");
     }
 
     #[test]

@@ -35,6 +35,7 @@ use nix::{
 };
 use serde::Deserialize;
 
+use super::criu_proto::{DecodeError, Fields, Value};
 use crate::reaper::{ExitSubscription, ReaperError};
 use crate::sys::pidfd::PidFd;
 
@@ -53,8 +54,12 @@ pub enum CriuError {
         #[source]
         source: io::Error,
     },
-    #[error("runc's state of the container ({path}) is not what runc writes: {what}")]
-    BadState { path: PathBuf, what: String },
+    #[error("runc's state of the container ({path}) is not what runc writes: {source}")]
+    BadState {
+        path: PathBuf,
+        #[source]
+        source: StateError,
+    },
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -64,7 +69,7 @@ pub enum CriuError {
     #[error("starting CRIU: {0}")]
     Start(#[from] ReaperError),
     #[error("CRIU's answer is malformed: {0}")]
-    Protocol(String),
+    Protocol(#[from] RespError),
     /// CRIU answered that the request failed.
     #[error("CRIU {request} failed{}{}", errno.map(|e| format!(": {}", io::Error::from_raw_os_error(e))).unwrap_or_default(), message.as_ref().map(|m| format!(" ({m})")).unwrap_or_default())]
     Failed {
@@ -76,6 +81,46 @@ pub enum CriuError {
     Exit(i32),
     #[error("CRIU ended without answering (killed, or it crashed: see its log)")]
     NoAnswer,
+}
+
+/// What in runc's state of the container (or the dump asked of it) is not what runc writes.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    #[error("more than {max} bytes", max = MAX_STATE_FILE)]
+    TooLarge,
+    #[error("rootfs {} is not absolute", .0.display())]
+    RelativeRootfs(PathBuf),
+    #[error("no init pid")]
+    NoInit,
+    #[error("invalid manage-cgroups-mode {0:?}")]
+    CgroupsMode(String),
+    /// A namespace the container joined (by path) cannot be found.
+    #[error("the container's {name} namespace {path}: {source}")]
+    Namespace {
+        name: &'static str,
+        path: String,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// What is wrong with an answer of CRIU's.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RespError {
+    #[error("not a protobuf message: {0}")]
+    NotProtobuf(#[source] DecodeError),
+    #[error("a malformed notify: {0}")]
+    Notify(#[source] DecodeError),
+    #[error("field {0} has the wrong type")]
+    WrongType(u32),
+    #[error("no type or success")]
+    Incomplete,
+    #[error("an answer larger than {} KiB", RESP_BUF >> 10)]
+    TooLarge,
+    #[error("an answer of type {kind} to a {request}")]
+    Unexpected { kind: u64, request: &'static str },
 }
 
 fn io_err(context: impl std::fmt::Display) -> impl FnOnce(io::Error) -> CriuError {
@@ -142,34 +187,27 @@ pub enum ProtoValue<'a> {
     Fixed,
 }
 
-use super::criu_proto::varint_at as varint;
+/// The fields of a protobuf message, in order, read by the one protobuf reader of the
+/// checkpoint code ([`Fields`]).
+fn fields_of(msg: &[u8]) -> Result<Vec<(u32, ProtoValue<'_>)>, DecodeError> {
+    Fields::new(msg)
+        .map(|f| {
+            f.map(|(number, v)| {
+                let v = match v {
+                    Value::Varint(v) => ProtoValue::Varint(v),
+                    Value::Bytes(b) => ProtoValue::Bytes(b),
+                    Value::Fixed32 | Value::Fixed64 => ProtoValue::Fixed,
+                };
+                (number, v)
+            })
+        })
+        .collect()
+}
 
 /// The fields of a protobuf message, in order; `None` if malformed.
 pub fn proto_fields(msg: &[u8]) -> Option<Vec<(u64, ProtoValue<'_>)>> {
-    let mut out = Vec::new();
-    let mut pos = 0;
-    while pos < msg.len() {
-        let key = varint(msg, &mut pos)?;
-        let v = match key & 7 {
-            0 => ProtoValue::Varint(varint(msg, &mut pos)?),
-            2 => {
-                let len = usize::try_from(varint(msg, &mut pos)?).ok()?;
-                let body = msg.get(pos..pos.checked_add(len)?)?;
-                pos += len;
-                ProtoValue::Bytes(body)
-            }
-            1 | 5 => {
-                pos = pos.checked_add(if key & 7 == 1 { 8 } else { 4 })?;
-                if pos > msg.len() {
-                    return None;
-                }
-                ProtoValue::Fixed
-            }
-            _ => return None,
-        };
-        out.push((key >> 3, v));
-    }
-    Some(out)
+    let fields = fields_of(msg).ok()?;
+    Some(fields.into_iter().map(|(n, v)| (u64::from(n), v)).collect())
 }
 
 /// `criu_req_type`.
@@ -188,8 +226,8 @@ pub struct Resp {
 }
 
 /// Decodes a `criu_resp`: type 1, success 2, notify 5 (script 1), cr_errno 7, cr_errmsg 9.
-pub fn decode_resp(data: &[u8]) -> Result<Resp, String> {
-    let fields = proto_fields(data).ok_or("not a protobuf message")?;
+pub fn decode_resp(data: &[u8]) -> Result<Resp, RespError> {
+    let fields = fields_of(data).map_err(RespError::NotProtobuf)?;
     let mut r = Resp::default();
     let (mut has_type, mut has_success) = (false, false);
     for (field, v) in fields {
@@ -197,7 +235,7 @@ pub fn decode_resp(data: &[u8]) -> Result<Resp, String> {
             (1, ProtoValue::Varint(t)) => (r.kind, has_type) = (t, true),
             (2, ProtoValue::Varint(s)) => (r.success, has_success) = (s != 0, true),
             (5, ProtoValue::Bytes(n)) => {
-                for (f, v) in proto_fields(n).ok_or("a malformed notify")? {
+                for (f, v) in fields_of(n).map_err(RespError::Notify)? {
                     if let (1, ProtoValue::Bytes(s)) = (f, v) {
                         r.script = Some(String::from_utf8_lossy(s).into_owned());
                     }
@@ -208,13 +246,13 @@ pub fn decode_resp(data: &[u8]) -> Result<Resp, String> {
                 r.message = Some(String::from_utf8_lossy(m).trim().to_string())
             }
             (1 | 2 | 7, _) | (5 | 9, ProtoValue::Varint(_) | ProtoValue::Fixed) => {
-                return Err(format!("field {field} has the wrong type"))
+                return Err(RespError::WrongType(field))
             }
             _ => {}
         }
     }
     if !(has_type && has_success) {
-        return Err("no type or success".into());
+        return Err(RespError::Incomplete);
     }
     Ok(r)
 }
@@ -297,22 +335,19 @@ impl RuncState {
         if data.len() as u64 > MAX_STATE_FILE {
             return Err(CriuError::BadState {
                 path,
-                what: format!("more than {MAX_STATE_FILE} bytes"),
+                source: StateError::TooLarge,
             });
         }
-        Self::parse(&data).map_err(|what| CriuError::BadState { path, what })
+        Self::parse(&data).map_err(|source| CriuError::BadState { path, source })
     }
 
-    pub fn parse(data: &[u8]) -> Result<RuncState, String> {
-        let st: RuncState = serde_json::from_slice(data).map_err(|e| e.to_string())?;
+    pub fn parse(data: &[u8]) -> Result<RuncState, StateError> {
+        let st: RuncState = serde_json::from_slice(data)?;
         if !st.config.rootfs.is_absolute() {
-            return Err(format!(
-                "rootfs {} is not absolute",
-                st.config.rootfs.display()
-            ));
+            return Err(StateError::RelativeRootfs(st.config.rootfs));
         }
         if st.init_process_pid == 0 {
-            return Err("no init pid".into());
+            return Err(StateError::NoInit);
         }
         Ok(st)
     }
@@ -448,14 +483,14 @@ pub fn netns_needs_network_lock(pid: u32) -> bool {
 }
 
 /// `criu_cg_mode` of runc's `--manage-cgroups-mode`.
-fn cg_mode(mode: Option<&str>) -> Result<u64, String> {
+fn cg_mode(mode: Option<&str>) -> Result<u64, StateError> {
     Ok(match mode {
         None | Some("") => 6,
         Some("soft") => 3,
         Some("full") => 4,
         Some("strict") => 5,
         Some("ignore") => 0,
-        Some(other) => return Err(format!("invalid manage-cgroups-mode {other:?}")),
+        Some(other) => return Err(StateError::CgroupsMode(other.to_string())),
     })
 }
 
@@ -508,7 +543,7 @@ fn dump_opts(
     cgroup_v1: &[String],
     images_fd: i32,
     work_fd: i32,
-) -> Result<Enc, String> {
+) -> Result<Enc, StateError> {
     let mut o = Enc::default();
     o.int32(1, images_fd)
         .int32(2, state.init_process_pid as i32)
@@ -555,7 +590,11 @@ fn dump_opts(
         if let Some(path) = state.namespace_path(kind) {
             let ino = fs::metadata(path)
                 .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
-                .map_err(|e| format!("the container's {name} namespace {path}: {e}"))?;
+                .map_err(|source| StateError::Namespace {
+                    name,
+                    path: path.to_string(),
+                    source,
+                })?;
             o.str(37, &format!("{name}[{ino}]:{key}"));
         }
     }
@@ -753,9 +792,9 @@ fn converse(
             return Err(CriuError::NoAnswer);
         }
         if n == buf.len() {
-            return Err(CriuError::Protocol("an answer larger than 40 KiB".into()));
+            return Err(RespError::TooLarge.into());
         }
-        let resp = decode_resp(&buf[..n]).map_err(CriuError::Protocol)?;
+        let resp = decode_resp(&buf[..n])?;
         if !resp.success {
             return Err(CriuError::Failed {
                 request,
@@ -771,11 +810,7 @@ fn converse(
                 send(&ack.0)?;
             }
             REQ_DUMP if request == "dump" => return Ok(()),
-            other => {
-                return Err(CriuError::Protocol(format!(
-                    "an answer of type {other} to a {request}"
-                )))
-            }
+            kind => return Err(RespError::Unexpected { kind, request }.into()),
         }
     }
 }
@@ -891,9 +926,9 @@ pub async fn dump(
         images_fd.as_raw_fd(),
         work_fd.as_raw_fd(),
     )
-    .map_err(|what| CriuError::BadState {
+    .map_err(|source| CriuError::BadState {
         path: runc_root.join(id).join("state.json"),
-        what,
+        source,
     })?;
     let mut req = Enc::default();
     req.uint(1, REQ_DUMP).msg(2, &opts);

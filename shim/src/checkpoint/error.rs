@@ -31,7 +31,7 @@ pub enum CheckpointError {
     Freezer(#[source] std::io::Error),
     /// The id maps of the container's user namespace could not be read.
     #[error("read the container's user namespace id maps: {0}")]
-    IdMaps(String),
+    IdMaps(#[source] super::tar::IdMapError),
     /// The job got no slot of the host engine in time.
     #[error("no checkpoint taken: {0}")]
     NoSlot(#[from] EngineError),

@@ -18,7 +18,7 @@ use std::process::Stdio;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::reaper::ExitSubscription;
+use crate::reaper::{ExitSubscription, ReaperError};
 use crate::sys::pidfd::PidFd;
 
 /// CRIU's socket in the work directory, where the restore meets the daemon.
@@ -27,6 +27,32 @@ pub const SOCKET: &str = "lazy-pages.socket";
 pub const LOG: &str = "lazy-pages.log";
 /// How long the daemon may take to listen on its socket.
 const LISTEN_BOUND: Duration = Duration::from_secs(5);
+
+/// Why a lazy-pages daemon could not be started; `log` is the last error of its log (`: ...`),
+/// if it wrote one.
+#[derive(Debug, thiserror::Error)]
+pub enum LazyError {
+    #[error("cannot create {}: {source}", path.display())]
+    WorkDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Reaper(#[from] ReaperError),
+    #[error("cannot run {} lazy-pages: {source}", criu.display())]
+    Spawn {
+        criu: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("pidfd_open of criu lazy-pages: {0}")]
+    PidFd(#[source] std::io::Error),
+    #[error("criu lazy-pages did not listen within {bound:?}{log}", bound = LISTEN_BOUND)]
+    NotListening { log: String },
+    #[error("criu lazy-pages exited (status {code}) before listening{log}")]
+    Exited { code: i32, log: String },
+}
 
 /// Where a lazy restore's page transfer stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -127,13 +153,15 @@ impl Daemon {
     /// Starts `criu lazy-pages` for the image in `images`, listening in `work` (the restore's
     /// CRIU work directory), and waits until it listens. The daemon is killed if this fails or
     /// the returned value is dropped.
-    pub async fn start(criu: &Path, images: &Path, work: &Path) -> Result<Daemon, String> {
-        std::fs::create_dir_all(work)
-            .map_err(|e| format!("cannot create {}: {e}", work.display()))?;
+    pub async fn start(criu: &Path, images: &Path, work: &Path) -> Result<Daemon, LazyError> {
+        std::fs::create_dir_all(work).map_err(|source| LazyError::WorkDir {
+            path: work.to_path_buf(),
+            source,
+        })?;
         let socket = work.join(SOCKET);
         let _ = std::fs::remove_file(&socket);
         // Subscribed before the spawn, so that the exit cannot be missed.
-        let exits = ExitSubscription::new().await.map_err(|e| e.to_string())?;
+        let exits = ExitSubscription::new().await?;
         let child = std::process::Command::new(criu)
             .arg("lazy-pages")
             .arg("--images-dir")
@@ -145,10 +173,13 @@ impl Daemon {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .map_err(|e| format!("cannot run {} lazy-pages: {e}", criu.display()))?;
+            .map_err(|source| LazyError::Spawn {
+                criu: criu.to_path_buf(),
+                source,
+            })?;
         let pid = child.id();
         drop(child);
-        let fd = PidFd::open(pid).map_err(|e| format!("pidfd_open of criu lazy-pages: {e}"))?;
+        let fd = PidFd::open(pid).map_err(LazyError::PidFd)?;
         let mut daemon = Daemon {
             pid,
             fd,
@@ -169,15 +200,9 @@ impl Daemon {
         tokio::select! {
             listens = listening => match listens {
                 true => Ok(daemon),
-                false => Err(format!(
-                    "criu lazy-pages did not listen within {LISTEN_BOUND:?}{}",
-                    log_tail(work)
-                )),
+                false => Err(LazyError::NotListening { log: log_tail(work) }),
             },
-            code = daemon.wait_exit() => Err(format!(
-                "criu lazy-pages exited (status {code}) before listening{}",
-                log_tail(work)
-            )),
+            code = daemon.wait_exit() => Err(LazyError::Exited { code, log: log_tail(work) }),
         }
     }
 
@@ -301,6 +326,33 @@ mod tests {
         assert_eq!(
             log_tail(d.path()),
             ": (00.3) Error (criu/uffd.c:2): the last one"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_daemon_that_cannot_start_says_why() {
+        let d = tempfile::tempdir().unwrap();
+        let file = d.path().join("file");
+        std::fs::write(&file, "").unwrap();
+        let e = Daemon::start(Path::new("/bin/true"), d.path(), &file.join("work"))
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            matches!(&e, LazyError::WorkDir { path, .. } if path.ends_with("file/work")),
+            "{e}"
+        );
+        assert_eq!(
+            LazyError::Exited {
+                code: 1,
+                log: ": (00.1) Error (criu/uffd.c:1): no".into()
+            }
+            .to_string(),
+            "criu lazy-pages exited (status 1) before listening: (00.1) Error (criu/uffd.c:1): no"
+        );
+        assert_eq!(
+            LazyError::NotListening { log: String::new() }.to_string(),
+            "criu lazy-pages did not listen within 5s"
         );
     }
 

@@ -23,6 +23,7 @@ use crate::{
 };
 
 use super::{
+    criu_proto::{DecodeError, IMG_COMMON_MAGIC},
     criu_rpc::{proto_fields, ProtoValue},
     pages::{self, DedupStats, PagesError},
     store::{ProcessTimings, Timings},
@@ -61,7 +62,7 @@ pub enum ProcError {
     Image {
         path: PathBuf,
         #[source]
-        source: PstreeError,
+        source: DecodeError,
     },
     /// Processes in a job-control stop (SIGSTOP) that this dump cannot seize, and why.
     #[error("process(es) {pids:?} of the container are stopped (SIGSTOP or a terminal stop), which this dump cannot seize: {why}")]
@@ -175,106 +176,9 @@ pub fn check_dumpable(init_pid: u32, cgroup_dir: &Path) -> Result<Vec<u32>, Proc
     Ok(pids)
 }
 
-/// One process of a CRIU image's process tree (`pstree.img`); pids are those of the container's
-/// pid namespace.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PstreeEntry {
-    pub pid: u32,
-    pub ppid: u32,
-    pub pgid: u32,
-    pub sid: u32,
-    pub threads: Vec<u32>,
-}
+pub use super::criu_proto::{parse_pstree, PstreeEntry};
 
-const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
-const IMG_SERVICE_MAGIC: u32 = 0x5510_5940;
-const PSTREE_MAGIC: u32 = 0x5027_3030;
-
-use super::criu_proto::varint_at as varint;
-
-/// Decodes one `PstreeEntry` protobuf message: pid=1, ppid=2, pgid=3, sid=4, threads=5 (repeated,
-/// packed or not); other fields are skipped.
-fn decode_pstree_entry(msg: &[u8]) -> Option<PstreeEntry> {
-    let mut e = PstreeEntry::default();
-    let mut pos = 0;
-    while pos < msg.len() {
-        let key = varint(msg, &mut pos)?;
-        let (field, wire) = (key >> 3, key & 7);
-        match wire {
-            0 => {
-                let v = varint(msg, &mut pos)? as u32;
-                match field {
-                    1 => e.pid = v,
-                    2 => e.ppid = v,
-                    3 => e.pgid = v,
-                    4 => e.sid = v,
-                    5 => e.threads.push(v),
-                    _ => {}
-                }
-            }
-            2 => {
-                let len = varint(msg, &mut pos)? as usize;
-                let body = msg.get(pos..pos.checked_add(len)?)?;
-                pos += len;
-                if field == 5 {
-                    let mut p = 0;
-                    while p < body.len() {
-                        e.threads.push(varint(body, &mut p)? as u32);
-                    }
-                }
-            }
-            1 => pos = pos.checked_add(8)?,
-            5 => pos = pos.checked_add(4)?,
-            _ => return None,
-        }
-    }
-    (pos == msg.len()).then_some(e)
-}
-
-/// What is wrong with a `pstree.img` ([`parse_pstree`]).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PstreeError {
-    #[error("truncated magic")]
-    TruncatedMagic,
-    #[error("magic {0:#x} is not pstree's")]
-    Magic(u32),
-    #[error("truncated entry size")]
-    TruncatedEntrySize,
-    #[error("truncated entry")]
-    TruncatedEntry,
-    #[error("undecodable entry")]
-    UndecodableEntry,
-}
-
-/// Parses a CRIU `pstree.img`: magic(s), then (u32 size, PstreeEntry)*.
-pub fn parse_pstree(data: &[u8]) -> Result<Vec<PstreeEntry>, PstreeError> {
-    let u32_at = |p: usize| {
-        data.get(p..p + 4)
-            .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
-    };
-    let mut pos = 0;
-    let mut magic = u32_at(pos).ok_or(PstreeError::TruncatedMagic)?;
-    pos += 4;
-    if magic == IMG_COMMON_MAGIC || magic == IMG_SERVICE_MAGIC {
-        magic = u32_at(pos).ok_or(PstreeError::TruncatedMagic)?;
-        pos += 4;
-    }
-    if magic != PSTREE_MAGIC {
-        return Err(PstreeError::Magic(magic));
-    }
-    let mut out = Vec::new();
-    while pos < data.len() {
-        let size = u32_at(pos).ok_or(PstreeError::TruncatedEntrySize)? as usize;
-        pos += 4;
-        let msg = data
-            .get(pos..pos + size)
-            .ok_or(PstreeError::TruncatedEntry)?;
-        pos += size;
-        out.push(decode_pstree_entry(msg).ok_or(PstreeError::UndecodableEntry)?);
-    }
-    Ok(out)
-}
-
+/// The process tree of the CRIU image in `dir` ([`parse_pstree`]).
 pub fn read_pstree(dir: &Path) -> Result<Vec<PstreeEntry>, ProcError> {
     let path = dir.join("pstree.img");
     let data = fs::read(&path).map_err(io_err(format!("reading {}", path.display())))?;
@@ -409,6 +313,8 @@ pub struct CriuDumpStats {
     pub pages_written: u64,
 }
 
+/// The head of CRIU's service files (`IMG_SERVICE_MAGIC`: statistics, not image files).
+const IMG_SERVICE_MAGIC: u32 = 0x5510_5940;
 const IMG_SERVICE_MAGIC_STATS: u32 = 0x5709_3306;
 
 /// Parses CRIU's `stats-dump`: a service or common head, the stats magic, then one
@@ -871,53 +777,6 @@ pub mod testing {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn pstree_decoding() {
-        // From a real dump: `sh -c 'sleep 100000 & wait'` (pids 1 and 6 of the container).
-        let img: &[u8] = &[
-            0x19, 0x43, 0x56, 0x54, 0x30, 0x30, 0x27, 0x50, 0x0a, 0, 0, 0, 0x08, 0x01, 0x10, 0x00,
-            0x18, 0x01, 0x20, 0x01, 0x28, 0x01, 0x0a, 0, 0, 0, 0x08, 0x06, 0x10, 0x01, 0x18, 0x01,
-            0x20, 0x01, 0x28, 0x06,
-        ];
-        let tree = parse_pstree(img).unwrap();
-        assert_eq!(
-            tree,
-            [
-                PstreeEntry {
-                    pid: 1,
-                    ppid: 0,
-                    pgid: 1,
-                    sid: 1,
-                    threads: vec![1]
-                },
-                PstreeEntry {
-                    pid: 6,
-                    ppid: 1,
-                    pgid: 1,
-                    sid: 1,
-                    threads: vec![6]
-                },
-            ]
-        );
-        // Packed threads, a multi-byte varint, an unknown field.
-        let mut msg = vec![
-            0x08, 0xac, 0x02, 0x2a, 0x03, 0xac, 0x02, 0x07, 0x32, 0x01, 0xff,
-        ];
-        let mut img2 = img[..8].to_vec();
-        img2.extend((msg.len() as u32).to_le_bytes());
-        img2.append(&mut msg);
-        assert_eq!(
-            parse_pstree(&img2).unwrap(),
-            [PstreeEntry {
-                pid: 300,
-                threads: vec![300, 7],
-                ..Default::default()
-            }]
-        );
-        assert!(parse_pstree(&img[..img.len() - 1]).is_err());
-        assert!(parse_pstree(&img[8..]).is_err(), "no magic");
-    }
 
     #[test]
     fn criu_figures_from_its_log_and_stats() {

@@ -70,6 +70,38 @@ impl<'a> TarEntry<'a> {
 /// At most this many ranges per id map are shifted ([`IdShift`]); the CRI writes one.
 const MAX_ID_RANGES: usize = 5;
 
+/// What is wrong with a `uid_map`/`gid_map` text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdRangeError {
+    #[error("{line:?}: {source}")]
+    Number {
+        line: String,
+        #[source]
+        source: std::num::ParseIntError,
+    },
+    #[error("{0:?}: not three numbers")]
+    NotThree(String),
+    #[error("more than {max} ranges", max = MAX_ID_RANGES)]
+    TooMany,
+}
+
+/// Why the id maps of a process's user namespace could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum IdMapError {
+    #[error("{path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{path}: {source}")]
+    Parse {
+        path: String,
+        #[source]
+        source: IdRangeError,
+    },
+}
+
 /// One direction of a user namespace's id map: (inside, outside, count) ranges, as
 /// `/proc/PID/uid_map` lists them; none: the identity (the initial user namespace).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -81,22 +113,25 @@ pub struct IdRanges {
 impl IdRanges {
     /// Parses a `uid_map`/`gid_map` text. The identity map gives none; a map of more ranges
     /// than crab shifts, or malformed text, is an error.
-    pub fn parse(text: &str) -> Result<IdRanges, String> {
+    pub fn parse(text: &str) -> Result<IdRanges, IdRangeError> {
         let mut out = IdRanges::default();
         for line in text.lines().filter(|l| !l.trim().is_empty()) {
             let f: Vec<u32> = line
                 .split_whitespace()
                 .map(|n| n.parse::<u32>())
                 .collect::<Result<_, _>>()
-                .map_err(|e| format!("{line:?}: {e}"))?;
+                .map_err(|source| IdRangeError::Number {
+                    line: line.to_string(),
+                    source,
+                })?;
             let [inside, outside, count] = f[..] else {
-                return Err(format!("{line:?}: not three numbers"));
+                return Err(IdRangeError::NotThree(line.to_string()));
             };
             if (inside, outside, count) == (0, 0, u32::MAX) {
                 continue;
             }
             if out.n == MAX_ID_RANGES {
-                return Err(format!("more than {MAX_ID_RANGES} ranges"));
+                return Err(IdRangeError::TooMany);
             }
             out.ranges[out.n] = (inside, outside, count);
             out.n += 1;
@@ -127,12 +162,13 @@ pub struct IdShift {
 impl IdShift {
     /// The id maps of `pid`'s user namespace (set by runc before the container ran; a process
     /// cannot change its namespace's maps once written).
-    pub fn of_pid(pid: u32) -> Result<IdShift, String> {
+    pub fn of_pid(pid: u32) -> Result<IdShift, IdMapError> {
         let read = |what: &str| {
             let path = format!("/proc/{pid}/{what}");
-            std::fs::read_to_string(&path)
-                .map_err(|e| format!("{path}: {e}"))
-                .and_then(|t| IdRanges::parse(&t).map_err(|e| format!("{path}: {e}")))
+            match std::fs::read_to_string(&path) {
+                Ok(t) => IdRanges::parse(&t).map_err(|source| IdMapError::Parse { path, source }),
+                Err(source) => Err(IdMapError::Read { path, source }),
+            }
         };
         Ok(IdShift {
             uids: read("uid_map")?,
@@ -710,6 +746,23 @@ mod tests {
         ] {
             assert!(IdRanges::parse(bad).is_err(), "{bad:?}");
         }
+        assert!(matches!(
+            IdRanges::parse("0 1 x\n"),
+            Err(IdRangeError::Number { line, .. }) if line == "0 1 x"
+        ));
+        assert_eq!(
+            IdRanges::parse("0 1\n").unwrap_err().to_string(),
+            "\"0 1\": not three numbers"
+        );
+        assert_eq!(
+            IdRanges::parse(&"0 1 1\n".repeat(6)),
+            Err(IdRangeError::TooMany)
+        );
+        let e = IdShift::of_pid(u32::MAX).unwrap_err();
+        assert!(
+            matches!(&e, IdMapError::Read { path, .. } if path.ends_with("/uid_map")),
+            "{e}"
+        );
         // The upper dir's host ids become the container's in the headers.
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.tar");

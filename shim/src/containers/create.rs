@@ -99,7 +99,7 @@ impl Containers {
         let mut runc = runc;
         runc.merge_memory = merge_memory(&p.id, &spec)?;
         crate::grouping::check_group(&spec, &self.namespace, &config.shim.groups)
-            .map_err(Error::InvalidArgument)?;
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
         let (exec_boundary, probes) = turn_settings(&spec, &config)?;
         let resume = turns::resume(&spec)?;
         let lineage = turns::lineage(&spec, &self.namespace, &p.id)?;

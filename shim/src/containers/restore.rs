@@ -339,7 +339,7 @@ impl Containers {
         match lazy::Daemon::start(&criu, &r.image, work).await {
             Ok(d) => Some((d, spec)),
             Err(e) => {
-                eager(e);
+                eager(e.to_string());
                 None
             }
         }

@@ -33,7 +33,7 @@ use sha2::{Digest, Sha256};
 
 use crate::checkpoint::{
     lineage::LineageRecord,
-    pages,
+    pages::{self, PagesError},
     provenance::{self, FileDigest, ProvenanceError, Statement, TrustedKeys},
     store::{digest_string, CheckpointKind, Descriptor, Manifest, MEDIA_TYPE_LAYER_ZSTD},
 };
@@ -61,6 +61,50 @@ pub struct ReplicaConfig {
     pub checkpoint_json: String,
     /// The signature file (JSON) over it.
     pub signature: String,
+}
+
+/// Why a checkpoint's artifact could not be built (the checkpoint cannot be replicated as it
+/// is: not retried).
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error(
+        "the image it runs on could not be told at Create: a resume elsewhere could not check it"
+    )]
+    NoImage,
+    #[error("{0} of its layers are its checkpoint image's, in the image store: not replicated")]
+    ImageLayers(usize),
+    #[error("its layer {0} is not in its store")]
+    MissingLayer(String),
+    #[error("more than [replication] max_mib ({max_mib} MiB) to send")]
+    TooLarge { max_mib: u64 },
+    #[error("{0}: not among the image's files")]
+    NotAFile(String),
+    #[error("{0}: no recipe")]
+    NoRecipe(String),
+    /// The chunks of a pages file could not be had.
+    #[error(transparent)]
+    Pages(#[from] PagesError),
+    #[error("rebuilding {name}: {source}")]
+    Rebuild {
+        name: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file of the process image (or its directory) could not be read.
+    #[error("{}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: not a plain file", .0.display())]
+    NotPlain(PathBuf),
+    #[error("checkpoint.json: {0}")]
+    CheckpointJson(#[source] serde_json::Error),
+    #[error(transparent)]
+    Config(serde_json::Error),
+    #[error(transparent)]
+    Signature(#[from] std::string::FromUtf8Error),
 }
 
 /// One blob of an artifact.
@@ -109,32 +153,37 @@ pub struct LazyFile {
     dir: PathBuf,
     chunks: PathBuf,
     name: String,
-    data: std::sync::OnceLock<Result<std::sync::Arc<Vec<u8>>, String>>,
+    data: std::sync::OnceLock<Result<std::sync::Arc<Vec<u8>>, std::sync::Arc<BuildError>>>,
 }
 
 impl LazyFile {
-    fn get(&self) -> Result<std::sync::Arc<Vec<u8>>, String> {
+    fn get(&self) -> Result<std::sync::Arc<Vec<u8>>, std::sync::Arc<BuildError>> {
         self.data
             .get_or_init(|| {
-                let recipe = format!("{}{}", self.name, pages::RECIPE_SUFFIX);
-                let data = match self.dir.join(&recipe).is_file() {
-                    true => {
-                        let mut r = pages::materialized_readers(&self.dir, &self.chunks)
-                            .map_err(|e| e.to_string())?
-                            .into_iter()
-                            .find(|r| r.name() == self.name)
-                            .ok_or_else(|| format!("{}: no recipe", self.name))?;
-                        let mut data = Vec::with_capacity(r.len() as usize);
-                        r.read_to_end(&mut data)
-                            .map_err(|e| format!("rebuilding {}: {e}", self.name))?;
-                        data
-                    }
-                    false => fs::read(self.dir.join(&self.name))
-                        .map_err(|e| format!("{}: {e}", self.name))?,
-                };
-                Ok(std::sync::Arc::new(data))
+                self.read()
+                    .map(std::sync::Arc::new)
+                    .map_err(std::sync::Arc::new)
             })
             .clone()
+    }
+
+    fn read(&self) -> Result<Vec<u8>, BuildError> {
+        let recipe = format!("{}{}", self.name, pages::RECIPE_SUFFIX);
+        if !self.dir.join(&recipe).is_file() {
+            let path = self.dir.join(&self.name);
+            return fs::read(&path).map_err(|source| BuildError::Read { path, source });
+        }
+        let mut r = pages::materialized_readers(&self.dir, &self.chunks)?
+            .into_iter()
+            .find(|r| r.name() == self.name)
+            .ok_or_else(|| BuildError::NoRecipe(self.name.clone()))?;
+        let mut data = Vec::with_capacity(r.len() as usize);
+        r.read_to_end(&mut data)
+            .map_err(|source| BuildError::Rebuild {
+                name: self.name.clone(),
+                source,
+            })?;
+        Ok(data)
     }
 }
 
@@ -187,15 +236,10 @@ pub fn build(
     signer: &SigningKey,
     max_bytes: u64,
     earlier: Option<&CriuDigests>,
-) -> Result<(Artifact, Option<CriuDigests>), String> {
-    let image = record.image.clone().ok_or(
-        "the image it runs on could not be told at Create: a resume elsewhere could not check it",
-    )?;
+) -> Result<(Artifact, Option<CriuDigests>), BuildError> {
+    let image = record.image.clone().ok_or(BuildError::NoImage)?;
     if m.image_layers > 0 {
-        return Err(format!(
-            "{} of its layers are its checkpoint image's, in the image store: not replicated",
-            m.image_layers
-        ));
+        return Err(BuildError::ImageLayers(m.image_layers));
     }
     let mut room = Room {
         bytes: 0,
@@ -222,7 +266,7 @@ pub fn build(
         .unwrap_or_default();
     let meta = CheckpointMeta::of_manifest(namespace, container, m);
     let checkpoint_json =
-        serde_json::to_string_pretty(&meta).map_err(|e| format!("checkpoint.json: {e}"))?;
+        serde_json::to_string_pretty(&meta).map_err(BuildError::CheckpointJson)?;
     let signature = provenance::sign(
         signer,
         Statement {
@@ -238,9 +282,9 @@ pub fn build(
         image,
         kind: m.kind,
         checkpoint_json,
-        signature: String::from_utf8(signature).map_err(|e| e.to_string())?,
+        signature: String::from_utf8(signature)?,
     };
-    let config = serde_json::to_vec(&config).map_err(|e| e.to_string())?;
+    let config = serde_json::to_vec(&config).map_err(BuildError::Config)?;
     room.take(config.len() as u64)?;
     Ok((
         Artifact {
@@ -259,27 +303,26 @@ struct Room {
 }
 
 impl Room {
-    fn take(&mut self, n: u64) -> Result<(), String> {
+    fn take(&mut self, n: u64) -> Result<(), BuildError> {
         self.bytes += n;
         match self.bytes > self.max {
-            true => Err(format!(
-                "more than [replication] max_mib ({} MiB) to send",
-                self.max >> 20
-            )),
+            true => Err(BuildError::TooLarge {
+                max_mib: self.max >> 20,
+            }),
             false => Ok(()),
         }
     }
 }
 
 /// The blobs of the checkpoint's fs layers, from the store's blobs.
-fn fs_blobs(root: &Path, m: &Manifest, room: &mut Room) -> Result<Vec<Blob>, String> {
+fn fs_blobs(root: &Path, m: &Manifest, room: &mut Room) -> Result<Vec<Blob>, BuildError> {
     let mut layers = Vec::new();
     for d in &m.fs_layers {
         let path = root
             .join("blobs/sha256")
             .join(d.digest.strip_prefix("sha256:").unwrap_or(&d.digest));
         if !path.is_file() {
-            return Err(format!("its layer {} is not in its store", d.digest));
+            return Err(BuildError::MissingLayer(d.digest.clone()));
         }
         room.take(d.size)?;
         layers.push(Blob {
@@ -301,7 +344,7 @@ fn reused_criu_blobs(
     e: &CriuDigests,
     room: &mut Room,
     layers: &mut Vec<Blob>,
-) -> Result<CriuDigests, String> {
+) -> Result<CriuDigests, BuildError> {
     room.take(e.files.values().map(|f| f.size).sum())?;
     let lazy: BTreeMap<&String, std::sync::Arc<LazyFile>> = e
         .files
@@ -319,7 +362,7 @@ fn reused_criu_blobs(
     for (name, range, digest) in &e.segments {
         let file = lazy
             .get(name)
-            .ok_or_else(|| format!("{name}: not among the image's files"))?;
+            .ok_or_else(|| BuildError::NotAFile(name.clone()))?;
         layers.push(Blob {
             digest: digest.clone(),
             size: range.len() as u64,
@@ -339,7 +382,7 @@ fn criu_blobs(
     root: &Path,
     room: &mut Room,
     layers: &mut Vec<Blob>,
-) -> Result<CriuDigests, String> {
+) -> Result<CriuDigests, BuildError> {
     let mut made = CriuDigests {
         dir: dir.to_path_buf(),
         files: BTreeMap::new(),
@@ -378,27 +421,34 @@ fn image_files(
     dir: &Path,
     chunks: &Path,
     room: &mut Room,
-) -> Result<BTreeMap<String, Vec<u8>>, String> {
+) -> Result<BTreeMap<String, Vec<u8>>, BuildError> {
     let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
-    for r in pages::materialized_readers(dir, chunks).map_err(|e| e.to_string())? {
+    for r in pages::materialized_readers(dir, chunks)? {
         room.take(r.len())?;
         let name = r.name().to_string();
         let mut data = Vec::with_capacity(r.len() as usize);
         let mut r = r;
         r.read_to_end(&mut data)
-            .map_err(|e| format!("rebuilding {name}: {e}"))?;
+            .map_err(|source| BuildError::Rebuild {
+                name: name.clone(),
+                source,
+            })?;
         files.insert(name, data);
     }
-    for entry in fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))? {
-        let entry = entry.map_err(|e| format!("{}: {e}", dir.display()))?;
+    let read_err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| BuildError::Read { path, source }
+    };
+    for entry in fs::read_dir(dir).map_err(read_err(dir))? {
+        let entry = entry.map_err(read_err(dir))?;
         let name = entry.file_name().to_string_lossy().into_owned();
         if name.starts_with('.') || pages::is_recipe(&name) || files.contains_key(&name) {
             continue;
         }
         if !entry.file_type().map(|t| t.is_file()).unwrap_or(false) {
-            return Err(format!("{}: not a plain file", entry.path().display()));
+            return Err(BuildError::NotPlain(entry.path()));
         }
-        let data = fs::read(entry.path()).map_err(|e| format!("{name}: {e}"))?;
+        let data = fs::read(entry.path()).map_err(read_err(&entry.path()))?;
         room.take(data.len() as u64)?;
         files.insert(name, data);
     }
@@ -472,6 +522,39 @@ pub struct SegmentRef {
     pub offset: Option<String>,
 }
 
+/// What is wrong with the CRIU blobs a registry's manifest lists ([`plan_files`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SegmentError {
+    #[error("blob {0} names no CRIU file")]
+    NoFile(String),
+    #[error(transparent)]
+    FileName(#[from] BadFileName),
+    #[error("{name}: a blob of media type {media_type:?}")]
+    MediaType { name: String, media_type: String },
+    #[error("{name}: offset {offset:?} is not a number")]
+    Offset { name: String, offset: String },
+    #[error("{0}: a negative size")]
+    NegativeSize(String),
+    #[error("{name}: {at} bytes where its signature says {signed}")]
+    Size { name: String, at: u64, signed: u64 },
+    #[error("{0}: its segments are not one after another")]
+    Scattered(String),
+    #[error("{0} is not among the signed CRIU files")]
+    Unsigned(String),
+    #[error("{name}: a segment at offset {offset} where {at} comes next")]
+    Gap { name: String, offset: u64, at: u64 },
+    #[error("{name}: a segment of {size} bytes (at most {max})", max = SEGMENT_MAX_PAGES * SEGMENT_PAGE)]
+    TooLarge { name: String, size: u64 },
+    #[error("{0}: an empty segment")]
+    Empty(String),
+    #[error("{name}: its segments pass its signed size {signed}")]
+    PastSignedSize { name: String, signed: u64 },
+    #[error("{name}: a segment of {size} bytes before its end")]
+    Short { name: String, size: u64 },
+    #[error("signed CRIU files missing: {0:?}")]
+    Missing(Vec<String>),
+}
+
 /// One CRIU file to rebuild from its segments: the segments' indexes in the list given to
 /// [`plan_files`], in file order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -491,41 +574,48 @@ pub struct FilePlan {
 pub fn plan_files(
     blobs: &[SegmentRef],
     criu: &BTreeMap<String, FileDigest>,
-) -> Result<Vec<FilePlan>, String> {
+) -> Result<Vec<FilePlan>, SegmentError> {
     let mut plans: Vec<FilePlan> = Vec::new();
     let mut at = 0u64;
+    let size_of = |p: &FilePlan, at: u64| SegmentError::Size {
+        name: p.name.clone(),
+        at,
+        signed: p.want.size,
+    };
     for (i, b) in blobs.iter().enumerate() {
         let name = b
             .file
             .as_deref()
-            .ok_or_else(|| format!("blob {} names no CRIU file", b.digest))?;
+            .ok_or_else(|| SegmentError::NoFile(b.digest.clone()))?;
         check_file_name(name)?;
+        let named = || name.to_string();
         if b.media_type != MEDIA_TYPE_CRIU_FILE {
-            return Err(format!("{name}: a blob of media type {:?}", b.media_type));
+            return Err(SegmentError::MediaType {
+                name: named(),
+                media_type: b.media_type.clone(),
+            });
         }
         let offset = match &b.offset {
             None => 0,
-            Some(o) => o
-                .parse::<u64>()
-                .map_err(|_| format!("{name}: offset {o:?} is not a number"))?,
+            Some(o) => o.parse::<u64>().map_err(|_| SegmentError::Offset {
+                name: named(),
+                offset: o.clone(),
+            })?,
         };
-        let size = u64::try_from(b.size).map_err(|_| format!("{name}: a negative size"))?;
+        let size = u64::try_from(b.size).map_err(|_| SegmentError::NegativeSize(named()))?;
         let new_file = plans.last().is_none_or(|p| p.name != name);
         if new_file {
             if let Some(p) = plans.last() {
                 if at != p.want.size {
-                    return Err(format!(
-                        "{}: {at} bytes where its signature says {}",
-                        p.name, p.want.size
-                    ));
+                    return Err(size_of(p, at));
                 }
             }
             if plans.iter().any(|p| p.name == name) {
-                return Err(format!("{name}: its segments are not one after another"));
+                return Err(SegmentError::Scattered(named()));
             }
             let want = criu
                 .get(name)
-                .ok_or_else(|| format!("{name} is not among the signed CRIU files"))?;
+                .ok_or_else(|| SegmentError::Unsigned(named()))?;
             plans.push(FilePlan {
                 name: name.to_string(),
                 want: want.clone(),
@@ -535,48 +625,51 @@ pub fn plan_files(
         }
         let plan = plans.last_mut().expect("pushed above");
         if offset != at {
-            return Err(format!(
-                "{name}: a segment at offset {offset} where {at} comes next"
-            ));
+            return Err(SegmentError::Gap {
+                name: named(),
+                offset,
+                at,
+            });
         }
         if size > (SEGMENT_MAX_PAGES * SEGMENT_PAGE) as u64
             && !(offset == 0 && size == plan.want.size && b.offset.is_none())
         {
-            return Err(format!(
-                "{name}: a segment of {size} bytes (at most {})",
-                SEGMENT_MAX_PAGES * SEGMENT_PAGE
-            ));
+            return Err(SegmentError::TooLarge {
+                name: named(),
+                size,
+            });
         }
         if size == 0 && (plan.want.size != 0 || !plan.segments.is_empty()) {
-            return Err(format!("{name}: an empty segment"));
+            return Err(SegmentError::Empty(named()));
         }
         if at + size > plan.want.size {
-            return Err(format!(
-                "{name}: its segments pass its signed size {}",
-                plan.want.size
-            ));
+            return Err(SegmentError::PastSignedSize {
+                name: named(),
+                signed: plan.want.size,
+            });
         }
         // Every segment but the last is at least the minimum.
         if at + size < plan.want.size && size < (SEGMENT_MIN_PAGES * SEGMENT_PAGE) as u64 {
-            return Err(format!("{name}: a segment of {size} bytes before its end"));
+            return Err(SegmentError::Short {
+                name: named(),
+                size,
+            });
         }
         plan.segments.push(i);
         at += size;
     }
     if let Some(p) = plans.last() {
         if at != p.want.size {
-            return Err(format!(
-                "{}: {at} bytes where its signature says {}",
-                p.name, p.want.size
-            ));
+            return Err(size_of(p, at));
         }
     }
     if plans.len() != criu.len() {
-        let missing: Vec<&String> = criu
+        let missing: Vec<String> = criu
             .keys()
             .filter(|k| !plans.iter().any(|p| &p.name == *k))
+            .cloned()
             .collect();
-        return Err(format!("signed CRIU files missing: {missing:?}"));
+        return Err(SegmentError::Missing(missing));
     }
     Ok(plans)
 }
@@ -601,7 +694,9 @@ pub enum ReplicaError {
     #[error("it was taken on image {was}, and this container's image is {now}")]
     Image { was: String, now: String },
     #[error("{0}")]
-    Mismatch(String),
+    Mismatch(&'static str),
+    #[error(transparent)]
+    FileName(#[from] BadFileName),
 }
 
 /// Checks the config blob `bytes` of lineage `lineage`'s replicated checkpoint: a known
@@ -650,16 +745,16 @@ pub fn verify(
     .map_err(|e| ReplicaError::Malformed(e.to_string()))?;
     if statement.layers.as_deref() != Some(&signed_layers(&config.image, &meta.fs_layers)[..]) {
         return Err(ReplicaError::Mismatch(
-            "its signature names other layers than its checkpoint.json and image".into(),
+            "its signature names other layers than its checkpoint.json and image",
         ));
     }
     if meta.process.is_some() == statement.criu.is_empty() {
         return Err(ReplicaError::Mismatch(
-            "its signature and checkpoint.json disagree on a process image".into(),
+            "its signature and checkpoint.json disagree on a process image",
         ));
     }
     for name in statement.criu.keys() {
-        check_file_name(name).map_err(ReplicaError::Mismatch)?;
+        check_file_name(name)?;
     }
     Ok(Verified {
         config,
@@ -668,8 +763,13 @@ pub fn verify(
     })
 }
 
+/// A CRIU file name from a registry that is not a plain name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is no CRIU image file name")]
+pub struct BadFileName(pub String);
+
 /// A CRIU file name from a registry: a plain name, nothing to climb or hide with.
-pub fn check_file_name(name: &str) -> Result<(), String> {
+pub fn check_file_name(name: &str) -> Result<(), BadFileName> {
     let ok = !name.is_empty()
         && name.len() <= 255
         && !name.starts_with('.')
@@ -678,7 +778,7 @@ pub fn check_file_name(name: &str) -> Result<(), String> {
             .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
     match ok {
         true => Ok(()),
-        false => Err(format!("{name:?} is no CRIU image file name")),
+        false => Err(BadFileName(name.to_string())),
     }
 }
 

@@ -36,11 +36,120 @@ use sha2::{Digest, Sha256};
 
 use crate::checkpoint::{
     lineage::{self, LineageRecord},
-    provenance::TrustedKeys,
-    store::{digest_string, rfc3339, Manifest, ProcessImage, Store},
+    provenance::{ProvenanceError, TrustedKeys},
+    store::{digest_string, rfc3339, Manifest, ProcessImage, Store, StoreError},
 };
 
-use self::artifact::{Artifact, MEDIA_TYPE_CONFIG};
+use self::artifact::{Artifact, BuildError, ReplicaError, SegmentError, MEDIA_TYPE_CONFIG};
+
+/// What can go wrong replicating: the registry `[replication]` names, its credentials, a push
+/// or a pull. `at` is `REGISTRY/REPOSITORY:TAG` where a pulled artifact is concerned.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplicationError {
+    #[error("{0}: no repository")]
+    NoRepository(String),
+    #[error("{}: {source}", path.display())]
+    AuthFile {
+        path: PathBuf,
+        #[source]
+        source: AuthError,
+    },
+    /// A registry call failed (the client's error).
+    #[error(transparent)]
+    Registry(#[from] OciDistributionError),
+    #[error("the registry did not answer in {} s", CALL_TIMEOUT.as_secs())]
+    Timeout,
+    /// A registry call of a pull failed or was not answered (`registry`: its name).
+    #[error("{registry}: {source}")]
+    Pull {
+        registry: String,
+        #[source]
+        source: Box<ReplicationError>,
+    },
+    #[error("{0} did not answer")]
+    NoAnswer(String),
+    /// A blocking task of the push died.
+    #[error(transparent)]
+    Task(#[from] tokio::task::JoinError),
+    #[error("reading {digest}: {source}")]
+    ReadBlob {
+        digest: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The checkpoint's artifact could not be built (not retried).
+    #[error(transparent)]
+    Build(#[from] BuildError),
+    /// The key to sign it with could not be had (not retried).
+    #[error(transparent)]
+    SigningKey(#[from] ProvenanceError),
+    #[error("{at} is not a crab checkpoint (config {media_type})")]
+    NotCrab { at: String, media_type: String },
+    #[error("{at}: its config is too large")]
+    ConfigTooLarge { at: String },
+    #[error("{at}: {source}")]
+    Refused {
+        at: String,
+        #[source]
+        source: ReplicaError,
+    },
+    #[error("{at}: {blobs} blobs where its signature names {layers} layers")]
+    TooFewBlobs {
+        at: String,
+        blobs: usize,
+        layers: usize,
+    },
+    #[error("{at}: {source}")]
+    Segments {
+        at: String,
+        #[source]
+        source: SegmentError,
+    },
+    #[error("{at}: {total} bytes, more than [replication] max_mib")]
+    TooLarge { at: String, total: u64 },
+    #[error("blob {digest} of {size} bytes is too large")]
+    BlobTooLarge { digest: String, size: i64 },
+    #[error("blob {0}: its content is not what it is named by")]
+    BlobContent(String),
+    #[error("layer {0}: not the one its signature names")]
+    LayerNotSigned(String),
+    #[error("layer {digest}: its content has diff_id {got}, its signature names {want}")]
+    DiffId {
+        digest: String,
+        got: String,
+        want: String,
+    },
+    #[error("{0}: its segments are not the file its signature names")]
+    FileDigest(String),
+    /// The store the pull goes into could not be written.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{}: {source}", path.display())]
+    File {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What is wrong with a Docker-style credentials file ([`auth_from_file`]).
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    #[error(transparent)]
+    Read(#[from] std::io::Error),
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    #[error("the auth of {registry}: {source}")]
+    Base64 {
+        registry: String,
+        #[source]
+        source: base64::DecodeError,
+    },
+    #[error("the auth of {0} is not text")]
+    NotText(String),
+    #[error("the auth of {0} is not user:password")]
+    NotUserPassword(String),
+}
 
 /// What a replicator records of its pushes (`<store>/replication.json`).
 pub const STATUS_FILE: &str = "replication.json";
@@ -60,13 +169,13 @@ pub struct Registry {
 
 impl Registry {
     /// The registry `[replication]` names, if replication is on.
-    pub fn from_config(c: &ReplicationConfig) -> Result<Option<Registry>, String> {
+    pub fn from_config(c: &ReplicationConfig) -> Result<Option<Registry>, ReplicationError> {
         let Some(name) = &c.registry else {
             return Ok(None);
         };
         let (registry, repository) = name
             .split_once('/')
-            .ok_or_else(|| format!("{name}: no repository"))?;
+            .ok_or_else(|| ReplicationError::NoRepository(name.clone()))?;
         let auth = match &c.auth_file {
             Some(path) => auth_from_file(path, registry)?,
             None => RegistryAuth::Anonymous,
@@ -113,7 +222,7 @@ impl Registry {
         a: &Artifact,
         tags: &[String],
         known: &mut std::collections::HashSet<String>,
-    ) -> Result<(u64, u64), String> {
+    ) -> Result<(u64, u64), ReplicationError> {
         let pushed = self.push_inner(a, tags, known).await;
         if pushed.is_err() {
             known.clear();
@@ -126,7 +235,7 @@ impl Registry {
         a: &Artifact,
         tags: &[String],
         known: &mut std::collections::HashSet<String>,
-    ) -> Result<(u64, u64), String> {
+    ) -> Result<(u64, u64), ReplicationError> {
         let r = self.authed(&tags[0]).await;
         let (mut sent, mut skipped) = (0u64, 0u64);
         let config_digest = sha256(&a.config);
@@ -147,9 +256,11 @@ impl Registry {
             }
             let data = blob.data.clone();
             let bytes = tokio::task::spawn_blocking(move || data.read())
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| format!("reading {digest}: {e}"))?;
+                .await?
+                .map_err(|source| ReplicationError::ReadBlob {
+                    digest: digest.to_string(),
+                    source,
+                })?;
             call(self.client.push_blob(&r, bytes, digest)).await?;
             known.insert(digest.to_string());
             sent += blob.size;
@@ -196,13 +307,10 @@ impl Registry {
 
 async fn call<T>(
     f: impl std::future::Future<Output = Result<T, OciDistributionError>>,
-) -> Result<T, String> {
+) -> Result<T, ReplicationError> {
     match tokio::time::timeout(CALL_TIMEOUT, f).await {
-        Ok(r) => r.map_err(|e| e.to_string()),
-        Err(_) => Err(format!(
-            "the registry did not answer in {} s",
-            CALL_TIMEOUT.as_secs()
-        )),
+        Ok(r) => Ok(r?),
+        Err(_) => Err(ReplicationError::Timeout),
     }
 }
 
@@ -222,7 +330,14 @@ fn sha256(data: &[u8]) -> String {
 /// The credentials for `registry` in a Docker-style credentials file (`{"auths": {"HOST":
 /// {"auth": base64("user:password")}}}`, or `username` and `password`); anonymous when the
 /// file names none for it.
-pub fn auth_from_file(path: &Path, registry: &str) -> Result<RegistryAuth, String> {
+pub fn auth_from_file(path: &Path, registry: &str) -> Result<RegistryAuth, ReplicationError> {
+    auth_in(path, registry).map_err(|source| ReplicationError::AuthFile {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn auth_in(path: &Path, registry: &str) -> Result<RegistryAuth, AuthError> {
     use base64::Engine;
     #[derive(Deserialize)]
     struct Entry {
@@ -235,9 +350,8 @@ pub fn auth_from_file(path: &Path, registry: &str) -> Result<RegistryAuth, Strin
         #[serde(default)]
         auths: BTreeMap<String, Entry>,
     }
-    let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let file: File =
-        serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+    let bytes = std::fs::read(path)?;
+    let file: File = serde_json::from_slice(&bytes)?;
     let entry = file.auths.iter().find(|(k, _)| {
         let k = k
             .trim_start_matches("https://")
@@ -255,15 +369,14 @@ pub fn auth_from_file(path: &Path, registry: &str) -> Result<RegistryAuth, Strin
     };
     let decoded = base64::engine::general_purpose::STANDARD
         .decode(auth.trim())
-        .map_err(|e| format!("{}: the auth of {registry}: {e}", path.display()))?;
-    let text = String::from_utf8(decoded)
-        .map_err(|_| format!("{}: the auth of {registry} is not text", path.display()))?;
-    let (u, p) = text.split_once(':').ok_or_else(|| {
-        format!(
-            "{}: the auth of {registry} is not user:password",
-            path.display()
-        )
-    })?;
+        .map_err(|source| AuthError::Base64 {
+            registry: registry.to_string(),
+            source,
+        })?;
+    let text = String::from_utf8(decoded).map_err(|_| AuthError::NotText(registry.to_string()))?;
+    let (u, p) = text
+        .split_once(':')
+        .ok_or_else(|| AuthError::NotUserPassword(registry.to_string()))?;
     Ok(RegistryAuth::Basic(u.to_string(), p.to_string()))
 }
 
@@ -508,7 +621,7 @@ impl Replicator {
                     }
                     Err(PushError::Transient(e)) => {
                         status.failures += 1;
-                        status.last_error = Some(e.clone());
+                        status.last_error = Some(e.to_string());
                         status.write(&p.store_root);
                         log::warn!(
                             "{}: checkpoint {} not replicated to {} (retried in {} ms): {e}",
@@ -535,8 +648,8 @@ impl Replicator {
 /// Why a push did not happen: the checkpoint cannot be replicated at all, or the registry
 /// failed (retried).
 enum PushError {
-    Permanent(String),
-    Transient(String),
+    Permanent(ReplicationError),
+    Transient(ReplicationError),
 }
 
 async fn push_one(
@@ -558,11 +671,20 @@ async fn push_one(
     let (art, digests) = tokio::task::spawn_blocking(move || {
         // Building (pages rebuilt and hashed) yields to the sandboxes and their checkpoints.
         let _lower = LowerPriority::new();
-        let signer = crate::checkpoint::provenance::signing_key(&key).map_err(|e| e.to_string())?;
-        artifact::build(&root, &ns, &c, &record, &m2, &signer, max, earlier.as_ref())
+        let signer = crate::checkpoint::provenance::signing_key(&key)?;
+        Ok::<_, ReplicationError>(artifact::build(
+            &root,
+            &ns,
+            &c,
+            &record,
+            &m2,
+            &signer,
+            max,
+            earlier.as_ref(),
+        )?)
     })
     .await
-    .map_err(|e| PushError::Transient(e.to_string()))?
+    .map_err(|e| PushError::Transient(e.into()))?
     .map_err(PushError::Permanent)?;
     *criu = digests;
     let tags = [
@@ -668,7 +790,7 @@ pub async fn pull_newest(
     image: Option<&str>,
     trusted: &TrustedKeys,
     max_bytes: u64,
-) -> Result<Option<PathBuf>, String> {
+) -> Result<Option<PathBuf>, ReplicationError> {
     let tag = artifact::newest_tag(lineage_name);
     let r = registry.authed(&tag).await;
     let manifest = match tokio::time::timeout(
@@ -677,40 +799,47 @@ pub async fn pull_newest(
     )
     .await
     {
-        Err(_) => return Err(format!("{} did not answer", registry.name)),
+        Err(_) => return Err(ReplicationError::NoAnswer(registry.name.clone())),
         Ok(Err(e)) if not_found(&e) => return Ok(None),
-        Ok(Err(e)) => return Err(format!("{}: {e}", registry.name)),
+        Ok(Err(e)) => {
+            return Err(ReplicationError::Pull {
+                registry: registry.name.clone(),
+                source: Box::new(e.into()),
+            })
+        }
         Ok(Ok((m, _))) => m,
     };
+    let at = format!("{}:{tag}", registry.name);
     if manifest.config.media_type != MEDIA_TYPE_CONFIG {
-        return Err(format!(
-            "{}:{tag} is not a crab checkpoint (config {})",
-            registry.name, manifest.config.media_type
-        ));
+        return Err(ReplicationError::NotCrab {
+            at,
+            media_type: manifest.config.media_type,
+        });
     }
     if manifest.config.size < 0 || manifest.config.size as u64 > artifact::CONFIG_MAX {
-        return Err(format!("{}:{tag}: its config is too large", registry.name));
+        return Err(ReplicationError::ConfigTooLarge { at });
     }
     let config = pull_bytes(registry, &r, &manifest.config, artifact::CONFIG_MAX).await?;
-    let v = artifact::verify(&config, lineage_name, image, trusted)
-        .map_err(|e| format!("{}:{tag}: {e}", registry.name))?;
+    let v = match artifact::verify(&config, lineage_name, image, trusted) {
+        Ok(v) => v,
+        Err(source) => return Err(ReplicationError::Refused { at, source }),
+    };
     let n = v.meta.fs_layers.len();
     if manifest.layers.len() < n {
-        return Err(format!(
-            "{}:{tag}: {} blobs where its signature names {n} layers",
-            registry.name,
-            manifest.layers.len(),
-        ));
+        return Err(ReplicationError::TooFewBlobs {
+            at,
+            blobs: manifest.layers.len(),
+            layers: n,
+        });
     }
-    let plans = artifact::plan_files(&segment_refs(&manifest.layers[n..]), &v.criu)
-        .map_err(|e| format!("{}:{tag}: {e}", registry.name))?;
+    let plans = match artifact::plan_files(&segment_refs(&manifest.layers[n..]), &v.criu) {
+        Ok(plans) => plans,
+        Err(source) => return Err(ReplicationError::Segments { at, source }),
+    };
     let total: u64 = v.meta.fs_layers.iter().map(|d| d.size).sum::<u64>()
         + v.criu.values().map(|f| f.size).sum::<u64>();
     if total > max_bytes {
-        return Err(format!(
-            "{}:{tag}: {total} bytes, more than [replication] max_mib",
-            registry.name
-        ));
+        return Err(ReplicationError::TooLarge { at, total });
     }
     let unique = format!(
         "replica-{}-{}",
@@ -797,12 +926,12 @@ async fn pull_bytes(
     r: &Reference,
     d: &OciDescriptor,
     max: u64,
-) -> Result<Vec<u8>, String> {
+) -> Result<Vec<u8>, ReplicationError> {
     if d.size < 0 || d.size as u64 > max {
-        return Err(format!(
-            "blob {} of {} bytes is too large",
-            d.digest, d.size
-        ));
+        return Err(ReplicationError::BlobTooLarge {
+            digest: d.digest.clone(),
+            size: d.size,
+        });
     }
     // A registry that sends more than the descriptor says is cut off at that size (the
     // client would otherwise take whatever it sends).
@@ -810,10 +939,7 @@ async fn pull_bytes(
     call(registry.client.pull_blob(r, d, &mut out)).await?;
     let out = out.data;
     if out.len() as i64 != d.size || sha256(&out) != d.digest {
-        return Err(format!(
-            "blob {}: its content is not what it is named by",
-            d.digest
-        ));
+        return Err(ReplicationError::BlobContent(d.digest.clone()));
     }
     Ok(out)
 }
@@ -825,32 +951,35 @@ async fn pull_into(
     v: &artifact::Verified,
     plans: &[artifact::FilePlan],
     root: &Path,
-) -> Result<(), String> {
-    let store = Store::open(root).map_err(|e| e.to_string())?;
+) -> Result<(), ReplicationError> {
+    let file_err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| ReplicationError::File { path, source }
+    };
+    let store = Store::open(root)?;
     let n = v.meta.fs_layers.len();
     for (want, d) in v.meta.fs_layers.iter().zip(&manifest.layers[..n]) {
         if d.digest != want.digest || d.size as u64 != want.size {
-            return Err(format!(
-                "layer {}: not the one its signature names",
-                d.digest
-            ));
+            return Err(ReplicationError::LayerNotSigned(d.digest.clone()));
         }
         let data = pull_bytes(registry, r, d, want.size).await?;
-        let mut tmp = store.temp_file("pull").map_err(|e| e.to_string())?;
-        std::io::Write::write_all(tmp.file(), &data).map_err(|e| e.to_string())?;
-        let got = store.put_blob(tmp.path()).map_err(|e| e.to_string())?;
+        let mut tmp = store.temp_file("pull")?;
+        let tmp_path = tmp.path().to_path_buf();
+        std::io::Write::write_all(tmp.file(), &data).map_err(file_err(&tmp_path))?;
+        let got = store.put_blob(tmp.path())?;
         if got.digest != want.digest || got.diff_id != want.diff_id {
-            return Err(format!(
-                "layer {}: its content has diff_id {}, its signature names {}",
-                want.digest, got.diff_id, want.diff_id
-            ));
+            return Err(ReplicationError::DiffId {
+                digest: want.digest.clone(),
+                got: got.diff_id,
+                want: want.diff_id.clone(),
+            });
         }
     }
     let process = match &v.meta.process {
         None => None,
         Some(p) => {
             let dir = store.proc_dir(1);
-            std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+            std::fs::create_dir_all(&dir).map_err(file_err(&dir))?;
             let mut bytes = 0u64;
             let segments = &manifest.layers[n..];
             for plan in plans {
@@ -859,21 +988,17 @@ async fn pull_into(
                     .write(true)
                     .create_new(true)
                     .open(&path)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                    .map_err(file_err(&path))?;
                 let mut whole = Sha256::new();
                 for &i in &plan.segments {
                     let d = &segments[i];
                     let data = pull_bytes(registry, r, d, plan.want.size).await?;
                     whole.update(&data);
-                    std::io::Write::write_all(&mut file, &data)
-                        .map_err(|e| format!("{}: {e}", path.display()))?;
+                    std::io::Write::write_all(&mut file, &data).map_err(file_err(&path))?;
                     bytes += data.len() as u64;
                 }
                 if digest_string(whole) != plan.want.sha256 {
-                    return Err(format!(
-                        "{}: its segments are not the file its signature names",
-                        plan.name
-                    ));
+                    return Err(ReplicationError::FileDigest(plan.name.clone()));
                 }
             }
             Some(ProcessImage {
@@ -893,12 +1018,11 @@ async fn pull_into(
         "replicated from {}/{} checkpoint {} through {}",
         v.meta.source.namespace, v.meta.source.container, v.meta.source.seq, registry.name
     );
-    store.publish(&m).map_err(|e| e.to_string())?;
+    store.publish(&m)?;
     lineage::record(
         &store,
         &LineageRecord::new(&v.config.lineage, Some(v.config.image.clone())),
-    )
-    .map_err(|e| e.to_string())?;
+    )?;
     Ok(())
 }
 
@@ -906,6 +1030,53 @@ async fn pull_into(
 mod tests {
     use super::*;
     use tokio::io::AsyncWriteExt;
+
+    #[test]
+    fn credentials_files_and_registry_names_that_are_wrong_say_how() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("auth.json");
+        let auth = |text: &str| {
+            std::fs::write(&path, text).unwrap();
+            auth_from_file(&path, "reg.example")
+        };
+        let e = auth("{").unwrap_err();
+        assert!(
+            matches!(&e, ReplicationError::AuthFile { source: AuthError::Json(_), path: p } if *p == path),
+            "{e}"
+        );
+        let e = auth(r#"{"auths": {"reg.example": {"auth": "!!"}}}"#).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with(&format!("{}: the auth of reg.example: ", path.display())),
+            "{e}"
+        );
+        let e = auth(r#"{"auths": {"reg.example": {"auth": "bm9jb2xvbg=="}}}"#).unwrap_err();
+        assert!(
+            matches!(&e, ReplicationError::AuthFile { source: AuthError::NotUserPassword(r), .. } if r == "reg.example"),
+            "{e}"
+        );
+        assert!(matches!(
+            auth(r#"{"auths": {"other": {"auth": "!!"}}}"#),
+            Ok(RegistryAuth::Anonymous)
+        ));
+        let e = auth_from_file(&d.path().join("none"), "reg.example").unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                ReplicationError::AuthFile {
+                    source: AuthError::Read(_),
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let config = ReplicationConfig {
+            registry: Some("reg.example".into()),
+            ..ReplicationConfig::default()
+        };
+        let e = Registry::from_config(&config).err().unwrap();
+        assert_eq!(e.to_string(), "reg.example: no repository");
+    }
 
     #[tokio::test]
     async fn a_blob_sink_takes_its_bound_and_no_more() {

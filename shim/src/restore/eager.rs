@@ -31,7 +31,7 @@ use std::{
 
 use crate::checkpoint::{
     criu_image::{read_bounded, CriuImageError},
-    criu_proto::{entries, single, Fields, Schema, IMG_COMMON_MAGIC},
+    criu_proto::{entries, single, DecodeError, Fields, Schema, IMG_COMMON_MAGIC},
 };
 
 const PAGEMAP_MAGIC: u32 = 0x5608_4025;
@@ -80,21 +80,15 @@ pub enum EagerError {
 /// What is wrong with an `mm-<pid>.img` or `pagemap-<pid>.img` file.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PagemapError {
-    /// CRIU's image framing or a message's encoding, in the decoder's words.
-    #[error("{0}")]
-    Decode(String),
+    /// CRIU's image framing or a message's encoding.
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
     #[error("mm_entry without its command line and environment")]
     NoCommandLine,
     #[error("a pagemap without its head")]
     NoHead,
     #[error("pagemap_entry without vaddr")]
     NoVaddr,
-}
-
-impl From<String> for PagemapError {
-    fn from(reason: String) -> Self {
-        PagemapError::Decode(reason)
-    }
 }
 
 /// What [`bring_command_lines_eagerly`] did.

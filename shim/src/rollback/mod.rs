@@ -28,6 +28,7 @@
 //! The caller records the new lineage (a `restored` manifest with the checkpoint's references,
 //! so the next layer stacks on the checkpoint's chain).
 
+mod error;
 pub mod squash;
 pub mod state;
 pub mod tar;
@@ -51,26 +52,12 @@ use crate::{
 
 use crate::inspector::lower::{LowerEntry, Lowers};
 
+pub use self::error::{Failure, LayerProblem, LineageError, Refusal, ResetError, RollbackError};
 use self::{
     state::{DataRef, LayerState, Lookup, Named, Node},
     tar::Kind,
     view::{Meta, Special, View},
 };
-
-/// Why a rollback was not done in place.
-#[derive(Debug, thiserror::Error)]
-pub enum ResetError {
-    /// Nothing was changed: the container can be rolled back by recreating it.
-    #[error("{0}")]
-    Refused(String),
-    /// Files may have been changed: the container must be rolled back by recreating it.
-    #[error("resetting the files failed part way: {0}")]
-    Failed(String),
-}
-
-fn refused(why: impl Into<String>) -> ResetError {
-    ResetError::Refused(why.into())
-}
 
 /// What an in-place rollback did.
 #[derive(Debug, Clone, Default)]
@@ -96,42 +83,32 @@ pub struct Reset {
 
 /// Checks that the files of `target` can be reached from the container's present through its
 /// lineage (`latest`: the newest checkpoint, every earlier turn's checkpoint durable).
-pub fn check_lineage(target: &Manifest, latest: &Manifest) -> Result<(), String> {
+pub fn check_lineage(target: &Manifest, latest: &Manifest) -> Result<(), LineageError> {
     if !target.kind.is_durable_state() {
-        return Err(format!(
-            "checkpoint {} failed: it is no recovery point",
-            target.seq
-        ));
+        return Err(LineageError::NotDurable(target.seq));
     }
     if latest.kind == CheckpointKind::Failed {
-        return Err(format!(
-            "the newest checkpoint ({}) failed: the files of its turns are in no layer",
-            latest.seq
-        ));
+        return Err(LineageError::NewestFailed(latest.seq));
     }
     let n = target.fs_layers.len();
     if latest.fs_layers.len() < n || latest.fs_layers[..n] != target.fs_layers[..] {
-        return Err(format!(
-            "the container's files no longer descend from checkpoint {}'s layers (a later \
-             checkpoint began a new chain, or it is on another branch)",
-            target.seq
-        ));
+        return Err(LineageError::Diverged(target.seq));
     }
     if n < latest.image_layers {
-        return Err(format!(
-            "checkpoint {} is older than the checkpoint image the container was started from",
-            target.seq
-        ));
+        return Err(LineageError::OlderThanImage(target.seq));
     }
     Ok(())
 }
 
 /// Whether `pid`'s user namespace maps ids one to one (the initial one): the layers hold the
 /// container's ids, the view shows the host's.
-fn identity_ids(pid: u32) -> Result<bool, String> {
+fn identity_ids(pid: u32) -> Result<bool, Refusal> {
     for f in ["uid_map", "gid_map"] {
         let path = format!("/proc/{pid}/{f}");
-        let text = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(source) => return Err(Refusal::IdMaps { path, source }),
+        };
         let fields: Vec<&str> = text.split_whitespace().collect();
         if fields != ["0", "0", "4294967295"] {
             return Ok(false);
@@ -160,7 +137,7 @@ fn read_layer<T>(
     store: &Store,
     d: &Descriptor,
     f: impl FnOnce(&mut dyn Read) -> Result<T, tar::TarError>,
-) -> Result<T, String> {
+) -> Result<T, RollbackError> {
     read_layer_at(&store.blob_path(&d.digest), d, f)
 }
 
@@ -169,31 +146,35 @@ pub(crate) fn read_layer_at<T>(
     path: &Path,
     d: &Descriptor,
     f: impl FnOnce(&mut dyn Read) -> Result<T, tar::TarError>,
-) -> Result<T, String> {
-    let what = |e: &dyn std::fmt::Display| format!("layer {} ({}): {e}", d.digest, path.display());
-    let file = File::open(path).map_err(|e| what(&e))?;
+) -> Result<T, RollbackError> {
+    let what = |e: LayerProblem| RollbackError::Layer {
+        digest: d.digest.clone(),
+        path: path.to_path_buf(),
+        source: e,
+    };
+    let io = |e: io::Error| what(e.into());
+    let tar = |e: tar::TarError| what(e.into());
+    let file = File::open(path).map_err(io)?;
     let mut raw = Hashing {
         inner: BufReader::new(file),
         hash: Sha256::new(),
     };
     let out = if d.media_type == MEDIA_TYPE_LAYER_TAR {
-        let out = f(&mut raw).map_err(|e| what(&e))?;
-        io::copy(&mut raw, &mut io::sink()).map_err(|e| what(&e))?;
+        let out = f(&mut raw).map_err(tar)?;
+        io::copy(&mut raw, &mut io::sink()).map_err(io)?;
         out
     } else {
-        let mut dec = zstd::stream::read::Decoder::with_buffer(BufReader::new(&mut raw))
-            .map_err(|e| what(&e))?;
-        let out = f(&mut dec).map_err(|e| what(&e))?;
-        io::copy(&mut dec, &mut io::sink()).map_err(|e| what(&e))?;
+        let mut dec =
+            zstd::stream::read::Decoder::with_buffer(BufReader::new(&mut raw)).map_err(io)?;
+        let out = f(&mut dec).map_err(tar)?;
+        io::copy(&mut dec, &mut io::sink()).map_err(io)?;
         let mut rest = dec.finish();
-        io::copy(&mut rest, &mut io::sink()).map_err(|e| what(&e))?;
+        io::copy(&mut rest, &mut io::sink()).map_err(io)?;
         out
     };
     let got = format!("sha256:{:x}", raw.hash.finalize());
     if got != d.digest {
-        return Err(what(&format!(
-            "its content has digest {got}: it is damaged"
-        )));
+        return Err(what(LayerProblem::Digest(got)));
     }
     Ok(out)
 }
@@ -209,7 +190,7 @@ fn target_state(
     blob: &dyn Fn(&Descriptor) -> PathBuf,
     own: &[Descriptor],
     max_entries: u64,
-) -> Result<std::sync::Arc<LayerState>, String> {
+) -> Result<std::sync::Arc<LayerState>, RollbackError> {
     let key: Vec<String> = own.iter().map(|d| d.digest.clone()).collect();
     if let Some((k, st)) = LAST_TARGET.lock().unwrap().as_ref() {
         if *k == key {
@@ -400,9 +381,15 @@ struct Plan<'a> {
 }
 
 /// Gives every changed path its checkpoint state through `view`.
-fn apply(view: &mut View, target: &mut Target<'_>, plan: &Plan<'_>) -> Result<(u64, u64), String> {
-    let err = |rel: &Path, what: &str, e: &dyn std::fmt::Display| {
-        format!("{what} /{}: {e}", rel.display())
+fn apply(
+    view: &mut View,
+    target: &mut Target<'_>,
+    plan: &Plan<'_>,
+) -> Result<(u64, u64), RollbackError> {
+    let err = |rel: &Path, what: &'static str, source: io::Error| RollbackError::Path {
+        what,
+        rel: rel.to_path_buf(),
+        source,
     };
     let mut done_deep: HashSet<PathBuf> = HashSet::new();
     let mut writes: Vec<Write> = Vec::new();
@@ -419,24 +406,24 @@ fn apply(view: &mut View, target: &mut Target<'_>, plan: &Plan<'_>) -> Result<(u
             let named = plan.changed.contains(&q);
             let want = target
                 .want(&q)
-                .map_err(|e| err(&q, "reading the checkpoint's", &e))?;
-            let cur = view.lstat(&q).map_err(|e| err(&q, "lstat", &e))?;
+                .map_err(|e| err(&q, "reading the checkpoint's", e))?;
+            let cur = view.lstat(&q).map_err(|e| err(&q, "lstat", e))?;
             if q.as_os_str().is_empty() {
                 // The root is never removed or replaced.
                 if let Some(w) = want.as_ref().filter(|w| w.kind == Kind::Dir) {
                     view.set_dir_meta(&q, &w.meta)
-                        .map_err(|e| err(&q, "setting", &e))?;
+                        .map_err(|e| err(&q, "setting", e))?;
                 }
                 if deep {
                     done_deep.insert(q.clone());
                     push_children(&mut stack, target, view, &q, false)
-                        .map_err(|e| err(&q, "listing", &e))?;
+                        .map_err(|e| err(&q, "listing", e))?;
                 }
                 continue;
             }
             let Some(want) = want else {
                 if cur.is_some() {
-                    view.remove(&q).map_err(|e| err(&q, "removing", &e))?;
+                    view.remove(&q).map_err(|e| err(&q, "removing", e))?;
                     paths += 1;
                 }
                 continue;
@@ -445,24 +432,24 @@ fn apply(view: &mut View, target: &mut Target<'_>, plan: &Plan<'_>) -> Result<(u
                 let fresh = match cur {
                     Some(st) if view::is_dir(&st) => false,
                     Some(_) => {
-                        view.remove(&q).map_err(|e| err(&q, "removing", &e))?;
+                        view.remove(&q).map_err(|e| err(&q, "removing", e))?;
                         true
                     }
                     None => true,
                 };
                 if fresh {
                     view.mkdir(&q, &want.meta)
-                        .map_err(|e| err(&q, "creating", &e))?;
+                        .map_err(|e| err(&q, "creating", e))?;
                     paths += 1;
                 } else {
                     view.set_dir_meta(&q, &want.meta)
-                        .map_err(|e| err(&q, "setting", &e))?;
+                        .map_err(|e| err(&q, "setting", e))?;
                     paths += u64::from(named);
                 }
                 if fresh || deep {
                     done_deep.insert(q.clone());
                     push_children(&mut stack, target, view, &q, fresh)
-                        .map_err(|e| err(&q, "listing", &e))?;
+                        .map_err(|e| err(&q, "listing", e))?;
                 }
                 continue;
             }
@@ -471,13 +458,13 @@ fn apply(view: &mut View, target: &mut Target<'_>, plan: &Plan<'_>) -> Result<(u
                 continue;
             }
             if cur.is_some() {
-                view.remove(&q).map_err(|e| err(&q, "removing", &e))?;
+                view.remove(&q).map_err(|e| err(&q, "removing", e))?;
             }
             paths += 1;
             match want.kind {
                 Kind::Symlink => view
                     .symlink(&q, &want.link, &want.meta)
-                    .map_err(|e| err(&q, "creating", &e))?,
+                    .map_err(|e| err(&q, "creating", e))?,
                 Kind::CharDev | Kind::BlockDev | Kind::Fifo => {
                     let kind = match want.kind {
                         Kind::CharDev => Special::Char(want.dev.0, want.dev.1),
@@ -485,7 +472,7 @@ fn apply(view: &mut View, target: &mut Target<'_>, plan: &Plan<'_>) -> Result<(u
                         _ => Special::Fifo,
                     };
                     view.mknod(&q, kind, &view.file_meta(&q, &want.meta))
-                        .map_err(|e| err(&q, "creating", &e))?
+                        .map_err(|e| err(&q, "creating", e))?
                 }
                 Kind::File | Kind::Hardlink => {
                     let w = Write {
@@ -549,15 +536,19 @@ fn write_data(
     target: &Target<'_>,
     plan: &Plan<'_>,
     writes: Vec<Write>,
-) -> Result<u64, String> {
+) -> Result<u64, RollbackError> {
     let total: u64 = writes.iter().map(|w| w.size).sum();
     if total > plan.max_bytes {
-        return Err(format!(
-            "{total} bytes of file data to write, more than [limits] max_layer_bytes ({})",
-            plan.max_bytes
-        ));
+        return Err(RollbackError::TooMuchData {
+            total,
+            max: plan.max_bytes,
+        });
     }
-    let err = |rel: &Path, e: &dyn std::fmt::Display| format!("writing /{}: {e}", rel.display());
+    let err = |rel: &Path, source: io::Error| RollbackError::Path {
+        what: "writing",
+        rel: rel.to_path_buf(),
+        source,
+    };
     type Sparse = Option<Vec<(u64, u64)>>;
     let mut by_layer: Vec<Vec<(DataRef, Sparse, Write)>> =
         (0..plan.layers.len()).map(|_| Vec::new()).collect();
@@ -568,16 +559,16 @@ fn write_data(
                 by_layer[data.layer].push((data, sparse, w))
             }
             Source::None => {
-                let f = view.create_file(&w.rel).map_err(|e| err(&w.rel, &e))?;
+                let f = view.create_file(&w.rel).map_err(|e| err(&w.rel, e))?;
                 view::finish_file(&f, &view.file_meta(&w.rel, &w.meta))
-                    .map_err(|e| err(&w.rel, &e))?;
+                    .map_err(|e| err(&w.rel, e))?;
             }
             Source::Lower(e, _) => {
-                let mut from = target.lowers.open(e, &w.rel).map_err(|e| err(&w.rel, &e))?;
-                let mut f = view.create_file(&w.rel).map_err(|e| err(&w.rel, &e))?;
-                io::copy(&mut from, &mut f).map_err(|e| err(&w.rel, &e))?;
+                let mut from = target.lowers.open(e, &w.rel).map_err(|e| err(&w.rel, e))?;
+                let mut f = view.create_file(&w.rel).map_err(|e| err(&w.rel, e))?;
+                io::copy(&mut from, &mut f).map_err(|e| err(&w.rel, e))?;
                 view::finish_file(&f, &view.file_meta(&w.rel, &w.meta))
-                    .map_err(|e| err(&w.rel, &e))?;
+                    .map_err(|e| err(&w.rel, e))?;
             }
         }
     }
@@ -590,13 +581,14 @@ fn write_data(
         ws.sort_by_key(|(d, _, _)| d.at.offset);
         let d = &plan.layers[i];
         let path = (plan.blob)(d);
-        let file = File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let blob = |source| RollbackError::Blob {
+            path: path.clone(),
+            source,
+        };
+        let file = File::open(&path).map_err(blob)?;
         let mut r: Box<dyn Read> = match d.media_type == MEDIA_TYPE_LAYER_TAR {
             true => Box::new(BufReader::new(file)),
-            false => Box::new(
-                zstd::stream::read::Decoder::new(file)
-                    .map_err(|e| format!("{}: {e}", path.display()))?,
-            ),
+            false => Box::new(zstd::stream::read::Decoder::new(file).map_err(blob)?),
         };
         let mut at = 0u64;
         for (data, sparse, w) in ws {
@@ -606,11 +598,12 @@ fn write_data(
             }
             let skip = data.at.offset - at;
             let skipped =
-                io::copy(&mut (&mut r).take(skip), &mut io::sink()).map_err(|e| err(&w.rel, &e))?;
+                io::copy(&mut (&mut r).take(skip), &mut io::sink()).map_err(|e| err(&w.rel, e))?;
             if skipped != skip {
-                return Err(err(&w.rel, &"the layer ends early"));
+                let early = io::Error::new(io::ErrorKind::UnexpectedEof, "the layer ends early");
+                return Err(err(&w.rel, early));
             }
-            let f = view.create_file(&w.rel).map_err(|e| err(&w.rel, &e))?;
+            let f = view.create_file(&w.rel).map_err(|e| err(&w.rel, e))?;
             let mut chunk = (&mut r).take(data.at.len);
             match &sparse {
                 Some(map) => view::write_sparse(&f, w.size, map, &mut chunk),
@@ -619,8 +612,8 @@ fn write_data(
                     false => Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
                 }),
             }
-            .map_err(|e| err(&w.rel, &e))?;
-            view::finish_file(&f, &view.file_meta(&w.rel, &w.meta)).map_err(|e| err(&w.rel, &e))?;
+            .map_err(|e| err(&w.rel, e))?;
+            view::finish_file(&f, &view.file_meta(&w.rel, &w.meta)).map_err(|e| err(&w.rel, e))?;
             at = data.at.offset + data.at.len;
         }
     }
@@ -665,7 +658,7 @@ pub fn onto_rootfs(
     layers: &[Descriptor],
     blob: &dyn Fn(&Descriptor) -> PathBuf,
     limits: &crab_runtime_config::LimitsConfig,
-) -> Result<Applied, String> {
+) -> Result<Applied, RollbackError> {
     let reading = Instant::now();
     let mut state = LayerState::default();
     let mut changed: BTreeSet<PathBuf> = BTreeSet::new();
@@ -682,7 +675,7 @@ pub fn onto_rootfs(
         &crate::inspector::fs::ScanLimits::from(limits),
         rootfs.overlay_xattrs,
     )
-    .map_err(|e| format!("reading its upperdir: {e}"))?;
+    .map_err(RollbackError::Upperdir)?;
     for (rel, meta) in upper.iter() {
         if rel.as_os_str().is_empty() {
             continue;
@@ -698,7 +691,10 @@ pub fn onto_rootfs(
         limits.max_walk_depth,
         limits.max_manifest_entries,
     )
-    .map_err(|e| format!("opening {}: {e}", rootfs.path.display()))?;
+    .map_err(|source| RollbackError::Root {
+        path: rootfs.path.to_path_buf(),
+        source,
+    })?;
     let mut target = Target {
         layers: &state,
         lowers: Lowers::new(rootfs.lowerdirs, rootfs.overlay_xattrs),
@@ -747,39 +743,35 @@ pub fn reset(
     pid: u32,
 ) -> Result<Reset, ResetError> {
     let started = Instant::now();
-    check_lineage(target, latest).map_err(refused)?;
-    match identity_ids(pid) {
-        Ok(true) => {}
-        Ok(false) => {
-            return Err(refused(
-                "the container has a user namespace of its own: its files are reset by \
-                 recreating it",
-            ))
-        }
-        Err(e) => return Err(refused(format!("cannot read its id maps: {e}"))),
+    check_lineage(target, latest).map_err(Refusal::from)?;
+    if !identity_ids(pid)? {
+        return Err(Refusal::OwnUserNamespace.into());
     }
     let t = inspection.target().clone();
     if t.upperdir.is_none() {
-        return Err(refused("its rootfs is not an overlay"));
+        return Err(Refusal::NotOverlay.into());
     }
     let limits = &t.limits;
     // The checkpoint's own layers (the image carries the others) and those after it.
     let reading = Instant::now();
     let own = &target.fs_layers[latest.image_layers..];
     let blob = |d: &Descriptor| store.blob_path(&d.digest);
-    let layers = target_state(&blob, own, limits.max_manifest_entries)
-        .map_err(|e| refused(format!("cannot read checkpoint {}: {e}", target.seq)))?;
+    let layers = target_state(&blob, own, limits.max_manifest_entries).map_err(|source| {
+        Refusal::Checkpoint {
+            seq: target.seq,
+            source: Box::new(source),
+        }
+    })?;
     let layers = &*layers;
     let mut changed: BTreeSet<PathBuf> = BTreeSet::new();
     let mut deep: HashSet<PathBuf> = HashSet::new();
     for d in &latest.fs_layers[target.fs_layers.len()..] {
-        let named =
-            read_layer(store, d, |r| Named::read(r, limits.max_manifest_entries)).map_err(|e| {
-                refused(format!(
-                    "cannot read the layers after checkpoint {}: {e}",
-                    target.seq
-                ))
-            })?;
+        let named = read_layer(store, d, |r| Named::read(r, limits.max_manifest_entries)).map_err(
+            |source| Refusal::LaterLayers {
+                seq: target.seq,
+                source: Box::new(source),
+            },
+        )?;
         changed.extend(named.paths);
         deep.extend(named.opaque);
     }
@@ -789,53 +781,37 @@ pub fn reset(
     let (answer, observed) = inspection.peek();
     let peek = peeking.elapsed();
     if !answer.degraded.is_empty() {
-        return Err(refused(format!(
-            "the container cannot be fully observed now: {}",
-            answer.degraded.join("; ")
-        )));
+        return Err(Refusal::Degraded(answer.degraded).into());
     }
     if answer.procs.changed || matches!(answer.kind, AnswerKind::Proc | AnswerKind::Full) {
-        return Err(refused(format!(
-            "its processes changed since the last turn end ({})",
-            answer.summary()
-        )));
+        return Err(Refusal::ProcessesChanged(answer.summary()).into());
     }
     let Some(observed) = observed else {
-        return Err(refused("the container cannot be observed now"));
+        return Err(Refusal::Unobservable.into());
     };
     let idle = inspection.idle_since(&observed);
-    let freezer = CgroupFreezer::for_pid(pid)
-        .map_err(|e| refused(format!("cannot find its freezer: {e}")))?;
+    let freezer = CgroupFreezer::for_pid(pid).map_err(Refusal::Freezer)?;
     let frozen_at = Instant::now();
-    freezer
-        .freeze()
-        .map_err(|e| refused(format!("cannot freeze it: {e}")))?;
+    freezer.freeze().map_err(Refusal::Freeze)?;
     let mut frozen = Frozen {
         freezer: &freezer,
         armed: true,
     };
     match inspection.process_events_since(&observed) {
         Some(0) => {}
-        Some(n) => {
-            return Err(refused(format!(
-                "{n} process events (fork, exec, exit) while the rollback began"
-            )))
-        }
-        None => return Err(refused("the kernel counters cannot be read")),
+        Some(n) => return Err(Refusal::ProcessEvents(n).into()),
+        None => return Err(Refusal::NoCounters.into()),
     }
     // What the kernel holds for the processes (pending signals, queued bytes, stopped, fd
     // state) may have changed between the peek and the freeze without any event above.
     let moved = inspection.processes_changed_since(&observed);
     if !moved.is_empty() {
-        return Err(refused(format!(
-            "its processes' kernel state changed while the rollback began: {}",
-            moved.join("; ")
-        )));
+        return Err(Refusal::KernelState(moved).into());
     }
     let scanning = Instant::now();
     let since = inspection
         .fs_since_mark()
-        .map_err(|e| refused(format!("cannot scan its files: {e}")))?;
+        .map_err(|e| Refusal::Scan(Box::new(e)))?;
     let mut scans = scanning.elapsed();
     let rel = |p: &PathBuf| p.strip_prefix("/").unwrap_or(p).to_path_buf();
     changed.extend(since.changed.paths().map(|p| rel(&p.to_path_buf())));
@@ -852,7 +828,7 @@ pub fn reset(
         limits.max_walk_depth,
         limits.max_manifest_entries,
     )
-    .map_err(|e| refused(format!("cannot open its root: {e}")))?;
+    .map_err(Refusal::Root)?;
     let mut tgt = Target {
         layers,
         lowers: Lowers::new(&t.lowerdirs, t.overlay_xattrs),
@@ -866,17 +842,17 @@ pub fn reset(
         max_bytes: limits.max_layer_bytes,
     };
     let applying = Instant::now();
-    let (paths, bytes) = apply(&mut view, &mut tgt, &plan).map_err(ResetError::Failed)?;
+    let failed = ResetError::Failed;
+    let (paths, bytes) =
+        apply(&mut view, &mut tgt, &plan).map_err(|e| failed(Failure::Apply(e)))?;
     let apply_time = applying.elapsed();
     let scanning = Instant::now();
     inspection
         .rebase(observed)
-        .map_err(|e| ResetError::Failed(format!("cannot scan the files reset: {e}")))?;
+        .map_err(|e| failed(Failure::Rescan(Box::new(e))))?;
     scans += scanning.elapsed();
     frozen.armed = false;
-    freezer
-        .thaw()
-        .map_err(|e| ResetError::Failed(format!("cannot thaw it: {e}")))?;
+    freezer.thaw().map_err(|e| failed(Failure::Thaw(e)))?;
     Ok(Reset {
         paths,
         bytes,
@@ -1004,7 +980,55 @@ mod tests {
         raw[n - 1] ^= 1;
         std::fs::write(&blob, raw).unwrap();
         let e = read_layer(&store, &desc, |r| LayerState::default().apply(r, 1000));
-        assert!(e.is_err(), "a damaged layer was read");
+        assert!(
+            matches!(
+                e,
+                Err(RollbackError::Layer {
+                    source: LayerProblem::Digest(_) | LayerProblem::Tar(_) | LayerProblem::Io(_),
+                    ..
+                })
+            ),
+            "a damaged layer was read"
+        );
+    }
+
+    /// What went wrong keeps its kind (and says it as the clients were always told).
+    #[test]
+    fn errors_say_what_went_wrong_and_keep_its_kind() {
+        let t = tempfile::tempdir().unwrap();
+        let rootfs = Rootfs {
+            path: t.path(),
+            upperdir: &t.path().join("no-upper"),
+            lowerdirs: &[],
+            overlay_xattrs: crate::inspector::fs::OverlayXattrs::Trusted,
+        };
+        let limits = crab_runtime_config::LimitsConfig::default();
+        let e = onto_rootfs(&rootfs, &[], &|_| PathBuf::new(), &limits).unwrap_err();
+        assert!(matches!(e, RollbackError::Upperdir(_)), "{e}");
+        assert!(e.to_string().starts_with("reading its upperdir: "), "{e}");
+        // A layer blob that is not there names the layer and its file.
+        let d = desc(7);
+        let e = read_layer_at(&t.path().join("gone"), &d, |_| Ok(())).unwrap_err();
+        assert!(
+            matches!(&e, RollbackError::Layer { source: LayerProblem::Io(io), .. } if io.kind() == io::ErrorKind::NotFound),
+            "{e}"
+        );
+        assert!(
+            e.to_string().starts_with(&format!("layer {} (", d.digest)),
+            "{e}"
+        );
+        let refused = ResetError::from(Refusal::Lineage(LineageError::NotDurable(3)));
+        assert_eq!(
+            refused.to_string(),
+            "checkpoint 3 failed: it is no recovery point"
+        );
+        let failed = ResetError::Failed(Failure::Thaw(io::Error::from_raw_os_error(libc::EBUSY)));
+        assert!(
+            failed
+                .to_string()
+                .starts_with("resetting the files failed part way: cannot thaw it: "),
+            "{failed}"
+        );
     }
 
     #[test]
@@ -1015,15 +1039,20 @@ mod tests {
         assert!(check_lineage(&target, &manifest(5, Full, &[1, 2])).is_ok());
         // A new chain (after a failure), another branch, a failed newest checkpoint.
         let e = check_lineage(&target, &manifest(5, Fs, &[9])).unwrap_err();
-        assert!(e.contains("no longer descend"), "{e}");
+        assert_eq!(e, LineageError::Diverged(2));
+        assert!(e.to_string().contains("no longer descend"), "{e}");
         assert!(check_lineage(&target, &manifest(5, Fs, &[1, 3, 4])).is_err());
         let e = check_lineage(&target, &manifest(5, Failed, &[1, 2, 3])).unwrap_err();
-        assert!(e.contains("failed"), "{e}");
+        assert_eq!(e, LineageError::NewestFailed(5));
+        assert!(e.to_string().contains("failed"), "{e}");
         assert!(check_lineage(&manifest(2, Failed, &[1]), &manifest(5, Fs, &[1])).is_err());
         // Older than the image the container runs (a recreate rollback to a later one).
         let mut latest = manifest(5, Fs, &[1, 2, 3]);
         latest.image_layers = 3;
         let e = check_lineage(&target, &latest).unwrap_err();
-        assert!(e.contains("older than the checkpoint image"), "{e}");
+        assert!(
+            e.to_string().contains("older than the checkpoint image"),
+            "{e}"
+        );
     }
 }

@@ -22,9 +22,10 @@ use super::{
     read_layer_at,
     state::{DataRef, LayerState, Lookup, Node},
     tar::{Header, Kind},
+    RollbackError,
 };
 use crate::checkpoint::{
-    store::{temp_file_in, Descriptor, TempFile},
+    store::{temp_file_in, Descriptor, StoreError, TempFile},
     tar::{child_name, sparse_map, tar_name, TarEntry, TarWriter, OPAQUE_MARKER},
 };
 
@@ -113,16 +114,18 @@ pub fn squash(
     out: File,
     out_path: &Path,
     (max_entries, max_bytes): (u64, u64),
-) -> Result<Squashed, String> {
+) -> Result<Squashed, RollbackError> {
     let mut state = LayerState::default();
     let mut left = max_bytes;
     let mut plain: Vec<TempFile> = Vec::with_capacity(layers.len());
     for (path, d) in layers {
-        let mut tmp = temp_file_in(store, "squash").map_err(|e| e.to_string())?;
-        let file = tmp
-            .file()
-            .try_clone()
-            .map_err(|e| format!("{}: {e}", tmp.path().display()))?;
+        let mut tmp = temp_file_in(store, "squash")?;
+        let tmp_path = tmp.path().to_path_buf();
+        let temp = |source| RollbackError::TempFile {
+            path: tmp_path.clone(),
+            source,
+        };
+        let file = tmp.file().try_clone().map_err(temp)?;
         let mut copy = BufWriter::new(file);
         read_layer_at(path, d, |r| {
             state.apply(
@@ -134,8 +137,7 @@ pub fn squash(
                 max_entries,
             )
         })?;
-        copy.flush()
-            .map_err(|e| format!("{}: {e}", tmp.path().display()))?;
+        copy.flush().map_err(temp)?;
         plain.push(tmp);
     }
     write(&state, &mut plain, out, out_path)
@@ -147,9 +149,12 @@ fn write(
     plain: &mut [TempFile],
     out: File,
     out_path: &Path,
-) -> Result<Squashed, String> {
+) -> Result<Squashed, RollbackError> {
     let mut w = TarWriter::new(BufWriter::new(out), out_path.to_path_buf());
-    let err = |e: &dyn std::fmt::Display| format!("squashing into {}: {e}", out_path.display());
+    let err = |source: StoreError| RollbackError::Squash {
+        out: out_path.to_path_buf(),
+        source,
+    };
     let mut hidden: BTreeSet<&Path> = state.hidden_dirs().into_iter().collect();
     // A file's data is written once: the first path of it in path order carries it, the
     // others (hard links in the layers) link to that path, after every other entry.
@@ -159,7 +164,7 @@ fn write(
     for (path, node) in state.nodes() {
         let header = match node {
             Node::Gone => {
-                w.whiteout(path).map_err(|e| err(&e))?;
+                w.whiteout(path).map_err(err)?;
                 continue;
             }
             Node::Entry { header, .. } => header,
@@ -172,15 +177,17 @@ fn write(
             Kind::Dir => {
                 let name = tar_name(path, true);
                 w.append(&entry(header, Kind::Dir, &name, b""))
-                    .map_err(|e| err(&e))?;
+                    .map_err(err)?;
                 if hidden.remove(path) {
                     let marker = child_name(path, OPAQUE_MARKER);
-                    w.append(&TarEntry::whiteout(&marker))
-                        .map_err(|e| err(&e))?;
+                    w.append(&TarEntry::whiteout(&marker)).map_err(err)?;
                 }
             }
             Kind::File | Kind::Hardlink => {
-                let data = data.ok_or_else(|| err(&format!("{} has no data", path.display())))?;
+                let data = data.ok_or_else(|| RollbackError::NoData {
+                    out: out_path.to_path_buf(),
+                    path: path.to_path_buf(),
+                })?;
                 if let Some(leader) = leaders.get(&data) {
                     links.push((path, header, leader.clone()));
                     continue;
@@ -194,23 +201,30 @@ fn write(
                     sparse_size: header.sparse.as_ref().map(|_| header.size),
                     ..entry(header, Kind::File, &name, b"")
                 })
-                .map_err(|e| err(&e))?;
+                .map_err(err)?;
                 if let Some(map) = &map {
-                    w.write_raw(map).map_err(|e| err(&e))?;
+                    w.write_raw(map).map_err(err)?;
                 }
                 let src = plain[data.layer].file();
                 src.seek(SeekFrom::Start(data.at.offset))
-                    .map_err(|e| err(&e))?;
+                    .map_err(|source| RollbackError::SquashRead {
+                        out: out_path.to_path_buf(),
+                        source,
+                    })?;
                 let mut left = data.at.len;
                 while left > 0 {
                     let n = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
-                    src.read_exact(&mut buf[..n]).map_err(|e| {
-                        err(&format!("the data of {} ends early: {e}", path.display()))
+                    src.read_exact(&mut buf[..n]).map_err(|source| {
+                        RollbackError::DataEndsEarly {
+                            out: out_path.to_path_buf(),
+                            path: path.to_path_buf(),
+                            source,
+                        }
                     })?;
-                    w.write_raw(&buf[..n]).map_err(|e| err(&e))?;
+                    w.write_raw(&buf[..n]).map_err(err)?;
                     left -= n as u64;
                 }
-                w.pad(stored).map_err(|e| err(&e))?;
+                w.pad(stored).map_err(err)?;
             }
             Kind::Symlink | Kind::CharDev | Kind::BlockDev | Kind::Fifo => {
                 let name = tar_name(path, false);
@@ -219,7 +233,7 @@ fn write(
                     _ => b"",
                 };
                 w.append(&entry(header, header.kind, &name, link))
-                    .map_err(|e| err(&e))?;
+                    .map_err(err)?;
             }
         }
     }
@@ -227,16 +241,15 @@ fn write(
     for d in hidden {
         if state.lookup(d) == Lookup::Lower {
             let marker = child_name(d, OPAQUE_MARKER);
-            w.append(&TarEntry::whiteout(&marker))
-                .map_err(|e| err(&e))?;
+            w.append(&TarEntry::whiteout(&marker)).map_err(err)?;
         }
     }
     for (path, header, leader) in links {
         let (name, link) = (tar_name(path, false), tar_name(&leader, false));
         w.append(&entry(header, Kind::Hardlink, &name, &link))
-            .map_err(|e| err(&e))?;
+            .map_err(err)?;
     }
-    let bytes = w.finish().map_err(|e| err(&e))?;
+    let bytes = w.finish().map_err(err)?;
     Ok(Squashed {
         entries: w.entries(),
         bytes,

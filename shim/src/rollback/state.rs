@@ -115,11 +115,10 @@ impl LayerState {
                     _ => {
                         return Err(TarError::Bad {
                             offset: 0,
-                            why: format!(
-                                "{} links to {}, which is no file of the layers",
-                                path.display(),
-                                h.link.display()
-                            ),
+                            why: tar::Damage::DanglingLink {
+                                path,
+                                link: h.link.clone(),
+                            },
                         })
                     }
                 },

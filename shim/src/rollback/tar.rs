@@ -26,7 +26,88 @@ pub enum TarError {
     #[error("reading the layer: {0}")]
     Io(#[from] io::Error),
     #[error("damaged layer at byte {offset}: {why}")]
-    Bad { offset: u64, why: String },
+    Bad {
+        offset: u64,
+        #[source]
+        why: Damage,
+    },
+}
+
+/// What is wrong with a layer's tar (at the entry [`TarError::Bad`] names).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Damage {
+    #[error("no end-of-archive blocks")]
+    NoEnd,
+    #[error("header checksum {want} but the header sums to {sum}")]
+    Checksum { want: u64, sum: u64 },
+    #[error("checksum field: {0}")]
+    ChecksumField(#[source] NumberError),
+    #[error("size: {0}")]
+    Size(#[source] NumberError),
+    #[error(transparent)]
+    Number(#[from] NumberError),
+    #[error("an extended header of {0} bytes")]
+    ExtendedHeader(u64),
+    #[error("more than {0} entries")]
+    TooManyEntries(u64),
+    #[error("a name or link target too long")]
+    NameTooLong,
+    #[error("pax {key}: {value:?}")]
+    PaxNumber { key: String, value: Vec<u8> },
+    #[error("{0} too large")]
+    IdTooLarge(String),
+    #[error("entry type {0:?}")]
+    EntryType(char),
+    #[error("{0:?} ends in a slash")]
+    TrailingSlash(String),
+    #[error("the name {0:?} climbs")]
+    Climbs(PathBuf),
+    #[error("a name with a NUL")]
+    Nul,
+    #[error("a whiteout without a name")]
+    EmptyWhiteout,
+    #[error("a pax record without a length")]
+    PaxNoLength,
+    #[error("a pax record length that is not a number")]
+    PaxBadLength,
+    #[error("a pax record of a wrong length")]
+    PaxWrongLength,
+    #[error("a pax record without '='")]
+    PaxNoEquals,
+    #[error("a pax mtime that is not text")]
+    MtimeNotText,
+    #[error("pax mtime {0:?}")]
+    Mtime(String),
+    #[error("a sparse file without its real size")]
+    SparseNoRealSize,
+    #[error("a sparse map out of order or beyond the size")]
+    SparseOrder,
+    #[error("a sparse entry whose data does not match its map")]
+    SparseMismatch,
+    #[error("sparse format {0:?}")]
+    SparseFormat(String),
+    #[error("a sparse map longer than its entry")]
+    SparseMapTooLong,
+    #[error("the layer ends inside a sparse map")]
+    SparseMapCutShort,
+    #[error("a sparse map that is not numbers")]
+    SparseMapNotNumbers,
+    #[error("a sparse map of too many extents")]
+    SparseMapTooManyExtents,
+    /// A hard link to a path the layers hold no file at (read by [`super::state`]).
+    #[error("{} links to {}, which is no file of the layers", path.display(), link.display())]
+    DanglingLink { path: PathBuf, link: PathBuf },
+}
+
+/// What is wrong with a number field of a tar header.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NumberError {
+    #[error("a base-256 number too large")]
+    Base256TooLarge,
+    #[error("not octal")]
+    NotText,
+    #[error("{0:?} is not octal")]
+    NotOctal(String),
 }
 
 /// What an entry is.
@@ -138,20 +219,20 @@ pub fn read(
     let mut long_link: Option<Vec<u8>> = None;
     loop {
         let at = r.at;
-        let bad = |why: String| TarError::Bad { offset: at, why };
+        let bad = |why: Damage| TarError::Bad { offset: at, why };
         let Some(block) = r.block()? else {
-            return Err(bad("no end-of-archive blocks".into()));
+            return Err(bad(Damage::NoEnd));
         };
         if block.iter().all(|&b| b == 0) {
             return Ok(());
         }
         check_sum(&block).map_err(bad)?;
         let typeflag = block[156];
-        let size = number(&block[124..136]).map_err(|e| bad(format!("size: {e}")))?;
+        let size = number(&block[124..136]).map_err(|e| bad(Damage::Size(e)))?;
         match typeflag {
             b'x' | b'g' | b'L' | b'K' => {
                 if size > MAX_PAX {
-                    return Err(bad(format!("an extended header of {size} bytes")));
+                    return Err(bad(Damage::ExtendedHeader(size)));
                 }
                 let mut data = vec![0u8; size as usize];
                 r.read_exact(&mut data)?;
@@ -168,7 +249,7 @@ pub fn read(
         }
         entries += 1;
         if entries > max_entries {
-            return Err(bad(format!("more than {max_entries} entries")));
+            return Err(bad(Damage::TooManyEntries(max_entries)));
         }
         let ext = std::mem::take(&mut pax);
         let (long_name, long_link) = (long_name.take(), long_link.take());
@@ -201,7 +282,7 @@ fn entry_header(
     ext: &[(Vec<u8>, Vec<u8>)],
     long_name: Option<Vec<u8>>,
     long_link: Option<Vec<u8>>,
-) -> Result<(Header, u64), String> {
+) -> Result<(Header, u64), Damage> {
     let get = |key: &[u8]| pax_get(ext, key);
     let ustar = &block[257..262] == b"ustar";
     let mut name = match (get(b"GNU.sparse.name"), get(b"path"), long_name) {
@@ -226,20 +307,23 @@ fn entry_header(
         (None, None) => trim_nul(&block[157..257]).to_vec(),
     };
     if name.len() > MAX_NAME || link.len() > MAX_NAME {
-        return Err("a name or link target too long".into());
+        return Err(Damage::NameTooLong);
     }
-    let num = |key: &[u8], field: &[u8]| -> Result<u64, String> {
+    let num = |key: &[u8], field: &[u8]| -> Result<u64, Damage> {
         match get(key) {
             Some(v) => std::str::from_utf8(v)
                 .ok()
                 .and_then(|s| s.parse::<u64>().ok())
-                .ok_or_else(|| format!("pax {}: {v:?}", String::from_utf8_lossy(key))),
-            None => number(field),
+                .ok_or_else(|| Damage::PaxNumber {
+                    key: String::from_utf8_lossy(key).into_owned(),
+                    value: v.clone(),
+                }),
+            None => Ok(number(field)?),
         }
     };
-    let id = |key: &[u8], field: &[u8]| -> Result<u32, String> {
+    let id = |key: &[u8], field: &[u8]| -> Result<u32, Damage> {
         u32::try_from(num(key, field)?)
-            .map_err(|_| format!("{} too large", String::from_utf8_lossy(key)))
+            .map_err(|_| Damage::IdTooLarge(String::from_utf8_lossy(key).into_owned()))
     };
     let stored = num(b"size", &block[124..136])?;
     let mtime = match get(b"mtime") {
@@ -254,13 +338,12 @@ fn entry_header(
         b'4' => Kind::BlockDev,
         b'5' => Kind::Dir,
         b'6' => Kind::Fifo,
-        other => return Err(format!("entry type {:?}", other as char)),
+        other => return Err(Damage::EntryType(other as char)),
     };
     // A directory's name may end in a slash; a file's must not.
     if kind != Kind::Dir && name.ends_with(b"/") && name != b"./" {
-        return Err(format!(
-            "{:?} ends in a slash",
-            String::from_utf8_lossy(&name)
+        return Err(Damage::TrailingSlash(
+            String::from_utf8_lossy(&name).into_owned(),
         ));
     }
     while name.len() > 1 && name.ends_with(b"/") {
@@ -301,10 +384,7 @@ fn file_data<R: Read>(
     stored: u64,
 ) -> Result<Option<DataAt>, TarError> {
     // The caller puts the entry's offset in.
-    let bad = |why: &str| TarError::Bad {
-        offset: 0,
-        why: why.into(),
-    };
+    let bad = |why: Damage| TarError::Bad { offset: 0, why };
     match pax_get(ext, b"GNU.sparse.major").map(Vec::as_slice) {
         None => {
             header.size = stored;
@@ -318,18 +398,18 @@ fn file_data<R: Read>(
         Some(b"1") => {
             let real = pax_get(ext, b"GNU.sparse.realsize")
                 .and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok())
-                .ok_or_else(|| bad("a sparse file without its real size"))?;
+                .ok_or_else(|| bad(Damage::SparseNoRealSize))?;
             let (map, map_len) = read_sparse_map(r, stored)?;
             let data_len: u64 = map.iter().map(|(_, l)| l).sum();
             let mut end = 0u64;
             for &(o, l) in &map {
                 if o < end || o.checked_add(l).is_none_or(|e| e > real) {
-                    return Err(bad("a sparse map out of order or beyond the size"));
+                    return Err(bad(Damage::SparseOrder));
                 }
                 end = o + l;
             }
             if map_len + data_len != stored {
-                return Err(bad("a sparse entry whose data does not match its map"));
+                return Err(bad(Damage::SparseMismatch));
             }
             header.size = real;
             header.sparse = Some(map);
@@ -340,21 +420,20 @@ fn file_data<R: Read>(
             r.skip(data_len)?;
             Ok(Some(data))
         }
-        Some(v) => Err(bad(&format!(
-            "sparse format {:?}",
-            String::from_utf8_lossy(v)
+        Some(v) => Err(bad(Damage::SparseFormat(
+            String::from_utf8_lossy(v).into_owned(),
         ))),
     }
 }
 
 /// What an entry is in a layer: an opaque-directory marker, a whiteout, or itself.
-fn item_of(header: Header) -> Result<Item, String> {
+fn item_of(header: Header) -> Result<Item, Damage> {
     Ok(match header.path.file_name().map(|n| n.as_bytes()) {
         Some(b".wh..wh..opq") => Item::Opaque(parent(&header.path)),
         Some(n) if n.starts_with(b".wh.") => {
             let hidden = OsStr::from_bytes(&n[4..]);
             if hidden.is_empty() || hidden == "." || hidden == ".." {
-                return Err("a whiteout without a name".into());
+                return Err(Damage::EmptyWhiteout);
             }
             Item::Whiteout(parent(&header.path).join(hidden))
         }
@@ -372,21 +451,16 @@ fn read_sparse_map(
     r: &mut Counted<impl Read>,
     stored: u64,
 ) -> Result<(Vec<(u64, u64)>, u64), TarError> {
-    let bad = |why: &str| TarError::Bad {
-        offset: 0,
-        why: why.to_string(),
-    };
+    let bad = |why: Damage| TarError::Bad { offset: 0, why };
     let mut text: Vec<u8> = Vec::new();
     let mut numbers: Vec<u64> = Vec::new();
     let mut want: Option<u64> = None;
     let mut consumed = 0u64;
     loop {
         if consumed + 512 > stored {
-            return Err(bad("a sparse map longer than its entry"));
+            return Err(bad(Damage::SparseMapTooLong));
         }
-        let block = r
-            .block()?
-            .ok_or_else(|| bad("the layer ends inside a sparse map"))?;
+        let block = r.block()?.ok_or_else(|| bad(Damage::SparseMapCutShort))?;
         consumed += 512;
         for &b in block.iter() {
             if want.is_some_and(|n| numbers.len() as u64 == 1 + 2 * n) {
@@ -396,11 +470,11 @@ fn read_sparse_map(
                 let n = std::str::from_utf8(&text)
                     .ok()
                     .and_then(|s| s.parse::<u64>().ok())
-                    .ok_or_else(|| bad("a sparse map that is not numbers"))?;
+                    .ok_or_else(|| bad(Damage::SparseMapNotNumbers))?;
                 text.clear();
                 if numbers.is_empty() {
                     if n > MAX_SPARSE_EXTENTS {
-                        return Err(bad("a sparse map of too many extents"));
+                        return Err(bad(Damage::SparseMapTooManyExtents));
                     }
                     want = Some(n);
                 }
@@ -408,7 +482,7 @@ fn read_sparse_map(
             } else if b.is_ascii_digit() && text.len() < 20 {
                 text.push(b);
             } else {
-                return Err(bad("a sparse map that is not numbers"));
+                return Err(bad(Damage::SparseMapNotNumbers));
             }
         }
         if let Some(n) = want {
@@ -422,7 +496,7 @@ fn read_sparse_map(
 
 /// A tar name as a relative path of normal components (`./` and `/` are the root); `..`, or a
 /// NUL, is refused.
-pub fn normalize(name: &[u8]) -> Result<PathBuf, String> {
+pub fn normalize(name: &[u8]) -> Result<PathBuf, Damage> {
     let p = Path::new(OsStr::from_bytes(name));
     let mut out = PathBuf::new();
     for c in p.components() {
@@ -430,12 +504,12 @@ pub fn normalize(name: &[u8]) -> Result<PathBuf, String> {
             Component::RootDir | Component::CurDir => {}
             Component::Normal(n) => out.push(n),
             Component::ParentDir | Component::Prefix(_) => {
-                return Err(format!("the name {:?} climbs", p.display()))
+                return Err(Damage::Climbs(p.to_path_buf()))
             }
         }
     }
     if name.contains(&0) {
-        return Err("a name with a NUL".into());
+        return Err(Damage::Nul);
     }
     Ok(out)
 }
@@ -449,8 +523,8 @@ fn pad(size: u64) -> u64 {
     (512 - size % 512) % 512
 }
 
-fn check_sum(block: &[u8; 512]) -> Result<(), String> {
-    let want = number(&block[148..156]).map_err(|e| format!("checksum field: {e}"))?;
+fn check_sum(block: &[u8; 512]) -> Result<(), Damage> {
+    let want = number(&block[148..156]).map_err(Damage::ChecksumField)?;
     let sum: u64 = block
         .iter()
         .enumerate()
@@ -464,21 +538,19 @@ fn check_sum(block: &[u8; 512]) -> Result<(), String> {
         .sum();
     match sum == want {
         true => Ok(()),
-        false => Err(format!(
-            "header checksum {want} but the header sums to {sum}"
-        )),
+        false => Err(Damage::Checksum { want, sum }),
     }
 }
 
 /// An octal field (NUL/space padded), or a base-256 one (high bit of the first byte set).
-fn number(field: &[u8]) -> Result<u64, String> {
+fn number(field: &[u8]) -> Result<u64, NumberError> {
     if field.first().is_some_and(|b| b & 0x80 != 0) {
         let mut v: u64 = u64::from(field[0] & 0x7f);
         for &b in &field[1..] {
             v = v
                 .checked_mul(256)
                 .and_then(|v| v.checked_add(u64::from(b)))
-                .ok_or("a base-256 number too large")?;
+                .ok_or(NumberError::Base256TooLarge)?;
         }
         return Ok(v);
     }
@@ -491,15 +563,15 @@ fn number(field: &[u8]) -> Result<u64, String> {
     if digits.is_empty() {
         return Ok(0);
     }
-    let s = std::str::from_utf8(digits).map_err(|_| "not octal".to_string())?;
-    u64::from_str_radix(s, 8).map_err(|_| format!("{s:?} is not octal"))
+    let s = std::str::from_utf8(digits).map_err(|_| NumberError::NotText)?;
+    u64::from_str_radix(s, 8).map_err(|_| NumberError::NotOctal(s.to_string()))
 }
 
 /// (key, value) pairs: pax records, xattrs.
 pub type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
 
 /// pax records: `<len> <key>=<value>\n`.
-fn parse_pax(mut data: &[u8]) -> Result<Pairs, String> {
+fn parse_pax(mut data: &[u8]) -> Result<Pairs, Damage> {
     let mut out = Vec::new();
     while !data.is_empty() {
         if data.iter().all(|&b| b == 0) {
@@ -509,19 +581,19 @@ fn parse_pax(mut data: &[u8]) -> Result<Pairs, String> {
             .iter()
             .position(|&b| b == b' ')
             .filter(|&i| i <= 20)
-            .ok_or("a pax record without a length")?;
+            .ok_or(Damage::PaxNoLength)?;
         let len: usize = std::str::from_utf8(&data[..sp])
             .ok()
             .and_then(|s| s.parse().ok())
-            .ok_or("a pax record length that is not a number")?;
+            .ok_or(Damage::PaxBadLength)?;
         if len <= sp + 1 || len > data.len() || data[len - 1] != b'\n' {
-            return Err("a pax record of a wrong length".into());
+            return Err(Damage::PaxWrongLength);
         }
         let record = &data[sp + 1..len - 1];
         let eq = record
             .iter()
             .position(|&b| b == b'=')
-            .ok_or("a pax record without '='")?;
+            .ok_or(Damage::PaxNoEquals)?;
         out.push((record[..eq].to_vec(), record[eq + 1..].to_vec()));
         data = &data[len..];
     }
@@ -529,20 +601,21 @@ fn parse_pax(mut data: &[u8]) -> Result<Pairs, String> {
 }
 
 /// A pax time: seconds, optionally negative, with an optional fraction.
-fn parse_time(v: &[u8]) -> Result<(i64, i64), String> {
-    let s = std::str::from_utf8(v).map_err(|_| "a pax mtime that is not text")?;
+fn parse_time(v: &[u8]) -> Result<(i64, i64), Damage> {
+    let s = std::str::from_utf8(v).map_err(|_| Damage::MtimeNotText)?;
     let (neg, s) = match s.strip_prefix('-') {
         Some(rest) => (true, rest),
         None => (false, s),
     };
     let (secs, frac) = s.split_once('.').unwrap_or((s, ""));
-    let secs: i64 = secs.parse().map_err(|_| format!("pax mtime {s:?}"))?;
+    let bad = || Damage::Mtime(s.to_string());
+    let secs: i64 = secs.parse().map_err(|_| bad())?;
     if frac.len() > 9 || !frac.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(format!("pax mtime {s:?}"));
+        return Err(bad());
     }
     let nsec: i64 = match frac.is_empty() {
         true => 0,
-        false => format!("{frac:0<9}").parse().map_err(|_| "pax mtime")?,
+        false => format!("{frac:0<9}").parse().map_err(|_| bad())?,
     };
     Ok(match (neg, nsec) {
         (false, _) => (secs, nsec),
@@ -652,8 +725,17 @@ mod tests {
         assert!(number(b"99\0").is_err());
         assert_eq!(
             parse_pax(b"11 path=a\n13 x=a=b\nc\n").unwrap_err(),
-            "a pax record of a wrong length"
+            Damage::PaxWrongLength
         );
+        assert_eq!(
+            number(b"99\0").unwrap_err().to_string(),
+            "\"99\" is not octal"
+        );
+        assert_eq!(
+            number(&[0xff; 12]).unwrap_err(),
+            NumberError::Base256TooLarge
+        );
+        assert_eq!(parse_time(b"x.5").unwrap_err(), Damage::Mtime("x.5".into()));
         let recs = parse_pax(b"10 path=a\n").unwrap();
         assert_eq!(recs, vec![(b"path".to_vec(), b"a".to_vec())]);
     }

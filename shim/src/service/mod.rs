@@ -82,7 +82,7 @@ impl containerd_shim::Shim for Service {
             &opts.id,
             &self.namespace,
         )
-        .map_err(containerd_shim::Error::InvalidArgument)?;
+        .map_err(|e| containerd_shim::Error::InvalidArgument(e.to_string()))?;
         // containerd writes the runtime options to the start command's stdin, and the
         // framework's spawn() parses whatever it finds there as *runc's* options (field 3 of
         // which is `shim_cgroup`): crab's options (`runtimeoptions.v1.Options`, whose field 3 is

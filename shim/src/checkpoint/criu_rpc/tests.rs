@@ -233,7 +233,10 @@ fn dump_request_carries_runcs_options() {
         manage_cgroups_mode: Some("loose".into()),
         ..Default::default()
     };
-    assert!(dump_opts(&st, &bad, &[], 1, 2).is_err());
+    assert!(matches!(
+        dump_opts(&st, &bad, &[], 1, 2),
+        Err(StateError::CgroupsMode(m)) if m == "loose"
+    ));
 
     // A joined network namespace is external, by inode.
     let mut st3 = st.clone();
@@ -244,7 +247,13 @@ fn dump_request_carries_runcs_options() {
         .0;
     assert_eq!(strings(&o, 37), [format!("net[{ino}]:extRootNetNS")]);
     st3.config.namespaces[1].path = "/nonexistent/ns".into();
-    assert!(dump_opts(&st3, &DumpOptions::default(), &[], 1, 2).is_err());
+    let Err(e) = dump_opts(&st3, &DumpOptions::default(), &[], 1, 2) else {
+        panic!("a namespace that is not there");
+    };
+    assert!(
+        matches!(&e, StateError::Namespace { name: "net", source, .. } if source.kind() == io::ErrorKind::NotFound),
+        "{e}"
+    );
 }
 
 #[test]
@@ -263,6 +272,15 @@ fn hostile_state_files_are_refused() {
     ] {
         assert!(RuncState::parse(bad.as_bytes()).is_err(), "{bad}");
     }
+    let relative = r#"{"init_process_pid": 1, "config": {"rootfs": "relative"}}"#;
+    let e = RuncState::parse(relative.as_bytes()).unwrap_err();
+    assert_eq!(e.to_string(), "rootfs relative is not absolute");
+    let no_init = r#"{"init_process_pid": 0, "config": {"rootfs": "/r"}}"#;
+    assert!(matches!(
+        RuncState::parse(no_init.as_bytes()),
+        Err(StateError::NoInit)
+    ));
+    assert!(matches!(RuncState::parse(b"[]"), Err(StateError::Json(_))));
     // Go's nil slices, maps and strings are null.
     let nulls = r#"{"init_process_pid": 1, "cgroup_paths": null, "external_descriptors": null,
             "config": {"rootfs": "/r", "mounts": [{"destination": "/d", "device": null}], "devices": null,
@@ -327,9 +345,12 @@ fn criu_answers_decode_and_hostile_ones_are_refused() {
         .uint(1, REQ_NOTIFY)
         .bool(2, true)
         .bytes(5, &[0xff]);
-    for bad in [&no_success.0, &wrong.0, &bad_notify.0] {
-        assert!(decode_resp(bad).is_err(), "{bad:?}");
-    }
+    assert_eq!(decode_resp(&no_success.0), Err(RespError::Incomplete));
+    assert_eq!(decode_resp(&wrong.0), Err(RespError::WrongType(1)));
+    assert_eq!(
+        decode_resp(&bad_notify.0),
+        Err(RespError::Notify(DecodeError::BadKey { offset: 0 }))
+    );
     let full = {
         let mut r = Enc::default();
         r.uint(1, REQ_DUMP).bool(2, true).str(9, "long message");
@@ -340,7 +361,10 @@ fn criu_answers_decode_and_hostile_ones_are_refused() {
     }
     assert!(decode_resp(&full[..full.len() - 1]).is_err());
     assert!(decode_resp(&[0xff; 16]).is_err());
-    assert!(decode_resp(&[0x0b]).is_err(), "wire type 3");
+    assert_eq!(
+        decode_resp(&[0x0b]).unwrap_err().to_string(),
+        "not a protobuf message: wire type 3 at byte 0"
+    );
     assert!(proto_fields(&[0x0d, 1, 2]).is_none(), "fixed32 cut short");
 }
 

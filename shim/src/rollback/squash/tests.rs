@@ -5,6 +5,10 @@ use std::{
 
 use super::*;
 use crate::checkpoint::store::{sha256_reader, Store, MEDIA_TYPE_LAYER_TAR};
+use crate::rollback::{
+    tar::{Damage, TarError},
+    LayerProblem,
+};
 
 #[test]
 fn plans_keep_layers_alone_while_they_fit_then_aligned_runs() {
@@ -418,6 +422,17 @@ fn one_layer_squashes_to_its_own_meaning_and_damage_is_an_error() {
         (1000, 1 << 30),
     )
     .unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            RollbackError::Layer {
+                source: LayerProblem::Digest(_) | LayerProblem::Tar(_),
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = e.to_string();
     assert!(e.contains("damaged") || e.contains("digest"), "{e}");
     // More entries than allowed, more bytes than allowed.
     let e = squash(
@@ -428,7 +443,20 @@ fn one_layer_squashes_to_its_own_meaning_and_damage_is_an_error() {
         (2, 1 << 30),
     )
     .unwrap_err();
-    assert!(e.contains("more than 2 entries"), "{e}");
+    assert!(
+        matches!(
+            &e,
+            RollbackError::Layer {
+                source: LayerProblem::Tar(TarError::Bad {
+                    why: Damage::TooManyEntries(2),
+                    ..
+                }),
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("more than 2 entries"), "{e}");
     let e = squash(
         store.root(),
         &[one],
@@ -436,7 +464,8 @@ fn one_layer_squashes_to_its_own_meaning_and_damage_is_an_error() {
         &out,
         (1000, 4096),
     )
-    .unwrap_err();
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("more than the bound"), "{e}");
 }
 
