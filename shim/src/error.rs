@@ -140,6 +140,24 @@ pub enum Error {
         #[source]
         source: Source,
     },
+    /// A turn's checkpoint, or the checkpoint store under it, did not happen: the capture
+    /// subsystem's typed error (`checkpoint::CheckpointError`) is the source, and the edge
+    /// tells by its kind whether the client can act on it (not yet durable, an exec still
+    /// running, no slot, a deadline) or it failed.
+    #[error(transparent)]
+    Capture(Source),
+    /// An in-place rollback of container `id` to checkpoint `seq` failed part-way (rollback's
+    /// typed error is the source): its files match neither the checkpoint nor the chain.
+    #[error(
+        "in-place rollback of {id} to checkpoint {seq}: {source}; roll it back by recreating it \
+         (crabctl rollback --recreate)"
+    )]
+    Rollback {
+        id: String,
+        seq: u64,
+        #[source]
+        source: Source,
+    },
     #[error("{0}")]
     Other(String),
 }

@@ -210,7 +210,7 @@ impl Sandbox {
         let (store, background) = tokio::task::spawn_blocking(move || -> Result<(Store, Option<Taken>)> {
             // Only a container restored from this store's own checkpoint carries on its lineage.
             let continues = |s: &Store| matches!(&origin, Origin::Checkpoint(t) if restore::own_source(s, &namespace, &cid, t).is_some());
-            let (store, _) = Store::open_for_container(&root, continues).map_err(|e| Error::Other(format!("checkpoint store: {e}")))?;
+            let (store, _) = Store::open_for_container(&root, continues).map_err(CheckpointError::Store)?;
             if let Some(record) = &lineage {
                 if let Err(e) = crate::checkpoint::lineage::record(&store, record) {
                     log::error!("container {cid}: cannot record its lineage {}: {e}", record.lineage);
@@ -231,8 +231,7 @@ impl Sandbox {
             }
             Ok((store, None))
         })
-        .await
-        .map_err(|e| Error::Other(e.to_string()))??;
+        .await??;
         // What the inspection and the jobs both need, found once.
         let volumes = tracked_volumes(&spec, &config.checkpoint.tracked_volumes);
         let overlay = Overlay::of(rootfs);
@@ -240,8 +239,7 @@ impl Sandbox {
         record_spec(&self.dir, &spec);
         let cgroup2_dir =
             tokio::task::spawn_blocking(move || crate::sys::cgroup::cgroup2_dir_of(pid))
-                .await
-                .map_err(|e| Error::Other(e.to_string()))?
+                .await?
                 .map_err(|e| ProbesUnavailable::NoCgroup2 {
                     pid,
                     source: Arc::new(e),
@@ -285,7 +283,7 @@ impl Sandbox {
             lazy: self.lazy.get().cloned(),
             lazy_wait: Duration::from_millis(c.restore_timeout_ms),
         };
-        let mut inspection = inspection.await.map_err(|e| Error::Other(e.to_string()))?;
+        let mut inspection = inspection.await?;
         // A lineage that goes on (a rollback or recovery keeping the id) numbers its answers
         // after the ones it has: a new shim must not overwrite them.
         let dir = self.dir.clone();
@@ -461,10 +459,11 @@ impl Sandbox {
                         // The files match neither the checkpoint nor the chain: the next checkpoint
                         // takes them whole.
                         co.lose_chain();
-                        Error::Other(format!(
-                            "in-place rollback of {id} to checkpoint {seq}: {e}; roll it back by \
-                         recreating it (crabctl rollback --recreate)"
-                        ))
+                        Error::Rollback {
+                            id: id.to_string(),
+                            seq,
+                            source: Box::new(e),
+                        }
                     }
                 })?;
             // The lineage goes on from the checkpoint: a `restored` manifest with its references.
@@ -596,15 +595,10 @@ impl Sandbox {
     }
 }
 
+/// Kept whole: the edge (`service::status`) tells a refusal from a failure by its kind.
 impl From<CheckpointError> for Error {
     fn from(e: CheckpointError) -> Error {
-        match e {
-            CheckpointError::NotDurable { .. }
-            | CheckpointError::ExecsRunning { .. }
-            | CheckpointError::NoSlot(_)
-            | CheckpointError::Deadline { .. } => Error::FailedPrecondition(e.to_string()),
-            e => Error::Other(e.to_string()),
-        }
+        Error::Capture(Box::new(e))
     }
 }
 
@@ -1051,6 +1045,10 @@ fn unrecorded(turn_id: &str, answer: &Answer, checkpointed: bool, e: Error) -> E
             context: format!("{what}: {context}"),
             source,
         },
+        Error::Json { context, source } => Error::Json {
+            context: format!("{what}: {context}"),
+            source,
+        },
         e => Error::Other(format!("{what}: {e}")),
     }
 }
@@ -1079,7 +1077,10 @@ fn store_answer(
         answer,
         rollback,
     })
-    .map_err(|e| Error::Other(e.to_string()))?;
+    .map_err(|source| Error::Json {
+        context: "encode the turn answer".into(),
+        source,
+    })?;
     let write = || -> std::io::Result<()> {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(&data)?;

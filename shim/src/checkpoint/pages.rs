@@ -73,12 +73,32 @@ pub enum PagesError {
     },
     #[error("bad page recipe {path}: {what}")]
     BadRecipe { path: PathBuf, what: String },
-    #[error("chunk {hash} needed by {recipe} is missing or corrupt: {what}")]
+    #[error("chunk {hash} needed by {recipe} is missing or corrupt: {problem}")]
     BadChunk {
         hash: String,
         recipe: PathBuf,
-        what: String,
+        #[source]
+        problem: ChunkProblem,
     },
+}
+
+/// What is wrong with one chunk of the chunk store.
+#[derive(Debug, thiserror::Error)]
+pub enum ChunkProblem {
+    #[error("not in the chunk store")]
+    NotStored,
+    #[error("{}: {source}", path.display())]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error(transparent)]
+    Read(io::Error),
+    #[error("content does not match its digest")]
+    Digest,
+    #[error("{got} bytes, expected {want}")]
+    Length { got: usize, want: usize },
 }
 
 fn io_err(context: impl std::fmt::Display) -> impl FnOnce(io::Error) -> PagesError {
@@ -406,20 +426,20 @@ impl ChunkStore {
         &self,
         files: &mut HashMap<usize, File>,
         digest: &ChunkDigest,
-    ) -> Result<Vec<u8>, String> {
-        let loc = self.index.get(digest).ok_or("not in the chunk store")?;
+    ) -> Result<Vec<u8>, ChunkProblem> {
+        let loc = self.index.get(digest).ok_or(ChunkProblem::NotStored)?;
         let file = match files.entry(loc.pack) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
                 let path = self.dir.join(format!("{}.pack", self.packs[loc.pack].name));
-                e.insert(File::open(&path).map_err(|err| format!("{}: {err}", path.display()))?)
+                e.insert(File::open(&path).map_err(|source| ChunkProblem::Open { path, source })?)
             }
         };
         let mut buf = vec![0u8; loc.len as usize];
         file.read_exact_at(&mut buf, loc.offset)
-            .map_err(|e| e.to_string())?;
+            .map_err(ChunkProblem::Read)?;
         if Sha256::digest(&buf)[..] != digest[..] {
-            return Err("content does not match its digest".into());
+            return Err(ChunkProblem::Digest);
         }
         Ok(buf)
     }
@@ -604,14 +624,17 @@ pub fn materialize(dir: &Path, chunks: &Path) -> Result<u64, PagesError> {
         let mut remaining = recipe.len;
         for digest in &recipe.digests {
             let want = remaining.min(recipe.chunk_size as u64) as usize;
-            let bad = |what: String| PagesError::BadChunk {
+            let bad = |problem: ChunkProblem| PagesError::BadChunk {
                 hash: hex(digest),
                 recipe: recipe_path.clone(),
-                what,
+                problem,
             };
             let chunk = store.read(&mut files, digest).map_err(bad)?;
             if chunk.len() != want {
-                return Err(bad(format!("{} bytes, expected {want}", chunk.len())));
+                return Err(bad(ChunkProblem::Length {
+                    got: chunk.len(),
+                    want,
+                }));
             }
             out.write_all(&chunk)
                 .map_err(io_err(format!("writing {}", tmp.display())))?;
@@ -675,13 +698,14 @@ pub fn collect_garbage(chunks: &Path, keep: &[PathBuf]) -> Result<GcStats, Pages
         if !live_here.is_empty() {
             let mut writer = store.new_pack()?;
             for (digest, _, _) in &live_here {
-                let data = store
-                    .read(&mut files, digest)
-                    .map_err(|what| PagesError::BadChunk {
-                        hash: hex(digest),
-                        recipe: chunks.join(format!("{}.pack", pack.name)),
-                        what,
-                    })?;
+                let data =
+                    store
+                        .read(&mut files, digest)
+                        .map_err(|problem| PagesError::BadChunk {
+                            hash: hex(digest),
+                            recipe: chunks.join(format!("{}.pack", pack.name)),
+                            problem,
+                        })?;
                 writer.add(*digest, &data)?;
             }
             writer.finish(chunks)?;
@@ -736,14 +760,17 @@ impl PagesReader {
             return Ok(false);
         };
         let want = self.remaining.min(self.recipe.chunk_size as u64) as usize;
-        let bad = |what: String| PagesError::BadChunk {
+        let bad = |problem: ChunkProblem| PagesError::BadChunk {
             hash: hex(digest),
             recipe: self.recipe_path.clone(),
-            what,
+            problem,
         };
         let chunk = self.store.read(&mut self.files, digest).map_err(bad)?;
         if chunk.len() != want {
-            return Err(bad(format!("{} bytes, expected {want}", chunk.len())));
+            return Err(bad(ChunkProblem::Length {
+                got: chunk.len(),
+                want,
+            }));
         }
         self.next += 1;
         self.remaining -= want as u64;
@@ -952,7 +979,13 @@ mod tests {
         fs::write(&pack, &good[..CHUNK_SIZE]).unwrap();
         let e = materialize(&img, &chunks).unwrap_err();
         assert!(
-            matches!(&e, PagesError::BadChunk { what, .. } if what.contains("not in the chunk store")),
+            matches!(
+                &e,
+                PagesError::BadChunk {
+                    problem: ChunkProblem::NotStored,
+                    ..
+                }
+            ),
             "{e}"
         );
         fs::write(img.join("pages-1.img"), [page(3), page(4)].concat()).unwrap();

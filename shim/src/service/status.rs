@@ -5,7 +5,7 @@
 use containerd_shim::protos::ttrpc::{self, Code};
 
 use super::metrics::MetricsError;
-use crate::{error::Error, runc::RuncError};
+use crate::{checkpoint::CheckpointError, error::Error, runc::RuncError};
 
 /// The status code containerd expects for `e`.
 pub fn code(e: &Error) -> Code {
@@ -24,6 +24,17 @@ pub fn code(e: &Error) -> Code {
         | Error::Checkpoint { .. }
         | Error::Sign { .. }
         | Error::Unusable { .. } => Code::FAILED_PRECONDITION,
+        // A turn's checkpoint the client can wait for or retry: not yet durable, an exec still
+        // running, no slot of the host's engine, past its deadline. Any other is a failure.
+        Error::Capture(source) => match source.downcast_ref::<CheckpointError>() {
+            Some(
+                CheckpointError::NotDurable { .. }
+                | CheckpointError::ExecsRunning { .. }
+                | CheckpointError::NoSlot(_)
+                | CheckpointError::Deadline { .. },
+            ) => Code::FAILED_PRECONDITION,
+            _ => Code::INTERNAL,
+        },
         Error::InvalidArgument(_) | Error::Config(_) => Code::INVALID_ARGUMENT,
         Error::Unimplemented(_) => Code::UNIMPLEMENTED,
         // containerd's runc shim passes a runc failure on as an untyped error, which errdefs
@@ -41,6 +52,7 @@ pub fn code(e: &Error) -> Code {
         | Error::TimedOut(_)
         | Error::NoCgroup(_)
         | Error::Logger(_)
+        | Error::Rollback { .. }
         | Error::Other(_) => Code::INTERNAL,
     }
 }
@@ -103,6 +115,32 @@ mod tests {
             msg.starts_with("cannot execute /nonexistent/runc: "),
             "{msg}"
         );
+    }
+
+    /// A turn's checkpoint error keeps its type under the core's `Capture` kind; its code
+    /// follows from that type: what the client can act on is a failed precondition, a failure
+    /// of the checkpoint itself is internal. The message is the capture side's own.
+    #[test]
+    fn a_checkpoint_error_keeps_its_kind_and_its_code_follows_from_it() {
+        let e: Error = CheckpointError::Aborted.into();
+        let kept = match &e {
+            Error::Capture(s) => s.downcast_ref::<CheckpointError>(),
+            other => panic!("not a capture error: {other:?}"),
+        };
+        assert!(matches!(kept, Some(CheckpointError::Aborted)), "{kept:?}");
+        assert_eq!(
+            status(e),
+            (Code::INTERNAL, "aborted at its deadline".into())
+        );
+        let e: Error = CheckpointError::ExecsRunning {
+            outside: "exec e1 (pid 7)".into(),
+            gave_up: crate::checkpoint::error::GaveUp::Bound(std::time::Duration::from_secs(3)),
+        }
+        .into();
+        let text = e.to_string();
+        assert_eq!(status(e), (Code::FAILED_PRECONDITION, text));
+        let e: Error = CheckpointError::NotInspected.into();
+        assert_eq!(status(e).0, Code::INTERNAL);
     }
 
     /// A restore refused in the restore subsystem reaches containerd with the code and the
