@@ -519,6 +519,7 @@ fn set_fd_meta(f: &File, meta: &Meta, exact: bool) -> io::Result<()> {
     let fd = f.as_raw_fd();
     // SAFETY: plain calls on a descriptor owned by `f`.
     cvt(unsafe { libc::fchown(fd, meta.uid, meta.gid) })?;
+    // SAFETY: as above.
     cvt(unsafe { libc::fchmod(fd, meta.mode & 0o7777) })?;
     if exact {
         let have = crate::sys::xattr::Target::Fd(fd).list()?;
