@@ -691,8 +691,8 @@ async fn kill_shim_mid_checkpoint(name: &str, second: &str, in_progress: impl Fn
     let deadline = Instant::now() + Duration::from_secs(60);
     let leftovers = loop {
         if in_progress(&store) {
-            // SAFETY: kill(2) of the shim found above.
             assert_eq!(
+                // SAFETY: kill(2) of the shim found above.
                 unsafe { libc::kill(shims[0].pid, libc::SIGKILL) },
                 0,
                 "kill {}",

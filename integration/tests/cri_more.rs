@@ -687,6 +687,8 @@ impl HostMounts {
         let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).unwrap();
         let (src, dst) = (c(source), c(target));
         let fstype = fstype.map(|f| CString::new(f).unwrap());
+        // SAFETY: NUL-terminated source, target and optional fstype that live across the
+        // call, a null data pointer (no options).
         let rc = unsafe {
             libc::mount(
                 src.as_ptr(),
@@ -722,6 +724,7 @@ impl Drop for HostMounts {
         use std::os::unix::ffi::OsStrExt;
         for target in self.mounts.iter().rev() {
             let t = std::ffi::CString::new(target.as_os_str().as_bytes()).unwrap();
+            // SAFETY: a NUL-terminated path that lives across the call.
             unsafe { libc::umount2(t.as_ptr(), libc::MNT_DETACH) };
         }
         let _ = std::fs::remove_dir_all(&self.dir);

@@ -41,8 +41,8 @@ async fn killed_shim_is_cleaned_up_by_containerd() {
     .expect("container processes not found");
 
     let mut exits = h.task_exits().await.unwrap();
-    // SAFETY: kill(2) on a pid we just found; a race with its exit only makes this fail.
     assert_eq!(
+        // SAFETY: kill(2) on a pid we just found; a race with its exit only makes this fail.
         unsafe { libc::kill(shim.pid, libc::SIGKILL) },
         0,
         "kill shim {shim}"

@@ -69,10 +69,7 @@ use std::{
     collections::{HashMap, HashSet},
     fs::{self, File, OpenOptions},
     io::{self, Read, Write},
-    os::{
-        fd::{AsFd, AsRawFd},
-        unix::fs::OpenOptionsExt,
-    },
+    os::{fd::AsFd, unix::fs::OpenOptionsExt},
     path::{Path, PathBuf},
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -84,6 +81,7 @@ use std::{
 use crab_runtime_config::EngineConfig;
 use nix::{
     errno::Errno,
+    fcntl::{Flock, FlockArg},
     poll::{PollFd, PollFlags, PollTimeout},
     sys::{
         eventfd::{EfdFlags, EventFd},
@@ -244,7 +242,7 @@ impl Engine {
         // Locked and complete before it enters the queue: a ticket in the queue without a lock
         // is a dead shim's.
         let tmp = self.tmp_dir().join(format!("t-{name}"));
-        let mut file = OpenOptions::new()
+        let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
@@ -253,21 +251,27 @@ impl Engine {
             .map_err(io_err("create ticket", &tmp))?;
         let path = self.queue_dir().join(&name);
         let result = (|| {
-            if !try_lock(&file, libc::LOCK_EX).map_err(io_err("lock ticket", &tmp))? {
+            let Ok(mut file) = try_lock(file, FlockArg::LockExclusiveNonblock)
+                .map_err(io_err("lock ticket", &tmp))?
+            else {
                 return Err(io_err("lock ticket", &tmp)(
                     io::ErrorKind::WouldBlock.into(),
                 ));
-            }
+            };
             let json = serde_json::to_vec(&info).expect("ticket serializes");
             file.write_all(&json)
                 .map_err(io_err("write ticket", &tmp))?;
-            fs::rename(&tmp, &path).map_err(io_err("queue ticket", &path))
+            fs::rename(&tmp, &path).map_err(io_err("queue ticket", &path))?;
+            Ok(file)
         })();
-        if let Err(e) = result {
-            let _ = fs::remove_file(&tmp);
-            let _ = fs::remove_file(&bell_path);
-            return Err(e);
-        }
+        let file = match result {
+            Ok(file) => file,
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                let _ = fs::remove_file(&bell_path);
+                return Err(e);
+            }
+        };
         Ok(Ticket {
             engine: self.clone(),
             name,
@@ -319,8 +323,13 @@ impl Engine {
                     Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
                     Err(e) => return Err(io_err("open ticket", &path)(e)),
                 };
-                if probe && try_lock(&file, libc::LOCK_SH).map_err(io_err("probe ticket", &path))? {
-                    continue;
+                if probe {
+                    match try_lock(file, FlockArg::LockSharedNonblock)
+                        .map_err(io_err("probe ticket", &path))?
+                    {
+                        Ok(_free) => continue,
+                        Err(held) => file = held,
+                    }
                 }
                 if !cache.contains_key(name) {
                     let mut data = Vec::new();
@@ -333,8 +342,12 @@ impl Engine {
                         Err(e) => {
                             // Ours are complete before they are queued: not in the order, so
                             // nobody else would ever probe it.
-                            if !probe && try_lock(&file, libc::LOCK_SH).unwrap_or(false) {
-                                let _ = fs::remove_file(&path);
+                            if !probe {
+                                // Removed while the lock is ours.
+                                if let Ok(Ok(_free)) = try_lock(file, FlockArg::LockSharedNonblock)
+                                {
+                                    let _ = fs::remove_file(&path);
+                                }
                             }
                             log::warn!("engine: unreadable ticket {}: {e}", path.display());
                             continue;
@@ -453,12 +466,12 @@ impl Engine {
         Ok(free)
     }
 
-    fn take_slot(&self, i: u32) -> Result<Option<File>> {
+    fn take_slot(&self, i: u32) -> Result<Option<Flock<File>>> {
         let path = self.slot(i);
         let file = File::open(&path).map_err(io_err("open slot", &path))?;
-        Ok(try_lock(&file, libc::LOCK_EX)
+        Ok(try_lock(file, FlockArg::LockExclusiveNonblock)
             .map_err(io_err("lock slot", &path))?
-            .then_some(file))
+            .ok())
     }
 
     fn read_bucket(&self, rate: f64) -> plan::Bucket {
@@ -484,16 +497,13 @@ impl Engine {
     }
 
     /// Takes `state.lock` (released when the file is dropped).
-    fn lock_state(&self) -> Result<File> {
+    fn lock_state(&self) -> Result<Flock<File>> {
         let lock_path = self.root.join("state.lock");
         let lock = private_file(OpenOptions::new().create(true).append(true))
             .open(&lock_path)
             .map_err(io_err("open", &lock_path))?;
-        // SAFETY: flock on a file descriptor we own; released when `lock` is closed.
-        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(io_err("lock", &lock_path)(io::Error::last_os_error()));
-        }
-        Ok(lock)
+        Flock::lock(lock, FlockArg::LockExclusive)
+            .map_err(|(_, e)| io_err("lock", &lock_path)(e.into()))
     }
 
     /// Counts a restore of a container from a checkpoint (`restores.json`, host-wide, for
@@ -665,7 +675,7 @@ pub struct Ticket {
     name: String,
     path: PathBuf,
     /// Holds the ticket's lock: the ticket is alive while it is open.
-    file: Option<File>,
+    file: Option<Flock<File>>,
     /// Held open for writing while the ticket waits: closing it wakes the job behind.
     bell: Option<File>,
     /// Rung when the ticket is made urgent ([`Waker`]).
@@ -757,7 +767,7 @@ impl Ticket {
         }
     }
 
-    fn admitted(mut self, slot: u32, lock: File, urgent: bool) -> Permit {
+    fn admitted(mut self, slot: u32, lock: Flock<File>, urgent: bool) -> Permit {
         let started_ns = mono_ns();
         let waited_us = started_ns.saturating_sub(self.info.enqueued_ns) / 1000;
         let holder = SlotHolder {
@@ -922,7 +932,7 @@ pub struct Permit {
 struct Held {
     engine: Engine,
     slot: u32,
-    lock: File,
+    lock: Flock<File>,
     /// The slot's bell, closed after the lock is released: wakes the contenders.
     bell: Option<File>,
     info: TicketInfo,

@@ -674,6 +674,19 @@ impl Epoch {
     }
 }
 
+/// A turn's record as stored (`turns/<seq:06>.json`, [`store_answer`]) and as crabctl reads it
+/// back: the inspector's answer with the harness's turn id beside it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TurnRecord {
+    /// The harness's id of the turn.
+    pub turn_id: String,
+    #[serde(flatten)]
+    pub answer: Answer,
+    /// On the first turn after an in-place rollback: what it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollback: Option<RollbackNote>,
+}
+
 /// What the record of the first turn after an in-place rollback says about it.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
 pub struct RollbackNote {
@@ -712,12 +725,16 @@ impl Answers {
             .run("answering a turn end", move |i| {
                 let answer = i.turn_end();
                 epoch.lock().unwrap().answered(&turn_id, &answer);
-                let note = after_rollback.lock().unwrap().take();
-                let stored = store_answer(&dir, &turn_id, &answer, note.as_ref());
-                if let (Err(_), Some(note)) = (&stored, note) {
+                let record = TurnRecord {
+                    turn_id,
+                    answer,
+                    rollback: after_rollback.lock().unwrap().take(),
+                };
+                let stored = store_answer(&dir, &record);
+                if let (Err(_), Some(note)) = (&stored, record.rollback) {
                     after_rollback.lock().unwrap().get_or_insert(note);
                 }
-                (answer, stored)
+                (record.answer, stored)
             })
             .await
     }
@@ -1053,31 +1070,14 @@ fn unrecorded(turn_id: &str, answer: &Answer, checkpointed: bool, e: Error) -> E
     }
 }
 
-/// Writes the answer atomically (temp file, fsync, rename): a reader never sees half of it.
-/// The first answer after an in-place rollback says so (`rollback`).
-fn store_answer(
-    dir: &Path,
-    turn_id: &str,
-    answer: &Answer,
-    rollback: Option<&RollbackNote>,
-) -> Result<PathBuf> {
-    #[derive(serde::Serialize)]
-    struct Stored<'a> {
-        turn_id: &'a str,
-        #[serde(flatten)]
-        answer: &'a Answer,
-        #[serde(skip_serializing_if = "Option::is_none")]
-        rollback: Option<&'a RollbackNote>,
-    }
+/// Writes the turn's record atomically (temp file, fsync, rename): a reader never sees half of
+/// it. The first answer after an in-place rollback says so (`rollback`).
+fn store_answer(dir: &Path, record: &TurnRecord) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).map_err(Error::io(format!("cannot create {}", dir.display())))?;
-    let path = dir.join(format!("{:06}.json", answer.seq));
-    let tmp = dir.join(format!(".{:06}.json.tmp", answer.seq));
-    let data = serde_json::to_vec_pretty(&Stored {
-        turn_id,
-        answer,
-        rollback,
-    })
-    .map_err(|source| Error::Json {
+    let seq = record.answer.seq;
+    let path = dir.join(format!("{seq:06}.json"));
+    let tmp = dir.join(format!(".{seq:06}.json.tmp"));
+    let data = serde_json::to_vec_pretty(record).map_err(|source| Error::Json {
         context: "encode the turn answer".into(),
         source,
     })?;

@@ -1,165 +1,63 @@
 //! The turn answers the shim stores (`<sandbox>/turns/<seq:06>.json`), read as typed data:
 //! what `turns`, `show` and `diff` print and compute from.
 //!
-//! [`TurnAnswer`] mirrors the stored document (the inspector's answer with the harness's turn
-//! id); its field names are those of the file and of `-o json` alike. The store is a trust
-//! boundary: a file that does not parse as an answer is an error naming it (exit 1), never
-//! skipped or guessed at.
+//! The stored document is the shim's own [`TurnRecord`] (the inspector's answer with the
+//! harness's turn id), parsed with the types that wrote it; its field names are those of the
+//! file and of `-o json` alike. The store is a trust boundary: a file that does not parse as an
+//! answer is an error naming it (exit 1), never skipped or guessed at.
 
 use std::{
-    collections::BTreeMap,
     path::{Path, PathBuf},
     time::SystemTime,
 };
 
-use serde::{Deserialize, Serialize};
+pub use crab_shim::{inspector::Answer, sandbox::TurnRecord};
 
 use crate::{CtlError, Result};
 
-/// The smallest checkpoint that preserves what a turn left behind.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TurnKind {
-    None,
-    Fs,
-    Proc,
-    Full,
-}
-
-/// One turn's answer, as stored.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TurnAnswer {
-    /// The harness's id of the turn.
-    pub turn_id: String,
-    pub container_id: String,
-    /// The turn's number in its task (1 for the first turn after the container started).
-    pub seq: u64,
-    pub kind: TurnKind,
-    pub fs: FsFinding,
-    pub procs: ProcFinding,
-    /// Why the inspector could not observe the turn (then `kind` is `full`).
-    #[serde(default)]
-    pub degraded: Vec<String>,
-    #[serde(default)]
-    pub elapsed_us: u64,
-}
-
-/// What changed in the container's files during the turn.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct FsFinding {
-    pub changed: bool,
-    /// Whether the files were compared at all (not when no mutating syscall happened).
-    pub scanned: bool,
-    /// The files could not all be compared: `added`, `modified`, `deleted` are incomplete.
-    pub unobserved: bool,
-    /// Mutating syscalls seen during the turn, by class.
-    pub syscalls: BTreeMap<String, u64>,
-    pub added: Vec<String>,
-    pub modified: Vec<String>,
-    pub deleted: Vec<String>,
-}
-
-/// A process by pid and command line.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Proc {
-    pub pid: u32,
-    pub cmdline: String,
-}
-
-/// A persisting process that ran during the turn, and how its memory changed.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct MemoryFinding {
-    pub pid: u32,
-    pub cmdline: String,
-    pub changed_pages: u64,
-    pub added_pages: u64,
-    pub removed_pages: u64,
-    pub scanned_pages: u64,
-    /// Compared with an image taken while a lazy restore's pages were still arriving: counted
-    /// as a change.
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub unproven_base: bool,
-    /// Kernel-held state that changed (pending signals, stopped, fds and what they hold).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub state: Vec<String>,
-    /// The change was the process's own doing alone and the container keeps its last image
-    /// (`[checkpoint] self_contained_changes = "keep"`): not a change of the turn.
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub self_contained: bool,
-    /// Why a change the keeping policy could have kept was not (`interacted`, `running`, ...).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub not_kept: Option<String>,
-}
-
-/// What changed in the container's processes during the turn.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct ProcFinding {
-    pub changed: bool,
-    pub started: Vec<Proc>,
-    pub ended: Vec<Proc>,
-    /// Persisting processes whose executable changed (exec without fork).
-    pub reexeced: Vec<Proc>,
-    /// Persisting processes holding a file the turn changed: `[pid, path]`.
-    pub held_changed: Vec<(u32, String)>,
-    /// Persisting processes that ran, with their memory comparison.
-    pub memory: Vec<MemoryFinding>,
-    /// Persisting processes that did not run during the turn.
-    pub idle: Vec<u32>,
-    /// Kernel state changed by routes the inspector counts instead of comparing, by class.
-    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
-    pub kernel: std::collections::BTreeMap<String, u64>,
-    pub forks: u64,
-    pub execs: u64,
-    pub exits: u64,
-}
-
-impl TurnAnswer {
-    /// The one-line summary `crabctl turns` shows after the kind: degraded, fs and procs
-    /// counts.
-    pub fn why(&self) -> String {
-        let mut why = Vec::new();
-        if !self.degraded.is_empty() {
-            why.push("DEGRADED".to_string());
-        }
-        let fs = &self.fs;
-        if fs.changed {
-            why.push(format!(
-                "fs +{} ~{} -{}",
-                fs.added.len(),
-                fs.modified.len(),
-                fs.deleted.len()
-            ));
-        }
-        let p = &self.procs;
-        let kept = p.memory.iter().filter(|m| m.self_contained).count();
-        if kept > 0 {
-            why.push(format!("kept {kept} self-contained"));
-        }
-        let not_kept: Vec<&str> = p
-            .memory
-            .iter()
-            .filter_map(|m| m.not_kept.as_deref())
-            .collect();
-        if !not_kept.is_empty() {
-            why.push(format!("not kept: {}", not_kept.join(" ")));
-        }
-        if p.changed {
-            why.push(format!(
-                "procs +{} -{} mem {}",
-                p.started.len(),
-                p.ended.len(),
-                p.memory.len()
-            ));
-            if !p.kernel.is_empty() {
-                let classes: Vec<&str> = p.kernel.keys().map(String::as_str).collect();
-                why.push(format!("kernel {}", classes.join(" ")));
-            }
-        }
-        why.join(", ")
+/// The one-line summary `crabctl turns` shows after the kind: degraded, fs and procs counts.
+pub fn why(a: &Answer) -> String {
+    let mut why = Vec::new();
+    if !a.degraded.is_empty() {
+        why.push("DEGRADED".to_string());
     }
+    let fs = &a.fs;
+    if fs.changed {
+        why.push(format!(
+            "fs +{} ~{} -{}",
+            fs.added.len(),
+            fs.modified.len(),
+            fs.deleted.len()
+        ));
+    }
+    let p = &a.procs;
+    let kept = p.memory.iter().filter(|m| m.self_contained).count();
+    if kept > 0 {
+        why.push(format!("kept {kept} self-contained"));
+    }
+    // Each reason by its name in the answer (`interacted`, `shared_memory`, ...).
+    let not_kept: Vec<String> = p
+        .memory
+        .iter()
+        .filter_map(|m| serde_json::to_value(m.not_kept?).ok())
+        .filter_map(|v| v.as_str().map(str::to_string))
+        .collect();
+    if !not_kept.is_empty() {
+        why.push(format!("not kept: {}", not_kept.join(" ")));
+    }
+    if p.changed {
+        why.push(format!(
+            "procs +{} -{} mem {}",
+            p.started.len(),
+            p.ended.len(),
+            p.memory.len()
+        ));
+        if !p.kernel.is_empty() {
+            let classes: Vec<&str> = p.kernel.keys().map(String::as_str).collect();
+            why.push(format!("kernel {}", classes.join(" ")));
+        }
+    }
+    why.join(", ")
 }
 
 /// A stored answer with where and when it was written.
@@ -168,11 +66,11 @@ pub struct Stored {
     pub path: PathBuf,
     /// When the shim wrote it (the file's mtime), RFC 3339 UTC like a manifest's `created_at`.
     pub written_at: String,
-    pub answer: TurnAnswer,
+    pub record: TurnRecord,
 }
 
 /// Parses one stored answer; `path` names it in the error.
-pub fn parse(path: &Path, data: &[u8]) -> Result<TurnAnswer> {
+pub fn parse(path: &Path, data: &[u8]) -> Result<TurnRecord> {
     serde_json::from_slice(data).map_err(|e| CtlError::BadAnswer {
         path: path.to_path_buf(),
         reason: format!(
@@ -218,14 +116,14 @@ pub fn read_dir(dir: &Path) -> Result<Option<Vec<Stored>>> {
                 ));
             }
             let data = std::fs::read(&path).map_err(|e| bad(e.to_string()))?;
-            let answer = parse(&path, &data)?;
+            let record = parse(&path, &data)?;
             let written_at = crab_shim::checkpoint::store::rfc3339(
                 md.modified().unwrap_or(SystemTime::UNIX_EPOCH),
             );
             Ok(Stored {
                 path,
                 written_at,
-                answer,
+                record,
             })
         })
         .collect::<Result<Vec<_>>>()
@@ -234,16 +132,19 @@ pub fn read_dir(dir: &Path) -> Result<Option<Vec<Stored>>> {
 
 #[cfg(test)]
 mod tests {
+    use crab_shim::{
+        inspector::{
+            memory::ObservationStats, FsFinding as F, Kind, MemoryFinding as M, NotOwn,
+            ProcFinding as P, ProcSummary,
+        },
+        sandbox::RollbackNote,
+    };
     use serde_json::{json, Value};
 
     use super::*;
 
-    /// What the shim stores: its `Answer` serialized, with the turn id beside (as
-    /// `sandbox::store_answer` writes it).
-    fn stored_by_the_shim() -> Value {
-        use crab_shim::inspector::{
-            Answer, FsFinding as F, Kind, MemoryFinding as M, ProcFinding as P, ProcSummary,
-        };
+    /// A turn's record as the shim makes it.
+    fn record() -> TurnRecord {
         let answer = Answer {
             container_id: "c1".into(),
             seq: 2,
@@ -274,12 +175,13 @@ mod tests {
                     removed_pages: 0,
                     scanned_pages: 90,
                     unproven_base: false,
+                    // Not stored (the log's): empty, so that the record reads back equal.
                     regions: vec![],
                     state: vec![
                         "fd 3 (pipe:[7]): queue: pipe 0 bytes -> queue: pipe 6 bytes".into(),
                     ],
                     self_contained: false,
-                    not_kept: Some(crab_shim::inspector::NotOwn::Interacted),
+                    not_kept: Some(NotOwn::Interacted),
                 }],
                 idle: vec![7],
                 kernel: [("sysv-ipc".to_string(), 2)].into(),
@@ -291,37 +193,43 @@ mod tests {
             degraded: vec![],
             elapsed_us: 812,
         };
-        let mut v = serde_json::to_value(&answer).unwrap();
-        v["turn_id"] = json!("t2");
-        v
+        TurnRecord {
+            turn_id: "t2".into(),
+            answer,
+            rollback: None,
+        }
+    }
+
+    /// What the shim stores (`sandbox::store_answer` writes the record as it serializes).
+    fn stored_by_the_shim() -> Value {
+        serde_json::to_value(record()).unwrap()
     }
 
     #[test]
     fn reads_what_the_shim_stores_and_writes_the_same_fields_back() {
         let stored = stored_by_the_shim();
-        let a = parse(
+        let t = parse(
             Path::new("turns/000002.json"),
             stored.to_string().as_bytes(),
         )
         .unwrap();
-        assert_eq!(a.turn_id, "t2");
-        assert_eq!(a.kind, TurnKind::Full);
-        assert_eq!(a.fs.added, ["/app/out"]);
+        assert_eq!(t, record(), "the shim's record reads back whole");
+        let a = &t.answer;
+        assert_eq!(t.turn_id, "t2");
+        assert_eq!(a.kind, Kind::Full);
+        assert_eq!(a.fs.added, [Path::new("/app/out")]);
         assert_eq!(a.procs.started[0].cmdline, "sleep 1000");
-        assert_eq!(a.procs.held_changed, [(1, "/app/out".to_string())]);
+        assert_eq!(a.procs.held_changed, [(1, PathBuf::from("/app/out"))]);
         assert_eq!(
-            a.why(),
+            why(a),
             "fs +1 ~1 -1, not kept: interacted, procs +1 -0 mem 1, kernel sysv-ipc"
         );
-        assert_eq!(a.procs.memory[0].not_kept.as_deref(), Some("interacted"));
+        assert_eq!(a.procs.memory[0].not_kept, Some(NotOwn::Interacted));
         assert_eq!(a.procs.memory[0].state.len(), 1);
         // `show -o json` prints these field names: those of the stored file, none lost.
-        let mut back = serde_json::to_value(&a).unwrap();
-        // The shim leaves `unobserved` out when false; crabctl always prints it.
-        assert_eq!(back["fs"]["unobserved"], false);
-        back["fs"].as_object_mut().unwrap().remove("unobserved");
+        let back = serde_json::to_value(&t).unwrap();
         assert_eq!(back, stored);
-        back["fs"]["unobserved"] = json!(false);
+        assert_eq!(back["fs"]["unobserved"], false);
         crate::output::tests::documented(&back, crate::output::ANSWER_FIELDS);
         let mut top: Vec<&String> = back.as_object().unwrap().keys().collect();
         top.sort();
@@ -338,6 +246,68 @@ mod tests {
                 "turn_id"
             ]
         );
+        // What an observation read, and the note of an in-place rollback, when there are.
+        let mut t = record();
+        t.answer.procs.read = ObservationStats {
+            memory_bytes: 4096,
+            ..Default::default()
+        };
+        t.rollback = Some(RollbackNote {
+            to_checkpoint: 3,
+            to_turn: "t1".into(),
+            checkpoint: Some(5),
+            in_place: true,
+            paths: 2,
+        });
+        let data = serde_json::to_vec_pretty(&t).unwrap();
+        let read = parse(Path::new("turns/000002.json"), &data).unwrap();
+        assert_eq!(read, t);
+        crate::output::tests::documented(
+            &serde_json::to_value(&read).unwrap(),
+            crate::output::ANSWER_FIELDS,
+        );
+    }
+
+    /// Answers written by older shims, before fields were added: each missing field takes its
+    /// default.
+    #[test]
+    fn older_answers_without_the_newer_fields_still_parse() {
+        let oldest = json!({
+            "turn_id": "t1",
+            "container_id": "c1",
+            "seq": 1,
+            "kind": "proc",
+            "fs": {"changed": false, "added": [], "modified": [], "deleted": []},
+            "procs": {
+                "changed": true,
+                "started": [{"pid": 9, "cmdline": "sleep 1"}],
+                "ended": [],
+                "memory": [{"pid": 1, "cmdline": "sh", "changed_pages": 2}],
+                "forks": 1, "execs": 1, "exits": 0
+            }
+        });
+        let t = parse(
+            Path::new("turns/000001.json"),
+            oldest.to_string().as_bytes(),
+        )
+        .unwrap();
+        let a = &t.answer;
+        assert_eq!((t.turn_id.as_str(), a.seq, a.kind), ("t1", 1, Kind::Proc));
+        assert!(!a.fs.scanned && !a.fs.unobserved && a.fs.syscalls.is_empty());
+        assert!(a.procs.reexeced.is_empty() && a.procs.held_changed.is_empty());
+        assert!(a.procs.idle.is_empty() && a.procs.kernel.is_empty());
+        assert!(a.procs.read.is_empty());
+        let m = &a.procs.memory[0];
+        assert_eq!((m.pid, m.changed_pages, m.scanned_pages), (1, 2, 0));
+        assert!(!m.self_contained && m.not_kept.is_none() && m.state.is_empty());
+        assert!(a.degraded.is_empty() && a.elapsed_us == 0 && t.rollback.is_none());
+        assert_eq!(why(a), "procs +1 -0 mem 1");
+        // `read` from before it counted queued bytes.
+        let mut v = stored_by_the_shim();
+        v["procs"]["read"] = json!({"memory_bytes": 8192, "fdinfo_bytes": 10});
+        let t = parse(Path::new("turns/000002.json"), v.to_string().as_bytes()).unwrap();
+        assert_eq!(t.answer.procs.read.memory_bytes, 8192);
+        assert_eq!(t.answer.procs.read.queue_bytes, 0);
     }
 
     #[test]
@@ -386,7 +356,7 @@ mod tests {
         std::fs::write(dir.path().join(".000011.json.tmp"), "{").unwrap();
         std::fs::write(dir.path().join("notes.txt"), "x").unwrap();
         let read = read_dir(dir.path()).unwrap().unwrap();
-        let turns: Vec<&str> = read.iter().map(|s| s.answer.turn_id.as_str()).collect();
+        let turns: Vec<&str> = read.iter().map(|s| s.record.turn_id.as_str()).collect();
         assert_eq!(turns, ["t1", "t2", "t10"]);
         assert!(read[0].written_at.ends_with('Z'), "{}", read[0].written_at);
         // A symlink planted in the store is refused, naming it, not followed.

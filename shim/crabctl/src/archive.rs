@@ -14,9 +14,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use serde_json::json;
+use oci_spec::image::{ImageIndexBuilder, MediaType, OciLayoutBuilder};
+use serde::Serialize;
 
-use crate::image::{CheckpointImage, OciDescriptor, MEDIA_TYPE_INDEX, MEDIA_TYPE_MANIFEST};
+use crate::image::{descriptor_of, sorted_json, CheckpointImage};
 
 /// Where the bytes of a blob of the archive come from.
 #[derive(Debug, Clone, Copy)]
@@ -29,7 +30,19 @@ pub enum Blob<'a> {
 /// image by.
 pub const ANNOTATION_IMAGE_NAME: &str = "io.containerd.image.name";
 /// The OCI annotation of a layout's manifest: the reference's tag.
-pub const ANNOTATION_REF_NAME: &str = "org.opencontainers.image.ref.name";
+pub use oci_spec::image::ANNOTATION_REF_NAME;
+
+/// One image of Docker's `manifest.json` (the `docker save` list, which `docker load` reads):
+/// its config and layers by their paths in the archive. No OCI type describes it.
+#[derive(Debug, Serialize)]
+struct DockerArchiveImage {
+    #[serde(rename = "Config")]
+    config: String,
+    #[serde(rename = "Layers")]
+    layers: Vec<String>,
+    #[serde(rename = "RepoTags")]
+    repo_tags: Vec<String>,
+}
 
 /// `reference` with a tag: `:latest` added when it has neither tag nor digest (as `docker`
 /// names an untagged reference).
@@ -63,34 +76,32 @@ pub fn index_and_manifest_json(
         .and_then(|last| last.split_once(':'))
         .map(|(_, t)| t.to_string())
         .unwrap_or_else(|| "latest".into());
-    let mut manifest_desc = OciDescriptor::new(
-        MEDIA_TYPE_MANIFEST,
-        &image.manifest_digest(),
-        image.manifest.len() as u64,
-    );
-    manifest_desc.extra.insert(
-        "annotations".into(),
-        json!({ANNOTATION_IMAGE_NAME: name, ANNOTATION_REF_NAME: tag}),
-    );
-    let index = json!({
-        "schemaVersion": 2,
-        "mediaType": MEDIA_TYPE_INDEX,
-        "manifests": [manifest_desc],
-    });
+    let mut manifest_desc = descriptor_of(MediaType::ImageManifest, &image.manifest);
+    manifest_desc.set_annotations(Some(
+        [
+            (ANNOTATION_IMAGE_NAME.to_string(), name.clone()),
+            (ANNOTATION_REF_NAME.to_string(), tag),
+        ]
+        .into(),
+    ));
+    let index = ImageIndexBuilder::default()
+        .schema_version(2u32)
+        .media_type(MediaType::ImageIndex)
+        .manifests(vec![manifest_desc])
+        .build()
+        .expect("every field of the index is set");
     let layers = image
         .layers
         .iter()
-        .map(|l| blob_path(&l.digest))
+        .map(|l| blob_path(l.digest().as_ref()))
         .collect::<Result<Vec<_>, _>>()?;
-    let docker = json!([{
-        "Config": blob_path(&image.config_digest())?,
-        "RepoTags": [name],
-        "Layers": layers,
-    }]);
-    Ok((
-        serde_json::to_vec(&index).expect("JSON serializes"),
-        serde_json::to_vec(&docker).expect("JSON serializes"),
-    ))
+    let docker = [DockerArchiveImage {
+        config: blob_path(&image.config_digest())?,
+        layers,
+        repo_tags: vec![name],
+    }];
+    // Keys sorted, as these files have always had them.
+    Ok((sorted_json(&index), sorted_json(&docker)))
 }
 
 /// A regular file's header: root's, mode 0644, mtime 0 (the archive of an image is the same
@@ -156,10 +167,11 @@ fn write_to<'a>(
         }
     };
     let (index, docker) = index_and_manifest_json(reference, image)?;
-    add(
-        "oci-layout",
-        Blob::Bytes(br#"{"imageLayoutVersion":"1.0.0"}"#),
-    )?;
+    let layout = OciLayoutBuilder::default()
+        .image_layout_version("1.0.0")
+        .build()
+        .expect("the layout's one field is set");
+    add("oci-layout", Blob::Bytes(&sorted_json(&layout)))?;
     add("index.json", Blob::Bytes(&index))?;
     add("manifest.json", Blob::Bytes(&docker))?;
     let mut seen = HashSet::new();
@@ -172,23 +184,23 @@ fn write_to<'a>(
         Blob::Bytes(&image.config),
     )?;
     for layer in &image.layers {
-        if !seen.insert(layer.digest.clone()) {
+        let digest = layer.digest().as_ref();
+        if !seen.insert(digest) {
             continue;
         }
-        let data = blob(&layer.digest)
-            .ok_or_else(|| io::Error::other(format!("layer {} has no source", layer.digest)))?;
+        let data = blob(digest)
+            .ok_or_else(|| io::Error::other(format!("layer {digest} has no source")))?;
         if let Blob::File(p) = data {
             let size = fs::metadata(p)?.len();
-            if size != layer.size {
+            if size != layer.size() {
                 return Err(io::Error::other(format!(
-                    "layer {} is {size} bytes in {}, not {}",
-                    layer.digest,
+                    "layer {digest} is {size} bytes in {}, not {}",
                     p.display(),
-                    layer.size
+                    layer.size()
                 )));
             }
         }
-        add(&blob_path(&layer.digest)?, data)?;
+        add(&blob_path(digest)?, data)?;
     }
     let mut out = tar.into_inner()?;
     out.flush()?;
@@ -203,21 +215,25 @@ mod tests {
 
     use serde_json::Value;
 
+    use oci_spec::image::ImageManifestBuilder;
+    use serde_json::json;
+
     use super::*;
-    use crate::image::{sha256_of, MEDIA_TYPE_CONFIG, MEDIA_TYPE_LAYER_ZSTD};
+    use crate::image::sha256_of;
 
     fn image(layers: &[&[u8]]) -> CheckpointImage {
         let config = br#"{"rootfs":{}}"#.to_vec();
-        let layers: Vec<OciDescriptor> = layers
+        let layers: Vec<_> = layers
             .iter()
-            .map(|l| OciDescriptor::new(MEDIA_TYPE_LAYER_ZSTD, &sha256_of(l), l.len() as u64))
+            .map(|l| descriptor_of(MediaType::ImageLayerZstd, l))
             .collect();
-        let manifest = serde_json::to_vec(&json!({
-            "schemaVersion": 2,
-            "config": OciDescriptor::new(MEDIA_TYPE_CONFIG, &sha256_of(&config), config.len() as u64),
-            "layers": layers,
-        }))
-        .unwrap();
+        let manifest = ImageManifestBuilder::default()
+            .schema_version(2u32)
+            .config(descriptor_of(MediaType::ImageConfig, &config))
+            .layers(layers.clone())
+            .build()
+            .unwrap();
+        let manifest = sorted_json(&manifest);
         CheckpointImage {
             manifest,
             config,
@@ -299,5 +315,104 @@ mod tests {
         assert_eq!(fs::read(&out).unwrap(), bytes);
         let left: Vec<_> = fs::read_dir(dir.path()).unwrap().collect();
         assert_eq!(left.len(), 2, "{left:?}");
+    }
+
+    /// What the hand-written JSON made of a fixed image before oci-spec's types built it (the
+    /// manifest, config, index.json and Docker's manifest.json, taken from the old code): the
+    /// same bytes, so an image exported again has the same digests, and `docker load` and
+    /// `ctr import` get the same media types, digests, sizes and annotations.
+    #[test]
+    fn the_documents_are_those_the_hand_written_json_made() {
+        use crab_shim::checkpoint::store::Descriptor;
+
+        use crate::image::*;
+
+        let hexd = |c: char| format!("sha256:{}", c.to_string().repeat(64));
+        let manifest = json!({
+            "schemaVersion": 2,
+            "config": {"mediaType": MediaType::ImageConfig, "digest": hexd('c'), "size": 500},
+            "layers": [{"mediaType": "application/vnd.docker.image.rootfs.diff.tar.gzip",
+                        "digest": hexd('a'), "size": 1000, "annotations": {"x": "y"},
+                        "urls": ["https://example.com/a"]}],
+        });
+        let config = json!({
+            "architecture": "amd64", "os": "linux",
+            "config": {"Env": ["PATH=/usr/bin"], "Cmd": ["bash"], "Healthcheck": {"Test": ["NONE"]}},
+            "rootfs": {"type": "layers", "diff_ids": [hexd('d')]},
+            "history": [{"created_by": "add layer"}],
+        });
+        let base = base_of(&manifest, &config).unwrap();
+        let fs = Descriptor {
+            digest: hexd('1'),
+            diff_id: hexd('2'),
+            size: 10,
+            media_type: MEDIA_TYPE_LAYER_ZSTD.into(),
+        };
+        let from = Provenance {
+            source: "ns/c@3",
+            turn_id: "t3",
+            created: "2026-01-01T00:00:00.000Z",
+        };
+        let cp = LayerBlob {
+            digest: hexd('e'),
+            diff_id: hexd('f'),
+            size: 77,
+        };
+        let text = |b: &[u8]| String::from_utf8(b.to_vec()).unwrap();
+        let img = build(&base, std::slice::from_ref(&fs), &cp, &from).unwrap();
+        assert_eq!(
+            text(&img.manifest),
+            r#"{"config":{"digest":"sha256:e3955807d828f29bba3682203f712e41c06db7e160a53b90ddae04468c62b740","mediaType":"application/vnd.oci.image.config.v1+json","size":806},"layers":[{"annotations":{"x":"y"},"digest":"sha256:aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa","mediaType":"application/vnd.docker.image.rootfs.diff.tar.gzip","size":1000,"urls":["https://example.com/a"]},{"digest":"sha256:1111111111111111111111111111111111111111111111111111111111111111","mediaType":"application/vnd.oci.image.layer.v1.tar+zstd","size":10},{"digest":"sha256:eeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeee","mediaType":"application/vnd.oci.image.layer.v1.tar+zstd","size":77}],"mediaType":"application/vnd.oci.image.manifest.v1+json","schemaVersion":2}"#
+        );
+        assert_eq!(
+            text(&img.config),
+            r#"{"architecture":"amd64","config":{"Cmd":["bash"],"Env":["PATH=/usr/bin"],"Healthcheck":{"Test":["NONE"]},"Labels":{"io.crab.checkpoint.base-layers":"1","io.crab.checkpoint.source":"ns/c@3"}},"created":"2026-01-01T00:00:00.000Z","history":[{"created_by":"add layer"},{"created":"2026-01-01T00:00:00.000Z","created_by":"crab: fs layer 1 of 1 of checkpoint ns/c@3"},{"comment":".crab-checkpoint/ holds the checkpoint; crab hides it on start","created":"2026-01-01T00:00:00.000Z","created_by":"crab: checkpoint ns/c@3 (turn \"t3\")"}],"os":"linux","rootfs":{"diff_ids":["sha256:dddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddd","sha256:2222222222222222222222222222222222222222222222222222222222222222","sha256:ffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff"],"type":"layers"}}"#
+        );
+        let files = build_files(&base, &[fs], &from).unwrap();
+        assert_eq!(
+            text(&files.manifest),
+            r#"{"config":{"digest":"sha256:8242277ab3fe9437c1067494711bc636b9358b41b583de486aad95b67aa9c76d","mediaType":"application/vnd.oci.image.config.v1+json","size":506},"layers":[{"annotations":{"x":"y"},"digest":"sha256:aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa","mediaType":"application/vnd.docker.image.rootfs.diff.tar.gzip","size":1000,"urls":["https://example.com/a"]},{"digest":"sha256:1111111111111111111111111111111111111111111111111111111111111111","mediaType":"application/vnd.oci.image.layer.v1.tar+zstd","size":10}],"mediaType":"application/vnd.oci.image.manifest.v1+json","schemaVersion":2}"#
+        );
+        assert_eq!(
+            text(&files.config),
+            r#"{"architecture":"amd64","config":{"Cmd":["bash"],"Env":["PATH=/usr/bin"],"Healthcheck":{"Test":["NONE"]}},"created":"2026-01-01T00:00:00.000Z","history":[{"created_by":"add layer"},{"created":"2026-01-01T00:00:00.000Z","created_by":"crab: fs layer 1 of 1 of checkpoint ns/c@3 (turn \"t3\"), files only"}],"os":"linux","rootfs":{"diff_ids":["sha256:dddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddd","sha256:2222222222222222222222222222222222222222222222222222222222222222"],"type":"layers"}}"#
+        );
+        let (index, docker) = index_and_manifest_json("localhost/crab/cp:3", &img).unwrap();
+        assert_eq!(
+            text(&index),
+            r#"{"manifests":[{"annotations":{"io.containerd.image.name":"localhost/crab/cp:3","org.opencontainers.image.ref.name":"3"},"digest":"sha256:81f04bd2e6776b1a20fcf3664d1647bf89ce90690754d9de5b051ed7dd76cf11","mediaType":"application/vnd.oci.image.manifest.v1+json","size":771}],"mediaType":"application/vnd.oci.image.index.v1+json","schemaVersion":2}"#
+        );
+        assert_eq!(
+            text(&docker),
+            r#"[{"Config":"blobs/sha256/e3955807d828f29bba3682203f712e41c06db7e160a53b90ddae04468c62b740","Layers":["blobs/sha256/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa","blobs/sha256/1111111111111111111111111111111111111111111111111111111111111111","blobs/sha256/eeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeee"],"RepoTags":["localhost/crab/cp:3"]}]"#
+        );
+        let (index, docker) = index_and_manifest_json("localhost:5000/x", &img).unwrap();
+        assert_eq!(
+            text(&index),
+            r#"{"manifests":[{"annotations":{"io.containerd.image.name":"localhost:5000/x:latest","org.opencontainers.image.ref.name":"latest"},"digest":"sha256:81f04bd2e6776b1a20fcf3664d1647bf89ce90690754d9de5b051ed7dd76cf11","mediaType":"application/vnd.oci.image.manifest.v1+json","size":771}],"mediaType":"application/vnd.oci.image.index.v1+json","schemaVersion":2}"#
+        );
+        assert_eq!(
+            text(&docker),
+            r#"[{"Config":"blobs/sha256/e3955807d828f29bba3682203f712e41c06db7e160a53b90ddae04468c62b740","Layers":["blobs/sha256/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa","blobs/sha256/1111111111111111111111111111111111111111111111111111111111111111","blobs/sha256/eeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeee"],"RepoTags":["localhost:5000/x:latest"]}]"#
+        );
+        // These depend on the host's platform (Go's names).
+        let (os, arch) = host_platform();
+        let layer = descriptor(MEDIA_TYPE_LAYER_ZSTD, &hexd('5'), 5).unwrap();
+        let rootfs = rootfs_base(vec![(layer, hexd('6'))]);
+        let expected = r#"{"architecture":"amd64","config":{},"history":[{"created_by":"crab: layer 1 of 1 of the container's rootfs"}],"os":"linux","rootfs":{"diff_ids":["sha256:6666666666666666666666666666666666666666666666666666666666666666"],"type":"layers"}}"#;
+        let expected = expected.replace(r#""amd64""#, &format!("{arch:?}"));
+        assert_eq!(
+            serde_json::to_string(&rootfs.config).unwrap(),
+            expected.replace(r#""linux""#, &format!("{os:?}"))
+        );
+        let index = json!({"manifests": [
+            {"mediaType": MediaType::ImageManifest, "digest": hexd('1'), "size": 1,
+             "platform": {"os": "linux", "architecture": "s390x"}},
+            {"mediaType": MediaType::ImageManifest, "digest": hexd('2'), "size": 1,
+             "platform": {"os": os, "architecture": arch}},
+        ]});
+        let picked: Value = serde_json::to_value(pick_manifest(&index).unwrap()).unwrap();
+        let expected: Value = serde_json::from_str(&r#"{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:2222222222222222222222222222222222222222222222222222222222222222","size":1,"platform":{"architecture":"amd64","os":"linux"}}"#.replace("amd64", arch)).unwrap();
+        assert_eq!(picked, expected);
     }
 }

@@ -38,10 +38,10 @@ use serde_json::Value;
 use tokio::io::AsyncReadExt;
 use tonic::{transport::Channel, Code, Request, Status};
 
+use oci_spec::image::{self as oci, MediaType};
+
 use super::{
-    image::{
-        pick_manifest, CheckpointImage, OciDescriptor, MEDIA_TYPE_DOCKER_LIST, MEDIA_TYPE_INDEX,
-    },
+    image::{pick_manifest, CheckpointImage, MEDIA_TYPE_DOCKER_LIST},
     CtlError,
 };
 use crab_shim::{
@@ -289,14 +289,16 @@ impl Client {
     pub async fn write_blob(
         &self,
         lease: &Lease,
-        desc: &OciDescriptor,
+        desc: &oci::Descriptor,
         data: BlobData<'_>,
         labels: HashMap<String, String>,
     ) -> Result<(), CtlError> {
         match self.write_session(lease, desc, data, labels).await {
             Ok(()) => Ok(()),
             Err(WriteFailure::Status(s)) if s.code() == Code::AlreadyExists => Ok(()),
-            Err(WriteFailure::Status(s)) => Err(grpc(format!("Content.Write {}", desc.digest))(s)),
+            Err(WriteFailure::Status(s)) => {
+                Err(grpc(format!("Content.Write {}", desc.digest()))(s))
+            }
             Err(WriteFailure::Source { path, source }) => Err(CtlError::Io {
                 what: format!("reading {}", path.display()),
                 source,
@@ -307,17 +309,17 @@ impl Client {
     async fn write_session(
         &self,
         lease: &Lease,
-        desc: &OciDescriptor,
+        desc: &oci::Descriptor,
         data: BlobData<'_>,
         labels: HashMap<String, String>,
     ) -> Result<(), WriteFailure> {
         let (tx, rx) = tokio::sync::mpsc::channel::<WriteContentRequest>(1);
-        let ingest_ref = format!("crabctl-{}-{}", unique(), desc.digest);
+        let ingest_ref = format!("crabctl-{}-{}", unique(), desc.digest());
         let request = |action: WriteAction, offset: i64, data: Vec<u8>| WriteContentRequest {
             action: action as i32,
             r#ref: ingest_ref.clone(),
-            total: desc.size as i64,
-            expected: desc.digest.clone(),
+            total: desc.size() as i64,
+            expected: desc.digest().to_string(),
             offset,
             data,
             ..Default::default()
@@ -435,7 +437,8 @@ impl Client {
         let (mut digest, mut media_type) = (target.digest, target.media_type);
         for _ in 0..4 {
             let doc = parse(&self.read_blob(&digest).await?, &media_type)?;
-            if media_type != MEDIA_TYPE_INDEX && media_type != MEDIA_TYPE_DOCKER_LIST {
+            let index = MediaType::from(media_type.as_str()) == MediaType::ImageIndex;
+            if !index && media_type != MEDIA_TYPE_DOCKER_LIST {
                 let config = doc["config"]["digest"].as_str().ok_or_else(|| {
                     CtlError::BadImage(name.to_string(), "manifest without config".into())
                 })?;
@@ -443,7 +446,7 @@ impl Client {
                 return Ok((doc, config));
             }
             let pick = pick_manifest(&doc)?;
-            (digest, media_type) = (pick.digest, pick.media_type);
+            (digest, media_type) = (pick.digest().to_string(), pick.media_type().to_string());
         }
         Err(CtlError::BadImage(
             name.to_string(),
@@ -455,7 +458,7 @@ impl Client {
     pub async fn put_image(
         &self,
         name: &str,
-        target: &OciDescriptor,
+        target: &oci::Descriptor,
         labels: HashMap<String, String>,
     ) -> Result<(), CtlError> {
         let image = Image {
@@ -640,7 +643,7 @@ impl Client {
         &self,
         lease: &Lease,
         snapshotter: &str,
-        layer: &OciDescriptor,
+        layer: &oci::Descriptor,
         diff_id: &str,
         chain: &str,
         parent: &str,
@@ -661,7 +664,7 @@ impl Client {
                     Some(lease),
                 ))
                 .await
-                .map_err(grpc(format!("Diff.Apply {}", layer.digest)))?
+                .map_err(grpc(format!("Diff.Apply {}", layer.digest())))?
                 .into_inner()
                 .applied
                 .map(|d| d.digest)
@@ -669,7 +672,7 @@ impl Client {
             if applied != diff_id {
                 return Err(CtlError::Refused(format!(
                     "layer {} unpacks to {applied}, but the image config says {diff_id}",
-                    layer.digest
+                    layer.digest()
                 )));
             }
             match self
@@ -1080,20 +1083,11 @@ impl WriteSession {
     }
 }
 
-fn descriptor(d: &OciDescriptor) -> Descriptor {
+fn descriptor(d: &oci::Descriptor) -> Descriptor {
     Descriptor {
-        media_type: d.media_type.clone(),
-        digest: d.digest.clone(),
-        size: d.size as i64,
-        annotations: d
-            .extra
-            .get("annotations")
-            .and_then(Value::as_object)
-            .map(|m| {
-                m.iter()
-                    .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
-                    .collect()
-            })
-            .unwrap_or_default(),
+        media_type: d.media_type().to_string(),
+        digest: d.digest().to_string(),
+        size: d.size() as i64,
+        annotations: d.annotations().clone().unwrap_or_default(),
     }
 }

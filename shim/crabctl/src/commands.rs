@@ -310,7 +310,7 @@ async fn answers(g: &Global, container: &str) -> Result<Vec<Stored>> {
 async fn turns(g: &Global, container: &str, format: Format) -> Result<()> {
     let answers = answers(g, container).await?;
     if format == Format::Json {
-        let all: Vec<&answer::TurnAnswer> = answers.iter().map(|s| &s.answer).collect();
+        let all: Vec<&answer::TurnRecord> = answers.iter().map(|s| &s.record).collect();
         print_json(&all);
         return Ok(());
     }
@@ -319,14 +319,14 @@ async fn turns(g: &Global, container: &str, format: Format) -> Result<()> {
         "SEQ", "TURN", "KIND", "TOOK(us)"
     );
     for s in answers {
-        let a = &s.answer;
+        let (t, a) = (&s.record, &s.record.answer);
         println!(
             "{:>5}  {:<20} {:<5} {:>9}  {}",
             a.seq,
-            a.turn_id,
+            t.turn_id,
             format!("{:?}", a.kind).to_lowercase(),
             a.elapsed_us,
-            a.why()
+            answer::why(a)
         );
     }
     Ok(())
@@ -339,12 +339,12 @@ async fn show(g: &Global, container: &str, turn: &str, _format: Format) -> Resul
     let found = all
         .iter()
         .rev()
-        .find(|s| s.answer.turn_id == turn || s.answer.seq.to_string() == turn)
+        .find(|s| s.record.turn_id == turn || s.record.answer.seq.to_string() == turn)
         .ok_or_else(|| CtlError::NoTurn {
             container: container.to_string(),
             turn: turn.to_string(),
         })?;
-    print_json(&found.answer);
+    print_json(&found.record);
     Ok(())
 }
 

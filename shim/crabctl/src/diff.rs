@@ -20,12 +20,11 @@ use std::collections::{BTreeMap, HashSet};
 
 use serde::Serialize;
 
-use crate::{
-    answer::{Proc, Stored},
-    output::kind_name,
-    CtlError, Result,
+use crate::{answer::Stored, output::kind_name, CtlError, Result};
+use crab_shim::{
+    checkpoint::store::{CheckpointKind, Manifest},
+    inspector::ProcSummary,
 };
-use crab_shim::checkpoint::store::{CheckpointKind, Manifest};
 
 /// Most points a "not found" message lists of each kind.
 const MAX_LISTED: usize = 20;
@@ -71,14 +70,14 @@ pub struct Files {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct Processes {
     /// Started after `from` and still running at `to`.
-    pub started: Vec<Proc>,
+    pub started: Vec<ProcSummary>,
     /// Running at `from`, ended by `to`.
-    pub ended: Vec<Proc>,
+    pub ended: Vec<ProcSummary>,
     /// Started and ended again between the two.
-    pub transient: Vec<Proc>,
+    pub transient: Vec<ProcSummary>,
     /// Running at both ends (those `to`'s turn still saw). A process no answer recorded
     /// running (it stayed idle since before `from`) has an empty `cmdline`.
-    pub alive: Vec<Proc>,
+    pub alive: Vec<ProcSummary>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -135,10 +134,10 @@ pub fn diff(
             end: End {
                 arg: String::new(),
                 checkpoint: None,
-                turn_id: answers.last().map(|s| s.answer.turn_id.clone()),
+                turn_id: answers.last().map(|s| s.record.turn_id.clone()),
             },
             label: match answers.last() {
-                Some(s) => format!("the newest turn ({})", s.answer.turn_id),
+                Some(s) => format!("the newest turn ({})", s.record.turn_id),
                 None => "now (no turn yet)".to_string(),
             },
         },
@@ -179,7 +178,7 @@ pub fn diff(
         container: container.to_string(),
         from: a.end,
         to: b.end,
-        turns: range.iter().map(|s| s.answer.turn_id.clone()).collect(),
+        turns: range.iter().map(|s| s.record.turn_id.clone()).collect(),
         complete: true,
         incomplete: Vec::new(),
         files: Files::default(),
@@ -191,12 +190,12 @@ pub fn diff(
     compose_processes(range, &answers, &mut d.processes);
     d.memory = memory(range);
     for s in range {
-        let t = &s.answer;
-        for why in &t.degraded {
+        let t = &s.record;
+        for why in &t.answer.degraded {
             d.incomplete
                 .push(format!("turn {}: not observed: {why}", t.turn_id));
         }
-        if t.fs.unobserved {
+        if t.answer.fs.unobserved {
             d.incomplete.push(format!(
                 "turn {}: its files could not all be compared (see crabctl show)",
                 t.turn_id
@@ -240,7 +239,7 @@ fn checkpoint_position(m: &Manifest, answers: &[&Stored]) -> usize {
         let turn = m.turn_id.rsplit(',').next().unwrap_or_default();
         let of_turn = answers
             .iter()
-            .rposition(|s| s.answer.turn_id == turn && s.written_at <= m.created_at);
+            .rposition(|s| s.record.turn_id == turn && s.written_at <= m.created_at);
         if let Some(i) = of_turn {
             return i + 1;
         }
@@ -284,7 +283,7 @@ fn resolve(
     {
         return Ok(of_checkpoint(m));
     }
-    if let Some(i) = answers.iter().rposition(|s| s.answer.turn_id == arg) {
+    if let Some(i) = answers.iter().rposition(|s| s.record.turn_id == arg) {
         return Ok(Point {
             position: i + 1,
             label: format!("turn {arg}"),
@@ -332,8 +331,8 @@ fn available(manifests: &[Manifest], answers: &[&Stored]) -> String {
     let turns: Vec<String> = answers
         .iter()
         .rev()
-        .filter(|s| seen.insert(s.answer.turn_id.as_str()))
-        .map(|s| s.answer.turn_id.clone())
+        .filter(|s| seen.insert(s.record.turn_id.as_str()))
+        .map(|s| s.record.turn_id.clone())
         .collect::<Vec<_>>()
         .into_iter()
         .rev()
@@ -351,9 +350,10 @@ fn available(manifests: &[Manifest], answers: &[&Stored]) -> String {
 }
 
 fn compose_files(range: &[&Stored], files: &mut Files) {
-    let mut state: BTreeMap<&str, Change> = BTreeMap::new();
+    // By the paths' text (its order is the output's).
+    let mut state: BTreeMap<String, Change> = BTreeMap::new();
     for s in range {
-        let fs = &s.answer.fs;
+        let fs = &s.record.answer.fs;
         let ops = fs
             .added
             .iter()
@@ -362,7 +362,8 @@ fn compose_files(range: &[&Stored], files: &mut Files) {
             .chain(fs.deleted.iter().map(|p| (p, Change::Deleted)));
         for (path, op) in ops {
             use Change::*;
-            let next = match (state.get(path.as_str()).copied(), op) {
+            let path = path.to_string_lossy().into_owned();
+            let next = match (state.get(&path).copied(), op) {
                 (None, op) => Some(op),
                 (Some(Created), Deleted) => None,
                 (Some(Created), _) => Some(Created),
@@ -372,7 +373,7 @@ fn compose_files(range: &[&Stored], files: &mut Files) {
             };
             match next {
                 Some(c) => state.insert(path, c),
-                None => state.remove(path.as_str()),
+                None => state.remove(&path),
             };
         }
     }
@@ -382,20 +383,20 @@ fn compose_files(range: &[&Stored], files: &mut Files) {
             Change::Modified => &mut files.modified,
             Change::Deleted => &mut files.deleted,
         };
-        list.push(path.to_string());
+        list.push(path);
     }
 }
 
 fn compose_processes(range: &[&Stored], all: &[&Stored], procs: &mut Processes) {
-    let mut started: BTreeMap<u32, Proc> = BTreeMap::new();
+    let mut started: BTreeMap<u32, ProcSummary> = BTreeMap::new();
     for s in range {
-        let p = &s.answer.procs;
+        let p = &s.record.answer.procs;
         for x in &p.started {
             started.insert(x.pid, x.clone());
         }
         for x in &p.ended {
             match started.remove(&x.pid) {
-                Some(s) => procs.transient.push(Proc {
+                Some(s) => procs.transient.push(ProcSummary {
                     cmdline: if s.cmdline.is_empty() {
                         x.cmdline.clone()
                     } else {
@@ -409,7 +410,7 @@ fn compose_processes(range: &[&Stored], all: &[&Stored], procs: &mut Processes) 
     }
     procs.started = started.values().cloned().collect();
     let Some(last) = range.last() else { return };
-    let p = &last.answer.procs;
+    let p = &last.record.answer.procs;
     let mut persisting: Vec<u32> = p
         .memory
         .iter()
@@ -421,7 +422,7 @@ fn compose_processes(range: &[&Stored], all: &[&Stored], procs: &mut Processes) 
     persisting.dedup();
     procs.alive = persisting
         .into_iter()
-        .map(|pid| Proc {
+        .map(|pid| ProcSummary {
             pid,
             cmdline: cmdline_of(pid, all),
         })
@@ -434,7 +435,7 @@ fn cmdline_of(pid: u32, answers: &[&Stored]) -> String {
         .iter()
         .rev()
         .flat_map(|s| {
-            let p = &s.answer.procs;
+            let p = &s.record.answer.procs;
             p.memory
                 .iter()
                 .filter(|m| m.pid == pid)
@@ -455,7 +456,7 @@ fn cmdline_of(pid: u32, answers: &[&Stored]) -> String {
 fn memory(range: &[&Stored]) -> Vec<MemoryChange> {
     let mut by_pid: BTreeMap<u32, MemoryChange> = BTreeMap::new();
     for s in range {
-        for m in &s.answer.procs.memory {
+        for m in &s.record.answer.procs.memory {
             let e = by_pid.entry(m.pid).or_insert_with(|| MemoryChange {
                 pid: m.pid,
                 ..MemoryChange::default()
@@ -622,11 +623,14 @@ mod tests {
     use serde_json::{json, Value};
 
     use super::*;
-    use crate::answer::{FsFinding, MemoryFinding, ProcFinding, TurnAnswer, TurnKind};
     use crab_shim::checkpoint::store::{Descriptor, ProcessImage};
+    use crab_shim::{
+        inspector::{Answer, FsFinding, Kind, MemoryFinding, ProcFinding},
+        sandbox::TurnRecord,
+    };
 
-    fn proc(pid: u32, cmdline: &str) -> Proc {
-        Proc {
+    fn proc(pid: u32, cmdline: &str) -> ProcSummary {
+        ProcSummary {
             pid,
             cmdline: cmdline.into(),
         }
@@ -636,20 +640,28 @@ mod tests {
         v.iter().map(|s| s.to_string()).collect()
     }
 
+    /// Paths as an answer records them.
+    fn recorded(v: &[&str]) -> Vec<PathBuf> {
+        v.iter().map(PathBuf::from).collect()
+    }
+
     /// An answer for turn `turn`, written at second `at`.
     fn answer(seq: u64, turn: &str, at: u32) -> Stored {
         Stored {
             path: PathBuf::from(format!("turns/{seq:06}.json")),
             written_at: format!("2030-01-01T00:00:{at:02}.000Z"),
-            answer: TurnAnswer {
+            record: TurnRecord {
                 turn_id: turn.into(),
-                container_id: "c1".into(),
-                seq,
-                kind: TurnKind::None,
-                fs: FsFinding::default(),
-                procs: ProcFinding::default(),
-                degraded: vec![],
-                elapsed_us: 1,
+                answer: Answer {
+                    container_id: "c1".into(),
+                    seq,
+                    kind: Kind::None,
+                    fs: FsFinding::default(),
+                    procs: ProcFinding::default(),
+                    degraded: vec![],
+                    elapsed_us: 1,
+                },
+                rollback: None,
             },
         }
     }
@@ -696,29 +708,29 @@ mod tests {
         c4.process.as_mut().unwrap().image = "proc/000004".into();
 
         let mut t1 = answer(1, "t1", 10);
-        t1.answer.kind = TurnKind::Fs;
-        t1.answer.fs.added = paths(&["/app/a", "/app/tmp"]);
-        t1.answer.fs.modified = paths(&["/etc/hosts"]);
-        t1.answer.procs.idle = vec![1];
+        t1.record.answer.kind = Kind::Fs;
+        t1.record.answer.fs.added = recorded(&["/app/a", "/app/tmp"]);
+        t1.record.answer.fs.modified = recorded(&["/etc/hosts"]);
+        t1.record.answer.procs.idle = vec![1];
         let mut t2 = answer(2, "t2", 20);
-        t2.answer.kind = TurnKind::Full;
-        t2.answer.fs.modified = paths(&["/app/a"]);
-        t2.answer.fs.deleted = paths(&["/app/tmp", "/etc/motd"]);
-        t2.answer.procs.started = vec![proc(40, "python -m http.server"), proc(41, "ls")];
-        t2.answer.procs.ended = vec![proc(41, "ls")];
-        t2.answer.procs.memory = vec![MemoryFinding {
+        t2.record.answer.kind = Kind::Full;
+        t2.record.answer.fs.modified = recorded(&["/app/a"]);
+        t2.record.answer.fs.deleted = recorded(&["/app/tmp", "/etc/motd"]);
+        t2.record.answer.procs.started = vec![proc(40, "python -m http.server"), proc(41, "ls")];
+        t2.record.answer.procs.ended = vec![proc(41, "ls")];
+        t2.record.answer.procs.memory = vec![MemoryFinding {
             pid: 1,
             cmdline: "sh".into(),
             changed_pages: 2,
             ..MemoryFinding::default()
         }];
         let mut t3 = answer(3, "t3", 30);
-        t3.answer.procs.idle = vec![1, 40];
+        t3.record.answer.procs.idle = vec![1, 40];
         let mut t4 = answer(4, "t4", 40);
-        t4.answer.kind = TurnKind::Full;
-        t4.answer.fs.deleted = paths(&["/app/a"]);
-        t4.answer.fs.added = paths(&["/etc/motd"]);
-        t4.answer.procs.memory = vec![MemoryFinding {
+        t4.record.answer.kind = Kind::Full;
+        t4.record.answer.fs.deleted = recorded(&["/app/a"]);
+        t4.record.answer.fs.added = recorded(&["/etc/motd"]);
+        t4.record.answer.procs.memory = vec![MemoryFinding {
             pid: 40,
             cmdline: "python -m http.server".into(),
             changed_pages: 5,
@@ -727,7 +739,7 @@ mod tests {
             scanned_pages: 100,
             ..MemoryFinding::default()
         }];
-        t4.answer.procs.idle = vec![1];
+        t4.record.answer.procs.idle = vec![1];
         (vec![created, c2, c3, c4], vec![t4, t2, t1, t3])
     }
 
@@ -797,11 +809,11 @@ mod tests {
     fn ended_processes_and_incomplete_turns_are_reported() {
         let (ms, mut answers) = history();
         let mut t5 = answer(5, "t5", 50);
-        t5.answer.procs.ended = vec![proc(40, "python -m http.server")];
-        t5.answer.degraded = vec!["probes unavailable".into()];
-        t5.answer.fs.unobserved = true;
+        t5.record.answer.procs.ended = vec![proc(40, "python -m http.server")];
+        t5.record.answer.degraded = vec!["probes unavailable".into()];
+        t5.record.answer.fs.unobserved = true;
         // Pid 99 never ran during a turn: no answer recorded its command line.
-        t5.answer.procs.idle = vec![1, 99];
+        t5.record.answer.procs.idle = vec![1, 99];
         answers.push(t5);
         let d = diff("c1", &ms, &answers, "t4", None).unwrap();
         assert_eq!(d.processes.ended, [proc(40, "python -m http.server")]);
@@ -862,9 +874,9 @@ mod tests {
         let mut restored = manifest(Some(&ms[1]), 5, "t1", CheckpointKind::Restored, 45);
         restored.parent = Some(2);
         ms.push(restored);
-        answers.retain(|s| s.answer.seq != 1);
+        answers.retain(|s| s.record.answer.seq != 1);
         let mut n1 = answer(1, "n1", 50);
-        n1.answer.fs.added = paths(&["/new"]);
+        n1.record.answer.fs.added = recorded(&["/new"]);
         answers.push(n1);
         let e = diff("c1", &ms, &answers, "t2", None).unwrap_err();
         assert_eq!(e.exit_code(), 4);

@@ -222,9 +222,10 @@ impl CtlError {
             },
             CtlError::Image(e) => match e {
                 ImageError::BadBase { .. } => Refused,
-                ImageError::Io { .. } | ImageError::NotPlain { .. } | ImageError::Pages(_) => {
-                    Failed
-                }
+                ImageError::Io { .. }
+                | ImageError::NotPlain { .. }
+                | ImageError::Pages(_)
+                | ImageError::Descriptor { .. } => Failed,
             },
             CtlError::Pod(e) => match e {
                 PodError::NoPod { .. }

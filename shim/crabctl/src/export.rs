@@ -13,6 +13,7 @@ use std::{
 
 use containerd_client::services::v1::Container;
 
+use oci_spec::image::{self as oci, MediaType};
 use serde_json::Value;
 
 use super::{
@@ -20,8 +21,8 @@ use super::{
     client::{BlobData, Lease},
     docker,
     image::{
-        self, base_of, CheckpointImage, CriuSource, OciDescriptor, Provenance, LABEL_BASE_LAYERS,
-        LABEL_IDENTITY, LABEL_SOURCE, MEDIA_TYPE_LAYER_ZSTD, MEDIA_TYPE_MANIFEST,
+        self, base_of, descriptor_of, CheckpointImage, CriuSource, Provenance, LABEL_BASE_LAYERS,
+        LABEL_IDENTITY, LABEL_SOURCE, MEDIA_TYPE_LAYER_ZSTD,
     },
     Ctl, CtlError, Result,
 };
@@ -411,8 +412,8 @@ impl Ctl {
         let mut in_content: Vec<String> = base
             .layers
             .iter()
-            .filter(|l| !local.files.contains_key(&l.digest))
-            .map(|l| l.digest.clone())
+            .map(|l| l.digest().to_string())
+            .filter(|d| !local.files.contains_key(d))
             .collect();
         for layer in &m.fs_layers {
             let path = store.blob_path(&layer.digest);
@@ -477,7 +478,7 @@ impl Ctl {
                     turn_id: &m.turn_id,
                     created: &m.created_at,
                 },
-            )
+            )?
         } else {
             let criu_dir = m.process.as_ref().map(|p| root.join(&p.image));
             // The signature binds the layers the image has below the checkpoint layer.
@@ -519,7 +520,7 @@ impl Ctl {
                     turn_id: &m.turn_id,
                     created: &m.created_at,
                 },
-            )
+            )?
         };
         match &options.output {
             None => self
@@ -557,7 +558,7 @@ impl Ctl {
                     let sizes: HashMap<&str, u64> = image
                         .layers
                         .iter()
-                        .map(|l| (l.digest.as_str(), l.size))
+                        .map(|l| (l.digest().as_ref(), l.size()))
                         .collect();
                     let total_bytes = sizes.values().sum();
                     // The archive asks for each layer once, right before writing it.
@@ -724,7 +725,7 @@ impl Ctl {
             return None;
         }
         let target = record.target?;
-        if target.media_type != MEDIA_TYPE_MANIFEST {
+        if MediaType::from(target.media_type.as_str()) != MediaType::ImageManifest {
             return None;
         }
         let manifest = self.client.read_blob(&target.digest).await.ok()?;
@@ -734,7 +735,7 @@ impl Ctl {
             .read_blob(doc["config"]["digest"].as_str()?)
             .await
             .ok()?;
-        let layers: Vec<OciDescriptor> = serde_json::from_value(doc["layers"].clone()).ok()?;
+        let layers: Vec<oci::Descriptor> = serde_json::from_value(doc["layers"].clone()).ok()?;
         let config_doc: Value = serde_json::from_slice(&config).ok()?;
         let diff_ids: Vec<String> =
             serde_json::from_value(config_doc["rootfs"]["diff_ids"].clone()).ok()?;
@@ -814,23 +815,19 @@ impl Ctl {
         for digest in in_content {
             self.client.lease_content(lease, digest).await?;
         }
-        let total_bytes = image.layers.iter().map(|l| l.size).sum();
+        let total_bytes = image.layers.iter().map(|l| l.size()).sum();
         let mut bytes = 0;
         for (i, layer) in image.layers.iter().enumerate() {
-            if let Some(path) = local.files.get(&layer.digest) {
+            if let Some(path) = local.files.get(layer.digest().as_ref()) {
                 self.client
                     .write_blob(lease, layer, BlobData::File(path), HashMap::new())
                     .await?;
             }
-            bytes += layer.size;
+            bytes += layer.size();
             self.progress
                 .layers("export", i + 1, image.layers.len(), bytes, total_bytes);
         }
-        let config_desc = OciDescriptor::new(
-            image::MEDIA_TYPE_CONFIG,
-            &image.config_digest(),
-            image.config.len() as u64,
-        );
+        let config_desc = descriptor_of(MediaType::ImageConfig, &image.config);
         self.client
             .write_blob(
                 lease,
@@ -839,11 +836,7 @@ impl Ctl {
                 HashMap::new(),
             )
             .await?;
-        let manifest_desc = OciDescriptor::new(
-            MEDIA_TYPE_MANIFEST,
-            &image.manifest_digest(),
-            image.manifest.len() as u64,
-        );
+        let manifest_desc = descriptor_of(MediaType::ImageManifest, &image.manifest);
         self.client
             .write_blob(
                 lease,
@@ -933,7 +926,7 @@ impl Ctl {
             .map_err(|e| CtlError::Failed(format!("reading the rootfs layers: {e}")))??;
             local.add_temp(&written.digest, blob);
             layers.push((
-                OciDescriptor::new(MEDIA_TYPE_LAYER_ZSTD, &written.digest, written.size),
+                image::descriptor(MEDIA_TYPE_LAYER_ZSTD, &written.digest, written.size)?,
                 written.diff_id,
             ));
         }

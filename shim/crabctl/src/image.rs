@@ -16,7 +16,11 @@ use std::{
 };
 
 use ed25519_dalek::SigningKey;
-use serde::{Deserialize, Serialize};
+use oci_spec::image::{
+    self as oci, ConfigBuilder, HistoryBuilder, ImageConfigurationBuilder, ImageManifestBuilder,
+    MediaType, RootFsBuilder,
+};
+use serde::Serialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -30,9 +34,7 @@ use crab_shim::restore::intake::{CheckpointMeta, CRIU_DIR, META_FILE, RESERVED_D
 /// The OCI marker that makes its directory opaque: lower layers' entries under it are hidden.
 const OPAQUE_WHITEOUT: &str = ".wh..wh..opq";
 
-pub const MEDIA_TYPE_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
-pub const MEDIA_TYPE_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
-pub const MEDIA_TYPE_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+/// Docker's media types (the OCI ones are oci-spec's [`MediaType`]).
 pub const MEDIA_TYPE_DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
 pub const MEDIA_TYPE_DOCKER_LIST: &str =
     "application/vnd.docker.distribution.manifest.list.v2+json";
@@ -65,6 +67,8 @@ pub enum ImageError {
     NotPlain { path: PathBuf, found: &'static str },
     #[error("checkpoint layer: process image: {0}")]
     Pages(#[from] PagesError),
+    #[error("layer {digest:?}: not an OCI descriptor: {reason}")]
+    Descriptor { digest: String, reason: String },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> ImageError + '_ {
@@ -74,41 +78,44 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> ImageError + '_ {
     }
 }
 
-/// An OCI content descriptor as manifests carry it; fields this code does not know (urls,
-/// platform, ...) are kept as they are.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct OciDescriptor {
-    #[serde(rename = "mediaType")]
-    pub media_type: String,
-    pub digest: String,
-    pub size: u64,
-    #[serde(flatten)]
-    pub extra: serde_json::Map<String, Value>,
+/// An OCI content descriptor of `size` bytes of `media_type` (a [`MediaType`] or its name)
+/// whose digest is `digest`: an error if that is no digest (oci-spec checks its form).
+pub fn descriptor(
+    media_type: impl Into<MediaType>,
+    digest: &str,
+    size: u64,
+) -> Result<oci::Descriptor, ImageError> {
+    let parsed = digest.parse::<oci::Digest>();
+    let digest = parsed.map_err(|e| ImageError::Descriptor {
+        digest: digest.to_string(),
+        reason: e.to_string(),
+    })?;
+    Ok(oci::Descriptor::new(media_type.into(), size, digest))
 }
 
-impl OciDescriptor {
-    pub fn new(media_type: &str, digest: &str, size: u64) -> OciDescriptor {
-        OciDescriptor {
-            media_type: media_type.to_string(),
-            digest: digest.to_string(),
-            size,
-            extra: serde_json::Map::new(),
-        }
-    }
+/// The descriptor of `blob` (its digest computed here) as `media_type`.
+pub fn descriptor_of(media_type: MediaType, blob: &[u8]) -> oci::Descriptor {
+    descriptor(media_type, &sha256_of(blob), blob.len() as u64)
+        .expect("a sha256 digest computed here is one")
 }
 
-impl From<&Descriptor> for OciDescriptor {
-    fn from(d: &Descriptor) -> Self {
-        OciDescriptor::new(&d.media_type, &d.digest, d.size)
-    }
+/// `value` as JSON with its object keys sorted (serde_json's maps are ordered by key), the form
+/// crab's manifests have always had: the same image gives the same bytes, hence digests, as
+/// before oci-spec's types built them (whose fields serialize in declaration order).
+pub fn sorted_json(value: &impl Serialize) -> Vec<u8> {
+    let value = serde_json::to_value(value).expect("an OCI document serializes");
+    serde_json::to_vec(&value).expect("a JSON value serializes")
 }
 
 /// What a checkpoint image starts from: the base image's layers (with their diff ids) and
 /// its config, without anything crab added when the image is itself a checkpoint image.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Base {
-    pub layers: Vec<OciDescriptor>,
+    pub layers: Vec<oci::Descriptor>,
     pub diff_ids: Vec<String>,
+    /// Kept as JSON, not oci-spec's `ImageConfiguration`: a base image's config carries
+    /// Docker's fields (`Healthcheck`, `OnBuild`, `Shell`, ...) the OCI type does not know, and
+    /// the checkpoint image keeps them.
     pub config: Value,
 }
 
@@ -132,7 +139,7 @@ pub fn config_labels(config: &Value) -> BTreeMap<String, String> {
 /// (label [`LABEL_BASE_LAYERS`]) contributes only its first base-layers layers, and its config
 /// loses the diff ids, history entries and labels crab added, so checkpoint images never nest.
 pub fn base_of(manifest: &Value, config: &Value) -> Result<Base, ImageError> {
-    let layers: Vec<OciDescriptor> = serde_json::from_value(manifest["layers"].clone())
+    let layers: Vec<oci::Descriptor> = serde_json::from_value(manifest["layers"].clone())
         .map_err(|e| bad("manifest")(format!("layers: {e}")))?;
     let diff_ids: Vec<String> = serde_json::from_value(config["rootfs"]["diff_ids"].clone())
         .map_err(|e| bad("config")(format!("rootfs.diff_ids: {e}")))?;
@@ -217,7 +224,7 @@ pub struct Provenance<'a> {
 pub struct CheckpointImage {
     pub manifest: Vec<u8>,
     pub config: Vec<u8>,
-    pub layers: Vec<OciDescriptor>,
+    pub layers: Vec<oci::Descriptor>,
     pub diff_ids: Vec<String>,
     pub base_layers: usize,
 }
@@ -241,7 +248,7 @@ impl CheckpointImage {
         for (i, l) in self.layers.iter().enumerate() {
             labels.insert(
                 format!("containerd.io/gc.ref.content.l.{i}"),
-                l.digest.clone(),
+                l.digest().to_string(),
             );
         }
         labels
@@ -261,7 +268,7 @@ pub fn build(
     fs_layers: &[Descriptor],
     checkpoint_layer: &LayerBlob,
     from: &Provenance<'_>,
-) -> CheckpointImage {
+) -> Result<CheckpointImage, ImageError> {
     assemble(base, fs_layers, Some(checkpoint_layer), from)
 }
 
@@ -273,7 +280,7 @@ pub fn build_files(
     base: &Base,
     fs_layers: &[Descriptor],
     from: &Provenance<'_>,
-) -> CheckpointImage {
+) -> Result<CheckpointImage, ImageError> {
     assemble(base, fs_layers, None, from)
 }
 
@@ -283,13 +290,15 @@ fn assemble(
     fs_layers: &[Descriptor],
     checkpoint_layer: Option<&LayerBlob>,
     from: &Provenance<'_>,
-) -> CheckpointImage {
+) -> Result<CheckpointImage, ImageError> {
     let mut layers = base.layers.clone();
-    layers.extend(fs_layers.iter().map(OciDescriptor::from));
+    for d in fs_layers {
+        layers.push(descriptor(d.media_type.as_str(), &d.digest, d.size)?);
+    }
     let mut diff_ids = base.diff_ids.clone();
     diff_ids.extend(fs_layers.iter().map(|d| d.diff_id.clone()));
     if let Some(c) = checkpoint_layer {
-        layers.push(OciDescriptor::new(MEDIA_TYPE_LAYER_ZSTD, &c.digest, c.size));
+        layers.push(descriptor(MEDIA_TYPE_LAYER_ZSTD, &c.digest, c.size)?);
         diff_ids.push(c.diff_id.clone());
     }
 
@@ -335,19 +344,20 @@ fn assemble(
         labels[LABEL_SOURCE] = json!(from.source);
     }
     let config = serde_json::to_vec(&config).expect("a JSON value serializes");
-    let manifest = json!({
-        "schemaVersion": 2,
-        "mediaType": MEDIA_TYPE_MANIFEST,
-        "config": OciDescriptor::new(MEDIA_TYPE_CONFIG, &sha256_of(&config), config.len() as u64),
-        "layers": layers,
-    });
-    CheckpointImage {
-        manifest: serde_json::to_vec(&manifest).expect("a JSON value serializes"),
+    let manifest = ImageManifestBuilder::default()
+        .schema_version(2u32)
+        .media_type(MediaType::ImageManifest)
+        .config(descriptor_of(MediaType::ImageConfig, &config))
+        .layers(layers.clone())
+        .build()
+        .expect("every field of the manifest is set");
+    Ok(CheckpointImage {
+        manifest: sorted_json(&manifest),
         config,
         layers,
         diff_ids,
         base_layers: base.layers.len(),
-    }
+    })
 }
 
 /// Sets the image config's process to the container's (its runtime spec `spec`), so that an
@@ -399,21 +409,31 @@ pub fn set_process(config: &mut Value, spec: &Value) {
 
 /// The base of a checkpoint image of a container without an image: `layers` (bottom first,
 /// with their diff ids) read from its rootfs, and a config holding nothing else.
-pub fn rootfs_base(layers: Vec<(OciDescriptor, String)>) -> Base {
+pub fn rootfs_base(layers: Vec<(oci::Descriptor, String)>) -> Base {
     let (os, arch) = host_platform();
     let n = layers.len();
-    let history: Vec<Value> = (1..=n)
-        .map(|i| json!({"created_by": format!("crab: layer {i} of {n} of the container's rootfs")}))
-        .collect();
+    let history = (1..=n).map(|i| {
+        HistoryBuilder::default()
+            .created_by(format!("crab: layer {i} of {n} of the container's rootfs"))
+            .build()
+            .expect("history fields are optional")
+    });
     let (layers, diff_ids): (Vec<_>, Vec<_>) = layers.into_iter().unzip();
+    let rootfs = RootFsBuilder::default()
+        .typ("layers")
+        .diff_ids(diff_ids.clone())
+        .build()
+        .expect("every field of rootfs is set");
+    let config = ImageConfigurationBuilder::default()
+        .architecture(arch)
+        .os(os)
+        .config(ConfigBuilder::default().build().expect("an empty config"))
+        .rootfs(rootfs)
+        .history(history.collect::<Vec<_>>())
+        .build()
+        .expect("every required field of the config is set");
     Base {
-        config: json!({
-            "architecture": arch,
-            "os": os,
-            "config": {},
-            "rootfs": {"type": "layers", "diff_ids": diff_ids},
-            "history": history,
-        }),
+        config: serde_json::to_value(config).expect("an image config serializes"),
         layers,
         diff_ids,
     }
@@ -457,8 +477,10 @@ pub fn host_platform() -> (&'static str, &'static str) {
     ("linux", arch)
 }
 
-/// From an image index, the manifest descriptor for this host (else the first one).
-pub fn pick_manifest(index: &Value) -> Result<OciDescriptor, ImageError> {
+/// From an image index, the manifest descriptor for this host (else the first one). The index
+/// is read as JSON, not as oci-spec's `ImageIndex`: it may be Docker's manifest list, and an
+/// entry for another platform that oci-spec would refuse is no reason to refuse this one.
+pub fn pick_manifest(index: &Value) -> Result<oci::Descriptor, ImageError> {
     let manifests: Vec<Value> = index["manifests"].as_array().cloned().unwrap_or_default();
     let (os, arch) = host_platform();
     let pick = manifests
@@ -719,513 +741,4 @@ fn append_criu_image<W: Write>(
 }
 
 #[cfg(test)]
-mod tests {
-    use std::collections::BTreeMap;
-
-    use super::*;
-    use crab_shim::checkpoint::store::MEDIA_TYPE_LAYER_TAR;
-    use crab_shim::restore::intake::{ProcessMeta, Source, META_FORMAT};
-
-    fn hexd(c: char) -> String {
-        format!("sha256:{}", c.to_string().repeat(64))
-    }
-
-    fn agent_image() -> (Value, Value) {
-        let manifest = json!({
-            "schemaVersion": 2,
-            "config": {"mediaType": MEDIA_TYPE_CONFIG, "digest": hexd('c'), "size": 500},
-            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": hexd('a'), "size": 1000,
-                        "annotations": {"x": "y"}}],
-        });
-        let config = json!({
-            "architecture": "amd64", "os": "linux",
-            "config": {"Env": ["PATH=/usr/bin"], "Entrypoint": ["/init"], "Cmd": ["bash"], "WorkingDir": "/app", "User": "1000"},
-            "rootfs": {"type": "layers", "diff_ids": [hexd('d')]},
-            "history": [{"created_by": "add layer"}, {"created_by": "config", "empty_layer": true}],
-        });
-        (manifest, config)
-    }
-
-    fn layer(c: char) -> Descriptor {
-        Descriptor {
-            digest: hexd(c),
-            diff_id: hexd(c.to_ascii_uppercase()),
-            size: 10,
-            media_type: MEDIA_TYPE_LAYER_ZSTD.into(),
-        }
-    }
-
-    fn provenance() -> Provenance<'static> {
-        Provenance {
-            source: "ns/c@3",
-            turn_id: "t3",
-            created: "2026-01-01T00:00:00.000Z",
-        }
-    }
-
-    fn checkpoint_blob() -> LayerBlob {
-        LayerBlob {
-            digest: hexd('e'),
-            diff_id: hexd('f'),
-            size: 77,
-        }
-    }
-
-    #[test]
-    fn builds_on_the_base_and_keeps_its_process_settings() {
-        let (manifest, config) = agent_image();
-        let base = base_of(&manifest, &config).unwrap();
-        assert_eq!(base.layers.len(), 1);
-        assert_eq!(base.layers[0].extra["annotations"], json!({"x": "y"}));
-        let img = build(
-            &base,
-            &[layer('1'), layer('2')],
-            &checkpoint_blob(),
-            &provenance(),
-        );
-        let m: Value = serde_json::from_slice(&img.manifest).unwrap();
-        let c: Value = serde_json::from_slice(&img.config).unwrap();
-        assert_eq!(m["mediaType"], MEDIA_TYPE_MANIFEST);
-        assert_eq!(m["config"]["digest"].as_str().unwrap(), img.config_digest());
-        assert_eq!(m["config"]["size"], img.config.len());
-        let layers = m["layers"].as_array().unwrap();
-        assert_eq!(layers.len(), 4);
-        assert_eq!(
-            layers[0]["annotations"],
-            json!({"x": "y"}),
-            "base descriptors kept as they are"
-        );
-        assert_eq!(layers[1]["digest"], hexd('1'));
-        assert_eq!(layers[3]["digest"], hexd('e'));
-        assert_eq!(layers[3]["mediaType"], MEDIA_TYPE_LAYER_ZSTD);
-        assert_eq!(
-            c["rootfs"]["diff_ids"],
-            json!([
-                hexd('d'),
-                hexd('1').to_uppercase().replace("SHA256", "sha256"),
-                hexd('2').to_uppercase().replace("SHA256", "sha256"),
-                hexd('f')
-            ])
-        );
-        for key in ["Env", "Entrypoint", "Cmd", "WorkingDir", "User"] {
-            assert_eq!(c["config"][key], config["config"][key], "{key}");
-        }
-        assert_eq!(c["config"]["Labels"][LABEL_BASE_LAYERS], "1");
-        assert_eq!(c["config"]["Labels"][LABEL_SOURCE], "ns/c@3");
-        assert_eq!(c["created"], "2026-01-01T00:00:00.000Z");
-        let history = c["history"].as_array().unwrap();
-        assert_eq!(history.len(), 2 + 3);
-        assert!(history[4]["created_by"]
-            .as_str()
-            .unwrap()
-            .contains("ns/c@3"));
-        let labels = img.manifest_gc_labels();
-        assert_eq!(
-            labels["containerd.io/gc.ref.content.config"],
-            img.config_digest()
-        );
-        assert_eq!(labels["containerd.io/gc.ref.content.l.3"], hexd('e'));
-        assert_eq!(labels.len(), 5);
-        assert_eq!(img.chain_ids()[0], hexd('d'));
-        assert_eq!(img.chain_ids().len(), 4);
-        // Deterministic: the same checkpoint gives the same image.
-        assert_eq!(
-            build(
-                &base,
-                &[layer('1'), layer('2')],
-                &checkpoint_blob(),
-                &provenance()
-            ),
-            img
-        );
-    }
-
-    #[test]
-    fn a_files_only_image_is_a_plain_image_whole_as_a_base() {
-        let (manifest, config) = agent_image();
-        let base = base_of(&manifest, &config).unwrap();
-        let img = build_files(&base, &[layer('1'), layer('2')], &provenance());
-        let m: Value = serde_json::from_slice(&img.manifest).unwrap();
-        let c: Value = serde_json::from_slice(&img.config).unwrap();
-        let layers = m["layers"].as_array().unwrap();
-        // The base and the fs layers, no checkpoint layer.
-        assert_eq!(layers.len(), 3);
-        assert_eq!(layers[2]["digest"], hexd('2'));
-        assert_eq!(c["rootfs"]["diff_ids"].as_array().unwrap().len(), 3);
-        for key in ["Env", "Entrypoint", "Cmd", "WorkingDir", "User"] {
-            assert_eq!(c["config"][key], config["config"][key], "{key}");
-        }
-        // No crab label: nothing takes it for a checkpoint image, and as a base it is whole.
-        assert!(
-            c["config"]["Labels"].get(LABEL_BASE_LAYERS).is_none(),
-            "{c}"
-        );
-        assert!(c["config"]["Labels"].get(LABEL_SOURCE).is_none(), "{c}");
-        let again = base_of(&m, &c).unwrap();
-        assert_eq!(again.layers.len(), 3);
-        let history = c["history"].as_array().unwrap();
-        assert_eq!(history.len(), 2 + 2);
-        assert!(history[3]["created_by"]
-            .as_str()
-            .unwrap()
-            .contains("files only"));
-    }
-
-    #[test]
-    fn a_checkpoint_image_as_base_contributes_only_its_base() {
-        let (manifest, config) = agent_image();
-        let base = base_of(&manifest, &config).unwrap();
-        let first = build(&base, &[layer('1')], &checkpoint_blob(), &provenance());
-        let m: Value = serde_json::from_slice(&first.manifest).unwrap();
-        let c: Value = serde_json::from_slice(&first.config).unwrap();
-        let mut again = base_of(&m, &c).unwrap();
-        assert_eq!(again.config["created"], "2026-01-01T00:00:00.000Z");
-        again.config.as_object_mut().unwrap().remove("created");
-        assert_eq!(
-            again, base,
-            "crab's layers, history and labels are stripped"
-        );
-        let mut labelled = config.clone();
-        labelled["config"]["Labels"] = json!({"keep": "me"});
-        let img = build(
-            &base_of(&manifest, &labelled).unwrap(),
-            &[],
-            &checkpoint_blob(),
-            &provenance(),
-        );
-        let c: Value = serde_json::from_slice(&img.config).unwrap();
-        assert_eq!(c["config"]["Labels"]["keep"], "me");
-        let stripped = base_of(&serde_json::from_slice(&img.manifest).unwrap(), &c).unwrap();
-        assert_eq!(
-            config_labels(&stripped.config),
-            BTreeMap::from([("keep".to_string(), "me".to_string())])
-        );
-    }
-
-    #[test]
-    fn bad_bases_are_named() {
-        let (manifest, mut config) = agent_image();
-        config["rootfs"]["diff_ids"] = json!([]);
-        assert!(base_of(&manifest, &config)
-            .unwrap_err()
-            .to_string()
-            .contains("1 layers in the manifest but 0 diff ids"));
-        let (manifest, mut config) = agent_image();
-        config["config"]["Labels"] = json!({LABEL_BASE_LAYERS: "7"});
-        assert!(base_of(&manifest, &config)
-            .unwrap_err()
-            .to_string()
-            .contains(LABEL_BASE_LAYERS));
-        let index = json!({"manifests": [
-            {"mediaType": MEDIA_TYPE_MANIFEST, "digest": hexd('1'), "size": 1, "platform": {"os": "linux", "architecture": "s390x"}},
-            {"mediaType": MEDIA_TYPE_MANIFEST, "digest": hexd('2'), "size": 1, "platform": {"os": "linux", "architecture": host_platform().1}},
-        ]});
-        assert_eq!(pick_manifest(&index).unwrap().digest, hexd('2'));
-        assert!(pick_manifest(&json!({"manifests": []})).is_err());
-    }
-
-    #[test]
-    fn the_config_runs_the_containers_process() {
-        let spec = json!({
-            "hostname": "3f4e2b0c9d1a",
-            "process": {
-                "args": ["/init", "sleep", "infinity"],
-                "env": ["PATH=/bin", "HOSTNAME=3f4e2b0c9d1a", "A=1", "HOSTNAME=other"],
-                "cwd": "/work",
-            },
-        });
-        // The base's Entrypoint begins the args: kept, Cmd the rest.
-        let (_, mut config) = agent_image();
-        set_process(&mut config, &spec);
-        let c = &config["config"];
-        assert_eq!(c["Entrypoint"], json!(["/init"]));
-        assert_eq!(c["Cmd"], json!(["sleep", "infinity"]));
-        assert_eq!(c["Env"], json!(["PATH=/bin", "A=1", "HOSTNAME=other"]));
-        assert_eq!(c["WorkingDir"], "/work");
-        assert_eq!(c["User"], "1000", "the rest stays");
-        // Another Entrypoint is dropped: the args alone are the command.
-        let mut other = spec.clone();
-        other["process"]["args"] = json!(["python3", "-m", "http.server"]);
-        let (_, mut config) = agent_image();
-        set_process(&mut config, &other);
-        assert_eq!(config["config"]["Entrypoint"], Value::Null);
-        assert_eq!(config["config"]["Cmd"], other["process"]["args"]);
-        // A base without any process settings (a rootfs base: Docker's) gets them all.
-        let mut bare = rootfs_base(vec![]).config;
-        set_process(&mut bare, &spec);
-        assert_eq!(bare["config"]["Cmd"], spec["process"]["args"]);
-        assert_eq!(bare["config"]["Entrypoint"], Value::Null);
-        let mut not_object = json!("x");
-        set_process(&mut not_object, &spec);
-        assert_eq!(not_object["config"]["WorkingDir"], "/work");
-        // A spec without args (or none) changes nothing; junk is ignored, never a panic.
-        for junk in [
-            json!({}),
-            json!({"process": {"args": []}}),
-            json!({"process": {"args": [1, 2]}}),
-            json!({"process": "x"}),
-            json!([1]),
-        ] {
-            let (_, mut config) = agent_image();
-            let before = config.clone();
-            set_process(&mut config, &junk);
-            assert_eq!(config, before, "{junk}");
-        }
-        let mut odd = spec.clone();
-        odd["process"]["cwd"] = json!("relative");
-        odd["process"]["env"] = json!("PATH=/x");
-        let (_, mut config) = agent_image();
-        set_process(&mut config, &odd);
-        assert_eq!(config["config"]["WorkingDir"], "/app");
-        assert_eq!(config["config"]["Env"], json!(["PATH=/usr/bin"]));
-    }
-
-    #[test]
-    fn a_rootfs_base_and_its_compressed_layers() {
-        let tar = b"not really a tar, but bytes".repeat(100);
-        let mut out = Vec::new();
-        let blob = compress_layer(&tar[..], &mut out).unwrap();
-        assert_eq!(blob.size, out.len() as u64);
-        assert_eq!(blob.digest, sha256_of(&out));
-        assert_eq!(blob.diff_id, sha256_of(&tar));
-        assert_eq!(zstd::decode_all(&out[..]).unwrap(), tar);
-        let base_layer = |c: char| {
-            (
-                OciDescriptor::new(MEDIA_TYPE_LAYER_ZSTD, &hexd(c), 5),
-                hexd(c.to_ascii_uppercase()),
-            )
-        };
-        let base = rootfs_base(vec![base_layer('1'), base_layer('2')]);
-        assert_eq!(base.layers.len(), 2);
-        assert_eq!(base.config["rootfs"]["diff_ids"], json!(base.diff_ids));
-        assert_eq!(base.config["history"].as_array().unwrap().len(), 2);
-        assert_eq!(base.config["os"], "linux");
-        // A checkpoint image on it is a valid base again (history and layers agree).
-        let img = build(&base, &[layer('3')], &checkpoint_blob(), &provenance());
-        let again = base_of(
-            &serde_json::from_slice(&img.manifest).unwrap(),
-            &serde_json::from_slice(&img.config).unwrap(),
-        )
-        .unwrap();
-        assert_eq!(again.layers, base.layers);
-    }
-
-    fn meta(process: bool) -> CheckpointMeta {
-        CheckpointMeta {
-            format: META_FORMAT,
-            source: Source {
-                namespace: "ns".into(),
-                container: "c".into(),
-                seq: 3,
-                turn_id: "t3".into(),
-            },
-            fs_layers: vec![layer('1')],
-            process: process.then(|| ProcessMeta { pids: vec![1, 9] }),
-            created_at: "2026-01-01T00:00:00.000Z".into(),
-            volumes: Vec::new(),
-            annotations: Default::default(),
-        }
-    }
-
-    fn key() -> SigningKey {
-        SigningKey::from_bytes(&[3; 32])
-    }
-
-    fn trusted() -> provenance::TrustedKeys {
-        let mut t = provenance::TrustedKeys::new();
-        t.add(key().verifying_key(), "test");
-        t
-    }
-
-    /// The layer's entries: path -> (type, mode, mtime, data).
-    fn entries(blob: &[u8]) -> BTreeMap<String, (tar::EntryType, u32, u64, Vec<u8>)> {
-        let tar = zstd::decode_all(blob).unwrap();
-        let mut out = BTreeMap::new();
-        for e in tar::Archive::new(&tar[..]).entries().unwrap() {
-            let mut e = e.unwrap();
-            let path = e.path().unwrap().to_string_lossy().into_owned();
-            let h = e.header().clone();
-            let mut data = Vec::new();
-            e.read_to_end(&mut data).unwrap();
-            assert_eq!((h.uid().unwrap(), h.gid().unwrap()), (0, 0));
-            out.insert(
-                path,
-                (h.entry_type(), h.mode().unwrap(), h.mtime().unwrap(), data),
-            );
-        }
-        out
-    }
-
-    #[test]
-    fn fs_only_checkpoint_layer_holds_the_description() {
-        let mut out = Vec::new();
-        let blob = write_checkpoint_layer(&meta(false), &[], None, &key(), &mut out).unwrap();
-        assert_eq!(blob.size, out.len() as u64);
-        assert_eq!(blob.digest, sha256_of(&out));
-        assert_eq!(
-            blob.diff_id,
-            sha256_of(&zstd::decode_all(&out[..]).unwrap())
-        );
-        let e = entries(&out);
-        assert_eq!(
-            e.keys().collect::<Vec<_>>(),
-            [
-                ".crab-checkpoint/",
-                ".crab-checkpoint/.wh..wh..opq",
-                ".crab-checkpoint/checkpoint.json",
-                ".crab-checkpoint/signature.json",
-            ]
-        );
-        // Signed: the signature vouches for the description and no CRIU file.
-        let statement = trusted()
-            .verify(
-                &e[".crab-checkpoint/signature.json"].3,
-                &e[".crab-checkpoint/checkpoint.json"].3,
-            )
-            .unwrap();
-        assert!(statement.criu.is_empty());
-        assert_eq!(e[".crab-checkpoint/"].0, tar::EntryType::Directory);
-        let (kind, mode, mtime, json) = &e[".crab-checkpoint/checkpoint.json"];
-        assert_eq!((*kind, *mode, *mtime), (tar::EntryType::Regular, 0o600, 0));
-        let parsed = CheckpointMeta::parse(Path::new("x"), json).unwrap();
-        assert_eq!(parsed, meta(false));
-        let v: Value = serde_json::from_slice(json).unwrap();
-        assert_eq!(v["process"], Value::Null);
-        assert_eq!(v["source"]["container"], "c");
-        assert_eq!(v["fs_layers"][0]["diff_id"], hexd('1'));
-        // Deterministic.
-        let mut again = Vec::new();
-        assert_eq!(
-            write_checkpoint_layer(&meta(false), &[], None, &key(), &mut again).unwrap(),
-            blob
-        );
-        assert_eq!(
-            MEDIA_TYPE_LAYER_TAR,
-            "application/vnd.oci.image.layer.v1.tar"
-        );
-    }
-
-    #[test]
-    fn process_checkpoint_layer_carries_the_criu_image_with_pages_materialized() {
-        let tmp = tempfile::tempdir().unwrap();
-        let (img, chunks) = (tmp.path().join("proc"), tmp.path().join("chunks"));
-        fs::create_dir_all(&img).unwrap();
-        let pages_data: Vec<u8> = (0..3 * pages::CHUNK_SIZE + 5)
-            .map(|i| (i % 251) as u8)
-            .collect();
-        fs::write(img.join("pages-1.img"), &pages_data).unwrap();
-        fs::write(img.join("pagemap-1.img"), b"map").unwrap();
-        fs::write(img.join("inventory.img"), b"inv").unwrap();
-        fs::write(img.join("descriptors.json"), b"[]").unwrap();
-        pages::dedup(&img, &chunks).unwrap();
-        fs::write(img.join(".leftover.tmp"), b"x").unwrap();
-        let mut out = Vec::new();
-        write_checkpoint_layer(
-            &meta(true),
-            &[],
-            Some(CriuSource {
-                dir: &img,
-                chunks: &chunks,
-            }),
-            &key(),
-            &mut out,
-        )
-        .unwrap();
-        let e = entries(&out);
-        let names: Vec<&str> = e.keys().map(String::as_str).collect();
-        assert_eq!(
-            names,
-            [
-                ".crab-checkpoint/",
-                ".crab-checkpoint/.wh..wh..opq",
-                ".crab-checkpoint/checkpoint.json",
-                ".crab-checkpoint/criu/",
-                ".crab-checkpoint/criu/descriptors.json",
-                ".crab-checkpoint/criu/inventory.img",
-                ".crab-checkpoint/criu/pagemap-1.img",
-                ".crab-checkpoint/criu/pages-1.img",
-                ".crab-checkpoint/signature.json",
-            ]
-        );
-        // The signature names every CRIU file as written, the pages materialized.
-        let statement = trusted()
-            .verify(
-                &e[".crab-checkpoint/signature.json"].3,
-                &e[".crab-checkpoint/checkpoint.json"].3,
-            )
-            .unwrap();
-        let files: Vec<&str> = statement.criu.keys().map(String::as_str).collect();
-        assert_eq!(
-            files,
-            [
-                "descriptors.json",
-                "inventory.img",
-                "pagemap-1.img",
-                "pages-1.img"
-            ]
-        );
-        assert_eq!(statement.criu["pages-1.img"].sha256, sha256_of(&pages_data));
-        assert_eq!(statement.criu["pages-1.img"].size, pages_data.len() as u64);
-        assert_eq!(e[".crab-checkpoint/criu/pages-1.img"].3, pages_data);
-        assert_eq!(e[".crab-checkpoint/criu/inventory.img"].3, b"inv");
-        assert!(
-            img.join("pages-1.img.recipe").exists() && !img.join("pages-1.img").exists(),
-            "the store is unchanged"
-        );
-        // Materialized in place too: still one entry.
-        pages::materialize(&img, &chunks).unwrap();
-        let mut again = Vec::new();
-        write_checkpoint_layer(
-            &meta(true),
-            &[],
-            Some(CriuSource {
-                dir: &img,
-                chunks: &chunks,
-            }),
-            &key(),
-            &mut again,
-        )
-        .unwrap();
-        assert_eq!(again, out);
-        // A missing chunk fails the layer.
-        for f in fs::read_dir(&chunks).unwrap() {
-            fs::remove_file(f.unwrap().path()).unwrap();
-        }
-        let e = write_checkpoint_layer(
-            &meta(true),
-            &[],
-            Some(CriuSource {
-                dir: &img,
-                chunks: &chunks,
-            }),
-            &key(),
-            &mut Vec::new(),
-        )
-        .unwrap_err();
-        assert!(matches!(e, ImageError::Pages(_)), "{e}");
-        // Anything but plain files is refused.
-        fs::remove_file(img.join("pages-1.img.recipe")).unwrap();
-        std::os::unix::fs::symlink("/etc/passwd", img.join("evil.img")).unwrap();
-        let e = write_checkpoint_layer(
-            &meta(true),
-            &[],
-            Some(CriuSource {
-                dir: &img,
-                chunks: &chunks,
-            }),
-            &key(),
-            &mut Vec::new(),
-        )
-        .unwrap_err();
-        assert!(
-            matches!(
-                e,
-                ImageError::NotPlain {
-                    found: "a symlink",
-                    ..
-                }
-            ),
-            "{e}"
-        );
-    }
-}
+mod tests;

@@ -735,9 +735,17 @@ pub async fn run(config: Option<&Path>, args: &MetricsArgs) -> Result<()> {
     serve(addr, config, args.per_container).await
 }
 
-/// Bounds of one HTTP request: its head, and how long the client has to send it.
+/// Bounds of one HTTP request: its head (hyper's smallest read buffer; a longer head is
+/// answered 431), and how long the client has to send it.
 const MAX_REQUEST_HEAD: usize = 8 << 10;
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What every request of `--listen` scans with.
+struct Scraped {
+    cache: Mutex<ScanCache>,
+    config: Config,
+    per_container: bool,
+}
 
 async fn serve(addr: SocketAddr, config: Config, per_container: bool) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(addr)
@@ -747,8 +755,19 @@ async fn serve(addr: SocketAddr, config: Config, per_container: bool) -> Result<
         "crabctl: metrics: serving http://{}/metrics",
         listener.local_addr().unwrap_or(addr)
     );
-    let cache = Arc::new(Mutex::new(ScanCache::default()));
-    let config = Arc::new(config);
+    let scraped = Scraped {
+        cache: Mutex::new(ScanCache::default()),
+        config,
+        per_container,
+    };
+    serve_on(listener, Arc::new(scraped)).await
+}
+
+/// Answers each connection to `listener` with hyper's HTTP/1.1 server: one request, then the
+/// connection is closed (no keep-alive); its head is bounded in size and time.
+async fn serve_on(listener: tokio::net::TcpListener, scraped: Arc<Scraped>) -> ! {
+    use hyper::{server::conn::http1, service::service_fn};
+    use hyper_util::rt::{TokioIo, TokioTimer};
     loop {
         let (conn, _) = match listener.accept().await {
             Ok(c) => c,
@@ -758,55 +777,26 @@ async fn serve(addr: SocketAddr, config: Config, per_container: bool) -> Result<
                 continue;
             }
         };
-        let (cache, config) = (cache.clone(), config.clone());
+        let scraped = scraped.clone();
         tokio::spawn(async move {
-            if let Err(e) = handle(conn, cache, config, per_container).await {
-                eprintln!("crabctl: metrics: a request failed: {e}");
+            let service = service_fn(move |request| {
+                let scraped = scraped.clone();
+                async move { Ok::<_, std::convert::Infallible>(route(request, scraped).await) }
+            });
+            let served = http1::Builder::new()
+                .keep_alive(false)
+                .max_buf_size(MAX_REQUEST_HEAD)
+                .timer(TokioTimer::new())
+                .header_read_timeout(REQUEST_TIMEOUT)
+                .serve_connection(TokioIo::new(conn), service)
+                .await;
+            // A client that sends no request in time is only disconnected.
+            match served {
+                Err(e) if !e.is_timeout() => eprintln!("crabctl: metrics: a request failed: {e}"),
+                _ => {}
             }
         });
     }
-}
-
-/// Reads the request head (bounded in size and time) and answers it: `GET /metrics` gets the
-/// figures, anything else 404 or 405.
-async fn handle(
-    mut conn: tokio::net::TcpStream,
-    cache: Arc<Mutex<ScanCache>>,
-    config: Arc<Config>,
-    per_container: bool,
-) -> io::Result<()> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut head = Vec::new();
-    let read = tokio::time::timeout(REQUEST_TIMEOUT, async {
-        let mut buf = [0u8; 1024];
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") && !head.windows(2).any(|w| w == b"\n\n") {
-            if head.len() > MAX_REQUEST_HEAD {
-                return Err(io::Error::other("request head too large"));
-            }
-            let n = conn.read(&mut buf).await?;
-            if n == 0 {
-                break;
-            }
-            head.extend_from_slice(&buf[..n]);
-        }
-        Ok(())
-    })
-    .await;
-    let (status, content_type, body) = match read {
-        Err(_) => return Ok(()),
-        Ok(Err(_)) => (
-            "431 Request Header Fields Too Large",
-            "text/plain",
-            "request head too large\n".to_string(),
-        ),
-        Ok(Ok(())) => route(&head, cache, config, per_container).await,
-    };
-    let response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    conn.write_all(response.as_bytes()).await?;
-    conn.shutdown().await
 }
 
 /// What OpenMetrics scrapers expect.
@@ -814,47 +804,42 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 /// The Prometheus text format's.
 pub const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
+/// `GET /metrics` gets the figures, in the format the scraper accepts; anything else 404 or
+/// 405.
 async fn route(
-    head: &[u8],
-    cache: Arc<Mutex<ScanCache>>,
-    config: Arc<Config>,
-    per_container: bool,
-) -> (&'static str, &'static str, String) {
-    let text = String::from_utf8_lossy(head);
-    let line = text.lines().next().unwrap_or_default();
+    request: hyper::Request<hyper::body::Incoming>,
+    scraped: Arc<Scraped>,
+) -> hyper::Response<http_body_util::Full<bytes::Bytes>> {
+    let answer = |status: u16, content_type: &str, body: String| {
+        hyper::Response::builder()
+            .status(status)
+            .header(hyper::header::CONTENT_TYPE, content_type)
+            .body(body.into())
+            .expect("a valid status and header")
+    };
     // OpenMetrics if the scraper accepts it (Prometheus does), else the 0.0.4 text format.
-    let format = match text.lines().skip(1).any(|h| {
-        h.split_once(':').is_some_and(|(k, v)| {
-            k.trim().eq_ignore_ascii_case("accept") && v.contains("application/openmetrics-text")
-        })
-    }) {
+    let accepts = request.headers().get_all(hyper::header::ACCEPT).iter();
+    let format = match accepts
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .any(|v| v.contains("application/openmetrics-text"))
+    {
         true => Format::Openmetrics,
         false => Format::Prometheus,
     };
-    let mut parts = line.split_whitespace();
-    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let path = target.split('?').next().unwrap_or("");
-    if path != "/metrics" {
-        return (
-            "404 Not Found",
-            "text/plain",
-            "crab serves /metrics only\n".into(),
-        );
+    if request.uri().path() != "/metrics" {
+        return answer(404, "text/plain", "crab serves /metrics only\n".into());
     }
-    if method != "GET" {
-        return (
-            "405 Method Not Allowed",
-            "text/plain",
-            "GET /metrics\n".into(),
-        );
+    if request.method() != hyper::Method::GET {
+        return answer(405, "text/plain", "GET /metrics\n".into());
     }
     let scanned = tokio::task::spawn_blocking(move || {
         // One scan at a time: the cache is shared, and a second scan would read the same.
-        let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+        let mut cache = scraped.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let config = &scraped.config;
         let snap = scan(
             &config.store.state_dir,
             &config.engine,
-            per_container,
+            scraped.per_container,
             &mut cache,
         );
         print_warnings(&snap);
@@ -866,327 +851,10 @@ async fn route(
         Format::Prometheus => TEXT_CONTENT_TYPE,
     };
     match scanned {
-        Ok(body) => ("200 OK", content_type, body),
-        Err(e) => (
-            "500 Internal Server Error",
-            "text/plain",
-            format!("the scan failed: {e}\n"),
-        ),
+        Ok(body) => answer(200, content_type, body),
+        Err(e) => answer(500, "text/plain", format!("the scan failed: {e}\n")),
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn engine_config(root: &Path) -> crab_runtime_config::EngineConfig {
-        crab_runtime_config::EngineConfig {
-            root: root.to_path_buf(),
-            ..Config::default().engine
-        }
-    }
-
-    fn answer(kind: &str, us: u64) -> String {
-        serde_json::json!({"turn_id": "t", "kind": kind, "degraded": [], "elapsed_us": us})
-            .to_string()
-    }
-
-    fn write(path: &Path, data: impl AsRef<[u8]>) {
-        fs::create_dir_all(path.parent().unwrap()).unwrap();
-        fs::write(path, data).unwrap();
-    }
-
-    /// Values of the samples of `text` by `name{labels}` as written.
-    fn samples(text: &str) -> std::collections::HashMap<String, f64> {
-        text.lines()
-            .filter(|l| !l.starts_with('#') && !l.is_empty())
-            .map(|l| {
-                let (k, v) = l.rsplit_once(' ').unwrap();
-                (k.to_string(), v.parse().unwrap())
-            })
-            .collect()
-    }
-
-    #[test]
-    fn a_state_dir_is_scanned_across_namespaces_and_set_aside_stores() {
-        let state = tempfile::tempdir().unwrap();
-        let s = state.path();
-        write(&s.join("default/a/turns/000001.json"), answer("fs", 100));
-        write(&s.join("default/a/turns/000002.json"), answer("none", 100));
-        write(&s.join("k8s.io/b/turns/000001.json"), answer("proc", 100));
-        // The earlier lineage of a reused id counts under the same id.
-        write(
-            &s.join("default/.replaced-a-1764650000000000000-4242/turns/000001.json"),
-            answer("full", 100),
-        );
-        // Not stores: dot entries, files, symlinks.
-        write(&s.join(".hidden/x/turns/000001.json"), answer("full", 1));
-        write(&s.join("default/.lock"), "");
-        write(&s.join("default/file"), "");
-        let elsewhere = tempfile::tempdir().unwrap();
-        write(
-            &elsewhere.path().join("turns/000001.json"),
-            answer("full", 1),
-        );
-        std::os::unix::fs::symlink(elsewhere.path(), s.join("default/link")).unwrap();
-        std::os::unix::fs::symlink(elsewhere.path(), s.join("linkns")).unwrap();
-
-        let engine = tempfile::tempdir().unwrap();
-        let snap = scan(
-            s,
-            &engine_config(&engine.path().join("none-yet")),
-            true,
-            &mut ScanCache::default(),
-        );
-        assert_eq!(snap.stores, 3, "{:?}", snap.warnings);
-        let d = &snap.tally.answers;
-        assert_eq!((d.none, d.fs, d.proc, d.full), (1, 1, 1, 1));
-        let keys: Vec<_> = snap.per_container.iter().map(|(k, _)| k.clone()).collect();
-        assert_eq!(
-            keys,
-            [
-                ("default".to_string(), "a".to_string()),
-                ("k8s.io".to_string(), "b".to_string())
-            ]
-        );
-        assert_eq!(snap.per_container[0].1.answers.full, 1);
-        assert_eq!(
-            snap.engine.slots_free,
-            u64::from(Config::default().engine.max_jobs)
-        );
-
-        let text = render(&snap);
-        assert!(text.ends_with("# EOF\n"), "{text}");
-        let v = samples(&text);
-        assert_eq!(v["crab_turn_answers_total{decision=\"fs\"}"], 1.0);
-        assert_eq!(
-            v["crab_turn_answers_total{namespace=\"default\",container=\"a\",decision=\"full\"}"],
-            1.0
-        );
-        assert_eq!(v["crab_turns_skipped_total"], 1.0);
-        assert_eq!(v["crab_turn_decision_seconds_count"], 4.0);
-        assert_eq!(v["crab_turn_decision_seconds_bucket{le=\"+Inf\"}"], 4.0);
-        // Cumulative: every answer took 100 us, so every bucket holds all four.
-        assert_eq!(v["crab_turn_decision_seconds_bucket{le=\"0.0005\"}"], 4.0);
-        assert_eq!(v["crab_turn_decision_seconds_bucket{le=\"5.0\"}"], 4.0);
-        assert_eq!(v["crab_metrics_stores"], 3.0);
-        // Without --per-container no series names a container.
-        let plain = render(&scan(
-            s,
-            &engine_config(&engine.path().join("none-yet")),
-            false,
-            &mut ScanCache::default(),
-        ));
-        assert!(!plain.contains("container="), "{plain}");
-
-        // The 0.0.4 text format: counters' families named as their samples, no UNIT, no EOF.
-        let prom = to_prometheus_text(&plain);
-        assert!(
-            prom.contains("# TYPE crab_checkpoints_total counter\n"),
-            "{prom}"
-        );
-        assert!(
-            prom.contains("# HELP crab_checkpoint_written_bytes_total "),
-            "{prom}"
-        );
-        assert!(
-            prom.contains("# TYPE crab_turn_decision_seconds histogram\n"),
-            "{prom}"
-        );
-        assert!(
-            !prom.contains("# EOF") && !prom.contains("# UNIT"),
-            "{prom}"
-        );
-        assert_eq!(samples(&prom), samples(&plain));
-    }
-
-    /// A store prune removes goes on counting (its figures folded into the namespace
-    /// directory's pruned file first), exactly once whatever point a prune stops at.
-    #[test]
-    fn replication_figures_are_summed_over_the_stores() {
-        let state = tempfile::tempdir().unwrap();
-        let s = state.path();
-        let status = |pushes: u64, newest: u64, pushed: u64, lag_s: f64| {
-            let mut st = crab_shim::replication::Status {
-                pushes,
-                failures: 1,
-                superseded: 2,
-                bytes_sent: 1000,
-                bytes_skipped: 10,
-                newest_seq: Some(newest),
-                pushed_seq: Some(pushed),
-                ..Default::default()
-            };
-            st.lag.observe(REPLICATION_BOUNDS, lag_s);
-            serde_json::to_vec(&st).unwrap()
-        };
-        write(&s.join("default/a/replication.json"), status(3, 5, 5, 0.04));
-        write(&s.join("default/b/replication.json"), status(4, 7, 6, 3.0));
-        // A damaged status counts for nothing (and fails nothing).
-        write(&s.join("default/c/replication.json"), "{");
-        let engine = tempfile::tempdir().unwrap();
-        let snap = scan(
-            s,
-            &engine_config(&engine.path().join("none-yet")),
-            false,
-            &mut ScanCache::default(),
-        );
-        let r = &snap.replication;
-        assert_eq!((r.pushes, r.failures, r.superseded), (7, 2, 4));
-        assert_eq!((r.bytes_sent, r.bytes_skipped, r.behind), (2000, 20, 1));
-        let v = samples(&render(&snap));
-        assert_eq!(v["crab_replication_pushes_total{outcome=\"ok\"}"], 7.0);
-        assert_eq!(
-            v["crab_replication_bytes_total{part=\"deduplicated\"}"],
-            20.0
-        );
-        assert_eq!(v["crab_replication_queue_depth"], 1.0);
-        assert_eq!(v["crab_replication_lag_seconds_count"], 2.0);
-        assert_eq!(v["crab_replication_lag_seconds_bucket{le=\"0.05\"}"], 1.0);
-        assert_eq!(v["crab_replication_lag_seconds_bucket{le=\"5.0\"}"], 2.0);
-    }
-
-    #[test]
-    fn pruned_stores_go_on_counting() {
-        let state = tempfile::tempdir().unwrap();
-        let ns = state.path().join("default");
-        write(&ns.join("a/turns/000001.json"), answer("fs", 100));
-        write(&ns.join("a/turns/000002.json"), answer("none", 100));
-        write(&ns.join("b/turns/000001.json"), answer("proc", 100));
-        write(
-            &ns.join(".replaced-b-1-2/turns/000001.json"),
-            answer("full", 100),
-        );
-        let engine = tempfile::tempdir().unwrap();
-        let c = engine_config(engine.path());
-        let count = || scan(state.path(), &c, false, &mut ScanCache::default());
-        let before = count().tally;
-        assert_eq!(
-            before.answers.fs + before.answers.proc + before.answers.full,
-            3
-        );
-        // Folded, then a crash before the rename: counted once.
-        figures::fold_pruned_store(&ns, "a").unwrap();
-        assert_eq!(count().tally, before);
-        figures::fold_pruned_store(&ns, "a").unwrap();
-        assert_eq!(count().tally, before, "folding twice adds nothing");
-        // Renamed away (prune's leftover name), then removed.
-        fs::rename(ns.join("a"), ns.join(".prune-a-1.tmp")).unwrap();
-        assert_eq!(count().tally, before);
-        fs::remove_dir_all(ns.join(".prune-a-1.tmp")).unwrap();
-        assert_eq!(count().tally, before);
-        assert_eq!(count().stores, 2);
-        // A set-aside store, half removed when a prune stopped.
-        figures::fold_pruned_store(&ns, ".replaced-b-1-2").unwrap();
-        fs::remove_file(ns.join(".replaced-b-1-2/turns/000001.json")).unwrap();
-        assert_eq!(count().tally, before);
-        fs::remove_dir_all(ns.join(".replaced-b-1-2")).unwrap();
-        // A new store under a pruned name is a new store.
-        write(&ns.join("a/turns/000001.json"), answer("fs", 100));
-        assert_eq!(count().tally.answers.fs, 2);
-        let p = figures::Pruned::load(&ns).unwrap();
-        assert_eq!(p.tally.answers.none, 1);
-        // A corrupt pruned file is named and not guessed at; prune then refuses to fold.
-        fs::write(ns.join(figures::PRUNED_FILE), b"{\"tally\": 7}").unwrap();
-        let snap = count();
-        assert_eq!(snap.unreadable, 1);
-        assert!(
-            snap.warnings[0].contains(figures::PRUNED_FILE),
-            "{:?}",
-            snap.warnings
-        );
-        let e = figures::fold_pruned_store(&ns, "b")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("move it away"), "{e}");
-    }
-
-    #[test]
-    fn the_engine_is_read_from_its_directory() {
-        let engine = tempfile::tempdir().unwrap();
-        let c = crab_runtime_config::EngineConfig {
-            max_jobs: 2,
-            ..engine_config(engine.path())
-        };
-        let e = crab_shim::engine::Engine::new(&c);
-        let permit = e.enqueue("s", "ns", "t1", false).unwrap().wait().unwrap();
-        let _queued = e.enqueue("s2", "ns", "t2", false).unwrap();
-        e.count_restore(true).unwrap();
-        e.count_restore(false).unwrap();
-        e.count_restore(true).unwrap();
-        let snap = scan(
-            &engine.path().join("no-state"),
-            &c,
-            false,
-            &mut ScanCache::default(),
-        );
-        let en = &snap.engine;
-        assert_eq!((en.slots_busy, en.slots_free, en.queue_depth), (1, 1, 1));
-        assert_eq!((en.restores.ok, en.restores.failed), (2, 1));
-        permit.finish(4096);
-        let snap = scan(
-            &engine.path().join("no-state"),
-            &c,
-            false,
-            &mut ScanCache::default(),
-        );
-        assert_eq!((snap.engine.jobs, snap.engine.bytes), (1, 4096));
-        assert_eq!(snap.engine.wait.count, 1);
-        let v = samples(&render(&snap));
-        assert_eq!(v["crab_restores_total{outcome=\"ok\"}"], 2.0);
-        assert_eq!(v["crab_restores_total{outcome=\"failed\"}"], 1.0);
-        assert_eq!(v["crab_engine_wait_seconds_count"], 1.0);
-        assert_eq!(v["crab_engine_written_bytes_total"], 4096.0);
-        // A corrupt restores file is no figure (zero), not a panic.
-        fs::write(engine.path().join("restores.json"), b"{\"ok\": -3").unwrap();
-        let snap = scan(
-            &engine.path().join("no-state"),
-            &c,
-            false,
-            &mut ScanCache::default(),
-        );
-        assert_eq!(snap.engine.restores, Restores::default());
-    }
-
-    /// Scanning many stores stays cheap: prints the figure (`--nocapture`).
-    #[test]
-    fn scanning_a_thousand_stores() {
-        let state = tempfile::tempdir().unwrap();
-        let big_answer = serde_json::json!({
-            "turn_id": "t", "kind": "fs", "degraded": [], "elapsed_us": 900,
-            "fs": {"added": (0..200).map(|i| format!("/workspace/some/long/path/file-{i}.txt")).collect::<Vec<_>>()},
-        })
-        .to_string();
-        for c in 0..1000 {
-            for t in 1..=10u64 {
-                write(
-                    &state.path().join(format!("default/c{c}/turns/{t:06}.json")),
-                    &big_answer,
-                );
-            }
-            write(
-                &state.path().join(format!("default/c{c}/checkpoints/000001.json")),
-                br#"{"format": 1, "kind": "fs", "fs_layers": [{"size": 10}], "timings": {"total_ms": 50, "freeze_ms": 2}}"#,
-            );
-        }
-        let engine = tempfile::tempdir().unwrap();
-        let c = engine_config(engine.path());
-        let mut cache = ScanCache::default();
-        let t = Instant::now();
-        let first = scan(state.path(), &c, false, &mut cache);
-        let cold = t.elapsed();
-        let t = Instant::now();
-        let second = scan(state.path(), &c, false, &mut cache);
-        let warm = t.elapsed();
-        assert_eq!(first.tally, second.tally);
-        assert_eq!(
-            (first.stores, first.files_read, second.files_read),
-            (1000, 11000, 0)
-        );
-        assert_eq!(first.tally.answers.fs, 10_000);
-        println!(
-            "scan of 1000 stores (11000 files, answers of {} bytes): {cold:?} cold, {warm:?} with the cache",
-            big_answer.len()
-        );
-    }
-}
+mod tests;

@@ -4,7 +4,7 @@
 //!
 //! | command | document |
 //! |---|---|
-//! | `turns` | array of turn answers ([`crate::answer::TurnAnswer`]), oldest first |
+//! | `turns` | array of turn answers ([`crate::answer::TurnRecord`]), oldest first |
 //! | `show` | one turn answer |
 //! | `checkpoints` | array of [`CheckpointRow`], oldest first |
 //! | `diff` | [`crate::diff::Diff`] |
@@ -41,7 +41,11 @@ change the keeping policy could have kept was not: interacted, running, shared_m
 state_changed, no_count, foreign_write, unproven_base, no_threads, policy)}], idle (pids),
 kernel {class: count} (kernel state changed by routes counted, not compared: pidfd-getfd,
 userfaultfd, ptrace-write, other-process, sysv-ipc, uts, procfs, async-io, tmpfs), forks, execs,
-exits}, degraded (reasons), elapsed_us}; turns prints an array of them, oldest first.";
+exits, read (what the observation read, when it read anything: memory_bytes, shared_objects,
+shared_bytes, shared_bytes_reused, carried_memory_bytes, carried_fdinfo_bytes, fdinfo_bytes,
+queue_bytes)}, degraded (reasons), elapsed_us, rollback (on the first turn after an in-place
+rollback: {to_checkpoint, to_turn, checkpoint, in_place, paths})}; turns prints an array of
+them, oldest first.";
 
 /// `crabctl checkpoints --help`: the fields of a row in `-o json`.
 pub const CHECKPOINT_FIELDS: &str = "\

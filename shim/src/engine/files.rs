@@ -3,10 +3,17 @@
 use std::{
     fs::{self, File, OpenOptions},
     io,
-    os::{fd::AsRawFd, unix::fs::OpenOptionsExt},
+    os::unix::fs::OpenOptionsExt,
     path::{Path, PathBuf},
     sync::atomic::{AtomicU64, Ordering},
     time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use nix::{
+    errno::Errno,
+    fcntl::{Flock, FlockArg},
+    sys::time::TimeSpec,
+    time::{clock_gettime, ClockId},
 };
 
 /// The mode of every directory and file the engine creates.
@@ -41,13 +48,10 @@ pub(super) fn io_err(context: &'static str, path: &Path) -> impl FnOnce(io::Erro
 
 /// The host's monotonic clock, the same for every process.
 pub fn mono_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes the timespec it is given.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    // CLOCK_MONOTONIC always exists; the zero of an impossible failure is what this returned
+    // before (the timespec it started from).
+    let ts = clock_gettime(ClockId::CLOCK_MONOTONIC).unwrap_or(TimeSpec::new(0, 0));
+    ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
 }
 
 pub(super) fn unix_ms() -> u64 {
@@ -57,22 +61,20 @@ pub(super) fn unix_ms() -> u64 {
         .as_millis() as u64
 }
 
-/// `flock(op | LOCK_NB)`: `Ok(false)` when someone else holds a conflicting lock.
-pub(super) fn try_lock(file: &File, op: libc::c_int) -> io::Result<bool> {
-    // SAFETY: flock on a file descriptor we own.
-    if unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) } == 0 {
-        return Ok(true);
-    }
-    match io::Error::last_os_error() {
-        e if e.raw_os_error() == Some(libc::EWOULDBLOCK) => Ok(false),
-        e => Err(e),
+/// `file` locked without waiting (`arg` is one of the `*Nonblock` locks), released when the
+/// [`Flock`] is dropped; `Ok(Err(file))` when someone else holds a conflicting lock.
+pub(super) fn try_lock(file: File, arg: FlockArg) -> io::Result<Result<Flock<File>, File>> {
+    match Flock::lock(file, arg) {
+        Ok(locked) => Ok(Ok(locked)),
+        Err((file, Errno::EWOULDBLOCK)) => Ok(Err(file)),
+        Err((_, e)) => Err(e.into()),
     }
 }
 
 /// Whether someone holds a lock on `path` (`None`: no such file).
 pub(super) fn is_locked(path: &Path) -> io::Result<Option<bool>> {
     match File::open(path) {
-        Ok(f) => try_lock(&f, libc::LOCK_SH).map(|free| Some(!free)),
+        Ok(f) => try_lock(f, FlockArg::LockSharedNonblock).map(|r| Some(r.is_err())),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e),
     }

@@ -1,6 +1,24 @@
 use super::plan::{Bucket, Decision, Queued};
 use super::*;
-use std::{os::unix::process::CommandExt, sync::atomic::AtomicUsize, time::Instant};
+use nix::fcntl::OFlag;
+use std::{
+    ffi::CStr,
+    os::{fd::OwnedFd, unix::process::CommandExt},
+    sync::atomic::AtomicUsize,
+    time::Instant,
+};
+
+/// In a child between fork and exec: opens `path` (no O_CLOEXEC) and locks it exclusively,
+/// leaving the descriptor and its lock to the program it execs. Async-signal-safe.
+fn hold_lock(path: &CStr) -> io::Result<()> {
+    let fd = nix::fcntl::open(path, OFlag::O_RDONLY, Mode::empty())?;
+    // SAFETY: `fd` was just opened here and nothing else owns it.
+    let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let lock = Flock::lock(fd, FlockArg::LockExclusive).map_err(|(_, e)| e)?;
+    // Neither unlocked nor closed: the exec'd program holds it until it dies.
+    std::mem::forget(lock);
+    Ok(())
+}
 
 fn config(dir: &Path, max_jobs: u32, budget_mb_s: Option<u32>) -> EngineConfig {
     EngineConfig {
@@ -305,16 +323,10 @@ fn a_dead_holder_leaves_no_stuck_slot_or_ticket() {
     let path = std::ffi::CString::new(slot.to_str().unwrap()).unwrap();
     let mut cmd = std::process::Command::new("sleep");
     cmd.arg("100");
-    // SAFETY: open and flock are async-signal-safe; the lock is the child's, inherited by
-    // the sleep it execs.
+    // SAFETY: the hook only opens and flocks (async-signal-safe, no allocation); the lock is
+    // the child's, inherited by the sleep it execs.
     unsafe {
-        cmd.pre_exec(move || {
-            let fd = libc::open(path.as_ptr(), libc::O_RDONLY);
-            if fd < 0 || libc::flock(fd, libc::LOCK_EX) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
-        });
+        cmd.pre_exec(move || hold_lock(&path));
     }
     let mut child = cmd.spawn().unwrap();
     // A dead shim's ticket, earlier than ours: nobody holds its lock.
@@ -537,7 +549,9 @@ fn a_foreign_lock_ends_the_wait_at_the_deadline() {
     });
     e.ensure_dirs().unwrap();
     let slot = File::create(e.slot(0)).unwrap();
-    assert!(try_lock(&slot, libc::LOCK_EX).unwrap());
+    let slot = try_lock(slot, FlockArg::LockExclusiveNonblock)
+        .unwrap()
+        .expect("the slot is free");
     let t = Instant::now();
     let err = match e.enqueue("s", "ns", "t1", false).unwrap().wait() {
         Err(e) => e,
@@ -741,16 +755,16 @@ fn a_dead_shim_in_the_queue_wakes_the_job_behind_it() {
     );
     let mut cmd = std::process::Command::new("sleep");
     cmd.arg("100");
-    // SAFETY: open and flock are async-signal-safe; the fds (no O_CLOEXEC) pass to sleep.
+    // SAFETY: the hook only opens and flocks (async-signal-safe, no allocation); the fds (no
+    // O_CLOEXEC) pass to sleep.
     unsafe {
         cmd.pre_exec(move || {
-            let fd = libc::open(c_ticket.as_ptr(), libc::O_RDONLY);
-            if fd < 0 || libc::flock(fd, libc::LOCK_EX) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            if libc::open(c_bell.as_ptr(), libc::O_RDWR | libc::O_NONBLOCK) < 0 {
-                return Err(io::Error::last_os_error());
-            }
+            hold_lock(&c_ticket)?;
+            nix::fcntl::open(
+                c_bell.as_c_str(),
+                OFlag::O_RDWR | OFlag::O_NONBLOCK,
+                Mode::empty(),
+            )?;
             Ok(())
         });
     }

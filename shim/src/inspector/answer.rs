@@ -1,14 +1,18 @@
 //! The inspector's answer for one turn: its kind and what was found of the files and the
 //! processes, with the why.
+//!
+//! These types are also the schema of the stored answer (`turns/<seq>.json`, with the turn
+//! id beside: `sandbox::TurnRecord`) that crabctl reads back: a field an older shim did not
+//! write takes its default, so older answers still parse.
 
 use std::{collections::BTreeMap, path::PathBuf};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::{decide, fs, memory, procs::ProcInfo};
 
 /// The smallest checkpoint that preserves what a turn left behind.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Kind {
     None,
@@ -64,7 +68,8 @@ pub struct Target {
     pub keep_self_contained: bool,
 }
 
-#[derive(Debug, Clone, Serialize)]
+/// A process by pid and command line (`[comm]` when it has none).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProcSummary {
     pub pid: u32,
     pub cmdline: String,
@@ -84,14 +89,15 @@ impl From<&ProcInfo> for ProcSummary {
     }
 }
 
-#[derive(Debug, Clone, Default, Serialize)]
+/// What changed in the container's files during the turn.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct FsFinding {
     pub changed: bool,
     /// Whether the upperdir was compared at all (not when no mutating syscall happened).
     pub scanned: bool,
     /// The upperdir or a tracked volume could not be scanned (unreadable, or over a `[limits]`
     /// bound): the paths below are incomplete, a checkpoint must capture everything or fail.
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub unobserved: bool,
     /// Mutating syscalls seen since the mark, by class.
     pub syscalls: BTreeMap<String, u64>,
@@ -100,7 +106,9 @@ pub struct FsFinding {
     pub deleted: Vec<PathBuf>,
 }
 
-#[derive(Debug, Clone, Default, Serialize)]
+/// A persisting process that ran during the turn, and how its memory changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct MemoryFinding {
     pub pid: u32,
     pub cmdline: String,
@@ -129,7 +137,9 @@ pub struct MemoryFinding {
     pub not_kept: Option<decide::NotOwn>,
 }
 
-#[derive(Debug, Clone, Default, Serialize)]
+/// What changed in the container's processes during the turn.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ProcFinding {
     pub changed: bool,
     pub started: Vec<ProcSummary>,
@@ -176,15 +186,18 @@ pub(super) fn procs_changed(p: &ProcFinding) -> bool {
 }
 
 /// The inspector's answer for one turn, with the why.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Answer {
     pub container_id: String,
+    /// The turn's number in its task (1 for the first turn after the container started).
     pub seq: u64,
     pub kind: Kind,
     pub fs: FsFinding,
     pub procs: ProcFinding,
     /// Why the inspector could not observe the turn (then `kind` is `full`).
+    #[serde(default)]
     pub degraded: Vec<String>,
+    #[serde(default)]
     pub elapsed_us: u64,
 }
 

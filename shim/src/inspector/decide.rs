@@ -280,7 +280,7 @@ pub(super) struct OwnDoing<'a> {
 /// Why a change the policy could keep was not kept ([`not_own`]): the first condition
 /// that failed, for the turn's answer (`not_kept`) and the log. The names are part of the
 /// answer's format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum NotOwn {
     /// The policy does not keep self-contained changes, or the interactions program is not

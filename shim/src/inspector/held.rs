@@ -62,8 +62,10 @@ pub fn held(pidfd: BorrowedFd<'_>, fd: i32, target: &str) -> Option<Held> {
 /// network or FUSE filesystem is not asked for its attributes (a hostile FUSE server could
 /// hold the turn end), and a type never changes.
 fn file_type(fd: &OwnedFd) -> Option<u32> {
-    // SAFETY: statx of an fd (empty path, AT_EMPTY_PATH) into a zeroed buffer.
+    // SAFETY: statx is plain old data; all zeroes is a valid value.
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: statx of an fd `fd` owns (empty NUL-terminated path, AT_EMPTY_PATH) into a
+    // buffer of the right type that lives across the call.
     let rc = unsafe {
         libc::statx(
             fd.as_raw_fd(),
@@ -254,8 +256,10 @@ fn socket(fd: &OwnedFd) -> Option<Held> {
 }
 
 fn terminal(fd: &OwnedFd) -> Option<Held> {
-    // SAFETY: TCGETS fills a termios; it fails with ENOTTY on other character devices.
+    // SAFETY: termios is plain old data; all zeroes is a valid value.
     let mut t: libc::termios = unsafe { std::mem::zeroed() };
+    // SAFETY: TCGETS fills the termios `t` points to on an fd `fd` owns; it fails with
+    // ENOTTY on other character devices.
     if unsafe { libc::tcgetattr(fd.as_raw_fd(), &mut t) } != 0 {
         return None;
     }

@@ -307,6 +307,7 @@ mod tests {
     fn whiteout(p: &Path) {
         let c = CString::new(p.as_os_str().as_bytes()).unwrap();
         assert_eq!(
+            // SAFETY: a NUL-terminated path that lives across the call.
             unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o600, 0) },
             0,
             "mknod {}",
@@ -318,6 +319,7 @@ mod tests {
         let c = CString::new(p.as_os_str().as_bytes()).unwrap();
         let name = CString::new("trusted.overlay.opaque").unwrap();
         assert_eq!(
+            // SAFETY: NUL-terminated path and name, a 1-byte value, all live across the call.
             unsafe { libc::setxattr(c.as_ptr(), name.as_ptr(), b"y".as_ptr().cast(), 1, 0) },
             0
         );
@@ -347,6 +349,7 @@ mod tests {
     }
 
     fn is_root() -> bool {
+        // SAFETY: geteuid has no preconditions.
         unsafe { libc::geteuid() == 0 }
     }
 
@@ -485,6 +488,7 @@ mod tests {
                 let c = CString::new(up.path().join("x").as_os_str().as_bytes()).unwrap();
                 let n = CString::new(name).unwrap();
                 assert_eq!(
+                    // SAFETY: NUL-terminated path and name, a 1-byte value, all live.
                     unsafe { libc::setxattr(c.as_ptr(), n.as_ptr(), b"v".as_ptr().cast(), 1, 0) },
                     0
                 );

@@ -23,7 +23,7 @@ use std::{
     fs::File,
     io,
     os::{
-        fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+        fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd},
         unix::{ffi::OsStrExt, fs::FileExt},
     },
     path::{Path, PathBuf},
@@ -32,10 +32,15 @@ use std::{
 use nix::{
     dir::Dir,
     errno::Errno,
-    fcntl::{OFlag, OpenHow, ResolveFlag},
+    fcntl::{AtFlags, OFlag, OpenHow, ResolveFlag},
+    sys::{
+        stat::{self, FchmodatFlags, Mode, SFlag, UtimensatFlags},
+        time::TimeSpec,
+    },
+    unistd::{unlinkat, Gid, Uid, UnlinkatFlags},
 };
 
-use crate::sys::{beneath, file};
+use crate::sys::{beneath, file, xattr};
 
 const RESOLVE: ResolveFlag = ResolveFlag::RESOLVE_BENEATH
     .union(ResolveFlag::RESOLVE_NO_SYMLINKS)
@@ -71,13 +76,6 @@ pub struct View {
     removed: u64,
 }
 
-fn cvt(rc: libc::c_int) -> io::Result<()> {
-    match rc {
-        -1 => Err(io::Error::last_os_error()),
-        _ => Ok(()),
-    }
-}
-
 fn cname(n: &OsStr) -> io::Result<CString> {
     CString::new(n.as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
 }
@@ -90,18 +88,11 @@ fn rel_c(rel: &Path) -> io::Result<CString> {
 }
 
 fn fstatat(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<libc::stat> {
-    // SAFETY: an all-zero stat is a valid value to be overwritten.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: `name` is NUL-terminated, `st` is valid for writes; the fd is borrowed for the call.
-    cvt(unsafe {
-        libc::fstatat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            &mut st,
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    })?;
-    Ok(st)
+    Ok(stat::fstatat(
+        Some(dir.as_raw_fd()),
+        name,
+        AtFlags::AT_SYMLINK_NOFOLLOW,
+    )?)
 }
 
 pub fn is_dir(st: &libc::stat) -> bool {
@@ -289,8 +280,11 @@ impl View {
         };
         self.count_removed(rel)?;
         if !is_dir(&st) {
-            // SAFETY: NUL-terminated name, borrowed fd.
-            return cvt(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) });
+            return Ok(unlinkat(
+                Some(dir.as_raw_fd()),
+                name.as_c_str(),
+                UnlinkatFlags::NoRemoveDir,
+            )?);
         }
         self.remove_tree(dir.as_fd(), &name, rel)
     }
@@ -361,17 +355,21 @@ impl View {
                         let child = open(top.dir.as_fd(), &n)?;
                         stack.push(child);
                     } else {
-                        // SAFETY: NUL-terminated name, descriptor owned by the frame.
-                        cvt(unsafe { libc::unlinkat(top.dir.as_raw_fd(), n.as_ptr(), 0) })?;
+                        unlinkat(
+                            Some(top.dir.as_raw_fd()),
+                            n.as_c_str(),
+                            UnlinkatFlags::NoRemoveDir,
+                        )?;
                     }
                 }
                 None => {
                     let done = stack.pop().expect("a frame");
                     let at = stack.last().map_or(parent, |f| f.dir.as_fd());
-                    // SAFETY: NUL-terminated name, borrowed descriptor.
-                    cvt(unsafe {
-                        libc::unlinkat(at.as_raw_fd(), done.name.as_ptr(), libc::AT_REMOVEDIR)
-                    })?;
+                    unlinkat(
+                        Some(at.as_raw_fd()),
+                        done.name.as_c_str(),
+                        UnlinkatFlags::RemoveDir,
+                    )?;
                 }
             }
         }
@@ -380,8 +378,7 @@ impl View {
     /// Makes directory `rel` (its parent must be there) with `meta`.
     pub fn mkdir(&self, rel: &Path, meta: &Meta) -> io::Result<()> {
         let (dir, name) = self.parent(rel)?;
-        // SAFETY: NUL-terminated name, borrowed fd.
-        cvt(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), 0o700) })?;
+        stat::mkdirat(Some(dir.as_raw_fd()), name.as_c_str(), Mode::S_IRWXU)?;
         self.set_dir_meta(rel, meta)
     }
 
@@ -404,28 +401,22 @@ impl View {
     /// [`finish_file`] gives it `meta`.
     pub fn create_file(&self, rel: &Path) -> io::Result<File> {
         let (dir, name) = self.parent(rel)?;
-        // SAFETY: NUL-terminated name, borrowed fd; the mode is a plain integer.
-        let fd = unsafe {
-            libc::openat(
-                dir.as_raw_fd(),
-                name.as_ptr(),
-                libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-                0o600 as libc::c_uint,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: openat returned a new descriptor nothing else owns.
-        Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+        let flags =
+            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        let mode = Mode::S_IRUSR | Mode::S_IWUSR;
+        Ok(File::from(file::create_at(
+            dir,
+            name.as_c_str(),
+            flags,
+            mode,
+        )?))
     }
 
     /// Makes symlink `rel` to `target` with `meta`'s owner, time and xattrs.
     pub fn symlink(&self, rel: &Path, target: &Path, meta: &Meta) -> io::Result<()> {
         let (dir, name) = self.parent(rel)?;
         let t = cname(target.as_os_str())?;
-        // SAFETY: NUL-terminated strings, borrowed fd.
-        cvt(unsafe { libc::symlinkat(t.as_ptr(), dir.as_raw_fd(), name.as_ptr()) })?;
+        nix::unistd::symlinkat(t.as_c_str(), Some(dir.as_raw_fd()), name.as_c_str())?;
         self.set_nofollow_meta(dir.as_fd(), &name, meta, false)
     }
 
@@ -433,12 +424,12 @@ impl View {
     pub fn mknod(&self, rel: &Path, kind: Special, meta: &Meta) -> io::Result<()> {
         let (dir, name) = self.parent(rel)?;
         let (fmt, dev) = match kind {
-            Special::Char(ma, mi) => (libc::S_IFCHR, libc::makedev(ma, mi)),
-            Special::Block(ma, mi) => (libc::S_IFBLK, libc::makedev(ma, mi)),
-            Special::Fifo => (libc::S_IFIFO, 0),
+            Special::Char(ma, mi) => (SFlag::S_IFCHR, libc::makedev(ma, mi)),
+            Special::Block(ma, mi) => (SFlag::S_IFBLK, libc::makedev(ma, mi)),
+            Special::Fifo => (SFlag::S_IFIFO, 0),
         };
-        // SAFETY: NUL-terminated name, borrowed fd.
-        cvt(unsafe { libc::mknodat(dir.as_raw_fd(), name.as_ptr(), fmt | 0o600, dev) })?;
+        let mode = Mode::S_IRUSR | Mode::S_IWUSR;
+        stat::mknodat(Some(dir.as_raw_fd()), name.as_c_str(), fmt, mode, dev)?;
         self.set_nofollow_meta(dir.as_fd(), &name, meta, true)
     }
 
@@ -446,16 +437,14 @@ impl View {
     pub fn link(&self, rel: &Path, to: &Path) -> io::Result<()> {
         let (dir, name) = self.parent(rel)?;
         let (tdir, tname) = self.parent(to)?;
-        // SAFETY: NUL-terminated names, borrowed fds; no AT_SYMLINK_FOLLOW.
-        cvt(unsafe {
-            libc::linkat(
-                tdir.as_raw_fd(),
-                tname.as_ptr(),
-                dir.as_raw_fd(),
-                name.as_ptr(),
-                0,
-            )
-        })
+        // No AT_SYMLINK_FOLLOW: a symlink `to` is linked itself.
+        Ok(nix::unistd::linkat(
+            Some(tdir.as_raw_fd()),
+            tname.as_c_str(),
+            Some(dir.as_raw_fd()),
+            name.as_c_str(),
+            AtFlags::empty(),
+        )?)
     }
 
     /// Owner, mode (not for symlinks), xattrs and time of entry `name` of `dir`, which the
@@ -467,19 +456,18 @@ impl View {
         meta: &Meta,
         chmod: bool,
     ) -> io::Result<()> {
-        // SAFETY: NUL-terminated name, borrowed fd.
-        cvt(unsafe {
-            libc::fchownat(
-                dir.as_raw_fd(),
-                name.as_ptr(),
-                meta.uid,
-                meta.gid,
-                libc::AT_SYMLINK_NOFOLLOW,
-            )
-        })?;
+        let (uid, gid) = owner(meta);
+        nix::unistd::fchownat(
+            Some(dir.as_raw_fd()),
+            name,
+            Some(uid),
+            Some(gid),
+            AtFlags::AT_SYMLINK_NOFOLLOW,
+        )?;
         if chmod {
-            // SAFETY: as above. fchmodat follows a symlink, and this entry is none.
-            cvt(unsafe { libc::fchmodat(dir.as_raw_fd(), name.as_ptr(), meta.mode & 0o7777, 0) })?;
+            // fchmodat follows a symlink, and this entry is none.
+            let follow = FchmodatFlags::FollowSymlink;
+            stat::fchmodat(Some(dir.as_raw_fd()), name, perms(meta), follow)?;
         }
         let mut via = format!("/proc/self/fd/{}/", dir.as_raw_fd()).into_bytes();
         via.extend_from_slice(name.to_bytes());
@@ -487,48 +475,50 @@ impl View {
         for (k, v) in &meta.xattrs {
             let k = CString::new(k.as_slice())
                 .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-            // SAFETY: NUL-terminated strings, `v` valid for its length.
-            cvt(unsafe {
-                libc::lsetxattr(via.as_ptr(), k.as_ptr(), v.as_ptr().cast(), v.len(), 0)
-            })?;
+            xattr::Target::Path(&via).set(&k, v)?;
         }
-        let t = times(meta);
-        // SAFETY: NUL-terminated name, `t` valid for two timespecs.
-        cvt(unsafe {
-            libc::utimensat(
-                dir.as_raw_fd(),
-                name.as_ptr(),
-                t.as_ptr(),
-                libc::AT_SYMLINK_NOFOLLOW,
-            )
-        })
+        let t = time(meta);
+        let nofollow = UtimensatFlags::NoFollowSymlink;
+        Ok(stat::utimensat(
+            Some(dir.as_raw_fd()),
+            name,
+            &t,
+            &t,
+            nofollow,
+        )?)
     }
 }
 
-fn times(meta: &Meta) -> [libc::timespec; 2] {
-    let ts = libc::timespec {
-        tv_sec: meta.mtime.0,
-        tv_nsec: meta.mtime.1,
-    };
-    [ts, ts]
+/// The access and modification time an entry gets: `meta`'s mtime.
+fn time(meta: &Meta) -> TimeSpec {
+    TimeSpec::new(meta.mtime.0, meta.mtime.1)
+}
+
+fn owner(meta: &Meta) -> (Uid, Gid) {
+    (Uid::from_raw(meta.uid), Gid::from_raw(meta.gid))
+}
+
+/// The permission bits of `meta`'s mode (set-uid, set-gid and sticky included).
+fn perms(meta: &Meta) -> Mode {
+    Mode::from_bits_truncate(meta.mode & 0o7777)
 }
 
 /// Gives the open file or directory `f` the owner, mode, xattrs and time of `meta`; with
 /// `exact`, xattrs it has and `meta` does not are removed.
 fn set_fd_meta(f: &File, meta: &Meta, exact: bool) -> io::Result<()> {
     let fd = f.as_raw_fd();
-    // SAFETY: plain calls on a descriptor owned by `f`.
-    cvt(unsafe { libc::fchown(fd, meta.uid, meta.gid) })?;
-    cvt(unsafe { libc::fchmod(fd, meta.mode & 0o7777) })?;
+    let (uid, gid) = owner(meta);
+    nix::unistd::fchown(fd, Some(uid), Some(gid))?;
+    stat::fchmod(fd, perms(meta))?;
+    let target = xattr::Target::Fd(fd);
     if exact {
-        let have = crate::sys::xattr::Target::Fd(fd).list()?;
+        let have = target.list()?;
         for name in have.split(|b| *b == 0).filter(|n| !n.is_empty()) {
             if meta.xattrs.iter().any(|(k, _)| k == name) {
                 continue;
             }
             let Ok(c) = CString::new(name) else { continue };
-            // SAFETY: NUL-terminated name, owned descriptor.
-            match cvt(unsafe { libc::fremovexattr(fd, c.as_ptr()) }) {
+            match target.remove(&c) {
                 Err(e) if e.raw_os_error() == Some(libc::ENODATA) => {}
                 r => r?,
             }
@@ -537,12 +527,10 @@ fn set_fd_meta(f: &File, meta: &Meta, exact: bool) -> io::Result<()> {
     for (k, v) in &meta.xattrs {
         let k =
             CString::new(k.as_slice()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-        // SAFETY: NUL-terminated name, `v` valid for its length, owned descriptor.
-        cvt(unsafe { libc::fsetxattr(fd, k.as_ptr(), v.as_ptr().cast(), v.len(), 0) })?;
+        target.set(&k, v)?;
     }
-    let t = times(meta);
-    // SAFETY: `t` is valid for two timespecs; owned descriptor.
-    cvt(unsafe { libc::futimens(fd, t.as_ptr()) })
+    let t = time(meta);
+    Ok(stat::futimens(fd, &t, &t)?)
 }
 
 /// Gives a file made by [`View::create_file`], its data written, its `meta` (owner and mode
@@ -577,6 +565,83 @@ mod tests {
     use std::os::unix::fs::{FileExt, MetadataExt};
 
     use super::*;
+
+    fn meta(mode: u32, xattrs: &[(&str, &str)]) -> Meta {
+        Meta {
+            mode,
+            uid: nix::unistd::geteuid().as_raw(),
+            gid: nix::unistd::getegid().as_raw(),
+            mtime: (1_000_000, 5),
+            xattrs: xattrs
+                .iter()
+                .map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec()))
+                .collect(),
+        }
+    }
+
+    /// Every kind of entry the rollback makes, made through a view of a directory, reads back
+    /// with its type, mode bits, time and xattrs; an existing name is never reused by a create;
+    /// a tree goes with one remove, and what is absent is `None`.
+    #[test]
+    fn entries_made_through_the_view_read_back_and_a_tree_is_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        std::fs::create_dir(&root).unwrap();
+        // xattrs only where the filesystem keeps user ones.
+        let xattrs = xattr::lset(&root, "user.crab.old", b"o").is_ok();
+        let x: &[(&str, &str)] = if xattrs { &[("user.crab", "v")] } else { &[] };
+        let mut view = View::open_dir(&root, 8, 100).unwrap();
+        let p = Path::new;
+
+        view.mkdir(p("d"), &meta(0o1750, x)).unwrap();
+        let mut f = view.create_file(p("d/f")).unwrap();
+        io::Write::write_all(&mut f, b"data").unwrap();
+        finish_file(&f, &meta(0o640, x)).unwrap();
+        drop(f);
+        let again = view.create_file(p("d/f")).map(drop).unwrap_err();
+        assert_eq!(again.raw_os_error(), Some(libc::EEXIST), "{again}");
+        view.symlink(p("d/l"), p("f"), &meta(0o777, &[])).unwrap();
+        view.mknod(p("d/p"), Special::Fifo, &meta(0o604, &[]))
+            .unwrap();
+        view.link(p("d/h"), p("d/f")).unwrap();
+        view.set_dir_meta(p(""), &meta(0o755, x)).unwrap();
+
+        let st = |rel: &str| view.lstat(p(rel)).unwrap().unwrap();
+        let (d, f, l, fifo) = (st("d"), st("d/f"), st("d/l"), st("d/p"));
+        assert!(is_dir(&d));
+        assert_eq!(d.st_mode & 0o7777, 0o1750);
+        assert_eq!(f.st_mode & libc::S_IFMT, libc::S_IFREG);
+        assert_eq!((f.st_mode & 0o7777, f.st_size, f.st_nlink), (0o640, 4, 2));
+        assert_eq!(l.st_mode & libc::S_IFMT, libc::S_IFLNK);
+        assert_eq!(std::fs::read_link(root.join("d/l")).unwrap(), p("f"));
+        assert_eq!(
+            (fifo.st_mode & libc::S_IFMT, fifo.st_mode & 0o7777),
+            (libc::S_IFIFO, 0o604)
+        );
+        for s in [&f, &l, &fifo] {
+            assert_eq!((s.st_mtime, s.st_mtime_nsec), (1_000_000, 5));
+        }
+        if xattrs {
+            let c = CString::new(root.as_os_str().as_bytes()).unwrap();
+            let top = xattr::Target::Path(&c);
+            assert_eq!(top.get(c"user.crab.old").unwrap(), None, "exact: removed");
+            assert_eq!(top.get(c"user.crab").unwrap(), Some(b"v".to_vec()));
+            let c = CString::new(root.join("d/f").as_os_str().as_bytes()).unwrap();
+            let file = xattr::Target::Path(&c);
+            assert_eq!(file.get(c"user.crab").unwrap(), Some(b"v".to_vec()));
+        }
+        assert_eq!(
+            view.children(p("d")).unwrap(),
+            ["d/f", "d/h", "d/l", "d/p"].map(PathBuf::from)
+        );
+        assert!(view.lstat(p("d/none")).unwrap().is_none());
+        assert!(view.lstat(p("none/x")).unwrap().is_none());
+
+        view.remove(p("d")).unwrap();
+        assert!(view.lstat(p("d")).unwrap().is_none());
+        assert_eq!(std::fs::read_dir(&root).unwrap().count(), 0);
+        view.remove(p("d")).unwrap();
+    }
 
     /// An in-place rollback writes a sparse file's extents only: a terabyte with a few bytes
     /// of data stays a few blocks on disk (unlike containerd's differ, which writes the holes

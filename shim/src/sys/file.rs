@@ -41,6 +41,16 @@ pub fn openat<P: ?Sized + NixPath>(
     nix::fcntl::openat(Some(dir.as_raw_fd()), name, flags, Mode::empty()).map(own)
 }
 
+/// `openat(2)` relative to `dir` with the `mode` a file it creates gets (`O_CREAT`).
+pub fn create_at<P: ?Sized + NixPath>(
+    dir: impl AsRawFd,
+    name: &P,
+    flags: OFlag,
+    mode: Mode,
+) -> nix::Result<OwnedFd> {
+    nix::fcntl::openat(Some(dir.as_raw_fd()), name, flags, mode).map(own)
+}
+
 /// `openat2(2)` relative to `dir`.
 pub fn openat2<P: ?Sized + NixPath>(
     dir: impl AsRawFd,

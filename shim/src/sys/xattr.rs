@@ -1,14 +1,17 @@
-//! Extended attributes of a file, read through an open descriptor or a path that is never
-//! followed if it is a symlink (nix 0.29 has no xattr calls).
+//! Extended attributes of a file, read and written through an open descriptor or a path that
+//! is never followed if it is a symlink (nix 0.29 has no xattr calls).
 
 use std::{ffi::CStr, io, os::fd::RawFd};
 
-/// The file whose attributes are read.
+use nix::errno::Errno;
+
+/// The file whose attributes are read or written.
 #[derive(Debug, Clone, Copy)]
 pub enum Target<'a> {
-    /// An open descriptor (`flistxattr`, `fgetxattr`).
+    /// An open descriptor (`flistxattr`, `fgetxattr`, `fsetxattr`, `fremovexattr`).
     Fd(RawFd),
-    /// A path; a symlink there is the link itself (`llistxattr`, `lgetxattr`).
+    /// A path; a symlink there is the link itself (`llistxattr`, `lgetxattr`, `lsetxattr`,
+    /// `lremovexattr`).
     Path(&'a CStr),
 }
 
@@ -48,6 +51,31 @@ impl Target<'_> {
             Err(e) => Err(e),
         }
     }
+
+    /// Sets attribute `name` to `value` (created or replaced: no flags).
+    pub fn set(&self, name: &CStr, value: &[u8]) -> io::Result<()> {
+        let (v, len) = (value.as_ptr().cast(), value.len());
+        let rc = match *self {
+            // SAFETY: `name` is NUL-terminated and `value` valid for `len` bytes; both outlive
+            // the call, and the kernel only reads them. A bad descriptor is an error.
+            Target::Fd(fd) => unsafe { libc::fsetxattr(fd, name.as_ptr(), v, len, 0) },
+            // SAFETY: as above; `p` is NUL-terminated and outlives the call.
+            Target::Path(p) => unsafe { libc::lsetxattr(p.as_ptr(), name.as_ptr(), v, len, 0) },
+        };
+        Errno::result(rc).map(drop).map_err(io::Error::from)
+    }
+
+    /// Removes attribute `name`; an error (`ENODATA`) if it is not there.
+    pub fn remove(&self, name: &CStr) -> io::Result<()> {
+        let rc = match *self {
+            // SAFETY: `name` is NUL-terminated and outlives the call. A bad descriptor is an
+            // error.
+            Target::Fd(fd) => unsafe { libc::fremovexattr(fd, name.as_ptr()) },
+            // SAFETY: as above; `p` is NUL-terminated and outlives the call.
+            Target::Path(p) => unsafe { libc::lremovexattr(p.as_ptr(), name.as_ptr()) },
+        };
+        Errno::result(rc).map(drop).map_err(io::Error::from)
+    }
 }
 
 /// Calls a size-probing syscall (listxattr, getxattr style: the length written, or -1 with
@@ -79,22 +107,7 @@ fn read_sized(f: impl Fn(*mut libc::c_char, usize) -> isize) -> io::Result<Vec<u
 pub(crate) fn lset(path: &std::path::Path, name: &str, value: &[u8]) -> io::Result<()> {
     use std::{ffi::CString, os::unix::ffi::OsStrExt};
     let c = CString::new(path.as_os_str().as_bytes())?;
-    let n = CString::new(name)?;
-    // SAFETY: `c` and `n` are NUL-terminated strings and `value` is valid for `value.len()`
-    // bytes; all outlive the call, and the kernel only reads them.
-    let rc = unsafe {
-        libc::lsetxattr(
-            c.as_ptr(),
-            n.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    Target::Path(&c).set(&CString::new(name)?, value)
 }
 
 #[cfg(test)]

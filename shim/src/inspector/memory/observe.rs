@@ -24,6 +24,7 @@ pub struct Observation {
 
 /// What an observation has read, for the turn's answer and log.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ObservationStats {
     /// Bytes of memory read and hashed: the processes' own and each shared object's once.
     pub memory_bytes: u64,
@@ -39,7 +40,6 @@ pub struct ObservationStats {
     pub fdinfo_bytes: u64,
     /// Bytes queued in pipes and sockets the processes hold, read and hashed
     /// ([`super::super::held`]); part of the memory bound.
-    #[serde(default)]
     pub queue_bytes: u64,
 }
 
