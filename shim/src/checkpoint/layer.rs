@@ -58,7 +58,7 @@ pub use super::deadline::Cancel;
 use super::store::{digest_string, Descriptor, Store, StoreError, MEDIA_TYPE_LAYER_ZSTD};
 use super::tar::TarWriter;
 use crate::inspector::{fs::FsDiff, FsFinding};
-use crate::sys::cgroup::freezer::Freezer;
+use crate::sys::cgroup::freezer::{Freezer, Frozen};
 
 /// zstd level: fast enough to keep up with a disk, off the critical path anyway (after the thaw).
 const ZSTD_LEVEL: i32 = 3;
@@ -105,38 +105,6 @@ pub struct LayerStats {
     /// The part of `freeze` spent copying entries into the temporary tar.
     pub capture: Duration,
     pub total: Duration,
-}
-
-/// Thaws on drop unless thawed explicitly: every error path between freeze and thaw resumes
-/// the container.
-struct Frozen<'a> {
-    freezer: &'a dyn Freezer,
-    armed: bool,
-}
-
-impl<'a> Frozen<'a> {
-    fn new(freezer: &'a dyn Freezer) -> Result<Frozen<'a>, LayerError> {
-        freezer.freeze().map_err(LayerError::Freeze)?;
-        Ok(Frozen {
-            freezer,
-            armed: true,
-        })
-    }
-
-    fn thaw(mut self) -> io::Result<()> {
-        self.armed = false;
-        self.freezer.thaw()
-    }
-}
-
-impl Drop for Frozen<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            if let Err(e) = self.freezer.thaw() {
-                log::error!("thawing the container after a failed capture: {e}");
-            }
-        }
-    }
 }
 
 /// Writes the layer of `diff` (paths of the container whose overlay upperdir is `upperdir`)
@@ -238,7 +206,7 @@ pub fn write_fs_layer_with_volumes(
         return Err(LayerError::Cancelled { written: 0 });
     }
     let freeze_start = Instant::now();
-    let frozen = Frozen::new(freezer)?;
+    let frozen = Frozen::freeze(freezer, "a failed capture").map_err(LayerError::Freeze)?;
     let capture_start = Instant::now();
     let captured = capture_all(tar);
     let capture_time = capture_start.elapsed();

@@ -47,7 +47,7 @@ use sha2::{Digest, Sha256};
 use crate::{
     checkpoint::store::{CheckpointKind, Descriptor, Manifest, Store, MEDIA_TYPE_LAYER_TAR},
     inspector::{Inspection, Kind as AnswerKind},
-    sys::cgroup::freezer::{CgroupFreezer, Freezer},
+    sys::cgroup::freezer::{CgroupFreezer, Frozen},
 };
 
 use crate::inspector::lower::{LowerEntry, Lowers};
@@ -717,22 +717,6 @@ pub fn onto_rootfs(
     })
 }
 
-/// Thaws on drop unless thawed explicitly.
-struct Frozen<'a> {
-    freezer: &'a dyn Freezer,
-    armed: bool,
-}
-
-impl Drop for Frozen<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            if let Err(e) = self.freezer.thaw() {
-                log::error!("thawing the container after a failed in-place rollback: {e}");
-            }
-        }
-    }
-}
-
 /// Resets the files of the container whose init is `pid` to checkpoint `target`, in place
 /// (see the module docs). `latest` is the newest checkpoint; every turn end before is durable.
 pub fn reset(
@@ -792,11 +776,7 @@ pub fn reset(
     let idle = inspection.idle_since(&observed);
     let freezer = CgroupFreezer::for_pid(pid).map_err(Refusal::Freezer)?;
     let frozen_at = Instant::now();
-    freezer.freeze().map_err(Refusal::Freeze)?;
-    let mut frozen = Frozen {
-        freezer: &freezer,
-        armed: true,
-    };
+    let frozen = Frozen::freeze(&freezer, "a failed in-place rollback").map_err(Refusal::Freeze)?;
     match inspection.process_events_since(&observed) {
         Some(0) => {}
         Some(n) => return Err(Refusal::ProcessEvents(n).into()),
@@ -851,8 +831,7 @@ pub fn reset(
         .rebase(observed)
         .map_err(|e| failed(Failure::Rescan(Box::new(e))))?;
     scans += scanning.elapsed();
-    frozen.armed = false;
-    freezer.thaw().map_err(|e| failed(Failure::Thaw(e)))?;
+    frozen.thaw().map_err(|e| failed(Failure::Thaw(e)))?;
     Ok(Reset {
         paths,
         bytes,
@@ -887,7 +866,7 @@ mod tests {
 
     struct NoFreeze;
 
-    impl Freezer for NoFreeze {
+    impl crate::sys::cgroup::freezer::Freezer for NoFreeze {
         fn freeze(&self) -> io::Result<()> {
             Ok(())
         }

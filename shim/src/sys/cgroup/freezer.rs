@@ -16,6 +16,41 @@ pub trait Freezer {
     fn thaw(&self) -> io::Result<()>;
 }
 
+/// A container frozen by [`Frozen::freeze`]: thawed on drop unless thawed explicitly, so every
+/// error path between freeze and thaw resumes it. `during` names the work in the log line of
+/// a thaw on drop that failed ("a failed capture").
+pub struct Frozen<'a> {
+    freezer: &'a dyn Freezer,
+    during: &'static str,
+    armed: bool,
+}
+
+impl<'a> Frozen<'a> {
+    pub fn freeze(freezer: &'a dyn Freezer, during: &'static str) -> io::Result<Frozen<'a>> {
+        freezer.freeze()?;
+        Ok(Frozen {
+            freezer,
+            during,
+            armed: true,
+        })
+    }
+
+    pub fn thaw(mut self) -> io::Result<()> {
+        self.armed = false;
+        self.freezer.thaw()
+    }
+}
+
+impl Drop for Frozen<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            if let Err(e) = self.freezer.thaw() {
+                log::error!("thawing the container after {}: {e}", self.during);
+            }
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CgroupVersion {
     /// The v1 `freezer` controller: `freezer.state`.
