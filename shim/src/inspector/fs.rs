@@ -460,18 +460,12 @@ pub fn arm_shared_mapping(root: BorrowedFd<'_>, rel: &Path) -> Result<(), FsErro
 ///   parent for containerd's overlayfs snapshotter; if the upperdir is relative too, `None`.
 ///   A wrong lower can only cause false positives (an unchanged copied-up directory looks new).
 pub fn overlay_dirs(mount_options: &[String]) -> Option<(PathBuf, Vec<PathBuf>)> {
-    let mut upper = None;
-    let mut lowers: Vec<PathBuf> = Vec::new();
-    for opt in mount_options {
-        if let Some(v) = opt.strip_prefix("upperdir=") {
-            upper = Some(PathBuf::from(v));
-        } else if let Some(v) = opt.strip_prefix("lowerdir=") {
-            lowers.extend(split_lowerdir(v).into_iter().map(PathBuf::from));
-        } else if let Some(v) = opt.strip_prefix("lowerdir+=") {
-            lowers.push(PathBuf::from(v));
-        }
-    }
-    let upper = upper?;
+    let upper = mount_options
+        .iter()
+        .rev()
+        .find_map(|o| o.strip_prefix("upperdir="))
+        .map(PathBuf::from)?;
+    let lowers = lowerdirs(mount_options);
     let mut resolved = Vec::with_capacity(lowers.len());
     for lower in lowers {
         if lower.is_absolute() {
@@ -498,6 +492,21 @@ pub fn overlay_dirs(mount_options: &[String]) -> Option<(PathBuf, Vec<PathBuf>)>
         resolved.push(base.join(lower));
     }
     Some((upper, resolved))
+}
+
+/// The lower directories an overlay mount's options name, topmost first, as written (a
+/// relative one unresolved): `lowerdir=a:b` (escapes and data-only layers as overlayfs reads
+/// them) or containerd 2.1's one `lowerdir+=` per layer.
+pub fn lowerdirs(mount_options: &[String]) -> Vec<PathBuf> {
+    let mut lowers = Vec::new();
+    for opt in mount_options {
+        if let Some(v) = opt.strip_prefix("lowerdir=") {
+            lowers.extend(split_lowerdir(v).into_iter().map(PathBuf::from));
+        } else if let Some(v) = opt.strip_prefix("lowerdir+=") {
+            lowers.push(PathBuf::from(v));
+        }
+    }
+    lowers
 }
 
 /// Splits overlayfs' `lowerdir=` value: `:` separates layers, `\` escapes the next character,

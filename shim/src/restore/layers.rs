@@ -37,6 +37,7 @@ use std::{
 use sha2::{Digest, Sha256};
 
 use crate::checkpoint::provenance::ProvenanceError;
+use crate::inspector::fs::lowerdirs;
 
 /// Why the layers a rootfs was unpacked from cannot be told.
 #[derive(Debug, thiserror::Error)]
@@ -248,20 +249,6 @@ fn has_xattr(path: &Path, name: &str) -> bool {
     // SAFETY: both strings are NUL-terminated; the buffer is ours and its length given.
     let r = unsafe { libc::lgetxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
     r >= 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::ERANGE)
-}
-
-/// The lower directories of an overlay mount (its options), topmost first (`lowerdir=a:b`,
-/// or containerd 2.1's one `lowerdir+=` per layer).
-pub fn lowerdirs(options: &[String]) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for o in options {
-        if let Some(v) = o.strip_prefix("lowerdir=") {
-            out.extend(v.split(':').filter(|l| !l.is_empty()).map(PathBuf::from));
-        } else if let Some(v) = o.strip_prefix("lowerdir+=") {
-            out.push(PathBuf::from(v));
-        }
-    }
-    out
 }
 
 /// A snapshot name an unpack gives a layer: its chain id.
@@ -653,6 +640,12 @@ mod tests {
             vec![PathBuf::from("/a"), PathBuf::from("/b")]
         );
         assert!(lowerdirs(&m(&["upperdir=/u"])).is_empty());
+        // As overlayfs reads the value: an escaped `:` is part of a name, and the data-only
+        // layers after `::` are not part of the tree.
+        assert_eq!(
+            lowerdirs(&m(&[r"lowerdir=/a\:x:/b::/data"])),
+            vec![PathBuf::from("/a:x"), PathBuf::from("/b")]
+        );
     }
 
     /// A Docker overlay2 store laid out as dockerd writes it.
