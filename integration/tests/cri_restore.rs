@@ -95,16 +95,9 @@ async fn checkpoint_image_restores_in_a_new_pod() {
         cri.crabctl(&["checkpoints", &src]).1
     );
 
-    let image = format!("localhost/crab/cri-restore:{}", std::process::id());
-    let (code, out, err) = cri.crabctl(&["export", &src, "--turn", "t1", &image]);
-    assert_eq!(code, 0, "crabctl export: {out}{err}");
-    let _image_cleanup = ImageCleanup {
-        env: cri.env.clone(),
-        image: image.clone(),
-    };
     // The node is lost: the source pod goes away before the restore.
-    cri.stop_pod(&src_pod_id).await.unwrap();
-    cri.remove_pod(&src_pod_id).await.unwrap();
+    let (image, _image_cleanup) =
+        export_t1_and_drop_pod(&cri, &src_pod_id, &src, "cri-restore").await;
 
     // The new pod names the checkpoint image like any other image.
     let dst_pod = cri.pod_config("restore-dst");
@@ -386,15 +379,8 @@ async fn a_privileged_checkpoint_is_refused_in_an_unprivileged_pod() {
         "{}",
         cri.crabctl(&["checkpoints", &src]).1
     );
-    let image = format!("localhost/crab/cri-restore-priv:{}", std::process::id());
-    let (code, out, err) = cri.crabctl(&["export", &src, "--turn", "t1", &image]);
-    assert_eq!(code, 0, "crabctl export: {out}{err}");
-    let _image_cleanup = ImageCleanup {
-        env: cri.env.clone(),
-        image: image.clone(),
-    };
-    cri.stop_pod(&src_pod_id).await.unwrap();
-    cri.remove_pod(&src_pod_id).await.unwrap();
+    let (image, _image_cleanup) =
+        export_t1_and_drop_pod(&cri, &src_pod_id, &src, "cri-restore-priv").await;
 
     // An ordinary pod (the kubelet's defaults) naming the image: StartContainer fails, and the
     // reason is what the kubelet would show.
@@ -490,15 +476,8 @@ async fn a_pod_annotated_merge_memory_restores_with_mergeable_memory() {
         "{}",
         cri.crabctl(&["checkpoints", &src]).1
     );
-    let image = format!("localhost/crab/cri-restore-ksm:{}", std::process::id());
-    let (code, out, err) = cri.crabctl(&["export", &src, "--turn", "t1", &image]);
-    assert_eq!(code, 0, "crabctl export: {out}{err}");
-    let _image_cleanup = ImageCleanup {
-        env: cri.env.clone(),
-        image: image.clone(),
-    };
-    cri.stop_pod(&src_pod_id).await.unwrap();
-    cri.remove_pod(&src_pod_id).await.unwrap();
+    let (image, _image_cleanup) =
+        export_t1_and_drop_pod(&cri, &src_pod_id, &src, "cri-restore-ksm").await;
 
     let pod_with = |name: &str, value: Option<&str>| {
         let mut pod = cri.pod_config(name);
@@ -568,6 +547,27 @@ async fn a_pod_annotated_merge_memory_restores_with_mergeable_memory() {
             && err.contains("neither true nor false"),
         "{err}"
     );
+}
+
+/// Exports turn `t1` of container `src` as image `localhost/crab/<name>:<pid>` into the CRI's
+/// namespace (removed again when the guard drops), then removes the source pod, as a lost
+/// node would: the image is all that is left.
+async fn export_t1_and_drop_pod(
+    cri: &Cri,
+    src_pod_id: &str,
+    src: &str,
+    name: &str,
+) -> (String, ImageCleanup) {
+    let image = format!("localhost/crab/{name}:{}", std::process::id());
+    let (code, out, err) = cri.crabctl(&["export", src, "--turn", "t1", &image]);
+    assert_eq!(code, 0, "crabctl export: {out}{err}");
+    let cleanup = ImageCleanup {
+        env: cri.env.clone(),
+        image: image.clone(),
+    };
+    cri.stop_pod(src_pod_id).await.unwrap();
+    cri.remove_pod(src_pod_id).await.unwrap();
+    (image, cleanup)
 }
 
 /// Removes the exported image from the CRI's namespace, also when the test fails.
