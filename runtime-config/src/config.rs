@@ -252,6 +252,9 @@ pub struct CheckpointConfig {
     pub policy: CheckpointPolicy,
     /// How process images are dumped (see [`ProcessDump`]). Default `criu`.
     pub process_dump: ProcessDump,
+    /// Whether a process image holds the container's network namespace (see
+    /// [`NetnsDump`]). Default `when-changeable`.
+    pub network_namespace: NetnsDump,
     /// What a turn end does with a process whose memory changed by its own doing alone (see
     /// [`SelfContainedChanges`]). Default `checkpoint`. A container's spec annotation
     /// `io.crab/self-contained-changes` overrides it.
@@ -290,6 +293,21 @@ impl SelfContainedChanges {
     pub fn from_name(name: &str) -> Option<SelfContainedChanges> {
         Self::ALL.into_iter().find(|v| v.name() == name)
     }
+}
+
+/// Whether a process dump (`process_dump = "criu"`) holds the container's network namespace.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum NetnsDump {
+    /// Dumped unless it cannot have changed since runc made it: a namespace of its own, no
+    /// OCI hook but crab's, no `net.*` sysctl in the spec, `CAP_NET_ADMIN` granted to no
+    /// process of the container (init, execs; checked in the kernel at each dump), `lo` its
+    /// only interface. Left out, it costs the frozen container no `ip`/`iptables-save` runs;
+    /// a restore makes a fresh one (`lo` up), as `runc create` did.
+    #[default]
+    WhenChangeable,
+    /// Always dumped, as `runc checkpoint` does.
+    Always,
 }
 
 /// How a process image is dumped. Both write the same image (`runc restore` restores either).
@@ -375,6 +393,7 @@ impl Default for CheckpointConfig {
             turn_boundary: TurnBoundary::Annotation,
             policy: CheckpointPolicy::Minimal,
             process_dump: ProcessDump::Criu,
+            network_namespace: NetnsDump::WhenChangeable,
             self_contained_changes: SelfContainedChanges::Checkpoint,
         }
     }
@@ -1063,6 +1082,7 @@ mod tests {
             turn_boundary = "exec"
             policy = "full-every-turn"
             process_dump = "runc"
+            network_namespace = "always"
             self_contained_changes = "keep"
 
             [engine]
@@ -1132,6 +1152,7 @@ mod tests {
                     turn_boundary: TurnBoundary::Exec,
                     policy: CheckpointPolicy::FullEveryTurn,
                     process_dump: ProcessDump::Runc,
+                    network_namespace: NetnsDump::Always,
                     self_contained_changes: SelfContainedChanges::Keep,
                 },
                 engine: EngineConfig {
@@ -1253,6 +1274,31 @@ mod tests {
             assert_eq!(
                 key.as_deref(),
                 Some("checkpoint.process_dump"),
+                "{bad}: {msg}"
+            );
+            assert_eq!(location.map(|l| l.line), Some(2), "{bad}: {msg}");
+        }
+    }
+
+    #[test]
+    fn network_namespace_names() {
+        assert_eq!(
+            parse("").unwrap().checkpoint.network_namespace,
+            NetnsDump::WhenChangeable
+        );
+        for (name, want) in [
+            ("when-changeable", NetnsDump::WhenChangeable),
+            ("always", NetnsDump::Always),
+        ] {
+            let doc = format!("checkpoint.network_namespace = {name:?}");
+            assert_eq!(parse(&doc).unwrap().checkpoint.network_namespace, want);
+        }
+        for bad in ["\"never\"", "\"Always\"", "\"\"", "false", "0"] {
+            let (msg, key, location) =
+                parse_err(&format!("[checkpoint]\nnetwork_namespace = {bad}\n"));
+            assert_eq!(
+                key.as_deref(),
+                Some("checkpoint.network_namespace"),
                 "{bad}: {msg}"
             );
             assert_eq!(location.map(|l| l.line), Some(2), "{bad}: {msg}");

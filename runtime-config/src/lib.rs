@@ -35,7 +35,7 @@ pub mod runtime_options;
 
 pub use config::{
     is_group_name, CheckpointConfig, CheckpointPolicy, Config, ConfigSource, EngineConfig,
-    LimitsConfig, LogConfig, ProcessDump, ReplicationConfig, RestoreConfig, RuncConfig,
+    LimitsConfig, LogConfig, NetnsDump, ProcessDump, ReplicationConfig, RestoreConfig, RuncConfig,
     SelfContainedChanges, ShimConfig, StoreConfig, TurnBoundary, UnsignedImages, CONFIG_ENV,
     DEFAULT_CONFIG_PATH,
 };

@@ -18,6 +18,9 @@
 /// id, its `-info` answer's name, and how crabctl tells crab's containers from others.
 pub const RUNTIME_ID: &str = "io.containerd.crab.v1";
 
+/// The shim binary's file name, as containerd finds it for [`RUNTIME_ID`].
+pub const SHIM_BINARY: &str = "containerd-shim-crab-v1";
+
 pub mod bundle;
 pub mod checkpoint;
 pub mod containers;

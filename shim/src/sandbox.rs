@@ -101,6 +101,8 @@ pub struct Sandbox {
     marked_at_restore: std::sync::atomic::AtomicBool,
     /// The lineage its store records ([`crate::checkpoint::lineage`]).
     lineage: OnceLock<LineageRecord>,
+    /// Whether its network namespace may be left out of process images.
+    netns: crate::checkpoint::netns::Eligibility,
 }
 
 impl Sandbox {
@@ -133,7 +135,14 @@ impl Sandbox {
             premarked: std::sync::Mutex::new(None),
             marked_at_restore: std::sync::atomic::AtomicBool::new(false),
             lineage: OnceLock::new(),
+            netns: Default::default(),
         }
+    }
+
+    /// What decides whether the container's network namespace may be left out of its process
+    /// images: its execs and its restore report here ([`crate::checkpoint::netns`]).
+    pub fn netns(&self) -> &crate::checkpoint::netns::Eligibility {
+        &self.netns
     }
 
     /// The lineage the container's store records when checkpointing starts (a later
@@ -245,6 +254,7 @@ impl Sandbox {
                     source: Arc::new(e),
                 });
         let c = &config.checkpoint;
+        self.netns.read_spec(&spec, bundle::LOOPBACK_HOOK_ARG);
         let settings = Settings {
             policy: policy::for_container(&spec, c.policy)?,
             volumes: volumes.iter().map(|(at, _)| at.clone()).collect(),
@@ -282,6 +292,8 @@ impl Sandbox {
             dumper: crate::checkpoint::process::Dumper::from_config(config),
             lazy: self.lazy.get().cloned(),
             lazy_wait: Duration::from_millis(c.restore_timeout_ms),
+            netns: (c.network_namespace == crab_runtime_config::NetnsDump::WhenChangeable)
+                .then(|| self.netns.clone()),
         };
         let mut inspection = inspection.await?;
         // A lineage that goes on (a rollback or recovery keeping the id) numbers its answers

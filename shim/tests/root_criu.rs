@@ -562,7 +562,7 @@ async fn background_child_is_dumped_pages_round_trip_and_image_restores(d: Dumpe
 
     // crab's checkpoint.
     let dir = sb.path("proc/000001");
-    let cp = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks)
+    let cp = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks, None)
         .await
         .unwrap();
     assert_eq!(cp.pids, expected);
@@ -628,7 +628,7 @@ async fn running_exec_is_refused_and_runc_alone_would_miss_it(d: Dumper) {
     }
     let chunks = sb.path("chunks");
     let dir = sb.path("proc/000001");
-    let err = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks)
+    let err = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks, None)
         .await
         .unwrap_err();
     assert!(matches!(err, ProcError::Undumpable { .. }), "{err}");
@@ -683,7 +683,7 @@ async fn running_exec_is_refused_and_runc_alone_would_miss_it(d: Dumper) {
     );
     let left = l.iter().find(|p| p.cmdline == ["sleep", "7777"]).unwrap();
     assert_eq!(left.ppid, init);
-    let cp = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks)
+    let cp = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks, None)
         .await
         .unwrap();
     assert_eq!(cp.pids, l.iter().map(|p| p.pid).collect::<Vec<_>>());
@@ -761,7 +761,7 @@ async fn file_locks_survive_restore(d: Dumper) {
     });
     let chunks = sb.path("chunks");
     let dir = sb.path("proc/000001");
-    let cp = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks)
+    let cp = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks, None)
         .await
         .unwrap();
     assert_eq!(cp.pids, before.iter().map(|p| p.pid).collect::<Vec<_>>());
@@ -832,7 +832,7 @@ async fn tcp_listener_and_connection_survive_restore(d: Dumper) {
             .release()
             .to_string_lossy(),
     );
-    let result = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks).await;
+    let result = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks, None).await;
     if criu < (4, 2) && kernel >= (6, 16) {
         let err = result.unwrap_err();
         assert!(
@@ -912,7 +912,7 @@ async fn repeated_checkpoints_store_only_changed_pages(d: Dumper) {
             wait_turn(&sb, turn).await;
         }
         let dir = sb.path(&format!("proc/{turn:06}"));
-        let cp = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks)
+        let cp = checkpoint(&sb.runc, &d, &id, init, &cg, &dir, &chunks, None)
             .await
             .unwrap();
         let ratio = cp.bytes_stored as f64 / cp.bytes_logical as f64;

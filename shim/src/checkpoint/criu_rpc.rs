@@ -408,6 +408,10 @@ pub struct DumpOptions {
     /// freezer, where `PTRACE_SEIZE` of a stopped task in a frozen cgroup waits forever (the
     /// kernel wakes it to move it to a trap stop, which a frozen task never reaches).
     pub ptrace_seize: bool,
+    /// The container's network namespace is left out of the image (CRIU's `empty_ns` for
+    /// the network; see [`crate::checkpoint::netns`]): no `ip`/`iptables-save` runs while
+    /// it is frozen. A restore then makes a blank namespace.
+    pub empty_netns: bool,
 }
 
 /// The host's cgroup mount directory.
@@ -448,6 +452,9 @@ fn host_cgroup_yard(pid: u32, mounts: &[crate::sys::mountinfo::Mount]) -> Option
     let cgroups = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
     cgroup_yard(mounts, &cgroups)
 }
+
+/// The namespace flag CRIU's `empty_ns` takes for the network.
+const CLONE_NEWNET: u64 = libc::CLONE_NEWNET as u64;
 
 /// `criu_network_lock_method` SKIP.
 const NETWORK_LOCK_SKIP: u64 = 3;
@@ -561,7 +568,7 @@ fn dump_opts(
         .bool(18, false)
         .bool(24, true)
         .uint(34, cg_mode(opts.manage_cgroups_mode.as_deref())?)
-        .uint(38, 0)
+        .uint(38, if opts.empty_netns { CLONE_NEWNET } else { 0 })
         .uint(45, FREEZE_TIMEOUT_S)
         .bool(46, opts.skip_network_lock)
         .bool(48, false)

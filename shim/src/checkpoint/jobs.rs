@@ -45,6 +45,9 @@ pub struct ContainerCapture {
     /// dump it): process images wait for it, at most `lazy_wait`.
     pub lazy: Option<super::lazy::Transfer>,
     pub lazy_wait: std::time::Duration,
+    /// What the container was given, when its network namespace may be left out of process
+    /// images (`[checkpoint] network_namespace = "when-changeable"`); `None`: always dumped.
+    pub netns: Option<super::netns::Eligibility>,
 }
 
 impl ContainerCapture {
@@ -172,6 +175,7 @@ impl Capture for ContainerCapture {
             &self.cgroup2_dir,
             &dir,
             &chunks,
+            self.netns.as_ref(),
         )
         .await?;
         Ok(ProcessCaptured {

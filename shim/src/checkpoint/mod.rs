@@ -27,6 +27,7 @@ pub mod jobs;
 pub mod layer;
 pub mod lazy;
 pub mod lineage;
+pub mod netns;
 pub mod pages;
 pub mod policy;
 pub mod process;

@@ -437,7 +437,9 @@ impl Dumper {
 /// --leave-running`, or the same through CRIU's RPC: see [`Dumper`]; established TCP
 /// connections, file locks and external unix sockets allowed), verification of the image's
 /// process tree against the live processes, then page deduplication into `chunks`. On any
-/// failure `dir` is removed; CRIU's log stays in [`work_dir`]`(dir)` only then.
+/// failure `dir` is removed; CRIU's log stays in [`work_dir`]`(dir)` only then. `netns`:
+/// what the container was given, when its network namespace may be left out of the image
+/// ([`super::netns`]); `None`: always dumped.
 #[allow(clippy::too_many_arguments)]
 pub async fn checkpoint(
     runc: &Runc,
@@ -447,6 +449,7 @@ pub async fn checkpoint(
     cgroup_dir: &Path,
     dir: &Path,
     chunks: &Path,
+    netns: Option<&super::netns::Eligibility>,
 ) -> Result<ProcCheckpoint, ProcError> {
     let started = Instant::now();
     let mut timings = ProcessTimings {
@@ -480,6 +483,7 @@ pub async fn checkpoint(
         cgroup_dir,
         dir,
         seize,
+        netns,
         &mut timings,
     )
     .await;
@@ -592,8 +596,35 @@ async fn freeze(init_pid: u32) -> Option<crate::sys::cgroup::freezer::CgroupFree
     }
 }
 
+/// Whether the dump of container `id` (init `init_pid`, live `pids`, frozen) leaves its
+/// network namespace out: what it was given allows it and the kernel agrees
+/// ([`super::netns`]).
+fn leave_out_netns(
+    id: &str,
+    given: &super::netns::Eligibility,
+    init_pid: u32,
+    pids: &[u32],
+) -> bool {
+    if !given.holds() {
+        return false;
+    }
+    match super::netns::kernel_agrees(Path::new("/proc"), init_pid, pids) {
+        Ok(Ok(())) => true,
+        Ok(Err(dissent)) => {
+            log::debug!("{id}: network namespace dumped: {dissent}");
+            false
+        }
+        Err(e) => {
+            log::debug!("{id}: network namespace dumped (cannot read /proc: {e})");
+            false
+        }
+    }
+}
+
 /// The trap check and the dump of a frozen container (or of one CRIU seizes with ptrace:
-/// `seize`); returns CRIU's work directory and the dump's start (boot ticks).
+/// `seize`); returns CRIU's work directory and the dump's start (boot ticks). `netns`: what
+/// the container was given, when its network namespace may be left out
+/// (`[checkpoint] network_namespace`); `None`: always dumped.
 #[allow(clippy::too_many_arguments)]
 async fn dump_frozen(
     runc: &Runc,
@@ -603,10 +634,11 @@ async fn dump_frozen(
     cgroup_dir: &Path,
     dir: &Path,
     seize: Seize,
+    netns: Option<&super::netns::Eligibility>,
     timings: &mut ProcessTimings,
 ) -> Result<(PathBuf, u64), ProcError> {
     let checking = Instant::now();
-    check_dumpable(init_pid, cgroup_dir)?;
+    let pids = check_dumpable(init_pid, cgroup_dir)?;
     timings.check_ms = Timings::ms(checking.elapsed());
     let work = work_dir(dir);
     discard(&work);
@@ -632,6 +664,8 @@ async fn dump_frozen(
             // The container is frozen: no process of it can open a connection meanwhile.
             let skip_network_lock = !super::criu_rpc::netns_needs_network_lock(init_pid);
             log::debug!("{id}: dump with the network lock: {}", !skip_network_lock);
+            let empty_netns = netns.is_some_and(|e| leave_out_netns(id, e, init_pid, &pids));
+            timings.netns_left_out = empty_netns;
             let opts = super::criu_rpc::DumpOptions {
                 leave_running: true,
                 tcp_established: true,
@@ -639,6 +673,7 @@ async fn dump_frozen(
                 file_locks: true,
                 skip_network_lock,
                 ptrace_seize: seize == Seize::Ptrace,
+                empty_netns,
                 ..Default::default()
             };
             let run_dir = super::criu_rpc::kdat_dir();

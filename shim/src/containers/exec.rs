@@ -31,6 +31,7 @@ impl Containers {
         }
         let process = serde_json::from_slice::<oci_spec::runtime::Process>(&spec)
             .map_err(|e| Error::InvalidArgument(format!("exec {exec_id} process spec: {e}")))?;
+        c.sandbox.netns().exec_added(&process);
         let probe = turns::is_probe(&c.probes, process.args().as_deref().unwrap_or_default());
         if probe {
             log::debug!("exec {exec_id} of {id} is a probe: it neither waits for nor ends turns");

@@ -261,6 +261,11 @@ impl Containers {
         };
         if bundle::read_spec(&c.bundle).is_ok_and(|spec| bundle::creates_network_namespace(&spec)) {
             add_loopback_hook(c);
+            if crate::checkpoint::netns::image_holds_one(&r.image) {
+                c.sandbox
+                    .netns()
+                    .taint("restored from an image that holds a network namespace");
+            }
         }
         Ok(Setup {
             pid_file,

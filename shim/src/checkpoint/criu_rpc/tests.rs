@@ -152,6 +152,14 @@ fn dump_request_carries_runcs_options() {
     };
     let v = varints(&dump_opts(&st, &skip, &v1, 7, 8).unwrap().0);
     assert_eq!((v.get(&64), v.get(&46)), (Some(&3), Some(&1)));
+    // The network namespace: dumped (empty_ns 0, as runc asks) unless left out.
+    assert_eq!(varints(&o).get(&38), Some(&0));
+    let empty = DumpOptions {
+        empty_netns: true,
+        ..opts.clone()
+    };
+    let v = varints(&dump_opts(&st, &empty, &v1, 7, 8).unwrap().0);
+    assert_eq!(v.get(&38), Some(&0x4000_0000), "CLONE_NEWNET");
     assert_eq!(strings(&o, 10), ["dump.log"]);
     assert_eq!(strings(&o, 13), ["/ROOTFS"]);
     assert_eq!(strings(&o, 44), ["/sys/fs/cgroup/c1"]);

@@ -165,6 +165,10 @@ pub struct ProcessTimings {
     /// Making the image and its chunks durable.
     #[serde(default)]
     pub sync_ms: f64,
+    /// The container's network namespace was left out of the image (it could not have
+    /// changed: [`crate::checkpoint::netns`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub netns_left_out: bool,
 }
 
 impl Timings {
