@@ -45,16 +45,16 @@ impl SnapshotSource for NoEngine {
 
 /// A core over the fake runtime, the events it published (each acknowledged as containerd's
 /// publisher would), and the directory its bundles and store live in.
-struct Core {
-    containers: Arc<Containers>,
-    runtime: Arc<FakeRuntime>,
-    host: Arc<FakeHost>,
+pub(super) struct Core {
+    pub(super) containers: Arc<Containers>,
+    pub(super) runtime: Arc<FakeRuntime>,
+    pub(super) host: Arc<FakeHost>,
     events: Arc<Mutex<Vec<TaskEvent>>>,
-    dir: tempfile::TempDir,
+    pub(super) dir: tempfile::TempDir,
 }
 
 impl Core {
-    fn new() -> Core {
+    pub(super) fn new() -> Core {
         let (sender, mut rx) = EventSender::channel();
         let events = Arc::new(Mutex::new(Vec::new()));
         let seen = events.clone();
@@ -88,12 +88,12 @@ impl Core {
     /// A bundle for container `id` (its spec: `sh`, private pid and mount namespaces, rootfs
     /// `rootfs` in the bundle) and Create's parameters for it, crab's config in the runtime
     /// options (checkpointing off, the store in the test's directory).
-    fn params(&self, id: &str, spec_extra: serde_json::Value) -> CreateParams {
+    pub(super) fn params(&self, id: &str, spec_extra: serde_json::Value) -> CreateParams {
         self.params_with(id, spec_extra, "")
     }
 
     /// [`Self::params`] with `config_extra` appended to crab's config.
-    fn params_with(
+    pub(super) fn params_with(
         &self,
         id: &str,
         spec_extra: serde_json::Value,
@@ -130,7 +130,7 @@ impl Core {
 
     /// Create's parameters for `id` from a containerd checkpoint (`ctr run --checkpoint`): an
     /// unsigned image of one task with `creds`, restored on the kernel check alone.
-    fn params_of_containerd_checkpoint(&self, id: &str, creds: &Creds) -> CreateParams {
+    pub(super) fn params_of_containerd_checkpoint(&self, id: &str, creds: &Creds) -> CreateParams {
         let mut p = self.params_with(
             id,
             serde_json::json!({}),
@@ -142,24 +142,24 @@ impl Core {
         p
     }
 
-    async fn create(&self, id: &str) -> u32 {
+    pub(super) async fn create(&self, id: &str) -> u32 {
         let p = self.params(id, serde_json::json!({}));
         self.containers.create(p).await.unwrap()
     }
 
     /// A created and started container `id`; its init's pid.
-    async fn running(&self, id: &str) -> u32 {
+    pub(super) async fn running(&self, id: &str) -> u32 {
         let pid = self.create(id).await;
         assert_eq!(self.containers.start(id, "").await.unwrap(), pid);
         pid
     }
 
-    fn calls(&self) -> Vec<String> {
+    pub(super) fn calls(&self) -> Vec<String> {
         self.runtime.calls()
     }
 
     /// The events published so far, as short lines (`create c1`, `exit c1/e1 3`).
-    fn events(&self) -> Vec<String> {
+    pub(super) fn events(&self) -> Vec<String> {
         self.events
             .lock()
             .unwrap()
@@ -195,7 +195,7 @@ impl Core {
     }
 
     /// The reaper reports `pid`'s exit; returns once the core has published it.
-    async fn exit(&self, id: &str, exec_id: &str, pid: u32, code: i32) {
+    pub(super) async fn exit(&self, id: &str, exec_id: &str, pid: u32, code: i32) {
         self.containers.on_exit(pid, code);
         let p = self.containers.get(id).unwrap().process(exec_id).unwrap();
         tokio::time::timeout(Duration::from_secs(10), p.wait())
@@ -688,7 +688,7 @@ async fn verbs_on_an_unknown_container_are_not_found() {
 
 /// containerd's checkpoint (`ctr task checkpoint`) with the options `ctr` sends by default:
 /// the image at `path`, the container left running, CRIU's work directory the bundle's.
-fn checkpoint_options(work: Option<&Path>) -> TaskCheckpointOptions {
+pub(super) fn checkpoint_options(work: Option<&Path>) -> TaskCheckpointOptions {
     TaskCheckpointOptions {
         work_path: work.map(Path::to_path_buf),
         work_path_was_default: work.is_none(),
@@ -698,11 +698,11 @@ fn checkpoint_options(work: Option<&Path>) -> TaskCheckpointOptions {
 
 impl Core {
     /// Where containerd's checkpoint of `id` is dumped (a fresh directory per call).
-    fn checkpoint_dir(&self, id: &str) -> std::path::PathBuf {
+    pub(super) fn checkpoint_dir(&self, id: &str) -> std::path::PathBuf {
         self.dir.path().join("containerd-checkpoints").join(id)
     }
 
-    fn bundle(&self, id: &str) -> std::path::PathBuf {
+    pub(super) fn bundle(&self, id: &str) -> std::path::PathBuf {
         self.dir.path().join("bundles").join(id)
     }
 }

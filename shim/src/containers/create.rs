@@ -323,6 +323,10 @@ impl Containers {
         let dir = PathBuf::from(&p.checkpoint);
         let config = prep.config.clone();
         let decided = tokio::task::spawn_blocking(move || {
+            // Nothing there: said so (not as a missing signature), whatever the trust policy.
+            if let Err(source) = std::fs::symlink_metadata(&dir) {
+                return Err(restore::RestoreError::Io { path: dir, source });
+            }
             let trusted = || crate::checkpoint::provenance::trusted_keys(&config);
             let limits = restore::ImageLimits::from_config(&config.restore);
             let decision = trust::containerd_checkpoint(

@@ -19,6 +19,8 @@ mod fake;
 mod host;
 mod kill;
 mod restore;
+#[cfg(test)]
+mod restore_tests;
 mod resume;
 mod start;
 mod update;

@@ -13,7 +13,7 @@ use std::{
 use oci_spec::runtime::Spec;
 use tokio::{sync::oneshot, task::JoinHandle};
 
-use super::{Container, Containers, PendingRestore};
+use super::{Container, Containers, Host, PendingRestore};
 use crate::{
     bundle,
     checkpoint::lazy,
@@ -167,17 +167,20 @@ impl Containers {
         // compares what CRIU restored with this container's spec. No gate, no restore.
         let spec = bundle::read_spec(&c.bundle)?;
         let seccomp = seccomp_reference(c, &r, &spec, &mut setup).await?;
-        let (gate, pages, kernel) = install_gate(c, &r, &spec, seccomp, &mut setup)?;
+        let host = &self.host;
+        let (gate, pages, kernel) = install_gate(c, &r, &spec, seccomp, &mut setup, host)?;
         let refused_early = pages.early.as_ref().and_then(|d| d.result.clone().err());
         self.pids.lock().unwrap().begin_start();
-        let (restored, abandoned) = run_restore(c, &r, &spec, &mut setup, refused_early).await;
+        let (restored, abandoned) =
+            run_restore(c, &r, &spec, &mut setup, refused_early, host.as_ref()).await;
         let checked = kernel.result().await;
+        let ran = (restored, abandoned);
         let (restored, marked) =
-            match with_kernel_check(c, &spec, &setup.work, restored, checked, abandoned) {
+            match with_kernel_check(c, host.as_ref(), &spec, &setup.work, ran, checked) {
                 Ok(marked) => (Ok(()), marked),
                 Err(e) => (Err(e), None),
             };
-        let restored = with_page_verdict(c, &spec, gate, pages, restored).await;
+        let restored = with_page_verdict(c, host.as_ref(), &spec, gate, pages, restored).await;
         let pid = restored.and_then(|()| bundle::read_pid(&setup.pid_file));
         let early_exit = self
             .pids
@@ -191,10 +194,10 @@ impl Containers {
         if let Some(inspection) = marked {
             c.sandbox.marked_before_resume(inspection);
         }
-        let remove_image = watch_lazy_transfer(c, &r, &mut setup);
+        let remove_image = watch_lazy_transfer(c, &r, &mut setup, host);
         let lazily = remove_image.is_some();
         if bundle::read_spec(&c.bundle).is_ok_and(|spec| bundle::creates_network_namespace(&spec)) {
-            if let Err(e) = crate::sys::netns::bring_up_loopback(pid) {
+            if let Err(e) = host.bring_up_loopback(pid) {
                 log::warn!(
                     "container {}: restored, but its loopback interface is down: {e}",
                     c.id
@@ -446,6 +449,7 @@ fn install_gate(
     spec: &Spec,
     seccomp: seccomp::Reference,
     setup: &mut Setup,
+    host: &Arc<dyn Host>,
 ) -> Result<(restore_gate::Gate, PageVerdict, KernelCheck)> {
     let verification = r.taken.as_ref().and_then(|t| t.verification.clone());
     let early = verification.as_ref().and_then(|v| v.verdict());
@@ -476,11 +480,8 @@ fn install_gate(
     };
     let task = give_page_verdict(opener, verification.clone(), &early);
     // The check's task iterator loads while CRIU restores (the check waits for it).
-    tokio::task::spawn_blocking(|| {
-        if let Err(e) = seccomp::preload() {
-            log::warn!("loading the kernel check's task iterator: {e}");
-        }
-    });
+    let preloading = host.clone();
+    tokio::task::spawn_blocking(move || preloading.preload_kernel_check());
     let mut expected = kernel::Expected::from_spec(spec);
     expected.seccomp = seccomp;
     let before_resume = (r.checkpointing && setup.daemon.is_none()).then(|| BeforeResume {
@@ -490,9 +491,10 @@ fn install_gate(
         spec: spec.clone(),
         config: r.config.clone(),
     });
+    let checking = host.clone();
     let kernel_task = tokio::task::spawn_blocking(move || {
         resume.wait(|script, init| {
-            let passed = kernel::check_restored(&expected, script, init)?;
+            let passed = checking.check_restored(&expected, script, init)?;
             Ok((passed, before_resume.map(|b| b.mark(init))))
         })
     });
@@ -542,6 +544,7 @@ async fn run_restore(
     spec: &Spec,
     setup: &mut Setup,
     refused_early: Option<std::sync::Arc<crate::restore::intake::RestoreError>>,
+    host: &dyn Host,
 ) -> Ran {
     let bound = Duration::from_millis(r.config.checkpoint.restore_timeout_ms);
     let console = setup.prepared.console.as_ref().map(|c| c.path.clone());
@@ -574,7 +577,7 @@ async fn run_restore(
     let restored = match outcome {
         Ok(result) => result,
         Err((what, err)) => {
-            let killed = kill_cgroup_members(spec, &c.id);
+            let killed = host.kill_cgroup_members(spec, &c.id);
             log::error!("restore of {}: {what}: killed {killed} processes", c.id);
             let _ = tokio::time::timeout(Duration::from_secs(10), &mut restore).await;
             // A killed CRIU leaves its cgroup yard mounted in the work directory.
@@ -645,11 +648,11 @@ impl KernelCheck {
 /// left of the container's processes, and so does a CRIU that resumed them unchecked.
 fn with_kernel_check(
     c: &Container,
+    host: &dyn Host,
     spec: &Spec,
     work: &Path,
-    restored: Result<()>,
+    (restored, abandoned): Ran,
     checked: restore_gate::Resumed<Checked, kernel::CheckError>,
-    abandoned: bool,
 ) -> Result<Option<Inspection>> {
     match (restored, checked) {
         (Ok(()), restore_gate::Resumed::Checked(Ok((passed, marked)))) => {
@@ -669,7 +672,7 @@ fn with_kernel_check(
         (r, restore_gate::Resumed::Checked(Err(why))) => {
             // Killed at the gate already (the tree, then CRIU); whatever is left of the
             // container's processes goes too.
-            kill_cgroup_members(spec, &c.id);
+            host.kill_cgroup_members(spec, &c.id);
             // A killed CRIU leaves its cgroup yard mounted in the work directory.
             crate::sys::mountinfo::detach_all_under(work);
             match r {
@@ -687,7 +690,7 @@ fn with_kernel_check(
             }
         }
         (Ok(()), restore_gate::Resumed::NotReached(why)) => {
-            let killed = kill_cgroup_members(spec, &c.id);
+            let killed = host.kill_cgroup_members(spec, &c.id);
             log::error!(
                 "restore of {}: CRIU resumed the restored processes without the kernel \
                  check ({why}): killed {killed} processes",
@@ -704,6 +707,7 @@ fn with_kernel_check(
 /// failed). The gate goes.
 async fn with_page_verdict(
     c: &Container,
+    host: &dyn Host,
     spec: &Spec,
     gate: restore_gate::Gate,
     pages: PageVerdict,
@@ -729,7 +733,7 @@ async fn with_page_verdict(
         ) => {
             if r.is_ok() {
                 // CRIU let them run without the gate's word: they must not go on.
-                let killed = kill_cgroup_members(spec, &c.id);
+                let killed = host.kill_cgroup_members(spec, &c.id);
                 log::error!(
                     "restore of {}: {why}, but its processes were resumed (the restore gate \
                      was {}): killed {killed} processes",
@@ -826,6 +830,7 @@ fn watch_lazy_transfer(
     c: &Container,
     r: &PendingRestore,
     setup: &mut Setup,
+    host: &Arc<dyn Host>,
 ) -> Option<oneshot::Sender<PathBuf>> {
     let Some((daemon, spec)) = setup.daemon.take() else {
         let _ = std::fs::remove_dir_all(&setup.work);
@@ -836,9 +841,11 @@ fn watch_lazy_transfer(
     c.sandbox.restored_lazily(transfer.clone());
     let (id, bound) = (c.id.clone(), r.config.checkpoint.restore_timeout_ms);
     let restored_at = std::time::Instant::now();
+    let (host, of) = (host.clone(), id.clone());
+    let kill_members: KillMembers = Box::new(move || host.kill_cgroup_members(&spec, &of));
     tokio::spawn(watch_transfer(
         daemon,
-        spec,
+        kill_members,
         transfer,
         id,
         Duration::from_millis(bound),
@@ -848,18 +855,21 @@ fn watch_lazy_transfer(
     Some(remove_image_tx)
 }
 
+/// Kills what is in a container's cgroup ([`Host::kill_cgroup_members`]); returns how many.
+type KillMembers = Box<dyn Fn() -> usize + Send + Sync>;
+
 /// Watches a lazy restore's page transfer to its end (killing the container when its memory
 /// does not all arrive), then removes the daemon's work directory and, when told, the image.
 async fn watch_transfer(
     daemon: lazy::Daemon,
-    spec: Spec,
+    kill_members: KillMembers,
     transfer: lazy::Transfer,
     id: String,
     bound: Duration,
     restored_at: std::time::Instant,
     remove_image_rx: oneshot::Receiver<PathBuf>,
 ) {
-    let kill = |why: &str| match kill_cgroup_members(&spec, &id) {
+    let kill = |why: &str| match kill_members() {
         // Its processes were gone already (killed, or the container deleted
         // during the transfer): the daemon had nothing left to serve.
         0 => log::info!(
@@ -935,8 +945,9 @@ async fn checkpoint_restored(
 }
 
 /// SIGKILLs every process in container `id`'s cgroup (from the spec's `cgroupsPath`, as
-/// runc places it with the cgroupfs or the systemd driver); returns how many.
-fn kill_cgroup_members(spec: &Spec, id: &str) -> usize {
+/// runc places it with the cgroupfs or the systemd driver); returns how many
+/// ([`super::SystemHost`]'s; the restore asks its [`Host`]).
+pub(super) fn kill_cgroup_members(spec: &Spec, id: &str) -> usize {
     let path = spec
         .linux()
         .as_ref()
