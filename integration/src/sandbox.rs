@@ -161,13 +161,21 @@ impl Sandbox {
 
     /// Runs one agent command to completion (it must succeed).
     pub async fn run(&mut self, script: &str) -> RunOutput {
+        self.run_with(
+            script,
+            ProcessSpec::new(&["bash", "-c", script]).cwd("/app"),
+        )
+        .await
+    }
+
+    /// [`Sandbox::run`] as `spec` says (`bash -c script` with more capabilities, ...).
+    pub async fn run_with(&mut self, script: &str, spec: ProcessSpec) -> RunOutput {
         self.turn += 1;
         let exec_id = format!("turn-{}", self.turn);
         let mut io = self
             .h
             .stdio(&self.id, &exec_id, StdioOptions::default())
             .unwrap();
-        let spec = ProcessSpec::new(&["bash", "-c", script]).cwd("/app");
         self.h.exec(&self.id, &exec_id, &spec, &io).await.unwrap();
         self.h.start(&self.id, &exec_id).await.unwrap();
         let exit_status = self.h.wait(&self.id, &exec_id, T).await.unwrap();

@@ -33,6 +33,8 @@ pub struct ProcessSpec {
     /// `None`: the image's WorkingDir (or `/`).
     pub cwd: Option<String>,
     pub terminal: bool,
+    /// Capabilities granted beyond the default set (bounding, effective, permitted).
+    pub extra_caps: Vec<String>,
 }
 
 impl ProcessSpec {
@@ -42,12 +44,19 @@ impl ProcessSpec {
             env: Vec::new(),
             cwd: None,
             terminal: false,
+            extra_caps: Vec::new(),
         }
     }
 
     /// `sh -c SCRIPT`.
     pub fn sh(script: &str) -> Self {
         Self::new(&["sh", "-c", script])
+    }
+
+    /// Grants `cap` (`CAP_NET_ADMIN`, ...) too.
+    pub fn cap(mut self, cap: &str) -> Self {
+        self.extra_caps.push(cap.to_string());
+        self
     }
 
     pub fn cwd(mut self, cwd: &str) -> Self {
@@ -82,13 +91,18 @@ impl ProcessSpec {
             (None, "") => "/".to_string(),
             (None, c) => c.to_string(),
         };
+        let caps: Vec<&str> = CAPS
+            .iter()
+            .copied()
+            .chain(self.extra_caps.iter().map(String::as_str))
+            .collect();
         json!({
             "terminal": self.terminal,
             "user": {"uid": 0, "gid": 0, "additionalGids": [0]},
             "args": self.args,
             "env": env,
             "cwd": cwd,
-            "capabilities": {"bounding": CAPS, "effective": CAPS, "permitted": CAPS},
+            "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}],
             "noNewPrivileges": true,
         })
