@@ -58,7 +58,9 @@ const FS_SIZES: [(&str, usize); 5] = [
 ];
 const PROC_MBS: [usize; 4] = [10, 50, 100, 500];
 /// How process images are dumped (`[checkpoint] process_dump`): both, side by side.
-const DRIVERS: [&str; 2] = ["criu", "runc"];
+/// `criu-netns` is `criu` with `[checkpoint] network_namespace = "always"`: the container's
+/// network namespace dumped though it cannot have changed (the baseline of leaving it out).
+const DRIVERS: [&str; 3] = ["criu", "criu-netns", "runc"];
 const DEDUP_MB: usize = 100;
 
 struct Opts {
@@ -297,7 +299,13 @@ async fn proc_one(
         ));
         let id = format!("bench-checkpoint-{pid}-proc{mb}-{driver}");
         guard.add(&id);
-        let config = format!("[checkpoint]\nprocess_dump = \"{driver}\"\n");
+        let config = match driver {
+            "criu-netns" => {
+                "[checkpoint]\nprocess_dump = \"criu\"\nnetwork_namespace = \"always\"\n"
+                    .to_string()
+            }
+            d => format!("[checkpoint]\nprocess_dump = \"{d}\"\n"),
+        };
         let mut sb = AgentSandbox::start_with(base, DEFAULT_RUNTIME, id, T, &config).await?;
         let res = async {
             sb.run(&holder_script(mb, Fill::Random)).await?;
@@ -447,7 +455,8 @@ fn report(
         md,
         "\n## 2. proc checkpoint versus resident size ({} turns per size poking the holder, after its start turn)\n\n\
          `driver`: how the process image was dumped (`[checkpoint] process_dump`): `criu` (crab drives CRIU's \
-         RPC, the default) or `runc` (`runc checkpoint`).\n\n\
+         RPC, the default, leaving out the network namespace that cannot have changed), `criu-netns` (the same \
+         with `network_namespace = \"always\"`: the namespace dumped, the baseline) or `runc` (`runc checkpoint`).\n\n\
          | held | driver | total p50 ms | total max ms | publish p50 ms | image logical MiB | stored p50 MiB | start turn total ms | start turn stored MiB | aim (total p50) | kinds |\n\
          |---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
         o.proc_turns
@@ -500,7 +509,7 @@ fn report(
         PHASES.map(|(_, name)| name).join(" | "),
         "---:|".repeat(PHASES.len())
     );
-    for (mb, _, s, _) in proc {
+    for (mb, driver, s, _) in proc {
         let (around, rest) = s.derived();
         let cols: Vec<String> = PHASES
             .iter()
@@ -508,7 +517,7 @@ fn report(
             .collect();
         let _ = writeln!(
             md,
-            "| {mb} MB | {} | {:.1} | {} | {:.1} | {:.1} |",
+            "| {mb} MB | {driver} ({}) | {:.1} | {} | {:.1} | {:.1} |",
             kinds_str(&s.drivers),
             Summary::of(&s.total_ms).p50,
             cols.join(" | "),
