@@ -15,7 +15,14 @@ use std::{
 };
 
 pub use super::criu_proto::MAX_TASKS;
-use super::criu_proto::{parse_pstree, single, DecodeError, Fields, Schema};
+use super::criu_proto::{
+    parse_pstree,
+    schemas::{
+        CORE_ENTRY, CREDS_ENTRY, INVENTORY_ENTRY, RSEQ_ENTRY, TASK_CORE_ENTRY, TASK_KOBJ_IDS_ENTRY,
+        THREAD_CORE_ENTRY,
+    },
+    single, DecodeError, Fields,
+};
 
 const INVENTORY_MAGIC: u32 = 0x5831_3116;
 const CORE_MAGIC: u32 = 0x5505_3847;
@@ -292,46 +299,6 @@ struct NsIds {
     user: u64,
     time: u64,
 }
-
-const INVENTORY_ENTRY: Schema = Schema {
-    name: "inventory_entry",
-    known: &[1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14],
-    repeated: &[],
-};
-const TASK_KOBJ_IDS_ENTRY: Schema = Schema {
-    name: "task_kobj_ids_entry",
-    known: &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
-    repeated: &[],
-};
-const CORE_ENTRY: Schema = Schema {
-    name: "core_entry",
-    known: &[1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13],
-    repeated: &[],
-};
-const TASK_CORE_ENTRY: Schema = Schema {
-    name: "task_core_entry",
-    known: &[
-        1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 18, 20, 21, 22,
-    ],
-    repeated: &[15],
-};
-const THREAD_CORE_ENTRY: Schema = Schema {
-    name: "thread_core_entry",
-    known: &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
-    repeated: &[],
-};
-const CREDS_ENTRY: Schema = Schema {
-    name: "creds_entry",
-    known: &[
-        1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
-    ],
-    repeated: &[9, 10, 11, 12, 14, 19],
-};
-const RSEQ_ENTRY: Schema = Schema {
-    name: "rseq_entry",
-    known: &[1, 2, 3, 4],
-    repeated: &[],
-};
 
 fn parse_ns_ids(msg: &[u8]) -> Result<NsIds, FactsError> {
     let mut ids = NsIds::default();

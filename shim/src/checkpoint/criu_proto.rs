@@ -139,9 +139,9 @@ pub(crate) fn single(bytes: &[u8], magic: u32, common_head: bool) -> Result<&[u8
     }
 }
 
-/// The fields CRIU's `.proto` files give a message the checks read (`images/*.proto` of CRIU
-/// 4.2): its name, every field number it knows, and those that are `repeated`. A message is
-/// read as CRIU's protobuf-c would read it only if it has no field outside these (which a newer
+/// The fields CRIU's `.proto` files give a message the checks read ([`schemas`], generated from
+/// the installed CRIU's own descriptors): its name, every field number it knows, and those
+/// that are `repeated`. A message is read as CRIU's protobuf-c would read it only if it has no field outside these (which a newer
 /// CRIU could give a meaning crab does not know) and no non-repeated field twice (protobuf
 /// keeps the last scalar but *merges* repeated embedded messages: two `creds` entries are one
 /// to CRIU, with the first one's capability arrays and the second one's ids). Both are refused.
@@ -355,12 +355,6 @@ pub struct PstreeEntry {
     pub threads: Vec<u32>,
 }
 
-const PSTREE_ENTRY: Schema = Schema {
-    name: "pstree_entry",
-    known: &[1, 2, 3, 4, 5],
-    repeated: &[5],
-};
-
 /// Parses a CRIU `pstree.img` (the common head and pstree's magic, then `pstree_entry`s: pid 1,
 /// ppid 2, pgid 3, sid 4, threads 5, repeated, packed or not), root task first: the one reader
 /// of a dump's process tree, for the check that a dump holds every live process and for the
@@ -396,6 +390,9 @@ pub fn parse_pstree(bytes: &[u8]) -> Result<Vec<PstreeEntry>, DecodeError> {
     }
     Ok(out)
 }
+
+pub(crate) mod schemas;
+use schemas::PSTREE_ENTRY;
 
 #[cfg(test)]
 mod tests;

@@ -31,7 +31,11 @@ use std::{
 
 use crate::checkpoint::{
     criu_image::{read_bounded, CriuImageError},
-    criu_proto::{entries, single, DecodeError, Fields, Schema, IMG_COMMON_MAGIC},
+    criu_proto::{
+        entries,
+        schemas::{MM_ENTRY, PAGEMAP_ENTRY, PAGEMAP_HEAD},
+        single, DecodeError, Fields, IMG_COMMON_MAGIC,
+    },
 };
 
 const PAGEMAP_MAGIC: u32 = 0x5608_4025;
@@ -41,22 +45,6 @@ const MM_MAGIC: u32 = 0x5749_2820;
 const PE_PARENT: u64 = 1 << 0;
 const PE_LAZY: u64 = 1 << 1;
 const PE_PRESENT: u64 = 1 << 2;
-
-const MM_ENTRY: Schema = Schema {
-    name: "mm_entry",
-    known: &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],
-    repeated: &[13, 14, 16],
-};
-const PAGEMAP_HEAD: Schema = Schema {
-    name: "pagemap_head",
-    known: &[1],
-    repeated: &[],
-};
-const PAGEMAP_ENTRY: Schema = Schema {
-    name: "pagemap_entry",
-    known: &[1, 2, 3, 4, 5],
-    repeated: &[],
-};
 
 /// Why the pagemaps of an image could not be rewritten (the restore is then eager).
 #[derive(Debug, thiserror::Error)]
