@@ -938,19 +938,26 @@ fn netns_left_out(m: &serde_json::Value) -> bool {
     m["timings"]["process"]["netns_left_out"].as_bool() == Some(true)
 }
 
-/// A sandbox with a network namespace of its own, and nothing that could change it: its
-/// process images leave the namespace out (no `ip`/`iptables-save` with the container
-/// frozen), and a recovery gives it a fresh one that looks exactly like the one it had (lo
-/// up, the same addresses), the server on 127.0.0.1 answering with its memory.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_network_namespace_that_cannot_change_is_left_out_and_comes_back_the_same() {
-    let (mut s, _guard) = Sandbox::start("netns-fresh", SandboxOptions::default()).await;
+/// A sandbox whose interpreter server (TURNS[0] and [2]) is in a process image that left the
+/// network namespace out.
+async fn start_server_left_out(name: &str) -> (Sandbox, crab_integration::CleanupGuard) {
+    let (mut s, guard) = Sandbox::start(name, SandboxOptions::default()).await;
     s.run(TURNS[0]).await;
     end_turn_durably(&mut s).await;
     s.run(TURNS[2]).await;
     end_turn_durably(&mut s).await;
     let last = s.manifests().pop().unwrap();
     assert!(netns_left_out(&last), "left out: {last:#}");
+    (s, guard)
+}
+
+/// A sandbox with a network namespace of its own, and nothing that could change it: its
+/// process images leave the namespace out (no `ip`/`iptables-save` with the container
+/// frozen), and a recovery gives it a fresh one that looks exactly like the one it had (lo
+/// up, the same addresses), the server on 127.0.0.1 answering with its memory.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_network_namespace_that_cannot_change_is_left_out_and_comes_back_the_same() {
+    let (mut s, _guard) = start_server_left_out("netns-fresh").await;
     let before = s.run(NETNS_STATE).await.stdout;
     assert!(
         before.contains("127.0.0.1 bindable") && before.contains("41"),
@@ -976,15 +983,7 @@ async fn a_network_namespace_that_cannot_change_is_left_out_and_comes_back_the_s
 /// configuration never came back through runc, with or without crab (docs/design.md).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_network_namespace_an_exec_could_change_is_dumped_from_then_on() {
-    let (mut s, _guard) = Sandbox::start("netns-admin", SandboxOptions::default()).await;
-    s.run(TURNS[0]).await;
-    end_turn_durably(&mut s).await;
-    s.run(TURNS[2]).await;
-    end_turn_durably(&mut s).await;
-    assert!(
-        netns_left_out(&s.manifests().pop().unwrap()),
-        "before the exec"
-    );
+    let (mut s, _guard) = start_server_left_out("netns-admin").await;
     let spec = crab_integration::spec::ProcessSpec::new(&["bash", "-c", CONFIGURE_NETNS])
         .cwd("/app")
         .cap("CAP_NET_ADMIN");

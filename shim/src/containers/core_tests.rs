@@ -758,17 +758,7 @@ async fn a_containerd_checkpoint_is_signed_and_restores_on_its_signature() {
     assert_eq!(core.calls().len(), calls, "{:?}", core.calls());
 
     // One byte of a signed file changed: refused, nothing registered.
-    let core_img = std::fs::read_dir(&image)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .starts_with("core-")
-        })
-        .unwrap();
+    let core_img = core_file(&image);
     let mut bytes = std::fs::read(&core_img).unwrap();
     *bytes.last_mut().unwrap() ^= 1;
     std::fs::write(&core_img, bytes).unwrap();
@@ -869,4 +859,19 @@ async fn a_failed_containerd_checkpoint_names_criu_s_log_and_keeps_it() {
         core.containers.get("c1").unwrap().init.status(),
         Status::Running
     );
+}
+
+/// The `core-*.img` file of the CRIU image in `image` (its bytes are signed).
+pub(super) fn core_file(image: &std::path::Path) -> std::path::PathBuf {
+    std::fs::read_dir(image)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("core-")
+        })
+        .unwrap()
 }

@@ -6,7 +6,7 @@
 use std::{path::PathBuf, time::Duration};
 
 use super::{
-    core_tests::{checkpoint_options, Core},
+    core_tests::{checkpoint_options, core_file, Core},
     fake::{KernelCheck, FIRST_PID},
     NotRun,
 };
@@ -123,17 +123,7 @@ async fn start_restores_a_signed_image_once_behind_the_kernel_check() {
 async fn an_image_altered_after_signing_never_reaches_runc_restore() {
     let core = Core::new();
     let image = core.signed_image("c0").await;
-    let pages = std::fs::read_dir(&image)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .starts_with("core-")
-        })
-        .unwrap();
+    let pages = core_file(&image);
     let mut bytes = std::fs::read(&pages).unwrap();
     bytes[0] ^= 1;
     std::fs::write(&pages, bytes).unwrap();
