@@ -136,9 +136,12 @@ demo: deps build images
 	echo "'make containerd-down' stops it."
 
 # Formatting and lints are enforced: every target (tests, benchmarks, examples) of the workspace.
+# The module graph's checks (layers, no cycle, file and function bounds) read only the sources:
+# run with the lints so that a change that breaks them is caught before a commit, not by CI.
 lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+	$(CARGO) test --release -p crab-shim --test module_graph --quiet
 
 # The Docker tests read CRAB_DOCKER_* (hack/dockerd.sh env); containerd's stop stops the
 # dockerds first.

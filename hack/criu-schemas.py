@@ -67,7 +67,7 @@ def main():
         "//! (python3-pycriu); `shim/tests/criu_schemas.rs` checks this file is what it prints.",
         "//! Do not edit: regenerate after a CRIU upgrade.",
         "",
-        "use super::Schema;",
+        "use super::schema::Schema;",
     ]
     for name in MESSAGES:
         if name not in found:

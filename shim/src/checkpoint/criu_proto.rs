@@ -139,18 +139,6 @@ pub(crate) fn single(bytes: &[u8], magic: u32, common_head: bool) -> Result<&[u8
     }
 }
 
-/// The fields CRIU's `.proto` files give a message the checks read ([`schemas`], generated from
-/// the installed CRIU's own descriptors): its name, every field number it knows, and those
-/// that are `repeated`. A message is read as CRIU's protobuf-c would read it only if it has no field outside these (which a newer
-/// CRIU could give a meaning crab does not know) and no non-repeated field twice (protobuf
-/// keeps the last scalar but *merges* repeated embedded messages: two `creds` entries are one
-/// to CRIU, with the first one's capability arrays and the second one's ids). Both are refused.
-pub(crate) struct Schema {
-    pub(crate) name: &'static str,
-    pub(crate) known: &'static [u32],
-    pub(crate) repeated: &'static [u32],
-}
-
 /// A protobuf field's value.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Value<'a> {
@@ -391,7 +379,9 @@ pub fn parse_pstree(bytes: &[u8]) -> Result<Vec<PstreeEntry>, DecodeError> {
     Ok(out)
 }
 
+pub(crate) mod schema;
 pub(crate) mod schemas;
+pub(crate) use schema::Schema;
 use schemas::PSTREE_ENTRY;
 
 #[cfg(test)]

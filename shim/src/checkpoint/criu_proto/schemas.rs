@@ -3,7 +3,7 @@
 //! (python3-pycriu); `shim/tests/criu_schemas.rs` checks this file is what it prints.
 //! Do not edit: regenerate after a CRIU upgrade.
 
-use super::Schema;
+use super::schema::Schema;
 
 /// `pstree_entry` (CRIU's `images/pstree.proto`).
 pub(crate) const PSTREE_ENTRY: Schema = Schema {
