@@ -941,6 +941,7 @@ async fn recover_after_the_processes_were_killed() {
     let mut again = sandbox_for(&s, &s.id);
     again.turn = 100;
     assert_eq!(listing(&mut again).await, expected);
+    runc_s_criu_loads_the_kernel_probe_cache();
 
     // A paused (frozen) sandbox: its processes are thawed so that they can die.
     h.pause(&s.id).await.unwrap();
@@ -949,6 +950,43 @@ async fn recover_after_the_processes_were_killed() {
     assert_eq!(h.status(&s.id, "").await.unwrap().0, TaskStatus::Running);
     assert_eq!(listing(&mut again).await, expected);
     s.finish().await;
+}
+
+/// After a restore, the CRIU `runc restore` starts (the host's `criu`, in the host's mount
+/// namespace) loads the kernel probe cache crab's dumps keep: where `/run` is not a tmpfs,
+/// `/run/criu.kdat` links to it, and a CRIU run as runc runs it says it loaded the cache
+/// instead of probing the kernel. Where `/run` is a tmpfs, CRIU keeps its own there and crab
+/// makes no link.
+fn runc_s_criu_loads_the_kernel_probe_cache() {
+    let out = |cmd: &mut std::process::Command| {
+        let o = cmd.output().unwrap();
+        assert!(o.status.success(), "{cmd:?}: {o:?}");
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let run_fs = out(std::process::Command::new("stat").args(["-f", "-c", "%T", "/run"]));
+    let link = std::fs::read_link("/run/criu.kdat").ok();
+    if run_fs.trim() == "tmpfs" {
+        assert_ne!(
+            link.as_deref(),
+            Some(std::path::Path::new("/dev/shm/crab-criu-run/criu.kdat")),
+            "crab linked CRIU's cache on a host that keeps it itself"
+        );
+        return;
+    }
+    assert_eq!(
+        link.as_deref(),
+        Some(std::path::Path::new("/dev/shm/crab-criu-run/criu.kdat")),
+        "/run is {run_fs}: a restore links /run/criu.kdat to crab's CRIU cache"
+    );
+    let work = tempfile::tempdir().unwrap();
+    out(std::process::Command::new("criu")
+        .args(["check", "-v4", "-o", "check.log", "-W"])
+        .arg(work.path()));
+    let log = std::fs::read_to_string(work.path().join("check.log")).unwrap();
+    assert!(
+        log.contains("Loaded kdat cache from /run/criu.kdat"),
+        "CRIU probed the kernel instead of loading crab's cache:\n{log}"
+    );
 }
 
 // ---------------------------------------------------------------- bad input

@@ -890,6 +890,47 @@ fn check_kdat_dir(dir: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// Where CRIU looks for its kernel probe cache (root's CRIU, `KDAT_RUNDIR` at build time).
+const KDAT_FILE: &str = "/run/criu.kdat";
+
+/// Lets a CRIU that crab does not start itself (`runc restore`'s) load the kernel probe cache
+/// crab's dumps keep in [`KDAT_DIR`], where `/run` is not a tmpfs: `/run/criu.kdat` becomes a
+/// link to `KDAT_DIR/criu.kdat`. CRIU loads the cache through the link (its load checks only
+/// the file's two magics: the CRIU build and the cache format) and never saves through it
+/// (it saves into `/run` only when that is a tmpfs), so the cache still dies with the boot
+/// (`/dev/shm`) and is written only by crab's dumps; a CRIU of another build finds it stale and
+/// unlinks the link, which the next restore makes again. Anything else already at
+/// `/run/criu.kdat` (a file, another link) is left alone. Cheap when there is nothing to do
+/// (one `lstat`); errors are logged: the restore then probes the kernel, as before.
+pub fn link_kdat_cache() {
+    let Some(dir) = kdat_dir() else { return };
+    link_kdat_cache_at(Path::new(KDAT_FILE), &dir.join("criu.kdat"));
+}
+
+fn link_kdat_cache_at(link: &Path, target: &Path) {
+    match fs::symlink_metadata(link) {
+        Ok(md) if md.file_type().is_symlink() => {
+            if fs::read_link(link).ok().as_deref() != Some(target) {
+                log::debug!("{} links elsewhere: left alone", link.display());
+            }
+        }
+        Ok(_) => log::debug!("{} exists: left alone", link.display()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            match std::os::unix::fs::symlink(target, link) {
+                Ok(()) => log::info!(
+                    "{} now links to {}: restores load CRIU's kernel probe cache",
+                    link.display(),
+                    target.display()
+                ),
+                // Another shim made it meanwhile.
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => log::warn!("linking {} to {}: {e}", link.display(), target.display()),
+            }
+        }
+        Err(e) => log::warn!("{}: {e}", link.display()),
+    }
+}
+
 /// Dumps container `id` (runc root `runc_root`) into `images` (created, must be new or empty)
 /// with CRIU binary `criu`, logging to `work/dump.log`: what `runc checkpoint --image-path
 /// images --work-path work` does, `descriptors.json` included. `run_dir`: a directory CRIU

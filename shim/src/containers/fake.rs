@@ -423,4 +423,8 @@ impl Host for FakeHost {
         self.record(format!("loopback {pid}"));
         Ok(())
     }
+
+    fn share_criu_cache(&self) {
+        self.record("criu cache".to_string());
+    }
 }

@@ -559,6 +559,9 @@ async fn run_restore(
             c.id
         );
     }
+    if refused_early.is_none() {
+        host.share_criu_cache();
+    }
     let restore = async {
         match refused_early {
             Some(why) => Err(Error::Refused(Box::new(why))),

@@ -422,3 +422,29 @@ fn encoding() {
         ]
     );
 }
+
+#[test]
+fn the_kdat_link_is_made_once_and_nothing_else_is_touched() {
+    let run = tempfile::tempdir().unwrap();
+    let link = run.path().join("criu.kdat");
+    let target = Path::new("/dev/shm/crab-criu-run/criu.kdat");
+    // Nothing there: linked (the target need not exist yet: crab's next dump writes it).
+    link_kdat_cache_at(&link, target);
+    assert_eq!(fs::read_link(&link).unwrap(), target);
+    // Linked already: kept.
+    link_kdat_cache_at(&link, target);
+    assert_eq!(fs::read_link(&link).unwrap(), target);
+    // Someone else's link or file: left as it is.
+    fs::remove_file(&link).unwrap();
+    std::os::unix::fs::symlink("/elsewhere", &link).unwrap();
+    link_kdat_cache_at(&link, target);
+    assert_eq!(fs::read_link(&link).unwrap(), Path::new("/elsewhere"));
+    fs::remove_file(&link).unwrap();
+    fs::write(&link, b"a CRIU's own cache").unwrap();
+    link_kdat_cache_at(&link, target);
+    assert_eq!(fs::read(&link).unwrap(), b"a CRIU's own cache");
+    // A directory it cannot write into: logged, nothing made, no panic.
+    let missing = run.path().join("no-such-dir/criu.kdat");
+    link_kdat_cache_at(&missing, target);
+    assert!(fs::symlink_metadata(&missing).is_err());
+}
