@@ -40,7 +40,8 @@
 //!    is checked to hold the process again. Ratios: fork N wall / N plain starts (p50s), and
 //!    fork N wall / N against one start of the same checkpoint image (a plain start plus a
 //!    restore, sections 1 and 2). Each fork's store is looked at: one that already holds
-//!    checkpoints continues a removed fork's lineage.
+//!    checkpoints continues a removed fork's lineage. `BENCH_RESTORE_ONLY=4` runs this section
+//!    alone (without sections 1-2, the ratios against one start of the image are left out).
 //!
 //!    4b, forks that merge their memory: for N = 8 and 32, `crabctl fork --merge-memory` of
 //!    the process checkpoint, then the host's ksmd run at 5,000 pages every 20 ms (the host's
@@ -2325,7 +2326,7 @@ fn build_info() -> Value {
 }
 
 fn verdict(p50: f64, aim: f64) -> &'static str {
-    if p50.is_nan() {
+    if p50.is_nan() || aim.is_nan() {
         "-"
     } else if p50 <= aim {
         "met"
@@ -2549,6 +2550,13 @@ async fn main() {
                 let (p, g) = proc_sandbox(&mut b).await?;
                 guards.push(g);
                 return bench_proc_restore(&mut b, &mut r, &p).await;
+            }
+            Ok("4") => {
+                let (fs, g) = fs_sandbox(&mut b).await?;
+                guards.push(g);
+                let (p, g) = proc_sandbox(&mut b).await?;
+                guards.push(g);
+                return bench_fork(&mut b, &mut r, &fs, &p).await;
             }
             Ok("4b") => {
                 let (p, g) = proc_sandbox(&mut b).await?;
