@@ -36,7 +36,8 @@ impl Drop for Images {
 /// `from` on), if any.
 fn logged_restore_dir(h: &Harness, from: u64, id: &str) -> Option<PathBuf> {
     let text = h.env.containerd_log_since(from);
-    let needle = format!("create {id}: its process image is copied to ");
+    let needle =
+        format!("create {id}: its process image, if the checkpoint holds one, is copied to ");
     let line = text.lines().find(|l| l.contains(&needle))?;
     let rest = &line[line.find(&needle).unwrap() + needle.len()..];
     Some(PathBuf::from(rest.split(" to restore it").next().unwrap()))

@@ -258,7 +258,11 @@ impl Containers {
             };
             let taken = restore::take_from_rootfs(&rootfs, &dest, &guard)?;
             // Without a process image nothing was copied: the directory goes now.
-            let scratch = scratch.filter(|_| taken.as_ref().is_some_and(|t| t.criu_dir.is_some()));
+            let with_image = taken.as_ref().is_some_and(|t| t.criu_dir.is_some());
+            if scratch.is_some() && !with_image {
+                log::info!("create {id}: the checkpoint holds no process image: its command runs");
+            }
+            let scratch = scratch.filter(|_| with_image);
             Ok::<_, restore::RestoreError>((taken, scratch))
         })
         .await;
@@ -775,7 +779,8 @@ fn scratch_dir(
     dir.record_in(bundle)
         .map_err(io(bundle.join(crate::restore::scratch::BUNDLE_RECORD)))?;
     log::info!(
-        "create {id}: its process image is copied to {} to restore it",
+        "create {id}: its process image, if the checkpoint holds one, is copied to {} to \
+         restore it",
         dir.path().display()
     );
     Ok(dir)
