@@ -19,10 +19,13 @@ use serde_json::Value;
 
 const T: Duration = Duration::from_secs(120);
 const CRAB: &str = "io.containerd.crab.v1";
-/// Where CRIU looks for its kernel probe cache, and the cache crab's dumps keep where `/run` is
-/// not a tmpfs.
-const KDAT_LINK: &str = "/run/criu.kdat";
-const KDAT_CACHE: &str = "/dev/shm/crab-criu-run/criu.kdat";
+/// Where CRIU looks for its kernel probe cache.
+const KDAT_LINK: &str = crab_shim::checkpoint::criu_rpc::KDAT_FILE;
+
+/// The cache crab's dumps keep where `/run` is not a tmpfs (the shim's own path).
+fn kdat_cache() -> PathBuf {
+    std::path::Path::new(crab_shim::checkpoint::criu_rpc::KDAT_DIR).join("criu.kdat")
+}
 
 /// What a container's files look like, comparable across containers: the tree under /app
 /// (directories, then every other entry with type, mode and size, then file digests), whether
@@ -506,7 +509,7 @@ async fn fork_3_of_a_process_checkpoint_share_one_verified_image() {
     );
     // The link to CRIU's cache is made again by these restores (only crab's own link goes:
     // where /run is a tmpfs this is CRIU's own cache file, left alone).
-    if std::fs::read_link(KDAT_LINK).is_ok_and(|t| t == std::path::Path::new(KDAT_CACHE)) {
+    if std::fs::read_link(KDAT_LINK).is_ok_and(|t| t == kdat_cache()) {
         std::fs::remove_file(KDAT_LINK).unwrap();
     }
     let from = h.env.containerd_log_len();
@@ -977,14 +980,14 @@ fn runc_s_criu_loads_the_kernel_probe_cache() {
     if run_fs.trim() == "tmpfs" {
         assert_ne!(
             link.as_deref(),
-            Some(std::path::Path::new(KDAT_CACHE)),
+            Some(kdat_cache().as_path()),
             "crab linked CRIU's cache on a host that keeps it itself"
         );
         return;
     }
     assert_eq!(
         link.as_deref(),
-        Some(std::path::Path::new(KDAT_CACHE)),
+        Some(kdat_cache().as_path()),
         "/run is {run_fs}: a restore links /run/criu.kdat to crab's CRIU cache"
     );
     let work = tempfile::tempdir().unwrap();

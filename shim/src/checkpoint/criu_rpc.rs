@@ -891,7 +891,7 @@ fn check_kdat_dir(dir: &Path) -> io::Result<()> {
 }
 
 /// Where CRIU looks for its kernel probe cache (root's CRIU, `KDAT_RUNDIR` at build time).
-const KDAT_FILE: &str = "/run/criu.kdat";
+pub const KDAT_FILE: &str = "/run/criu.kdat";
 
 /// Lets a CRIU that crab does not start itself (`runc restore`'s) load the kernel probe cache
 /// crab's dumps keep in [`KDAT_DIR`], where `/run` is not a tmpfs: `/run/criu.kdat` becomes a
